@@ -1,0 +1,97 @@
+/*
+ * autograd.c — reverse-mode differentiation over the tape.
+ *
+ * The tape is the list of recorded calls, newest first; recording order is a topological
+ * order, so walking it backwards visits every consumer of a tensor before its producer. A node
+ * whose outputs received no gradient is skipped. Gradients of parameters accumulate into the
+ * contiguous gradient buffer; gradients of temporaries are arena tensors that start at zero.
+ */
+#include "ctx_internal.h"
+
+static tm_status ensure_grad(tm_ctx *ctx, tm_tensor *t) {
+    if (t->grad) return TM_OK;
+    return tm__tensor_zeros(ctx, t->dtype, t->ndim, t->shape, t->device, &t->grad);
+}
+
+static tm_status run_tape(tm_ctx *ctx) {
+    tm__node *n = ctx->tape;
+    ctx->tape = NULL; /* consumed, even on error: a retry must not double-count */
+    for (; n; n = n->prev) {
+        tm__call *c = &n->call;
+        int any = 0;
+        for (int i = 0; i < c->n_out; i++) any |= c->out[i]->grad != NULL;
+        if (!any) continue;
+        for (int i = 0; i < c->n_out; i++) {
+            if (c->out[i]->grad) {
+                c->gout[i] = c->out[i]->grad;
+            } else {
+                tm_tensor *z;
+                TM__TRY(tm__tensor_zeros(ctx, c->out[i]->dtype, c->out[i]->ndim, c->out[i]->shape, c->out[i]->device, &z));
+                c->gout[i] = z;
+            }
+        }
+        if (ctx->perturb_op == c->op) {
+            /* Test hook (tm__test_perturb_backward): a deliberately wrong backward. */
+            for (int i = 0; i < c->n_out; i++) {
+                tm_tensor *g;
+                TM__TRY(tm__tensor_zeros(ctx, c->gout[i]->dtype, c->gout[i]->ndim, c->gout[i]->shape, c->gout[i]->device, &g));
+                TM__TRY(tm__accumulate(ctx, g, c->gout[i], 1.25));
+                c->gout[i] = g;
+            }
+        }
+        int needed = 0;
+        for (int i = 0; i < c->n_in; i++) {
+            tm_tensor *s = c->src[i];
+            c->gin[i] = NULL;
+            if (!s->requires_grad) continue;
+            TM__TRY(ensure_grad(ctx, s));
+            c->gin[i] = s->grad;
+            needed = 1;
+        }
+        if (!needed) continue;
+        tm_status st = tm__run_kernel(c, 1);
+        if (st != TM_OK) return st;
+    }
+    return TM_OK;
+}
+
+tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!out || !grad) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_backward: %s is NULL", out ? "grad" : "output");
+    if (!out->requires_grad)
+        return tm__err(ctx, TM_ERR_STATE, "tm_backward: %s does not require grad (no parameter or requires_grad "
+                       "input reached it, or grad mode was off)", tm__tdesc(ctx, out));
+    if (grad->ndim != out->ndim || tm__numel(grad) != tm__numel(out))
+        return tm__err(ctx, TM_ERR_SHAPE, "tm_backward: gradient %s does not match output %s", tm__tdesc(ctx, grad),
+                       tm__tdesc(ctx, out));
+    for (int i = 0; i < out->ndim; i++)
+        if (grad->shape[i] != out->shape[i])
+            return tm__err(ctx, TM_ERR_SHAPE, "tm_backward: gradient %s does not match output %s", tm__tdesc(ctx, grad),
+                           tm__tdesc(ctx, out));
+    if (!tm__same_device(grad->device, out->device))
+        return tm__err(ctx, TM_ERR_DEVICE, "tm_backward: gradient %s is not on the output's device (%s)",
+                       tm__tdesc(ctx, grad), tm__tdesc(ctx, out));
+    TM__TRY(ensure_grad(ctx, out));
+    TM__TRY(tm__accumulate(ctx, out->grad, grad, 1.0));
+    return run_tape(ctx);
+}
+
+tm_status tm_backward(tm_ctx *ctx, tm_tensor *loss) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!loss) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_backward: loss is NULL");
+    if (tm__numel(loss) != 1)
+        return tm__err(ctx, TM_ERR_SHAPE, "tm_backward: loss must have one element, got %s (use "
+                       "tm_backward_with_grad for non-scalar outputs)", tm__tdesc(ctx, loss));
+    if (!loss->requires_grad)
+        return tm__err(ctx, TM_ERR_STATE, "tm_backward: loss %s does not require grad", tm__tdesc(ctx, loss));
+    tm_tensor *one;
+    TM__TRY(tm__tensor_new(ctx, loss->dtype, loss->ndim, loss->shape, loss->device, &one));
+    TM__TRY(tm__fill(ctx, one, 1.0));
+    return tm_backward_with_grad(ctx, loss, one);
+}
+
+/* Test hook: make the backward of op `op` (tm__op_id, -1 to disable) see its upstream
+ * gradient scaled by 1.25, i.e. a deliberately broken backward. */
+void tm__test_perturb_backward(tm_ctx *ctx, int op) {
+    if (ctx) ctx->perturb_op = op;
+}

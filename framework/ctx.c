@@ -1,0 +1,245 @@
+/*
+ * ctx.c — version, status strings, contexts and their error messages.
+ */
+#include "ctx_internal.h"
+
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+const char *tm_version(void) { return TM_VERSION_STRING; }
+int tm_version_number(void) { return TM_VERSION_NUMBER; }
+
+const char *tm_status_str(tm_status s) {
+    switch (s) {
+    case TM_OK: return "ok";
+    case TM_ERR_INVALID_ARG: return "invalid argument";
+    case TM_ERR_SHAPE: return "shape mismatch";
+    case TM_ERR_DTYPE: return "unsupported dtype";
+    case TM_ERR_DEVICE: return "device mismatch or unavailable";
+    case TM_ERR_INDEX: return "index out of range";
+    case TM_ERR_NOMEM: return "out of memory";
+    case TM_ERR_UNSUPPORTED: return "not supported";
+    case TM_ERR_STATE: return "invalid state";
+    case TM_ERR_CUDA: return "CUDA error";
+    case TM_ERR_IO: return "I/O error";
+    case TM_ERR_INTERNAL: return "internal error";
+    }
+    return "unknown status";
+}
+
+static const char *const dtype_names[TM_NDTYPES] = {"f32", "bf16", "f64", "i32", "i64", "u8"};
+static const size_t dtype_sizes[TM_NDTYPES] = {4, 2, 8, 4, 8, 1};
+
+const char *tm_dtype_name(tm_dtype dt) {
+    return ((unsigned)dt < TM_NDTYPES) ? dtype_names[dt] : "?";
+}
+size_t tm_dtype_size(tm_dtype dt) { return ((unsigned)dt < TM_NDTYPES) ? dtype_sizes[dt] : 0; }
+
+tm_ctx_options tm_ctx_options_default(void) {
+    tm_ctx_options o;
+    memset(&o, 0, sizeof o);
+    o.cuda_device = -1;
+    return o;
+}
+
+static _Thread_local char create_error[1100];
+const char *tm_last_create_error(void) { return create_error; }
+
+int tm_cuda_device_count(void) {
+#ifdef TM_HAVE_CUDA
+    return tm__cuda_device_count();
+#else
+    return 0;
+#endif
+}
+
+tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
+    create_error[0] = 0;
+    if (!out) {
+        snprintf(create_error, sizeof create_error, "tm_ctx_new: out is NULL");
+        return TM_ERR_INVALID_ARG;
+    }
+    *out = NULL;
+    tm_ctx_options o = opts ? *opts : tm_ctx_options_default();
+    if (o.allocator && (!o.allocator->alloc || !o.allocator->free)) {
+        snprintf(create_error, sizeof create_error,
+                 "tm_ctx_new: allocator given but its alloc or free function is NULL");
+        return TM_ERR_INVALID_ARG;
+    }
+    tm_ctx tmp;
+    memset(&tmp, 0, sizeof tmp);
+    if (o.allocator) {
+        tmp.alloc = *o.allocator;
+        tmp.has_alloc = 1;
+    }
+    tm_ctx *ctx = tm__host_alloc(&tmp, sizeof *ctx);
+    if (!ctx) {
+        snprintf(create_error, sizeof create_error, "tm_ctx_new: out of host memory");
+        return TM_ERR_NOMEM;
+    }
+    memset(ctx, 0, sizeof *ctx);
+    ctx->alloc = tmp.alloc;
+    ctx->has_alloc = tmp.has_alloc;
+    ctx->alloc_count = 1;
+    ctx->n_threads = o.num_threads > 0 ? o.num_threads : omp_get_max_threads();
+    ctx->grad_enabled = 1;
+    ctx->chunk_bytes = o.arena_chunk_bytes ? o.arena_chunk_bytes : ((size_t)64 << 20);
+    ctx->arena[TM__CPU].dev = tm_cpu();
+    ctx->meta.dev = tm_cpu();
+    ctx->params[TM__CPU].st.device = tm_cpu();
+    ctx->grads[TM__CPU].st.device = tm_cpu();
+    ctx->cuda_device = -1;
+    ctx->perturb_op = -1;
+    if (o.cuda_device >= 0) {
+#ifdef TM_HAVE_CUDA
+        int n = tm__cuda_device_count();
+        if (o.cuda_device >= n) {
+            snprintf(create_error, sizeof create_error,
+                     "tm_ctx_new: cuda_device %d requested but %d CUDA device(s) visible",
+                     o.cuda_device, n);
+            tm__host_free(ctx, ctx);
+            return TM_ERR_DEVICE;
+        }
+        tm_status s = tm__cuda_init(ctx, o.cuda_device, &ctx->cuda);
+        if (s != TM_OK) {
+            snprintf(create_error, sizeof create_error, "%s", ctx->errmsg);
+            tm__host_free(ctx, ctx);
+            return s;
+        }
+        ctx->cuda_device = o.cuda_device;
+        tm_device d = tm_cuda(o.cuda_device);
+        ctx->arena[TM__CUDA].dev = d;
+        ctx->params[TM__CUDA].st.device = d;
+        ctx->grads[TM__CUDA].st.device = d;
+#else
+        snprintf(create_error, sizeof create_error,
+                 "tm_ctx_new: cuda_device %d requested but this build has no CUDA backend "
+                 "(rebuild with CUDA=1)", o.cuda_device);
+        tm__host_free(ctx, ctx);
+        return TM_ERR_DEVICE;
+#endif
+    }
+    *out = ctx;
+    return TM_OK;
+}
+
+void tm_ctx_free(tm_ctx *ctx) {
+    if (!ctx) return;
+    for (int b = 0; b < TM__NBACKENDS; b++) {
+        tm__arena_release(ctx, &ctx->arena[b]);
+        if (ctx->params[b].st.data) tm__dev_free(ctx, ctx->params[b].st.device, ctx->params[b].st.data);
+        if (ctx->grads[b].st.data) tm__dev_free(ctx, ctx->grads[b].st.device, ctx->grads[b].st.data);
+    }
+    tm__arena_release(ctx, &ctx->meta);
+    for (int i = 0; i < ctx->n_owned; i++) {
+        tm__storage *st = ctx->owned[i];
+        if (st->data) tm__dev_free(ctx, st->device, st->data);
+        tm__host_free(ctx, st);
+    }
+    for (int i = 0; i < ctx->n_named; i++) {
+        tm_tensor *t = ctx->named[i];
+        if (t->grad) tm__host_free(ctx, t->grad);
+        tm__host_free(ctx, (void *)t->name);
+        tm__host_free(ctx, t);
+    }
+    tm__host_free(ctx, ctx->named);
+    tm__host_free(ctx, ctx->owned);
+#ifdef TM_HAVE_CUDA
+    if (ctx->cuda) tm__cuda_shutdown(ctx, ctx->cuda);
+#endif
+    tm__host_free(ctx, ctx);
+}
+
+const char *tm_ctx_errmsg(const tm_ctx *ctx) { return ctx ? ctx->errmsg : "context is NULL"; }
+
+tm_status tm__err(tm_ctx *ctx, tm_status s, const char *fmt, ...) {
+    if (!ctx) return s;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->errmsg, sizeof ctx->errmsg, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+static char *desc_buf(tm_ctx *ctx) {
+    static _Thread_local char fallback[128]; /* only when ctx is NULL */
+    if (!ctx) return fallback;
+    char *b = ctx->desc[ctx->desc_next];
+    ctx->desc_next = (ctx->desc_next + 1) % 8;
+    return b;
+}
+
+static int shape_str(char *b, size_t n, int ndim, const int64_t *shape) {
+    int k = snprintf(b, n, "[");
+    for (int i = 0; i < ndim && k < (int)n; i++)
+        k += snprintf(b + k, n - k, i ? ",%lld" : "%lld", (long long)shape[i]);
+    if (k < (int)n) k += snprintf(b + k, n - k, "]");
+    return k;
+}
+
+const char *tm__sdesc(tm_ctx *ctx, int ndim, const int64_t *shape) {
+    char *b = desc_buf(ctx);
+    shape_str(b, 128, ndim, shape);
+    return b;
+}
+
+const char *tm__tdesc(tm_ctx *ctx, const tm_tensor *t) {
+    char *b = desc_buf(ctx);
+    if (!t) {
+        snprintf(b, 128, "NULL");
+        return b;
+    }
+    int k = snprintf(b, 128, "%s", tm_dtype_name(t->dtype));
+    k += shape_str(b + k, 128 - k, t->ndim, t->shape);
+    if (k < 128) {
+        if (t->device.type == TM_DEVICE_CPU)
+            snprintf(b + k, 128 - k, "@cpu");
+        else
+            snprintf(b + k, 128 - k, "@cuda:%d", t->device.index);
+    }
+    return b;
+}
+
+int tm__nthreads(const tm_ctx *ctx) { return ctx->n_threads; }
+int tm__grad_enabled(const tm_ctx *ctx) { return ctx->grad_enabled; }
+void *tm__cuda_state(const tm_ctx *ctx) { return ctx->cuda; }
+
+int tm_ctx_set_grad_enabled(tm_ctx *ctx, int enabled) {
+    if (!ctx) return 0;
+    int prev = ctx->grad_enabled;
+    ctx->grad_enabled = enabled ? 1 : 0;
+    return prev;
+}
+
+uint64_t tm_ctx_alloc_count(const tm_ctx *ctx) { return ctx ? ctx->alloc_count : 0; }
+
+tm_status tm_ctx_sync(tm_ctx *ctx) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+#ifdef TM_HAVE_CUDA
+    if (ctx->cuda) return tm__cuda_sync(ctx);
+#endif
+    return TM_OK;
+}
+
+void tm_ctx_arena_reset(tm_ctx *ctx) {
+    if (!ctx) return;
+    for (int b = 0; b < TM__NBACKENDS; b++) tm__arena_reset(&ctx->arena[b]);
+    tm__arena_reset(&ctx->meta);
+    ctx->tape = NULL;
+}
+
+static const tm__arena *arena_of(const tm_ctx *ctx, tm_device dev) {
+    if (!ctx) return NULL;
+    if (dev.type == TM_DEVICE_CPU) return &ctx->arena[TM__CPU];
+    if (dev.type == TM_DEVICE_CUDA && ctx->cuda && dev.index == ctx->cuda_device) return &ctx->arena[TM__CUDA];
+    return NULL;
+}
+size_t tm_ctx_arena_used(const tm_ctx *ctx, tm_device dev) {
+    const tm__arena *a = arena_of(ctx, dev);
+    return a ? a->used : 0;
+}
+size_t tm_ctx_arena_peak(const tm_ctx *ctx, tm_device dev) {
+    const tm__arena *a = arena_of(ctx, dev);
+    return a ? a->peak : 0;
+}

@@ -1,0 +1,74 @@
+/*
+ * ctx_internal.h — the context struct, known only to the framework sources (kernels use the accessor
+ * functions in internal.h).
+ */
+#ifndef TM_CTX_INTERNAL_H
+#define TM_CTX_INTERNAL_H
+
+#include "internal.h"
+
+/* A bump arena over a list of chunks. Reset rewinds every chunk; the chunks stay, so a step
+ * that repeats the previous step's allocation sequence reuses exactly the same chunks and
+ * performs no system allocation. */
+typedef struct tm__chunk {
+    void *mem;
+    size_t size, used;
+} tm__chunk;
+
+typedef struct tm__arena {
+    tm_device dev;
+    tm__chunk *chunks;
+    int n, cap, cur;
+    size_t used, peak; /* bytes handed out since reset; high-water mark */
+} tm__arena;
+
+/* A growable contiguous buffer (all parameters of a device, or all their gradients). */
+typedef struct tm__pool {
+    tm__storage st; /* st.nbytes is the capacity */
+    size_t used;
+} tm__pool;
+
+typedef struct tm__node {
+    tm__call call;
+    struct tm__node *prev;
+} tm__node;
+
+struct tm_ctx {
+    tm_allocator alloc;
+    int has_alloc;
+    int n_threads;
+    int grad_enabled;
+    uint64_t alloc_count;
+    size_t chunk_bytes;
+    char errmsg[1024];
+    char desc[8][128];
+    int desc_next;
+
+    tm__arena arena[TM__NBACKENDS]; /* per-step tensor data, per backend */
+    tm__arena meta;                 /* per-step host bookkeeping: headers, tape nodes */
+
+    tm__pool params[TM__NBACKENDS], grads[TM__NBACKENDS];
+    tm_tensor **named; /* params and buffers, creation order */
+    int n_named, cap_named;
+    int n_params;
+    tm__storage **owned; /* storages of buffers, freed with the context */
+    int n_owned, cap_owned;
+
+    tm__node *tape; /* most recent node; linked backwards */
+
+    void *cuda; /* tm__cuda_state, NULL without a CUDA device */
+    int cuda_device;
+
+    int perturb_op; /* tests: op id whose backward sees a scaled upstream grad; -1 off */
+};
+
+void tm__arena_reset(tm__arena *a);
+void tm__arena_release(tm_ctx *ctx, tm__arena *a);
+/* Device allocation for the given device (host allocator or cudaMalloc), counted. */
+void *tm__dev_alloc(tm_ctx *ctx, tm_device dev, size_t nbytes);
+void tm__dev_free(tm_ctx *ctx, tm_device dev, void *p);
+tm_status tm__dev_memset0(tm_ctx *ctx, tm_device dev, void *p, size_t nbytes);
+/* Run the forward (backward=0) or backward kernel of a call on its backend (dispatch.c). */
+tm_status tm__run_kernel(tm__call *c, int backward);
+
+#endif

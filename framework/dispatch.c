@@ -1,0 +1,166 @@
+/*
+ * dispatch.c — runs one op: validation, the row's check, contiguity and bf16 staging, the
+ * backend's forward kernel, and recording on the tape. See the top of internal.h.
+ */
+#include "ctx_internal.h"
+
+#include <stdio.h>
+
+tm_status tm__check_float(tm__call *c, int i) {
+    if (!tm__is_float(c->in[i]->dtype))
+        return tm__err(c->ctx, TM_ERR_DTYPE, "%s: input %d must be f32, bf16 or f64, got %s", tm__opname(c), i,
+                       tm__tdesc(c->ctx, c->in[i]));
+    return TM_OK;
+}
+
+tm_status tm__check_index(tm__call *c, int i) {
+    if (!tm__is_index(c->in[i]->dtype))
+        return tm__err(c->ctx, TM_ERR_DTYPE, "%s: input %d must be i32 or i64 indices, got %s", tm__opname(c), i,
+                       tm__tdesc(c->ctx, c->in[i]));
+    return TM_OK;
+}
+
+tm_status tm__check_same_dtype(tm__call *c, int i, int j) {
+    if (c->in[i]->dtype != c->in[j]->dtype)
+        return tm__err(c->ctx, TM_ERR_DTYPE, "%s: inputs %d and %d must have one dtype, got %s and %s", tm__opname(c), i,
+                       j, tm__tdesc(c->ctx, c->in[i]), tm__tdesc(c->ctx, c->in[j]));
+    return TM_OK;
+}
+
+tm_status tm__check_ndim(tm__call *c, int i, int min_ndim, int max_ndim) {
+    int nd = c->in[i]->ndim;
+    if (nd < min_ndim || nd > max_ndim) {
+        if (min_ndim == max_ndim)
+            return tm__err(c->ctx, TM_ERR_SHAPE, "%s: input %d must have %d dims, got %s", tm__opname(c), i, min_ndim,
+                           tm__tdesc(c->ctx, c->in[i]));
+        return tm__err(c->ctx, TM_ERR_SHAPE, "%s: input %d must have %d..%d dims, got %s", tm__opname(c), i, min_ndim,
+                       max_ndim, tm__tdesc(c->ctx, c->in[i]));
+    }
+    return TM_OK;
+}
+
+/* CPU kernels compute in f32/f64: run a bf16 call on f32 copies and round the results back
+ * (bf16 is a storage format on the CPU). Gradients: gin is staged in f32 and written back. */
+static tm_status f32_stage(tm_ctx *ctx, tm_tensor *t, tm_tensor **out) {
+    if (!t || t->dtype != TM_BF16) {
+        *out = t;
+        return TM_OK;
+    }
+    tm_tensor *f;
+    TM__TRY(tm__tensor_new(ctx, TM_F32, t->ndim, t->shape, t->device, &f));
+    TM__TRY(tm__copy_into(ctx, f, t));
+    *out = f;
+    return TM_OK;
+}
+
+static int call_has_bf16(const tm__call *c) {
+    for (int i = 0; i < c->n_in; i++)
+        if (c->in[i]->dtype == TM_BF16) return 1;
+    for (int i = 0; i < c->n_out; i++)
+        if (c->out[i] && c->out[i]->dtype == TM_BF16) return 1;
+    return 0;
+}
+
+static tm_status run_bf16_on_cpu(tm__call *c, tm__fn fn, int backward) {
+    tm__call k = *c;
+    for (int i = 0; i < c->n_in; i++) TM__TRY(f32_stage(c->ctx, c->in[i], &k.in[i]));
+    for (int i = 0; i < c->n_out; i++) {
+        if (!c->out[i]) continue;
+        if (backward) TM__TRY(f32_stage(c->ctx, c->out[i], &k.out[i]));
+        else if (c->out[i]->dtype == TM_BF16)
+            TM__TRY(tm__tensor_new(c->ctx, TM_F32, c->out[i]->ndim, c->out[i]->shape, c->out[i]->device, &k.out[i]));
+    }
+    if (backward) {
+        for (int i = 0; i < c->n_out; i++) TM__TRY(f32_stage(c->ctx, c->gout[i], &k.gout[i]));
+        for (int i = 0; i < c->n_in; i++) TM__TRY(f32_stage(c->ctx, c->gin[i], &k.gin[i]));
+    }
+    TM__TRY(fn(&k));
+    if (backward) {
+        for (int i = 0; i < c->n_in; i++)
+            if (c->gin[i] && k.gin[i] != c->gin[i]) TM__TRY(tm__copy_into(c->ctx, c->gin[i], k.gin[i]));
+    } else {
+        for (int i = 0; i < c->n_out; i++) {
+            if (!k.out[i]) continue;
+            if (!c->out[i] || c->out[i]->dtype != TM_BF16) {
+                c->out[i] = k.out[i]; /* allocated by the kernel (data-dependent shape) */
+                continue;
+            }
+            if (k.out[i] != c->out[i]) TM__TRY(tm__copy_into(c->ctx, c->out[i], k.out[i]));
+        }
+        c->n_saved = k.n_saved;
+        for (int i = 0; i < k.n_saved; i++) c->saved[i] = k.saved[i];
+    }
+    return TM_OK;
+}
+
+tm_status tm__run_kernel(tm__call *c, int backward) {
+    const tm__op_def *op = &tm__op_table[c->op];
+    int b = tm__backend(c->in[0]->device);
+    tm__fn fn = backward ? op->bwd[b] : op->fwd[b];
+    if (!fn) {
+        if (!backward && !op->fwd[TM__CPU] && !op->fwd[TM__CUDA]) return TM_OK; /* pure view */
+        return tm__err(c->ctx, TM_ERR_UNSUPPORTED, "%s: no %s kernel for %s yet (input %s)", op->name,
+                       backward ? "backward" : "forward", b == TM__CUDA ? "CUDA" : "the CPU",
+                       tm__tdesc(c->ctx, c->in[0]));
+    }
+    if (b == TM__CPU && !(op->flags & TM__OP_NATIVE_BF16) && call_has_bf16(c)) return run_bf16_on_cpu(c, fn, backward);
+    return fn(c);
+}
+
+tm_status tm__op_run(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (c->op < 0 || c->op >= TM__NOPS) return tm__err(ctx, TM_ERR_INTERNAL, "op id %d out of range", c->op);
+    const tm__op_def *op = &tm__op_table[c->op];
+    if (op->n_in >= 0) c->n_in = op->n_in;
+    c->n_out = op->n_out;
+    if (c->n_in < 1 || c->n_in > TM__MAX_IN)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: %d inputs given, expected 1..%d", op->name, c->n_in, TM__MAX_IN);
+    for (int i = 0; i < c->n_in; i++) {
+        if (!c->in[i]) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: input %d is NULL", op->name, i);
+        if (c->in[i]->ctx != ctx)
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: input %d %s belongs to another context", op->name, i,
+                           tm__tdesc(ctx, c->in[i]));
+        if (!(op->flags & TM__OP_ANY_DEVICE) && !tm__same_device(c->in[i]->device, c->in[0]->device))
+            return tm__err(ctx, TM_ERR_DEVICE, "%s: inputs on different devices: input 0 is %s, input %d is %s",
+                           op->name, tm__tdesc(ctx, c->in[0]), i, tm__tdesc(ctx, c->in[i]));
+    }
+    for (int i = 0; i < c->n_in; i++) c->src[i] = c->in[i];
+    for (int i = 0; i < TM__MAX_OUT; i++) c->out[i] = NULL;
+    c->n_saved = 0;
+
+    TM__TRY(op->check(c));
+
+    if (!(op->flags & TM__OP_STRIDED))
+        for (int i = 0; i < c->n_in; i++)
+            if (!tm__is_contiguous(c->in[i])) TM__TRY(tm__contiguous_copy(ctx, c->in[i], &c->in[i]));
+
+    TM__TRY(tm__run_kernel(c, 0));
+    for (int i = 0; i < c->n_out; i++)
+        if (!c->out[i]) return tm__err(ctx, TM_ERR_INTERNAL, "%s: output %d was not produced", op->name, i);
+
+    int needs = 0;
+    if (ctx->grad_enabled && !(op->flags & TM__OP_NONDIFF) && (op->bwd[TM__CPU] || op->bwd[TM__CUDA]))
+        for (int i = 0; i < c->n_in; i++) needs |= c->src[i]->requires_grad;
+    if (needs) {
+        tm__node *n = tm__meta_alloc(ctx, sizeof *n);
+        if (!n) return TM_ERR_NOMEM;
+        n->call = *c;
+        n->prev = ctx->tape;
+        ctx->tape = n;
+        for (int i = 0; i < c->n_out; i++) {
+            if (!tm__is_float(c->out[i]->dtype)) continue;
+            c->out[i]->requires_grad = 1;
+            c->out[i]->node = n;
+        }
+    }
+    return TM_OK;
+}
+
+tm_status tm__op_run1(tm__call *c, tm_tensor **out) {
+    if (!c->ctx) return TM_ERR_INVALID_ARG;
+    if (!out) return tm__err(c->ctx, TM_ERR_INVALID_ARG, "%s: out is NULL", tm__opname(c));
+    TM__TRY(tm__op_run(c));
+    *out = c->out[0];
+    return TM_OK;
+}

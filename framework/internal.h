@@ -1,0 +1,354 @@
+/*
+ * internal.h — private structures shared by the framework, the kernels and the layers.
+ * Nothing here is part of the public contract (include/tinymoe.h); every name is tm__.
+ *
+ * How an op works (read this before adding one):
+ *  1. A public function (framework/ops/<group>.c) fills a tm__call: inputs, integer and float
+ *     attributes, and calls tm__op_run(&call).
+ *  2. tm__op_run looks the op up in the op table (framework/op_table.c, one row per op),
+ *     checks that inputs are non-NULL and on one device, and calls the row's `check`, which
+ *     validates dtypes/shapes/attributes (with a message naming the op and the tensors) and
+ *     allocates the outputs (tm__out_new). Ops whose output size is data-dependent may leave an
+ *     output NULL in `check` and allocate it in the forward kernel.
+ *  3. Inputs that are not contiguous are copied to contiguous temporaries (unless the row has
+ *     TM__OP_STRIDED); on the CPU, bf16 inputs/outputs are converted to f32 around the kernel
+ *     (bf16 is storage-only on the CPU), so CPU kernels see f32 or f64 only.
+ *  4. The row's forward kernel for the input device runs (fwd[TM__CPU] or fwd[TM__CUDA]).
+ *     It may stash extra tensors for backward in call->saved[] (e.g. rstd, logsumexp).
+ *  5. If grad mode is on and an input requires a gradient, a copy of the call is pushed on the
+ *     tape. tm_backward later calls the row's backward kernel with call->gout[i] (upstream
+ *     gradient of out[i]; never NULL, zeros if out[i] got none) and call->gin[i] (gradient of
+ *     in[i], contiguous, same shape/dtype as in[i]; NULL when in[i] needs none).
+ *     Backward kernels ADD into gin[i] (gin may already hold gradient from other uses).
+ */
+#ifndef TM_INTERNAL_H
+#define TM_INTERNAL_H
+
+#include "tinymoe.h"
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TM__MAX_IN 8
+#define TM__MAX_OUT 6
+#define TM__MAX_SAVED 6
+#define TM__MAX_ATTR 16
+#define TM__ALIGN 64
+
+enum { TM__CPU = 0, TM__CUDA = 1, TM__NBACKENDS = 2 };
+
+/* A block of memory on one device that tensors point into (with an element offset).
+ * Parameters of a device all share one storage (the contiguous parameter buffer), as do their
+ * gradients; growing that buffer moves `data`, which is why tensors keep (storage, offset)
+ * rather than raw pointers. */
+typedef struct tm__storage {
+    void *data;
+    size_t nbytes;
+    tm_device device;
+} tm__storage;
+
+struct tm__node;
+
+struct tm_tensor {
+    tm_ctx *ctx;
+    tm_dtype dtype;
+    tm_device device;
+    int ndim;
+    int64_t shape[TM_MAX_DIMS];
+    int64_t stride[TM_MAX_DIMS]; /* in elements */
+    int64_t offset;              /* in elements, from storage->data */
+    tm__storage *storage;
+    tm_tensor *grad;             /* contiguous, same shape/dtype/device; NULL until needed */
+    struct tm__node *node;       /* producing tape entry; NULL for leaves */
+    unsigned requires_grad : 1;
+    unsigned is_param : 1;
+    unsigned persistent : 1;     /* param or buffer: not in the arena */
+    const char *name;            /* "" for temporaries */
+};
+
+/* One op invocation; the tape stores copies of these. */
+typedef struct tm__call {
+    tm_ctx *ctx;
+    int op;                      /* tm__op_id */
+    int n_in, n_out, n_saved;
+    tm_tensor *in[TM__MAX_IN];   /* data inputs as the kernel sees them (contiguous) */
+    tm_tensor *src[TM__MAX_IN];  /* the caller's tensors (gradients are routed to these) */
+    tm_tensor *out[TM__MAX_OUT];
+    tm_tensor *saved[TM__MAX_SAVED];
+    int64_t iattr[TM__MAX_ATTR];
+    double fattr[TM__MAX_ATTR];
+    /* backward only */
+    tm_tensor *gout[TM__MAX_OUT];
+    tm_tensor *gin[TM__MAX_IN];
+} tm__call;
+
+typedef tm_status (*tm__fn)(tm__call *c);
+
+enum {
+    TM__OP_STRIDED = 1u << 0,   /* forward handles non-contiguous inputs itself (views, copies) */
+    TM__OP_NATIVE_BF16 = 1u << 1, /* CPU kernels handle bf16 themselves (casts, copies) */
+    TM__OP_NONDIFF = 1u << 2,   /* never recorded on the tape */
+    TM__OP_ANY_DEVICE = 1u << 3 /* inputs may sit on different devices (to_device) */
+};
+
+/* One row of the op table. */
+typedef struct tm__op_def {
+    const char *name;
+    int n_in;                    /* -1: variadic (1..TM__MAX_IN) */
+    int n_out;
+    unsigned flags;
+    tm__fn check;                /* validate + allocate outputs */
+    tm__fn fwd[TM__NBACKENDS];   /* NULL: not implemented on that backend (views: NULL/NULL) */
+    tm__fn bwd[TM__NBACKENDS];   /* NULL on both: not differentiable */
+} tm__op_def;
+
+typedef enum tm__op_id {
+    TM__OP_MATMUL,
+    TM__OP_ADD,
+    TM__OP_SUB,
+    TM__OP_MUL,
+    TM__OP_SCALE,
+    TM__OP_SUM,
+    TM__OP_MEAN,
+    TM__OP_SUM_ALL,
+    TM__OP_MEAN_ALL,
+    TM__OP_VIEW,        /* reshape of a contiguous tensor, transpose, permute, slice */
+    TM__OP_CONCAT,
+    TM__OP_CONTIGUOUS,
+    TM__OP_CAST,
+    TM__OP_TO_DEVICE,
+    TM__OP_EMBEDDING,
+    TM__OP_INDEX_SELECT,
+    TM__OP_GATHER,
+    TM__OP_SCATTER_ADD,
+    TM__OP_RMSNORM,
+    TM__OP_SILU,
+    TM__OP_SWIGLU,
+    TM__OP_SOFTMAX,
+    TM__OP_LOG_SOFTMAX,
+    TM__OP_CROSS_ENTROPY,
+    TM__OP_ROPE,
+    TM__OP_ATTENTION,
+    TM__NOPS
+} tm__op_id;
+
+extern const tm__op_def tm__op_table[TM__NOPS];
+
+/* ---- errors --------------------------------------------------------------------------- */
+
+/* Set the context's message (printf-style) and return `s`. Safe with ctx == NULL. */
+tm_status tm__err(tm_ctx *ctx, tm_status s, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+/* "f32[2,3]@cpu" — a description of a tensor for messages. Uses one of 8 rotating buffers
+ * in the context, so up to 8 may appear in one message. "NULL" for NULL. */
+const char *tm__tdesc(tm_ctx *ctx, const tm_tensor *t);
+/* Shape only: "[2,3]". Same buffer rules. */
+const char *tm__sdesc(tm_ctx *ctx, int ndim, const int64_t *shape);
+
+#define TM__TRY(expr)                 \
+    do {                              \
+        tm_status tm__s_ = (expr);    \
+        if (tm__s_ != TM_OK) return tm__s_; \
+    } while (0)
+
+/* ---- memory ------------------------------------------------------------------------------ */
+
+/* Host allocation through the context's allocator hook (counted in tm_ctx_alloc_count). */
+void *tm__host_alloc(tm_ctx *ctx, size_t nbytes);
+void tm__host_free(tm_ctx *ctx, void *p);
+
+/* Per-step arena on a device; memory is 64-byte aligned; NULL + message on failure. */
+void *tm__arena_alloc(tm_ctx *ctx, tm_device dev, size_t nbytes);
+/* Per-step host arena for bookkeeping (tensor headers, tape nodes, kernel scratch). */
+void *tm__meta_alloc(tm_ctx *ctx, size_t nbytes);
+
+/* ---- tensors ----------------------------------------------------------------------------- */
+
+int64_t tm__numel_of(int ndim, const int64_t *shape);
+static inline int64_t tm__numel(const tm_tensor *t) { return tm__numel_of(t->ndim, t->shape); }
+int tm__is_contiguous(const tm_tensor *t);
+static inline void *tm__data(const tm_tensor *t) {
+    return (char *)t->storage->data + t->offset * (int64_t)tm_dtype_size(t->dtype);
+}
+static inline int tm__is_float(tm_dtype dt) { return dt == TM_F32 || dt == TM_BF16 || dt == TM_F64; }
+static inline int tm__is_index(tm_dtype dt) { return dt == TM_I32 || dt == TM_I64; }
+static inline int tm__same_device(tm_device a, tm_device b) {
+    return a.type == b.type && (a.type == TM_DEVICE_CPU || a.index == b.index);
+}
+static inline int tm__backend(tm_device d) { return d.type == TM_DEVICE_CUDA ? TM__CUDA : TM__CPU; }
+/* Read element i (logical, contiguous tensor) of an i32/i64 tensor on the CPU. */
+static inline int64_t tm__idx(const tm_tensor *t, int64_t i) {
+    return t->dtype == TM_I32 ? (int64_t)((const int32_t *)tm__data(t))[i] : ((const int64_t *)tm__data(t))[i];
+}
+/* Normalise a possibly negative axis; -1 if out of range. */
+static inline int tm__axis(int axis, int ndim) {
+    if (axis < 0) axis += ndim;
+    return (axis < 0 || axis >= ndim) ? -1 : axis;
+}
+
+/* New contiguous temporary (uninitialised / zeroed). */
+tm_status tm__tensor_new(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
+                         tm_tensor **out);
+tm_status tm__tensor_zeros(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
+                           tm_tensor **out);
+/* A view sharing base's storage. */
+tm_status tm__tensor_view(tm_ctx *ctx, const tm_tensor *base, int ndim, const int64_t *shape,
+                          const int64_t *stride, int64_t offset, tm_tensor **out);
+/* Allocate output i of a call as a contiguous temporary on in[0]'s device. */
+tm_status tm__out_new(tm__call *c, int i, tm_dtype dt, int ndim, const int64_t *shape);
+/* Allocate a saved tensor for backward (appends to c->saved, returns it). */
+tm_status tm__saved_new(tm__call *c, tm_dtype dt, int ndim, const int64_t *shape, tm_tensor **out);
+
+/* Internal, not taped: dense copy of any strided tensor (same device and dtype). */
+tm_status tm__contiguous_copy(tm_ctx *ctx, const tm_tensor *src, tm_tensor **out);
+/* Internal, not taped: copy src (any strides) into dst (contiguous, same shape), converting
+ * dtype; both on the same device. */
+tm_status tm__copy_into(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src);
+/* Internal, not taped: dst += alpha * src; same shape; dst contiguous; src any strides.
+ * The gradient plumbing of view ops is built on this. */
+tm_status tm__accumulate(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, double alpha);
+/* Internal, not taped: dst = src (accumulate 0) or dst += alpha * src (accumulate 1) with ANY
+ * strides on both sides (dst must not overlap itself); same shape and device; dtypes
+ * converted. Used where the destination is a view (concat forward, slice backward). */
+tm_status tm__assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accumulate, double alpha);
+/* Internal, not taped: set every element to `value`. */
+tm_status tm__fill(tm_ctx *ctx, tm_tensor *t, double value);
+/* Internal: memcpy between any two devices of the context (nbytes). */
+tm_status tm__memcpy(tm_ctx *ctx, void *dst, tm_device ddev, const void *src, tm_device sdev, size_t nbytes);
+
+/* ---- op machinery ------------------------------------------------------------------------ */
+
+static inline tm__call tm__call_init(tm_ctx *ctx, int op) {
+    tm__call c;
+    memset(&c, 0, sizeof c);
+    c.ctx = ctx;
+    c.op = op;
+    return c;
+}
+/* Run a filled call (see the top of this file). On success c->out[] are set. */
+tm_status tm__op_run(tm__call *c);
+/* Convenience for a public single-output op: checks ctx/out, runs, stores out[0]. */
+tm_status tm__op_run1(tm__call *c, tm_tensor **out);
+/* Name of the op of a call, for messages. */
+static inline const char *tm__opname(const tm__call *c) { return tm__op_table[c->op].name; }
+
+/* Common checks for `check` functions (messages name the op and tensor). */
+tm_status tm__check_float(tm__call *c, int i);   /* in[i] is f32/bf16/f64 */
+tm_status tm__check_index(tm__call *c, int i);   /* in[i] is i32/i64 */
+tm_status tm__check_same_dtype(tm__call *c, int i, int j);
+tm_status tm__check_ndim(tm__call *c, int i, int min_ndim, int max_ndim);
+
+/* Test hook: op `op`'s backward sees its upstream gradient scaled by 1.25 (-1: off). Used by
+ * tests/test_mutation.c to prove every gradient test can fail. */
+void tm__test_perturb_backward(tm_ctx *ctx, int op);
+
+/* ---- context internals used by kernels --------------------------------------------------- */
+
+int tm__nthreads(const tm_ctx *ctx);
+int tm__grad_enabled(const tm_ctx *ctx);
+/* Opaque CUDA state of the context (NULL when the context has no CUDA device). */
+void *tm__cuda_state(const tm_ctx *ctx);
+
+/* ---- bf16 ---------------------------------------------------------------------------- */
+
+static inline float tm__bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+/* Round to nearest even; NaN stays NaN (quiet). */
+static inline uint16_t tm__f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* ---- CPU GEMM (kernels/cpu/gemm.c) -------------------------------------------------------- */
+/* Row-major C[M,N] = alpha * op(A) @ op(B) + beta * C, op(A) [M,K], op(B) [K,N];
+ * lda/ldb/ldc are row strides of the stored (untransposed) matrices. dt: TM_F32 or TM_F64.
+ * CBLAS when built with OpenBLAS (TM_HAVE_CBLAS), a blocked OpenMP kernel otherwise. */
+void tm__gemm_cpu(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K,
+                  double alpha, const void *A, int64_t lda, const void *B, int64_t ldb, double beta,
+                  void *C, int64_t ldc);
+
+/* ---- CUDA backend (kernels/cuda/backend.cu; only when TM_HAVE_CUDA) ------------------------ */
+#ifdef TM_HAVE_CUDA
+int tm__cuda_device_count(void);
+tm_status tm__cuda_init(tm_ctx *ctx, int device, void **state);
+void tm__cuda_shutdown(tm_ctx *ctx, void *state);
+/* Raw device allocation (counted by the caller); used by arenas and persistent storage. */
+tm_status tm__cuda_malloc(tm_ctx *ctx, size_t nbytes, void **p);
+void tm__cuda_free(tm_ctx *ctx, void *p);
+enum { TM__H2D = 1, TM__D2H = 2, TM__D2D = 3 };
+/* Stream-ordered copy; D2H waits for completion so the host may read the result. */
+tm_status tm__cuda_memcpy(tm_ctx *ctx, void *dst, const void *src, size_t nbytes, int kind);
+tm_status tm__cuda_memset0(tm_ctx *ctx, void *p, size_t nbytes);
+tm_status tm__cuda_sync(tm_ctx *ctx);
+/* Device versions of tm__copy_into / tm__accumulate / tm__fill (same contracts). */
+tm_status tm__cuda_copy_into(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src);
+tm_status tm__cuda_accumulate(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, double alpha);
+tm_status tm__cuda_fill(tm_ctx *ctx, tm_tensor *t, double value);
+/* tm__assign on the device (kernels/cuda/strided.cu). */
+tm_status tm__cuda_assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accumulate, double alpha);
+/* cuBLASLt GEMM, same row-major contract as tm__gemm_cpu; dt TM_F32 or TM_BF16 (f32 accum).
+ * batch > 1: strided batched with element strides sa, sb, sc between matrices. */
+tm_status tm__gemm_cuda(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N,
+                        int64_t K, double alpha, const void *A, int64_t lda, int64_t sa, const void *B,
+                        int64_t ldb, int64_t sb, double beta, void *C, int64_t ldc, int64_t sc,
+                        int64_t batch);
+#endif
+
+/* ---- kernels named by the op table (kernels/cpu/<op>.c, kernels/cuda/<op>.cu) -------------- */
+#define TM__DECL_OP(name)                          \
+    tm_status tm__##name##_check(tm__call *c);     \
+    tm_status tm__##name##_forward_cpu(tm__call *c); \
+    tm_status tm__##name##_backward_cpu(tm__call *c); \
+    tm_status tm__##name##_forward_cuda(tm__call *c); \
+    tm_status tm__##name##_backward_cuda(tm__call *c);
+
+TM__DECL_OP(matmul)
+TM__DECL_OP(add)
+TM__DECL_OP(sub)
+TM__DECL_OP(mul)
+TM__DECL_OP(scale)
+TM__DECL_OP(sum)
+TM__DECL_OP(mean)
+TM__DECL_OP(sum_all)
+TM__DECL_OP(mean_all)
+TM__DECL_OP(view)
+TM__DECL_OP(concat)
+TM__DECL_OP(contiguous)
+TM__DECL_OP(cast)
+TM__DECL_OP(to_device)
+TM__DECL_OP(embedding)
+TM__DECL_OP(index_select)
+TM__DECL_OP(gather)
+TM__DECL_OP(scatter_add)
+TM__DECL_OP(rmsnorm)
+TM__DECL_OP(silu)
+TM__DECL_OP(swiglu)
+TM__DECL_OP(softmax)
+TM__DECL_OP(log_softmax)
+TM__DECL_OP(cross_entropy)
+TM__DECL_OP(rope)
+TM__DECL_OP(attention)
+
+/* Ops whose kernels are device-generic (built on tm__copy_into / tm__accumulate / the
+ * gemm entry points): one forward and one backward serve both table columns. */
+#define TM__DECL_GENERIC_OP(name)              \
+    tm_status tm__##name##_forward(tm__call *c); \
+    tm_status tm__##name##_backward(tm__call *c);
+TM__DECL_GENERIC_OP(view)
+TM__DECL_GENERIC_OP(concat)
+TM__DECL_GENERIC_OP(contiguous)
+TM__DECL_GENERIC_OP(cast)
+TM__DECL_GENERIC_OP(to_device)
+
+#endif /* TM_INTERNAL_H */

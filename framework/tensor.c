@@ -1,0 +1,616 @@
+/*
+ * tensor.c — tensor headers, temporaries, parameters and buffers, host I/O, and the untaped
+ * copy / accumulate / fill primitives that the generic ops and the autograd engine build on.
+ */
+#include "ctx_internal.h"
+
+#include <math.h>
+#include <stdio.h>
+
+int64_t tm__numel_of(int ndim, const int64_t *shape) {
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) n *= shape[i];
+    return n;
+}
+
+int tm__is_contiguous(const tm_tensor *t) {
+    int64_t s = 1;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        if (t->shape[i] != 1 && t->stride[i] != s) return 0;
+        s *= t->shape[i];
+    }
+    return 1;
+}
+
+static void contiguous_strides(int ndim, const int64_t *shape, int64_t *stride) {
+    int64_t s = 1;
+    for (int i = ndim - 1; i >= 0; i--) {
+        stride[i] = s;
+        s *= shape[i];
+    }
+}
+
+static tm_status check_new(tm_ctx *ctx, const char *fn, tm_dtype dt, int ndim, const int64_t *shape,
+                           tm_device dev) {
+    if ((unsigned)dt >= TM_NDTYPES) return tm__err(ctx, TM_ERR_DTYPE, "%s: dtype %d is not a tm_dtype", fn, (int)dt);
+    if (ndim < 0 || ndim > TM_MAX_DIMS)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: ndim %d outside [0, %d]", fn, ndim, TM_MAX_DIMS);
+    if (ndim > 0 && !shape) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: shape is NULL with ndim %d", fn, ndim);
+    for (int i = 0; i < ndim; i++)
+        if (shape[i] < 0)
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: shape %s has a negative size at dim %d", fn,
+                           tm__sdesc(ctx, ndim, shape), i);
+    if (dev.type == TM_DEVICE_CUDA) {
+        if (!ctx->cuda || dev.index != ctx->cuda_device)
+            return tm__err(ctx, TM_ERR_DEVICE, "%s: cuda:%d is not available in this context (cuda_device=%d)",
+                           fn, dev.index, ctx->cuda_device);
+        if (dt == TM_F64) return tm__err(ctx, TM_ERR_DTYPE, "%s: f64 is CPU-only (gradient checks); got f64 on cuda:%d", fn, dev.index);
+    } else if (dev.type != TM_DEVICE_CPU) {
+        return tm__err(ctx, TM_ERR_DEVICE, "%s: unknown device type %d", fn, (int)dev.type);
+    }
+    return TM_OK;
+}
+
+static tm_tensor *header_new(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev) {
+    tm_tensor *t = tm__meta_alloc(ctx, sizeof *t);
+    if (!t) return NULL;
+    memset(t, 0, sizeof *t);
+    t->ctx = ctx;
+    t->dtype = dt;
+    t->device = dev;
+    t->ndim = ndim;
+    for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
+    contiguous_strides(ndim, t->shape, t->stride);
+    t->name = "";
+    return t;
+}
+
+tm_status tm__tensor_new(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
+                         tm_tensor **out) {
+    TM__TRY(check_new(ctx, "tensor", dt, ndim, shape, dev));
+    tm_tensor *t = header_new(ctx, dt, ndim, shape, dev);
+    tm__storage *st = tm__meta_alloc(ctx, sizeof *st);
+    if (!t || !st) return TM_ERR_NOMEM;
+    st->nbytes = (size_t)tm__numel_of(ndim, shape) * tm_dtype_size(dt);
+    st->device = dev;
+    st->data = tm__arena_alloc(ctx, dev, st->nbytes);
+    if (!st->data) return TM_ERR_NOMEM;
+    t->storage = st;
+    *out = t;
+    return TM_OK;
+}
+
+tm_status tm__tensor_zeros(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
+                           tm_tensor **out) {
+    tm_tensor *t;
+    TM__TRY(tm__tensor_new(ctx, dt, ndim, shape, dev, &t));
+    TM__TRY(tm__dev_memset0(ctx, dev, t->storage->data, t->storage->nbytes));
+    *out = t;
+    return TM_OK;
+}
+
+tm_status tm__tensor_view(tm_ctx *ctx, const tm_tensor *base, int ndim, const int64_t *shape,
+                          const int64_t *stride, int64_t offset, tm_tensor **out) {
+    tm_tensor *t = tm__meta_alloc(ctx, sizeof *t);
+    if (!t) return TM_ERR_NOMEM;
+    memset(t, 0, sizeof *t);
+    t->ctx = ctx;
+    t->dtype = base->dtype;
+    t->device = base->device;
+    t->ndim = ndim;
+    for (int i = 0; i < ndim; i++) {
+        t->shape[i] = shape[i];
+        t->stride[i] = stride[i];
+    }
+    t->offset = offset;
+    t->storage = base->storage;
+    t->name = "";
+    *out = t;
+    return TM_OK;
+}
+
+tm_status tm__out_new(tm__call *c, int i, tm_dtype dt, int ndim, const int64_t *shape) {
+    return tm__tensor_new(c->ctx, dt, ndim, shape, c->in[0]->device, &c->out[i]);
+}
+
+tm_status tm__saved_new(tm__call *c, tm_dtype dt, int ndim, const int64_t *shape, tm_tensor **out) {
+    if (c->n_saved >= TM__MAX_SAVED)
+        return tm__err(c->ctx, TM_ERR_INTERNAL, "%s: more than %d saved tensors", tm__opname(c), TM__MAX_SAVED);
+    tm_tensor *t;
+    TM__TRY(tm__tensor_new(c->ctx, dt, ndim, shape, c->in[0]->device, &t));
+    c->saved[c->n_saved++] = t;
+    *out = t;
+    return TM_OK;
+}
+
+/* ---- public creation ------------------------------------------------------------------- */
+
+tm_status tm_tensor_empty(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
+                          tm_tensor **out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!out) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_empty: out is NULL");
+    TM__TRY(check_new(ctx, "tm_tensor_empty", dt, ndim, shape, dev));
+    return tm__tensor_new(ctx, dt, ndim, shape, dev, out);
+}
+
+tm_status tm_tensor_zeros(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
+                          tm_tensor **out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!out) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_zeros: out is NULL");
+    TM__TRY(check_new(ctx, "tm_tensor_zeros", dt, ndim, shape, dev));
+    return tm__tensor_zeros(ctx, dt, ndim, shape, dev, out);
+}
+
+tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
+                              tm_dtype src_dt, const void *src, tm_tensor **out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!out || !src) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_from_host: %s is NULL", out ? "src" : "out");
+    TM__TRY(check_new(ctx, "tm_tensor_from_host", dt, ndim, shape, dev));
+    tm_tensor *t;
+    TM__TRY(tm__tensor_new(ctx, dt, ndim, shape, dev, &t));
+    TM__TRY(tm_tensor_write(ctx, t, src_dt, src, tm__numel(t)));
+    *out = t;
+    return TM_OK;
+}
+
+static tm_status pool_reserve(tm_ctx *ctx, tm__pool *p, size_t need) {
+    if (p->used + need <= p->st.nbytes) return TM_OK;
+    size_t cap = p->st.nbytes ? p->st.nbytes : ((size_t)1 << 20);
+    while (cap < p->used + need) cap *= 2;
+    void *mem = tm__dev_alloc(ctx, p->st.device, cap);
+    if (!mem)
+        return tm__err(ctx, TM_ERR_NOMEM, "out of %s memory growing the parameter buffer to %zu bytes",
+                       p->st.device.type == TM_DEVICE_CPU ? "host" : "device", cap);
+    tm_status s = TM_OK;
+    if (p->used) s = tm__memcpy(ctx, mem, p->st.device, p->st.data, p->st.device, p->used);
+    if (s == TM_OK) s = tm__dev_memset0(ctx, p->st.device, (char *)mem + p->used, cap - p->used);
+    if (s != TM_OK) {
+        tm__dev_free(ctx, p->st.device, mem);
+        return s;
+    }
+    tm__dev_free(ctx, p->st.device, p->st.data);
+    p->st.data = mem;
+    p->st.nbytes = cap;
+    return TM_OK;
+}
+
+static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dtype dt, int ndim,
+                           const int64_t *shape, tm_device dev, int is_param, tm_tensor **out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!out || !name) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: %s is NULL", fn, out ? "name" : "out");
+    size_t len = strlen(name);
+    if (len == 0 || len > 127)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: name \"%.40s\" must have 1..127 bytes (has %zu)", fn, name, len);
+    if (tm_ctx_find(ctx, name)) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: name \"%s\" already exists", fn, name);
+    TM__TRY(check_new(ctx, fn, dt, ndim, shape, dev));
+    if (is_param && !tm__is_float(dt))
+        return tm__err(ctx, TM_ERR_DTYPE, "%s: parameter \"%s\" must be a float dtype, got %s", fn, name, tm_dtype_name(dt));
+
+    if (ctx->n_named == ctx->cap_named) {
+        int cap = ctx->cap_named ? 2 * ctx->cap_named : 64;
+        tm_tensor **nn = tm__host_alloc(ctx, sizeof *nn * cap);
+        if (!nn) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+        if (ctx->n_named) memcpy(nn, ctx->named, sizeof *nn * ctx->n_named);
+        tm__host_free(ctx, ctx->named);
+        ctx->named = nn;
+        ctx->cap_named = cap;
+    }
+    tm_tensor *t = tm__host_alloc(ctx, sizeof *t);
+    char *nm = tm__host_alloc(ctx, len + 1);
+    if (!t || !nm) {
+        tm__host_free(ctx, t);
+        tm__host_free(ctx, nm);
+        return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+    }
+    memcpy(nm, name, len + 1);
+    memset(t, 0, sizeof *t);
+    t->ctx = ctx;
+    t->dtype = dt;
+    t->device = dev;
+    t->ndim = ndim;
+    for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
+    contiguous_strides(ndim, t->shape, t->stride);
+    t->name = nm;
+    t->persistent = 1;
+    size_t esz = tm_dtype_size(dt);
+    size_t nbytes = (size_t)tm__numel_of(ndim, shape) * esz;
+    size_t padded = (nbytes + TM__ALIGN - 1) / TM__ALIGN * TM__ALIGN;
+    tm_status s = TM_OK;
+    if (is_param) {
+        int b = tm__backend(dev);
+        tm__pool *pp = &ctx->params[b], *gp = &ctx->grads[b];
+        tm_tensor *g = tm__host_alloc(ctx, sizeof *g);
+        if (!g) s = tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+        if (s == TM_OK) s = pool_reserve(ctx, pp, padded);
+        if (s == TM_OK) s = pool_reserve(ctx, gp, padded);
+        if (s != TM_OK) {
+            tm__host_free(ctx, g);
+            tm__host_free(ctx, t);
+            tm__host_free(ctx, nm);
+            return s;
+        }
+        t->storage = &pp->st;
+        t->offset = (int64_t)(pp->used / esz);
+        pp->used += padded;
+        *g = *t;
+        g->name = "";
+        g->persistent = 1;
+        g->storage = &gp->st;
+        g->offset = (int64_t)(gp->used / esz);
+        gp->used += padded;
+        t->grad = g;
+        t->is_param = 1;
+        t->requires_grad = 1;
+        ctx->n_params++;
+    } else {
+        if (ctx->n_owned == ctx->cap_owned) {
+            int cap = ctx->cap_owned ? 2 * ctx->cap_owned : 16;
+            tm__storage **no = tm__host_alloc(ctx, sizeof *no * cap);
+            if (!no) s = tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+            else {
+                if (ctx->n_owned) memcpy(no, ctx->owned, sizeof *no * ctx->n_owned);
+                tm__host_free(ctx, ctx->owned);
+                ctx->owned = no;
+                ctx->cap_owned = cap;
+            }
+        }
+        tm__storage *st = s == TM_OK ? tm__host_alloc(ctx, sizeof *st) : NULL;
+        void *mem = st ? tm__dev_alloc(ctx, dev, padded) : NULL;
+        if (mem) s = tm__dev_memset0(ctx, dev, mem, padded);
+        if (!mem || s != TM_OK) {
+            if (mem) tm__dev_free(ctx, dev, mem);
+            tm__host_free(ctx, st);
+            tm__host_free(ctx, t);
+            tm__host_free(ctx, nm);
+            return s != TM_OK ? s : tm__err(ctx, TM_ERR_NOMEM, "%s: out of memory for \"%s\" (%zu bytes)", fn, name, nbytes);
+        }
+        st->data = mem;
+        st->nbytes = padded;
+        st->device = dev;
+        ctx->owned[ctx->n_owned++] = st;
+        t->storage = st;
+    }
+    ctx->named[ctx->n_named++] = t;
+    *out = t;
+    return TM_OK;
+}
+
+tm_status tm_param_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
+                       tm_device dev, tm_tensor **out) {
+    return named_new(ctx, "tm_param_new", name, dt, ndim, shape, dev, 1, out);
+}
+
+tm_status tm_buffer_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
+                        tm_device dev, tm_tensor **out) {
+    return named_new(ctx, "tm_buffer_new", name, dt, ndim, shape, dev, 0, out);
+}
+
+int tm_ctx_num_params(const tm_ctx *ctx) { return ctx ? ctx->n_params : 0; }
+
+tm_tensor *tm_ctx_param(const tm_ctx *ctx, int i) {
+    if (!ctx || i < 0) return NULL;
+    for (int k = 0; k < ctx->n_named; k++)
+        if (ctx->named[k]->is_param && i-- == 0) return ctx->named[k];
+    return NULL;
+}
+
+tm_tensor *tm_ctx_find(const tm_ctx *ctx, const char *name) {
+    if (!ctx || !name) return NULL;
+    for (int k = 0; k < ctx->n_named; k++)
+        if (strcmp(ctx->named[k]->name, name) == 0) return ctx->named[k];
+    return NULL;
+}
+
+tm_status tm_ctx_zero_grad(tm_ctx *ctx) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    for (int b = 0; b < TM__NBACKENDS; b++)
+        if (ctx->grads[b].used) TM__TRY(tm__dev_memset0(ctx, ctx->grads[b].st.device, ctx->grads[b].st.data, ctx->grads[b].used));
+    return TM_OK;
+}
+
+/* ---- introspection ----------------------------------------------------------------------- */
+
+int tm_tensor_ndim(const tm_tensor *t) { return t ? t->ndim : 0; }
+int64_t tm_tensor_dim(const tm_tensor *t, int axis) {
+    if (!t) return -1;
+    int a = tm__axis(axis, t->ndim);
+    return a < 0 ? -1 : t->shape[a];
+}
+int64_t tm_tensor_numel(const tm_tensor *t) { return t ? tm__numel(t) : 0; }
+tm_dtype tm_tensor_dtype(const tm_tensor *t) { return t ? t->dtype : TM_F32; }
+tm_device tm_tensor_device(const tm_tensor *t) { return t ? t->device : tm_cpu(); }
+const char *tm_tensor_name(const tm_tensor *t) { return t ? t->name : NULL; }
+int tm_tensor_is_contiguous(const tm_tensor *t) { return t ? tm__is_contiguous(t) : 0; }
+int tm_tensor_requires_grad(const tm_tensor *t) { return t ? (int)t->requires_grad : 0; }
+tm_tensor *tm_tensor_grad(const tm_tensor *t) { return t ? t->grad : NULL; }
+
+tm_status tm_tensor_set_requires_grad(tm_ctx *ctx, tm_tensor *t, int requires_grad) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!t) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_set_requires_grad: tensor is NULL");
+    if (t->node) return tm__err(ctx, TM_ERR_STATE, "tm_tensor_set_requires_grad: %s is the output of an op, not a leaf", tm__tdesc(ctx, t));
+    if (t->is_param) return tm__err(ctx, TM_ERR_STATE, "tm_tensor_set_requires_grad: parameter \"%s\" always requires grad", t->name);
+    if (requires_grad && !tm__is_float(t->dtype))
+        return tm__err(ctx, TM_ERR_DTYPE, "tm_tensor_set_requires_grad: %s is not a float tensor", tm__tdesc(ctx, t));
+    t->requires_grad = requires_grad ? 1 : 0;
+    return TM_OK;
+}
+
+/* ---- element conversion on the host ------------------------------------------------------ */
+
+static double load_f64(const void *p, tm_dtype dt, int64_t i) {
+    switch (dt) {
+    case TM_F32: return ((const float *)p)[i];
+    case TM_BF16: return tm__bf16_to_f32(((const uint16_t *)p)[i]);
+    case TM_F64: return ((const double *)p)[i];
+    case TM_I32: return ((const int32_t *)p)[i];
+    case TM_I64: return (double)((const int64_t *)p)[i];
+    case TM_U8: return ((const uint8_t *)p)[i];
+    default: return 0;
+    }
+}
+
+static void store_f64(void *p, tm_dtype dt, int64_t i, double v) {
+    switch (dt) {
+    case TM_F32: ((float *)p)[i] = (float)v; break;
+    case TM_BF16: ((uint16_t *)p)[i] = tm__f32_to_bf16((float)v); break;
+    case TM_F64: ((double *)p)[i] = v; break;
+    case TM_I32: ((int32_t *)p)[i] = (int32_t)v; break;
+    case TM_I64: ((int64_t *)p)[i] = (int64_t)v; break;
+    case TM_U8: ((uint8_t *)p)[i] = (uint8_t)v; break;
+    default: break;
+    }
+}
+
+/* Convert n contiguous host elements. Integer->integer copies go through int64 so that
+ * values beyond 2^53 are exact. */
+static void convert_host(void *dst, tm_dtype ddt, const void *src, tm_dtype sdt, int64_t n, int nthreads) {
+    if (ddt == sdt) {
+        memcpy(dst, src, (size_t)n * tm_dtype_size(ddt));
+        return;
+    }
+    int ints = !tm__is_float(ddt) && !tm__is_float(sdt);
+#pragma omp parallel for num_threads(nthreads) if (n > 65536)
+    for (int64_t i = 0; i < n; i++) {
+        if (ints) {
+            int64_t v = sdt == TM_I32 ? ((const int32_t *)src)[i]
+                      : sdt == TM_I64 ? ((const int64_t *)src)[i]
+                                      : ((const uint8_t *)src)[i];
+            if (ddt == TM_I32) ((int32_t *)dst)[i] = (int32_t)v;
+            else if (ddt == TM_I64) ((int64_t *)dst)[i] = v;
+            else ((uint8_t *)dst)[i] = (uint8_t)v;
+        } else {
+            store_f64(dst, ddt, i, load_f64(src, sdt, i));
+        }
+    }
+}
+
+/* Gather a strided CPU tensor into dense memory of the same dtype. */
+static void gather_strided_cpu(const tm_tensor *t, void *dst) {
+    size_t esz = tm_dtype_size(t->dtype);
+    int64_t n = tm__numel(t);
+    const char *base = (const char *)t->storage->data;
+    int64_t shape[4] = {1, 1, 1, 1}, stride[4] = {0, 0, 0, 0};
+    int off = 4 - t->ndim;
+    for (int i = 0; i < t->ndim; i++) {
+        shape[off + i] = t->shape[i];
+        stride[off + i] = t->stride[i];
+    }
+    int64_t k = 0;
+    for (int64_t a = 0; a < shape[0]; a++)
+        for (int64_t b = 0; b < shape[1]; b++)
+            for (int64_t c = 0; c < shape[2]; c++) {
+                int64_t o = t->offset + a * stride[0] + b * stride[1] + c * stride[2];
+                if (stride[3] == 1) {
+                    memcpy((char *)dst + k * esz, base + o * esz, (size_t)shape[3] * esz);
+                    k += shape[3];
+                } else {
+                    for (int64_t d = 0; d < shape[3]; d++, k++)
+                        memcpy((char *)dst + k * esz, base + (o + d * stride[3]) * esz, esz);
+                }
+            }
+    (void)n;
+}
+
+tm_status tm__memcpy(tm_ctx *ctx, void *dst, tm_device ddev, const void *src, tm_device sdev, size_t nbytes) {
+    if (!nbytes) return TM_OK;
+    if (ddev.type == TM_DEVICE_CPU && sdev.type == TM_DEVICE_CPU) {
+        memcpy(dst, src, nbytes);
+        return TM_OK;
+    }
+#ifdef TM_HAVE_CUDA
+    int kind = ddev.type == TM_DEVICE_CPU ? TM__D2H : sdev.type == TM_DEVICE_CPU ? TM__H2D : TM__D2D;
+    return tm__cuda_memcpy(ctx, dst, src, nbytes, kind);
+#else
+    return tm__err(ctx, TM_ERR_DEVICE, "CUDA memory used in a build without CUDA");
+#endif
+}
+
+tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!t || !dst) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_read: %s is NULL", t ? "dst" : "tensor");
+    if ((unsigned)dst_dt >= TM_NDTYPES) return tm__err(ctx, TM_ERR_DTYPE, "tm_tensor_read: bad dst dtype %d", (int)dst_dt);
+    int64_t n = tm__numel(t);
+    if (count != n) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_read: count %lld but %s has %lld elements", (long long)count, tm__tdesc(ctx, t), (long long)n);
+    if (n == 0) return TM_OK;
+    size_t nbytes = (size_t)n * tm_dtype_size(t->dtype);
+    const void *src;
+    /* Stage through the host arena when the tensor is on a device or strided; the staging
+     * memory goes back at the next arena reset. */
+    if (t->device.type == TM_DEVICE_CPU && tm__is_contiguous(t)) {
+        src = tm__data(t);
+    } else {
+        const tm_tensor *dense = t;
+        if (!tm__is_contiguous(t)) {
+            if (t->device.type == TM_DEVICE_CPU) {
+                void *tmp = tm__arena_alloc(ctx, tm_cpu(), nbytes);
+                if (!tmp) return TM_ERR_NOMEM;
+                gather_strided_cpu(t, tmp);
+                src = tmp;
+                goto convert;
+            }
+            tm_tensor *c;
+            TM__TRY(tm__contiguous_copy(ctx, t, &c));
+            dense = c;
+        }
+        void *tmp = tm__arena_alloc(ctx, tm_cpu(), nbytes);
+        if (!tmp) return TM_ERR_NOMEM;
+        TM__TRY(tm__memcpy(ctx, tmp, tm_cpu(), tm__data(dense), dense->device, nbytes));
+        src = tmp;
+    }
+convert:
+    convert_host(dst, dst_dt, src, t->dtype, n, ctx->n_threads);
+    return TM_OK;
+}
+
+tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!t || !src) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_write: %s is NULL", t ? "src" : "tensor");
+    if ((unsigned)src_dt >= TM_NDTYPES) return tm__err(ctx, TM_ERR_DTYPE, "tm_tensor_write: bad src dtype %d", (int)src_dt);
+    int64_t n = tm__numel(t);
+    if (count != n) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_write: count %lld but %s has %lld elements", (long long)count, tm__tdesc(ctx, t), (long long)n);
+    if (!tm__is_contiguous(t)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_write: %s is a strided view; write to a contiguous tensor", tm__tdesc(ctx, t));
+    if (n == 0) return TM_OK;
+    if (t->device.type == TM_DEVICE_CPU) {
+        convert_host(tm__data(t), t->dtype, src, src_dt, n, ctx->n_threads);
+        return TM_OK;
+    }
+    size_t nbytes = (size_t)n * tm_dtype_size(t->dtype);
+    const void *stage = src;
+    if (src_dt != t->dtype) {
+        void *tmp = tm__arena_alloc(ctx, tm_cpu(), nbytes);
+        if (!tmp) return TM_ERR_NOMEM;
+        convert_host(tmp, t->dtype, src, src_dt, n, ctx->n_threads);
+        stage = tmp;
+    }
+    return tm__memcpy(ctx, tm__data(t), t->device, stage, tm_cpu(), nbytes);
+}
+
+tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!t) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_fill: tensor is NULL");
+    if (!tm__is_contiguous(t)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_fill: %s is a strided view", tm__tdesc(ctx, t));
+    return tm__fill(ctx, t, value);
+}
+
+/* ---- untaped primitives ------------------------------------------------------------------ */
+
+tm_status tm__fill(tm_ctx *ctx, tm_tensor *t, double value) {
+    int64_t n = tm__numel(t);
+    if (t->device.type == TM_DEVICE_CUDA) {
+#ifdef TM_HAVE_CUDA
+        return tm__cuda_fill(ctx, t, value);
+#endif
+    }
+    void *p = tm__data(t);
+    for (int64_t i = 0; i < n; i++) store_f64(p, t->dtype, i, value);
+    return TM_OK;
+}
+
+tm_status tm__contiguous_copy(tm_ctx *ctx, const tm_tensor *src, tm_tensor **out) {
+    tm_tensor *t;
+    TM__TRY(tm__tensor_new(ctx, src->dtype, src->ndim, src->shape, src->device, &t));
+    TM__TRY(tm__copy_into(ctx, t, src));
+    *out = t;
+    return TM_OK;
+}
+
+tm_status tm__copy_into(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src) {
+    int64_t n = tm__numel(dst);
+    if (n != tm__numel(src) || !tm__is_contiguous(dst))
+        return tm__err(ctx, TM_ERR_INTERNAL, "copy_into: %s <- %s", tm__tdesc(ctx, dst), tm__tdesc(ctx, src));
+    if (!tm__same_device(dst->device, src->device))
+        return tm__err(ctx, TM_ERR_INTERNAL, "copy_into across devices: %s <- %s", tm__tdesc(ctx, dst), tm__tdesc(ctx, src));
+    if (n == 0) return TM_OK;
+    if (dst->device.type == TM_DEVICE_CUDA) {
+#ifdef TM_HAVE_CUDA
+        return tm__cuda_copy_into(ctx, dst, src);
+#endif
+    }
+    if (tm__is_contiguous(src)) {
+        convert_host(tm__data(dst), dst->dtype, tm__data(src), src->dtype, n, ctx->n_threads);
+        return TM_OK;
+    }
+    if (src->dtype == dst->dtype) {
+        gather_strided_cpu(src, tm__data(dst));
+        return TM_OK;
+    }
+    void *tmp = tm__arena_alloc(ctx, tm_cpu(), (size_t)n * tm_dtype_size(src->dtype));
+    if (!tmp) return TM_ERR_NOMEM;
+    gather_strided_cpu(src, tmp);
+    convert_host(tm__data(dst), dst->dtype, tmp, src->dtype, n, ctx->n_threads);
+    return TM_OK;
+}
+
+tm_status tm__accumulate(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, double alpha) {
+    int64_t n = tm__numel(dst);
+    if (n != tm__numel(src) || !tm__is_contiguous(dst) || !tm__is_float(dst->dtype))
+        return tm__err(ctx, TM_ERR_INTERNAL, "accumulate: %s += %s", tm__tdesc(ctx, dst), tm__tdesc(ctx, src));
+    if (n == 0) return TM_OK;
+    if (dst->device.type == TM_DEVICE_CUDA) {
+#ifdef TM_HAVE_CUDA
+        return tm__cuda_accumulate(ctx, dst, src, alpha);
+#endif
+    }
+    const void *s = tm__data(src);
+    tm_dtype sdt = src->dtype;
+    if (!tm__is_contiguous(src)) {
+        void *tmp = tm__arena_alloc(ctx, tm_cpu(), (size_t)n * tm_dtype_size(sdt));
+        if (!tmp) return TM_ERR_NOMEM;
+        gather_strided_cpu(src, tmp);
+        s = tmp;
+    }
+    void *d = tm__data(dst);
+    if (dst->dtype == TM_F32 && sdt == TM_F32) {
+        float *df = d;
+        const float *sf = s;
+        float a = (float)alpha;
+#pragma omp parallel for num_threads(ctx->n_threads) if (n > 65536)
+        for (int64_t i = 0; i < n; i++) df[i] += a * sf[i];
+    } else {
+#pragma omp parallel for num_threads(ctx->n_threads) if (n > 65536)
+        for (int64_t i = 0; i < n; i++) store_f64(d, dst->dtype, i, load_f64(d, dst->dtype, i) + alpha * load_f64(s, sdt, i));
+    }
+    return TM_OK;
+}
+
+tm_status tm__assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accumulate, double alpha) {
+    if (tm__numel(dst) != tm__numel(src) || dst->ndim != src->ndim)
+        return tm__err(ctx, TM_ERR_INTERNAL, "assign: %s <- %s", tm__tdesc(ctx, dst), tm__tdesc(ctx, src));
+    if (!tm__same_device(dst->device, src->device))
+        return tm__err(ctx, TM_ERR_INTERNAL, "assign across devices: %s <- %s", tm__tdesc(ctx, dst), tm__tdesc(ctx, src));
+    if (tm__numel(dst) == 0) return TM_OK;
+    if (dst->device.type == TM_DEVICE_CUDA) {
+#ifdef TM_HAVE_CUDA
+        return tm__cuda_assign(ctx, dst, src, accumulate, alpha);
+#endif
+    }
+    if (tm__is_contiguous(dst))
+        return accumulate ? tm__accumulate(ctx, dst, src, alpha) : tm__copy_into(ctx, dst, src);
+    int64_t shape[4] = {1, 1, 1, 1}, ds[4] = {0, 0, 0, 0}, ss[4] = {0, 0, 0, 0};
+    int off = 4 - dst->ndim;
+    for (int i = 0; i < dst->ndim; i++) {
+        shape[off + i] = dst->shape[i];
+        ds[off + i] = dst->stride[i];
+        ss[off + i] = src->stride[i];
+    }
+    char *dp = dst->storage->data;
+    const char *sp = src->storage->data;
+    size_t dsz = tm_dtype_size(dst->dtype), ssz = tm_dtype_size(src->dtype);
+    for (int64_t a = 0; a < shape[0]; a++)
+        for (int64_t b = 0; b < shape[1]; b++)
+            for (int64_t c = 0; c < shape[2]; c++) {
+                int64_t od = dst->offset + a * ds[0] + b * ds[1] + c * ds[2];
+                int64_t os = src->offset + a * ss[0] + b * ss[1] + c * ss[2];
+                if (dst->dtype == src->dtype && !accumulate && ds[3] == 1 && ss[3] == 1) {
+                    memcpy(dp + od * dsz, sp + os * ssz, (size_t)shape[3] * dsz);
+                    continue;
+                }
+                for (int64_t d = 0; d < shape[3]; d++) {
+                    double v = load_f64(sp + (os + d * ss[3]) * ssz, src->dtype, 0);
+                    void *q = dp + (od + d * ds[3]) * dsz;
+                    if (accumulate) v = load_f64(q, dst->dtype, 0) + alpha * v;
+                    store_f64(q, dst->dtype, 0, v);
+                }
+            }
+    return TM_OK;
+}

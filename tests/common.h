@@ -1,0 +1,65 @@
+/*
+ * common.h — helpers shared by the Criterion tests.
+ *
+ * Gradient checks: tt_gradcheck() runs fn(ctx, inputs) -> out, draws a random upstream
+ * gradient g (shape of out), computes analytic gradients with tm_backward_with_grad(out, g),
+ * then for every element of every input with check[i] != 0 the central difference
+ * (L(x+h) - L(x-h)) / 2h of L = sum(out * g), evaluated in f64 with grad mode off.
+ * It returns the worst ratio |analytic - numeric| / (atol + rtol * |numeric|) over all checked
+ * elements: <= 1 passes. Inputs to check must be f64 CPU tensors (index inputs: check 0).
+ *
+ * Every differentiable op owns one canonical case `double tt_gradcase_<op>(tm_ctx *ctx)`
+ * (op = the op table name) returning that ratio; tests/test_<group>.c asserts it is <= 1 and
+ * tests/test_mutation.c asserts it is > 1 when the op's backward is deliberately broken.
+ */
+#ifndef TT_COMMON_H
+#define TT_COMMON_H
+
+#include <criterion/criterion.h>
+#include <stdint.h>
+
+#include "tinymoe.h"
+
+/* A fresh CPU context (2 threads); asserts on failure. Free with tm_ctx_free. */
+tm_ctx *tt_ctx(void);
+/* Assert status OK, printing the context message otherwise. */
+#define TT_OK(ctx, expr)                                                                       \
+    do {                                                                                       \
+        tm_status tt_s_ = (expr);                                                              \
+        cr_assert_eq(tt_s_, TM_OK, "%s -> %s: %s", #expr, tm_status_str(tt_s_), tm_ctx_errmsg(ctx)); \
+    } while (0)
+
+/* Temporary tensor of N(0,1) values (deterministic in seed) on the CPU. */
+tm_tensor *tt_randn(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, uint64_t seed);
+/* Temporary tensor of uniform values in [lo, hi). */
+tm_tensor *tt_randu(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, uint64_t seed,
+                    double lo, double hi);
+/* Temporary i32/i64 tensor of uniform integers in [0, hi). */
+tm_tensor *tt_randint(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, uint64_t seed,
+                      int64_t hi);
+/* Temporary tensor from explicit f64 values (converted to dt). */
+tm_tensor *tt_from(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, const double *vals);
+/* numel values of t as f64 (malloc'd; free()). */
+double *tt_read(tm_ctx *ctx, const tm_tensor *t);
+/* max_i |a_i - b_i| / (atol + rtol |b_i|): <= 1 means close. */
+double tt_close_ratio(const double *a, const double *b, int64_t n, double atol, double rtol);
+/* Assert two tensors (any device/dtype) are elementwise close (ratio above <= 1). */
+void tt_assert_close(tm_ctx *ctx, const tm_tensor *got, const tm_tensor *want, double atol, double rtol);
+/* Assert a host array equals a tensor's values within tolerance. */
+void tt_assert_close_host(tm_ctx *ctx, const tm_tensor *got, const double *want, double atol, double rtol);
+
+typedef tm_status (*tt_fn)(tm_ctx *ctx, tm_tensor **inputs, void *user, tm_tensor **out);
+/* See the top of this file. eps: finite-difference step (1e-6 is a good default in f64). */
+double tt_gradcheck(tm_ctx *ctx, tt_fn fn, void *user, int n_in, tm_tensor **inputs,
+                    const int *check, double eps, double atol, double rtol);
+
+/* Canonical gradient cases, one per differentiable op (defined in the op's test file). */
+#define TT_GRADCASES(X) \
+    X(matmul) X(add) X(sub) X(mul) X(scale) X(sum) X(mean) X(sum_all) X(mean_all)     \
+    X(view) X(concat) X(contiguous) X(cast) X(embedding) X(index_select) X(gather)     \
+    X(scatter_add) X(rmsnorm) X(silu) X(swiglu) X(softmax) X(log_softmax)              \
+    X(cross_entropy) X(rope) X(attention)
+#define TT_DECL_GRADCASE(op) double tt_gradcase_##op(tm_ctx *ctx);
+TT_GRADCASES(TT_DECL_GRADCASE)
+
+#endif
