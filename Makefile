@@ -60,8 +60,8 @@ ifeq ($(CUDA),1)
   NVCCFLAGS := -std=c++17 -O2 -g -lineinfo $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Werror \
                -Werror all-warnings -DTM_HAVE_CUDA -Iinclude -Iframework
   CUDA_LIBDIR := $(CUDA_HOME)/lib64
-  LDLIBS_ALL += -L$(CUDA_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lcublasLt -lcudart
-  PC_LIBS_PRIVATE += -L$(CUDA_LIBDIR) -lcublasLt -lcudart
+  LDLIBS_ALL += -L$(CUDA_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lcublasLt -lcudart -lstdc++
+  PC_LIBS_PRIVATE += -L$(CUDA_LIBDIR) -lcublasLt -lcudart -lstdc++
   CU_SRC := $(wildcard kernels/cuda/*.cu)
 else
   CU_SRC :=

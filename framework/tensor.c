@@ -579,13 +579,13 @@ tm_status tm__assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accu
     if (!tm__same_device(dst->device, src->device))
         return tm__err(ctx, TM_ERR_INTERNAL, "assign across devices: %s <- %s", tm__tdesc(ctx, dst), tm__tdesc(ctx, src));
     if (tm__numel(dst) == 0) return TM_OK;
+    if (tm__is_contiguous(dst))
+        return accumulate ? tm__accumulate(ctx, dst, src, alpha) : tm__copy_into(ctx, dst, src);
     if (dst->device.type == TM_DEVICE_CUDA) {
 #ifdef TM_HAVE_CUDA
         return tm__cuda_assign(ctx, dst, src, accumulate, alpha);
 #endif
     }
-    if (tm__is_contiguous(dst))
-        return accumulate ? tm__accumulate(ctx, dst, src, alpha) : tm__copy_into(ctx, dst, src);
     int64_t shape[4] = {1, 1, 1, 1}, ds[4] = {0, 0, 0, 0}, ss[4] = {0, 0, 0, 0};
     int off = 4 - dst->ndim;
     for (int i = 0; i < dst->ndim; i++) {

@@ -1,0 +1,84 @@
+/*
+ * indexing.c — row and element lookups by integer index: tm_embedding, tm_index_select,
+ * tm_gather, tm_scatter_add. Public entry points and checks; kernels in kernels/cpu/indexing.c.
+ * Index values are range-checked by the forward kernels, which is where the index data is
+ * readable (on the host for the CPU backend); checks here cover dtypes and shapes only.
+ */
+#include "internal.h"
+
+tm_status tm__embedding_check(tm__call *c) {
+    const tm_tensor *w = c->in[0], *ids = c->in[1];
+    TM__TRY(tm__check_float(c, 0));
+    TM__TRY(tm__check_ndim(c, 0, 2, 2));
+    TM__TRY(tm__check_index(c, 1));
+    TM__TRY(tm__check_ndim(c, 1, 0, TM_MAX_DIMS - 1)); /* out appends C */
+    int64_t shape[TM_MAX_DIMS];
+    for (int d = 0; d < ids->ndim; d++) shape[d] = ids->shape[d];
+    shape[ids->ndim] = w->shape[1];
+    return tm__out_new(c, 0, w->dtype, ids->ndim + 1, shape);
+}
+
+tm_status tm__index_select_check(tm__call *c) {
+    const tm_tensor *x = c->in[0], *idx = c->in[1];
+    TM__TRY(tm__check_float(c, 0));
+    TM__TRY(tm__check_ndim(c, 0, 2, 2));
+    TM__TRY(tm__check_index(c, 1));
+    TM__TRY(tm__check_ndim(c, 1, 1, 1));
+    int64_t shape[2] = {idx->shape[0], x->shape[1]};
+    return tm__out_new(c, 0, x->dtype, 2, shape);
+}
+
+tm_status tm__gather_check(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    const tm_tensor *x = c->in[0], *idx = c->in[1];
+    TM__TRY(tm__check_float(c, 0));
+    TM__TRY(tm__check_ndim(c, 0, 2, 2));
+    TM__TRY(tm__check_index(c, 1));
+    TM__TRY(tm__check_ndim(c, 1, 2, 2));
+    if (idx->shape[0] != x->shape[0])
+        return tm__err(ctx, TM_ERR_SHAPE, "gather: idx must have the %lld rows of x, got x %s, idx %s",
+                       (long long)x->shape[0], tm__tdesc(ctx, x), tm__tdesc(ctx, idx));
+    return tm__out_new(c, 0, x->dtype, 2, idx->shape);
+}
+
+tm_status tm__scatter_add_check(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    const tm_tensor *src = c->in[0], *idx = c->in[1];
+    int64_t n_rows = c->iattr[0];
+    TM__TRY(tm__check_float(c, 0));
+    TM__TRY(tm__check_ndim(c, 0, 2, 2));
+    TM__TRY(tm__check_index(c, 1));
+    TM__TRY(tm__check_ndim(c, 1, 1, 1));
+    if (idx->shape[0] != src->shape[0])
+        return tm__err(ctx, TM_ERR_SHAPE, "scatter_add: idx must have one entry per row of src, got src %s, idx %s",
+                       tm__tdesc(ctx, src), tm__tdesc(ctx, idx));
+    if (n_rows < 0)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "scatter_add: n_rows must be >= 0, got %lld", (long long)n_rows);
+    int64_t shape[2] = {n_rows, src->shape[1]};
+    return tm__out_new(c, 0, src->dtype, 2, shape);
+}
+
+static tm_status run2(tm_ctx *ctx, int op, tm_tensor *a, tm_tensor *b, int64_t iattr0, tm_tensor **out) {
+    tm__call c = tm__call_init(ctx, op);
+    c.n_in = 2;
+    c.in[0] = a;
+    c.in[1] = b;
+    c.iattr[0] = iattr0;
+    return tm__op_run1(&c, out);
+}
+
+tm_status tm_embedding(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out) {
+    return run2(ctx, TM__OP_EMBEDDING, weight, ids, 0, out);
+}
+
+tm_status tm_index_select(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out) {
+    return run2(ctx, TM__OP_INDEX_SELECT, x, idx, 0, out);
+}
+
+tm_status tm_gather(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out) {
+    return run2(ctx, TM__OP_GATHER, x, idx, 0, out);
+}
+
+tm_status tm_scatter_add(tm_ctx *ctx, tm_tensor *src, tm_tensor *idx, int64_t n_rows, tm_tensor **out) {
+    return run2(ctx, TM__OP_SCATTER_ADD, src, idx, n_rows, out);
+}

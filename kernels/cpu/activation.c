@@ -1,0 +1,118 @@
+/*
+ * activation.c — CPU kernels of tm_silu and the fused tm_swiglu.
+ *
+ *   silu:   in[0] x (n)                       out[0] y = x * sigmoid(x)       (n)
+ *   swiglu: in[0] gate (n), in[1] up (n)     out[0] y = silu(gate) * up      (n)
+ * Nothing is saved: backward recomputes sigmoid from the inputs, which is cheaper than a
+ * saved tensor's memory traffic.
+ *   silu'(x) = s * (1 + x * (1 - s)), s = sigmoid(x)
+ *   swiglu:  d gate = dy * up * silu'(gate),  d up = dy * silu(gate)
+ * sigmoid is evaluated as 1 / (1 + e^-x) for x >= 0 and e^x / (1 + e^x) for x < 0, so the
+ * exponential never overflows and sigmoid(-large) keeps its relative precision instead of
+ * flushing through 1 - (something close to 1).
+ * f32 math is done in f32 (expf): these are memory-bound and the error stays at a few ulp.
+ */
+#include <math.h>
+
+#include "internal.h"
+
+enum { PAR_MIN = 1 << 14 };
+
+static inline float sigmoid_f32(float x) {
+    if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
+    float e = expf(x);
+    return e / (1.0f + e);
+}
+static inline double sigmoid_f64(double x) {
+    if (x >= 0.0) return 1.0 / (1.0 + exp(-x));
+    double e = exp(x);
+    return e / (1.0 + e);
+}
+
+#define ACT_KERNELS(T, SFX)                                                                      \
+    static void silu_forward_##SFX(T *y, const T *x, int64_t n, int nth) {                      \
+        _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")         \
+        for (int64_t i = 0; i < n; i++) y[i] = x[i] * sigmoid_##SFX(x[i]);                      \
+    }                                                                                           \
+    static void silu_backward_##SFX(T *dx, const T *dy, const T *x, int64_t n, int nth) {      \
+        _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")         \
+        for (int64_t i = 0; i < n; i++) {                                                       \
+            T s = sigmoid_##SFX(x[i]);                                                          \
+            dx[i] += dy[i] * s * (1 + x[i] * (1 - s));                                          \
+        }                                                                                       \
+    }                                                                                           \
+    static void swiglu_forward_##SFX(T *y, const T *g, const T *u, int64_t n, int nth) {        \
+        _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")         \
+        for (int64_t i = 0; i < n; i++) y[i] = g[i] * sigmoid_##SFX(g[i]) * u[i];               \
+    }                                                                                           \
+    /* dg or du may be NULL (that input needs no gradient). */                                  \
+    static void swiglu_backward_##SFX(T *dg, T *du, const T *dy, const T *g, const T *u,        \
+                                      int64_t n, int nth) {                                     \
+        _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")         \
+        for (int64_t i = 0; i < n; i++) {                                                       \
+            T s = sigmoid_##SFX(g[i]);                                                          \
+            if (dg) dg[i] += dy[i] * u[i] * s * (1 + g[i] * (1 - s));                           \
+            if (du) du[i] += dy[i] * g[i] * s;                                                  \
+        }                                                                                       \
+    }
+
+ACT_KERNELS(float, f32)
+ACT_KERNELS(double, f64)
+
+static tm_status check_cpu_dtype(tm__call *c) {
+    if (c->in[0]->dtype != TM_F32 && c->in[0]->dtype != TM_F64)
+        return tm__err(c->ctx, TM_ERR_INTERNAL, "%s: CPU kernel got %s", tm__opname(c),
+                       tm__tdesc(c->ctx, c->in[0]));
+    return TM_OK;
+}
+
+tm_status tm__silu_forward_cpu(tm__call *c) {
+    TM__TRY(check_cpu_dtype(c));
+    const tm_tensor *x = c->in[0];
+    int64_t n = tm__numel(x);
+    int nth = tm__nthreads(c->ctx);
+    if (x->dtype == TM_F32)
+        silu_forward_f32(tm__data(c->out[0]), tm__data(x), n, nth);
+    else
+        silu_forward_f64(tm__data(c->out[0]), tm__data(x), n, nth);
+    return TM_OK;
+}
+
+tm_status tm__silu_backward_cpu(tm__call *c) {
+    TM__TRY(check_cpu_dtype(c));
+    if (!c->gin[0]) return TM_OK;
+    const tm_tensor *x = c->in[0];
+    int64_t n = tm__numel(x);
+    int nth = tm__nthreads(c->ctx);
+    if (x->dtype == TM_F32)
+        silu_backward_f32(tm__data(c->gin[0]), tm__data(c->gout[0]), tm__data(x), n, nth);
+    else
+        silu_backward_f64(tm__data(c->gin[0]), tm__data(c->gout[0]), tm__data(x), n, nth);
+    return TM_OK;
+}
+
+tm_status tm__swiglu_forward_cpu(tm__call *c) {
+    TM__TRY(check_cpu_dtype(c));
+    const tm_tensor *g = c->in[0], *u = c->in[1];
+    int64_t n = tm__numel(g);
+    int nth = tm__nthreads(c->ctx);
+    if (g->dtype == TM_F32)
+        swiglu_forward_f32(tm__data(c->out[0]), tm__data(g), tm__data(u), n, nth);
+    else
+        swiglu_forward_f64(tm__data(c->out[0]), tm__data(g), tm__data(u), n, nth);
+    return TM_OK;
+}
+
+tm_status tm__swiglu_backward_cpu(tm__call *c) {
+    TM__TRY(check_cpu_dtype(c));
+    if (!c->gin[0] && !c->gin[1]) return TM_OK;
+    const tm_tensor *g = c->in[0], *u = c->in[1];
+    int64_t n = tm__numel(g);
+    int nth = tm__nthreads(c->ctx);
+    void *dg = c->gin[0] ? tm__data(c->gin[0]) : NULL, *du = c->gin[1] ? tm__data(c->gin[1]) : NULL;
+    if (g->dtype == TM_F32)
+        swiglu_backward_f32(dg, du, tm__data(c->gout[0]), tm__data(g), tm__data(u), n, nth);
+    else
+        swiglu_backward_f64(dg, du, tm__data(c->gout[0]), tm__data(g), tm__data(u), n, nth);
+    return TM_OK;
+}

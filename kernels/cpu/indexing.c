@@ -1,0 +1,225 @@
+/*
+ * indexing.c — CPU kernels of tm_embedding, tm_index_select, tm_gather and tm_scatter_add.
+ *
+ *   embedding     weight (V, C), ids (S...)  -> out (S..., C)   out[s] = weight[ids[s]]
+ *   index_select  x (N, C), idx (M)          -> out (M, C)      out[m] = x[idx[m]]
+ *   gather        x (N, C), idx (N, K)       -> out (N, K)      out[n, k] = x[n, idx[n, k]]
+ *   scatter_add   src (M, C), idx (M)        -> out (n_rows, C) out[idx[m]] += src[m]
+ * No saved tensors: every backward reads the index input and the upstream gradient.
+ *
+ * Every forward checks all indices before it writes anything; the first one out of range
+ * (lowest flat position) fails the op with TM_ERR_INDEX, naming its position and value.
+ *
+ * Row scatter-adds (the backward of embedding and index_select, the forward of scatter_add)
+ * must be race-free and give the same bits for any thread count, so they never let two threads
+ * add into one row: scatter_rows() groups the sources of every destination row with a stable
+ * counting sort, then each destination row is owned by one thread, which sums its sources in
+ * ascending source order, in f64.
+ */
+#include <omp.h>
+#include <stdio.h>
+
+#include "internal.h"
+
+enum { PAR_MIN = 1 << 15 };
+
+/* Arena scratch on the host; a zero-byte request still gets a valid pointer. */
+static void *scratch(tm_ctx *ctx, size_t nbytes) {
+    return tm__arena_alloc(ctx, tm_cpu(), nbytes ? nbytes : TM__ALIGN);
+}
+
+/* "[i0,i1,...]": the multi-index of flat element i of t ("[]" for a scalar). */
+static const char *pos_str(char *buf, size_t cap, const tm_tensor *t, int64_t i) {
+    int64_t sub[TM_MAX_DIMS];
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        sub[d] = t->shape[d] ? i % t->shape[d] : 0;
+        i = t->shape[d] ? i / t->shape[d] : 0;
+    }
+    size_t len = (size_t)snprintf(buf, cap, "[");
+    for (int d = 0; d < t->ndim && len < cap; d++)
+        len += (size_t)snprintf(buf + len, cap - len, d ? ",%lld" : "%lld", (long long)sub[d]);
+    if (len < cap) snprintf(buf + len, cap - len, "]");
+    return buf;
+}
+
+/* TM_ERR_INDEX unless every entry of c->in[1] lies in [0, hi). `what` says what the indices
+ * address ("the rows of weight f32[10,4]@cpu"), for the message, which describes the caller's
+ * tensors (c->src), not the f32 staging copies of bf16 ones. */
+static tm_status check_range(tm__call *c, const char *idx_name, int64_t hi, const char *what) {
+    const tm_tensor *idx = c->in[1];
+    int64_t n = tm__numel(idx), first = n;
+    int nth = tm__nthreads(c->ctx);
+#pragma omp parallel for num_threads(nth) if (n >= PAR_MIN) reduction(min : first) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        int64_t v = tm__idx(idx, i);
+        if ((v < 0 || v >= hi) && i < first) first = i;
+    }
+    if (first == n) return TM_OK;
+    char pos[96];
+    return tm__err(c->ctx, TM_ERR_INDEX, "%s: %s%s = %lld is outside [0, %lld), %s; %s %s", tm__opname(c),
+                   idx_name, pos_str(pos, sizeof pos, idx, first), (long long)tm__idx(idx, first),
+                   (long long)hi, what, idx_name, tm__tdesc(c->ctx, c->src[1]));
+}
+
+static tm_status check_kernel_dtype(tm__call *c, const tm_tensor *t) {
+    if (t->dtype == TM_F32 || t->dtype == TM_F64) return TM_OK;
+    return tm__err(c->ctx, TM_ERR_INTERNAL, "%s: CPU kernel got %s", tm__opname(c), tm__tdesc(c->ctx, t));
+}
+
+#define INDEXING_KERNELS(T, SFX)                                                                 \
+    /* dst (R, C) (+)= rows of src (M, C) grouped by destination: the sources of row r are       \
+     * order[start[r] .. start[r+1]). acc: (nth, C) f64 scratch. */                              \
+    static void scatter_rows_##SFX(T *dst, const T *src, const int64_t *start,                  \
+                                   const int64_t *order, double *acc, int64_t R, int64_t M,      \
+                                   int64_t C, int accumulate, int nth) {                         \
+        _Pragma("omp parallel for num_threads(nth) if ((R + M) * C >= PAR_MIN) schedule(dynamic, 16)") \
+        for (int64_t r = 0; r < R; r++) {                                                        \
+            T *d = dst + r * C;                                                                  \
+            if (start[r] == start[r + 1]) {                                                      \
+                if (!accumulate) memset(d, 0, (size_t)C * sizeof *d);                            \
+                continue;                                                                        \
+            }                                                                                    \
+            double *a = acc + (int64_t)omp_get_thread_num() * C;                                 \
+            for (int64_t i = 0; i < C; i++) a[i] = accumulate ? (double)d[i] : 0.0;              \
+            for (int64_t j = start[r]; j < start[r + 1]; j++) {                                  \
+                const T *s = src + order[j] * C;                                                 \
+                for (int64_t i = 0; i < C; i++) a[i] += s[i];                                    \
+            }                                                                                    \
+            for (int64_t i = 0; i < C; i++) d[i] = (T)a[i];                                      \
+        }                                                                                        \
+    }                                                                                            \
+    /* dsrc (M, C) += dout[idx[m]]: the backward of scatter_add, a row gather. */                \
+    static void gather_rows_add_##SFX(T *dsrc, const T *dout, const tm_tensor *idx, int64_t M,  \
+                                      int64_t C, int nth) {                                      \
+        _Pragma("omp parallel for num_threads(nth) if (M * C >= PAR_MIN) schedule(static)")      \
+        for (int64_t m = 0; m < M; m++) {                                                        \
+            const T *s = dout + tm__idx(idx, m) * C;                                             \
+            T *d = dsrc + m * C;                                                                 \
+            for (int64_t i = 0; i < C; i++) d[i] += s[i];                                        \
+        }                                                                                        \
+    }                                                                                            \
+    static void gather_forward_##SFX(T *out, const T *x, const tm_tensor *idx, int64_t N,       \
+                                     int64_t C, int64_t K, int nth) {                            \
+        _Pragma("omp parallel for num_threads(nth) if (N * K >= PAR_MIN) schedule(static)")      \
+        for (int64_t n = 0; n < N; n++)                                                          \
+            for (int64_t k = 0; k < K; k++) out[n * K + k] = x[n * C + tm__idx(idx, n * K + k)]; \
+    }                                                                                            \
+    /* Threads own rows of dx, so repeated indices within a row are added by one thread, in     \
+     * order. */                                                                                 \
+    static void gather_backward_##SFX(T *dx, const T *dout, const tm_tensor *idx, int64_t N,    \
+                                      int64_t C, int64_t K, int nth) {                           \
+        _Pragma("omp parallel for num_threads(nth) if (N * K >= PAR_MIN) schedule(static)")      \
+        for (int64_t n = 0; n < N; n++)                                                          \
+            for (int64_t k = 0; k < K; k++) dx[n * C + tm__idx(idx, n * K + k)] += dout[n * K + k]; \
+    }
+
+INDEXING_KERNELS(float, f32)
+INDEXING_KERNELS(double, f64)
+
+/* dst (R, C) (+)= src (M, C) scattered by idx (M), values known to lie in [0, R).
+ * accumulate = 0: dst is overwritten (rows that receive nothing become 0). */
+static tm_status scatter_rows(tm__call *c, tm_tensor *dst, const tm_tensor *src, const tm_tensor *idx,
+                              int accumulate) {
+    tm_ctx *ctx = c->ctx;
+    int64_t R = dst->shape[0], C = dst->shape[1], M = tm__numel(idx);
+    if (R == 0 || C == 0) return TM_OK;
+    int nth = tm__nthreads(ctx);
+    int64_t *start = scratch(ctx, (size_t)(R + 1) * sizeof(int64_t));
+    int64_t *order = scratch(ctx, (size_t)M * sizeof(int64_t));
+    double *acc = scratch(ctx, (size_t)nth * (size_t)C * sizeof(double));
+    if (!start || !order || !acc) return TM_ERR_NOMEM;
+
+    /* Stable counting sort of the sources by destination row. After the placement loop
+     * start[r] has advanced to the old start[r + 1]; shifting by one restores it. */
+    memset(start, 0, (size_t)(R + 1) * sizeof *start);
+    for (int64_t m = 0; m < M; m++) start[tm__idx(idx, m) + 1]++;
+    for (int64_t r = 0; r < R; r++) start[r + 1] += start[r];
+    for (int64_t m = 0; m < M; m++) order[start[tm__idx(idx, m)]++] = m;
+    memmove(start + 1, start, (size_t)R * sizeof *start);
+    start[0] = 0;
+
+    if (dst->dtype == TM_F64)
+        scatter_rows_f64(tm__data(dst), tm__data(src), start, order, acc, R, M, C, accumulate, nth);
+    else
+        scatter_rows_f32(tm__data(dst), tm__data(src), start, order, acc, R, M, C, accumulate, nth);
+    return TM_OK;
+}
+
+/* out (M, C) = table[idx[m]] for idx of any shape (M = numel): embedding and index_select. */
+static tm_status row_lookup_forward(tm__call *c, const char *idx_name) {
+    const tm_tensor *table = c->in[0], *idx = c->in[1];
+    TM__TRY(check_kernel_dtype(c, table));
+    int64_t V = table->shape[0], C = table->shape[1], M = tm__numel(idx);
+    char what[96];
+    snprintf(what, sizeof what, "the rows of %s %s", c->op == TM__OP_EMBEDDING ? "weight" : "x",
+             tm__tdesc(c->ctx, c->src[0]));
+    TM__TRY(check_range(c, idx_name, V, what));
+    size_t row = (size_t)C * tm_dtype_size(table->dtype);
+    const char *src = tm__data(table);
+    char *dst = tm__data(c->out[0]);
+    int nth = tm__nthreads(c->ctx);
+#pragma omp parallel for num_threads(nth) if (M * C >= PAR_MIN) schedule(static)
+    for (int64_t m = 0; m < M; m++) memcpy(dst + (size_t)m * row, src + (size_t)tm__idx(idx, m) * row, row);
+    return TM_OK;
+}
+
+/* d table += scatter of d out: embedding and index_select. */
+static tm_status row_lookup_backward(tm__call *c) {
+    if (!c->gin[0]) return TM_OK;
+    return scatter_rows(c, c->gin[0], c->gout[0], c->in[1], 1);
+}
+
+tm_status tm__embedding_forward_cpu(tm__call *c) { return row_lookup_forward(c, "ids"); }
+tm_status tm__embedding_backward_cpu(tm__call *c) { return row_lookup_backward(c); }
+tm_status tm__index_select_forward_cpu(tm__call *c) { return row_lookup_forward(c, "idx"); }
+tm_status tm__index_select_backward_cpu(tm__call *c) { return row_lookup_backward(c); }
+
+tm_status tm__gather_forward_cpu(tm__call *c) {
+    const tm_tensor *x = c->in[0], *idx = c->in[1];
+    TM__TRY(check_kernel_dtype(c, x));
+    int64_t N = x->shape[0], C = x->shape[1], K = idx->shape[1];
+    char what[96];
+    snprintf(what, sizeof what, "the columns of x %s", tm__tdesc(c->ctx, c->src[0]));
+    TM__TRY(check_range(c, "idx", C, what));
+    int nth = tm__nthreads(c->ctx);
+    if (x->dtype == TM_F64)
+        gather_forward_f64(tm__data(c->out[0]), tm__data(x), idx, N, C, K, nth);
+    else
+        gather_forward_f32(tm__data(c->out[0]), tm__data(x), idx, N, C, K, nth);
+    return TM_OK;
+}
+
+tm_status tm__gather_backward_cpu(tm__call *c) {
+    const tm_tensor *x = c->in[0], *idx = c->in[1];
+    tm_tensor *dx = c->gin[0];
+    if (!dx) return TM_OK;
+    int64_t N = x->shape[0], C = x->shape[1], K = idx->shape[1];
+    int nth = tm__nthreads(c->ctx);
+    if (x->dtype == TM_F64)
+        gather_backward_f64(tm__data(dx), tm__data(c->gout[0]), idx, N, C, K, nth);
+    else
+        gather_backward_f32(tm__data(dx), tm__data(c->gout[0]), idx, N, C, K, nth);
+    return TM_OK;
+}
+
+tm_status tm__scatter_add_forward_cpu(tm__call *c) {
+    const tm_tensor *src = c->in[0];
+    TM__TRY(check_kernel_dtype(c, src));
+    char what[64];
+    snprintf(what, sizeof what, "the rows of out (n_rows = %lld)", (long long)c->iattr[0]);
+    TM__TRY(check_range(c, "idx", c->iattr[0], what));
+    return scatter_rows(c, c->out[0], src, c->in[1], 0);
+}
+
+tm_status tm__scatter_add_backward_cpu(tm__call *c) {
+    const tm_tensor *src = c->in[0], *idx = c->in[1];
+    tm_tensor *dsrc = c->gin[0];
+    if (!dsrc) return TM_OK;
+    int64_t M = src->shape[0], C = src->shape[1];
+    int nth = tm__nthreads(c->ctx);
+    if (src->dtype == TM_F64)
+        gather_rows_add_f64(tm__data(dsrc), tm__data(c->gout[0]), idx, M, C, nth);
+    else
+        gather_rows_add_f32(tm__data(dsrc), tm__data(c->gout[0]), idx, M, C, nth);
+    return TM_OK;
+}

@@ -1,0 +1,121 @@
+/*
+ * rmsnorm.c — CPU kernels of tm_rmsnorm: y = x * rstd * w, rstd = 1 / sqrt(mean_c(x^2) + eps).
+ *
+ * Layout (x viewed as (N, C), N = numel(x) / C), shared with kernels/cuda: the backward of
+ * either backend reads exactly what its forward saved.
+ *   in[0]     x      (N, C)
+ *   in[1]     weight (C)
+ *   fattr[0]  eps
+ *   out[0]    y      (N, C)
+ *   saved[0]  rstd   (N)     f32 when x is f32 or bf16, f64 when x is f64
+ * Backward reads x, weight and rstd (not y).
+ *
+ * Backward, per row with r = rstd[n] and g = w * dy:
+ *   dx = r * g - x * (r^3 / C) * sum_c(g * x)
+ *   dw = sum_n dy * x * r
+ * dw is a reduction over rows. For a result that is bit-identical for any thread count the rows
+ * are cut into chunks whose size depends on N only, never on the thread count: each chunk sums
+ * its rows into its own f64 scratch row, then the scratch rows are added in chunk order. A chunk
+ * holds ceil(N / MIN_CHUNKS) rows, clamped to [1, MAX_CHUNK]: small batches still spread over
+ * the threads, and the scratch stays near max(MIN_CHUNKS, N / MAX_CHUNK) * C f64.
+ */
+#include <math.h>
+
+#include "internal.h"
+
+enum { PAR_MIN = 1 << 15, MIN_CHUNKS = 64, MAX_CHUNK = 64, COL_BLOCK = 256 };
+
+static int64_t chunk_rows(int64_t N) {
+    int64_t rows = (N + MIN_CHUNKS - 1) / MIN_CHUNKS;
+    return rows < 1 ? 1 : rows > MAX_CHUNK ? MAX_CHUNK : rows;
+}
+
+#define RMSNORM_KERNELS(T, SFX)                                                                  \
+    static void rmsnorm_forward_##SFX(T *y, T *rstd, const T *x, const T *w, int64_t N,         \
+                                      int64_t C, double eps, int nth) {                          \
+        _Pragma("omp parallel for num_threads(nth) if (N * C >= PAR_MIN) schedule(static)")      \
+        for (int64_t n = 0; n < N; n++) {                                                        \
+            const T *xr = x + n * C;                                                             \
+            T *yr = y + n * C;                                                                   \
+            double ss = 0.0;                                                                     \
+            for (int64_t i = 0; i < C; i++) ss += (double)xr[i] * xr[i];                         \
+            double r = 1.0 / sqrt(ss / (double)C + eps);                                         \
+            rstd[n] = (T)r;                                                                      \
+            for (int64_t i = 0; i < C; i++) yr[i] = (T)(xr[i] * r * w[i]);                       \
+        }                                                                                        \
+    }                                                                                            \
+    /* part: (nchunks, C) f64 scratch for dw; NULL when dw is not wanted. N > 0. */              \
+    static void rmsnorm_backward_##SFX(T *dx, T *dw, double *part, const T *dy, const T *x,     \
+                                       const T *w, const T *rstd, int64_t N, int64_t C,          \
+                                       int nth) {                                                \
+        int64_t rows = chunk_rows(N), nchunks = (N + rows - 1) / rows;                           \
+        _Pragma("omp parallel for num_threads(nth) if (N * C >= PAR_MIN) schedule(static)")      \
+        for (int64_t k = 0; k < nchunks; k++) {                                                  \
+            double *pw = part ? part + k * C : NULL;                                             \
+            if (pw) memset(pw, 0, (size_t)C * sizeof *pw);                                       \
+            int64_t n1 = (k + 1) * rows < N ? (k + 1) * rows : N;                                \
+            for (int64_t n = k * rows; n < n1; n++) {                                            \
+                const T *xr = x + n * C, *dyr = dy + n * C;                                      \
+                double r = rstd[n];                                                              \
+                if (dx) {                                                                        \
+                    double dot = 0.0;                                                            \
+                    for (int64_t i = 0; i < C; i++) dot += (double)w[i] * dyr[i] * xr[i];        \
+                    double coef = r * r * r * dot / (double)C;                                   \
+                    T *dxr = dx + n * C;                                                         \
+                    for (int64_t i = 0; i < C; i++)                                              \
+                        dxr[i] = (T)(dxr[i] + r * w[i] * dyr[i] - coef * xr[i]);                 \
+                }                                                                                \
+                if (pw)                                                                          \
+                    for (int64_t i = 0; i < C; i++) pw[i] += (double)dyr[i] * xr[i] * r;         \
+            }                                                                                    \
+        }                                                                                        \
+        if (!part) return;                                                                       \
+        _Pragma("omp parallel for num_threads(nth) if (nchunks * C >= PAR_MIN) schedule(static)") \
+        for (int64_t c0 = 0; c0 < C; c0 += COL_BLOCK) {                                          \
+            int64_t c1 = c0 + COL_BLOCK < C ? c0 + COL_BLOCK : C;                                \
+            for (int64_t k = 1; k < nchunks; k++)                                                \
+                for (int64_t i = c0; i < c1; i++) part[i] += part[k * C + i];                    \
+            for (int64_t i = c0; i < c1; i++) dw[i] = (T)(dw[i] + part[i]);                      \
+        }                                                                                        \
+    }
+
+RMSNORM_KERNELS(float, f32)
+RMSNORM_KERNELS(double, f64)
+
+tm_status tm__rmsnorm_forward_cpu(tm__call *c) {
+    const tm_tensor *x = c->in[0], *w = c->in[1];
+    if (x->dtype != TM_F32 && x->dtype != TM_F64)
+        return tm__err(c->ctx, TM_ERR_INTERNAL, "rmsnorm: CPU kernel got x %s", tm__tdesc(c->ctx, x));
+    int64_t C = x->shape[x->ndim - 1], N = tm__numel(x) / C;
+    tm_tensor *rstd;
+    TM__TRY(tm__saved_new(c, x->dtype, 1, &N, &rstd));
+    int nth = tm__nthreads(c->ctx);
+    if (x->dtype == TM_F64)
+        rmsnorm_forward_f64(tm__data(c->out[0]), tm__data(rstd), tm__data(x), tm__data(w), N, C,
+                            c->fattr[0], nth);
+    else
+        rmsnorm_forward_f32(tm__data(c->out[0]), tm__data(rstd), tm__data(x), tm__data(w), N, C,
+                            c->fattr[0], nth);
+    return TM_OK;
+}
+
+tm_status tm__rmsnorm_backward_cpu(tm__call *c) {
+    const tm_tensor *x = c->in[0], *w = c->in[1], *dy = c->gout[0], *rstd = c->saved[0];
+    tm_tensor *dx = c->gin[0], *dw = c->gin[1];
+    int64_t C = x->shape[x->ndim - 1], N = tm__numel(x) / C;
+    if (N == 0 || (!dx && !dw)) return TM_OK;
+    double *part = NULL;
+    if (dw) {
+        int64_t rows = chunk_rows(N), nchunks = (N + rows - 1) / rows;
+        part = tm__arena_alloc(c->ctx, tm_cpu(), (size_t)(nchunks * C) * sizeof(double));
+        if (!part) return TM_ERR_NOMEM;
+    }
+    int nth = tm__nthreads(c->ctx);
+    if (x->dtype == TM_F64)
+        rmsnorm_backward_f64(dx ? tm__data(dx) : NULL, dw ? tm__data(dw) : NULL, part, tm__data(dy),
+                             tm__data(x), tm__data(w), tm__data(rstd), N, C, nth);
+    else
+        rmsnorm_backward_f32(dx ? tm__data(dx) : NULL, dw ? tm__data(dw) : NULL, part, tm__data(dy),
+                             tm__data(x), tm__data(w), tm__data(rstd), N, C, nth);
+    return TM_OK;
+}
