@@ -295,7 +295,7 @@ tm_status tm__cuda_sync(tm_ctx *ctx);
 tm_status tm__cuda_copy_into(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src);
 tm_status tm__cuda_accumulate(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, double alpha);
 tm_status tm__cuda_fill(tm_ctx *ctx, tm_tensor *t, double value);
-/* tm__assign on the device (kernels/cuda/strided.cu). */
+/* tm__assign on the device (kernels/cuda/backend.cu). */
 tm_status tm__cuda_assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accumulate, double alpha);
 /* cuBLASLt GEMM, same row-major contract as tm__gemm_cpu; dt TM_F32 or TM_BF16 (f32 accum).
  * batch > 1: strided batched with element strides sa, sb, sc between matrices. */

@@ -1,0 +1,198 @@
+/*
+ * common.cuh — what every CUDA kernel file of tinymoe shares: the per-context CUDA state,
+ * error checking that turns CUDA failures into TM_ERR_CUDA messages, bf16 load/store, launch
+ * geometry and the deterministic reduction helper (kernels/cuda/backend.cu).
+ *
+ * CUDA C++ is used only for what C lacks on the device (overloads of the load/store helpers
+ * and one template parameter per kernel for the storage type); every exported function has
+ * C linkage and a C signature.
+ *
+ * Storage types on CUDA: f32 and bf16 (f64 tensors cannot be created on a CUDA device).
+ * bf16 kernels load bf16, compute in f32 and store rounded to nearest even.
+ */
+#ifndef TM_CUDA_COMMON_CUH
+#define TM_CUDA_COMMON_CUH
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+extern "C" {
+#include "internal.h"
+}
+
+typedef __nv_bfloat16 tm__bf16;
+
+/* ---- per-context state ------------------------------------------------------------------ */
+
+/* One cached cuBLASLt plan: descriptors and the heuristic's algorithm for one GEMM shape.
+ * Steady-state training repeats a handful of shapes, so after the first step no GEMM queries
+ * the heuristic again. */
+typedef struct tm__gemm_plan {
+    int valid;
+    /* key */
+    tm_dtype dt;
+    int trans_a, trans_b;
+    int64_t M, N, K, lda, ldb, ldc, sa, sb, sc, batch;
+    uint32_t align_a, align_b, align_c;  /* pointer alignment classes the algorithm assumes */
+    /* value */
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, lc;   /* cuBLASLt's A (our B), B (our A), C = D */
+    cublasLtMatmulAlgo_t algo;
+} tm__gemm_plan;
+
+#define TM__GEMM_CACHE 32
+#define TM__GEMM_WORKSPACE ((size_t)32 << 20)
+
+typedef struct tm__cuda {
+    int device;
+    int num_sms;
+    cudaStream_t stream;                 /* every kernel and copy of the context goes here */
+    cublasLtHandle_t lt;
+    void *workspace;                     /* cuBLASLt workspace, allocated once */
+    size_t workspace_bytes;
+    tm__gemm_plan plans[TM__GEMM_CACHE];
+    int next_victim;                     /* round-robin eviction when the cache is full */
+} tm__cuda;
+
+/* ---- errors -------------------------------------------------------------------------------- */
+
+/* `what` names the op or backend function. A failing runtime call also leaves the error in
+ * the thread's "last error" slot; it is cleared so the next launch check does not report it
+ * again. (Sticky errors — a faulting kernel — stay, as they must.) */
+#define TM__CU_CHECK(ctx, what, call)                                                          \
+    do {                                                                                       \
+        cudaError_t tm__e_ = (call);                                                           \
+        if (tm__e_ != cudaSuccess) {                                                           \
+            (void)cudaGetLastError();                                                          \
+            return tm__err((ctx), TM_ERR_CUDA, "%s: %s failed at %s:%d: %s", (what), #call,    \
+                           __FILE__, __LINE__, cudaGetErrorString(tm__e_));                    \
+        }                                                                                      \
+    } while (0)
+
+/* After every <<<...>>>: launch-configuration errors are reported here, asynchronous faults
+ * by the next synchronising call. */
+#define TM__CU_LAUNCHED(ctx, what, kernel_name)                                                \
+    do {                                                                                       \
+        cudaError_t tm__e_ = cudaGetLastError();                                               \
+        if (tm__e_ != cudaSuccess)                                                             \
+            return tm__err((ctx), TM_ERR_CUDA, "%s: launch of %s failed at %s:%d: %s", (what), \
+                           (kernel_name), __FILE__, __LINE__, cudaGetErrorString(tm__e_));     \
+    } while (0)
+
+#define TM__LT_CHECK(ctx, what, call)                                                          \
+    do {                                                                                       \
+        cublasStatus_t tm__b_ = (call);                                                        \
+        if (tm__b_ != CUBLAS_STATUS_SUCCESS)                                                   \
+            return tm__err((ctx), TM_ERR_CUDA, "%s: %s failed at %s:%d: %s (%d)", (what),      \
+                           #call, __FILE__, __LINE__, cublasLtGetStatusString(tm__b_),         \
+                           (int)tm__b_);                                                       \
+    } while (0)
+
+/* The context's CUDA state with its device made current (several contexts may drive
+ * different GPUs from one thread). TM_ERR_DEVICE when the context has no CUDA device. */
+static inline tm_status tm__cu_enter(tm_ctx *ctx, const char *what, tm__cuda **st) {
+    tm__cuda *s = (tm__cuda *)tm__cuda_state(ctx);
+    *st = NULL;
+    if (!s) return tm__err(ctx, TM_ERR_DEVICE, "%s: the context has no CUDA device", what);
+    int cur = -1;
+    TM__CU_CHECK(ctx, what, cudaGetDevice(&cur));
+    if (cur != s->device) TM__CU_CHECK(ctx, what, cudaSetDevice(s->device));
+    *st = s;
+    return TM_OK;
+}
+
+/* Arena scratch on the context's CUDA device (valid until the arena reset). */
+static inline tm_status tm__cu_scratch(tm_ctx *ctx, const tm__cuda *st, size_t nbytes, void **p) {
+    *p = tm__arena_alloc(ctx, tm_cuda(st->device), nbytes ? nbytes : 1);
+    return *p ? TM_OK : TM_ERR_NOMEM; /* the arena has set the message */
+}
+
+/* ---- launch geometry ------------------------------------------------------------------------ */
+
+#define TM__CU_THREADS 256
+/* Blocks for a grid-stride loop over n elements: enough to fill the GPU, never more than
+ * needed. */
+static inline unsigned tm__cu_blocks(const tm__cuda *st, int64_t n) {
+    int64_t b = (n + TM__CU_THREADS - 1) / TM__CU_THREADS;
+    int64_t cap = (int64_t)st->num_sms * 32;
+    if (b > cap) b = cap;
+    return (unsigned)(b < 1 ? 1 : b);
+}
+#define TM__CU_GRID_STRIDE(i, n) \
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+
+/* Launch kern<T> with T the storage type of the float dtype dt (f32 or bf16). Such kernels
+ * take their tensors as void pointers and cast them to T inside. */
+#define TM__CU_LAUNCH_FLOAT(dt, kern, grid, block, smem, stream, ...)                      \
+    do {                                                                                   \
+        if ((dt) == TM_BF16) kern<tm__bf16><<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__); \
+        else kern<float><<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__);              \
+    } while (0)
+
+/* ---- bf16 / f32 load and store ------------------------------------------------------------ */
+
+__device__ __forceinline__ float tm__ld(const float *p) { return *p; }
+__device__ __forceinline__ float tm__ld(const tm__bf16 *p) { return __bfloat162float(*p); }
+__device__ __forceinline__ void tm__st(float *p, float v) { *p = v; }
+/* Round to nearest even, as the host's tm__f32_to_bf16 does for finite values. */
+__device__ __forceinline__ void tm__st(tm__bf16 *p, float v) { *p = __float2bfloat16_rn(v); }
+
+/* ---- block reductions (fixed order: deterministic for a fixed blockDim) ------------------- */
+
+/* Sum of v over the block; every thread gets the result. `sh` holds >= 32 floats. */
+__device__ __forceinline__ float tm__block_sum(float v, float *sh) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    __syncthreads(); /* sh may still be read by a previous call */
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = lane < nw ? sh[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float tm__block_max(float v, float *sh) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = lane < nw ? sh[lane] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ long long tm__block_sum_ll(long long v, long long *sh) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = lane < nw ? sh[lane] : 0;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Threads for one block per row of n elements: a multiple of 32 in [32, 1024]. */
+static inline int tm__cu_row_threads(int64_t n) {
+    int t = 32;
+    while (t < 1024 && t < n) t <<= 1;
+    return t > 512 ? 512 : t;
+}
+
+/* ---- shared helpers (backend.cu) ---------------------------------------------------------- */
+
+/* dst[o, i] = alpha * sum_a src[o, a, i] (+ dst[o, i] when accumulate), for src [O, A, I]
+ * (f32 or bf16) and dst [O, I] (f32 or bf16). f32 accumulation in a fixed order that depends
+ * only on the shape and the GPU's SM count: bitwise reproducible, no atomics. Large A is split
+ * over several blocks whose partial sums (f32 arena scratch) are added in a second pass. */
+extern "C" tm_status tm__cu_reduce(tm_ctx *ctx, const char *what, tm_dtype src_dt, const void *src,
+                        tm_dtype dst_dt, void *dst, int64_t O, int64_t A, int64_t I, float alpha,
+                        int accumulate);
+
+/* dst (contiguous, n elements, f32/bf16) += alpha * src (contiguous, n, f32/bf16). */
+extern "C" tm_status tm__cu_axpy(tm_ctx *ctx, const char *what, tm_dtype dst_dt, void *dst, tm_dtype src_dt,
+                      const void *src, int64_t n, float alpha);
+
+#endif /* TM_CUDA_COMMON_CUH */

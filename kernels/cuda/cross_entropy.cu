@@ -1,0 +1,181 @@
+/*
+ * cross_entropy.cu — CUDA kernels of tm_cross_entropy, fused: probabilities are never
+ * materialised in the forward pass; the backward recomputes them from the saved logsumexp.
+ *
+ * Layout, shared with kernels/cpu/cross_entropy.c:
+ *   in[0] logits (N, V) f32/bf16, in[1] targets (N) i32/i64, iattr[0] ignore_index
+ *   out[0] loss () = mean over valid rows of lse[n] - logits[n, targets[n]]; 0 if none
+ *   saved[0] lse (N) f32 (0 for ignored rows), saved[1] n_valid () i64
+ * Backward, valid rows only: dlogits[n, v] += (exp(logits[n, v] - lse[n]) - [v == t]) * dloss / n_valid
+ *
+ * Targets are validated on the device: a row whose target is outside [0, V) and is not
+ * ignore_index lowers a flag (atomicMin of its row index); the flag is copied back once at the
+ * end of the forward, which is the op's only synchronisation, and the first bad row is named
+ * in the TM_ERR_INDEX message. A bad row never reads logits at its target.
+ */
+#include "common.cuh"
+
+#define CE_NO_BAD_ROW 0xffffffffffffffffull
+
+/* One block per row: lse[n], loss_rows[n] (0 for ignored or bad rows). */
+template <typename T, typename I>
+__global__ void ce_forward_kernel(float *loss_rows, float *lse, unsigned long long *bad, const void *logits_,
+                                  const I *targets, int64_t V, int64_t ign) {
+    __shared__ float sh[32];
+    int64_t n = blockIdx.x;
+    int64_t t = (int64_t)targets[n];
+    if (t == ign || t < 0 || t >= V) {
+        if (threadIdx.x == 0) {
+            lse[n] = 0.0f;
+            loss_rows[n] = 0.0f;
+            if (t != ign) atomicMin(bad, (unsigned long long)n);
+        }
+        return;
+    }
+    const T *x = (const T *)logits_ + n * V;
+    float mx = -INFINITY;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, tm__ld(x + v));
+    mx = tm__block_max(mx, sh);
+    float sum = 0.0f;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) sum += expf(tm__ld(x + v) - mx);
+    sum = tm__block_sum(sum, sh);
+    if (threadIdx.x == 0) {
+        float l = mx + logf(sum);
+        lse[n] = l;
+        loss_rows[n] = l - tm__ld(x + t);
+    }
+}
+
+/* One block: loss = sum(loss_rows) / n_valid (0 when no row is valid); n_valid saved. */
+template <typename T, typename I>
+__global__ void ce_total_kernel(void *loss_, int64_t *n_valid, const float *loss_rows, const I *targets, int64_t N,
+                                int64_t ign) {
+    __shared__ float sh[32];
+    __shared__ long long shk[32];
+    float s = 0.0f;
+    long long k = 0;
+    for (int64_t n = threadIdx.x; n < N; n += blockDim.x) {
+        s += loss_rows[n];
+        k += (int64_t)targets[n] != ign;
+    }
+    s = tm__block_sum(s, sh);
+    k = tm__block_sum_ll(k, shk);
+    if (threadIdx.x == 0) {
+        *n_valid = k;
+        tm__st((T *)loss_, k ? s / (float)k : 0.0f);
+    }
+}
+
+template <typename T, typename I>
+__global__ void ce_backward_kernel(void *dlogits_, const void *logits_, const float *lse, const I *targets,
+                                   const void *dloss_, const int64_t *n_valid, int64_t N, int64_t V, int64_t ign) {
+    int64_t k = *n_valid;
+    if (k == 0) return;
+    float scale = tm__ld((const T *)dloss_) / (float)k;
+    T *d = (T *)dlogits_;
+    const T *x = (const T *)logits_;
+    TM__CU_GRID_STRIDE(i, N * V) {
+        int64_t n = i / V, v = i % V;
+        int64_t t = (int64_t)targets[n];
+        if (t == ign) continue;
+        float g = expf(tm__ld(x + i) - lse[n]) - (v == t ? 1.0f : 0.0f);
+        tm__st(d + i, tm__ld(d + i) + g * scale);
+    }
+}
+
+template <typename I>
+static void ce_forward_launch(tm_dtype dt, const tm__cuda *st, int64_t N, int threads, float *loss_rows, float *lse,
+                              unsigned long long *bad, const void *logits, const void *tg, void *loss,
+                              int64_t *n_valid, int64_t V, int64_t ign) {
+    const I *t = (const I *)tg;
+    if (dt == TM_BF16) {
+        ce_forward_kernel<tm__bf16, I><<<(unsigned)N, threads, 0, st->stream>>>(loss_rows, lse, bad, logits, t, V, ign);
+        ce_total_kernel<tm__bf16, I><<<1, 1024, 0, st->stream>>>(loss, n_valid, loss_rows, t, N, ign);
+    } else {
+        ce_forward_kernel<float, I><<<(unsigned)N, threads, 0, st->stream>>>(loss_rows, lse, bad, logits, t, V, ign);
+        ce_total_kernel<float, I><<<1, 1024, 0, st->stream>>>(loss, n_valid, loss_rows, t, N, ign);
+    }
+}
+
+extern "C" tm_status tm__cross_entropy_forward_cuda(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    const char *what = "cross_entropy";
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(ctx, what, &st));
+    const tm_tensor *logits = c->in[0], *tg = c->in[1];
+    int64_t N = logits->shape[0], V = logits->shape[1], ign = c->iattr[0];
+    tm_tensor *lse, *count;
+    TM__TRY(tm__saved_new(c, TM_F32, 1, &N, &lse));
+    TM__TRY(tm__saved_new(c, TM_I64, 0, &N, &count));
+    if (N == 0) {
+        TM__TRY(tm__cuda_memset0(ctx, tm__data(count), sizeof(int64_t)));
+        return tm__cuda_fill(ctx, c->out[0], 0.0);
+    }
+    float *loss_rows;
+    unsigned long long *bad;
+    TM__TRY(tm__cu_scratch(ctx, st, (size_t)N * sizeof(float), (void **)&loss_rows));
+    TM__TRY(tm__cu_scratch(ctx, st, sizeof *bad, (void **)&bad));
+    TM__CU_CHECK(ctx, what, cudaMemsetAsync(bad, 0xff, sizeof *bad, st->stream)); /* CE_NO_BAD_ROW */
+    int threads = tm__cu_row_threads(V);
+    if (tg->dtype == TM_I32)
+        ce_forward_launch<int32_t>(logits->dtype, st, N, threads, loss_rows, (float *)tm__data(lse), bad,
+                                   tm__data(logits), tm__data(tg), tm__data(c->out[0]), (int64_t *)tm__data(count), V,
+                                   ign);
+    else
+        ce_forward_launch<int64_t>(logits->dtype, st, N, threads, loss_rows, (float *)tm__data(lse), bad,
+                                   tm__data(logits), tm__data(tg), tm__data(c->out[0]), (int64_t *)tm__data(count), V,
+                                   ign);
+    TM__CU_LAUNCHED(ctx, what, "ce_forward_kernel / ce_total_kernel");
+
+    unsigned long long first_bad;
+    TM__TRY(tm__cuda_memcpy(ctx, &first_bad, bad, sizeof first_bad, TM__D2H));
+    if (first_bad != CE_NO_BAD_ROW) {
+        int64_t n = (int64_t)first_bad, t;
+        if (tg->dtype == TM_I32) {
+            int32_t t32;
+            TM__TRY(tm__cuda_memcpy(ctx, &t32, (const int32_t *)tm__data(tg) + n, sizeof t32, TM__D2H));
+            t = t32;
+        } else {
+            TM__TRY(tm__cuda_memcpy(ctx, &t, (const int64_t *)tm__data(tg) + n, sizeof t, TM__D2H));
+        }
+        return tm__err(ctx, TM_ERR_INDEX,
+                       "cross_entropy: targets[%lld] = %lld is outside [0, %lld) and is not ignore_index (%lld); logits %s, targets %s",
+                       (long long)n, (long long)t, (long long)V, (long long)ign, tm__tdesc(ctx, logits),
+                       tm__tdesc(ctx, tg));
+    }
+    return TM_OK;
+}
+
+extern "C" tm_status tm__cross_entropy_backward_cuda(tm__call *c) {
+    tm_tensor *dl = c->gin[0];
+    if (!dl) return TM_OK;
+    tm_ctx *ctx = c->ctx;
+    const char *what = "cross_entropy";
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(ctx, what, &st));
+    const tm_tensor *logits = c->in[0], *tg = c->in[1];
+    int64_t N = logits->shape[0], V = logits->shape[1], ign = c->iattr[0];
+    if (N * V == 0) return TM_OK;
+    const float *lse = (const float *)tm__data(c->saved[0]);
+    const int64_t *n_valid = (const int64_t *)tm__data(c->saved[1]);
+    unsigned g = tm__cu_blocks(st, N * V);
+    if (tg->dtype == TM_I32) {
+        const int32_t *t = (const int32_t *)tm__data(tg);
+        if (logits->dtype == TM_BF16)
+            ce_backward_kernel<tm__bf16, int32_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), n_valid, N, V, ign);
+        else
+            ce_backward_kernel<float, int32_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), n_valid, N, V, ign);
+    } else {
+        const int64_t *t = (const int64_t *)tm__data(tg);
+        if (logits->dtype == TM_BF16)
+            ce_backward_kernel<tm__bf16, int64_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), n_valid, N, V, ign);
+        else
+            ce_backward_kernel<float, int64_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), n_valid, N, V, ign);
+    }
+    TM__CU_LAUNCHED(ctx, what, "ce_backward_kernel");
+    return TM_OK;
+}

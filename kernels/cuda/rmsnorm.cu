@@ -1,0 +1,79 @@
+/*
+ * rmsnorm.cu — CUDA kernels of tm_rmsnorm: y = x * rstd * w, rstd = 1 / sqrt(mean_c(x^2) + eps).
+ *
+ * Layout, shared with kernels/cpu/rmsnorm.c (x viewed as (N, C)):
+ *   in[0] x (N, C), in[1] weight (C), fattr[0] eps, out[0] y (N, C)
+ *   saved[0] rstd (N) f32 (for f32 and bf16 x)
+ * One block per row; f32 sums in a fixed tree order.
+ * Backward, per row with r = rstd[n], g = w * dy:
+ *   dx = r * g - x * (r^3 / C) * sum_c(g * x)
+ *   dw = sum_n dy * x * r    (per-element products in f32 scratch, then tm__cu_reduce over rows)
+ */
+#include "common.cuh"
+
+template <typename T>
+__global__ void rmsnorm_forward_kernel(void *y_, float *rstd, const void *x_, const void *w_, int64_t C, float eps) {
+    __shared__ float sh[32];
+    const T *x = (const T *)x_ + blockIdx.x * C, *w = (const T *)w_;
+    T *y = (T *)y_ + blockIdx.x * C;
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+        float v = tm__ld(x + i);
+        ss += v * v;
+    }
+    ss = tm__block_sum(ss, sh);
+    float r = 1.0f / sqrtf(ss / (float)C + eps);
+    if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) tm__st(y + i, tm__ld(x + i) * r * tm__ld(w + i));
+}
+
+/* dx may be NULL; prod (N, C) f32 receives dy * x * r when not NULL. */
+template <typename T>
+__global__ void rmsnorm_backward_kernel(void *dx_, float *prod, const void *dy_, const void *x_, const void *w_,
+                                        const float *rstd, int64_t C) {
+    __shared__ float sh[32];
+    int64_t off = (int64_t)blockIdx.x * C;
+    const T *x = (const T *)x_ + off, *dy = (const T *)dy_ + off, *w = (const T *)w_;
+    float r = rstd[blockIdx.x];
+    if (prod)
+        for (int64_t i = threadIdx.x; i < C; i += blockDim.x) prod[off + i] = tm__ld(dy + i) * tm__ld(x + i) * r;
+    if (!dx_) return;
+    T *dx = (T *)dx_ + off;
+    float dot = 0.0f;
+    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) dot += tm__ld(w + i) * tm__ld(dy + i) * tm__ld(x + i);
+    dot = tm__block_sum(dot, sh);
+    float coef = r * r * r * dot / (float)C;
+    for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
+        tm__st(dx + i, tm__ld(dx + i) + r * tm__ld(w + i) * tm__ld(dy + i) - coef * tm__ld(x + i));
+}
+
+extern "C" tm_status tm__rmsnorm_forward_cuda(tm__call *c) {
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(c->ctx, "rmsnorm", &st));
+    const tm_tensor *x = c->in[0], *w = c->in[1];
+    int64_t C = x->shape[x->ndim - 1], N = C ? tm__numel(x) / C : 0;
+    tm_tensor *rstd;
+    TM__TRY(tm__saved_new(c, TM_F32, 1, &N, &rstd));
+    if (N == 0) return TM_OK;
+    TM__CU_LAUNCH_FLOAT(x->dtype, rmsnorm_forward_kernel, (unsigned)N, tm__cu_row_threads(C), 0, st->stream,
+                        tm__data(c->out[0]), (float *)tm__data(rstd), tm__data(x), tm__data(w), C, (float)c->fattr[0]);
+    TM__CU_LAUNCHED(c->ctx, "rmsnorm", "rmsnorm_forward_kernel");
+    return TM_OK;
+}
+
+extern "C" tm_status tm__rmsnorm_backward_cuda(tm__call *c) {
+    const tm_tensor *x = c->in[0], *w = c->in[1], *dy = c->gout[0], *rstd = c->saved[0];
+    tm_tensor *dx = c->gin[0], *dw = c->gin[1];
+    int64_t C = x->shape[x->ndim - 1], N = C ? tm__numel(x) / C : 0;
+    if (N == 0 || (!dx && !dw)) return TM_OK;
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(c->ctx, "rmsnorm", &st));
+    float *prod = NULL;
+    if (dw) TM__TRY(tm__cu_scratch(c->ctx, st, (size_t)(N * C) * sizeof(float), (void **)&prod));
+    TM__CU_LAUNCH_FLOAT(x->dtype, rmsnorm_backward_kernel, (unsigned)N, tm__cu_row_threads(C), 0, st->stream,
+                        dx ? tm__data(dx) : NULL, prod, tm__data(dy), tm__data(x), tm__data(w),
+                        (const float *)tm__data(rstd), C);
+    TM__CU_LAUNCHED(c->ctx, "rmsnorm", "rmsnorm_backward_kernel");
+    if (dw) TM__TRY(tm__cu_reduce(c->ctx, "rmsnorm", TM_F32, prod, dw->dtype, tm__data(dw), 1, N, C, 1.0f, 1));
+    return TM_OK;
+}

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# tests/gpu/run.sh — build tinymoe with the CUDA backend and run the whole Criterion suite on a
+# GPU machine that has nvcc but no Criterion and no network.
+#
+#   bash tests/gpu/run.sh          (from the repository root; the log goes to $OUT/test.log)
+#
+# Criterion comes from Debian bookworm .debs carried in the ignored folder .deps/ (prepared on the
+# dev machine with `apt-get download`, see the end of this file). They are unpacked into a private
+# prefix; only libraries the machine lacks are kept there, so nothing of the system is shadowed.
+# The Makefile's link rule takes no LDFLAGS, so the compiler finds the headers and -lcriterion
+# through CPATH / LIBRARY_PATH; pkg-config is left alone (criterion.pc would point at /usr).
+set -u -o pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/tinymoe-gpu-out}
+mkdir -p "$OUT"
+LOG="$OUT/test.log"
+: >"$LOG"
+log() { echo "$@" | tee -a "$LOG"; }
+
+PREFIX=/tmp/tinymoe-deps
+rm -rf "$PREFIX" && mkdir -p "$PREFIX"
+for f in .deps/*.deb; do dpkg -x "$f" "$PREFIX" || { log "run.sh: cannot unpack $f"; exit 1; }; done
+LIBDIRS="$PREFIX/usr/lib/x86_64-linux-gnu $PREFIX/lib/x86_64-linux-gnu"
+for d in $LIBDIRS; do
+    [ -d "$d" ] || continue
+    for so in "$d"/lib*.so.*; do
+        [ -e "$so" ] || continue
+        name=$(basename "$so")
+        case "$name" in libcriterion*) continue ;; esac
+        # The system's copy (same soname) wins: drop ours.
+        if ldconfig -p | awk '{print $1}' | grep -qx "$name"; then rm -f "$so"; fi
+    done
+done
+export CPATH="$PREFIX/usr/include${CPATH:+:$CPATH}"
+export LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}"
+export LD_LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu:$PREFIX/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+MAKE=make
+command -v make >/dev/null 2>&1 || MAKE="$PREFIX/usr/bin/make"
+
+{
+    echo "== machine"
+    nvidia-smi -L
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    nvcc --version | tail -2
+    cc --version | head -1
+    echo "kept from .deps: $(ls $PREFIX/usr/lib/x86_64-linux-gnu $PREFIX/lib/x86_64-linux-gnu 2>/dev/null | grep '\.so\.' | tr '\n' ' ')"
+} 2>&1 | tee -a "$LOG"
+
+log "== build"
+$MAKE -j16 CUDA=1 BLAS=0 2>&1 | tail -40 | tee -a "$LOG"
+$MAKE -j16 CUDA=1 BLAS=0 build/tinymoe_tests 2>&1 | tail -40 | tee -a "$LOG"
+[ -x build/tinymoe_tests ] || { log "run.sh: the test binary did not build"; exit 1; }
+ldd build/tinymoe_tests | grep -E 'not found|criterion|cublasLt|cudart' | tee -a "$LOG"
+
+log "== test"
+rc=0
+if [ -x build/tinymoe ]; then
+    $MAKE CUDA=1 BLAS=0 test 2>&1 | tee -a "$LOG" || rc=$?
+else
+    log "(no driver binary: running the test binary directly, as make test would)"
+    ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+        ./build/tinymoe_tests --jobs 2 2>&1 | tee -a "$LOG" || rc=$?
+fi
+log "== CUDA tests, verbose"
+./build/tinymoe_tests --verbose --filter='cuda_parity/*' 2>&1 | grep -v '^\[SKIP\].*disabled' | tee -a "$LOG"
+exit $rc
+
+# Preparing .deps on a Debian bookworm dev machine (x86-64), from the repository root:
+#   mkdir -p .deps && cd .deps && apt-get download libcriterion3 libcriterion-dev libnanomsg5 \
+#     libgit2-1.5 libffi8 libhttp-parser2.9 libmbedcrypto7 libmbedtls14 libmbedx509-1 libssh2-1 \
+#     libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libkeyutils1 libcom-err2 make
+# (about 2.5 MiB; /.deps/ is in .git/info/exclude; pass carry: [".deps"] to the device tool).
