@@ -128,8 +128,9 @@ const char *tm_last_create_error(void);
 /* Free the context and everything it owns (tensors, parameters, device memory). NULL: no-op. */
 void tm_ctx_free(tm_ctx *ctx);
 
-/* Last error message of the context: names the op and its arguments. "" after success.
- * The pointer stays valid until the next call on the context. */
+/* Message of the context's last failed call: names the op and its arguments ("" if nothing
+ * failed yet; successful calls leave it unchanged, so read it right after a failure). The
+ * pointer stays valid until the next call on the context. */
 const char *tm_ctx_errmsg(const tm_ctx *ctx);
 
 /* Number of CUDA devices visible (0 when the build has no CUDA or no driver/device). */
@@ -340,6 +341,48 @@ tm_status tm_rope(tm_ctx *ctx, tm_tensor *x, int64_t pos_offset, double theta, t
  * out [B, Tq, Hq, D]. (Vaswani et al. 2017; GQA: Ainslie et al. 2023.) */
 tm_status tm_attention(tm_ctx *ctx, tm_tensor *q, tm_tensor *k, tm_tensor *v, double scale,
                        tm_tensor **out);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Optimizers                                                                                  */
+/* ------------------------------------------------------------------------------------------ */
+
+/* AdamW: Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (ICLR 2019), Alg. 2,
+ * with bias correction as in Kingma & Ba (2015). For every parameter p with gradient g, at
+ * step t = 1, 2, ...:
+ *   m = beta1 m + (1 - beta1) g;   v = beta2 v + (1 - beta2) g^2
+ *   p -= lr * ( (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps) + weight_decay * p )
+ * State m, v is f32 (one buffer each per parameter, named "<param>.adamw_m" / ".adamw_v"). */
+typedef struct tm_adamw_config {
+    double lr;           /* default 1e-3 */
+    double beta1, beta2; /* default 0.9, 0.999 */
+    double eps;          /* default 1e-8 */
+    double weight_decay; /* default 0.0; applied to parameters of 2 or more dims only */
+} tm_adamw_config;
+
+tm_adamw_config tm_adamw_config_default(void);
+
+typedef struct tm_optimizer tm_optimizer;
+
+/* An AdamW optimizer over every parameter the context holds when it is called. cfg NULL:
+ * tm_adamw_config_default(). Errors: TM_ERR_INVALID_ARG (lr < 0, betas outside [0, 1),
+ * eps <= 0, weight_decay < 0, naming the field; a state name over 127 bytes), TM_ERR_STATE (no
+ * parameters, or the state buffers exist already: one AdamW per context), TM_ERR_NOMEM. */
+tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimizer **out);
+/* One update from the gradients currently accumulated. lr < 0: the configured lr (pass the
+ * scheduled value otherwise). Does not zero the gradients (tm_ctx_zero_grad).
+ * Errors: TM_ERR_INVALID_ARG (lr NaN or infinite), TM_ERR_UNSUPPORTED (a CUDA parameter: the
+ * CUDA update kernel comes with the full CUDA backend; nothing is changed). */
+tm_status tm_optimizer_step(tm_optimizer *opt, double lr);
+/* Number of steps taken. */
+int64_t tm_optimizer_steps(const tm_optimizer *opt);
+/* Free the optimizer (its state buffers stay with the context until tm_ctx_free). NULL: no-op. */
+void tm_optimizer_free(tm_optimizer *opt);
+
+/* Global L2 norm of all parameter gradients (accumulated in f64): sqrt(sum_p sum_i g_i^2).
+ * With max_norm > 0, gradients are then scaled by max_norm / (norm + 1e-6) when norm >
+ * max_norm (torch.nn.utils.clip_grad_norm_). *norm_out (may be NULL) gets the norm before
+ * clipping. Errors: TM_ERR_INVALID_ARG (max_norm NaN), TM_ERR_UNSUPPORTED (CUDA gradients). */
+tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out);
 
 #ifdef __cplusplus
 }

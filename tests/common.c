@@ -122,9 +122,13 @@ static double dot_host(tm_ctx *ctx, tm_tensor *out, const double *g) {
 
 double tt_gradcheck(tm_ctx *ctx, tt_fn fn, void *user, int n_in, tm_tensor **inputs, const int *check, double eps,
                     double atol, double rtol) {
+    /* Parameters keep their slot in the gradient buffer (zeroed here); temporaries get a
+     * fresh gradient. */
+    TT_OK(ctx, tm_ctx_zero_grad(ctx));
     for (int i = 0; i < n_in; i++) {
         if (!check[i]) continue;
         cr_assert_eq(tm_tensor_dtype(inputs[i]), TM_F64, "gradcheck: input %d must be f64", i);
+        if (inputs[i]->is_param) continue;
         inputs[i]->grad = NULL;
         TT_OK(ctx, tm_tensor_set_requires_grad(ctx, inputs[i], 1));
     }

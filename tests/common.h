@@ -49,7 +49,8 @@ void tt_assert_close(tm_ctx *ctx, const tm_tensor *got, const tm_tensor *want, d
 void tt_assert_close_host(tm_ctx *ctx, const tm_tensor *got, const double *want, double atol, double rtol);
 
 typedef tm_status (*tt_fn)(tm_ctx *ctx, tm_tensor **inputs, void *user, tm_tensor **out);
-/* See the top of this file. eps: finite-difference step (1e-6 is a good default in f64). */
+/* See the top of this file. inputs may include parameters that fn uses (their gradient
+ * buffer is zeroed first). eps: finite-difference step (1e-6 is a good default in f64). */
 double tt_gradcheck(tm_ctx *ctx, tt_fn fn, void *user, int n_in, tm_tensor **inputs,
                     const int *check, double eps, double atol, double rtol);
 

@@ -82,6 +82,41 @@ static tm_status f_cross_entropy(tm_ctx *c, tm_tensor **in, const int64_t *a, tm
     return tm_cross_entropy(c, in[0], in[1], a[0], o);
 }
 
+/* Device-generic ops (views, concat, contiguous, cast, to_device) run through tm__assign /
+ * tm__copy_into / tm__accumulate, which the CUDA backend implements with strided kernels. */
+static tm_status f_view(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    int perm[3] = {2, 0, 1};
+    tm_tensor *p, *s;
+    int64_t shape[2] = {-1, 3};
+    tm_status st = tm_permute(c, in[0], perm, &p); /* strided view: backward writes a strided dst */
+    if (!st) st = tm_slice(c, p, 0, 1, 4, &s);
+    if (!st) st = tm_reshape(c, s, 2, shape, o);
+    return st;
+}
+static tm_status f_concat(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_tensor *t;
+    tm_status st = tm_transpose(c, in[1], 0, 1, &t);
+    tm_tensor *xs[2] = {in[0], t};
+    return st ? st : tm_concat(c, 2, xs, 1, o);
+}
+static tm_status f_contiguous(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_tensor *t;
+    tm_status st = tm_transpose(c, in[0], 0, 2, &t);
+    return st ? st : tm_contiguous(c, t, o);
+}
+static tm_status f_cast(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_dtype dt = tm_tensor_dtype(in[0]), other = dt == TM_F32 ? TM_BF16 : TM_F32;
+    tm_tensor *t;
+    tm_status st = tm_cast(c, in[0], other, &t);
+    return st ? st : tm_cast(c, t, dt, o);
+}
+static tm_status f_to_device(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_tensor *h, *t;
+    tm_status st = tm_to_device(c, in[0], tm_cpu(), &h); /* device -> host -> device */
+    if (!st) st = tm_transpose(c, h, 0, 1, &t);
+    return st ? st : tm_to_device(c, t, tm_tensor_device(in[0]), o);
+}
+
 /* Shapes are awkward on purpose (no multiples of 4 or 32); the large ones take the split
  * (two-pass) paths of the CUDA reducer and the multi-pass row loops. */
 static const pcase CASES[] = {
@@ -117,6 +152,11 @@ static const pcase CASES[] = {
     {"log_softmax", f_log_softmax, 1, {3}, {{2, 3, 17}}, {0}, {0}, {0}, 1},
     {"cross_entropy i64 targets", f_cross_entropy, 2, {2, 1}, {{7, 13}, {7}}, {0, TM_I64}, {0, 1}, {-100}, 1},
     {"cross_entropy i32 targets, wide", f_cross_entropy, 2, {2, 1}, {{5, 1037}, {5}}, {0, TM_I32}, {0, 1}, {-100}, 1},
+    {"view: permute, slice, reshape", f_view, 1, {3}, {{2, 3, 5}}, {0}, {0}, {0}, 1},
+    {"concat with a transposed input", f_concat, 2, {2, 2}, {{3, 2}, {5, 3}}, {0}, {0}, {0}, 1},
+    {"contiguous of a transpose", f_contiguous, 1, {3}, {{3, 2, 5}}, {0}, {0}, {0}, 1},
+    {"cast f32 <-> bf16", f_cast, 1, {2}, {{4, 7}}, {0}, {0}, {0}, 1},
+    {"to_device round trip", f_to_device, 1, {2}, {{4, 7}}, {0}, {0}, {0}, 1},
 };
 #define N_CASES ((int)(sizeof CASES / sizeof CASES[0]))
 
@@ -383,5 +423,18 @@ Test(cuda_parity, cross_entropy_bad_target) {
     TT_OK(ctx, tm_tensor_from_host(ctx, TM_I64, 1, ts, tm_cuda(0), TM_F64, ht, &t));
     TT_OK(ctx, tm_cross_entropy(ctx, l, t, -100, &o));
     free(hl);
+    tm_ctx_free(ctx);
+}
+
+Test(cuda_parity, f64_rejected_on_device) {
+    SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = cuda_ctx();
+    int64_t n = 3;
+    tm_tensor *t = NULL, *x;
+    cr_assert_eq(tm_tensor_empty(ctx, TM_F64, 1, &n, tm_cuda(0), &t), TM_ERR_DTYPE);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "f64") && strstr(tm_ctx_errmsg(ctx), "cuda:0"), "%s", tm_ctx_errmsg(ctx));
+    TT_OK(ctx, tm_tensor_zeros(ctx, TM_F32, 1, &n, tm_cuda(0), &x));
+    cr_assert_eq(tm_cast(ctx, x, TM_F64, &t), TM_ERR_DTYPE);
+    cr_assert_null(t);
     tm_ctx_free(ctx);
 }

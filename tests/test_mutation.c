@@ -8,7 +8,7 @@
 
 static int op_id(const char *name) {
     for (int i = 0; i < TM__NOPS; i++)
-        if (strcmp(tm__op_table[i].name, name) == 0) return i;
+        if (tm__op_table[i].name && strcmp(tm__op_table[i].name, name) == 0) return i;
     return -1;
 }
 
@@ -30,6 +30,7 @@ Test(mutation, every_differentiable_op_has_a_gradcase) {
     const char *cases[] = {TT_GRADCASES(TT_NAME)};
     for (int i = 0; i < TM__NOPS; i++) {
         const tm__op_def *d = &tm__op_table[i];
+        cr_assert_not_null(d->name, "op id %d has no row in the op table", i);
         if ((!d->bwd[TM__CPU] && !d->bwd[TM__CUDA]) || (d->flags & TM__OP_NONDIFF)) continue;
         if (strcmp(d->name, "to_device") == 0) continue; /* needs two devices: tests/test_cuda_parity.c */
         int found = 0;

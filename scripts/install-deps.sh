@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install what tinymoe needs to build and test on Debian / Ubuntu (apt-get).
+#   build-essential   C compiler, make
+#   pkg-config        finds OpenBLAS and Criterion; tinymoe installs a tinymoe.pc
+#   libcriterion-dev  the test framework (make test)
+#   libopenblas-openmp-dev  CBLAS GEMM on the CPU, OpenMP build so BLAS and tinymoe's kernels
+#                     share one thread pool (optional: without it a built-in kernel is used)
+#   libopenmpi-dev, openmpi-bin   distributed training (later work)
+#   zlib1g-dev        compressed data files (later work)
+# The CUDA toolkit is not installed here; the Makefile uses it when nvcc is found.
+set -euo pipefail
+
+packages=(build-essential pkg-config libcriterion-dev libopenblas-openmp-dev libopenmpi-dev openmpi-bin zlib1g-dev)
+
+if [ "$(id -u)" -eq 0 ]; then
+    as_root=""
+elif command -v sudo >/dev/null 2>&1; then
+    as_root="sudo"
+else
+    echo "scripts/install-deps.sh: must run as root, or with sudo available" >&2
+    exit 1
+fi
+
+# env: sudo drops the caller's environment by default.
+$as_root env DEBIAN_FRONTEND=noninteractive apt-get update
+$as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${packages[@]}"
