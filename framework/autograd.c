@@ -33,6 +33,7 @@ static tm_status run_tape(tm_ctx *ctx) {
         if (ctx->perturb_op == c->op) {
             /* Test hook (tm__test_perturb_backward): a deliberately wrong backward. */
             for (int i = 0; i < c->n_out; i++) {
+                if (!tm__is_float(c->gout[i]->dtype)) continue; /* index outputs carry no gradient */
                 tm_tensor *g;
                 TM__TRY(tm__tensor_zeros(ctx, c->gout[i]->dtype, c->gout[i]->ndim, c->gout[i]->shape, c->gout[i]->device, &g));
                 TM__TRY(tm__accumulate(ctx, g, c->gout[i], 1.25));

@@ -130,6 +130,16 @@ typedef enum tm__op_id {
     TM__OP_CROSS_ENTROPY,
     TM__OP_ROPE,
     TM__OP_ATTENTION,
+    /* Mixture of Experts (framework/ops/moe_*.c, kernels/cpu/moe_*.c) */
+    TM__OP_MOE_ROUTER,
+    TM__OP_MOE_AUX_SCORES,
+    TM__OP_MOE_AUX_LOSS,
+    TM__OP_MOE_SEQ_AUX_LOSS,
+    TM__OP_MOE_Z_LOSS,
+    TM__OP_MOE_DROP_TOKENS,
+    TM__OP_MOE_PERMUTE,
+    TM__OP_MOE_UNPERMUTE,
+    TM__OP_GROUPED_MATMUL,
     TM__NOPS
 } tm__op_id;
 
@@ -339,6 +349,15 @@ TM__DECL_OP(log_softmax)
 TM__DECL_OP(cross_entropy)
 TM__DECL_OP(rope)
 TM__DECL_OP(attention)
+TM__DECL_OP(moe_router)
+TM__DECL_OP(moe_aux_scores)
+TM__DECL_OP(moe_aux_loss)
+TM__DECL_OP(moe_seq_aux_loss)
+TM__DECL_OP(moe_z_loss)
+TM__DECL_OP(moe_drop_tokens)
+TM__DECL_OP(moe_permute)
+TM__DECL_OP(moe_unpermute)
+TM__DECL_OP(grouped_matmul)
 
 /* Ops whose kernels are device-generic (built on tm__copy_into / tm__accumulate / the
  * gemm entry points): one forward and one backward serve both table columns. */

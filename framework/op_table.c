@@ -60,4 +60,13 @@ const tm__op_def tm__op_table[TM__NOPS] = {
     OP_CPU_CUDA(TM__OP_CROSS_ENTROPY, "cross_entropy", 2,  1,  0, cross_entropy),
     OP_CPU     (TM__OP_ROPE,          "rope",          1,  1,  0, rope),
     OP_CPU     (TM__OP_ATTENTION,     "attention",     3,  1,  0, attention),
+    OP_CPU     (TM__OP_MOE_DROP_TOKENS, "moe_drop_tokens", 2, 3, 0, moe_drop_tokens),
+    OP_CPU     (TM__OP_MOE_PERMUTE,   "moe_permute",   3,  4,  TM__OP_NATIVE_BF16, moe_permute),
+    OP_CPU     (TM__OP_MOE_UNPERMUTE, "moe_unpermute", -1, 1,  0, moe_unpermute),
+    OP_CPU     (TM__OP_MOE_AUX_LOSS,  "moe_aux_loss",  2,  1,  0, moe_aux_loss),
+    OP_CPU     (TM__OP_MOE_SEQ_AUX_LOSS, "moe_seq_aux_loss", 2, 1, 0, moe_seq_aux_loss),
+    OP_CPU     (TM__OP_MOE_Z_LOSS,    "moe_z_loss",    1,  1,  0, moe_z_loss),
+    OP_CPU     (TM__OP_GROUPED_MATMUL, "grouped_matmul", 3, 1, 0, grouped_matmul),
+    OP_CPU     (TM__OP_MOE_ROUTER,    "moe_router",   -1,  5,  0, moe_router),
+    OP_CPU     (TM__OP_MOE_AUX_SCORES, "moe_aux_scores", 1, 1, 0, moe_aux_scores),
 };

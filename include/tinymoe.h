@@ -343,6 +343,218 @@ tm_status tm_attention(tm_ctx *ctx, tm_tensor *q, tm_tensor *k, tm_tensor *v, do
                        tm_tensor **out);
 
 /* ------------------------------------------------------------------------------------------ */
+/* Mixture of Experts: the pieces                                                              */
+/* ------------------------------------------------------------------------------------------ */
+/* Notation: T tokens (rows of x), H hidden size, E routed experts, k = topk, F expert FFN size.
+ * Sources: NVIDIA TransformerEngine (TE) fused_router / fused_moe_aux_loss / permutation,
+ * Megatron-LM moe_utils.py (topk_routing_with_score_function, switch_load_balancing_loss_func,
+ * apply_router_token_dropping, get_updated_expert_bias), DeepSeek-V3 (arXiv 2412.19437),
+ * ST-MoE (Zoph et al. 2022, arXiv 2202.08906), Switch Transformer (Fedus et al. 2021). */
+
+typedef enum tm_score_function {
+    TM_SCORE_SOFTMAX = 0, /* softmax over experts (pre- or post-top-k, see use_pre_softmax) */
+    TM_SCORE_SIGMOID = 1  /* independent sigmoid per expert (DeepSeek-V3) */
+} tm_score_function;
+
+typedef struct tm_router_config {
+    int num_experts;     /* E >= 1 */
+    int topk;            /* k in [1, E] */
+    tm_score_function score_function;
+    int use_pre_softmax; /* softmax only. 1: s = softmax(logits) over all E, (p, idx) = TOPK(s).
+                          * 0: (v, idx) = TOPK(logits), p = softmax(v) over the k selected. */
+    int num_groups;      /* group-limited routing (DeepSeek-V3): 0 or 1 disables. E % num_groups == 0 */
+    int group_topk;      /* groups kept, in [1, num_groups]; k % group_topk == 0 */
+    double scaling_factor; /* multiplies p last (1.0: none); must be > 0 */
+    int norm_topk_prob;  /* softmax-pre only (ignored otherwise): p = p / sum(p) (Mixtral / Qwen-MoE) */
+} tm_router_config;
+
+/* E = 8, k = 2, softmax, pre-softmax, no groups, scaling 1, no renormalisation. */
+tm_router_config tm_router_config_default(void);
+
+/* Float outputs have the logits' dtype (f32; f64 for gradient checks). */
+typedef struct tm_router_out {
+    tm_tensor *probs;             /* [T,E]: p at the routed (t,e), 0 elsewhere */
+    tm_tensor *routing_map;       /* u8  [T,E]: 1 where routed */
+    tm_tensor *topk_idx;          /* i32 [T,k]: selected experts, in descending selection score */
+    tm_tensor *topk_weights;      /* [T,k]: p of the selected experts (same order) */
+    tm_tensor *tokens_per_expert; /* i64 [E]: column sums of routing_map */
+} tm_router_out;
+
+/* Fused top-k router (one op, forward and backward), after TE fused_topk_with_score_function
+ * and Megatron topk_routing_with_score_function:
+ *   softmax, pre : s = softmax(logits); (p, idx) = TOPK(s); norm_topk_prob: p /= sum(p)
+ *   softmax, post: (v, idx) = TOPK(logits); p = softmax(v)
+ *   sigmoid      : s = sigmoid(logits); selection uses s + expert_bias when a bias is given,
+ *                  p is gathered from s (the bias never enters the weights);
+ *                  p = p / (sum(p) + 1e-20) when k > 1
+ *   group-limited TOPK: experts form num_groups contiguous groups; a group scores the sum of
+ *     its top (k / group_topk) selection scores; the best group_topk groups are kept, the others
+ *     masked to -inf, then a plain top-k. Softmax-pre selects on s (+ bias), softmax-post on
+ *     logits (+ bias).
+ *   p *= scaling_factor last. Ties: the lowest expert index wins (everywhere, groups too).
+ * logits: f32 (or f64) [T,E]. expert_bias: float [E] or NULL, used for selection only (no
+ * gradient), with either score function (softmax + bias shifts the selection only, too).
+ * The arithmetic is f64 on the CPU. On error every field of *out is NULL.
+ * Gradients flow from probs and topk_weights (both may be used) into logits.
+ * Errors (message names the field): TM_ERR_INVALID_ARG for k outside [1,E], E % num_groups,
+ * group_topk outside [1, num_groups], k % group_topk, k / group_topk > E / num_groups,
+ * scaling_factor <= 0; TM_ERR_SHAPE for logits not [T,E] or expert_bias not [E]. */
+tm_status tm_moe_router(tm_ctx *ctx, tm_tensor *logits, tm_tensor *expert_bias, const tm_router_config *cfg,
+                        tm_router_out *out);
+
+/* Switch / GShard load-balancing loss (TE fused_moe_aux_loss, Megatron
+ * switch_load_balancing_loss_func):
+ *   aux = E * coeff / (k * T^2) * sum_e (sum_t scores[t,e]) * tokens_per_expert[e]
+ * scores: f32 [T,E] (the router's aux scores: softmax over all E, or s / sum_E s for sigmoid,
+ * see tm_moe_aux_scores); tokens_per_expert: i64 [E] (no gradient). T = rows of scores, or
+ * total_tokens when > 0 (data parallelism: counts and T summed over ranks). Out: 0-d f32.
+ * Gradient: d scores[t,e] = E * coeff / (k * T^2) * tokens_per_expert[e]. */
+tm_status tm_moe_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *tokens_per_expert, int topk, double coeff,
+                          int64_t total_tokens, tm_tensor **out);
+/* Sequence-level variant (DeepSeek-V3 sec. 2.1.2, complementary sequence-wise balance loss):
+ * the rows form num_seqs contiguous sequences of S = T / num_seqs tokens; per sequence the
+ * formula above with that sequence's scores and counts (counts from routing_map [T,E] u8) and
+ * S in place of T; the result is the mean over sequences. */
+tm_status tm_moe_seq_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *routing_map, int topk, double coeff,
+                              int64_t num_seqs, tm_tensor **out);
+/* Scores for the auxiliary losses, from router logits f32 [T,E]: softmax over all E, or for
+ * sigmoid s / sum_E s with s = sigmoid(logits); no bias, no grouping. Differentiable. */
+tm_status tm_moe_aux_scores(tm_ctx *ctx, tm_tensor *logits, tm_score_function score_function, tm_tensor **out);
+/* Router z-loss (ST-MoE eq. 5): z = coeff * mean_t (logsumexp_e logits[t,e])^2. 0-d f32. */
+tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_tensor **out);
+/* Aux-loss-free balancing (DeepSeek-V3 sec. 2.1.2; Megatron get_updated_expert_bias), once per
+ * optimizer step with counts summed over micro-batches and ranks:
+ *   expert_bias[e] += rate * sign(mean(counts) - counts[e])     (sign(0) = 0)
+ * expert_bias: f32 [E] (a buffer), counts: i64 [E]. Not recorded on the tape. */
+tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate);
+
+typedef enum tm_drop_policy {
+    TM_DROP_PROBS = 0,   /* per expert, keep the `capacity` tokens of highest p (ties: lower t) */
+    TM_DROP_POSITION = 1 /* per expert, keep the first `capacity` routed tokens */
+} tm_drop_policy;
+
+/* capacity = ceil((T * k / E) * capacity_factor), in doubles as Megatron get_capacity;
+ * -1 for invalid arguments (num_tokens < 0, topk < 1, num_experts < 1, factor <= 0). */
+int64_t tm_moe_capacity(int64_t num_tokens, int topk, int num_experts, double capacity_factor);
+
+/* Token dropping (Megatron apply_router_token_dropping without pad_to_capacity): removes from
+ * routing_map [T,E] u8 and probs f32 [T,E] every routed (t,e) beyond `capacity` per expert,
+ * chosen by `policy`. Outputs probs_kept (differentiable: gradient passes where kept),
+ * map_kept, and *dropped (may be NULL) = number of routed pairs removed. Unlike Megatron's
+ * column top-k, only routed tokens compete for an expert's slots, with a fixed tie order. */
+tm_status tm_moe_drop_tokens(tm_ctx *ctx, tm_tensor *probs, tm_tensor *routing_map, int64_t capacity,
+                             tm_drop_policy policy, tm_tensor **probs_kept, tm_tensor **map_kept, int64_t *dropped);
+
+typedef struct tm_moe_dispatch {
+    tm_tensor *permuted;          /* [R,H] x's dtype: expert-major, token-ascending rows; padding 0 */
+    tm_tensor *permuted_probs;    /* [R] (probs' dtype): p[t,e] of each row; 0 on padding */
+    tm_tensor *row_token;         /* i64 [R]: source token t of each row, -1 on padding */
+    tm_tensor *tokens_per_expert; /* i64 [E]: rows per expert incl. padding (the grouped GEMM's counts) */
+    int64_t num_rows;             /* R */
+} tm_moe_dispatch;
+
+/* Token dispatch / permute (TE token_dispatch / moe_permute): every routed (t,e) becomes one row
+ * of `permuted`, grouped by expert (expert-major), tokens ascending within an expert. Each
+ * expert's row count is rounded up to a multiple of align_size (>= 1) with zero rows, or, with
+ * pad_to > 0, padded to exactly pad_to rows (pad_to_capacity; align_size is then ignored; an
+ * expert with more than pad_to routed tokens is TM_ERR_INVALID_ARG: drop tokens first).
+ * x: [T,H] float; routing_map: u8 [T,E]; probs: f32 [T,E]. Differentiable in x and probs:
+ * dx[t] = sum of d permuted over t's rows; d probs[t,e] = d permuted_probs[row(t,e)].
+ * R is known only after reading routing_map (a data-dependent output size). */
+tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t align_size,
+                         int64_t pad_to, tm_moe_dispatch *out);
+
+/* Combine / unpermute: y[t] = sum over rows r with row_token[r] = t of
+ * expert_out[r] * permuted_probs[r] (f32 accumulation, cast once to expert_out's dtype);
+ * padding rows (row_token -1) are skipped. expert_out [R,H], permuted_probs f32 [R] or NULL
+ * (weights 1), row_token i64 (or i32) [R], out [num_tokens, H].
+ * Backward: d expert_out[r] = dy[t] p[r]; d permuted_probs[r] = <expert_out[r], dy[t]>. */
+tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor *permuted_probs, tm_tensor *row_token,
+                           int64_t num_tokens, tm_tensor **out);
+
+/* Grouped (ragged) GEMM: rows of x [R,K] form consecutive groups of counts[g] rows
+ * (counts: i64 [G], sum = R); out[rows of g] = x[rows of g] @ w[g], w [G,K,N], out [R,N].
+ * One GEMM per non-empty group; empty groups cost nothing and leave dw[g] untouched (zero).
+ * Backward: dx_g = dy_g @ w[g]^T; dw[g] = x_g^T @ dy_g. */
+tm_status tm_grouped_matmul(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor *counts, tm_tensor **out);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Mixture of Experts: the block                                                               */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef enum tm_aux_counts {
+    TM_AUX_COUNTS_ROUTED = 0, /* count the tokens actually routed (after groups, bias) — default */
+    TM_AUX_COUNTS_CLEAN = 1   /* count a plain top-k of the aux scores (Megatron's behaviour) */
+} tm_aux_counts;
+
+typedef enum tm_moe_strategy {
+    TM_MOE_GROUPED = 0, /* permute -> grouped SwiGLU GEMMs -> unpermute (dropless by default) */
+    TM_MOE_DENSE = 1    /* every expert on every token, weighted by probs: the test oracle */
+} tm_moe_strategy;
+
+typedef struct tm_moe_config {
+    int hidden_size;      /* H */
+    int ffn_size;         /* F of each routed expert */
+    tm_router_config router; /* num_experts, topk, score function, groups, scaling, ... */
+    int use_expert_bias;  /* aux-loss-free balancing: a bias buffer used for selection only */
+    double expert_bias_update_rate; /* default 1e-3 */
+    double aux_loss_coeff;      /* 0: off */
+    tm_aux_counts aux_counts;
+    double seq_aux_loss_coeff;  /* 0: off; needs num_seqs in tm_moe_forward */
+    double z_loss_coeff;        /* 0: off */
+    int64_t align_size;         /* >= 1; rows per expert rounded up to a multiple */
+    double capacity_factor;     /* 0: dropless (default); > 0: capacity as tm_moe_capacity */
+    tm_drop_policy drop_policy;
+    int pad_to_capacity;        /* with capacity: every expert gets exactly `capacity` rows */
+    int shared_ffn_size;        /* 0: none; else a dense SwiGLU of this F on every token, added */
+    tm_moe_strategy strategy;
+} tm_moe_config;
+
+/* H 64, F 128, router defaults (E 8, k 2), no bias, no losses, align 1, dropless, grouped. */
+tm_moe_config tm_moe_config_default(void);
+
+/* Check every field (the message names the field and its value). ctx may be NULL (no message).
+ * Errors: TM_ERR_INVALID_ARG. */
+tm_status tm_moe_config_check(tm_ctx *ctx, const tm_moe_config *cfg);
+
+typedef struct tm_moe tm_moe;
+
+/* Build a block's parameters (names prefixed by `prefix`, e.g. "layers.3.moe"):
+ *   <p>.gate.weight [H,E]; <p>.experts.w0, .w1 [E,H,F]; <p>.experts.wo [E,F,H];
+ *   <p>.shared.w0, .w1 [H,Fs]; <p>.shared.wo [Fs,H] (if shared_ffn_size);
+ *   buffers <p>.expert_bias f32 [E] (if use_expert_bias) and <p>.tokens_per_expert_sum i64 [E].
+ * Parameters are zero: initialise them (tm_moe_init or tm_tensor_init_normal).
+ * dtype: f32, bf16 or f64 (CPU) for the weights; the gate math is always f32 (f64 for f64). */
+tm_status tm_moe_new(tm_ctx *ctx, const char *prefix, const tm_moe_config *cfg, tm_dtype dtype, tm_device dev,
+                     tm_moe **out);
+void tm_moe_free(tm_moe *moe); /* the parameters stay with the context; NULL: no-op */
+/* Normal(0, std) for every weight, keyed by (seed, parameter name); output projections
+ * (experts.wo, shared.wo) use out_std. */
+tm_status tm_moe_init(tm_moe *moe, uint64_t seed, double std, double out_std);
+const tm_moe_config *tm_moe_get_config(const tm_moe *moe);
+/* A parameter or buffer of the block by suffix ("gate.weight", "experts.w0", "expert_bias", ...). */
+tm_tensor *tm_moe_tensor(const tm_moe *moe, const char *suffix);
+
+typedef struct tm_moe_stats {
+    /* Differentiable 0-d f32 losses, coefficients applied; NULL when the coefficient is 0.
+     * Add them to the training loss. */
+    tm_tensor *aux_loss, *seq_aux_loss, *z_loss;
+    tm_tensor *tokens_per_expert; /* i64 [E]: routed (after drops, before alignment) */
+    int64_t dropped_tokens;       /* routed (t,e) pairs removed by capacity */
+    double max_load_ratio;        /* max_e count / mean_e count (1 = perfectly balanced) */
+    double min_load_ratio;        /* min_e count / mean_e count */
+    double aux_loss_value, seq_aux_loss_value, z_loss_value; /* host copies (0 when off) */
+} tm_moe_stats;
+
+/* y = MoE(x): x [..., H] -> y [..., H] (same dtype). num_seqs: sequences in x for the
+ * sequence-level aux loss (rows are split evenly; 1 if unused). stats may be NULL.
+ * tokens_per_expert is also added to the block's running sum for tm_moe_step. */
+tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats);
+/* Once per optimizer step: apply the expert-bias update (if use_expert_bias) from the counts
+ * summed since the last call, then clear the sum. */
+tm_status tm_moe_step(tm_moe *moe);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Optimizers                                                                                  */
 /* ------------------------------------------------------------------------------------------ */
 

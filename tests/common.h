@@ -59,7 +59,9 @@ double tt_gradcheck(tm_ctx *ctx, tt_fn fn, void *user, int n_in, tm_tensor **inp
     X(matmul) X(add) X(sub) X(mul) X(scale) X(sum) X(mean) X(sum_all) X(mean_all)     \
     X(view) X(concat) X(contiguous) X(cast) X(embedding) X(index_select) X(gather)     \
     X(scatter_add) X(rmsnorm) X(silu) X(swiglu) X(softmax) X(log_softmax)              \
-    X(cross_entropy) X(rope) X(attention)
+    X(cross_entropy) X(rope) X(attention) X(moe_router) X(moe_aux_scores) X(moe_aux_loss) \
+    X(moe_seq_aux_loss) X(moe_z_loss) X(moe_drop_tokens) X(moe_permute) X(moe_unpermute)  \
+    X(grouped_matmul)
 #define TT_DECL_GRADCASE(op) double tt_gradcase_##op(tm_ctx *ctx);
 TT_GRADCASES(TT_DECL_GRADCASE)
 

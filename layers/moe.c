@@ -1,0 +1,333 @@
+/*
+ * moe.c — the Mixture-of-Experts block, built only from public ops:
+ *
+ *   x [T,H] --gate (f32 matmul)--> logits [T,E] --router--> probs, routing_map, tokens_per_expert
+ *     (aux losses from logits and counts; optional capacity drop)
+ *   --permute--> rows [R,H] --grouped GEMMs: swiglu(rows @ W0[e], rows @ W1[e]) @ Wo[e]-->
+ *   --unpermute (prob-weighted sum)--> y [T,H]  (+ shared-expert SwiGLU on every token)
+ *
+ * The dense strategy computes every expert on every token with plain matmuls and weights the
+ * results by probs: no permute, no grouped GEMM, so it is an independent oracle for the grouped
+ * path (tests/test_moe_layer.c) and the cheaper choice when E is tiny.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+struct tm_moe {
+    tm_ctx *ctx;
+    tm_moe_config cfg;
+    char prefix[96];
+    tm_dtype dtype, gate_dtype;
+    tm_device dev;
+    tm_tensor *gate, *w0, *w1, *wo;
+    tm_tensor *sw0, *sw1, *swo;
+    tm_tensor *expert_bias, *tpe_sum;
+};
+
+tm_moe_config tm_moe_config_default(void) {
+    tm_moe_config c;
+    memset(&c, 0, sizeof c);
+    c.hidden_size = 64;
+    c.ffn_size = 128;
+    c.router = tm_router_config_default();
+    c.expert_bias_update_rate = 1e-3;
+    c.aux_counts = TM_AUX_COUNTS_ROUTED;
+    c.align_size = 1;
+    c.drop_policy = TM_DROP_PROBS;
+    c.strategy = TM_MOE_GROUPED;
+    return c;
+}
+
+#define BAD(...) tm__err(ctx, TM_ERR_INVALID_ARG, __VA_ARGS__)
+
+tm_status tm_moe_config_check(tm_ctx *ctx, const tm_moe_config *c) {
+    if (!c) return BAD("moe config: cfg is NULL");
+    const tm_router_config *r = &c->router;
+    if (c->hidden_size < 1) return BAD("moe config: hidden_size = %d must be >= 1", c->hidden_size);
+    if (c->ffn_size < 1) return BAD("moe config: ffn_size = %d must be >= 1", c->ffn_size);
+    if (r->num_experts < 1) return BAD("moe config: num_experts = %d must be >= 1", r->num_experts);
+    if (r->topk < 1 || r->topk > r->num_experts)
+        return BAD("moe config: topk = %d must be in [1, num_experts = %d]", r->topk, r->num_experts);
+    if (r->score_function != TM_SCORE_SOFTMAX && r->score_function != TM_SCORE_SIGMOID)
+        return BAD("moe config: score_function = %d is neither softmax (0) nor sigmoid (1)", (int)r->score_function);
+    if (r->num_groups < 0) return BAD("moe config: num_groups = %d must be >= 0", r->num_groups);
+    if (r->num_groups > 1) {
+        if (r->num_experts % r->num_groups)
+            return BAD("moe config: num_experts = %d is not divisible by num_groups = %d", r->num_experts, r->num_groups);
+        if (r->group_topk < 1 || r->group_topk > r->num_groups)
+            return BAD("moe config: group_topk = %d must be in [1, num_groups = %d]", r->group_topk, r->num_groups);
+        if (r->topk % r->group_topk)
+            return BAD("moe config: topk = %d is not divisible by group_topk = %d", r->topk, r->group_topk);
+        if (r->topk / r->group_topk > r->num_experts / r->num_groups)
+            return BAD("moe config: topk / group_topk = %d exceeds the %d experts of a group", r->topk / r->group_topk,
+                       r->num_experts / r->num_groups);
+    }
+    if (!(r->scaling_factor > 0) || !isfinite(r->scaling_factor))
+        return BAD("moe config: scaling_factor = %g must be > 0", r->scaling_factor);
+    if (!(c->expert_bias_update_rate >= 0)) return BAD("moe config: expert_bias_update_rate = %g must be >= 0", c->expert_bias_update_rate);
+    if (!(c->aux_loss_coeff >= 0)) return BAD("moe config: aux_loss_coeff = %g must be >= 0", c->aux_loss_coeff);
+    if (!(c->seq_aux_loss_coeff >= 0)) return BAD("moe config: seq_aux_loss_coeff = %g must be >= 0", c->seq_aux_loss_coeff);
+    if (!(c->z_loss_coeff >= 0)) return BAD("moe config: z_loss_coeff = %g must be >= 0", c->z_loss_coeff);
+    if (c->aux_counts != TM_AUX_COUNTS_ROUTED && c->aux_counts != TM_AUX_COUNTS_CLEAN)
+        return BAD("moe config: aux_counts = %d is neither routed (0) nor clean (1)", (int)c->aux_counts);
+    if (c->align_size < 1) return BAD("moe config: align_size = %lld must be >= 1", (long long)c->align_size);
+    if (!(c->capacity_factor >= 0) || !isfinite(c->capacity_factor))
+        return BAD("moe config: capacity_factor = %g must be > 0 (or 0 for dropless)", c->capacity_factor);
+    if (c->pad_to_capacity && c->capacity_factor <= 0)
+        return BAD("moe config: pad_to_capacity needs capacity_factor > 0, got capacity_factor = %g", c->capacity_factor);
+    if (c->drop_policy != TM_DROP_PROBS && c->drop_policy != TM_DROP_POSITION)
+        return BAD("moe config: drop_policy = %d is neither probs (0) nor position (1)", (int)c->drop_policy);
+    if (c->shared_ffn_size < 0) return BAD("moe config: shared_ffn_size = %d must be >= 0", c->shared_ffn_size);
+    if (c->strategy != TM_MOE_GROUPED && c->strategy != TM_MOE_DENSE)
+        return BAD("moe config: strategy = %d is neither grouped (0) nor dense (1)", (int)c->strategy);
+    return TM_OK;
+}
+
+static tm_status mk(tm_moe *m, const char *suffix, int is_param, tm_dtype dt, int nd, int64_t a, int64_t b, int64_t c,
+                    tm_tensor **out) {
+    char name[160];
+    int n = snprintf(name, sizeof name, "%s.%s", m->prefix, suffix);
+    if (n < 0 || n >= (int)sizeof name) return tm__err(m->ctx, TM_ERR_INVALID_ARG, "tm_moe_new: name \"%s.%s\" too long", m->prefix, suffix);
+    int64_t shape[3] = {a, b, c};
+    return is_param ? tm_param_new(m->ctx, name, dt, nd, shape, m->dev, out)
+                    : tm_buffer_new(m->ctx, name, dt, nd, shape, m->dev, out);
+}
+
+tm_status tm_moe_new(tm_ctx *ctx, const char *prefix, const tm_moe_config *cfg, tm_dtype dtype, tm_device dev,
+                     tm_moe **out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!out || !prefix) return BAD("tm_moe_new: %s is NULL", out ? "prefix" : "out");
+    TM__TRY(tm_moe_config_check(ctx, cfg));
+    if (!tm__is_float(dtype)) return tm__err(ctx, TM_ERR_DTYPE, "tm_moe_new: dtype %s is not a float dtype", tm_dtype_name(dtype));
+    if (strlen(prefix) >= sizeof(((tm_moe *)0)->prefix)) return BAD("tm_moe_new: prefix \"%.40s...\" is too long", prefix);
+    tm_moe *m = tm__host_alloc(ctx, sizeof *m);
+    if (!m) return tm__err(ctx, TM_ERR_NOMEM, "tm_moe_new: out of host memory");
+    memset(m, 0, sizeof *m);
+    m->ctx = ctx;
+    m->cfg = *cfg;
+    m->dtype = dtype;
+    m->gate_dtype = dtype == TM_F64 ? TM_F64 : TM_F32;
+    m->dev = dev;
+    snprintf(m->prefix, sizeof m->prefix, "%s", prefix);
+    int64_t H = cfg->hidden_size, F = cfg->ffn_size, E = cfg->router.num_experts, Fs = cfg->shared_ffn_size;
+    tm_status s = mk(m, "gate.weight", 1, m->gate_dtype, 2, H, E, 0, &m->gate);
+    if (!s) s = mk(m, "experts.w0", 1, dtype, 3, E, H, F, &m->w0);
+    if (!s) s = mk(m, "experts.w1", 1, dtype, 3, E, H, F, &m->w1);
+    if (!s) s = mk(m, "experts.wo", 1, dtype, 3, E, F, H, &m->wo);
+    if (!s && Fs) s = mk(m, "shared.w0", 1, dtype, 2, H, Fs, 0, &m->sw0);
+    if (!s && Fs) s = mk(m, "shared.w1", 1, dtype, 2, H, Fs, 0, &m->sw1);
+    if (!s && Fs) s = mk(m, "shared.wo", 1, dtype, 2, Fs, H, 0, &m->swo);
+    if (!s && cfg->use_expert_bias) s = mk(m, "expert_bias", 0, m->gate_dtype, 1, E, 0, 0, &m->expert_bias);
+    if (!s) s = mk(m, "tokens_per_expert_sum", 0, TM_I64, 1, E, 0, 0, &m->tpe_sum);
+    if (s) {
+        tm__host_free(ctx, m);
+        return s;
+    }
+    *out = m;
+    return TM_OK;
+}
+
+void tm_moe_free(tm_moe *moe) {
+    if (moe) tm__host_free(moe->ctx, moe);
+}
+
+const tm_moe_config *tm_moe_get_config(const tm_moe *moe) { return moe ? &moe->cfg : NULL; }
+
+tm_tensor *tm_moe_tensor(const tm_moe *moe, const char *suffix) {
+    if (!moe || !suffix) return NULL;
+    char name[160];
+    snprintf(name, sizeof name, "%s.%s", moe->prefix, suffix);
+    return tm_ctx_find(moe->ctx, name);
+}
+
+tm_status tm_moe_init(tm_moe *m, uint64_t seed, double std, double out_std) {
+    if (!m) return TM_ERR_INVALID_ARG;
+    tm_tensor *normal[] = {m->gate, m->w0, m->w1, m->sw0, m->sw1};
+    for (size_t i = 0; i < sizeof normal / sizeof *normal; i++)
+        if (normal[i]) TM__TRY(tm_tensor_init_normal(m->ctx, normal[i], seed, NULL, 0, std));
+    TM__TRY(tm_tensor_init_normal(m->ctx, m->wo, seed, NULL, 0, out_std));
+    if (m->swo) TM__TRY(tm_tensor_init_normal(m->ctx, m->swo, seed, NULL, 0, out_std));
+    return TM_OK;
+}
+
+/* ---- forward ----------------------------------------------------------------------------- */
+
+/* Expert e's slice of a stacked weight [E, A, B] as an [A, B] view. */
+static tm_status expert_weight(tm_ctx *ctx, tm_tensor *w, int64_t e, tm_tensor **out) {
+    tm_tensor *s;
+    TM__TRY(tm_slice(ctx, w, 0, e, e + 1, &s));
+    int64_t shape[2] = {w->shape[1], w->shape[2]};
+    return tm_reshape(ctx, s, 2, shape, out);
+}
+
+static tm_status swiglu_ffn(tm_ctx *ctx, tm_tensor *x, tm_tensor *w0, tm_tensor *w1, tm_tensor *wo, tm_tensor **out) {
+    tm_tensor *a, *b, *h;
+    TM__TRY(tm_matmul(ctx, x, w0, 0, 0, &a));
+    TM__TRY(tm_matmul(ctx, x, w1, 0, 0, &b));
+    TM__TRY(tm_swiglu(ctx, a, b, &h));
+    return tm_matmul(ctx, h, wo, 0, 0, out);
+}
+
+/* Dense oracle: y = sum_e probs[:, e] * SwiGLU_e(x). The column probs[:, e] is spread over H
+ * with a K=1 matmul against ones (an outer product) since broadcasting is over leading dims. */
+static tm_status dense_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor **y) {
+    tm_ctx *ctx = m->ctx;
+    int64_t H = x->shape[1], E = m->cfg.router.num_experts;
+    int64_t one_h[2] = {1, H};
+    tm_tensor *ones, *p = probs;
+    TM__TRY(tm_tensor_empty(ctx, x->dtype, 2, one_h, x->device, &ones));
+    TM__TRY(tm_tensor_fill(ctx, ones, 1.0));
+    if (p->dtype != x->dtype) TM__TRY(tm_cast(ctx, p, x->dtype, &p));
+    tm_tensor *acc = NULL;
+    for (int64_t e = 0; e < E; e++) {
+        tm_tensor *w0, *w1, *wo, *h, *col, *spread, *term;
+        TM__TRY(expert_weight(ctx, m->w0, e, &w0));
+        TM__TRY(expert_weight(ctx, m->w1, e, &w1));
+        TM__TRY(expert_weight(ctx, m->wo, e, &wo));
+        TM__TRY(swiglu_ffn(ctx, x, w0, w1, wo, &h));
+        TM__TRY(tm_slice(ctx, p, 1, e, e + 1, &col)); /* [T,1] */
+        TM__TRY(tm_matmul(ctx, col, ones, 0, 0, &spread)); /* [T,H] */
+        TM__TRY(tm_mul(ctx, h, spread, &term));
+        if (acc) TM__TRY(tm_add(ctx, acc, term, &acc));
+        else acc = term;
+    }
+    *y = acc;
+    return TM_OK;
+}
+
+static tm_status grouped_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor *map, int64_t capacity,
+                                 tm_tensor **y) {
+    tm_ctx *ctx = m->ctx;
+    tm_moe_dispatch d;
+    int64_t pad_to = m->cfg.pad_to_capacity ? capacity : 0;
+    TM__TRY(tm_moe_permute(ctx, x, map, probs, m->cfg.align_size, pad_to, &d));
+    tm_tensor *a, *b, *h, *eo, *pp = d.permuted_probs;
+    TM__TRY(tm_grouped_matmul(ctx, d.permuted, m->w0, d.tokens_per_expert, &a));
+    TM__TRY(tm_grouped_matmul(ctx, d.permuted, m->w1, d.tokens_per_expert, &b));
+    TM__TRY(tm_swiglu(ctx, a, b, &h));
+    TM__TRY(tm_grouped_matmul(ctx, h, m->wo, d.tokens_per_expert, &eo));
+    return tm_moe_unpermute(ctx, eo, pp, d.row_token, x->shape[0], y);
+}
+
+/* Column sums of a u8 [T,E] map on the host, as an i64 [E] tensor. */
+static tm_status count_map(tm_ctx *ctx, tm_tensor *map, int64_t *counts, tm_tensor **out) {
+    int64_t T = map->shape[0], E = map->shape[1];
+    uint8_t *h = tm__arena_alloc(ctx, tm_cpu(), (size_t)(T * E) + 1);
+    if (!h) return TM_ERR_NOMEM;
+    TM__TRY(tm_tensor_read(ctx, map, TM_U8, h, T * E));
+    for (int64_t e = 0; e < E; e++) counts[e] = 0;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t e = 0; e < E; e++) counts[e] += h[t * E + e] != 0;
+    return tm_tensor_from_host(ctx, TM_I64, 1, &E, map->device, TM_I64, counts, out);
+}
+
+static tm_status read_scalar(tm_ctx *ctx, tm_tensor *t, double *v) {
+    *v = 0;
+    return t ? tm_tensor_read(ctx, t, TM_F64, v, 1) : TM_OK;
+}
+
+tm_status tm_moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats) {
+    if (!m) return TM_ERR_INVALID_ARG;
+    tm_ctx *ctx = m->ctx;
+    if (!x || !y) return BAD("tm_moe_forward: %s is NULL", x ? "y" : "x");
+    const tm_moe_config *cfg = &m->cfg;
+    int64_t H = cfg->hidden_size, E = cfg->router.num_experts;
+    if (x->ndim < 1 || x->shape[x->ndim - 1] != H)
+        return tm__err(ctx, TM_ERR_SHAPE, "tm_moe_forward: x %s must end in hidden_size = %lld", tm__tdesc(ctx, x), (long long)H);
+    if (x->dtype != m->dtype)
+        return tm__err(ctx, TM_ERR_DTYPE, "tm_moe_forward: x %s does not match the block's dtype %s", tm__tdesc(ctx, x),
+                       tm_dtype_name(m->dtype));
+    if (num_seqs < 1) return BAD("tm_moe_forward: num_seqs = %lld must be >= 1", (long long)num_seqs);
+    int64_t T = tm__numel(x) / H, shape2[2] = {T, H};
+    if (cfg->seq_aux_loss_coeff > 0 && T % num_seqs)
+        return BAD("tm_moe_forward: %lld tokens do not split into num_seqs = %lld sequences", (long long)T, (long long)num_seqs);
+    tm_tensor *x2, *xg, *logits;
+    TM__TRY(tm_reshape(ctx, x, 2, shape2, &x2));
+
+    /* Gate in f32 whatever the activation dtype (router precision matters for selection). */
+    xg = x2;
+    if (x2->dtype != m->gate_dtype) TM__TRY(tm_cast(ctx, x2, m->gate_dtype, &xg));
+    TM__TRY(tm_matmul(ctx, xg, m->gate, 0, 0, &logits));
+
+    tm_router_out ro;
+    TM__TRY(tm_moe_router(ctx, logits, m->expert_bias, &cfg->router, &ro));
+
+    tm_moe_stats st;
+    memset(&st, 0, sizeof st);
+    if (cfg->aux_loss_coeff > 0 || cfg->seq_aux_loss_coeff > 0) {
+        tm_tensor *scores, *counts = ro.tokens_per_expert, *map = ro.routing_map;
+        TM__TRY(tm_moe_aux_scores(ctx, logits, cfg->router.score_function, &scores));
+        if (cfg->aux_counts == TM_AUX_COUNTS_CLEAN) {
+            /* Megatron: counts of a plain top-k of the aux scores (no groups, no bias). The
+             * top-k of softmax(l) or of s / sum(s) is the top-k of l itself. */
+            tm_router_config clean = cfg->router;
+            clean.num_groups = 0;
+            clean.group_topk = 0;
+            clean.score_function = TM_SCORE_SOFTMAX;
+            clean.use_pre_softmax = 1;
+            clean.norm_topk_prob = 0;
+            clean.scaling_factor = 1.0;
+            tm_router_out co;
+            int prev = tm_ctx_set_grad_enabled(ctx, 0);
+            tm_status s = tm_moe_router(ctx, logits, NULL, &clean, &co);
+            tm_ctx_set_grad_enabled(ctx, prev);
+            TM__TRY(s);
+            counts = co.tokens_per_expert;
+            map = co.routing_map;
+        }
+        if (cfg->aux_loss_coeff > 0)
+            TM__TRY(tm_moe_aux_loss(ctx, scores, counts, cfg->router.topk, cfg->aux_loss_coeff, 0, &st.aux_loss));
+        if (cfg->seq_aux_loss_coeff > 0)
+            TM__TRY(tm_moe_seq_aux_loss(ctx, scores, map, cfg->router.topk, cfg->seq_aux_loss_coeff, num_seqs, &st.seq_aux_loss));
+    }
+    if (cfg->z_loss_coeff > 0) TM__TRY(tm_moe_z_loss(ctx, logits, cfg->z_loss_coeff, &st.z_loss));
+
+    tm_tensor *probs = ro.probs, *map = ro.routing_map;
+    int64_t capacity = 0;
+    if (cfg->capacity_factor > 0) {
+        capacity = tm_moe_capacity(T, cfg->router.topk, (int)E, cfg->capacity_factor);
+        TM__TRY(tm_moe_drop_tokens(ctx, ro.probs, ro.routing_map, capacity, cfg->drop_policy, &probs, &map, &st.dropped_tokens));
+    }
+
+    tm_tensor *out;
+    if (cfg->strategy == TM_MOE_DENSE) TM__TRY(dense_experts(m, x2, probs, &out));
+    else TM__TRY(grouped_experts(m, x2, probs, map, capacity, &out));
+    if (cfg->shared_ffn_size) {
+        tm_tensor *sh;
+        TM__TRY(swiglu_ffn(ctx, x2, m->sw0, m->sw1, m->swo, &sh));
+        TM__TRY(tm_add(ctx, out, sh, &out));
+    }
+    TM__TRY(tm_reshape(ctx, out, x->ndim, x->shape, y));
+
+    /* Statistics and the running count for the expert-bias update. */
+    int64_t *counts = tm__arena_alloc(ctx, tm_cpu(), sizeof(int64_t) * (size_t)E * 2);
+    if (!counts) return TM_ERR_NOMEM;
+    TM__TRY(count_map(ctx, map, counts, &st.tokens_per_expert));
+    int64_t *sum = counts + E;
+    TM__TRY(tm_tensor_read(ctx, m->tpe_sum, TM_I64, sum, E));
+    double mean = 0, mx = 0, mn = INFINITY;
+    for (int64_t e = 0; e < E; e++) {
+        sum[e] += counts[e];
+        mean += (double)counts[e] / (double)E;
+        mx = fmax(mx, (double)counts[e]);
+        mn = fmin(mn, (double)counts[e]);
+    }
+    TM__TRY(tm_tensor_write(ctx, m->tpe_sum, TM_I64, sum, E));
+    st.max_load_ratio = mean > 0 ? mx / mean : 0;
+    st.min_load_ratio = mean > 0 ? mn / mean : 0;
+    TM__TRY(read_scalar(ctx, st.aux_loss, &st.aux_loss_value));
+    TM__TRY(read_scalar(ctx, st.seq_aux_loss, &st.seq_aux_loss_value));
+    TM__TRY(read_scalar(ctx, st.z_loss, &st.z_loss_value));
+    if (stats) *stats = st;
+    return TM_OK;
+}
+
+tm_status tm_moe_step(tm_moe *m) {
+    if (!m) return TM_ERR_INVALID_ARG;
+    if (m->cfg.use_expert_bias && m->cfg.expert_bias_update_rate > 0)
+        TM__TRY(tm_moe_expert_bias_update(m->ctx, m->expert_bias, m->tpe_sum, m->cfg.expert_bias_update_rate));
+    return tm_tensor_fill(m->ctx, m->tpe_sum, 0);
+}
