@@ -75,12 +75,16 @@ endif
 
 LIB_SRC  := $(wildcard framework/*.c framework/ops/*.c kernels/cpu/*.c layers/*.c optim/*.c checkpoints/*.c)
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
-DRV_SRC  := $(wildcard train/*.c)
+# The driver: train/main.c plus the rest of train/ (data, config, ...), which the tests link
+# too, through libtinymoe_train.a.
+DRV_SRC  := $(filter-out train/main.c,$(wildcard train/*.c))
 DRV_OBJ  := $(DRV_SRC:%.c=$(BUILD)/%.o)
+DRV_MAIN := $(BUILD)/train/main.o
 TEST_SRC := $(wildcard tests/*.c)
 TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 
 LIBA  := $(BUILD)/libtinymoe.a
+LIBTRAIN := $(BUILD)/libtinymoe_train.a
 LIBSO := $(BUILD)/libtinymoe.so
 BIN   := $(BUILD)/tinymoe
 TESTBIN := $(BUILD)/tinymoe_tests
@@ -106,12 +110,17 @@ $(LIBA): $(LIB_OBJ)
 $(LIBSO): $(LIB_OBJ)
 	$(CC) -shared -o $@ $^ $(LDLIBS_ALL)
 
-$(BIN): $(DRV_OBJ) $(LIBA)
-	$(CC) -o $@ $(DRV_OBJ) $(LIBA) $(LDLIBS_ALL)
+$(LIBTRAIN): $(DRV_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BIN): $(DRV_MAIN) $(LIBTRAIN) $(LIBA)
+	$(CC) -o $@ $(DRV_MAIN) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL)
 
 $(BUILD)/tests/%.o: CFLAGS_ALL += $(shell pkg-config --cflags criterion 2>/dev/null) -Itests
-$(TESTBIN): $(TEST_OBJ) $(LIBA)
-	$(CC) -o $@ $(TEST_OBJ) $(LIBA) $(LDLIBS_ALL) $(shell pkg-config --libs criterion 2>/dev/null || echo -lcriterion)
+$(BUILD)/tests/%.o: CFLAGS_ALL += -Itrain
+$(TESTBIN): $(TEST_OBJ) $(LIBTRAIN) $(LIBA)
+	$(CC) -o $@ $(TEST_OBJ) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(shell pkg-config --libs criterion 2>/dev/null || echo -lcriterion)
 
 # ASan and the CUDA runtime disagree about the shadow gap; UBSan prints stacks.
 TEST_ENV := ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
@@ -135,4 +144,4 @@ install: all $(PC)
 clean:
 	rm -rf build build-san
 
--include $(LIB_OBJ:.o=.d) $(DRV_OBJ:.o=.d) $(TEST_OBJ:.o=.d)
+-include $(LIB_OBJ:.o=.d) $(DRV_OBJ:.o=.d) $(DRV_MAIN:.o=.d) $(TEST_OBJ:.o=.d)
