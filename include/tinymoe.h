@@ -548,11 +548,79 @@ typedef struct tm_moe_stats {
 
 /* y = MoE(x): x [..., H] -> y [..., H] (same dtype). num_seqs: sequences in x for the
  * sequence-level aux loss (rows are split evenly; 1 if unused). stats may be NULL.
- * tokens_per_expert is also added to the block's running sum for tm_moe_step. */
+ * With grad mode on, tokens_per_expert is also added to the block's running sum for
+ * tm_moe_step (evaluation and sampling forwards do not move the expert bias). */
 tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats);
 /* Once per optimizer step: apply the expert-bias update (if use_expert_bias) from the counts
  * summed since the last call, then clear the sum. */
 tm_status tm_moe_step(tm_moe *moe);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Mixtral-style decoder-only language model                                                   */
+/* ------------------------------------------------------------------------------------------ */
+/* tokens -> embedding -> n_layers x [ x += attn(rmsnorm(x)); x += ffn(rmsnorm(x)) ]
+ *        -> rmsnorm -> lm_head -> logits
+ * attn: causal, grouped-query heads, rotary embeddings (rotate-half, theta rope_theta), no
+ * biases; ffn: the MoE block (tm_moe_*) or, for the first first_k_dense layers, a dense SwiGLU.
+ * Matches MixtralForCausalLM's architecture (Jiang et al. 2024, arXiv 2401.04088).
+ * Parameter names: "embed.weight", "layers.<i>.attn_norm.weight", "layers.<i>.attn.wq|wk|wv|wo",
+ * "layers.<i>.ffn_norm.weight", "layers.<i>.moe.*" (tm_moe_new) or "layers.<i>.mlp.w0|w1|wo",
+ * "norm.weight", "lm_head.weight" (absent when tied). */
+typedef struct tm_model_config {
+    int vocab_size;     /* default 257 (bytes + end-of-text) */
+    int d_model;        /* H; default 128 */
+    int n_layers;       /* default 4 */
+    int n_heads;        /* query heads; default 4; d_model % n_heads == 0 */
+    int n_kv_heads;     /* default 4; n_heads % n_kv_heads == 0 */
+    int max_seq_len;    /* longest sequence the model accepts; default 128 */
+    double rope_theta;  /* default 10000 */
+    double norm_eps;    /* RMSNorm epsilon; default 1e-5 */
+    int tie_embeddings; /* lm_head = embed.weight^T; default 0 */
+    int first_k_dense;  /* layers [0, first_k_dense) use a dense SwiGLU; default 0 */
+    int dense_ffn_size; /* F of those layers; 0 (default): 4 * d_model */
+    double init_std;    /* N(0, init_std^2); residual output projections (attn.wo, the
+                         * ffn output weights) get init_std / sqrt(2 n_layers); default 0.02 */
+    tm_moe_config moe;  /* every MoE option; moe.hidden_size is taken from d_model.
+                         * aux_loss_coeff / z_loss_coeff weigh the layer losses in the total. */
+} tm_model_config;
+
+/* Defaults above with moe = 4 experts, top-2, ffn 256, softmax-pre, aux_loss_coeff 1e-2. */
+tm_model_config tm_model_config_default(void);
+/* Check every field; the message names the field (and for MoE fields, "moe." + the name). */
+tm_status tm_model_config_check(tm_ctx *ctx, const tm_model_config *cfg);
+
+typedef struct tm_model tm_model;
+
+tm_status tm_model_new(tm_ctx *ctx, const tm_model_config *cfg, tm_dtype dtype, tm_device dev, tm_model **out);
+/* Free the model's host bookkeeping; call before tm_ctx_free (the parameters stay with the
+ * context). NULL: no-op. */
+void tm_model_free(tm_model *model);
+/* Initialise every parameter from (seed, name) as described in tm_model_config (norm
+ * weights 1). Identical on every backend and layout. */
+tm_status tm_model_init(tm_model *model, uint64_t seed);
+const tm_model_config *tm_model_get_config(const tm_model *model);
+/* Parameter counts: total, and active per token (routed experts counted topk / E). */
+int64_t tm_model_num_params(const tm_model *model, int64_t *active_per_token);
+
+typedef struct tm_model_out {
+    tm_tensor *logits;  /* [B,T,V] */
+    tm_tensor *loss;    /* 0-d: ce + sum of the MoE layer losses (coefficients applied); NULL
+                         * without targets */
+    tm_tensor *ce_loss; /* 0-d mean cross-entropy over targets != ignore_index */
+    double loss_value, ce_value, aux_value, seq_aux_value, z_value; /* host copies, summed over layers */
+    int n_moe_layers;
+    /* [n_moe_layers * E] routed tokens per expert of this forward, row-major by MoE layer;
+     * owned by the model, valid until its next forward. */
+    const int64_t *tokens_per_expert;
+    double max_load_ratio;  /* max over MoE layers of max_e count / mean count */
+    int64_t dropped_tokens; /* summed over MoE layers */
+} tm_model_out;
+
+/* Forward: tokens i32 [B,T] (values in [0, vocab_size), T <= max_seq_len); targets i32 [B,T]
+ * or NULL (no loss); target -1 is ignored. Errors name the offending token and position. */
+tm_status tm_model_forward(tm_model *model, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out);
+/* Once per optimizer step: tm_moe_step on every MoE layer (expert-bias updates). */
+tm_status tm_model_step(tm_model *model);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Optimizers                                                                                  */
@@ -589,6 +657,47 @@ tm_status tm_optimizer_step(tm_optimizer *opt, double lr);
 int64_t tm_optimizer_steps(const tm_optimizer *opt);
 /* Free the optimizer (its state buffers stay with the context until tm_ctx_free). NULL: no-op. */
 void tm_optimizer_free(tm_optimizer *opt);
+
+/* SGD with momentum (Sutskever et al. 2013; PyTorch torch.optim.SGD semantics, dampening 0):
+ *   g' = g + weight_decay * p                      (L2 decay, 2-or-more-dim parameters only)
+ *   b  = momentum * b + g'        (b = g' at the first step)
+ *   p -= lr * (nesterov ? g' + momentum * b : b)
+ * momentum 0: plain SGD (no state). State b is f32, buffers "<param>.sgd_b". */
+typedef struct tm_sgd_config {
+    double lr;           /* default 1e-2 */
+    double momentum;     /* default 0.9; in [0, 1) */
+    int nesterov;        /* default 0; needs momentum > 0 */
+    double weight_decay; /* default 0 */
+} tm_sgd_config;
+
+tm_sgd_config tm_sgd_config_default(void);
+/* Same contract as tm_adamw_new; use tm_optimizer_step / _steps / _free with it. */
+tm_status tm_sgd_new(tm_ctx *ctx, const tm_sgd_config *cfg, tm_optimizer **out);
+
+/* Learning-rate schedules. step counts optimizer steps from 0. With W = warmup_steps,
+ * S = total_steps, lr_max = lr, lr_min = min_lr:
+ *   warmup (all but constant): lr_max * (step + 1) / W for step < W
+ *   constant: lr_max
+ *   cosine  : lr_min + (lr_max - lr_min) * (1 + cos(pi * p)) / 2, p = (step - W) / (S - W)
+ *             (Loshchilov & Hutter 2017, SGDR, without restarts)
+ *   linear  : lr_max + (lr_min - lr_max) * p
+ *   wsd     : warmup-stable-decay (Hu et al. 2024, MiniCPM): lr_max until the last
+ *             decay_fraction * S steps, then linear to lr_min over them
+ * p is clamped to [0, 1], so steps past S stay at lr_min. */
+typedef enum tm_lr_kind { TM_LR_CONSTANT = 0, TM_LR_COSINE = 1, TM_LR_LINEAR = 2, TM_LR_WSD = 3 } tm_lr_kind;
+
+typedef struct tm_lr_schedule {
+    tm_lr_kind kind;
+    double lr, min_lr;
+    int64_t warmup_steps, total_steps;
+    double decay_fraction; /* wsd only, in (0, 1]; default 0.2 */
+} tm_lr_schedule;
+
+/* Learning rate at `step`; NaN when the schedule is invalid (see tm_lr_schedule_check). */
+double tm_lr_at(const tm_lr_schedule *s, int64_t step);
+/* Errors (message names the field): lr < 0, min_lr outside [0, lr], warmup_steps < 0,
+ * total_steps < warmup_steps for decaying kinds, decay_fraction outside (0, 1], bad kind. */
+tm_status tm_lr_schedule_check(tm_ctx *ctx, const tm_lr_schedule *s);
 
 /* Global L2 norm of all parameter gradients (accumulated in f64): sqrt(sum_p sum_i g_i^2).
  * With max_norm > 0, gradients are then scaled by max_norm / (norm + 1e-6) when norm >

@@ -306,16 +306,20 @@ tm_status tm_moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **
     int64_t *counts = tm__arena_alloc(ctx, tm_cpu(), sizeof(int64_t) * (size_t)E * 2);
     if (!counts) return TM_ERR_NOMEM;
     TM__TRY(count_map(ctx, map, counts, &st.tokens_per_expert));
-    int64_t *sum = counts + E;
-    TM__TRY(tm_tensor_read(ctx, m->tpe_sum, TM_I64, sum, E));
     double mean = 0, mx = 0, mn = INFINITY;
     for (int64_t e = 0; e < E; e++) {
-        sum[e] += counts[e];
         mean += (double)counts[e] / (double)E;
         mx = fmax(mx, (double)counts[e]);
         mn = fmin(mn, (double)counts[e]);
     }
-    TM__TRY(tm_tensor_write(ctx, m->tpe_sum, TM_I64, sum, E));
+    /* Only training forwards (grad mode on) feed the expert-bias update: evaluation and
+     * sampling must not move the routing. */
+    if (tm__grad_enabled(ctx)) {
+        int64_t *sum = counts + E;
+        TM__TRY(tm_tensor_read(ctx, m->tpe_sum, TM_I64, sum, E));
+        for (int64_t e = 0; e < E; e++) sum[e] += counts[e];
+        TM__TRY(tm_tensor_write(ctx, m->tpe_sum, TM_I64, sum, E));
+    }
     st.max_load_ratio = mean > 0 ? mx / mean : 0;
     st.min_load_ratio = mean > 0 ? mn / mean : 0;
     TM__TRY(read_scalar(ctx, st.aux_loss, &st.aux_loss_value));

@@ -1,5 +1,5 @@
 /*
- * adamw.c — the AdamW optimizer (tm_adamw_new / tm_optimizer_step).
+ * adamw.c — the AdamW optimizer: tm_adamw_new and its per-parameter update (optimizer.c drives it).
  *
  * Update of one parameter p with gradient g at step t (Loshchilov & Hutter 2019, Alg. 2; bias
  * correction of Kingma & Ba 2015), exactly as documented in tinymoe.h:
@@ -9,32 +9,18 @@
  * dims only: decaying gains (RMSNorm weights) and biases towards 0 only hurts.
  *
  * State: m and v are f32 buffers named "<param>.adamw_m" / "<param>.adamw_v", created by
- * tm_adamw_new on the parameter's device. They are persistent context buffers, so they are
- * found by name (checkpoints) and freed with the context, not with the optimizer.
+ * tm_adamw_new on the parameter's device (see optimizer.c for their lifetime).
  *
  * Precision: f32 and bf16 parameters are updated in f32 arithmetic, f64 parameters in f64
  * (state stays f32 either way). bf16 parameters are rounded to nearest after each update;
  * updates smaller than half a bf16 ulp of p are lost — keep f32 master weights for real
  * training in bf16.
- *
- * The optimizer never caches data pointers: growing the parameter buffer (tm_param_new after
- * tm_adamw_new) moves it, so every step goes through tm__data().
  */
 #include <math.h>
-#include <stdio.h>
 
-#include "ctx_internal.h"
+#include "optimizer.h"
 
 enum { PAR_MIN = 1 << 14 };
-
-struct tm_optimizer {
-    tm_ctx *ctx;
-    tm_adamw_config cfg;
-    int64_t steps;
-    int n;                /* parameters covered */
-    tm_tensor **param;    /* [n] */
-    tm_tensor **m, **v;   /* [n] each: f32 state, same shape and device as param[i] */
-};
 
 tm_adamw_config tm_adamw_config_default(void) {
     tm_adamw_config c = {.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.0};
@@ -58,70 +44,18 @@ static tm_status check_config(tm_ctx *ctx, const tm_adamw_config *c) {
     return TM_OK;
 }
 
-/* "<param><suffix>" into buf (>= 128 + suffix bytes); INVALID_ARG when the result would not be
- * a legal name (<= 127 bytes), so that no state buffer is created before every name is known
- * to work. */
-static tm_status state_name(tm_ctx *ctx, char *buf, size_t cap, const char *param, const char *suffix) {
-    int k = snprintf(buf, cap, "%s%s", param, suffix);
-    if (k < 0 || k > 127)
-        return tm__err(ctx, TM_ERR_INVALID_ARG,
-                       "tm_adamw_new: state buffer name \"%s%s\" would exceed 127 bytes; shorten "
-                       "parameter \"%s\"", param, suffix, param);
-    if (tm_ctx_find(ctx, buf))
-        return tm__err(ctx, TM_ERR_STATE,
-                       "tm_adamw_new: \"%s\" already exists (one AdamW optimizer per context and "
-                       "parameter)", buf);
-    return TM_OK;
-}
-
 tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimizer **out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!out) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_adamw_new: out is NULL");
     tm_adamw_config c = cfg ? *cfg : tm_adamw_config_default();
     TM__TRY(check_config(ctx, &c));
-    int n = tm_ctx_num_params(ctx);
-    if (n == 0) return tm__err(ctx, TM_ERR_STATE, "tm_adamw_new: the context has no parameters (tm_param_new)");
-
-    char name[192];
-    for (int k = 0; k < ctx->n_named; k++) {
-        if (!ctx->named[k]->is_param) continue;
-        TM__TRY(state_name(ctx, name, sizeof name, ctx->named[k]->name, ".adamw_m"));
-        TM__TRY(state_name(ctx, name, sizeof name, ctx->named[k]->name, ".adamw_v"));
-    }
-
-    tm_optimizer *opt = tm__host_alloc(ctx, sizeof *opt);
-    tm_tensor **arr = tm__host_alloc(ctx, 3 * sizeof *arr * (size_t)n);
-    if (!opt || !arr) {
-        tm__host_free(ctx, opt);
-        tm__host_free(ctx, arr);
-        return tm__err(ctx, TM_ERR_NOMEM, "tm_adamw_new: out of host memory");
-    }
-    memset(opt, 0, sizeof *opt);
-    opt->ctx = ctx;
-    opt->cfg = c;
-    opt->n = n;
-    opt->param = arr;
-    opt->m = arr + n;
-    opt->v = arr + 2 * n;
-    /* Collect the parameters before creating buffers: tm_buffer_new may grow ctx->named. */
-    for (int k = 0, i = 0; k < ctx->n_named; k++)
-        if (ctx->named[k]->is_param) opt->param[i++] = ctx->named[k];
-    for (int i = 0; i < n; i++) {
-        const tm_tensor *p = opt->param[i];
-        /* On failure the buffers made so far stay with the context (buffers cannot be freed
-         * one by one); only NOMEM or a CUDA error can get here after the name checks. */
-        tm_status s = TM_OK;
-        snprintf(name, sizeof name, "%s.adamw_m", p->name);
-        s = tm_buffer_new(ctx, name, TM_F32, p->ndim, p->shape, p->device, &opt->m[i]);
-        if (s == TM_OK) {
-            snprintf(name, sizeof name, "%s.adamw_v", p->name);
-            s = tm_buffer_new(ctx, name, TM_F32, p->ndim, p->shape, p->device, &opt->v[i]);
-        }
-        if (s != TM_OK) {
-            tm_optimizer_free(opt);
-            return s;
-        }
-    }
+    static const char *const suffix[2] = {".adamw_m", ".adamw_v"};
+    tm_optimizer *opt = NULL;
+    TM__TRY(tm__optimizer_create(ctx, "tm_adamw_new", 2, suffix, &opt));
+    opt->kind = TM__OPT_ADAMW;
+    opt->name = "AdamW";
+    opt->cfg.adamw = c;
+    opt->lr = c.lr;
     *out = opt;
     return TM_OK;
 }
@@ -150,58 +84,29 @@ ADAMW_KERNEL(f64, double, double, sqrt, ID, ID)
 ADAMW_KERNEL(bf16, uint16_t, float, sqrtf, tm__bf16_to_f32, tm__f32_to_bf16)
 #undef ID
 
-tm_status tm_optimizer_step(tm_optimizer *opt, double lr) {
-    if (!opt) return TM_ERR_INVALID_ARG;
-    tm_ctx *ctx = opt->ctx;
-    const tm_adamw_config *c = &opt->cfg;
-    if (lr < 0.0) lr = c->lr;
-    if (!isfinite(lr)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_optimizer_step: lr must be finite, got %g", lr);
-    /* Refuse before touching anything, so a failed step leaves every parameter as it was. */
-    for (int i = 0; i < opt->n; i++) {
-        const tm_tensor *p = opt->param[i];
-        if (p->device.type != TM_DEVICE_CPU)
-            return tm__err(ctx, TM_ERR_UNSUPPORTED,
-                           "tm_optimizer_step: AdamW on CUDA parameters is not implemented yet "
-                           "(parameter \"%s\" is %s)", p->name, tm__tdesc(ctx, p));
-        if (!tm__is_float(p->dtype))
-            return tm__err(ctx, TM_ERR_INTERNAL, "tm_optimizer_step: parameter \"%s\" has dtype %s",
-                           p->name, tm_dtype_name(p->dtype));
-    }
-    int64_t t = opt->steps + 1;
+void tm__adamw_update(const tm_optimizer *opt, int i, double lr, int64_t t) {
+    const tm_adamw_config *c = &opt->cfg.adamw;
+    tm_tensor *p = opt->param[i];
     double bc1 = 1.0 - pow(c->beta1, (double)t), bc2 = 1.0 - pow(c->beta2, (double)t);
     double omb1 = 1.0 - c->beta1, omb2 = 1.0 - c->beta2;
-    int nth = tm__nthreads(ctx);
-    for (int i = 0; i < opt->n; i++) {
-        tm_tensor *p = opt->param[i];
-        int64_t n = tm__numel(p);
-        double wd = p->ndim >= 2 ? c->weight_decay : 0.0;
-        float *m = tm__data(opt->m[i]), *v = tm__data(opt->v[i]);
-        switch (p->dtype) {
-        case TM_F32:
-            adamw_f32(tm__data(p), tm__data(p->grad), m, v, n, (float)lr, (float)c->beta1, (float)omb1,
-                      (float)c->beta2, (float)omb2, (float)c->eps, (float)wd, (float)bc1, (float)bc2, nth);
-            break;
-        case TM_BF16:
-            adamw_bf16(tm__data(p), tm__data(p->grad), m, v, n, (float)lr, (float)c->beta1, (float)omb1,
-                       (float)c->beta2, (float)omb2, (float)c->eps, (float)wd, (float)bc1, (float)bc2, nth);
-            break;
-        case TM_F64:
-            adamw_f64(tm__data(p), tm__data(p->grad), m, v, n, lr, c->beta1, omb1, c->beta2, omb2, c->eps, wd,
-                      bc1, bc2, nth);
-            break;
-        default: /* excluded above */
-            break;
-        }
+    double wd = p->ndim >= 2 ? c->weight_decay : 0.0;
+    int64_t n = tm__numel(p);
+    int nth = tm__nthreads(opt->ctx);
+    float *m = tm__data(opt->state[0][i]), *v = tm__data(opt->state[1][i]);
+    switch (p->dtype) {
+    case TM_F32:
+        adamw_f32(tm__data(p), tm__data(p->grad), m, v, n, (float)lr, (float)c->beta1, (float)omb1,
+                  (float)c->beta2, (float)omb2, (float)c->eps, (float)wd, (float)bc1, (float)bc2, nth);
+        break;
+    case TM_BF16:
+        adamw_bf16(tm__data(p), tm__data(p->grad), m, v, n, (float)lr, (float)c->beta1, (float)omb1,
+                   (float)c->beta2, (float)omb2, (float)c->eps, (float)wd, (float)bc1, (float)bc2, nth);
+        break;
+    case TM_F64:
+        adamw_f64(tm__data(p), tm__data(p->grad), m, v, n, lr, c->beta1, omb1, c->beta2, omb2, c->eps, wd, bc1,
+                  bc2, nth);
+        break;
+    default: /* tm_optimizer_step admits float dtypes only */
+        break;
     }
-    opt->steps = t;
-    return TM_OK;
-}
-
-int64_t tm_optimizer_steps(const tm_optimizer *opt) { return opt ? opt->steps : 0; }
-
-void tm_optimizer_free(tm_optimizer *opt) {
-    if (!opt) return;
-    tm_ctx *ctx = opt->ctx;
-    tm__host_free(ctx, opt->param);
-    tm__host_free(ctx, opt);
 }

@@ -1,0 +1,417 @@
+/*
+ * model.c — a Mixtral-style decoder-only language model, built only from public ops:
+ *
+ *   tokens [B,T] --embedding--> x [B*T,H]
+ *   n_layers x:  x += wo( attention( rope(rmsnorm(x) wq), rope(rmsnorm(x) wk), rmsnorm(x) wv ) )
+ *                x += ffn(rmsnorm(x))        ffn = MoE block, or a dense SwiGLU for the first
+ *                                            first_k_dense layers
+ *   rmsnorm --lm_head (or embed.weight^T when tied)--> logits [B,T,V]
+ *   loss = mean CE + the MoE layers' aux / seq-aux / z losses (coefficients applied there)
+ *
+ * The residual stream is kept as one [B*T, H] matrix so every projection is a single GEMM of
+ * B*T rows; only rope and attention see the [B,T,heads,D] view of it (a reshape of contiguous
+ * memory, no copy). Weights are stored [in, out] so activations multiply from the left.
+ *
+ * Everything a forward needs on the host (per-layer statistics) lives in the model, allocated
+ * once in tm_model_new; the per-step tensors come from the context's arena, so a steady-state
+ * training step makes no system allocation.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+typedef struct tm__layer {
+    tm_tensor *attn_norm, *wq, *wk, *wv, *wo;
+    tm_tensor *ffn_norm;
+    tm_tensor *mlp_w0, *mlp_w1, *mlp_wo; /* dense layers */
+    tm_moe *moe;                         /* MoE layers */
+} tm__layer;
+
+struct tm_model {
+    tm_ctx *ctx;
+    tm_model_config cfg; /* as given, with moe.hidden_size = d_model */
+    tm_dtype dtype;
+    tm_device dev;
+    tm_tensor *embed, *norm, *lm_head; /* lm_head NULL when tied */
+    tm__layer *layers;                 /* [n_layers] */
+    int n_moe;
+    int64_t *tokens_per_expert;        /* [n_moe * E], handed out by tm_model_forward */
+};
+
+tm_model_config tm_model_config_default(void) {
+    tm_model_config c;
+    memset(&c, 0, sizeof c);
+    c.vocab_size = 257;
+    c.d_model = 128;
+    c.n_layers = 4;
+    c.n_heads = 4;
+    c.n_kv_heads = 4;
+    c.max_seq_len = 128;
+    c.rope_theta = 10000.0;
+    c.norm_eps = 1e-5;
+    c.tie_embeddings = 0;
+    c.first_k_dense = 0;
+    c.dense_ffn_size = 0; /* 4 * d_model */
+    c.init_std = 0.02;
+    c.moe = tm_moe_config_default();
+    c.moe.hidden_size = c.d_model;
+    c.moe.ffn_size = 256;
+    c.moe.router.num_experts = 4;
+    c.moe.router.topk = 2;
+    c.moe.router.score_function = TM_SCORE_SOFTMAX;
+    c.moe.router.use_pre_softmax = 1;
+    c.moe.aux_loss_coeff = 1e-2;
+    return c;
+}
+
+#define BAD(...) tm__err(ctx, TM_ERR_INVALID_ARG, __VA_ARGS__)
+
+/* The MoE block's config as the model builds it: hidden_size always follows d_model. */
+static tm_moe_config moe_config_of(const tm_model_config *c) {
+    tm_moe_config m = c->moe;
+    m.hidden_size = c->d_model;
+    return m;
+}
+
+tm_status tm_model_config_check(tm_ctx *ctx, const tm_model_config *c) {
+    if (!c) return BAD("model config: cfg is NULL");
+    if (c->vocab_size < 1) return BAD("model config: vocab_size = %d must be >= 1", c->vocab_size);
+    if (c->d_model < 1) return BAD("model config: d_model = %d must be >= 1", c->d_model);
+    if (c->n_layers < 1) return BAD("model config: n_layers = %d must be >= 1", c->n_layers);
+    if (c->n_heads < 1) return BAD("model config: n_heads = %d must be >= 1", c->n_heads);
+    if (c->d_model % c->n_heads)
+        return BAD("model config: n_heads = %d does not divide d_model = %d", c->n_heads, c->d_model);
+    if ((c->d_model / c->n_heads) % 2)
+        return BAD("model config: head dim d_model / n_heads = %d / %d = %d must be even (rotary embeddings rotate "
+                   "pairs)", c->d_model, c->n_heads, c->d_model / c->n_heads);
+    if (c->n_kv_heads < 1) return BAD("model config: n_kv_heads = %d must be >= 1", c->n_kv_heads);
+    if (c->n_heads % c->n_kv_heads)
+        return BAD("model config: n_kv_heads = %d does not divide n_heads = %d", c->n_kv_heads, c->n_heads);
+    if (c->max_seq_len < 1) return BAD("model config: max_seq_len = %d must be >= 1", c->max_seq_len);
+    if (!(c->rope_theta > 0) || !isfinite(c->rope_theta))
+        return BAD("model config: rope_theta = %g must be finite and > 0", c->rope_theta);
+    if (!(c->norm_eps >= 0) || !isfinite(c->norm_eps))
+        return BAD("model config: norm_eps = %g must be finite and >= 0", c->norm_eps);
+    if (c->tie_embeddings != 0 && c->tie_embeddings != 1)
+        return BAD("model config: tie_embeddings = %d must be 0 or 1", c->tie_embeddings);
+    if (c->first_k_dense < 0 || c->first_k_dense > c->n_layers)
+        return BAD("model config: first_k_dense = %d must be in [0, n_layers = %d]", c->first_k_dense, c->n_layers);
+    if (c->dense_ffn_size < 0)
+        return BAD("model config: dense_ffn_size = %d must be >= 0 (0: 4 * d_model)", c->dense_ffn_size);
+    if (!(c->init_std >= 0) || !isfinite(c->init_std))
+        return BAD("model config: init_std = %g must be finite and >= 0", c->init_std);
+    /* The MoE block reports "moe config: <field> = ..."; re-issue it as "model config:
+     * moe.<field> = ..." so the name is the model config's own key. The message is copied
+     * first: tm__err writes into the buffer tm_ctx_errmsg points at. */
+    tm_moe_config moe = moe_config_of(c);
+    tm_status s = tm_moe_config_check(ctx, &moe);
+    if (s != TM_OK && ctx) {
+        char msg[512];
+        const char *m = tm_ctx_errmsg(ctx), *prefix = "moe config: ";
+        snprintf(msg, sizeof msg, "%s", strncmp(m, prefix, strlen(prefix)) ? m : m + strlen(prefix));
+        return tm__err(ctx, s, "model config: moe.%s", msg);
+    }
+    return s;
+}
+
+/* ---- construction ------------------------------------------------------------------------ */
+
+static tm_status param(tm_model *m, const char *name, int ndim, int64_t d0, int64_t d1, tm_tensor **out) {
+    int64_t shape[2] = {d0, d1};
+    return tm_param_new(m->ctx, name, m->dtype, ndim, shape, m->dev, out);
+}
+
+/* "layers.<l>.<suffix>" */
+static tm_status layer_param(tm_model *m, int l, const char *suffix, int ndim, int64_t d0, int64_t d1,
+                             tm_tensor **out) {
+    char name[128];
+    snprintf(name, sizeof name, "layers.%d.%s", l, suffix);
+    return param(m, name, ndim, d0, d1, out);
+}
+
+static tm_status build(tm_model *m) {
+    const tm_model_config *c = &m->cfg;
+    int64_t H = c->d_model, V = c->vocab_size, D = H / c->n_heads;
+    int64_t Hq = c->n_heads * D, Hkv = c->n_kv_heads * D, F = c->dense_ffn_size ? c->dense_ffn_size : 4 * (int64_t)c->d_model;
+    TM__TRY(param(m, "embed.weight", 2, V, H, &m->embed));
+    for (int l = 0; l < c->n_layers; l++) {
+        tm__layer *L = &m->layers[l];
+        TM__TRY(layer_param(m, l, "attn_norm.weight", 1, H, 0, &L->attn_norm));
+        TM__TRY(layer_param(m, l, "attn.wq", 2, H, Hq, &L->wq));
+        TM__TRY(layer_param(m, l, "attn.wk", 2, H, Hkv, &L->wk));
+        TM__TRY(layer_param(m, l, "attn.wv", 2, H, Hkv, &L->wv));
+        TM__TRY(layer_param(m, l, "attn.wo", 2, Hq, H, &L->wo));
+        TM__TRY(layer_param(m, l, "ffn_norm.weight", 1, H, 0, &L->ffn_norm));
+        if (l < c->first_k_dense) {
+            TM__TRY(layer_param(m, l, "mlp.w0", 2, H, F, &L->mlp_w0));
+            TM__TRY(layer_param(m, l, "mlp.w1", 2, H, F, &L->mlp_w1));
+            TM__TRY(layer_param(m, l, "mlp.wo", 2, F, H, &L->mlp_wo));
+        } else {
+            char prefix[64];
+            snprintf(prefix, sizeof prefix, "layers.%d.moe", l);
+            TM__TRY(tm_moe_new(m->ctx, prefix, &c->moe, m->dtype, m->dev, &L->moe));
+        }
+    }
+    TM__TRY(param(m, "norm.weight", 1, H, 0, &m->norm));
+    if (!c->tie_embeddings) TM__TRY(param(m, "lm_head.weight", 2, H, V, &m->lm_head));
+    return TM_OK;
+}
+
+tm_status tm_model_new(tm_ctx *ctx, const tm_model_config *cfg, tm_dtype dtype, tm_device dev, tm_model **out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!out) return BAD("tm_model_new: out is NULL");
+    TM__TRY(tm_model_config_check(ctx, cfg));
+    if (!tm__is_float(dtype))
+        return tm__err(ctx, TM_ERR_DTYPE, "tm_model_new: dtype %s is not a float dtype", tm_dtype_name(dtype));
+    tm_model_config c = *cfg;
+    c.moe = moe_config_of(cfg);
+    int n_moe = c.n_layers - c.first_k_dense, E = c.moe.router.num_experts;
+    /* One host block: the model, its layers, the per-forward expert counts. */
+    size_t layers_off = (sizeof(tm_model) + 63) & ~(size_t)63;
+    size_t tpe_off = (layers_off + sizeof(tm__layer) * (size_t)c.n_layers + 63) & ~(size_t)63;
+    size_t nbytes = tpe_off + sizeof(int64_t) * (size_t)n_moe * (size_t)E + 1;
+    char *mem = tm__host_alloc(ctx, nbytes);
+    if (!mem) return tm__err(ctx, TM_ERR_NOMEM, "tm_model_new: out of host memory (%zu bytes)", nbytes);
+    memset(mem, 0, nbytes);
+    tm_model *m = (tm_model *)mem;
+    m->ctx = ctx;
+    m->cfg = c;
+    m->dtype = dtype;
+    m->dev = dev;
+    m->layers = (tm__layer *)(mem + layers_off);
+    m->n_moe = n_moe;
+    m->tokens_per_expert = (int64_t *)(mem + tpe_off);
+    tm_status s = build(m);
+    if (s != TM_OK) {
+        /* Parameters already made stay with the context (there is no way to remove one). */
+        tm_model_free(m);
+        return s;
+    }
+    *out = m;
+    return TM_OK;
+}
+
+void tm_model_free(tm_model *m) {
+    if (!m) return;
+    for (int l = 0; l < m->cfg.n_layers; l++) tm_moe_free(m->layers[l].moe);
+    tm__host_free(m->ctx, m);
+}
+
+const tm_model_config *tm_model_get_config(const tm_model *m) { return m ? &m->cfg : NULL; }
+
+tm_status tm_model_init(tm_model *m, uint64_t seed) {
+    if (!m) return TM_ERR_INVALID_ARG;
+    tm_ctx *ctx = m->ctx;
+    const tm_model_config *c = &m->cfg;
+    /* GPT-2's residual scaling: each layer adds two projections into the residual stream, so
+     * their std shrinks by sqrt(2 n_layers) to keep the stream's variance independent of depth. */
+    double std = c->init_std, out_std = c->init_std / sqrt(2.0 * c->n_layers);
+    TM__TRY(tm_tensor_init_normal(ctx, m->embed, seed, NULL, 0, std));
+    for (int l = 0; l < c->n_layers; l++) {
+        tm__layer *L = &m->layers[l];
+        TM__TRY(tm_tensor_fill(ctx, L->attn_norm, 1.0));
+        TM__TRY(tm_tensor_init_normal(ctx, L->wq, seed, NULL, 0, std));
+        TM__TRY(tm_tensor_init_normal(ctx, L->wk, seed, NULL, 0, std));
+        TM__TRY(tm_tensor_init_normal(ctx, L->wv, seed, NULL, 0, std));
+        TM__TRY(tm_tensor_init_normal(ctx, L->wo, seed, NULL, 0, out_std));
+        TM__TRY(tm_tensor_fill(ctx, L->ffn_norm, 1.0));
+        if (L->moe) {
+            TM__TRY(tm_moe_init(L->moe, seed, std, out_std));
+        } else {
+            TM__TRY(tm_tensor_init_normal(ctx, L->mlp_w0, seed, NULL, 0, std));
+            TM__TRY(tm_tensor_init_normal(ctx, L->mlp_w1, seed, NULL, 0, std));
+            TM__TRY(tm_tensor_init_normal(ctx, L->mlp_wo, seed, NULL, 0, out_std));
+        }
+    }
+    TM__TRY(tm_tensor_fill(ctx, m->norm, 1.0));
+    if (m->lm_head) TM__TRY(tm_tensor_init_normal(ctx, m->lm_head, seed, NULL, 0, std));
+    return TM_OK;
+}
+
+int64_t tm_model_num_params(const tm_model *m, int64_t *active_per_token) {
+    if (!m) {
+        if (active_per_token) *active_per_token = 0;
+        return 0;
+    }
+    const tm_model_config *c = &m->cfg;
+    int64_t total = tm_tensor_numel(m->embed) + tm_tensor_numel(m->norm) + tm_tensor_numel(m->lm_head);
+    int64_t routed = 0, routed_active = 0; /* routed expert weights, all / as seen by one token */
+    const char *per_layer[] = {"gate.weight", "shared.w0", "shared.w1", "shared.wo"};
+    const char *experts[] = {"experts.w0", "experts.w1", "experts.wo"};
+    for (int l = 0; l < c->n_layers; l++) {
+        const tm__layer *L = &m->layers[l];
+        const tm_tensor *own[] = {L->attn_norm, L->wq, L->wk, L->wv, L->wo, L->ffn_norm, L->mlp_w0, L->mlp_w1, L->mlp_wo};
+        for (size_t i = 0; i < sizeof own / sizeof *own; i++) total += tm_tensor_numel(own[i]);
+        if (!L->moe) continue;
+        for (size_t i = 0; i < sizeof per_layer / sizeof *per_layer; i++)
+            total += tm_tensor_numel(tm_moe_tensor(L->moe, per_layer[i]));
+        for (size_t i = 0; i < sizeof experts / sizeof *experts; i++) {
+            int64_t n = tm_tensor_numel(tm_moe_tensor(L->moe, experts[i]));
+            routed += n;
+            routed_active += n / c->moe.router.num_experts * c->moe.router.topk;
+        }
+    }
+    total += routed;
+    if (active_per_token) *active_per_token = total - routed + routed_active;
+    return total;
+}
+
+/* ---- forward ----------------------------------------------------------------------------- */
+
+/* x [N,H] -> swiglu(x w0, x w1) wo [N,H] */
+static tm_status swiglu_mlp(tm_ctx *ctx, tm_tensor *x, tm_tensor *w0, tm_tensor *w1, tm_tensor *wo, tm_tensor **out) {
+    tm_tensor *g, *u, *a;
+    TM__TRY(tm_matmul(ctx, x, w0, 0, 0, &g)); // (N, F)
+    TM__TRY(tm_matmul(ctx, x, w1, 0, 0, &u)); // (N, F)
+    TM__TRY(tm_swiglu(ctx, g, u, &a));
+    return tm_matmul(ctx, a, wo, 0, 0, out);  // (N, H)
+}
+
+/* Causal GQA self-attention of h [B*T,H] -> [B*T,H] (before the residual add). */
+static tm_status self_attention(tm_model *m, const tm__layer *L, tm_tensor *h, int64_t B, int64_t T, tm_tensor **out) {
+    tm_ctx *ctx = m->ctx;
+    const tm_model_config *c = &m->cfg;
+    int64_t D = c->d_model / c->n_heads;
+    int64_t sq[4] = {B, T, c->n_heads, D}, skv[4] = {B, T, c->n_kv_heads, D}, s2[2] = {B * T, c->n_heads * D};
+    tm_tensor *q, *k, *v, *a;
+    TM__TRY(tm_matmul(ctx, h, L->wq, 0, 0, &q)); // (B*T, Hq*D)
+    TM__TRY(tm_matmul(ctx, h, L->wk, 0, 0, &k)); // (B*T, Hkv*D)
+    TM__TRY(tm_matmul(ctx, h, L->wv, 0, 0, &v)); // (B*T, Hkv*D)
+    TM__TRY(tm_reshape(ctx, q, 4, sq, &q));      // (B, T, Hq, D)
+    TM__TRY(tm_reshape(ctx, k, 4, skv, &k));     // (B, T, Hkv, D)
+    TM__TRY(tm_reshape(ctx, v, 4, skv, &v));
+    TM__TRY(tm_rope(ctx, q, 0, c->rope_theta, &q));
+    TM__TRY(tm_rope(ctx, k, 0, c->rope_theta, &k));
+    TM__TRY(tm_attention(ctx, q, k, v, 0.0, &a)); // (B, T, Hq, D)
+    TM__TRY(tm_reshape(ctx, a, 2, s2, &a));       // (B*T, Hq*D)
+    return tm_matmul(ctx, a, L->wo, 0, 0, out);   // (B*T, H)
+}
+
+/* Every id of ids (i32 [B,T]) in [0, hi), or equal to the ignore index when `ignore` is set;
+ * otherwise TM_ERR_INDEX naming the first offender by position and value. Checked on the host
+ * before anything runs, so a bad batch leaves no trace (the MoE layers' running counts
+ * included). B*T ints: nothing next to the forward. */
+static tm_status check_range(tm_model *m, tm_tensor *ids, const char *what, int ignore) {
+    tm_ctx *ctx = m->ctx;
+    int64_t n = tm__numel(ids), T = ids->shape[1], V = m->cfg.vocab_size;
+    int32_t *h = tm__arena_alloc(ctx, tm_cpu(), sizeof(int32_t) * (size_t)n);
+    if (!h) return TM_ERR_NOMEM;
+    TM__TRY(tm_tensor_read(ctx, ids, TM_I32, h, n));
+    for (int64_t i = 0; i < n; i++) {
+        if ((h[i] >= 0 && h[i] < V) || (ignore && h[i] == -1)) continue;
+        return tm__err(ctx, TM_ERR_INDEX, "tm_model_forward: %s[%lld, %lld] = %d is outside [0, vocab_size = %lld)%s (%s %s)",
+                       what, (long long)(i / T), (long long)(i % T), (int)h[i], (long long)V,
+                       ignore ? " and is not the ignore index -1" : "", what, tm__tdesc(ctx, ids));
+    }
+    return TM_OK;
+}
+
+static tm_status check_ids(tm_model *m, tm_tensor *t, const char *what, const tm_tensor *like) {
+    tm_ctx *ctx = m->ctx;
+    if (t->dtype != TM_I32 || t->ndim != 2 || t->shape[0] < 1 || t->shape[1] < 1)
+        return tm__err(ctx, t->dtype != TM_I32 ? TM_ERR_DTYPE : TM_ERR_SHAPE,
+                       "tm_model_forward: %s must be i32 [B,T] with B, T >= 1, got %s", what, tm__tdesc(ctx, t));
+    if (!tm__same_device(t->device, m->dev))
+        return tm__err(ctx, TM_ERR_DEVICE, "tm_model_forward: %s %s is not on the model's device", what, tm__tdesc(ctx, t));
+    if (like && (t->shape[0] != like->shape[0] || t->shape[1] != like->shape[1]))
+        return tm__err(ctx, TM_ERR_SHAPE, "tm_model_forward: %s %s must have the shape of tokens %s", what,
+                       tm__tdesc(ctx, t), tm__tdesc(ctx, like));
+    return TM_OK;
+}
+
+/* a + b for 0-d losses, either of which may be absent (NULL) and whose dtypes may differ (the
+ * MoE losses are f32, the cross-entropy has the logits' dtype: f64 in gradient checks). The sum
+ * has a's dtype. */
+static tm_status add_loss(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out) {
+    if (!a || !b) {
+        *out = a ? a : b;
+        return TM_OK;
+    }
+    if (b->dtype != a->dtype) TM__TRY(tm_cast(ctx, b, a->dtype, &b));
+    return tm_add(ctx, a, b, out);
+}
+
+tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out) {
+    if (!m) return TM_ERR_INVALID_ARG;
+    tm_ctx *ctx = m->ctx;
+    const tm_model_config *c = &m->cfg;
+    if (!tokens || !out) return BAD("tm_model_forward: %s is NULL", tokens ? "out" : "tokens");
+    TM__TRY(check_ids(m, tokens, "tokens", NULL));
+    if (targets) TM__TRY(check_ids(m, targets, "targets", tokens));
+    int64_t B = tokens->shape[0], T = tokens->shape[1], V = c->vocab_size;
+    int64_t E = c->moe.router.num_experts;
+    if (T > c->max_seq_len)
+        return tm__err(ctx, TM_ERR_SHAPE, "tm_model_forward: sequence length T = %lld of tokens %s exceeds max_seq_len = %d",
+                       (long long)T, tm__tdesc(ctx, tokens), c->max_seq_len);
+    TM__TRY(check_range(m, tokens, "tokens", 0));
+    if (targets) TM__TRY(check_range(m, targets, "targets", 1));
+
+    tm_model_out o;
+    memset(&o, 0, sizeof o);
+    o.n_moe_layers = m->n_moe;
+    /* Counts are gathered here and copied to the model's array only on success. */
+    int64_t *tpe = tm__arena_alloc(ctx, tm_cpu(), sizeof(int64_t) * (size_t)(m->n_moe * E) + 1);
+    if (!tpe) return TM_ERR_NOMEM;
+
+    int64_t flat[1] = {B * T}, s3[3] = {B, T, V};
+    tm_tensor *ids, *x;
+    TM__TRY(tm_reshape(ctx, tokens, 1, flat, &ids));
+    TM__TRY(tm_embedding(ctx, m->embed, ids, &x)); // (B*T, H)
+
+    tm_tensor *moe_loss[3] = {NULL, NULL, NULL}; /* aux, seq aux, z: summed over layers */
+    int j = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        const tm__layer *L = &m->layers[l];
+        tm_tensor *h, *y;
+        TM__TRY(tm_rmsnorm(ctx, x, L->attn_norm, c->norm_eps, &h));
+        TM__TRY(self_attention(m, L, h, B, T, &y));
+        TM__TRY(tm_add(ctx, x, y, &x));
+        TM__TRY(tm_rmsnorm(ctx, x, L->ffn_norm, c->norm_eps, &h));
+        if (L->moe) {
+            tm_moe_stats st;
+            TM__TRY(tm_moe_forward(L->moe, h, B, &y, &st));
+            tm_tensor *parts[3] = {st.aux_loss, st.seq_aux_loss, st.z_loss};
+            for (int p = 0; p < 3; p++) TM__TRY(add_loss(ctx, moe_loss[p], parts[p], &moe_loss[p]));
+            o.aux_value += st.aux_loss_value;
+            o.seq_aux_value += st.seq_aux_loss_value;
+            o.z_value += st.z_loss_value;
+            o.dropped_tokens += st.dropped_tokens;
+            if (st.max_load_ratio > o.max_load_ratio) o.max_load_ratio = st.max_load_ratio;
+            TM__TRY(tm_tensor_read(ctx, st.tokens_per_expert, TM_I64, tpe + (int64_t)j * E, E));
+            j++;
+        } else {
+            TM__TRY(swiglu_mlp(ctx, h, L->mlp_w0, L->mlp_w1, L->mlp_wo, &y));
+        }
+        TM__TRY(tm_add(ctx, x, y, &x));
+    }
+    tm_tensor *h, *logits;
+    TM__TRY(tm_rmsnorm(ctx, x, m->norm, c->norm_eps, &h));
+    if (m->lm_head) TM__TRY(tm_matmul(ctx, h, m->lm_head, 0, 0, &logits)); // (B*T, V)
+    else TM__TRY(tm_matmul(ctx, h, m->embed, 0, 1, &logits));
+    TM__TRY(tm_reshape(ctx, logits, 3, s3, &o.logits)); // (B, T, V)
+
+    if (targets) {
+        tm_tensor *tg, *lg = logits;
+        TM__TRY(tm_reshape(ctx, targets, 1, flat, &tg));
+        /* A bf16 loss would keep 3 significant digits: take the cross-entropy in f32. */
+        if (lg->dtype == TM_BF16) TM__TRY(tm_cast(ctx, lg, TM_F32, &lg));
+        TM__TRY(tm_cross_entropy(ctx, lg, tg, -1, &o.ce_loss));
+        o.loss = o.ce_loss;
+        for (int p = 0; p < 3; p++) TM__TRY(add_loss(ctx, o.loss, moe_loss[p], &o.loss));
+        TM__TRY(tm_tensor_read(ctx, o.ce_loss, TM_F64, &o.ce_value, 1));
+        TM__TRY(tm_tensor_read(ctx, o.loss, TM_F64, &o.loss_value, 1));
+    }
+    memcpy(m->tokens_per_expert, tpe, sizeof(int64_t) * (size_t)(m->n_moe * E));
+    o.tokens_per_expert = m->tokens_per_expert;
+    *out = o;
+    return TM_OK;
+}
+
+tm_status tm_model_step(tm_model *m) {
+    if (!m) return TM_ERR_INVALID_ARG;
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        if (m->layers[l].moe) TM__TRY(tm_moe_step(m->layers[l].moe));
+    return TM_OK;
+}

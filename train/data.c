@@ -1,0 +1,516 @@
+/* data.c — llm.c token files, the byte-level tokenizer and deterministic batching; see data.h.
+ *
+ * Every multi-byte value on disk is encoded and decoded byte by byte as little-endian, so the
+ * files are the same on any host (no byte-order assumption, no #if on endianness). */
+#include "data.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <glob.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "tinymoe.h"
+
+#define HEADER_BYTES (TM__DATA_HEADER_INTS * 4)
+/* Tokens converted per fread/fwrite: bounds the staging buffer (256 KiB of bytes). */
+#define CHUNK_TOKENS 65536
+
+static int fail(char *err, size_t errlen, const char *fmt, ...) {
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return -1;
+}
+
+/* Copy a name into a fixed buffer, keeping the end (the file name) when it is too long. */
+static void set_source(char *dst, size_t cap, const char *src) {
+    size_t n = strlen(src);
+    if (n < cap) {
+        memcpy(dst, src, n + 1);
+    } else {
+        memcpy(dst, "...", 3);
+        memcpy(dst + 3, src + n - (cap - 4), cap - 4);
+        dst[cap - 1] = '\0';
+    }
+}
+
+static int32_t get_i32le(const unsigned char *p) {
+    return (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
+}
+static void put_u32le(unsigned char *p, uint32_t v) {
+    p[0] = (unsigned char)v;
+    p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16);
+    p[3] = (unsigned char)(v >> 24);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Loading
+ * ------------------------------------------------------------------------------------------ */
+
+/* One validated shard: its token width and count, positioned just after the header. */
+typedef struct {
+    FILE *f;
+    int width; /* bytes per token: 2 (version 1) or 4 (version 7) */
+    int64_t n;
+} shard;
+
+static int open_shard(const char *path, shard *s, char *err, size_t errlen) {
+    s->f = fopen(path, "rb");
+    if (!s->f) return fail(err, errlen, "cannot open '%s': %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fileno(s->f), &st) != 0) return fail(err, errlen, "cannot stat '%s': %s", path, strerror(errno));
+    if (!S_ISREG(st.st_mode)) return fail(err, errlen, "'%s' is not a regular file", path);
+    int64_t size = (int64_t)st.st_size;
+    if (size < HEADER_BYTES)
+        return fail(err, errlen,
+                    "'%s' is %lld bytes, shorter than the %d-byte header of a token file (truncated, or "
+                    "not a token file)",
+                    path, (long long)size, HEADER_BYTES);
+    unsigned char h[HEADER_BYTES];
+    if (fread(h, 1, sizeof h, s->f) != sizeof h)
+        return fail(err, errlen, "cannot read the header of '%s': %s", path,
+                    ferror(s->f) ? strerror(errno) : "unexpected end of file");
+
+    int32_t magic = get_i32le(h), version = get_i32le(h + 4), count = get_i32le(h + 8);
+    int want_version;
+    if (magic == TM__DATA_MAGIC_V1) {
+        want_version = 1;
+        s->width = 2;
+    } else if (magic == TM__DATA_MAGIC_V7) {
+        want_version = 7;
+        s->width = 4;
+    } else {
+        return fail(err, errlen,
+                    "'%s' has magic %d, expected %d (llm.c tokens, uint16) or %d (uint32): not a "
+                    "token file",
+                    path, magic, TM__DATA_MAGIC_V1, TM__DATA_MAGIC_V7);
+    }
+    if (version != want_version)
+        return fail(err, errlen, "'%s' has version %d, but its magic %d means version %d", path, version, magic,
+                    want_version);
+    if (count < 0) return fail(err, errlen, "'%s' declares a negative token count %d", path, count);
+    s->n = count;
+    int64_t body = size - HEADER_BYTES, want = (int64_t)count * s->width;
+    if (body < want)
+        return fail(err, errlen,
+                    "'%s' is truncated: its header declares %d tokens (%lld bytes) but only %lld bytes "
+                    "follow the header",
+                    path, count, (long long)want, (long long)body);
+    if (body > want)
+        return fail(err, errlen,
+                    "'%s' has %lld bytes after the %d tokens its header declares (wrong count, or "
+                    "appended data)",
+                    path, (long long)(body - want), count);
+    return 0;
+}
+
+/* Append the n tokens of s at dst, decoding little-endian uint16/uint32. */
+static int read_tokens(shard *s, const char *path, uint32_t *dst, unsigned char *buf, char *err, size_t errlen) {
+    for (int64_t done = 0; done < s->n;) {
+        size_t k = (size_t)(s->n - done < CHUNK_TOKENS ? s->n - done : CHUNK_TOKENS);
+        if (fread(buf, (size_t)s->width, k, s->f) != k)
+            return fail(err, errlen, "cannot read the tokens of '%s': %s", path,
+                        ferror(s->f) ? strerror(errno) : "file shrank while being read");
+        if (s->width == 2)
+            for (size_t i = 0; i < k; i++) dst[done + i] = (uint32_t)buf[2 * i] | (uint32_t)buf[2 * i + 1] << 8;
+        else
+            for (size_t i = 0; i < k; i++) dst[done + i] = (uint32_t)get_i32le(buf + 4 * i);
+        done += (int64_t)k;
+    }
+    return 0;
+}
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* The whole source is read into one uint32 array (4 bytes per token whatever the file width):
+ * fine for the corpora this driver trains on (tens of millions of tokens at most); a streaming
+ * or mmap reader would replace this for larger ones. All headers are validated before any
+ * token is read, so a bad shard costs no I/O on the others. */
+int tm__tokens_load(const char *pattern, tm__tokens *out, char *err, size_t errlen) {
+    memset(out, 0, sizeof *out);
+    if (!pattern || !*pattern) return fail(err, errlen, "no token file given");
+
+    /* A plain path is opened directly so a missing file reports strerror (glob would only say
+     * "no match"); a pattern must match at least one file. */
+    char **paths = NULL;
+    size_t npaths = 0;
+    glob_t g;
+    memset(&g, 0, sizeof g);
+    int globbed = strpbrk(pattern, "*?[") != NULL;
+    if (globbed) {
+        int rc = glob(pattern, 0, NULL, &g);
+        if (rc != 0) {
+            globfree(&g);
+            if (rc == GLOB_NOMATCH) return fail(err, errlen, "no file matches '%s'", pattern);
+            return fail(err, errlen, "cannot expand '%s': %s", pattern,
+                        rc == GLOB_NOSPACE ? "out of memory" : "read error");
+        }
+        /* glob sorts with strcoll; re-sort bytewise so the shard order never depends on the
+         * locale. */
+        paths = g.gl_pathv;
+        npaths = g.gl_pathc;
+        qsort(paths, npaths, sizeof *paths, cmp_str);
+    } else {
+        paths = (char **)&pattern;
+        npaths = 1;
+    }
+
+    int rc = -1;
+    shard *sh = calloc(npaths, sizeof *sh);
+    unsigned char *buf = malloc((size_t)CHUNK_TOKENS * 4);
+    if (!sh || !buf) {
+        fail(err, errlen, "out of memory listing the files of '%s'", pattern);
+        goto done;
+    }
+    int64_t total = 0;
+    for (size_t i = 0; i < npaths; i++) {
+        if (open_shard(paths[i], &sh[i], err, errlen) != 0) goto done;
+        total += sh[i].n;
+    }
+    if (total == 0) {
+        fail(err, errlen, "'%s' holds no tokens", pattern);
+        goto done;
+    }
+    if ((uint64_t)total > SIZE_MAX / sizeof(uint32_t) || !(out->tok = malloc((size_t)total * sizeof(uint32_t)))) {
+        fail(err, errlen, "out of memory for the %lld tokens of '%s'", (long long)total, pattern);
+        goto done;
+    }
+    int64_t at = 0;
+    for (size_t i = 0; i < npaths; i++) {
+        if (read_tokens(&sh[i], paths[i], out->tok + at, buf, err, errlen) != 0) goto done;
+        at += sh[i].n;
+    }
+    out->n = total;
+    uint32_t mx = 0;
+    for (int64_t i = 0; i < total; i++) mx = out->tok[i] > mx ? out->tok[i] : mx;
+    out->max_token = mx;
+    set_source(out->source, sizeof out->source, pattern);
+    rc = 0;
+
+done:
+    if (sh)
+        for (size_t i = 0; i < npaths; i++)
+            if (sh[i].f) fclose(sh[i].f);
+    free(sh);
+    free(buf);
+    if (globbed) globfree(&g);
+    if (rc != 0) tm__tokens_free(out);
+    return rc;
+}
+
+void tm__tokens_free(tm__tokens *t) {
+    if (!t) return;
+    free(t->tok);
+    memset(t, 0, sizeof *t);
+}
+
+static uint32_t max_of(const uint32_t *tok, int64_t n) {
+    uint32_t mx = 0;
+    for (int64_t i = 0; i < n; i++) mx = tok[i] > mx ? tok[i] : mx;
+    return mx;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Split and vocabulary check
+ * ------------------------------------------------------------------------------------------ */
+
+int tm__tokens_split(tm__tokens *train, double fraction, tm__tokens *val, char *err, size_t errlen) {
+    memset(val, 0, sizeof *val);
+    if (!(fraction > 0.0 && fraction < 1.0)) /* also rejects NaN */
+        return fail(err, errlen, "validation fraction %g of '%s' must be in (0, 1)", fraction, train->source);
+    int64_t n = train->n, n_val = (int64_t)llround(fraction * (double)n), n_train = n - n_val;
+    /* One (input, target) pair needs two tokens: fewer on either side cannot train or
+     * evaluate anything. */
+    if (n_val < 2 || n_train < 2)
+        return fail(err, errlen,
+                    "validation fraction %g of the %lld tokens of '%s' leaves %lld training and %lld "
+                    "validation tokens (each needs >= 2)",
+                    fraction, (long long)n, train->source, (long long)n_train, (long long)n_val);
+    val->tok = malloc((size_t)n_val * sizeof(uint32_t));
+    if (!val->tok)
+        return fail(err, errlen, "out of memory for the %lld validation tokens of '%s'", (long long)n_val,
+                    train->source);
+    memcpy(val->tok, train->tok + n_train, (size_t)n_val * sizeof(uint32_t));
+    val->n = n_val;
+    val->max_token = max_of(val->tok, n_val);
+    char name[sizeof val->source + 64];
+    snprintf(name, sizeof name, "last %g of %s", fraction, train->source);
+    set_source(val->source, sizeof val->source, name);
+
+    /* Shrinking in place keeps train's memory; realloc only returns the tail to the heap. */
+    uint32_t *shrunk = realloc(train->tok, (size_t)n_train * sizeof(uint32_t));
+    if (shrunk) train->tok = shrunk;
+    train->n = n_train;
+    train->max_token = max_of(train->tok, n_train);
+    return 0;
+}
+
+int tm__tokens_check_vocab(const tm__tokens *t, int vocab_size, char *err, size_t errlen) {
+    if (vocab_size < 1) return fail(err, errlen, "vocab size %d must be >= 1", vocab_size);
+    if (t->max_token < (uint32_t)vocab_size) return 0;
+    for (int64_t i = 0; i < t->n; i++)
+        if (t->tok[i] >= (uint32_t)vocab_size)
+            return fail(err, errlen, "token %u at position %lld of '%s' is >= the vocab size %d", t->tok[i],
+                        (long long)i, t->source, vocab_size);
+    return 0; /* unreachable while max_token is kept up to date */
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Writing: staged in a temporary file, then renamed over the target
+ * ------------------------------------------------------------------------------------------ */
+
+/* Write a complete, fsync'ed token file to a fresh temporary file next to `path` (same
+ * directory, so the later rename cannot cross file systems) and return its name in tmp. On
+ * failure the temporary file is removed. */
+static int stage(const char *path, const uint32_t *tok, int64_t n, char *tmp, size_t tmplen, char *err,
+                 size_t errlen) {
+    if (n < 0 || (n > 0 && !tok)) return fail(err, errlen, "cannot write '%s': invalid token array", path);
+    if (n > INT32_MAX)
+        return fail(err, errlen, "cannot write '%s': %lld tokens exceed the format's int32 count", path,
+                    (long long)n);
+    uint32_t mx = max_of(tok, n);
+    int v7 = mx > UINT16_MAX, width = v7 ? 4 : 2;
+
+    if ((size_t)snprintf(tmp, tmplen, "%s.tmp.XXXXXX", path) >= tmplen)
+        return fail(err, errlen, "cannot write '%s': path too long", path);
+    int fd = mkstemp(tmp);
+    if (fd < 0) return fail(err, errlen, "cannot create a temporary file next to '%s': %s", path, strerror(errno));
+    /* mkstemp creates 0600; a data file is ordinary shared input. */
+    fchmod(fd, 0644);
+    FILE *f = fdopen(fd, "wb");
+    if (!f) {
+        int e = errno;
+        close(fd);
+        unlink(tmp);
+        return fail(err, errlen, "cannot write '%s': %s", tmp, strerror(e));
+    }
+
+    unsigned char *buf = malloc((size_t)CHUNK_TOKENS * 4 > HEADER_BYTES ? (size_t)CHUNK_TOKENS * 4 : HEADER_BYTES);
+    int ok = buf != NULL;
+    int e = ok ? 0 : ENOMEM;
+    if (ok) {
+        memset(buf, 0, HEADER_BYTES);
+        put_u32le(buf, v7 ? TM__DATA_MAGIC_V7 : TM__DATA_MAGIC_V1);
+        put_u32le(buf + 4, v7 ? 7 : 1);
+        put_u32le(buf + 8, (uint32_t)n);
+        ok = fwrite(buf, 1, HEADER_BYTES, f) == HEADER_BYTES;
+    }
+    for (int64_t done = 0; ok && done < n;) {
+        size_t k = (size_t)(n - done < CHUNK_TOKENS ? n - done : CHUNK_TOKENS);
+        for (size_t i = 0; i < k; i++) {
+            uint32_t v = tok[done + i];
+            if (v7) {
+                put_u32le(buf + 4 * i, v);
+            } else {
+                buf[2 * i] = (unsigned char)v;
+                buf[2 * i + 1] = (unsigned char)(v >> 8);
+            }
+        }
+        ok = fwrite(buf, (size_t)width, k, f) == k;
+        done += (int64_t)k;
+    }
+    if (ok) ok = fflush(f) == 0 && fsync(fd) == 0;
+    if (!ok && !e) e = errno;
+    if (fclose(f) != 0 && ok) {
+        ok = 0;
+        e = errno;
+    }
+    free(buf);
+    if (!ok) {
+        unlink(tmp);
+        return fail(err, errlen, "cannot write '%s' (via '%s'): %s", path, tmp, strerror(e));
+    }
+    return 0;
+}
+
+/* Rename the staged file over the target, then fsync the directory so the new name itself
+ * survives a crash (best effort: some file systems refuse fsync on a directory). */
+static int commit(const char *tmp, const char *path, char *err, size_t errlen) {
+    if (rename(tmp, path) != 0) {
+        int e = errno;
+        unlink(tmp);
+        return fail(err, errlen, "cannot rename '%s' to '%s': %s", tmp, path, strerror(e));
+    }
+    char dir[4096];
+    const char *slash = strrchr(path, '/');
+    if (!slash)
+        snprintf(dir, sizeof dir, ".");
+    else if ((size_t)(slash - path) < sizeof dir)
+        snprintf(dir, sizeof dir, "%.*s", slash == path ? 1 : (int)(slash - path), path);
+    else
+        return 0;
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY);
+    if (dfd >= 0) {
+        fsync(dfd);
+        close(dfd);
+    }
+    return 0;
+}
+
+int tm__tokens_write(const char *path, const uint32_t *tok, int64_t n, char *err, size_t errlen) {
+    char tmp[4096];
+    if (stage(path, tok, n, tmp, sizeof tmp, err, errlen) != 0) return -1;
+    return commit(tmp, path, err, errlen);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Byte-level tokenizer
+ * ------------------------------------------------------------------------------------------ */
+
+/* out.bin -> out_val.bin; an extension is a '.' inside the last path component that does not
+ * start it (".cache" has none), as Python's os.path.splitext. */
+static int val_name(const char *out_path, char *dst, size_t cap) {
+    const char *base = strrchr(out_path, '/');
+    base = base ? base + 1 : out_path;
+    const char *dot = strrchr(base, '.');
+    if (!dot || dot == base) dot = out_path + strlen(out_path);
+    int n = snprintf(dst, cap, "%.*s_val%s", (int)(dot - out_path), out_path, dot);
+    return n >= 0 && (size_t)n < cap ? 0 : -1;
+}
+
+/* The text is held whole (1 byte) and as tokens (4 bytes per byte): 5x the file size, fine
+ * for the text corpora a byte-level model trains on. */
+int tm__tokenize_file(const char *in_path, const char *out_path, double val_fraction, char *val_path_out,
+                      size_t val_path_len, char *err, size_t errlen) {
+    if (val_path_out && val_path_len) val_path_out[0] = '\0';
+    if (!(val_fraction >= 0.0 && val_fraction < 1.0))
+        return fail(err, errlen, "validation fraction %g must be in [0, 1)", val_fraction);
+    char val_path[4096] = "";
+    if (val_fraction > 0.0) {
+        if (val_name(out_path, val_path, sizeof val_path) != 0)
+            return fail(err, errlen, "output path '%s' is too long", out_path);
+        if (val_path_out && strlen(val_path) >= val_path_len)
+            return fail(err, errlen, "no room for the validation file name '%s'", val_path);
+    }
+
+    FILE *f = fopen(in_path, "rb");
+    if (!f) return fail(err, errlen, "cannot open '%s': %s", in_path, strerror(errno));
+    struct stat st, st_out;
+    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
+        fclose(f);
+        return fail(err, errlen, "'%s' is not a readable regular file", in_path);
+    }
+    /* Reading whole before writing makes in == out safe, but it would replace the text by its
+     * tokens: surely not what was meant. */
+    if (stat(out_path, &st_out) == 0 && st_out.st_dev == st.st_dev && st_out.st_ino == st.st_ino) {
+        fclose(f);
+        return fail(err, errlen, "output '%s' is the input file", out_path);
+    }
+    if (st.st_size == 0) {
+        fclose(f);
+        return fail(err, errlen, "'%s' is empty: nothing to tokenize", in_path);
+    }
+    int64_t nbytes = (int64_t)st.st_size, n = nbytes + 1;
+    if (n > INT32_MAX) {
+        fclose(f);
+        return fail(err, errlen, "'%s' has %lld bytes, more tokens than a token file can hold", in_path,
+                    (long long)nbytes);
+    }
+    unsigned char *text = malloc((size_t)nbytes);
+    uint32_t *tok = malloc((size_t)n * sizeof *tok);
+    int rc = -1;
+    char tmp_train[4096], tmp_val[4096];
+    int staged_val = 0;
+    if (!text || !tok) {
+        fail(err, errlen, "out of memory for the %lld bytes of '%s'", (long long)nbytes, in_path);
+        goto done;
+    }
+    if (fread(text, 1, (size_t)nbytes, f) != (size_t)nbytes) {
+        fail(err, errlen, "cannot read '%s': %s", in_path, ferror(f) ? strerror(errno) : "file shrank while being read");
+        goto done;
+    }
+    for (int64_t i = 0; i < nbytes; i++) tok[i] = text[i];
+    tok[nbytes] = TM__BYTE_EOT;
+
+    int64_t n_train = n;
+    if (val_fraction > 0.0) {
+        int64_t n_val = (int64_t)llround(val_fraction * (double)n);
+        n_train = n - n_val;
+        if (n_val < 2 || n_train < 2) {
+            fail(err, errlen,
+                 "validation fraction %g of the %lld tokens of '%s' leaves %lld training and %lld "
+                 "validation tokens (each needs >= 2)",
+                 val_fraction, (long long)n, in_path, (long long)n_train, (long long)n_val);
+            goto done;
+        }
+        /* Both files are staged before either is renamed into place: a failure leaves neither
+         * half-written nor one new beside one stale. */
+        if (stage(val_path, tok + n_train, n_val, tmp_val, sizeof tmp_val, err, errlen) != 0) goto done;
+        staged_val = 1;
+    }
+    if (stage(out_path, tok, n_train, tmp_train, sizeof tmp_train, err, errlen) != 0) goto done;
+    if (staged_val) {
+        staged_val = 0;
+        if (commit(tmp_val, val_path, err, errlen) != 0) {
+            unlink(tmp_train);
+            goto done;
+        }
+    }
+    if (commit(tmp_train, out_path, err, errlen) != 0) goto done;
+    if (val_path_out && val_path_len) snprintf(val_path_out, val_path_len, "%s", val_path);
+    rc = 0;
+
+done:
+    if (staged_val) unlink(tmp_val);
+    fclose(f);
+    free(text);
+    free(tok);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Batching
+ * ------------------------------------------------------------------------------------------ */
+
+/* Fourth counter word: keeps the batcher's Philox stream apart from other users of the same
+ * seed (initialisation, the synthetic source), which put small stream ids there. */
+#define BATCH_STREAM 0x62617463u /* "batc" */
+
+int tm__batcher_init(tm__batcher *bt, const tm__tokens *data, int B, int T, uint64_t seed, char *err,
+                     size_t errlen) {
+    memset(bt, 0, sizeof *bt);
+    if (B < 1) return fail(err, errlen, "batch size B = %d must be >= 1", B);
+    if (T < 1) return fail(err, errlen, "sequence length T = %d must be >= 1", T);
+    if (!data || !data->tok) return fail(err, errlen, "no token data to batch");
+    if (data->n < (int64_t)T + 1)
+        return fail(err, errlen, "a window of T+1 = %lld tokens does not fit in the %lld tokens of '%s'",
+                    (long long)T + 1, (long long)data->n, data->source);
+    bt->data = data;
+    bt->B = B;
+    bt->T = T;
+    bt->seed = seed;
+    bt->position = 0;
+    return 0;
+}
+
+void tm__batcher_next(tm__batcher *bt, int32_t *inputs, int32_t *targets) {
+    const uint32_t *tok = bt->data->tok;
+    const int T = bt->T;
+    const uint64_t n_start = (uint64_t)(bt->data->n - T); /* offsets 0 .. n - T - 1 */
+    const uint32_t key[2] = {(uint32_t)bt->seed, (uint32_t)(bt->seed >> 32)};
+    const uint64_t p = (uint64_t)bt->position;
+    for (int b = 0; b < bt->B; b++) {
+        uint32_t ctr[4] = {(uint32_t)p, (uint32_t)(p >> 32), (uint32_t)b, BATCH_STREAM}, r[4];
+        tm_philox4x32_10(ctr, key, r);
+        /* 64 random bits mod n_start: the bias, under n_start / 2^64, is far below anything a
+         * training run could notice. */
+        uint64_t off = ((uint64_t)r[0] << 32 | r[1]) % n_start;
+        const uint32_t *w = tok + off;
+        int32_t *in = inputs + (size_t)b * T, *tg = targets + (size_t)b * T;
+        for (int t = 0; t < T; t++) {
+            in[t] = (int32_t)w[t];
+            tg[t] = (int32_t)w[t + 1];
+        }
+    }
+    bt->position++;
+}

@@ -1,0 +1,658 @@
+/* train.c — the training loop of `tinymoe train` and the evaluation of `tinymoe eval`; see
+ * train.h. Uses only the public header (plus the driver's own headers). */
+#include "train.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "data.h"
+#include "log.h"
+#include "markov.h"
+#include "plot.h"
+#include "tinymoe.h"
+
+/* Synthetic validation sequences come from their own Philox streams, disjoint from every
+ * training stream (step * grad_accum + micro) * batch_size + row < 2^61. */
+static const uint64_t VAL_STREAM = 1ull << 61;
+/* Synthetic data has no "whole validation set": eval_batches 0 means this many batches. */
+enum { SYNTH_DEFAULT_EVAL_BATCHES = 8 };
+/* Plot resolution: steps of the loss curve, columns of the heatmap. */
+enum { LOSS_BINS = 1000, LOAD_BINS = 160 };
+
+typedef struct run {
+    tmd_config c;
+    int T, B, synth;
+    FILE *log;
+    int tty;
+    /* data */
+    markov src;
+    double optimum;
+    tm__tokens train, val;
+    tm__batcher bt;
+    int64_t n_eval;           /* validation windows */
+    int32_t *inp, *tgt, *seq; /* [B*T], [B*T], [T+1] */
+    /* model */
+    tm_ctx *ctx;
+    tm_device dev;
+    tm_model *model;
+    tm_optimizer *opt;
+    int64_t params, active;
+    int n_moe, E, *moe_layer;
+    /* records */
+    tmd_bins loss_bins, val_bins, load_bins;
+    double *step_load; /* [n_moe * E] tokens per expert of the current step */
+    FILE *metrics;
+    char metrics_path[TMD_PATH_MAX + 32];
+} run;
+
+static int fail(char *err, size_t errlen, int code, const char *fmt, ...) {
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+/* A library call failed: the op's message, prefixed by what the driver was doing. */
+static int lib_fail(run *r, char *err, size_t errlen, const char *what, tm_status s) {
+    return fail(err, errlen, TMD_RUNTIME_ERROR, "%s failed (%s): %s", what, tm_status_str(s), tm_ctx_errmsg(r->ctx));
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* mkdir -p. */
+static int make_dirs(const char *path, char *err, size_t errlen) {
+    char buf[TMD_PATH_MAX];
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *p = buf + 1;; p++) {
+        if (*p == '/' || !*p) {
+            char c = *p;
+            *p = 0;
+            if (mkdir(buf, 0777) && errno != EEXIST)
+                return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot create directory '%s': %s", buf, strerror(errno));
+            *p = c;
+            if (!c) break;
+        }
+    }
+    struct stat st;
+    if (stat(path, &st) || !S_ISDIR(st.st_mode))
+        return fail(err, errlen, TMD_RUNTIME_ERROR, "out = '%s' is not a directory", path);
+    return 0;
+}
+
+static void free_run(run *r) {
+    if (r->metrics) fclose(r->metrics);
+    tmd_bins_free(&r->loss_bins);
+    tmd_bins_free(&r->val_bins);
+    tmd_bins_free(&r->load_bins);
+    free(r->step_load);
+    free(r->moe_layer);
+    free(r->inp);
+    free(r->tgt);
+    free(r->seq);
+    markov_free(&r->src);
+    tm__tokens_free(&r->train);
+    tm__tokens_free(&r->val);
+    tm_optimizer_free(r->opt);
+    tm_model_free(r->model);
+    tm_ctx_free(r->ctx);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Setup: everything that can reject the configuration or the data, before anything is written */
+
+static int load_data(run *r, int eval_only, char *err, size_t errlen) {
+    const tmd_config *c = &r->c;
+    if (r->synth) {
+        if (markov_init(&r->src, c->synthetic_vocab, c->synthetic_k, (uint64_t)c->seed))
+            return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory building the synthetic source");
+        r->optimum = markov_optimal_loss(&r->src, r->T);
+        r->n_eval = (int64_t)(c->eval_batches ? c->eval_batches : SYNTH_DEFAULT_EVAL_BATCHES) * r->B;
+        return 0;
+    }
+    r->optimum = NAN;
+    char e[1024];
+    /* eval reads its whole file as validation data (unless val_data is given). */
+    const char *val_path = c->val_data[0] ? c->val_data : eval_only ? c->data : NULL;
+    if (!eval_only) {
+        if (tm__tokens_load(c->data, &r->train, e, sizeof e))
+            return fail(err, errlen, TMD_CONFIG_ERROR, "key 'data' = '%s': %s", c->data, e);
+        if (tm__tokens_check_vocab(&r->train, c->model.vocab_size, e, sizeof e))
+            return fail(err, errlen, TMD_CONFIG_ERROR,
+                        "key 'data' = '%s': %s (vocab_size = %d; set vocab_size for "
+                        "tokens other than bytes)",
+                        c->data, e, c->model.vocab_size);
+    }
+    if (val_path) {
+        if (tm__tokens_load(val_path, &r->val, e, sizeof e))
+            return fail(err, errlen, TMD_CONFIG_ERROR, "key '%s' = '%s': %s", c->val_data[0] ? "val_data" : "data",
+                        val_path, e);
+    } else if (tm__tokens_split(&r->train, c->val_fraction, &r->val, e, sizeof e)) {
+        return fail(err, errlen, TMD_CONFIG_ERROR, "key 'val_fraction' = %g: %s", c->val_fraction, e);
+    }
+    if (tm__tokens_check_vocab(&r->val, c->model.vocab_size, e, sizeof e))
+        return fail(err, errlen, TMD_CONFIG_ERROR, "validation data: %s (vocab_size = %d)", e, c->model.vocab_size);
+    int64_t windows = r->val.n > r->T ? (r->val.n - 1) / r->T : 0;
+    if (windows < 1)
+        return fail(err, errlen, TMD_CONFIG_ERROR,
+                    "validation data '%s' has %lld tokens, fewer than seq_len + 1 = %d (a smaller val_fraction or "
+                    "seq_len, or a larger file)",
+                    r->val.source, (long long)r->val.n, r->T + 1);
+    r->n_eval =
+        c->eval_batches && (int64_t)c->eval_batches * r->B < windows ? (int64_t)c->eval_batches * r->B : windows;
+    if (eval_only) return 0;
+    int64_t per_batch = (int64_t)r->B * r->T;
+    if (per_batch > r->train.n - 1)
+        return fail(err, errlen, TMD_CONFIG_ERROR,
+                    "key 'batch_size' = %d: a batch of batch_size x seq_len = %d x %d = %lld tokens is larger than the "
+                    "%lld training tokens of '%s'",
+                    r->B, r->B, r->T, (long long)per_batch, (long long)r->train.n, r->train.source);
+    if (tm__batcher_init(&r->bt, &r->train, r->B, r->T, (uint64_t)c->seed, e, sizeof e))
+        return fail(err, errlen, TMD_CONFIG_ERROR, "key 'data' = '%s': %s", c->data, e);
+    return 0;
+}
+
+static int build(run *r, char *err, size_t errlen) {
+    const tmd_config *c = &r->c;
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = c->threads;
+    o.cuda_device = c->device == TMD_DEVICE_CUDA ? 0 : -1;
+    tm_status s = tm_ctx_new(&r->ctx, &o);
+    if (s)
+        return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot create a context (%s): %s", tm_status_str(s),
+                    tm_last_create_error());
+    r->dev = c->device == TMD_DEVICE_CUDA ? tm_cuda(0) : tm_cpu();
+    tm_dtype dt = c->dtype == TMD_DTYPE_BF16 ? TM_BF16 : TM_F32;
+    char e[1024];
+    if ((s = tm_model_new(r->ctx, &c->model, dt, r->dev, &r->model))) {
+        if (s != TM_ERR_INVALID_ARG) return lib_fail(r, err, errlen, "building the model", s);
+        tmd_config_explain(c, tm_ctx_errmsg(r->ctx), e, sizeof e);
+        return fail(err, errlen, TMD_CONFIG_ERROR, "%s", e);
+    }
+    if ((s = tm_model_init(r->model, (uint64_t)c->seed))) return lib_fail(r, err, errlen, "initialising the model", s);
+    r->params = tm_model_num_params(r->model, &r->active);
+    r->n_moe = c->model.n_layers - c->model.first_k_dense;
+    r->E = c->model.moe.router.num_experts;
+    if (r->n_moe > 0) {
+        r->moe_layer = malloc(sizeof *r->moe_layer * (size_t)r->n_moe);
+        r->step_load = calloc((size_t)r->n_moe * (size_t)r->E, sizeof *r->step_load);
+        if (!r->moe_layer || !r->step_load) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
+        for (int i = 0; i < r->n_moe; i++) r->moe_layer[i] = c->model.first_k_dense + i;
+    }
+    r->inp = malloc(sizeof *r->inp * (size_t)r->B * (size_t)r->T);
+    r->tgt = malloc(sizeof *r->tgt * (size_t)r->B * (size_t)r->T);
+    r->seq = malloc(sizeof *r->seq * ((size_t)r->T + 1));
+    if (!r->inp || !r->tgt || !r->seq) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the batches");
+    return 0;
+}
+
+static int build_optimizer(run *r, char *err, size_t errlen) {
+    const tmd_config *c = &r->c;
+    tm_status s =
+        c->optimizer == TMD_OPT_ADAMW ? tm_adamw_new(r->ctx, &c->adamw, &r->opt) : tm_sgd_new(r->ctx, &c->sgd, &r->opt);
+    if (s == TM_ERR_INVALID_ARG) {
+        char e[1024];
+        tmd_config_explain(c, tm_ctx_errmsg(r->ctx), e, sizeof e);
+        return fail(err, errlen, TMD_CONFIG_ERROR, "%s", e);
+    }
+    return s ? lib_fail(r, err, errlen, "creating the optimizer", s) : 0;
+}
+
+static int setup(run *r, const tmd_config *cfg, FILE *log, int eval_only, char *err, size_t errlen) {
+    r->c = *cfg;
+    tmd_config_resolve(&r->c);
+    if (tmd_config_validate(&r->c, err, errlen)) return TMD_CONFIG_ERROR;
+    r->log = log;
+    r->tty = log && isatty(fileno(log));
+    r->T = r->c.model.max_seq_len;
+    r->B = r->c.batch_size;
+    r->synth = tmd_config_synthetic(&r->c);
+    int rc;
+    if ((rc = load_data(r, eval_only, err, errlen))) return rc;
+    if ((rc = build(r, err, errlen))) return rc;
+    if (!eval_only && (rc = build_optimizer(r, err, errlen))) return rc;
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Batches, evaluation                                                                       */
+
+/* Training micro-batch `micro` of `step` into r->inp / r->tgt. */
+static void train_batch(run *r, int64_t step, int micro) {
+    if (!r->synth) {
+        tm__batcher_next(&r->bt, r->inp, r->tgt);
+        return;
+    }
+    /* Fresh sequences from the source: nothing can be memorised, so the training loss is an
+     * unbiased estimate of the expected loss and its gap to the optimum is a true gap. */
+    for (int b = 0; b < r->B; b++) {
+        uint64_t stream = ((uint64_t)step * (uint64_t)r->c.grad_accum + (uint64_t)micro) * (uint64_t)r->B + (uint64_t)b;
+        markov_sample(&r->src, (uint64_t)r->c.seed, stream, r->seq, r->T + 1);
+        memcpy(r->inp + (size_t)b * r->T, r->seq, sizeof *r->seq * (size_t)r->T);
+        memcpy(r->tgt + (size_t)b * r->T, r->seq + 1, sizeof *r->seq * (size_t)r->T);
+    }
+}
+
+/* Validation window w: a fixed synthetic sequence, or tokens [w T, w T + T] of the val set. */
+static void val_window(run *r, int64_t w, int32_t *inp, int32_t *tgt) {
+    if (r->synth) {
+        markov_sample(&r->src, (uint64_t)r->c.seed, VAL_STREAM | (uint64_t)w, r->seq, r->T + 1);
+    } else {
+        const uint32_t *t = r->val.tok + w * r->T;
+        for (int i = 0; i <= r->T; i++) r->seq[i] = (int32_t)t[i];
+    }
+    memcpy(inp, r->seq, sizeof *r->seq * (size_t)r->T);
+    memcpy(tgt, r->seq + 1, sizeof *r->seq * (size_t)r->T);
+}
+
+static tm_status forward(run *r, int rows, int with_targets, tm_model_out *out) {
+    int64_t shape[2] = {rows, r->T};
+    tm_tensor *tok, *tgt = NULL;
+    tm_status s = tm_tensor_from_host(r->ctx, TM_I32, 2, shape, r->dev, TM_I32, r->inp, &tok);
+    if (!s && with_targets) s = tm_tensor_from_host(r->ctx, TM_I32, 2, shape, r->dev, TM_I32, r->tgt, &tgt);
+    if (!s) s = tm_model_forward(r->model, tok, tgt, out);
+    return s;
+}
+
+/* Mean cross-entropy over the validation windows, with grad mode off. */
+static int evaluate(run *r, double *loss, char *err, size_t errlen) {
+    int prev = tm_ctx_set_grad_enabled(r->ctx, 0);
+    double sum = 0;
+    int64_t tokens = 0;
+    int rc = 0;
+    for (int64_t w0 = 0; w0 < r->n_eval; w0 += r->B) {
+        int rows = (int)(r->n_eval - w0 < r->B ? r->n_eval - w0 : r->B);
+        for (int b = 0; b < rows; b++) val_window(r, w0 + b, r->inp + (size_t)b * r->T, r->tgt + (size_t)b * r->T);
+        tm_model_out out;
+        tm_status s = forward(r, rows, 1, &out);
+        if (s) {
+            rc = lib_fail(r, err, errlen, "validation forward", s);
+            break;
+        }
+        sum += out.ce_value * rows * r->T;
+        tokens += (int64_t)rows * r->T;
+        tm_ctx_arena_reset(r->ctx);
+    }
+    tm_ctx_arena_reset(r->ctx);
+    tm_ctx_set_grad_enabled(r->ctx, prev);
+    *loss = tokens ? sum / (double)tokens : NAN;
+    return rc;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Printing                                                                                  */
+
+static void print_header(run *r, int eval_only) {
+    FILE *f = r->log;
+    const tmd_config *c = &r->c;
+    if (!f) return;
+    fprintf(f, "tinymoe %s %s\n\n", tm_version(), eval_only ? "eval" : "train");
+    fprintf(f, "config (defaults unmarked; '#' says where a value came from):\n");
+    tmd_config_print(c, f);
+    fprintf(f,
+            "\nmodel : %lld parameters, %lld active per token; %d layers (%d MoE: %d experts, top-%d), d_model %d, %s "
+            "on %s\n",
+            (long long)r->params, (long long)r->active, c->model.n_layers, r->n_moe, r->E, c->model.moe.router.topk,
+            c->model.d_model, c->dtype == TMD_DTYPE_BF16 ? "bf16" : "f32",
+            c->device == TMD_DEVICE_CUDA ? "cuda:0" : "cpu");
+    if (r->synth) {
+        fprintf(
+            f,
+            "data  : synthetic order-2 Markov source: vocab %d, %d allowed next tokens per context, fresh sequences\n"
+            "        every step; optimal loss %.4f nats/token (exact: (H1 %.4f + %d x H2 %.4f) / %d; log(vocab) %.4f)\n"
+            "        validation: %lld fixed sequences of %d tokens\n",
+            c->synthetic_vocab, c->synthetic_k, r->optimum, r->src.h1, r->T - 1, r->src.h2, r->T,
+            log((double)c->synthetic_vocab), (long long)r->n_eval, r->T);
+    } else {
+        if (!eval_only)
+            fprintf(f, "data  : %lld training tokens from '%s' (largest token %u)\n", (long long)r->train.n,
+                    r->train.source, r->train.max_token);
+        fprintf(f, "%s%lld validation tokens from '%s'%s; evaluating %lld windows of %d tokens\n",
+                eval_only ? "data  : " : "        ", (long long)r->val.n, r->val.source,
+                c->val_data[0] || eval_only ? "" : " (the held-out tail)", (long long)r->n_eval, r->T);
+    }
+    if (!eval_only) {
+        int64_t tokens = c->sched.total_steps * (int64_t)c->grad_accum * r->B * r->T;
+        static const char *const sched[] = {"constant", "warmup + cosine", "warmup + linear", "warmup-stable-decay"};
+        fprintf(
+            f,
+            "train : %lld steps x %d micro-batch%s x %d x %d tokens = %lld tokens; %s, %s lr %g -> %g, warmup %lld\n\n",
+            (long long)c->sched.total_steps, c->grad_accum, c->grad_accum > 1 ? "es" : "", r->B, r->T,
+            (long long)tokens, c->optimizer == TMD_OPT_ADAMW ? "AdamW" : "SGD", sched[c->sched.kind], c->sched.lr,
+            c->sched.min_lr, (long long)c->sched.warmup_steps);
+    }
+    fflush(f);
+}
+
+typedef struct interval {
+    int n;
+    double loss, ce, aux, z, gnorm, seconds, max_load;
+    int64_t dropped;
+} interval;
+
+/* Returns -1 when the metrics file cannot be written. */
+static int log_train(run *r, int64_t step, double lr, const interval *iv, double elapsed) {
+    double n = iv->n, tps = (double)iv->n * r->c.grad_accum * r->B * r->T / iv->seconds;
+    if (r->metrics) {
+        tmd_json j;
+        tmd_json_begin(&j);
+        tmd_json_str(&j, "type", "train");
+        tmd_json_int(&j, "step", step);
+        tmd_json_num(&j, "loss", iv->loss / n);
+        tmd_json_num(&j, "ce", iv->ce / n);
+        tmd_json_num(&j, "aux", iv->aux / n);
+        tmd_json_num(&j, "z", iv->z / n);
+        tmd_json_num(&j, "lr", lr);
+        tmd_json_num(&j, "grad_norm", iv->gnorm / n);
+        tmd_json_num(&j, "ms_per_step", 1e3 * iv->seconds / n);
+        tmd_json_num(&j, "tokens_per_s", tps);
+        tmd_json_num(&j, "max_load", iv->max_load / n);
+        tmd_json_int(&j, "dropped", iv->dropped);
+        tmd_json_num(&j, "elapsed_s", elapsed);
+        if (tmd_jsonl_write(r->metrics, &j)) return -1;
+    }
+    if (!r->log || r->tty) return 0;
+    fprintf(r->log, "%7lld %8.4f %8.4f %8.5f %8.5f %9.2e %7.3f %8.1f %9.0f %6.2f\n", (long long)step, iv->loss / n,
+            iv->ce / n, iv->aux / n, iv->z / n, lr, iv->gnorm / n, 1e3 * iv->seconds / n, tps, iv->max_load / n);
+    fflush(r->log);
+    return 0;
+}
+
+/* The terminal's progress line: the means of the current log interval, redrawn at most every
+ * 0.1 s (and at the last step). */
+static void draw_progress(run *r, int64_t step, double lr, const interval *iv, double elapsed, double *last_draw) {
+    double t = now_s();
+    if (!r->tty || !r->log || iv->n == 0 || (t - *last_draw < 0.1 && step < r->c.sched.total_steps)) return;
+    *last_draw = t;
+    double n = iv->n, tps = (double)iv->n * r->c.grad_accum * r->B * r->T / iv->seconds;
+    char fields[256];
+    snprintf(fields, sizeof fields, "loss %.4f | lr %.2e | %.0f tok/s | load %.2f |", iv->loss / n, lr, tps,
+             iv->max_load / n);
+    tmd_progress(r->log, step, r->c.sched.total_steps, elapsed, fields);
+}
+
+static int log_eval(run *r, int64_t step, double val) {
+    if (r->metrics) {
+        tmd_json j;
+        tmd_json_begin(&j);
+        tmd_json_str(&j, "type", "eval");
+        tmd_json_int(&j, "step", step);
+        tmd_json_num(&j, "val_loss", val);
+        if (r->synth) tmd_json_num(&j, "optimum", r->optimum);
+        if (tmd_jsonl_write(r->metrics, &j)) return -1;
+    }
+    if (!r->log) return 0;
+    if (r->tty) tmd_progress_clear(r->log);
+    if (r->synth)
+        fprintf(r->log, "step %lld: val loss %.4f (optimum %.4f, %+.1f%%)\n", (long long)step, val, r->optimum,
+                100 * (val - r->optimum) / r->optimum);
+    else fprintf(r->log, "step %lld: val loss %.4f\n", (long long)step, val);
+    fflush(r->log);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Sampling                                                                                  */
+
+/* Continue the prompt for sample_tokens tokens, re-running the forward on the growing
+ * context (cropped to seq_len) with grad mode off, and print the bytes as they come. */
+static int sample(run *r, char *err, size_t errlen) {
+    const tmd_config *c = &r->c;
+    int V = c->model.vocab_size, T = r->T;
+    float *logits = malloc(sizeof *logits * (size_t)V);
+    double *p = malloc(sizeof *p * (size_t)V);
+    int *idx = malloc(sizeof *idx * (size_t)V);
+    int32_t *ctxt = malloc(sizeof *ctxt * (size_t)T);
+    if (!logits || !p || !idx || !ctxt) {
+        free(logits), free(p), free(idx), free(ctxt);
+        return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for sampling");
+    }
+    int n = 0;
+    const unsigned char *s = (const unsigned char *)c->sample_prompt;
+    size_t plen = strlen(c->sample_prompt);
+    for (size_t i = plen > (size_t)T ? plen - (size_t)T : 0; i < plen; i++) ctxt[n++] = s[i];
+    FILE *f = r->log;
+    fprintf(f, "\nsample (temperature %g, top_k %d):\n%s", c->temperature, c->top_k, c->sample_prompt);
+    fflush(f);
+    int prev = tm_ctx_set_grad_enabled(r->ctx, 0), rc = 0;
+    uint32_t key[2] = {(uint32_t)c->seed, (uint32_t)((uint64_t)c->seed >> 32)};
+    for (int g = 0; g < c->sample_tokens; g++) {
+        int64_t shape[2] = {1, n};
+        tm_tensor *tok, *last;
+        tm_model_out out;
+        tm_status st = tm_tensor_from_host(r->ctx, TM_I32, 2, shape, r->dev, TM_I32, ctxt, &tok);
+        if (!st) st = tm_model_forward(r->model, tok, NULL, &out);
+        if (!st) st = tm_slice(r->ctx, out.logits, 1, n - 1, n, &last);
+        if (!st) st = tm_tensor_read(r->ctx, last, TM_F32, logits, V);
+        tm_ctx_arena_reset(r->ctx);
+        if (st) {
+            rc = lib_fail(r, err, errlen, "sampling forward", st);
+            break;
+        }
+        /* Candidates: all tokens, or the top_k by logit (a partial selection sort: k is small). */
+        int k = c->top_k > 0 && c->top_k < V ? c->top_k : V;
+        for (int i = 0; i < V; i++) idx[i] = i;
+        if (k < V)
+            for (int i = 0; i < k; i++) {
+                int best = i;
+                for (int j = i + 1; j < V; j++)
+                    if (logits[idx[j]] > logits[idx[best]]) best = j;
+                int t = idx[i];
+                idx[i] = idx[best], idx[best] = t;
+            }
+        int next = idx[0];
+        if (c->temperature <= 0) {
+            for (int i = 1; i < k; i++)
+                if (logits[idx[i]] > logits[next]) next = idx[i];
+        } else {
+            double mx = -INFINITY, z = 0;
+            for (int i = 0; i < k; i++) mx = fmax(mx, logits[idx[i]]);
+            for (int i = 0; i < k; i++) z += p[i] = exp((logits[idx[i]] - mx) / c->temperature);
+            uint32_t ctr[4] = {(uint32_t)g, 0, 0x5a4d504c /* "SMPL" */, 0}, o[4];
+            tm_philox4x32_10(ctr, key, o);
+            double u = ((double)(o[0] >> 5) * 67108864.0 + (double)(o[1] >> 6)) / 9007199254740992.0 * z, acc = 0;
+            next = idx[k - 1];
+            for (int i = 0; i < k; i++)
+                if ((acc += p[i]) > u) {
+                    next = idx[i];
+                    break;
+                }
+        }
+        if (next == TM__BYTE_EOT) break;
+        if (next < 256) fputc(next, f);
+        fflush(f);
+        if (n == T) memmove(ctxt, ctxt + 1, sizeof *ctxt * (size_t)(T - 1)), n--;
+        ctxt[n++] = next;
+    }
+    fprintf(f, "\n");
+    tm_ctx_set_grad_enabled(r->ctx, prev);
+    free(logits), free(p), free(idx), free(ctxt);
+    return rc;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Training                                                                                  */
+
+static int open_outputs(run *r, char *err, size_t errlen) {
+    if (!r->c.out[0]) return 0;
+    int rc = make_dirs(r->c.out, err, errlen);
+    if (rc) return rc;
+    snprintf(r->metrics_path, sizeof r->metrics_path, "%s/metrics.jsonl", r->c.out);
+    r->metrics = fopen(r->metrics_path, "w");
+    if (!r->metrics)
+        return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path, strerror(errno));
+    return 0;
+}
+
+static int write_plots(run *r, char *err, size_t errlen) {
+    if (!r->c.out[0]) return 0;
+    char path[TMD_PATH_MAX + 32];
+    snprintf(path, sizeof path, "%s/loss.svg", r->c.out);
+    if (tmd_plot_loss(path, &r->loss_bins, &r->val_bins, r->optimum, err, errlen)) return TMD_RUNTIME_ERROR;
+    snprintf(path, sizeof path, "%s/experts.svg", r->c.out);
+    if (r->n_moe == 0) {
+        remove(path); /* an all-dense model: no heatmap, and none left from an earlier run */
+        return 0;
+    }
+    return tmd_plot_experts(path, &r->load_bins, r->n_moe, r->E, r->moe_layer, err, errlen) ? TMD_RUNTIME_ERROR : 0;
+}
+
+/* One optimizer step: grad_accum micro-batches, clip, step, expert-bias update. */
+static int train_step(run *r, int64_t step, double lr, interval *iv, double *first_loss, char *err, size_t errlen) {
+    const tmd_config *c = &r->c;
+    tm_status s;
+    double loss = 0;
+    if (r->step_load) memset(r->step_load, 0, sizeof *r->step_load * (size_t)r->n_moe * (size_t)r->E);
+    for (int m = 0; m < c->grad_accum; m++) {
+        train_batch(r, step, m);
+        tm_model_out out;
+        if ((s = forward(r, r->B, 1, &out))) return lib_fail(r, err, errlen, "forward", s);
+        tm_tensor *l = out.loss;
+        /* Mean over micro-batches: each backward adds 1/grad_accum of its gradient. */
+        if (c->grad_accum > 1 && (s = tm_scale(r->ctx, out.loss, 1.0 / c->grad_accum, &l)))
+            return lib_fail(r, err, errlen, "loss scaling", s);
+        if ((s = tm_backward(r->ctx, l))) return lib_fail(r, err, errlen, "backward", s);
+        double w = 1.0 / c->grad_accum;
+        loss += w * out.loss_value;
+        iv->loss += w * out.loss_value;
+        iv->ce += w * out.ce_value;
+        iv->aux += w * (out.aux_value + out.seq_aux_value);
+        iv->z += w * out.z_value;
+        iv->max_load += w * out.max_load_ratio;
+        iv->dropped += out.dropped_tokens;
+        if (r->step_load && out.tokens_per_expert && out.n_moe_layers == r->n_moe)
+            for (int i = 0; i < r->n_moe * r->E; i++) r->step_load[i] += (double)out.tokens_per_expert[i];
+        /* Parameter gradients persist; the activations of this micro-batch are done with. */
+        tm_ctx_arena_reset(r->ctx);
+    }
+    if (!isfinite(loss))
+        return fail(err, errlen, TMD_RUNTIME_ERROR,
+                    "the training loss is %g at step %lld (try a lower lr or grad_clip)", loss, (long long)step + 1);
+    if (step == 0) *first_loss = loss;
+    double gnorm = 0;
+    if ((s = tm_ctx_clip_grad_norm(r->ctx, c->grad_clip, &gnorm)))
+        return lib_fail(r, err, errlen, "gradient clipping", s);
+    if ((s = tm_optimizer_step(r->opt, lr))) return lib_fail(r, err, errlen, "optimizer step", s);
+    if ((s = tm_model_step(r->model))) return lib_fail(r, err, errlen, "expert-bias update", s);
+    if ((s = tm_ctx_zero_grad(r->ctx))) return lib_fail(r, err, errlen, "zeroing gradients", s);
+    tm_ctx_arena_reset(r->ctx);
+    iv->gnorm += gnorm;
+    iv->n++;
+    tmd_bins_add(&r->loss_bins, step, &loss);
+    if (r->step_load) tmd_bins_add(&r->load_bins, step, r->step_load);
+    return 0;
+}
+
+static int train_loop(run *r, tmd_train_result *res, char *err, size_t errlen) {
+    const tmd_config *c = &r->c;
+    int64_t steps = c->sched.total_steps;
+    if (tmd_bins_init(&r->loss_bins, 1, LOSS_BINS) || tmd_bins_init(&r->val_bins, 1, LOSS_BINS) ||
+        (r->n_moe > 0 && tmd_bins_init(&r->load_bins, r->n_moe * r->E, LOAD_BINS)))
+        return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the plots");
+    int rc;
+    if ((rc = open_outputs(r, err, errlen))) return rc;
+    if (r->log && !r->tty)
+        fprintf(r->log, "%7s %8s %8s %8s %8s %9s %7s %8s %9s %6s\n", "step", "loss", "ce", "aux", "z", "lr", "gnorm",
+                "ms/step", "tokens/s", "load");
+    interval iv = {0};
+    double t_train = 0, first_loss = NAN, val = NAN, last_draw = 0;
+    for (int64_t step = 0; step < steps; step++) {
+        double lr = tm_lr_at(&c->sched, step), t0 = now_s();
+        if ((rc = train_step(r, step, lr, &iv, &first_loss, err, errlen))) return rc;
+        double dt = now_s() - t0;
+        iv.seconds += dt;
+        t_train += dt;
+        int64_t done = step + 1;
+        draw_progress(r, done, lr, &iv, t_train, &last_draw);
+        if (done % c->log_every == 0 || done == steps) {
+            if (log_train(r, done, lr, &iv, t_train))
+                return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path, strerror(errno));
+            res->last_loss = iv.loss / iv.n;
+            res->last_ce = iv.ce / iv.n;
+            iv = (interval){0};
+        }
+        if ((c->eval_every && done % c->eval_every == 0) || done == steps) {
+            if ((rc = evaluate(r, &val, err, errlen))) return rc;
+            double v = val;
+            tmd_bins_add(&r->val_bins, step, &v);
+            if (log_eval(r, done, val))
+                return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path, strerror(errno));
+        }
+    }
+    if (r->tty && r->log) tmd_progress_clear(r->log);
+    res->steps = steps;
+    res->first_loss = first_loss;
+    res->val_loss = val;
+    res->train_seconds = t_train;
+    res->tokens_per_s = (double)steps * c->grad_accum * r->B * r->T / t_train;
+    if ((rc = write_plots(r, err, errlen))) return rc;
+    if (r->log) {
+        fprintf(r->log,
+                "\ndone: %lld steps in %.1f s (%.0f tokens/s); train loss %.4f -> %.4f (ce %.4f); val loss %.4f\n",
+                (long long)steps, t_train, res->tokens_per_s, first_loss, res->last_loss, res->last_ce, val);
+        if (r->synth)
+            fprintf(r->log, "optimum %.4f: the val loss is %.4f nats/token (%.1f%%) above it\n", r->optimum,
+                    val - r->optimum, 100 * (val - r->optimum) / r->optimum);
+        if (c->out[0])
+            fprintf(r->log, "wrote %s/metrics.jsonl, %s/loss.svg%s%s%s\n", c->out, c->out, r->n_moe ? ", " : "",
+                    r->n_moe ? c->out : "", r->n_moe ? "/experts.svg" : "");
+        fflush(r->log);
+    }
+    if (r->log && c->sample_prompt[0] && c->sample_tokens > 0 && (rc = sample(r, err, errlen))) return rc;
+    return 0;
+}
+
+int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err, size_t errlen) {
+    tmd_train_result local;
+    if (!res) res = &local;
+    memset(res, 0, sizeof *res);
+    res->val_loss = res->optimum = res->first_loss = NAN;
+    run *r = calloc(1, sizeof *r);
+    if (!r) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
+    int rc = setup(r, cfg, log, 0, err, errlen);
+    if (!rc) {
+        res->params = r->params;
+        res->active_params = r->active;
+        res->optimum = r->synth ? r->optimum : NAN;
+        print_header(r, 0);
+        rc = train_loop(r, res, err, errlen);
+        if (rc && r->log && r->tty) tmd_progress_clear(r->log);
+    }
+    free_run(r);
+    free(r);
+    return rc;
+}
+
+int tmd_eval(const tmd_config *cfg, FILE *log, double *loss, char *err, size_t errlen) {
+    run *r = calloc(1, sizeof *r);
+    if (!r) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
+    double v = NAN;
+    int rc = setup(r, cfg, log, 1, err, errlen);
+    if (!rc) {
+        print_header(r, 1);
+        double t0 = now_s();
+        rc = evaluate(r, &v, err, errlen);
+        if (!rc && log) {
+            fprintf(log, "val loss %.4f nats/token over %lld tokens (%.1f s)", v, (long long)r->n_eval * r->T,
+                    now_s() - t0);
+            if (r->synth) fprintf(log, "; optimum %.4f", r->optimum);
+            fprintf(log, "\n(a freshly initialised model from the config and seed: loading checkpoints comes later)\n");
+        }
+    }
+    if (loss) *loss = v;
+    free_run(r);
+    free(r);
+    return rc;
+}
