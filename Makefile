@@ -145,3 +145,15 @@ clean:
 	rm -rf build build-san
 
 -include $(LIB_OBJ:.o=.d) $(DRV_OBJ:.o=.d) $(DRV_MAIN:.o=.d) $(TEST_OBJ:.o=.d)
+
+# ---- benchmark (bench/) --------------------------------------------------------------------
+# `make bench`: tinymoe's CPU training throughput beside PyTorch's on the same model
+# (bench/run.sh; BENCH_ARGS passes options to it, e.g. BENCH_ARGS='--threads 2 --steps 30').
+BENCH_BIN := $(BUILD)/bench/train_cpu
+$(BENCH_BIN): bench/train_cpu.c $(LIBA)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_ALL) -o $@ $< $(LIBA) $(LDLIBS_ALL)
+
+.PHONY: bench
+bench: $(BENCH_BIN)
+	TM_BENCH_BIN=$(BENCH_BIN) bench/run.sh $(BENCH_ARGS)
