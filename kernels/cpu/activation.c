@@ -7,58 +7,66 @@
  * saved tensor's memory traffic.
  *   silu'(x) = s * (1 + x * (1 - s)), s = sigmoid(x)
  *   swiglu:  d gate = dy * up * silu'(gate),  d up = dy * silu(gate)
- * sigmoid is evaluated as 1 / (1 + e^-x) for x >= 0 and e^x / (1 + e^x) for x < 0, so the
- * exponential never overflows and sigmoid(-large) keeps its relative precision instead of
- * flushing through 1 - (something close to 1).
- * f32 math is done in f32 (expf): these are memory-bound and the error stays at a few ulp.
+ * sigmoid(x) = 1 / (1 + e^-x), branchless. It is safe at both ends: for x -> -inf, e^-x
+ * overflows to +inf and s = 1 / inf = 0 (silu = x * 0 = -0, silu' = 0); before that the
+ * quotient keeps full relative precision (no 1 - s cancellation is ever formed for small s).
+ * For x -> +inf, e^-x = 0 and s = 1.
+ * f32 is computed in f32 with tm__exp_f32 (kernels/cpu/vecmath.h, <= 1.01 ulp), so the loops
+ * vectorise (and run in AVX2 + FMA where the CPU has it); the error stays at a few ulp.
+ * f64 uses libm's exp (scalar: f64 is the gradient-check dtype, not a training one).
  */
 #include <math.h>
 
 #include "internal.h"
+#include "vecmath.h"
 
 enum { PAR_MIN = 1 << 14 };
 
-static inline float sigmoid_f32(float x) {
-    if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
-    float e = expf(x);
-    return e / (1.0f + e);
-}
-static inline double sigmoid_f64(double x) {
-    if (x >= 0.0) return 1.0 / (1.0 + exp(-x));
-    double e = exp(x);
-    return e / (1.0 + e);
-}
+static inline float sigmoid_f32(float x) { return 1.0f / (1.0f + tm__exp_f32(-x)); }
+static inline double sigmoid_f64(double x) { return 1.0 / (1.0 + exp(-x)); }
 
-#define ACT_KERNELS(T, SFX)                                                                      \
-    static void silu_forward_##SFX(T *y, const T *x, int64_t n, int nth) {                      \
-        _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")         \
+/* The backward of swiglu splits on which gradients are wanted outside the loop: a conditional
+ * store inside it would keep it from vectorising. */
+#define ACT_KERNELS(T, SFX, ATTR)                                                                \
+    ATTR static void silu_forward_##SFX(T *y, const T *x, int64_t n, int nth) {                 \
+        _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)")    \
         for (int64_t i = 0; i < n; i++) y[i] = x[i] * sigmoid_##SFX(x[i]);                      \
     }                                                                                           \
-    static void silu_backward_##SFX(T *dx, const T *dy, const T *x, int64_t n, int nth) {      \
-        _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")         \
+    ATTR static void silu_backward_##SFX(T *dx, const T *dy, const T *x, int64_t n, int nth) { \
+        _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)")    \
         for (int64_t i = 0; i < n; i++) {                                                       \
             T s = sigmoid_##SFX(x[i]);                                                          \
             dx[i] += dy[i] * s * (1 + x[i] * (1 - s));                                          \
         }                                                                                       \
     }                                                                                           \
-    static void swiglu_forward_##SFX(T *y, const T *g, const T *u, int64_t n, int nth) {        \
-        _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")         \
+    ATTR static void swiglu_forward_##SFX(T *y, const T *g, const T *u, int64_t n, int nth) {   \
+        _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)")    \
         for (int64_t i = 0; i < n; i++) y[i] = g[i] * sigmoid_##SFX(g[i]) * u[i];               \
     }                                                                                           \
-    /* dg or du may be NULL (that input needs no gradient). */                                  \
-    static void swiglu_backward_##SFX(T *dg, T *du, const T *dy, const T *g, const T *u,        \
-                                      int64_t n, int nth) {                                     \
-        _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")         \
-        for (int64_t i = 0; i < n; i++) {                                                       \
-            T s = sigmoid_##SFX(g[i]);                                                          \
-            if (dg) dg[i] += dy[i] * u[i] * s * (1 + g[i] * (1 - s));                           \
-            if (du) du[i] += dy[i] * g[i] * s;                                                  \
+    /* dg or du may be NULL (that input needs no gradient), not both. */                        \
+    ATTR static void swiglu_backward_##SFX(T *dg, T *du, const T *dy, const T *g, const T *u,   \
+                                           int64_t n, int nth) {                                \
+        if (dg && du) {                                                                         \
+            _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)") \
+            for (int64_t i = 0; i < n; i++) {                                                   \
+                T s = sigmoid_##SFX(g[i]), gs = g[i] * s;                                       \
+                dg[i] += dy[i] * u[i] * (s + gs * (1 - s));                                     \
+                du[i] += dy[i] * gs;                                                            \
+            }                                                                                   \
+        } else if (dg) {                                                                        \
+            _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)") \
+            for (int64_t i = 0; i < n; i++) {                                                   \
+                T s = sigmoid_##SFX(g[i]);                                                      \
+                dg[i] += dy[i] * u[i] * (s + g[i] * s * (1 - s));                               \
+            }                                                                                   \
+        } else {                                                                                \
+            _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)") \
+            for (int64_t i = 0; i < n; i++) du[i] += dy[i] * g[i] * sigmoid_##SFX(g[i]);        \
         }                                                                                       \
     }
 
-ACT_KERNELS(float, f32)
-ACT_KERNELS(double, f64)
-
+ACT_KERNELS(float, f32, TM__SIMD_CLONES)
+ACT_KERNELS(double, f64, )
 static tm_status check_cpu_dtype(tm__call *c) {
     if (c->in[0]->dtype != TM_F32 && c->in[0]->dtype != TM_F64)
         return tm__err(c->ctx, TM_ERR_INTERNAL, "%s: CPU kernel got %s", tm__opname(c),
