@@ -188,8 +188,8 @@ static const preset PRESETS[] = {
       "seq_len=128", "batch_size=16", "lr=3e-3", "warmup_steps=100", "steps=2000", "eval_every=200", NULL}},
     {"shakespeare", "byte-level text (give data=FILE from 'tinymoe tokenize'): the small model, 10-minute budget",
      {"d_model=128", "n_layers=4", "n_heads=4", "n_kv_heads=4", "num_experts=4", "topk=2", "expert_ffn_size=256",
-      "seq_len=128", "batch_size=16", "lr=3e-3", "min_lr=3e-4", "warmup_steps=100", "steps=3000", "weight_decay=0.1",
-      "eval_every=250", "eval_batches=16", "log_every=25", "sample_prompt=ROMEO:", "sample_tokens=400", NULL}},
+      "seq_len=128", "batch_size=16", "lr=8e-3", "min_lr=8e-4", "warmup_steps=50", "steps=1000", "weight_decay=0.1",
+      "eval_every=250", "eval_batches=16", "log_every=50", "sample_prompt=ROMEO:", "sample_tokens=300", NULL}},
 };
 // clang-format on
 enum { NPRESETS = (int)(sizeof PRESETS / sizeof PRESETS[0]) };
