@@ -6,9 +6,11 @@
 
 #include "internal.h"
 
-tm_ctx *tt_ctx(void) {
+tm_ctx *tt_ctx(void) { return tt_ctx_threads(2); }
+
+tm_ctx *tt_ctx_threads(int n) {
     tm_ctx_options o = tm_ctx_options_default();
-    o.num_threads = 2;
+    o.num_threads = n;
     o.arena_chunk_bytes = 4 << 20;
     tm_ctx *ctx = NULL;
     tm_status s = tm_ctx_new(&ctx, &o);

@@ -22,6 +22,8 @@
 
 /* A fresh CPU context (2 threads); asserts on failure. Free with tm_ctx_free. */
 tm_ctx *tt_ctx(void);
+/* The same with n threads (thread-count independence tests). */
+tm_ctx *tt_ctx_threads(int n);
 /* Assert status OK, printing the context message otherwise. */
 #define TT_OK(ctx, expr)                                                                       \
     do {                                                                                       \

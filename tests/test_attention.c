@@ -132,10 +132,7 @@ Test(attention, gradcheck_mqa_decode) {
 /* Gradients of q, k, v (in that order, malloc'd f64) for a fixed upstream gradient, and the
  * output if o is not NULL, computed in dtype dt with nthreads threads. */
 static void grads(const geom *g, tm_dtype dt, int nthreads, double *out[3], double **o_out) {
-    tm_ctx_options opt = tm_ctx_options_default();
-    opt.num_threads = nthreads;
-    tm_ctx *ctx;
-    cr_assert_eq(tm_ctx_new(&ctx, &opt), TM_OK);
+    tm_ctx *ctx = tt_ctx_threads(nthreads);
     tm_tensor *in[3], *o;
     make_qkv(ctx, g, TM_F64, 600, &in[0], &in[1], &in[2]);
     for (int i = 0; i < 3; i++) {

@@ -142,10 +142,7 @@ Test(elementwise, gradcheck_all_broadcasts) {
 /* d b of sum(mul(a, b) * g) for a [N, C], b [C], with nthreads threads (malloc'd). */
 static double *bias_grad(int nthreads, tm_dtype dt, int64_t N, int64_t C, const double *a, const double *b,
                          const double *g) {
-    tm_ctx_options o = tm_ctx_options_default();
-    o.num_threads = nthreads;
-    tm_ctx *ctx;
-    cr_assert_eq(tm_ctx_new(&ctx, &o), TM_OK);
+    tm_ctx *ctx = tt_ctx_threads(nthreads);
     int64_t as[2] = {N, C};
     tm_tensor *ta = tt_from(ctx, dt, 2, as, a), *tb = tt_from(ctx, dt, 1, &C, b), *tg = tt_from(ctx, dt, 2, as, g), *y;
     TT_OK(ctx, tm_tensor_set_requires_grad(ctx, tb, 1));

@@ -21,14 +21,6 @@ static void assert_exact(tm_ctx *ctx, const tm_tensor *got, const double *want) 
     tt_assert_close_host(ctx, got, want, 1e-300, 0);
 }
 
-static tm_ctx *ctx_threads(int n) {
-    tm_ctx_options o = tm_ctx_options_default();
-    o.num_threads = n;
-    tm_ctx *ctx;
-    cr_assert_eq(tm_ctx_new(&ctx, &o), TM_OK);
-    return ctx;
-}
-
 static void assert_err(tm_ctx *ctx, tm_status got, tm_status want, const char *op, const char *a, const char *b) {
     const char *msg = tm_ctx_errmsg(ctx);
     cr_assert_eq(got, want, "status %s, want %s (%s)", tm_status_str(got), tm_status_str(want), msg);
@@ -95,7 +87,7 @@ Test(embedding, gradcheck) {
 /* d weight of sum(embedding(w, ids) * g) with nthreads threads: V x C, ids [M]. */
 static double *embedding_dw(int nthreads, tm_dtype dt, int64_t V, int64_t C, int64_t M, const int64_t *ids,
                             const double *g) {
-    tm_ctx *ctx = ctx_threads(nthreads);
+    tm_ctx *ctx = tt_ctx_threads(nthreads);
     int64_t ws[2] = {V, C}, gs[2] = {M, C};
     tm_tensor *w = tt_randn(ctx, dt, 2, ws, 1), *out;
     TT_OK(ctx, tm_tensor_set_requires_grad(ctx, w, 1));
@@ -292,7 +284,7 @@ Test(scatter_add, empty_source) {
 
 /* Forward of a large scatter with nthreads threads, as f64 values. */
 static double *scatter_large(int nthreads, tm_dtype dt, int64_t M, int64_t C, int64_t R, const int64_t *idx) {
-    tm_ctx *ctx = ctx_threads(nthreads);
+    tm_ctx *ctx = tt_ctx_threads(nthreads);
     int64_t ss[2] = {M, C};
     tm_tensor *out;
     TT_OK(ctx, tm_scatter_add(ctx, tt_randn(ctx, dt, 2, ss, 92), ids_from(ctx, TM_I32, 1, &M, idx), R, &out));

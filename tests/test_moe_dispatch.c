@@ -520,10 +520,7 @@ Test(moe_dispatch, permute_backward_bf16) {
 /* Forward outputs and gradients of permute -> unpermute on a size that takes the OpenMP paths,
  * concatenated into one host array. */
 static double *dispatch_run(int nthreads, int64_t *n_out) {
-    tm_ctx_options o = tm_ctx_options_default();
-    o.num_threads = nthreads;
-    tm_ctx *ctx;
-    cr_assert_eq(tm_ctx_new(&ctx, &o), TM_OK);
+    tm_ctx *ctx = tt_ctx_threads(nthreads);
     const int64_t T = 300, E = 8, H = 129, k = 2;
     double *hmap = malloc(sizeof(double) * T * E), *hprobs = malloc(sizeof(double) * T * E);
     random_routing(hmap, hprobs, T, E, k, 7, 61);

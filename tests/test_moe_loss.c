@@ -489,10 +489,7 @@ Test(moe_expert_bias_update, bad_inputs) {
 /* The three losses and their gradients at a size that takes the OpenMP paths (T * E >= 2^15). */
 static void losses_with_threads(int nthreads, const double *s, const double *map, double *vals, double *grads,
                                 int64_t T, int64_t E) {
-    tm_ctx_options o = tm_ctx_options_default();
-    o.num_threads = nthreads;
-    tm_ctx *ctx;
-    cr_assert_eq(tm_ctx_new(&ctx, &o), TM_OK);
+    tm_ctx *ctx = tt_ctx_threads(nthreads);
     int64_t sh[2] = {T, E};
     double *cnt = malloc(sizeof(double) * E);
     col_counts(cnt, map, 0, T, E);

@@ -481,10 +481,7 @@ Test(moe_router, gradcheck_every_mode) {
 /* probs (f64, malloc'd) and d logits of sum(probs * gp) + sum(topk_weights * gw) with nthreads. */
 static void router_run_threads(int nthreads, const tm_router_config *cfg, int T, const double *l, const double *b,
                                const double *gp, const double *gw, double **probs, double **dl) {
-    tm_ctx_options opt = tm_ctx_options_default();
-    opt.num_threads = nthreads;
-    tm_ctx *ctx;
-    cr_assert_eq(tm_ctx_new(&ctx, &opt), TM_OK);
+    tm_ctx *ctx = tt_ctx_threads(nthreads);
     int64_t ls[2] = {T, cfg->num_experts}, ws[2] = {T, cfg->topk}, bs[1] = {cfg->num_experts};
     tm_tensor *lt = tt_from(ctx, TM_F64, 2, ls, l), *bt = tt_from(ctx, TM_F64, 1, bs, b), *loss_p, *loss_w, *loss;
     TT_OK(ctx, tm_tensor_set_requires_grad(ctx, lt, 1));

@@ -109,10 +109,7 @@ Test(rmsnorm, gradcheck) {
 /* dx, dw (malloc'd) of sum(rmsnorm(x, w) * g) computed by tinymoe with nthreads threads. */
 static void rms_grads(int nthreads, tm_dtype dt, int64_t N, int64_t C, const double *x, const double *w,
                       const double *g, double **dx, double **dw) {
-    tm_ctx_options o = tm_ctx_options_default();
-    o.num_threads = nthreads;
-    tm_ctx *ctx;
-    cr_assert_eq(tm_ctx_new(&ctx, &o), TM_OK);
+    tm_ctx *ctx = tt_ctx_threads(nthreads);
     int64_t xs[2] = {N, C};
     tm_tensor *tx = tt_from(ctx, dt, 2, xs, x), *tw = tt_from(ctx, dt, 1, &C, w);
     tm_tensor *tg = tt_from(ctx, dt, 2, xs, g), *y;
