@@ -44,7 +44,7 @@ endif
 
 WARN     := -Wall -Wextra -Werror -Wno-unused-parameter
 CFLAGS_ALL := -std=c11 -D_GNU_SOURCE $(OPT) $(WARN) -fPIC -fopenmp -Iinclude -Iframework $(SANFLAGS) $(CFLAGS)
-LDLIBS_ALL := -fopenmp -lm -lpthread $(SANFLAGS)
+LDLIBS_ALL := -fopenmp -lm -lpthread -lz $(SANFLAGS)
 
 ifeq ($(BLAS),1)
   BLAS_LIBS := $(shell $(BLAS_PKG) --libs openblas)
@@ -130,7 +130,7 @@ test: $(TESTBIN) $(BIN)
 PC := $(BUILD)/tinymoe.pc
 $(PC): Makefile
 	@mkdir -p $(BUILD)
-	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: tinymoe\nDescription: embeddable MoE training microframework\nVersion: %s\nLibs: -L$${libdir} -ltinymoe\nLibs.private: -fopenmp -lm -lpthread %s\nCflags: -I$${includedir}\n' \
+	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: tinymoe\nDescription: embeddable MoE training microframework\nVersion: %s\nLibs: -L$${libdir} -ltinymoe\nLibs.private: -fopenmp -lm -lpthread -lz %s\nCflags: -I$${includedir}\n' \
 	  '$(PREFIX)' "$$(sed -n 's/^#define TM_VERSION_STRING "\(.*\)"/\1/p' include/tinymoe.h)" '$(PC_LIBS_PRIVATE)' > $@
 
 install: all $(PC)

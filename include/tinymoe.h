@@ -623,6 +623,32 @@ tm_status tm_model_forward(tm_model *model, tm_tensor *tokens, tm_tensor *target
 tm_status tm_model_step(tm_model *model);
 
 /* ------------------------------------------------------------------------------------------ */
+/* Checkpoints                                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+/* Byte layout: docs/checkpoint-format.md (little-endian, zlib-compressed tensors, CRC32s). */
+
+/* Write every parameter and buffer of ctx (name, dtype, shape and data as full logical
+ * tensors, whatever device holds them) plus an opaque meta blob (the caller's config, step,
+ * RNG and data position). Written to "<path>.tmp.XXXXXX" in the same directory, fsync'ed,
+ * renamed over path, then the directory is fsync'ed: a crash at any moment leaves either the
+ * previous file or the new one, complete. On failure the temporary file is removed.
+ * Errors: TM_ERR_INVALID_ARG (null path, meta NULL with meta_bytes > 0), TM_ERR_IO (the
+ * message names the file and the system error), TM_ERR_NOMEM, TM_ERR_CUDA. */
+tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes);
+
+/* Load a checkpoint written by tm_ckpt_save into the tensors of ctx, which must hold exactly
+ * the same set of names, each with the same dtype and shape. The whole file is validated
+ * first (magic, version, endianness, every CRC, every tensor inflates, names/dtypes/shapes,
+ * no tensor missing, meta fits meta_cap); only then are tensors written, so a failed load
+ * leaves ctx untouched. The meta blob is copied to meta and its length to *meta_bytes
+ * (meta_bytes may be NULL). Errors name the file and what is wrong: TM_ERR_IO (unreadable,
+ * not a checkpoint, truncated, CRC mismatch, corrupt), TM_ERR_INVALID_ARG (unsupported
+ * version, unknown / duplicate / missing tensor, dtype or shape mismatch, meta larger than
+ * meta_cap), TM_ERR_UNSUPPORTED (foreign endianness), TM_ERR_NOMEM, TM_ERR_CUDA (a device
+ * copy failed; the only error after which ctx may be partly loaded). */
+tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_cap, size_t *meta_bytes);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Optimizers                                                                                  */
 /* ------------------------------------------------------------------------------------------ */
 

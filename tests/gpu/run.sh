@@ -68,5 +68,5 @@ exit $rc
 # Preparing .deps on a Debian bookworm dev machine (x86-64), from the repository root:
 #   mkdir -p .deps && cd .deps && apt-get download libcriterion3 libcriterion-dev libnanomsg5 \
 #     libgit2-1.5 libffi8 libhttp-parser2.9 libmbedcrypto7 libmbedtls14 libmbedx509-1 libssh2-1 \
-#     libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libkeyutils1 libcom-err2 make
+#     libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libkeyutils1 libcom-err2 make zlib1g-dev
 # (about 2.5 MiB; /.deps/ is in .git/info/exclude; pass carry: [".deps"] to the device tool).

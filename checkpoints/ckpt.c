@@ -1,0 +1,511 @@
+/*
+ * ckpt.c — checkpoint files: every parameter and buffer of a context plus an opaque meta blob.
+ *
+ * The byte layout is specified in docs/checkpoint-format.md; in short (all integers
+ * little-endian):
+ *
+ *   header   "TMCKPT\0\0" | version u32 | endian u32 0x01020304 | n_tensors u32 |
+ *            meta_len u64 | crc32(previous 28 bytes) u32                       (32 bytes)
+ *   meta     meta_len bytes | crc32(meta) u32
+ *   tensors  n_tensors records, in the context's creation order:
+ *            name_len u16 | name | dtype u8 | ndim u8 | shape i64[ndim] | raw_len u64 |
+ *            comp_len u64 | crc32(compressed) u32 | zlib stream (comp_len bytes)
+ *   end      "TMCKEND\0" | crc32 over the record descriptors (everything but the zlib streams)
+ *
+ * Saving never exposes a partial file: it writes "<path>.tmp.XXXXXX" in the same directory,
+ * fsyncs it, renames it over `path` and fsyncs the directory. Whatever instant a crash (or
+ * kill -9, or a full disk) hits, `path` names either the old complete file or the new one.
+ *
+ * Loading never leaves a half-loaded context: the whole file is read into host memory and
+ * checked end to end (structure, every CRC, every name/dtype/shape against the context, every
+ * zlib stream actually inflated to its recorded length) before the first tensor is written.
+ * The price is one extra inflate per tensor and the compressed file in host memory; a
+ * checkpoint is loaded once per run, and the alternative (re-reading the file for a second
+ * pass) would reopen the window for a concurrent writer to swap the file in between.
+ * The one failure that can still strike mid-write is the device copy itself (TM_ERR_CUDA).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include "ctx_internal.h"
+
+#define CK_VERSION 1u
+#define CK_ENDIAN 0x01020304u
+#define CK_HEADER_BYTES 32
+#define CK_NAME_MAX 127 /* tm_param_new's limit */
+
+static const unsigned char ck_magic[8] = {'T', 'M', 'C', 'K', 'P', 'T', 0, 0};
+static const unsigned char ck_end[8] = {'T', 'M', 'C', 'K', 'E', 'N', 'D', 0};
+
+/* zlib level 1: parameters are near-incompressible floats, so higher levels gain a few percent
+ * of size for several times the time; checkpoints are written often, read once. */
+enum { CK_ZLEVEL = 1, CK_WBUF = 1 << 20 };
+
+/* Tensor data is written as the host holds it; the format says little-endian, so a
+ * big-endian host would need byte swapping that nobody has asked for yet. */
+static int host_little_endian(void) {
+    const uint32_t one = 1;
+    unsigned char b;
+    memcpy(&b, &one, 1);
+    return b == 1;
+}
+
+static void put_u16(unsigned char *p, uint16_t v) { p[0] = (unsigned char)v; p[1] = (unsigned char)(v >> 8); }
+static void put_u32(unsigned char *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static void put_u64(unsigned char *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static uint16_t get_u16(const unsigned char *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static uint32_t get_u32(const unsigned char *p) {
+    uint32_t v = 0;
+    for (int i = 3; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+static uint64_t get_u64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+/* zlib's crc32 takes a uInt length; feed large blocks in pieces. */
+static uint32_t crc_update(uint32_t crc, const void *p, size_t n) {
+    const unsigned char *b = p;
+    uLong c = crc;
+    while (n > 0) {
+        uInt k = n > (1u << 30) ? (1u << 30) : (uInt)n;
+        c = crc32(c, b, k);
+        b += k;
+        n -= k;
+    }
+    return (uint32_t)c;
+}
+
+static size_t tensor_bytes(const tm_tensor *t) {
+    return (size_t)tm_tensor_numel(t) * tm_dtype_size(t->dtype);
+}
+
+/* ---- saving --------------------------------------------------------------------------- */
+
+/* Buffered writer over a file descriptor; the first error sticks (errno value in err). */
+typedef struct ck_writer {
+    int fd;
+    unsigned char *buf;
+    size_t n;
+    int err;
+} ck_writer;
+
+static void w_flush(ck_writer *w) {
+    size_t off = 0;
+    while (!w->err && off < w->n) {
+        ssize_t k = write(w->fd, w->buf + off, w->n - off);
+        if (k < 0) {
+            if (errno != EINTR) w->err = errno;
+        } else {
+            off += (size_t)k;
+        }
+    }
+    w->n = 0;
+}
+
+static void w_put(ck_writer *w, const void *p, size_t n) {
+    const unsigned char *b = p;
+    while (!w->err && n > 0) {
+        size_t k = CK_WBUF - w->n < n ? CK_WBUF - w->n : n;
+        memcpy(w->buf + w->n, b, k);
+        w->n += k;
+        b += k;
+        n -= k;
+        if (w->n == CK_WBUF) w_flush(w);
+    }
+}
+
+/* Write every record; *table_crc accumulates the descriptors. raw/comp are staging buffers
+ * sized for the largest tensor. */
+static tm_status write_tensors(tm_ctx *ctx, const char *path, ck_writer *w, unsigned char *raw,
+                               unsigned char *comp, size_t comp_cap, uint32_t *table_crc) {
+    uint32_t tcrc = 0;
+    for (int k = 0; k < ctx->n_named && !w->err; k++) {
+        const tm_tensor *t = ctx->named[k];
+        size_t name_len = strlen(t->name), rb = tensor_bytes(t);
+        TM__TRY(tm_tensor_read(ctx, t, t->dtype, raw, tm_tensor_numel(t)));
+        uLongf cl = (uLongf)comp_cap;
+        int zs = compress2(comp, &cl, raw, (uLong)rb, CK_ZLEVEL);
+        if (zs != Z_OK)
+            return tm__err(ctx, zs == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL,
+                           "tm_ckpt_save: '%s': compressing tensor '%s' failed (zlib %d)", path,
+                           t->name, zs);
+        /* descriptor: u16 name_len, name, u8 dtype, u8 ndim, i64 shape[], u64 raw, u64 comp, u32 crc */
+        unsigned char d[2 + CK_NAME_MAX + 2 + 8 * TM_MAX_DIMS + 8 + 8 + 4], *p = d;
+        put_u16(p, (uint16_t)name_len), p += 2;
+        memcpy(p, t->name, name_len), p += name_len;
+        *p++ = (unsigned char)t->dtype;
+        *p++ = (unsigned char)t->ndim;
+        for (int i = 0; i < t->ndim; i++) put_u64(p, (uint64_t)t->shape[i]), p += 8;
+        put_u64(p, (uint64_t)rb), p += 8;
+        put_u64(p, (uint64_t)cl), p += 8;
+        put_u32(p, crc_update(0, comp, cl)), p += 4;
+        tcrc = crc_update(tcrc, d, (size_t)(p - d));
+        w_put(w, d, (size_t)(p - d));
+        w_put(w, comp, cl);
+    }
+    *table_crc = tcrc;
+    return TM_OK;
+}
+
+/* Make the rename durable. Best effort: some file systems refuse fsync on a directory, and
+ * the file itself is already complete and synced by then. */
+static void sync_dir(const char *path) {
+    char dir[PATH_MAX];
+    const char *slash = strrchr(path, '/');
+    if (!slash) {
+        strcpy(dir, ".");
+    } else if (slash == path) {
+        strcpy(dir, "/");
+    } else {
+        size_t n = (size_t)(slash - path);
+        if (n >= sizeof dir) return;
+        memcpy(dir, path, n);
+        dir[n] = '\0';
+    }
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY);
+    if (dfd >= 0) {
+        fsync(dfd);
+        close(dfd);
+    }
+}
+
+tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    const char *fn = "tm_ckpt_save";
+    if (!path || !*path) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path is NULL or empty", fn);
+    if (!meta && meta_bytes)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: meta is NULL but meta_bytes is %zu", fn, meta_bytes);
+    if (!host_little_endian())
+        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: big-endian hosts are not supported", fn);
+    if ((uint64_t)ctx->n_named > UINT32_MAX)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: too many tensors (%d)", fn, ctx->n_named);
+
+    size_t max_raw = 1;
+    for (int k = 0; k < ctx->n_named; k++) {
+        size_t rb = tensor_bytes(ctx->named[k]);
+        if (rb > max_raw) max_raw = rb;
+    }
+    if ((uLong)max_raw != max_raw)
+        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: a tensor of %zu bytes exceeds zlib's limit", fn, max_raw);
+    size_t comp_cap = compressBound((uLong)max_raw);
+
+    char tmp[PATH_MAX];
+    if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp.XXXXXX", path) >= sizeof tmp)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path '%s' is too long", fn, path);
+
+    unsigned char *raw = tm__host_alloc(ctx, max_raw);
+    unsigned char *comp = tm__host_alloc(ctx, comp_cap);
+    unsigned char *wbuf = tm__host_alloc(ctx, CK_WBUF);
+    tm_status st = TM_OK;
+    int fd = -1;
+    if (!raw || !comp || !wbuf) {
+        st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes of staging memory", fn,
+                     path, max_raw + comp_cap + CK_WBUF);
+        goto done;
+    }
+    fd = mkstemp(tmp);
+    if (fd < 0) {
+        st = tm__err(ctx, TM_ERR_IO, "%s: cannot create '%s': %s", fn, tmp, strerror(errno));
+        goto done;
+    }
+    /* mkstemp creates 0600; a checkpoint is an ordinary file others may read. */
+    (void)fchmod(fd, 0644);
+
+    ck_writer w = {.fd = fd, .buf = wbuf};
+    unsigned char h[CK_HEADER_BYTES];
+    memcpy(h, ck_magic, 8);
+    put_u32(h + 8, CK_VERSION);
+    put_u32(h + 12, CK_ENDIAN);
+    put_u32(h + 16, (uint32_t)ctx->n_named);
+    put_u64(h + 20, (uint64_t)meta_bytes);
+    put_u32(h + 28, crc_update(0, h, 28));
+    w_put(&w, h, sizeof h);
+    unsigned char c4[4];
+    if (meta_bytes) w_put(&w, meta, meta_bytes);
+    put_u32(c4, crc_update(0, meta, meta_bytes));
+    w_put(&w, c4, 4);
+
+    uint32_t tcrc = 0;
+    st = write_tensors(ctx, path, &w, raw, comp, comp_cap, &tcrc);
+    if (st == TM_OK) {
+        w_put(&w, ck_end, 8);
+        put_u32(c4, tcrc);
+        w_put(&w, c4, 4);
+        w_flush(&w);
+        if (!w.err && fsync(fd) != 0) w.err = errno;
+        if (close(fd) != 0 && !w.err) w.err = errno;
+        fd = -1;
+        if (w.err) {
+            st = tm__err(ctx, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp,
+                         strerror(w.err));
+        } else if (rename(tmp, path) != 0) {
+            st = tm__err(ctx, TM_ERR_IO, "%s: cannot rename '%s' to '%s': %s", fn, tmp, path,
+                         strerror(errno));
+        } else {
+            sync_dir(path);
+            goto done;
+        }
+    }
+    if (fd >= 0) close(fd);
+    unlink(tmp);
+done:
+    tm__host_free(ctx, raw);
+    tm__host_free(ctx, comp);
+    tm__host_free(ctx, wbuf);
+    return st;
+}
+
+/* ---- loading -------------------------------------------------------------------------- */
+
+/* One record as parsed from the file; points into the file image. */
+typedef struct ck_rec {
+    const unsigned char *name;
+    size_t name_len;
+    int dtype, ndim;
+    int64_t shape[TM_MAX_DIMS];
+    uint64_t raw_len, comp_len;
+    uint32_t crc;
+    const unsigned char *data;
+    tm_tensor *t; /* the context's tensor of that name */
+} ck_rec;
+
+static tm_status read_file(tm_ctx *ctx, const char *path, unsigned char **img, size_t *len) {
+    const char *fn = "tm_ckpt_load";
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return tm__err(ctx, TM_ERR_IO, "%s: cannot open '%s': %s", fn, path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0) {
+        int e = errno;
+        close(fd);
+        return tm__err(ctx, TM_ERR_IO, "%s: cannot stat '%s': %s", fn, path, strerror(e));
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        close(fd);
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is not a regular file", fn, path);
+    }
+    size_t n = (size_t)sb.st_size;
+    unsigned char *b = tm__host_alloc(ctx, n ? n : 1);
+    if (!b) {
+        close(fd);
+        return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes", fn, path, n);
+    }
+    size_t off = 0;
+    while (off < n) {
+        ssize_t k = read(fd, b + off, n - off);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) {
+            int e = k < 0 ? errno : 0;
+            close(fd);
+            tm__host_free(ctx, b);
+            return tm__err(ctx, TM_ERR_IO, "%s: cannot read '%s': %s", fn, path,
+                           e ? strerror(e) : "file shrank while reading");
+        }
+        off += (size_t)k;
+    }
+    close(fd);
+    *img = b;
+    *len = n;
+    return TM_OK;
+}
+
+static tm_status truncated(tm_ctx *ctx, const char *path, size_t len, const char *what) {
+    return tm__err(ctx, TM_ERR_IO, "tm_ckpt_load: '%s' is truncated (%zu bytes) in %s", path, len, what);
+}
+
+/* Walk the records: bounds, the end marker, the table CRC. Purely structural, so that a
+ * corrupted descriptor is reported as corruption, not as the unknown name it may spell. */
+static tm_status parse_records(tm_ctx *ctx, const char *path, const unsigned char *img, size_t len,
+                               size_t off, ck_rec *rec, uint32_t n) {
+    const char *fn = "tm_ckpt_load";
+    uint32_t tcrc = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        ck_rec *r = &rec[i];
+        size_t start = off;
+        if (len - off < 2) return truncated(ctx, path, len, "a tensor record");
+        r->name_len = get_u16(img + off), off += 2;
+        if (r->name_len == 0 || r->name_len > CK_NAME_MAX)
+            return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor record %u has a name of %zu bytes",
+                           fn, path, i, r->name_len);
+        if (len - off < r->name_len + 2) return truncated(ctx, path, len, "a tensor record");
+        r->name = img + off, off += r->name_len;
+        r->dtype = img[off++];
+        r->ndim = img[off++];
+        if (r->ndim > TM_MAX_DIMS)
+            return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor record %u has %d dims", fn, path,
+                           i, r->ndim);
+        if (len - off < (size_t)r->ndim * 8 + 20) return truncated(ctx, path, len, "a tensor record");
+        for (int d = 0; d < r->ndim; d++) r->shape[d] = (int64_t)get_u64(img + off), off += 8;
+        r->raw_len = get_u64(img + off), off += 8;
+        r->comp_len = get_u64(img + off), off += 8;
+        r->crc = get_u32(img + off), off += 4;
+        tcrc = crc_update(tcrc, img + start, off - start);
+        if (r->comp_len > len - off) return truncated(ctx, path, len, "tensor data");
+        r->data = img + off;
+        off += (size_t)r->comp_len;
+    }
+    if (len - off < 12) return truncated(ctx, path, len, "the end marker");
+    if (memcmp(img + off, ck_end, 8) != 0)
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: end marker missing after %u tensors", fn,
+                       path, n);
+    if (get_u32(img + off + 8) != tcrc)
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the tensor table", fn, path);
+    if (off + 12 != len)
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: %zu stray bytes after the end marker", fn,
+                       path, len - off - 12);
+    return TM_OK;
+}
+
+/* Every record against the context: data CRC, name known and unique, dtype and shape equal,
+ * raw length consistent, and no tensor of the context left out. */
+static tm_status match_records(tm_ctx *ctx, const char *path, ck_rec *rec, uint32_t n,
+                               unsigned char *seen) {
+    const char *fn = "tm_ckpt_load";
+    for (uint32_t i = 0; i < n; i++) {
+        ck_rec *r = &rec[i];
+        char name[CK_NAME_MAX + 1];
+        memcpy(name, r->name, r->name_len);
+        name[r->name_len] = '\0';
+        if (crc_update(0, r->data, (size_t)r->comp_len) != r->crc)
+            return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the data of tensor '%s'",
+                           fn, path, name);
+        int k = 0;
+        while (k < ctx->n_named && strcmp(ctx->named[k]->name, name) != 0) k++;
+        if (k == ctx->n_named || strlen(name) != r->name_len)
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' holds tensor '%s', unknown in this context",
+                           fn, path, name);
+        if (seen[k])
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' holds tensor '%s' twice", fn, path, name);
+        seen[k] = 1;
+        tm_tensor *t = r->t = ctx->named[k];
+        if (r->dtype != (int)t->dtype) {
+            const char *fdt = r->dtype < TM_NDTYPES ? tm_dtype_name((tm_dtype)r->dtype) : "?";
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': tensor '%s' is %s in the file (code %d), %s",
+                           fn, path, name, fdt, r->dtype, tm__tdesc(ctx, t));
+        }
+        int same = r->ndim == t->ndim;
+        for (int d = 0; same && d < t->ndim; d++) same = r->shape[d] == t->shape[d];
+        if (!same)
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': tensor '%s' has shape %s in the file, %s",
+                           fn, path, name, tm__sdesc(ctx, r->ndim, r->shape), tm__tdesc(ctx, t));
+        if (r->raw_len != tensor_bytes(t))
+            return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%s' claims %llu bytes, expected %zu",
+                           fn, path, name, (unsigned long long)r->raw_len, tensor_bytes(t));
+    }
+    for (int k = 0; k < ctx->n_named; k++)
+        if (!seen[k])
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' lacks tensor %s (%s)", fn, path,
+                           ctx->named[k]->name, tm__tdesc(ctx, ctx->named[k]));
+    return TM_OK;
+}
+
+static tm_status inflate_rec(tm_ctx *ctx, const char *path, const ck_rec *r, unsigned char *dst) {
+    uLongf out = (uLongf)r->raw_len;
+    int zs = uncompress(dst, &out, r->data, (uLong)r->comp_len);
+    if (zs == Z_MEM_ERROR)
+        return tm__err(ctx, TM_ERR_NOMEM, "tm_ckpt_load: '%s': out of memory inflating '%s'", path,
+                       r->t->name);
+    if (zs != Z_OK || out != r->raw_len)
+        return tm__err(ctx, TM_ERR_IO, "tm_ckpt_load: '%s' is corrupt: tensor '%s' does not inflate to %llu bytes (zlib %d)",
+                       path, r->t->name, (unsigned long long)r->raw_len, zs);
+    return TM_OK;
+}
+
+static tm_status load_image(tm_ctx *ctx, const char *path, const unsigned char *img, size_t len,
+                            void *meta, size_t meta_cap, size_t *meta_bytes) {
+    const char *fn = "tm_ckpt_load";
+    if (len < CK_HEADER_BYTES) {
+        if (len < 8 || memcmp(img, ck_magic, 8) == 0) return truncated(ctx, path, len, "the header");
+    }
+    if (memcmp(img, ck_magic, 8) != 0)
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is not a tinymoe checkpoint (bad magic)", fn, path);
+    if (get_u32(img + 28) != crc_update(0, img, 28))
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the header", fn, path);
+    uint32_t version = get_u32(img + 8);
+    if (version != CK_VERSION)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' has format version %u, this build reads version %u",
+                       fn, path, version, CK_VERSION);
+    uint32_t endian = get_u32(img + 12);
+    if (endian != CK_ENDIAN)
+        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: '%s' has endianness marker 0x%08x, expected 0x%08x",
+                       fn, path, endian, CK_ENDIAN);
+    uint32_t n = get_u32(img + 16);
+    uint64_t ml = get_u64(img + 20);
+    size_t off = CK_HEADER_BYTES;
+    if (ml > len - off || len - off - (size_t)ml < 4) return truncated(ctx, path, len, "the meta blob");
+    if (get_u32(img + off + ml) != crc_update(0, img + off, (size_t)ml))
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the meta blob", fn, path);
+    const unsigned char *meta_src = img + off;
+    off += (size_t)ml + 4;
+    /* Each record takes at least 2 + 1 + 2 + 20 bytes: a bound on n before allocating. */
+    if (n > (len - off) / 25) return truncated(ctx, path, len, "the tensor table");
+
+    ck_rec *rec = tm__host_alloc(ctx, (n ? n : 1) * sizeof *rec);
+    unsigned char *seen = tm__host_alloc(ctx, ctx->n_named ? (size_t)ctx->n_named : 1);
+    unsigned char *raw = NULL;
+    tm_status st = TM_OK;
+    if (!rec || !seen) {
+        st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory for %u records", fn, path, n);
+        goto done;
+    }
+    memset(seen, 0, ctx->n_named ? (size_t)ctx->n_named : 1);
+    st = parse_records(ctx, path, img, len, off, rec, n);
+    if (st == TM_OK) st = match_records(ctx, path, rec, n, seen);
+    if (st == TM_OK && ml > meta_cap)
+        st = tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' has %llu bytes of meta, meta_cap is %zu", fn,
+                     path, (unsigned long long)ml, meta_cap);
+    if (st != TM_OK) goto done;
+
+    size_t max_raw = 1;
+    for (uint32_t i = 0; i < n; i++)
+        if (rec[i].raw_len > max_raw) max_raw = (size_t)rec[i].raw_len;
+    raw = tm__host_alloc(ctx, max_raw);
+    if (!raw) {
+        st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes", fn, path, max_raw);
+        goto done;
+    }
+    /* Inflate everything once to prove it inflates, then again to load: see the top comment. */
+    for (uint32_t i = 0; i < n && st == TM_OK; i++) st = inflate_rec(ctx, path, &rec[i], raw);
+    for (uint32_t i = 0; i < n && st == TM_OK; i++) {
+        st = inflate_rec(ctx, path, &rec[i], raw);
+        if (st == TM_OK) st = tm_tensor_write(ctx, rec[i].t, rec[i].t->dtype, raw, tm_tensor_numel(rec[i].t));
+    }
+    if (st == TM_OK) {
+        if (ml) memcpy(meta, meta_src, (size_t)ml);
+        if (meta_bytes) *meta_bytes = (size_t)ml;
+    }
+done:
+    tm__host_free(ctx, raw);
+    tm__host_free(ctx, seen);
+    tm__host_free(ctx, rec);
+    return st;
+}
+
+tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_cap, size_t *meta_bytes) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    const char *fn = "tm_ckpt_load";
+    if (!path || !*path) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path is NULL or empty", fn);
+    if (!meta && meta_cap)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: meta is NULL but meta_cap is %zu", fn, meta_cap);
+    if (!host_little_endian())
+        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: big-endian hosts are not supported", fn);
+    unsigned char *img = NULL;
+    size_t len = 0;
+    TM__TRY(read_file(ctx, path, &img, &len));
+    tm_status st = load_image(ctx, path, img, len, meta, meta_cap, meta_bytes);
+    tm__host_free(ctx, img);
+    return st;
+}
