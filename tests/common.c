@@ -1,8 +1,13 @@
 /* common.c — shared test helpers; see common.h. */
 #include "common.h"
 
+#include <dirent.h>
+#include <errno.h>
+#include <ftw.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -179,4 +184,48 @@ double tt_gradcheck(tm_ctx *ctx, tt_fn fn, void *user, int n_in, tm_tensor **inp
     free(gh);
     tm_ctx_set_grad_enabled(ctx, prev);
     return worst;
+}
+
+static char tt_dir[128];
+
+const char *tt_tmpdir_make(const char *prefix) {
+    snprintf(tt_dir, sizeof tt_dir, "/tmp/%sXXXXXX", prefix);
+    cr_assert(mkdtemp(tt_dir), "mkdtemp %s: %s", tt_dir, strerror(errno));
+    return tt_dir;
+}
+
+static int rm_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw) { return remove(p); }
+void tt_tmpdir_remove(void) {
+    if (tt_dir[0]) nftw(tt_dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    tt_dir[0] = 0;
+}
+
+const char *tt_path(const char *name) {
+    static char buf[8][256];
+    static int i;
+    char *b = buf[i++ % 8];
+    snprintf(b, sizeof buf[0], "%s/%s", tt_dir, name);
+    return b;
+}
+
+unsigned char *tt_slurp(const char *path, long *len) {
+    FILE *f = fopen(path, "rb");
+    cr_assert(f, "fopen %s: %s", path, strerror(errno));
+    fseek(f, 0, SEEK_END);
+    *len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *b = malloc((size_t)*len + 1);
+    cr_assert_eq(fread(b, 1, (size_t)*len, f), (size_t)*len);
+    fclose(f);
+    return b;
+}
+
+int tt_dir_entries(const char *dir) {
+    DIR *d = opendir(dir);
+    cr_assert(d, "opendir %s", dir);
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));)
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
+    closedir(d);
+    return n;
 }

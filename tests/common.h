@@ -50,6 +50,16 @@ void tt_assert_close(tm_ctx *ctx, const tm_tensor *got, const tm_tensor *want, d
 /* Assert a host array equals a tensor's values within tolerance. */
 void tt_assert_close_host(tm_ctx *ctx, const tm_tensor *got, const double *want, double atol, double rtol);
 
+/* File-system fixtures for the I/O suites (each Criterion test runs in its own process, so
+ * one directory per process is enough). tt_tmpdir_make creates /tmp/<prefix>XXXXXX and returns
+ * it; tt_tmpdir_remove deletes it recursively; tt_path joins dir/name (8 rotating buffers). */
+const char *tt_tmpdir_make(const char *prefix);
+void tt_tmpdir_remove(void);
+const char *tt_path(const char *name);
+/* Whole file into malloc'd memory (*len bytes); entries of a directory without . and ..*/
+unsigned char *tt_slurp(const char *path, long *len);
+int tt_dir_entries(const char *dir);
+
 typedef tm_status (*tt_fn)(tm_ctx *ctx, tm_tensor **inputs, void *user, tm_tensor **out);
 /* See the top of this file. inputs may include parameters that fn uses (their gradient
  * buffer is zeroed first). eps: finite-difference step (1e-6 is a good default in f64). */

@@ -17,49 +17,16 @@
 
 #include "common.h"
 
-static char g_dir[64];
-static void setup(void) {
-    snprintf(g_dir, sizeof g_dir, "/tmp/tm_test_ckpt_XXXXXX");
-    cr_assert(mkdtemp(g_dir), "mkdtemp: %s", strerror(errno));
-}
-static int rm_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw) { return remove(p); }
-static void teardown(void) {
-    if (g_dir[0]) nftw(g_dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-}
+static char g_dir[128];
+static void setup(void) { snprintf(g_dir, sizeof g_dir, "%s", tt_tmpdir_make("tm_test_ckpt_")); }
+static void teardown(void) { tt_tmpdir_remove(); }
 TestSuite(ckpt, .init = setup, .fini = teardown);
 
-static const char *P(const char *name) {
-    static char buf[8][256];
-    static int i;
-    char *b = buf[i++ % 8];
-    snprintf(b, sizeof buf[0], "%s/%s", g_dir, name);
-    return b;
-}
-static unsigned char *slurp(const char *path, long *len) {
-    FILE *f = fopen(path, "rb");
-    cr_assert(f, "fopen %s: %s", path, strerror(errno));
-    fseek(f, 0, SEEK_END);
-    *len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *b = malloc((size_t)*len + 1);
-    cr_assert_eq(fread(b, 1, (size_t)*len, f), (size_t)*len);
-    fclose(f);
-    return b;
-}
 static void spit(const char *path, const unsigned char *b, long len) {
     FILE *f = fopen(path, "wb");
     cr_assert(f, "fopen %s: %s", path, strerror(errno));
     if (len) cr_assert_eq(fwrite(b, 1, (size_t)len, f), (size_t)len);
     cr_assert_eq(fclose(f), 0);
-}
-static int count_entries(const char *dir) {
-    DIR *d = opendir(dir);
-    cr_assert(d);
-    int n = 0;
-    for (struct dirent *e; (e = readdir(d));)
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
-    closedir(d);
-    return n;
 }
 static void put32(unsigned char *p, uint32_t v) {
     for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
@@ -129,7 +96,7 @@ static const char meta_ref[] = "step=17;rng=0123456789abcdef;pos=4242";
 
 Test(ckpt, round_trip_bitwise) {
     tm_ctx *a = make_ctx(0, 1), *b = make_ctx(0, 2);
-    const char *path = P("a.ckpt");
+    const char *path = tt_path("a.ckpt");
     TT_OK(a, tm_ckpt_save(a, path, meta_ref, sizeof meta_ref));
     snap sa = snapshot(a), sb0 = snapshot(b);
     cr_assert_neq(memcmp(sa.b, sb0.b, sa.n), 0, "different seeds give different tensors");
@@ -143,7 +110,7 @@ Test(ckpt, round_trip_bitwise) {
     TT_OK(b, tm_ckpt_save(b, path, NULL, 0));
     TT_OK(a, tm_ckpt_load(a, path, NULL, 0, &ml));
     cr_assert_eq(ml, 0);
-    cr_assert_eq(count_entries(g_dir), 1);
+    cr_assert_eq(tt_dir_entries(g_dir), 1);
     tm_ctx_free(a);
     tm_ctx_free(b);
 }
@@ -152,10 +119,10 @@ Test(ckpt, round_trip_bitwise) {
  * load and leave every tensor of the target context bit-identical. */
 Test(ckpt, corruption_sweep_every_byte) {
     tm_ctx *a = make_ctx(0, 1), *b = make_ctx(0, 2);
-    const char *path = P("a.ckpt"), *bad = P("bad.ckpt");
+    const char *path = tt_path("a.ckpt"), *bad = tt_path("bad.ckpt");
     TT_OK(a, tm_ckpt_save(a, path, meta_ref, sizeof meta_ref));
     long len;
-    unsigned char *img = slurp(path, &len);
+    unsigned char *img = tt_slurp(path, &len);
     cr_assert(len > 100 && len < 4096, "small checkpoint: %ld bytes", len);
     snap before = snapshot(b);
     char meta[64];
@@ -183,10 +150,10 @@ Test(ckpt, corruption_sweep_every_byte) {
 
 Test(ckpt, truncated_files) {
     tm_ctx *a = make_ctx(0, 1), *b = make_ctx(0, 2);
-    const char *path = P("a.ckpt"), *bad = P("trunc.ckpt");
+    const char *path = tt_path("a.ckpt"), *bad = tt_path("trunc.ckpt");
     TT_OK(a, tm_ckpt_save(a, path, meta_ref, sizeof meta_ref));
     long len;
-    unsigned char *img = slurp(path, &len);
+    unsigned char *img = tt_slurp(path, &len);
     snap before = snapshot(b);
     long cuts[] = {0, 1, 7, 8, 20, 31, 32, 33, 32 + (long)sizeof meta_ref + 3, len / 2, len - 13,
                    len - 12, len - 5, len - 1};
@@ -214,15 +181,15 @@ Test(ckpt, truncated_files) {
 
 Test(ckpt, missing_file_and_bad_magic) {
     tm_ctx *b = make_ctx(0, 2);
-    const char *nofile = P("nope.ckpt");
+    const char *nofile = tt_path("nope.ckpt");
     cr_assert_eq(tm_ckpt_load(b, nofile, NULL, 0, NULL), TM_ERR_IO);
     cr_assert(strstr(tm_ctx_errmsg(b), nofile), "%s", tm_ctx_errmsg(b));
     cr_assert(strstr(tm_ctx_errmsg(b), strerror(ENOENT)), "%s", tm_ctx_errmsg(b));
 
-    const char *path = P("a.ckpt");
+    const char *path = tt_path("a.ckpt");
     TT_OK(b, tm_ckpt_save(b, path, NULL, 0));
     long len;
-    unsigned char *img = slurp(path, &len);
+    unsigned char *img = tt_slurp(path, &len);
     memcpy(img, "SAFETENS", 8);
     spit(path, img, len);
     cr_assert_eq(tm_ckpt_load(b, path, NULL, 0, NULL), TM_ERR_IO);
@@ -235,10 +202,10 @@ Test(ckpt, missing_file_and_bad_magic) {
 /* A well-formed header (valid CRC) of a version this build does not read. */
 Test(ckpt, unsupported_version) {
     tm_ctx *a = make_ctx(0, 1), *b = make_ctx(0, 2);
-    const char *path = P("v2.ckpt");
+    const char *path = tt_path("v2.ckpt");
     TT_OK(a, tm_ckpt_save(a, path, NULL, 0));
     long len;
-    unsigned char *img = slurp(path, &len);
+    unsigned char *img = tt_slurp(path, &len);
     put32(img + 8, 2);
     put32(img + 28, (uint32_t)crc32(0, img, 28));
     spit(path, img, len);
@@ -255,7 +222,7 @@ Test(ckpt, unsupported_version) {
 /* Context/file disagreements: each is TM_ERR_INVALID_ARG naming the tensor, nothing loaded. */
 static void mismatch(int variant, const char *needle1, const char *needle2) {
     tm_ctx *a = make_ctx(0, 1), *b = make_ctx(variant, 2);
-    const char *path = P("a.ckpt");
+    const char *path = tt_path("a.ckpt");
     TT_OK(a, tm_ckpt_save(a, path, NULL, 0));
     snap before = snapshot(b);
     cr_assert_eq(tm_ckpt_load(b, path, NULL, 0, NULL), TM_ERR_INVALID_ARG, "variant %d: %s", variant,
@@ -275,7 +242,7 @@ Test(ckpt, dtype_mismatch) { mismatch(4, "'w'", "f64"); }
 
 Test(ckpt, meta_too_large_for_cap) {
     tm_ctx *a = make_ctx(0, 1), *b = make_ctx(0, 2);
-    const char *path = P("a.ckpt");
+    const char *path = tt_path("a.ckpt");
     TT_OK(a, tm_ckpt_save(a, path, meta_ref, sizeof meta_ref));
     snap before = snapshot(b);
     char small[8];
@@ -292,10 +259,10 @@ Test(ckpt, meta_too_large_for_cap) {
  * temporary file. Criterion runs each test in its own process, so the limit does not leak. */
 Test(ckpt, failed_save_keeps_old_file) {
     tm_ctx *a = make_ctx(0, 1);
-    const char *path = P("keep.ckpt");
+    const char *path = tt_path("keep.ckpt");
     TT_OK(a, tm_ckpt_save(a, path, meta_ref, sizeof meta_ref));
     long len0;
-    unsigned char *before = slurp(path, &len0);
+    unsigned char *before = tt_slurp(path, &len0);
 
     tm_ctx *big = make_ctx(0, 3);
     tm_tensor *t;
@@ -315,10 +282,10 @@ Test(ckpt, failed_save_keeps_old_file) {
     cr_assert(strstr(tm_ctx_errmsg(big), strerror(EFBIG)), "%s", tm_ctx_errmsg(big));
 
     long len1;
-    unsigned char *after = slurp(path, &len1);
+    unsigned char *after = tt_slurp(path, &len1);
     cr_assert_eq(len1, len0);
     cr_assert_eq(memcmp(before, after, (size_t)len0), 0);
-    cr_assert_eq(count_entries(g_dir), 1, "temporary file removed");
+    cr_assert_eq(tt_dir_entries(g_dir), 1, "temporary file removed");
     tm_ctx *b = make_ctx(0, 2);
     char meta[64];
     TT_OK(b, tm_ckpt_load(b, path, meta, sizeof meta, NULL));
@@ -333,7 +300,7 @@ Test(ckpt, failed_save_keeps_old_file) {
 /* The target directory does not exist: the temporary cannot be created; the message says so. */
 Test(ckpt, save_into_missing_directory) {
     tm_ctx *a = make_ctx(0, 1);
-    const char *path = P("no/such/dir.ckpt");
+    const char *path = tt_path("no/such/dir.ckpt");
     cr_assert_eq(tm_ckpt_save(a, path, NULL, 0), TM_ERR_IO);
     cr_assert(strstr(tm_ctx_errmsg(a), path), "%s", tm_ctx_errmsg(a));
     cr_assert(strstr(tm_ctx_errmsg(a), strerror(ENOENT)), "%s", tm_ctx_errmsg(a));

@@ -18,28 +18,11 @@
 #include "common.h"
 #include "data.h"
 
-static char g_dir[64];
-
-static void setup(void) {
-    snprintf(g_dir, sizeof g_dir, "/tmp/tm_test_data_XXXXXX");
-    cr_assert(mkdtemp(g_dir), "mkdtemp: %s", strerror(errno));
-}
-static int rm_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw) {
-    return remove(p);
-}
-static void teardown(void) {
-    if (g_dir[0]) nftw(g_dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
-}
+static char g_dir[128];
+static void setup(void) { snprintf(g_dir, sizeof g_dir, "%s", tt_tmpdir_make("tm_test_data_")); }
+static void teardown(void) { tt_tmpdir_remove(); }
 TestSuite(data, .init = setup, .fini = teardown);
 
-/* g_dir/name in one of a few rotating buffers (several paths live at once in a test). */
-static const char *P(const char *name) {
-    static char buf[8][256];
-    static int i;
-    char *b = buf[i++ % 8];
-    snprintf(b, sizeof buf[0], "%s/%s", g_dir, name);
-    return b;
-}
 
 static void put32(unsigned char *p, uint32_t v) {
     for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
@@ -58,17 +41,6 @@ static void write_raw(const char *path, int32_t magic, int32_t version, int32_t 
     cr_assert_eq(fclose(f), 0);
 }
 
-static unsigned char *slurp(const char *path, long *len) {
-    FILE *f = fopen(path, "rb");
-    cr_assert(f, "fopen %s: %s", path, strerror(errno));
-    fseek(f, 0, SEEK_END);
-    *len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *b = malloc((size_t)*len + 1);
-    cr_assert_eq(fread(b, 1, (size_t)*len, f), (size_t)*len);
-    fclose(f);
-    return b;
-}
 
 static int32_t get32(const unsigned char *p) {
     return (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
@@ -76,16 +48,6 @@ static int32_t get32(const unsigned char *p) {
 
 static int exists(const char *path) { return access(path, F_OK) == 0; }
 
-/* Entries of g_dir (or a subdirectory), "." and ".." excluded: catches leftover temp files. */
-static int count_entries(const char *dir) {
-    DIR *d = opendir(dir);
-    cr_assert(d);
-    int n = 0;
-    for (struct dirent *e; (e = readdir(d));)
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) n++;
-    closedir(d);
-    return n;
-}
 
 #define ASSERT_ERR(call, ...)                                                                     \
     do {                                                                                          \
@@ -102,13 +64,13 @@ static int count_entries(const char *dir) {
 
 static void round_trip(const uint32_t *tok, int64_t n, int want_version) {
     char err[512];
-    const char *path = P("rt.bin");
+    const char *path = tt_path("rt.bin");
     cr_assert_eq(tm__tokens_write(path, tok, n, err, sizeof err), 0, "%s", err);
 
     /* The bytes, independently of the loader: header as llm.c writes it, then the tokens
      * little-endian at the width the version implies. */
     long len;
-    unsigned char *b = slurp(path, &len);
+    unsigned char *b = tt_slurp(path, &len);
     int width = want_version == 1 ? 2 : 4;
     cr_assert_eq(len, 1024 + width * n);
     cr_assert_eq(get32(b), want_version == 1 ? TM__DATA_MAGIC_V1 : TM__DATA_MAGIC_V7);
@@ -134,7 +96,7 @@ static void round_trip(const uint32_t *tok, int64_t n, int want_version) {
     cr_assert_str_eq(t.source, path);
     tm__tokens_free(&t);
     cr_assert_null(t.tok);
-    cr_assert_eq(count_entries(g_dir), 1, "no temporary file left behind");
+    cr_assert_eq(tt_dir_entries(g_dir), 1, "no temporary file left behind");
 }
 
 Test(data, round_trip_v1) {
@@ -150,7 +112,7 @@ Test(data, round_trip_v7) {
 Test(data, write_replaces_existing_file) {
     char err[512];
     const uint32_t a[] = {1, 2, 3, 4, 5, 6}, b[] = {9, 8};
-    const char *path = P("x.bin");
+    const char *path = tt_path("x.bin");
     cr_assert_eq(tm__tokens_write(path, a, 6, err, sizeof err), 0, "%s", err);
     cr_assert_eq(tm__tokens_write(path, b, 2, err, sizeof err), 0, "%s", err);
     tm__tokens t;
@@ -168,11 +130,11 @@ Test(data, write_replaces_existing_file) {
 Test(data, glob_concatenates_shards_in_sorted_order) {
     char err[512];
     const uint32_t s0[] = {10, 11, 12}, s1[] = {20, 70000}, s2[] = {30, 31, 32, 33};
-    cr_assert_eq(tm__tokens_write(P("shard_002.bin"), s2, 4, err, sizeof err), 0, "%s", err);
-    cr_assert_eq(tm__tokens_write(P("shard_000.bin"), s0, 3, err, sizeof err), 0, "%s", err);
-    cr_assert_eq(tm__tokens_write(P("shard_001.bin"), s1, 2, err, sizeof err), 0, "%s", err); /* v7 */
-    cr_assert_eq(tm__tokens_write(P("other.bin"), s0, 3, err, sizeof err), 0, "%s", err);
-    const char *pattern = P("shard_*.bin");
+    cr_assert_eq(tm__tokens_write(tt_path("shard_002.bin"), s2, 4, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tm__tokens_write(tt_path("shard_000.bin"), s0, 3, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tm__tokens_write(tt_path("shard_001.bin"), s1, 2, err, sizeof err), 0, "%s", err); /* v7 */
+    cr_assert_eq(tm__tokens_write(tt_path("other.bin"), s0, 3, err, sizeof err), 0, "%s", err);
+    const char *pattern = tt_path("shard_*.bin");
     tm__tokens t;
     cr_assert_eq(tm__tokens_load(pattern, &t, err, sizeof err), 0, "%s", err);
     const uint32_t want[] = {10, 11, 12, 20, 70000, 30, 31, 32, 33};
@@ -189,7 +151,7 @@ Test(data, glob_concatenates_shards_in_sorted_order) {
 
 Test(data, load_truncated_file) {
     char err[512];
-    const char *path = P("trunc.bin");
+    const char *path = tt_path("trunc.bin");
     const uint16_t body[8] = {1, 2, 3, 4, 5, 6, 7, 8};
     write_raw(path, TM__DATA_MAGIC_V1, 1, 10, body, sizeof body);
     tm__tokens t;
@@ -200,7 +162,7 @@ Test(data, load_truncated_file) {
 
 Test(data, load_file_shorter_than_header) {
     char err[512];
-    const char *path = P("tiny.bin");
+    const char *path = tt_path("tiny.bin");
     FILE *f = fopen(path, "wb");
     fputs("hello", f);
     fclose(f);
@@ -210,7 +172,7 @@ Test(data, load_file_shorter_than_header) {
 
 Test(data, load_extra_bytes) {
     char err[512];
-    const char *path = P("extra.bin");
+    const char *path = tt_path("extra.bin");
     const uint32_t body[4] = {1, 2, 3, 4};
     write_raw(path, TM__DATA_MAGIC_V7, 7, 3, body, sizeof body);
     tm__tokens t;
@@ -219,7 +181,7 @@ Test(data, load_extra_bytes) {
 
 Test(data, load_wrong_magic) {
     char err[512];
-    const char *path = P("magic.bin");
+    const char *path = tt_path("magic.bin");
     const uint16_t body[2] = {1, 2};
     write_raw(path, 20240519, 1, 2, body, sizeof body);
     tm__tokens t;
@@ -228,7 +190,7 @@ Test(data, load_wrong_magic) {
 
 Test(data, load_version_not_matching_magic) {
     char err[512];
-    const char *path = P("version.bin");
+    const char *path = tt_path("version.bin");
     const uint16_t body[2] = {1, 2};
     write_raw(path, TM__DATA_MAGIC_V1, 7, 2, body, sizeof body);
     tm__tokens t;
@@ -240,7 +202,7 @@ Test(data, load_version_not_matching_magic) {
 
 Test(data, load_negative_count) {
     char err[512];
-    const char *path = P("neg.bin");
+    const char *path = tt_path("neg.bin");
     write_raw(path, TM__DATA_MAGIC_V1, 1, -3, NULL, 0);
     tm__tokens t;
     ASSERT_ERR(tm__tokens_load(path, &t, err, sizeof err), path, "-3");
@@ -248,21 +210,21 @@ Test(data, load_negative_count) {
 
 Test(data, load_missing_file) {
     char err[512];
-    const char *path = P("nope.bin");
+    const char *path = tt_path("nope.bin");
     tm__tokens t;
     ASSERT_ERR(tm__tokens_load(path, &t, err, sizeof err), path, strerror(ENOENT));
 }
 
 Test(data, load_empty_glob) {
     char err[512];
-    const char *pattern = P("nope_*.bin");
+    const char *pattern = tt_path("nope_*.bin");
     tm__tokens t;
     ASSERT_ERR(tm__tokens_load(pattern, &t, err, sizeof err), "no file matches", pattern);
 }
 
 Test(data, load_no_tokens) {
     char err[512];
-    const char *path = P("empty.bin");
+    const char *path = tt_path("empty.bin");
     write_raw(path, TM__DATA_MAGIC_V1, 1, 0, NULL, 0);
     tm__tokens t;
     ASSERT_ERR(tm__tokens_load(path, &t, err, sizeof err), path, "no tokens");
@@ -272,12 +234,12 @@ Test(data, load_no_tokens) {
 Test(data, load_glob_names_the_bad_shard) {
     char err[512];
     const uint32_t tok[] = {1, 2, 3};
-    cr_assert_eq(tm__tokens_write(P("s_a.bin"), tok, 3, err, sizeof err), 0, "%s", err);
-    cr_assert_eq(tm__tokens_write(P("s_c.bin"), tok, 3, err, sizeof err), 0, "%s", err);
-    const char *bad = P("s_b.bin");
+    cr_assert_eq(tm__tokens_write(tt_path("s_a.bin"), tok, 3, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tm__tokens_write(tt_path("s_c.bin"), tok, 3, err, sizeof err), 0, "%s", err);
+    const char *bad = tt_path("s_b.bin");
     write_raw(bad, TM__DATA_MAGIC_V1, 1, 5, tok, 4);
     tm__tokens t;
-    ASSERT_ERR(tm__tokens_load(P("s_*.bin"), &t, err, sizeof err), bad, "truncated");
+    ASSERT_ERR(tm__tokens_load(tt_path("s_*.bin"), &t, err, sizeof err), bad, "truncated");
     cr_assert_null(t.tok);
 }
 
@@ -344,9 +306,9 @@ Test(data, check_vocab) {
 Test(data, write_into_missing_directory) {
     char err[512];
     const uint32_t tok[] = {1, 2, 3};
-    const char *path = P("no_such_dir/out.bin");
+    const char *path = tt_path("no_such_dir/out.bin");
     ASSERT_ERR(tm__tokens_write(path, tok, 3, err, sizeof err), path, strerror(ENOENT));
-    cr_assert_eq(count_entries(g_dir), 0);
+    cr_assert_eq(tt_dir_entries(g_dir), 0);
 }
 
 /* A write that fails half-way (the file size limit stops it after 4 KiB): -1, the old file is
@@ -354,11 +316,11 @@ Test(data, write_into_missing_directory) {
  * directory. Criterion runs each test in its own process, so the limit does not leak. */
 Test(data, failed_write_keeps_old_file) {
     char err[512];
-    const char *path = P("keep.bin");
+    const char *path = tt_path("keep.bin");
     const uint32_t old[] = {5, 6, 7};
     cr_assert_eq(tm__tokens_write(path, old, 3, err, sizeof err), 0, "%s", err);
     long len0;
-    unsigned char *before = slurp(path, &len0);
+    unsigned char *before = tt_slurp(path, &len0);
 
     int64_t n = 100000;
     uint32_t *big = malloc((size_t)n * sizeof *big);
@@ -377,25 +339,25 @@ Test(data, failed_write_keeps_old_file) {
     cr_assert(strstr(err, strerror(EFBIG)), "%s", err);
 
     long len1;
-    unsigned char *after = slurp(path, &len1);
+    unsigned char *after = tt_slurp(path, &len1);
     cr_assert_eq(len1, len0);
     cr_assert_eq(memcmp(before, after, (size_t)len0), 0);
     free(before);
     free(after);
-    cr_assert_eq(count_entries(g_dir), 1, "temporary file removed");
+    cr_assert_eq(tt_dir_entries(g_dir), 1, "temporary file removed");
 }
 
 /* The rename itself fails (the target is a directory): the staged file is removed. */
 Test(data, failed_rename_removes_temp) {
     char err[512];
-    const char *path = P("adir");
+    const char *path = tt_path("adir");
     cr_assert_eq(mkdir(path, 0755), 0);
-    const char *inner = P("adir/x");
+    const char *inner = tt_path("adir/x");
     FILE *f = fopen(inner, "w");
     fclose(f);
     const uint32_t tok[] = {1, 2, 3};
     ASSERT_ERR(tm__tokens_write(path, tok, 3, err, sizeof err), path, "rename");
-    cr_assert_eq(count_entries(g_dir), 1);
+    cr_assert_eq(tt_dir_entries(g_dir), 1);
     cr_assert(exists(inner));
 }
 
@@ -421,66 +383,66 @@ static void assert_tokens(const char *path, const uint32_t *want, int64_t n) {
 
 Test(data, tokenize_with_val_split) {
     char err[512], valp[256];
-    const char *in = P("in.txt"), *out = P("tok.bin");
+    const char *in = tt_path("in.txt"), *out = tt_path("tok.bin");
     write_text(in, "hello\nworld"); /* 11 bytes + EOT = 12 tokens; 0.25 -> 3 validation */
     cr_assert_eq(tm__tokenize_file(in, out, 0.25, valp, sizeof valp, err, sizeof err), 0, "%s", err);
-    cr_assert_str_eq(valp, P("tok_val.bin"));
+    cr_assert_str_eq(valp, tt_path("tok_val.bin"));
     const uint32_t train[] = {'h', 'e', 'l', 'l', 'o', '\n', 'w', 'o', 'r'};
     const uint32_t val[] = {'l', 'd', TM__BYTE_EOT};
     assert_tokens(out, train, 9);
     assert_tokens(valp, val, 3);
     long len;
-    unsigned char *b = slurp(out, &len);
+    unsigned char *b = tt_slurp(out, &len);
     cr_assert_eq(get32(b), TM__DATA_MAGIC_V1, "byte tokens fit uint16: version 1");
     cr_assert_eq(len, 1024 + 2 * 9);
     free(b);
-    cr_assert_eq(count_entries(g_dir), 3);
+    cr_assert_eq(tt_dir_entries(g_dir), 3);
 }
 
 Test(data, tokenize_without_split) {
     char err[512], valp[256] = "junk";
-    const char *in = P("in.txt"), *out = P("all.bin");
+    const char *in = tt_path("in.txt"), *out = tt_path("all.bin");
     write_text(in, "a\xff\x00"); /* fputs stops at NUL: 2 bytes, one of them 255 */
     cr_assert_eq(tm__tokenize_file(in, out, 0.0, valp, sizeof valp, err, sizeof err), 0, "%s", err);
     cr_assert_str_eq(valp, "");
     const uint32_t want[] = {'a', 255, TM__BYTE_EOT};
     assert_tokens(out, want, 3);
-    cr_assert_eq(count_entries(g_dir), 2);
+    cr_assert_eq(tt_dir_entries(g_dir), 2);
 }
 
 /* The "_val" goes before the extension of the file name, never into a dotted directory. */
 Test(data, tokenize_val_names) {
     char err[512], valp[256];
-    const char *in = P("in.txt");
+    const char *in = tt_path("in.txt");
     write_text(in, "abcdefghijklmnopqrst");
-    cr_assert_eq(mkdir(P("d.x"), 0755), 0);
-    cr_assert_eq(tm__tokenize_file(in, P("d.x/data"), 0.5, valp, sizeof valp, err, sizeof err), 0, "%s", err);
-    cr_assert_str_eq(valp, P("d.x/data_val"));
-    cr_assert_eq(tm__tokenize_file(in, P("d.x/.hidden"), 0.5, valp, sizeof valp, err, sizeof err), 0, "%s", err);
-    cr_assert_str_eq(valp, P("d.x/.hidden_val"));
-    cr_assert_eq(tm__tokenize_file(in, P("d.x/a.b.bin"), 0.5, NULL, 0, err, sizeof err), 0, "%s", err);
-    cr_assert(exists(P("d.x/a.b_val.bin")));
+    cr_assert_eq(mkdir(tt_path("d.x"), 0755), 0);
+    cr_assert_eq(tm__tokenize_file(in, tt_path("d.x/data"), 0.5, valp, sizeof valp, err, sizeof err), 0, "%s", err);
+    cr_assert_str_eq(valp, tt_path("d.x/data_val"));
+    cr_assert_eq(tm__tokenize_file(in, tt_path("d.x/.hidden"), 0.5, valp, sizeof valp, err, sizeof err), 0, "%s", err);
+    cr_assert_str_eq(valp, tt_path("d.x/.hidden_val"));
+    cr_assert_eq(tm__tokenize_file(in, tt_path("d.x/a.b.bin"), 0.5, NULL, 0, err, sizeof err), 0, "%s", err);
+    cr_assert(exists(tt_path("d.x/a.b_val.bin")));
 }
 
 Test(data, tokenize_errors) {
     char err[512], valp[256];
-    const char *missing = P("missing.txt"), *out = P("o.bin");
+    const char *missing = tt_path("missing.txt"), *out = tt_path("o.bin");
     ASSERT_ERR(tm__tokenize_file(missing, out, 0.1, valp, sizeof valp, err, sizeof err), missing,
                strerror(ENOENT));
-    const char *empty = P("empty.txt");
+    const char *empty = tt_path("empty.txt");
     write_text(empty, "");
     ASSERT_ERR(tm__tokenize_file(empty, out, 0.1, valp, sizeof valp, err, sizeof err), empty, "empty");
-    const char *small = P("small.txt");
+    const char *small = tt_path("small.txt");
     write_text(small, "abcd"); /* 5 tokens: 0.1 -> 1 validation token */
     ASSERT_ERR(tm__tokenize_file(small, out, 0.1, valp, sizeof valp, err, sizeof err), small,
                "4 training and 1 validation");
     ASSERT_ERR(tm__tokenize_file(small, out, 1.0, valp, sizeof valp, err, sizeof err), "fraction 1");
     ASSERT_ERR(tm__tokenize_file(small, out, -0.1, valp, sizeof valp, err, sizeof err), "fraction -0.1");
     ASSERT_ERR(tm__tokenize_file(small, small, 0.0, valp, sizeof valp, err, sizeof err), small, "input");
-    const char *nodir = P("nodir/o.bin");
+    const char *nodir = tt_path("nodir/o.bin");
     ASSERT_ERR(tm__tokenize_file(small, nodir, 0.5, valp, sizeof valp, err, sizeof err), "nodir/o");
     /* Nothing written by any failure: only the two inputs that exist remain. */
-    cr_assert_eq(count_entries(g_dir), 2);
+    cr_assert_eq(tt_dir_entries(g_dir), 2);
 }
 
 /* ------------------------------------------------------------------------------------------
