@@ -305,7 +305,12 @@ tm_status tm_moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **
     /* Statistics and the running count for the expert-bias update. */
     int64_t *counts = tm__arena_alloc(ctx, tm_cpu(), sizeof(int64_t) * (size_t)E * 2);
     if (!counts) return TM_ERR_NOMEM;
-    TM__TRY(count_map(ctx, map, counts, &st.tokens_per_expert));
+    if (map == ro.routing_map) { /* nothing dropped: the router already counted */
+        st.tokens_per_expert = ro.tokens_per_expert;
+        TM__TRY(tm_tensor_read(ctx, ro.tokens_per_expert, TM_I64, counts, E));
+    } else {
+        TM__TRY(count_map(ctx, map, counts, &st.tokens_per_expert));
+    }
     double mean = 0, mx = 0, mn = INFINITY;
     for (int64_t e = 0; e < E; e++) {
         mean += (double)counts[e] / (double)E;
