@@ -93,6 +93,47 @@ static size_t tensor_bytes(const tm_tensor *t) {
     return (size_t)tm_tensor_numel(t) * tm_dtype_size(t->dtype);
 }
 
+/* zlib allocates through the context's allocator hook like everything else the library does
+ * (compress2 / uncompress would call malloc behind the embedder's back). */
+static voidpf ck_zalloc(voidpf opaque, uInt items, uInt size) {
+    if (size && items > (size_t)-1 / size) return Z_NULL;
+    void *p = tm__host_alloc((tm_ctx *)opaque, (size_t)items * size);
+    return p ? p : Z_NULL;
+}
+static void ck_zfree(voidpf opaque, voidpf p) { tm__host_free((tm_ctx *)opaque, p); }
+
+/* One-shot deflate of n bytes into dst (capacity *dst_len, at least compressBound(n)). */
+static int ck_deflate(tm_ctx *ctx, const unsigned char *src, size_t n, unsigned char *dst, size_t *dst_len) {
+    z_stream z = {.zalloc = ck_zalloc, .zfree = ck_zfree, .opaque = ctx};
+    int zs = deflateInit(&z, CK_ZLEVEL);
+    if (zs != Z_OK) return zs;
+    z.next_in = (Bytef *)src;
+    z.avail_in = (uInt)n;
+    z.next_out = dst;
+    z.avail_out = (uInt)*dst_len;
+    zs = deflate(&z, Z_FINISH);
+    *dst_len = z.total_out;
+    deflateEnd(&z);
+    return zs == Z_STREAM_END ? Z_OK : (zs == Z_OK ? Z_BUF_ERROR : zs);
+}
+
+/* One-shot inflate; Z_OK only when the stream ends exactly after filling *dst_len bytes. */
+static int ck_inflate(tm_ctx *ctx, const unsigned char *src, size_t n, unsigned char *dst, size_t *dst_len) {
+    z_stream z = {.zalloc = ck_zalloc, .zfree = ck_zfree, .opaque = ctx};
+    int zs = inflateInit(&z);
+    if (zs != Z_OK) return zs;
+    z.next_in = (Bytef *)src;
+    z.avail_in = (uInt)n;
+    z.next_out = dst;
+    z.avail_out = (uInt)*dst_len;
+    zs = inflate(&z, Z_FINISH);
+    *dst_len = z.total_out;
+    int trailing = z.avail_in != 0;
+    inflateEnd(&z);
+    if (zs == Z_STREAM_END) return trailing ? Z_DATA_ERROR : Z_OK;
+    return zs == Z_OK || zs == Z_BUF_ERROR ? Z_DATA_ERROR : zs;
+}
+
 /* ---- saving --------------------------------------------------------------------------- */
 
 /* Buffered writer over a file descriptor; the first error sticks (errno value in err). */
@@ -137,8 +178,8 @@ static tm_status write_tensors(tm_ctx *ctx, const char *path, ck_writer *w, unsi
         const tm_tensor *t = ctx->named[k];
         size_t name_len = strlen(t->name), rb = tensor_bytes(t);
         TM__TRY(tm_tensor_read(ctx, t, t->dtype, raw, tm_tensor_numel(t)));
-        uLongf cl = (uLongf)comp_cap;
-        int zs = compress2(comp, &cl, raw, (uLong)rb, CK_ZLEVEL);
+        size_t cl = comp_cap;
+        int zs = ck_deflate(ctx, raw, rb, comp, &cl);
         if (zs != Z_OK)
             return tm__err(ctx, zs == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL,
                            "tm_ckpt_save: '%s': compressing tensor '%s' failed (zlib %d)", path,
@@ -199,8 +240,9 @@ tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t m
         size_t rb = tensor_bytes(ctx->named[k]);
         if (rb > max_raw) max_raw = rb;
     }
-    if ((uLong)max_raw != max_raw)
-        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: a tensor of %zu bytes exceeds zlib's limit", fn, max_raw);
+    /* One deflate call per tensor: its length must fit zlib's 32-bit uInt. */
+    if (compressBound((uLong)max_raw) > UINT_MAX || (uLong)max_raw != max_raw)
+        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: a tensor of %zu bytes exceeds zlib's 4 GiB limit", fn, max_raw);
     size_t comp_cap = compressBound((uLong)max_raw);
 
     char tmp[PATH_MAX];
@@ -269,7 +311,7 @@ done:
     return st;
 }
 
-/* ---- loading -------------------------------------------------------------------------- */
+/* ---- loading and inspecting ------------------------------------------------------------ */
 
 /* One record as parsed from the file; points into the file image. */
 typedef struct ck_rec {
@@ -280,11 +322,29 @@ typedef struct ck_rec {
     uint64_t raw_len, comp_len;
     uint32_t crc;
     const unsigned char *data;
-    tm_tensor *t; /* the context's tensor of that name */
+    tm_tensor *t; /* the context's tensor of that name; NULL: skipped (TM_CKPT_SKIP_UNKNOWN) */
 } ck_rec;
 
-static tm_status read_file(tm_ctx *ctx, const char *path, unsigned char **img, size_t *len) {
-    const char *fn = "tm_ckpt_load";
+/* A parsed file image: header fields, meta and the record table (into img). */
+typedef struct ck_image {
+    const char *fn, *path;
+    unsigned char *img;
+    size_t len;
+    uint32_t version, n;
+    const unsigned char *meta;
+    uint64_t meta_len;
+    ck_rec *rec; /* [n] */
+} ck_image;
+
+static void image_free(tm_ctx *ctx, ck_image *im) {
+    tm__host_free(ctx, im->rec);
+    tm__host_free(ctx, im->img);
+    im->rec = NULL;
+    im->img = NULL;
+}
+
+static tm_status read_file(tm_ctx *ctx, ck_image *im) {
+    const char *fn = im->fn, *path = im->path;
     int fd = open(path, O_RDONLY);
     if (fd < 0) return tm__err(ctx, TM_ERR_IO, "%s: cannot open '%s': %s", fn, path, strerror(errno));
     struct stat sb;
@@ -317,93 +377,145 @@ static tm_status read_file(tm_ctx *ctx, const char *path, unsigned char **img, s
         off += (size_t)k;
     }
     close(fd);
-    *img = b;
-    *len = n;
+    im->img = b;
+    im->len = n;
     return TM_OK;
 }
 
-static tm_status truncated(tm_ctx *ctx, const char *path, size_t len, const char *what) {
-    return tm__err(ctx, TM_ERR_IO, "tm_ckpt_load: '%s' is truncated (%zu bytes) in %s", path, len, what);
+static tm_status truncated(tm_ctx *ctx, const ck_image *im, const char *what) {
+    return tm__err(ctx, TM_ERR_IO, "%s: '%s' is truncated (%zu bytes) in %s", im->fn, im->path, im->len, what);
 }
 
-/* Walk the records: bounds, the end marker, the table CRC. Purely structural, so that a
- * corrupted descriptor is reported as corruption, not as the unknown name it may spell. */
-static tm_status parse_records(tm_ctx *ctx, const char *path, const unsigned char *img, size_t len,
-                               size_t off, ck_rec *rec, uint32_t n) {
-    const char *fn = "tm_ckpt_load";
+/* Walk the records: bounds, the end marker, the table CRC, every data CRC. Purely structural,
+ * so that a corrupted descriptor is reported as corruption, not as the unknown name it may
+ * spell. */
+static tm_status parse_records(tm_ctx *ctx, ck_image *im, size_t off) {
+    const char *fn = im->fn, *path = im->path;
+    const unsigned char *img = im->img;
+    size_t len = im->len;
     uint32_t tcrc = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        ck_rec *r = &rec[i];
+    for (uint32_t i = 0; i < im->n; i++) {
+        ck_rec *r = &im->rec[i];
         size_t start = off;
-        if (len - off < 2) return truncated(ctx, path, len, "a tensor record");
+        if (len - off < 2) return truncated(ctx, im, "a tensor record");
         r->name_len = get_u16(img + off), off += 2;
         if (r->name_len == 0 || r->name_len > CK_NAME_MAX)
             return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor record %u has a name of %zu bytes",
                            fn, path, i, r->name_len);
-        if (len - off < r->name_len + 2) return truncated(ctx, path, len, "a tensor record");
+        if (len - off < r->name_len + 2) return truncated(ctx, im, "a tensor record");
         r->name = img + off, off += r->name_len;
         r->dtype = img[off++];
         r->ndim = img[off++];
         if (r->ndim > TM_MAX_DIMS)
             return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor record %u has %d dims", fn, path,
                            i, r->ndim);
-        if (len - off < (size_t)r->ndim * 8 + 20) return truncated(ctx, path, len, "a tensor record");
+        if (len - off < (size_t)r->ndim * 8 + 20) return truncated(ctx, im, "a tensor record");
         for (int d = 0; d < r->ndim; d++) r->shape[d] = (int64_t)get_u64(img + off), off += 8;
         r->raw_len = get_u64(img + off), off += 8;
         r->comp_len = get_u64(img + off), off += 8;
         r->crc = get_u32(img + off), off += 4;
         tcrc = crc_update(tcrc, img + start, off - start);
-        if (r->comp_len > len - off) return truncated(ctx, path, len, "tensor data");
+        if (r->comp_len > len - off) return truncated(ctx, im, "tensor data");
         r->data = img + off;
+        r->t = NULL;
         off += (size_t)r->comp_len;
     }
-    if (len - off < 12) return truncated(ctx, path, len, "the end marker");
+    if (len - off < 12) return truncated(ctx, im, "the end marker");
     if (memcmp(img + off, ck_end, 8) != 0)
         return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: end marker missing after %u tensors", fn,
-                       path, n);
+                       path, im->n);
     if (get_u32(img + off + 8) != tcrc)
         return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the tensor table", fn, path);
     if (off + 12 != len)
         return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: %zu stray bytes after the end marker", fn,
                        path, len - off - 12);
+    for (uint32_t i = 0; i < im->n; i++) {
+        const ck_rec *r = &im->rec[i];
+        if (crc_update(0, r->data, (size_t)r->comp_len) != r->crc)
+            return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the data of tensor '%.*s'",
+                           fn, path, (int)r->name_len, (const char *)r->name);
+        if (r->dtype >= TM_NDTYPES)
+            return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%.*s' has dtype code %d", fn, path,
+                           (int)r->name_len, (const char *)r->name, r->dtype);
+        uint64_t numel = 1;
+        int ok = 1;
+        for (int d = 0; d < r->ndim && ok; d++) {
+            ok = r->shape[d] >= 0 && (r->shape[d] == 0 || numel <= UINT64_MAX / (uint64_t)r->shape[d]);
+            if (ok) numel *= (uint64_t)r->shape[d];
+        }
+        if (!ok || numel > UINT64_MAX / tm_dtype_size((tm_dtype)r->dtype) ||
+            numel * tm_dtype_size((tm_dtype)r->dtype) != r->raw_len)
+            return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%.*s' claims %llu bytes for its shape %s",
+                           fn, path, (int)r->name_len, (const char *)r->name, (unsigned long long)r->raw_len,
+                           tm__sdesc(ctx, r->ndim, r->shape));
+    }
     return TM_OK;
 }
 
-/* Every record against the context: data CRC, name known and unique, dtype and shape equal,
- * raw length consistent, and no tensor of the context left out. */
-static tm_status match_records(tm_ctx *ctx, const char *path, ck_rec *rec, uint32_t n,
-                               unsigned char *seen) {
-    const char *fn = "tm_ckpt_load";
-    for (uint32_t i = 0; i < n; i++) {
-        ck_rec *r = &rec[i];
+/* Read and structurally validate the whole file: header, meta, records, CRCs. */
+static tm_status parse_image(tm_ctx *ctx, ck_image *im) {
+    const char *fn = im->fn, *path = im->path;
+    TM__TRY(read_file(ctx, im));
+    const unsigned char *img = im->img;
+    size_t len = im->len;
+    if (len < CK_HEADER_BYTES) {
+        if (len < 8 || memcmp(img, ck_magic, 8) == 0) return truncated(ctx, im, "the header");
+    }
+    if (memcmp(img, ck_magic, 8) != 0)
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is not a tinymoe checkpoint (bad magic)", fn, path);
+    if (get_u32(img + 28) != crc_update(0, img, 28))
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the header", fn, path);
+    im->version = get_u32(img + 8);
+    if (im->version != CK_VERSION)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' has format version %u, this build reads version %u",
+                       fn, path, im->version, CK_VERSION);
+    uint32_t endian = get_u32(img + 12);
+    if (endian != CK_ENDIAN)
+        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: '%s' has endianness marker 0x%08x, expected 0x%08x",
+                       fn, path, endian, CK_ENDIAN);
+    im->n = get_u32(img + 16);
+    im->meta_len = get_u64(img + 20);
+    size_t off = CK_HEADER_BYTES;
+    if (im->meta_len > len - off || len - off - (size_t)im->meta_len < 4) return truncated(ctx, im, "the meta blob");
+    if (get_u32(img + off + im->meta_len) != crc_update(0, img + off, (size_t)im->meta_len))
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the meta blob", fn, path);
+    im->meta = img + off;
+    off += (size_t)im->meta_len + 4;
+    /* Each record takes at least 2 + 1 + 2 + 20 bytes: a bound on n before allocating. */
+    if (im->n > (len - off) / 25) return truncated(ctx, im, "the tensor table");
+    im->rec = tm__host_alloc(ctx, (im->n ? im->n : 1) * sizeof *im->rec);
+    if (!im->rec) return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory for %u records", fn, path, im->n);
+    return parse_records(ctx, im, off);
+}
+
+/* Every record against the context: name known (or skipped under TM_CKPT_SKIP_UNKNOWN) and
+ * unique, dtype and shape equal, and no tensor of the context left out. */
+static tm_status match_records(tm_ctx *ctx, ck_image *im, unsigned flags, unsigned char *seen) {
+    const char *fn = im->fn, *path = im->path;
+    for (uint32_t i = 0; i < im->n; i++) {
+        ck_rec *r = &im->rec[i];
         char name[CK_NAME_MAX + 1];
         memcpy(name, r->name, r->name_len);
         name[r->name_len] = '\0';
-        if (crc_update(0, r->data, (size_t)r->comp_len) != r->crc)
-            return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the data of tensor '%s'",
-                           fn, path, name);
         int k = 0;
         while (k < ctx->n_named && strcmp(ctx->named[k]->name, name) != 0) k++;
-        if (k == ctx->n_named || strlen(name) != r->name_len)
+        if (k == ctx->n_named || strlen(name) != r->name_len) {
+            if ((flags & TM_CKPT_SKIP_UNKNOWN) && strlen(name) == r->name_len) continue;
             return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' holds tensor '%s', unknown in this context",
                            fn, path, name);
+        }
         if (seen[k])
             return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' holds tensor '%s' twice", fn, path, name);
         seen[k] = 1;
         tm_tensor *t = r->t = ctx->named[k];
-        if (r->dtype != (int)t->dtype) {
-            const char *fdt = r->dtype < TM_NDTYPES ? tm_dtype_name((tm_dtype)r->dtype) : "?";
-            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': tensor '%s' is %s in the file (code %d), %s",
-                           fn, path, name, fdt, r->dtype, tm__tdesc(ctx, t));
-        }
+        if (r->dtype != (int)t->dtype)
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': tensor '%s' is %s in the file, %s", fn, path, name,
+                           tm_dtype_name((tm_dtype)r->dtype), tm__tdesc(ctx, t));
         int same = r->ndim == t->ndim;
         for (int d = 0; same && d < t->ndim; d++) same = r->shape[d] == t->shape[d];
         if (!same)
             return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': tensor '%s' has shape %s in the file, %s",
                            fn, path, name, tm__sdesc(ctx, r->ndim, r->shape), tm__tdesc(ctx, t));
-        if (r->raw_len != tensor_bytes(t))
-            return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%s' claims %llu bytes, expected %zu",
-                           fn, path, name, (unsigned long long)r->raw_len, tensor_bytes(t));
     }
     for (int k = 0; k < ctx->n_named; k++)
         if (!seen[k])
@@ -412,100 +524,123 @@ static tm_status match_records(tm_ctx *ctx, const char *path, ck_rec *rec, uint3
     return TM_OK;
 }
 
-static tm_status inflate_rec(tm_ctx *ctx, const char *path, const ck_rec *r, unsigned char *dst) {
-    uLongf out = (uLongf)r->raw_len;
-    int zs = uncompress(dst, &out, r->data, (uLong)r->comp_len);
+static tm_status inflate_rec(tm_ctx *ctx, const ck_image *im, const ck_rec *r, unsigned char *dst) {
+    size_t out = (size_t)r->raw_len;
+    int zs = (uInt)r->comp_len != r->comp_len || (uInt)r->raw_len != r->raw_len
+                 ? Z_DATA_ERROR
+                 : ck_inflate(ctx, r->data, (size_t)r->comp_len, dst, &out);
     if (zs == Z_MEM_ERROR)
-        return tm__err(ctx, TM_ERR_NOMEM, "tm_ckpt_load: '%s': out of memory inflating '%s'", path,
-                       r->t->name);
+        return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory inflating '%.*s'", im->fn, im->path,
+                       (int)r->name_len, (const char *)r->name);
     if (zs != Z_OK || out != r->raw_len)
-        return tm__err(ctx, TM_ERR_IO, "tm_ckpt_load: '%s' is corrupt: tensor '%s' does not inflate to %llu bytes (zlib %d)",
-                       path, r->t->name, (unsigned long long)r->raw_len, zs);
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%.*s' does not inflate to %llu bytes (zlib %d)",
+                       im->fn, im->path, (int)r->name_len, (const char *)r->name, (unsigned long long)r->raw_len,
+                       zs);
     return TM_OK;
 }
 
-static tm_status load_image(tm_ctx *ctx, const char *path, const unsigned char *img, size_t len,
-                            void *meta, size_t meta_cap, size_t *meta_bytes) {
+static size_t max_raw_len(const ck_image *im) {
+    size_t m = 1;
+    for (uint32_t i = 0; i < im->n; i++)
+        if (im->rec[i].raw_len > m) m = (size_t)im->rec[i].raw_len;
+    return m;
+}
+
+static tm_status load_checks(tm_ctx *ctx, const char *fn, const char *path) {
+    if (!path || !*path) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path is NULL or empty", fn);
+    if (!host_little_endian()) return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: big-endian hosts are not supported", fn);
+    return TM_OK;
+}
+
+tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void *meta, size_t meta_cap,
+                             size_t *meta_bytes) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
     const char *fn = "tm_ckpt_load";
-    if (len < CK_HEADER_BYTES) {
-        if (len < 8 || memcmp(img, ck_magic, 8) == 0) return truncated(ctx, path, len, "the header");
+    TM__TRY(load_checks(ctx, fn, path));
+    if (!meta && meta_cap)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: meta is NULL but meta_cap is %zu", fn, meta_cap);
+    if (flags & ~(unsigned)TM_CKPT_SKIP_UNKNOWN)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: unknown flags 0x%x", fn, flags & ~(unsigned)TM_CKPT_SKIP_UNKNOWN);
+    ck_image im = {.fn = fn, .path = path};
+    unsigned char *seen = NULL, *raw = NULL;
+    tm_status st = parse_image(ctx, &im);
+    if (st == TM_OK) {
+        seen = tm__host_alloc(ctx, ctx->n_named ? (size_t)ctx->n_named : 1);
+        if (!seen) st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory", fn, path);
+        else memset(seen, 0, ctx->n_named ? (size_t)ctx->n_named : 1);
     }
-    if (memcmp(img, ck_magic, 8) != 0)
-        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is not a tinymoe checkpoint (bad magic)", fn, path);
-    if (get_u32(img + 28) != crc_update(0, img, 28))
-        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the header", fn, path);
-    uint32_t version = get_u32(img + 8);
-    if (version != CK_VERSION)
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' has format version %u, this build reads version %u",
-                       fn, path, version, CK_VERSION);
-    uint32_t endian = get_u32(img + 12);
-    if (endian != CK_ENDIAN)
-        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: '%s' has endianness marker 0x%08x, expected 0x%08x",
-                       fn, path, endian, CK_ENDIAN);
-    uint32_t n = get_u32(img + 16);
-    uint64_t ml = get_u64(img + 20);
-    size_t off = CK_HEADER_BYTES;
-    if (ml > len - off || len - off - (size_t)ml < 4) return truncated(ctx, path, len, "the meta blob");
-    if (get_u32(img + off + ml) != crc_update(0, img + off, (size_t)ml))
-        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the meta blob", fn, path);
-    const unsigned char *meta_src = img + off;
-    off += (size_t)ml + 4;
-    /* Each record takes at least 2 + 1 + 2 + 20 bytes: a bound on n before allocating. */
-    if (n > (len - off) / 25) return truncated(ctx, path, len, "the tensor table");
-
-    ck_rec *rec = tm__host_alloc(ctx, (n ? n : 1) * sizeof *rec);
-    unsigned char *seen = tm__host_alloc(ctx, ctx->n_named ? (size_t)ctx->n_named : 1);
-    unsigned char *raw = NULL;
-    tm_status st = TM_OK;
-    if (!rec || !seen) {
-        st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory for %u records", fn, path, n);
-        goto done;
-    }
-    memset(seen, 0, ctx->n_named ? (size_t)ctx->n_named : 1);
-    st = parse_records(ctx, path, img, len, off, rec, n);
-    if (st == TM_OK) st = match_records(ctx, path, rec, n, seen);
-    if (st == TM_OK && ml > meta_cap)
-        st = tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' has %llu bytes of meta, meta_cap is %zu", fn,
-                     path, (unsigned long long)ml, meta_cap);
-    if (st != TM_OK) goto done;
-
-    size_t max_raw = 1;
-    for (uint32_t i = 0; i < n; i++)
-        if (rec[i].raw_len > max_raw) max_raw = (size_t)rec[i].raw_len;
-    raw = tm__host_alloc(ctx, max_raw);
-    if (!raw) {
-        st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes", fn, path, max_raw);
-        goto done;
-    }
-    /* Inflate everything once to prove it inflates, then again to load: see the top comment. */
-    for (uint32_t i = 0; i < n && st == TM_OK; i++) st = inflate_rec(ctx, path, &rec[i], raw);
-    for (uint32_t i = 0; i < n && st == TM_OK; i++) {
-        st = inflate_rec(ctx, path, &rec[i], raw);
-        if (st == TM_OK) st = tm_tensor_write(ctx, rec[i].t, rec[i].t->dtype, raw, tm_tensor_numel(rec[i].t));
+    if (st == TM_OK) st = match_records(ctx, &im, flags, seen);
+    if (st == TM_OK && im.meta_len > meta_cap)
+        st = tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' has %llu bytes of meta, meta_cap is %zu", fn, path,
+                     (unsigned long long)im.meta_len, meta_cap);
+    if (st == TM_OK && !(raw = tm__host_alloc(ctx, max_raw_len(&im))))
+        st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes", fn, path, max_raw_len(&im));
+    /* Inflate everything once to prove it inflates (skipped tensors too: a file that does not
+     * is corrupt), then again to load: see the top comment. */
+    for (uint32_t i = 0; i < im.n && st == TM_OK; i++) st = inflate_rec(ctx, &im, &im.rec[i], raw);
+    for (uint32_t i = 0; i < im.n && st == TM_OK; i++) {
+        const ck_rec *r = &im.rec[i];
+        if (!r->t) continue;
+        st = inflate_rec(ctx, &im, r, raw);
+        if (st == TM_OK) st = tm_tensor_write(ctx, r->t, r->t->dtype, raw, tm_tensor_numel(r->t));
     }
     if (st == TM_OK) {
-        if (ml) memcpy(meta, meta_src, (size_t)ml);
-        if (meta_bytes) *meta_bytes = (size_t)ml;
+        if (im.meta_len) memcpy(meta, im.meta, (size_t)im.meta_len);
+        if (meta_bytes) *meta_bytes = (size_t)im.meta_len;
     }
-done:
     tm__host_free(ctx, raw);
     tm__host_free(ctx, seen);
-    tm__host_free(ctx, rec);
+    image_free(ctx, &im);
     return st;
 }
 
 tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_cap, size_t *meta_bytes) {
+    return tm_ckpt_load_flags(ctx, path, 0, meta, meta_cap, meta_bytes);
+}
+
+/* The info and everything it points to live in one allocation: entries, then names, then meta. */
+tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
-    const char *fn = "tm_ckpt_load";
-    if (!path || !*path) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path is NULL or empty", fn);
-    if (!meta && meta_cap)
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: meta is NULL but meta_cap is %zu", fn, meta_cap);
-    if (!host_little_endian())
-        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: big-endian hosts are not supported", fn);
-    unsigned char *img = NULL;
-    size_t len = 0;
-    TM__TRY(read_file(ctx, path, &img, &len));
-    tm_status st = load_image(ctx, path, img, len, meta, meta_cap, meta_bytes);
-    tm__host_free(ctx, img);
+    const char *fn = "tm_ckpt_inspect";
+    if (!out) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: out is NULL", fn);
+    *out = NULL;
+    TM__TRY(load_checks(ctx, fn, path));
+    ck_image im = {.fn = fn, .path = path};
+    unsigned char *raw = NULL;
+    tm_status st = parse_image(ctx, &im);
+    if (st == TM_OK && !(raw = tm__host_alloc(ctx, max_raw_len(&im))))
+        st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes", fn, path, max_raw_len(&im));
+    for (uint32_t i = 0; i < im.n && st == TM_OK; i++) st = inflate_rec(ctx, &im, &im.rec[i], raw);
+    tm__host_free(ctx, raw);
+    if (st == TM_OK) {
+        size_t bytes = sizeof(tm_ckpt_info) + (size_t)im.n * sizeof(tm_ckpt_entry) + (size_t)im.meta_len + 1;
+        for (uint32_t i = 0; i < im.n; i++) bytes += im.rec[i].name_len + 1;
+        unsigned char *blk = malloc(bytes);
+        if (!blk) {
+            st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory", fn, path);
+        } else {
+            /* Plain malloc: the info outlives nothing of ctx and is freed without it. */
+            tm_ckpt_info *info = (tm_ckpt_info *)blk;
+            tm_ckpt_entry *e = (tm_ckpt_entry *)(info + 1);
+            char *names = (char *)(e + im.n);
+            for (uint32_t i = 0; i < im.n; i++) {
+                const ck_rec *r = &im.rec[i];
+                memcpy(names, r->name, r->name_len);
+                names[r->name_len] = '\0';
+                e[i] = (tm_ckpt_entry){.name = names, .dtype = (tm_dtype)r->dtype, .ndim = r->ndim,
+                                       .raw_bytes = r->raw_len, .stored_bytes = r->comp_len};
+                memcpy(e[i].shape, r->shape, sizeof r->shape);
+                names += r->name_len + 1;
+            }
+            memcpy(names, im.meta, (size_t)im.meta_len);
+            names[im.meta_len] = '\0';
+            *info = (tm_ckpt_info){.version = im.version, .file_bytes = im.len, .num_entries = (int)im.n,
+                                   .entries = e, .meta = names, .meta_bytes = (size_t)im.meta_len};
+            *out = info;
+        }
+    }
+    image_free(ctx, &im);
     return st;
 }
+
+void tm_ckpt_info_free(tm_ckpt_info *info) { free(info); }

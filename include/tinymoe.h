@@ -623,6 +623,68 @@ tm_status tm_model_forward(tm_model *model, tm_tensor *tokens, tm_tensor *target
 tm_status tm_model_step(tm_model *model);
 
 /* ------------------------------------------------------------------------------------------ */
+/* Incremental decoding                                                                        */
+/* ------------------------------------------------------------------------------------------ */
+/* A key/value cache lets a model process a sequence a few tokens at a time (a prompt, then one
+ * generated token per call) without recomputing the prefix: each layer keeps the rotated keys
+ * and the values of every position seen so far. Per layer it holds k and v of shape
+ * [batch, max_len, n_kv_heads, head_dim] in the model's dtype on its device, allocated once by
+ * tm_kv_cache_new outside the arenas and outside the named tensors (so never in checkpoints).
+ * Memory: 2 * n_layers * batch * max_len * n_kv_heads * head_dim * sizeof(dtype) bytes. */
+typedef struct tm_kv_cache tm_kv_cache;
+
+/* A cache for `batch` sequences of up to max_len positions, 1 <= max_len <= max_seq_len.
+ * Errors: TM_ERR_INVALID_ARG (null, batch < 1, max_len outside [1, max_seq_len], naming the
+ * argument), TM_ERR_NOMEM. The cache belongs to the model and must be freed before it. */
+tm_status tm_kv_cache_new(tm_model *model, int batch, int max_len, tm_kv_cache **out);
+/* NULL: no-op. */
+void tm_kv_cache_free(tm_kv_cache *cache);
+/* Forget every position (length 0); memory is kept. */
+void tm_kv_cache_reset(tm_kv_cache *cache);
+/* Positions held (the same for every sequence of the batch), and the capacity. */
+int tm_kv_cache_len(const tm_kv_cache *cache);
+int tm_kv_cache_capacity(const tm_kv_cache *cache);
+
+/* Forward of T new tokens per sequence, tokens i32 [batch, T], at positions
+ * [len, len + T) where len = tm_kv_cache_len(cache): their keys and values are appended to the
+ * cache and *logits (an arena temporary, [batch, T, V], the model's dtype) receives the same
+ * values tm_model_forward gives for those positions on the whole sequence (equal up to
+ * floating-point summation order). Runs with the tape off whatever the grad mode (no
+ * backward through the cache) and does not touch the expert-bias statistics.
+ * Errors: TM_ERR_INVALID_ARG (tokens not i32 [batch, T] with T >= 1, a token outside
+ * [0, vocab_size) (naming its position), len + T > capacity, naming the sizes: nothing is
+ * appended), TM_ERR_DEVICE (tokens on another device), TM_ERR_NOMEM, TM_ERR_CUDA. */
+tm_status tm_model_forward_cached(tm_model *model, tm_kv_cache *cache, tm_tensor *tokens, tm_tensor **logits);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Sampling                                                                                    */
+/* ------------------------------------------------------------------------------------------ */
+/* Temperature, top-k (Fan et al. 2018) and nucleus / top-p (Holtzman et al. 2020, "The Curious
+ * Case of Neural Text Degeneration") sampling, applied in that order:
+ *   temperature <= 0: argmax of the logits (ties: the lowest index); otherwise
+ *   p_i = softmax(logits / temperature)_i; keep the top_k most probable (top_k <= 0 or >= V:
+ *   all; ties at the boundary resolved towards lower indices); then keep the smallest set of
+ *   the most probable whose mass reaches top_p (top_p >= 1: all); renormalise and draw with one
+ *   uniform u in [0, 1) from Philox4x32-10 with key = seed and counter = (counter lo, counter
+ *   hi, 0x4c504d53, 0) (53 bits), by inverse CDF over the kept tokens in decreasing
+ *   probability order. The same (logits, config, counter) always gives the same token. */
+typedef struct tm_sampler_config {
+    double temperature; /* default 1.0 */
+    int top_k;          /* default 0 (all) */
+    double top_p;       /* default 1.0 (all); in (0, 1] */
+    uint64_t seed;      /* default 0 */
+} tm_sampler_config;
+
+tm_sampler_config tm_sampler_config_default(void);
+
+/* Draw one token from host logits[V] (f32). counter: the draw's index (e.g. the position of
+ * the token being generated). Scratch memory comes from ctx's allocator.
+ * Errors: TM_ERR_INVALID_ARG (null, V < 1, temperature NaN, top_p outside (0, 1] or NaN, a
+ * NaN logit, naming it), TM_ERR_NOMEM. */
+tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const tm_sampler_config *cfg, uint64_t counter,
+                          int *token);
+
+/* ------------------------------------------------------------------------------------------ */
 /* Checkpoints                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
 /* Byte layout: docs/checkpoint-format.md (little-endian, zlib-compressed tensors, CRC32s). */
@@ -648,6 +710,44 @@ tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t m
  * copy failed; the only error after which ctx may be partly loaded). */
 tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_cap, size_t *meta_bytes);
 
+/* Flags of tm_ckpt_load_flags. TM_CKPT_SKIP_UNKNOWN: tensors of the file that the context does
+ * not hold are validated (CRC, structure) and then skipped instead of being an error; use it
+ * to load a training checkpoint (with optimizer state) into a model built for inference.
+ * Every tensor of the context must still be in the file. */
+enum { TM_CKPT_SKIP_UNKNOWN = 1u };
+/* tm_ckpt_load with flags (0: exactly tm_ckpt_load). Same errors. */
+tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void *meta, size_t meta_cap,
+                             size_t *meta_bytes);
+
+/* What a checkpoint holds, without loading it: tm_ckpt_inspect validates the whole file as
+ * tm_ckpt_load does (structure, every CRC, every tensor inflates to its length) and lists it.
+ * ctx is used for the allocator and the error message only (its tensors are not looked at). */
+typedef struct tm_ckpt_entry {
+    const char *name; /* valid until tm_ckpt_info_free */
+    tm_dtype dtype;
+    int ndim;
+    int64_t shape[TM_MAX_DIMS];
+    uint64_t raw_bytes;    /* numel * dtype size */
+    uint64_t stored_bytes; /* compressed */
+} tm_ckpt_entry;
+
+typedef struct tm_ckpt_info {
+    uint32_t version;        /* format version */
+    uint64_t file_bytes;     /* size of the file */
+    int num_entries;         /* tensors, in file order */
+    const tm_ckpt_entry *entries;
+    const void *meta;        /* the meta blob (not NUL-terminated; meta_bytes long) */
+    size_t meta_bytes;
+} tm_ckpt_info;
+
+/* Errors: as tm_ckpt_load for the file checks (TM_ERR_IO, TM_ERR_INVALID_ARG for an
+ * unsupported version, TM_ERR_UNSUPPORTED), TM_ERR_NOMEM. On success free *out with
+ * tm_ckpt_info_free. The info is one block from malloc (not the context's allocator: it may
+ * outlive ctx). */
+tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out);
+/* NULL: no-op. */
+void tm_ckpt_info_free(tm_ckpt_info *info);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Optimizers                                                                                  */
 /* ------------------------------------------------------------------------------------------ */
@@ -657,7 +757,10 @@ tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_ca
  * step t = 1, 2, ...:
  *   m = beta1 m + (1 - beta1) g;   v = beta2 v + (1 - beta2) g^2
  *   p -= lr * ( (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps) + weight_decay * p )
- * State m, v is f32 (one buffer each per parameter, named "<param>.adamw_m" / ".adamw_v"). */
+ * State m, v is f32 (one buffer each per parameter, named "<param>.adamw_m" / ".adamw_v"); the
+ * step count t is an i64 scalar host buffer "optim.adamw.steps". Being context buffers, all of
+ * it is written by tm_ckpt_save and restored by tm_ckpt_load, so a reloaded optimizer continues
+ * exactly. */
 typedef struct tm_adamw_config {
     double lr;           /* default 1e-3 */
     double beta1, beta2; /* default 0.9, 0.999 */
@@ -688,7 +791,8 @@ void tm_optimizer_free(tm_optimizer *opt);
  *   g' = g + weight_decay * p                      (L2 decay, 2-or-more-dim parameters only)
  *   b  = momentum * b + g'        (b = g' at the first step)
  *   p -= lr * (nesterov ? g' + momentum * b : b)
- * momentum 0: plain SGD (no state). State b is f32, buffers "<param>.sgd_b". */
+ * momentum 0: plain SGD (no state). State b is f32, buffers "<param>.sgd_b"; the step count is
+ * the i64 host buffer "optim.sgd.steps". */
 typedef struct tm_sgd_config {
     double lr;           /* default 1e-2 */
     double momentum;     /* default 0.9; in [0, 1) */

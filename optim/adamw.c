@@ -51,7 +51,7 @@ tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimizer **o
     TM__TRY(check_config(ctx, &c));
     static const char *const suffix[2] = {".adamw_m", ".adamw_v"};
     tm_optimizer *opt = NULL;
-    TM__TRY(tm__optimizer_create(ctx, "tm_adamw_new", 2, suffix, &opt));
+    TM__TRY(tm__optimizer_create(ctx, "tm_adamw_new", 2, suffix, "optim.adamw.steps", &opt));
     opt->kind = TM__OPT_ADAMW;
     opt->name = "AdamW";
     opt->cfg.adamw = c;

@@ -2,7 +2,8 @@
  * optimizer.c — the algorithm-independent half of tm_optimizer: creation over the context's
  * parameters with per-parameter state buffers, and tm_optimizer_step / _steps / _free.
  *
- * State buffers are persistent context buffers ("<param>.adamw_m", "<param>.sgd_b", ...):
+ * State buffers are persistent context buffers ("<param>.adamw_m", "<param>.sgd_b", ..., and
+ * the step counter "optim.adamw.steps" / "optim.sgd.steps"):
  * found by name (checkpoints) and freed with the context, not with the optimizer. Their names
  * also make a second optimizer of the same algorithm over the same parameters an error
  * instead of two optimizers silently sharing state.
@@ -32,7 +33,7 @@ static tm_status state_name(tm_ctx *ctx, const char *fn, char *buf, size_t cap, 
 }
 
 tm_status tm__optimizer_create(tm_ctx *ctx, const char *fn, int n_state, const char *const *suffix,
-                               tm_optimizer **out) {
+                               const char *counter, tm_optimizer **out) {
     int n = tm_ctx_num_params(ctx);
     if (n == 0) return tm__err(ctx, TM_ERR_STATE, "%s: the context has no parameters (tm_param_new)", fn);
     if (n_state < 0 || n_state > TM__OPT_MAX_STATE)
@@ -44,6 +45,7 @@ tm_status tm__optimizer_create(tm_ctx *ctx, const char *fn, int n_state, const c
         for (int j = 0; j < n_state; j++)
             TM__TRY(state_name(ctx, fn, name, sizeof name, ctx->named[k]->name, suffix[j]));
     }
+    TM__TRY(state_name(ctx, fn, name, sizeof name, counter, ""));
 
     tm_optimizer *opt = tm__host_alloc(ctx, sizeof *opt);
     tm_tensor **arr = tm__host_alloc(ctx, (size_t)(1 + n_state) * (size_t)n * sizeof *arr);
@@ -62,6 +64,13 @@ tm_status tm__optimizer_create(tm_ctx *ctx, const char *fn, int n_state, const c
     /* Collect the parameters before creating buffers: tm_buffer_new may grow ctx->named. */
     for (int k = 0, i = 0; k < ctx->n_named; k++)
         if (ctx->named[k]->is_param) opt->param[i++] = ctx->named[k];
+    /* The step count (AdamW's bias correction) lives in a host buffer, so a checkpoint of the
+     * context restores it with the moments. */
+    tm_status s = tm_buffer_new(ctx, counter, TM_I64, 0, NULL, (tm_device){TM_DEVICE_CPU, 0}, &opt->counter);
+    if (s != TM_OK) {
+        tm_optimizer_free(opt);
+        return s;
+    }
     for (int i = 0; i < n; i++) {
         const tm_tensor *p = opt->param[i];
         for (int j = 0; j < n_state; j++) {
@@ -95,18 +104,19 @@ tm_status tm_optimizer_step(tm_optimizer *opt, double lr) {
             return tm__err(ctx, TM_ERR_INTERNAL, "tm_optimizer_step: parameter \"%s\" has dtype %s", p->name,
                            tm_dtype_name(p->dtype));
     }
-    int64_t t = opt->steps + 1;
+    int64_t *steps = tm__data(opt->counter);
+    int64_t t = *steps + 1;
     for (int i = 0; i < opt->n; i++) {
         switch (opt->kind) {
         case TM__OPT_ADAMW: tm__adamw_update(opt, i, lr, t); break;
         case TM__OPT_SGD: tm__sgd_update(opt, i, lr, t); break;
         }
     }
-    opt->steps = t;
+    *steps = t;
     return TM_OK;
 }
 
-int64_t tm_optimizer_steps(const tm_optimizer *opt) { return opt ? opt->steps : 0; }
+int64_t tm_optimizer_steps(const tm_optimizer *opt) { return opt ? *(const int64_t *)tm__data(opt->counter) : 0; }
 
 void tm_optimizer_free(tm_optimizer *opt) {
     if (!opt) return;

@@ -24,7 +24,7 @@ struct tm_optimizer {
         tm_sgd_config sgd;
     } cfg;
     double lr;      /* the configured lr: tm_optimizer_step's lr < 0 means this one */
-    int64_t steps;  /* updates taken */
+    tm_tensor *counter; /* i64 0-d host buffer: updates taken (saved with the context) */
     int n;          /* parameters covered */
     int n_state;    /* state buffers per parameter, <= TM__OPT_MAX_STATE */
     tm_tensor **param;                   /* [n] */
@@ -32,12 +32,13 @@ struct tm_optimizer {
 };
 
 /* Make an optimizer over every parameter of the context, with n_state f32 state buffers per
- * parameter named "<param><suffix[j]>" (zero-filled). fn names the caller in messages.
+ * parameter named "<param><suffix[j]>" (zero-filled) and an i64 host buffer `counter` for the
+ * step count. fn names the caller in messages.
  * Errors: TM_ERR_STATE (no parameters; a state buffer of that name exists already),
  * TM_ERR_INVALID_ARG (a state name over 127 bytes), TM_ERR_NOMEM. Every name is checked
  * before any buffer is made. On success the caller fills kind, name, cfg and lr. */
 tm_status tm__optimizer_create(tm_ctx *ctx, const char *fn, int n_state, const char *const *suffix,
-                               tm_optimizer **out);
+                               const char *counter, tm_optimizer **out);
 
 /* The per-algorithm update of parameter i at step t (1-based) with learning rate lr. Called
  * by tm_optimizer_step after it has checked that every parameter is a float CPU tensor. */

@@ -56,7 +56,7 @@ tm_status tm_sgd_new(tm_ctx *ctx, const tm_sgd_config *cfg, tm_optimizer **out) 
     TM__TRY(check_config(ctx, &c));
     static const char *const suffix[1] = {".sgd_b"};
     tm_optimizer *opt = NULL;
-    TM__TRY(tm__optimizer_create(ctx, "tm_sgd_new", c.momentum > 0.0 ? 1 : 0, suffix, &opt));
+    TM__TRY(tm__optimizer_create(ctx, "tm_sgd_new", c.momentum > 0.0 ? 1 : 0, suffix, "optim.sgd.steps", &opt));
     opt->kind = TM__OPT_SGD;
     opt->name = "SGD";
     opt->cfg.sgd = c;

@@ -267,11 +267,13 @@ Test(sgd, bad_state) {
     cr_assert(strstr(tm_ctx_errmsg(ctx), "tm_sgd_new") && strstr(tm_ctx_errmsg(ctx), "p.sgd_b"), "%s",
               tm_ctx_errmsg(ctx));
     cr_assert_null(opt2);
-    /* Stateless SGD and AdamW have no buffer to share: both may coexist with it. */
+    /* Even a stateless SGD would share the step counter (saved in checkpoints) ... */
     tm_sgd_config plain = tm_sgd_config_default();
     plain.momentum = 0.0;
-    TT_OK(ctx, tm_sgd_new(ctx, &plain, &opt2));
-    tm_optimizer_free(opt2);
+    cr_assert_eq(tm_sgd_new(ctx, &plain, &opt2), TM_ERR_STATE);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "optim.sgd.steps"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_null(opt2);
+    /* ... while AdamW has buffers of its own and may coexist with it. */
     TT_OK(ctx, tm_adamw_new(ctx, NULL, &opt2));
     tm_optimizer_free(opt2);
 

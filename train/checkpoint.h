@@ -1,0 +1,65 @@
+/*
+ * checkpoint.h — the driver's checkpoints: what goes in the meta blob, where files go, and
+ * loading a checkpoint back as a model (for eval, sample, export and resume).
+ *
+ * A driver checkpoint is a tm_ckpt_save file (docs/checkpoint-format.md) named
+ * <out>/ckpt-<step, 8 digits>.tmck whose meta blob is text:
+ *
+ *     tinymoe-checkpoint 1
+ *     [config]
+ *     key = value            one line per key of the config table, exact (%.17g floats)
+ *     ...
+ *     [state]
+ *     step = 200             optimizer steps completed
+ *     data_position = 400    batches the token-file batcher has produced
+ *
+ * The tensors are every parameter and buffer of the training context: the weights, the
+ * optimizer state (AdamW m and v or SGD momentum, and the optimizer's step counter) and the
+ * MoE expert biases. The seed is in the config, and every random draw of training is keyed by
+ * (seed, step or data position), so config + state + tensors determine the rest of the run.
+ */
+#ifndef TMD_CHECKPOINT_H
+#define TMD_CHECKPOINT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config.h"
+#include "tinymoe.h"
+
+#define TMD_CKPT_EXT ".tmck"
+
+typedef struct tmd_ckpt_state {
+    int64_t step;          /* optimizer steps completed */
+    int64_t data_position; /* tm__batcher.position (0 for synthetic data) */
+} tmd_ckpt_state;
+
+/* A checkpoint loaded as a model, for inference. */
+typedef struct tmd_loaded_model {
+    tmd_config cfg; /* the checkpoint's configuration (device possibly overridden) */
+    tmd_ckpt_state state;
+    char path[TMD_PATH_MAX]; /* the file actually read */
+    tm_ctx *ctx;
+    tm_model *model;
+} tmd_loaded_model;
+
+/* CKPT is a checkpoint file, or a directory: its newest ckpt-*.tmck (highest step). Fills
+ * path; errors name CKPT (no such file, a directory without checkpoints). */
+int tmd_ckpt_resolve(const char *ckpt, char *path, size_t pathlen, char *err, size_t errlen);
+
+/* Resolve CKPT, read its config, build the model on `device` (tmd_device_kind; -1: the
+ * checkpoint's own) with `threads` CPU threads (0: all) and load its weights (the optimizer
+ * state in the file is checked and skipped). Returns 0, or TMD_CONFIG_ERROR / TMD_RUNTIME_ERROR
+ * (train.h) with a message naming the file. On success free with tmd_loaded_model_free. */
+int tmd_ckpt_load_model(const char *ckpt, int device, int threads, tmd_loaded_model *out, char *err, size_t errlen);
+/* NULL or zeroed: no-op. */
+void tmd_loaded_model_free(tmd_loaded_model *m);
+
+/* The meta blob of (cfg, state) as text (see above): malloc'ed, NUL-terminated, length in *len. */
+char *tmd_ckpt_meta_encode(const tmd_config *cfg, const tmd_ckpt_state *state, size_t *len);
+/* Parse a meta blob: cfg starts from the defaults and takes every key of [config]; state from
+ * [state]. Errors name `path` and the offending line. */
+int tmd_ckpt_meta_decode(const char *meta, size_t len, const char *path, tmd_config *cfg, tmd_ckpt_state *state,
+                         char *err, size_t errlen);
+
+#endif
