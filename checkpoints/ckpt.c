@@ -557,8 +557,6 @@ tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void
     if (!ctx) return TM_ERR_INVALID_ARG;
     const char *fn = "tm_ckpt_load";
     TM__TRY(load_checks(ctx, fn, path));
-    if (!meta && meta_cap)
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: meta is NULL but meta_cap is %zu", fn, meta_cap);
     if (flags & ~(unsigned)TM_CKPT_SKIP_UNKNOWN)
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: unknown flags 0x%x", fn, flags & ~(unsigned)TM_CKPT_SKIP_UNKNOWN);
     ck_image im = {.fn = fn, .path = path};
@@ -570,7 +568,7 @@ tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void
         else memset(seen, 0, ctx->n_named ? (size_t)ctx->n_named : 1);
     }
     if (st == TM_OK) st = match_records(ctx, &im, flags, seen);
-    if (st == TM_OK && im.meta_len > meta_cap)
+    if (st == TM_OK && meta && im.meta_len > meta_cap)
         st = tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' has %llu bytes of meta, meta_cap is %zu", fn, path,
                      (unsigned long long)im.meta_len, meta_cap);
     if (st == TM_OK && !(raw = tm__host_alloc(ctx, max_raw_len(&im))))
@@ -585,7 +583,7 @@ tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void
         if (st == TM_OK) st = tm_tensor_write(ctx, r->t, r->t->dtype, raw, tm_tensor_numel(r->t));
     }
     if (st == TM_OK) {
-        if (im.meta_len) memcpy(meta, im.meta, (size_t)im.meta_len);
+        if (meta && im.meta_len) memcpy(meta, im.meta, (size_t)im.meta_len);
         if (meta_bytes) *meta_bytes = (size_t)im.meta_len;
     }
     tm__host_free(ctx, raw);

@@ -649,25 +649,39 @@ int tm_kv_cache_capacity(const tm_kv_cache *cache);
  * [len, len + T) where len = tm_kv_cache_len(cache): their keys and values are appended to the
  * cache and *logits (an arena temporary, [batch, T, V], the model's dtype) receives the same
  * values tm_model_forward gives for those positions on the whole sequence (equal up to
- * floating-point summation order). Runs with the tape off whatever the grad mode (no
- * backward through the cache) and does not touch the expert-bias statistics.
- * Errors: TM_ERR_INVALID_ARG (tokens not i32 [batch, T] with T >= 1, a token outside
- * [0, vocab_size) (naming its position), len + T > capacity, naming the sizes: nothing is
- * appended), TM_ERR_DEVICE (tokens on another device), TM_ERR_NOMEM, TM_ERR_CUDA. */
+ * floating-point summation order), however the sequence is split into calls. Runs with the
+ * tape off whatever the grad mode (no backward through the cache; the mode is restored) and
+ * does not touch the expert-bias statistics. The cache stays valid across
+ * tm_ctx_arena_reset.
+ * Exception: with moe.capacity_factor > 0 a token's expert slots depend on which other
+ * tokens share its forward (capacity = f(tokens in the call)), so cached decoding then
+ * drops differently from the full forward and the logits differ.
+ * Errors, all before anything is appended (after a failure len is unchanged):
+ * TM_ERR_INVALID_ARG (null, a cache made for another model, len + T > capacity, naming the
+ * sizes), TM_ERR_DTYPE / TM_ERR_SHAPE (tokens not i32 [batch, T] with T >= 1; the batch
+ * differs from the cache's), TM_ERR_INDEX (a token outside [0, vocab_size), naming its
+ * position and value), TM_ERR_DEVICE (tokens on another device), TM_ERR_UNSUPPORTED (an op
+ * without a kernel on the model's device, naming the op), TM_ERR_NOMEM, TM_ERR_CUDA. */
 tm_status tm_model_forward_cached(tm_model *model, tm_kv_cache *cache, tm_tensor *tokens, tm_tensor **logits);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Sampling                                                                                    */
 /* ------------------------------------------------------------------------------------------ */
 /* Temperature, top-k (Fan et al. 2018) and nucleus / top-p (Holtzman et al. 2020, "The Curious
- * Case of Neural Text Degeneration") sampling, applied in that order:
+ * Case of Neural Text Degeneration") sampling, applied in that order (as HuggingFace's
+ * temperature -> top-k -> top-p warpers):
  *   temperature <= 0: argmax of the logits (ties: the lowest index); otherwise
- *   p_i = softmax(logits / temperature)_i; keep the top_k most probable (top_k <= 0 or >= V:
- *   all; ties at the boundary resolved towards lower indices); then keep the smallest set of
- *   the most probable whose mass reaches top_p (top_p >= 1: all); renormalise and draw with one
- *   uniform u in [0, 1) from Philox4x32-10 with key = seed and counter = (counter lo, counter
- *   hi, 0x4c504d53, 0) (53 bits), by inverse CDF over the kept tokens in decreasing
- *   probability order. The same (logits, config, counter) always gives the same token. */
+ *   rank the tokens by (logit descending, index ascending) — ties go to lower indices
+ *   everywhere below; p_i = softmax(logits / temperature)_i; keep the first top_k of the
+ *   ranking (top_k <= 0 or >= V: all); then keep the shortest prefix of those whose mass
+ *   reaches top_p of the kept top-k mass (sum of p over the prefix >= top_p * sum over the
+ *   top k; top_p = 1: all); renormalise and draw with one uniform u in [0, 1) from
+ *   Philox4x32-10 with key = (seed lo, seed hi) and counter = (counter lo, counter hi,
+ *   0x4c504d53, 0): u = ((out0 >> 5) * 2^26 + (out1 >> 6)) / 2^53; the token is the first in
+ *   rank order whose cumulative kept probability exceeds u (inverse CDF), so a token of
+ *   probability 0 is never drawn. Infinite logits take softmax's limits: if any logit is
+ *   +inf those share all the mass equally; if all are -inf the distribution is uniform.
+ *   The same (logits, config, counter) always gives the same token. */
 typedef struct tm_sampler_config {
     double temperature; /* default 1.0 */
     int top_k;          /* default 0 (all) */
@@ -678,7 +692,8 @@ typedef struct tm_sampler_config {
 tm_sampler_config tm_sampler_config_default(void);
 
 /* Draw one token from host logits[V] (f32). counter: the draw's index (e.g. the position of
- * the token being generated). Scratch memory comes from ctx's allocator.
+ * the token being generated). Scratch memory (V entries, for temperature > 0) comes from
+ * ctx's host arena and is released by the next tm_ctx_arena_reset.
  * Errors: TM_ERR_INVALID_ARG (null, V < 1, temperature NaN, top_p outside (0, 1] or NaN, a
  * NaN logit, naming it), TM_ERR_NOMEM. */
 tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const tm_sampler_config *cfg, uint64_t counter,
@@ -702,8 +717,8 @@ tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t m
  * the same set of names, each with the same dtype and shape. The whole file is validated
  * first (magic, version, endianness, every CRC, every tensor inflates, names/dtypes/shapes,
  * no tensor missing, meta fits meta_cap); only then are tensors written, so a failed load
- * leaves ctx untouched. The meta blob is copied to meta and its length to *meta_bytes
- * (meta_bytes may be NULL). Errors name the file and what is wrong: TM_ERR_IO (unreadable,
+ * leaves ctx untouched. The meta blob is copied to meta (meta NULL: not copied, whatever its
+ * length) and its length to *meta_bytes (meta_bytes may be NULL). Errors name the file and what is wrong: TM_ERR_IO (unreadable,
  * not a checkpoint, truncated, CRC mismatch, corrupt), TM_ERR_INVALID_ARG (unsupported
  * version, unknown / duplicate / missing tensor, dtype or shape mismatch, meta larger than
  * meta_cap), TM_ERR_UNSUPPORTED (foreign endianness), TM_ERR_NOMEM, TM_ERR_CUDA (a device

@@ -43,6 +43,13 @@ typedef struct tmd_loaded_model {
     tm_model *model;
 } tmd_loaded_model;
 
+/* <dir>/ckpt-<step, 8 digits>.tmck into path. */
+void tmd_ckpt_path(const char *dir, int64_t step, char *path, size_t pathlen);
+/* Steps of the ckpt-*.tmck files in dir, ascending (malloc'ed; *n may be 0). */
+int tmd_ckpt_list(const char *dir, int64_t **steps, int *n, char *err, size_t errlen);
+/* Validate a checkpoint file completely (tm_ckpt_inspect) and decode its meta. */
+int tmd_ckpt_read_meta(const char *path, tmd_config *cfg, tmd_ckpt_state *state, char *err, size_t errlen);
+
 /* CKPT is a checkpoint file, or a directory: its newest ckpt-*.tmck (highest step). Fills
  * path; errors name CKPT (no such file, a directory without checkpoints). */
 int tmd_ckpt_resolve(const char *ckpt, char *path, size_t pathlen, char *err, size_t errlen);
@@ -54,6 +61,13 @@ int tmd_ckpt_resolve(const char *ckpt, char *path, size_t pathlen, char *err, si
 int tmd_ckpt_load_model(const char *ckpt, int device, int threads, tmd_loaded_model *out, char *err, size_t errlen);
 /* NULL or zeroed: no-op. */
 void tmd_loaded_model_free(tmd_loaded_model *m);
+
+/* The configuration of a run continuing from (or evaluating) a checkpoint: the checkpoint's
+ * config `ck`, with the keys the user set explicitly in `cli` (preset, file or flag) that
+ * tmd_config_key_resumable(i, for_eval) allows; any other explicitly set key must equal the
+ * checkpoint's value, else TMD_CONFIG_ERROR naming the key, both values and `path`. */
+int tmd_ckpt_merge_config(const tmd_config *cli, const tmd_config *ck, const char *path, int for_eval,
+                          tmd_config *out, char *err, size_t errlen);
 
 /* The meta blob of (cfg, state) as text (see above): malloc'ed, NUL-terminated, length in *len. */
 char *tmd_ckpt_meta_encode(const tmd_config *cfg, const tmd_ckpt_state *state, size_t *len);

@@ -157,12 +157,22 @@ static const key KEYS[] = {
      "validation batches of batch_size sequences (0: the whole validation set)"},
     {"log_every", T_INT, G_RUN, OFF(log_every), NULL, "10", 0, NULL, "print and record metrics every this many steps"},
     {"out", T_STR, G_RUN, STR(out), NULL, "out", 0, NULL,
-     "directory for metrics.jsonl, loss.svg and experts.svg (empty: write nothing)"},
+     "directory for checkpoints, metrics.jsonl, loss.svg and experts.svg (empty: write nothing)"},
+    {"save_every", T_INT, G_RUN, OFF(save_every), NULL, "0", 0, NULL,
+     "write <out>/ckpt-<step>.tmck every this many steps (0: only at the end and on SIGINT/SIGTERM)"},
+    {"keep_last", T_INT, G_RUN, OFF(keep_last), NULL, "3", 0, NULL,
+     "keep the newest this many checkpoints in out, deleting older ones (0: keep all)"},
+    {"resume", T_STR, G_RUN, STR(resume), NULL, "", 0, NULL,
+     "continue from a checkpoint file, or the newest in a directory; model and training keys come from it"},
+    {"init_from", T_STR, G_RUN, STR(init_from), NULL, "", 0, NULL,
+     "start from the weights of a Hugging Face Mixtral export (config.json + model.safetensors) in this directory"},
     {"sample_prompt", T_STR, G_RUN, STR(sample_prompt), NULL, "", 0, NULL,
      "after training, continue this text (byte-level models; empty: no sample)"},
     {"sample_tokens", T_INT, G_RUN, OFF(sample_tokens), NULL, "256", 0, NULL, "tokens to generate"},
     {"temperature", T_FLOAT, G_RUN, OFF(temperature), NULL, "0.8", 0, NULL, "sampling temperature (0: greedy)"},
     {"top_k", T_INT, G_RUN, OFF(top_k), NULL, "0", 0, NULL, "sample among the k most likely tokens (0: all)"},
+    {"top_p", T_FLOAT, G_RUN, OFF(top_p), NULL, "1", 0, NULL,
+     "sample from the smallest set of most likely tokens holding this much probability (1: all)"},
     {"preset", T_STR, G_RUN, STR(preset), NULL, "", 0, NULL,
      "tiny | small | shakespeare: applied before the config file and the flags"},
 };
@@ -701,6 +711,11 @@ int tmd_config_validate(const tmd_config *c, char *err, size_t errlen) {
     CHECK(c->sample_tokens >= 0, "key 'sample_tokens' = %d: must be >= 0", c->sample_tokens);
     CHECK(c->temperature >= 0, "key 'temperature' = %g: must be >= 0 (0: greedy)", c->temperature);
     CHECK(c->top_k >= 0, "key 'top_k' = %d: must be >= 0 (0: all tokens)", c->top_k);
+    CHECK(c->top_p > 0 && c->top_p <= 1, "key 'top_p' = %g: must be in (0, 1] (1: all tokens)", c->top_p);
+    CHECK(c->save_every >= 0, "key 'save_every' = %d: must be >= 0 (0: only at the end)", c->save_every);
+    CHECK(c->keep_last >= 0, "key 'keep_last' = %d: must be >= 0 (0: keep all)", c->keep_last);
+    CHECK(!(c->resume[0] && c->init_from[0]), "keys 'resume' and 'init_from' exclude each other (resume restores "
+          "the weights from the checkpoint)");
     CHECK(c->data[0], "key 'data' is empty: give 'synthetic' or a token file");
     if (tmd_config_synthetic(c)) {
         CHECK(c->synthetic_vocab >= 2 && c->synthetic_vocab <= 4096, "key 'synthetic_vocab' = %d: must be in [2, 4096]",
@@ -755,7 +770,27 @@ int tmd_config_validate(const tmd_config *c, char *err, size_t errlen) {
 /* ---------------------------------------------------------------------------------------- */
 /* Printing                                                                                  */
 
-void tmd_config_format(const tmd_config *cfg, int i, char *buf, size_t len) {
+static void format_value(const tmd_config *cfg, int i, char *buf, size_t len, int exact);
+
+void tmd_config_format(const tmd_config *cfg, int i, char *buf, size_t len) { format_value(cfg, i, buf, len, 0); }
+void tmd_config_format_exact(const tmd_config *cfg, int i, char *buf, size_t len) { format_value(cfg, i, buf, len, 1); }
+
+int tmd_config_parse_line(char *line, char **key, char **value, const char **why) {
+    return parse_line(line, key, value, why);
+}
+
+int tmd_config_key_index(const char *name) { return find_key(name); }
+
+int tmd_config_key_resumable(int i, int for_eval) {
+    if (i < 0 || i >= NKEYS) return 0;
+    if (for_eval && (KEYS[i].group == G_DATA || !strcmp(KEYS[i].name, "batch_size"))) return 1;
+    /* Run settings, the thread count and the device change nothing of the trained state;
+     * steps may grow (train longer: a decaying schedule then decays over the new total). */
+    return KEYS[i].group == G_RUN || !strcmp(KEYS[i].name, "threads") || !strcmp(KEYS[i].name, "device") ||
+           !strcmp(KEYS[i].name, "steps");
+}
+
+static void format_value(const tmd_config *cfg, int i, char *buf, size_t len, int exact) {
     if (i < 0 || i >= NKEYS) {
         snprintf(buf, len, "?");
         return;
@@ -770,7 +805,7 @@ void tmd_config_format(const tmd_config *cfg, int i, char *buf, size_t len) {
     case T_I64: snprintf(buf, len, "%lld", (long long)*(const int64_t *)p); break;
     case T_FLOAT:
         if (isnan(*(const double *)p)) snprintf(buf, len, "auto");
-        else snprintf(buf, len, "%.10g", *(const double *)p);
+        else snprintf(buf, len, exact ? "%.17g" : "%.10g", *(const double *)p);
         break;
     case T_BOOL: snprintf(buf, len, "%s", *(const int *)p ? "true" : "false"); break;
     case T_ENUM: enum_name(k->values, *(const int *)p, buf, len); break;
@@ -801,7 +836,7 @@ void tmd_config_format(const tmd_config *cfg, int i, char *buf, size_t len) {
     }
 }
 
-static const char *const SOURCE_NAME[] = {"", "preset", "config file", "flag", "auto"};
+static const char *const SOURCE_NAME[] = {"", "preset", "config file", "flag", "auto", "checkpoint"};
 
 void tmd_config_print(const tmd_config *cfg, FILE *f) {
     for (int g = 0; g < G_COUNT; g++) {

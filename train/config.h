@@ -31,7 +31,9 @@ typedef enum tmd_dtype_kind { TMD_DTYPE_F32 = 0, TMD_DTYPE_BF16 = 1 } tmd_dtype_
 typedef enum tmd_device_kind { TMD_DEVICE_CPU = 0, TMD_DEVICE_CUDA = 1 } tmd_device_kind;
 
 /* Where a key's current value came from (printed next to non-defaults). */
-typedef enum tmd_source { TMD_SRC_DEFAULT = 0, TMD_SRC_PRESET, TMD_SRC_FILE, TMD_SRC_FLAG, TMD_SRC_AUTO } tmd_source;
+typedef enum tmd_source {
+    TMD_SRC_DEFAULT = 0, TMD_SRC_PRESET, TMD_SRC_FILE, TMD_SRC_FLAG, TMD_SRC_AUTO, TMD_SRC_CKPT
+} tmd_source;
 
 #define TMD_MAX_KEYS 96
 
@@ -54,10 +56,13 @@ typedef struct tmd_config {
     int synthetic_vocab, synthetic_k;
     int eval_every, eval_batches, log_every;
     char out[TMD_PATH_MAX];
+    int save_every, keep_last;
+    char resume[TMD_PATH_MAX], init_from[TMD_PATH_MAX];
     char sample_prompt[TMD_PATH_MAX];
     int sample_tokens;
     double temperature;
     int top_k;
+    double top_p;
     char preset[32];
     unsigned char source[TMD_MAX_KEYS]; /* tmd_source of each key, by table index */
 } tmd_config;
@@ -100,5 +105,17 @@ int tmd_config_num_keys(void);
 const char *tmd_config_key_name(int i);
 /* The value of key i as text (what tmd_config_print shows). */
 void tmd_config_format(const tmd_config *cfg, int i, char *buf, size_t len);
+/* The same, with floats to 17 significant digits so that tmd_config_set reads back the
+ * identical double (checkpoint meta). */
+void tmd_config_format_exact(const tmd_config *cfg, int i, char *buf, size_t len);
+/* Index of a key by name (dashes not translated), -1 if none. */
+int tmd_config_key_index(const char *name);
+/* 1 when key i may differ between a checkpoint and the run resuming it (run settings:
+ * out, logging, evaluation, sampling; threads; device; steps); for_eval: evaluating it (the
+ * same plus the data keys and batch_size). */
+int tmd_config_key_resumable(int i, int for_eval);
+/* Parse one `key = value` config line in place (the config file syntax: quotes, escapes, '#'
+ * comments). Returns 1 for an entry, 0 for a blank or comment line, -1 with *why set. */
+int tmd_config_parse_line(char *line, char **key, char **value, const char **why);
 
 #endif

@@ -2,6 +2,7 @@
 #include "log.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <stdarg.h>
 #include <string.h>
 
@@ -25,7 +26,14 @@ void tmd_json_begin(tmd_json *j) {
 
 void tmd_json_num(tmd_json *j, const char *k, double v) {
     key(j, k);
-    if (isfinite(v)) put(j, "%.9g", v);
+    if (isfinite(v)) {
+        /* The shortest of 15 or 17 digits that reads back as the same double: readable, and
+         * exact, so records of two runs compare bit for bit. */
+        char b[32];
+        snprintf(b, sizeof b, "%.15g", v);
+        if (strtod(b, NULL) != v) snprintf(b, sizeof b, "%.17g", v);
+        put(j, "%s", b);
+    }
     else put(j, "null");
 }
 

@@ -1,10 +1,12 @@
 /*
  * main.c — the `tinymoe` command line.
  *
- *   tinymoe train [--preset NAME] [--config FILE] [--key value ...]
- *   tinymoe eval --data FILE [--key value ...]
+ *   tinymoe train [--preset NAME] [--config FILE] [--key value ...] [--resume CKPT]
+ *   tinymoe eval [--ckpt CKPT] --data FILE [--key value ...]
  *   tinymoe tokenize IN.txt OUT.bin [--val-fraction F]
- *   tinymoe sample --prompt TEXT           (needs checkpoints: a later issue)
+ *   tinymoe sample --ckpt CKPT --prompt TEXT [--tokens N ...]
+ *   tinymoe inspect CKPT
+ *   tinymoe export --ckpt CKPT --format hf --out DIR
  *   tinymoe --version | --help
  *
  * Exit status: 0 success; 1 a run that failed; 2 a usage, configuration or data error (nothing
@@ -16,6 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "checkpoint.h"
 #include "config.h"
 #include "data.h"
 #include "tinymoe.h"
@@ -26,12 +29,16 @@ static const char USAGE[] =
     "\n"
     "commands:\n"
     "  train      train a Mixtral-style MoE language model; with no flags, a small model on a\n"
-    "             synthetic source whose optimal loss is known exactly (about a minute on 2 cores)\n"
-    "  eval       validation loss of a model on a token file\n"
+    "             synthetic source whose optimal loss is known exactly (about a minute on 2 cores);\n"
+    "             checkpoints go to out/ (--save-every N, --keep-last K); --resume DIR continues\n"
+    "  eval       --ckpt CKPT --data FILE: mean loss and perplexity of a trained model on a token file\n"
+    "  sample     --ckpt CKPT --prompt TEXT: generate text from a trained model\n"
+    "  inspect    CKPT: config, step and tensors of a checkpoint\n"
+    "  export     --ckpt CKPT --format hf --out DIR: a Hugging Face Mixtral model directory\n"
     "  tokenize   IN.txt OUT.bin [--val-fraction F]: byte-level tokens (256 bytes + end-of-text)\n"
     "             in llm.c's token file format; with F > 0 the last F of the text goes to OUT_val.bin\n"
-    "  sample     generate text from a trained model (needs checkpoints, a later version; for now\n"
-    "             'tinymoe train --sample_prompt TEXT' samples from the model it has just trained)\n"
+    "\n"
+    "CKPT is a checkpoint file (out/ckpt-00000600.tmck) or a directory (its newest checkpoint).\n"
     "\n"
     "  --version  print the version\n"
     "  --help     print this help; 'tinymoe train --help' lists every configuration key\n"
@@ -54,12 +61,14 @@ static const char TRAIN_USAGE[] =
     "\n";
 
 static const char EVAL_USAGE[] =
-    "usage: tinymoe eval --data FILE [--key value ...]\n"
+    "usage: tinymoe eval --ckpt CKPT --data FILE [--key value ...]\n"
     "\n"
-    "Prints the mean cross-entropy (nats/token) on FILE (all of it; or on val_data when given;\n"
-    "data=synthetic uses the synthetic validation sequences) of the model the keys and the seed\n"
-    "define. Until checkpoints exist (a later version) that is a freshly initialised model, so\n"
-    "this checks data files and the evaluation path. Same keys as 'tinymoe train':\n"
+    "Prints the mean cross-entropy (nats/token) and perplexity (exp of it) on FILE (all of it,\n"
+    "or eval_batches batches when given; or on val_data when given; data=synthetic uses the\n"
+    "synthetic validation sequences) of the model in CKPT (a checkpoint file, or a directory:\n"
+    "its newest). Model keys come from the checkpoint; data, val_data, eval_batches, batch_size,\n"
+    "threads and device may be set. Without --ckpt: a freshly initialised model from the keys and\n"
+    "the seed (a check of the data and the evaluation path). Same keys as 'tinymoe train':\n"
     "\n";
 
 static int usage_error(const char *msg) {
@@ -67,10 +76,30 @@ static int usage_error(const char *msg) {
     return TMD_CONFIG_ERROR;
 }
 
+/* Take "--ckpt X" / "--ckpt=X" out of argv (eval's only flag that is not a config key). */
+static int take_ckpt_flag(int *argc, char **argv, const char **ckpt) {
+    int w = 0;
+    for (int i = 0; i < *argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--ckpt")) {
+            if (i + 1 >= *argc) return -1;
+            *ckpt = argv[++i];
+        } else if (!strncmp(a, "--ckpt=", 7)) {
+            *ckpt = a + 7;
+        } else {
+            argv[w++] = argv[i];
+        }
+    }
+    *argc = w;
+    return 0;
+}
+
 static int cmd_train_or_eval(int eval, int argc, char **argv) {
     tmd_config cfg;
     int help = 0;
     char err[2048];
+    const char *ckpt = NULL;
+    if (eval && take_ckpt_flag(&argc, argv, &ckpt)) return usage_error("eval: --ckpt needs a checkpoint file or directory");
     if (tmd_config_from_args(&cfg, argc, argv, &help, err, sizeof err)) {
         fprintf(stderr, "tinymoe: %s\n", err);
         return TMD_CONFIG_ERROR;
@@ -83,9 +112,12 @@ static int cmd_train_or_eval(int eval, int argc, char **argv) {
     int rc;
     if (eval) {
         double loss;
-        rc = tmd_eval(&cfg, stdout, &loss, err, sizeof err);
+        rc = ckpt ? tmd_eval_ckpt(&cfg, ckpt, stdout, &loss, err, sizeof err)
+                  : tmd_eval(&cfg, stdout, &loss, err, sizeof err);
     } else {
-        rc = tmd_train(&cfg, stdout, NULL, err, sizeof err);
+        tmd_train_result res;
+        rc = tmd_train(&cfg, stdout, &res, err, sizeof err);
+        if (rc && res.stopped_by_signal) return rc; /* a clean stop, already reported */
     }
     if (rc) {
         fflush(stdout);
@@ -155,19 +187,86 @@ static int cmd_tokenize(int argc, char **argv) {
     return 0;
 }
 
-static int cmd_sample(int argc, char **argv) {
-    for (int i = 0; i < argc; i++)
+static const char *shape_str(const tm_ckpt_entry *e, char *buf, size_t len) {
+    size_t w = (size_t)snprintf(buf, len, "[");
+    for (int d = 0; d < e->ndim && w < len; d++)
+        w += (size_t)snprintf(buf + w, len - w, "%s%lld", d ? ", " : "", (long long)e->shape[d]);
+    if (w < len) snprintf(buf + w, len - w, "]");
+    return buf;
+}
+
+static int cmd_inspect(int argc, char **argv) {
+    const char *ckpt = NULL;
+    for (int i = 0; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            fputs("usage: tinymoe sample --prompt TEXT [--key value ...]\n"
-                  "Needs a checkpoint to load, which a later version adds. Meanwhile\n"
-                  "'tinymoe train --sample_prompt TEXT [--sample_tokens N --temperature T --top_k K]' samples\n"
-                  "from the model it has just trained.\n",
+            fputs("usage: tinymoe inspect CKPT\n"
+                  "Validates a checkpoint completely (every CRC, every tensor inflates) and prints its format\n"
+                  "version, training step and data position, the configuration it was trained with, and every\n"
+                  "tensor: name, dtype, shape, size and stored (compressed) size. CKPT is a file, or a directory\n"
+                  "(its newest ckpt-*.tmck).\n",
                   stdout);
             return 0;
         }
-    fprintf(stderr, "tinymoe: sample needs a checkpoint to load, which this version cannot write yet; use "
-                    "'tinymoe train --sample_prompt TEXT ...' to sample from the model at the end of training\n");
-    return TMD_CONFIG_ERROR;
+        if (!strncmp(argv[i], "--", 2)) {
+            fprintf(stderr, "tinymoe: inspect: unknown flag '%s'\n", argv[i]);
+            return TMD_CONFIG_ERROR;
+        }
+        if (ckpt) return usage_error("inspect takes one checkpoint");
+        ckpt = argv[i];
+    }
+    if (!ckpt) return usage_error("inspect needs a checkpoint file or directory");
+    char path[TMD_PATH_MAX], err[2048];
+    int rc = tmd_ckpt_resolve(ckpt, path, sizeof path, err, sizeof err);
+    if (rc) {
+        fprintf(stderr, "tinymoe: inspect: %s\n", err);
+        return rc;
+    }
+    tm_ctx *ctx = NULL;
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    if (tm_ctx_new(&ctx, &o)) {
+        fprintf(stderr, "tinymoe: %s\n", tm_last_create_error());
+        return TMD_RUNTIME_ERROR;
+    }
+    tm_ckpt_info *info = NULL;
+    tm_status s = tm_ckpt_inspect(ctx, path, &info);
+    if (s) {
+        fprintf(stderr, "tinymoe: inspect: %s\n", tm_ctx_errmsg(ctx));
+        tm_ctx_free(ctx);
+        return s == TM_ERR_NOMEM ? TMD_RUNTIME_ERROR : TMD_CONFIG_ERROR;
+    }
+    printf("checkpoint %s: format version %u, %.2f MB, %d tensors, every CRC verified\n", path, info->version,
+           (double)info->file_bytes / 1e6, info->num_entries);
+    tmd_config cfg;
+    tmd_ckpt_state st;
+    if (!tmd_ckpt_meta_decode(info->meta, info->meta_bytes, path, &cfg, &st, err, sizeof err)) {
+        printf("step %lld, data position %lld\n\nconfig (defaults unmarked):\n", (long long)st.step,
+               (long long)st.data_position);
+        tmd_config_print(&cfg, stdout);
+    } else {
+        printf("meta: %zu bytes, not written by 'tinymoe train' (%s)\n", info->meta_bytes, err);
+    }
+    printf("\n%-48s %-5s %-18s %12s %12s\n", "tensor", "dtype", "shape", "bytes", "stored");
+    uint64_t raw = 0, stored = 0, numel_model = 0, numel_other = 0;
+    for (int i = 0; i < info->num_entries; i++) {
+        const tm_ckpt_entry *e = &info->entries[i];
+        char shp[96];
+        printf("%-48s %-5s %-18s %12llu %12llu\n", e->name, tm_dtype_name(e->dtype), shape_str(e, shp, sizeof shp),
+               (unsigned long long)e->raw_bytes, (unsigned long long)e->stored_bytes);
+        raw += e->raw_bytes;
+        stored += e->stored_bytes;
+        uint64_t numel = e->raw_bytes / tm_dtype_size(e->dtype);
+        if (strstr(e->name, ".adamw_") || strstr(e->name, ".sgd_") || !strncmp(e->name, "optim.", 6))
+            numel_other += numel;
+        else
+            numel_model += numel;
+    }
+    printf("%-48s %-5s %-18s %12llu %12llu\n", "total", "", "", (unsigned long long)raw, (unsigned long long)stored);
+    printf("\n%llu model values (weights and buffers), %llu optimizer state values\n",
+           (unsigned long long)numel_model, (unsigned long long)numel_other);
+    tm_ckpt_info_free(info);
+    tm_ctx_free(ctx);
+    return 0;
 }
 
 /* libgomp reads OMP_WAIT_POLICY once, as the program loads, and by default its idle threads
@@ -198,8 +297,8 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "train")) return cmd_train_or_eval(0, argc - 2, argv + 2);
     if (!strcmp(cmd, "eval")) return cmd_train_or_eval(1, argc - 2, argv + 2);
     if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc - 2, argv + 2);
-    if (!strcmp(cmd, "sample")) return cmd_sample(argc - 2, argv + 2);
+    if (!strcmp(cmd, "inspect")) return cmd_inspect(argc - 2, argv + 2);
     char msg[256];
-    snprintf(msg, sizeof msg, "unknown command '%.64s' (train, eval, tokenize, sample)", cmd);
+    snprintf(msg, sizeof msg, "unknown command '%.64s' (train, eval, sample, inspect, export, tokenize)", cmd);
     return usage_error(msg);
 }

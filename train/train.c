@@ -2,8 +2,10 @@
  * train.h. Uses only the public header (plus the driver's own headers). */
 #include "train.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "checkpoint.h"
 #include "data.h"
 #include "log.h"
 #include "markov.h"
@@ -49,6 +52,11 @@ typedef struct run {
     double *step_load; /* [n_moe * E] tokens per expert of the current step */
     FILE *metrics;
     char metrics_path[TMD_PATH_MAX + 32];
+    /* checkpoints */
+    char resume_path[TMD_PATH_MAX]; /* the checkpoint resumed from ("" for a fresh run) */
+    tmd_ckpt_state resume_state;
+    int64_t saved_step; /* step of the newest checkpoint written by this run (-1: none) */
+    int eval_split;     /* eval: validate on the val_fraction tail of data, as training did */
 } run;
 
 static int fail(char *err, size_t errlen, int code, const char *fmt, ...) {
@@ -124,9 +132,10 @@ static int load_data(run *r, int eval_only, char *err, size_t errlen) {
     }
     r->optimum = NAN;
     char e[1024];
-    /* eval reads its whole file as validation data (unless val_data is given). */
-    const char *val_path = c->val_data[0] ? c->val_data : eval_only ? c->data : NULL;
-    if (!eval_only) {
+    /* eval reads its whole file as validation data (unless val_data is given, or it evaluates
+     * a checkpoint on the data it was trained on: then the same held-out tail as training). */
+    const char *val_path = c->val_data[0] ? c->val_data : eval_only && !r->eval_split ? c->data : NULL;
+    if (!val_path || !eval_only) {
         if (tm__tokens_load(c->data, &r->train, e, sizeof e))
             return fail(err, errlen, TMD_CONFIG_ERROR, "key 'data' = '%s': %s", c->data, e);
         if (tm__tokens_check_vocab(&r->train, c->model.vocab_size, e, sizeof e))
@@ -223,6 +232,16 @@ static int setup(run *r, const tmd_config *cfg, FILE *log, int eval_only, char *
     if ((rc = load_data(r, eval_only, err, errlen))) return rc;
     if ((rc = build(r, err, errlen))) return rc;
     if (!eval_only && (rc = build_optimizer(r, err, errlen))) return rc;
+    if (r->resume_path[0]) {
+        /* Every tensor of the run (weights, optimizer state, expert biases), all or nothing;
+         * for eval only the model's (the optimizer state in the file is checked and skipped). */
+        tm_status s = tm_ckpt_load_flags(r->ctx, r->resume_path, eval_only ? TM_CKPT_SKIP_UNKNOWN : 0, NULL, 0, NULL);
+        if (s)
+            return fail(err, errlen, s == TM_ERR_NOMEM || s == TM_ERR_CUDA ? TMD_RUNTIME_ERROR : TMD_CONFIG_ERROR,
+                        "cannot %s '%s': %s", eval_only ? "evaluate" : "resume from", r->resume_path,
+                        tm_ctx_errmsg(r->ctx));
+        if (!eval_only && !r->synth) r->bt.position = r->resume_state.data_position;
+    }
     return 0;
 }
 
@@ -483,14 +502,160 @@ static int sample(run *r, char *err, size_t errlen) {
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* Checkpoints and signals                                                                   */
+
+/* SIGINT / SIGTERM ask the loop to stop after the current step and write a checkpoint. The
+ * handler is one-shot (SA_RESETHAND): a second signal kills at once, which is safe because a
+ * checkpoint being written replaces the old one only when complete. */
+static volatile sig_atomic_t g_stop_signal;
+static void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+typedef struct saved_handlers {
+    struct sigaction intr, term;
+} saved_handlers;
+
+static void catch_stop_signals(saved_handlers *old) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESETHAND;
+    g_stop_signal = 0;
+    sigaction(SIGINT, &sa, &old->intr);
+    sigaction(SIGTERM, &sa, &old->term);
+}
+
+static void restore_stop_signals(const saved_handlers *old) {
+    sigaction(SIGINT, &old->intr, NULL);
+    sigaction(SIGTERM, &old->term, NULL);
+}
+
+/* Temporary files of saves that a crash or kill -9 interrupted ("ckpt-*.tmck.tmp.XXXXXX"). */
+static void remove_stale_temporaries(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *e;
+    char path[TMD_PATH_MAX + 300];
+    while ((e = readdir(d)))
+        if (!strncmp(e->d_name, "ckpt-", 5) && strstr(e->d_name, TMD_CKPT_EXT ".tmp.")) {
+            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+            unlink(path);
+        }
+    closedir(d);
+}
+
+/* Keep the newest keep_last checkpoints of out (0: all). Only ever called after a save
+ * succeeded, so the newest file is complete before an older one goes. */
+static void prune_checkpoints(run *r) {
+    if (r->c.keep_last <= 0) return;
+    int64_t *steps;
+    int n;
+    char e[256], path[TMD_PATH_MAX + 32];
+    if (tmd_ckpt_list(r->c.out, &steps, &n, e, sizeof e)) return;
+    for (int i = 0; i + r->c.keep_last < n; i++) {
+        tmd_ckpt_path(r->c.out, steps[i], path, sizeof path);
+        unlink(path);
+    }
+    free(steps);
+}
+
+static int save_checkpoint(run *r, int64_t done, char *err, size_t errlen) {
+    if (!r->c.out[0] || r->saved_step == done) return 0;
+    tmd_config c = r->c;
+    /* The file describes the run, not how it was started. */
+    c.resume[0] = c.init_from[0] = 0;
+    tmd_ckpt_state st = {.step = done, .data_position = r->synth ? 0 : r->bt.position};
+    size_t len = 0;
+    char *meta = tmd_ckpt_meta_encode(&c, &st, &len);
+    if (!meta) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the checkpoint meta");
+    char path[TMD_PATH_MAX + 32];
+    tmd_ckpt_path(r->c.out, done, path, sizeof path);
+    double t0 = now_s();
+    tm_status s = tm_ckpt_save(r->ctx, path, meta, len);
+    free(meta);
+    if (s) return lib_fail(r, err, errlen, "saving a checkpoint", s);
+    r->saved_step = done;
+    prune_checkpoints(r);
+    if (r->log) {
+        struct stat sb;
+        if (r->tty) tmd_progress_clear(r->log);
+        fprintf(r->log, "step %lld: saved %s (%.1f MB, %.2f s)\n", (long long)done, path,
+                stat(path, &sb) ? 0.0 : (double)sb.st_size / 1e6, now_s() - t0);
+        fflush(r->log);
+    }
+    return 0;
+}
+
+/* On resume, metrics.jsonl keeps the records up to the checkpoint's step (a run killed after
+ * its last checkpoint logged steps that will now be trained again) and the plots get them
+ * back. The file is rewritten through a temporary, then opened for appending. */
+/* The text after `"key":` in a metrics line (tmd_json writes `"key": value`), or NULL. */
+static const char *json_value(const char *line, const char *key) {
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\"", key);
+    const char *p = strstr(line, pat);
+    if (!p) return NULL;
+    p += strlen(pat);
+    while (*p == ' ') p++;
+    if (*p++ != ':') return NULL;
+    while (*p == ' ') p++;
+    return p;
+}
+
+static double json_field(const char *line, const char *key) {
+    const char *v = json_value(line, key);
+    return v ? strtod(v, NULL) : NAN;
+}
+
+static int json_type_is(const char *line, const char *type) {
+    const char *v = json_value(line, "type");
+    size_t n = strlen(type);
+    return v && v[0] == '"' && !strncmp(v + 1, type, n) && v[n + 1] == '"';
+}
+
+static int restore_metrics(run *r, int64_t upto, char *err, size_t errlen) {
+    FILE *in = fopen(r->metrics_path, "r");
+    if (!in) return 0; /* none: start a new one */
+    char tmp[TMD_PATH_MAX + 64];
+    snprintf(tmp, sizeof tmp, "%s.tmp", r->metrics_path);
+    FILE *out = fopen(tmp, "w");
+    if (!out) {
+        fclose(in);
+        return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", tmp, strerror(errno));
+    }
+    char line[4096];
+    while (fgets(line, sizeof line, in)) {
+        double step = json_field(line, "step");
+        if (!(step <= (double)upto)) continue;
+        fputs(line, out);
+        if (json_type_is(line, "train")) {
+            double loss = json_field(line, "loss");
+            if (isfinite(loss)) tmd_bins_add(&r->loss_bins, (int64_t)step - 1, &loss);
+        } else if (json_type_is(line, "eval")) {
+            double v = json_field(line, "val_loss");
+            if (isfinite(v)) tmd_bins_add(&r->val_bins, (int64_t)step - 1, &v);
+        }
+    }
+    fclose(in);
+    int bad = fflush(out) || fsync(fileno(out));
+    if (fclose(out) || bad || rename(tmp, r->metrics_path)) {
+        unlink(tmp);
+        return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot rewrite '%s': %s", r->metrics_path, strerror(errno));
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* Training                                                                                  */
 
-static int open_outputs(run *r, char *err, size_t errlen) {
+static int open_outputs(run *r, int64_t start, char *err, size_t errlen) {
     if (!r->c.out[0]) return 0;
     int rc = make_dirs(r->c.out, err, errlen);
     if (rc) return rc;
+    remove_stale_temporaries(r->c.out);
     snprintf(r->metrics_path, sizeof r->metrics_path, "%s/metrics.jsonl", r->c.out);
-    r->metrics = fopen(r->metrics_path, "w");
+    if (start > 0 && (rc = restore_metrics(r, start, err, errlen))) return rc;
+    r->metrics = fopen(r->metrics_path, start > 0 ? "a" : "w");
     if (!r->metrics)
         return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path, strerror(errno));
     return 0;
@@ -540,7 +705,7 @@ static int train_step(run *r, int64_t step, double lr, interval *iv, double *fir
     if (!isfinite(loss))
         return fail(err, errlen, TMD_RUNTIME_ERROR,
                     "the training loss is %g at step %lld (try a lower lr or grad_clip)", loss, (long long)step + 1);
-    if (step == 0) *first_loss = loss;
+    if (isnan(*first_loss)) *first_loss = loss;
     double gnorm = 0;
     if ((s = tm_ctx_clip_grad_norm(r->ctx, c->grad_clip, &gnorm)))
         return lib_fail(r, err, errlen, "gradient clipping", s);
@@ -562,13 +727,21 @@ static int train_loop(run *r, tmd_train_result *res, char *err, size_t errlen) {
         (r->n_moe > 0 && tmd_bins_init(&r->load_bins, r->n_moe * r->E, LOAD_BINS)))
         return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the plots");
     int rc;
-    if ((rc = open_outputs(r, err, errlen))) return rc;
+    int64_t start = r->resume_path[0] ? r->resume_state.step : 0;
+    if ((rc = open_outputs(r, start, err, errlen))) return rc;
+    if (start >= steps) {
+        if (r->log)
+            fprintf(r->log, "the checkpoint is at step %lld of %lld: nothing to train (raise steps to train longer)\n",
+                    (long long)start, (long long)steps);
+        res->steps = start;
+        return 0;
+    }
     if (r->log && !r->tty)
         fprintf(r->log, "%7s %8s %8s %8s %8s %9s %7s %8s %9s %6s\n", "step", "loss", "ce", "aux", "z", "lr", "gnorm",
                 "ms/step", "tokens/s", "load");
     interval iv = {0};
     double t_train = 0, first_loss = NAN, val = NAN, last_draw = 0;
-    for (int64_t step = 0; step < steps; step++) {
+    for (int64_t step = start; step < steps; step++) {
         double lr = tm_lr_at(&c->sched, step), t0 = now_s();
         if ((rc = train_step(r, step, lr, &iv, &first_loss, err, errlen))) return rc;
         double dt = now_s() - t0;
@@ -590,27 +763,73 @@ static int train_loop(run *r, tmd_train_result *res, char *err, size_t errlen) {
             if (log_eval(r, done, val))
                 return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path, strerror(errno));
         }
+        if ((c->save_every && done % c->save_every == 0) || done == steps) {
+            if ((rc = save_checkpoint(r, done, err, errlen))) return rc;
+        }
+        if (g_stop_signal) {
+            int sig = g_stop_signal;
+            if ((rc = save_checkpoint(r, done, err, errlen))) return rc;
+            if ((rc = write_plots(r, err, errlen))) return rc;
+            if (r->log) {
+                if (r->tty) tmd_progress_clear(r->log);
+                if (c->out[0])
+                    fprintf(r->log, "%s at step %lld: continue with 'tinymoe train --resume %s'\n",
+                            sig == SIGINT ? "interrupted" : "terminated", (long long)done, c->out);
+                else
+                    fprintf(r->log, "%s at step %lld; no checkpoint written (out is empty)\n",
+                            sig == SIGINT ? "interrupted" : "terminated", (long long)done);
+                fflush(r->log);
+            }
+            res->steps = done;
+            res->stopped_by_signal = sig;
+            return 128 + sig;
+        }
     }
     if (r->tty && r->log) tmd_progress_clear(r->log);
     res->steps = steps;
     res->first_loss = first_loss;
     res->val_loss = val;
     res->train_seconds = t_train;
-    res->tokens_per_s = (double)steps * c->grad_accum * r->B * r->T / t_train;
+    res->tokens_per_s = (double)(steps - start) * c->grad_accum * r->B * r->T / t_train;
     if ((rc = write_plots(r, err, errlen))) return rc;
     if (r->log) {
         fprintf(r->log,
                 "\ndone: %lld steps in %.1f s (%.0f tokens/s); train loss %.4f -> %.4f (ce %.4f); val loss %.4f\n",
-                (long long)steps, t_train, res->tokens_per_s, first_loss, res->last_loss, res->last_ce, val);
+                (long long)(steps - start), t_train, res->tokens_per_s, first_loss, res->last_loss, res->last_ce, val);
         if (r->synth)
             fprintf(r->log, "optimum %.4f: the val loss is %.4f nats/token (%.1f%%) above it\n", r->optimum,
                     val - r->optimum, 100 * (val - r->optimum) / r->optimum);
         if (c->out[0])
-            fprintf(r->log, "wrote %s/metrics.jsonl, %s/loss.svg%s%s%s\n", c->out, c->out, r->n_moe ? ", " : "",
-                    r->n_moe ? c->out : "", r->n_moe ? "/experts.svg" : "");
+            fprintf(r->log, "wrote %s/metrics.jsonl, %s/loss.svg%s%s%s; checkpoint %s/ckpt-%08lld" TMD_CKPT_EXT "\n",
+                    c->out, c->out, r->n_moe ? ", " : "", r->n_moe ? c->out : "", r->n_moe ? "/experts.svg" : "",
+                    c->out, (long long)steps);
         fflush(r->log);
     }
     if (r->log && c->sample_prompt[0] && c->sample_tokens > 0 && (rc = sample(r, err, errlen))) return rc;
+    return 0;
+}
+
+/* A resumed run's configuration: the checkpoint's, plus what the command line may change. */
+static int resume_config(run *r, const tmd_config *cli, tmd_config *out, int for_eval, const char *ckpt, char *err,
+                         size_t errlen) {
+    tmd_config ck;
+    int rc = tmd_ckpt_resolve(ckpt, r->resume_path, sizeof r->resume_path, err, errlen);
+    if (!rc) rc = tmd_ckpt_read_meta(r->resume_path, &ck, &r->resume_state, err, errlen);
+    if (!rc) rc = tmd_ckpt_merge_config(cli, &ck, r->resume_path, for_eval, out, err, errlen);
+    if (rc) return rc;
+    if (for_eval) {
+        /* Evaluating on a file the user names: all of it, whatever the training run used. */
+        int given_val = cli->source[tmd_config_key_index("val_data")] != TMD_SRC_DEFAULT;
+        if (cli->source[tmd_config_key_index("data")] != TMD_SRC_DEFAULT) {
+            if (!given_val) out->val_data[0] = 0;
+        } else {
+            r->eval_split = 1;
+        }
+        if (cli->source[tmd_config_key_index("eval_batches")] == TMD_SRC_DEFAULT) out->eval_batches = 0;
+    } else {
+        snprintf(out->resume, sizeof out->resume, "%s", cli->resume);
+        out->init_from[0] = 0;
+    }
     return 0;
 }
 
@@ -621,13 +840,25 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
     res->val_loss = res->optimum = res->first_loss = NAN;
     run *r = calloc(1, sizeof *r);
     if (!r) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
-    int rc = setup(r, cfg, log, 0, err, errlen);
+    r->saved_step = -1;
+    tmd_config c = *cfg;
+    int rc = 0;
+    if (cfg->resume[0] && cfg->init_from[0])
+        rc = fail(err, errlen, TMD_CONFIG_ERROR,
+                  "keys 'resume' and 'init_from' exclude each other (resume restores the weights from the checkpoint)");
+    if (!rc && cfg->resume[0]) rc = resume_config(r, cfg, &c, 0, cfg->resume, err, errlen);
+    if (!rc) rc = setup(r, &c, log, 0, err, errlen);
     if (!rc) {
         res->params = r->params;
         res->active_params = r->active;
         res->optimum = r->synth ? r->optimum : NAN;
         print_header(r, 0);
+        if (r->resume_path[0] && log)
+            fprintf(log, "resuming from %s at step %lld\n\n", r->resume_path, (long long)r->resume_state.step);
+        saved_handlers old;
+        catch_stop_signals(&old);
         rc = train_loop(r, res, err, errlen);
+        restore_stop_signals(&old);
         if (rc && r->log && r->tty) tmd_progress_clear(r->log);
     }
     free_run(r);
@@ -635,24 +866,38 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
     return rc;
 }
 
-int tmd_eval(const tmd_config *cfg, FILE *log, double *loss, char *err, size_t errlen) {
+static int eval_run(const tmd_config *cfg, const char *ckpt, FILE *log, double *loss, char *err, size_t errlen) {
     run *r = calloc(1, sizeof *r);
     if (!r) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
     double v = NAN;
-    int rc = setup(r, cfg, log, 1, err, errlen);
+    tmd_config c = *cfg;
+    int rc = ckpt ? resume_config(r, cfg, &c, 1, ckpt, err, errlen) : 0;
+    if (!rc) rc = setup(r, &c, log, 1, err, errlen);
     if (!rc) {
         print_header(r, 1);
         double t0 = now_s();
         rc = evaluate(r, &v, err, errlen);
         if (!rc && log) {
-            fprintf(log, "val loss %.4f nats/token over %lld tokens (%.1f s)", v, (long long)r->n_eval * r->T,
-                    now_s() - t0);
+            fprintf(log, "loss %.4f nats/token, perplexity %.3f, over %lld tokens (%.1f s)", v, exp(v),
+                    (long long)r->n_eval * r->T, now_s() - t0);
             if (r->synth) fprintf(log, "; optimum %.4f", r->optimum);
-            fprintf(log, "\n(a freshly initialised model from the config and seed: loading checkpoints comes later)\n");
+            if (ckpt)
+                fprintf(log, "\nmodel: %s (step %lld)\n", r->resume_path, (long long)r->resume_state.step);
+            else
+                fprintf(log, "\nmodel: freshly initialised from the config and seed (give --ckpt to evaluate a "
+                             "trained one)\n");
         }
     }
     if (loss) *loss = v;
     free_run(r);
     free(r);
     return rc;
+}
+
+int tmd_eval(const tmd_config *cfg, FILE *log, double *loss, char *err, size_t errlen) {
+    return eval_run(cfg, NULL, log, loss, err, errlen);
+}
+
+int tmd_eval_ckpt(const tmd_config *cfg, const char *ckpt, FILE *log, double *loss, char *err, size_t errlen) {
+    return eval_run(cfg, ckpt, log, loss, err, errlen);
 }

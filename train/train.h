@@ -32,14 +32,26 @@ typedef struct tmd_train_result {
     double optimum;                /* synthetic data: the source's optimal loss (NaN otherwise) */
     double train_seconds;          /* wall time of the training steps (evaluations excluded) */
     double tokens_per_s;           /* training tokens per second over the run */
+    int stopped_by_signal;         /* SIGINT / SIGTERM that ended the run early (0: none) */
 } tmd_train_result;
 
 /* log: where the summary and progress go (stdout in the driver); res may be NULL. On failure
- * err holds the message (without the "tinymoe: " prefix). */
+ * err holds the message (without the "tinymoe: " prefix).
+ * Checkpoints (with out set): <out>/ckpt-<step>.tmck every save_every steps, at the end, and
+ * when SIGINT or SIGTERM arrives (caught for the duration of the call: the loop stops after
+ * the current step, saves, and returns 128 + the signal number); the newest keep_last are
+ * kept. With cfg->resume the run continues from that checkpoint (file, or the newest in a
+ * directory): its config is the checkpoint's, the keys cfg set explicitly must agree with it
+ * except run settings (tmd_config_key_resumable), and on the CPU the result is bit-identical
+ * to a run that was never interrupted. */
 int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err, size_t errlen);
 
-/* `tinymoe eval`: the validation loss of the model that cfg and its seed define (freshly
- * initialised until checkpoints exist) on val_data if given, else on the whole of data. */
+/* `tinymoe eval`: mean cross-entropy (and perplexity, printed) of the model that cfg and its
+ * seed define, freshly initialised, on val_data if given, else on the whole of data. */
 int tmd_eval(const tmd_config *cfg, FILE *log, double *loss, char *err, size_t errlen);
+/* The same for the model of checkpoint `ckpt` (file or directory): its config, with data,
+ * val_data, eval_batches, batch_size and run settings taken from cfg where cfg sets them
+ * explicitly; giving data without val_data evaluates all of data. */
+int tmd_eval_ckpt(const tmd_config *cfg, const char *ckpt, FILE *log, double *loss, char *err, size_t errlen);
 
 #endif

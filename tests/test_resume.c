@@ -1,0 +1,383 @@
+/*
+ * test_resume.c — driver checkpoints (train/checkpoint.c, the save/resume path of train.c):
+ * training 2N steps equals training N, saving, and resuming N more, bit for bit (every loss
+ * and every tensor), on synthetic data and on a token file with gradient accumulation, expert
+ * biases and SGD; SIGINT in the middle of a run writes a checkpoint whose resumption again
+ * equals the uninterrupted run; keep_last pruning; config mismatches on resume; eval of a
+ * checkpoint reproduces the validation loss of training; meta text round trip.
+ */
+#include <errno.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "checkpoint.h"
+#include "common.h"
+#include "config.h"
+#include "data.h"
+#include "train.h"
+
+static void setup(void) { tt_tmpdir_make("tm_test_resume_"); }
+static void teardown(void) { tt_tmpdir_remove(); }
+TestSuite(resume, .init = setup, .fini = teardown);
+
+static void set(tmd_config *c, const char *k, const char *v) {
+    char err[512];
+    cr_assert_eq(tmd_config_set(c, k, v, TMD_SRC_FLAG, "test", err, sizeof err), 0, "%s", err);
+}
+
+/* A small MoE (2 layers, 4 experts top-2) logging every step, without periodic evaluation. */
+static void small_run(tmd_config *c, const char *out, int steps) {
+    tmd_config_defaults(c);
+    const char *kv[][2] = {
+        {"d_model", "32"},        {"n_layers", "2"},         {"n_heads", "2"},         {"n_kv_heads", "1"},
+        {"num_experts", "4"},     {"topk", "2"},             {"expert_ffn_size", "32"}, {"seq_len", "16"},
+        {"batch_size", "4"},      {"synthetic_vocab", "8"},  {"synthetic_k", "2"},     {"warmup_steps", "2"},
+        {"lr", "1e-2"},           {"log_every", "1"},        {"eval_every", "0"},      {"eval_batches", "2"},
+        {"threads", "2"},         {"lr_schedule", "cosine"}, {"min_lr", "1e-3"},
+    };
+    for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++) set(c, kv[i][0], kv[i][1]);
+    char s[32];
+    snprintf(s, sizeof s, "%d", steps);
+    set(c, "steps", s);
+    set(c, "out", out);
+}
+
+/* Byte-level token file of pseudo-random "words" (so the batcher's position matters). */
+static const char *token_file(void) {
+    static char path[256];
+    snprintf(path, sizeof path, "%s", tt_path("tokens.bin"));
+    enum { N = 6000 };
+    static uint32_t tok[N];
+    uint64_t x = 88172645463325252ull;
+    for (int i = 0; i < N; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        tok[i] = (x % 7 == 0) ? ' ' : 'a' + (uint32_t)(x % 26);
+    }
+    char err[256];
+    cr_assert_eq(tm__tokens_write(path, tok, N, err, sizeof err), 0, "%s", err);
+    return path;
+}
+
+/* The bytes of a checkpoint's tensor section (everything after the meta blob): equal
+ * sections mean bit-identical tensors, whatever the two runs' configs say. */
+static unsigned char *tensor_section(const char *path, long *n) {
+    long len;
+    unsigned char *img = tt_slurp(path, &len);
+    cr_assert(len > 32);
+    uint64_t ml = 0;
+    for (int i = 7; i >= 0; i--) ml = (ml << 8) | img[20 + i];
+    long off = 32 + (long)ml + 4;
+    cr_assert(off < len);
+    *n = len - off;
+    unsigned char *s = malloc((size_t)*n);
+    memcpy(s, img + off, (size_t)*n);
+    free(img);
+    return s;
+}
+
+static void assert_same_tensors(const char *a, const char *b) {
+    long na, nb;
+    unsigned char *sa = tensor_section(a, &na), *sb = tensor_section(b, &nb);
+    cr_assert_eq(na, nb, "%s and %s differ in size", a, b);
+    cr_assert_eq(memcmp(sa, sb, (size_t)na), 0, "%s and %s hold different tensors", a, b);
+    free(sa);
+    free(sb);
+}
+
+/* The "loss" of every train record with step in (from, to], as text (exact: the shortest
+ * round-trip representation of the double). */
+static int losses(const char *metrics, int from, int to, char out[][40]) {
+    long len;
+    char *text = (char *)tt_slurp(metrics, &len);
+    int n = 0;
+    for (char *line = text; line && *line;) {
+        char *nl = strchr(line, '\n');
+        if (nl) *nl = 0;
+        const char *st = strstr(line, "\"step\": "), *lo = strstr(line, "\"loss\": ");
+        if (strstr(line, "\"type\": \"train\"") && st && lo) {
+            int step = atoi(st + 8);
+            if (step > from && step <= to) {
+                cr_assert_eq(step, from + n + 1, "records out of order at step %d", step);
+                snprintf(out[n++], 40, "%.*s", (int)strcspn(lo + 8, ",}"), lo + 8);
+            }
+        }
+        line = nl ? nl + 1 : NULL;
+    }
+    free(text);
+    return n;
+}
+
+static void run_ok(const tmd_config *c, tmd_train_result *res) {
+    char err[2048] = "";
+    int rc = tmd_train(c, NULL, res, err, sizeof err);
+    cr_assert_eq(rc, TMD_OK, "tmd_train: %d %s", rc, err);
+}
+
+/* Run `c` for 2N steps saving at N; resume a copy from step N into another directory; both
+ * must end with identical tensors and log identical losses for steps N+1..2N. */
+static void check_exact_resume(tmd_config *c, int n) {
+    char a[256], b[256], ck[512], fa[512], fb[512];
+    snprintf(a, sizeof a, "%s", tt_path("a"));
+    snprintf(b, sizeof b, "%s", tt_path("b"));
+    char s[32];
+    snprintf(s, sizeof s, "%d", n);
+    set(c, "save_every", s);
+    set(c, "out", a);
+    tmd_train_result ra, rb;
+    run_ok(c, &ra);
+    tmd_ckpt_path(a, n, ck, sizeof ck);
+    tmd_config r = *c;
+    set(&r, "out", b);
+    snprintf(r.resume, sizeof r.resume, "%s", ck);
+    run_ok(&r, &rb);
+    tmd_ckpt_path(a, 2 * n, fa, sizeof fa);
+    tmd_ckpt_path(b, 2 * n, fb, sizeof fb);
+    assert_same_tensors(fa, fb);
+    char la[64][40], lb[64][40], ma[512], mb[512];
+    snprintf(ma, sizeof ma, "%s/metrics.jsonl", a);
+    snprintf(mb, sizeof mb, "%s/metrics.jsonl", b);
+    cr_assert_eq(losses(ma, n, 2 * n, la), n);
+    cr_assert_eq(losses(mb, n, 2 * n, lb), n, "the resumed run logs steps %d..%d", n + 1, 2 * n);
+    for (int i = 0; i < n; i++) cr_assert_str_eq(la[i], lb[i], "loss of step %d", n + 1 + i);
+    cr_assert_eq(ra.val_loss, rb.val_loss);
+    cr_assert_eq(ra.last_loss, rb.last_loss);
+    /* The test can fail: the checkpoint at N differs from the one at 2N. */
+    tmd_ckpt_path(a, n, ck, sizeof ck);
+    long n1, n2;
+    unsigned char *s1 = tensor_section(ck, &n1), *s2 = tensor_section(fa, &n2);
+    cr_assert(n1 != n2 || memcmp(s1, s2, (size_t)n1), "training changed nothing between steps %d and %d", n, 2 * n);
+    free(s1);
+    free(s2);
+}
+
+Test(resume, exact_on_synthetic_data_adamw, .timeout = 120) {
+    tmd_config c;
+    small_run(&c, "", 12);
+    check_exact_resume(&c, 6);
+}
+
+Test(resume, exact_on_a_token_file_with_grad_accum_expert_bias_and_sgd, .timeout = 120) {
+    tmd_config c;
+    small_run(&c, "", 10);
+    set(&c, "data", token_file());
+    set(&c, "val_fraction", "0.2");
+    set(&c, "grad_accum", "2");
+    set(&c, "expert_bias", "true");
+    set(&c, "score_function", "sigmoid");
+    set(&c, "optimizer", "sgd");
+    set(&c, "lr", "0.1");
+    check_exact_resume(&c, 5);
+}
+
+/* SIGINT while training (in a child process): a checkpoint at the step it stopped, exit status
+ * 130; resuming it to the end equals a run that was never interrupted. The schedule is
+ * constant so that the resumed run may end earlier than the interrupted one was set to (keeps
+ * the test short) and still follow the same trajectory as the reference. */
+Test(resume, sigint_saves_and_resumes_exactly, .timeout = 180) {
+    char a[256], ref[256], fa[512], fr[512];
+    snprintf(a, sizeof a, "%s", tt_path("interrupted"));
+    snprintf(ref, sizeof ref, "%s", tt_path("reference"));
+    tmd_config c;
+    small_run(&c, a, 100000);
+    set(&c, "lr_schedule", "constant");
+    set(&c, "log_every", "20");
+    fflush(NULL);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        char err[2048];
+        int rc = tmd_train(&c, NULL, NULL, err, sizeof err);
+        if (rc != 128 + SIGINT) fprintf(stderr, "child: rc %d: %s\n", rc, err);
+        _exit(rc);
+    }
+    /* Signal once the loop is logging (the handler is installed by then). */
+    char metrics[512];
+    snprintf(metrics, sizeof metrics, "%s/metrics.jsonl", a);
+    struct stat sb;
+    for (int i = 0; i < 6000 && (stat(metrics, &sb) || sb.st_size == 0); i++) usleep(10000);
+    cr_assert(sb.st_size > 0, "the child never logged");
+    cr_assert_eq(kill(pid, SIGINT), 0);
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGINT, "child status %d", status);
+
+    char ck[512], err[512];
+    cr_assert_eq(tmd_ckpt_resolve(a, ck, sizeof ck, err, sizeof err), 0, "%s", err);
+    tmd_config kc;
+    tmd_ckpt_state st;
+    cr_assert_eq(tmd_ckpt_read_meta(ck, &kc, &st, err, sizeof err), 0, "%s", err);
+    cr_assert(st.step >= 20 && st.step < 100000, "stopped at step %lld", (long long)st.step);
+    cr_log_info("SIGINT stopped the run at step %lld", (long long)st.step);
+
+    int end = (int)st.step + 6;
+    char s[32];
+    snprintf(s, sizeof s, "%d", end);
+    tmd_config r = c;
+    set(&r, "steps", s); /* steps may change on resume */
+    set(&r, "log_every", "1");
+    snprintf(r.resume, sizeof r.resume, "%s", a);
+    tmd_train_result rr, rf;
+    run_ok(&r, &rr);
+    tmd_config f = c;
+    set(&f, "steps", s);
+    set(&f, "log_every", "1");
+    set(&f, "out", ref);
+    run_ok(&f, &rf);
+    tmd_ckpt_path(a, end, fa, sizeof fa);
+    tmd_ckpt_path(ref, end, fr, sizeof fr);
+    assert_same_tensors(fa, fr);
+    cr_assert_eq(rr.val_loss, rf.val_loss);
+    char la[8][40], lf[8][40], ma[512], mf[512];
+    snprintf(ma, sizeof ma, "%s/metrics.jsonl", a);
+    snprintf(mf, sizeof mf, "%s/metrics.jsonl", ref);
+    cr_assert_eq(losses(ma, end - 6, end, la), 6);
+    cr_assert_eq(losses(mf, end - 6, end, lf), 6);
+    for (int i = 0; i < 6; i++) cr_assert_str_eq(la[i], lf[i], "loss of step %d", end - 5 + i);
+}
+
+/* keep_last: only the newest K checkpoints stay; stray temporaries of a killed save go. */
+Test(resume, keep_last_prunes_and_stale_temporaries_go) {
+    char a[256], path[512];
+    snprintf(a, sizeof a, "%s", tt_path("keep"));
+    tmd_config c;
+    small_run(&c, a, 12);
+    set(&c, "save_every", "3");
+    set(&c, "keep_last", "2");
+    cr_assert_eq(mkdir(a, 0777), 0);
+    snprintf(path, sizeof path, "%s/ckpt-00000003.tmck.tmp.AbCdEf", a);
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    fputs("half a checkpoint", f);
+    fclose(f);
+    tmd_train_result res;
+    run_ok(&c, &res);
+    int64_t *steps;
+    int n;
+    char err[256];
+    cr_assert_eq(tmd_ckpt_list(a, &steps, &n, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(n, 2);
+    cr_assert_eq(steps[0], 9);
+    cr_assert_eq(steps[1], 12);
+    free(steps);
+    struct stat sb;
+    cr_assert_neq(stat(path, &sb), 0, "the stale temporary was removed");
+}
+
+/* Resuming with a model or training key that differs from the checkpoint: refused, naming the
+ * key, both values and the file; run settings and steps may differ. */
+Test(resume, config_mismatch_is_refused) {
+    char a[256], b[256], ck[512], err[2048];
+    snprintf(a, sizeof a, "%s", tt_path("m"));
+    snprintf(b, sizeof b, "%s", tt_path("m2"));
+    tmd_config c;
+    small_run(&c, a, 4);
+    tmd_train_result res;
+    run_ok(&c, &res);
+    tmd_ckpt_path(a, 4, ck, sizeof ck);
+    const char *bad[][3] = {{"d_model", "64", "'d_model' = 64"}, {"lr", "0.5", "'lr' = 0.5"}, {"seed", "7", "'seed' = 7"}};
+    for (int i = 0; i < 3; i++) {
+        tmd_config r;
+        small_run(&r, b, 8);
+        set(&r, bad[i][0], bad[i][1]);
+        snprintf(r.resume, sizeof r.resume, "%s", a);
+        cr_assert_eq(tmd_train(&r, NULL, NULL, err, sizeof err), TMD_CONFIG_ERROR, "%s", bad[i][0]);
+        cr_assert(strstr(err, bad[i][2]) && strstr(err, ck) && strstr(err, "differs"), "%s", err);
+    }
+    struct stat sb;
+    cr_assert_neq(stat(b, &sb), 0, "nothing written by a refused resume");
+    /* Allowed: more steps, other log/eval settings, other out. */
+    tmd_config r;
+    small_run(&r, b, 8);
+    set(&r, "log_every", "3");
+    set(&r, "eval_every", "2");
+    snprintf(r.resume, sizeof r.resume, "%s", a);
+    run_ok(&r, &res);
+    cr_assert_eq(res.steps, 8);
+    /* A corrupted checkpoint names the file and what is wrong. */
+    long len;
+    unsigned char *img = tt_slurp(ck, &len);
+    img[len / 2] ^= 1;
+    FILE *f = fopen(ck, "wb");
+    fwrite(img, 1, (size_t)len, f);
+    fclose(f);
+    free(img);
+    small_run(&r, b, 8);
+    snprintf(r.resume, sizeof r.resume, "%s", ck);
+    cr_assert_eq(tmd_train(&r, NULL, NULL, err, sizeof err), TMD_CONFIG_ERROR);
+    cr_assert(strstr(err, ck) && strstr(err, "corrupt"), "%s", err);
+    /* resume and init_from together are refused. */
+    small_run(&r, b, 8);
+    snprintf(r.resume, sizeof r.resume, "%s", a);
+    snprintf(r.init_from, sizeof r.init_from, "%s", a);
+    cr_assert_eq(tmd_train(&r, NULL, NULL, err, sizeof err), TMD_CONFIG_ERROR);
+    cr_assert(strstr(err, "init_from"), "%s", err);
+}
+
+/* tinymoe eval --ckpt on the training run's own validation data reproduces the run's final
+ * validation loss exactly; the loaded model comes from the checkpoint, not from the seed. */
+Test(resume, eval_of_a_checkpoint_matches_training) {
+    char a[256], err[2048];
+    snprintf(a, sizeof a, "%s", tt_path("e"));
+    tmd_config c;
+    small_run(&c, a, 10);
+    set(&c, "data", token_file());
+    set(&c, "val_fraction", "0.2");
+    set(&c, "eval_batches", "0");
+    tmd_train_result res;
+    run_ok(&c, &res);
+    tmd_config cli;
+    tmd_config_defaults(&cli);
+    set(&cli, "threads", "2");
+    double loss = NAN, fresh = NAN;
+    cr_assert_eq(tmd_eval_ckpt(&cli, a, NULL, &loss, err, sizeof err), TMD_OK, "%s", err);
+    cr_assert_eq(loss, res.val_loss, "eval %.17g vs training %.17g", loss, res.val_loss);
+    cr_assert_eq(tmd_eval(&c, NULL, &fresh, err, sizeof err), TMD_OK, "%s", err);
+    cr_assert(fresh > loss + 0.05, "a fresh model (%g) is worse than the trained one (%g)", fresh, loss);
+    /* Model keys cannot be changed when evaluating a checkpoint. */
+    set(&cli, "n_layers", "3");
+    cr_assert_eq(tmd_eval_ckpt(&cli, a, NULL, &loss, err, sizeof err), TMD_CONFIG_ERROR);
+    cr_assert(strstr(err, "n_layers"), "%s", err);
+}
+
+/* The meta text carries every key exactly (floats to the last bit, strings with quotes,
+ * newlines and '#'), and the state. */
+Test(resume, meta_round_trip) {
+    tmd_config c, d;
+    small_run(&c, "out dir/#x", 33);
+    set(&c, "lr", "0.1");
+    c.adamw.beta2 = 1.0 - 1e-9 / 3.0;
+    snprintf(c.sample_prompt, sizeof c.sample_prompt, "ROMEO:\n\t\"hi\" # not a comment \\");
+    tmd_ckpt_state st = {.step = 1234567890123, .data_position = 42}, st2;
+    size_t len;
+    char *meta = tmd_ckpt_meta_encode(&c, &st, &len);
+    cr_assert_not_null(meta);
+    char err[1024];
+    cr_assert_eq(tmd_ckpt_meta_decode(meta, len, "x.tmck", &d, &st2, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(st2.step, st.step);
+    cr_assert_eq(st2.data_position, st.data_position);
+    cr_assert_eq(d.adamw.beta2, c.adamw.beta2);
+    cr_assert_str_eq(d.sample_prompt, c.sample_prompt);
+    for (int i = 0; i < tmd_config_num_keys(); i++) {
+        char x[2048], y[2048];
+        tmd_config_format_exact(&c, i, x, sizeof x);
+        tmd_config_format_exact(&d, i, y, sizeof y);
+        cr_assert_str_eq(x, y, "key %s", tmd_config_key_name(i));
+    }
+    /* Damaged meta: the message names the file and the line. */
+    char *bad = strdup(meta);
+    char *p = strstr(bad, "\nd_model = ");
+    cr_assert_not_null(p);
+    memcpy(p + 1, "d_modle", 7);
+    cr_assert_neq(tmd_ckpt_meta_decode(bad, len, "x.tmck", &d, &st2, err, sizeof err), 0);
+    cr_assert(strstr(err, "d_modle") && strstr(err, "x.tmck"), "%s", err);
+    free(bad);
+    cr_assert_neq(tmd_ckpt_meta_decode("hello", 5, "y.tmck", &d, &st2, err, sizeof err), 0);
+    cr_assert(strstr(err, "y.tmck"), "%s", err);
+    free(meta);
+}
