@@ -14,24 +14,41 @@
 
 enum { PAR_MIN = 1 << 14 };
 
-static double sumsq(const void *g, tm_dtype dt, int64_t n, int nth) {
+/* Sum of squares in a fixed order whatever the thread count: at most MAX_CHUNKS chunks whose
+ * boundaries depend on n only, each summed sequentially, then the partials in chunk order.
+ * (An OpenMP reduction(+) groups by thread, so its last bits would change with the threads.) */
+enum { MAX_CHUNKS = 256, MIN_CHUNK = 4096 };
+
+static double sumsq_range(const void *g, tm_dtype dt, int64_t lo, int64_t hi) {
     double acc = 0.0;
     if (dt == TM_F32) {
         const float *x = g;
-#pragma omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static) reduction(+ : acc)
-        for (int64_t i = 0; i < n; i++) acc += (double)x[i] * x[i];
+        for (int64_t i = lo; i < hi; i++) acc += (double)x[i] * x[i];
     } else if (dt == TM_F64) {
         const double *x = g;
-#pragma omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static) reduction(+ : acc)
-        for (int64_t i = 0; i < n; i++) acc += x[i] * x[i];
+        for (int64_t i = lo; i < hi; i++) acc += x[i] * x[i];
     } else {
         const uint16_t *x = g;
-#pragma omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static) reduction(+ : acc)
-        for (int64_t i = 0; i < n; i++) {
+        for (int64_t i = lo; i < hi; i++) {
             double v = tm__bf16_to_f32(x[i]);
             acc += v * v;
         }
     }
+    return acc;
+}
+
+static double sumsq(const void *g, tm_dtype dt, int64_t n, int nth) {
+    int64_t chunk = (n + MAX_CHUNKS - 1) / MAX_CHUNKS;
+    if (chunk < MIN_CHUNK) chunk = MIN_CHUNK;
+    int nc = (int)((n + chunk - 1) / chunk);
+    double part[MAX_CHUNKS];
+#pragma omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)
+    for (int c = 0; c < nc; c++) {
+        int64_t lo = (int64_t)c * chunk, hi = lo + chunk < n ? lo + chunk : n;
+        part[c] = sumsq_range(g, dt, lo, hi);
+    }
+    double acc = 0.0;
+    for (int c = 0; c < nc; c++) acc += part[c];
     return acc;
 }
 

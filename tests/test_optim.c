@@ -383,3 +383,26 @@ Test(optim, cuda_params_unsupported) {
     tm_optimizer_free(opt);
     tm_ctx_free(ctx);
 }
+
+/* The norm is the same to the last bit whatever the thread count (chunked fixed-order sum), so
+ * clipping cannot make runs with different thread counts diverge. 3 * 2^17 + 5 gradients: many
+ * chunks and a ragged last one. */
+Test(optim, clip_norm_bitwise_across_thread_counts) {
+    double norms[3];
+    const int threads[3] = {1, 2, 3};
+    for (int t = 0; t < 3; t++) {
+        tm_ctx *ctx = tt_ctx_threads(threads[t]);
+        int64_t s[1] = {3 * (1 << 17) + 5};
+        tm_tensor *p;
+        TT_OK(ctx, tm_param_new(ctx, "p", TM_F32, 1, s, tm_cpu(), &p));
+        tm_tensor *r = tt_randn(ctx, TM_F32, 1, s, 7);
+        float *g = malloc(sizeof *g * (size_t)s[0]);
+        TT_OK(ctx, tm_tensor_read(ctx, r, TM_F32, g, s[0]));
+        TT_OK(ctx, tm_tensor_write(ctx, tm_tensor_grad(p), TM_F32, g, s[0]));
+        TT_OK(ctx, tm_ctx_clip_grad_norm(ctx, 0.0, &norms[t]));
+        free(g);
+        tm_ctx_free(ctx);
+    }
+    cr_assert_eq(norms[0], norms[1], "%.17g vs %.17g", norms[0], norms[1]);
+    cr_assert_eq(norms[0], norms[2], "%.17g vs %.17g", norms[0], norms[2]);
+}
