@@ -633,9 +633,11 @@ tm_status tm_model_step(tm_model *model);
  * Memory: 2 * n_layers * batch * max_len * n_kv_heads * head_dim * sizeof(dtype) bytes. */
 typedef struct tm_kv_cache tm_kv_cache;
 
-/* A cache for `batch` sequences of up to max_len positions, 1 <= max_len <= max_seq_len.
+/* A cache for `batch` sequences of up to max_len positions, 1 <= max_len <= max_seq_len: one
+ * zeroed device allocation (counted by tm_ctx_alloc_count), length 0.
  * Errors: TM_ERR_INVALID_ARG (null, batch < 1, max_len outside [1, max_seq_len], naming the
- * argument), TM_ERR_NOMEM. The cache belongs to the model and must be freed before it. */
+ * argument), TM_ERR_NOMEM, TM_ERR_CUDA. The cache belongs to the model and must be freed
+ * before it. */
 tm_status tm_kv_cache_new(tm_model *model, int batch, int max_len, tm_kv_cache **out);
 /* NULL: no-op. */
 void tm_kv_cache_free(tm_kv_cache *cache);
@@ -656,7 +658,7 @@ int tm_kv_cache_capacity(const tm_kv_cache *cache);
  * Exception: with moe.capacity_factor > 0 a token's expert slots depend on which other
  * tokens share its forward (capacity = f(tokens in the call)), so cached decoding then
  * drops differently from the full forward and the logits differ.
- * Errors, all before anything is appended (after a failure len is unchanged):
+ * Errors (after any of them len is unchanged: nothing is appended):
  * TM_ERR_INVALID_ARG (null, a cache made for another model, len + T > capacity, naming the
  * sizes), TM_ERR_DTYPE / TM_ERR_SHAPE (tokens not i32 [batch, T] with T >= 1; the batch
  * differs from the cache's), TM_ERR_INDEX (a token outside [0, vocab_size), naming its
@@ -678,8 +680,8 @@ tm_status tm_model_forward_cached(tm_model *model, tm_kv_cache *cache, tm_tensor
  *   top k; top_p = 1: all); renormalise and draw with one uniform u in [0, 1) from
  *   Philox4x32-10 with key = (seed lo, seed hi) and counter = (counter lo, counter hi,
  *   0x4c504d53, 0): u = ((out0 >> 5) * 2^26 + (out1 >> 6)) / 2^53; the token is the first in
- *   rank order whose cumulative kept probability exceeds u (inverse CDF), so a token of
- *   probability 0 is never drawn. Infinite logits take softmax's limits: if any logit is
+ *   rank order whose cumulative renormalised probability exceeds u (inverse CDF), so a token
+ *   of probability 0 is never drawn. Infinite logits take softmax's limits: if any logit is
  *   +inf those share all the mass equally; if all are -inf the distribution is uniform.
  *   The same (logits, config, counter) always gives the same token. */
 typedef struct tm_sampler_config {

@@ -15,12 +15,17 @@
  * Everything a forward needs on the host (per-layer statistics) lives in the model, allocated
  * once in tm_model_new; the per-step tensors come from the context's arena, so a steady-state
  * training step makes no system allocation.
+ *
+ * tm_model_forward_cached runs the same blocks (one function, `block`, serves both paths) on a
+ * few new positions of a sequence whose earlier keys and values sit in a tm_kv_cache
+ * (layers/kv_cache.c): rope starts at the cache's length, the new keys and values are written
+ * into the cache and the queries attend to all of it (tm_attention's Tk > Tq causal offset).
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "internal.h"
+#include "kv_cache.h"
 
 typedef struct tm__layer {
     tm_tensor *attn_norm, *wq, *wk, *wv, *wo;
@@ -200,6 +205,9 @@ void tm_model_free(tm_model *m) {
 }
 
 const tm_model_config *tm_model_get_config(const tm_model *m) { return m ? &m->cfg : NULL; }
+tm_ctx *tm__model_ctx(const tm_model *m) { return m->ctx; }
+tm_dtype tm__model_dtype(const tm_model *m) { return m->dtype; }
+tm_device tm__model_device(const tm_model *m) { return m->dev; }
 
 tm_status tm_model_init(tm_model *m, uint64_t seed) {
     if (!m) return TM_ERR_INVALID_ARG;
@@ -269,11 +277,16 @@ static tm_status swiglu_mlp(tm_ctx *ctx, tm_tensor *x, tm_tensor *w0, tm_tensor 
     return tm_matmul(ctx, a, wo, 0, 0, out);  // (N, H)
 }
 
-/* Causal GQA self-attention of h [B*T,H] -> [B*T,H] (before the residual add). */
-static tm_status self_attention(tm_model *m, const tm__layer *L, tm_tensor *h, int64_t B, int64_t T, tm_tensor **out) {
+/* Causal GQA self-attention of h [B*T,H] -> [B*T,H] (before the residual add). Without a
+ * cache the T rows are whole sequences (positions 0..T-1). With one they are positions
+ * [len, len + T): their keys and values join the cache first, and the queries attend to all
+ * len + T cached positions (tm_attention lets query i see keys j <= i + len). */
+static tm_status self_attention(tm_model *m, int l, tm_tensor *h, int64_t B, int64_t T, tm_kv_cache *kv,
+                                tm_tensor **out) {
     tm_ctx *ctx = m->ctx;
     const tm_model_config *c = &m->cfg;
-    int64_t D = c->d_model / c->n_heads;
+    const tm__layer *L = &m->layers[l];
+    int64_t D = c->d_model / c->n_heads, pos = kv ? kv->len : 0;
     int64_t sq[4] = {B, T, c->n_heads, D}, skv[4] = {B, T, c->n_kv_heads, D}, s2[2] = {B * T, c->n_heads * D};
     tm_tensor *q, *k, *v, *a;
     TM__TRY(tm_matmul(ctx, h, L->wq, 0, 0, &q)); // (B*T, Hq*D)
@@ -282,18 +295,56 @@ static tm_status self_attention(tm_model *m, const tm__layer *L, tm_tensor *h, i
     TM__TRY(tm_reshape(ctx, q, 4, sq, &q));      // (B, T, Hq, D)
     TM__TRY(tm_reshape(ctx, k, 4, skv, &k));     // (B, T, Hkv, D)
     TM__TRY(tm_reshape(ctx, v, 4, skv, &v));
-    TM__TRY(tm_rope(ctx, q, 0, c->rope_theta, &q));
-    TM__TRY(tm_rope(ctx, k, 0, c->rope_theta, &k));
+    TM__TRY(tm_rope(ctx, q, pos, c->rope_theta, &q));
+    TM__TRY(tm_rope(ctx, k, pos, c->rope_theta, &k));
+    if (kv) TM__TRY(tm__kv_cache_write(kv, l, k, v, &k, &v)); // (B, len+T, Hkv, D) views of the cache
     TM__TRY(tm_attention(ctx, q, k, v, 0.0, &a)); // (B, T, Hq, D)
     TM__TRY(tm_reshape(ctx, a, 2, s2, &a));       // (B*T, Hq*D)
     return tm_matmul(ctx, a, L->wo, 0, 0, out);   // (B*T, H)
 }
 
+/* Decoder block l on the residual stream x [B*T,H]: x + attn(norm(x)), then + ffn(norm(.)).
+ * st (may be NULL) receives the MoE block's statistics; untouched on dense layers. */
+static tm_status block(tm_model *m, int l, tm_tensor *x, int64_t B, int64_t T, tm_kv_cache *kv, tm_moe_stats *st,
+                       tm_tensor **out) {
+    tm_ctx *ctx = m->ctx;
+    const tm_model_config *c = &m->cfg;
+    const tm__layer *L = &m->layers[l];
+    tm_tensor *h, *y;
+    TM__TRY(tm_rmsnorm(ctx, x, L->attn_norm, c->norm_eps, &h));
+    TM__TRY(self_attention(m, l, h, B, T, kv, &y));
+    TM__TRY(tm_add(ctx, x, y, &x));
+    TM__TRY(tm_rmsnorm(ctx, x, L->ffn_norm, c->norm_eps, &h));
+    if (L->moe) TM__TRY(tm_moe_forward(L->moe, h, B, &y, st));
+    else TM__TRY(swiglu_mlp(ctx, h, L->mlp_w0, L->mlp_w1, L->mlp_wo, &y));
+    return tm_add(ctx, x, y, out);
+}
+
+/* tokens i32 [B,T] -> the residual stream [B*T,H]. */
+static tm_status embed(tm_model *m, tm_tensor *tokens, tm_tensor **x) {
+    int64_t flat[1] = {tokens->shape[0] * tokens->shape[1]};
+    tm_tensor *ids;
+    TM__TRY(tm_reshape(m->ctx, tokens, 1, flat, &ids));
+    return tm_embedding(m->ctx, m->embed, ids, x); // (B*T, H)
+}
+
+/* Final norm and lm_head (embed.weight^T when tied): x [B*T,H] -> logits [B,T,V]. */
+static tm_status head(tm_model *m, tm_tensor *x, int64_t B, int64_t T, tm_tensor **logits_2d, tm_tensor **logits) {
+    tm_ctx *ctx = m->ctx;
+    int64_t s3[3] = {B, T, m->cfg.vocab_size};
+    tm_tensor *h, *lg;
+    TM__TRY(tm_rmsnorm(ctx, x, m->norm, m->cfg.norm_eps, &h));
+    if (m->lm_head) TM__TRY(tm_matmul(ctx, h, m->lm_head, 0, 0, &lg)); // (B*T, V)
+    else TM__TRY(tm_matmul(ctx, h, m->embed, 0, 1, &lg));
+    if (logits_2d) *logits_2d = lg;
+    return tm_reshape(ctx, lg, 3, s3, logits); // (B, T, V)
+}
+
 /* Every id of ids (i32 [B,T]) in [0, hi), or equal to the ignore index when `ignore` is set;
  * otherwise TM_ERR_INDEX naming the first offender by position and value. Checked on the host
- * before anything runs, so a bad batch leaves no trace (the MoE layers' running counts
- * included). B*T ints: nothing next to the forward. */
-static tm_status check_range(tm_model *m, tm_tensor *ids, const char *what, int ignore) {
+ * before anything runs, so a bad batch leaves no trace (the MoE layers' running counts and a
+ * KV cache included). B*T ints: nothing next to the forward. */
+static tm_status check_range(tm_model *m, const char *fn, tm_tensor *ids, const char *what, int ignore) {
     tm_ctx *ctx = m->ctx;
     int64_t n = tm__numel(ids), T = ids->shape[1], V = m->cfg.vocab_size;
     int32_t *h = tm__arena_alloc(ctx, tm_cpu(), sizeof(int32_t) * (size_t)n);
@@ -301,23 +352,23 @@ static tm_status check_range(tm_model *m, tm_tensor *ids, const char *what, int 
     TM__TRY(tm_tensor_read(ctx, ids, TM_I32, h, n));
     for (int64_t i = 0; i < n; i++) {
         if ((h[i] >= 0 && h[i] < V) || (ignore && h[i] == -1)) continue;
-        return tm__err(ctx, TM_ERR_INDEX, "tm_model_forward: %s[%lld, %lld] = %d is outside [0, vocab_size = %lld)%s (%s %s)",
+        return tm__err(ctx, TM_ERR_INDEX, "%s: %s[%lld, %lld] = %d is outside [0, vocab_size = %lld)%s (%s %s)", fn,
                        what, (long long)(i / T), (long long)(i % T), (int)h[i], (long long)V,
                        ignore ? " and is not the ignore index -1" : "", what, tm__tdesc(ctx, ids));
     }
     return TM_OK;
 }
 
-static tm_status check_ids(tm_model *m, tm_tensor *t, const char *what, const tm_tensor *like) {
+static tm_status check_ids(tm_model *m, const char *fn, tm_tensor *t, const char *what, const tm_tensor *like) {
     tm_ctx *ctx = m->ctx;
     if (t->dtype != TM_I32 || t->ndim != 2 || t->shape[0] < 1 || t->shape[1] < 1)
         return tm__err(ctx, t->dtype != TM_I32 ? TM_ERR_DTYPE : TM_ERR_SHAPE,
-                       "tm_model_forward: %s must be i32 [B,T] with B, T >= 1, got %s", what, tm__tdesc(ctx, t));
+                       "%s: %s must be i32 [B,T] with B, T >= 1, got %s", fn, what, tm__tdesc(ctx, t));
     if (!tm__same_device(t->device, m->dev))
-        return tm__err(ctx, TM_ERR_DEVICE, "tm_model_forward: %s %s is not on the model's device", what, tm__tdesc(ctx, t));
+        return tm__err(ctx, TM_ERR_DEVICE, "%s: %s %s is not on the model's device", fn, what, tm__tdesc(ctx, t));
     if (like && (t->shape[0] != like->shape[0] || t->shape[1] != like->shape[1]))
-        return tm__err(ctx, TM_ERR_SHAPE, "tm_model_forward: %s %s must have the shape of tokens %s", what,
-                       tm__tdesc(ctx, t), tm__tdesc(ctx, like));
+        return tm__err(ctx, TM_ERR_SHAPE, "%s: %s %s must have the shape of tokens %s", fn, what, tm__tdesc(ctx, t),
+                       tm__tdesc(ctx, like));
     return TM_OK;
 }
 
@@ -334,19 +385,20 @@ static tm_status add_loss(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **o
 }
 
 tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out) {
+    static const char fn[] = "tm_model_forward";
     if (!m) return TM_ERR_INVALID_ARG;
     tm_ctx *ctx = m->ctx;
     const tm_model_config *c = &m->cfg;
-    if (!tokens || !out) return BAD("tm_model_forward: %s is NULL", tokens ? "out" : "tokens");
-    TM__TRY(check_ids(m, tokens, "tokens", NULL));
-    if (targets) TM__TRY(check_ids(m, targets, "targets", tokens));
-    int64_t B = tokens->shape[0], T = tokens->shape[1], V = c->vocab_size;
+    if (!tokens || !out) return BAD("%s: %s is NULL", fn, tokens ? "out" : "tokens");
+    TM__TRY(check_ids(m, fn, tokens, "tokens", NULL));
+    if (targets) TM__TRY(check_ids(m, fn, targets, "targets", tokens));
+    int64_t B = tokens->shape[0], T = tokens->shape[1];
     int64_t E = c->moe.router.num_experts;
     if (T > c->max_seq_len)
-        return tm__err(ctx, TM_ERR_SHAPE, "tm_model_forward: sequence length T = %lld of tokens %s exceeds max_seq_len = %d",
+        return tm__err(ctx, TM_ERR_SHAPE, "%s: sequence length T = %lld of tokens %s exceeds max_seq_len = %d", fn,
                        (long long)T, tm__tdesc(ctx, tokens), c->max_seq_len);
-    TM__TRY(check_range(m, tokens, "tokens", 0));
-    if (targets) TM__TRY(check_range(m, targets, "targets", 1));
+    TM__TRY(check_range(m, fn, tokens, "tokens", 0));
+    if (targets) TM__TRY(check_range(m, fn, targets, "targets", 1));
 
     tm_model_out o;
     memset(&o, 0, sizeof o);
@@ -355,44 +407,29 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
     int64_t *tpe = tm__arena_alloc(ctx, tm_cpu(), sizeof(int64_t) * (size_t)(m->n_moe * E) + 1);
     if (!tpe) return TM_ERR_NOMEM;
 
-    int64_t flat[1] = {B * T}, s3[3] = {B, T, V};
-    tm_tensor *ids, *x;
-    TM__TRY(tm_reshape(ctx, tokens, 1, flat, &ids));
-    TM__TRY(tm_embedding(ctx, m->embed, ids, &x)); // (B*T, H)
-
+    tm_tensor *x;
+    TM__TRY(embed(m, tokens, &x)); // (B*T, H)
     tm_tensor *moe_loss[3] = {NULL, NULL, NULL}; /* aux, seq aux, z: summed over layers */
     int j = 0;
     for (int l = 0; l < c->n_layers; l++) {
-        const tm__layer *L = &m->layers[l];
-        tm_tensor *h, *y;
-        TM__TRY(tm_rmsnorm(ctx, x, L->attn_norm, c->norm_eps, &h));
-        TM__TRY(self_attention(m, L, h, B, T, &y));
-        TM__TRY(tm_add(ctx, x, y, &x));
-        TM__TRY(tm_rmsnorm(ctx, x, L->ffn_norm, c->norm_eps, &h));
-        if (L->moe) {
-            tm_moe_stats st;
-            TM__TRY(tm_moe_forward(L->moe, h, B, &y, &st));
-            tm_tensor *parts[3] = {st.aux_loss, st.seq_aux_loss, st.z_loss};
-            for (int p = 0; p < 3; p++) TM__TRY(add_loss(ctx, moe_loss[p], parts[p], &moe_loss[p]));
-            o.aux_value += st.aux_loss_value;
-            o.seq_aux_value += st.seq_aux_loss_value;
-            o.z_value += st.z_loss_value;
-            o.dropped_tokens += st.dropped_tokens;
-            if (st.max_load_ratio > o.max_load_ratio) o.max_load_ratio = st.max_load_ratio;
-            TM__TRY(tm_tensor_read(ctx, st.tokens_per_expert, TM_I64, tpe + (int64_t)j * E, E));
-            j++;
-        } else {
-            TM__TRY(swiglu_mlp(ctx, h, L->mlp_w0, L->mlp_w1, L->mlp_wo, &y));
-        }
-        TM__TRY(tm_add(ctx, x, y, &x));
+        tm_moe_stats st;
+        TM__TRY(block(m, l, x, B, T, NULL, &st, &x));
+        if (!m->layers[l].moe) continue;
+        tm_tensor *parts[3] = {st.aux_loss, st.seq_aux_loss, st.z_loss};
+        for (int p = 0; p < 3; p++) TM__TRY(add_loss(ctx, moe_loss[p], parts[p], &moe_loss[p]));
+        o.aux_value += st.aux_loss_value;
+        o.seq_aux_value += st.seq_aux_loss_value;
+        o.z_value += st.z_loss_value;
+        o.dropped_tokens += st.dropped_tokens;
+        if (st.max_load_ratio > o.max_load_ratio) o.max_load_ratio = st.max_load_ratio;
+        TM__TRY(tm_tensor_read(ctx, st.tokens_per_expert, TM_I64, tpe + (int64_t)j * E, E));
+        j++;
     }
-    tm_tensor *h, *logits;
-    TM__TRY(tm_rmsnorm(ctx, x, m->norm, c->norm_eps, &h));
-    if (m->lm_head) TM__TRY(tm_matmul(ctx, h, m->lm_head, 0, 0, &logits)); // (B*T, V)
-    else TM__TRY(tm_matmul(ctx, h, m->embed, 0, 1, &logits));
-    TM__TRY(tm_reshape(ctx, logits, 3, s3, &o.logits)); // (B, T, V)
+    tm_tensor *logits;
+    TM__TRY(head(m, x, B, T, &logits, &o.logits)); // (B*T, V), (B, T, V)
 
     if (targets) {
+        int64_t flat[1] = {B * T};
         tm_tensor *tg, *lg = logits;
         TM__TRY(tm_reshape(ctx, targets, 1, flat, &tg));
         /* A bf16 loss would keep 3 significant digits: take the cross-entropy in f32. */
@@ -407,6 +444,42 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
     o.tokens_per_expert = m->tokens_per_expert;
     *out = o;
     return TM_OK;
+}
+
+/* The cached forward proper (tape off, arguments checked). */
+static tm_status forward_cached(tm_model *m, tm_kv_cache *kv, tm_tensor *tokens, tm_tensor **logits) {
+    int64_t B = tokens->shape[0], T = tokens->shape[1];
+    tm_tensor *x;
+    TM__TRY(embed(m, tokens, &x)); // (B*T, H)
+    /* The MoE statistics are not asked for, and with the tape off tm_moe_forward leaves the
+     * expert-bias counts alone. */
+    for (int l = 0; l < m->cfg.n_layers; l++) TM__TRY(block(m, l, x, B, T, kv, NULL, &x));
+    return head(m, x, B, T, NULL, logits); // (B, T, V)
+}
+
+tm_status tm_model_forward_cached(tm_model *m, tm_kv_cache *kv, tm_tensor *tokens, tm_tensor **logits) {
+    static const char fn[] = "tm_model_forward_cached";
+    if (!m) return TM_ERR_INVALID_ARG;
+    tm_ctx *ctx = m->ctx;
+    if (!kv || !tokens || !logits) return BAD("%s: %s is NULL", fn, !kv ? "cache" : !tokens ? "tokens" : "logits");
+    if (kv->model != m) return BAD("%s: the cache was made for another model (tm_kv_cache_new)", fn);
+    TM__TRY(check_ids(m, fn, tokens, "tokens", NULL));
+    int64_t B = tokens->shape[0], T = tokens->shape[1];
+    if (B != kv->batch)
+        return tm__err(ctx, TM_ERR_SHAPE, "%s: tokens %s hold %lld sequences but the cache was made for batch = %d", fn,
+                       tm__tdesc(ctx, tokens), (long long)B, kv->batch);
+    if (kv->len + T > kv->capacity)
+        return BAD("%s: %lld new positions after the %d cached ones exceed the cache's capacity max_len = %d (tokens "
+                   "%s); nothing was appended",
+                   fn, (long long)T, kv->len, kv->capacity, tm__tdesc(ctx, tokens));
+    TM__TRY(check_range(m, fn, tokens, "tokens", 0));
+    int prev = tm_ctx_set_grad_enabled(ctx, 0);
+    tm_status s = forward_cached(m, kv, tokens, logits);
+    tm_ctx_set_grad_enabled(ctx, prev);
+    /* Positions count only once every layer has written them: after a failure the cache holds
+     * what it held before (the partly written slots lie past len and get overwritten). */
+    if (s == TM_OK) kv->len += (int)T;
+    return s;
 }
 
 tm_status tm_model_step(tm_model *m) {
