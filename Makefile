@@ -1,7 +1,8 @@
 # tinymoe — build
 #
 #   make                      libtinymoe.a, libtinymoe.so and the tinymoe driver in build/
-#   make test                 build and run the Criterion suite (tests/)
+#   make test                 build and run the Criterion suite (tests/), then examples/*.c
+#                             against a staged install ($(BUILD)/stage)
 #   make SAN=1 test           the same with AddressSanitizer + UBSan (objects in build-san/)
 #   make install PREFIX=/usr/local
 #
@@ -55,6 +56,14 @@ endif
 ifeq ($(MPI),1)
   CFLAGS_ALL += -DTM_HAVE_MPI
 endif
+# cJSON (Debian libcjson-dev) reads JSON for the driver (train/hf.c) and its tests; libtinymoe
+# does not use it. Override CJSON_CFLAGS / CJSON_LIBS where pkg-config cannot find it.
+ifeq ($(origin CJSON_LIBS),undefined)
+  CJSON_LIBS := $(shell pkg-config --libs libcjson 2>/dev/null)
+endif
+ifeq ($(origin CJSON_CFLAGS),undefined)
+  CJSON_CFLAGS := $(shell pkg-config --cflags libcjson 2>/dev/null)
+endif
 
 CUDA_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
              -gencode arch=compute_90,code=compute_90
@@ -89,11 +98,14 @@ LIBSO := $(BUILD)/libtinymoe.so
 BIN   := $(BUILD)/tinymoe
 TESTBIN := $(BUILD)/tinymoe_tests
 
-.PHONY: all test install clean config
+.PHONY: all test install clean config cjson-check
 all: $(LIBA) $(LIBSO) $(BIN)
 
 config:
-	@echo "CUDA=$(CUDA) BLAS=$(BLAS) ($(BLAS_PKG) openblas) MPI=$(MPI) SAN=$(SAN) BUILD=$(BUILD) NVCC=$(NVCC)"
+	@echo "CUDA=$(CUDA) BLAS=$(BLAS) ($(BLAS_PKG) openblas) MPI=$(MPI) SAN=$(SAN) BUILD=$(BUILD) NVCC=$(NVCC) CJSON_LIBS=$(CJSON_LIBS)"
+
+cjson-check:
+	@test -n "$(strip $(CJSON_LIBS))" || { echo "Makefile: cJSON not found (pkg-config libcjson): install libcjson-dev (scripts/install-deps.sh), or set CJSON_CFLAGS and CJSON_LIBS" >&2; exit 1; }
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -114,24 +126,51 @@ $(LIBTRAIN): $(DRV_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
+$(BUILD)/train/%.o: CFLAGS_ALL += $(CJSON_CFLAGS)
+$(DRV_OBJ) $(DRV_MAIN): | cjson-check
 $(BIN): $(DRV_MAIN) $(LIBTRAIN) $(LIBA)
-	$(CC) -o $@ $(DRV_MAIN) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL)
+	$(CC) -o $@ $(DRV_MAIN) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS)
 
 $(BUILD)/tests/%.o: CFLAGS_ALL += $(shell pkg-config --cflags criterion 2>/dev/null) -Itests
-$(BUILD)/tests/%.o: CFLAGS_ALL += -Itrain
+$(BUILD)/tests/%.o: CFLAGS_ALL += -Itrain $(CJSON_CFLAGS)
+$(TEST_OBJ): | cjson-check
 $(TESTBIN): $(TEST_OBJ) $(LIBTRAIN) $(LIBA)
-	$(CC) -o $@ $(TEST_OBJ) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(shell pkg-config --libs criterion 2>/dev/null || echo -lcriterion)
+	$(CC) -o $@ $(TEST_OBJ) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(shell pkg-config --libs criterion 2>/dev/null || echo -lcriterion)
 
 # ASan and the CUDA runtime disagree about the shadow gap; UBSan prints stacks.
 TEST_ENV := ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
 test: $(TESTBIN) $(BIN)
-	$(TEST_ENV) ./$(TESTBIN) --jobs 2 $(TEST_ARGS)
+	$(TEST_ENV) $(abspath $(TESTBIN)) --jobs 2 $(TEST_ARGS)
+	@$(MAKE) --no-print-directory examples
+
+# Every examples/*.c, built the way a user would: against a staged install (its header and its
+# pkg-config file, not the tree's), linked to the shared library through an rpath, and run in
+# $(BUILD)/examples (where they may write files). Under SAN=1 they are compiled with the same
+# sanitizers, since an instrumented libtinymoe.so needs the ASan runtime loaded first.
+STAGE := $(abspath $(BUILD))/stage
+EXAMPLE_SRC := $(wildcard examples/*.c)
+.PHONY: examples
+examples:
+	@$(MAKE) --no-print-directory install PREFIX=$(STAGE) DESTDIR= >/dev/null
+	@mkdir -p $(BUILD)/examples
+	@set -e; for src in $(EXAMPLE_SRC); do \
+	  exe=$(abspath $(BUILD))/examples/$$(basename $$src .c); \
+	  echo "example: $$src (against $(STAGE))"; \
+	  $(CC) -std=c11 $(OPT) -Wall -Wextra -Werror $(SANFLAGS) \
+	    $$(PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig pkg-config --cflags tinymoe) $$src -o $$exe \
+	    $$(PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig pkg-config --libs tinymoe) -Wl,-rpath,$(STAGE)/lib; \
+	  (cd $(BUILD)/examples && $(TEST_ENV) $$exe); \
+	done
 
 PC := $(BUILD)/tinymoe.pc
-$(PC): Makefile
+# Rewritten on every install (only when its text changes), so it always names this PREFIX.
+$(PC): FORCE
 	@mkdir -p $(BUILD)
 	@printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: tinymoe\nDescription: embeddable MoE training microframework\nVersion: %s\nLibs: -L$${libdir} -ltinymoe\nLibs.private: -fopenmp -lm -lpthread -lz %s\nCflags: -I$${includedir}\n' \
-	  '$(PREFIX)' "$$(sed -n 's/^#define TM_VERSION_STRING "\(.*\)"/\1/p' include/tinymoe.h)" '$(PC_LIBS_PRIVATE)' > $@
+	  '$(PREFIX)' "$$(sed -n 's/^#define TM_VERSION_STRING "\(.*\)"/\1/p' include/tinymoe.h)" '$(PC_LIBS_PRIVATE)' > $@.tmp
+	@cmp -s $@.tmp $@ && rm -f $@.tmp || mv -f $@.tmp $@
+.PHONY: FORCE
+FORCE:
 
 install: all $(PC)
 	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin

@@ -7,10 +7,12 @@
 #                     share one thread pool (optional: without it a built-in kernel is used)
 #   libopenmpi-dev, openmpi-bin   distributed training (later work)
 #   zlib1g-dev        compressed data files (later work)
+#   libcjson-dev      cJSON, the JSON reader of the driver (Hugging Face config.json, safetensors headers)
 # The CUDA toolkit is not installed here; the Makefile uses it when nvcc is found.
 set -euo pipefail
 
-packages=(build-essential pkg-config libcriterion-dev libopenblas-openmp-dev libopenmpi-dev openmpi-bin zlib1g-dev)
+packages=(build-essential pkg-config libcriterion-dev libopenblas-openmp-dev libopenmpi-dev openmpi-bin zlib1g-dev
+          libcjson-dev)
 
 if [ "$(id -u)" -eq 0 ]; then
     as_root=""

@@ -26,7 +26,7 @@ for d in $LIBDIRS; do
     for so in "$d"/lib*.so.*; do
         [ -e "$so" ] || continue
         name=$(basename "$so")
-        case "$name" in libcriterion*) continue ;; esac
+        case "$name" in libcriterion*|libcjson*) continue ;; esac
         # The system's copy (same soname) wins: drop ours.
         if ldconfig -p | awk '{print $1}' | grep -qx "$name"; then rm -f "$so"; fi
     done
@@ -36,6 +36,10 @@ export LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_P
 export LD_LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu:$PREFIX/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 MAKE=make
 command -v make >/dev/null 2>&1 || MAKE="$PREFIX/usr/bin/make"
+# cJSON from .deps when the machine has none (its libcjson.pc would point at /usr).
+if ! pkg-config --exists libcjson 2>/dev/null; then
+    export CJSON_CFLAGS="-I$PREFIX/usr/include/cjson" CJSON_LIBS="-lcjson"
+fi
 
 {
     echo "== machine"
@@ -63,10 +67,24 @@ else
 fi
 log "== CUDA tests, verbose"
 ./build/tinymoe_tests --verbose --filter='cuda_parity/*' 2>&1 | grep -v '^\[SKIP\].*disabled' | tee -a "$LOG"
+
+# The Hugging Face export against transformers' MixtralForCausalLM (docs/hf-export.md): the test
+# writes exports, tokens and tinymoe's logits; hf_check.py loads them with transformers and
+# compares logits on the CPU and the GPU. Outside $OUT: it brings back only a few files.
+log "== Hugging Face export vs transformers"
+HF_DIR=/tmp/tinymoe-hf
+rm -rf "$HF_DIR"
+if TM_HF_DUMP_DIR="$HF_DIR" ./build/tinymoe_tests --filter='hf/transformers_reference' 2>&1 | tee -a "$LOG"; then
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 python3 tests/gpu/hf_check.py "$HF_DIR" 2>&1 |
+        tr '\r' '\n' | grep -v '^Loading weights' | tee -a "$LOG" || rc=1
+else
+    rc=1
+fi
 exit $rc
 
 # Preparing .deps on a Debian bookworm dev machine (x86-64), from the repository root:
 #   mkdir -p .deps && cd .deps && apt-get download libcriterion3 libcriterion-dev libnanomsg5 \
 #     libgit2-1.5 libffi8 libhttp-parser2.9 libmbedcrypto7 libmbedtls14 libmbedx509-1 libssh2-1 \
-#     libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libkeyutils1 libcom-err2 make zlib1g-dev
+#     libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libkeyutils1 libcom-err2 make zlib1g-dev \
+#     libcjson1 libcjson-dev
 # (about 2.5 MiB; /.deps/ is in .git/info/exclude; pass carry: [".deps"] to the device tool).
