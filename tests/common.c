@@ -216,6 +216,7 @@ unsigned char *tt_slurp(const char *path, long *len) {
     fseek(f, 0, SEEK_SET);
     unsigned char *b = malloc((size_t)*len + 1);
     cr_assert_eq(fread(b, 1, (size_t)*len, f), (size_t)*len);
+    b[*len] = 0; /* text files can be used as strings */
     fclose(f);
     return b;
 }

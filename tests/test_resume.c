@@ -20,6 +20,7 @@
 #include "common.h"
 #include "config.h"
 #include "data.h"
+#include "hf.h"
 #include "train.h"
 
 static void setup(void) { tt_tmpdir_make("tm_test_resume_"); }
@@ -380,4 +381,41 @@ Test(resume, meta_round_trip) {
     cr_assert_neq(tmd_ckpt_meta_decode("hello", 5, "y.tmck", &d, &st2, err, sizeof err), 0);
     cr_assert(strstr(err, "y.tmck"), "%s", err);
     free(meta);
+}
+
+/* The driver's Hugging Face round trip: a trained checkpoint exported (tmd_hf_export) and read
+ * back with init_from evaluates to the same loss, bit for bit, as the checkpoint itself; an
+ * architecture key that contradicts config.json is refused by name. */
+Test(resume, init_from_an_export_matches_the_checkpoint) {
+    char a[256], hf[256], err[2048];
+    snprintf(a, sizeof a, "%s", tt_path("run"));
+    snprintf(hf, sizeof hf, "%s", tt_path("hf"));
+    tmd_config c;
+    small_run(&c, a, 6);
+    set(&c, "data", token_file());
+    set(&c, "val_fraction", "0.2");
+    set(&c, "eval_batches", "0");
+    set(&c, "vocab_size", "257");
+    tmd_train_result res;
+    run_ok(&c, &res);
+    tmd_loaded_model m;
+    cr_assert_eq(tmd_ckpt_load_model(a, -1, 2, &m, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_hf_export(m.ctx, m.model, hf, err, sizeof err), 0, "%s", err);
+    tmd_loaded_model_free(&m);
+
+    tmd_config e;
+    tmd_config_defaults(&e);
+    set(&e, "data", token_file());
+    set(&e, "threads", "2");
+    set(&e, "seq_len", "16");
+    set(&e, "batch_size", "4");
+    set(&e, "eval_batches", "0");
+    double from_ckpt = NAN, from_hf = NAN;
+    cr_assert_eq(tmd_eval_ckpt(&e, a, NULL, &from_ckpt, err, sizeof err), TMD_OK, "%s", err);
+    set(&e, "init_from", hf);
+    cr_assert_eq(tmd_eval(&e, NULL, &from_hf, err, sizeof err), TMD_OK, "%s", err);
+    cr_assert_eq(from_ckpt, from_hf, "checkpoint %.17g vs export %.17g", from_ckpt, from_hf);
+    set(&e, "n_layers", "3");
+    cr_assert_eq(tmd_eval(&e, NULL, &from_hf, err, sizeof err), TMD_CONFIG_ERROR);
+    cr_assert(strstr(err, "n_layers") && strstr(err, "config.json"), "%s", err);
 }

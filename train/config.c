@@ -86,7 +86,7 @@ static const key KEYS[] = {
      "groups kept per token, with num_groups > 1"},
     {"scaling_factor", T_FLOAT, G_MOE, OFF(model.moe.router.scaling_factor), NULL, "1", 0, "scaling_factor",
      "multiplies the routing weights"},
-    {"norm_topk_prob", T_BOOL, G_MOE, OFF(model.moe.router.norm_topk_prob), NULL, "false", 0, "norm_topk_prob",
+    {"norm_topk_prob", T_BOOL, G_MOE, OFF(model.moe.router.norm_topk_prob), NULL, "true", 0, "norm_topk_prob",
      "renormalise the top-k weights to sum 1 (Mixtral; softmax-pre only)"},
     {"expert_bias", T_BOOL, G_MOE, OFF(model.moe.use_expert_bias), NULL, "false", 0, "use_expert_bias",
      "aux-loss-free balancing: a per-expert selection bias updated every step"},

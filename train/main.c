@@ -21,6 +21,8 @@
 #include "checkpoint.h"
 #include "config.h"
 #include "data.h"
+#include "hf.h"
+#include "sample.h"
 #include "tinymoe.h"
 #include "train.h"
 
@@ -298,6 +300,8 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "eval")) return cmd_train_or_eval(1, argc - 2, argv + 2);
     if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc - 2, argv + 2);
     if (!strcmp(cmd, "inspect")) return cmd_inspect(argc - 2, argv + 2);
+    if (!strcmp(cmd, "sample")) return tmd_sample_main(argc - 2, argv + 2);
+    if (!strcmp(cmd, "export")) return tmd_export_main(argc - 2, argv + 2);
     char msg[256];
     snprintf(msg, sizeof msg, "unknown command '%.64s' (train, eval, sample, inspect, export, tokenize)", cmd);
     return usage_error(msg);

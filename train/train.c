@@ -15,6 +15,8 @@
 
 #include "checkpoint.h"
 #include "data.h"
+#include "generate.h"
+#include "hf.h"
 #include "log.h"
 #include "markov.h"
 #include "plot.h"
@@ -231,6 +233,11 @@ static int setup(run *r, const tmd_config *cfg, FILE *log, int eval_only, char *
     int rc;
     if ((rc = load_data(r, eval_only, err, errlen))) return rc;
     if ((rc = build(r, err, errlen))) return rc;
+    if (r->c.init_from[0]) {
+        char e[2048];
+        if ((rc = tmd_hf_import(r->ctx, r->model, r->c.init_from, e, sizeof e)))
+            return fail(err, errlen, rc, "key 'init_from' = '%s': %s", r->c.init_from, e);
+    }
     if (!eval_only && (rc = build_optimizer(r, err, errlen))) return rc;
     if (r->resume_path[0]) {
         /* Every tensor of the run (weights, optimizer state, expert biases), all or nothing;
@@ -425,79 +432,35 @@ static int log_eval(run *r, int64_t step, double val) {
 /* ---------------------------------------------------------------------------------------- */
 /* Sampling                                                                                  */
 
-/* Continue the prompt for sample_tokens tokens, re-running the forward on the growing
- * context (cropped to seq_len) with grad mode off, and print the bytes as they come. */
+/* Continue the prompt for sample_tokens tokens with the KV cache (tmd_generate), printing the
+ * bytes as they come. An empty prompt starts from the end-of-text token. */
 static int sample(run *r, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
-    int V = c->model.vocab_size, T = r->T;
-    float *logits = malloc(sizeof *logits * (size_t)V);
-    double *p = malloc(sizeof *p * (size_t)V);
-    int *idx = malloc(sizeof *idx * (size_t)V);
-    int32_t *ctxt = malloc(sizeof *ctxt * (size_t)T);
-    if (!logits || !p || !idx || !ctxt) {
-        free(logits), free(p), free(idx), free(ctxt);
-        return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for sampling");
-    }
-    int n = 0;
-    const unsigned char *s = (const unsigned char *)c->sample_prompt;
     size_t plen = strlen(c->sample_prompt);
-    for (size_t i = plen > (size_t)T ? plen - (size_t)T : 0; i < plen; i++) ctxt[n++] = s[i];
+    int32_t *prompt = malloc(sizeof *prompt * (plen ? plen : 1));
+    if (!prompt) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for sampling");
+    int n = 0;
+    for (size_t i = 0; i < plen; i++) prompt[n++] = (unsigned char)c->sample_prompt[i];
+    if (!n) prompt[n++] = TM__BYTE_EOT;
+    for (int i = 0; i < n; i++)
+        if (prompt[i] >= c->model.vocab_size) {
+            free(prompt);
+            return fail(err, errlen, TMD_CONFIG_ERROR,
+                        "key 'sample_prompt': byte %d is outside the vocabulary (vocab_size = %d)", prompt[i],
+                        c->model.vocab_size);
+        }
     FILE *f = r->log;
-    fprintf(f, "\nsample (temperature %g, top_k %d):\n%s", c->temperature, c->top_k, c->sample_prompt);
+    fprintf(f, "\nsample (temperature %g, top_k %d, top_p %g):\n%s", c->temperature, c->top_k, c->top_p,
+            c->sample_prompt);
     fflush(f);
-    int prev = tm_ctx_set_grad_enabled(r->ctx, 0), rc = 0;
-    uint32_t key[2] = {(uint32_t)c->seed, (uint32_t)((uint64_t)c->seed >> 32)};
-    for (int g = 0; g < c->sample_tokens; g++) {
-        int64_t shape[2] = {1, n};
-        tm_tensor *tok, *last;
-        tm_model_out out;
-        tm_status st = tm_tensor_from_host(r->ctx, TM_I32, 2, shape, r->dev, TM_I32, ctxt, &tok);
-        if (!st) st = tm_model_forward(r->model, tok, NULL, &out);
-        if (!st) st = tm_slice(r->ctx, out.logits, 1, n - 1, n, &last);
-        if (!st) st = tm_tensor_read(r->ctx, last, TM_F32, logits, V);
-        tm_ctx_arena_reset(r->ctx);
-        if (st) {
-            rc = lib_fail(r, err, errlen, "sampling forward", st);
-            break;
-        }
-        /* Candidates: all tokens, or the top_k by logit (a partial selection sort: k is small). */
-        int k = c->top_k > 0 && c->top_k < V ? c->top_k : V;
-        for (int i = 0; i < V; i++) idx[i] = i;
-        if (k < V)
-            for (int i = 0; i < k; i++) {
-                int best = i;
-                for (int j = i + 1; j < V; j++)
-                    if (logits[idx[j]] > logits[idx[best]]) best = j;
-                int t = idx[i];
-                idx[i] = idx[best], idx[best] = t;
-            }
-        int next = idx[0];
-        if (c->temperature <= 0) {
-            for (int i = 1; i < k; i++)
-                if (logits[idx[i]] > logits[next]) next = idx[i];
-        } else {
-            double mx = -INFINITY, z = 0;
-            for (int i = 0; i < k; i++) mx = fmax(mx, logits[idx[i]]);
-            for (int i = 0; i < k; i++) z += p[i] = exp((logits[idx[i]] - mx) / c->temperature);
-            uint32_t ctr[4] = {(uint32_t)g, 0, 0x5a4d504c /* "SMPL" */, 0}, o[4];
-            tm_philox4x32_10(ctr, key, o);
-            double u = ((double)(o[0] >> 5) * 67108864.0 + (double)(o[1] >> 6)) / 9007199254740992.0 * z, acc = 0;
-            next = idx[k - 1];
-            for (int i = 0; i < k; i++)
-                if ((acc += p[i]) > u) {
-                    next = idx[i];
-                    break;
-                }
-        }
-        if (next == TM__BYTE_EOT) break;
-        if (next < 256) fputc(next, f);
-        fflush(f);
-        if (n == T) memmove(ctxt, ctxt + 1, sizeof *ctxt * (size_t)(T - 1)), n--;
-        ctxt[n++] = next;
-    }
+    tm_sampler_config sc = tm_sampler_config_default();
+    sc.temperature = c->temperature;
+    sc.top_k = c->top_k;
+    sc.top_p = c->top_p;
+    sc.seed = (uint64_t)c->seed;
+    int rc = tmd_generate(r->ctx, r->model, prompt, n, c->sample_tokens, &sc, TM__BYTE_EOT, f, NULL, err, errlen);
     fprintf(f, "\n");
-    tm_ctx_set_grad_enabled(r->ctx, prev);
-    free(logits), free(p), free(idx), free(ctxt);
+    free(prompt);
     return rc;
 }
 
@@ -833,6 +796,42 @@ static int resume_config(run *r, const tmd_config *cli, tmd_config *out, int for
     return 0;
 }
 
+/* --init_from DIR: the architecture keys come from DIR/config.json; one the user set
+ * explicitly to another value is an error naming it. Training keys (aux losses, capacity,
+ * optimizer, seq_len, ...) stay the user's. */
+static int init_from_config(const tmd_config *cli, tmd_config *out, char *err, size_t errlen) {
+    static const char *const ARCH[] = {"vocab_size",     "d_model",       "n_layers",       "n_heads",
+                                       "n_kv_heads",     "rope_theta",    "norm_eps",       "tie_embeddings",
+                                       "num_experts",    "topk",          "expert_ffn_size", "score_function",
+                                       "pre_softmax",    "norm_topk_prob", "num_groups",     "group_topk",
+                                       "scaling_factor", "expert_bias",   "shared_ffn_size", "first_k_dense"};
+    tm_model_config mc;
+    int bf16 = 0;
+    char e[2048];
+    int rc = tmd_hf_read_config(cli->init_from, &mc, &bf16, e, sizeof e);
+    if (rc) return fail(err, errlen, rc, "key 'init_from' = '%s': %s", cli->init_from, e);
+    tmd_config hf = *cli;
+    hf.model = mc;
+    hf.model.max_seq_len = cli->model.max_seq_len;
+    hf.dtype = bf16 ? TMD_DTYPE_BF16 : TMD_DTYPE_F32;
+    *out = *cli;
+    char a[256], b[256];
+    for (size_t k = 0; k < sizeof ARCH / sizeof ARCH[0]; k++) {
+        int i = tmd_config_key_index(ARCH[k]);
+        tmd_config_format_exact(&hf, i, a, sizeof a);
+        tmd_config_format_exact(cli, i, b, sizeof b);
+        if (cli->source[i] != TMD_SRC_DEFAULT && cli->source[i] != TMD_SRC_AUTO && strcmp(a, b))
+            return fail(err, errlen, TMD_CONFIG_ERROR,
+                        "key '%s' = %s differs from %s/config.json (%s), which init_from takes the model from", ARCH[k],
+                        b, cli->init_from, a);
+        if (tmd_config_set(out, ARCH[k], a, TMD_SRC_CKPT, "init_from", e, sizeof e))
+            return fail(err, errlen, TMD_CONFIG_ERROR, "init_from '%s': %s", cli->init_from, e);
+    }
+    int di = tmd_config_key_index("dtype");
+    if (cli->source[di] == TMD_SRC_DEFAULT) out->dtype = hf.dtype;
+    return 0;
+}
+
 int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err, size_t errlen) {
     tmd_train_result local;
     if (!res) res = &local;
@@ -847,6 +846,7 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
         rc = fail(err, errlen, TMD_CONFIG_ERROR,
                   "keys 'resume' and 'init_from' exclude each other (resume restores the weights from the checkpoint)");
     if (!rc && cfg->resume[0]) rc = resume_config(r, cfg, &c, 0, cfg->resume, err, errlen);
+    if (!rc && cfg->init_from[0]) rc = init_from_config(cfg, &c, err, errlen);
     if (!rc) rc = setup(r, &c, log, 0, err, errlen);
     if (!rc) {
         res->params = r->params;
@@ -872,6 +872,7 @@ static int eval_run(const tmd_config *cfg, const char *ckpt, FILE *log, double *
     double v = NAN;
     tmd_config c = *cfg;
     int rc = ckpt ? resume_config(r, cfg, &c, 1, ckpt, err, errlen) : 0;
+    if (!rc && !ckpt && cfg->init_from[0]) rc = init_from_config(cfg, &c, err, errlen);
     if (!rc) rc = setup(r, &c, log, 1, err, errlen);
     if (!rc) {
         print_header(r, 1);
@@ -883,6 +884,8 @@ static int eval_run(const tmd_config *cfg, const char *ckpt, FILE *log, double *
             if (r->synth) fprintf(log, "; optimum %.4f", r->optimum);
             if (ckpt)
                 fprintf(log, "\nmodel: %s (step %lld)\n", r->resume_path, (long long)r->resume_state.step);
+            else if (c.init_from[0])
+                fprintf(log, "\nmodel: the Hugging Face export in %s\n", c.init_from);
             else
                 fprintf(log, "\nmodel: freshly initialised from the config and seed (give --ckpt to evaluate a "
                              "trained one)\n");
