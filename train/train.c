@@ -444,9 +444,10 @@ static int sample(run *r, char *err, size_t errlen) {
     if (!n) prompt[n++] = TM__BYTE_EOT;
     for (int i = 0; i < n; i++)
         if (prompt[i] >= c->model.vocab_size) {
+            int byte = prompt[i];
             free(prompt);
             return fail(err, errlen, TMD_CONFIG_ERROR,
-                        "key 'sample_prompt': byte %d is outside the vocabulary (vocab_size = %d)", prompt[i],
+                        "key 'sample_prompt': byte %d is outside the vocabulary (vocab_size = %d)", byte,
                         c->model.vocab_size);
         }
     FILE *f = r->log;
