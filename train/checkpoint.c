@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "strbuf.h"
 #include "train.h"
 
 #define META_MAGIC "tinymoe-checkpoint 1"
@@ -27,48 +28,15 @@ static int fail(char *err, size_t errlen, int code, const char *fmt, ...) {
 
 /* ---- meta text ------------------------------------------------------------------------- */
 
-typedef struct sbuf {
-    char *p;
-    size_t n, cap;
-    int oom;
-} sbuf;
-
-static void sb_printf(sbuf *b, const char *fmt, ...) {
-    for (;;) {
-        if (b->oom) return;
-        va_list ap;
-        va_start(ap, fmt);
-        int k = vsnprintf(b->p ? b->p + b->n : NULL, b->p ? b->cap - b->n : 0, fmt, ap);
-        va_end(ap);
-        if (k < 0) {
-            b->oom = 1;
-            return;
-        }
-        if (b->p && b->n + (size_t)k < b->cap) {
-            b->n += (size_t)k;
-            return;
-        }
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap <= b->n + (size_t)k) cap *= 2;
-        char *np = realloc(b->p, cap);
-        if (!np) {
-            b->oom = 1;
-            return;
-        }
-        b->p = np;
-        b->cap = cap;
-    }
-}
-
 char *tmd_ckpt_meta_encode(const tmd_config *cfg, const tmd_ckpt_state *state, size_t *len) {
-    sbuf b = {0};
-    sb_printf(&b, "%s\n[config]\n", META_MAGIC);
+    tmd_sbuf b = {0};
+    tmd_sb_printf(&b, "%s\n[config]\n", META_MAGIC);
     char val[4 * TMD_PATH_MAX];
     for (int i = 0; i < tmd_config_num_keys(); i++) {
         tmd_config_format_exact(cfg, i, val, sizeof val);
-        sb_printf(&b, "%s = %s\n", tmd_config_key_name(i), val);
+        tmd_sb_printf(&b, "%s = %s\n", tmd_config_key_name(i), val);
     }
-    sb_printf(&b, "[state]\nstep = %" PRId64 "\ndata_position = %" PRId64 "\n", state->step, state->data_position);
+    tmd_sb_printf(&b, "[state]\nstep = %" PRId64 "\ndata_position = %" PRId64 "\n", state->step, state->data_position);
     if (b.oom) {
         free(b.p);
         return NULL;

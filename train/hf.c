@@ -32,6 +32,7 @@
 
 #include "checkpoint.h"
 #include "train.h"
+#include "strbuf.h"
 
 /* The safetensors reference implementation's limit on the header; ours are a few kB. */
 #define ST_MAX_HEADER 100000000ull
@@ -53,42 +54,6 @@ static int host_little_endian(void) {
     unsigned char b;
     memcpy(&b, &one, 1);
     return b == 1;
-}
-
-/* ---- growable text buffer ----------------------------------------------------------------- */
-
-typedef struct sbuf {
-    char *p;
-    size_t n, cap;
-    int oom;
-} sbuf;
-
-static void sb_printf(sbuf *b, const char *fmt, ...) {
-    if (b->oom) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        size_t room = b->cap - b->n;
-        int w = vsnprintf(b->p ? b->p + b->n : NULL, b->p ? room : 0, fmt, ap);
-        va_end(ap);
-        if (w < 0) {
-            b->oom = 1;
-            return;
-        }
-        if (b->p && (size_t)w < room) {
-            b->n += (size_t)w;
-            return;
-        }
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap <= b->n + (size_t)w) cap *= 2;
-        char *q = realloc(b->p, cap);
-        if (!q) {
-            b->oom = 1;
-            return;
-        }
-        b->p = q;
-        b->cap = cap;
-    }
 }
 
 /* A JSON number that reads back as exactly v, in the fewest digits, and always with a '.' or
@@ -362,10 +327,10 @@ static int write_config(const char *dir, const tm_model_config *c, tm_dtype dtyp
     /* The byte tokenizer (vocab 257) ends texts with 256; other vocabularies have no special ids. */
     char eos[16];
     snprintf(eos, sizeof eos, c->vocab_size == 257 ? "256" : "null");
-    sbuf b = {0};
+    tmd_sbuf b = {0};
     /* rope_theta twice: transformers 5 reads rope_parameters, 4.x the top-level key. dtype
      * twice, likewise (5 writes "dtype", 4.x "torch_dtype"). */
-    sb_printf(&b,
+    tmd_sb_printf(&b,
               "{\n"
               "  \"architectures\": [\"MixtralForCausalLM\"],\n"
               "  \"attention_dropout\": 0.0,\n"
@@ -416,10 +381,10 @@ static int write_config(const char *dir, const tm_model_config *c, tm_dtype dtyp
 
 static int write_weights(tm_ctx *ctx, hf_plan *p, const char *dir, uint64_t *file_bytes, char *err, size_t errlen) {
     /* Header first: offsets follow from the shapes. */
-    sbuf h = {0};
+    tmd_sbuf h = {0};
     uint64_t off = 0;
     size_t max_param = 0, max_piece = 0;
-    sb_printf(&h, "{\"__metadata__\":{\"format\":\"pt\"}");
+    tmd_sb_printf(&h, "{\"__metadata__\":{\"format\":\"pt\"}");
     for (int i = 0; i < p->n; i++) {
         hf_entry *e = &p->e[i];
         size_t es = tm_dtype_size(tm_tensor_dtype(e->t));
@@ -429,13 +394,13 @@ static int write_weights(tm_ctx *ctx, hf_plan *p, const char *dir, uint64_t *fil
         e->begin = off;
         e->end = off + eb;
         off = e->end;
-        sb_printf(&h, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[%lld", e->name, st_dtype_name(tm_tensor_dtype(e->t)),
+        tmd_sb_printf(&h, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[%lld", e->name, st_dtype_name(tm_tensor_dtype(e->t)),
                   (long long)e->shape[0]);
-        if (e->ndim == 2) sb_printf(&h, ",%lld", (long long)e->shape[1]);
-        sb_printf(&h, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)e->begin, (unsigned long long)e->end);
+        if (e->ndim == 2) tmd_sb_printf(&h, ",%lld", (long long)e->shape[1]);
+        tmd_sb_printf(&h, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)e->begin, (unsigned long long)e->end);
     }
-    sb_printf(&h, "}");
-    while (!h.oom && h.n % 8) sb_printf(&h, " "); /* 8 + N a multiple of 8: the data starts aligned */
+    tmd_sb_printf(&h, "}");
+    while (!h.oom && h.n % 8) tmd_sb_printf(&h, " "); /* 8 + N a multiple of 8: the data starts aligned */
     unsigned char *param = malloc(max_param ? max_param : 1), *piece = malloc(max_piece ? max_piece : 1);
     int rc = 0;
     if (h.oom || !param || !piece) {
