@@ -515,3 +515,34 @@ Test(ckpt, kill9_during_save_keeps_a_loadable_file, .timeout = 120) {
                 KILL_REPS);
     tm_ctx_free(ctx);
 }
+
+/* Tensors are compressed in parallel: the file must not depend on the thread count (deflate
+ * is deterministic and the records keep their order). Many tensors, a few large. */
+static tm_ctx *many_tensors(int threads) {
+    tm_ctx *ctx = tt_ctx_threads(threads);
+    for (int i = 0; i < 24; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "t%02d", i);
+        int64_t s[2] = {i % 5 == 0 ? 700 : 3 + i, 257};
+        tm_tensor *t;
+        TT_OK(ctx, tm_param_new(ctx, name, i % 3 == 1 ? TM_BF16 : TM_F32, 2, s, tm_cpu(), &t));
+        TT_OK(ctx, tm_tensor_init_normal(ctx, t, 11, NULL, 0.0, 0.02));
+    }
+    return ctx;
+}
+
+Test(ckpt, file_independent_of_thread_count) {
+    const char *p1 = tt_path("t1.ckpt"), *p3 = tt_path("t3.ckpt");
+    tm_ctx *a = many_tensors(1), *b = many_tensors(3);
+    TT_OK(a, tm_ckpt_save(a, p1, meta_ref, sizeof meta_ref));
+    TT_OK(b, tm_ckpt_save(b, p3, meta_ref, sizeof meta_ref));
+    long n1, n3;
+    unsigned char *f1 = tt_slurp(p1, &n1), *f3 = tt_slurp(p3, &n3);
+    cr_assert_eq(n1, n3);
+    cr_assert_eq(memcmp(f1, f3, (size_t)n1), 0, "1 and 3 threads wrote different files");
+    TT_OK(a, tm_ckpt_load(a, p3, NULL, 0, NULL));
+    free(f1);
+    free(f3);
+    tm_ctx_free(a);
+    tm_ctx_free(b);
+}
