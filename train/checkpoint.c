@@ -5,7 +5,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,18 +12,9 @@
 
 #include "strbuf.h"
 #include "train.h"
+#include "util.h"
 
 #define META_MAGIC "tinymoe-checkpoint 1"
-
-static int fail(char *err, size_t errlen, int code, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return code;
-}
 
 /* ---- meta text ------------------------------------------------------------------------- */
 
@@ -57,7 +47,7 @@ static int parse_i64(const char *s, int64_t *out) {
 int tmd_ckpt_meta_decode(const char *meta, size_t len, const char *path, tmd_config *cfg, tmd_ckpt_state *state,
                          char *err, size_t errlen) {
     char *text = malloc(len + 1);
-    if (!text) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory reading '%s'", path);
+    if (!text) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory reading '%s'", path);
     memcpy(text, meta, len);
     text[len] = 0;
     tmd_config_defaults(cfg);
@@ -65,10 +55,10 @@ int tmd_ckpt_meta_decode(const char *meta, size_t len, const char *path, tmd_con
     int rc = 0, section = -1, have_step = 0, have_pos = 0, line = 0;
     char *s = text;
     if (strlen(text) != len || strncmp(text, META_MAGIC "\n", strlen(META_MAGIC) + 1)) {
-        rc = fail(err, errlen, TMD_CONFIG_ERROR,
-                  "'%s' is a tinymoe checkpoint file but not one written by 'tinymoe train' (its meta does not "
-                  "start with '%s')",
-                  path, META_MAGIC);
+        rc = tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                      "'%s' is a tinymoe checkpoint file but not one written by 'tinymoe train' (its meta does not "
+                      "start with '%s')",
+                      path, META_MAGIC);
         goto done;
     }
     while (s && !rc) {
@@ -86,28 +76,31 @@ int tmd_ckpt_meta_decode(const char *meta, size_t len, const char *path, tmd_con
             const char *why = NULL;
             int r = tmd_config_parse_line(s, &k, &v, &why);
             if (r < 0 || (r > 0 && section < 0)) {
-                rc = fail(err, errlen, TMD_CONFIG_ERROR, "'%s': meta line %d: %s", path, line,
-                          r < 0 ? why : "entry outside a section");
+                rc = tmd_fail(err, errlen, TMD_CONFIG_ERROR, "'%s': meta line %d: %s", path, line,
+                              r < 0 ? why : "entry outside a section");
             } else if (r > 0 && section == 0) {
                 char where[TMD_PATH_MAX + 64], e2[1024];
                 snprintf(where, sizeof where, "meta line %d of %s", line, path);
                 /* Keys of a newer or older build: refuse, the run would not be the same. */
                 if (tmd_config_set(cfg, k, v, TMD_SRC_FILE, where, e2, sizeof e2))
-                    rc = fail(err, errlen, TMD_CONFIG_ERROR, "checkpoint config: %s", e2);
+                    rc = tmd_fail(err, errlen, TMD_CONFIG_ERROR, "checkpoint config: %s", e2);
             } else if (r > 0) {
                 int64_t x;
                 if (parse_i64(v, &x))
-                    rc = fail(err, errlen, TMD_CONFIG_ERROR, "'%s': meta line %d: '%s' is not a count", path, line, v);
+                    rc = tmd_fail(err, errlen, TMD_CONFIG_ERROR, "'%s': meta line %d: '%s' is not a count", path, line,
+                                  v);
                 else if (!strcmp(k, "step")) state->step = x, have_step = 1;
                 else if (!strcmp(k, "data_position")) state->data_position = x, have_pos = 1;
-                else rc = fail(err, errlen, TMD_CONFIG_ERROR, "'%s': meta line %d: unknown state '%s'", path, line, k);
+                else
+                    rc = tmd_fail(err, errlen, TMD_CONFIG_ERROR, "'%s': meta line %d: unknown state '%s'", path, line,
+                                  k);
             }
         }
         s = nl ? nl + 1 : NULL;
     }
     if (!rc && (!have_step || !have_pos))
-        rc = fail(err, errlen, TMD_CONFIG_ERROR, "'%s': meta lacks the %s", path,
-                  !have_step ? "step" : "data_position");
+        rc = tmd_fail(err, errlen, TMD_CONFIG_ERROR, "'%s': meta lacks the %s", path,
+                      !have_step ? "step" : "data_position");
     /* Where a value came from is now "the checkpoint" (shown for values off their default). */
     if (!rc) {
         tmd_config d;
@@ -142,7 +135,7 @@ int tmd_ckpt_list(const char *dir, int64_t **steps, int *n, char *err, size_t er
     *steps = NULL;
     *n = 0;
     DIR *d = opendir(dir);
-    if (!d) return fail(err, errlen, TMD_CONFIG_ERROR, "cannot read directory '%s': %s", dir, strerror(errno));
+    if (!d) return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "cannot read directory '%s': %s", dir, strerror(errno));
     int cap = 0, rc = 0;
     struct dirent *e;
     while ((e = readdir(d))) {
@@ -152,7 +145,7 @@ int tmd_ckpt_list(const char *dir, int64_t **steps, int *n, char *err, size_t er
             cap = cap ? 2 * cap : 16;
             int64_t *ns = realloc(*steps, sizeof *ns * (size_t)cap);
             if (!ns) {
-                rc = fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory listing '%s'", dir);
+                rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory listing '%s'", dir);
                 break;
             }
             *steps = ns;
@@ -176,12 +169,11 @@ void tmd_ckpt_path(const char *dir, int64_t step, char *path, size_t pathlen) {
 
 int tmd_ckpt_resolve(const char *ckpt, char *path, size_t pathlen, char *err, size_t errlen) {
     struct stat st;
-    if (!ckpt || !*ckpt) return fail(err, errlen, TMD_CONFIG_ERROR, "no checkpoint given");
-    if (stat(ckpt, &st))
-        return fail(err, errlen, TMD_CONFIG_ERROR, "checkpoint '%s': %s", ckpt, strerror(errno));
+    if (!ckpt || !*ckpt) return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "no checkpoint given");
+    if (stat(ckpt, &st)) return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "checkpoint '%s': %s", ckpt, strerror(errno));
     if (!S_ISDIR(st.st_mode)) {
         if ((size_t)snprintf(path, pathlen, "%s", ckpt) >= pathlen)
-            return fail(err, errlen, TMD_CONFIG_ERROR, "checkpoint path '%s' is too long", ckpt);
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "checkpoint path '%s' is too long", ckpt);
         return 0;
     }
     int64_t *steps;
@@ -189,7 +181,8 @@ int tmd_ckpt_resolve(const char *ckpt, char *path, size_t pathlen, char *err, si
     if (rc) return rc;
     if (n == 0) {
         free(steps);
-        return fail(err, errlen, TMD_CONFIG_ERROR, "directory '%s' holds no checkpoint (ckpt-*" TMD_CKPT_EXT ")", ckpt);
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "directory '%s' holds no checkpoint (ckpt-*" TMD_CKPT_EXT ")",
+                        ckpt);
     }
     tmd_ckpt_path(ckpt, steps[n - 1], path, pathlen);
     free(steps);
@@ -200,11 +193,12 @@ int tmd_ckpt_read_meta(const char *path, tmd_config *cfg, tmd_ckpt_state *state,
     tm_ctx *ctx = NULL;
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = 1;
-    if (tm_ctx_new(&ctx, &o)) return fail(err, errlen, TMD_RUNTIME_ERROR, "%s", tm_last_create_error());
+    if (tm_ctx_new(&ctx, &o)) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "%s", tm_last_create_error());
     tm_ckpt_info *info = NULL;
     tm_status s = tm_ckpt_inspect(ctx, path, &info);
     int rc;
-    if (s) rc = fail(err, errlen, s == TM_ERR_NOMEM ? TMD_RUNTIME_ERROR : TMD_CONFIG_ERROR, "%s", tm_ctx_errmsg(ctx));
+    if (s)
+        rc = tmd_fail(err, errlen, s == TM_ERR_NOMEM ? TMD_RUNTIME_ERROR : TMD_CONFIG_ERROR, "%s", tm_ctx_errmsg(ctx));
     else rc = tmd_ckpt_meta_decode(info->meta, info->meta_bytes, path, cfg, state, err, errlen);
     tm_ckpt_info_free(info);
     tm_ctx_free(ctx);
@@ -232,13 +226,13 @@ int tmd_ckpt_load_model(const char *ckpt, int device, int threads, tmd_loaded_mo
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = threads;
     o.cuda_device = c->device == TMD_DEVICE_CUDA ? 0 : -1;
-    if (tm_ctx_new(&out->ctx, &o)) return fail(err, errlen, TMD_RUNTIME_ERROR, "%s", tm_last_create_error());
+    if (tm_ctx_new(&out->ctx, &o)) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "%s", tm_last_create_error());
     tm_device dev = {c->device == TMD_DEVICE_CUDA ? TM_DEVICE_CUDA : TM_DEVICE_CPU, 0};
     tm_status s = tm_model_new(out->ctx, &c->model, c->dtype == TMD_DTYPE_BF16 ? TM_BF16 : TM_F32, dev, &out->model);
     if (!s) s = tm_ckpt_load_flags(out->ctx, out->path, TM_CKPT_SKIP_UNKNOWN, NULL, 0, NULL);
     if (s) {
-        rc = fail(err, errlen, s == TM_ERR_NOMEM || s == TM_ERR_CUDA ? TMD_RUNTIME_ERROR : TMD_CONFIG_ERROR,
-                  "loading '%s': %s", out->path, tm_ctx_errmsg(out->ctx));
+        rc = tmd_fail(err, errlen, s == TM_ERR_NOMEM || s == TM_ERR_CUDA ? TMD_RUNTIME_ERROR : TMD_CONFIG_ERROR,
+                      "loading '%s': %s", out->path, tm_ctx_errmsg(out->ctx));
         tmd_loaded_model_free(out);
     }
     return rc;
@@ -255,13 +249,16 @@ int tmd_ckpt_merge_config(const tmd_config *cli, const tmd_config *ck, const cha
         const char *name = tmd_config_key_name(i);
         if (tmd_config_key_resumable(i, for_eval)) {
             if (tmd_config_set(&m, name, a, (tmd_source)cli->source[i], "the command line", e2, sizeof e2))
-                return fail(err, errlen, TMD_CONFIG_ERROR, "%s", e2);
+                return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "%s", e2);
         } else if (strcmp(a, b)) {
-            return fail(err, errlen, TMD_CONFIG_ERROR,
-                        "key '%s' = %s differs from the checkpoint '%s', which has %s = %s; %s keeps the "
-                        "checkpoint's model and training keys (drop the setting%s)",
-                        name, a, path, name, b, for_eval ? "evaluating a checkpoint" : "resuming",
-                        for_eval ? "" : ", or start a new run without --resume");
+            /* Compared exactly, shown as a person would write them. */
+            tmd_config_format(cli, i, a, sizeof a);
+            tmd_config_format(ck, i, b, sizeof b);
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                            "key '%s' = %s differs from the checkpoint '%s', which has %s = %s; %s keeps the "
+                            "checkpoint's model and training keys (drop the setting%s)",
+                            name, a, path, name, b, for_eval ? "evaluating a checkpoint" : "resuming",
+                            for_eval ? "" : ", or start a new run without --resume");
         }
     }
     *out = m;

@@ -4,9 +4,10 @@
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "util.h"
 
 /* Enum keys store the index of the value in their `values` list, straight into the library's
  * enum fields: these orders must match the enums. */
@@ -206,16 +207,6 @@ enum { NPRESETS = (int)(sizeof PRESETS / sizeof PRESETS[0]) };
 
 /* ---------------------------------------------------------------------------------------- */
 
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
-
 static void *field_ptr(tmd_config *cfg, const key *k) { return (char *)cfg + k->offset; }
 static const void *field_cptr(const tmd_config *cfg, const key *k) { return (const char *)cfg + k->offset; }
 
@@ -310,7 +301,8 @@ static void enum_name(const char *values, int idx, char *buf, size_t len) {
 
 static int bad_value(const key *k, const char *v, const char *where, char *err, size_t errlen) {
     char exp[128];
-    return fail(err, errlen, "key '%s' (%s): expected %s, got '%s'", k->name, where, expected(k, exp, sizeof exp), v);
+    return tmd_fail(err, errlen, -1, "key '%s' (%s): expected %s, got '%s'", k->name, where,
+                    expected(k, exp, sizeof exp), v);
 }
 
 static int parse_value(tmd_config *cfg, const key *k, const char *v, const char *where, char *err, size_t errlen) {
@@ -363,13 +355,13 @@ static int parse_value(tmd_config *cfg, const key *k, const char *v, const char 
     case T_STR:
         if (strlen(v) >= k->size) {
             char exp[128];
-            return fail(err, errlen, "key '%s' (%s): expected %s, got %zu bytes", k->name, where,
-                        expected(k, exp, sizeof exp), strlen(v));
+            return tmd_fail(err, errlen, -1, "key '%s' (%s): expected %s, got %zu bytes", k->name, where,
+                            expected(k, exp, sizeof exp), strlen(v));
         }
         memcpy(p, v, strlen(v) + 1);
         return 0;
     }
-    return fail(err, errlen, "key '%s': unknown type", k->name);
+    return tmd_fail(err, errlen, -1, "key '%s': unknown type", k->name);
 }
 
 int tmd_config_set(tmd_config *cfg, const char *name, const char *value, tmd_source src, const char *where, char *err,
@@ -377,8 +369,8 @@ int tmd_config_set(tmd_config *cfg, const char *name, const char *value, tmd_sou
     int i = find_key(name);
     if (i < 0) {
         const char *sugg = closest_key(name);
-        if (sugg) return fail(err, errlen, "unknown key '%s' (%s); did you mean '%s'?", name, where, sugg);
-        return fail(err, errlen, "unknown key '%s' (%s); 'tinymoe train --help' lists the keys", name, where);
+        if (sugg) return tmd_fail(err, errlen, -1, "unknown key '%s' (%s); did you mean '%s'?", name, where, sugg);
+        return tmd_fail(err, errlen, -1, "unknown key '%s' (%s); 'tinymoe train --help' lists the keys", name, where);
     }
     if (parse_value(cfg, &KEYS[i], value, where, err, errlen)) return -1;
     cfg->source[i] = (unsigned char)src;
@@ -416,7 +408,7 @@ int tmd_config_apply_preset(tmd_config *cfg, const char *name, char *err, size_t
     char names[128] = "";
     for (int p = 0; p < NPRESETS; p++)
         snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", p ? "|" : "", PRESETS[p].name);
-    return fail(err, errlen, "key 'preset': expected one of %s, got '%s'", names, name);
+    return tmd_fail(err, errlen, -1, "key 'preset': expected one of %s, got '%s'", names, name);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -482,13 +474,13 @@ static int parse_line(char *line, char **key, char **value, const char **why) {
 
 static int read_file(const char *path, char **out, char *err, size_t errlen) {
     FILE *f = fopen(path, "rb");
-    if (!f) return fail(err, errlen, "cannot open config file '%s': %s", path, strerror(errno));
+    if (!f) return tmd_fail(err, errlen, -1, "cannot open config file '%s': %s", path, strerror(errno));
     size_t cap = 4096, n = 0;
     char *buf = malloc(cap);
     for (;;) {
         if (!buf) {
             fclose(f);
-            return fail(err, errlen, "config file '%s': out of memory", path);
+            return tmd_fail(err, errlen, -1, "config file '%s': out of memory", path);
         }
         n += fread(buf + n, 1, cap - 1 - n, f);
         if (n < cap - 1) break;
@@ -500,12 +492,12 @@ static int read_file(const char *path, char **out, char *err, size_t errlen) {
     fclose(f);
     if (bad) {
         free(buf);
-        return fail(err, errlen, "cannot read config file '%s'", path);
+        return tmd_fail(err, errlen, -1, "cannot read config file '%s'", path);
     }
     buf[n] = 0;
     if (strlen(buf) != n) {
         free(buf);
-        return fail(err, errlen, "config file '%s' contains a NUL byte: not a text file", path);
+        return tmd_fail(err, errlen, -1, "config file '%s' contains a NUL byte: not a text file", path);
     }
     *out = buf;
     return 0;
@@ -527,7 +519,7 @@ static int parse_file(const char *path, char **text, entry **entries, int *n, ch
         if (r < 0) {
             free(*entries);
             *entries = NULL;
-            return fail(err, errlen, "%s (line %d of %s)", why, line, path);
+            return tmd_fail(err, errlen, -1, "%s (line %d of %s)", why, line, path);
         }
         if (r > 0) {
             if (*n == cap) {
@@ -536,7 +528,7 @@ static int parse_file(const char *path, char **text, entry **entries, int *n, ch
                 if (!ne) {
                     free(*entries);
                     *entries = NULL;
-                    return fail(err, errlen, "config file '%s': out of memory", path);
+                    return tmd_fail(err, errlen, -1, "config file '%s': out of memory", path);
                 }
                 *entries = ne;
             }
@@ -571,7 +563,7 @@ int tmd_config_from_args(tmd_config *cfg, int argc, char **argv, int *help, char
     tmd_config_defaults(cfg);
     *help = 0;
     flag *flags = calloc((size_t)(argc > 0 ? argc : 1), sizeof *flags);
-    if (!flags) return fail(err, errlen, "out of memory");
+    if (!flags) return tmd_fail(err, errlen, -1, "out of memory");
     int nf = 0, rc = -1;
     const char *config_path = NULL, *preset_name = NULL;
     char *text = NULL;
@@ -587,13 +579,13 @@ int tmd_config_from_args(tmd_config *cfg, int argc, char **argv, int *help, char
             goto done;
         }
         if (strncmp(a, "--", 2) || !a[2]) {
-            fail(err, errlen, "unexpected argument '%s' (flags are --key value or --key=value)", a);
+            tmd_fail(err, errlen, -1, "unexpected argument '%s' (flags are --key value or --key=value)", a);
             goto done;
         }
         const char *name = a + 2, *eq = strchr(name, '=');
         size_t nlen = eq ? (size_t)(eq - name) : strlen(name);
         if (nlen >= sizeof flags[nf].name) {
-            fail(err, errlen, "unknown key '%.40s...' (flag %.40s...)", name, a);
+            tmd_fail(err, errlen, -1, "unknown key '%.40s...' (flag %.40s...)", name, a);
             goto done;
         }
         flag *f = &flags[nf];
@@ -610,7 +602,7 @@ int tmd_config_from_args(tmd_config *cfg, int argc, char **argv, int *help, char
         } else if (i + 1 < argc) {
             f->value = argv[++i];
         } else {
-            fail(err, errlen, "flag --%s needs a value", f->name);
+            tmd_fail(err, errlen, -1, "flag --%s needs a value", f->name);
             goto done;
         }
         if (!strcmp(f->name, "config")) config_path = f->value;
@@ -693,7 +685,7 @@ void tmd_config_explain(const tmd_config *cfg, const char *msg, char *err, size_
 
 #define CHECK(cond, ...)                                                                                               \
     do {                                                                                                               \
-        if (!(cond)) return fail(err, errlen, __VA_ARGS__);                                                            \
+        if (!(cond)) return tmd_fail(err, errlen, -1, __VA_ARGS__);                                                    \
     } while (0)
 
 int tmd_config_validate(const tmd_config *c, char *err, size_t errlen) {
@@ -748,7 +740,7 @@ int tmd_config_validate(const tmd_config *c, char *err, size_t errlen) {
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = 1;
     tm_ctx *ctx = NULL;
-    if (tm_ctx_new(&ctx, &o)) return fail(err, errlen, "cannot create a context: %s", tm_last_create_error());
+    if (tm_ctx_new(&ctx, &o)) return tmd_fail(err, errlen, -1, "cannot create a context: %s", tm_last_create_error());
     int rc = 0;
     tm_tensor *p = NULL;
     tm_optimizer *opt = NULL;

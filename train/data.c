@@ -5,31 +5,20 @@
 #include "data.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <glob.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
+#include "atomic.h"
 #include "tinymoe.h"
+#include "util.h"
 
 #define HEADER_BYTES (TM__DATA_HEADER_INTS * 4)
 /* Tokens converted per fread/fwrite: bounds the staging buffer (256 KiB of bytes). */
 #define CHUNK_TOKENS 65536
-
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
 
 /* Copy a name into a fixed buffer, keeping the end (the file name) when it is too long. */
 static void set_source(char *dst, size_t cap, const char *src) {
@@ -66,20 +55,20 @@ typedef struct {
 
 static int open_shard(const char *path, shard *s, char *err, size_t errlen) {
     s->f = fopen(path, "rb");
-    if (!s->f) return fail(err, errlen, "cannot open '%s': %s", path, strerror(errno));
+    if (!s->f) return tmd_fail(err, errlen, -1, "cannot open '%s': %s", path, strerror(errno));
     struct stat st;
-    if (fstat(fileno(s->f), &st) != 0) return fail(err, errlen, "cannot stat '%s': %s", path, strerror(errno));
-    if (!S_ISREG(st.st_mode)) return fail(err, errlen, "'%s' is not a regular file", path);
+    if (fstat(fileno(s->f), &st) != 0) return tmd_fail(err, errlen, -1, "cannot stat '%s': %s", path, strerror(errno));
+    if (!S_ISREG(st.st_mode)) return tmd_fail(err, errlen, -1, "'%s' is not a regular file", path);
     int64_t size = (int64_t)st.st_size;
     if (size < HEADER_BYTES)
-        return fail(err, errlen,
-                    "'%s' is %lld bytes, shorter than the %d-byte header of a token file (truncated, or "
-                    "not a token file)",
-                    path, (long long)size, HEADER_BYTES);
+        return tmd_fail(err, errlen, -1,
+                        "'%s' is %lld bytes, shorter than the %d-byte header of a token file (truncated, or "
+                        "not a token file)",
+                        path, (long long)size, HEADER_BYTES);
     unsigned char h[HEADER_BYTES];
     if (fread(h, 1, sizeof h, s->f) != sizeof h)
-        return fail(err, errlen, "cannot read the header of '%s': %s", path,
-                    ferror(s->f) ? strerror(errno) : "unexpected end of file");
+        return tmd_fail(err, errlen, -1, "cannot read the header of '%s': %s", path,
+                        ferror(s->f) ? strerror(errno) : "unexpected end of file");
 
     int32_t magic = get_i32le(h), version = get_i32le(h + 4), count = get_i32le(h + 8);
     int want_version;
@@ -90,27 +79,27 @@ static int open_shard(const char *path, shard *s, char *err, size_t errlen) {
         want_version = 7;
         s->width = 4;
     } else {
-        return fail(err, errlen,
-                    "'%s' has magic %d, expected %d (llm.c tokens, uint16) or %d (uint32): not a "
-                    "token file",
-                    path, magic, TM__DATA_MAGIC_V1, TM__DATA_MAGIC_V7);
+        return tmd_fail(err, errlen, -1,
+                        "'%s' has magic %d, expected %d (llm.c tokens, uint16) or %d (uint32): not a "
+                        "token file",
+                        path, magic, TM__DATA_MAGIC_V1, TM__DATA_MAGIC_V7);
     }
     if (version != want_version)
-        return fail(err, errlen, "'%s' has version %d, but its magic %d means version %d", path, version, magic,
-                    want_version);
-    if (count < 0) return fail(err, errlen, "'%s' declares a negative token count %d", path, count);
+        return tmd_fail(err, errlen, -1, "'%s' has version %d, but its magic %d means version %d", path, version, magic,
+                        want_version);
+    if (count < 0) return tmd_fail(err, errlen, -1, "'%s' declares a negative token count %d", path, count);
     s->n = count;
     int64_t body = size - HEADER_BYTES, want = (int64_t)count * s->width;
     if (body < want)
-        return fail(err, errlen,
-                    "'%s' is truncated: its header declares %d tokens (%lld bytes) but only %lld bytes "
-                    "follow the header",
-                    path, count, (long long)want, (long long)body);
+        return tmd_fail(err, errlen, -1,
+                        "'%s' is truncated: its header declares %d tokens (%lld bytes) but only %lld bytes "
+                        "follow the header",
+                        path, count, (long long)want, (long long)body);
     if (body > want)
-        return fail(err, errlen,
-                    "'%s' has %lld bytes after the %d tokens its header declares (wrong count, or "
-                    "appended data)",
-                    path, (long long)(body - want), count);
+        return tmd_fail(err, errlen, -1,
+                        "'%s' has %lld bytes after the %d tokens its header declares (wrong count, or "
+                        "appended data)",
+                        path, (long long)(body - want), count);
     return 0;
 }
 
@@ -119,8 +108,8 @@ static int read_tokens(shard *s, const char *path, uint32_t *dst, unsigned char 
     for (int64_t done = 0; done < s->n;) {
         size_t k = (size_t)(s->n - done < CHUNK_TOKENS ? s->n - done : CHUNK_TOKENS);
         if (fread(buf, (size_t)s->width, k, s->f) != k)
-            return fail(err, errlen, "cannot read the tokens of '%s': %s", path,
-                        ferror(s->f) ? strerror(errno) : "file shrank while being read");
+            return tmd_fail(err, errlen, -1, "cannot read the tokens of '%s': %s", path,
+                            ferror(s->f) ? strerror(errno) : "file shrank while being read");
         if (s->width == 2)
             for (size_t i = 0; i < k; i++) dst[done + i] = (uint32_t)buf[2 * i] | (uint32_t)buf[2 * i + 1] << 8;
         else
@@ -138,7 +127,7 @@ static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *
  * token is read, so a bad shard costs no I/O on the others. */
 int tm__tokens_load(const char *pattern, tm__tokens *out, char *err, size_t errlen) {
     memset(out, 0, sizeof *out);
-    if (!pattern || !*pattern) return fail(err, errlen, "no token file given");
+    if (!pattern || !*pattern) return tmd_fail(err, errlen, -1, "no token file given");
 
     /* A plain path is opened directly so a missing file reports strerror (glob would only say
      * "no match"); a pattern must match at least one file. */
@@ -151,9 +140,9 @@ int tm__tokens_load(const char *pattern, tm__tokens *out, char *err, size_t errl
         int rc = glob(pattern, 0, NULL, &g);
         if (rc != 0) {
             globfree(&g);
-            if (rc == GLOB_NOMATCH) return fail(err, errlen, "no file matches '%s'", pattern);
-            return fail(err, errlen, "cannot expand '%s': %s", pattern,
-                        rc == GLOB_NOSPACE ? "out of memory" : "read error");
+            if (rc == GLOB_NOMATCH) return tmd_fail(err, errlen, -1, "no file matches '%s'", pattern);
+            return tmd_fail(err, errlen, -1, "cannot expand '%s': %s", pattern,
+                            rc == GLOB_NOSPACE ? "out of memory" : "read error");
         }
         /* glob sorts with strcoll; re-sort bytewise so the shard order never depends on the
          * locale. */
@@ -169,7 +158,7 @@ int tm__tokens_load(const char *pattern, tm__tokens *out, char *err, size_t errl
     shard *sh = calloc(npaths, sizeof *sh);
     unsigned char *buf = malloc((size_t)CHUNK_TOKENS * 4);
     if (!sh || !buf) {
-        fail(err, errlen, "out of memory listing the files of '%s'", pattern);
+        tmd_fail(err, errlen, -1, "out of memory listing the files of '%s'", pattern);
         goto done;
     }
     int64_t total = 0;
@@ -178,11 +167,11 @@ int tm__tokens_load(const char *pattern, tm__tokens *out, char *err, size_t errl
         total += sh[i].n;
     }
     if (total == 0) {
-        fail(err, errlen, "'%s' holds no tokens", pattern);
+        tmd_fail(err, errlen, -1, "'%s' holds no tokens", pattern);
         goto done;
     }
     if ((uint64_t)total > SIZE_MAX / sizeof(uint32_t) || !(out->tok = malloc((size_t)total * sizeof(uint32_t)))) {
-        fail(err, errlen, "out of memory for the %lld tokens of '%s'", (long long)total, pattern);
+        tmd_fail(err, errlen, -1, "out of memory for the %lld tokens of '%s'", (long long)total, pattern);
         goto done;
     }
     int64_t at = 0;
@@ -227,19 +216,19 @@ static uint32_t max_of(const uint32_t *tok, int64_t n) {
 int tm__tokens_split(tm__tokens *train, double fraction, tm__tokens *val, char *err, size_t errlen) {
     memset(val, 0, sizeof *val);
     if (!(fraction > 0.0 && fraction < 1.0)) /* also rejects NaN */
-        return fail(err, errlen, "validation fraction %g of '%s' must be in (0, 1)", fraction, train->source);
+        return tmd_fail(err, errlen, -1, "validation fraction %g of '%s' must be in (0, 1)", fraction, train->source);
     int64_t n = train->n, n_val = (int64_t)llround(fraction * (double)n), n_train = n - n_val;
     /* One (input, target) pair needs two tokens: fewer on either side cannot train or
      * evaluate anything. */
     if (n_val < 2 || n_train < 2)
-        return fail(err, errlen,
-                    "validation fraction %g of the %lld tokens of '%s' leaves %lld training and %lld "
-                    "validation tokens (each needs >= 2)",
-                    fraction, (long long)n, train->source, (long long)n_train, (long long)n_val);
+        return tmd_fail(err, errlen, -1,
+                        "validation fraction %g of the %lld tokens of '%s' leaves %lld training and %lld "
+                        "validation tokens (each needs >= 2)",
+                        fraction, (long long)n, train->source, (long long)n_train, (long long)n_val);
     val->tok = malloc((size_t)n_val * sizeof(uint32_t));
     if (!val->tok)
-        return fail(err, errlen, "out of memory for the %lld validation tokens of '%s'", (long long)n_val,
-                    train->source);
+        return tmd_fail(err, errlen, -1, "out of memory for the %lld validation tokens of '%s'", (long long)n_val,
+                        train->source);
     memcpy(val->tok, train->tok + n_train, (size_t)n_val * sizeof(uint32_t));
     val->n = n_val;
     val->max_token = max_of(val->tok, n_val);
@@ -256,55 +245,39 @@ int tm__tokens_split(tm__tokens *train, double fraction, tm__tokens *val, char *
 }
 
 int tm__tokens_check_vocab(const tm__tokens *t, int vocab_size, char *err, size_t errlen) {
-    if (vocab_size < 1) return fail(err, errlen, "vocab size %d must be >= 1", vocab_size);
+    if (vocab_size < 1) return tmd_fail(err, errlen, -1, "vocab size %d must be >= 1", vocab_size);
     if (t->max_token < (uint32_t)vocab_size) return 0;
     for (int64_t i = 0; i < t->n; i++)
         if (t->tok[i] >= (uint32_t)vocab_size)
-            return fail(err, errlen, "token %u at position %lld of '%s' is >= the vocab size %d", t->tok[i],
-                        (long long)i, t->source, vocab_size);
+            return tmd_fail(err, errlen, -1, "token %u at position %lld of '%s' is >= the vocab size %d", t->tok[i],
+                            (long long)i, t->source, vocab_size);
     return 0; /* unreachable while max_token is kept up to date */
 }
 
 /* ------------------------------------------------------------------------------------------
- * Writing: staged in a temporary file, then renamed over the target
+ * Writing: staged in a temporary file, then renamed over the target (atomic.h)
  * ------------------------------------------------------------------------------------------ */
 
-/* Write a complete, fsync'ed token file to a fresh temporary file next to `path` (same
- * directory, so the later rename cannot cross file systems) and return its name in tmp. On
- * failure the temporary file is removed. */
-static int stage(const char *path, const uint32_t *tok, int64_t n, char *tmp, size_t tmplen, char *err,
-                 size_t errlen) {
-    if (n < 0 || (n > 0 && !tok)) return fail(err, errlen, "cannot write '%s': invalid token array", path);
+/* Write a complete, fsync'ed token file to a staged temporary for `path`, for the caller to
+ * publish. On failure nothing is left behind. */
+static int stage(tmd_atomic *a, const char *path, const uint32_t *tok, int64_t n, char *err, size_t errlen) {
+    if (n < 0 || (n > 0 && !tok)) return tmd_fail(err, errlen, -1, "cannot write '%s': invalid token array", path);
     if (n > INT32_MAX)
-        return fail(err, errlen, "cannot write '%s': %lld tokens exceed the format's int32 count", path,
-                    (long long)n);
+        return tmd_fail(err, errlen, -1, "cannot write '%s': %lld tokens exceed the format's int32 count", path,
+                        (long long)n);
     uint32_t mx = max_of(tok, n);
     int v7 = mx > UINT16_MAX, width = v7 ? 4 : 2;
-
-    if ((size_t)snprintf(tmp, tmplen, "%s.tmp.XXXXXX", path) >= tmplen)
-        return fail(err, errlen, "cannot write '%s': path too long", path);
-    int fd = mkstemp(tmp);
-    if (fd < 0) return fail(err, errlen, "cannot create a temporary file next to '%s': %s", path, strerror(errno));
-    /* mkstemp creates 0600; a data file is ordinary shared input. */
-    fchmod(fd, 0644);
-    FILE *f = fdopen(fd, "wb");
-    if (!f) {
-        int e = errno;
-        close(fd);
-        unlink(tmp);
-        return fail(err, errlen, "cannot write '%s': %s", tmp, strerror(e));
-    }
-
     unsigned char *buf = malloc((size_t)CHUNK_TOKENS * 4 > HEADER_BYTES ? (size_t)CHUNK_TOKENS * 4 : HEADER_BYTES);
-    int ok = buf != NULL;
-    int e = ok ? 0 : ENOMEM;
-    if (ok) {
-        memset(buf, 0, HEADER_BYTES);
-        put_u32le(buf, v7 ? TM__DATA_MAGIC_V7 : TM__DATA_MAGIC_V1);
-        put_u32le(buf + 4, v7 ? 7 : 1);
-        put_u32le(buf + 8, (uint32_t)n);
-        ok = fwrite(buf, 1, HEADER_BYTES, f) == HEADER_BYTES;
+    if (!buf) return tmd_fail(err, errlen, -1, "cannot write '%s': out of memory", path);
+    if (tmd_atomic_open(a, path, err, errlen)) {
+        free(buf);
+        return -1;
     }
+    memset(buf, 0, HEADER_BYTES);
+    put_u32le(buf, v7 ? TM__DATA_MAGIC_V7 : TM__DATA_MAGIC_V1);
+    put_u32le(buf + 4, v7 ? 7 : 1);
+    put_u32le(buf + 8, (uint32_t)n);
+    int ok = tmd_atomic_write(a, buf, HEADER_BYTES) == 0;
     for (int64_t done = 0; ok && done < n;) {
         size_t k = (size_t)(n - done < CHUNK_TOKENS ? n - done : CHUNK_TOKENS);
         for (size_t i = 0; i < k; i++) {
@@ -316,51 +289,17 @@ static int stage(const char *path, const uint32_t *tok, int64_t n, char *tmp, si
                 buf[2 * i + 1] = (unsigned char)(v >> 8);
             }
         }
-        ok = fwrite(buf, (size_t)width, k, f) == k;
+        ok = tmd_atomic_write(a, buf, (size_t)width * k) == 0;
         done += (int64_t)k;
     }
-    if (ok) ok = fflush(f) == 0 && fsync(fd) == 0;
-    if (!ok && !e) e = errno;
-    if (fclose(f) != 0 && ok) {
-        ok = 0;
-        e = errno;
-    }
     free(buf);
-    if (!ok) {
-        unlink(tmp);
-        return fail(err, errlen, "cannot write '%s' (via '%s'): %s", path, tmp, strerror(e));
-    }
-    return 0;
-}
-
-/* Rename the staged file over the target, then fsync the directory so the new name itself
- * survives a crash (best effort: some file systems refuse fsync on a directory). */
-static int commit(const char *tmp, const char *path, char *err, size_t errlen) {
-    if (rename(tmp, path) != 0) {
-        int e = errno;
-        unlink(tmp);
-        return fail(err, errlen, "cannot rename '%s' to '%s': %s", tmp, path, strerror(e));
-    }
-    char dir[4096];
-    const char *slash = strrchr(path, '/');
-    if (!slash)
-        snprintf(dir, sizeof dir, ".");
-    else if ((size_t)(slash - path) < sizeof dir)
-        snprintf(dir, sizeof dir, "%.*s", slash == path ? 1 : (int)(slash - path), path);
-    else
-        return 0;
-    int dfd = open(dir, O_RDONLY | O_DIRECTORY);
-    if (dfd >= 0) {
-        fsync(dfd);
-        close(dfd);
-    }
-    return 0;
+    return tmd_atomic_stage(a, err, errlen) ? -1 : 0;
 }
 
 int tm__tokens_write(const char *path, const uint32_t *tok, int64_t n, char *err, size_t errlen) {
-    char tmp[4096];
-    if (stage(path, tok, n, tmp, sizeof tmp, err, errlen) != 0) return -1;
-    return commit(tmp, path, err, errlen);
+    tmd_atomic a;
+    if (stage(&a, path, tok, n, err, errlen) != 0) return -1;
+    return tmd_atomic_publish(&a, err, errlen) ? -1 : 0;
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -384,49 +323,49 @@ int tm__tokenize_file(const char *in_path, const char *out_path, double val_frac
                       size_t val_path_len, char *err, size_t errlen) {
     if (val_path_out && val_path_len) val_path_out[0] = '\0';
     if (!(val_fraction >= 0.0 && val_fraction < 1.0))
-        return fail(err, errlen, "validation fraction %g must be in [0, 1)", val_fraction);
+        return tmd_fail(err, errlen, -1, "validation fraction %g must be in [0, 1)", val_fraction);
     char val_path[4096] = "";
     if (val_fraction > 0.0) {
         if (val_name(out_path, val_path, sizeof val_path) != 0)
-            return fail(err, errlen, "output path '%s' is too long", out_path);
+            return tmd_fail(err, errlen, -1, "output path '%s' is too long", out_path);
         if (val_path_out && strlen(val_path) >= val_path_len)
-            return fail(err, errlen, "no room for the validation file name '%s'", val_path);
+            return tmd_fail(err, errlen, -1, "no room for the validation file name '%s'", val_path);
     }
 
     FILE *f = fopen(in_path, "rb");
-    if (!f) return fail(err, errlen, "cannot open '%s': %s", in_path, strerror(errno));
+    if (!f) return tmd_fail(err, errlen, -1, "cannot open '%s': %s", in_path, strerror(errno));
     struct stat st, st_out;
     if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
         fclose(f);
-        return fail(err, errlen, "'%s' is not a readable regular file", in_path);
+        return tmd_fail(err, errlen, -1, "'%s' is not a readable regular file", in_path);
     }
     /* Reading whole before writing makes in == out safe, but it would replace the text by its
      * tokens: surely not what was meant. */
     if (stat(out_path, &st_out) == 0 && st_out.st_dev == st.st_dev && st_out.st_ino == st.st_ino) {
         fclose(f);
-        return fail(err, errlen, "output '%s' is the input file", out_path);
+        return tmd_fail(err, errlen, -1, "output '%s' is the input file", out_path);
     }
     if (st.st_size == 0) {
         fclose(f);
-        return fail(err, errlen, "'%s' is empty: nothing to tokenize", in_path);
+        return tmd_fail(err, errlen, -1, "'%s' is empty: nothing to tokenize", in_path);
     }
     int64_t nbytes = (int64_t)st.st_size, n = nbytes + 1;
     if (n > INT32_MAX) {
         fclose(f);
-        return fail(err, errlen, "'%s' has %lld bytes, more tokens than a token file can hold", in_path,
-                    (long long)nbytes);
+        return tmd_fail(err, errlen, -1, "'%s' has %lld bytes, more tokens than a token file can hold", in_path,
+                        (long long)nbytes);
     }
     unsigned char *text = malloc((size_t)nbytes);
     uint32_t *tok = malloc((size_t)n * sizeof *tok);
     int rc = -1;
-    char tmp_train[4096], tmp_val[4096];
-    int staged_val = 0;
+    tmd_atomic a_train = {0}, a_val = {0}; /* zeroed: tmd_atomic_abort does nothing */
     if (!text || !tok) {
-        fail(err, errlen, "out of memory for the %lld bytes of '%s'", (long long)nbytes, in_path);
+        tmd_fail(err, errlen, -1, "out of memory for the %lld bytes of '%s'", (long long)nbytes, in_path);
         goto done;
     }
     if (fread(text, 1, (size_t)nbytes, f) != (size_t)nbytes) {
-        fail(err, errlen, "cannot read '%s': %s", in_path, ferror(f) ? strerror(errno) : "file shrank while being read");
+        tmd_fail(err, errlen, -1, "cannot read '%s': %s", in_path,
+                 ferror(f) ? strerror(errno) : "file shrank while being read");
         goto done;
     }
     for (int64_t i = 0; i < nbytes; i++) tok[i] = text[i];
@@ -437,31 +376,25 @@ int tm__tokenize_file(const char *in_path, const char *out_path, double val_frac
         int64_t n_val = (int64_t)llround(val_fraction * (double)n);
         n_train = n - n_val;
         if (n_val < 2 || n_train < 2) {
-            fail(err, errlen,
-                 "validation fraction %g of the %lld tokens of '%s' leaves %lld training and %lld "
-                 "validation tokens (each needs >= 2)",
-                 val_fraction, (long long)n, in_path, (long long)n_train, (long long)n_val);
+            tmd_fail(err, errlen, -1,
+                     "validation fraction %g of the %lld tokens of '%s' leaves %lld training and %lld "
+                     "validation tokens (each needs >= 2)",
+                     val_fraction, (long long)n, in_path, (long long)n_train, (long long)n_val);
             goto done;
         }
         /* Both files are staged before either is renamed into place: a failure leaves neither
          * half-written nor one new beside one stale. */
-        if (stage(val_path, tok + n_train, n_val, tmp_val, sizeof tmp_val, err, errlen) != 0) goto done;
-        staged_val = 1;
+        if (stage(&a_val, val_path, tok + n_train, n_val, err, errlen) != 0) goto done;
     }
-    if (stage(out_path, tok, n_train, tmp_train, sizeof tmp_train, err, errlen) != 0) goto done;
-    if (staged_val) {
-        staged_val = 0;
-        if (commit(tmp_val, val_path, err, errlen) != 0) {
-            unlink(tmp_train);
-            goto done;
-        }
-    }
-    if (commit(tmp_train, out_path, err, errlen) != 0) goto done;
+    if (stage(&a_train, out_path, tok, n_train, err, errlen) != 0) goto done;
+    if (val_fraction > 0.0 && tmd_atomic_publish(&a_val, err, errlen) != 0) goto done;
+    if (tmd_atomic_publish(&a_train, err, errlen) != 0) goto done;
     if (val_path_out && val_path_len) snprintf(val_path_out, val_path_len, "%s", val_path);
     rc = 0;
 
 done:
-    if (staged_val) unlink(tmp_val);
+    tmd_atomic_abort(&a_val);
+    tmd_atomic_abort(&a_train);
     fclose(f);
     free(text);
     free(tok);
@@ -479,12 +412,12 @@ done:
 int tm__batcher_init(tm__batcher *bt, const tm__tokens *data, int B, int T, uint64_t seed, char *err,
                      size_t errlen) {
     memset(bt, 0, sizeof *bt);
-    if (B < 1) return fail(err, errlen, "batch size B = %d must be >= 1", B);
-    if (T < 1) return fail(err, errlen, "sequence length T = %d must be >= 1", T);
-    if (!data || !data->tok) return fail(err, errlen, "no token data to batch");
+    if (B < 1) return tmd_fail(err, errlen, -1, "batch size B = %d must be >= 1", B);
+    if (T < 1) return tmd_fail(err, errlen, -1, "sequence length T = %d must be >= 1", T);
+    if (!data || !data->tok) return tmd_fail(err, errlen, -1, "no token data to batch");
     if (data->n < (int64_t)T + 1)
-        return fail(err, errlen, "a window of T+1 = %lld tokens does not fit in the %lld tokens of '%s'",
-                    (long long)T + 1, (long long)data->n, data->source);
+        return tmd_fail(err, errlen, -1, "a window of T+1 = %lld tokens does not fit in the %lld tokens of '%s'",
+                        (long long)T + 1, (long long)data->n, data->source);
     bt->data = data;
     bt->B = B;
     bt->T = T;

@@ -4,21 +4,11 @@
 #include "generate.h"
 
 #include <errno.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "train.h"
-
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return TMD_RUNTIME_ERROR;
-}
+#include "util.h"
 
 /* The window of tokens the cache holds, or is about to. */
 typedef struct window {
@@ -58,18 +48,25 @@ int tmd_generate(tm_ctx *ctx, tm_model *model, const int32_t *prompt, int n_prom
                  size_t errlen) {
     if (n_generated) *n_generated = 0;
     if (!ctx || !model || !sc || !out)
-        return fail(err, errlen, "generate: %s is NULL", !ctx ? "ctx" : !model ? "model" : !sc ? "sampler config" : "out");
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "generate: %s is NULL",
+                        !ctx     ? "ctx"
+                        : !model ? "model"
+                        : !sc    ? "sampler config"
+                                 : "out");
     if (n_prompt < 1 || !prompt)
-        return fail(err, errlen, "generate: the prompt is empty (n_prompt = %d); start from at least one token, e.g. "
-                    "the end-of-text token", n_prompt);
-    if (max_new_tokens < 0) return fail(err, errlen, "generate: max_new_tokens = %d must be >= 0", max_new_tokens);
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR,
+                        "generate: the prompt is empty (n_prompt = %d); start from at least one token, e.g. "
+                        "the end-of-text token",
+                        n_prompt);
+    if (max_new_tokens < 0)
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "generate: max_new_tokens = %d must be >= 0", max_new_tokens);
     if (max_new_tokens == 0) return 0;
     const tm_model_config *c = tm_model_get_config(model);
     int V = c->vocab_size, S = c->max_seq_len, keep = S / 2 > 0 ? S / 2 : 1;
     for (int i = 0; i < n_prompt; i++)
         if (prompt[i] < 0 || prompt[i] >= V)
-            return fail(err, errlen, "generate: prompt token %d = %d is outside [0, vocab_size = %d)", i, (int)prompt[i],
-                        V);
+            return tmd_fail(err, errlen, TMD_RUNTIME_ERROR,
+                            "generate: prompt token %d = %d is outside [0, vocab_size = %d)", i, (int)prompt[i], V);
     /* The model's device is its parameters': embed.weight always exists. */
     tm_device dev = tm_tensor_device(tm_ctx_find(ctx, "embed.weight"));
 
@@ -79,11 +76,11 @@ int tmd_generate(tm_ctx *ctx, tm_model *model, const int32_t *prompt, int n_prom
     int rc = 0;
     tm_status s = TM_OK;
     if (!w.tok || !logits) {
-        rc = fail(err, errlen, "generate: out of memory");
+        rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "generate: out of memory");
         goto done;
     }
     if ((s = tm_kv_cache_new(model, 1, S, &cache))) {
-        rc = fail(err, errlen, "generate: %s", tm_ctx_errmsg(ctx));
+        rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "generate: %s", tm_ctx_errmsg(ctx));
         goto done;
     }
     w.n = w.pending = n_prompt < S ? n_prompt : S;
@@ -93,11 +90,12 @@ int tmd_generate(tm_ctx *ctx, tm_model *model, const int32_t *prompt, int n_prom
         s = forward(ctx, model, cache, dev, &w, logits, V);
         if (!s) s = tm_sample_token(ctx, logits, V, sc, (uint64_t)n_prompt + (uint64_t)g, &next);
         /* Copy the message before the reset: it may name arena tensors. */
-        if (s) rc = fail(err, errlen, "generate: token %lld: %s", (long long)g, tm_ctx_errmsg(ctx));
+        if (s)
+            rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "generate: token %lld: %s", (long long)g, tm_ctx_errmsg(ctx));
         tm_ctx_arena_reset(ctx);
         if (rc || next == eot_token) break;
         if (next < 256 && (fputc(next, out) == EOF || fflush(out) == EOF)) {
-            rc = fail(err, errlen, "generate: cannot write the sample: %s", strerror(errno));
+            rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "generate: cannot write the sample: %s", strerror(errno));
             break;
         }
         g++;

@@ -1,23 +1,13 @@
 /* plot.c — bounded recording and hand-written SVG plots; see plot.h. */
 #include "plot.h"
 
-#include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
-static int fail(char *err, size_t errlen, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
+#include "atomic.h"
+#include "util.h"
 
 /* ---------------------------------------------------------------------------------------- */
 /* Bins                                                                                      */
@@ -74,17 +64,9 @@ void tmd_bins_add(tmd_bins *b, int64_t step, const double *v) {
 /* ---------------------------------------------------------------------------------------- */
 /* SVG helpers                                                                               */
 
-typedef struct svg {
-    FILE *f;
-    char tmp[4200], path[4096];
-} svg;
-
-static int svg_open(svg *s, const char *path, int w, int h, char *err, size_t errlen) {
-    if (strlen(path) >= sizeof s->path) return fail(err, errlen, "cannot write '%s': path too long", path);
-    snprintf(s->path, sizeof s->path, "%s", path);
-    snprintf(s->tmp, sizeof s->tmp, "%s.tmp.%ld", path, (long)getpid());
-    s->f = fopen(s->tmp, "w");
-    if (!s->f) return fail(err, errlen, "cannot write '%s': %s", s->tmp, strerror(errno));
+/* An SVG document being written to an atomic temporary (atomic.h). */
+static int svg_open(tmd_atomic *s, const char *path, int w, int h, char *err, size_t errlen) {
+    if (tmd_atomic_open(s, path, err, errlen)) return -1;
     fprintf(s->f,
             "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" "
@@ -94,23 +76,9 @@ static int svg_open(svg *s, const char *path, int w, int h, char *err, size_t er
     return 0;
 }
 
-static int svg_close(svg *s, char *err, size_t errlen) {
+static int svg_close(tmd_atomic *s, char *err, size_t errlen) {
     fprintf(s->f, "</svg>\n");
-    int bad = ferror(s->f);
-    bad |= fflush(s->f) != 0;
-    bad |= fsync(fileno(s->f)) != 0;
-    int e = errno;
-    bad |= fclose(s->f) != 0;
-    if (bad) {
-        remove(s->tmp);
-        return fail(err, errlen, "cannot write '%s': %s", s->tmp, strerror(e));
-    }
-    if (rename(s->tmp, s->path)) {
-        e = errno;
-        remove(s->tmp);
-        return fail(err, errlen, "cannot rename '%s' to '%s': %s", s->tmp, s->path, strerror(e));
-    }
-    return 0;
+    return tmd_atomic_commit(s, err, errlen) ? -1 : 0;
 }
 
 /* Text with XML's five special characters escaped. */
@@ -204,7 +172,7 @@ int tmd_svg_lines(const char *path, const char *title, const char *xlabel, const
     double pad = 0.04 * (fr.y1 - fr.y0);
     fr.y0 -= pad, fr.y1 += pad;
 
-    svg s;
+    tmd_atomic s;
     if (svg_open(&s, path, W, H, err, errlen)) return -1;
     FILE *f = s.f;
     svg_text(f, W / 2.0, 24, "middle", "font-size=\"15\" font-weight=\"bold\"", title);
@@ -252,7 +220,7 @@ int tmd_plot_loss(const char *path, const tmd_bins *train, const tmd_bins *val, 
                   size_t errlen) {
     int nt = train ? train->n : 0, nv = val ? val->n : 0;
     double *buf = malloc(sizeof *buf * (size_t)(2 * (nt + nv) + 4));
-    if (!buf) return fail(err, errlen, "cannot plot '%s': out of memory", path);
+    if (!buf) return tmd_fail(err, errlen, -1, "cannot plot '%s': out of memory", path);
     double *tx = buf, *ty = tx + nt, *vx = ty + nt, *vy = vx + nv, *ox = vy + nv, *oy = ox + 2;
     int mt = 0, mv = 0;
     for (int i = 0; i < nt; i++)
@@ -305,10 +273,10 @@ int tmd_plot_experts(const char *path, const tmd_bins *loads, int L, int E, cons
                      size_t errlen) {
     int rows = L * E;
     if (!loads || loads->rows != rows || L < 1 || E < 1)
-        return fail(err, errlen, "cannot plot '%s': %d x %d expert rows expected", path, L, E);
+        return tmd_fail(err, errlen, -1, "cannot plot '%s': %d x %d expert rows expected", path, L, E);
     int ncol = loads->n;
     double *ratio = malloc(sizeof *ratio * (size_t)(ncol > 0 ? ncol : 1) * (size_t)rows);
-    if (!ratio) return fail(err, errlen, "cannot plot '%s': out of memory", path);
+    if (!ratio) return tmd_fail(err, errlen, -1, "cannot plot '%s': out of memory", path);
     double vmax = 2;
     for (int j = 0; j < ncol; j++)
         for (int l = 0; l < L; l++) {
@@ -328,7 +296,7 @@ int tmd_plot_experts(const char *path, const tmd_bins *loads, int L, int E, cons
     enum { W = 860 };
     double px = 110, py = 44, pw = W - px - 135, ph = rows * rh + (L - 1) * gap;
     int H = (int)(py + ph + 60);
-    svg s;
+    tmd_atomic s;
     if (svg_open(&s, path, W, H, err, errlen)) {
         free(ratio);
         return -1;

@@ -7,7 +7,6 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,6 +16,7 @@
 #include "config.h"
 #include "generate.h"
 #include "train.h"
+#include "util.h"
 
 #define EOT_TOKEN 256 /* the byte tokenizer's end-of-text (train/data.h) */
 
@@ -46,21 +46,14 @@ static const char USAGE[] =
     "\n"
     "exit status: 0 ok, 1 runtime error, 2 usage error or unusable checkpoint\n";
 
-static int usage(char *err, size_t errlen, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, errlen, fmt, ap);
-    va_end(ap);
-    return TMD_CONFIG_ERROR;
-}
-
 static int parse_int(const char *flag, const char *v, long long lo, long long hi, long long *out, char *err,
                      size_t errlen) {
     char *end;
     errno = 0;
     long long x = strtoll(v, &end, 10);
     if (!*v || *end || errno || x < lo || x > hi)
-        return usage(err, errlen, "sample: %s needs an integer in [%lld, %lld], got '%s'", flag, lo, hi, v);
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "sample: %s needs an integer in [%lld, %lld], got '%s'", flag,
+                        lo, hi, v);
     *out = x;
     return 0;
 }
@@ -69,7 +62,8 @@ static int parse_double(const char *flag, const char *v, double *out, char *err,
     char *end;
     errno = 0;
     double x = strtod(v, &end);
-    if (!*v || *end || errno || !isfinite(x)) return usage(err, errlen, "sample: %s needs a number, got '%s'", flag, v);
+    if (!*v || *end || errno || !isfinite(x))
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "sample: %s needs a number, got '%s'", flag, v);
     *out = x;
     return 0;
 }
@@ -90,7 +84,9 @@ int tmd_sample_parse(int argc, char **argv, tmd_sample_opts *o, int *help, char 
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         if (strncmp(a, "--", 2) || !a[2])
-            return usage(err, errlen, "sample: unexpected argument '%s' (flags are --name value; see 'tinymoe sample --help')", a);
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                            "sample: unexpected argument '%s' (flags are --name value; see 'tinymoe sample --help')",
+                            a);
         /* The name with '-' read as '_', and the value after '=' or in the next argument. */
         char name[32];
         const char *eq = strchr(a + 2, '=');
@@ -103,16 +99,20 @@ int tmd_sample_parse(int argc, char **argv, tmd_sample_opts *o, int *help, char 
         int which = -1;
         for (int k = 0; k < (int)(sizeof known / sizeof *known); k++)
             if (!strcmp(name, known[k])) which = k;
-        if (which < 0) return usage(err, errlen, "sample: unknown flag '%s' (see 'tinymoe sample --help')", a);
+        if (which < 0)
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "sample: unknown flag '%s' (see 'tinymoe sample --help')",
+                            a);
         const char *v = eq ? eq + 1 : i + 1 < argc ? argv[++i] : NULL;
         char flag[40]; /* as the user spelled it, for messages */
         snprintf(flag, sizeof flag, "%.*s", (int)(eq ? (size_t)(eq - a) : strlen(a)), a);
-        if (!v) return usage(err, errlen, "sample: %s needs a value", flag);
+        if (!v) return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "sample: %s needs a value", flag);
         long long x;
         double d;
         switch (which) {
         case 0:
-            if (!*v) return usage(err, errlen, "sample: %s needs a checkpoint file or directory, got ''", flag);
+            if (!*v)
+                return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                                "sample: %s needs a checkpoint file or directory, got ''", flag);
             o->ckpt = v;
             break;
         case 1: o->prompt = v; break;
@@ -122,7 +122,9 @@ int tmd_sample_parse(int argc, char **argv, tmd_sample_opts *o, int *help, char 
             break;
         case 3:
             if (parse_double(flag, v, &d, err, errlen)) return TMD_CONFIG_ERROR;
-            if (d < 0) return usage(err, errlen, "sample: %s needs a number >= 0 (0: greedy), got '%s'", flag, v);
+            if (d < 0)
+                return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "sample: %s needs a number >= 0 (0: greedy), got '%s'",
+                                flag, v);
             o->sampler.temperature = d;
             break;
         case 4:
@@ -131,7 +133,9 @@ int tmd_sample_parse(int argc, char **argv, tmd_sample_opts *o, int *help, char 
             break;
         case 5:
             if (parse_double(flag, v, &d, err, errlen)) return TMD_CONFIG_ERROR;
-            if (!(d > 0 && d <= 1)) return usage(err, errlen, "sample: %s needs a number in (0, 1], got '%s'", flag, v);
+            if (!(d > 0 && d <= 1))
+                return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "sample: %s needs a number in (0, 1], got '%s'", flag,
+                                v);
             o->sampler.top_p = d;
             break;
         case 6: {
@@ -139,14 +143,15 @@ int tmd_sample_parse(int argc, char **argv, tmd_sample_opts *o, int *help, char 
             errno = 0;
             unsigned long long s = strtoull(v, &end, 10);
             if (!*v || *end || errno || strchr(v, '-'))
-                return usage(err, errlen, "sample: %s needs an integer in [0, 2^64), got '%s'", flag, v);
+                return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "sample: %s needs an integer in [0, 2^64), got '%s'",
+                                flag, v);
             o->sampler.seed = (uint64_t)s;
             break;
         }
         case 7:
             if (!strcmp(v, "cpu")) o->device = TMD_DEVICE_CPU;
             else if (!strcmp(v, "cuda")) o->device = TMD_DEVICE_CUDA;
-            else return usage(err, errlen, "sample: %s needs cpu or cuda, got '%s'", flag, v);
+            else return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "sample: %s needs cpu or cuda, got '%s'", flag, v);
             break;
         case 8:
             if (parse_int(flag, v, 0, 4096, &x, err, errlen)) return TMD_CONFIG_ERROR;
@@ -155,8 +160,9 @@ int tmd_sample_parse(int argc, char **argv, tmd_sample_opts *o, int *help, char 
         }
     }
     if (!o->ckpt)
-        return usage(err, errlen, "sample: --ckpt CKPT is required (a checkpoint file, or a run directory for its newest "
-                     "checkpoint)");
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                        "sample: --ckpt CKPT is required (a checkpoint file, or a run directory for its newest "
+                        "checkpoint)");
     return 0;
 }
 
@@ -169,7 +175,8 @@ static double now_s(void) {
 /* The prompt as tokens: its bytes, or the end-of-text token alone for an empty prompt. */
 static int prompt_tokens(const char *text, int V, int32_t **out, int *n, char *err, size_t errlen) {
     size_t len = strlen(text);
-    if (len > INT_MAX - 1) return usage(err, errlen, "sample: --prompt is too long (%zu bytes)", len);
+    if (len > INT_MAX - 1)
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "sample: --prompt is too long (%zu bytes)", len);
     int32_t *t = malloc(sizeof *t * (len ? len : 1));
     if (!t) {
         snprintf(err, errlen, "sample: out of memory for the prompt");
@@ -178,8 +185,10 @@ static int prompt_tokens(const char *text, int V, int32_t **out, int *n, char *e
     if (!len) {
         if (V <= EOT_TOKEN) {
             free(t);
-            return usage(err, errlen, "sample: an empty --prompt starts from the end-of-text token %d, which this model's "
-                         "vocabulary (vocab_size = %d) lacks; give a prompt", EOT_TOKEN, V);
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                            "sample: an empty --prompt starts from the end-of-text token %d, which this model's "
+                            "vocabulary (vocab_size = %d) lacks; give a prompt",
+                            EOT_TOKEN, V);
         }
         t[0] = EOT_TOKEN;
         len = 1;
@@ -188,8 +197,10 @@ static int prompt_tokens(const char *text, int V, int32_t **out, int *n, char *e
         t[i] = (unsigned char)text[i];
         if (t[i] >= V) {
             free(t);
-            return usage(err, errlen, "sample: --prompt byte %zu is 0x%02x, outside this model's vocabulary (vocab_size = "
-                         "%d: not a byte-level model?)", i, (unsigned char)text[i], V);
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                            "sample: --prompt byte %zu is 0x%02x, outside this model's vocabulary (vocab_size = "
+                            "%d: not a byte-level model?)",
+                            i, (unsigned char)text[i], V);
         }
     }
     *out = t;

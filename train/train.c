@@ -6,13 +6,13 @@
 #include <errno.h>
 #include <math.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "atomic.h"
 #include "checkpoint.h"
 #include "data.h"
 #include "generate.h"
@@ -21,6 +21,7 @@
 #include "markov.h"
 #include "plot.h"
 #include "tinymoe.h"
+#include "util.h"
 
 /* Synthetic validation sequences come from their own Philox streams, disjoint from every
  * training stream (step * grad_accum + micro) * batch_size + row < 2^61. */
@@ -61,45 +62,16 @@ typedef struct run {
     int eval_split;     /* eval: validate on the val_fraction tail of data, as training did */
 } run;
 
-static int fail(char *err, size_t errlen, int code, const char *fmt, ...) {
-    if (err && errlen) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return code;
-}
-
 /* A library call failed: the op's message, prefixed by what the driver was doing. */
 static int lib_fail(run *r, char *err, size_t errlen, const char *what, tm_status s) {
-    return fail(err, errlen, TMD_RUNTIME_ERROR, "%s failed (%s): %s", what, tm_status_str(s), tm_ctx_errmsg(r->ctx));
+    return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "%s failed (%s): %s", what, tm_status_str(s),
+                    tm_ctx_errmsg(r->ctx));
 }
 
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* mkdir -p. */
-static int make_dirs(const char *path, char *err, size_t errlen) {
-    char buf[TMD_PATH_MAX];
-    snprintf(buf, sizeof buf, "%s", path);
-    for (char *p = buf + 1;; p++) {
-        if (*p == '/' || !*p) {
-            char c = *p;
-            *p = 0;
-            if (mkdir(buf, 0777) && errno != EEXIST)
-                return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot create directory '%s': %s", buf, strerror(errno));
-            *p = c;
-            if (!c) break;
-        }
-    }
-    struct stat st;
-    if (stat(path, &st) || !S_ISDIR(st.st_mode))
-        return fail(err, errlen, TMD_RUNTIME_ERROR, "out = '%s' is not a directory", path);
-    return 0;
 }
 
 static void free_run(run *r) {
@@ -127,7 +99,7 @@ static int load_data(run *r, int eval_only, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     if (r->synth) {
         if (markov_init(&r->src, c->synthetic_vocab, c->synthetic_k, (uint64_t)c->seed))
-            return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory building the synthetic source");
+            return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory building the synthetic source");
         r->optimum = markov_optimal_loss(&r->src, r->T);
         r->n_eval = (int64_t)(c->eval_batches ? c->eval_batches : SYNTH_DEFAULT_EVAL_BATCHES) * r->B;
         return 0;
@@ -139,39 +111,40 @@ static int load_data(run *r, int eval_only, char *err, size_t errlen) {
     const char *val_path = c->val_data[0] ? c->val_data : eval_only && !r->eval_split ? c->data : NULL;
     if (!val_path || !eval_only) {
         if (tm__tokens_load(c->data, &r->train, e, sizeof e))
-            return fail(err, errlen, TMD_CONFIG_ERROR, "key 'data' = '%s': %s", c->data, e);
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'data' = '%s': %s", c->data, e);
         if (tm__tokens_check_vocab(&r->train, c->model.vocab_size, e, sizeof e))
-            return fail(err, errlen, TMD_CONFIG_ERROR,
-                        "key 'data' = '%s': %s (vocab_size = %d; set vocab_size for "
-                        "tokens other than bytes)",
-                        c->data, e, c->model.vocab_size);
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                            "key 'data' = '%s': %s (vocab_size = %d; set vocab_size for "
+                            "tokens other than bytes)",
+                            c->data, e, c->model.vocab_size);
     }
     if (val_path) {
         if (tm__tokens_load(val_path, &r->val, e, sizeof e))
-            return fail(err, errlen, TMD_CONFIG_ERROR, "key '%s' = '%s': %s", c->val_data[0] ? "val_data" : "data",
-                        val_path, e);
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key '%s' = '%s': %s", c->val_data[0] ? "val_data" : "data",
+                            val_path, e);
     } else if (tm__tokens_split(&r->train, c->val_fraction, &r->val, e, sizeof e)) {
-        return fail(err, errlen, TMD_CONFIG_ERROR, "key 'val_fraction' = %g: %s", c->val_fraction, e);
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'val_fraction' = %g: %s", c->val_fraction, e);
     }
     if (tm__tokens_check_vocab(&r->val, c->model.vocab_size, e, sizeof e))
-        return fail(err, errlen, TMD_CONFIG_ERROR, "validation data: %s (vocab_size = %d)", e, c->model.vocab_size);
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "validation data: %s (vocab_size = %d)", e, c->model.vocab_size);
     int64_t windows = r->val.n > r->T ? (r->val.n - 1) / r->T : 0;
     if (windows < 1)
-        return fail(err, errlen, TMD_CONFIG_ERROR,
-                    "validation data '%s' has %lld tokens, fewer than seq_len + 1 = %d (a smaller val_fraction or "
-                    "seq_len, or a larger file)",
-                    r->val.source, (long long)r->val.n, r->T + 1);
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                        "validation data '%s' has %lld tokens, fewer than seq_len + 1 = %d (a smaller val_fraction or "
+                        "seq_len, or a larger file)",
+                        r->val.source, (long long)r->val.n, r->T + 1);
     r->n_eval =
         c->eval_batches && (int64_t)c->eval_batches * r->B < windows ? (int64_t)c->eval_batches * r->B : windows;
     if (eval_only) return 0;
     int64_t per_batch = (int64_t)r->B * r->T;
     if (per_batch > r->train.n - 1)
-        return fail(err, errlen, TMD_CONFIG_ERROR,
-                    "key 'batch_size' = %d: a batch of batch_size x seq_len = %d x %d = %lld tokens is larger than the "
-                    "%lld training tokens of '%s'",
-                    r->B, r->B, r->T, (long long)per_batch, (long long)r->train.n, r->train.source);
+        return tmd_fail(
+            err, errlen, TMD_CONFIG_ERROR,
+            "key 'batch_size' = %d: a batch of batch_size x seq_len = %d x %d = %lld tokens is larger than the "
+            "%lld training tokens of '%s'",
+            r->B, r->B, r->T, (long long)per_batch, (long long)r->train.n, r->train.source);
     if (tm__batcher_init(&r->bt, &r->train, r->B, r->T, (uint64_t)c->seed, e, sizeof e))
-        return fail(err, errlen, TMD_CONFIG_ERROR, "key 'data' = '%s': %s", c->data, e);
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'data' = '%s': %s", c->data, e);
     return 0;
 }
 
@@ -182,15 +155,15 @@ static int build(run *r, char *err, size_t errlen) {
     o.cuda_device = c->device == TMD_DEVICE_CUDA ? 0 : -1;
     tm_status s = tm_ctx_new(&r->ctx, &o);
     if (s)
-        return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot create a context (%s): %s", tm_status_str(s),
-                    tm_last_create_error());
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot create a context (%s): %s", tm_status_str(s),
+                        tm_last_create_error());
     r->dev = c->device == TMD_DEVICE_CUDA ? tm_cuda(0) : tm_cpu();
     tm_dtype dt = c->dtype == TMD_DTYPE_BF16 ? TM_BF16 : TM_F32;
     char e[1024];
     if ((s = tm_model_new(r->ctx, &c->model, dt, r->dev, &r->model))) {
         if (s != TM_ERR_INVALID_ARG) return lib_fail(r, err, errlen, "building the model", s);
         tmd_config_explain(c, tm_ctx_errmsg(r->ctx), e, sizeof e);
-        return fail(err, errlen, TMD_CONFIG_ERROR, "%s", e);
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "%s", e);
     }
     if ((s = tm_model_init(r->model, (uint64_t)c->seed))) return lib_fail(r, err, errlen, "initialising the model", s);
     r->params = tm_model_num_params(r->model, &r->active);
@@ -199,13 +172,13 @@ static int build(run *r, char *err, size_t errlen) {
     if (r->n_moe > 0) {
         r->moe_layer = malloc(sizeof *r->moe_layer * (size_t)r->n_moe);
         r->step_load = calloc((size_t)r->n_moe * (size_t)r->E, sizeof *r->step_load);
-        if (!r->moe_layer || !r->step_load) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
+        if (!r->moe_layer || !r->step_load) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
         for (int i = 0; i < r->n_moe; i++) r->moe_layer[i] = c->model.first_k_dense + i;
     }
     r->inp = malloc(sizeof *r->inp * (size_t)r->B * (size_t)r->T);
     r->tgt = malloc(sizeof *r->tgt * (size_t)r->B * (size_t)r->T);
     r->seq = malloc(sizeof *r->seq * ((size_t)r->T + 1));
-    if (!r->inp || !r->tgt || !r->seq) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the batches");
+    if (!r->inp || !r->tgt || !r->seq) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the batches");
     return 0;
 }
 
@@ -216,7 +189,7 @@ static int build_optimizer(run *r, char *err, size_t errlen) {
     if (s == TM_ERR_INVALID_ARG) {
         char e[1024];
         tmd_config_explain(c, tm_ctx_errmsg(r->ctx), e, sizeof e);
-        return fail(err, errlen, TMD_CONFIG_ERROR, "%s", e);
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "%s", e);
     }
     return s ? lib_fail(r, err, errlen, "creating the optimizer", s) : 0;
 }
@@ -236,7 +209,7 @@ static int setup(run *r, const tmd_config *cfg, FILE *log, int eval_only, char *
     if (r->c.init_from[0]) {
         char e[2048];
         if ((rc = tmd_hf_import(r->ctx, r->model, r->c.init_from, e, sizeof e)))
-            return fail(err, errlen, rc, "key 'init_from' = '%s': %s", r->c.init_from, e);
+            return tmd_fail(err, errlen, rc, "key 'init_from' = '%s': %s", r->c.init_from, e);
     }
     if (!eval_only && (rc = build_optimizer(r, err, errlen))) return rc;
     if (r->resume_path[0]) {
@@ -244,9 +217,9 @@ static int setup(run *r, const tmd_config *cfg, FILE *log, int eval_only, char *
          * for eval only the model's (the optimizer state in the file is checked and skipped). */
         tm_status s = tm_ckpt_load_flags(r->ctx, r->resume_path, eval_only ? TM_CKPT_SKIP_UNKNOWN : 0, NULL, 0, NULL);
         if (s)
-            return fail(err, errlen, s == TM_ERR_NOMEM || s == TM_ERR_CUDA ? TMD_RUNTIME_ERROR : TMD_CONFIG_ERROR,
-                        "cannot %s '%s': %s", eval_only ? "evaluate" : "resume from", r->resume_path,
-                        tm_ctx_errmsg(r->ctx));
+            return tmd_fail(err, errlen, s == TM_ERR_NOMEM || s == TM_ERR_CUDA ? TMD_RUNTIME_ERROR : TMD_CONFIG_ERROR,
+                            "cannot %s '%s': %s", eval_only ? "evaluate" : "resume from", r->resume_path,
+                            tm_ctx_errmsg(r->ctx));
         if (!eval_only && !r->synth) r->bt.position = r->resume_state.data_position;
     }
     return 0;
@@ -438,7 +411,7 @@ static int sample(run *r, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     size_t plen = strlen(c->sample_prompt);
     int32_t *prompt = malloc(sizeof *prompt * (plen ? plen : 1));
-    if (!prompt) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for sampling");
+    if (!prompt) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for sampling");
     int n = 0;
     for (size_t i = 0; i < plen; i++) prompt[n++] = (unsigned char)c->sample_prompt[i];
     if (!n) prompt[n++] = TM__BYTE_EOT;
@@ -446,9 +419,9 @@ static int sample(run *r, char *err, size_t errlen) {
         if (prompt[i] >= c->model.vocab_size) {
             int byte = prompt[i];
             free(prompt);
-            return fail(err, errlen, TMD_CONFIG_ERROR,
-                        "key 'sample_prompt': byte %d is outside the vocabulary (vocab_size = %d)", byte,
-                        c->model.vocab_size);
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                            "key 'sample_prompt': byte %d is outside the vocabulary (vocab_size = %d)", byte,
+                            c->model.vocab_size);
         }
     FILE *f = r->log;
     fprintf(f, "\nsample (temperature %g, top_k %d, top_p %g):\n%s", c->temperature, c->top_k, c->top_p,
@@ -494,14 +467,16 @@ static void restore_stop_signals(const saved_handlers *old) {
     sigaction(SIGTERM, &old->term, NULL);
 }
 
-/* Temporary files of saves that a crash or kill -9 interrupted ("ckpt-*.tmck.tmp.XXXXXX"). */
+/* Temporary files of writes that a crash or kill -9 interrupted: checkpoint saves
+ * ("ckpt-*.tmck.tmp.XXXXXX") and the metrics rewrite of a resume ("metrics.jsonl.tmp.XXXXXX"). */
 static void remove_stale_temporaries(const char *dir) {
     DIR *d = opendir(dir);
     if (!d) return;
     struct dirent *e;
     char path[TMD_PATH_MAX + 300];
     while ((e = readdir(d)))
-        if (!strncmp(e->d_name, "ckpt-", 5) && strstr(e->d_name, TMD_CKPT_EXT ".tmp.")) {
+        if ((!strncmp(e->d_name, "ckpt-", 5) && strstr(e->d_name, TMD_CKPT_EXT ".tmp.")) ||
+            !strncmp(e->d_name, "metrics.jsonl.tmp.", 18)) {
             snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
             unlink(path);
         }
@@ -531,7 +506,7 @@ static int save_checkpoint(run *r, int64_t done, char *err, size_t errlen) {
     tmd_ckpt_state st = {.step = done, .data_position = r->synth ? 0 : r->bt.position};
     size_t len = 0;
     char *meta = tmd_ckpt_meta_encode(&c, &st, &len);
-    if (!meta) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the checkpoint meta");
+    if (!meta) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the checkpoint meta");
     char path[TMD_PATH_MAX + 32];
     tmd_ckpt_path(r->c.out, done, path, sizeof path);
     double t0 = now_s();
@@ -550,9 +525,6 @@ static int save_checkpoint(run *r, int64_t done, char *err, size_t errlen) {
     return 0;
 }
 
-/* On resume, metrics.jsonl keeps the records up to the checkpoint's step (a run killed after
- * its last checkpoint logged steps that will now be trained again) and the plots get them
- * back. The file is rewritten through a temporary, then opened for appending. */
 /* The text after `"key":` in a metrics line (tmd_json writes `"key": value`), or NULL. */
 static const char *json_value(const char *line, const char *key) {
     char pat[64];
@@ -577,21 +549,22 @@ static int json_type_is(const char *line, const char *type) {
     return v && v[0] == '"' && !strncmp(v + 1, type, n) && v[n + 1] == '"';
 }
 
+/* On resume, metrics.jsonl keeps the records up to the checkpoint's step (a run killed after
+ * its last checkpoint logged steps that will now be trained again) and the plots get them
+ * back. The file is rewritten atomically (atomic.h), then opened for appending. */
 static int restore_metrics(run *r, int64_t upto, char *err, size_t errlen) {
     FILE *in = fopen(r->metrics_path, "r");
     if (!in) return 0; /* none: start a new one */
-    char tmp[TMD_PATH_MAX + 64];
-    snprintf(tmp, sizeof tmp, "%s.tmp", r->metrics_path);
-    FILE *out = fopen(tmp, "w");
-    if (!out) {
+    tmd_atomic out;
+    if (tmd_atomic_open(&out, r->metrics_path, err, errlen)) {
         fclose(in);
-        return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", tmp, strerror(errno));
+        return TMD_RUNTIME_ERROR;
     }
     char line[4096];
     while (fgets(line, sizeof line, in)) {
         double step = json_field(line, "step");
         if (!(step <= (double)upto)) continue;
-        fputs(line, out);
+        fputs(line, out.f);
         if (json_type_is(line, "train")) {
             double loss = json_field(line, "loss");
             if (isfinite(loss)) tmd_bins_add(&r->loss_bins, (int64_t)step - 1, &loss);
@@ -601,12 +574,7 @@ static int restore_metrics(run *r, int64_t upto, char *err, size_t errlen) {
         }
     }
     fclose(in);
-    int bad = fflush(out) || fsync(fileno(out));
-    if (fclose(out) || bad || rename(tmp, r->metrics_path)) {
-        unlink(tmp);
-        return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot rewrite '%s': %s", r->metrics_path, strerror(errno));
-    }
-    return 0;
+    return tmd_atomic_commit(&out, err, errlen) ? TMD_RUNTIME_ERROR : 0;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -614,14 +582,15 @@ static int restore_metrics(run *r, int64_t upto, char *err, size_t errlen) {
 
 static int open_outputs(run *r, int64_t start, char *err, size_t errlen) {
     if (!r->c.out[0]) return 0;
-    int rc = make_dirs(r->c.out, err, errlen);
-    if (rc) return rc;
+    char e[TMD_PATH_MAX + 256];
+    if (tmd_mkdirs(r->c.out, e, sizeof e)) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "key 'out': %s", e);
+    int rc;
     remove_stale_temporaries(r->c.out);
     snprintf(r->metrics_path, sizeof r->metrics_path, "%s/metrics.jsonl", r->c.out);
     if (start > 0 && (rc = restore_metrics(r, start, err, errlen))) return rc;
     r->metrics = fopen(r->metrics_path, start > 0 ? "a" : "w");
     if (!r->metrics)
-        return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path, strerror(errno));
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path, strerror(errno));
     return 0;
 }
 
@@ -667,8 +636,9 @@ static int train_step(run *r, int64_t step, double lr, interval *iv, double *fir
         tm_ctx_arena_reset(r->ctx);
     }
     if (!isfinite(loss))
-        return fail(err, errlen, TMD_RUNTIME_ERROR,
-                    "the training loss is %g at step %lld (try a lower lr or grad_clip)", loss, (long long)step + 1);
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR,
+                        "the training loss is %g at step %lld (try a lower lr or grad_clip)", loss,
+                        (long long)step + 1);
     if (isnan(*first_loss)) *first_loss = loss;
     double gnorm = 0;
     if ((s = tm_ctx_clip_grad_norm(r->ctx, c->grad_clip, &gnorm)))
@@ -689,7 +659,7 @@ static int train_loop(run *r, tmd_train_result *res, char *err, size_t errlen) {
     int64_t steps = c->sched.total_steps;
     if (tmd_bins_init(&r->loss_bins, 1, LOSS_BINS) || tmd_bins_init(&r->val_bins, 1, LOSS_BINS) ||
         (r->n_moe > 0 && tmd_bins_init(&r->load_bins, r->n_moe * r->E, LOAD_BINS)))
-        return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the plots");
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the plots");
     int rc;
     int64_t start = r->resume_path[0] ? r->resume_state.step : 0;
     if ((rc = open_outputs(r, start, err, errlen))) return rc;
@@ -715,7 +685,8 @@ static int train_loop(run *r, tmd_train_result *res, char *err, size_t errlen) {
         draw_progress(r, done, lr, &iv, t_train, &last_draw);
         if (done % c->log_every == 0 || done == steps) {
             if (log_train(r, done, lr, &iv, t_train))
-                return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path, strerror(errno));
+                return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path,
+                                strerror(errno));
             res->last_loss = iv.loss / iv.n;
             res->last_ce = iv.ce / iv.n;
             iv = (interval){0};
@@ -725,7 +696,8 @@ static int train_loop(run *r, tmd_train_result *res, char *err, size_t errlen) {
             double v = val;
             tmd_bins_add(&r->val_bins, step, &v);
             if (log_eval(r, done, val))
-                return fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path, strerror(errno));
+                return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path,
+                                strerror(errno));
         }
         if ((c->save_every && done % c->save_every == 0) || done == steps) {
             if ((rc = save_checkpoint(r, done, err, errlen))) return rc;
@@ -810,7 +782,7 @@ static int init_from_config(const tmd_config *cli, tmd_config *out, char *err, s
     int bf16 = 0;
     char e[2048];
     int rc = tmd_hf_read_config(cli->init_from, &mc, &bf16, e, sizeof e);
-    if (rc) return fail(err, errlen, rc, "key 'init_from' = '%s': %s", cli->init_from, e);
+    if (rc) return tmd_fail(err, errlen, rc, "key 'init_from' = '%s': %s", cli->init_from, e);
     tmd_config hf = *cli;
     hf.model = mc;
     hf.model.max_seq_len = cli->model.max_seq_len;
@@ -821,12 +793,16 @@ static int init_from_config(const tmd_config *cli, tmd_config *out, char *err, s
         int i = tmd_config_key_index(ARCH[k]);
         tmd_config_format_exact(&hf, i, a, sizeof a);
         tmd_config_format_exact(cli, i, b, sizeof b);
-        if (cli->source[i] != TMD_SRC_DEFAULT && cli->source[i] != TMD_SRC_AUTO && strcmp(a, b))
-            return fail(err, errlen, TMD_CONFIG_ERROR,
-                        "key '%s' = %s differs from %s/config.json (%s), which init_from takes the model from", ARCH[k],
-                        b, cli->init_from, a);
+        if (cli->source[i] != TMD_SRC_DEFAULT && cli->source[i] != TMD_SRC_AUTO && strcmp(a, b)) {
+            char x[256], y[256];
+            tmd_config_format(&hf, i, x, sizeof x);
+            tmd_config_format(cli, i, y, sizeof y);
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                            "key '%s' = %s differs from %s/config.json (%s), which init_from takes the model from",
+                            ARCH[k], y, cli->init_from, x);
+        }
         if (tmd_config_set(out, ARCH[k], a, TMD_SRC_CKPT, "init_from", e, sizeof e))
-            return fail(err, errlen, TMD_CONFIG_ERROR, "init_from '%s': %s", cli->init_from, e);
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "init_from '%s': %s", cli->init_from, e);
     }
     int di = tmd_config_key_index("dtype");
     if (cli->source[di] == TMD_SRC_DEFAULT) out->dtype = hf.dtype;
@@ -839,13 +815,14 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
     memset(res, 0, sizeof *res);
     res->val_loss = res->optimum = res->first_loss = NAN;
     run *r = calloc(1, sizeof *r);
-    if (!r) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
+    if (!r) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
     r->saved_step = -1;
     tmd_config c = *cfg;
     int rc = 0;
     if (cfg->resume[0] && cfg->init_from[0])
-        rc = fail(err, errlen, TMD_CONFIG_ERROR,
-                  "keys 'resume' and 'init_from' exclude each other (resume restores the weights from the checkpoint)");
+        rc = tmd_fail(
+            err, errlen, TMD_CONFIG_ERROR,
+            "keys 'resume' and 'init_from' exclude each other (resume restores the weights from the checkpoint)");
     if (!rc && cfg->resume[0]) rc = resume_config(r, cfg, &c, 0, cfg->resume, err, errlen);
     if (!rc && cfg->init_from[0]) rc = init_from_config(cfg, &c, err, errlen);
     if (!rc) rc = setup(r, &c, log, 0, err, errlen);
@@ -869,7 +846,7 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
 
 static int eval_run(const tmd_config *cfg, const char *ckpt, FILE *log, double *loss, char *err, size_t errlen) {
     run *r = calloc(1, sizeof *r);
-    if (!r) return fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
+    if (!r) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
     double v = NAN;
     tmd_config c = *cfg;
     int rc = ckpt ? resume_config(r, cfg, &c, 1, ckpt, err, errlen) : 0;
