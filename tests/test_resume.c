@@ -419,3 +419,59 @@ Test(resume, init_from_an_export_matches_the_checkpoint) {
     cr_assert_eq(tmd_eval(&e, NULL, &from_hf, err, sizeof err), TMD_CONFIG_ERROR);
     cr_assert(strstr(err, "n_layers") && strstr(err, "config.json"), "%s", err);
 }
+
+/* A fresh run into a directory holding another run's checkpoints refuses to start (nothing
+ * touched, status 2, the message says how to resume or overwrite); with overwrite it deletes
+ * them. Pruning never deletes checkpoints of later steps than the one just written. */
+Test(resume, fresh_run_refuses_an_earlier_runs_checkpoints) {
+    char a[256], err[2048], path[512];
+    snprintf(a, sizeof a, "%s", tt_path("o"));
+    tmd_config c;
+    small_run(&c, a, 9);
+    set(&c, "save_every", "3");
+    tmd_train_result res;
+    run_ok(&c, &res);
+    char metrics[512];
+    snprintf(metrics, sizeof metrics, "%s/metrics.jsonl", a);
+    long n0;
+    unsigned char *m0 = tt_slurp(metrics, &n0);
+    tmd_config f;
+    small_run(&f, a, 4);
+    cr_assert_eq(tmd_train(&f, NULL, NULL, err, sizeof err), TMD_CONFIG_ERROR);
+    cr_assert(strstr(err, "earlier run") && strstr(err, "step 9") && strstr(err, "--resume") &&
+                  strstr(err, "--overwrite"),
+              "%s", err);
+    long n1;
+    unsigned char *m1 = tt_slurp(metrics, &n1);
+    cr_assert(n0 == n1 && !memcmp(m0, m1, (size_t)n0), "metrics.jsonl untouched");
+    int64_t *steps;
+    int n;
+    cr_assert_eq(tmd_ckpt_list(a, &steps, &n, err, sizeof err), 0);
+    cr_assert_eq(n, 3, "3, 6, 9 kept (keep_last 3)");
+    free(steps);
+
+    /* Resume from step 3 into the same directory up to step 5 with keep_last 1: each save
+     * prunes only checkpoints up to its own step, so 6 and 9 (later steps, left by the earlier
+     * run) stay and the run's own newest (5) survives. */
+    tmd_config r;
+    small_run(&r, a, 5);
+    set(&r, "keep_last", "1");
+    set(&r, "save_every", "4");
+    tmd_ckpt_path(a, 3, path, sizeof path);
+    snprintf(r.resume, sizeof r.resume, "%s", path);
+    run_ok(&r, &res);
+    cr_assert_eq(tmd_ckpt_list(a, &steps, &n, err, sizeof err), 0);
+    cr_assert_eq(n, 3);
+    cr_assert(steps[0] == 5 && steps[1] == 6 && steps[2] == 9, "%lld %lld %lld", (long long)steps[0],
+              (long long)steps[1], (long long)steps[2]);
+    free(steps);
+
+    set(&f, "overwrite", "true");
+    run_ok(&f, &res);
+    cr_assert_eq(tmd_ckpt_list(a, &steps, &n, err, sizeof err), 0);
+    cr_assert_eq(n, 1, "only the new run's checkpoint");
+    cr_assert_eq(steps[0], 4);
+    free(steps);
+    free(m0);
+    free(m1);
+}

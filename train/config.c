@@ -161,6 +161,8 @@ static const key KEYS[] = {
      "directory for checkpoints, metrics.jsonl, loss.svg and experts.svg (empty: write nothing)"},
     {"save_every", T_INT, G_RUN, OFF(save_every), NULL, "0", 0, NULL,
      "write <out>/ckpt-<step>.tmck every this many steps (0: only at the end and on SIGINT/SIGTERM)"},
+    {"overwrite", T_BOOL, G_RUN, OFF(overwrite), NULL, "false", 0, NULL,
+     "a fresh run may delete the checkpoints of an earlier run in out (otherwise it refuses to start)"},
     {"keep_last", T_INT, G_RUN, OFF(keep_last), NULL, "3", 0, NULL,
      "keep the newest this many checkpoints in out, deleting older ones (0: keep all)"},
     {"resume", T_STR, G_RUN, STR(resume), NULL, "", 0, NULL,

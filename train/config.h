@@ -56,7 +56,7 @@ typedef struct tmd_config {
     int synthetic_vocab, synthetic_k;
     int eval_every, eval_batches, log_every;
     char out[TMD_PATH_MAX];
-    int save_every, keep_last;
+    int save_every, keep_last, overwrite;
     char resume[TMD_PATH_MAX], init_from[TMD_PATH_MAX];
     char sample_prompt[TMD_PATH_MAX];
     int sample_tokens;

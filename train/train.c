@@ -485,14 +485,49 @@ static void remove_stale_temporaries(const char *dir) {
 
 /* Keep the newest keep_last checkpoints of out (0: all). Only ever called after a save
  * succeeded, so the newest file is complete before an older one goes. */
-static void prune_checkpoints(run *r) {
+static void prune_checkpoints(run *r, int64_t done) {
     if (r->c.keep_last <= 0) return;
     int64_t *steps;
     int n;
     char e[256], path[TMD_PATH_MAX + 32];
     if (tmd_ckpt_list(r->c.out, &steps, &n, e, sizeof e)) return;
-    for (int i = 0; i + r->c.keep_last < n; i++) {
+    /* Only files up to the one just written count: a later step can only be there because
+     * the user resumed from an earlier checkpoint on purpose, and it is theirs to delete. */
+    int upto = 0;
+    while (upto < n && steps[upto] <= done) upto++;
+    for (int i = 0; i + r->c.keep_last < upto; i++) {
         tmd_ckpt_path(r->c.out, steps[i], path, sizeof path);
+        unlink(path);
+    }
+    free(steps);
+}
+
+/* A fresh run must not mix its checkpoints with an earlier run's in the same directory
+ * (`--resume DIR` picks the highest step, and pruning would delete the other run's files):
+ * refuse, unless overwrite says to delete them. Called before anything is written. */
+static int check_out_dir(const tmd_config *c, char *err, size_t errlen) {
+    struct stat sb;
+    if (c->resume[0] || !c->out[0] || stat(c->out, &sb) || !S_ISDIR(sb.st_mode)) return 0;
+    int64_t *steps;
+    int n;
+    char e[512];
+    if (tmd_ckpt_list(c->out, &steps, &n, e, sizeof e)) return 0;
+    int64_t newest = n ? steps[n - 1] : 0;
+    free(steps);
+    if (n == 0 || c->overwrite) return 0;
+    return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                    "out = '%s' holds %d checkpoint%s of an earlier run (newest: step %lld); continue it with "
+                    "--resume %s, write this run elsewhere with --out DIR, or pass --overwrite to delete them",
+                    c->out, n, n > 1 ? "s" : "", (long long)newest, c->out);
+}
+
+static void delete_checkpoints(const char *dir) {
+    int64_t *steps;
+    int n;
+    char e[512], path[TMD_PATH_MAX + 32];
+    if (tmd_ckpt_list(dir, &steps, &n, e, sizeof e)) return;
+    for (int i = 0; i < n; i++) {
+        tmd_ckpt_path(dir, steps[i], path, sizeof path);
         unlink(path);
     }
     free(steps);
@@ -514,7 +549,7 @@ static int save_checkpoint(run *r, int64_t done, char *err, size_t errlen) {
     free(meta);
     if (s) return lib_fail(r, err, errlen, "saving a checkpoint", s);
     r->saved_step = done;
-    prune_checkpoints(r);
+    prune_checkpoints(r, done);
     if (r->log) {
         struct stat sb;
         if (r->tty) tmd_progress_clear(r->log);
@@ -586,6 +621,7 @@ static int open_outputs(run *r, int64_t start, char *err, size_t errlen) {
     if (tmd_mkdirs(r->c.out, e, sizeof e)) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "key 'out': %s", e);
     int rc;
     remove_stale_temporaries(r->c.out);
+    if (start == 0 && r->c.overwrite) delete_checkpoints(r->c.out);
     snprintf(r->metrics_path, sizeof r->metrics_path, "%s/metrics.jsonl", r->c.out);
     if (start > 0 && (rc = restore_metrics(r, start, err, errlen))) return rc;
     r->metrics = fopen(r->metrics_path, start > 0 ? "a" : "w");
@@ -825,6 +861,7 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
             "keys 'resume' and 'init_from' exclude each other (resume restores the weights from the checkpoint)");
     if (!rc && cfg->resume[0]) rc = resume_config(r, cfg, &c, 0, cfg->resume, err, errlen);
     if (!rc && cfg->init_from[0]) rc = init_from_config(cfg, &c, err, errlen);
+    if (!rc) rc = check_out_dir(&c, err, errlen);
     if (!rc) rc = setup(r, &c, log, 0, err, errlen);
     if (!rc) {
         res->params = r->params;
