@@ -58,6 +58,7 @@ typedef struct run {
     /* checkpoints */
     char resume_path[TMD_PATH_MAX]; /* the checkpoint resumed from ("" for a fresh run) */
     tmd_ckpt_state resume_state;
+    int64_t resume_ck_steps; /* the checkpoint's own `steps` (a resumed run may change it) */
     int64_t saved_step; /* step of the newest checkpoint written by this run (-1: none) */
     int eval_split;     /* eval: validate on the val_fraction tail of data, as training did */
 } run;
@@ -789,6 +790,7 @@ static int resume_config(run *r, const tmd_config *cli, tmd_config *out, int for
     if (!rc) rc = tmd_ckpt_read_meta(r->resume_path, &ck, &r->resume_state, err, errlen);
     if (!rc) rc = tmd_ckpt_merge_config(cli, &ck, r->resume_path, for_eval, out, err, errlen);
     if (rc) return rc;
+    r->resume_ck_steps = ck.sched.total_steps;
     if (for_eval) {
         /* Evaluating on a file the user names: all of it, whatever the training run used. */
         int given_val = cli->source[tmd_config_key_index("val_data")] != TMD_SRC_DEFAULT;
@@ -868,8 +870,13 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
         res->active_params = r->active;
         res->optimum = r->synth ? r->optimum : NAN;
         print_header(r, 0);
-        if (r->resume_path[0] && log)
-            fprintf(log, "resuming from %s at step %lld\n\n", r->resume_path, (long long)r->resume_state.step);
+        if (r->resume_path[0] && log) {
+            fprintf(log, "resuming from %s at step %lld", r->resume_path, (long long)r->resume_state.step);
+            if (r->resume_ck_steps != c.sched.total_steps)
+                fprintf(log, "; steps %lld -> %lld%s", (long long)r->resume_ck_steps, (long long)c.sched.total_steps,
+                        c.sched.kind == TM_LR_CONSTANT ? "" : " (the learning-rate schedule now spans the new total)");
+            fprintf(log, "\n\n");
+        }
         saved_handlers old;
         catch_stop_signals(&old);
         rc = train_loop(r, res, err, errlen);
