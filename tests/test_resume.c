@@ -146,6 +146,10 @@ static void check_exact_resume(tmd_config *c, int n) {
     cr_assert_eq(losses(ma, n, 2 * n, la), n);
     cr_assert_eq(losses(mb, n, 2 * n, lb), n, "the resumed run logs steps %d..%d", n + 1, 2 * n);
     for (int i = 0; i < n; i++) cr_assert_str_eq(la[i], lb[i], "loss of step %d", n + 1 + i);
+    /* The resumed run's directory carries the history of steps 1..N from the first run. */
+    cr_assert_eq(losses(ma, 0, n, la), n);
+    cr_assert_eq(losses(mb, 0, n, lb), n, "history up to step %d carried over", n);
+    for (int i = 0; i < n; i++) cr_assert_str_eq(la[i], lb[i], "history of step %d", 1 + i);
     cr_assert_eq(ra.val_loss, rb.val_loss);
     cr_assert_eq(ra.last_loss, rb.last_loss);
     /* The test can fail: the checkpoint at N differs from the one at 2N. */

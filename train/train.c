@@ -587,9 +587,17 @@ static int json_type_is(const char *line, const char *type) {
 
 /* On resume, metrics.jsonl keeps the records up to the checkpoint's step (a run killed after
  * its last checkpoint logged steps that will now be trained again) and the plots get them
- * back. The file is rewritten atomically (atomic.h), then opened for appending. */
+ * back; a run resumed into a new out directory starts from the checkpoint run's records. The file is rewritten atomically (atomic.h), then opened for appending. */
 static int restore_metrics(run *r, int64_t upto, char *err, size_t errlen) {
     FILE *in = fopen(r->metrics_path, "r");
+    if (!in) {
+        /* Resuming into another directory: carry over the history of the checkpoint's run. */
+        char src[TMD_PATH_MAX + 32];
+        const char *slash = strrchr(r->resume_path, '/');
+        if (slash) snprintf(src, sizeof src, "%.*s/metrics.jsonl", (int)(slash - r->resume_path), r->resume_path);
+        else snprintf(src, sizeof src, "metrics.jsonl");
+        in = fopen(src, "r");
+    }
     if (!in) return 0; /* none: start a new one */
     tmd_atomic out;
     if (tmd_atomic_open(&out, r->metrics_path, err, errlen)) {
