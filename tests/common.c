@@ -230,3 +230,29 @@ int tt_dir_entries(const char *dir) {
     closedir(d);
     return n;
 }
+
+void tt_check_decay_only_on_matrices(tt_make_optimizer make) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t s3[3] = {2, 1, 3}, s2[2] = {3, 5}, s1[1] = {7};
+    tm_tensor *p3 = NULL, *p2 = NULL, *p1 = NULL, *p0 = NULL;
+    TT_OK(ctx, tm_param_new(ctx, "t3", TM_F32, 3, s3, tm_cpu(), &p3));
+    TT_OK(ctx, tm_param_new(ctx, "m2", TM_F32, 2, s2, tm_cpu(), &p2));
+    TT_OK(ctx, tm_param_new(ctx, "gain", TM_F32, 1, s1, tm_cpu(), &p1));
+    TT_OK(ctx, tm_param_new(ctx, "scalar", TM_F32, 0, NULL, tm_cpu(), &p0));
+    tm_tensor *ps[4] = {p3, p2, p1, p0};
+    for (int i = 0; i < 4; i++) TT_OK(ctx, tm_tensor_init_normal(ctx, ps[i], 7, NULL, 0.0, 1.0));
+    double *before[4];
+    for (int i = 0; i < 4; i++) before[i] = tt_read(ctx, ps[i]);
+    tm_optimizer *opt = make(ctx, 0.5, 0.2);
+    TT_OK(ctx, tm_ctx_zero_grad(ctx));
+    TT_OK(ctx, tm_optimizer_step(opt, -1.0));
+    for (int i = 0; i < 4; i++) {
+        int64_t n = tm_tensor_numel(ps[i]);
+        double f = tm_tensor_ndim(ps[i]) >= 2 ? 1.0 - 0.5 * 0.2 : 1.0;
+        for (int64_t k = 0; k < n; k++) before[i][k] *= f;
+        tt_assert_close_host(ctx, ps[i], before[i], 1e-30, 1e-6);
+        free(before[i]);
+    }
+    tm_optimizer_free(opt);
+    tm_ctx_free(ctx);
+}

@@ -77,4 +77,11 @@ double tt_gradcheck(tm_ctx *ctx, tt_fn fn, void *user, int n_in, tm_tensor **inp
 #define TT_DECL_GRADCASE(op) double tt_gradcase_##op(tm_ctx *ctx);
 TT_GRADCASES(TT_DECL_GRADCASE)
 
+/* Shared optimizer checks. make: an optimizer over every parameter of ctx with learning rate
+ * lr and weight decay wd (the test file's algorithm). */
+typedef tm_optimizer *(*tt_make_optimizer)(tm_ctx *ctx, double lr, double weight_decay);
+/* With zero gradients one step multiplies parameters of 2+ dims by 1 - lr wd and leaves 1-D
+ * and 0-D parameters alone (AdamW: the Adam term is exactly 0; SGD: b = wd p). */
+void tt_check_decay_only_on_matrices(tt_make_optimizer make);
+
 #endif
