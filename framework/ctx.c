@@ -67,6 +67,11 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
                  "tm_ctx_new: allocator given but its alloc or free function is NULL");
         return TM_ERR_INVALID_ARG;
     }
+    if (o.cpu_gemm != TM_CPU_GEMM_AUTO && o.cpu_gemm != TM_CPU_GEMM_BUILTIN) {
+        snprintf(create_error, sizeof create_error,
+                 "tm_ctx_new: cpu_gemm = %d is neither TM_CPU_GEMM_AUTO (0) nor TM_CPU_GEMM_BUILTIN (1)", o.cpu_gemm);
+        return TM_ERR_INVALID_ARG;
+    }
     tm_ctx tmp;
     memset(&tmp, 0, sizeof tmp);
     if (o.allocator) {
@@ -84,6 +89,7 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->alloc_count = 1;
     ctx->n_threads = o.num_threads > 0 ? o.num_threads : omp_get_max_threads();
     ctx->grad_enabled = 1;
+    ctx->cpu_gemm_builtin = o.cpu_gemm == TM_CPU_GEMM_BUILTIN;
     ctx->chunk_bytes = o.arena_chunk_bytes ? o.arena_chunk_bytes : ((size_t)64 << 20);
     ctx->arena[TM__CPU].dev = tm_cpu();
     ctx->meta.dev = tm_cpu();
@@ -203,6 +209,7 @@ const char *tm__tdesc(tm_ctx *ctx, const tm_tensor *t) {
 
 int tm__nthreads(const tm_ctx *ctx) { return ctx->n_threads; }
 int tm__grad_enabled(const tm_ctx *ctx) { return ctx->grad_enabled; }
+int tm__cpu_gemm_builtin(const tm_ctx *ctx) { return ctx->cpu_gemm_builtin; }
 void *tm__cuda_state(const tm_ctx *ctx) { return ctx->cuda; }
 
 int tm_ctx_set_grad_enabled(tm_ctx *ctx, int enabled) {

@@ -38,6 +38,7 @@ struct tm_ctx {
     int has_alloc;
     int n_threads;
     int grad_enabled;
+    int cpu_gemm_builtin; /* tm_ctx_options.cpu_gemm == TM_CPU_GEMM_BUILTIN */
     uint64_t alloc_count;
     size_t chunk_bytes;
     char errmsg[1024];

@@ -260,6 +260,8 @@ void tm__test_perturb_backward(tm_ctx *ctx, int op);
 
 int tm__nthreads(const tm_ctx *ctx);
 int tm__grad_enabled(const tm_ctx *ctx);
+/* 1: the CPU GEMM must use the built-in kernel even when the build has CBLAS. */
+int tm__cpu_gemm_builtin(const tm_ctx *ctx);
 /* Opaque CUDA state of the context (NULL when the context has no CUDA device). */
 void *tm__cuda_state(const tm_ctx *ctx);
 

@@ -111,14 +111,19 @@ typedef struct tm_ctx_options {
     int num_threads;               /* CPU threads for kernels; <= 0: all available */
     int cuda_device;               /* CUDA ordinal this context may use; -1: CPU only */
     size_t arena_chunk_bytes;      /* growth quantum of the per-step arenas; 0: 64 MiB */
+    int cpu_gemm;                  /* TM_CPU_GEMM_AUTO (0): CBLAS when the build has it;
+                                    * TM_CPU_GEMM_BUILTIN: always the built-in blocked kernel, so
+                                    * results do not depend on whether the build found OpenBLAS */
 } tm_ctx_options;
 
-/* Defaults: no allocator hook, all threads, CPU only, 64 MiB chunks. */
+enum { TM_CPU_GEMM_AUTO = 0, TM_CPU_GEMM_BUILTIN = 1 };
+
+/* Defaults: no allocator hook, all threads, CPU only, 64 MiB chunks, CPU GEMM auto. */
 tm_ctx_options tm_ctx_options_default(void);
 
 /* Make a context. opts may be NULL (defaults). Errors: TM_ERR_INVALID_ARG (out NULL),
  * TM_ERR_NOMEM, TM_ERR_DEVICE (cuda_device >= 0 but CUDA absent from the build or no such
- * device; the message says which). On failure *out is NULL and, since no context exists to
+ * device; the message says which), TM_ERR_INVALID_ARG (cpu_gemm not one of TM_CPU_GEMM_*). On failure *out is NULL and, since no context exists to
  * hold a message, the reason is available from tm_last_create_error(). */
 tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts);
 

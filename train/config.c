@@ -140,6 +140,8 @@ static const key KEYS[] = {
     {"grad_accum", T_INT, G_TRAIN, OFF(grad_accum), NULL, "1", 0, NULL, "micro-batches per optimizer step"},
     {"seed", T_I64, G_TRAIN, OFF(seed), NULL, "1", 0, NULL, "seed of the initialisation, the batches and the synthetic source"},
     {"threads", T_INT, G_TRAIN, OFF(threads), NULL, "0", 0, NULL, "CPU threads (0: all available)"},
+    {"cpu_gemm", T_ENUM, G_TRAIN, OFF(cpu_gemm), "auto|builtin", "auto", 0, NULL,
+     "CPU matrix products: OpenBLAS when built with it, or always the built-in kernel (the same results on every build)"},
     {"device", T_ENUM, G_TRAIN, OFF(device), "cpu|cuda", "cpu", 0, NULL, "where the model runs (cuda: device 0)"},
     {"dtype", T_ENUM, G_TRAIN, OFF(dtype), "f32|bf16", "f32", 0, NULL, "parameter dtype"},
     /* data */
@@ -778,10 +780,10 @@ int tmd_config_key_index(const char *name) { return find_key(name); }
 int tmd_config_key_resumable(int i, int for_eval) {
     if (i < 0 || i >= NKEYS) return 0;
     if (for_eval && (KEYS[i].group == G_DATA || !strcmp(KEYS[i].name, "batch_size"))) return 1;
-    /* Run settings, the thread count and the device change nothing of the trained state;
+    /* Run settings, the thread count, the CPU GEMM and the device change nothing of the trained state;
      * steps may grow (train longer: a decaying schedule then decays over the new total). */
-    return KEYS[i].group == G_RUN || !strcmp(KEYS[i].name, "threads") || !strcmp(KEYS[i].name, "device") ||
-           !strcmp(KEYS[i].name, "steps");
+    return KEYS[i].group == G_RUN || !strcmp(KEYS[i].name, "threads") || !strcmp(KEYS[i].name, "cpu_gemm") ||
+           !strcmp(KEYS[i].name, "device") || !strcmp(KEYS[i].name, "steps");
 }
 
 static void format_value(const tmd_config *cfg, int i, char *buf, size_t len, int exact) {

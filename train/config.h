@@ -49,6 +49,7 @@ typedef struct tmd_config {
     int batch_size, grad_accum;
     int64_t seed;
     int threads;
+    int cpu_gemm; /* TM_CPU_GEMM_AUTO / TM_CPU_GEMM_BUILTIN */
     int device; /* tmd_device_kind */
     int dtype;  /* tmd_dtype_kind */
     char data[TMD_PATH_MAX], val_data[TMD_PATH_MAX];

@@ -153,6 +153,7 @@ static int build(run *r, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = c->threads;
+    o.cpu_gemm = c->cpu_gemm;
     o.cuda_device = c->device == TMD_DEVICE_CUDA ? 0 : -1;
     tm_status s = tm_ctx_new(&r->ctx, &o);
     if (s)

@@ -280,7 +280,7 @@ void tm__gemm_cpu(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M,
 #ifdef TM_HAVE_CBLAS
     /* CBLAS takes int sizes; it also rejects (through xerbla, which prints) lda < 1 for empty
      * operands, so degenerate shapes go to the blocked path, which handles them directly. */
-    int fits = M > 0 && N > 0 && K > 0 && M <= INT_MAX && N <= INT_MAX && K <= INT_MAX &&
+    int fits = !tm__cpu_gemm_builtin(ctx) && M > 0 && N > 0 && K > 0 && M <= INT_MAX && N <= INT_MAX && K <= INT_MAX &&
                lda <= INT_MAX && ldb <= INT_MAX && ldc <= INT_MAX;
     if (fits) {
         enum CBLAS_TRANSPOSE ta = trans_a ? CblasTrans : CblasNoTrans;
