@@ -10,15 +10,15 @@
 
 #include <stdlib.h>
 
-void *tm__host_alloc(tm_ctx *ctx, size_t nbytes) {
+void *tm__host_alloc_raw(tm_ctx *ctx, size_t nbytes) {
     if (nbytes == 0) nbytes = 1;
-    void *p;
-    if (ctx->has_alloc) {
-        p = ctx->alloc.alloc(nbytes, TM__ALIGN, ctx->alloc.user);
-    } else {
-        size_t n = (nbytes + TM__ALIGN - 1) / TM__ALIGN * TM__ALIGN;
-        p = aligned_alloc(TM__ALIGN, n);
-    }
+    if (ctx->has_alloc) return ctx->alloc.alloc(nbytes, TM__ALIGN, ctx->alloc.user);
+    size_t n = (nbytes + TM__ALIGN - 1) / TM__ALIGN * TM__ALIGN;
+    return aligned_alloc(TM__ALIGN, n);
+}
+
+void *tm__host_alloc(tm_ctx *ctx, size_t nbytes) {
+    void *p = tm__host_alloc_raw(ctx, nbytes);
     if (p) ctx->alloc_count++;
     return p;
 }
@@ -32,39 +32,28 @@ void tm__host_free(tm_ctx *ctx, void *p) {
 }
 
 void *tm__dev_alloc(tm_ctx *ctx, tm_device dev, size_t nbytes) {
-    if (dev.type == TM_DEVICE_CPU) return tm__host_alloc(ctx, nbytes);
-#ifdef TM_HAVE_CUDA
+    const tm__backend_ops *be = ctx->be[tm__backend(dev)];
     void *p = NULL;
-    if (tm__cuda_malloc(ctx, nbytes ? nbytes : 1, &p) != TM_OK) return NULL;
+    if (!be) {
+        tm__err(ctx, TM_ERR_DEVICE, "%s memory requested in a context without that device",
+                dev.type == TM_DEVICE_CUDA ? "CUDA" : "host");
+        return NULL;
+    }
+    if (be->alloc(ctx, nbytes ? nbytes : 1, &p) != TM_OK) return NULL;
     ctx->alloc_count++;
     return p;
-#else
-    return NULL;
-#endif
 }
 
 void tm__dev_free(tm_ctx *ctx, tm_device dev, void *p) {
-    if (!p) return;
-    if (dev.type == TM_DEVICE_CPU) {
-        tm__host_free(ctx, p);
-        return;
-    }
-#ifdef TM_HAVE_CUDA
-    tm__cuda_free(ctx, p);
-#endif
+    const tm__backend_ops *be = ctx->be[tm__backend(dev)];
+    if (p && be) be->free(ctx, p);
 }
 
 tm_status tm__dev_memset0(tm_ctx *ctx, tm_device dev, void *p, size_t nbytes) {
     if (!nbytes) return TM_OK;
-    if (dev.type == TM_DEVICE_CPU) {
-        memset(p, 0, nbytes);
-        return TM_OK;
-    }
-#ifdef TM_HAVE_CUDA
-    return tm__cuda_memset0(ctx, p, nbytes);
-#else
-    return tm__err(ctx, TM_ERR_DEVICE, "CUDA memory used in a build without CUDA");
-#endif
+    const tm__backend_ops *be = ctx->be[tm__backend(dev)];
+    if (!be) return tm__err(ctx, TM_ERR_DEVICE, "memset on a device this context does not have");
+    return be->memset0(ctx, p, nbytes);
 }
 
 static void *arena_bump(tm_ctx *ctx, tm__arena *a, size_t nbytes) {
@@ -122,7 +111,7 @@ void *tm__arena_alloc(tm_ctx *ctx, tm_device dev, size_t nbytes) {
     tm__arena *a;
     if (dev.type == TM_DEVICE_CPU) {
         a = &ctx->arena[TM__CPU];
-    } else if (ctx->cuda && dev.index == ctx->cuda_device) {
+    } else if (ctx->be[TM__CUDA] && dev.index == ctx->cuda_device) {
         a = &ctx->arena[TM__CUDA];
     } else {
         tm__err(ctx, TM_ERR_DEVICE, "cuda:%d is not this context's device (context cuda_device=%d)",

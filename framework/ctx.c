@@ -47,11 +47,8 @@ static _Thread_local char create_error[1100];
 const char *tm_last_create_error(void) { return create_error; }
 
 int tm_cuda_device_count(void) {
-#ifdef TM_HAVE_CUDA
-    return tm__cuda_device_count();
-#else
-    return 0;
-#endif
+    const tm__backend_ops *be = tm__backend_get(TM__CUDA);
+    return be ? be->device_count() : 0;
 }
 
 tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
@@ -97,9 +94,17 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->grads[TM__CPU].st.device = tm_cpu();
     ctx->cuda_device = -1;
     ctx->perturb_op = -1;
+    ctx->be[TM__CPU] = tm__backend_get(TM__CPU);
     if (o.cuda_device >= 0) {
-#ifdef TM_HAVE_CUDA
-        int n = tm__cuda_device_count();
+        const tm__backend_ops *be = tm__backend_get(TM__CUDA);
+        if (!be) {
+            snprintf(create_error, sizeof create_error,
+                     "tm_ctx_new: cuda_device %d requested but this build has no CUDA backend "
+                     "(rebuild with CUDA=1)", o.cuda_device);
+            tm__host_free(ctx, ctx);
+            return TM_ERR_DEVICE;
+        }
+        int n = be->device_count();
         if (o.cuda_device >= n) {
             snprintf(create_error, sizeof create_error,
                      "tm_ctx_new: cuda_device %d requested but %d CUDA device(s) visible",
@@ -107,24 +112,18 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
             tm__host_free(ctx, ctx);
             return TM_ERR_DEVICE;
         }
-        tm_status s = tm__cuda_init(ctx, o.cuda_device, &ctx->cuda);
+        tm_status s = be->init(ctx, o.cuda_device, &ctx->state[TM__CUDA]);
         if (s != TM_OK) {
             snprintf(create_error, sizeof create_error, "%s", ctx->errmsg);
             tm__host_free(ctx, ctx);
             return s;
         }
+        ctx->be[TM__CUDA] = be;
         ctx->cuda_device = o.cuda_device;
         tm_device d = tm_cuda(o.cuda_device);
         ctx->arena[TM__CUDA].dev = d;
         ctx->params[TM__CUDA].st.device = d;
         ctx->grads[TM__CUDA].st.device = d;
-#else
-        snprintf(create_error, sizeof create_error,
-                 "tm_ctx_new: cuda_device %d requested but this build has no CUDA backend "
-                 "(rebuild with CUDA=1)", o.cuda_device);
-        tm__host_free(ctx, ctx);
-        return TM_ERR_DEVICE;
-#endif
     }
     *out = ctx;
     return TM_OK;
@@ -151,9 +150,8 @@ void tm_ctx_free(tm_ctx *ctx) {
     }
     tm__host_free(ctx, ctx->named);
     tm__host_free(ctx, ctx->owned);
-#ifdef TM_HAVE_CUDA
-    if (ctx->cuda) tm__cuda_shutdown(ctx, ctx->cuda);
-#endif
+    for (int b = 0; b < TM__NBACKENDS; b++)
+        if (ctx->be[b] && ctx->be[b]->shutdown) ctx->be[b]->shutdown(ctx, ctx->state[b]);
     tm__host_free(ctx, ctx);
 }
 
@@ -210,7 +208,7 @@ const char *tm__tdesc(tm_ctx *ctx, const tm_tensor *t) {
 int tm__nthreads(const tm_ctx *ctx) { return ctx->n_threads; }
 int tm__grad_enabled(const tm_ctx *ctx) { return ctx->grad_enabled; }
 int tm__cpu_gemm_builtin(const tm_ctx *ctx) { return ctx->cpu_gemm_builtin; }
-void *tm__cuda_state(const tm_ctx *ctx) { return ctx->cuda; }
+void *tm__cuda_state(const tm_ctx *ctx) { return ctx->state[TM__CUDA]; }
 
 int tm_ctx_set_grad_enabled(tm_ctx *ctx, int enabled) {
     if (!ctx) return 0;
@@ -223,11 +221,12 @@ uint64_t tm_ctx_alloc_count(const tm_ctx *ctx) { return ctx ? ctx->alloc_count :
 
 tm_status tm_ctx_sync(tm_ctx *ctx) {
     if (!ctx) return TM_ERR_INVALID_ARG;
-#ifdef TM_HAVE_CUDA
-    if (ctx->cuda) return tm__cuda_sync(ctx);
-#endif
+    for (int b = 0; b < TM__NBACKENDS; b++)
+        if (ctx->be[b]) TM__TRY(ctx->be[b]->sync(ctx));
     return TM_OK;
 }
+
+uint64_t tm_ctx_sync_count(const tm_ctx *ctx) { return ctx ? ctx->sync_count : 0; }
 
 void tm_ctx_arena_reset(tm_ctx *ctx) {
     if (!ctx) return;
@@ -239,7 +238,7 @@ void tm_ctx_arena_reset(tm_ctx *ctx) {
 static const tm__arena *arena_of(const tm_ctx *ctx, tm_device dev) {
     if (!ctx) return NULL;
     if (dev.type == TM_DEVICE_CPU) return &ctx->arena[TM__CPU];
-    if (dev.type == TM_DEVICE_CUDA && ctx->cuda && dev.index == ctx->cuda_device) return &ctx->arena[TM__CUDA];
+    if (dev.type == TM_DEVICE_CUDA && ctx->be[TM__CUDA] && dev.index == ctx->cuda_device) return &ctx->arena[TM__CUDA];
     return NULL;
 }
 size_t tm_ctx_arena_used(const tm_ctx *ctx, tm_device dev) {

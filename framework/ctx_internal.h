@@ -57,8 +57,10 @@ struct tm_ctx {
 
     tm__node *tape; /* most recent node; linked backwards */
 
-    void *cuda; /* tm__cuda_state, NULL without a CUDA device */
+    const tm__backend_ops *be[TM__NBACKENDS]; /* registered backends; be[TM__CUDA] NULL without a device */
+    void *state[TM__NBACKENDS];           /* each backend's per-context state (tm__cuda_state) */
     int cuda_device;
+    uint64_t sync_count;                  /* device-to-host synchronisations (tm_ctx_sync_count) */
 
     int perturb_op; /* tests: op id whose backward sees a scaled upstream grad; -1 off */
 };

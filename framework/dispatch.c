@@ -96,9 +96,9 @@ static tm_status run_bf16_on_cpu(tm__call *c, tm__fn fn, int backward) {
 tm_status tm__run_kernel(tm__call *c, int backward) {
     const tm__op_def *op = &tm__op_table[c->op];
     int b = tm__backend(c->in[0]->device);
-    tm__fn fn = backward ? op->bwd[b] : op->fwd[b];
+    const tm__backend_ops *be = c->ctx->be[b];
+    tm__fn fn = be ? (backward ? be->bwd[c->op] : be->fwd[c->op]) : NULL;
     if (!fn) {
-        if (!backward && !op->fwd[TM__CPU] && !op->fwd[TM__CUDA]) return TM_OK; /* pure view */
         return tm__err(c->ctx, TM_ERR_UNSUPPORTED, "%s: no %s kernel for %s yet (input %s)", op->name,
                        backward ? "backward" : "forward", b == TM__CUDA ? "CUDA" : "the CPU",
                        tm__tdesc(c->ctx, c->in[0]));
@@ -141,7 +141,7 @@ tm_status tm__op_run(tm__call *c) {
         if (!c->out[i]) return tm__err(ctx, TM_ERR_INTERNAL, "%s: output %d was not produced", op->name, i);
 
     int needs = 0;
-    if (ctx->grad_enabled && !(op->flags & TM__OP_NONDIFF) && (op->bwd[TM__CPU] || op->bwd[TM__CUDA]))
+    if (ctx->grad_enabled && !(op->flags & TM__OP_NONDIFF) && (op->kernels & (TM__K_CPU_BWD | TM__K_CUDA_BWD)))
         for (int i = 0; i < c->n_in; i++) needs |= c->src[i]->requires_grad;
     if (needs) {
         tm__node *n = tm__meta_alloc(ctx, sizeof *n);

@@ -92,54 +92,34 @@ enum {
     TM__OP_ANY_DEVICE = 1u << 3 /* inputs may sit on different devices (to_device) */
 };
 
-/* One row of the op table. */
+/* Which kernels an op has (from its `kernels` column in ops.def), whatever this build holds. */
+enum {
+    TM__K_CPU_FWD = 1u << 0,
+    TM__K_CPU_BWD = 1u << 1,
+    TM__K_CUDA_FWD = 1u << 2,
+    TM__K_CUDA_BWD = 1u << 3
+};
+#define TM__KMASK_CPU_CUDA (TM__K_CPU_FWD | TM__K_CPU_BWD | TM__K_CUDA_FWD | TM__K_CUDA_BWD)
+#define TM__KMASK_CPU (TM__K_CPU_FWD | TM__K_CPU_BWD)
+#define TM__KMASK_GENERIC TM__KMASK_CPU_CUDA
+#define TM__KMASK_UPDATE_CPU TM__K_CPU_FWD
+#define TM__KMASK_UPDATE_CPU_CUDA (TM__K_CPU_FWD | TM__K_CUDA_FWD)
+
+/* One row of the op table (op_table.c, generated from ops.def). The kernels themselves live
+ * in each backend's kernel table (tm__backend_ops.fwd / .bwd, framework/backend.h). */
 typedef struct tm__op_def {
     const char *name;
     int n_in;                    /* -1: variadic (1..TM__MAX_IN) */
     int n_out;
-    unsigned flags;
+    unsigned flags;              /* TM__OP_* */
+    unsigned kernels;            /* TM__K_* */
     tm__fn check;                /* validate + allocate outputs */
-    tm__fn fwd[TM__NBACKENDS];   /* NULL: not implemented on that backend (views: NULL/NULL) */
-    tm__fn bwd[TM__NBACKENDS];   /* NULL on both: not differentiable */
 } tm__op_def;
 
 typedef enum tm__op_id {
-    TM__OP_MATMUL,
-    TM__OP_ADD,
-    TM__OP_SUB,
-    TM__OP_MUL,
-    TM__OP_SCALE,
-    TM__OP_SUM,
-    TM__OP_MEAN,
-    TM__OP_SUM_ALL,
-    TM__OP_MEAN_ALL,
-    TM__OP_VIEW,        /* reshape of a contiguous tensor, transpose, permute, slice */
-    TM__OP_CONCAT,
-    TM__OP_CONTIGUOUS,
-    TM__OP_CAST,
-    TM__OP_TO_DEVICE,
-    TM__OP_EMBEDDING,
-    TM__OP_INDEX_SELECT,
-    TM__OP_GATHER,
-    TM__OP_SCATTER_ADD,
-    TM__OP_RMSNORM,
-    TM__OP_SILU,
-    TM__OP_SWIGLU,
-    TM__OP_SOFTMAX,
-    TM__OP_LOG_SOFTMAX,
-    TM__OP_CROSS_ENTROPY,
-    TM__OP_ROPE,
-    TM__OP_ATTENTION,
-    /* Mixture of Experts (framework/ops/moe_*.c, kernels/cpu/moe_*.c) */
-    TM__OP_MOE_ROUTER,
-    TM__OP_MOE_AUX_SCORES,
-    TM__OP_MOE_AUX_LOSS,
-    TM__OP_MOE_SEQ_AUX_LOSS,
-    TM__OP_MOE_Z_LOSS,
-    TM__OP_MOE_DROP_TOKENS,
-    TM__OP_MOE_PERMUTE,
-    TM__OP_MOE_UNPERMUTE,
-    TM__OP_GROUPED_MATMUL,
+#define TM__OP(ID, name, n_in, n_out, flags, kernels) TM__OP_##ID,
+#include "ops.def"
+#undef TM__OP
     TM__NOPS
 } tm__op_id;
 
@@ -290,86 +270,32 @@ void tm__gemm_cpu(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M,
                   double alpha, const void *A, int64_t lda, const void *B, int64_t ldb, double beta,
                   void *C, int64_t ldc);
 
-/* ---- CUDA backend (kernels/cuda/backend.cu; only when TM_HAVE_CUDA) ------------------------ */
-#ifdef TM_HAVE_CUDA
-int tm__cuda_device_count(void);
-tm_status tm__cuda_init(tm_ctx *ctx, int device, void **state);
-void tm__cuda_shutdown(tm_ctx *ctx, void *state);
-/* Raw device allocation (counted by the caller); used by arenas and persistent storage. */
-tm_status tm__cuda_malloc(tm_ctx *ctx, size_t nbytes, void **p);
-void tm__cuda_free(tm_ctx *ctx, void *p);
-enum { TM__H2D = 1, TM__D2H = 2, TM__D2D = 3 };
-/* Stream-ordered copy; D2H waits for completion so the host may read the result. */
-tm_status tm__cuda_memcpy(tm_ctx *ctx, void *dst, const void *src, size_t nbytes, int kind);
-tm_status tm__cuda_memset0(tm_ctx *ctx, void *p, size_t nbytes);
-tm_status tm__cuda_sync(tm_ctx *ctx);
-/* Device versions of tm__copy_into / tm__accumulate / tm__fill (same contracts). */
-tm_status tm__cuda_copy_into(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src);
-tm_status tm__cuda_accumulate(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, double alpha);
-tm_status tm__cuda_fill(tm_ctx *ctx, tm_tensor *t, double value);
-/* tm__assign on the device (kernels/cuda/backend.cu). */
-tm_status tm__cuda_assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accumulate, double alpha);
-/* cuBLASLt GEMM, same row-major contract as tm__gemm_cpu; dt TM_F32 or TM_BF16 (f32 accum).
- * batch > 1: strided batched with element strides sa, sb, sc between matrices. */
-tm_status tm__gemm_cuda(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N,
-                        int64_t K, double alpha, const void *A, int64_t lda, int64_t sa, const void *B,
-                        int64_t ldb, int64_t sb, double beta, void *C, int64_t ldc, int64_t sc,
-                        int64_t batch);
-#endif
-
-/* ---- kernels named by the op table (kernels/cpu/<op>.c, kernels/cuda/<op>.cu) -------------- */
-#define TM__DECL_OP(name)                          \
-    tm_status tm__##name##_check(tm__call *c);     \
+/* ---- kernels named by the registry (kernels/cpu/<op>.c, kernels/cuda/<op>.cu) ------------ */
+#define TM__DECL_CHECK(name) tm_status tm__##name##_check(tm__call *c);
+#define TM__DECL_CPU(name)                          \
+    TM__DECL_CHECK(name)                            \
     tm_status tm__##name##_forward_cpu(tm__call *c); \
-    tm_status tm__##name##_backward_cpu(tm__call *c); \
+    tm_status tm__##name##_backward_cpu(tm__call *c);
+#define TM__DECL_CPU_CUDA(name)                      \
+    TM__DECL_CPU(name)                               \
     tm_status tm__##name##_forward_cuda(tm__call *c); \
     tm_status tm__##name##_backward_cuda(tm__call *c);
-
-TM__DECL_OP(matmul)
-TM__DECL_OP(add)
-TM__DECL_OP(sub)
-TM__DECL_OP(mul)
-TM__DECL_OP(scale)
-TM__DECL_OP(sum)
-TM__DECL_OP(mean)
-TM__DECL_OP(sum_all)
-TM__DECL_OP(mean_all)
-TM__DECL_OP(view)
-TM__DECL_OP(concat)
-TM__DECL_OP(contiguous)
-TM__DECL_OP(cast)
-TM__DECL_OP(to_device)
-TM__DECL_OP(embedding)
-TM__DECL_OP(index_select)
-TM__DECL_OP(gather)
-TM__DECL_OP(scatter_add)
-TM__DECL_OP(rmsnorm)
-TM__DECL_OP(silu)
-TM__DECL_OP(swiglu)
-TM__DECL_OP(softmax)
-TM__DECL_OP(log_softmax)
-TM__DECL_OP(cross_entropy)
-TM__DECL_OP(rope)
-TM__DECL_OP(attention)
-TM__DECL_OP(moe_router)
-TM__DECL_OP(moe_aux_scores)
-TM__DECL_OP(moe_aux_loss)
-TM__DECL_OP(moe_seq_aux_loss)
-TM__DECL_OP(moe_z_loss)
-TM__DECL_OP(moe_drop_tokens)
-TM__DECL_OP(moe_permute)
-TM__DECL_OP(moe_unpermute)
-TM__DECL_OP(grouped_matmul)
-
-/* Ops whose kernels are device-generic (built on tm__copy_into / tm__accumulate / the
- * gemm entry points): one forward and one backward serve both table columns. */
-#define TM__DECL_GENERIC_OP(name)              \
+/* Device-generic kernels (built on the backend's copy / accumulate / GEMM entry points): one
+ * forward and one backward serve both backends. */
+#define TM__DECL_GENERIC(name)                  \
+    TM__DECL_CHECK(name)                        \
     tm_status tm__##name##_forward(tm__call *c); \
     tm_status tm__##name##_backward(tm__call *c);
-TM__DECL_GENERIC_OP(view)
-TM__DECL_GENERIC_OP(concat)
-TM__DECL_GENERIC_OP(contiguous)
-TM__DECL_GENERIC_OP(cast)
-TM__DECL_GENERIC_OP(to_device)
+#define TM__DECL_UPDATE_CPU(name) \
+    TM__DECL_CHECK(name)          \
+    tm_status tm__##name##_forward_cpu(tm__call *c);
+#define TM__DECL_UPDATE_CPU_CUDA(name) \
+    TM__DECL_UPDATE_CPU(name)          \
+    tm_status tm__##name##_forward_cuda(tm__call *c);
+#define TM__OP(ID, name, n_in, n_out, flags, kernels) TM__DECL_##kernels(name)
+#include "ops.def"
+#undef TM__OP
+
+#include "backend.h"
 
 #endif /* TM_INTERNAL_H */

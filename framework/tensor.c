@@ -41,7 +41,7 @@ static tm_status check_new(tm_ctx *ctx, const char *fn, tm_dtype dt, int ndim, c
             return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: shape %s has a negative size at dim %d", fn,
                            tm__sdesc(ctx, ndim, shape), i);
     if (dev.type == TM_DEVICE_CUDA) {
-        if (!ctx->cuda || dev.index != ctx->cuda_device)
+        if (!ctx->be[TM__CUDA] || dev.index != ctx->cuda_device)
             return tm__err(ctx, TM_ERR_DEVICE, "%s: cuda:%d is not available in this context (cuda_device=%d)",
                            fn, dev.index, ctx->cuda_device);
         if (dt == TM_F64) return tm__err(ctx, TM_ERR_DTYPE, "%s: f64 is CPU-only (gradient checks); got f64 on cuda:%d", fn, dev.index);
@@ -335,94 +335,15 @@ tm_status tm_tensor_set_requires_grad(tm_ctx *ctx, tm_tensor *t, int requires_gr
     return TM_OK;
 }
 
-/* ---- element conversion on the host ------------------------------------------------------ */
-
-static double load_f64(const void *p, tm_dtype dt, int64_t i) {
-    switch (dt) {
-    case TM_F32: return ((const float *)p)[i];
-    case TM_BF16: return tm__bf16_to_f32(((const uint16_t *)p)[i]);
-    case TM_F64: return ((const double *)p)[i];
-    case TM_I32: return ((const int32_t *)p)[i];
-    case TM_I64: return (double)((const int64_t *)p)[i];
-    case TM_U8: return ((const uint8_t *)p)[i];
-    default: return 0;
-    }
-}
-
-static void store_f64(void *p, tm_dtype dt, int64_t i, double v) {
-    switch (dt) {
-    case TM_F32: ((float *)p)[i] = (float)v; break;
-    case TM_BF16: ((uint16_t *)p)[i] = tm__f32_to_bf16((float)v); break;
-    case TM_F64: ((double *)p)[i] = v; break;
-    case TM_I32: ((int32_t *)p)[i] = (int32_t)v; break;
-    case TM_I64: ((int64_t *)p)[i] = (int64_t)v; break;
-    case TM_U8: ((uint8_t *)p)[i] = (uint8_t)v; break;
-    default: break;
-    }
-}
-
-/* Convert n contiguous host elements. Integer->integer copies go through int64 so that
- * values beyond 2^53 are exact. */
-static void convert_host(void *dst, tm_dtype ddt, const void *src, tm_dtype sdt, int64_t n, int nthreads) {
-    if (ddt == sdt) {
-        memcpy(dst, src, (size_t)n * tm_dtype_size(ddt));
-        return;
-    }
-    int ints = !tm__is_float(ddt) && !tm__is_float(sdt);
-#pragma omp parallel for num_threads(nthreads) if (n > 65536)
-    for (int64_t i = 0; i < n; i++) {
-        if (ints) {
-            int64_t v = sdt == TM_I32 ? ((const int32_t *)src)[i]
-                      : sdt == TM_I64 ? ((const int64_t *)src)[i]
-                                      : ((const uint8_t *)src)[i];
-            if (ddt == TM_I32) ((int32_t *)dst)[i] = (int32_t)v;
-            else if (ddt == TM_I64) ((int64_t *)dst)[i] = v;
-            else ((uint8_t *)dst)[i] = (uint8_t)v;
-        } else {
-            store_f64(dst, ddt, i, load_f64(src, sdt, i));
-        }
-    }
-}
-
-/* Gather a strided CPU tensor into dense memory of the same dtype. */
-static void gather_strided_cpu(const tm_tensor *t, void *dst) {
-    size_t esz = tm_dtype_size(t->dtype);
-    int64_t n = tm__numel(t);
-    const char *base = (const char *)t->storage->data;
-    int64_t shape[4] = {1, 1, 1, 1}, stride[4] = {0, 0, 0, 0};
-    int off = 4 - t->ndim;
-    for (int i = 0; i < t->ndim; i++) {
-        shape[off + i] = t->shape[i];
-        stride[off + i] = t->stride[i];
-    }
-    int64_t k = 0;
-    for (int64_t a = 0; a < shape[0]; a++)
-        for (int64_t b = 0; b < shape[1]; b++)
-            for (int64_t c = 0; c < shape[2]; c++) {
-                int64_t o = t->offset + a * stride[0] + b * stride[1] + c * stride[2];
-                if (stride[3] == 1) {
-                    memcpy((char *)dst + k * esz, base + o * esz, (size_t)shape[3] * esz);
-                    k += shape[3];
-                } else {
-                    for (int64_t d = 0; d < shape[3]; d++, k++)
-                        memcpy((char *)dst + k * esz, base + (o + d * stride[3]) * esz, esz);
-                }
-            }
-    (void)n;
-}
-
 tm_status tm__memcpy(tm_ctx *ctx, void *dst, tm_device ddev, const void *src, tm_device sdev, size_t nbytes) {
     if (!nbytes) return TM_OK;
-    if (ddev.type == TM_DEVICE_CPU && sdev.type == TM_DEVICE_CPU) {
-        memcpy(dst, src, nbytes);
-        return TM_OK;
-    }
-#ifdef TM_HAVE_CUDA
-    int kind = ddev.type == TM_DEVICE_CPU ? TM__D2H : sdev.type == TM_DEVICE_CPU ? TM__H2D : TM__D2D;
-    return tm__cuda_memcpy(ctx, dst, src, nbytes, kind);
-#else
-    return tm__err(ctx, TM_ERR_DEVICE, "CUDA memory used in a build without CUDA");
-#endif
+    int b = ddev.type == TM_DEVICE_CPU ? tm__backend(sdev) : tm__backend(ddev);
+    const tm__backend_ops *be = ctx->be[b];
+    if (!be) return tm__err(ctx, TM_ERR_DEVICE, "memcpy: %s memory used in a context without that backend",
+                            b == TM__CUDA ? "CUDA" : "CPU");
+    int kind = ddev.type == TM_DEVICE_CPU && sdev.type != TM_DEVICE_CPU ? TM__D2H
+             : sdev.type == TM_DEVICE_CPU && ddev.type != TM_DEVICE_CPU ? TM__H2D : TM__D2D;
+    return be->memcpy(ctx, dst, src, nbytes, kind);
 }
 
 tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count) {
@@ -444,7 +365,7 @@ tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void 
             if (t->device.type == TM_DEVICE_CPU) {
                 void *tmp = tm__arena_alloc(ctx, tm_cpu(), nbytes);
                 if (!tmp) return TM_ERR_NOMEM;
-                gather_strided_cpu(t, tmp);
+                tm__gather_strided_host(t, tmp);
                 src = tmp;
                 goto convert;
             }
@@ -458,7 +379,7 @@ tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void 
         src = tmp;
     }
 convert:
-    convert_host(dst, dst_dt, src, t->dtype, n, ctx->n_threads);
+    tm__convert_host(dst, dst_dt, src, t->dtype, n, ctx->n_threads);
     return TM_OK;
 }
 
@@ -471,7 +392,7 @@ tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void
     if (!tm__is_contiguous(t)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_write: %s is a strided view; write to a contiguous tensor", tm__tdesc(ctx, t));
     if (n == 0) return TM_OK;
     if (t->device.type == TM_DEVICE_CPU) {
-        convert_host(tm__data(t), t->dtype, src, src_dt, n, ctx->n_threads);
+        tm__convert_host(tm__data(t), t->dtype, src, src_dt, n, ctx->n_threads);
         return TM_OK;
     }
     size_t nbytes = (size_t)n * tm_dtype_size(t->dtype);
@@ -479,7 +400,7 @@ tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void
     if (src_dt != t->dtype) {
         void *tmp = tm__arena_alloc(ctx, tm_cpu(), nbytes);
         if (!tmp) return TM_ERR_NOMEM;
-        convert_host(tmp, t->dtype, src, src_dt, n, ctx->n_threads);
+        tm__convert_host(tmp, t->dtype, src, src_dt, n, ctx->n_threads);
         stage = tmp;
     }
     return tm__memcpy(ctx, tm__data(t), t->device, stage, tm_cpu(), nbytes);
@@ -491,19 +412,13 @@ tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value) {
     if (!tm__is_contiguous(t)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_fill: %s is a strided view", tm__tdesc(ctx, t));
     return tm__fill(ctx, t, value);
 }
+/* ---- untaped primitives: validation here, the work in the backend ---------------------- */
 
-/* ---- untaped primitives ------------------------------------------------------------------ */
+static const tm__backend_ops *be_of(tm_ctx *ctx, tm_device d) { return ctx->be[tm__backend(d)]; }
 
 tm_status tm__fill(tm_ctx *ctx, tm_tensor *t, double value) {
-    int64_t n = tm__numel(t);
-    if (t->device.type == TM_DEVICE_CUDA) {
-#ifdef TM_HAVE_CUDA
-        return tm__cuda_fill(ctx, t, value);
-#endif
-    }
-    void *p = tm__data(t);
-    for (int64_t i = 0; i < n; i++) store_f64(p, t->dtype, i, value);
-    return TM_OK;
+    if (tm__numel(t) == 0) return TM_OK;
+    return be_of(ctx, t->device)->fill(ctx, t, value);
 }
 
 tm_status tm__contiguous_copy(tm_ctx *ctx, const tm_tensor *src, tm_tensor **out) {
@@ -521,24 +436,7 @@ tm_status tm__copy_into(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src) {
     if (!tm__same_device(dst->device, src->device))
         return tm__err(ctx, TM_ERR_INTERNAL, "copy_into across devices: %s <- %s", tm__tdesc(ctx, dst), tm__tdesc(ctx, src));
     if (n == 0) return TM_OK;
-    if (dst->device.type == TM_DEVICE_CUDA) {
-#ifdef TM_HAVE_CUDA
-        return tm__cuda_copy_into(ctx, dst, src);
-#endif
-    }
-    if (tm__is_contiguous(src)) {
-        convert_host(tm__data(dst), dst->dtype, tm__data(src), src->dtype, n, ctx->n_threads);
-        return TM_OK;
-    }
-    if (src->dtype == dst->dtype) {
-        gather_strided_cpu(src, tm__data(dst));
-        return TM_OK;
-    }
-    void *tmp = tm__arena_alloc(ctx, tm_cpu(), (size_t)n * tm_dtype_size(src->dtype));
-    if (!tmp) return TM_ERR_NOMEM;
-    gather_strided_cpu(src, tmp);
-    convert_host(tm__data(dst), dst->dtype, tmp, src->dtype, n, ctx->n_threads);
-    return TM_OK;
+    return be_of(ctx, dst->device)->copy_into(ctx, dst, src);
 }
 
 tm_status tm__accumulate(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, double alpha) {
@@ -546,31 +444,7 @@ tm_status tm__accumulate(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, doub
     if (n != tm__numel(src) || !tm__is_contiguous(dst) || !tm__is_float(dst->dtype))
         return tm__err(ctx, TM_ERR_INTERNAL, "accumulate: %s += %s", tm__tdesc(ctx, dst), tm__tdesc(ctx, src));
     if (n == 0) return TM_OK;
-    if (dst->device.type == TM_DEVICE_CUDA) {
-#ifdef TM_HAVE_CUDA
-        return tm__cuda_accumulate(ctx, dst, src, alpha);
-#endif
-    }
-    const void *s = tm__data(src);
-    tm_dtype sdt = src->dtype;
-    if (!tm__is_contiguous(src)) {
-        void *tmp = tm__arena_alloc(ctx, tm_cpu(), (size_t)n * tm_dtype_size(sdt));
-        if (!tmp) return TM_ERR_NOMEM;
-        gather_strided_cpu(src, tmp);
-        s = tmp;
-    }
-    void *d = tm__data(dst);
-    if (dst->dtype == TM_F32 && sdt == TM_F32) {
-        float *df = d;
-        const float *sf = s;
-        float a = (float)alpha;
-#pragma omp parallel for num_threads(ctx->n_threads) if (n > 65536)
-        for (int64_t i = 0; i < n; i++) df[i] += a * sf[i];
-    } else {
-#pragma omp parallel for num_threads(ctx->n_threads) if (n > 65536)
-        for (int64_t i = 0; i < n; i++) store_f64(d, dst->dtype, i, load_f64(d, dst->dtype, i) + alpha * load_f64(s, sdt, i));
-    }
-    return TM_OK;
+    return be_of(ctx, dst->device)->accumulate(ctx, dst, src, alpha);
 }
 
 tm_status tm__assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accumulate, double alpha) {
@@ -581,36 +455,5 @@ tm_status tm__assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accu
     if (tm__numel(dst) == 0) return TM_OK;
     if (tm__is_contiguous(dst))
         return accumulate ? tm__accumulate(ctx, dst, src, alpha) : tm__copy_into(ctx, dst, src);
-    if (dst->device.type == TM_DEVICE_CUDA) {
-#ifdef TM_HAVE_CUDA
-        return tm__cuda_assign(ctx, dst, src, accumulate, alpha);
-#endif
-    }
-    int64_t shape[4] = {1, 1, 1, 1}, ds[4] = {0, 0, 0, 0}, ss[4] = {0, 0, 0, 0};
-    int off = 4 - dst->ndim;
-    for (int i = 0; i < dst->ndim; i++) {
-        shape[off + i] = dst->shape[i];
-        ds[off + i] = dst->stride[i];
-        ss[off + i] = src->stride[i];
-    }
-    char *dp = dst->storage->data;
-    const char *sp = src->storage->data;
-    size_t dsz = tm_dtype_size(dst->dtype), ssz = tm_dtype_size(src->dtype);
-    for (int64_t a = 0; a < shape[0]; a++)
-        for (int64_t b = 0; b < shape[1]; b++)
-            for (int64_t c = 0; c < shape[2]; c++) {
-                int64_t od = dst->offset + a * ds[0] + b * ds[1] + c * ds[2];
-                int64_t os = src->offset + a * ss[0] + b * ss[1] + c * ss[2];
-                if (dst->dtype == src->dtype && !accumulate && ds[3] == 1 && ss[3] == 1) {
-                    memcpy(dp + od * dsz, sp + os * ssz, (size_t)shape[3] * dsz);
-                    continue;
-                }
-                for (int64_t d = 0; d < shape[3]; d++) {
-                    double v = load_f64(sp + (os + d * ss[3]) * ssz, src->dtype, 0);
-                    void *q = dp + (od + d * ds[3]) * dsz;
-                    if (accumulate) v = load_f64(q, dst->dtype, 0) + alpha * v;
-                    store_f64(q, dst->dtype, 0, v);
-                }
-            }
-    return TM_OK;
+    return be_of(ctx, dst->device)->assign(ctx, dst, src, accumulate, alpha);
 }

@@ -154,6 +154,12 @@ void tm_ctx_arena_reset(tm_ctx *ctx);
  * since creation. A second identical training step leaves it unchanged. */
 uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
 
+/* Count of device-to-host synchronisations this context has made since creation: every
+ * device-to-host copy (tm_tensor_read of a device tensor, a statistic or error flag read back
+ * by an op) and every tm_ctx_sync. 0 for a CPU-only context. Tests bound it to show that a
+ * training step does not stall the device more than its design needs. */
+uint64_t tm_ctx_sync_count(const tm_ctx *ctx);
+
 /* Bytes of arena currently handed out on a device (0 after tm_ctx_arena_reset) and the
  * high-water mark since creation. */
 size_t tm_ctx_arena_used(const tm_ctx *ctx, tm_device dev);

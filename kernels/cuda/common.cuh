@@ -195,4 +195,24 @@ extern "C" tm_status tm__cu_reduce(tm_ctx *ctx, const char *what, tm_dtype src_d
 extern "C" tm_status tm__cu_axpy(tm_ctx *ctx, const char *what, tm_dtype dst_dt, void *dst, tm_dtype src_dt,
                       const void *src, int64_t n, float alpha);
 
+/* ---- entry points shared between the CUDA files (C linkage, CUDA-internal) ------------- */
+
+/* Stream-ordered copy between host and device (kind TM__H2D / TM__D2H / TM__D2D, backend.h);
+ * D2H waits for completion so the host may read the result, and is counted as a sync. */
+extern "C" tm_status tm__cuda_memcpy(tm_ctx *ctx, void *dst, const void *src, size_t nbytes, int kind);
+extern "C" tm_status tm__cuda_memset0(tm_ctx *ctx, void *p, size_t nbytes);
+/* Device versions of tm__copy_into / tm__accumulate / tm__assign / tm__fill (copy.cu). */
+extern "C" tm_status tm__cuda_copy_into(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src);
+extern "C" tm_status tm__cuda_accumulate(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, double alpha);
+extern "C" tm_status tm__cuda_assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accumulate, double alpha);
+extern "C" tm_status tm__cuda_fill(tm_ctx *ctx, tm_tensor *t, double value);
+/* cuBLASLt GEMM (gemm.cu), the row-major contract of tm__gemm_cpu; dt TM_F32 or TM_BF16 (f32
+ * accumulation). batch > 1: strided batched with element strides sa, sb, sc. */
+extern "C" tm_status tm__gemm_cuda(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N,
+                                   int64_t K, double alpha, const void *A, int64_t lda, int64_t sa, const void *B,
+                                   int64_t ldb, int64_t sb, double beta, void *C, int64_t ldc, int64_t sc,
+                                   int64_t batch);
+/* Free the cached cuBLASLt plans of a context (gemm.cu; at shutdown). */
+extern "C" void tm__gemm_plans_destroy(tm__cuda *st);
+
 #endif /* TM_CUDA_COMMON_CUH */

@@ -1,0 +1,102 @@
+/*
+ * backend.h — the device backend interface: everything the framework asks of a device is one
+ * table of functions, registered at context creation (framework/backend.c). Framework code
+ * (arenas, tensors, parameters, the dispatcher) calls only these; it contains no CUDA code and
+ * no #ifdef of a backend, except where backend.c registers the CUDA backend.
+ *
+ *   backend  table                     implementation
+ *   CPU      tm__cpu_backend           kernels/cpu/backend.c (+ copy.c, gemm.c, the op kernels)
+ *   CUDA     tm__cuda_backend          kernels/cuda/device.cu (+ copy.cu, reduce.cu, gemm.cu, ...)
+ *
+ * Contracts (every function reports failures through tm__err and returns its status):
+ *  - device_count: devices of this kind visible (0 when the driver or device is missing).
+ *  - init / shutdown: per-context state (stream, handles) for one device ordinal; shutdown must
+ *    go on whatever fails and accept a half-initialised state.
+ *  - alloc / free: raw device memory (the framework counts allocations; alloc of 0 bytes
+ *    returns a valid pointer). free must not return before queued work using p is done.
+ *  - memcpy: kind TM__H2D / TM__D2H / TM__D2D between this device and the host (TM__D2D for
+ *    host-to-host on the CPU). Stream-ordered; a D2H copy returns only when the data is on the
+ *    host, and counts as one device-to-host synchronisation (tm_ctx_sync_count).
+ *  - memset0: zero nbytes at p, stream-ordered. sync: wait for all queued work (counted).
+ *  - copy_into / accumulate / assign / fill: the untaped primitives of internal.h
+ *    (tm__copy_into, ...), called after the framework validated shapes and devices; assign is
+ *    only called for a non-contiguous destination.
+ *  - gemm: row-major C[M,N] = alpha op(A) op(B) + beta C as tm__gemm_cpu, batched: `batch`
+ *    matrices at element strides sa, sb, sc. dtypes: f32, f64 (CPU), bf16 (CUDA, f32 accum).
+ *  - fwd / bwd: the op kernels, [TM__NOPS] arrays in op-id order generated from ops.def; NULL
+ *    where the op has no kernel on this backend (the dispatcher reports it by name).
+ */
+#ifndef TM_BACKEND_H
+#define TM_BACKEND_H
+
+enum { TM__H2D = 1, TM__D2H = 2, TM__D2D = 3 };
+
+typedef struct tm__backend_ops {
+    const char *name; /* "cpu", "cuda" */
+    int (*device_count)(void);
+    tm_status (*init)(tm_ctx *ctx, int device, void **state);
+    void (*shutdown)(tm_ctx *ctx, void *state);
+    tm_status (*alloc)(tm_ctx *ctx, size_t nbytes, void **p);
+    void (*free)(tm_ctx *ctx, void *p);
+    tm_status (*memcpy)(tm_ctx *ctx, void *dst, const void *src, size_t nbytes, int kind);
+    tm_status (*memset0)(tm_ctx *ctx, void *p, size_t nbytes);
+    tm_status (*sync)(tm_ctx *ctx);
+    tm_status (*copy_into)(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src);
+    tm_status (*accumulate)(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, double alpha);
+    tm_status (*assign)(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accumulate, double alpha);
+    tm_status (*fill)(tm_ctx *ctx, tm_tensor *t, double value);
+    tm_status (*gemm)(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K,
+                      double alpha, const void *A, int64_t lda, int64_t sa, const void *B, int64_t ldb,
+                      int64_t sb, double beta, void *C, int64_t ldc, int64_t sc, int64_t batch);
+    const tm__fn *fwd, *bwd;
+} tm__backend_ops;
+
+/* The backend registered for TM__CPU / TM__CUDA; NULL when this build has none. */
+const tm__backend_ops *tm__backend_get(int b);
+/* The backend of a context for a device (NULL if the context does not have that device). */
+const tm__backend_ops *tm__ctx_backend(const tm_ctx *ctx, tm_device dev);
+/* The GEMM of the device's backend (batched contract above). */
+tm_status tm__gemm(tm_ctx *ctx, tm_device dev, tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N,
+                   int64_t K, double alpha, const void *A, int64_t lda, int64_t sa, const void *B, int64_t ldb,
+                   int64_t sb, double beta, void *C, int64_t ldc, int64_t sc, int64_t batch);
+/* Backends count their device-to-host synchronisations here (tm_ctx_sync_count). */
+void tm__count_sync(tm_ctx *ctx);
+
+/* Building a backend's kernel tables from ops.def: TM__FWD_<BACKEND>_<kernels>(name) is the
+ * forward of op `name` on that backend, or NULL. */
+#define TM__FWD_CPU_CPU_CUDA(n) tm__##n##_forward_cpu
+#define TM__FWD_CPU_CPU(n) tm__##n##_forward_cpu
+#define TM__FWD_CPU_GENERIC(n) tm__##n##_forward
+#define TM__FWD_CPU_UPDATE_CPU(n) tm__##n##_forward_cpu
+#define TM__FWD_CPU_UPDATE_CPU_CUDA(n) tm__##n##_forward_cpu
+#define TM__BWD_CPU_CPU_CUDA(n) tm__##n##_backward_cpu
+#define TM__BWD_CPU_CPU(n) tm__##n##_backward_cpu
+#define TM__BWD_CPU_GENERIC(n) tm__##n##_backward
+#define TM__BWD_CPU_UPDATE_CPU(n) NULL
+#define TM__BWD_CPU_UPDATE_CPU_CUDA(n) NULL
+#define TM__FWD_CUDA_CPU_CUDA(n) tm__##n##_forward_cuda
+#define TM__FWD_CUDA_CPU(n) NULL
+#define TM__FWD_CUDA_GENERIC(n) tm__##n##_forward
+#define TM__FWD_CUDA_UPDATE_CPU(n) NULL
+#define TM__FWD_CUDA_UPDATE_CPU_CUDA(n) tm__##n##_forward_cuda
+#define TM__BWD_CUDA_CPU_CUDA(n) tm__##n##_backward_cuda
+#define TM__BWD_CUDA_CPU(n) NULL
+#define TM__BWD_CUDA_GENERIC(n) tm__##n##_backward
+#define TM__BWD_CUDA_UPDATE_CPU(n) NULL
+#define TM__BWD_CUDA_UPDATE_CPU_CUDA(n) NULL
+
+/* The CPU backend's primitives (kernels/cpu/copy.c), also used by host-side code. */
+double tm__load_f64(const void *p, tm_dtype dt, int64_t i);
+void tm__store_f64(void *p, tm_dtype dt, int64_t i, double v);
+/* Convert n contiguous host elements between dtypes (float -> bf16 rounds to nearest even). */
+void tm__convert_host(void *dst, tm_dtype ddt, const void *src, tm_dtype sdt, int64_t n, int nthreads);
+/* Gather a strided host tensor into dense memory of its dtype. */
+void tm__gather_strided_host(const tm_tensor *t, void *dst);
+tm_status tm__cpu_copy_into(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src);
+tm_status tm__cpu_accumulate(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, double alpha);
+tm_status tm__cpu_assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accumulate, double alpha);
+tm_status tm__cpu_fill(tm_ctx *ctx, tm_tensor *t, double value);
+/* Host memory through the context's allocator hook, not counted (backend alloc for the CPU). */
+void *tm__host_alloc_raw(tm_ctx *ctx, size_t nbytes);
+
+#endif

@@ -1,0 +1,220 @@
+/*
+ * copy.cu — the CUDA backend's untaped data movement: dtype-converting strided copy,
+ * accumulate, assign and fill (the copy_into / accumulate / assign / fill entries of the backend
+ * table; contracts in framework/internal.h). Conversions follow the host's semantics exactly.
+ *
+ * Layout: a source of up to 4 dims is read through its (shape, stride) by logical row-major
+ * index; destinations are contiguous except for assign, which takes any strides on both sides.
+ */
+#include "common.cuh"
+
+/* ---- strided copy with conversion, accumulate, fill ---------------------------------------- */
+
+/* Logical shape and element strides of a source tensor, passed by value to kernels. */
+typedef struct tm__cu_layout {
+    int ndim;
+    int64_t shape[TM_MAX_DIMS];
+    int64_t stride[TM_MAX_DIMS];
+} tm__cu_layout;
+
+static tm__cu_layout tm__cu_layout_of(const tm_tensor *t) {
+    tm__cu_layout l;
+    memset(&l, 0, sizeof l);
+    l.ndim = t->ndim;
+    for (int d = 0; d < t->ndim; d++) {
+        l.shape[d] = t->shape[d];
+        l.stride[d] = t->stride[d];
+    }
+    return l;
+}
+
+/* Element offset of logical (row-major) index i. */
+__device__ __forceinline__ int64_t tm__cu_offset(const tm__cu_layout &l, int64_t i) {
+    int64_t off = 0;
+    for (int d = l.ndim - 1; d >= 0; d--) {
+        off += (i % l.shape[d]) * l.stride[d];
+        i /= l.shape[d];
+    }
+    return off;
+}
+
+/* Conversions with the host's semantics: float -> int truncates, float -> bf16 rounds to
+ * nearest even, int -> int wraps like a C cast. */
+template <typename D> __device__ __forceinline__ D tm__cvt_f(float v);
+template <> __device__ __forceinline__ float tm__cvt_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ tm__bf16 tm__cvt_f<tm__bf16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ int32_t tm__cvt_f<int32_t>(float v) { return (int32_t)v; }
+template <> __device__ __forceinline__ int64_t tm__cvt_f<int64_t>(float v) { return (int64_t)v; }
+template <> __device__ __forceinline__ uint8_t tm__cvt_f<uint8_t>(float v) { return (uint8_t)v; }
+
+template <typename D, typename S> struct tm__cvt {
+    __device__ static D go(S v) { return (D)v; } /* int <-> int, int -> f32 */
+};
+template <typename D> struct tm__cvt<D, float> {
+    __device__ static D go(float v) { return tm__cvt_f<D>(v); }
+};
+template <typename D> struct tm__cvt<D, tm__bf16> {
+    __device__ static D go(tm__bf16 v) { return tm__cvt_f<D>(__bfloat162float(v)); }
+};
+template <typename S> struct tm__cvt<tm__bf16, S> {
+    __device__ static tm__bf16 go(S v) { return __float2bfloat16_rn((float)v); }
+};
+template <> struct tm__cvt<tm__bf16, tm__bf16> {
+    __device__ static tm__bf16 go(tm__bf16 v) { return v; }
+};
+template <> struct tm__cvt<tm__bf16, float> {
+    __device__ static tm__bf16 go(float v) { return __float2bfloat16_rn(v); }
+};
+
+/* dl.ndim == 0 marks a contiguous destination (no index arithmetic). */
+template <typename D, typename S>
+__global__ void tm__copy_kernel(D *dst, tm__cu_layout dl, const S *src, tm__cu_layout sl, int64_t n) {
+    TM__CU_GRID_STRIDE(i, n) dst[dl.ndim ? tm__cu_offset(dl, i) : i] = tm__cvt<D, S>::go(src[tm__cu_offset(sl, i)]);
+}
+
+template <typename D>
+static void tm__copy_launch_src(tm_dtype sdt, unsigned g, cudaStream_t s, D *dst, tm__cu_layout dl, const void *src,
+                                tm__cu_layout sl, int64_t n) {
+    switch (sdt) {
+    case TM_F32: tm__copy_kernel<D, float><<<g, TM__CU_THREADS, 0, s>>>(dst, dl, (const float *)src, sl, n); break;
+    case TM_BF16: tm__copy_kernel<D, tm__bf16><<<g, TM__CU_THREADS, 0, s>>>(dst, dl, (const tm__bf16 *)src, sl, n); break;
+    case TM_I32: tm__copy_kernel<D, int32_t><<<g, TM__CU_THREADS, 0, s>>>(dst, dl, (const int32_t *)src, sl, n); break;
+    case TM_I64: tm__copy_kernel<D, int64_t><<<g, TM__CU_THREADS, 0, s>>>(dst, dl, (const int64_t *)src, sl, n); break;
+    case TM_U8: tm__copy_kernel<D, uint8_t><<<g, TM__CU_THREADS, 0, s>>>(dst, dl, (const uint8_t *)src, sl, n); break;
+    default: break; /* rejected by the caller */
+    }
+}
+
+static void tm__copy_launch(tm_dtype ddt, tm_dtype sdt, unsigned g, cudaStream_t s, void *d, tm__cu_layout dl,
+                            const void *src, tm__cu_layout sl, int64_t n) {
+    switch (ddt) {
+    case TM_F32: tm__copy_launch_src(sdt, g, s, (float *)d, dl, src, sl, n); break;
+    case TM_BF16: tm__copy_launch_src(sdt, g, s, (tm__bf16 *)d, dl, src, sl, n); break;
+    case TM_I32: tm__copy_launch_src(sdt, g, s, (int32_t *)d, dl, src, sl, n); break;
+    case TM_I64: tm__copy_launch_src(sdt, g, s, (int64_t *)d, dl, src, sl, n); break;
+    case TM_U8: tm__copy_launch_src(sdt, g, s, (uint8_t *)d, dl, src, sl, n); break;
+    default: break;
+    }
+}
+
+static int tm__cu_dtype_ok(tm_dtype dt) {
+    return dt == TM_F32 || dt == TM_BF16 || dt == TM_I32 || dt == TM_I64 || dt == TM_U8;
+}
+
+extern "C" tm_status tm__cuda_copy_into(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src) {
+    tm__cuda *st;
+    const char *what = "copy_into";
+    TM__TRY(tm__cu_enter(ctx, what, &st));
+    if (!tm__cu_dtype_ok(dst->dtype) || !tm__cu_dtype_ok(src->dtype))
+        return tm__err(ctx, TM_ERR_DTYPE, "%s: no CUDA conversion from %s to %s", what,
+                       tm__tdesc(ctx, src), tm__tdesc(ctx, dst));
+    int64_t n = tm__numel(dst);
+    if (n == 0) return TM_OK;
+    if (src->dtype == dst->dtype && tm__is_contiguous(src)) {
+        TM__CU_CHECK(ctx, what, cudaMemcpyAsync(tm__data(dst), tm__data(src), (size_t)n * tm_dtype_size(dst->dtype),
+                                                cudaMemcpyDeviceToDevice, st->stream));
+        return TM_OK;
+    }
+    tm__cu_layout dl;
+    memset(&dl, 0, sizeof dl); /* contiguous */
+    tm__copy_launch(dst->dtype, src->dtype, tm__cu_blocks(st, n), st->stream, tm__data(dst), dl, tm__data(src),
+                    tm__cu_layout_of(src), n);
+    TM__CU_LAUNCHED(ctx, what, "tm__copy_kernel");
+    return TM_OK;
+}
+
+template <typename D, typename S>
+__global__ void tm__accumulate_kernel(D *dst, tm__cu_layout dl, const S *src, tm__cu_layout sl, int64_t n, float alpha) {
+    TM__CU_GRID_STRIDE(i, n) {
+        D *d = dst + (dl.ndim ? tm__cu_offset(dl, i) : i);
+        tm__st(d, tm__ld(d) + alpha * tm__ld(src + tm__cu_offset(sl, i)));
+    }
+}
+
+static void tm__accumulate_launch(tm_dtype ddt, tm_dtype sdt, unsigned g, cudaStream_t st, void *d, tm__cu_layout dl,
+                                  const void *s, tm__cu_layout sl, int64_t n, float a) {
+    if (ddt == TM_F32 && sdt == TM_F32)
+        tm__accumulate_kernel<<<g, TM__CU_THREADS, 0, st>>>((float *)d, dl, (const float *)s, sl, n, a);
+    else if (ddt == TM_F32)
+        tm__accumulate_kernel<<<g, TM__CU_THREADS, 0, st>>>((float *)d, dl, (const tm__bf16 *)s, sl, n, a);
+    else if (sdt == TM_F32)
+        tm__accumulate_kernel<<<g, TM__CU_THREADS, 0, st>>>((tm__bf16 *)d, dl, (const float *)s, sl, n, a);
+    else
+        tm__accumulate_kernel<<<g, TM__CU_THREADS, 0, st>>>((tm__bf16 *)d, dl, (const tm__bf16 *)s, sl, n, a);
+}
+
+extern "C" tm_status tm__cuda_accumulate(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, double alpha) {
+    tm__cuda *st;
+    const char *what = "accumulate";
+    TM__TRY(tm__cu_enter(ctx, what, &st));
+    int fd = dst->dtype == TM_F32 || dst->dtype == TM_BF16, fs = src->dtype == TM_F32 || src->dtype == TM_BF16;
+    if (!fd || !fs)
+        return tm__err(ctx, TM_ERR_DTYPE, "%s: CUDA accumulates f32/bf16 only, got %s += %s", what,
+                       tm__tdesc(ctx, dst), tm__tdesc(ctx, src));
+    int64_t n = tm__numel(dst);
+    if (n == 0) return TM_OK;
+    tm__cu_layout dl;
+    memset(&dl, 0, sizeof dl); /* contiguous */
+    tm__accumulate_launch(dst->dtype, src->dtype, tm__cu_blocks(st, n), st->stream, tm__data(dst), dl, tm__data(src),
+                          tm__cu_layout_of(src), n, (float)alpha);
+    TM__CU_LAUNCHED(ctx, what, "tm__accumulate_kernel");
+    return TM_OK;
+}
+
+/* tm__assign on the device: both sides strided (dst must not overlap itself). */
+extern "C" tm_status tm__cuda_assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accumulate, double alpha) {
+    tm__cuda *st;
+    const char *what = accumulate ? "assign (accumulate)" : "assign";
+    TM__TRY(tm__cu_enter(ctx, what, &st));
+    int64_t n = tm__numel(dst);
+    if (n == 0) return TM_OK;
+    if (accumulate ? !(dst->dtype == TM_F32 || dst->dtype == TM_BF16) || !(src->dtype == TM_F32 || src->dtype == TM_BF16)
+                   : !tm__cu_dtype_ok(dst->dtype) || !tm__cu_dtype_ok(src->dtype))
+        return tm__err(ctx, TM_ERR_DTYPE, "%s: not supported on CUDA from %s to %s", what, tm__tdesc(ctx, src),
+                       tm__tdesc(ctx, dst));
+    tm__cu_layout dl = tm__cu_layout_of(dst), sl = tm__cu_layout_of(src);
+    unsigned g = tm__cu_blocks(st, n);
+    if (accumulate)
+        tm__accumulate_launch(dst->dtype, src->dtype, g, st->stream, tm__data(dst), dl, tm__data(src), sl, n,
+                              (float)alpha);
+    else
+        tm__copy_launch(dst->dtype, src->dtype, g, st->stream, tm__data(dst), dl, tm__data(src), sl, n);
+    TM__CU_LAUNCHED(ctx, what, accumulate ? "tm__accumulate_kernel" : "tm__copy_kernel");
+    return TM_OK;
+}
+
+template <typename D>
+__global__ void tm__fill_kernel(D *dst, D v, int64_t n) {
+    TM__CU_GRID_STRIDE(i, n) dst[i] = v;
+}
+
+extern "C" tm_status tm__cuda_fill(tm_ctx *ctx, tm_tensor *t, double value) {
+    tm__cuda *st;
+    const char *what = "fill";
+    TM__TRY(tm__cu_enter(ctx, what, &st));
+    int64_t n = tm__numel(t);
+    if (n == 0) return TM_OK;
+    if (!tm__is_contiguous(t))
+        return tm__err(ctx, TM_ERR_INTERNAL, "%s: expects a contiguous tensor, got %s", what, tm__tdesc(ctx, t));
+    unsigned g = tm__cu_blocks(st, n);
+    void *d = tm__data(t);
+    cudaStream_t s = st->stream;
+    switch (t->dtype) {
+    case TM_F32: tm__fill_kernel<<<g, TM__CU_THREADS, 0, s>>>((float *)d, (float)value, n); break;
+    case TM_BF16: {
+        __nv_bfloat16_raw r;
+        r.x = tm__f32_to_bf16((float)value); /* the host's rounding, NaN included */
+        tm__bf16 b = r;
+        tm__fill_kernel<<<g, TM__CU_THREADS, 0, s>>>((tm__bf16 *)d, b, n);
+        break;
+    }
+    case TM_I32: tm__fill_kernel<<<g, TM__CU_THREADS, 0, s>>>((int32_t *)d, (int32_t)value, n); break;
+    case TM_I64: tm__fill_kernel<<<g, TM__CU_THREADS, 0, s>>>((int64_t *)d, (int64_t)value, n); break;
+    case TM_U8: tm__fill_kernel<<<g, TM__CU_THREADS, 0, s>>>((uint8_t *)d, (uint8_t)value, n); break;
+    default:
+        return tm__err(ctx, TM_ERR_DTYPE, "%s: dtype not supported on CUDA: %s", what, tm__tdesc(ctx, t));
+    }
+    TM__CU_LAUNCHED(ctx, what, "tm__fill_kernel");
+    return TM_OK;
+}
+

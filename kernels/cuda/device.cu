@@ -1,0 +1,177 @@
+/*
+ * device.cu — the CUDA backend of a context: device, stream, raw allocation, host <-> device
+ * copies, and the backend table (framework/backend.h) that the framework calls, with the
+ * kernel tables of every op with CUDA kernels generated from framework/ops.def.
+ *
+ * One non-blocking stream per context carries all of its work, so ops need no
+ * synchronisation between them; only device-to-host copies (and error flags read back by
+ * ops such as cross_entropy) wait, and each such wait is counted (tm_ctx_sync_count). Device
+ * memory is requested here with plain cudaMalloc: the context's arenas keep what they get for
+ * the next step, so they are the caching allocator and nothing here caches memory a second
+ * time.
+ */
+#include "common.cuh"
+
+#include <stdio.h>
+
+/* ---- device, context state ------------------------------------------------------------------ */
+
+static int tm__cuda_device_count(void) {
+    int n = 0;
+    /* No driver or no device is a normal situation for a CPU-only machine, not an error. */
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+static void tm__cuda_shutdown(tm_ctx *ctx, void *state) {
+    tm__cuda *st = (tm__cuda *)state;
+    if (!st) return;
+    /* Teardown must go on whatever fails: errors are ignored here on purpose. */
+    cudaSetDevice(st->device);
+    if (st->stream) cudaStreamSynchronize(st->stream);
+    tm__gemm_plans_destroy(st);
+    if (st->workspace) cudaFree(st->workspace);
+    if (st->lt) cublasLtDestroy(st->lt);
+    if (st->stream) cudaStreamDestroy(st->stream);
+    (void)cudaGetLastError();
+    tm__host_free(ctx, st);
+}
+
+static tm_status tm__cuda_init_state(tm_ctx *ctx, int device, tm__cuda *st) {
+    const char *what = "cuda_init";
+    TM__CU_CHECK(ctx, what, cudaSetDevice(device));
+    TM__CU_CHECK(ctx, what, cudaDeviceGetAttribute(&st->num_sms, cudaDevAttrMultiProcessorCount, device));
+    TM__CU_CHECK(ctx, what, cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking));
+    TM__LT_CHECK(ctx, what, cublasLtCreate(&st->lt));
+    st->workspace_bytes = TM__GEMM_WORKSPACE;
+    cudaError_t e = cudaMalloc(&st->workspace, st->workspace_bytes);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        st->workspace = NULL;
+        return tm__err(ctx, e == cudaErrorMemoryAllocation ? TM_ERR_NOMEM : TM_ERR_CUDA,
+                       "%s: cudaMalloc of the %zu-byte cuBLASLt workspace on cuda:%d failed: %s",
+                       what, st->workspace_bytes, device, cudaGetErrorString(e));
+    }
+    return TM_OK;
+}
+
+static tm_status tm__cuda_init(tm_ctx *ctx, int device, void **state) {
+    *state = NULL;
+    int n = tm__cuda_device_count();
+    if (device < 0 || device >= n)
+        return tm__err(ctx, TM_ERR_DEVICE, "cuda_init: CUDA device %d requested but %d visible", device, n);
+    tm__cuda *st = (tm__cuda *)tm__host_alloc(ctx, sizeof *st);
+    if (!st) return tm__err(ctx, TM_ERR_NOMEM, "cuda_init: out of host memory for the CUDA state");
+    memset(st, 0, sizeof *st);
+    st->device = device;
+    tm_status s = tm__cuda_init_state(ctx, device, st);
+    if (s != TM_OK) {
+        tm__cuda_shutdown(ctx, st);
+        return s;
+    }
+    *state = st;
+    return TM_OK;
+}
+
+/* ---- memory ------------------------------------------------------------------------------------ */
+
+static tm_status tm__cuda_malloc(tm_ctx *ctx, size_t nbytes, void **p) {
+    tm__cuda *st;
+    *p = NULL;
+    TM__TRY(tm__cu_enter(ctx, "cuda_malloc", &st));
+    cudaError_t e = cudaMalloc(p, nbytes ? nbytes : 1);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        *p = NULL;
+        return tm__err(ctx, e == cudaErrorMemoryAllocation ? TM_ERR_NOMEM : TM_ERR_CUDA,
+                       "cuda_malloc: cudaMalloc(%zu bytes) on cuda:%d failed: %s", nbytes, st->device,
+                       cudaGetErrorString(e));
+    }
+    return TM_OK;
+}
+
+static void tm__cuda_free(tm_ctx *ctx, void *p) {
+    tm__cuda *st = (tm__cuda *)tm__cuda_state(ctx);
+    if (!p || !st) return;
+    cudaSetDevice(st->device);
+    cudaFree(p); /* synchronises the device: no kernel still reads p */
+    (void)cudaGetLastError();
+}
+
+extern "C" tm_status tm__cuda_memcpy(tm_ctx *ctx, void *dst, const void *src, size_t nbytes, int kind) {
+    tm__cuda *st;
+    const char *what = "cuda_memcpy";
+    TM__TRY(tm__cu_enter(ctx, what, &st));
+    if (nbytes == 0) return TM_OK;
+    cudaMemcpyKind k = kind == TM__H2D ? cudaMemcpyHostToDevice
+                     : kind == TM__D2H ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice;
+    /* From pageable host memory the call returns once the source has been staged, so the
+     * caller may reuse `src` at once; the copy itself stays ordered on the stream. */
+    TM__CU_CHECK(ctx, what, cudaMemcpyAsync(dst, src, nbytes, k, st->stream));
+    if (kind == TM__D2H) {
+        tm__count_sync(ctx);
+        TM__CU_CHECK(ctx, what, cudaStreamSynchronize(st->stream));
+    }
+    return TM_OK;
+}
+
+extern "C" tm_status tm__cuda_memset0(tm_ctx *ctx, void *p, size_t nbytes) {
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(ctx, "cuda_memset0", &st));
+    if (nbytes == 0) return TM_OK;
+    TM__CU_CHECK(ctx, "cuda_memset0", cudaMemsetAsync(p, 0, nbytes, st->stream));
+    return TM_OK;
+}
+
+static tm_status tm__cuda_sync(tm_ctx *ctx) {
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(ctx, "cuda_sync", &st));
+    tm__count_sync(ctx);
+    TM__CU_CHECK(ctx, "cuda_sync", cudaStreamSynchronize(st->stream));
+    return TM_OK;
+}
+
+
+/* ---- the backend table ------------------------------------------------------------------------- */
+
+static tm_status tm__cuda_gemm_entry(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N,
+                                     int64_t K, double alpha, const void *A, int64_t lda, int64_t sa, const void *B,
+                                     int64_t ldb, int64_t sb, double beta, void *C, int64_t ldc, int64_t sc,
+                                     int64_t batch) {
+    return tm__gemm_cuda(ctx, dt, trans_a, trans_b, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch);
+}
+
+static const tm__fn tm__cuda_fwd[TM__NOPS] = {
+#define TM__OP(ID, name, n_in, n_out, flags, kernels) TM__FWD_CUDA_##kernels(name),
+#include "ops.def"
+#undef TM__OP
+};
+
+static const tm__fn tm__cuda_bwd[TM__NOPS] = {
+#define TM__OP(ID, name, n_in, n_out, flags, kernels) TM__BWD_CUDA_##kernels(name),
+#include "ops.def"
+#undef TM__OP
+};
+
+/* Positional (C++ has no designated initialisers of this kind): the order of tm__backend_ops. */
+extern "C" const tm__backend_ops tm__cuda_backend = {
+    "cuda",
+    tm__cuda_device_count,
+    tm__cuda_init,
+    tm__cuda_shutdown,
+    tm__cuda_malloc,
+    tm__cuda_free,
+    tm__cuda_memcpy,
+    tm__cuda_memset0,
+    tm__cuda_sync,
+    tm__cuda_copy_into,
+    tm__cuda_accumulate,
+    tm__cuda_assign,
+    tm__cuda_fill,
+    tm__cuda_gemm_entry,
+    tm__cuda_fwd,
+    tm__cuda_bwd,
+};
