@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "internal.h"
 
 #define SKIP_WITHOUT_CUDA() \
     do { if (tm_cuda_device_count() == 0) cr_skip_test("no CUDA device"); } while (0)
@@ -39,6 +40,7 @@ static tm_ctx *cuda_ctx(void) {
 typedef tm_status (*pfn)(tm_ctx *ctx, tm_tensor **in, const int64_t *iattr, tm_tensor **out);
 
 typedef struct pcase {
+    const char *op;   /* the op under test (its name in framework/ops.def) */
     const char *name;
     pfn fn;
     int n_in;
@@ -120,43 +122,43 @@ static tm_status f_to_device(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_ten
 /* Shapes are awkward on purpose (no multiples of 4 or 32); the large ones take the split
  * (two-pass) paths of the CUDA reducer and the multi-pass row loops. */
 static const pcase CASES[] = {
-    {"matmul nn, a batched, b 2-D", f_matmul, 2, {3, 2}, {{3, 5, 7}, {7, 6}}, {0}, {0}, {0, 0}, 1},
-    {"matmul tt, a batched, b 2-D", f_matmul, 2, {3, 2}, {{3, 7, 5}, {6, 7}}, {0}, {0}, {1, 1}, 1},
-    {"matmul tn, batched b", f_matmul, 2, {3, 3}, {{2, 7, 5}, {2, 7, 9}}, {0}, {0}, {1, 0}, 1},
-    {"matmul nt, 2-D", f_matmul, 2, {2, 2}, {{33, 19}, {21, 19}}, {0}, {0}, {0, 1}, 1},
-    {"matmul nn, 4-D batched", f_matmul, 2, {4, 4}, {{2, 3, 5, 7}, {2, 3, 7, 3}}, {0}, {0}, {0, 0}, 1},
-    {"add same shape", f_add, 2, {2, 2}, {{3, 7}, {3, 7}}, {0}, {0}, {0}, 1},
-    {"add [4,5,6] + [6]", f_add, 2, {3, 1}, {{4, 5, 6}, {6}}, {0}, {0}, {0}, 1},
-    {"add [6] + [4,5,6]", f_add, 2, {1, 3}, {{6}, {4, 5, 6}}, {0}, {0}, {0}, 1},
-    {"sub [4,5,6] - [5,6]", f_sub, 2, {3, 2}, {{4, 5, 6}, {5, 6}}, {0}, {0}, {0}, 1},
-    {"sub [5,6] - [4,5,6]", f_sub, 2, {2, 3}, {{5, 6}, {4, 5, 6}}, {0}, {0}, {0}, 1},
-    {"mul same shape", f_mul, 2, {2, 2}, {{3, 7}, {3, 7}}, {0}, {0}, {0}, 1},
-    {"mul [5,6] * [4,5,6]", f_mul, 2, {2, 3}, {{5, 6}, {4, 5, 6}}, {0}, {0}, {0}, 1},
-    {"mul [3001,5] * [5] (split reduce)", f_mul, 2, {2, 1}, {{3001, 5}, {5}}, {0}, {0}, {0}, 100},
-    {"scale", f_scale, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1},
-    {"sum axis 1", f_sum, 1, {3}, {{3, 5, 7}}, {0}, {0}, {1, 0}, 1},
-    {"sum axis -1 keepdim", f_sum, 1, {3}, {{3, 5, 7}}, {0}, {0}, {-1, 1}, 1},
-    {"sum axis 0 long (split)", f_sum, 1, {2}, {{3001, 5}}, {0}, {0}, {0, 0}, 100},
-    {"mean axis 0 keepdim", f_mean, 1, {3}, {{3, 5, 7}}, {0}, {0}, {0, 1}, 1},
-    {"mean axis 1 long row (split)", f_mean, 1, {2}, {{2, 5003}}, {0}, {0}, {1, 0}, 1},
-    {"sum_all", f_sum_all, 1, {3}, {{3, 5, 7}}, {0}, {0}, {0}, 1},
-    {"sum_all long (split)", f_sum_all, 1, {1}, {{70001}}, {0}, {0}, {0}, 100},
-    {"mean_all", f_mean_all, 1, {2}, {{13, 11}}, {0}, {0}, {0}, 1},
-    {"silu", f_silu, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1},
-    {"swiglu", f_swiglu, 2, {2, 2}, {{4, 9}, {4, 9}}, {0}, {0}, {0}, 1},
-    {"rmsnorm", f_rmsnorm, 2, {3, 1}, {{3, 4, 37}, {37}}, {0}, {0}, {0}, 1},
-    {"rmsnorm many rows (split dw)", f_rmsnorm, 2, {2, 1}, {{1501, 9}, {9}}, {0}, {0}, {0}, 100},
-    {"rmsnorm wide row", f_rmsnorm, 2, {2, 1}, {{3, 1100}, {1100}}, {0}, {0}, {0}, 1},
-    {"softmax", f_softmax, 1, {2}, {{6, 17}}, {0}, {0}, {0}, 1},
-    {"softmax wide row", f_softmax, 1, {2}, {{3, 1100}}, {0}, {0}, {0}, 1},
-    {"log_softmax", f_log_softmax, 1, {3}, {{2, 3, 17}}, {0}, {0}, {0}, 1},
-    {"cross_entropy i64 targets", f_cross_entropy, 2, {2, 1}, {{7, 13}, {7}}, {0, TM_I64}, {0, 1}, {-100}, 1},
-    {"cross_entropy i32 targets, wide", f_cross_entropy, 2, {2, 1}, {{5, 1037}, {5}}, {0, TM_I32}, {0, 1}, {-100}, 1},
-    {"view: permute, slice, reshape", f_view, 1, {3}, {{2, 3, 5}}, {0}, {0}, {0}, 1},
-    {"concat with a transposed input", f_concat, 2, {2, 2}, {{3, 2}, {5, 3}}, {0}, {0}, {0}, 1},
-    {"contiguous of a transpose", f_contiguous, 1, {3}, {{3, 2, 5}}, {0}, {0}, {0}, 1},
-    {"cast f32 <-> bf16", f_cast, 1, {2}, {{4, 7}}, {0}, {0}, {0}, 1},
-    {"to_device round trip", f_to_device, 1, {2}, {{4, 7}}, {0}, {0}, {0}, 1},
+    {"matmul", "matmul nn, a batched, b 2-D", f_matmul, 2, {3, 2}, {{3, 5, 7}, {7, 6}}, {0}, {0}, {0, 0}, 1},
+    {"matmul", "matmul tt, a batched, b 2-D", f_matmul, 2, {3, 2}, {{3, 7, 5}, {6, 7}}, {0}, {0}, {1, 1}, 1},
+    {"matmul", "matmul tn, batched b", f_matmul, 2, {3, 3}, {{2, 7, 5}, {2, 7, 9}}, {0}, {0}, {1, 0}, 1},
+    {"matmul", "matmul nt, 2-D", f_matmul, 2, {2, 2}, {{33, 19}, {21, 19}}, {0}, {0}, {0, 1}, 1},
+    {"matmul", "matmul nn, 4-D batched", f_matmul, 2, {4, 4}, {{2, 3, 5, 7}, {2, 3, 7, 3}}, {0}, {0}, {0, 0}, 1},
+    {"add", "add same shape", f_add, 2, {2, 2}, {{3, 7}, {3, 7}}, {0}, {0}, {0}, 1},
+    {"add", "add [4,5,6] + [6]", f_add, 2, {3, 1}, {{4, 5, 6}, {6}}, {0}, {0}, {0}, 1},
+    {"add", "add [6] + [4,5,6]", f_add, 2, {1, 3}, {{6}, {4, 5, 6}}, {0}, {0}, {0}, 1},
+    {"sub", "sub [4,5,6] - [5,6]", f_sub, 2, {3, 2}, {{4, 5, 6}, {5, 6}}, {0}, {0}, {0}, 1},
+    {"sub", "sub [5,6] - [4,5,6]", f_sub, 2, {2, 3}, {{5, 6}, {4, 5, 6}}, {0}, {0}, {0}, 1},
+    {"mul", "mul same shape", f_mul, 2, {2, 2}, {{3, 7}, {3, 7}}, {0}, {0}, {0}, 1},
+    {"mul", "mul [5,6] * [4,5,6]", f_mul, 2, {2, 3}, {{5, 6}, {4, 5, 6}}, {0}, {0}, {0}, 1},
+    {"mul", "mul [3001,5] * [5] (split reduce)", f_mul, 2, {2, 1}, {{3001, 5}, {5}}, {0}, {0}, {0}, 100},
+    {"scale", "scale", f_scale, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1},
+    {"sum", "sum axis 1", f_sum, 1, {3}, {{3, 5, 7}}, {0}, {0}, {1, 0}, 1},
+    {"sum", "sum axis -1 keepdim", f_sum, 1, {3}, {{3, 5, 7}}, {0}, {0}, {-1, 1}, 1},
+    {"sum", "sum axis 0 long (split)", f_sum, 1, {2}, {{3001, 5}}, {0}, {0}, {0, 0}, 100},
+    {"mean", "mean axis 0 keepdim", f_mean, 1, {3}, {{3, 5, 7}}, {0}, {0}, {0, 1}, 1},
+    {"mean", "mean axis 1 long row (split)", f_mean, 1, {2}, {{2, 5003}}, {0}, {0}, {1, 0}, 1},
+    {"sum_all", "sum_all", f_sum_all, 1, {3}, {{3, 5, 7}}, {0}, {0}, {0}, 1},
+    {"sum_all", "sum_all long (split)", f_sum_all, 1, {1}, {{70001}}, {0}, {0}, {0}, 100},
+    {"mean_all", "mean_all", f_mean_all, 1, {2}, {{13, 11}}, {0}, {0}, {0}, 1},
+    {"silu", "silu", f_silu, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1},
+    {"swiglu", "swiglu", f_swiglu, 2, {2, 2}, {{4, 9}, {4, 9}}, {0}, {0}, {0}, 1},
+    {"rmsnorm", "rmsnorm", f_rmsnorm, 2, {3, 1}, {{3, 4, 37}, {37}}, {0}, {0}, {0}, 1},
+    {"rmsnorm", "rmsnorm many rows (split dw)", f_rmsnorm, 2, {2, 1}, {{1501, 9}, {9}}, {0}, {0}, {0}, 100},
+    {"rmsnorm", "rmsnorm wide row", f_rmsnorm, 2, {2, 1}, {{3, 1100}, {1100}}, {0}, {0}, {0}, 1},
+    {"softmax", "softmax", f_softmax, 1, {2}, {{6, 17}}, {0}, {0}, {0}, 1},
+    {"softmax", "softmax wide row", f_softmax, 1, {2}, {{3, 1100}}, {0}, {0}, {0}, 1},
+    {"log_softmax", "log_softmax", f_log_softmax, 1, {3}, {{2, 3, 17}}, {0}, {0}, {0}, 1},
+    {"cross_entropy", "cross_entropy i64 targets", f_cross_entropy, 2, {2, 1}, {{7, 13}, {7}}, {0, TM_I64}, {0, 1}, {-100}, 1},
+    {"cross_entropy", "cross_entropy i32 targets, wide", f_cross_entropy, 2, {2, 1}, {{5, 1037}, {5}}, {0, TM_I32}, {0, 1}, {-100}, 1},
+    {"view", "view: permute, slice, reshape", f_view, 1, {3}, {{2, 3, 5}}, {0}, {0}, {0}, 1},
+    {"concat", "concat with a transposed input", f_concat, 2, {2, 2}, {{3, 2}, {5, 3}}, {0}, {0}, {0}, 1},
+    {"contiguous", "contiguous of a transpose", f_contiguous, 1, {3}, {{3, 2, 5}}, {0}, {0}, {0}, 1},
+    {"cast", "cast f32 <-> bf16", f_cast, 1, {2}, {{4, 7}}, {0}, {0}, {0}, 1},
+    {"to_device", "to_device round trip", f_to_device, 1, {2}, {{4, 7}}, {0}, {0}, {0}, 1},
 };
 #define N_CASES ((int)(sizeof CASES / sizeof CASES[0]))
 
@@ -254,6 +256,19 @@ static void run_case(const pcase *pc, tm_dtype dt, double atol, double rtol) {
     for (int i = 0; i < pc->n_in; i++) free(host_in[i]);
     free(host_g);
     tm_ctx_free(ctx);
+}
+
+/* Every op that the registry (framework/ops.def) gives a CUDA kernel has a parity case here, as
+ * tests/test_mutation.c demands a gradient case of every differentiable op. Runs without a GPU. */
+Test(cuda_parity, every_cuda_op_has_a_parity_case) {
+    for (int i = 0; i < TM__NOPS; i++) {
+        const tm__op_def *d = &tm__op_table[i];
+        if (!(d->kernels & (TM__K_CUDA_FWD | TM__K_CUDA_BWD))) continue;
+        if (d->flags & TM__OP_NONDIFF) continue; /* update ops: their parity cases are below */
+        int found = 0;
+        for (int k = 0; k < N_CASES; k++) found |= strcmp(CASES[k].op, d->name) == 0;
+        cr_assert(found, "op %s has CUDA kernels but no case in tests/test_cuda_parity.c", d->name);
+    }
 }
 
 Test(cuda_parity, all_ops_f32) {
