@@ -8,6 +8,12 @@
  *    context's last-error message (tm_ctx_errmsg) names the op, the offending argument and,
  *    for tensors, their shapes, dtypes and devices. Nothing is half-written: output pointers
  *    are only set on success. No function calls exit() or abort().
+ *    Each function's comment lists the codes it returns and when ("Errors: ..."); two hold for
+ *    every function and are not repeated: a NULL ctx (or NULL model / moe / optimizer handle
+ *    where that is the first argument) returns TM_ERR_INVALID_ARG without a message (there is
+ *    nowhere to put one; the *_config_check and tm_lr_schedule_check functions accept a NULL
+ *    ctx), and TM_ERR_INTERNAL means a bug in tinymoe. TM_ERR_CUDA only ever comes from CUDA
+ *    work (a CUDA device, CUDA tensors).
  *  - Ownership: a tm_ctx owns every tensor made through it. Tensors produced by ops and by
  *    tm_tensor_empty/zeros/from_host are *temporaries*: they live in the context's per-step
  *    arena and become invalid at tm_ctx_arena_reset(). Parameters (tm_param_new) and buffers
@@ -121,9 +127,11 @@ enum { TM_CPU_GEMM_AUTO = 0, TM_CPU_GEMM_BUILTIN = 1 };
 /* Defaults: no allocator hook, all threads, CPU only, 64 MiB chunks, CPU GEMM auto. */
 tm_ctx_options tm_ctx_options_default(void);
 
-/* Make a context. opts may be NULL (defaults). Errors: TM_ERR_INVALID_ARG (out NULL),
- * TM_ERR_NOMEM, TM_ERR_DEVICE (cuda_device >= 0 but CUDA absent from the build or no such
- * device; the message says which), TM_ERR_INVALID_ARG (cpu_gemm not one of TM_CPU_GEMM_*). On failure *out is NULL and, since no context exists to
+/* Make a context. opts may be NULL (defaults). Errors: TM_ERR_INVALID_ARG (out NULL; an
+ * allocator whose alloc or free is NULL; cpu_gemm not one of TM_CPU_GEMM_*), TM_ERR_NOMEM (host memory; the cuBLASLt workspace),
+ * TM_ERR_DEVICE (cuda_device >= 0 but CUDA absent from the build or no such device; the
+ * message says which), TM_ERR_CUDA (selecting the device, creating its stream or the cuBLASLt
+ * handle failed). On failure *out is NULL (unless out is NULL) and, since no context exists to
  * hold a message, the reason is available from tm_last_create_error(). */
 tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts);
 
@@ -141,7 +149,8 @@ const char *tm_ctx_errmsg(const tm_ctx *ctx);
 /* Number of CUDA devices visible (0 when the build has no CUDA or no driver/device). */
 int tm_cuda_device_count(void);
 
-/* Wait for all queued device work of the context to finish. Errors: TM_ERR_CUDA. */
+/* Wait for all queued device work of the context to finish (nothing to do without CUDA).
+ * Errors: TM_ERR_CUDA (a failed kernel launched earlier may report here). */
 tm_status tm_ctx_sync(tm_ctx *ctx);
 
 /* Release every temporary tensor and the autograd tape (all arena tensor handles become
@@ -174,14 +183,18 @@ int tm_ctx_set_grad_enabled(tm_ctx *ctx, int enabled);
 /* ------------------------------------------------------------------------------------------ */
 
 /* Temporary tensors (arena). shape has ndim entries, each >= 0, ndim in [0, TM_MAX_DIMS]
- * (ndim 0 = scalar). Errors: TM_ERR_INVALID_ARG (null, ndim, negative size), TM_ERR_DTYPE
- * (f64 on CUDA), TM_ERR_DEVICE, TM_ERR_NOMEM. */
+ * (ndim 0 = scalar). Errors: TM_ERR_INVALID_ARG (out NULL, ndim outside [0, TM_MAX_DIMS],
+ * shape NULL with ndim > 0, a negative size), TM_ERR_DTYPE (dt not a tm_dtype; f64 on CUDA),
+ * TM_ERR_DEVICE (a CUDA device other than the context's cuda_device, or none; an unknown
+ * device type), TM_ERR_NOMEM; tm_tensor_zeros on CUDA also TM_ERR_CUDA. */
 tm_status tm_tensor_empty(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
                           tm_tensor **out);
 tm_status tm_tensor_zeros(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
                           tm_tensor **out);
 /* Copy numel elements of src_dt from host memory `src` into a new temporary of dtype dt
- * (converted; float->bf16 rounds to nearest even; float->int truncates). */
+ * (converted; float->bf16 rounds to nearest even; float->int truncates).
+ * Errors: as tm_tensor_empty, plus TM_ERR_INVALID_ARG (src NULL), TM_ERR_DTYPE (src_dt not a
+ * tm_dtype), TM_ERR_CUDA (the upload). */
 tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape,
                               tm_device dev, tm_dtype src_dt, const void *src, tm_tensor **out);
 
@@ -189,10 +202,13 @@ tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t 
  * buffer, with its gradient (zeroed) in the matching contiguous gradient buffer.
  * `name` (<= 127 bytes, unique in the context) keys the counter-based RNG and checkpoints.
  * Contents are zero until initialised (tm_tensor_init_normal / tm_tensor_write).
- * Errors: as tm_tensor_empty, plus TM_ERR_INVALID_ARG for a duplicate or over-long name. */
+ * Errors: as tm_tensor_empty, plus TM_ERR_INVALID_ARG (name NULL, empty, over 127 bytes, or
+ * already the name of a parameter or buffer of the context), TM_ERR_DTYPE (not a float
+ * dtype), TM_ERR_CUDA (growing the CUDA parameter buffer copies it). */
 tm_status tm_param_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
                        tm_device dev, tm_tensor **out);
-/* Persistent tensor without gradient (optimizer state, expert_bias, data). Zero-filled. */
+/* Persistent tensor without gradient (optimizer state, expert_bias, data). Zero-filled; any
+ * dtype. Errors: as tm_param_new, less the float-dtype rule. */
 tm_status tm_buffer_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim,
                         const int64_t *shape, tm_device dev, tm_tensor **out);
 
@@ -202,7 +218,7 @@ tm_tensor *tm_ctx_param(const tm_ctx *ctx, int i);
 /* Find a parameter or buffer by name; NULL if none. */
 tm_tensor *tm_ctx_find(const tm_ctx *ctx, const char *name);
 
-/* Set every parameter gradient to zero (one memset per device buffer). */
+/* Set every parameter gradient to zero (one memset per device buffer). Errors: TM_ERR_CUDA. */
 tm_status tm_ctx_zero_grad(tm_ctx *ctx);
 
 /* Introspection. Functions taking a tensor return 0 / NULL for t == NULL. */
@@ -217,15 +233,20 @@ int tm_tensor_requires_grad(const tm_tensor *t);
 /* Gradient accumulated by tm_backward, or NULL if none has been computed yet. */
 tm_tensor *tm_tensor_grad(const tm_tensor *t);
 /* Mark a temporary leaf tensor (one not produced by an op) as needing a gradient, so that
- * tm_backward computes tm_tensor_grad(t). Errors: TM_ERR_STATE on a non-leaf, TM_ERR_DTYPE
- * on a non-float tensor. */
+ * tm_backward computes tm_tensor_grad(t). Errors: TM_ERR_INVALID_ARG (t NULL), TM_ERR_STATE
+ * (t is the output of a recorded op, or a parameter: parameters always require one),
+ * TM_ERR_DTYPE (requires_grad on a non-float tensor). */
 tm_status tm_tensor_set_requires_grad(tm_ctx *ctx, tm_tensor *t, int requires_grad);
 
 /* Copy the tensor's logical elements (any strides, any device) to host memory `dst`,
- * converted to dst_dt. count must equal numel. Errors: TM_ERR_INVALID_ARG, TM_ERR_CUDA. */
+ * converted to dst_dt. count must equal numel. Errors: TM_ERR_INVALID_ARG (t or dst NULL,
+ * count != numel), TM_ERR_DTYPE (dst_dt not a tm_dtype), TM_ERR_NOMEM (host staging of a
+ * device or strided tensor), TM_ERR_CUDA. */
 tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count);
 /* Overwrite a contiguous tensor's elements from host memory `src` of src_dt (count = numel).
- * Not recorded on the tape. */
+ * Not recorded on the tape. Errors: TM_ERR_INVALID_ARG (t or src NULL, count != numel, t a
+ * strided view), TM_ERR_DTYPE (src_dt not a tm_dtype), TM_ERR_NOMEM (host staging of a
+ * conversion for a device tensor), TM_ERR_CUDA. */
 tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -245,12 +266,15 @@ uint64_t tm_hash_name(const char *name);
 
 /* Fill t with N(mean, std^2) (Box-Muller on two Philox outputs in f64, then converted) or
  * U[lo, hi) keyed by (seed, name, index). name NULL: the tensor's own name. Float dtypes only.
- * Errors: TM_ERR_DTYPE, TM_ERR_INVALID_ARG (std < 0, lo > hi, unnamed temporary and no name). */
+ * Errors: TM_ERR_DTYPE (t not float), TM_ERR_INVALID_ARG (t NULL, t a strided view, std < 0
+ * or NaN, lo > hi or NaN, an unnamed temporary and no name), TM_ERR_NOMEM (numel doubles of
+ * host arena), TM_ERR_CUDA (the upload). */
 tm_status tm_tensor_init_normal(tm_ctx *ctx, tm_tensor *t, uint64_t seed, const char *name,
                                 double mean, double std);
 tm_status tm_tensor_init_uniform(tm_ctx *ctx, tm_tensor *t, uint64_t seed, const char *name,
                                  double lo, double hi);
-/* Fill with a constant (any dtype; value converted). Not recorded on the tape. */
+/* Fill with a constant (any dtype; value converted). Not recorded on the tape.
+ * Errors: TM_ERR_INVALID_ARG (t NULL, t a strided view), TM_ERR_CUDA. */
 tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -263,9 +287,16 @@ tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value);
  * The tape recorded so far is consumed by the call (a second backward does not re-run it). */
 
 /* loss: a one-element float tensor; its upstream gradient is 1.
- * Errors: TM_ERR_SHAPE (not one element), TM_ERR_STATE (loss does not require grad). */
+ * Errors: TM_ERR_INVALID_ARG (loss NULL), TM_ERR_SHAPE (not one element), TM_ERR_STATE (loss
+ * does not require grad), and those of the recorded ops' backward kernels: TM_ERR_UNSUPPORTED
+ * (an op without a backward kernel on its backend, named), TM_ERR_NOMEM (gradients of
+ * temporaries, scratch), TM_ERR_CUDA. After an error the tape is gone all the same and some
+ * gradients may be partly accumulated. */
 tm_status tm_backward(tm_ctx *ctx, tm_tensor *loss);
-/* Backward from any tensor with an explicit upstream gradient of the same shape. */
+/* Backward from any tensor with an explicit upstream gradient of the same shape.
+ * Errors: TM_ERR_INVALID_ARG (out or grad NULL), TM_ERR_STATE (out does not require grad),
+ * TM_ERR_SHAPE (grad's shape is not out's), TM_ERR_DEVICE (grad on another device),
+ * TM_ERR_DTYPE (on CUDA, a grad that is not f32 or bf16), then as tm_backward. */
 tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -274,82 +305,127 @@ tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad);
 /* Every op: inputs on one device; float ops accept f32, bf16 and f64 (CPU) alike and produce
  * the input dtype; results are temporaries. Each op is one row of the op table
  * (framework/op_table.c): its CPU kernel is in kernels/cpu/<op>.c, its CUDA kernel in
- * kernels/cuda/<op>.cu, its test in tests/test_<op>.c. */
+ * kernels/cuda/<op>.cu, its test in tests/test_<op>.c.
+ *
+ * Errors of every op (framework/dispatch.c), in addition to those listed with it; the message
+ * names the op and the offending input with its dtype, shape and device:
+ *   TM_ERR_INVALID_ARG  an input or the out pointer NULL; an input made by another context;
+ *   TM_ERR_DEVICE       inputs on different devices (tm_to_device excepted);
+ *   TM_ERR_UNSUPPORTED  no kernel for the inputs' backend. Every op has CPU kernels; CUDA ones
+ *                       exist only for matmul, add, sub, mul, scale, the four reductions, the
+ *                       shape ops (reshape ... to_device), rmsnorm, silu, swiglu, softmax,
+ *                       log_softmax and cross_entropy (the rows of framework/op_table.c with a
+ *                       CUDA column). Also a GEMM that cuBLASLt has no algorithm for;
+ *   TM_ERR_NOMEM        the per-step arena could not grow (outputs, saved tensors, contiguous
+ *                       copies of strided inputs, scratch, the tape entry);
+ *   TM_ERR_CUDA         a CUDA runtime or cuBLASLt call failed (CUDA inputs only).
+ * "Float" below means f32, bf16 or f64, and a float input of another dtype is TM_ERR_DTYPE;
+ * "index" means i32 or i64. The backward of an op (run by tm_backward) can fail with
+ * TM_ERR_NOMEM and TM_ERR_CUDA too. */
 
 /* C = op(A) @ op(B), op = transpose of the last two dims when trans_* is nonzero.
  * a: [..., M, K] (or [..., K, M] transposed), b: [K, N] or [..., K, N] with the same leading
  * dims as a (batched). out: [..., M, N]. Accumulation in f32 (f64 for f64).
- * Errors: TM_ERR_SHAPE (inner dims or batch dims differ), TM_ERR_DTYPE (mixed dtypes). */
+ * Errors: TM_ERR_DTYPE (a or b not float, or of different dtypes), TM_ERR_SHAPE (a or b with
+ * fewer than 2 dims; b neither 2-D nor of a's ndim; batch dims or inner dims differ). */
 tm_status tm_matmul(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, int trans_a, int trans_b, tm_tensor **out);
 
 /* Elementwise a+b, a-b, a*b. Broadcasting over leading dims: the shape of one operand must
- * equal the trailing dims of the other's (e.g. [B,T,C] + [C]); out has the larger shape. */
+ * equal the trailing dims of the other's (e.g. [B,T,C] + [C]); out has the larger shape.
+ * Errors: TM_ERR_DTYPE (not float, or of different dtypes), TM_ERR_SHAPE (no broadcast). */
 tm_status tm_add(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
 tm_status tm_sub(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
 tm_status tm_mul(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
-/* out = alpha * x. */
+/* out = alpha * x. Errors: TM_ERR_DTYPE (x not float), TM_ERR_INVALID_ARG (alpha not finite). */
 tm_status tm_scale(tm_ctx *ctx, tm_tensor *x, double alpha, tm_tensor **out);
 
 /* Sum / mean over one axis (keepdim keeps it as size 1), or over all elements (*_all: a 0-d
- * scalar). Accumulation in f64 on the CPU, f32 on CUDA. */
+ * scalar). Accumulation in f64 on the CPU, f32 on CUDA.
+ * Errors: TM_ERR_DTYPE (x not float), TM_ERR_INVALID_ARG (axis out of range; not for *_all). */
 tm_status tm_sum(tm_ctx *ctx, tm_tensor *x, int axis, int keepdim, tm_tensor **out);
 tm_status tm_mean(tm_ctx *ctx, tm_tensor *x, int axis, int keepdim, tm_tensor **out);
 tm_status tm_sum_all(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 tm_status tm_mean_all(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 
-/* Shape ops. reshape/view: a view when x is contiguous (one dim may be -1), a copy otherwise.
- * transpose/permute/slice: views (no copy). slice keeps [start, end) of `axis` (negative
- * start/end count from the end). concat: along axis, all other dims equal, n in [1, 8].
- * contiguous: a dense copy of a view (x itself if already dense). */
+/* Shape ops, for tensors of any dtype. reshape/view: a view when x is contiguous (one dim may
+ * be -1), a copy otherwise. transpose/permute/slice: views (no copy). slice keeps [start, end)
+ * of `axis` (negative start/end count from the end). concat: along axis, all other dims
+ * equal, n in [1, 8]. contiguous: a dense copy of a view (x itself if already dense).
+ * Errors: reshape TM_ERR_INVALID_ARG (ndim outside [0, TM_MAX_DIMS], shape NULL with ndim > 0),
+ * TM_ERR_SHAPE (more than one -1, a negative size, another element count); transpose
+ * TM_ERR_INVALID_ARG (an axis out of range); permute TM_ERR_INVALID_ARG (perm NULL or not a
+ * permutation of the dims); slice TM_ERR_INVALID_ARG (axis), TM_ERR_INDEX ([start, end) not
+ * inside the axis once negative ends are resolved); concat TM_ERR_INVALID_ARG (xs NULL, n
+ * outside [1, 8], axis out of range for xs[0]), TM_ERR_DTYPE (dtypes differ), TM_ERR_SHAPE
+ * (ndims differ, or a dim other than axis). */
 tm_status tm_reshape(tm_ctx *ctx, tm_tensor *x, int ndim, const int64_t *shape, tm_tensor **out);
 tm_status tm_transpose(tm_ctx *ctx, tm_tensor *x, int axis0, int axis1, tm_tensor **out);
 tm_status tm_permute(tm_ctx *ctx, tm_tensor *x, const int *perm, tm_tensor **out);
 tm_status tm_slice(tm_ctx *ctx, tm_tensor *x, int axis, int64_t start, int64_t end, tm_tensor **out);
 tm_status tm_concat(tm_ctx *ctx, int n, tm_tensor *const *xs, int axis, tm_tensor **out);
 tm_status tm_contiguous(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
-/* Convert dtype (differentiable between float dtypes; gradient converted back). */
+/* Convert dtype (any to any; differentiable between float dtypes, gradient converted back).
+ * Errors: TM_ERR_DTYPE (dt not a tm_dtype; f64 on CUDA). */
 tm_status tm_cast(tm_ctx *ctx, tm_tensor *x, tm_dtype dt, tm_tensor **out);
-/* Copy to another device (differentiable: the gradient is copied back). */
+/* Copy to another device (differentiable: the gradient is copied back); any dtype.
+ * Errors: TM_ERR_DEVICE (dev is not the CPU or the context's CUDA device), TM_ERR_DTYPE (f64
+ * to CUDA), TM_ERR_CUDA (the copy). */
 tm_status tm_to_device(tm_ctx *ctx, tm_tensor *x, tm_device dev, tm_tensor **out);
 
 /* Embedding lookup: weight [V, C], ids (i32 or i64) of any shape S -> out [S..., C].
- * Backward scatter-adds rows into d weight. Errors: TM_ERR_INDEX naming the first id outside
- * [0, V) and its position. */
+ * Backward scatter-adds rows into d weight. Errors: TM_ERR_DTYPE (weight not float, ids not
+ * index), TM_ERR_SHAPE (weight not 2-D, ids of more than 3 dims), TM_ERR_INDEX naming the
+ * first id outside [0, V) and its position. */
 tm_status tm_embedding(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
-/* Row gather: x [N, C], idx [M] (i32/i64) -> out [M, C], out[m] = x[idx[m]]. */
+/* The three below: TM_ERR_DTYPE (x / src not float, idx not index), TM_ERR_SHAPE (a shape
+ * other than the one shown), TM_ERR_INDEX naming the first index out of range (lowest flat
+ * position) and its value.
+ * Row gather: x [N, C], idx [M] (i32/i64) -> out [M, C], out[m] = x[idx[m]], idx in [0, N). */
 tm_status tm_index_select(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out);
-/* Gather along the last axis: x [N, C], idx [N, K] -> out [N, K], out[n,k] = x[n, idx[n,k]]. */
+/* Gather along the last axis: x [N, C], idx [N, K] -> out [N, K], out[n,k] = x[n, idx[n,k]],
+ * idx in [0, C). */
 tm_status tm_gather(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out);
 /* Row scatter-add: src [M, C], idx [M] -> out [n_rows, C] zero-initialised,
- * out[idx[m]] += src[m]. */
+ * out[idx[m]] += src[m], idx in [0, n_rows). Also TM_ERR_INVALID_ARG (n_rows < 0). */
 tm_status tm_scatter_add(tm_ctx *ctx, tm_tensor *src, tm_tensor *idx, int64_t n_rows, tm_tensor **out);
 
 /* RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x^2 over last axis) + eps) * weight.
- * x [..., C], weight [C]. */
+ * x [..., C], weight [C]. Errors: TM_ERR_DTYPE (not float, or x and weight of different
+ * dtypes), TM_ERR_SHAPE (x 0-d or C = 0, weight not [C]), TM_ERR_INVALID_ARG (eps negative,
+ * NaN or infinite). */
 tm_status tm_rmsnorm(tm_ctx *ctx, tm_tensor *x, tm_tensor *weight, double eps, tm_tensor **out);
-/* SiLU(x) = x * sigmoid(x) (Elfwing et al. 2018). */
+/* SiLU(x) = x * sigmoid(x) (Elfwing et al. 2018). Errors: TM_ERR_DTYPE (x not float). */
 tm_status tm_silu(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
-/* SwiGLU (Shazeer 2020), fused: out = silu(gate) * up; gate and up of the same shape. */
+/* SwiGLU (Shazeer 2020), fused: out = silu(gate) * up; gate and up of the same shape.
+ * Errors: TM_ERR_DTYPE (not float, or of different dtypes), TM_ERR_SHAPE (shapes differ). */
 tm_status tm_swiglu(tm_ctx *ctx, tm_tensor *gate, tm_tensor *up, tm_tensor **out);
-/* Softmax / log-softmax over the last axis (max-subtracted). */
+/* Softmax / log-softmax over the last axis (max-subtracted).
+ * Errors: TM_ERR_DTYPE (x not float), TM_ERR_SHAPE (x 0-d). */
 tm_status tm_softmax(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 tm_status tm_log_softmax(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 /* Fused cross-entropy: logits [N, V] float, targets [N] i32/i64. Rows whose target equals
- * ignore_index are skipped; out (0-d, f32 or the logits dtype) = mean over the valid rows of
+ * ignore_index are skipped; out (0-d, the logits' dtype) = mean over the valid rows of
  * (logsumexp(logits[n]) - logits[n, target[n]]); 0 when no row is valid.
- * Errors: TM_ERR_INDEX for a target outside [0, V) that is not ignore_index. */
+ * Errors: TM_ERR_DTYPE (logits not float, targets not index), TM_ERR_SHAPE (logits not 2-D or
+ * with V = 0, targets not [N]), TM_ERR_INDEX for the first target outside [0, V) that is not
+ * ignore_index (its row and value). */
 tm_status tm_cross_entropy(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
                            tm_tensor **out);
 /* Rotary position embedding, rotate-half convention (GPT-NeoX / Llama / Mixtral; Su et al.
  * 2021): x [B, T, H, D], D even; position of row t is pos_offset + t;
  * inv_freq[i] = theta^(-2i/D), i < D/2; for the pair (x1 = x[..., i], x2 = x[..., i + D/2]):
- * y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin, angle = pos * inv_freq[i]. */
+ * y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin, angle = pos * inv_freq[i].
+ * Errors: TM_ERR_DTYPE (x not float), TM_ERR_SHAPE (x not 4-D, D odd), TM_ERR_INVALID_ARG
+ * (theta <= 0, NaN or infinite; pos_offset < 0). */
 tm_status tm_rope(tm_ctx *ctx, tm_tensor *x, int64_t pos_offset, double theta, tm_tensor **out);
 /* Causal scaled-dot-product attention with grouped-query heads, fused (one op, own backward):
  * q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D], Hq % Hkv == 0, Tk >= Tq; query head h reads
  * kv head h / (Hq / Hkv); query i (0-based) sees keys j <= i + (Tk - Tq);
  * out[b,i,h] = sum_j softmax_j(q.k_j * scale) v_j with scale = 1/sqrt(D) when scale <= 0.
- * out [B, Tq, Hq, D]. (Vaswani et al. 2017; GQA: Ainslie et al. 2023.) */
+ * out [B, Tq, Hq, D]. (Vaswani et al. 2017; GQA: Ainslie et al. 2023.)
+ * Errors: TM_ERR_DTYPE (not float, or of different dtypes), TM_ERR_SHAPE (not 4-D; v's shape
+ * not k's; B or D differ; D, Hq or Hkv < 1; Hq % Hkv != 0; Tk < Tq), TM_ERR_INVALID_ARG (scale
+ * not finite). */
 tm_status tm_attention(tm_ctx *ctx, tm_tensor *q, tm_tensor *k, tm_tensor *v, double scale,
                        tm_tensor **out);
 
@@ -382,7 +458,8 @@ typedef struct tm_router_config {
 /* E = 8, k = 2, softmax, pre-softmax, no groups, scaling 1, no renormalisation. */
 tm_router_config tm_router_config_default(void);
 
-/* Float outputs have the logits' dtype (f32; f64 for gradient checks). */
+/* Float outputs have the logits' dtype (f32; bf16 logits give bf16 outputs, computed in f64
+ * and rounded; f64 for gradient checks). */
 typedef struct tm_router_out {
     tm_tensor *probs;             /* [T,E]: p at the routed (t,e), 0 elsewhere */
     tm_tensor *routing_map;       /* u8  [T,E]: 1 where routed */
@@ -403,40 +480,88 @@ typedef struct tm_router_out {
  *     masked to -inf, then a plain top-k. Softmax-pre selects on s (+ bias), softmax-post on
  *     logits (+ bias).
  *   p *= scaling_factor last. Ties: the lowest expert index wins (everywhere, groups too).
- * logits: f32 (or f64) [T,E]. expert_bias: float [E] or NULL, used for selection only (no
- * gradient), with either score function (softmax + bias shifts the selection only, too).
- * The arithmetic is f64 on the CPU. On error every field of *out is NULL.
+ * logits: float [T,E]. expert_bias: float [E] (any float dtype) or NULL, used for selection
+ * only (no gradient), with either score function (softmax + bias shifts the selection only,
+ * too). The arithmetic is f64 on the CPU. On error every field of *out is NULL (out given).
  * Gradients flow from probs and topk_weights (both may be used) into logits.
- * Errors (message names the field): TM_ERR_INVALID_ARG for k outside [1,E], E % num_groups,
- * group_topk outside [1, num_groups], k % group_topk, k / group_topk > E / num_groups,
- * scaling_factor <= 0; TM_ERR_SHAPE for logits not [T,E] or expert_bias not [E]. */
+ * Errors (message names the field and its value): TM_ERR_INVALID_ARG for out or cfg NULL,
+ * score_function not a tm_score_function, num_experts < 1, k outside [1,E], num_groups < 0,
+ * E % num_groups, group_topk outside [1, num_groups], k % group_topk,
+ * k / group_topk > E / num_groups, scaling_factor <= 0, NaN or infinite; TM_ERR_DTYPE for
+ * logits or expert_bias not float; TM_ERR_SHAPE for logits not [T,E] with E = num_experts >= 1, or
+ * expert_bias not [E]. CPU only for now (TM_ERR_UNSUPPORTED on CUDA). */
 tm_status tm_moe_router(tm_ctx *ctx, tm_tensor *logits, tm_tensor *expert_bias, const tm_router_config *cfg,
                         tm_router_out *out);
 
 /* Switch / GShard load-balancing loss (TE fused_moe_aux_loss, Megatron
  * switch_load_balancing_loss_func):
  *   aux = E * coeff / (k * T^2) * sum_e (sum_t scores[t,e]) * tokens_per_expert[e]
- * scores: f32 [T,E] (the router's aux scores: softmax over all E, or s / sum_E s for sigmoid,
- * see tm_moe_aux_scores); tokens_per_expert: i64 [E] (no gradient). T = rows of scores, or
- * total_tokens when > 0 (data parallelism: counts and T summed over ranks). Out: 0-d f32.
- * Gradient: d scores[t,e] = E * coeff / (k * T^2) * tokens_per_expert[e]. */
+ * scores: float [T,E] (the router's aux scores: softmax over all E, or s / sum_E s for
+ * sigmoid, see tm_moe_aux_scores); tokens_per_expert: i64 [E] (no gradient): the routed
+ * counts (tm_router_out) or Megatron's clean ones (tm_moe_aux_counts). T = rows of scores, or
+ * total_tokens when > 0 (data parallelism: counts and T summed over ranks). Out: 0-d, the
+ * scores' dtype (f64 for f64 scores, as in gradient checks); 0 when T = 0.
+ * Gradient: d scores[t,e] = E * coeff / (k * T^2) * tokens_per_expert[e].
+ * Errors: TM_ERR_DTYPE (scores not float, tokens_per_expert not i64), TM_ERR_SHAPE (scores
+ * not [T,E] with E >= 1, tokens_per_expert not [E]), TM_ERR_INVALID_ARG (topk outside [1, E],
+ * coeff not finite, 0 < total_tokens < T). CPU only for now. */
 tm_status tm_moe_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *tokens_per_expert, int topk, double coeff,
                           int64_t total_tokens, tm_tensor **out);
 /* Sequence-level variant (DeepSeek-V3 sec. 2.1.2, complementary sequence-wise balance loss):
  * the rows form num_seqs contiguous sequences of S = T / num_seqs tokens; per sequence the
- * formula above with that sequence's scores and counts (counts from routing_map [T,E] u8) and
- * S in place of T; the result is the mean over sequences. */
+ * formula above with that sequence's scores and counts (counts from routing_map [T,E] u8:
+ * routed or, from tm_moe_aux_counts, clean) and S in place of T; the result is the mean over
+ * sequences. Out: 0-d, the scores' dtype; 0 when T = 0.
+ * Errors: TM_ERR_DTYPE (scores not float, routing_map not u8), TM_ERR_SHAPE (scores not [T,E]
+ * with E >= 1, routing_map not of scores' shape), TM_ERR_INVALID_ARG (topk outside [1, E],
+ * coeff not finite, num_seqs < 1 or not dividing T). CPU only for now. */
 tm_status tm_moe_seq_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *routing_map, int topk, double coeff,
                               int64_t num_seqs, tm_tensor **out);
-/* Scores for the auxiliary losses, from router logits f32 [T,E]: softmax over all E, or for
- * sigmoid s / sum_E s with s = sigmoid(logits); no bias, no grouping. Differentiable. */
+/* Scores for the auxiliary losses (Megatron compute_routing_scores_for_aux_loss, TE
+ * fused_compute_score_for_moe_aux_loss), from router logits float [T,E]:
+ *   softmax: q = softmax(logits) over all E
+ *   sigmoid: q = s / (sum_E s + 1e-20), s = sigmoid(logits)
+ * No bias, no grouping, no scaling, whatever the router does. out: [T,E], the logits' dtype
+ * (f64 for f64 logits). Differentiable. These are the scores of tm_moe_aux_loss and
+ * tm_moe_seq_aux_loss; the counts that go with them are the routed ones (tm_router_out) or
+ * Megatron's clean ones, a plain top-k of these very scores: tm_moe_aux_counts.
+ * Errors: TM_ERR_INVALID_ARG (score_function not a tm_score_function), TM_ERR_DTYPE (logits
+ * not float), TM_ERR_SHAPE (logits not [T,E] with E >= 1). CPU only for now. */
 tm_status tm_moe_aux_scores(tm_ctx *ctx, tm_tensor *logits, tm_score_function score_function, tm_tensor **out);
-/* Router z-loss (ST-MoE eq. 5): z = coeff * mean_t (logsumexp_e logits[t,e])^2. 0-d f32. */
+/* Megatron's "clean" routing for the balance losses (TM_AUX_COUNTS_CLEAN): a plain top-k of
+ * the aux scores, without groups, expert bias, capacity or scaling, as Megatron-LM's
+ * TopKRouter builds it for the aux losses (moe_utils.py compute_routing_scores_for_aux_loss:
+ * torch.topk of the scores; router.py _apply_aux_loss: tokens_per_expert =
+ * routing_map.sum(0), then switch_load_balancing_loss_func):
+ *   routing_map[t,e]     = 1 if e is among the topk largest of logits[t,:], else 0
+ *   tokens_per_expert[e] = sum_t routing_map[t,e]                (so sum_e = T * topk)
+ * Ties: the lower expert index wins. softmax and s / sum_E s with s = sigmoid both keep the
+ * order of a row's logits, so this is the top-k of tm_moe_aux_scores for either score
+ * function; selecting on the logits themselves keeps rounding in the scores (softmax
+ * underflowing to 0, sigmoid saturating at 1) from creating ties the logits do not have.
+ * Computed by the router op (softmax-post selection, no groups, no bias; its other outputs
+ * are dropped). logits: float [T,E]. Outputs, on logits' device: routing_map u8 [T,E] (for
+ * tm_moe_seq_aux_loss), tokens_per_expert i64 [E] (for tm_moe_aux_loss). Not differentiable:
+ * never recorded on the tape, whatever the grad mode.
+ * Errors: TM_ERR_INVALID_ARG (logits, routing_map or tokens_per_expert NULL; logits of
+ * another context; topk outside [1, E]), TM_ERR_DTYPE (logits not float), TM_ERR_SHAPE
+ * (logits not [T,E] with E >= 1), TM_ERR_UNSUPPORTED (logits on CUDA: the router op is CPU
+ * only for now), TM_ERR_NOMEM. */
+tm_status tm_moe_aux_counts(tm_ctx *ctx, tm_tensor *logits, int topk, tm_tensor **routing_map,
+                            tm_tensor **tokens_per_expert);
+/* Router z-loss (ST-MoE eq. 5): z = coeff * mean_t (logsumexp_e logits[t,e])^2; 0 when T = 0.
+ * Out: 0-d, the logits' dtype (f64 for f64 logits).
+ * Errors: TM_ERR_DTYPE (logits not float), TM_ERR_SHAPE (logits not [T,E] with E >= 1),
+ * TM_ERR_INVALID_ARG (coeff not finite). CPU only for now. */
 tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_tensor **out);
 /* Aux-loss-free balancing (DeepSeek-V3 sec. 2.1.2; Megatron get_updated_expert_bias), once per
  * optimizer step with counts summed over micro-batches and ranks:
  *   expert_bias[e] += rate * sign(mean(counts) - counts[e])     (sign(0) = 0)
- * expert_bias: f32 [E] (a buffer), counts: i64 [E]. Not recorded on the tape. */
+ * expert_bias: f32 [E] (a buffer; views allowed), counts: i64 [E]. An in-place update, not an
+ * op: never recorded on the tape.
+ * Errors: TM_ERR_INVALID_ARG (a tensor NULL or of another context, rate not finite),
+ * TM_ERR_UNSUPPORTED (a tensor not on the CPU), TM_ERR_DTYPE (expert_bias not f32, counts not
+ * i64), TM_ERR_SHAPE (expert_bias not [E] with E >= 1, counts not [E]). */
 tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate);
 
 typedef enum tm_drop_policy {
@@ -445,14 +570,18 @@ typedef enum tm_drop_policy {
 } tm_drop_policy;
 
 /* capacity = ceil((T * k / E) * capacity_factor), in doubles as Megatron get_capacity;
- * -1 for invalid arguments (num_tokens < 0, topk < 1, num_experts < 1, factor <= 0). */
+ * -1 for invalid arguments (num_tokens < 0, topk < 1, num_experts < 1, factor <= 0, NaN or
+ * infinite) or a capacity beyond int64. */
 int64_t tm_moe_capacity(int64_t num_tokens, int topk, int num_experts, double capacity_factor);
 
 /* Token dropping (Megatron apply_router_token_dropping without pad_to_capacity): removes from
- * routing_map [T,E] u8 and probs f32 [T,E] every routed (t,e) beyond `capacity` per expert,
- * chosen by `policy`. Outputs probs_kept (differentiable: gradient passes where kept),
- * map_kept, and *dropped (may be NULL) = number of routed pairs removed. Unlike Megatron's
- * column top-k, only routed tokens compete for an expert's slots, with a fixed tie order. */
+ * routing_map [T,E] u8 and probs float [T,E] every routed (t,e) beyond `capacity` per expert,
+ * chosen by `policy`. Outputs probs_kept (probs' dtype; differentiable: gradient passes where
+ * kept), map_kept (u8), and *dropped (may be NULL) = number of routed pairs removed. Unlike
+ * Megatron's column top-k, only routed tokens compete for an expert's slots, with a fixed tie
+ * order. Errors: TM_ERR_INVALID_ARG (probs_kept or map_kept NULL, capacity < 0, policy not a
+ * tm_drop_policy), TM_ERR_DTYPE (probs not float, routing_map not u8), TM_ERR_SHAPE (probs not
+ * 2-D, routing_map not of probs' shape). CPU only for now. */
 tm_status tm_moe_drop_tokens(tm_ctx *ctx, tm_tensor *probs, tm_tensor *routing_map, int64_t capacity,
                              tm_drop_policy policy, tm_tensor **probs_kept, tm_tensor **map_kept, int64_t *dropped);
 
@@ -469,24 +598,37 @@ typedef struct tm_moe_dispatch {
  * expert's row count is rounded up to a multiple of align_size (>= 1) with zero rows, or, with
  * pad_to > 0, padded to exactly pad_to rows (pad_to_capacity; align_size is then ignored; an
  * expert with more than pad_to routed tokens is TM_ERR_INVALID_ARG: drop tokens first).
- * x: [T,H] float; routing_map: u8 [T,E]; probs: f32 [T,E]. Differentiable in x and probs:
+ * x: [T,H] float; routing_map: u8 [T,E]; probs: float [T,E] (its own dtype; rows are moved
+ * bit-exactly, bf16 included). Differentiable in x and probs:
  * dx[t] = sum of d permuted over t's rows; d probs[t,e] = d permuted_probs[row(t,e)].
- * R is known only after reading routing_map (a data-dependent output size). */
+ * R is known only after reading routing_map (a data-dependent output size).
+ * Errors: TM_ERR_INVALID_ARG (out NULL, align_size < 1, pad_to < 0, an expert with more than
+ * pad_to routed tokens, padding that would make R * H elements overflow), TM_ERR_DTYPE (x or
+ * probs not float, routing_map not u8), TM_ERR_SHAPE (x not 2-D, probs not 2-D, routing_map
+ * not of probs' shape or not one row per token of x). CPU only for now. */
 tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t align_size,
                          int64_t pad_to, tm_moe_dispatch *out);
 
 /* Combine / unpermute: y[t] = sum over rows r with row_token[r] = t of
- * expert_out[r] * permuted_probs[r] (f32 accumulation, cast once to expert_out's dtype);
- * padding rows (row_token -1) are skipped. expert_out [R,H], permuted_probs f32 [R] or NULL
- * (weights 1), row_token i64 (or i32) [R], out [num_tokens, H].
- * Backward: d expert_out[r] = dy[t] p[r]; d permuted_probs[r] = <expert_out[r], dy[t]>. */
+ * expert_out[r] * permuted_probs[r] (f32 accumulation, f64 for f64, cast once to expert_out's
+ * dtype); padding rows (row_token -1) are skipped. expert_out float [R,H], permuted_probs [R]
+ * or NULL (weights 1), of a dtype computed like expert_out's (f32 or bf16 with f32 or bf16,
+ * f64 with f64), row_token i64 (or i32) [R], out [num_tokens, H] of expert_out's dtype.
+ * Backward: d expert_out[r] = dy[t] p[r]; d permuted_probs[r] = <expert_out[r], dy[t]>.
+ * Errors: TM_ERR_DTYPE (expert_out not float, row_token not index, permuted_probs of another
+ * kind), TM_ERR_SHAPE (expert_out not 2-D, row_token or permuted_probs not [R]),
+ * TM_ERR_INVALID_ARG (num_tokens < 0), TM_ERR_INDEX (the first row_token outside
+ * [-1, num_tokens), with its row). CPU only for now. */
 tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor *permuted_probs, tm_tensor *row_token,
                            int64_t num_tokens, tm_tensor **out);
 
 /* Grouped (ragged) GEMM: rows of x [R,K] form consecutive groups of counts[g] rows
  * (counts: i64 [G], sum = R); out[rows of g] = x[rows of g] @ w[g], w [G,K,N], out [R,N].
  * One GEMM per non-empty group; empty groups cost nothing and leave dw[g] untouched (zero).
- * Backward: dx_g = dy_g @ w[g]^T; dw[g] = x_g^T @ dy_g. */
+ * Backward: dx_g = dy_g @ w[g]^T; dw[g] = x_g^T @ dy_g.
+ * Errors: TM_ERR_DTYPE (x or w not float, or of different dtypes; counts not i64),
+ * TM_ERR_SHAPE (x not 2-D, w not 3-D, counts not [G], K differs, counts running past R or not
+ * summing to R), TM_ERR_INVALID_ARG (a negative count). CPU only for now. */
 tm_status tm_grouped_matmul(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor *counts, tm_tensor **out);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -495,7 +637,8 @@ tm_status tm_grouped_matmul(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor *
 
 typedef enum tm_aux_counts {
     TM_AUX_COUNTS_ROUTED = 0, /* count the tokens actually routed (after groups, bias) — default */
-    TM_AUX_COUNTS_CLEAN = 1   /* count a plain top-k of the aux scores (Megatron's behaviour) */
+    TM_AUX_COUNTS_CLEAN = 1   /* count a plain top-k of the aux scores (Megatron's behaviour):
+                               * tm_moe_aux_counts */
 } tm_aux_counts;
 
 typedef enum tm_moe_strategy {
@@ -525,7 +668,7 @@ typedef struct tm_moe_config {
 tm_moe_config tm_moe_config_default(void);
 
 /* Check every field (the message names the field and its value). ctx may be NULL (no message).
- * Errors: TM_ERR_INVALID_ARG. */
+ * Errors: TM_ERR_INVALID_ARG (cfg NULL, a field out of range). */
 tm_status tm_moe_config_check(tm_ctx *ctx, const tm_moe_config *cfg);
 
 typedef struct tm_moe tm_moe;
@@ -533,22 +676,29 @@ typedef struct tm_moe tm_moe;
 /* Build a block's parameters (names prefixed by `prefix`, e.g. "layers.3.moe"):
  *   <p>.gate.weight [H,E]; <p>.experts.w0, .w1 [E,H,F]; <p>.experts.wo [E,F,H];
  *   <p>.shared.w0, .w1 [H,Fs]; <p>.shared.wo [Fs,H] (if shared_ffn_size);
- *   buffers <p>.expert_bias f32 [E] (if use_expert_bias) and <p>.tokens_per_expert_sum i64 [E].
+ *   buffers <p>.expert_bias [E] in the gate dtype (if use_expert_bias) and
+ *   <p>.tokens_per_expert_sum i64 [E].
  * Parameters are zero: initialise them (tm_moe_init or tm_tensor_init_normal).
- * dtype: f32, bf16 or f64 (CPU) for the weights; the gate math is always f32 (f64 for f64). */
+ * dtype: f32, bf16 or f64 (CPU) for the weights; the gate math is always f32 (f64 for f64):
+ * gate.weight, expert_bias, the logits and the losses are in that gate dtype.
+ * Errors: TM_ERR_INVALID_ARG (out or prefix NULL, a field as tm_moe_config_check, a prefix of
+ * 96 bytes or more, a name already in the context: one block per prefix), TM_ERR_DTYPE (dtype
+ * not float; f64 on CUDA), TM_ERR_DEVICE (dev not available), TM_ERR_NOMEM, TM_ERR_CUDA. A
+ * failure may leave the parameters made before it in the context. */
 tm_status tm_moe_new(tm_ctx *ctx, const char *prefix, const tm_moe_config *cfg, tm_dtype dtype, tm_device dev,
                      tm_moe **out);
 void tm_moe_free(tm_moe *moe); /* the parameters stay with the context; NULL: no-op */
 /* Normal(0, std) for every weight, keyed by (seed, parameter name); output projections
- * (experts.wo, shared.wo) use out_std. */
+ * (experts.wo, shared.wo) use out_std. Errors: TM_ERR_INVALID_ARG (std or out_std < 0 or NaN),
+ * TM_ERR_NOMEM, TM_ERR_CUDA. */
 tm_status tm_moe_init(tm_moe *moe, uint64_t seed, double std, double out_std);
 const tm_moe_config *tm_moe_get_config(const tm_moe *moe);
 /* A parameter or buffer of the block by suffix ("gate.weight", "experts.w0", "expert_bias", ...). */
 tm_tensor *tm_moe_tensor(const tm_moe *moe, const char *suffix);
 
 typedef struct tm_moe_stats {
-    /* Differentiable 0-d f32 losses, coefficients applied; NULL when the coefficient is 0.
-     * Add them to the training loss. */
+    /* Differentiable 0-d losses in the gate dtype (f32; f64 for an f64 block), coefficients
+     * applied; NULL when the coefficient is 0. Add them to the training loss. */
     tm_tensor *aux_loss, *seq_aux_loss, *z_loss;
     tm_tensor *tokens_per_expert; /* i64 [E]: routed (after drops, before alignment) */
     int64_t dropped_tokens;       /* routed (t,e) pairs removed by capacity */
@@ -560,10 +710,18 @@ typedef struct tm_moe_stats {
 /* y = MoE(x): x [..., H] -> y [..., H] (same dtype). num_seqs: sequences in x for the
  * sequence-level aux loss (rows are split evenly; 1 if unused). stats may be NULL.
  * With grad mode on, tokens_per_expert is also added to the block's running sum for
- * tm_moe_step (evaluation and sampling forwards do not move the expert bias). */
+ * tm_moe_step (evaluation and sampling forwards do not move the expert bias).
+ * Errors: TM_ERR_INVALID_ARG (x or y NULL, num_seqs < 1, a sequence-level aux loss with the
+ * T rows not divisible by num_seqs), TM_ERR_SHAPE (x 0-d or its last dim not H), TM_ERR_DTYPE
+ * (x not of the block's dtype), and those of the ops it runs (see Ops): TM_ERR_DEVICE (x not
+ * on the block's device), TM_ERR_UNSUPPORTED (on CUDA: the MoE ops are CPU only for now),
+ * TM_ERR_NOMEM, TM_ERR_CUDA. */
 tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats);
-/* Once per optimizer step: apply the expert-bias update (if use_expert_bias) from the counts
- * summed since the last call, then clear the sum. */
+/* Once per optimizer step: apply the expert-bias update (if use_expert_bias and the rate is
+ * > 0) from the counts summed since the last call, then clear the sum.
+ * Errors: those of tm_moe_expert_bias_update (TM_ERR_UNSUPPORTED for a CUDA block; and
+ * TM_ERR_DTYPE for an f64 block, whose expert_bias is f64 while the update takes f32 only: a
+ * known defect), TM_ERR_CUDA (clearing a CUDA sum). */
 tm_status tm_moe_step(tm_moe *moe);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -597,27 +755,35 @@ typedef struct tm_model_config {
 
 /* Defaults above with moe = 4 experts, top-2, ffn 256, softmax-pre, aux_loss_coeff 1e-2. */
 tm_model_config tm_model_config_default(void);
-/* Check every field; the message names the field (and for MoE fields, "moe." + the name). */
+/* Check every field; the message names the field (and for MoE fields, "moe." + the name).
+ * ctx may be NULL (no message). Errors: TM_ERR_INVALID_ARG (cfg NULL, a field out of range). */
 tm_status tm_model_config_check(tm_ctx *ctx, const tm_model_config *cfg);
 
 typedef struct tm_model tm_model;
 
+/* Build the parameters named above (zero until tm_model_init) on dev in dtype (f32, bf16, or
+ * f64 on the CPU; the MoE gates are f32, f64 for f64). One model per context: the names are
+ * fixed. Errors: TM_ERR_INVALID_ARG (out NULL, cfg as tm_model_config_check, a parameter name
+ * already in the context), TM_ERR_DTYPE (dtype not float; f64 on CUDA), TM_ERR_DEVICE (dev not
+ * available), TM_ERR_NOMEM, TM_ERR_CUDA. A failure may leave the parameters made before it in
+ * the context. */
 tm_status tm_model_new(tm_ctx *ctx, const tm_model_config *cfg, tm_dtype dtype, tm_device dev, tm_model **out);
 /* Free the model's host bookkeeping; call before tm_ctx_free (the parameters stay with the
  * context). NULL: no-op. */
 void tm_model_free(tm_model *model);
 /* Initialise every parameter from (seed, name) as described in tm_model_config (norm
- * weights 1). Identical on every backend and layout. */
+ * weights 1). Identical on every backend and layout. Errors: TM_ERR_NOMEM, TM_ERR_CUDA. */
 tm_status tm_model_init(tm_model *model, uint64_t seed);
 const tm_model_config *tm_model_get_config(const tm_model *model);
 /* Parameter counts: total, and active per token (routed experts counted topk / E). */
 int64_t tm_model_num_params(const tm_model *model, int64_t *active_per_token);
 
 typedef struct tm_model_out {
-    tm_tensor *logits;  /* [B,T,V] */
+    tm_tensor *logits;  /* [B,T,V], the model's dtype */
     tm_tensor *loss;    /* 0-d: ce + sum of the MoE layer losses (coefficients applied); NULL
-                         * without targets */
-    tm_tensor *ce_loss; /* 0-d mean cross-entropy over targets != ignore_index */
+                         * without targets. ce_loss's dtype */
+    tm_tensor *ce_loss; /* 0-d mean cross-entropy over targets != ignore_index; f32 for f32
+                         * and bf16 models (bf16 logits are cast first), f64 for f64 */
     double loss_value, ce_value, aux_value, seq_aux_value, z_value; /* host copies, summed over layers */
     int n_moe_layers;
     /* [n_moe_layers * E] routed tokens per expert of this forward, row-major by MoE layer;
@@ -628,9 +794,16 @@ typedef struct tm_model_out {
 } tm_model_out;
 
 /* Forward: tokens i32 [B,T] (values in [0, vocab_size), T <= max_seq_len); targets i32 [B,T]
- * or NULL (no loss); target -1 is ignored. Errors name the offending token and position. */
+ * or NULL (no loss); target -1 is ignored. Tokens and targets are checked on the host before
+ * anything runs. Errors: TM_ERR_INVALID_ARG (tokens or out NULL), TM_ERR_DTYPE / TM_ERR_SHAPE
+ * (tokens or targets not i32 [B,T] with B, T >= 1; targets' shape not tokens'; T >
+ * max_seq_len), TM_ERR_DEVICE (tokens or targets not on the model's device), TM_ERR_INDEX (a
+ * token outside [0, vocab_size), or a target outside it and not -1, naming its position and
+ * value), and those of the ops and blocks it runs: TM_ERR_UNSUPPORTED (an op without a kernel
+ * on the model's device, named), TM_ERR_NOMEM, TM_ERR_CUDA. */
 tm_status tm_model_forward(tm_model *model, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out);
-/* Once per optimizer step: tm_moe_step on every MoE layer (expert-bias updates). */
+/* Once per optimizer step: tm_moe_step on every MoE layer (expert-bias updates). Errors: those
+ * of tm_moe_step. */
 tm_status tm_model_step(tm_model *model);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -722,8 +895,10 @@ tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const tm_samp
  * RNG and data position). Written to "<path>.tmp.XXXXXX" in the same directory, fsync'ed,
  * renamed over path, then the directory is fsync'ed: a crash at any moment leaves either the
  * previous file or the new one, complete. On failure the temporary file is removed.
- * Errors: TM_ERR_INVALID_ARG (null path, meta NULL with meta_bytes > 0), TM_ERR_IO (the
- * message names the file and the system error), TM_ERR_NOMEM, TM_ERR_CUDA. */
+ * Errors: TM_ERR_INVALID_ARG (path NULL, empty or too long for its temporary name, meta NULL
+ * with meta_bytes > 0), TM_ERR_IO (the message names the file and the system error),
+ * TM_ERR_UNSUPPORTED (a big-endian host; a tensor over 4 GiB, zlib's limit for one deflate
+ * call), TM_ERR_NOMEM, TM_ERR_CUDA (reading a device tensor). */
 tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes);
 
 /* Load a checkpoint written by tm_ckpt_save into the tensors of ctx, which must hold exactly
@@ -731,11 +906,12 @@ tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t m
  * first (magic, version, endianness, every CRC, every tensor inflates, names/dtypes/shapes,
  * no tensor missing, meta fits meta_cap); only then are tensors written, so a failed load
  * leaves ctx untouched. The meta blob is copied to meta (meta NULL: not copied, whatever its
- * length) and its length to *meta_bytes (meta_bytes may be NULL). Errors name the file and what is wrong: TM_ERR_IO (unreadable,
- * not a checkpoint, truncated, CRC mismatch, corrupt), TM_ERR_INVALID_ARG (unsupported
- * version, unknown / duplicate / missing tensor, dtype or shape mismatch, meta larger than
- * meta_cap), TM_ERR_UNSUPPORTED (foreign endianness), TM_ERR_NOMEM, TM_ERR_CUDA (a device
- * copy failed; the only error after which ctx may be partly loaded). */
+ * length) and its length to *meta_bytes (meta_bytes may be NULL). Errors name the file and
+ * what is wrong: TM_ERR_IO (unreadable, not a regular file, not a checkpoint, truncated, CRC
+ * mismatch, corrupt), TM_ERR_INVALID_ARG (path NULL or empty, unsupported version, unknown /
+ * duplicate / missing tensor, dtype or shape mismatch, meta larger than meta_cap),
+ * TM_ERR_UNSUPPORTED (foreign endianness; a big-endian host), TM_ERR_NOMEM, TM_ERR_CUDA (a
+ * device copy failed; the only error after which ctx may be partly loaded). */
 tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_cap, size_t *meta_bytes);
 
 /* Flags of tm_ckpt_load_flags. TM_CKPT_SKIP_UNKNOWN: tensors of the file that the context does
@@ -743,7 +919,8 @@ tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_ca
  * to load a training checkpoint (with optimizer state) into a model built for inference.
  * Every tensor of the context must still be in the file. */
 enum { TM_CKPT_SKIP_UNKNOWN = 1u };
-/* tm_ckpt_load with flags (0: exactly tm_ckpt_load). Same errors. */
+/* tm_ckpt_load with flags (0: exactly tm_ckpt_load). Same errors, plus TM_ERR_INVALID_ARG for
+ * an unknown flag bit. */
 tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void *meta, size_t meta_cap,
                              size_t *meta_bytes);
 
@@ -769,7 +946,8 @@ typedef struct tm_ckpt_info {
 } tm_ckpt_info;
 
 /* Errors: as tm_ckpt_load for the file checks (TM_ERR_IO, TM_ERR_INVALID_ARG for an
- * unsupported version, TM_ERR_UNSUPPORTED), TM_ERR_NOMEM. On success free *out with
+ * unsupported version, TM_ERR_UNSUPPORTED), TM_ERR_INVALID_ARG (out NULL, path NULL or empty),
+ * TM_ERR_NOMEM. *out is NULL after a failure (out given). On success free *out with
  * tm_ckpt_info_free. The info is one block from malloc (not the context's allocator: it may
  * outlive ctx). */
 tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out);
@@ -801,14 +979,17 @@ tm_adamw_config tm_adamw_config_default(void);
 typedef struct tm_optimizer tm_optimizer;
 
 /* An AdamW optimizer over every parameter the context holds when it is called. cfg NULL:
- * tm_adamw_config_default(). Errors: TM_ERR_INVALID_ARG (lr < 0, betas outside [0, 1),
- * eps <= 0, weight_decay < 0, naming the field; a state name over 127 bytes), TM_ERR_STATE (no
- * parameters, or the state buffers exist already: one AdamW per context), TM_ERR_NOMEM. */
+ * tm_adamw_config_default(). Errors: TM_ERR_INVALID_ARG (out NULL; lr < 0, betas outside
+ * [0, 1), eps <= 0, weight_decay < 0, or any of them NaN, lr / eps / weight_decay infinite,
+ * naming the field; a state name over 127 bytes), TM_ERR_STATE (no parameters, or the state
+ * buffers exist already: one AdamW per context), TM_ERR_NOMEM, TM_ERR_CUDA (zeroing the state
+ * of CUDA parameters). */
 tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimizer **out);
 /* One update from the gradients currently accumulated. lr < 0: the configured lr (pass the
  * scheduled value otherwise). Does not zero the gradients (tm_ctx_zero_grad).
- * Errors: TM_ERR_INVALID_ARG (lr NaN or infinite), TM_ERR_UNSUPPORTED (a CUDA parameter: the
- * CUDA update kernel comes with the full CUDA backend; nothing is changed). */
+ * Errors: TM_ERR_INVALID_ARG (lr NaN or +inf; -inf is < 0, the configured lr),
+ * TM_ERR_UNSUPPORTED (a CUDA parameter: the CUDA update kernel comes with the full CUDA
+ * backend; nothing is changed). */
 tm_status tm_optimizer_step(tm_optimizer *opt, double lr);
 /* Number of steps taken. */
 int64_t tm_optimizer_steps(const tm_optimizer *opt);
@@ -829,7 +1010,9 @@ typedef struct tm_sgd_config {
 } tm_sgd_config;
 
 tm_sgd_config tm_sgd_config_default(void);
-/* Same contract as tm_adamw_new; use tm_optimizer_step / _steps / _free with it. */
+/* Same contract as tm_adamw_new; use tm_optimizer_step / _steps / _free with it. Its
+ * TM_ERR_INVALID_ARG fields: lr < 0 or not finite, momentum outside [0, 1) or NaN, nesterov
+ * not 0 or 1, nesterov with momentum 0, weight_decay < 0 or not finite. */
 tm_status tm_sgd_new(tm_ctx *ctx, const tm_sgd_config *cfg, tm_optimizer **out);
 
 /* Learning-rate schedules. step counts optimizer steps from 0. With W = warmup_steps,
@@ -851,16 +1034,19 @@ typedef struct tm_lr_schedule {
     double decay_fraction; /* wsd only, in (0, 1]; default 0.2 */
 } tm_lr_schedule;
 
-/* Learning rate at `step`; NaN when the schedule is invalid (see tm_lr_schedule_check). */
+/* Learning rate at `step`; NaN when step < 0 or the schedule is invalid (see
+ * tm_lr_schedule_check). */
 double tm_lr_at(const tm_lr_schedule *s, int64_t step);
-/* Errors (message names the field): lr < 0, min_lr outside [0, lr], warmup_steps < 0,
- * total_steps < warmup_steps for decaying kinds, decay_fraction outside (0, 1], bad kind. */
+/* ctx may be NULL (no message). Errors: TM_ERR_INVALID_ARG (message names the field): s NULL,
+ * bad kind, lr < 0 or not finite, warmup_steps < 0; for decaying kinds min_lr outside [0, lr],
+ * total_steps < warmup_steps; for wsd decay_fraction outside (0, 1]. */
 tm_status tm_lr_schedule_check(tm_ctx *ctx, const tm_lr_schedule *s);
 
 /* Global L2 norm of all parameter gradients (accumulated in f64): sqrt(sum_p sum_i g_i^2).
  * With max_norm > 0, gradients are then scaled by max_norm / (norm + 1e-6) when norm >
  * max_norm (torch.nn.utils.clip_grad_norm_). *norm_out (may be NULL) gets the norm before
- * clipping. Errors: TM_ERR_INVALID_ARG (max_norm NaN), TM_ERR_UNSUPPORTED (CUDA gradients). */
+ * clipping. Errors: TM_ERR_INVALID_ARG (max_norm NaN), TM_ERR_UNSUPPORTED (CUDA gradients;
+ * nothing is changed). */
 tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out);
 
 #ifdef __cplusplus

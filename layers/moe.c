@@ -261,22 +261,8 @@ tm_status tm_moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **
         tm_tensor *scores, *counts = ro.tokens_per_expert, *map = ro.routing_map;
         TM__TRY(tm_moe_aux_scores(ctx, logits, cfg->router.score_function, &scores));
         if (cfg->aux_counts == TM_AUX_COUNTS_CLEAN) {
-            /* Megatron: counts of a plain top-k of the aux scores (no groups, no bias). The
-             * top-k of softmax(l) or of s / sum(s) is the top-k of l itself. */
-            tm_router_config clean = cfg->router;
-            clean.num_groups = 0;
-            clean.group_topk = 0;
-            clean.score_function = TM_SCORE_SOFTMAX;
-            clean.use_pre_softmax = 1;
-            clean.norm_topk_prob = 0;
-            clean.scaling_factor = 1.0;
-            tm_router_out co;
-            int prev = tm_ctx_set_grad_enabled(ctx, 0);
-            tm_status s = tm_moe_router(ctx, logits, NULL, &clean, &co);
-            tm_ctx_set_grad_enabled(ctx, prev);
-            TM__TRY(s);
-            counts = co.tokens_per_expert;
-            map = co.routing_map;
+            /* Megatron: counts of a plain top-k of the aux scores (no groups, no bias). */
+            TM__TRY(tm_moe_aux_counts(ctx, logits, cfg->router.topk, &map, &counts));
         }
         if (cfg->aux_loss_coeff > 0)
             TM__TRY(tm_moe_aux_loss(ctx, scores, counts, cfg->router.topk, cfg->aux_loss_coeff, 0, &st.aux_loss));

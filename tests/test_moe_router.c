@@ -3,8 +3,11 @@
  * written out below (double precision, explicit loops, its own sort) over every combination of
  * score function, norm_topk_prob, groups, bias, scaling, k and E; ties; the sigmoid bias rule;
  * gradients by finite differences through probs AND topk_weights in every mode; bad configs.
+ * tm_moe_aux_counts (Megatron's clean top-k) against a rank-counting reference, with ties, the
+ * ties that rounding puts into the scores, and its relation to tm_moe_aux_scores.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -654,5 +657,216 @@ Test(moe_router, bad_config) {
                "expert_bias", "[7]");
     assert_err(ctx, tm_moe_router(ctx, l, NULL, NULL, &o), TM_ERR_INVALID_ARG, "moe_router", "cfg", NULL);
     assert_err(ctx, tm_moe_router(ctx, l, NULL, &d, NULL), TM_ERR_INVALID_ARG, "moe_router", "out", NULL);
+    tm_ctx_free(ctx);
+}
+
+/* ---- aux counts: Megatron's clean top-k --------------------------------------------------------- */
+
+/* The reference of tm_moe_aux_counts, by rank counting rather than sorting or selecting (it
+ * shares nothing with the library's top-k or with ref_sort): expert e of row t is routed iff
+ * fewer than k experts beat it, where f beats e when its logit is larger, or equal with a lower
+ * index (the documented tie rule). */
+static void ref_clean(const double *l, int T, int E, int k, unsigned char *map, int64_t *counts) {
+    for (int e = 0; e < E; e++) counts[e] = 0;
+    for (int t = 0; t < T; t++) {
+        const double *r = l + (size_t)t * E;
+        for (int e = 0; e < E; e++) {
+            int beaten = 0;
+            for (int f = 0; f < E; f++) beaten += r[f] > r[e] || (r[f] == r[e] && f < e);
+            map[(size_t)t * E + e] = beaten < k;
+            counts[e] += beaten < k;
+        }
+    }
+}
+
+/* tm_moe_aux_counts on lt against ref_clean of the values lt holds (rounded to its dtype). */
+static void check_clean(tm_ctx *ctx, tm_tensor *lt, int k, const char *what) {
+    const int T = (int)tm_tensor_dim(lt, 0), E = (int)tm_tensor_dim(lt, 1);
+    double *l = tt_read(ctx, lt);
+    unsigned char *want_map = malloc((size_t)T * E + 1), *map = malloc((size_t)T * E + 1);
+    int64_t *want = malloc(sizeof(int64_t) * E), *cnt = malloc(sizeof(int64_t) * E);
+    ref_clean(l, T, E, k, want_map, want);
+    tm_tensor *rm, *tpe;
+    TT_OK(ctx, tm_moe_aux_counts(ctx, lt, k, &rm, &tpe));
+    cr_assert_eq(tm_tensor_dtype(rm), TM_U8, "%s", what);
+    cr_assert_eq(tm_tensor_dtype(tpe), TM_I64, "%s", what);
+    cr_assert(tm_tensor_ndim(rm) == 2 && tm_tensor_dim(rm, 0) == T && tm_tensor_dim(rm, 1) == E, "%s", what);
+    cr_assert(tm_tensor_ndim(tpe) == 1 && tm_tensor_dim(tpe, 0) == E, "%s", what);
+    TT_OK(ctx, tm_tensor_read(ctx, rm, TM_U8, map, (int64_t)T * E));
+    TT_OK(ctx, tm_tensor_read(ctx, tpe, TM_I64, cnt, E));
+    int64_t sum = 0;
+    for (int i = 0; i < T * E; i++)
+        cr_assert_eq(map[i], want_map[i], "%s: routing_map[%d, %d] = %d, want %d (k %d)", what, i / E, i % E, map[i],
+                     want_map[i], k);
+    for (int e = 0; e < E; e++) {
+        cr_assert_eq(cnt[e], want[e], "%s: tokens_per_expert[%d] = %lld, want %lld (k %d)", what, e,
+                     (long long)cnt[e], (long long)want[e], k);
+        sum += cnt[e];
+    }
+    cr_assert_eq(sum, (int64_t)T * k, "%s: counts sum to T * k", what);
+    free(l), free(want_map), free(map), free(want), free(cnt);
+}
+
+Test(moe_aux_counts, matches_an_independent_topk) {
+    static const int Es[4] = {1, 4, 8, 32}, ks[4] = {1, 2, 4, 32};
+    static const tm_dtype dts[3] = {TM_F64, TM_F32, TM_BF16};
+    const int T = 37;
+    tm_ctx *ctx = tt_ctx();
+    int ran = 0;
+    for (int ei = 0; ei < 4; ei++) {
+        const int E = Es[ei];
+        double *l = rand_logits(ctx, T, E, 40 + ei), *coarse = malloc(sizeof(double) * T * E);
+        /* Logits on a grid of 0.5: many ties, inside a row and across the k boundary. */
+        for (int i = 0; i < T * E; i++) coarse[i] = round(2.0 * l[i]) / 2.0;
+        int64_t ls[2] = {T, E};
+        for (int di = 0; di < 3; di++)
+            for (int ki = 0; ki < 4; ki++) {
+                if (ks[ki] > E) continue;
+                char what[96];
+                snprintf(what, sizeof what, "%s logits E %d", tm_dtype_name(dts[di]), E);
+                check_clean(ctx, tt_from(ctx, dts[di], 2, ls, l), ks[ki], what);
+                snprintf(what, sizeof what, "%s tied logits E %d", tm_dtype_name(dts[di]), E);
+                check_clean(ctx, tt_from(ctx, dts[di], 2, ls, coarse), ks[ki], what);
+                ran++;
+                tm_ctx_arena_reset(ctx);
+            }
+        free(l), free(coarse);
+    }
+    cr_assert_eq(ran, 3 * (1 + 3 + 3 + 4), "ran %d", ran); /* (E, k) pairs with k <= E, per dtype */
+    tm_ctx_free(ctx);
+}
+
+/* Routed experts of row t, in index order. */
+static int routed_of(tm_ctx *ctx, tm_tensor *map, int t, int E, int *out) {
+    int64_t n_all = tm_tensor_numel(map);
+    unsigned char *m = malloc((size_t)n_all);
+    TT_OK(ctx, tm_tensor_read(ctx, map, TM_U8, m, n_all));
+    int n = 0;
+    for (int e = 0; e < E; e++)
+        if (m[(size_t)t * E + e]) out[n++] = e;
+    free(m);
+    return n;
+}
+
+Test(moe_aux_counts, ties_go_to_the_lowest_index_and_rounding_makes_none) {
+    tm_ctx *ctx = tt_ctx();
+    /* Row 0: all equal -> the first k. Row 1: a tie at the top and one across the boundary:
+     * [1, 3, 0, 3, 2, 2], k = 3 -> 1, 3, 4. */
+    double l[12] = {0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 1, 3, 0, 3, 2, 2};
+    int64_t ls[2] = {2, 6};
+    tm_tensor *rm, *tpe;
+    TT_OK(ctx, tm_moe_aux_counts(ctx, tt_from(ctx, TM_F64, 2, ls, l), 3, &rm, &tpe));
+    int got[6], n = routed_of(ctx, rm, 0, 6, got);
+    cr_assert(n == 3 && got[0] == 0 && got[1] == 1 && got[2] == 2, "row 0: %d routed", n);
+    n = routed_of(ctx, rm, 1, 6, got);
+    cr_assert(n == 3 && got[0] == 1 && got[1] == 3 && got[2] == 4, "row 1: %d routed", n);
+    int64_t cnt[6];
+    TT_OK(ctx, tm_tensor_read(ctx, tpe, TM_I64, cnt, 6));
+    const int64_t want[6] = {1, 2, 1, 1, 1, 0};
+    for (int e = 0; e < 6; e++) cr_assert_eq(cnt[e], want[e], "tokens_per_expert[%d] = %lld", e, (long long)cnt[e]);
+
+    /* Scores that round to equal values where the logits differ. Row 0: softmax underflows,
+     * exp(-2000) and exp(-1000) are both 0, so softmax ties experts 0 and 2; the logits put 2
+     * first. Row 1: sigmoid saturates, sigmoid(40) = sigmoid(45) = sigmoid(50) = 1 in f64, so
+     * s / sum(s) ties experts 0, 1 and 2; the logits put 1 and 2 first. */
+    double r[8] = {-2000, 0, -1000, -3000, 40, 50, 45, 0};
+    int64_t rs[2] = {2, 4};
+    tm_tensor *rl = tt_from(ctx, TM_F64, 2, rs, r), *soft, *sig;
+    TT_OK(ctx, tm_moe_aux_scores(ctx, rl, TM_SCORE_SOFTMAX, &soft));
+    TT_OK(ctx, tm_moe_aux_scores(ctx, rl, TM_SCORE_SIGMOID, &sig));
+    double *ps = tt_read(ctx, soft), *pg = tt_read(ctx, sig);
+    cr_assert(ps[0] == ps[2], "softmax scores %g %g do not tie: the case tests nothing", ps[0], ps[2]);
+    cr_assert(pg[4] == pg[5] && pg[5] == pg[6], "sigmoid scores %g %g %g do not tie", pg[4], pg[5], pg[6]);
+    free(ps), free(pg);
+    TT_OK(ctx, tm_moe_aux_counts(ctx, rl, 2, &rm, &tpe));
+    n = routed_of(ctx, rm, 0, 4, got);
+    cr_assert(n == 2 && got[0] == 1 && got[1] == 2, "underflow row: got %d, %d", got[0], got[1]);
+    n = routed_of(ctx, rm, 1, 4, got);
+    cr_assert(n == 2 && got[0] == 1 && got[1] == 2, "saturated row: got %d, %d", got[0], got[1]);
+    tm_ctx_free(ctx);
+}
+
+/* Away from rounding ties the clean map is the top-k of tm_moe_aux_scores, for either score
+ * function: softmax and s / sum(s) keep the order of a row's logits. */
+Test(moe_aux_counts, equals_the_topk_of_the_aux_scores) {
+    tm_ctx *ctx = tt_ctx();
+    const int T = 29, E = 16, k = 4;
+    double *l = rand_logits(ctx, T, E, 77);
+    int64_t ls[2] = {T, E};
+    tm_tensor *lt = tt_from(ctx, TM_F64, 2, ls, l), *rm, *tpe;
+    TT_OK(ctx, tm_moe_aux_counts(ctx, lt, k, &rm, &tpe));
+    unsigned char *map = malloc((size_t)T * E), *want = malloc((size_t)T * E);
+    int64_t cnt[16];
+    TT_OK(ctx, tm_tensor_read(ctx, rm, TM_U8, map, (int64_t)T * E));
+    for (int f = 0; f < 2; f++) {
+        tm_tensor *scores;
+        TT_OK(ctx, tm_moe_aux_scores(ctx, lt, f ? TM_SCORE_SIGMOID : TM_SCORE_SOFTMAX, &scores));
+        double *s = tt_read(ctx, scores);
+        ref_clean(s, T, E, k, want, cnt);
+        for (int i = 0; i < T * E; i++) cr_assert_eq(map[i], want[i], "score function %d, [%d, %d]", f, i / E, i % E);
+        free(s);
+    }
+    free(l), free(map), free(want);
+    tm_ctx_free(ctx);
+}
+
+Test(moe_aux_counts, never_on_the_tape_and_empty_batch) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t ls[2] = {5, 6};
+    tm_tensor *lt = tt_randn(ctx, TM_F64, 2, ls, 3), *rm, *tpe;
+    TT_OK(ctx, tm_tensor_set_requires_grad(ctx, lt, 1));
+    for (int mode = 1; mode >= 0; mode--) {
+        tm_ctx_set_grad_enabled(ctx, mode);
+        TT_OK(ctx, tm_moe_aux_counts(ctx, lt, 2, &rm, &tpe));
+        cr_assert_eq(tm_ctx_set_grad_enabled(ctx, 1), mode, "grad mode %d not restored", mode);
+        cr_assert(!tm_tensor_requires_grad(rm) && !tm_tensor_requires_grad(tpe));
+    }
+    /* The gradient of a loss through the aux scores is that of constant counts: the clean
+     * selection adds nothing to the graph. */
+    tm_tensor *scores, *aux;
+    TT_OK(ctx, tm_moe_aux_scores(ctx, lt, TM_SCORE_SOFTMAX, &scores));
+    TT_OK(ctx, tm_moe_aux_counts(ctx, lt, 2, &rm, &tpe));
+    TT_OK(ctx, tm_moe_aux_loss(ctx, scores, tpe, 2, 1.0, 0, &aux));
+    TT_OK(ctx, tm_backward(ctx, aux));
+    cr_assert_not_null(tm_tensor_grad(lt));
+    /* T = 0: every count is 0. */
+    int64_t es[2] = {0, 4};
+    tm_tensor *empty;
+    TT_OK(ctx, tm_tensor_zeros(ctx, TM_F32, 2, es, tm_cpu(), &empty));
+    TT_OK(ctx, tm_moe_aux_counts(ctx, empty, 3, &rm, &tpe));
+    int64_t cnt[4];
+    TT_OK(ctx, tm_tensor_read(ctx, tpe, TM_I64, cnt, 4));
+    for (int e = 0; e < 4; e++) cr_assert_eq(cnt[e], 0);
+    cr_assert_eq(tm_tensor_dim(rm, 0), 0);
+    tm_ctx_free(ctx);
+}
+
+Test(moe_aux_counts, bad_inputs) {
+    tm_ctx *ctx = tt_ctx(), *other = tt_ctx();
+    int64_t ls[2] = {5, 8}, s3[3] = {1, 5, 8}, s0[2] = {5, 0};
+    tm_tensor *l = tt_randn(ctx, TM_F32, 2, ls, 1);
+    static char sentinel[2]; /* outputs must stay unwritten on failure */
+    tm_tensor *const rm0 = (tm_tensor *)&sentinel[0], *const tpe0 = (tm_tensor *)&sentinel[1];
+    tm_tensor *rm = rm0, *tpe = tpe0;
+    assert_err(ctx, tm_moe_aux_counts(ctx, l, 0, &rm, &tpe), TM_ERR_INVALID_ARG, "moe_aux_counts", "topk = 0", "[5,8]");
+    assert_err(ctx, tm_moe_aux_counts(ctx, l, 9, &rm, &tpe), TM_ERR_INVALID_ARG, "moe_aux_counts", "topk = 9",
+               "E = 8");
+    assert_err(ctx, tm_moe_aux_counts(ctx, tt_randn(ctx, TM_F32, 3, s3, 1), 2, &rm, &tpe), TM_ERR_SHAPE,
+               "moe_aux_counts", "logits", "[1,5,8]");
+    tm_tensor *z;
+    TT_OK(ctx, tm_tensor_zeros(ctx, TM_F32, 2, s0, tm_cpu(), &z));
+    assert_err(ctx, tm_moe_aux_counts(ctx, z, 1, &rm, &tpe), TM_ERR_SHAPE, "moe_aux_counts", "logits", "[5,0]");
+    assert_err(ctx, tm_moe_aux_counts(ctx, tt_randint(ctx, TM_I32, 2, ls, 1, 4), 2, &rm, &tpe), TM_ERR_DTYPE,
+               "moe_aux_counts", "logits", "i32");
+    assert_err(ctx, tm_moe_aux_counts(ctx, NULL, 2, &rm, &tpe), TM_ERR_INVALID_ARG, "moe_aux_counts", "logits", NULL);
+    assert_err(ctx, tm_moe_aux_counts(ctx, l, 2, NULL, &tpe), TM_ERR_INVALID_ARG, "moe_aux_counts", "routing_map",
+               NULL);
+    assert_err(ctx, tm_moe_aux_counts(ctx, l, 2, &rm, NULL), TM_ERR_INVALID_ARG, "moe_aux_counts",
+               "tokens_per_expert", NULL);
+    assert_err(ctx, tm_moe_aux_counts(ctx, tt_randn(other, TM_F32, 2, ls, 1), 2, &rm, &tpe), TM_ERR_INVALID_ARG,
+               "moe_aux_counts", "another context", NULL);
+    cr_assert(rm == rm0 && tpe == tpe0, "an output was written on failure");
+    cr_assert_eq(tm_moe_aux_counts(NULL, l, 2, &rm, &tpe), TM_ERR_INVALID_ARG);
+    tm_ctx_free(other);
     tm_ctx_free(ctx);
 }

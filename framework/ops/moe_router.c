@@ -1,6 +1,7 @@
 /*
  * moe_router.c — tm_moe_router (fused top-k router) and tm_moe_aux_scores: public entry points,
- * configuration checks and output allocation.
+ * configuration checks and output allocation; tm_moe_aux_counts, Megatron's clean top-k for the
+ * balance losses, built on the router op.
  * Kernels: kernels/cpu/moe_router.c (the attribute packing and the math are documented there).
  */
 #include <math.h>
@@ -145,4 +146,51 @@ tm_status tm_moe_aux_scores(tm_ctx *ctx, tm_tensor *logits, tm_score_function sc
     c.in[0] = logits;
     c.iattr[0] = (int64_t)score_function;
     return tm__op_run1(&c, out);
+}
+
+/* Megatron's clean counts (include/tinymoe.h): a plain top-k of the logits, which is the top-k
+ * of the aux scores of either score function since both keep a row's order. The router op
+ * with softmax-post selection (v = logits), no groups and no bias computes exactly that with
+ * the router's tie rule; selecting on softmax(l) instead would let two logits whose
+ * probabilities round to the same double (underflow to 0) tie where the logits do not.
+ * The arguments are checked here first so that the messages name this function and its
+ * arguments, not a router config the caller never wrote. Grad mode is off around the op: the
+ * result is a selection, and its float outputs (dropped) must not reach the tape. */
+tm_status tm_moe_aux_counts(tm_ctx *ctx, tm_tensor *logits, int topk, tm_tensor **routing_map,
+                            tm_tensor **tokens_per_expert) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!logits || !routing_map || !tokens_per_expert)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_aux_counts: %s is NULL",
+                       !logits ? "logits" : !routing_map ? "routing_map" : "tokens_per_expert");
+    if (logits->ctx != ctx)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_aux_counts: logits %s belongs to another context",
+                       tm__tdesc(ctx, logits));
+    if (!tm__is_float(logits->dtype))
+        return tm__err(ctx, TM_ERR_DTYPE, "moe_aux_counts: logits must be f32, bf16 or f64, got %s",
+                       tm__tdesc(ctx, logits));
+    if (logits->ndim != 2 || logits->shape[1] < 1)
+        return tm__err(ctx, TM_ERR_SHAPE, "moe_aux_counts: logits must be [T, E] with E >= 1, got %s",
+                       tm__tdesc(ctx, logits));
+    const int64_t E = logits->shape[1];
+    if (topk < 1 || topk > E)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_aux_counts: topk = %d must be in [1, E = %lld] (logits %s)", topk,
+                       (long long)E, tm__tdesc(ctx, logits));
+    tm__call c = tm__call_init(ctx, TM__OP_MOE_ROUTER);
+    c.n_in = 1;
+    c.in[0] = logits;
+    c.iattr[0] = E;
+    c.iattr[1] = topk;
+    c.iattr[2] = TM_SCORE_SOFTMAX;
+    c.iattr[3] = 0; /* softmax-post: select on the logits themselves */
+    c.iattr[4] = 0; /* no groups */
+    c.iattr[5] = 0;
+    c.iattr[6] = 0;
+    c.fattr[0] = 1.0;
+    const int prev = tm_ctx_set_grad_enabled(ctx, 0);
+    const tm_status s = tm__op_run(&c);
+    tm_ctx_set_grad_enabled(ctx, prev);
+    TM__TRY(s);
+    *routing_map = c.out[1];
+    *tokens_per_expert = c.out[4];
+    return TM_OK;
 }
