@@ -90,8 +90,6 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->chunk_bytes = o.arena_chunk_bytes ? o.arena_chunk_bytes : ((size_t)64 << 20);
     ctx->arena[TM__CPU].dev = tm_cpu();
     ctx->meta.dev = tm_cpu();
-    ctx->params[TM__CPU].st.device = tm_cpu();
-    ctx->grads[TM__CPU].st.device = tm_cpu();
     ctx->cuda_device = -1;
     ctx->perturb_op = -1;
     ctx->be[TM__CPU] = tm__backend_get(TM__CPU);
@@ -122,8 +120,6 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
         ctx->cuda_device = o.cuda_device;
         tm_device d = tm_cuda(o.cuda_device);
         ctx->arena[TM__CUDA].dev = d;
-        ctx->params[TM__CUDA].st.device = d;
-        ctx->grads[TM__CUDA].st.device = d;
     }
     *out = ctx;
     return TM_OK;
@@ -133,10 +129,9 @@ void tm_ctx_free(tm_ctx *ctx) {
     if (!ctx) return;
     for (int b = 0; b < TM__NBACKENDS; b++) {
         tm__arena_release(ctx, &ctx->arena[b]);
-        if (ctx->params[b].st.data) tm__dev_free(ctx, ctx->params[b].st.device, ctx->params[b].st.data);
-        if (ctx->grads[b].st.data) tm__dev_free(ctx, ctx->grads[b].st.device, ctx->grads[b].st.data);
     }
     tm__arena_release(ctx, &ctx->meta);
+    tm__buckets_free(ctx);
     for (int i = 0; i < ctx->n_owned; i++) {
         tm__storage *st = ctx->owned[i];
         if (st->data) tm__dev_free(ctx, st->device, st->data);
@@ -145,6 +140,10 @@ void tm_ctx_free(tm_ctx *ctx) {
     for (int i = 0; i < ctx->n_named; i++) {
         tm_tensor *t = ctx->named[i];
         if (t->grad) tm__host_free(ctx, t->grad);
+        if (t->pm) {
+            if (t->pm->master) tm__host_free(ctx, t->pm->master);
+            tm__host_free(ctx, t->pm);
+        }
         tm__host_free(ctx, (void *)t->name);
         tm__host_free(ctx, t);
     }

@@ -22,11 +22,23 @@ typedef struct tm__arena {
     size_t used, peak; /* bytes handed out since reset; high-water mark */
 } tm__arena;
 
-/* A growable contiguous buffer (all parameters of a device, or all their gradients). */
+/* A growable contiguous buffer (the parameters of a bucket, or their gradients). */
 typedef struct tm__pool {
     tm__storage st; /* st.nbytes is the capacity */
     size_t used;
 } tm__pool;
+
+/* A bucket: the parameters of one (device, dtype, group) in one contiguous buffer, their
+ * gradients in another with the same layout, and, once an optimizer asked for it, an f32
+ * master copy of bf16 parameters (framework/param.c). Parameters sit in creation order, each
+ * aligned to TM__ALIGN bytes; padding is zero in all three. Storages grow (and move) as
+ * parameters are added, which is why tensors keep (storage, offset). */
+typedef struct tm__bucket {
+    tm_bucket_info info;
+    tm__pool params, grads, master;
+    int has_master;
+    tm_tensor flat[3]; /* 1-D views of the used range: params, grads, master (TM_BUCKET_*) */
+} tm__bucket;
 
 typedef struct tm__node {
     tm__call call;
@@ -48,7 +60,8 @@ struct tm_ctx {
     tm__arena arena[TM__NBACKENDS]; /* per-step tensor data, per backend */
     tm__arena meta;                 /* per-step host bookkeeping: headers, tape nodes */
 
-    tm__pool params[TM__NBACKENDS], grads[TM__NBACKENDS];
+    tm__bucket **buckets; /* parameter storage, in order of first use */
+    int n_buckets, cap_buckets;
     tm_tensor **named; /* params and buffers, creation order */
     int n_named, cap_named;
     int n_params;
@@ -71,6 +84,11 @@ void tm__arena_release(tm_ctx *ctx, tm__arena *a);
 void *tm__dev_alloc(tm_ctx *ctx, tm_device dev, size_t nbytes);
 void tm__dev_free(tm_ctx *ctx, tm_device dev, void *p);
 tm_status tm__dev_memset0(tm_ctx *ctx, tm_device dev, void *p, size_t nbytes);
+/* Place a new parameter t (header filled, storage not yet) in the bucket of its (device,
+ * dtype, group); allocates its gradient header (framework/param.c). */
+tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_param_options *opts);
+/* Free every bucket's memory (tm_ctx_free). */
+void tm__buckets_free(tm_ctx *ctx);
 /* Run the forward (backward=0) or backward kernel of a call on its backend (dispatch.c). */
 tm_status tm__run_kernel(tm__call *c, int backward);
 

@@ -165,3 +165,11 @@ tm_status tm__op_run1(tm__call *c, tm_tensor **out) {
     *out = c->out[0];
     return TM_OK;
 }
+
+int tm__op_available(const tm_ctx *ctx, const char *name, tm_device dev) {
+    const tm__backend_ops *be = ctx ? ctx->be[tm__backend(dev)] : NULL;
+    if (!be || !name) return 0;
+    for (int i = 0; i < TM__NOPS; i++)
+        if (strcmp(tm__op_table[i].name, name) == 0) return be->fwd[i] != NULL;
+    return 0;
+}

@@ -25,6 +25,7 @@
 #define TM_INTERNAL_H
 
 #include "tinymoe.h"
+#include "extend.h"
 
 #include <stdarg.h>
 #include <stdint.h>
@@ -65,7 +66,17 @@ struct tm_tensor {
     unsigned is_param : 1;
     unsigned persistent : 1;     /* param or buffer: not in the arena */
     const char *name;            /* "" for temporaries */
+    /* parameters only (framework/param.c) */
+    struct tm__param_meta *pm;   /* group, bucket, logical shape, shard; NULL for non-parameters */
 };
+
+/* What a parameter records beside its data (tm_param_new_ex). */
+typedef struct tm__param_meta {
+    tm_param_options opts;       /* group, expert range, logical shape, shard axis and offset */
+    int bucket;                  /* index in ctx->buckets */
+    int64_t bucket_offset;       /* element offset of the parameter in its bucket */
+    tm_tensor *master;           /* f32 master copy (bf16 parameters once an optimizer made it) */
+} tm__param_meta;
 
 /* One op invocation; the tape stores copies of these. */
 typedef struct tm__call {
@@ -139,11 +150,6 @@ const char *tm__tdesc(tm_ctx *ctx, const tm_tensor *t);
 /* Shape only: "[2,3]". Same buffer rules. */
 const char *tm__sdesc(tm_ctx *ctx, int ndim, const int64_t *shape);
 
-#define TM__TRY(expr)                 \
-    do {                              \
-        tm_status tm__s_ = (expr);    \
-        if (tm__s_ != TM_OK) return tm__s_; \
-    } while (0)
 
 /* ---- memory ------------------------------------------------------------------------------ */
 

@@ -153,29 +153,13 @@ tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t 
     return TM_OK;
 }
 
-static tm_status pool_reserve(tm_ctx *ctx, tm__pool *p, size_t need) {
-    if (p->used + need <= p->st.nbytes) return TM_OK;
-    size_t cap = p->st.nbytes ? p->st.nbytes : ((size_t)1 << 20);
-    while (cap < p->used + need) cap *= 2;
-    void *mem = tm__dev_alloc(ctx, p->st.device, cap);
-    if (!mem)
-        return tm__err(ctx, TM_ERR_NOMEM, "out of %s memory growing the parameter buffer to %zu bytes",
-                       p->st.device.type == TM_DEVICE_CPU ? "host" : "device", cap);
-    tm_status s = TM_OK;
-    if (p->used) s = tm__memcpy(ctx, mem, p->st.device, p->st.data, p->st.device, p->used);
-    if (s == TM_OK) s = tm__dev_memset0(ctx, p->st.device, (char *)mem + p->used, cap - p->used);
-    if (s != TM_OK) {
-        tm__dev_free(ctx, p->st.device, mem);
-        return s;
-    }
-    tm__dev_free(ctx, p->st.device, p->st.data);
-    p->st.data = mem;
-    p->st.nbytes = cap;
-    return TM_OK;
-}
-
+/* A named persistent tensor: a parameter (is_param; placed in its bucket by param.c), a buffer
+ * with its own zeroed storage, or (alias != NULL) a named view of part of `alias`'s storage at
+ * element offset alias_offset (optimizer state and master weights: flat per bucket, named per
+ * parameter so checkpoints keep per-parameter tensors). */
 static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dtype dt, int ndim,
-                           const int64_t *shape, tm_device dev, int is_param, tm_tensor **out) {
+                           const int64_t *shape, tm_device dev, int is_param, const tm_param_options *opts,
+                           const tm_tensor *alias, int64_t alias_offset, tm_tensor **out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!out || !name) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: %s is NULL", fn, out ? "name" : "out");
     size_t len = strlen(name);
@@ -217,31 +201,18 @@ static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dty
     size_t padded = (nbytes + TM__ALIGN - 1) / TM__ALIGN * TM__ALIGN;
     tm_status s = TM_OK;
     if (is_param) {
-        int b = tm__backend(dev);
-        tm__pool *pp = &ctx->params[b], *gp = &ctx->grads[b];
-        tm_tensor *g = tm__host_alloc(ctx, sizeof *g);
-        if (!g) s = tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
-        if (s == TM_OK) s = pool_reserve(ctx, pp, padded);
-        if (s == TM_OK) s = pool_reserve(ctx, gp, padded);
+        t->is_param = 1;
+        t->requires_grad = 1;
+        s = tm__param_place(ctx, fn, t, opts);
         if (s != TM_OK) {
-            tm__host_free(ctx, g);
             tm__host_free(ctx, t);
             tm__host_free(ctx, nm);
             return s;
         }
-        t->storage = &pp->st;
-        t->offset = (int64_t)(pp->used / esz);
-        pp->used += padded;
-        *g = *t;
-        g->name = "";
-        g->persistent = 1;
-        g->storage = &gp->st;
-        g->offset = (int64_t)(gp->used / esz);
-        gp->used += padded;
-        t->grad = g;
-        t->is_param = 1;
-        t->requires_grad = 1;
         ctx->n_params++;
+    } else if (alias) {
+        t->storage = alias->storage;
+        t->offset = alias->offset + alias_offset;
     } else {
         if (ctx->n_owned == ctx->cap_owned) {
             int cap = ctx->cap_owned ? 2 * ctx->cap_owned : 16;
@@ -277,12 +248,22 @@ static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dty
 
 tm_status tm_param_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
                        tm_device dev, tm_tensor **out) {
-    return named_new(ctx, "tm_param_new", name, dt, ndim, shape, dev, 1, out);
+    return named_new(ctx, "tm_param_new", name, dt, ndim, shape, dev, 1, NULL, NULL, 0, out);
+}
+
+tm_status tm_param_new_ex(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
+                          tm_device dev, const tm_param_options *opts, tm_tensor **out) {
+    return named_new(ctx, "tm_param_new_ex", name, dt, ndim, shape, dev, 1, opts, NULL, 0, out);
 }
 
 tm_status tm_buffer_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
                         tm_device dev, tm_tensor **out) {
-    return named_new(ctx, "tm_buffer_new", name, dt, ndim, shape, dev, 0, out);
+    return named_new(ctx, "tm_buffer_new", name, dt, ndim, shape, dev, 0, NULL, NULL, 0, out);
+}
+
+tm_status tm__named_alias(tm_ctx *ctx, const char *fn, const char *name, const tm_tensor *base, int ndim,
+                          const int64_t *shape, int64_t offset, tm_tensor **out) {
+    return named_new(ctx, fn, name, base->dtype, ndim, shape, base->device, 0, NULL, base, offset, out);
 }
 
 int tm_ctx_num_params(const tm_ctx *ctx) { return ctx ? ctx->n_params : 0; }
@@ -299,13 +280,6 @@ tm_tensor *tm_ctx_find(const tm_ctx *ctx, const char *name) {
     for (int k = 0; k < ctx->n_named; k++)
         if (strcmp(ctx->named[k]->name, name) == 0) return ctx->named[k];
     return NULL;
-}
-
-tm_status tm_ctx_zero_grad(tm_ctx *ctx) {
-    if (!ctx) return TM_ERR_INVALID_ARG;
-    for (int b = 0; b < TM__NBACKENDS; b++)
-        if (ctx->grads[b].used) TM__TRY(tm__dev_memset0(ctx, ctx->grads[b].st.device, ctx->grads[b].st.data, ctx->grads[b].used));
-    return TM_OK;
 }
 
 /* ---- introspection ----------------------------------------------------------------------- */
@@ -391,6 +365,8 @@ tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void
     if (count != n) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_write: count %lld but %s has %lld elements", (long long)count, tm__tdesc(ctx, t), (long long)n);
     if (!tm__is_contiguous(t)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_write: %s is a strided view; write to a contiguous tensor", tm__tdesc(ctx, t));
     if (n == 0) return TM_OK;
+    tm_tensor *master = t->pm ? t->pm->master : NULL;
+    if (master) TM__TRY(tm_tensor_write(ctx, master, src_dt, src, count)); /* f32 master weights follow */
     if (t->device.type == TM_DEVICE_CPU) {
         tm__convert_host(tm__data(t), t->dtype, src, src_dt, n, ctx->n_threads);
         return TM_OK;
@@ -410,6 +386,7 @@ tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!t) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_fill: tensor is NULL");
     if (!tm__is_contiguous(t)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_fill: %s is a strided view", tm__tdesc(ctx, t));
+    if (t->pm && t->pm->master) TM__TRY(tm__fill(ctx, t->pm->master, value)); /* f32 master weights follow */
     return tm__fill(ctx, t, value);
 }
 /* ---- untaped primitives: validation here, the work in the backend ---------------------- */

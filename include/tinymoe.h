@@ -198,8 +198,10 @@ tm_status tm_tensor_zeros(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *sha
 tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape,
                               tm_device dev, tm_dtype src_dt, const void *src, tm_tensor **out);
 
-/* Persistent trainable parameter: allocated in the device's single contiguous parameter
- * buffer, with its gradient (zeroed) in the matching contiguous gradient buffer.
+/* Persistent trainable parameter of the dense group (tm_param_new_ex below): allocated in its
+ * bucket's contiguous parameter buffer, with its gradient (zeroed) in the bucket's gradient
+ * buffer. A bf16 parameter written with tm_tensor_write (or initialised) after an optimizer
+ * made its f32 master copy has the master rewritten from the same values.
  * `name` (<= 127 bytes, unique in the context) keys the counter-based RNG and checkpoints.
  * Contents are zero until initialised (tm_tensor_init_normal / tm_tensor_write).
  * Errors: as tm_tensor_empty, plus TM_ERR_INVALID_ARG (name NULL, empty, over 127 bytes, or
@@ -207,6 +209,71 @@ tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t 
  * dtype), TM_ERR_CUDA (growing the CUDA parameter buffer copies it). */
 tm_status tm_param_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
                        tm_device dev, tm_tensor **out);
+/* Parameter groups and buckets.
+ * Every parameter belongs to a group: dense (replicated over the data-parallel ranks: attention,
+ * norms, router, embeddings) or expert (the weights of routed experts [expert_lo, expert_hi),
+ * stacked along dim 0; with expert parallelism a rank holds a contiguous range of them). The
+ * context stores parameters in buckets keyed by (device, dtype, group): each bucket holds its
+ * parameters in one contiguous buffer (creation order, 64-byte aligned, zero padding), their
+ * gradients in a second buffer of the same layout, and, once an optimizer asks for it, an f32
+ * master copy of bf16 parameters (mixed precision as in Megatron-LM and llm.c: bf16 compute
+ * weights, f32 master weights and optimizer state). A collective or an optimizer shard then
+ * covers one bucket, or an element range [lo, hi) of one.
+ * A parameter also records its logical (global) shape and, when it is a shard of a larger
+ * tensor, its offset along the sharded axis, so checkpoints can store whole logical tensors. */
+typedef enum tm_param_group { TM_PARAM_DENSE = 0, TM_PARAM_EXPERT = 1 } tm_param_group;
+
+typedef struct tm_param_options {
+    tm_param_group group;     /* default TM_PARAM_DENSE */
+    int expert_lo, expert_hi; /* expert group: the global experts [lo, hi) held along dim 0
+                               * (shape[0] == hi - lo; 0, 0: all of dim 0); ignored for dense */
+    int logical_ndim;         /* 0 (default): the logical shape is the shape */
+    int64_t logical_shape[TM_MAX_DIMS];
+    int shard_axis;           /* -1 (default): not a shard; else the axis split across ranks */
+    int64_t shard_offset;     /* where this shard starts along shard_axis in the logical tensor */
+} tm_param_options;
+
+/* Dense, not sharded. */
+tm_param_options tm_param_options_default(void);
+
+/* tm_param_new with a group and a shard description; opts NULL: tm_param_options_default().
+ * Errors: as tm_param_new, plus TM_ERR_INVALID_ARG naming the field for a bad group, an expert
+ * range that does not match shape[0], a logical shape of another rank, differing from shape
+ * on an axis other than shard_axis, or a shard that does not fit inside the logical shape. */
+tm_status tm_param_new_ex(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
+                          tm_device dev, const tm_param_options *opts, tm_tensor **out);
+
+/* A parameter's group, shard description and place in its bucket. */
+typedef struct tm_param_info {
+    tm_param_options opts;  /* as given, defaults filled in (logical_ndim = ndim when not set) */
+    int bucket;             /* index for tm_ctx_bucket_info */
+    int64_t bucket_offset;  /* element offset of the parameter in its bucket's buffers */
+} tm_param_info;
+/* Errors: TM_ERR_INVALID_ARG (NULL, or t is not a parameter). */
+tm_status tm_param_get_info(const tm_tensor *t, tm_param_info *out);
+
+typedef struct tm_bucket_info {
+    tm_device device;
+    tm_dtype dtype;           /* of the parameters and gradients */
+    tm_param_group group;
+    int expert_lo, expert_hi; /* expert group: the range its parameters hold */
+    int64_t numel;            /* elements in use, padding included */
+    int num_params;
+    int has_master;           /* an f32 master copy exists (bf16 buckets under an optimizer) */
+} tm_bucket_info;
+
+/* Buckets in order of creation; tm_ctx_bucket_info errors: TM_ERR_INVALID_ARG (NULL, i out
+ * of range). */
+int tm_ctx_num_buckets(const tm_ctx *ctx);
+tm_status tm_ctx_bucket_info(const tm_ctx *ctx, int i, tm_bucket_info *out);
+
+typedef enum tm_bucket_part { TM_BUCKET_PARAMS = 0, TM_BUCKET_GRADS = 1, TM_BUCKET_MASTER = 2 } tm_bucket_part;
+/* A 1-D persistent view [numel] of bucket i's parameters, gradients or f32 master weights,
+ * valid until a parameter is added to that bucket or the context is freed (writes through it
+ * change the parameters; they are not recorded on the tape). NULL for a bad index, or for the
+ * master of a bucket without one. */
+tm_tensor *tm_ctx_bucket_tensor(const tm_ctx *ctx, int i, tm_bucket_part part);
+
 /* Persistent tensor without gradient (optimizer state, expert_bias, data). Zero-filled; any
  * dtype. Errors: as tm_param_new, less the float-dtype rule. */
 tm_status tm_buffer_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim,
@@ -218,7 +285,7 @@ tm_tensor *tm_ctx_param(const tm_ctx *ctx, int i);
 /* Find a parameter or buffer by name; NULL if none. */
 tm_tensor *tm_ctx_find(const tm_ctx *ctx, const char *name);
 
-/* Set every parameter gradient to zero (one memset per device buffer). Errors: TM_ERR_CUDA. */
+/* Set every parameter gradient to zero (one memset per bucket). Errors: TM_ERR_CUDA. */
 tm_status tm_ctx_zero_grad(tm_ctx *ctx);
 
 /* Introspection. Functions taking a tensor return 0 / NULL for t == NULL. */
@@ -674,7 +741,8 @@ tm_status tm_moe_config_check(tm_ctx *ctx, const tm_moe_config *cfg);
 typedef struct tm_moe tm_moe;
 
 /* Build a block's parameters (names prefixed by `prefix`, e.g. "layers.3.moe"):
- *   <p>.gate.weight [H,E]; <p>.experts.w0, .w1 [E,H,F]; <p>.experts.wo [E,F,H];
+ *   <p>.gate.weight [H,E]; <p>.experts.w0, .w1 [E,H,F]; <p>.experts.wo [E,F,H] (these three in
+ *   the expert parameter group, experts [0, E)); the rest dense:
  *   <p>.shared.w0, .w1 [H,Fs]; <p>.shared.wo [Fs,H] (if shared_ffn_size);
  *   buffers <p>.expert_bias [E] in the gate dtype (if use_expert_bias) and
  *   <p>.tokens_per_expert_sum i64 [E].
@@ -1042,7 +1110,34 @@ double tm_lr_at(const tm_lr_schedule *s, int64_t step);
  * total_steps < warmup_steps; for wsd decay_fraction outside (0, 1]. */
 tm_status tm_lr_schedule_check(tm_ctx *ctx, const tm_lr_schedule *s);
 
-/* Global L2 norm of all parameter gradients (accumulated in f64): sqrt(sum_p sum_i g_i^2).
+/* The update ops that tm_optimizer_step and tm_ctx_clip_grad_norm are built from, for
+ * programs that write their own training step. Each writes its first input in place, is
+ * never recorded on the tape, and runs on the tensors' device (CPU kernels today). Inputs are
+ * contiguous ranges of equal element counts: one parameter, or a bucket range of parameters
+ * with the matching range of gradients, f32 state and f32 master (tm_ctx_bucket_tensor + slice).
+ * Errors: TM_ERR_INVALID_ARG (NULL, a non-contiguous input, step < 1, lr / weight_decay /
+ * scale not finite), TM_ERR_SHAPE (element counts differ), TM_ERR_DTYPE (param not float;
+ * grad of another dtype; m, v, b, master not f32), TM_ERR_DEVICE, TM_ERR_UNSUPPORTED (no kernel
+ * for the device). */
+
+/* AdamW as tm_adamw_new documents, at step `step` (1-based; the bias corrections use it), with
+ * the given lr and weight decay (pass 0 for gains and biases). m, v: f32. master: the f32
+ * master copy of a bf16 param, or NULL: then the update reads and writes master and stores
+ * param = master rounded to bf16; without one a bf16 param is read, updated in f32, rounded. */
+tm_status tm_adamw_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_tensor *m, tm_tensor *v,
+                          tm_tensor *master, const tm_adamw_config *cfg, double lr, double weight_decay, int64_t step);
+/* SGD as tm_sgd_new documents (cfg's momentum and nesterov; lr and weight_decay given). b: the
+ * f32 momentum buffer (NULL allowed only with momentum 0); master as for AdamW. */
+tm_status tm_sgd_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_tensor *b, tm_tensor *master,
+                        const tm_sgd_config *cfg, double lr, double weight_decay);
+/* out: 0-d f64 on grad's device = sum_i grad[i]^2, accumulated in f64 in a fixed order that
+ * depends on the element count only (bitwise the same at any thread count). */
+tm_status tm_grad_sumsq(tm_ctx *ctx, tm_tensor *grad, tm_tensor **out);
+/* grad *= scale (in the gradient's dtype; scale rounded to f32 for f32 and bf16). */
+tm_status tm_grad_scale(tm_ctx *ctx, tm_tensor *grad, double scale);
+
+/* Global L2 norm of all parameter gradients (accumulated in f64): sqrt(sum_p sum_i g_i^2),
+ * one tm_grad_sumsq per bucket summed in bucket order, then one tm_grad_scale per bucket.
  * With max_norm > 0, gradients are then scaled by max_norm / (norm + 1e-6) when norm >
  * max_norm (torch.nn.utils.clip_grad_norm_). *norm_out (may be NULL) gets the norm before
  * clipping. Errors: TM_ERR_INVALID_ARG (max_norm NaN), TM_ERR_UNSUPPORTED (CUDA gradients;

@@ -92,8 +92,16 @@ static tm_status mk(tm_moe *m, const char *suffix, int is_param, tm_dtype dt, in
     int n = snprintf(name, sizeof name, "%s.%s", m->prefix, suffix);
     if (n < 0 || n >= (int)sizeof name) return tm__err(m->ctx, TM_ERR_INVALID_ARG, "tm_moe_new: name \"%s.%s\" too long", m->prefix, suffix);
     int64_t shape[3] = {a, b, c};
-    return is_param ? tm_param_new(m->ctx, name, dt, nd, shape, m->dev, out)
-                    : tm_buffer_new(m->ctx, name, dt, nd, shape, m->dev, out);
+    if (!is_param) return tm_buffer_new(m->ctx, name, dt, nd, shape, m->dev, out);
+    /* The routed experts' weights form the expert group (all E of them here: one process
+     * holds every expert); everything else of the block is dense. */
+    tm_param_options o = tm_param_options_default();
+    if (!strncmp(suffix, "experts.", 8)) {
+        o.group = TM_PARAM_EXPERT;
+        o.expert_lo = 0;
+        o.expert_hi = (int)a;
+    }
+    return tm_param_new_ex(m->ctx, name, dt, nd, shape, m->dev, &o, out);
 }
 
 tm_status tm_moe_new(tm_ctx *ctx, const char *prefix, const tm_moe_config *cfg, tm_dtype dtype, tm_device dev,

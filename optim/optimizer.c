@@ -1,18 +1,23 @@
 /*
  * optimizer.c — the algorithm-independent half of tm_optimizer: creation over the context's
- * parameters with per-parameter state buffers, and tm_optimizer_step / _steps / _free.
+ * buckets with flat state, and tm_optimizer_step / _steps / _free.
  *
- * State buffers are persistent context buffers ("<param>.adamw_m", "<param>.sgd_b", ..., and
- * the step counter "optim.adamw.steps" / "optim.sgd.steps"):
- * found by name (checkpoints) and freed with the context, not with the optimizer. Their names
- * also make a second optimizer of the same algorithm over the same parameters an error
- * instead of two optimizers silently sharing state.
+ * State is flat per bucket (the bucket's layout, so a step is one update op per run of
+ * parameters sharing a decay setting, and a later optimizer shard is a [lo, hi) range of it)
+ * and named per parameter ("<param>.adamw_m", "<param>.sgd_b", "<param>.master", ..., and the
+ * step counter "optim.adamw.steps" / "optim.sgd.steps"): found by name (checkpoints, which
+ * keep storing per-parameter tensors) and freed with the context, not with the optimizer.
+ * Their names also make a second optimizer of the same algorithm over the same parameters an
+ * error instead of two optimizers silently sharing state.
  *
- * The optimizer never caches data pointers: growing the parameter buffer (tm_param_new after
- * the optimizer was made) moves it, so every step goes through tm__data().
+ * Only public calls and framework/extend.h: no device code, no context internals. Growing a
+ * bucket (tm_param_new after the optimizer was made) moves its data; the optimizer holds
+ * tensors, not pointers, and covers the bucket's first `numel` elements (those it was made
+ * with).
  */
 #include <math.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "optimizer.h"
 
@@ -32,60 +37,103 @@ static tm_status state_name(tm_ctx *ctx, const char *fn, char *buf, size_t cap, 
     return TM_OK;
 }
 
+/* Decay runs of bucket bi: its parameters (in bucket order = creation order), each extended
+ * over the padding that follows it, merged while the decay setting agrees. */
+static tm_status make_runs(tm_ctx *ctx, const char *fn, tm__opt_bucket *ob) {
+    int n = tm_ctx_num_params(ctx), k = 0;
+    ob->runs = tm__host_alloc(ctx, sizeof *ob->runs * (size_t)(n ? n : 1));
+    if (!ob->runs) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+    for (int i = 0; i < n; i++) {
+        tm_tensor *p = tm_ctx_param(ctx, i);
+        tm_param_info pi;
+        TM__TRY(tm_param_get_info(p, &pi));
+        if (pi.bucket != ob->bucket) continue;
+        int decay = tm_tensor_ndim(p) >= 2;
+        if (k > 0 && ob->runs[k - 1].decay == decay) {
+            ob->runs[k - 1].hi = ob->numel; /* provisional: cut by the next run */
+            continue;
+        }
+        if (k > 0) ob->runs[k - 1].hi = pi.bucket_offset;
+        ob->runs[k].lo = k == 0 ? 0 : pi.bucket_offset;
+        ob->runs[k].hi = ob->numel;
+        ob->runs[k].decay = decay;
+        k++;
+    }
+    ob->n_runs = k;
+    return TM_OK;
+}
+
 tm_status tm__optimizer_create(tm_ctx *ctx, const char *fn, int n_state, const char *const *suffix,
                                const char *counter, tm_optimizer **out) {
     int n = tm_ctx_num_params(ctx);
     if (n == 0) return tm__err(ctx, TM_ERR_STATE, "%s: the context has no parameters (tm_param_new)", fn);
     if (n_state < 0 || n_state > TM__OPT_MAX_STATE)
         return tm__err(ctx, TM_ERR_INTERNAL, "%s: %d state buffers per parameter", fn, n_state);
+    int nb = tm_ctx_num_buckets(ctx);
 
     char name[192];
-    for (int k = 0; k < ctx->n_named; k++) {
-        if (!ctx->named[k]->is_param) continue;
-        for (int j = 0; j < n_state; j++)
-            TM__TRY(state_name(ctx, fn, name, sizeof name, ctx->named[k]->name, suffix[j]));
+    for (int i = 0; i < n; i++) {
+        tm_tensor *p = tm_ctx_param(ctx, i);
+        for (int j = 0; j < n_state; j++) TM__TRY(state_name(ctx, fn, name, sizeof name, tm_tensor_name(p), suffix[j]));
+        if (tm_tensor_dtype(p) == TM_BF16 && !tm__param_master(p))
+            TM__TRY(state_name(ctx, fn, name, sizeof name, tm_tensor_name(p), ".master"));
     }
     TM__TRY(state_name(ctx, fn, name, sizeof name, counter, ""));
 
     tm_optimizer *opt = tm__host_alloc(ctx, sizeof *opt);
-    tm_tensor **arr = tm__host_alloc(ctx, (size_t)(1 + n_state) * (size_t)n * sizeof *arr);
-    if (!opt || !arr) {
+    tm__opt_bucket *b = tm__host_alloc(ctx, sizeof *b * (size_t)nb);
+    if (!opt || !b) {
         tm__host_free(ctx, opt);
-        tm__host_free(ctx, arr);
+        tm__host_free(ctx, b);
         return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
     }
     memset(opt, 0, sizeof *opt);
-    memset(arr, 0, (size_t)(1 + n_state) * (size_t)n * sizeof *arr);
+    memset(b, 0, sizeof *b * (size_t)nb);
     opt->ctx = ctx;
-    opt->n = n;
     opt->n_state = n_state;
-    opt->param = arr;
-    for (int j = 0; j < n_state; j++) opt->state[j] = arr + (size_t)(j + 1) * (size_t)n;
-    /* Collect the parameters before creating buffers: tm_buffer_new may grow ctx->named. */
-    for (int k = 0, i = 0; k < ctx->n_named; k++)
-        if (ctx->named[k]->is_param) opt->param[i++] = ctx->named[k];
+    opt->n_buckets = nb;
+    opt->b = b;
     /* The step count (AdamW's bias correction) lives in a host buffer, so a checkpoint of the
-     * context restores it with the moments. */
+     * context restores it with the moments. On failure below, the buffers made so far stay
+     * with the context (buffers cannot be freed one by one); only NOMEM or a CUDA error can
+     * get there after the name checks. */
     tm_status s = tm_buffer_new(ctx, counter, TM_I64, 0, NULL, (tm_device){TM_DEVICE_CPU, 0}, &opt->counter);
+    for (int k = 0; s == TM_OK && k < nb; k++) {
+        tm_bucket_info bi;
+        s = tm_ctx_bucket_info(ctx, k, &bi);
+        b[k].bucket = k;
+        b[k].numel = bi.numel;
+        if (s == TM_OK && bi.dtype == TM_BF16) s = tm__bucket_master_ensure(ctx, k);
+        for (int j = 0; s == TM_OK && j < n_state; j++) s = tm__state_alloc(ctx, fn, k, &b[k].state[j]);
+        if (s == TM_OK) s = make_runs(ctx, fn, &b[k]);
+    }
+    /* per-parameter names, in parameter order */
+    for (int i = 0; s == TM_OK && i < n; i++) {
+        tm_tensor *p = tm_ctx_param(ctx, i), *v;
+        tm_param_info pi;
+        s = tm_param_get_info(p, &pi);
+        int64_t shape[TM_MAX_DIMS];
+        int nd = tm_tensor_ndim(p);
+        for (int d = 0; d < nd; d++) shape[d] = tm_tensor_dim(p, d);
+        for (int j = 0; s == TM_OK && j < n_state; j++) {
+            snprintf(name, sizeof name, "%s%s", tm_tensor_name(p), suffix[j]);
+            s = tm__named_alias(ctx, fn, name, b[pi.bucket].state[j], nd, shape, pi.bucket_offset, &v);
+        }
+        tm_tensor *master = tm__param_master(p);
+        if (s == TM_OK && master && !tm_ctx_find(ctx, (snprintf(name, sizeof name, "%s.master", tm_tensor_name(p)), name)))
+            s = tm__named_alias(ctx, fn, name, master, nd, shape, 0, &v);
+    }
     if (s != TM_OK) {
         tm_optimizer_free(opt);
         return s;
     }
-    for (int i = 0; i < n; i++) {
-        const tm_tensor *p = opt->param[i];
-        for (int j = 0; j < n_state; j++) {
-            snprintf(name, sizeof name, "%s%s", p->name, suffix[j]);
-            /* On failure the buffers made so far stay with the context (buffers cannot be
-             * freed one by one); only NOMEM or a CUDA error can get here after the checks. */
-            tm_status s = tm_buffer_new(ctx, name, TM_F32, p->ndim, p->shape, p->device, &opt->state[j][i]);
-            if (s != TM_OK) {
-                tm_optimizer_free(opt);
-                return s;
-            }
-        }
-    }
     *out = opt;
     return TM_OK;
+}
+
+/* A [lo, hi) slice of a flat bucket tensor (an arena header; no data moves). */
+static tm_status range(tm_ctx *ctx, tm_tensor *flat, int64_t lo, int64_t hi, tm_tensor **out) {
+    return tm_slice(ctx, flat, 0, lo, hi, out);
 }
 
 tm_status tm_optimizer_step(tm_optimizer *opt, double lr) {
@@ -94,33 +142,49 @@ tm_status tm_optimizer_step(tm_optimizer *opt, double lr) {
     if (lr < 0.0) lr = opt->lr;
     if (!isfinite(lr)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_optimizer_step: lr must be finite, got %g", lr);
     /* Refuse before touching anything, so a failed step leaves every parameter as it was. */
-    for (int i = 0; i < opt->n; i++) {
-        const tm_tensor *p = opt->param[i];
-        if (p->device.type != TM_DEVICE_CPU)
+    for (int k = 0; k < opt->n_buckets; k++) {
+        tm_bucket_info bi;
+        TM__TRY(tm_ctx_bucket_info(ctx, opt->b[k].bucket, &bi));
+        if (!tm__op_available(ctx, opt->op, bi.device))
             return tm__err(ctx, TM_ERR_UNSUPPORTED,
-                           "tm_optimizer_step: %s on CUDA parameters is not implemented yet "
-                           "(parameter \"%s\" is %s)", opt->name, p->name, tm__tdesc(ctx, p));
-        if (!tm__is_float(p->dtype))
-            return tm__err(ctx, TM_ERR_INTERNAL, "tm_optimizer_step: parameter \"%s\" has dtype %s", p->name,
-                           tm_dtype_name(p->dtype));
+                           "tm_optimizer_step: %s has no %s kernel on %s yet (bucket %d: %s parameters); nothing "
+                           "was changed", opt->name, opt->op, bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU",
+                           k, tm_dtype_name(bi.dtype));
     }
-    int64_t *steps = tm__data(opt->counter);
-    int64_t t = *steps + 1;
-    for (int i = 0; i < opt->n; i++) {
-        switch (opt->kind) {
-        case TM__OPT_ADAMW: tm__adamw_update(opt, i, lr, t); break;
-        case TM__OPT_SGD: tm__sgd_update(opt, i, lr, t); break;
+    int64_t t = 0;
+    TM__TRY(tm_tensor_read(ctx, opt->counter, TM_I64, &t, 1));
+    t += 1;
+    for (int k = 0; k < opt->n_buckets; k++) {
+        const tm__opt_bucket *ob = &opt->b[k];
+        tm_tensor *P = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_PARAMS);
+        tm_tensor *G = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_GRADS);
+        tm_tensor *M = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_MASTER);
+        for (int r = 0; r < ob->n_runs; r++) {
+            const tm__opt_run *run = &ob->runs[r];
+            tm_tensor *p, *g, *m = NULL, *st[TM__OPT_MAX_STATE] = {NULL, NULL};
+            TM__TRY(range(ctx, P, run->lo, run->hi, &p));
+            TM__TRY(range(ctx, G, run->lo, run->hi, &g));
+            if (M) TM__TRY(range(ctx, M, run->lo, run->hi, &m));
+            for (int j = 0; j < opt->n_state; j++) TM__TRY(range(ctx, ob->state[j], run->lo, run->hi, &st[j]));
+            switch (opt->kind) {
+            case TM__OPT_ADAMW: TM__TRY(tm__adamw_run(opt, p, g, st, m, run->decay, lr, t)); break;
+            case TM__OPT_SGD: TM__TRY(tm__sgd_run(opt, p, g, st, m, run->decay, lr, t)); break;
+            }
         }
     }
-    *steps = t;
-    return TM_OK;
+    return tm_tensor_write(ctx, opt->counter, TM_I64, &t, 1);
 }
 
-int64_t tm_optimizer_steps(const tm_optimizer *opt) { return opt ? *(const int64_t *)tm__data(opt->counter) : 0; }
+int64_t tm_optimizer_steps(const tm_optimizer *opt) {
+    int64_t t = 0;
+    if (opt) tm_tensor_read(opt->ctx, opt->counter, TM_I64, &t, 1);
+    return t;
+}
 
 void tm_optimizer_free(tm_optimizer *opt) {
     if (!opt) return;
     tm_ctx *ctx = opt->ctx;
-    tm__host_free(ctx, opt->param);
+    for (int k = 0; k < opt->n_buckets; k++) tm__host_free(ctx, opt->b[k].runs);
+    tm__host_free(ctx, opt->b);
     tm__host_free(ctx, opt);
 }

@@ -18,7 +18,7 @@
  */
 #include <math.h>
 
-#include "internal.h"
+#include "extend.h"
 
 static int is_decaying(tm_lr_kind k) { return k == TM_LR_COSINE || k == TM_LR_LINEAR || k == TM_LR_WSD; }
 

@@ -1,5 +1,6 @@
 /*
- * sgd.c — SGD with momentum: tm_sgd_new and its per-parameter update (optimizer.c drives it).
+ * sgd.c — SGD with momentum: tm_sgd_new and its update of one bucket run through the
+ * sgd_update op (kernels/cpu/update.c; optimizer.c drives it).
  *
  * The update of tinymoe.h, which is torch.optim.SGD's with dampening 0: Polyak's heavy-ball
  * momentum and Nesterov's variant as Sutskever et al. 2013 ("On the importance of
@@ -14,17 +15,15 @@
  * Unlike AdamW's decoupled decay, wd here is added to the gradient, so it passes through the
  * momentum (classic L2 regularisation). As for AdamW, gains and biases are not decayed.
  *
- * State: momentum > 0 gives one f32 buffer per parameter, "<param>.sgd_b"; momentum 0 is plain
- * SGD and has no state at all.
+ * State: momentum > 0 gives one flat f32 buffer per bucket, named per parameter "<param>.sgd_b";
+ * momentum 0 is plain SGD and has no state at all.
  *
  * Precision: as AdamW (f32 arithmetic for f32 and bf16 parameters, f64 for f64, state f32,
- * bf16 parameters rounded to nearest after each update).
+ * bf16 parameters updated on their f32 master copy).
  */
 #include <math.h>
 
 #include "optimizer.h"
-
-enum { PAR_MIN = 1 << 14 };
 
 tm_sgd_config tm_sgd_config_default(void) {
     tm_sgd_config c = {.lr = 1e-2, .momentum = 0.9, .nesterov = 0, .weight_decay = 0.0};
@@ -59,55 +58,15 @@ tm_status tm_sgd_new(tm_ctx *ctx, const tm_sgd_config *cfg, tm_optimizer **out) 
     TM__TRY(tm__optimizer_create(ctx, "tm_sgd_new", c.momentum > 0.0 ? 1 : 0, suffix, "optim.sgd.steps", &opt));
     opt->kind = TM__OPT_SGD;
     opt->name = "SGD";
+    opt->op = "sgd_update";
     opt->cfg.sgd = c;
     opt->lr = c.lr;
     *out = opt;
     return TM_OK;
 }
 
-/* One parameter's update; b is NULL for plain SGD (momentum 0). LOAD/STORE convert between
- * the parameter's storage type PT and the compute type T; b is always f32. The update uses
- * the unrounded b, as AdamW uses the unrounded moments. */
-#define SGD_KERNEL(SFX, PT, T, LOAD, STORE)                                                       \
-    static void sgd_##SFX(PT *p, const PT *g, float *b, int64_t n, T lr, T mom, int nesterov, T wd, \
-                          int nth) {                                                              \
-        _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")           \
-        for (int64_t i = 0; i < n; i++) {                                                         \
-            T pi = LOAD(p[i]);                                                                    \
-            T gi = LOAD(g[i]) + wd * pi;                                                          \
-            T d = gi;                                                                             \
-            if (b) {                                                                              \
-                T bi = mom * (T)b[i] + gi;                                                        \
-                b[i] = (float)bi;                                                                 \
-                d = nesterov ? gi + mom * bi : bi;                                                \
-            }                                                                                     \
-            p[i] = STORE(pi - lr * d);                                                            \
-        }                                                                                         \
-    }
-#define ID(x) (x)
-SGD_KERNEL(f32, float, float, ID, ID)
-SGD_KERNEL(f64, double, double, ID, ID)
-SGD_KERNEL(bf16, uint16_t, float, tm__bf16_to_f32, tm__f32_to_bf16)
-#undef ID
-
-void tm__sgd_update(const tm_optimizer *opt, int i, double lr, int64_t t) {
+tm_status tm__sgd_run(const tm_optimizer *opt, tm_tensor *p, tm_tensor *g, tm_tensor **state, tm_tensor *master,
+                      int decay, double lr, int64_t t) {
     const tm_sgd_config *c = &opt->cfg.sgd;
-    tm_tensor *p = opt->param[i];
-    double wd = p->ndim >= 2 ? c->weight_decay : 0.0;
-    float *b = opt->n_state ? tm__data(opt->state[0][i]) : NULL;
-    int64_t n = tm__numel(p);
-    int nth = tm__nthreads(opt->ctx);
-    switch (p->dtype) {
-    case TM_F32:
-        sgd_f32(tm__data(p), tm__data(p->grad), b, n, (float)lr, (float)c->momentum, c->nesterov, (float)wd, nth);
-        break;
-    case TM_BF16:
-        sgd_bf16(tm__data(p), tm__data(p->grad), b, n, (float)lr, (float)c->momentum, c->nesterov, (float)wd, nth);
-        break;
-    case TM_F64:
-        sgd_f64(tm__data(p), tm__data(p->grad), b, n, lr, c->momentum, c->nesterov, wd, nth);
-        break;
-    default: /* tm_optimizer_step admits float dtypes only */
-        break;
-    }
+    return tm_sgd_update(opt->ctx, p, g, opt->n_state ? state[0] : NULL, master, c, lr, decay ? c->weight_decay : 0.0);
 }

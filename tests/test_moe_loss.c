@@ -471,13 +471,18 @@ Test(moe_expert_bias_update, bad_inputs) {
     tm_tensor *cnt = tt_from(ctx, TM_I64, 1, &E, cv), *cnt3 = tt_from(ctx, TM_I64, 1, &E3, cv);
     tm_tensor *cnt32 = tt_from(ctx, TM_I32, 1, &E, cv);
     const char *op = "moe_expert_bias_update";
-    assert_err(ctx, tm_moe_expert_bias_update(ctx, b64, cnt, 1e-3), TM_ERR_DTYPE, op, "expert_bias", "f64[4]");
+    assert_err(ctx, tm_moe_expert_bias_update(ctx, cnt32, cnt, 1e-3), TM_ERR_DTYPE, op, "expert_bias", "i32[4]");
     assert_err(ctx, tm_moe_expert_bias_update(ctx, bias, cnt32, 1e-3), TM_ERR_DTYPE, op, "counts", "i32[4]");
     assert_err(ctx, tm_moe_expert_bias_update(ctx, bias, cnt3, 1e-3), TM_ERR_SHAPE, op, "i64[3]", "f32[4]");
     assert_err(ctx, tm_moe_expert_bias_update(ctx, b2d, cnt, 1e-3), TM_ERR_SHAPE, op, "f32[2,2]", NULL);
     assert_err(ctx, tm_moe_expert_bias_update(ctx, bias, cnt, NAN), TM_ERR_INVALID_ARG, op, "rate", "nan");
     assert_err(ctx, tm_moe_expert_bias_update(ctx, bias, NULL, 1e-3), TM_ERR_INVALID_ARG, op, "counts", NULL);
     cr_assert_eq(tm_moe_expert_bias_update(NULL, bias, cnt, 1e-3), TM_ERR_INVALID_ARG);
+    /* f64 (the gate dtype of an f64 block) is accepted: mean 2.5, so +rate, +rate, -rate, -rate. */
+    TT_OK(ctx, tm_moe_expert_bias_update(ctx, b64, cnt, 0.25));
+    double *h = tt_read(ctx, b64);
+    cr_assert(h[0] == 0.25 && h[1] == 0.25 && h[2] == -0.25 && h[3] == -0.25, "%g %g %g %g", h[0], h[1], h[2], h[3]);
+    free(h);
     double *b = tt_read(ctx, bias);
     for (int e = 0; e < 4; e++) cr_assert_eq(b[e], 0.0, "a failed call wrote bias[%d]", e);
     free(b);

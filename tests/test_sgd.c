@@ -90,8 +90,9 @@ Test(sgd, three_steps_by_hand_f32) {
 
 /* ---- against the formula, awkward sizes ------------------------------------------------------
  * The reference is tinymoe.h's formula in f64 with b rounded to f32 after each step (the state
- * is f32; the update uses the unrounded b, as the kernel does), and p rounded to bf16 after
- * each step for bf16 parameters. The third step passes an explicit lr. */
+ * is f32; the update uses the unrounded b, as the kernel does); a bf16 parameter is updated on
+ * its f32 master (p rounded to f32 after each step, never to bf16) and stored as the master
+ * rounded to bf16. The third step passes an explicit lr. */
 static double round_bf16(double x) {
     float f = (float)x;
     uint32_t u;
@@ -112,7 +113,7 @@ static void ref_step(double *p, double *b, const double *g, int64_t n, double lr
             d = c->nesterov ? gi + c->momentum * bi : bi;
         }
         p[i] -= lr * d;
-        if (bf16) p[i] = round_bf16(p[i]);
+        if (bf16) p[i] = (float)p[i]; /* the f32 master */
     }
 }
 
@@ -144,6 +145,13 @@ static void run_reference(tm_dtype dt, int nesterov, double atol, double rtol) {
         ref_step(pb, bb, gb, NB, lr, &cfg, 0, dt == TM_BF16);
         tt_assert_close_host(ctx, w, pw, atol, rtol);
         tt_assert_close_host(ctx, b, pb, atol, rtol);
+        if (dt == TM_BF16) { /* the master holds the unrounded value; the parameter is it in bf16 */
+            tt_assert_close_host(ctx, tm_ctx_find(ctx, "w.master"), pw, 1e-30, 1e-5);
+            double q[NW], r[NW];
+            TT_OK(ctx, tm_tensor_read(ctx, tm_ctx_find(ctx, "w.master"), TM_F64, q, NW));
+            TT_OK(ctx, tm_tensor_read(ctx, w, TM_F64, r, NW));
+            for (int i = 0; i < NW; i++) cr_assert_eq(r[i], round_bf16(q[i]), "w[%d] is not its master rounded", i);
+        }
         free(gw);
         free(gb);
         tm_ctx_arena_reset(ctx);
@@ -158,7 +166,7 @@ Test(sgd, reference_f64) { run_reference(TM_F64, 0, 1e-14, 1e-14); }
 Test(sgd, reference_f64_nesterov) { run_reference(TM_F64, 1, 1e-14, 1e-14); }
 Test(sgd, reference_f32) { run_reference(TM_F32, 0, 1e-6, 1e-6); }
 Test(sgd, reference_f32_nesterov) { run_reference(TM_F32, 1, 1e-6, 1e-6); }
-/* The kernel computes bf16 updates in f32, the reference in f64: about one bf16 ulp apart. */
+/* The parameter is its master rounded to bf16: within half a bf16 ulp of the reference. */
 Test(sgd, reference_bf16) { run_reference(TM_BF16, 1, 1e-30, 8e-3); }
 
 /* With zero gradients only the decay acts: the first step multiplies parameters of 2+ dims by

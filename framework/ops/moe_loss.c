@@ -1,7 +1,7 @@
 /*
  * moe_loss.c — the MoE auxiliary losses (tm_moe_aux_loss, tm_moe_seq_aux_loss, tm_moe_z_loss):
- * public entry points and checks; and the aux-loss-free expert-bias update
- * (tm_moe_expert_bias_update), which is a plain in-place update, not an op.
+ * public entry points and checks. (The aux-loss-free expert-bias update is an update op:
+ * framework/ops/update.c.)
  * Kernels: kernels/cpu/moe_loss.c (attribute and saved-tensor layout documented there).
  *
  * All three losses return a 0-d tensor of the scores' / logits' float dtype. An empty batch
@@ -119,42 +119,3 @@ tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_tensor 
  * stays. The mean is taken in f64: for counts below 2^53 / E it is exact whenever it is an
  * integer, so sign(0) = 0 holds exactly for a balanced expert. The new value is computed in f64
  * and rounded once to f32. */
-tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate) {
-    if (!ctx) return TM_ERR_INVALID_ARG;
-    if (!expert_bias || !counts)
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_expert_bias_update: %s is NULL",
-                       expert_bias ? "counts" : "expert_bias");
-    if (expert_bias->ctx != ctx || counts->ctx != ctx)
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_expert_bias_update: %s belongs to another context",
-                       expert_bias->ctx != ctx ? "expert_bias" : "counts");
-    if (expert_bias->device.type != TM_DEVICE_CPU || counts->device.type != TM_DEVICE_CPU)
-        return tm__err(ctx, TM_ERR_UNSUPPORTED, "moe_expert_bias_update: CPU only for now, got expert_bias %s, counts %s",
-                       tm__tdesc(ctx, expert_bias), tm__tdesc(ctx, counts));
-    if (expert_bias->dtype != TM_F32)
-        return tm__err(ctx, TM_ERR_DTYPE, "moe_expert_bias_update: expert_bias must be f32 [E], got %s",
-                       tm__tdesc(ctx, expert_bias));
-    if (counts->dtype != TM_I64)
-        return tm__err(ctx, TM_ERR_DTYPE, "moe_expert_bias_update: counts must be i64 [E], got %s", tm__tdesc(ctx, counts));
-    if (expert_bias->ndim != 1 || expert_bias->shape[0] == 0)
-        return tm__err(ctx, TM_ERR_SHAPE, "moe_expert_bias_update: expert_bias must be [E] with E >= 1, got %s",
-                       tm__tdesc(ctx, expert_bias));
-    if (counts->ndim != 1 || counts->shape[0] != expert_bias->shape[0])
-        return tm__err(ctx, TM_ERR_SHAPE, "moe_expert_bias_update: counts must be [%lld] like expert_bias %s, got %s",
-                       (long long)expert_bias->shape[0], tm__tdesc(ctx, expert_bias), tm__tdesc(ctx, counts));
-    if (!isfinite(rate))
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_expert_bias_update: rate must be finite, got %g", rate);
-
-    /* Both are 1-D; walk them by stride so views work too. */
-    int64_t E = expert_bias->shape[0], sb = expert_bias->stride[0], sc = counts->stride[0];
-    float *b = tm__data(expert_bias);
-    const int64_t *cnt = tm__data(counts);
-    double mean = 0.0;
-    for (int64_t e = 0; e < E; e++) mean += (double)cnt[e * sc];
-    mean /= (double)E;
-    for (int64_t e = 0; e < E; e++) {
-        double d = mean - (double)cnt[e * sc];
-        double sign = (d > 0) - (d < 0);
-        b[e * sb] = (float)((double)b[e * sb] + rate * sign);
-    }
-    return TM_OK;
-}

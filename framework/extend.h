@@ -1,0 +1,52 @@
+/*
+ * extend.h — the one internal header that layers/, optim/ and checkpoints/ use beside the
+ * public tinymoe.h: error reporting, host memory through the allocator hook, the bucket
+ * machinery an optimizer needs (master weights, flat state per bucket, named per-parameter
+ * views of it for checkpoints), and a kernel-availability query so that a multi-op update can
+ * refuse before touching anything. Everything else of the runtime stays behind internal.h.
+ */
+#ifndef TM_EXTEND_H
+#define TM_EXTEND_H
+
+#include "tinymoe.h"
+
+/* Set the context's message (printf-style) and return `s`. Safe with ctx == NULL. */
+tm_status tm__err(tm_ctx *ctx, tm_status s, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+/* Return the status of expr when it is not TM_OK. */
+#define TM__TRY(expr)                 \
+    do {                              \
+        tm_status tm__s_ = (expr);    \
+        if (tm__s_ != TM_OK) return tm__s_; \
+    } while (0)
+
+/* "f32[2,3]@cpu" for messages (8 rotating buffers in the context). */
+const char *tm__tdesc(tm_ctx *ctx, const tm_tensor *t);
+
+/* Host allocation through the context's allocator hook (counted in tm_ctx_alloc_count). */
+void *tm__host_alloc(tm_ctx *ctx, size_t nbytes);
+void tm__host_free(tm_ctx *ctx, void *p);
+
+/* Create the f32 master copy of bucket `bucket` (no-op if it exists), initialised from the
+ * parameters' current values; from then on tm_tensor_write on a parameter of it also writes
+ * its master. Errors: TM_ERR_NOMEM, TM_ERR_CUDA. */
+tm_status tm__bucket_master_ensure(tm_ctx *ctx, int bucket);
+/* A parameter's f32 master copy (same shape), or NULL when it has none. */
+tm_tensor *tm__param_master(const tm_tensor *param);
+/* A zeroed persistent f32 buffer [numel] with bucket `bucket`'s layout on its device, owned by
+ * the context, not named (so not in checkpoints by itself). fn names the caller. Errors:
+ * TM_ERR_NOMEM, TM_ERR_CUDA. */
+tm_status tm__state_alloc(tm_ctx *ctx, const char *fn, int bucket, tm_tensor **flat);
+/* Register `name` as a named persistent view of `base` (a persistent tensor) with the given
+ * shape at element `offset` (checkpoints save and load it under that name). Errors: as
+ * tm_buffer_new (name rules, NOMEM). */
+tm_status tm__named_alias(tm_ctx *ctx, const char *fn, const char *name, const tm_tensor *base, int ndim,
+                          const int64_t *shape, int64_t offset, tm_tensor **out);
+/* 1 when op `name` (as in framework/ops.def) has a forward kernel for tensors on dev in this
+ * context. */
+int tm__op_available(const tm_ctx *ctx, const char *name, tm_device dev);
+
+#endif

@@ -1,0 +1,332 @@
+/*
+ * param.c — parameter groups and buckets (the contract is in tinymoe.h, "Parameter groups and
+ * buckets"), f32 master weights, and the flat optimizer state that follows a bucket's layout.
+ *
+ * Layout of one bucket (device, dtype, group):
+ *   params  [p0 | pad | p1 | pad | ...]   dtype, each parameter 64-byte aligned, creation order
+ *   grads   [g0 | pad | g1 | pad | ...]   same offsets
+ *   master  [m0 | pad | m1 | pad | ...]   f32, same element offsets (bf16 buckets under an optimizer)
+ *   state   one flat f32 buffer per optimizer moment, same element offsets (tm__state_alloc)
+ * Padding is zero everywhere and never written by backward, so a kernel may run over a whole
+ * bucket or any [lo, hi) range of it. Buffers grow by doubling (the data moves; tensors keep
+ * (storage, offset)).
+ */
+#include "extend.h"
+#include "ctx_internal.h"
+
+#include <stdio.h>
+
+tm_param_options tm_param_options_default(void) {
+    tm_param_options o;
+    memset(&o, 0, sizeof o);
+    o.group = TM_PARAM_DENSE;
+    o.shard_axis = -1;
+    return o;
+}
+
+/* ---- growable buffers ---------------------------------------------------------------------- */
+
+static tm_status pool_reserve(tm_ctx *ctx, tm__pool *p, size_t need) {
+    if (p->used + need <= p->st.nbytes) return TM_OK;
+    size_t cap = p->st.nbytes ? p->st.nbytes : ((size_t)1 << 20);
+    while (cap < p->used + need) cap *= 2;
+    void *mem = tm__dev_alloc(ctx, p->st.device, cap);
+    if (!mem)
+        return tm__err(ctx, TM_ERR_NOMEM, "out of %s memory growing a parameter buffer to %zu bytes",
+                       p->st.device.type == TM_DEVICE_CPU ? "host" : "device", cap);
+    tm_status s = TM_OK;
+    if (p->used) s = tm__memcpy(ctx, mem, p->st.device, p->st.data, p->st.device, p->used);
+    if (s == TM_OK) s = tm__dev_memset0(ctx, p->st.device, (char *)mem + p->used, cap - p->used);
+    if (s != TM_OK) {
+        tm__dev_free(ctx, p->st.device, mem);
+        return s;
+    }
+    tm__dev_free(ctx, p->st.device, p->st.data);
+    p->st.data = mem;
+    p->st.nbytes = cap;
+    return TM_OK;
+}
+
+static void flat_set(tm_tensor *t, tm_ctx *ctx, tm__pool *p, tm_dtype dt, int64_t numel) {
+    memset(t, 0, sizeof *t);
+    t->ctx = ctx;
+    t->dtype = dt;
+    t->device = p->st.device;
+    t->ndim = 1;
+    t->shape[0] = numel;
+    t->stride[0] = 1;
+    t->storage = &p->st;
+    t->persistent = 1;
+    t->name = "";
+}
+
+static void bucket_refresh_views(tm_ctx *ctx, tm__bucket *b) {
+    flat_set(&b->flat[TM_BUCKET_PARAMS], ctx, &b->params, b->info.dtype, b->info.numel);
+    flat_set(&b->flat[TM_BUCKET_GRADS], ctx, &b->grads, b->info.dtype, b->info.numel);
+    if (b->has_master) flat_set(&b->flat[TM_BUCKET_MASTER], ctx, &b->master, TM_F32, b->info.numel);
+}
+
+/* ---- placing a parameter ------------------------------------------------------------------ */
+
+static tm_status check_opts(tm_ctx *ctx, const char *fn, const char *name, const tm_tensor *t, tm_param_options *o) {
+    if (o->group != TM_PARAM_DENSE && o->group != TM_PARAM_EXPERT)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: \"%s\": group %d is neither TM_PARAM_DENSE nor TM_PARAM_EXPERT", fn,
+                       name, (int)o->group);
+    if (o->group == TM_PARAM_EXPERT) {
+        if (t->ndim < 1)
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: expert parameter \"%s\" needs experts along dim 0, got a scalar",
+                           fn, name);
+        if (o->expert_lo == 0 && o->expert_hi == 0) o->expert_hi = (int)t->shape[0];
+        if (o->expert_lo < 0 || o->expert_hi - o->expert_lo != t->shape[0])
+            return tm__err(ctx, TM_ERR_INVALID_ARG,
+                           "%s: expert parameter \"%s\" %s: expert_lo %d .. expert_hi %d must span shape[0] = %lld", fn,
+                           name, tm__sdesc(ctx, t->ndim, t->shape), o->expert_lo, o->expert_hi, (long long)t->shape[0]);
+    } else {
+        o->expert_lo = o->expert_hi = 0;
+    }
+    if (o->logical_ndim == 0) {
+        o->logical_ndim = t->ndim;
+        for (int i = 0; i < t->ndim; i++) o->logical_shape[i] = t->shape[i];
+    }
+    if (o->logical_ndim != t->ndim)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: \"%s\": logical_ndim %d differs from ndim %d", fn, name,
+                       o->logical_ndim, t->ndim);
+    if (o->shard_axis < -1 || o->shard_axis >= t->ndim)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: \"%s\": shard_axis %d outside [-1, %d)", fn, name, o->shard_axis,
+                       t->ndim);
+    for (int i = 0; i < t->ndim; i++) {
+        if (i == o->shard_axis) {
+            if (o->shard_offset < 0 || o->shard_offset + t->shape[i] > o->logical_shape[i])
+                return tm__err(ctx, TM_ERR_INVALID_ARG,
+                               "%s: \"%s\": the shard [%lld, %lld) of axis %d does not fit the logical size %lld", fn,
+                               name, (long long)o->shard_offset, (long long)(o->shard_offset + t->shape[i]), i,
+                               (long long)o->logical_shape[i]);
+        } else if (o->logical_shape[i] != t->shape[i]) {
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: \"%s\": logical shape %s differs from shape %s on axis %d", fn,
+                           name, tm__sdesc(ctx, o->logical_ndim, o->logical_shape), tm__sdesc(ctx, t->ndim, t->shape), i);
+        }
+    }
+    if (o->shard_axis < 0) o->shard_offset = 0;
+    return TM_OK;
+}
+
+static int bucket_find(tm_ctx *ctx, tm_device dev, tm_dtype dt, const tm_param_options *o) {
+    for (int i = 0; i < ctx->n_buckets; i++) {
+        const tm_bucket_info *b = &ctx->buckets[i]->info;
+        if (tm__same_device(b->device, dev) && b->dtype == dt && b->group == o->group && b->expert_lo == o->expert_lo &&
+            b->expert_hi == o->expert_hi)
+            return i;
+    }
+    return -1;
+}
+
+static tm_status bucket_new(tm_ctx *ctx, const char *fn, tm_device dev, tm_dtype dt, const tm_param_options *o,
+                            int *idx) {
+    if (ctx->n_buckets == ctx->cap_buckets) {
+        int cap = ctx->cap_buckets ? 2 * ctx->cap_buckets : 8;
+        tm__bucket **nb = tm__host_alloc(ctx, sizeof *nb * (size_t)cap);
+        if (!nb) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+        if (ctx->n_buckets) memcpy(nb, ctx->buckets, sizeof *nb * (size_t)ctx->n_buckets);
+        tm__host_free(ctx, ctx->buckets);
+        ctx->buckets = nb;
+        ctx->cap_buckets = cap;
+    }
+    tm__bucket *b = tm__host_alloc(ctx, sizeof *b);
+    if (!b) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+    memset(b, 0, sizeof *b);
+    b->info.device = dev;
+    b->info.dtype = dt;
+    b->info.group = o->group;
+    b->info.expert_lo = o->expert_lo;
+    b->info.expert_hi = o->expert_hi;
+    b->params.st.device = b->grads.st.device = b->master.st.device = dev;
+    bucket_refresh_views(ctx, b);
+    *idx = ctx->n_buckets;
+    ctx->buckets[ctx->n_buckets++] = b;
+    return TM_OK;
+}
+
+tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_param_options *opts) {
+    tm_param_options o = opts ? *opts : tm_param_options_default();
+    TM__TRY(check_opts(ctx, fn, t->name, t, &o));
+    int bi = bucket_find(ctx, t->device, t->dtype, &o);
+    if (bi < 0) TM__TRY(bucket_new(ctx, fn, t->device, t->dtype, &o, &bi));
+    tm__bucket *b = ctx->buckets[bi];
+    size_t esz = tm_dtype_size(t->dtype);
+    size_t nbytes = (size_t)tm__numel(t) * esz;
+    size_t padded = (nbytes + TM__ALIGN - 1) / TM__ALIGN * TM__ALIGN;
+    size_t mpadded = padded / esz * sizeof(float); /* same element count in f32 */
+    tm_tensor *g = tm__host_alloc(ctx, sizeof *g);
+    tm__param_meta *pm = tm__host_alloc(ctx, sizeof *pm);
+    tm_tensor *mt = b->has_master ? tm__host_alloc(ctx, sizeof *mt) : NULL;
+    tm_status s = (!g || !pm || (b->has_master && !mt)) ? tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn) : TM_OK;
+    if (s == TM_OK) s = pool_reserve(ctx, &b->params, padded);
+    if (s == TM_OK) s = pool_reserve(ctx, &b->grads, padded);
+    if (s == TM_OK && b->has_master) s = pool_reserve(ctx, &b->master, mpadded);
+    if (s != TM_OK) {
+        tm__host_free(ctx, g);
+        tm__host_free(ctx, pm);
+        tm__host_free(ctx, mt);
+        return s;
+    }
+    memset(pm, 0, sizeof *pm);
+    pm->opts = o;
+    pm->bucket = bi;
+    pm->bucket_offset = (int64_t)(b->params.used / esz);
+    t->storage = &b->params.st;
+    t->offset = pm->bucket_offset;
+    b->params.used += padded;
+    *g = *t;
+    g->name = "";
+    g->is_param = 0;
+    g->requires_grad = 0;
+    g->storage = &b->grads.st;
+    g->offset = (int64_t)(b->grads.used / esz);
+    b->grads.used += padded;
+    if (mt) { /* the master of a new (zero) parameter is zero: the pool's fresh bytes are */
+        *mt = *t;
+        mt->dtype = TM_F32;
+        mt->name = "";
+        mt->is_param = 0;
+        mt->requires_grad = 0;
+        mt->storage = &b->master.st;
+        mt->offset = pm->bucket_offset;
+        b->master.used += mpadded;
+        pm->master = mt;
+    }
+    t->grad = g;
+    t->pm = pm;
+    b->info.numel = (int64_t)(b->params.used / esz);
+    b->info.num_params++;
+    bucket_refresh_views(ctx, b);
+    return TM_OK;
+}
+
+void tm__buckets_free(tm_ctx *ctx) {
+    for (int i = 0; i < ctx->n_buckets; i++) {
+        tm__bucket *b = ctx->buckets[i];
+        tm__pool *pools[3] = {&b->params, &b->grads, &b->master};
+        for (int k = 0; k < 3; k++)
+            if (pools[k]->st.data) tm__dev_free(ctx, pools[k]->st.device, pools[k]->st.data);
+        tm__host_free(ctx, b);
+    }
+    tm__host_free(ctx, ctx->buckets);
+    ctx->buckets = NULL;
+    ctx->n_buckets = ctx->cap_buckets = 0;
+}
+
+/* ---- public queries ------------------------------------------------------------------------- */
+
+tm_status tm_param_get_info(const tm_tensor *t, tm_param_info *out) {
+    if (!t || !out) return TM_ERR_INVALID_ARG;
+    if (!t->is_param || !t->pm)
+        return tm__err(t->ctx, TM_ERR_INVALID_ARG, "tm_param_get_info: %s is not a parameter", tm__tdesc(t->ctx, t));
+    out->opts = t->pm->opts;
+    out->bucket = t->pm->bucket;
+    out->bucket_offset = t->pm->bucket_offset;
+    return TM_OK;
+}
+
+int tm_ctx_num_buckets(const tm_ctx *ctx) { return ctx ? ctx->n_buckets : 0; }
+
+tm_status tm_ctx_bucket_info(const tm_ctx *ctx, int i, tm_bucket_info *out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!out || i < 0 || i >= ctx->n_buckets)
+        return tm__err((tm_ctx *)ctx, TM_ERR_INVALID_ARG, "tm_ctx_bucket_info: %s", out ? "bucket index out of range" : "out is NULL");
+    *out = ctx->buckets[i]->info;
+    out->has_master = ctx->buckets[i]->has_master;
+    return TM_OK;
+}
+
+tm_tensor *tm_ctx_bucket_tensor(const tm_ctx *ctx, int i, tm_bucket_part part) {
+    if (!ctx || i < 0 || i >= ctx->n_buckets || (unsigned)part > TM_BUCKET_MASTER) return NULL;
+    tm__bucket *b = ctx->buckets[i];
+    if (part == TM_BUCKET_MASTER && !b->has_master) return NULL;
+    return &b->flat[part];
+}
+
+tm_status tm_ctx_zero_grad(tm_ctx *ctx) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    for (int i = 0; i < ctx->n_buckets; i++) {
+        tm__bucket *b = ctx->buckets[i];
+        if (b->grads.used) TM__TRY(tm__dev_memset0(ctx, b->grads.st.device, b->grads.st.data, b->grads.used));
+    }
+    return TM_OK;
+}
+
+/* ---- master weights and optimizer state (extend.h) ------------------------------------------ */
+
+tm_status tm__bucket_master_ensure(tm_ctx *ctx, int bi) {
+    tm__bucket *b = ctx->buckets[bi];
+    if (b->has_master) return TM_OK;
+    int64_t n = b->info.numel;
+    TM__TRY(pool_reserve(ctx, &b->master, (size_t)n * sizeof(float)));
+    /* header per parameter first (nothing observable changes if one fails) */
+    for (int k = 0; k < ctx->n_named; k++) {
+        tm_tensor *p = ctx->named[k];
+        if (!p->is_param || p->pm->bucket != bi || p->pm->master) continue;
+        tm_tensor *mt = tm__host_alloc(ctx, sizeof *mt);
+        if (!mt) return tm__err(ctx, TM_ERR_NOMEM, "master weights: out of host memory");
+        *mt = *p;
+        mt->dtype = TM_F32;
+        mt->name = "";
+        mt->grad = NULL;
+        mt->pm = NULL;
+        mt->is_param = 0;
+        mt->requires_grad = 0;
+        mt->storage = &b->master.st;
+        p->pm->master = mt;
+    }
+    b->master.used = (size_t)n * sizeof(float);
+    b->has_master = 1;
+    bucket_refresh_views(ctx, b);
+    /* master = the parameters' current values, widened (padding: zero to zero) */
+    return tm__copy_into(ctx, &b->flat[TM_BUCKET_MASTER], &b->flat[TM_BUCKET_PARAMS]);
+}
+
+tm_tensor *tm__param_master(const tm_tensor *p) { return p && p->pm ? p->pm->master : NULL; }
+
+tm_status tm__state_alloc(tm_ctx *ctx, const char *fn, int bi, tm_tensor **out) {
+    tm__bucket *b = ctx->buckets[bi];
+    if (ctx->n_owned == ctx->cap_owned) {
+        int cap = ctx->cap_owned ? 2 * ctx->cap_owned : 16;
+        tm__storage **no = tm__host_alloc(ctx, sizeof *no * (size_t)cap);
+        if (!no) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+        if (ctx->n_owned) memcpy(no, ctx->owned, sizeof *no * (size_t)ctx->n_owned);
+        tm__host_free(ctx, ctx->owned);
+        ctx->owned = no;
+        ctx->cap_owned = cap;
+    }
+    /* storage and header in one host block, the storage first: freeing the owned storage
+     * (tm_ctx_free) frees the header with it */
+    struct flat {
+        tm__storage st;
+        tm_tensor t;
+    } *f = tm__host_alloc(ctx, sizeof *f);
+    if (!f) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+    size_t nbytes = (size_t)(b->info.numel ? b->info.numel : 1) * sizeof(float);
+    f->st.device = b->info.device;
+    f->st.nbytes = nbytes;
+    f->st.data = tm__dev_alloc(ctx, b->info.device, nbytes);
+    tm_status s = f->st.data ? tm__dev_memset0(ctx, b->info.device, f->st.data, nbytes)
+                             : tm__err(ctx, TM_ERR_NOMEM, "%s: out of memory for %zu bytes of optimizer state", fn, nbytes);
+    if (s != TM_OK) {
+        if (f->st.data) tm__dev_free(ctx, b->info.device, f->st.data);
+        tm__host_free(ctx, f);
+        return s;
+    }
+    memset(&f->t, 0, sizeof f->t);
+    f->t.ctx = ctx;
+    f->t.dtype = TM_F32;
+    f->t.device = b->info.device;
+    f->t.ndim = 1;
+    f->t.shape[0] = b->info.numel;
+    f->t.stride[0] = 1;
+    f->t.storage = &f->st;
+    f->t.persistent = 1;
+    f->t.name = "";
+    ctx->owned[ctx->n_owned++] = &f->st;
+    *out = &f->t;
+    return TM_OK;
+}
+

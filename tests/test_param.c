@@ -1,0 +1,200 @@
+/* test_param.c — parameter groups and buckets, f32 master weights, and the update ops over
+ * bucket ranges: the model's expert weights form their own bucket with contiguous gradients; a
+ * bucket-wide update equals the per-parameter updates bit for bit; bf16 master weights keep
+ * updates that bf16 alone would lose; bad group and shard descriptions are refused by field. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+static tm_model *small_model(tm_ctx *ctx, tm_dtype dt) {
+    tm_model_config c = tm_model_config_default();
+    c.vocab_size = 17;
+    c.d_model = 16;
+    c.n_layers = 2;
+    c.n_heads = 2;
+    c.n_kv_heads = 1;
+    c.max_seq_len = 8;
+    c.moe.ffn_size = 8;
+    tm_model *m = NULL;
+    TT_OK(ctx, tm_model_new(ctx, &c, dt, tm_cpu(), &m));
+    TT_OK(ctx, tm_model_init(m, 3));
+    return m;
+}
+
+Test(param, model_buckets_by_group) {
+    tm_ctx *ctx = tt_ctx();
+    tm_model *m = small_model(ctx, TM_F32);
+    cr_assert_eq(tm_ctx_num_buckets(ctx), 2, "dense + expert buckets, got %d", tm_ctx_num_buckets(ctx));
+    int64_t seen[2] = {0, 0};
+    int counted[2] = {0, 0};
+    for (int i = 0; i < tm_ctx_num_params(ctx); i++) {
+        tm_tensor *p = tm_ctx_param(ctx, i);
+        tm_param_info pi;
+        TT_OK(ctx, tm_param_get_info(p, &pi));
+        int expert = strstr(tm_tensor_name(p), ".experts.") != NULL;
+        cr_assert_eq(pi.opts.group, expert ? TM_PARAM_EXPERT : TM_PARAM_DENSE, "%s", tm_tensor_name(p));
+        tm_bucket_info bi;
+        TT_OK(ctx, tm_ctx_bucket_info(ctx, pi.bucket, &bi));
+        cr_assert_eq(bi.group, pi.opts.group);
+        if (expert) cr_assert(bi.expert_lo == 0 && bi.expert_hi == 4, "expert range [%d, %d)", bi.expert_lo, bi.expert_hi);
+        /* parameters sit in creation order, without overlap */
+        cr_assert_geq(pi.bucket_offset, seen[pi.bucket], "%s overlaps its predecessor", tm_tensor_name(p));
+        seen[pi.bucket] = pi.bucket_offset + tm_tensor_numel(p);
+        counted[pi.bucket]++;
+        cr_assert_leq(seen[pi.bucket], bi.numel);
+    }
+    for (int b = 0; b < 2; b++) {
+        tm_bucket_info bi;
+        TT_OK(ctx, tm_ctx_bucket_info(ctx, b, &bi));
+        cr_assert_eq(bi.num_params, counted[b]);
+    }
+    /* The gradients of a bucket are one contiguous range: writing the flat gradient view is
+     * seen through every parameter's own gradient, at its bucket offset. */
+    for (int b = 0; b < 2; b++) {
+        tm_tensor *g = tm_ctx_bucket_tensor(ctx, b, TM_BUCKET_GRADS);
+        int64_t n = tm_tensor_numel(g);
+        double *v = malloc(sizeof(double) * (size_t)n);
+        for (int64_t i = 0; i < n; i++) v[i] = (double)(i % 1000) + b;
+        TT_OK(ctx, tm_tensor_write(ctx, g, TM_F64, v, n));
+        for (int i = 0; i < tm_ctx_num_params(ctx); i++) {
+            tm_tensor *p = tm_ctx_param(ctx, i);
+            tm_param_info pi;
+            TT_OK(ctx, tm_param_get_info(p, &pi));
+            if (pi.bucket != b) continue;
+            double *gp = tt_read(ctx, tm_tensor_grad(p));
+            for (int64_t k = 0; k < tm_tensor_numel(p); k++)
+                cr_assert_eq(gp[k], v[pi.bucket_offset + k], "%s grad[%lld]", tm_tensor_name(p), (long long)k);
+            free(gp);
+        }
+        free(v);
+    }
+    cr_assert_null(tm_ctx_bucket_tensor(ctx, 0, TM_BUCKET_MASTER), "f32 buckets have no master");
+    cr_assert_null(tm_ctx_bucket_tensor(ctx, 2, TM_BUCKET_PARAMS));
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+}
+
+Test(param, bad_options_name_the_field) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t s[3] = {4, 3, 2};
+    tm_tensor *p = NULL;
+    tm_param_options o = tm_param_options_default();
+    o.group = TM_PARAM_EXPERT;
+    o.expert_lo = 2;
+    o.expert_hi = 4; /* 2 experts, shape[0] = 4 */
+    cr_assert_eq(tm_param_new_ex(ctx, "w", TM_F32, 3, s, tm_cpu(), &o, &p), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "expert_lo") && strstr(tm_ctx_errmsg(ctx), "\"w\""), "%s", tm_ctx_errmsg(ctx));
+    o = tm_param_options_default();
+    o.shard_axis = 1;
+    o.logical_ndim = 3;
+    o.logical_shape[0] = 4, o.logical_shape[1] = 6, o.logical_shape[2] = 2;
+    o.shard_offset = 4; /* [4, 7) does not fit 6 */
+    cr_assert_eq(tm_param_new_ex(ctx, "w", TM_F32, 3, s, tm_cpu(), &o, &p), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "shard"), "%s", tm_ctx_errmsg(ctx));
+    o.shard_offset = 3; /* fits: [3, 6) of axis 1 */
+    TT_OK(ctx, tm_param_new_ex(ctx, "w", TM_F32, 3, s, tm_cpu(), &o, &p));
+    tm_param_info pi;
+    TT_OK(ctx, tm_param_get_info(p, &pi));
+    cr_assert(pi.opts.shard_axis == 1 && pi.opts.shard_offset == 3 && pi.opts.logical_shape[1] == 6);
+    o.group = (tm_param_group)7;
+    cr_assert_eq(tm_param_new_ex(ctx, "w2", TM_F32, 3, s, tm_cpu(), &o, &p), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "group"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_null(tm_ctx_find(ctx, "w2"), "a refused parameter was registered");
+    tm_buffer_new(ctx, "buf", TM_F32, 1, s, tm_cpu(), &p);
+    cr_assert_eq(tm_param_get_info(p, &pi), TM_ERR_INVALID_ARG);
+    tm_ctx_free(ctx);
+}
+
+/* One adamw_update over a whole bucket gives the same bits as one per parameter. */
+Test(param, bucket_update_equals_per_parameter_updates) {
+    double got[2][512];
+    int64_t n = 0;
+    for (int mode = 0; mode < 2; mode++) {
+        tm_ctx *ctx = tt_ctx();
+        int64_t s1[2] = {7, 9}, s2[1] = {13}, s3[2] = {5, 11};
+        tm_tensor *p[3];
+        TT_OK(ctx, tm_param_new(ctx, "a", TM_F32, 2, s1, tm_cpu(), &p[0]));
+        TT_OK(ctx, tm_param_new(ctx, "b", TM_F32, 1, s2, tm_cpu(), &p[1]));
+        TT_OK(ctx, tm_param_new(ctx, "c", TM_F32, 2, s3, tm_cpu(), &p[2]));
+        for (int i = 0; i < 3; i++) TT_OK(ctx, tm_tensor_init_normal(ctx, p[i], 5, NULL, 0, 1));
+        tm_tensor *G = tm_ctx_bucket_tensor(ctx, 0, TM_BUCKET_GRADS), *P = tm_ctx_bucket_tensor(ctx, 0, TM_BUCKET_PARAMS);
+        n = tm_tensor_numel(P);
+        cr_assert_leq(n, 512);
+        tm_tensor *rg = tt_randn(ctx, TM_F32, 1, &n, 9), *m, *v;
+        TT_OK(ctx, tm_tensor_zeros(ctx, TM_F32, 1, &n, tm_cpu(), &m));
+        TT_OK(ctx, tm_tensor_zeros(ctx, TM_F32, 1, &n, tm_cpu(), &v));
+        double *hg = tt_read(ctx, rg);
+        /* gradients only where parameters are: backward never writes the padding */
+        for (int64_t i = 0; i < n; i++) {
+            int inside = 0;
+            for (int k = 0; k < 3; k++) {
+                tm_param_info pi;
+                TT_OK(ctx, tm_param_get_info(p[k], &pi));
+                inside |= i >= pi.bucket_offset && i < pi.bucket_offset + tm_tensor_numel(p[k]);
+            }
+            if (!inside) hg[i] = 0;
+        }
+        TT_OK(ctx, tm_tensor_write(ctx, G, TM_F64, hg, n));
+        free(hg);
+        tm_adamw_config cfg = tm_adamw_config_default();
+        for (int step = 1; step <= 3; step++) {
+            if (mode == 0) {
+                TT_OK(ctx, tm_adamw_update(ctx, P, G, m, v, NULL, &cfg, 1e-2, 0.0, step));
+            } else {
+                for (int i = 0; i < 3; i++) {
+                    tm_param_info pi;
+                    TT_OK(ctx, tm_param_get_info(p[i], &pi));
+                    tm_tensor *ms, *vs;
+                    TT_OK(ctx, tm_slice(ctx, m, 0, pi.bucket_offset, pi.bucket_offset + tm_tensor_numel(p[i]), &ms));
+                    TT_OK(ctx, tm_slice(ctx, v, 0, pi.bucket_offset, pi.bucket_offset + tm_tensor_numel(p[i]), &vs));
+                    TT_OK(ctx, tm_adamw_update(ctx, p[i], tm_tensor_grad(p[i]), ms, vs, NULL, &cfg, 1e-2, 0.0, step));
+                }
+            }
+        }
+        TT_OK(ctx, tm_tensor_read(ctx, P, TM_F64, got[mode], n));
+        tm_ctx_free(ctx);
+    }
+    /* padding stays zero either way (zero gradient, zero parameter, no decay) */
+    for (int64_t i = 0; i < n; i++) cr_assert_eq(got[0][i], got[1][i], "element %lld", (long long)i);
+}
+
+/* bf16 with f32 master weights: 400 steps each too small to move a bf16 value of 1.0 (half an
+ * ulp is 2^-8; each SGD step moves 1e-3) add up on the master, and the parameter follows. */
+Test(param, bf16_master_keeps_small_updates) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t s = 8;
+    tm_tensor *p;
+    TT_OK(ctx, tm_param_new(ctx, "p", TM_BF16, 1, &s, tm_cpu(), &p));
+    TT_OK(ctx, tm_tensor_fill(ctx, p, 1.0));
+    tm_sgd_config cfg = tm_sgd_config_default();
+    cfg.momentum = 0;
+    cfg.lr = 1e-3;
+    tm_optimizer *opt;
+    TT_OK(ctx, tm_sgd_new(ctx, &cfg, &opt));
+    tm_bucket_info bi;
+    TT_OK(ctx, tm_ctx_bucket_info(ctx, 0, &bi));
+    cr_assert(bi.has_master, "a bf16 bucket under an optimizer has a master");
+    tm_tensor *master = tm_ctx_find(ctx, "p.master");
+    cr_assert_not_null(master);
+    double ones[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+    for (int t = 0; t < 400; t++) {
+        TT_OK(ctx, tm_tensor_write(ctx, tm_tensor_grad(p), TM_F64, ones, 8));
+        TT_OK(ctx, tm_optimizer_step(opt, -1));
+        tm_ctx_arena_reset(ctx);
+    }
+    double *mv = tt_read(ctx, master), *pv = tt_read(ctx, p);
+    /* master: 1 - 400e-3 in f32 steps; the bf16 parameter is that rounded (0.6 -> 0.6015625) */
+    cr_assert(fabs(mv[0] - 0.6) < 1e-4, "master %g", mv[0]);
+    cr_assert(fabs(pv[0] - 0.6) < 4e-3 && pv[0] != 1.0, "parameter %g did not follow its master", pv[0]);
+    /* writing the parameter rewrites its master */
+    TT_OK(ctx, tm_tensor_fill(ctx, p, 2.0));
+    double two[8] = {2, 2, 2, 2, 2, 2, 2, 2};
+    TT_OK(ctx, tm_tensor_write(ctx, p, TM_F64, two, 8));
+    double *m2 = tt_read(ctx, master);
+    cr_assert_eq(m2[0], 2.0);
+    free(mv), free(pv), free(m2);
+    tm_optimizer_free(opt);
+    tm_ctx_free(ctx);
+}
