@@ -23,6 +23,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* TM_API marks every function of the public contract. The library is compiled with
+ * -fvisibility=hidden, so these are the only symbols libtinymoe.so exports (the Makefile's
+ * `make test` checks it); the tm__ internals stay inside it. */
+#if defined(__GNUC__) || defined(__clang__)
+#define TM_API __attribute__((visibility("default")))
+#else
+#define TM_API
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -35,8 +44,8 @@ extern "C" {
 #define TM_VERSION_NUMBER (TM_VERSION_MAJOR * 10000 + TM_VERSION_MINOR * 100 + TM_VERSION_PATCH)
 
 /* The version of the library actually linked (may differ from the header's macros). */
-const char *tm_version(void);
-int tm_version_number(void);
+TM_API const char *tm_version(void);
+TM_API int tm_version_number(void);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Status codes                                                                                */
@@ -58,7 +67,7 @@ typedef enum tm_status {
 } tm_status;
 
 /* A short constant description of a status code ("shape mismatch", ...). Never NULL. */
-const char *tm_status_str(tm_status s);
+TM_API const char *tm_status_str(tm_status s);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Types                                                                                       */
@@ -77,8 +86,8 @@ typedef enum tm_dtype {
 } tm_dtype;
 
 /* Name ("f32", "bf16", ...) and size in bytes of a dtype; "?" / 0 when out of range. */
-const char *tm_dtype_name(tm_dtype dt);
-size_t tm_dtype_size(tm_dtype dt);
+TM_API const char *tm_dtype_name(tm_dtype dt);
+TM_API size_t tm_dtype_size(tm_dtype dt);
 
 typedef enum tm_device_type { TM_DEVICE_CPU = 0, TM_DEVICE_CUDA = 1 } tm_device_type;
 
@@ -114,49 +123,49 @@ typedef struct tm_ctx_options {
 } tm_ctx_options;
 
 /* Defaults: no allocator hook, all threads, CPU only, 64 MiB chunks. */
-tm_ctx_options tm_ctx_options_default(void);
+TM_API tm_ctx_options tm_ctx_options_default(void);
 
 /* Make a context. opts may be NULL (defaults). Errors: TM_ERR_INVALID_ARG (out NULL),
  * TM_ERR_NOMEM, TM_ERR_DEVICE (cuda_device >= 0 but CUDA absent from the build or no such
  * device; the message says which). On failure *out is NULL and, since no context exists to
  * hold a message, the reason is available from tm_last_create_error(). */
-tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts);
+TM_API tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts);
 
 /* Message of the last failed tm_ctx_new in this thread (thread-local; "" if none). */
-const char *tm_last_create_error(void);
+TM_API const char *tm_last_create_error(void);
 
 /* Free the context and everything it owns (tensors, parameters, device memory). NULL: no-op. */
-void tm_ctx_free(tm_ctx *ctx);
+TM_API void tm_ctx_free(tm_ctx *ctx);
 
 /* Message of the context's last failed call: names the op and its arguments ("" if nothing
  * failed yet; successful calls leave it unchanged, so read it right after a failure). The
  * pointer stays valid until the next call on the context. */
-const char *tm_ctx_errmsg(const tm_ctx *ctx);
+TM_API const char *tm_ctx_errmsg(const tm_ctx *ctx);
 
 /* Number of CUDA devices visible (0 when the build has no CUDA or no driver/device). */
-int tm_cuda_device_count(void);
+TM_API int tm_cuda_device_count(void);
 
 /* Wait for all queued device work of the context to finish. Errors: TM_ERR_CUDA. */
-tm_status tm_ctx_sync(tm_ctx *ctx);
+TM_API tm_status tm_ctx_sync(tm_ctx *ctx);
 
 /* Release every temporary tensor and the autograd tape (all arena tensor handles become
  * invalid). Memory is kept for the next step, so a steady-state training step performs no
  * system allocation. Parameters, gradients and buffers are untouched. Call it after the
  * optimizer step. */
-void tm_ctx_arena_reset(tm_ctx *ctx);
+TM_API void tm_ctx_arena_reset(tm_ctx *ctx);
 
 /* Count of system allocations (host allocator calls and cudaMalloc) this context has made
  * since creation. A second identical training step leaves it unchanged. */
-uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
+TM_API uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
 
 /* Bytes of arena currently handed out on a device (0 after tm_ctx_arena_reset) and the
  * high-water mark since creation. */
-size_t tm_ctx_arena_used(const tm_ctx *ctx, tm_device dev);
-size_t tm_ctx_arena_peak(const tm_ctx *ctx, tm_device dev);
+TM_API size_t tm_ctx_arena_used(const tm_ctx *ctx, tm_device dev);
+TM_API size_t tm_ctx_arena_peak(const tm_ctx *ctx, tm_device dev);
 
 /* Enable (1) or disable (0) recording of the autograd tape; returns the previous setting.
  * With recording off (evaluation, sampling) ops produce tensors without grad history. */
-int tm_ctx_set_grad_enabled(tm_ctx *ctx, int enabled);
+TM_API int tm_ctx_set_grad_enabled(tm_ctx *ctx, int enabled);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Tensors                                                                                     */
@@ -165,57 +174,57 @@ int tm_ctx_set_grad_enabled(tm_ctx *ctx, int enabled);
 /* Temporary tensors (arena). shape has ndim entries, each >= 0, ndim in [0, TM_MAX_DIMS]
  * (ndim 0 = scalar). Errors: TM_ERR_INVALID_ARG (null, ndim, negative size), TM_ERR_DTYPE
  * (f64 on CUDA), TM_ERR_DEVICE, TM_ERR_NOMEM. */
-tm_status tm_tensor_empty(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
-                          tm_tensor **out);
-tm_status tm_tensor_zeros(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
-                          tm_tensor **out);
+TM_API tm_status tm_tensor_empty(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
+                                 tm_tensor **out);
+TM_API tm_status tm_tensor_zeros(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
+                                 tm_tensor **out);
 /* Copy numel elements of src_dt from host memory `src` into a new temporary of dtype dt
  * (converted; float->bf16 rounds to nearest even; float->int truncates). */
-tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape,
-                              tm_device dev, tm_dtype src_dt, const void *src, tm_tensor **out);
+TM_API tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape,
+                                     tm_device dev, tm_dtype src_dt, const void *src, tm_tensor **out);
 
 /* Persistent trainable parameter: allocated in the device's single contiguous parameter
  * buffer, with its gradient (zeroed) in the matching contiguous gradient buffer.
  * `name` (<= 127 bytes, unique in the context) keys the counter-based RNG and checkpoints.
  * Contents are zero until initialised (tm_tensor_init_normal / tm_tensor_write).
  * Errors: as tm_tensor_empty, plus TM_ERR_INVALID_ARG for a duplicate or over-long name. */
-tm_status tm_param_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
-                       tm_device dev, tm_tensor **out);
+TM_API tm_status tm_param_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
+                              tm_device dev, tm_tensor **out);
 /* Persistent tensor without gradient (optimizer state, expert_bias, data). Zero-filled. */
-tm_status tm_buffer_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim,
-                        const int64_t *shape, tm_device dev, tm_tensor **out);
+TM_API tm_status tm_buffer_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim,
+                               const int64_t *shape, tm_device dev, tm_tensor **out);
 
 /* Parameters in creation order: count, and the i-th (NULL when out of range). */
-int tm_ctx_num_params(const tm_ctx *ctx);
-tm_tensor *tm_ctx_param(const tm_ctx *ctx, int i);
+TM_API int tm_ctx_num_params(const tm_ctx *ctx);
+TM_API tm_tensor *tm_ctx_param(const tm_ctx *ctx, int i);
 /* Find a parameter or buffer by name; NULL if none. */
-tm_tensor *tm_ctx_find(const tm_ctx *ctx, const char *name);
+TM_API tm_tensor *tm_ctx_find(const tm_ctx *ctx, const char *name);
 
 /* Set every parameter gradient to zero (one memset per device buffer). */
-tm_status tm_ctx_zero_grad(tm_ctx *ctx);
+TM_API tm_status tm_ctx_zero_grad(tm_ctx *ctx);
 
 /* Introspection. Functions taking a tensor return 0 / NULL for t == NULL. */
-int tm_tensor_ndim(const tm_tensor *t);
-int64_t tm_tensor_dim(const tm_tensor *t, int axis); /* negative axis from the end; -1 if invalid */
-int64_t tm_tensor_numel(const tm_tensor *t);
-tm_dtype tm_tensor_dtype(const tm_tensor *t);
-tm_device tm_tensor_device(const tm_tensor *t);
-const char *tm_tensor_name(const tm_tensor *t); /* "" for unnamed temporaries */
-int tm_tensor_is_contiguous(const tm_tensor *t);
-int tm_tensor_requires_grad(const tm_tensor *t);
+TM_API int tm_tensor_ndim(const tm_tensor *t);
+TM_API int64_t tm_tensor_dim(const tm_tensor *t, int axis); /* negative axis from the end; -1 if invalid */
+TM_API int64_t tm_tensor_numel(const tm_tensor *t);
+TM_API tm_dtype tm_tensor_dtype(const tm_tensor *t);
+TM_API tm_device tm_tensor_device(const tm_tensor *t);
+TM_API const char *tm_tensor_name(const tm_tensor *t); /* "" for unnamed temporaries */
+TM_API int tm_tensor_is_contiguous(const tm_tensor *t);
+TM_API int tm_tensor_requires_grad(const tm_tensor *t);
 /* Gradient accumulated by tm_backward, or NULL if none has been computed yet. */
-tm_tensor *tm_tensor_grad(const tm_tensor *t);
+TM_API tm_tensor *tm_tensor_grad(const tm_tensor *t);
 /* Mark a temporary leaf tensor (one not produced by an op) as needing a gradient, so that
  * tm_backward computes tm_tensor_grad(t). Errors: TM_ERR_STATE on a non-leaf, TM_ERR_DTYPE
  * on a non-float tensor. */
-tm_status tm_tensor_set_requires_grad(tm_ctx *ctx, tm_tensor *t, int requires_grad);
+TM_API tm_status tm_tensor_set_requires_grad(tm_ctx *ctx, tm_tensor *t, int requires_grad);
 
 /* Copy the tensor's logical elements (any strides, any device) to host memory `dst`,
  * converted to dst_dt. count must equal numel. Errors: TM_ERR_INVALID_ARG, TM_ERR_CUDA. */
-tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count);
+TM_API tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count);
 /* Overwrite a contiguous tensor's elements from host memory `src` of src_dt (count = numel).
  * Not recorded on the tape. */
-tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count);
+TM_API tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Counter-based random numbers                                                                */
@@ -228,19 +237,19 @@ tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void
  * bit-identical. */
 
 /* Four 32-bit outputs of Philox4x32-10 for a 128-bit counter and 64-bit key. */
-void tm_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
+TM_API void tm_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
 /* FNV-1a 64-bit hash of a NUL-terminated string (the RNG stream id of a tensor name). */
-uint64_t tm_hash_name(const char *name);
+TM_API uint64_t tm_hash_name(const char *name);
 
 /* Fill t with N(mean, std^2) (Box-Muller on two Philox outputs in f64, then converted) or
  * U[lo, hi) keyed by (seed, name, index). name NULL: the tensor's own name. Float dtypes only.
  * Errors: TM_ERR_DTYPE, TM_ERR_INVALID_ARG (std < 0, lo > hi, unnamed temporary and no name). */
-tm_status tm_tensor_init_normal(tm_ctx *ctx, tm_tensor *t, uint64_t seed, const char *name,
-                                double mean, double std);
-tm_status tm_tensor_init_uniform(tm_ctx *ctx, tm_tensor *t, uint64_t seed, const char *name,
-                                 double lo, double hi);
+TM_API tm_status tm_tensor_init_normal(tm_ctx *ctx, tm_tensor *t, uint64_t seed, const char *name,
+                                       double mean, double std);
+TM_API tm_status tm_tensor_init_uniform(tm_ctx *ctx, tm_tensor *t, uint64_t seed, const char *name,
+                                        double lo, double hi);
 /* Fill with a constant (any dtype; value converted). Not recorded on the tape. */
-tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value);
+TM_API tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Autograd                                                                                    */
@@ -253,9 +262,9 @@ tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value);
 
 /* loss: a one-element float tensor; its upstream gradient is 1.
  * Errors: TM_ERR_SHAPE (not one element), TM_ERR_STATE (loss does not require grad). */
-tm_status tm_backward(tm_ctx *ctx, tm_tensor *loss);
+TM_API tm_status tm_backward(tm_ctx *ctx, tm_tensor *loss);
 /* Backward from any tensor with an explicit upstream gradient of the same shape. */
-tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad);
+TM_API tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Ops                                                                                         */
@@ -269,78 +278,78 @@ tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad);
  * a: [..., M, K] (or [..., K, M] transposed), b: [K, N] or [..., K, N] with the same leading
  * dims as a (batched). out: [..., M, N]. Accumulation in f32 (f64 for f64).
  * Errors: TM_ERR_SHAPE (inner dims or batch dims differ), TM_ERR_DTYPE (mixed dtypes). */
-tm_status tm_matmul(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, int trans_a, int trans_b, tm_tensor **out);
+TM_API tm_status tm_matmul(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, int trans_a, int trans_b, tm_tensor **out);
 
 /* Elementwise a+b, a-b, a*b. Broadcasting over leading dims: the shape of one operand must
  * equal the trailing dims of the other's (e.g. [B,T,C] + [C]); out has the larger shape. */
-tm_status tm_add(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
-tm_status tm_sub(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
-tm_status tm_mul(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
+TM_API tm_status tm_add(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
+TM_API tm_status tm_sub(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
+TM_API tm_status tm_mul(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
 /* out = alpha * x. */
-tm_status tm_scale(tm_ctx *ctx, tm_tensor *x, double alpha, tm_tensor **out);
+TM_API tm_status tm_scale(tm_ctx *ctx, tm_tensor *x, double alpha, tm_tensor **out);
 
 /* Sum / mean over one axis (keepdim keeps it as size 1), or over all elements (*_all: a 0-d
  * scalar). Accumulation in f64 on the CPU, f32 on CUDA. */
-tm_status tm_sum(tm_ctx *ctx, tm_tensor *x, int axis, int keepdim, tm_tensor **out);
-tm_status tm_mean(tm_ctx *ctx, tm_tensor *x, int axis, int keepdim, tm_tensor **out);
-tm_status tm_sum_all(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
-tm_status tm_mean_all(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
+TM_API tm_status tm_sum(tm_ctx *ctx, tm_tensor *x, int axis, int keepdim, tm_tensor **out);
+TM_API tm_status tm_mean(tm_ctx *ctx, tm_tensor *x, int axis, int keepdim, tm_tensor **out);
+TM_API tm_status tm_sum_all(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
+TM_API tm_status tm_mean_all(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 
 /* Shape ops. reshape/view: a view when x is contiguous (one dim may be -1), a copy otherwise.
  * transpose/permute/slice: views (no copy). slice keeps [start, end) of `axis` (negative
  * start/end count from the end). concat: along axis, all other dims equal, n in [1, 8].
  * contiguous: a dense copy of a view (x itself if already dense). */
-tm_status tm_reshape(tm_ctx *ctx, tm_tensor *x, int ndim, const int64_t *shape, tm_tensor **out);
-tm_status tm_transpose(tm_ctx *ctx, tm_tensor *x, int axis0, int axis1, tm_tensor **out);
-tm_status tm_permute(tm_ctx *ctx, tm_tensor *x, const int *perm, tm_tensor **out);
-tm_status tm_slice(tm_ctx *ctx, tm_tensor *x, int axis, int64_t start, int64_t end, tm_tensor **out);
-tm_status tm_concat(tm_ctx *ctx, int n, tm_tensor *const *xs, int axis, tm_tensor **out);
-tm_status tm_contiguous(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
+TM_API tm_status tm_reshape(tm_ctx *ctx, tm_tensor *x, int ndim, const int64_t *shape, tm_tensor **out);
+TM_API tm_status tm_transpose(tm_ctx *ctx, tm_tensor *x, int axis0, int axis1, tm_tensor **out);
+TM_API tm_status tm_permute(tm_ctx *ctx, tm_tensor *x, const int *perm, tm_tensor **out);
+TM_API tm_status tm_slice(tm_ctx *ctx, tm_tensor *x, int axis, int64_t start, int64_t end, tm_tensor **out);
+TM_API tm_status tm_concat(tm_ctx *ctx, int n, tm_tensor *const *xs, int axis, tm_tensor **out);
+TM_API tm_status tm_contiguous(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 /* Convert dtype (differentiable between float dtypes; gradient converted back). */
-tm_status tm_cast(tm_ctx *ctx, tm_tensor *x, tm_dtype dt, tm_tensor **out);
+TM_API tm_status tm_cast(tm_ctx *ctx, tm_tensor *x, tm_dtype dt, tm_tensor **out);
 /* Copy to another device (differentiable: the gradient is copied back). */
-tm_status tm_to_device(tm_ctx *ctx, tm_tensor *x, tm_device dev, tm_tensor **out);
+TM_API tm_status tm_to_device(tm_ctx *ctx, tm_tensor *x, tm_device dev, tm_tensor **out);
 
 /* Embedding lookup: weight [V, C], ids (i32 or i64) of any shape S -> out [S..., C].
  * Backward scatter-adds rows into d weight. Errors: TM_ERR_INDEX naming the first id outside
  * [0, V) and its position. */
-tm_status tm_embedding(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
+TM_API tm_status tm_embedding(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
 /* Row gather: x [N, C], idx [M] (i32/i64) -> out [M, C], out[m] = x[idx[m]]. */
-tm_status tm_index_select(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out);
+TM_API tm_status tm_index_select(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out);
 /* Gather along the last axis: x [N, C], idx [N, K] -> out [N, K], out[n,k] = x[n, idx[n,k]]. */
-tm_status tm_gather(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out);
+TM_API tm_status tm_gather(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out);
 /* Row scatter-add: src [M, C], idx [M] -> out [n_rows, C] zero-initialised,
  * out[idx[m]] += src[m]. */
-tm_status tm_scatter_add(tm_ctx *ctx, tm_tensor *src, tm_tensor *idx, int64_t n_rows, tm_tensor **out);
+TM_API tm_status tm_scatter_add(tm_ctx *ctx, tm_tensor *src, tm_tensor *idx, int64_t n_rows, tm_tensor **out);
 
 /* RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x^2 over last axis) + eps) * weight.
  * x [..., C], weight [C]. */
-tm_status tm_rmsnorm(tm_ctx *ctx, tm_tensor *x, tm_tensor *weight, double eps, tm_tensor **out);
+TM_API tm_status tm_rmsnorm(tm_ctx *ctx, tm_tensor *x, tm_tensor *weight, double eps, tm_tensor **out);
 /* SiLU(x) = x * sigmoid(x) (Elfwing et al. 2018). */
-tm_status tm_silu(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
+TM_API tm_status tm_silu(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 /* SwiGLU (Shazeer 2020), fused: out = silu(gate) * up; gate and up of the same shape. */
-tm_status tm_swiglu(tm_ctx *ctx, tm_tensor *gate, tm_tensor *up, tm_tensor **out);
+TM_API tm_status tm_swiglu(tm_ctx *ctx, tm_tensor *gate, tm_tensor *up, tm_tensor **out);
 /* Softmax / log-softmax over the last axis (max-subtracted). */
-tm_status tm_softmax(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
-tm_status tm_log_softmax(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
+TM_API tm_status tm_softmax(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
+TM_API tm_status tm_log_softmax(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 /* Fused cross-entropy: logits [N, V] float, targets [N] i32/i64. Rows whose target equals
  * ignore_index are skipped; out (0-d, f32 or the logits dtype) = mean over the valid rows of
  * (logsumexp(logits[n]) - logits[n, target[n]]); 0 when no row is valid.
  * Errors: TM_ERR_INDEX for a target outside [0, V) that is not ignore_index. */
-tm_status tm_cross_entropy(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
-                           tm_tensor **out);
+TM_API tm_status tm_cross_entropy(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
+                                  tm_tensor **out);
 /* Rotary position embedding, rotate-half convention (GPT-NeoX / Llama / Mixtral; Su et al.
  * 2021): x [B, T, H, D], D even; position of row t is pos_offset + t;
  * inv_freq[i] = theta^(-2i/D), i < D/2; for the pair (x1 = x[..., i], x2 = x[..., i + D/2]):
  * y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin, angle = pos * inv_freq[i]. */
-tm_status tm_rope(tm_ctx *ctx, tm_tensor *x, int64_t pos_offset, double theta, tm_tensor **out);
+TM_API tm_status tm_rope(tm_ctx *ctx, tm_tensor *x, int64_t pos_offset, double theta, tm_tensor **out);
 /* Causal scaled-dot-product attention with grouped-query heads, fused (one op, own backward):
  * q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D], Hq % Hkv == 0, Tk >= Tq; query head h reads
  * kv head h / (Hq / Hkv); query i (0-based) sees keys j <= i + (Tk - Tq);
  * out[b,i,h] = sum_j softmax_j(q.k_j * scale) v_j with scale = 1/sqrt(D) when scale <= 0.
  * out [B, Tq, Hq, D]. (Vaswani et al. 2017; GQA: Ainslie et al. 2023.) */
-tm_status tm_attention(tm_ctx *ctx, tm_tensor *q, tm_tensor *k, tm_tensor *v, double scale,
-                       tm_tensor **out);
+TM_API tm_status tm_attention(tm_ctx *ctx, tm_tensor *q, tm_tensor *k, tm_tensor *v, double scale,
+                              tm_tensor **out);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Mixture of Experts: the pieces                                                              */
@@ -369,7 +378,7 @@ typedef struct tm_router_config {
 } tm_router_config;
 
 /* E = 8, k = 2, softmax, pre-softmax, no groups, scaling 1, no renormalisation. */
-tm_router_config tm_router_config_default(void);
+TM_API tm_router_config tm_router_config_default(void);
 
 /* Float outputs have the logits' dtype (f32; f64 for gradient checks). */
 typedef struct tm_router_out {
@@ -399,8 +408,8 @@ typedef struct tm_router_out {
  * Errors (message names the field): TM_ERR_INVALID_ARG for k outside [1,E], E % num_groups,
  * group_topk outside [1, num_groups], k % group_topk, k / group_topk > E / num_groups,
  * scaling_factor <= 0; TM_ERR_SHAPE for logits not [T,E] or expert_bias not [E]. */
-tm_status tm_moe_router(tm_ctx *ctx, tm_tensor *logits, tm_tensor *expert_bias, const tm_router_config *cfg,
-                        tm_router_out *out);
+TM_API tm_status tm_moe_router(tm_ctx *ctx, tm_tensor *logits, tm_tensor *expert_bias, const tm_router_config *cfg,
+                               tm_router_out *out);
 
 /* Switch / GShard load-balancing loss (TE fused_moe_aux_loss, Megatron
  * switch_load_balancing_loss_func):
@@ -409,24 +418,24 @@ tm_status tm_moe_router(tm_ctx *ctx, tm_tensor *logits, tm_tensor *expert_bias, 
  * see tm_moe_aux_scores); tokens_per_expert: i64 [E] (no gradient). T = rows of scores, or
  * total_tokens when > 0 (data parallelism: counts and T summed over ranks). Out: 0-d f32.
  * Gradient: d scores[t,e] = E * coeff / (k * T^2) * tokens_per_expert[e]. */
-tm_status tm_moe_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *tokens_per_expert, int topk, double coeff,
-                          int64_t total_tokens, tm_tensor **out);
+TM_API tm_status tm_moe_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *tokens_per_expert, int topk, double coeff,
+                                 int64_t total_tokens, tm_tensor **out);
 /* Sequence-level variant (DeepSeek-V3 sec. 2.1.2, complementary sequence-wise balance loss):
  * the rows form num_seqs contiguous sequences of S = T / num_seqs tokens; per sequence the
  * formula above with that sequence's scores and counts (counts from routing_map [T,E] u8) and
  * S in place of T; the result is the mean over sequences. */
-tm_status tm_moe_seq_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *routing_map, int topk, double coeff,
-                              int64_t num_seqs, tm_tensor **out);
+TM_API tm_status tm_moe_seq_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *routing_map, int topk, double coeff,
+                                     int64_t num_seqs, tm_tensor **out);
 /* Scores for the auxiliary losses, from router logits f32 [T,E]: softmax over all E, or for
  * sigmoid s / sum_E s with s = sigmoid(logits); no bias, no grouping. Differentiable. */
-tm_status tm_moe_aux_scores(tm_ctx *ctx, tm_tensor *logits, tm_score_function score_function, tm_tensor **out);
+TM_API tm_status tm_moe_aux_scores(tm_ctx *ctx, tm_tensor *logits, tm_score_function score_function, tm_tensor **out);
 /* Router z-loss (ST-MoE eq. 5): z = coeff * mean_t (logsumexp_e logits[t,e])^2. 0-d f32. */
-tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_tensor **out);
+TM_API tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_tensor **out);
 /* Aux-loss-free balancing (DeepSeek-V3 sec. 2.1.2; Megatron get_updated_expert_bias), once per
  * optimizer step with counts summed over micro-batches and ranks:
  *   expert_bias[e] += rate * sign(mean(counts) - counts[e])     (sign(0) = 0)
  * expert_bias: f32 [E] (a buffer), counts: i64 [E]. Not recorded on the tape. */
-tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate);
+TM_API tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate);
 
 typedef enum tm_drop_policy {
     TM_DROP_PROBS = 0,   /* per expert, keep the `capacity` tokens of highest p (ties: lower t) */
@@ -435,15 +444,15 @@ typedef enum tm_drop_policy {
 
 /* capacity = ceil((T * k / E) * capacity_factor), in doubles as Megatron get_capacity;
  * -1 for invalid arguments (num_tokens < 0, topk < 1, num_experts < 1, factor <= 0). */
-int64_t tm_moe_capacity(int64_t num_tokens, int topk, int num_experts, double capacity_factor);
+TM_API int64_t tm_moe_capacity(int64_t num_tokens, int topk, int num_experts, double capacity_factor);
 
 /* Token dropping (Megatron apply_router_token_dropping without pad_to_capacity): removes from
  * routing_map [T,E] u8 and probs f32 [T,E] every routed (t,e) beyond `capacity` per expert,
  * chosen by `policy`. Outputs probs_kept (differentiable: gradient passes where kept),
  * map_kept, and *dropped (may be NULL) = number of routed pairs removed. Unlike Megatron's
  * column top-k, only routed tokens compete for an expert's slots, with a fixed tie order. */
-tm_status tm_moe_drop_tokens(tm_ctx *ctx, tm_tensor *probs, tm_tensor *routing_map, int64_t capacity,
-                             tm_drop_policy policy, tm_tensor **probs_kept, tm_tensor **map_kept, int64_t *dropped);
+TM_API tm_status tm_moe_drop_tokens(tm_ctx *ctx, tm_tensor *probs, tm_tensor *routing_map, int64_t capacity,
+                                    tm_drop_policy policy, tm_tensor **probs_kept, tm_tensor **map_kept, int64_t *dropped);
 
 typedef struct tm_moe_dispatch {
     tm_tensor *permuted;          /* [R,H] x's dtype: expert-major, token-ascending rows; padding 0 */
@@ -461,22 +470,22 @@ typedef struct tm_moe_dispatch {
  * x: [T,H] float; routing_map: u8 [T,E]; probs: f32 [T,E]. Differentiable in x and probs:
  * dx[t] = sum of d permuted over t's rows; d probs[t,e] = d permuted_probs[row(t,e)].
  * R is known only after reading routing_map (a data-dependent output size). */
-tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t align_size,
-                         int64_t pad_to, tm_moe_dispatch *out);
+TM_API tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t align_size,
+                                int64_t pad_to, tm_moe_dispatch *out);
 
 /* Combine / unpermute: y[t] = sum over rows r with row_token[r] = t of
  * expert_out[r] * permuted_probs[r] (f32 accumulation, cast once to expert_out's dtype);
  * padding rows (row_token -1) are skipped. expert_out [R,H], permuted_probs f32 [R] or NULL
  * (weights 1), row_token i64 (or i32) [R], out [num_tokens, H].
  * Backward: d expert_out[r] = dy[t] p[r]; d permuted_probs[r] = <expert_out[r], dy[t]>. */
-tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor *permuted_probs, tm_tensor *row_token,
-                           int64_t num_tokens, tm_tensor **out);
+TM_API tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor *permuted_probs, tm_tensor *row_token,
+                                  int64_t num_tokens, tm_tensor **out);
 
 /* Grouped (ragged) GEMM: rows of x [R,K] form consecutive groups of counts[g] rows
  * (counts: i64 [G], sum = R); out[rows of g] = x[rows of g] @ w[g], w [G,K,N], out [R,N].
  * One GEMM per non-empty group; empty groups cost nothing and leave dw[g] untouched (zero).
  * Backward: dx_g = dy_g @ w[g]^T; dw[g] = x_g^T @ dy_g. */
-tm_status tm_grouped_matmul(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor *counts, tm_tensor **out);
+TM_API tm_status tm_grouped_matmul(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor *counts, tm_tensor **out);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Mixture of Experts: the block                                                               */
@@ -511,11 +520,11 @@ typedef struct tm_moe_config {
 } tm_moe_config;
 
 /* H 64, F 128, router defaults (E 8, k 2), no bias, no losses, align 1, dropless, grouped. */
-tm_moe_config tm_moe_config_default(void);
+TM_API tm_moe_config tm_moe_config_default(void);
 
 /* Check every field (the message names the field and its value). ctx may be NULL (no message).
  * Errors: TM_ERR_INVALID_ARG. */
-tm_status tm_moe_config_check(tm_ctx *ctx, const tm_moe_config *cfg);
+TM_API tm_status tm_moe_config_check(tm_ctx *ctx, const tm_moe_config *cfg);
 
 typedef struct tm_moe tm_moe;
 
@@ -525,15 +534,15 @@ typedef struct tm_moe tm_moe;
  *   buffers <p>.expert_bias f32 [E] (if use_expert_bias) and <p>.tokens_per_expert_sum i64 [E].
  * Parameters are zero: initialise them (tm_moe_init or tm_tensor_init_normal).
  * dtype: f32, bf16 or f64 (CPU) for the weights; the gate math is always f32 (f64 for f64). */
-tm_status tm_moe_new(tm_ctx *ctx, const char *prefix, const tm_moe_config *cfg, tm_dtype dtype, tm_device dev,
-                     tm_moe **out);
-void tm_moe_free(tm_moe *moe); /* the parameters stay with the context; NULL: no-op */
+TM_API tm_status tm_moe_new(tm_ctx *ctx, const char *prefix, const tm_moe_config *cfg, tm_dtype dtype, tm_device dev,
+                            tm_moe **out);
+TM_API void tm_moe_free(tm_moe *moe); /* the parameters stay with the context; NULL: no-op */
 /* Normal(0, std) for every weight, keyed by (seed, parameter name); output projections
  * (experts.wo, shared.wo) use out_std. */
-tm_status tm_moe_init(tm_moe *moe, uint64_t seed, double std, double out_std);
-const tm_moe_config *tm_moe_get_config(const tm_moe *moe);
+TM_API tm_status tm_moe_init(tm_moe *moe, uint64_t seed, double std, double out_std);
+TM_API const tm_moe_config *tm_moe_get_config(const tm_moe *moe);
 /* A parameter or buffer of the block by suffix ("gate.weight", "experts.w0", "expert_bias", ...). */
-tm_tensor *tm_moe_tensor(const tm_moe *moe, const char *suffix);
+TM_API tm_tensor *tm_moe_tensor(const tm_moe *moe, const char *suffix);
 
 typedef struct tm_moe_stats {
     /* Differentiable 0-d f32 losses, coefficients applied; NULL when the coefficient is 0.
@@ -550,10 +559,10 @@ typedef struct tm_moe_stats {
  * sequence-level aux loss (rows are split evenly; 1 if unused). stats may be NULL.
  * With grad mode on, tokens_per_expert is also added to the block's running sum for
  * tm_moe_step (evaluation and sampling forwards do not move the expert bias). */
-tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats);
+TM_API tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats);
 /* Once per optimizer step: apply the expert-bias update (if use_expert_bias) from the counts
  * summed since the last call, then clear the sum. */
-tm_status tm_moe_step(tm_moe *moe);
+TM_API tm_status tm_moe_step(tm_moe *moe);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Mixtral-style decoder-only language model                                                   */
@@ -585,22 +594,22 @@ typedef struct tm_model_config {
 } tm_model_config;
 
 /* Defaults above with moe = 4 experts, top-2, ffn 256, softmax-pre, aux_loss_coeff 1e-2. */
-tm_model_config tm_model_config_default(void);
+TM_API tm_model_config tm_model_config_default(void);
 /* Check every field; the message names the field (and for MoE fields, "moe." + the name). */
-tm_status tm_model_config_check(tm_ctx *ctx, const tm_model_config *cfg);
+TM_API tm_status tm_model_config_check(tm_ctx *ctx, const tm_model_config *cfg);
 
 typedef struct tm_model tm_model;
 
-tm_status tm_model_new(tm_ctx *ctx, const tm_model_config *cfg, tm_dtype dtype, tm_device dev, tm_model **out);
+TM_API tm_status tm_model_new(tm_ctx *ctx, const tm_model_config *cfg, tm_dtype dtype, tm_device dev, tm_model **out);
 /* Free the model's host bookkeeping; call before tm_ctx_free (the parameters stay with the
  * context). NULL: no-op. */
-void tm_model_free(tm_model *model);
+TM_API void tm_model_free(tm_model *model);
 /* Initialise every parameter from (seed, name) as described in tm_model_config (norm
  * weights 1). Identical on every backend and layout. */
-tm_status tm_model_init(tm_model *model, uint64_t seed);
-const tm_model_config *tm_model_get_config(const tm_model *model);
+TM_API tm_status tm_model_init(tm_model *model, uint64_t seed);
+TM_API const tm_model_config *tm_model_get_config(const tm_model *model);
 /* Parameter counts: total, and active per token (routed experts counted topk / E). */
-int64_t tm_model_num_params(const tm_model *model, int64_t *active_per_token);
+TM_API int64_t tm_model_num_params(const tm_model *model, int64_t *active_per_token);
 
 typedef struct tm_model_out {
     tm_tensor *logits;  /* [B,T,V] */
@@ -618,9 +627,9 @@ typedef struct tm_model_out {
 
 /* Forward: tokens i32 [B,T] (values in [0, vocab_size), T <= max_seq_len); targets i32 [B,T]
  * or NULL (no loss); target -1 is ignored. Errors name the offending token and position. */
-tm_status tm_model_forward(tm_model *model, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out);
+TM_API tm_status tm_model_forward(tm_model *model, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out);
 /* Once per optimizer step: tm_moe_step on every MoE layer (expert-bias updates). */
-tm_status tm_model_step(tm_model *model);
+TM_API tm_status tm_model_step(tm_model *model);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Incremental decoding                                                                        */
@@ -638,14 +647,14 @@ typedef struct tm_kv_cache tm_kv_cache;
  * Errors: TM_ERR_INVALID_ARG (null, batch < 1, max_len outside [1, max_seq_len], naming the
  * argument), TM_ERR_NOMEM, TM_ERR_CUDA. The cache belongs to the model and must be freed
  * before it. */
-tm_status tm_kv_cache_new(tm_model *model, int batch, int max_len, tm_kv_cache **out);
+TM_API tm_status tm_kv_cache_new(tm_model *model, int batch, int max_len, tm_kv_cache **out);
 /* NULL: no-op. */
-void tm_kv_cache_free(tm_kv_cache *cache);
+TM_API void tm_kv_cache_free(tm_kv_cache *cache);
 /* Forget every position (length 0); memory is kept. */
-void tm_kv_cache_reset(tm_kv_cache *cache);
+TM_API void tm_kv_cache_reset(tm_kv_cache *cache);
 /* Positions held (the same for every sequence of the batch), and the capacity. */
-int tm_kv_cache_len(const tm_kv_cache *cache);
-int tm_kv_cache_capacity(const tm_kv_cache *cache);
+TM_API int tm_kv_cache_len(const tm_kv_cache *cache);
+TM_API int tm_kv_cache_capacity(const tm_kv_cache *cache);
 
 /* Forward of T new tokens per sequence, tokens i32 [batch, T], at positions
  * [len, len + T) where len = tm_kv_cache_len(cache): their keys and values are appended to the
@@ -664,7 +673,7 @@ int tm_kv_cache_capacity(const tm_kv_cache *cache);
  * differs from the cache's), TM_ERR_INDEX (a token outside [0, vocab_size), naming its
  * position and value), TM_ERR_DEVICE (tokens on another device), TM_ERR_UNSUPPORTED (an op
  * without a kernel on the model's device, naming the op), TM_ERR_NOMEM, TM_ERR_CUDA. */
-tm_status tm_model_forward_cached(tm_model *model, tm_kv_cache *cache, tm_tensor *tokens, tm_tensor **logits);
+TM_API tm_status tm_model_forward_cached(tm_model *model, tm_kv_cache *cache, tm_tensor *tokens, tm_tensor **logits);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Sampling                                                                                    */
@@ -691,15 +700,15 @@ typedef struct tm_sampler_config {
     uint64_t seed;      /* default 0 */
 } tm_sampler_config;
 
-tm_sampler_config tm_sampler_config_default(void);
+TM_API tm_sampler_config tm_sampler_config_default(void);
 
 /* Draw one token from host logits[V] (f32). counter: the draw's index (e.g. the position of
  * the token being generated). Scratch memory (V entries, for temperature > 0) comes from
  * ctx's host arena and is released by the next tm_ctx_arena_reset.
  * Errors: TM_ERR_INVALID_ARG (null, V < 1, temperature NaN, top_p outside (0, 1] or NaN, a
  * NaN logit, naming it), TM_ERR_NOMEM. */
-tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const tm_sampler_config *cfg, uint64_t counter,
-                          int *token);
+TM_API tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const tm_sampler_config *cfg, uint64_t counter,
+                                 int *token);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Checkpoints                                                                                 */
@@ -713,7 +722,7 @@ tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const tm_samp
  * previous file or the new one, complete. On failure the temporary file is removed.
  * Errors: TM_ERR_INVALID_ARG (null path, meta NULL with meta_bytes > 0), TM_ERR_IO (the
  * message names the file and the system error), TM_ERR_NOMEM, TM_ERR_CUDA. */
-tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes);
+TM_API tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes);
 
 /* Load a checkpoint written by tm_ckpt_save into the tensors of ctx, which must hold exactly
  * the same set of names, each with the same dtype and shape. The whole file is validated
@@ -725,7 +734,7 @@ tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t m
  * version, unknown / duplicate / missing tensor, dtype or shape mismatch, meta larger than
  * meta_cap), TM_ERR_UNSUPPORTED (foreign endianness), TM_ERR_NOMEM, TM_ERR_CUDA (a device
  * copy failed; the only error after which ctx may be partly loaded). */
-tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_cap, size_t *meta_bytes);
+TM_API tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_cap, size_t *meta_bytes);
 
 /* Flags of tm_ckpt_load_flags. TM_CKPT_SKIP_UNKNOWN: tensors of the file that the context does
  * not hold are validated (CRC, structure) and then skipped instead of being an error; use it
@@ -733,8 +742,8 @@ tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_ca
  * Every tensor of the context must still be in the file. */
 enum { TM_CKPT_SKIP_UNKNOWN = 1u };
 /* tm_ckpt_load with flags (0: exactly tm_ckpt_load). Same errors. */
-tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void *meta, size_t meta_cap,
-                             size_t *meta_bytes);
+TM_API tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void *meta, size_t meta_cap,
+                                    size_t *meta_bytes);
 
 /* What a checkpoint holds, without loading it: tm_ckpt_inspect validates the whole file as
  * tm_ckpt_load does (structure, every CRC, every tensor inflates to its length) and lists it.
@@ -761,9 +770,9 @@ typedef struct tm_ckpt_info {
  * unsupported version, TM_ERR_UNSUPPORTED), TM_ERR_NOMEM. On success free *out with
  * tm_ckpt_info_free. The info is one block from malloc (not the context's allocator: it may
  * outlive ctx). */
-tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out);
+TM_API tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out);
 /* NULL: no-op. */
-void tm_ckpt_info_free(tm_ckpt_info *info);
+TM_API void tm_ckpt_info_free(tm_ckpt_info *info);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Optimizers                                                                                  */
@@ -785,7 +794,7 @@ typedef struct tm_adamw_config {
     double weight_decay; /* default 0.0; applied to parameters of 2 or more dims only */
 } tm_adamw_config;
 
-tm_adamw_config tm_adamw_config_default(void);
+TM_API tm_adamw_config tm_adamw_config_default(void);
 
 typedef struct tm_optimizer tm_optimizer;
 
@@ -793,16 +802,16 @@ typedef struct tm_optimizer tm_optimizer;
  * tm_adamw_config_default(). Errors: TM_ERR_INVALID_ARG (lr < 0, betas outside [0, 1),
  * eps <= 0, weight_decay < 0, naming the field; a state name over 127 bytes), TM_ERR_STATE (no
  * parameters, or the state buffers exist already: one AdamW per context), TM_ERR_NOMEM. */
-tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimizer **out);
+TM_API tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimizer **out);
 /* One update from the gradients currently accumulated. lr < 0: the configured lr (pass the
  * scheduled value otherwise). Does not zero the gradients (tm_ctx_zero_grad).
  * Errors: TM_ERR_INVALID_ARG (lr NaN or infinite), TM_ERR_UNSUPPORTED (a CUDA parameter: the
  * CUDA update kernel comes with the full CUDA backend; nothing is changed). */
-tm_status tm_optimizer_step(tm_optimizer *opt, double lr);
+TM_API tm_status tm_optimizer_step(tm_optimizer *opt, double lr);
 /* Number of steps taken. */
-int64_t tm_optimizer_steps(const tm_optimizer *opt);
+TM_API int64_t tm_optimizer_steps(const tm_optimizer *opt);
 /* Free the optimizer (its state buffers stay with the context until tm_ctx_free). NULL: no-op. */
-void tm_optimizer_free(tm_optimizer *opt);
+TM_API void tm_optimizer_free(tm_optimizer *opt);
 
 /* SGD with momentum (Sutskever et al. 2013; PyTorch torch.optim.SGD semantics, dampening 0):
  *   g' = g + weight_decay * p                      (L2 decay, 2-or-more-dim parameters only)
@@ -817,9 +826,9 @@ typedef struct tm_sgd_config {
     double weight_decay; /* default 0 */
 } tm_sgd_config;
 
-tm_sgd_config tm_sgd_config_default(void);
+TM_API tm_sgd_config tm_sgd_config_default(void);
 /* Same contract as tm_adamw_new; use tm_optimizer_step / _steps / _free with it. */
-tm_status tm_sgd_new(tm_ctx *ctx, const tm_sgd_config *cfg, tm_optimizer **out);
+TM_API tm_status tm_sgd_new(tm_ctx *ctx, const tm_sgd_config *cfg, tm_optimizer **out);
 
 /* Learning-rate schedules. step counts optimizer steps from 0. With W = warmup_steps,
  * S = total_steps, lr_max = lr, lr_min = min_lr:
@@ -841,16 +850,16 @@ typedef struct tm_lr_schedule {
 } tm_lr_schedule;
 
 /* Learning rate at `step`; NaN when the schedule is invalid (see tm_lr_schedule_check). */
-double tm_lr_at(const tm_lr_schedule *s, int64_t step);
+TM_API double tm_lr_at(const tm_lr_schedule *s, int64_t step);
 /* Errors (message names the field): lr < 0, min_lr outside [0, lr], warmup_steps < 0,
  * total_steps < warmup_steps for decaying kinds, decay_fraction outside (0, 1], bad kind. */
-tm_status tm_lr_schedule_check(tm_ctx *ctx, const tm_lr_schedule *s);
+TM_API tm_status tm_lr_schedule_check(tm_ctx *ctx, const tm_lr_schedule *s);
 
 /* Global L2 norm of all parameter gradients (accumulated in f64): sqrt(sum_p sum_i g_i^2).
  * With max_norm > 0, gradients are then scaled by max_norm / (norm + 1e-6) when norm >
  * max_norm (torch.nn.utils.clip_grad_norm_). *norm_out (may be NULL) gets the norm before
  * clipping. Errors: TM_ERR_INVALID_ARG (max_norm NaN), TM_ERR_UNSUPPORTED (CUDA gradients). */
-tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out);
+TM_API tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out);
 
 #ifdef __cplusplus
 }
