@@ -353,7 +353,7 @@ static void write_tokens(const char *path, int n, uint32_t max) {
     uint32_t *t = malloc(sizeof *t * (size_t)n);
     for (int i = 0; i < n; i++) t[i] = (uint32_t)((i * 7u) % max);
     char err[256];
-    cr_assert_eq(tm__tokens_write(path, t, n, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_tokens_write(path, t, n, err, sizeof err), 0, "%s", err);
     free(t);
 }
 

@@ -61,7 +61,7 @@ static const char *token_file(void) {
         tok[i] = (x % 7 == 0) ? ' ' : 'a' + (uint32_t)(x % 26);
     }
     char err[256];
-    cr_assert_eq(tm__tokens_write(path, tok, N, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_tokens_write(path, tok, N, err, sizeof err), 0, "%s", err);
     return path;
 }
 

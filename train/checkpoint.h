@@ -31,7 +31,7 @@
 
 typedef struct tmd_ckpt_state {
     int64_t step;          /* optimizer steps completed */
-    int64_t data_position; /* tm__batcher.position (0 for synthetic data) */
+    int64_t data_position; /* tmd_batcher.position (0 for synthetic data) */
 } tmd_ckpt_state;
 
 /* A checkpoint loaded as a model, for inference. */

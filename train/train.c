@@ -39,8 +39,8 @@ typedef struct run {
     /* data */
     markov src;
     double optimum;
-    tm__tokens train, val;
-    tm__batcher bt;
+    tmd_tokens train, val;
+    tmd_batcher bt;
     int64_t n_eval;           /* validation windows */
     int32_t *inp, *tgt, *seq; /* [B*T], [B*T], [T+1] */
     /* model */
@@ -86,8 +86,8 @@ static void free_run(run *r) {
     free(r->tgt);
     free(r->seq);
     markov_free(&r->src);
-    tm__tokens_free(&r->train);
-    tm__tokens_free(&r->val);
+    tmd_tokens_free(&r->train);
+    tmd_tokens_free(&r->val);
     tm_optimizer_free(r->opt);
     tm_model_free(r->model);
     tm_ctx_free(r->ctx);
@@ -111,22 +111,22 @@ static int load_data(run *r, int eval_only, char *err, size_t errlen) {
      * a checkpoint on the data it was trained on: then the same held-out tail as training). */
     const char *val_path = c->val_data[0] ? c->val_data : eval_only && !r->eval_split ? c->data : NULL;
     if (!val_path || !eval_only) {
-        if (tm__tokens_load(c->data, &r->train, e, sizeof e))
+        if (tmd_tokens_load(c->data, &r->train, e, sizeof e))
             return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'data' = '%s': %s", c->data, e);
-        if (tm__tokens_check_vocab(&r->train, c->model.vocab_size, e, sizeof e))
+        if (tmd_tokens_check_vocab(&r->train, c->model.vocab_size, e, sizeof e))
             return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
                             "key 'data' = '%s': %s (vocab_size = %d; set vocab_size for "
                             "tokens other than bytes)",
                             c->data, e, c->model.vocab_size);
     }
     if (val_path) {
-        if (tm__tokens_load(val_path, &r->val, e, sizeof e))
+        if (tmd_tokens_load(val_path, &r->val, e, sizeof e))
             return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key '%s' = '%s': %s", c->val_data[0] ? "val_data" : "data",
                             val_path, e);
-    } else if (tm__tokens_split(&r->train, c->val_fraction, &r->val, e, sizeof e)) {
+    } else if (tmd_tokens_split(&r->train, c->val_fraction, &r->val, e, sizeof e)) {
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'val_fraction' = %g: %s", c->val_fraction, e);
     }
-    if (tm__tokens_check_vocab(&r->val, c->model.vocab_size, e, sizeof e))
+    if (tmd_tokens_check_vocab(&r->val, c->model.vocab_size, e, sizeof e))
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "validation data: %s (vocab_size = %d)", e, c->model.vocab_size);
     int64_t windows = r->val.n > r->T ? (r->val.n - 1) / r->T : 0;
     if (windows < 1)
@@ -144,7 +144,7 @@ static int load_data(run *r, int eval_only, char *err, size_t errlen) {
             "key 'batch_size' = %d: a batch of batch_size x seq_len = %d x %d = %lld tokens is larger than the "
             "%lld training tokens of '%s'",
             r->B, r->B, r->T, (long long)per_batch, (long long)r->train.n, r->train.source);
-    if (tm__batcher_init(&r->bt, &r->train, r->B, r->T, (uint64_t)c->seed, e, sizeof e))
+    if (tmd_batcher_init(&r->bt, &r->train, r->B, r->T, (uint64_t)c->seed, e, sizeof e))
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'data' = '%s': %s", c->data, e);
     return 0;
 }
@@ -232,7 +232,7 @@ static int setup(run *r, const tmd_config *cfg, FILE *log, int eval_only, char *
 /* Training micro-batch `micro` of `step` into r->inp / r->tgt. */
 static void train_batch(run *r, int64_t step, int micro) {
     if (!r->synth) {
-        tm__batcher_next(&r->bt, r->inp, r->tgt);
+        tmd_batcher_next(&r->bt, r->inp, r->tgt);
         return;
     }
     /* Fresh sequences from the source: nothing can be memorised, so the training loss is an
@@ -415,7 +415,7 @@ static int sample(run *r, char *err, size_t errlen) {
     if (!prompt) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for sampling");
     int n = 0;
     for (size_t i = 0; i < plen; i++) prompt[n++] = (unsigned char)c->sample_prompt[i];
-    if (!n) prompt[n++] = TM__BYTE_EOT;
+    if (!n) prompt[n++] = TMD_BYTE_EOT;
     for (int i = 0; i < n; i++)
         if (prompt[i] >= c->model.vocab_size) {
             int byte = prompt[i];
@@ -433,7 +433,7 @@ static int sample(run *r, char *err, size_t errlen) {
     sc.top_k = c->top_k;
     sc.top_p = c->top_p;
     sc.seed = (uint64_t)c->seed;
-    int rc = tmd_generate(r->ctx, r->model, prompt, n, c->sample_tokens, &sc, TM__BYTE_EOT, f, NULL, err, errlen);
+    int rc = tmd_generate(r->ctx, r->model, prompt, n, c->sample_tokens, &sc, TMD_BYTE_EOT, f, NULL, err, errlen);
     fprintf(f, "\n");
     free(prompt);
     return rc;
