@@ -37,7 +37,7 @@ typedef struct run {
     FILE *log;
     int tty;
     /* data */
-    markov src;
+    tmd_markov src;
     double optimum;
     tmd_tokens train, val;
     tmd_batcher bt;
@@ -85,7 +85,7 @@ static void free_run(run *r) {
     free(r->inp);
     free(r->tgt);
     free(r->seq);
-    markov_free(&r->src);
+    tmd_markov_free(&r->src);
     tmd_tokens_free(&r->train);
     tmd_tokens_free(&r->val);
     tm_optimizer_free(r->opt);
@@ -99,9 +99,9 @@ static void free_run(run *r) {
 static int load_data(run *r, int eval_only, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     if (r->synth) {
-        if (markov_init(&r->src, c->synthetic_vocab, c->synthetic_k, (uint64_t)c->seed))
+        if (tmd_markov_init(&r->src, c->synthetic_vocab, c->synthetic_k, (uint64_t)c->seed))
             return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory building the synthetic source");
-        r->optimum = markov_optimal_loss(&r->src, r->T);
+        r->optimum = tmd_markov_optimal_loss(&r->src, r->T);
         r->n_eval = (int64_t)(c->eval_batches ? c->eval_batches : SYNTH_DEFAULT_EVAL_BATCHES) * r->B;
         return 0;
     }
@@ -239,7 +239,7 @@ static void train_batch(run *r, int64_t step, int micro) {
      * unbiased estimate of the expected loss and its gap to the optimum is a true gap. */
     for (int b = 0; b < r->B; b++) {
         uint64_t stream = ((uint64_t)step * (uint64_t)r->c.grad_accum + (uint64_t)micro) * (uint64_t)r->B + (uint64_t)b;
-        markov_sample(&r->src, (uint64_t)r->c.seed, stream, r->seq, r->T + 1);
+        tmd_markov_sample(&r->src, (uint64_t)r->c.seed, stream, r->seq, r->T + 1);
         memcpy(r->inp + (size_t)b * r->T, r->seq, sizeof *r->seq * (size_t)r->T);
         memcpy(r->tgt + (size_t)b * r->T, r->seq + 1, sizeof *r->seq * (size_t)r->T);
     }
@@ -248,7 +248,7 @@ static void train_batch(run *r, int64_t step, int micro) {
 /* Validation window w: a fixed synthetic sequence, or tokens [w T, w T + T] of the val set. */
 static void val_window(run *r, int64_t w, int32_t *inp, int32_t *tgt) {
     if (r->synth) {
-        markov_sample(&r->src, (uint64_t)r->c.seed, VAL_STREAM | (uint64_t)w, r->seq, r->T + 1);
+        tmd_markov_sample(&r->src, (uint64_t)r->c.seed, VAL_STREAM | (uint64_t)w, r->seq, r->T + 1);
     } else {
         const uint32_t *t = r->val.tok + w * r->T;
         for (int i = 0; i <= r->T; i++) r->seq[i] = (int32_t)t[i];
