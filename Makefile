@@ -45,7 +45,7 @@ else
 endif
 
 WARN     := -Wall -Wextra -Werror -Wno-unused-parameter
-CFLAGS_ALL := -std=c11 -D_GNU_SOURCE $(OPT) $(WARN) -fPIC -fopenmp -Iinclude -Iframework $(SANFLAGS) $(CFLAGS)
+CFLAGS_ALL := -std=c11 -D_GNU_SOURCE $(OPT) $(WARN) -fPIC -fopenmp -Iinclude $(SANFLAGS) $(CFLAGS)
 LDLIBS_ALL := -fopenmp -lm -lpthread -lz $(SANFLAGS)
 
 ifeq ($(BLAS),1)
@@ -97,8 +97,10 @@ LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
 # libtinymoe.a still reach tm__ functions (hidden is a dynamic-linking property only).
 # scripts/check-exports.sh, run by `make test` (and `make check-exports`), fails when the .so
 # exports a tm__ or other non-public name, or misses a public one (a function without TM_API).
+# Only the library and the tests see framework/ (internal.h); the driver (train/) and bench/
+# are built against include/ alone, as any program using the library is.
 LIB_VIS := -fvisibility=hidden
-$(LIB_SRC:%.c=$(BUILD)/%.o): CFLAGS_ALL += $(LIB_VIS)
+$(LIB_SRC:%.c=$(BUILD)/%.o): CFLAGS_ALL += $(LIB_VIS) -Iframework
 # The driver: train/main.c plus the rest of train/ (data, config, ...), which the tests link
 # too, through libtinymoe_train.a.
 DRV_SRC  := $(filter-out train/main.c,$(wildcard train/*.c))
@@ -147,7 +149,7 @@ $(BIN): $(DRV_MAIN) $(LIBTRAIN) $(LIBA)
 	$(CC) -o $@ $(DRV_MAIN) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS)
 
 $(BUILD)/tests/%.o: CFLAGS_ALL += $(shell pkg-config --cflags criterion 2>/dev/null) -Itests
-$(BUILD)/tests/%.o: CFLAGS_ALL += -Itrain $(CJSON_CFLAGS)
+$(BUILD)/tests/%.o: CFLAGS_ALL += -Iframework -Itrain $(CJSON_CFLAGS)
 $(TEST_OBJ): | cjson-check
 $(TESTBIN): $(TEST_OBJ) $(LIBTRAIN) $(LIBA)
 	$(CC) -o $@ $(TEST_OBJ) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(shell pkg-config --libs criterion 2>/dev/null || echo -lcriterion)
