@@ -10,6 +10,7 @@
 #include "common.h"
 #include "config.h"
 #include "data.h"
+#include "status.h"
 #include "train.h"
 
 /* A fresh temporary directory (removed by the test with rm_rf). */

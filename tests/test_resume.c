@@ -21,6 +21,7 @@
 #include "config.h"
 #include "data.h"
 #include "hf.h"
+#include "status.h"
 #include "train.h"
 
 static void setup(void) { tt_tmpdir_make("tm_test_resume_"); }

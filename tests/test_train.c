@@ -12,6 +12,7 @@
 #include "config.h"
 #include "data.h"
 #include "plot.h"
+#include "status.h"
 #include "train.h"
 
 static char *tmpdir(void) {

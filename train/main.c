@@ -23,6 +23,7 @@
 #include "data.h"
 #include "hf.h"
 #include "sample.h"
+#include "status.h"
 #include "tinymoe.h"
 #include "train.h"
 

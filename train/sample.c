@@ -15,7 +15,7 @@
 #include "checkpoint.h"
 #include "config.h"
 #include "generate.h"
-#include "train.h"
+#include "status.h"
 #include "util.h"
 
 #define EOT_TOKEN 256 /* the byte tokenizer's end-of-text (train/data.h) */

@@ -20,6 +20,7 @@
 #include "log.h"
 #include "markov.h"
 #include "plot.h"
+#include "status.h"
 #include "tinymoe.h"
 #include "util.h"
 

@@ -10,7 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "train.h"
+#include "status.h"
 
 int tmd_fail(char *err, size_t errlen, int code, const char *fmt, ...) {
     if (err && errlen) {
