@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "atomic.h"
@@ -68,12 +67,6 @@ typedef struct run {
 static int lib_fail(run *r, char *err, size_t errlen, const char *what, tm_status s) {
     return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "%s failed (%s): %s", what, tm_status_str(s),
                     tm_ctx_errmsg(r->ctx));
-}
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 static void free_run(run *r) {
@@ -374,7 +367,7 @@ static int log_train(run *r, int64_t step, double lr, const interval *iv, double
 /* The terminal's progress line: the means of the current log interval, redrawn at most every
  * 0.1 s (and at the last step). */
 static void draw_progress(run *r, int64_t step, double lr, const interval *iv, double elapsed, double *last_draw) {
-    double t = now_s();
+    double t = tmd_now_s();
     if (!r->tty || !r->log || iv->n == 0 || (t - *last_draw < 0.1 && step < r->c.sched.total_steps)) return;
     *last_draw = t;
     double n = iv->n, tps = (double)iv->n * r->c.grad_accum * r->B * r->T / iv->seconds;
@@ -546,7 +539,7 @@ static int save_checkpoint(run *r, int64_t done, char *err, size_t errlen) {
     if (!meta) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the checkpoint meta");
     char path[TMD_PATH_MAX + 32];
     tmd_ckpt_path(r->c.out, done, path, sizeof path);
-    double t0 = now_s();
+    double t0 = tmd_now_s();
     tm_status s = tm_ckpt_save(r->ctx, path, meta, len);
     free(meta);
     if (s) return lib_fail(r, err, errlen, "saving a checkpoint", s);
@@ -556,7 +549,7 @@ static int save_checkpoint(run *r, int64_t done, char *err, size_t errlen) {
         struct stat sb;
         if (r->tty) tmd_progress_clear(r->log);
         fprintf(r->log, "step %lld: saved %s (%.1f MB, %.2f s)\n", (long long)done, path,
-                stat(path, &sb) ? 0.0 : (double)sb.st_size / 1e6, now_s() - t0);
+                stat(path, &sb) ? 0.0 : (double)sb.st_size / 1e6, tmd_now_s() - t0);
         fflush(r->log);
     }
     return 0;
@@ -722,9 +715,9 @@ static int train_loop(run *r, tmd_train_result *res, char *err, size_t errlen) {
     interval iv = {0};
     double t_train = 0, first_loss = NAN, val = NAN, last_draw = 0;
     for (int64_t step = start; step < steps; step++) {
-        double lr = tm_lr_at(&c->sched, step), t0 = now_s();
+        double lr = tm_lr_at(&c->sched, step), t0 = tmd_now_s();
         if ((rc = train_step(r, step, lr, &iv, &first_loss, err, errlen))) return rc;
-        double dt = now_s() - t0;
+        double dt = tmd_now_s() - t0;
         iv.seconds += dt;
         t_train += dt;
         int64_t done = step + 1;
@@ -907,11 +900,11 @@ static int eval_run(const tmd_config *cfg, const char *ckpt, FILE *log, double *
     if (!rc) rc = setup(r, &c, log, 1, err, errlen);
     if (!rc) {
         print_header(r, 1);
-        double t0 = now_s();
+        double t0 = tmd_now_s();
         rc = evaluate(r, &v, err, errlen);
         if (!rc && log) {
             fprintf(log, "loss %.4f nats/token, perplexity %.3f, over %lld tokens (%.1f s)", v, exp(v),
-                    (long long)r->n_eval * r->T, now_s() - t0);
+                    (long long)r->n_eval * r->T, tmd_now_s() - t0);
             if (r->synth) fprintf(log, "; optimum %.4f", r->optimum);
             if (ckpt)
                 fprintf(log, "\nmodel: %s (step %lld)\n", r->resume_path, (long long)r->resume_state.step);

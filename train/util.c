@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "status.h"
@@ -51,4 +52,10 @@ int tmd_read_file(const char *path, unsigned char **data, size_t *len, char *err
     *data = b;
     *len = n;
     return 0;
+}
+
+double tmd_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }

@@ -1,5 +1,6 @@
 /*
- * util.h — small helpers the driver's files share: the error message, reading a whole file.
+ * util.h — small helpers the driver's files share: the error message, reading a whole file,
+ * the clock.
  *
  * Driver functions report failure as a return code plus a readable message in a caller's
  * buffer (char *err, size_t errlen). tmd_fail formats that message and returns the code, so a
@@ -22,5 +23,8 @@ int tmd_fail(char *err, size_t errlen, int code, const char *fmt, ...);
  * TMD_CONFIG_ERROR when it cannot be opened or is not a regular file, TMD_RUNTIME_ERROR when
  * memory or a read fails (codes of status.h); the message names the file. */
 int tmd_read_file(const char *path, unsigned char **data, size_t *len, char *err, size_t errlen);
+
+/* Seconds on the monotonic clock (CLOCK_MONOTONIC), for measuring durations. */
+double tmd_now_s(void);
 
 #endif
