@@ -1,10 +1,11 @@
 /*
- * test_resume.c — driver checkpoints (train/checkpoint.c, the save/resume path of train.c):
- * training 2N steps equals training N, saving, and resuming N more, bit for bit (every loss
- * and every tensor), on synthetic data and on a token file with gradient accumulation, expert
- * biases and SGD; SIGINT in the middle of a run writes a checkpoint whose resumption again
- * equals the uninterrupted run; keep_last pruning; config mismatches on resume; eval of a
- * checkpoint reproduces the validation loss of training; meta text round trip.
+ * test_resume.c — driver checkpoints (train/checkpoint.c, train/rundir.c, the save/resume path
+ * of train.c): training 2N steps equals training N, saving, and resuming N more, bit for bit
+ * (every loss and every tensor), on synthetic data and on a token file with gradient
+ * accumulation, expert biases and SGD; SIGINT in the middle of a run writes a checkpoint whose
+ * resumption again equals the uninterrupted run; keep_last pruning; config mismatches on
+ * resume; eval of a checkpoint reproduces the validation loss of training; meta text round
+ * trip.
  */
 #include <errno.h>
 #include <math.h>
