@@ -97,9 +97,9 @@ LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
 # libtinymoe.a still reach tm__ functions (hidden is a dynamic-linking property only).
 # scripts/check-exports.sh, run by `make test` (and `make check-exports`), fails when the .so
 # exports a tm__ or other non-public name, or misses a public one (a function without TM_API).
+LIB_VIS := -fvisibility=hidden
 # Only the library and the tests see framework/ (internal.h); the driver (train/) and bench/
 # are built against include/ alone, as any program using the library is.
-LIB_VIS := -fvisibility=hidden
 $(LIB_SRC:%.c=$(BUILD)/%.o): CFLAGS_ALL += $(LIB_VIS) -Iframework
 # The driver: train/main.c plus the rest of train/ (data, config, ...), which the tests link
 # too, through libtinymoe_train.a.
