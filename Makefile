@@ -1,8 +1,9 @@
 # tinymoe — build
 #
 #   make                      libtinymoe.a, libtinymoe.so and the tinymoe driver in build/
-#   make test                 build and run the Criterion suite (tests/), then examples/*.c
-#                             against a staged install ($(BUILD)/stage)
+#   make test                 check the .so's exports (scripts/check-exports.sh), build and run
+#                             the Criterion suite (tests/), then examples/*.c against a staged
+#                             install ($(BUILD)/stage)
 #   make SAN=1 test           the same with AddressSanitizer + UBSan (objects in build-san/)
 #   make install PREFIX=/usr/local
 #
@@ -44,7 +45,7 @@ else
 endif
 
 WARN     := -Wall -Wextra -Werror -Wno-unused-parameter
-CFLAGS_ALL := -std=c11 -D_GNU_SOURCE $(OPT) $(WARN) -fPIC -fopenmp -Iinclude -Iframework $(SANFLAGS) $(CFLAGS)
+CFLAGS_ALL := -std=c11 -D_GNU_SOURCE $(OPT) $(WARN) -fPIC -fopenmp -Iinclude $(SANFLAGS) $(CFLAGS)
 LDLIBS_ALL := -fopenmp -lm -lpthread -lz $(SANFLAGS)
 
 ifeq ($(BLAS),1)
@@ -72,7 +73,7 @@ ifeq ($(CUDA),1)
     $(error CUDA=1 but nvcc was not found (PATH or $(CUDA_HOME)/bin))
   endif
   CFLAGS_ALL += -DTM_HAVE_CUDA -I$(CUDA_HOME)/include
-  NVCCFLAGS := -std=c++17 -O2 -g -lineinfo $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Werror \
+  NVCCFLAGS := -std=c++17 -O2 -g -lineinfo $(CUDA_ARCH) -Xcompiler -fPIC,-Wall,-Werror,-fvisibility=hidden \
                -Werror all-warnings -DTM_HAVE_CUDA -Iinclude -Iframework
   CUDA_LIBDIR := $(CUDA_HOME)/lib64
   LDLIBS_ALL += -L$(CUDA_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lcublasLt -lcudart -lstdc++
@@ -84,6 +85,22 @@ endif
 
 LIB_SRC  := $(wildcard framework/*.c framework/ops/*.c kernels/cpu/*.c layers/*.c optim/*.c checkpoints/*.c)
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
+
+# The library's boundary: libtinymoe.so exports the public API (include/tinymoe.h) and nothing
+# else. Every library object, C and CUDA, is compiled with -fvisibility=hidden, and the header
+# marks each public function TM_API (visibility "default"), as ggml does with GGML_API. This
+# is done in the compiler rather than with a linker version script because it needs no name
+# pattern (a `tm_*` glob would also match the tm__ internals), and because it also holds for
+# libtinymoe.a: a program that links the archive into its own shared library re-exports only
+# the public names, never tm__ ones. Hidden internals also let the compiler call them directly,
+# without the PLT. The two libraries are built from the same objects, so tests linking
+# libtinymoe.a still reach tm__ functions (hidden is a dynamic-linking property only).
+# scripts/check-exports.sh, run by `make test` (and `make check-exports`), fails when the .so
+# exports a tm__ or other non-public name, or misses a public one (a function without TM_API).
+LIB_VIS := -fvisibility=hidden
+# Only the library and the tests see framework/ (internal.h); the driver (train/) and bench/
+# are built against include/ alone, as any program using the library is.
+$(LIB_SRC:%.c=$(BUILD)/%.o): CFLAGS_ALL += $(LIB_VIS) -Iframework
 # The driver: train/main.c plus the rest of train/ (data, config, ...), which the tests link
 # too, through libtinymoe_train.a.
 DRV_SRC  := $(filter-out train/main.c,$(wildcard train/*.c))
@@ -132,16 +149,21 @@ $(BIN): $(DRV_MAIN) $(LIBTRAIN) $(LIBA)
 	$(CC) -o $@ $(DRV_MAIN) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS)
 
 $(BUILD)/tests/%.o: CFLAGS_ALL += $(shell pkg-config --cflags criterion 2>/dev/null) -Itests
-$(BUILD)/tests/%.o: CFLAGS_ALL += -Itrain $(CJSON_CFLAGS)
+$(BUILD)/tests/%.o: CFLAGS_ALL += -Iframework -Itrain $(CJSON_CFLAGS)
 $(TEST_OBJ): | cjson-check
 $(TESTBIN): $(TEST_OBJ) $(LIBTRAIN) $(LIBA)
 	$(CC) -o $@ $(TEST_OBJ) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(shell pkg-config --libs criterion 2>/dev/null || echo -lcriterion)
 
 # ASan and the CUDA runtime disagree about the shadow gap; UBSan prints stacks.
 TEST_ENV := ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
-test: $(TESTBIN) $(BIN)
+test: check-exports $(TESTBIN) $(BIN)
 	$(TEST_ENV) $(abspath $(TESTBIN)) --jobs 2 $(TEST_ARGS)
 	@$(MAKE) --no-print-directory examples
+
+# libtinymoe.so exports exactly the TM_API functions of libtinymoe.a (see LIB_VIS above).
+.PHONY: check-exports
+check-exports: $(LIBSO) $(LIBA)
+	scripts/check-exports.sh $(LIBSO) $(LIBA)
 
 # Every examples/*.c, built the way a user would: against a staged install (its header and its
 # pkg-config file, not the tree's), linked to the shared library through an rpath, and run in

@@ -29,6 +29,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* TM_API marks every function of the public contract. The library is compiled with
+ * -fvisibility=hidden, so these are the only symbols libtinymoe.so exports (the Makefile's
+ * `make test` checks it); the tm__ internals stay inside it. */
+#if defined(__GNUC__) || defined(__clang__)
+#define TM_API __attribute__((visibility("default")))
+#else
+#define TM_API
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -41,8 +50,8 @@ extern "C" {
 #define TM_VERSION_NUMBER (TM_VERSION_MAJOR * 10000 + TM_VERSION_MINOR * 100 + TM_VERSION_PATCH)
 
 /* The version of the library actually linked (may differ from the header's macros). */
-const char *tm_version(void);
-int tm_version_number(void);
+TM_API const char *tm_version(void);
+TM_API int tm_version_number(void);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Status codes                                                                                */
@@ -64,7 +73,7 @@ typedef enum tm_status {
 } tm_status;
 
 /* A short constant description of a status code ("shape mismatch", ...). Never NULL. */
-const char *tm_status_str(tm_status s);
+TM_API const char *tm_status_str(tm_status s);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Types                                                                                       */
@@ -83,8 +92,8 @@ typedef enum tm_dtype {
 } tm_dtype;
 
 /* Name ("f32", "bf16", ...) and size in bytes of a dtype; "?" / 0 when out of range. */
-const char *tm_dtype_name(tm_dtype dt);
-size_t tm_dtype_size(tm_dtype dt);
+TM_API const char *tm_dtype_name(tm_dtype dt);
+TM_API size_t tm_dtype_size(tm_dtype dt);
 
 typedef enum tm_device_type { TM_DEVICE_CPU = 0, TM_DEVICE_CUDA = 1 } tm_device_type;
 
@@ -125,7 +134,7 @@ typedef struct tm_ctx_options {
 enum { TM_CPU_GEMM_AUTO = 0, TM_CPU_GEMM_BUILTIN = 1 };
 
 /* Defaults: no allocator hook, all threads, CPU only, 64 MiB chunks, CPU GEMM auto. */
-tm_ctx_options tm_ctx_options_default(void);
+TM_API tm_ctx_options tm_ctx_options_default(void);
 
 /* Make a context. opts may be NULL (defaults). Errors: TM_ERR_INVALID_ARG (out NULL; an
  * allocator whose alloc or free is NULL; cpu_gemm not one of TM_CPU_GEMM_*), TM_ERR_NOMEM (host memory; the cuBLASLt workspace),
@@ -133,50 +142,50 @@ tm_ctx_options tm_ctx_options_default(void);
  * message says which), TM_ERR_CUDA (selecting the device, creating its stream or the cuBLASLt
  * handle failed). On failure *out is NULL (unless out is NULL) and, since no context exists to
  * hold a message, the reason is available from tm_last_create_error(). */
-tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts);
+TM_API tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts);
 
 /* Message of the last failed tm_ctx_new in this thread (thread-local; "" if none). */
-const char *tm_last_create_error(void);
+TM_API const char *tm_last_create_error(void);
 
 /* Free the context and everything it owns (tensors, parameters, device memory). NULL: no-op. */
-void tm_ctx_free(tm_ctx *ctx);
+TM_API void tm_ctx_free(tm_ctx *ctx);
 
 /* Message of the context's last failed call: names the op and its arguments ("" if nothing
  * failed yet; successful calls leave it unchanged, so read it right after a failure). The
  * pointer stays valid until the next call on the context. */
-const char *tm_ctx_errmsg(const tm_ctx *ctx);
+TM_API const char *tm_ctx_errmsg(const tm_ctx *ctx);
 
 /* Number of CUDA devices visible (0 when the build has no CUDA or no driver/device). */
-int tm_cuda_device_count(void);
+TM_API int tm_cuda_device_count(void);
 
 /* Wait for all queued device work of the context to finish (nothing to do without CUDA).
  * Errors: TM_ERR_CUDA (a failed kernel launched earlier may report here). */
-tm_status tm_ctx_sync(tm_ctx *ctx);
+TM_API tm_status tm_ctx_sync(tm_ctx *ctx);
 
 /* Release every temporary tensor and the autograd tape (all arena tensor handles become
  * invalid). Memory is kept for the next step, so a steady-state training step performs no
  * system allocation. Parameters, gradients and buffers are untouched. Call it after the
  * optimizer step. */
-void tm_ctx_arena_reset(tm_ctx *ctx);
+TM_API void tm_ctx_arena_reset(tm_ctx *ctx);
 
 /* Count of system allocations (host allocator calls and cudaMalloc) this context has made
  * since creation. A second identical training step leaves it unchanged. */
-uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
+TM_API uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
 
 /* Count of device-to-host synchronisations this context has made since creation: every
  * device-to-host copy (tm_tensor_read of a device tensor, a statistic or error flag read back
  * by an op) and every tm_ctx_sync. 0 for a CPU-only context. Tests bound it to show that a
  * training step does not stall the device more than its design needs. */
-uint64_t tm_ctx_sync_count(const tm_ctx *ctx);
+TM_API uint64_t tm_ctx_sync_count(const tm_ctx *ctx);
 
 /* Bytes of arena currently handed out on a device (0 after tm_ctx_arena_reset) and the
  * high-water mark since creation. */
-size_t tm_ctx_arena_used(const tm_ctx *ctx, tm_device dev);
-size_t tm_ctx_arena_peak(const tm_ctx *ctx, tm_device dev);
+TM_API size_t tm_ctx_arena_used(const tm_ctx *ctx, tm_device dev);
+TM_API size_t tm_ctx_arena_peak(const tm_ctx *ctx, tm_device dev);
 
 /* Enable (1) or disable (0) recording of the autograd tape; returns the previous setting.
  * With recording off (evaluation, sampling) ops produce tensors without grad history. */
-int tm_ctx_set_grad_enabled(tm_ctx *ctx, int enabled);
+TM_API int tm_ctx_set_grad_enabled(tm_ctx *ctx, int enabled);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Tensors                                                                                     */
@@ -187,15 +196,15 @@ int tm_ctx_set_grad_enabled(tm_ctx *ctx, int enabled);
  * shape NULL with ndim > 0, a negative size), TM_ERR_DTYPE (dt not a tm_dtype; f64 on CUDA),
  * TM_ERR_DEVICE (a CUDA device other than the context's cuda_device, or none; an unknown
  * device type), TM_ERR_NOMEM; tm_tensor_zeros on CUDA also TM_ERR_CUDA. */
-tm_status tm_tensor_empty(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
+TM_API tm_status tm_tensor_empty(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
                           tm_tensor **out);
-tm_status tm_tensor_zeros(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
+TM_API tm_status tm_tensor_zeros(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, tm_device dev,
                           tm_tensor **out);
 /* Copy numel elements of src_dt from host memory `src` into a new temporary of dtype dt
  * (converted; float->bf16 rounds to nearest even; float->int truncates).
  * Errors: as tm_tensor_empty, plus TM_ERR_INVALID_ARG (src NULL), TM_ERR_DTYPE (src_dt not a
  * tm_dtype), TM_ERR_CUDA (the upload). */
-tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape,
+TM_API tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape,
                               tm_device dev, tm_dtype src_dt, const void *src, tm_tensor **out);
 
 /* Persistent trainable parameter of the dense group (tm_param_new_ex below): allocated in its
@@ -207,7 +216,7 @@ tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t 
  * Errors: as tm_tensor_empty, plus TM_ERR_INVALID_ARG (name NULL, empty, over 127 bytes, or
  * already the name of a parameter or buffer of the context), TM_ERR_DTYPE (not a float
  * dtype), TM_ERR_CUDA (growing the CUDA parameter buffer copies it). */
-tm_status tm_param_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
+TM_API tm_status tm_param_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
                        tm_device dev, tm_tensor **out);
 /* Parameter groups and buckets.
  * Every parameter belongs to a group: dense (replicated over the data-parallel ranks: attention,
@@ -234,13 +243,13 @@ typedef struct tm_param_options {
 } tm_param_options;
 
 /* Dense, not sharded. */
-tm_param_options tm_param_options_default(void);
+TM_API tm_param_options tm_param_options_default(void);
 
 /* tm_param_new with a group and a shard description; opts NULL: tm_param_options_default().
  * Errors: as tm_param_new, plus TM_ERR_INVALID_ARG naming the field for a bad group, an expert
  * range that does not match shape[0], a logical shape of another rank, differing from shape
  * on an axis other than shard_axis, or a shard that does not fit inside the logical shape. */
-tm_status tm_param_new_ex(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
+TM_API tm_status tm_param_new_ex(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
                           tm_device dev, const tm_param_options *opts, tm_tensor **out);
 
 /* A parameter's group, shard description and place in its bucket. */
@@ -250,7 +259,7 @@ typedef struct tm_param_info {
     int64_t bucket_offset;  /* element offset of the parameter in its bucket's buffers */
 } tm_param_info;
 /* Errors: TM_ERR_INVALID_ARG (NULL, or t is not a parameter). */
-tm_status tm_param_get_info(const tm_tensor *t, tm_param_info *out);
+TM_API tm_status tm_param_get_info(const tm_tensor *t, tm_param_info *out);
 
 typedef struct tm_bucket_info {
     tm_device device;
@@ -264,57 +273,57 @@ typedef struct tm_bucket_info {
 
 /* Buckets in order of creation; tm_ctx_bucket_info errors: TM_ERR_INVALID_ARG (NULL, i out
  * of range). */
-int tm_ctx_num_buckets(const tm_ctx *ctx);
-tm_status tm_ctx_bucket_info(const tm_ctx *ctx, int i, tm_bucket_info *out);
+TM_API int tm_ctx_num_buckets(const tm_ctx *ctx);
+TM_API tm_status tm_ctx_bucket_info(const tm_ctx *ctx, int i, tm_bucket_info *out);
 
 typedef enum tm_bucket_part { TM_BUCKET_PARAMS = 0, TM_BUCKET_GRADS = 1, TM_BUCKET_MASTER = 2 } tm_bucket_part;
 /* A 1-D persistent view [numel] of bucket i's parameters, gradients or f32 master weights,
  * valid until a parameter is added to that bucket or the context is freed (writes through it
  * change the parameters; they are not recorded on the tape). NULL for a bad index, or for the
  * master of a bucket without one. */
-tm_tensor *tm_ctx_bucket_tensor(const tm_ctx *ctx, int i, tm_bucket_part part);
+TM_API tm_tensor *tm_ctx_bucket_tensor(const tm_ctx *ctx, int i, tm_bucket_part part);
 
 /* Persistent tensor without gradient (optimizer state, expert_bias, data). Zero-filled; any
  * dtype. Errors: as tm_param_new, less the float-dtype rule. */
-tm_status tm_buffer_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim,
+TM_API tm_status tm_buffer_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim,
                         const int64_t *shape, tm_device dev, tm_tensor **out);
 
 /* Parameters in creation order: count, and the i-th (NULL when out of range). */
-int tm_ctx_num_params(const tm_ctx *ctx);
-tm_tensor *tm_ctx_param(const tm_ctx *ctx, int i);
+TM_API int tm_ctx_num_params(const tm_ctx *ctx);
+TM_API tm_tensor *tm_ctx_param(const tm_ctx *ctx, int i);
 /* Find a parameter or buffer by name; NULL if none. */
-tm_tensor *tm_ctx_find(const tm_ctx *ctx, const char *name);
+TM_API tm_tensor *tm_ctx_find(const tm_ctx *ctx, const char *name);
 
 /* Set every parameter gradient to zero (one memset per bucket). Errors: TM_ERR_CUDA. */
-tm_status tm_ctx_zero_grad(tm_ctx *ctx);
+TM_API tm_status tm_ctx_zero_grad(tm_ctx *ctx);
 
 /* Introspection. Functions taking a tensor return 0 / NULL for t == NULL. */
-int tm_tensor_ndim(const tm_tensor *t);
-int64_t tm_tensor_dim(const tm_tensor *t, int axis); /* negative axis from the end; -1 if invalid */
-int64_t tm_tensor_numel(const tm_tensor *t);
-tm_dtype tm_tensor_dtype(const tm_tensor *t);
-tm_device tm_tensor_device(const tm_tensor *t);
-const char *tm_tensor_name(const tm_tensor *t); /* "" for unnamed temporaries */
-int tm_tensor_is_contiguous(const tm_tensor *t);
-int tm_tensor_requires_grad(const tm_tensor *t);
+TM_API int tm_tensor_ndim(const tm_tensor *t);
+TM_API int64_t tm_tensor_dim(const tm_tensor *t, int axis); /* negative axis from the end; -1 if invalid */
+TM_API int64_t tm_tensor_numel(const tm_tensor *t);
+TM_API tm_dtype tm_tensor_dtype(const tm_tensor *t);
+TM_API tm_device tm_tensor_device(const tm_tensor *t);
+TM_API const char *tm_tensor_name(const tm_tensor *t); /* "" for unnamed temporaries */
+TM_API int tm_tensor_is_contiguous(const tm_tensor *t);
+TM_API int tm_tensor_requires_grad(const tm_tensor *t);
 /* Gradient accumulated by tm_backward, or NULL if none has been computed yet. */
-tm_tensor *tm_tensor_grad(const tm_tensor *t);
+TM_API tm_tensor *tm_tensor_grad(const tm_tensor *t);
 /* Mark a temporary leaf tensor (one not produced by an op) as needing a gradient, so that
  * tm_backward computes tm_tensor_grad(t). Errors: TM_ERR_INVALID_ARG (t NULL), TM_ERR_STATE
  * (t is the output of a recorded op, or a parameter: parameters always require one),
  * TM_ERR_DTYPE (requires_grad on a non-float tensor). */
-tm_status tm_tensor_set_requires_grad(tm_ctx *ctx, tm_tensor *t, int requires_grad);
+TM_API tm_status tm_tensor_set_requires_grad(tm_ctx *ctx, tm_tensor *t, int requires_grad);
 
 /* Copy the tensor's logical elements (any strides, any device) to host memory `dst`,
  * converted to dst_dt. count must equal numel. Errors: TM_ERR_INVALID_ARG (t or dst NULL,
  * count != numel), TM_ERR_DTYPE (dst_dt not a tm_dtype), TM_ERR_NOMEM (host staging of a
  * device or strided tensor), TM_ERR_CUDA. */
-tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count);
+TM_API tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count);
 /* Overwrite a contiguous tensor's elements from host memory `src` of src_dt (count = numel).
  * Not recorded on the tape. Errors: TM_ERR_INVALID_ARG (t or src NULL, count != numel, t a
  * strided view), TM_ERR_DTYPE (src_dt not a tm_dtype), TM_ERR_NOMEM (host staging of a
  * conversion for a device tensor), TM_ERR_CUDA. */
-tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count);
+TM_API tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Counter-based random numbers                                                                */
@@ -327,22 +336,22 @@ tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void
  * bit-identical. */
 
 /* Four 32-bit outputs of Philox4x32-10 for a 128-bit counter and 64-bit key. */
-void tm_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
+TM_API void tm_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
 /* FNV-1a 64-bit hash of a NUL-terminated string (the RNG stream id of a tensor name). */
-uint64_t tm_hash_name(const char *name);
+TM_API uint64_t tm_hash_name(const char *name);
 
 /* Fill t with N(mean, std^2) (Box-Muller on two Philox outputs in f64, then converted) or
  * U[lo, hi) keyed by (seed, name, index). name NULL: the tensor's own name. Float dtypes only.
  * Errors: TM_ERR_DTYPE (t not float), TM_ERR_INVALID_ARG (t NULL, t a strided view, std < 0
  * or NaN, lo > hi or NaN, an unnamed temporary and no name), TM_ERR_NOMEM (numel doubles of
  * host arena), TM_ERR_CUDA (the upload). */
-tm_status tm_tensor_init_normal(tm_ctx *ctx, tm_tensor *t, uint64_t seed, const char *name,
+TM_API tm_status tm_tensor_init_normal(tm_ctx *ctx, tm_tensor *t, uint64_t seed, const char *name,
                                 double mean, double std);
-tm_status tm_tensor_init_uniform(tm_ctx *ctx, tm_tensor *t, uint64_t seed, const char *name,
+TM_API tm_status tm_tensor_init_uniform(tm_ctx *ctx, tm_tensor *t, uint64_t seed, const char *name,
                                  double lo, double hi);
 /* Fill with a constant (any dtype; value converted). Not recorded on the tape.
  * Errors: TM_ERR_INVALID_ARG (t NULL, t a strided view), TM_ERR_CUDA. */
-tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value);
+TM_API tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Autograd                                                                                    */
@@ -359,12 +368,12 @@ tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value);
  * (an op without a backward kernel on its backend, named), TM_ERR_NOMEM (gradients of
  * temporaries, scratch), TM_ERR_CUDA. After an error the tape is gone all the same and some
  * gradients may be partly accumulated. */
-tm_status tm_backward(tm_ctx *ctx, tm_tensor *loss);
+TM_API tm_status tm_backward(tm_ctx *ctx, tm_tensor *loss);
 /* Backward from any tensor with an explicit upstream gradient of the same shape.
  * Errors: TM_ERR_INVALID_ARG (out or grad NULL), TM_ERR_STATE (out does not require grad),
  * TM_ERR_SHAPE (grad's shape is not out's), TM_ERR_DEVICE (grad on another device),
  * TM_ERR_DTYPE (on CUDA, a grad that is not f32 or bf16), then as tm_backward. */
-tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad);
+TM_API tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Ops                                                                                         */
@@ -395,24 +404,24 @@ tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad);
  * dims as a (batched). out: [..., M, N]. Accumulation in f32 (f64 for f64).
  * Errors: TM_ERR_DTYPE (a or b not float, or of different dtypes), TM_ERR_SHAPE (a or b with
  * fewer than 2 dims; b neither 2-D nor of a's ndim; batch dims or inner dims differ). */
-tm_status tm_matmul(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, int trans_a, int trans_b, tm_tensor **out);
+TM_API tm_status tm_matmul(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, int trans_a, int trans_b, tm_tensor **out);
 
 /* Elementwise a+b, a-b, a*b. Broadcasting over leading dims: the shape of one operand must
  * equal the trailing dims of the other's (e.g. [B,T,C] + [C]); out has the larger shape.
  * Errors: TM_ERR_DTYPE (not float, or of different dtypes), TM_ERR_SHAPE (no broadcast). */
-tm_status tm_add(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
-tm_status tm_sub(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
-tm_status tm_mul(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
+TM_API tm_status tm_add(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
+TM_API tm_status tm_sub(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
+TM_API tm_status tm_mul(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
 /* out = alpha * x. Errors: TM_ERR_DTYPE (x not float), TM_ERR_INVALID_ARG (alpha not finite). */
-tm_status tm_scale(tm_ctx *ctx, tm_tensor *x, double alpha, tm_tensor **out);
+TM_API tm_status tm_scale(tm_ctx *ctx, tm_tensor *x, double alpha, tm_tensor **out);
 
 /* Sum / mean over one axis (keepdim keeps it as size 1), or over all elements (*_all: a 0-d
  * scalar). Accumulation in f64 on the CPU, f32 on CUDA.
  * Errors: TM_ERR_DTYPE (x not float), TM_ERR_INVALID_ARG (axis out of range; not for *_all). */
-tm_status tm_sum(tm_ctx *ctx, tm_tensor *x, int axis, int keepdim, tm_tensor **out);
-tm_status tm_mean(tm_ctx *ctx, tm_tensor *x, int axis, int keepdim, tm_tensor **out);
-tm_status tm_sum_all(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
-tm_status tm_mean_all(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
+TM_API tm_status tm_sum(tm_ctx *ctx, tm_tensor *x, int axis, int keepdim, tm_tensor **out);
+TM_API tm_status tm_mean(tm_ctx *ctx, tm_tensor *x, int axis, int keepdim, tm_tensor **out);
+TM_API tm_status tm_sum_all(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
+TM_API tm_status tm_mean_all(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 
 /* Shape ops, for tensors of any dtype. reshape/view: a view when x is contiguous (one dim may
  * be -1), a copy otherwise. transpose/permute/slice: views (no copy). slice keeps [start, end)
@@ -425,58 +434,58 @@ tm_status tm_mean_all(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
  * inside the axis once negative ends are resolved); concat TM_ERR_INVALID_ARG (xs NULL, n
  * outside [1, 8], axis out of range for xs[0]), TM_ERR_DTYPE (dtypes differ), TM_ERR_SHAPE
  * (ndims differ, or a dim other than axis). */
-tm_status tm_reshape(tm_ctx *ctx, tm_tensor *x, int ndim, const int64_t *shape, tm_tensor **out);
-tm_status tm_transpose(tm_ctx *ctx, tm_tensor *x, int axis0, int axis1, tm_tensor **out);
-tm_status tm_permute(tm_ctx *ctx, tm_tensor *x, const int *perm, tm_tensor **out);
-tm_status tm_slice(tm_ctx *ctx, tm_tensor *x, int axis, int64_t start, int64_t end, tm_tensor **out);
-tm_status tm_concat(tm_ctx *ctx, int n, tm_tensor *const *xs, int axis, tm_tensor **out);
-tm_status tm_contiguous(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
+TM_API tm_status tm_reshape(tm_ctx *ctx, tm_tensor *x, int ndim, const int64_t *shape, tm_tensor **out);
+TM_API tm_status tm_transpose(tm_ctx *ctx, tm_tensor *x, int axis0, int axis1, tm_tensor **out);
+TM_API tm_status tm_permute(tm_ctx *ctx, tm_tensor *x, const int *perm, tm_tensor **out);
+TM_API tm_status tm_slice(tm_ctx *ctx, tm_tensor *x, int axis, int64_t start, int64_t end, tm_tensor **out);
+TM_API tm_status tm_concat(tm_ctx *ctx, int n, tm_tensor *const *xs, int axis, tm_tensor **out);
+TM_API tm_status tm_contiguous(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 /* Convert dtype (any to any; differentiable between float dtypes, gradient converted back).
  * Errors: TM_ERR_DTYPE (dt not a tm_dtype; f64 on CUDA). */
-tm_status tm_cast(tm_ctx *ctx, tm_tensor *x, tm_dtype dt, tm_tensor **out);
+TM_API tm_status tm_cast(tm_ctx *ctx, tm_tensor *x, tm_dtype dt, tm_tensor **out);
 /* Copy to another device (differentiable: the gradient is copied back); any dtype.
  * Errors: TM_ERR_DEVICE (dev is not the CPU or the context's CUDA device), TM_ERR_DTYPE (f64
  * to CUDA), TM_ERR_CUDA (the copy). */
-tm_status tm_to_device(tm_ctx *ctx, tm_tensor *x, tm_device dev, tm_tensor **out);
+TM_API tm_status tm_to_device(tm_ctx *ctx, tm_tensor *x, tm_device dev, tm_tensor **out);
 
 /* Embedding lookup: weight [V, C], ids (i32 or i64) of any shape S -> out [S..., C].
  * Backward scatter-adds rows into d weight. Errors: TM_ERR_DTYPE (weight not float, ids not
  * index), TM_ERR_SHAPE (weight not 2-D, ids of more than 3 dims), TM_ERR_INDEX naming the
  * first id outside [0, V) and its position. */
-tm_status tm_embedding(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
+TM_API tm_status tm_embedding(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
 /* The three below: TM_ERR_DTYPE (x / src not float, idx not index), TM_ERR_SHAPE (a shape
  * other than the one shown), TM_ERR_INDEX naming the first index out of range (lowest flat
  * position) and its value.
  * Row gather: x [N, C], idx [M] (i32/i64) -> out [M, C], out[m] = x[idx[m]], idx in [0, N). */
-tm_status tm_index_select(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out);
+TM_API tm_status tm_index_select(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out);
 /* Gather along the last axis: x [N, C], idx [N, K] -> out [N, K], out[n,k] = x[n, idx[n,k]],
  * idx in [0, C). */
-tm_status tm_gather(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out);
+TM_API tm_status tm_gather(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out);
 /* Row scatter-add: src [M, C], idx [M] -> out [n_rows, C] zero-initialised,
  * out[idx[m]] += src[m], idx in [0, n_rows). Also TM_ERR_INVALID_ARG (n_rows < 0). */
-tm_status tm_scatter_add(tm_ctx *ctx, tm_tensor *src, tm_tensor *idx, int64_t n_rows, tm_tensor **out);
+TM_API tm_status tm_scatter_add(tm_ctx *ctx, tm_tensor *src, tm_tensor *idx, int64_t n_rows, tm_tensor **out);
 
 /* RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x^2 over last axis) + eps) * weight.
  * x [..., C], weight [C]. Errors: TM_ERR_DTYPE (not float, or x and weight of different
  * dtypes), TM_ERR_SHAPE (x 0-d or C = 0, weight not [C]), TM_ERR_INVALID_ARG (eps negative,
  * NaN or infinite). */
-tm_status tm_rmsnorm(tm_ctx *ctx, tm_tensor *x, tm_tensor *weight, double eps, tm_tensor **out);
+TM_API tm_status tm_rmsnorm(tm_ctx *ctx, tm_tensor *x, tm_tensor *weight, double eps, tm_tensor **out);
 /* SiLU(x) = x * sigmoid(x) (Elfwing et al. 2018). Errors: TM_ERR_DTYPE (x not float). */
-tm_status tm_silu(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
+TM_API tm_status tm_silu(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 /* SwiGLU (Shazeer 2020), fused: out = silu(gate) * up; gate and up of the same shape.
  * Errors: TM_ERR_DTYPE (not float, or of different dtypes), TM_ERR_SHAPE (shapes differ). */
-tm_status tm_swiglu(tm_ctx *ctx, tm_tensor *gate, tm_tensor *up, tm_tensor **out);
+TM_API tm_status tm_swiglu(tm_ctx *ctx, tm_tensor *gate, tm_tensor *up, tm_tensor **out);
 /* Softmax / log-softmax over the last axis (max-subtracted).
  * Errors: TM_ERR_DTYPE (x not float), TM_ERR_SHAPE (x 0-d). */
-tm_status tm_softmax(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
-tm_status tm_log_softmax(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
+TM_API tm_status tm_softmax(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
+TM_API tm_status tm_log_softmax(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 /* Fused cross-entropy: logits [N, V] float, targets [N] i32/i64. Rows whose target equals
  * ignore_index are skipped; out (0-d, the logits' dtype) = mean over the valid rows of
  * (logsumexp(logits[n]) - logits[n, target[n]]); 0 when no row is valid.
  * Errors: TM_ERR_DTYPE (logits not float, targets not index), TM_ERR_SHAPE (logits not 2-D or
  * with V = 0, targets not [N]), TM_ERR_INDEX for the first target outside [0, V) that is not
  * ignore_index (its row and value). */
-tm_status tm_cross_entropy(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
+TM_API tm_status tm_cross_entropy(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
                            tm_tensor **out);
 /* Rotary position embedding, rotate-half convention (GPT-NeoX / Llama / Mixtral; Su et al.
  * 2021): x [B, T, H, D], D even; position of row t is pos_offset + t;
@@ -484,7 +493,7 @@ tm_status tm_cross_entropy(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, i
  * y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin, angle = pos * inv_freq[i].
  * Errors: TM_ERR_DTYPE (x not float), TM_ERR_SHAPE (x not 4-D, D odd), TM_ERR_INVALID_ARG
  * (theta <= 0, NaN or infinite; pos_offset < 0). */
-tm_status tm_rope(tm_ctx *ctx, tm_tensor *x, int64_t pos_offset, double theta, tm_tensor **out);
+TM_API tm_status tm_rope(tm_ctx *ctx, tm_tensor *x, int64_t pos_offset, double theta, tm_tensor **out);
 /* Causal scaled-dot-product attention with grouped-query heads, fused (one op, own backward):
  * q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D], Hq % Hkv == 0, Tk >= Tq; query head h reads
  * kv head h / (Hq / Hkv); query i (0-based) sees keys j <= i + (Tk - Tq);
@@ -493,7 +502,7 @@ tm_status tm_rope(tm_ctx *ctx, tm_tensor *x, int64_t pos_offset, double theta, t
  * Errors: TM_ERR_DTYPE (not float, or of different dtypes), TM_ERR_SHAPE (not 4-D; v's shape
  * not k's; B or D differ; D, Hq or Hkv < 1; Hq % Hkv != 0; Tk < Tq), TM_ERR_INVALID_ARG (scale
  * not finite). */
-tm_status tm_attention(tm_ctx *ctx, tm_tensor *q, tm_tensor *k, tm_tensor *v, double scale,
+TM_API tm_status tm_attention(tm_ctx *ctx, tm_tensor *q, tm_tensor *k, tm_tensor *v, double scale,
                        tm_tensor **out);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -523,7 +532,7 @@ typedef struct tm_router_config {
 } tm_router_config;
 
 /* E = 8, k = 2, softmax, pre-softmax, no groups, scaling 1, no renormalisation. */
-tm_router_config tm_router_config_default(void);
+TM_API tm_router_config tm_router_config_default(void);
 
 /* Float outputs have the logits' dtype (f32; bf16 logits give bf16 outputs, computed in f64
  * and rounded; f64 for gradient checks). */
@@ -557,7 +566,7 @@ typedef struct tm_router_out {
  * k / group_topk > E / num_groups, scaling_factor <= 0, NaN or infinite; TM_ERR_DTYPE for
  * logits or expert_bias not float; TM_ERR_SHAPE for logits not [T,E] with E = num_experts >= 1, or
  * expert_bias not [E]. CPU only for now (TM_ERR_UNSUPPORTED on CUDA). */
-tm_status tm_moe_router(tm_ctx *ctx, tm_tensor *logits, tm_tensor *expert_bias, const tm_router_config *cfg,
+TM_API tm_status tm_moe_router(tm_ctx *ctx, tm_tensor *logits, tm_tensor *expert_bias, const tm_router_config *cfg,
                         tm_router_out *out);
 
 /* Switch / GShard load-balancing loss (TE fused_moe_aux_loss, Megatron
@@ -572,7 +581,7 @@ tm_status tm_moe_router(tm_ctx *ctx, tm_tensor *logits, tm_tensor *expert_bias, 
  * Errors: TM_ERR_DTYPE (scores not float, tokens_per_expert not i64), TM_ERR_SHAPE (scores
  * not [T,E] with E >= 1, tokens_per_expert not [E]), TM_ERR_INVALID_ARG (topk outside [1, E],
  * coeff not finite, 0 < total_tokens < T). CPU only for now. */
-tm_status tm_moe_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *tokens_per_expert, int topk, double coeff,
+TM_API tm_status tm_moe_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *tokens_per_expert, int topk, double coeff,
                           int64_t total_tokens, tm_tensor **out);
 /* Sequence-level variant (DeepSeek-V3 sec. 2.1.2, complementary sequence-wise balance loss):
  * the rows form num_seqs contiguous sequences of S = T / num_seqs tokens; per sequence the
@@ -582,7 +591,7 @@ tm_status tm_moe_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *tokens_per_
  * Errors: TM_ERR_DTYPE (scores not float, routing_map not u8), TM_ERR_SHAPE (scores not [T,E]
  * with E >= 1, routing_map not of scores' shape), TM_ERR_INVALID_ARG (topk outside [1, E],
  * coeff not finite, num_seqs < 1 or not dividing T). CPU only for now. */
-tm_status tm_moe_seq_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *routing_map, int topk, double coeff,
+TM_API tm_status tm_moe_seq_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *routing_map, int topk, double coeff,
                               int64_t num_seqs, tm_tensor **out);
 /* Scores for the auxiliary losses (Megatron compute_routing_scores_for_aux_loss, TE
  * fused_compute_score_for_moe_aux_loss), from router logits float [T,E]:
@@ -594,7 +603,7 @@ tm_status tm_moe_seq_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *routing
  * Megatron's clean ones, a plain top-k of these very scores: tm_moe_aux_counts.
  * Errors: TM_ERR_INVALID_ARG (score_function not a tm_score_function), TM_ERR_DTYPE (logits
  * not float), TM_ERR_SHAPE (logits not [T,E] with E >= 1). CPU only for now. */
-tm_status tm_moe_aux_scores(tm_ctx *ctx, tm_tensor *logits, tm_score_function score_function, tm_tensor **out);
+TM_API tm_status tm_moe_aux_scores(tm_ctx *ctx, tm_tensor *logits, tm_score_function score_function, tm_tensor **out);
 /* Megatron's "clean" routing for the balance losses (TM_AUX_COUNTS_CLEAN): a plain top-k of
  * the aux scores, without groups, expert bias, capacity or scaling, as Megatron-LM's
  * TopKRouter builds it for the aux losses (moe_utils.py compute_routing_scores_for_aux_loss:
@@ -614,13 +623,13 @@ tm_status tm_moe_aux_scores(tm_ctx *ctx, tm_tensor *logits, tm_score_function sc
  * another context; topk outside [1, E]), TM_ERR_DTYPE (logits not float), TM_ERR_SHAPE
  * (logits not [T,E] with E >= 1), TM_ERR_UNSUPPORTED (logits on CUDA: the router op is CPU
  * only for now), TM_ERR_NOMEM. */
-tm_status tm_moe_aux_counts(tm_ctx *ctx, tm_tensor *logits, int topk, tm_tensor **routing_map,
+TM_API tm_status tm_moe_aux_counts(tm_ctx *ctx, tm_tensor *logits, int topk, tm_tensor **routing_map,
                             tm_tensor **tokens_per_expert);
 /* Router z-loss (ST-MoE eq. 5): z = coeff * mean_t (logsumexp_e logits[t,e])^2; 0 when T = 0.
  * Out: 0-d, the logits' dtype (f64 for f64 logits).
  * Errors: TM_ERR_DTYPE (logits not float), TM_ERR_SHAPE (logits not [T,E] with E >= 1),
  * TM_ERR_INVALID_ARG (coeff not finite). CPU only for now. */
-tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_tensor **out);
+TM_API tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_tensor **out);
 /* Aux-loss-free balancing (DeepSeek-V3 sec. 2.1.2; Megatron get_updated_expert_bias), once per
  * optimizer step with counts summed over micro-batches and ranks:
  *   expert_bias[e] += rate * sign(mean(counts) - counts[e])     (sign(0) = 0)
@@ -629,7 +638,7 @@ tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_tensor 
  * Errors: TM_ERR_INVALID_ARG (a tensor NULL or of another context, rate not finite),
  * TM_ERR_UNSUPPORTED (a tensor not on the CPU), TM_ERR_DTYPE (expert_bias not f32, counts not
  * i64), TM_ERR_SHAPE (expert_bias not [E] with E >= 1, counts not [E]). */
-tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate);
+TM_API tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate);
 
 typedef enum tm_drop_policy {
     TM_DROP_PROBS = 0,   /* per expert, keep the `capacity` tokens of highest p (ties: lower t) */
@@ -639,7 +648,7 @@ typedef enum tm_drop_policy {
 /* capacity = ceil((T * k / E) * capacity_factor), in doubles as Megatron get_capacity;
  * -1 for invalid arguments (num_tokens < 0, topk < 1, num_experts < 1, factor <= 0, NaN or
  * infinite) or a capacity beyond int64. */
-int64_t tm_moe_capacity(int64_t num_tokens, int topk, int num_experts, double capacity_factor);
+TM_API int64_t tm_moe_capacity(int64_t num_tokens, int topk, int num_experts, double capacity_factor);
 
 /* Token dropping (Megatron apply_router_token_dropping without pad_to_capacity): removes from
  * routing_map [T,E] u8 and probs float [T,E] every routed (t,e) beyond `capacity` per expert,
@@ -649,7 +658,7 @@ int64_t tm_moe_capacity(int64_t num_tokens, int topk, int num_experts, double ca
  * order. Errors: TM_ERR_INVALID_ARG (probs_kept or map_kept NULL, capacity < 0, policy not a
  * tm_drop_policy), TM_ERR_DTYPE (probs not float, routing_map not u8), TM_ERR_SHAPE (probs not
  * 2-D, routing_map not of probs' shape). CPU only for now. */
-tm_status tm_moe_drop_tokens(tm_ctx *ctx, tm_tensor *probs, tm_tensor *routing_map, int64_t capacity,
+TM_API tm_status tm_moe_drop_tokens(tm_ctx *ctx, tm_tensor *probs, tm_tensor *routing_map, int64_t capacity,
                              tm_drop_policy policy, tm_tensor **probs_kept, tm_tensor **map_kept, int64_t *dropped);
 
 typedef struct tm_moe_dispatch {
@@ -673,7 +682,7 @@ typedef struct tm_moe_dispatch {
  * pad_to routed tokens, padding that would make R * H elements overflow), TM_ERR_DTYPE (x or
  * probs not float, routing_map not u8), TM_ERR_SHAPE (x not 2-D, probs not 2-D, routing_map
  * not of probs' shape or not one row per token of x). CPU only for now. */
-tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t align_size,
+TM_API tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t align_size,
                          int64_t pad_to, tm_moe_dispatch *out);
 
 /* Combine / unpermute: y[t] = sum over rows r with row_token[r] = t of
@@ -686,7 +695,7 @@ tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_t
  * kind), TM_ERR_SHAPE (expert_out not 2-D, row_token or permuted_probs not [R]),
  * TM_ERR_INVALID_ARG (num_tokens < 0), TM_ERR_INDEX (the first row_token outside
  * [-1, num_tokens), with its row). CPU only for now. */
-tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor *permuted_probs, tm_tensor *row_token,
+TM_API tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor *permuted_probs, tm_tensor *row_token,
                            int64_t num_tokens, tm_tensor **out);
 
 /* Grouped (ragged) GEMM: rows of x [R,K] form consecutive groups of counts[g] rows
@@ -696,7 +705,7 @@ tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor *permut
  * Errors: TM_ERR_DTYPE (x or w not float, or of different dtypes; counts not i64),
  * TM_ERR_SHAPE (x not 2-D, w not 3-D, counts not [G], K differs, counts running past R or not
  * summing to R), TM_ERR_INVALID_ARG (a negative count). CPU only for now. */
-tm_status tm_grouped_matmul(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor *counts, tm_tensor **out);
+TM_API tm_status tm_grouped_matmul(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor *counts, tm_tensor **out);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Mixture of Experts: the block                                                               */
@@ -732,11 +741,11 @@ typedef struct tm_moe_config {
 } tm_moe_config;
 
 /* H 64, F 128, router defaults (E 8, k 2), no bias, no losses, align 1, dropless, grouped. */
-tm_moe_config tm_moe_config_default(void);
+TM_API tm_moe_config tm_moe_config_default(void);
 
 /* Check every field (the message names the field and its value). ctx may be NULL (no message).
  * Errors: TM_ERR_INVALID_ARG (cfg NULL, a field out of range). */
-tm_status tm_moe_config_check(tm_ctx *ctx, const tm_moe_config *cfg);
+TM_API tm_status tm_moe_config_check(tm_ctx *ctx, const tm_moe_config *cfg);
 
 typedef struct tm_moe tm_moe;
 
@@ -753,16 +762,16 @@ typedef struct tm_moe tm_moe;
  * 96 bytes or more, a name already in the context: one block per prefix), TM_ERR_DTYPE (dtype
  * not float; f64 on CUDA), TM_ERR_DEVICE (dev not available), TM_ERR_NOMEM, TM_ERR_CUDA. A
  * failure may leave the parameters made before it in the context. */
-tm_status tm_moe_new(tm_ctx *ctx, const char *prefix, const tm_moe_config *cfg, tm_dtype dtype, tm_device dev,
+TM_API tm_status tm_moe_new(tm_ctx *ctx, const char *prefix, const tm_moe_config *cfg, tm_dtype dtype, tm_device dev,
                      tm_moe **out);
-void tm_moe_free(tm_moe *moe); /* the parameters stay with the context; NULL: no-op */
+TM_API void tm_moe_free(tm_moe *moe); /* the parameters stay with the context; NULL: no-op */
 /* Normal(0, std) for every weight, keyed by (seed, parameter name); output projections
  * (experts.wo, shared.wo) use out_std. Errors: TM_ERR_INVALID_ARG (std or out_std < 0 or NaN),
  * TM_ERR_NOMEM, TM_ERR_CUDA. */
-tm_status tm_moe_init(tm_moe *moe, uint64_t seed, double std, double out_std);
-const tm_moe_config *tm_moe_get_config(const tm_moe *moe);
+TM_API tm_status tm_moe_init(tm_moe *moe, uint64_t seed, double std, double out_std);
+TM_API const tm_moe_config *tm_moe_get_config(const tm_moe *moe);
 /* A parameter or buffer of the block by suffix ("gate.weight", "experts.w0", "expert_bias", ...). */
-tm_tensor *tm_moe_tensor(const tm_moe *moe, const char *suffix);
+TM_API tm_tensor *tm_moe_tensor(const tm_moe *moe, const char *suffix);
 
 typedef struct tm_moe_stats {
     /* Differentiable 0-d losses in the gate dtype (f32; f64 for an f64 block), coefficients
@@ -784,13 +793,13 @@ typedef struct tm_moe_stats {
  * (x not of the block's dtype), and those of the ops it runs (see Ops): TM_ERR_DEVICE (x not
  * on the block's device), TM_ERR_UNSUPPORTED (on CUDA: the MoE ops are CPU only for now),
  * TM_ERR_NOMEM, TM_ERR_CUDA. */
-tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats);
+TM_API tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats);
 /* Once per optimizer step: apply the expert-bias update (if use_expert_bias and the rate is
  * > 0) from the counts summed since the last call, then clear the sum.
  * Errors: those of tm_moe_expert_bias_update (TM_ERR_UNSUPPORTED for a CUDA block; and
  * TM_ERR_DTYPE for an f64 block, whose expert_bias is f64 while the update takes f32 only: a
  * known defect), TM_ERR_CUDA (clearing a CUDA sum). */
-tm_status tm_moe_step(tm_moe *moe);
+TM_API tm_status tm_moe_step(tm_moe *moe);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Mixtral-style decoder-only language model                                                   */
@@ -822,10 +831,10 @@ typedef struct tm_model_config {
 } tm_model_config;
 
 /* Defaults above with moe = 4 experts, top-2, ffn 256, softmax-pre, aux_loss_coeff 1e-2. */
-tm_model_config tm_model_config_default(void);
+TM_API tm_model_config tm_model_config_default(void);
 /* Check every field; the message names the field (and for MoE fields, "moe." + the name).
  * ctx may be NULL (no message). Errors: TM_ERR_INVALID_ARG (cfg NULL, a field out of range). */
-tm_status tm_model_config_check(tm_ctx *ctx, const tm_model_config *cfg);
+TM_API tm_status tm_model_config_check(tm_ctx *ctx, const tm_model_config *cfg);
 
 typedef struct tm_model tm_model;
 
@@ -835,16 +844,16 @@ typedef struct tm_model tm_model;
  * already in the context), TM_ERR_DTYPE (dtype not float; f64 on CUDA), TM_ERR_DEVICE (dev not
  * available), TM_ERR_NOMEM, TM_ERR_CUDA. A failure may leave the parameters made before it in
  * the context. */
-tm_status tm_model_new(tm_ctx *ctx, const tm_model_config *cfg, tm_dtype dtype, tm_device dev, tm_model **out);
+TM_API tm_status tm_model_new(tm_ctx *ctx, const tm_model_config *cfg, tm_dtype dtype, tm_device dev, tm_model **out);
 /* Free the model's host bookkeeping; call before tm_ctx_free (the parameters stay with the
  * context). NULL: no-op. */
-void tm_model_free(tm_model *model);
+TM_API void tm_model_free(tm_model *model);
 /* Initialise every parameter from (seed, name) as described in tm_model_config (norm
  * weights 1). Identical on every backend and layout. Errors: TM_ERR_NOMEM, TM_ERR_CUDA. */
-tm_status tm_model_init(tm_model *model, uint64_t seed);
-const tm_model_config *tm_model_get_config(const tm_model *model);
+TM_API tm_status tm_model_init(tm_model *model, uint64_t seed);
+TM_API const tm_model_config *tm_model_get_config(const tm_model *model);
 /* Parameter counts: total, and active per token (routed experts counted topk / E). */
-int64_t tm_model_num_params(const tm_model *model, int64_t *active_per_token);
+TM_API int64_t tm_model_num_params(const tm_model *model, int64_t *active_per_token);
 
 typedef struct tm_model_out {
     tm_tensor *logits;  /* [B,T,V], the model's dtype */
@@ -869,10 +878,10 @@ typedef struct tm_model_out {
  * token outside [0, vocab_size), or a target outside it and not -1, naming its position and
  * value), and those of the ops and blocks it runs: TM_ERR_UNSUPPORTED (an op without a kernel
  * on the model's device, named), TM_ERR_NOMEM, TM_ERR_CUDA. */
-tm_status tm_model_forward(tm_model *model, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out);
+TM_API tm_status tm_model_forward(tm_model *model, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out);
 /* Once per optimizer step: tm_moe_step on every MoE layer (expert-bias updates). Errors: those
  * of tm_moe_step. */
-tm_status tm_model_step(tm_model *model);
+TM_API tm_status tm_model_step(tm_model *model);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Incremental decoding                                                                        */
@@ -890,14 +899,14 @@ typedef struct tm_kv_cache tm_kv_cache;
  * Errors: TM_ERR_INVALID_ARG (null, batch < 1, max_len outside [1, max_seq_len], naming the
  * argument), TM_ERR_NOMEM, TM_ERR_CUDA. The cache belongs to the model and must be freed
  * before it. */
-tm_status tm_kv_cache_new(tm_model *model, int batch, int max_len, tm_kv_cache **out);
+TM_API tm_status tm_kv_cache_new(tm_model *model, int batch, int max_len, tm_kv_cache **out);
 /* NULL: no-op. */
-void tm_kv_cache_free(tm_kv_cache *cache);
+TM_API void tm_kv_cache_free(tm_kv_cache *cache);
 /* Forget every position (length 0); memory is kept. */
-void tm_kv_cache_reset(tm_kv_cache *cache);
+TM_API void tm_kv_cache_reset(tm_kv_cache *cache);
 /* Positions held (the same for every sequence of the batch), and the capacity. */
-int tm_kv_cache_len(const tm_kv_cache *cache);
-int tm_kv_cache_capacity(const tm_kv_cache *cache);
+TM_API int tm_kv_cache_len(const tm_kv_cache *cache);
+TM_API int tm_kv_cache_capacity(const tm_kv_cache *cache);
 
 /* Forward of T new tokens per sequence, tokens i32 [batch, T], at positions
  * [len, len + T) where len = tm_kv_cache_len(cache): their keys and values are appended to the
@@ -916,7 +925,7 @@ int tm_kv_cache_capacity(const tm_kv_cache *cache);
  * differs from the cache's), TM_ERR_INDEX (a token outside [0, vocab_size), naming its
  * position and value), TM_ERR_DEVICE (tokens on another device), TM_ERR_UNSUPPORTED (an op
  * without a kernel on the model's device, naming the op), TM_ERR_NOMEM, TM_ERR_CUDA. */
-tm_status tm_model_forward_cached(tm_model *model, tm_kv_cache *cache, tm_tensor *tokens, tm_tensor **logits);
+TM_API tm_status tm_model_forward_cached(tm_model *model, tm_kv_cache *cache, tm_tensor *tokens, tm_tensor **logits);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Sampling                                                                                    */
@@ -943,14 +952,14 @@ typedef struct tm_sampler_config {
     uint64_t seed;      /* default 0 */
 } tm_sampler_config;
 
-tm_sampler_config tm_sampler_config_default(void);
+TM_API tm_sampler_config tm_sampler_config_default(void);
 
 /* Draw one token from host logits[V] (f32). counter: the draw's index (e.g. the position of
  * the token being generated). Scratch memory (V entries, for temperature > 0) comes from
  * ctx's host arena and is released by the next tm_ctx_arena_reset.
  * Errors: TM_ERR_INVALID_ARG (null, V < 1, temperature NaN, top_p outside (0, 1] or NaN, a
  * NaN logit, naming it), TM_ERR_NOMEM. */
-tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const tm_sampler_config *cfg, uint64_t counter,
+TM_API tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const tm_sampler_config *cfg, uint64_t counter,
                           int *token);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -967,7 +976,7 @@ tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const tm_samp
  * with meta_bytes > 0), TM_ERR_IO (the message names the file and the system error),
  * TM_ERR_UNSUPPORTED (a big-endian host; a tensor over 4 GiB, zlib's limit for one deflate
  * call), TM_ERR_NOMEM, TM_ERR_CUDA (reading a device tensor). */
-tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes);
+TM_API tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes);
 
 /* Load a checkpoint written by tm_ckpt_save into the tensors of ctx, which must hold exactly
  * the same set of names, each with the same dtype and shape. The whole file is validated
@@ -980,7 +989,7 @@ tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t m
  * duplicate / missing tensor, dtype or shape mismatch, meta larger than meta_cap),
  * TM_ERR_UNSUPPORTED (foreign endianness; a big-endian host), TM_ERR_NOMEM, TM_ERR_CUDA (a
  * device copy failed; the only error after which ctx may be partly loaded). */
-tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_cap, size_t *meta_bytes);
+TM_API tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_cap, size_t *meta_bytes);
 
 /* Flags of tm_ckpt_load_flags. TM_CKPT_SKIP_UNKNOWN: tensors of the file that the context does
  * not hold are validated (CRC, structure) and then skipped instead of being an error; use it
@@ -989,7 +998,7 @@ tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_ca
 enum { TM_CKPT_SKIP_UNKNOWN = 1u };
 /* tm_ckpt_load with flags (0: exactly tm_ckpt_load). Same errors, plus TM_ERR_INVALID_ARG for
  * an unknown flag bit. */
-tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void *meta, size_t meta_cap,
+TM_API tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void *meta, size_t meta_cap,
                              size_t *meta_bytes);
 
 /* What a checkpoint holds, without loading it: tm_ckpt_inspect validates the whole file as
@@ -1018,9 +1027,9 @@ typedef struct tm_ckpt_info {
  * TM_ERR_NOMEM. *out is NULL after a failure (out given). On success free *out with
  * tm_ckpt_info_free. The info is one block from malloc (not the context's allocator: it may
  * outlive ctx). */
-tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out);
+TM_API tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out);
 /* NULL: no-op. */
-void tm_ckpt_info_free(tm_ckpt_info *info);
+TM_API void tm_ckpt_info_free(tm_ckpt_info *info);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Optimizers                                                                                  */
@@ -1042,7 +1051,7 @@ typedef struct tm_adamw_config {
     double weight_decay; /* default 0.0; applied to parameters of 2 or more dims only */
 } tm_adamw_config;
 
-tm_adamw_config tm_adamw_config_default(void);
+TM_API tm_adamw_config tm_adamw_config_default(void);
 
 typedef struct tm_optimizer tm_optimizer;
 
@@ -1052,17 +1061,17 @@ typedef struct tm_optimizer tm_optimizer;
  * naming the field; a state name over 127 bytes), TM_ERR_STATE (no parameters, or the state
  * buffers exist already: one AdamW per context), TM_ERR_NOMEM, TM_ERR_CUDA (zeroing the state
  * of CUDA parameters). */
-tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimizer **out);
+TM_API tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimizer **out);
 /* One update from the gradients currently accumulated. lr < 0: the configured lr (pass the
  * scheduled value otherwise). Does not zero the gradients (tm_ctx_zero_grad).
  * Errors: TM_ERR_INVALID_ARG (lr NaN or +inf; -inf is < 0, the configured lr),
  * TM_ERR_UNSUPPORTED (a CUDA parameter: the CUDA update kernel comes with the full CUDA
  * backend; nothing is changed). */
-tm_status tm_optimizer_step(tm_optimizer *opt, double lr);
+TM_API tm_status tm_optimizer_step(tm_optimizer *opt, double lr);
 /* Number of steps taken. */
-int64_t tm_optimizer_steps(const tm_optimizer *opt);
+TM_API int64_t tm_optimizer_steps(const tm_optimizer *opt);
 /* Free the optimizer (its state buffers stay with the context until tm_ctx_free). NULL: no-op. */
-void tm_optimizer_free(tm_optimizer *opt);
+TM_API void tm_optimizer_free(tm_optimizer *opt);
 
 /* SGD with momentum (Sutskever et al. 2013; PyTorch torch.optim.SGD semantics, dampening 0):
  *   g' = g + weight_decay * p                      (L2 decay, 2-or-more-dim parameters only)
@@ -1077,11 +1086,11 @@ typedef struct tm_sgd_config {
     double weight_decay; /* default 0 */
 } tm_sgd_config;
 
-tm_sgd_config tm_sgd_config_default(void);
+TM_API tm_sgd_config tm_sgd_config_default(void);
 /* Same contract as tm_adamw_new; use tm_optimizer_step / _steps / _free with it. Its
  * TM_ERR_INVALID_ARG fields: lr < 0 or not finite, momentum outside [0, 1) or NaN, nesterov
  * not 0 or 1, nesterov with momentum 0, weight_decay < 0 or not finite. */
-tm_status tm_sgd_new(tm_ctx *ctx, const tm_sgd_config *cfg, tm_optimizer **out);
+TM_API tm_status tm_sgd_new(tm_ctx *ctx, const tm_sgd_config *cfg, tm_optimizer **out);
 
 /* Learning-rate schedules. step counts optimizer steps from 0. With W = warmup_steps,
  * S = total_steps, lr_max = lr, lr_min = min_lr:
@@ -1104,11 +1113,11 @@ typedef struct tm_lr_schedule {
 
 /* Learning rate at `step`; NaN when step < 0 or the schedule is invalid (see
  * tm_lr_schedule_check). */
-double tm_lr_at(const tm_lr_schedule *s, int64_t step);
+TM_API double tm_lr_at(const tm_lr_schedule *s, int64_t step);
 /* ctx may be NULL (no message). Errors: TM_ERR_INVALID_ARG (message names the field): s NULL,
  * bad kind, lr < 0 or not finite, warmup_steps < 0; for decaying kinds min_lr outside [0, lr],
  * total_steps < warmup_steps; for wsd decay_fraction outside (0, 1]. */
-tm_status tm_lr_schedule_check(tm_ctx *ctx, const tm_lr_schedule *s);
+TM_API tm_status tm_lr_schedule_check(tm_ctx *ctx, const tm_lr_schedule *s);
 
 /* The update ops that tm_optimizer_step and tm_ctx_clip_grad_norm are built from, for
  * programs that write their own training step. Each writes its first input in place, is
@@ -1124,17 +1133,17 @@ tm_status tm_lr_schedule_check(tm_ctx *ctx, const tm_lr_schedule *s);
  * the given lr and weight decay (pass 0 for gains and biases). m, v: f32. master: the f32
  * master copy of a bf16 param, or NULL: then the update reads and writes master and stores
  * param = master rounded to bf16; without one a bf16 param is read, updated in f32, rounded. */
-tm_status tm_adamw_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_tensor *m, tm_tensor *v,
+TM_API tm_status tm_adamw_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_tensor *m, tm_tensor *v,
                           tm_tensor *master, const tm_adamw_config *cfg, double lr, double weight_decay, int64_t step);
 /* SGD as tm_sgd_new documents (cfg's momentum and nesterov; lr and weight_decay given). b: the
  * f32 momentum buffer (NULL allowed only with momentum 0); master as for AdamW. */
-tm_status tm_sgd_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_tensor *b, tm_tensor *master,
+TM_API tm_status tm_sgd_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_tensor *b, tm_tensor *master,
                         const tm_sgd_config *cfg, double lr, double weight_decay);
 /* out: 0-d f64 on grad's device = sum_i grad[i]^2, accumulated in f64 in a fixed order that
  * depends on the element count only (bitwise the same at any thread count). */
-tm_status tm_grad_sumsq(tm_ctx *ctx, tm_tensor *grad, tm_tensor **out);
+TM_API tm_status tm_grad_sumsq(tm_ctx *ctx, tm_tensor *grad, tm_tensor **out);
 /* grad *= scale (in the gradient's dtype; scale rounded to f32 for f32 and bf16). */
-tm_status tm_grad_scale(tm_ctx *ctx, tm_tensor *grad, double scale);
+TM_API tm_status tm_grad_scale(tm_ctx *ctx, tm_tensor *grad, double scale);
 
 /* Global L2 norm of all parameter gradients (accumulated in f64): sqrt(sum_p sum_i g_i^2),
  * one tm_grad_sumsq per bucket summed in bucket order, then one tm_grad_scale per bucket.
@@ -1142,7 +1151,7 @@ tm_status tm_grad_scale(tm_ctx *ctx, tm_tensor *grad, double scale);
  * max_norm (torch.nn.utils.clip_grad_norm_). *norm_out (may be NULL) gets the norm before
  * clipping. Errors: TM_ERR_INVALID_ARG (max_norm NaN), TM_ERR_UNSUPPORTED (CUDA gradients;
  * nothing is changed). */
-tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out);
+TM_API tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out);
 
 #ifdef __cplusplus
 }

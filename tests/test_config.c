@@ -10,6 +10,7 @@
 #include "common.h"
 #include "config.h"
 #include "data.h"
+#include "status.h"
 #include "train.h"
 
 /* A fresh temporary directory (removed by the test with rm_rf). */
@@ -353,7 +354,7 @@ static void write_tokens(const char *path, int n, uint32_t max) {
     uint32_t *t = malloc(sizeof *t * (size_t)n);
     for (int i = 0; i < n; i++) t[i] = (uint32_t)((i * 7u) % max);
     char err[256];
-    cr_assert_eq(tm__tokens_write(path, t, n, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_tokens_write(path, t, n, err, sizeof err), 0, "%s", err);
     free(t);
 }
 

@@ -16,7 +16,7 @@
 #include "config.h"
 #include "generate.h"
 #include "sample.h"
-#include "train.h"
+#include "status.h"
 
 static tm_model_config cfg_small(int max_seq_len) {
     tm_model_config c = tm_model_config_default();

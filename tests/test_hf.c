@@ -26,7 +26,7 @@
 #include "common.h"
 #include "config.h"
 #include "hf.h"
-#include "train.h"
+#include "status.h"
 
 static void setup(void) { tt_tmpdir_make("tm_test_hf_"); }
 static void teardown(void) { tt_tmpdir_remove(); }

@@ -1,10 +1,11 @@
 /*
- * test_resume.c — driver checkpoints (train/checkpoint.c, the save/resume path of train.c):
- * training 2N steps equals training N, saving, and resuming N more, bit for bit (every loss
- * and every tensor), on synthetic data and on a token file with gradient accumulation, expert
- * biases and SGD; SIGINT in the middle of a run writes a checkpoint whose resumption again
- * equals the uninterrupted run; keep_last pruning; config mismatches on resume; eval of a
- * checkpoint reproduces the validation loss of training; meta text round trip.
+ * test_resume.c — driver checkpoints (train/checkpoint.c, train/rundir.c, the save/resume path
+ * of train.c): training 2N steps equals training N, saving, and resuming N more, bit for bit
+ * (every loss and every tensor), on synthetic data and on a token file with gradient
+ * accumulation, expert biases and SGD; SIGINT in the middle of a run writes a checkpoint whose
+ * resumption again equals the uninterrupted run; keep_last pruning; config mismatches on
+ * resume; eval of a checkpoint reproduces the validation loss of training; meta text round
+ * trip.
  */
 #include <errno.h>
 #include <math.h>
@@ -21,6 +22,7 @@
 #include "config.h"
 #include "data.h"
 #include "hf.h"
+#include "status.h"
 #include "train.h"
 
 static void setup(void) { tt_tmpdir_make("tm_test_resume_"); }
@@ -61,7 +63,7 @@ static const char *token_file(void) {
         tok[i] = (x % 7 == 0) ? ' ' : 'a' + (uint32_t)(x % 26);
     }
     char err[256];
-    cr_assert_eq(tm__tokens_write(path, tok, N, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_tokens_write(path, tok, N, err, sizeof err), 0, "%s", err);
     return path;
 }
 

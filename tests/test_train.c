@@ -12,6 +12,7 @@
 #include "config.h"
 #include "data.h"
 #include "plot.h"
+#include "status.h"
 #include "train.h"
 
 static char *tmpdir(void) {
@@ -176,7 +177,7 @@ Test(train, byte_level_token_file_trains_samples_and_evaluates, .timeout = 120) 
     FILE *f = fopen(txt, "w");
     for (int i = 0; i < 300; i++) fputs("to be or not to be, that is the question. ", f);
     fclose(f);
-    cr_assert_eq(tm__tokenize_file(txt, bin, 0.1, val, sizeof val, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_tokenize_file(txt, bin, 0.1, val, sizeof val, err, sizeof err), 0, "%s", err);
 
     tmd_config c;
     tiny(&c, "");

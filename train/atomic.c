@@ -8,7 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "train.h"
+#include "status.h"
 #include "util.h"
 
 int tmd_atomic_open(tmd_atomic *a, const char *path, char *err, size_t errlen) {

@@ -19,7 +19,7 @@
  * staging then leaves every target as it was.
  *
  * Functions return 0, or TMD_RUNTIME_ERROR (an I/O failure) / TMD_CONFIG_ERROR (a path too
- * long, or not a directory), the codes of train.h, with a message in err naming the file and
+ * long, or not a directory), the codes of status.h, with a message in err naming the file and
  * the system error (strerror).
  */
 #ifndef TMD_ATOMIC_H

@@ -10,8 +10,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "status.h"
 #include "strbuf.h"
-#include "train.h"
 #include "util.h"
 
 #define META_MAGIC "tinymoe-checkpoint 1"

@@ -31,7 +31,7 @@
 
 typedef struct tmd_ckpt_state {
     int64_t step;          /* optimizer steps completed */
-    int64_t data_position; /* tm__batcher.position (0 for synthetic data) */
+    int64_t data_position; /* tmd_batcher.position (0 for synthetic data) */
 } tmd_ckpt_state;
 
 /* A checkpoint loaded as a model, for inference. */
@@ -57,7 +57,7 @@ int tmd_ckpt_resolve(const char *ckpt, char *path, size_t pathlen, char *err, si
 /* Resolve CKPT, read its config, build the model on `device` (tmd_device_kind; -1: the
  * checkpoint's own) with `threads` CPU threads (0: all) and load its weights (the optimizer
  * state in the file is checked and skipped). Returns 0, or TMD_CONFIG_ERROR / TMD_RUNTIME_ERROR
- * (train.h) with a message naming the file. On success free with tmd_loaded_model_free. */
+ * (status.h) with a message naming the file. On success free with tmd_loaded_model_free. */
 int tmd_ckpt_load_model(const char *ckpt, int device, int threads, tmd_loaded_model *out, char *err, size_t errlen);
 /* NULL or zeroed: no-op. */
 void tmd_loaded_model_free(tmd_loaded_model *m);

@@ -16,7 +16,7 @@
 #include "tinymoe.h"
 #include "util.h"
 
-#define HEADER_BYTES (TM__DATA_HEADER_INTS * 4)
+#define HEADER_BYTES (TMD_DATA_HEADER_INTS * 4)
 /* Tokens converted per fread/fwrite: bounds the staging buffer (256 KiB of bytes). */
 #define CHUNK_TOKENS 65536
 
@@ -72,17 +72,17 @@ static int open_shard(const char *path, shard *s, char *err, size_t errlen) {
 
     int32_t magic = get_i32le(h), version = get_i32le(h + 4), count = get_i32le(h + 8);
     int want_version;
-    if (magic == TM__DATA_MAGIC_V1) {
+    if (magic == TMD_DATA_MAGIC_V1) {
         want_version = 1;
         s->width = 2;
-    } else if (magic == TM__DATA_MAGIC_V7) {
+    } else if (magic == TMD_DATA_MAGIC_V7) {
         want_version = 7;
         s->width = 4;
     } else {
         return tmd_fail(err, errlen, -1,
                         "'%s' has magic %d, expected %d (llm.c tokens, uint16) or %d (uint32): not a "
                         "token file",
-                        path, magic, TM__DATA_MAGIC_V1, TM__DATA_MAGIC_V7);
+                        path, magic, TMD_DATA_MAGIC_V1, TMD_DATA_MAGIC_V7);
     }
     if (version != want_version)
         return tmd_fail(err, errlen, -1, "'%s' has version %d, but its magic %d means version %d", path, version, magic,
@@ -125,7 +125,7 @@ static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *
  * fine for the corpora this driver trains on (tens of millions of tokens at most); a streaming
  * or mmap reader would replace this for larger ones. All headers are validated before any
  * token is read, so a bad shard costs no I/O on the others. */
-int tm__tokens_load(const char *pattern, tm__tokens *out, char *err, size_t errlen) {
+int tmd_tokens_load(const char *pattern, tmd_tokens *out, char *err, size_t errlen) {
     memset(out, 0, sizeof *out);
     if (!pattern || !*pattern) return tmd_fail(err, errlen, -1, "no token file given");
 
@@ -193,11 +193,11 @@ done:
     free(sh);
     free(buf);
     if (globbed) globfree(&g);
-    if (rc != 0) tm__tokens_free(out);
+    if (rc != 0) tmd_tokens_free(out);
     return rc;
 }
 
-void tm__tokens_free(tm__tokens *t) {
+void tmd_tokens_free(tmd_tokens *t) {
     if (!t) return;
     free(t->tok);
     memset(t, 0, sizeof *t);
@@ -213,7 +213,7 @@ static uint32_t max_of(const uint32_t *tok, int64_t n) {
  * Split and vocabulary check
  * ------------------------------------------------------------------------------------------ */
 
-int tm__tokens_split(tm__tokens *train, double fraction, tm__tokens *val, char *err, size_t errlen) {
+int tmd_tokens_split(tmd_tokens *train, double fraction, tmd_tokens *val, char *err, size_t errlen) {
     memset(val, 0, sizeof *val);
     if (!(fraction > 0.0 && fraction < 1.0)) /* also rejects NaN */
         return tmd_fail(err, errlen, -1, "validation fraction %g of '%s' must be in (0, 1)", fraction, train->source);
@@ -244,7 +244,7 @@ int tm__tokens_split(tm__tokens *train, double fraction, tm__tokens *val, char *
     return 0;
 }
 
-int tm__tokens_check_vocab(const tm__tokens *t, int vocab_size, char *err, size_t errlen) {
+int tmd_tokens_check_vocab(const tmd_tokens *t, int vocab_size, char *err, size_t errlen) {
     if (vocab_size < 1) return tmd_fail(err, errlen, -1, "vocab size %d must be >= 1", vocab_size);
     if (t->max_token < (uint32_t)vocab_size) return 0;
     for (int64_t i = 0; i < t->n; i++)
@@ -274,7 +274,7 @@ static int stage(tmd_atomic *a, const char *path, const uint32_t *tok, int64_t n
         return -1;
     }
     memset(buf, 0, HEADER_BYTES);
-    put_u32le(buf, v7 ? TM__DATA_MAGIC_V7 : TM__DATA_MAGIC_V1);
+    put_u32le(buf, v7 ? TMD_DATA_MAGIC_V7 : TMD_DATA_MAGIC_V1);
     put_u32le(buf + 4, v7 ? 7 : 1);
     put_u32le(buf + 8, (uint32_t)n);
     int ok = tmd_atomic_write(a, buf, HEADER_BYTES) == 0;
@@ -296,7 +296,7 @@ static int stage(tmd_atomic *a, const char *path, const uint32_t *tok, int64_t n
     return tmd_atomic_stage(a, err, errlen) ? -1 : 0;
 }
 
-int tm__tokens_write(const char *path, const uint32_t *tok, int64_t n, char *err, size_t errlen) {
+int tmd_tokens_write(const char *path, const uint32_t *tok, int64_t n, char *err, size_t errlen) {
     tmd_atomic a;
     if (stage(&a, path, tok, n, err, errlen) != 0) return -1;
     return tmd_atomic_publish(&a, err, errlen) ? -1 : 0;
@@ -319,7 +319,7 @@ static int val_name(const char *out_path, char *dst, size_t cap) {
 
 /* The text is held whole (1 byte) and as tokens (4 bytes per byte): 5x the file size, fine
  * for the text corpora a byte-level model trains on. */
-int tm__tokenize_file(const char *in_path, const char *out_path, double val_fraction, char *val_path_out,
+int tmd_tokenize_file(const char *in_path, const char *out_path, double val_fraction, char *val_path_out,
                       size_t val_path_len, char *err, size_t errlen) {
     if (val_path_out && val_path_len) val_path_out[0] = '\0';
     if (!(val_fraction >= 0.0 && val_fraction < 1.0))
@@ -369,7 +369,7 @@ int tm__tokenize_file(const char *in_path, const char *out_path, double val_frac
         goto done;
     }
     for (int64_t i = 0; i < nbytes; i++) tok[i] = text[i];
-    tok[nbytes] = TM__BYTE_EOT;
+    tok[nbytes] = TMD_BYTE_EOT;
 
     int64_t n_train = n;
     if (val_fraction > 0.0) {
@@ -409,7 +409,7 @@ done:
  * seed (initialisation, the synthetic source), which put small stream ids there. */
 #define BATCH_STREAM 0x62617463u /* "batc" */
 
-int tm__batcher_init(tm__batcher *bt, const tm__tokens *data, int B, int T, uint64_t seed, char *err,
+int tmd_batcher_init(tmd_batcher *bt, const tmd_tokens *data, int B, int T, uint64_t seed, char *err,
                      size_t errlen) {
     memset(bt, 0, sizeof *bt);
     if (B < 1) return tmd_fail(err, errlen, -1, "batch size B = %d must be >= 1", B);
@@ -426,7 +426,7 @@ int tm__batcher_init(tm__batcher *bt, const tm__tokens *data, int B, int T, uint
     return 0;
 }
 
-void tm__batcher_next(tm__batcher *bt, int32_t *inputs, int32_t *targets) {
+void tmd_batcher_next(tmd_batcher *bt, int32_t *inputs, int32_t *targets) {
     const uint32_t *tok = bt->data->tok;
     const int T = bt->T;
     const uint64_t n_start = (uint64_t)(bt->data->n - T); /* offsets 0 .. n - T - 1 */

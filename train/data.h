@@ -10,47 +10,47 @@
  * then the tokens. A data source is one file or a glob of shards (concatenated in sorted name
  * order).
  */
-#ifndef TM_TRAIN_DATA_H
-#define TM_TRAIN_DATA_H
+#ifndef TMD_DATA_H
+#define TMD_DATA_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#define TM__DATA_MAGIC_V1 20240520
-#define TM__DATA_MAGIC_V7 20240801
-#define TM__DATA_HEADER_INTS 256
+#define TMD_DATA_MAGIC_V1 20240520
+#define TMD_DATA_MAGIC_V7 20240801
+#define TMD_DATA_HEADER_INTS 256
 
 /* Byte-level tokenizer: tokens 0..255 are bytes, 256 is end-of-text. */
-#define TM__BYTE_VOCAB 257
-#define TM__BYTE_EOT 256
+#define TMD_BYTE_VOCAB 257
+#define TMD_BYTE_EOT 256
 
 /* A token stream held in memory (uint32). */
-typedef struct tm__tokens {
+typedef struct tmd_tokens {
     uint32_t *tok;
     int64_t n;
     uint32_t max_token; /* largest token id present (for vocab checks) */
     char source[256];   /* file or pattern it came from, for messages */
-} tm__tokens;
+} tmd_tokens;
 
 /* Load one file or every file matching a glob pattern (sorted bytewise), validating each
  * header (magic, version, token count vs file size, no trailing bytes) before reading any
  * tokens. A path without * ? [ is opened as is (a missing file reports strerror); a pattern
  * matching nothing is an error, and so is a source holding no tokens at all. The whole source
  * is held as one uint32 array (4 bytes per token). On error *out is left empty. */
-int tm__tokens_load(const char *pattern, tm__tokens *out, char *err, size_t errlen);
-void tm__tokens_free(tm__tokens *t);
+int tmd_tokens_load(const char *pattern, tmd_tokens *out, char *err, size_t errlen);
+void tmd_tokens_free(tmd_tokens *t);
 /* Split off the last round(fraction * n) tokens (0 < fraction < 1) of a stream into val (a
  * copy; train is truncated to the first part). Each side must keep >= 2 tokens (one input and
  * its target). On error train is unchanged and *val empty. */
-int tm__tokens_split(tm__tokens *train, double fraction, tm__tokens *val, char *err, size_t errlen);
+int tmd_tokens_split(tmd_tokens *train, double fraction, tmd_tokens *val, char *err, size_t errlen);
 /* Every token < vocab_size, else an error naming the source, the position and the value. */
-int tm__tokens_check_vocab(const tm__tokens *t, int vocab_size, char *err, size_t errlen);
+int tmd_tokens_check_vocab(const tmd_tokens *t, int vocab_size, char *err, size_t errlen);
 
 /* Write a token file (version 1 if every token fits in uint16, else 7) atomically: a temporary
  * file in the same directory, fflush, fsync, rename (then fsync of the directory). On failure
  * the temporary file is removed and an existing file at `path` is untouched. Little-endian
  * whatever the host. */
-int tm__tokens_write(const char *path, const uint32_t *tok, int64_t n, char *err, size_t errlen);
+int tmd_tokens_write(const char *path, const uint32_t *tok, int64_t n, char *err, size_t errlen);
 
 /* tinymoe tokenize: bytes of `in_path` -> tokens (end-of-text appended); with val_fraction > 0
  * the last round(val_fraction * n) tokens go to a second file named like out_path with "_val"
@@ -58,25 +58,25 @@ int tm__tokens_write(const char *path, const uint32_t *tok, int64_t n, char *err
  * out_path; its name is copied to val_path_out (may be NULL; "" when val_fraction == 0).
  * val_fraction in [0, 1). Both files are written in full to temporary files before either is
  * renamed into place. An empty input, or out_path naming the input, is an error. */
-int tm__tokenize_file(const char *in_path, const char *out_path, double val_fraction, char *val_path_out,
+int tmd_tokenize_file(const char *in_path, const char *out_path, double val_fraction, char *val_path_out,
                       size_t val_path_len, char *err, size_t errlen);
 
 /* Deterministic batching: row b of the batch at position p is the window of T+1 tokens at an
  * offset in [0, n - T - 1] drawn from Philox4x32-10 with key = seed and counter = (p, b,
  * stream tag) — so (seed, position) fully determines every batch, independent of thread count,
  * and resuming at `position` reproduces the rest exactly. */
-typedef struct tm__batcher {
-    const tm__tokens *data;
+typedef struct tmd_batcher {
+    const tmd_tokens *data;
     int B, T;
     uint64_t seed;
     int64_t position; /* batches produced so far: the state to save for an exact resume */
-} tm__batcher;
+} tmd_batcher;
 
 /* Errors: B < 1, T < 1, or fewer than T + 1 tokens in data. data must outlive the batcher.
  * Tokens are assumed to fit in int32 (check the vocabulary first). */
-int tm__batcher_init(tm__batcher *bt, const tm__tokens *data, int B, int T, uint64_t seed, char *err, size_t errlen);
+int tmd_batcher_init(tmd_batcher *bt, const tmd_tokens *data, int B, int T, uint64_t seed, char *err, size_t errlen);
 /* inputs and targets: B*T int32 each, row-major (B, T); targets = inputs shifted by one.
  * Advances position by one. */
-void tm__batcher_next(tm__batcher *bt, int32_t *inputs, int32_t *targets);
+void tmd_batcher_next(tmd_batcher *bt, int32_t *inputs, int32_t *targets);
 
 #endif

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "train.h"
+#include "status.h"
 #include "util.h"
 
 /* The window of tokens the cache holds, or is about to. */

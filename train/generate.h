@@ -22,7 +22,7 @@
  * drawn (not printed, not counted; eot_token < 0: never).
  *
  * ctx's arena is reset after every token (temporaries the caller made before the call die).
- * Returns 0, or TMD_RUNTIME_ERROR (train.h) with a message in err: bad arguments (naming them),
+ * Returns 0, or TMD_RUNTIME_ERROR (status.h) with a message in err: bad arguments (naming them),
  * a library error (its message), or a failed write to out. *n_generated (may be NULL) gets the
  * number of tokens generated, also on failure.
  */

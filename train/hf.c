@@ -25,8 +25,8 @@
 #include "atomic.h"
 #include "checkpoint.h"
 #include "safetensors.h"
+#include "status.h"
 #include "strbuf.h"
-#include "train.h"
 #include "util.h"
 
 #define HF_NAME_MAX 112

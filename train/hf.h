@@ -30,7 +30,7 @@
  *
  * Functions return TMD_OK (0), TMD_CONFIG_ERROR (2: a refused config, an invalid or foreign
  * input file, bad arguments) or TMD_RUNTIME_ERROR (1: I/O or memory failure, a device copy),
- * the codes of train.h, with a message in err naming the file, tensor or config key.
+ * the codes of status.h, with a message in err naming the file, tensor or config key.
  */
 #ifndef TMD_HF_H
 #define TMD_HF_H

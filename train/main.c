@@ -23,6 +23,7 @@
 #include "data.h"
 #include "hf.h"
 #include "sample.h"
+#include "status.h"
 #include "tinymoe.h"
 #include "train.h"
 
@@ -172,17 +173,17 @@ static int cmd_tokenize(int argc, char **argv) {
     fclose(probe);
     char err[1024], val_path[TMD_PATH_MAX];
     val_path[0] = 0;
-    if (tm__tokenize_file(in, out, frac, val_path, sizeof val_path, err, sizeof err)) {
+    if (tmd_tokenize_file(in, out, frac, val_path, sizeof val_path, err, sizeof err)) {
         fprintf(stderr, "tinymoe: tokenize: %s\n", err);
         return TMD_RUNTIME_ERROR;
     }
-    tm__tokens t;
-    if (!tm__tokens_load(out, &t, err, sizeof err)) {
+    tmd_tokens t;
+    if (!tmd_tokens_load(out, &t, err, sizeof err)) {
         printf("wrote %s (%lld tokens)", out, (long long)t.n);
-        tm__tokens_free(&t);
-        if (val_path[0] && !tm__tokens_load(val_path, &t, err, sizeof err)) {
+        tmd_tokens_free(&t);
+        if (val_path[0] && !tmd_tokens_load(val_path, &t, err, sizeof err)) {
             printf(" and %s (%lld tokens)", val_path, (long long)t.n);
-            tm__tokens_free(&t);
+            tmd_tokens_free(&t);
         }
         printf("\n");
     }

@@ -38,7 +38,7 @@ static double rng_unit(rng *r) {
 enum { STREAM_TABLE = 1 };
 static const uint64_t STREAM_DATA = 1ull << 62;
 
-int markov_init(markov *m, int vocab, int k, uint64_t seed) {
+int tmd_markov_init(tmd_markov *m, int vocab, int k, uint64_t seed) {
     memset(m, 0, sizeof *m);
     size_t nctx = (size_t)vocab * vocab;
     m->vocab = vocab;
@@ -52,7 +52,7 @@ int markov_init(markov *m, int vocab, int k, uint64_t seed) {
     if (!m->next || !m->prob || !m->pi || !m->pi_cdf || !tmp || !perm) {
         free(tmp);
         free(perm);
-        markov_free(m);
+        tmd_markov_free(m);
         return -1;
     }
 
@@ -125,7 +125,7 @@ int markov_init(markov *m, int vocab, int k, uint64_t seed) {
     return 0;
 }
 
-void markov_free(markov *m) {
+void tmd_markov_free(tmd_markov *m) {
     free(m->next);
     free(m->prob);
     free(m->pi);
@@ -133,9 +133,9 @@ void markov_free(markov *m) {
     memset(m, 0, sizeof *m);
 }
 
-double markov_optimal_loss(const markov *m, int T) { return (m->h1 + (T - 1) * m->h2) / T; }
+double tmd_markov_optimal_loss(const tmd_markov *m, int T) { return (m->h1 + (T - 1) * m->h2) / T; }
 
-void markov_sample(const markov *m, uint64_t seed, uint64_t stream, int32_t *out, int n) {
+void tmd_markov_sample(const tmd_markov *m, uint64_t seed, uint64_t stream, int32_t *out, int n) {
     rng r = rng_new(seed, STREAM_DATA | stream);
     size_t nctx = (size_t)m->vocab * m->vocab;
     /* Start context ~ pi: first index whose cumulative probability exceeds u. */

@@ -18,7 +18,7 @@
 
 #include <stdint.h>
 
-typedef struct markov {
+typedef struct tmd_markov {
     int vocab, k;
     int32_t *next;   /* [vocab^2, k] allowed next tokens of context a * vocab + b */
     double *prob;    /* [vocab^2, k] their probabilities */
@@ -27,14 +27,14 @@ typedef struct markov {
     double h1, h2;   /* entropies above, in nats */
     int iters;       /* power iterations used */
     double residual; /* L1 change of pi in the last iteration */
-} markov;
+} tmd_markov;
 
 /* Build the chain (vocab >= 2, 1 <= k <= vocab). Returns 0, or -1 when out of memory. */
-int markov_init(markov *m, int vocab, int k, uint64_t seed);
-void markov_free(markov *m);
+int tmd_markov_init(tmd_markov *m, int vocab, int k, uint64_t seed);
+void tmd_markov_free(tmd_markov *m);
 /* Best achievable mean loss over T predicted positions (see the top of this file). */
-double markov_optimal_loss(const markov *m, int T);
+double tmd_markov_optimal_loss(const tmd_markov *m, int T);
 /* Draw a sequence of n >= 2 tokens; `stream` selects an independent substream. */
-void markov_sample(const markov *m, uint64_t seed, uint64_t stream, int32_t *out, int n);
+void tmd_markov_sample(const tmd_markov *m, uint64_t seed, uint64_t stream, int32_t *out, int n);
 
 #endif

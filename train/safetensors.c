@@ -7,8 +7,8 @@
 #include <string.h>
 
 #include "atomic.h"
+#include "status.h"
 #include "strbuf.h"
-#include "train.h"
 #include "util.h"
 
 /* The safetensors reference implementation's limit on the header. */

@@ -11,7 +11,7 @@
  *
  * Both directions assume a little-endian host for the element bytes (the caller checks
  * tmd_st_host_supported first). Functions return 0, TMD_CONFIG_ERROR (an invalid or foreign
- * file, an unknown dtype) or TMD_RUNTIME_ERROR (I/O or memory), the codes of train.h, with a
+ * file, an unknown dtype) or TMD_RUNTIME_ERROR (I/O or memory), the codes of status.h, with a
  * message in err naming the file and the tensor.
  */
 #ifndef TMD_SAFETENSORS_H

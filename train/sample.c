@@ -10,12 +10,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "checkpoint.h"
 #include "config.h"
 #include "generate.h"
-#include "train.h"
+#include "status.h"
 #include "util.h"
 
 #define EOT_TOKEN 256 /* the byte tokenizer's end-of-text (train/data.h) */
@@ -166,12 +165,6 @@ int tmd_sample_parse(int argc, char **argv, tmd_sample_opts *o, int *help, char 
     return 0;
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* The prompt as tokens: its bytes, or the end-of-text token alone for an empty prompt. */
 static int prompt_tokens(const char *text, int V, int32_t **out, int *n, char *err, size_t errlen) {
     size_t len = strlen(text);
@@ -234,10 +227,10 @@ int tmd_sample_main(int argc, char **argv) {
         fputs(o.prompt, stdout);
         fflush(stdout);
         int64_t n_gen = 0;
-        double t0 = now_s();
+        double t0 = tmd_now_s();
         rc = tmd_generate(lm.ctx, lm.model, prompt, n_prompt, o.tokens, &o.sampler, V > EOT_TOKEN ? EOT_TOKEN : -1,
                           stdout, &n_gen, err, sizeof err);
-        double dt = now_s() - t0;
+        double dt = tmd_now_s() - t0;
         putchar('\n');
         fflush(stdout);
         if (!rc)

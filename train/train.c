@@ -1,18 +1,15 @@
-/* train.c — the training loop of `tinymoe train` and the evaluation of `tinymoe eval`; see
- * train.h. Uses only the public header (plus the driver's own headers). */
+/* train.c — the training loop of `tinymoe train`, and the setup of a run that `tinymoe eval`
+ * shares (eval.c); see train.h and run.h. Uses only the public header (plus the driver's own
+ * headers). */
 #include "train.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
-#include "atomic.h"
 #include "checkpoint.h"
 #include "data.h"
 #include "generate.h"
@@ -20,62 +17,24 @@
 #include "log.h"
 #include "markov.h"
 #include "plot.h"
+#include "run.h"
+#include "rundir.h"
+#include "status.h"
 #include "tinymoe.h"
 #include "util.h"
 
-/* Synthetic validation sequences come from their own Philox streams, disjoint from every
- * training stream (step * grad_accum + micro) * batch_size + row < 2^61. */
-static const uint64_t VAL_STREAM = 1ull << 61;
 /* Synthetic data has no "whole validation set": eval_batches 0 means this many batches. */
 enum { SYNTH_DEFAULT_EVAL_BATCHES = 8 };
 /* Plot resolution: steps of the loss curve, columns of the heatmap. */
 enum { LOSS_BINS = 1000, LOAD_BINS = 160 };
 
-typedef struct run {
-    tmd_config c;
-    int T, B, synth;
-    FILE *log;
-    int tty;
-    /* data */
-    markov src;
-    double optimum;
-    tm__tokens train, val;
-    tm__batcher bt;
-    int64_t n_eval;           /* validation windows */
-    int32_t *inp, *tgt, *seq; /* [B*T], [B*T], [T+1] */
-    /* model */
-    tm_ctx *ctx;
-    tm_device dev;
-    tm_model *model;
-    tm_optimizer *opt;
-    int64_t params, active;
-    int n_moe, E, *moe_layer;
-    /* records */
-    tmd_bins loss_bins, val_bins, load_bins;
-    double *step_load; /* [n_moe * E] tokens per expert of the current step */
-    FILE *metrics;
-    char metrics_path[TMD_PATH_MAX + 32];
-    /* checkpoints */
-    char resume_path[TMD_PATH_MAX]; /* the checkpoint resumed from ("" for a fresh run) */
-    tmd_ckpt_state resume_state;
-    int64_t resume_ck_steps; /* the checkpoint's own `steps` (a resumed run may change it) */
-    int64_t saved_step; /* step of the newest checkpoint written by this run (-1: none) */
-    int eval_split;     /* eval: validate on the val_fraction tail of data, as training did */
-} run;
-
 /* A library call failed: the op's message, prefixed by what the driver was doing. */
-static int lib_fail(run *r, char *err, size_t errlen, const char *what, tm_status s) {
+int tmd_run_lib_fail(tmd_run *r, char *err, size_t errlen, const char *what, tm_status s) {
     return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "%s failed (%s): %s", what, tm_status_str(s),
                     tm_ctx_errmsg(r->ctx));
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static void free_run(run *r) {
+void tmd_run_free(tmd_run *r) {
     if (r->metrics) fclose(r->metrics);
     tmd_bins_free(&r->loss_bins);
     tmd_bins_free(&r->val_bins);
@@ -85,9 +44,9 @@ static void free_run(run *r) {
     free(r->inp);
     free(r->tgt);
     free(r->seq);
-    markov_free(&r->src);
-    tm__tokens_free(&r->train);
-    tm__tokens_free(&r->val);
+    tmd_markov_free(&r->src);
+    tmd_tokens_free(&r->train);
+    tmd_tokens_free(&r->val);
     tm_optimizer_free(r->opt);
     tm_model_free(r->model);
     tm_ctx_free(r->ctx);
@@ -96,12 +55,12 @@ static void free_run(run *r) {
 /* ---------------------------------------------------------------------------------------- */
 /* Setup: everything that can reject the configuration or the data, before anything is written */
 
-static int load_data(run *r, int eval_only, char *err, size_t errlen) {
+static int load_data(tmd_run *r, int eval_only, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     if (r->synth) {
-        if (markov_init(&r->src, c->synthetic_vocab, c->synthetic_k, (uint64_t)c->seed))
+        if (tmd_markov_init(&r->src, c->synthetic_vocab, c->synthetic_k, (uint64_t)c->seed))
             return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory building the synthetic source");
-        r->optimum = markov_optimal_loss(&r->src, r->T);
+        r->optimum = tmd_markov_optimal_loss(&r->src, r->T);
         r->n_eval = (int64_t)(c->eval_batches ? c->eval_batches : SYNTH_DEFAULT_EVAL_BATCHES) * r->B;
         return 0;
     }
@@ -111,22 +70,22 @@ static int load_data(run *r, int eval_only, char *err, size_t errlen) {
      * a checkpoint on the data it was trained on: then the same held-out tail as training). */
     const char *val_path = c->val_data[0] ? c->val_data : eval_only && !r->eval_split ? c->data : NULL;
     if (!val_path || !eval_only) {
-        if (tm__tokens_load(c->data, &r->train, e, sizeof e))
+        if (tmd_tokens_load(c->data, &r->train, e, sizeof e))
             return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'data' = '%s': %s", c->data, e);
-        if (tm__tokens_check_vocab(&r->train, c->model.vocab_size, e, sizeof e))
+        if (tmd_tokens_check_vocab(&r->train, c->model.vocab_size, e, sizeof e))
             return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
                             "key 'data' = '%s': %s (vocab_size = %d; set vocab_size for "
                             "tokens other than bytes)",
                             c->data, e, c->model.vocab_size);
     }
     if (val_path) {
-        if (tm__tokens_load(val_path, &r->val, e, sizeof e))
+        if (tmd_tokens_load(val_path, &r->val, e, sizeof e))
             return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key '%s' = '%s': %s", c->val_data[0] ? "val_data" : "data",
                             val_path, e);
-    } else if (tm__tokens_split(&r->train, c->val_fraction, &r->val, e, sizeof e)) {
+    } else if (tmd_tokens_split(&r->train, c->val_fraction, &r->val, e, sizeof e)) {
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'val_fraction' = %g: %s", c->val_fraction, e);
     }
-    if (tm__tokens_check_vocab(&r->val, c->model.vocab_size, e, sizeof e))
+    if (tmd_tokens_check_vocab(&r->val, c->model.vocab_size, e, sizeof e))
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "validation data: %s (vocab_size = %d)", e, c->model.vocab_size);
     int64_t windows = r->val.n > r->T ? (r->val.n - 1) / r->T : 0;
     if (windows < 1)
@@ -144,12 +103,12 @@ static int load_data(run *r, int eval_only, char *err, size_t errlen) {
             "key 'batch_size' = %d: a batch of batch_size x seq_len = %d x %d = %lld tokens is larger than the "
             "%lld training tokens of '%s'",
             r->B, r->B, r->T, (long long)per_batch, (long long)r->train.n, r->train.source);
-    if (tm__batcher_init(&r->bt, &r->train, r->B, r->T, (uint64_t)c->seed, e, sizeof e))
+    if (tmd_batcher_init(&r->bt, &r->train, r->B, r->T, (uint64_t)c->seed, e, sizeof e))
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'data' = '%s': %s", c->data, e);
     return 0;
 }
 
-static int build(run *r, char *err, size_t errlen) {
+static int build(tmd_run *r, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = c->threads;
@@ -163,11 +122,12 @@ static int build(run *r, char *err, size_t errlen) {
     tm_dtype dt = c->dtype == TMD_DTYPE_BF16 ? TM_BF16 : TM_F32;
     char e[1024];
     if ((s = tm_model_new(r->ctx, &c->model, dt, r->dev, &r->model))) {
-        if (s != TM_ERR_INVALID_ARG) return lib_fail(r, err, errlen, "building the model", s);
+        if (s != TM_ERR_INVALID_ARG) return tmd_run_lib_fail(r, err, errlen, "building the model", s);
         tmd_config_explain(c, tm_ctx_errmsg(r->ctx), e, sizeof e);
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "%s", e);
     }
-    if ((s = tm_model_init(r->model, (uint64_t)c->seed))) return lib_fail(r, err, errlen, "initialising the model", s);
+    if ((s = tm_model_init(r->model, (uint64_t)c->seed)))
+        return tmd_run_lib_fail(r, err, errlen, "initialising the model", s);
     r->params = tm_model_num_params(r->model, &r->active);
     r->n_moe = c->model.n_layers - c->model.first_k_dense;
     r->E = c->model.moe.router.num_experts;
@@ -184,7 +144,7 @@ static int build(run *r, char *err, size_t errlen) {
     return 0;
 }
 
-static int build_optimizer(run *r, char *err, size_t errlen) {
+static int build_optimizer(tmd_run *r, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     tm_status s =
         c->optimizer == TMD_OPT_ADAMW ? tm_adamw_new(r->ctx, &c->adamw, &r->opt) : tm_sgd_new(r->ctx, &c->sgd, &r->opt);
@@ -193,10 +153,10 @@ static int build_optimizer(run *r, char *err, size_t errlen) {
         tmd_config_explain(c, tm_ctx_errmsg(r->ctx), e, sizeof e);
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "%s", e);
     }
-    return s ? lib_fail(r, err, errlen, "creating the optimizer", s) : 0;
+    return s ? tmd_run_lib_fail(r, err, errlen, "creating the optimizer", s) : 0;
 }
 
-static int setup(run *r, const tmd_config *cfg, FILE *log, int eval_only, char *err, size_t errlen) {
+int tmd_run_setup(tmd_run *r, const tmd_config *cfg, FILE *log, int eval_only, char *err, size_t errlen) {
     r->c = *cfg;
     tmd_config_resolve(&r->c);
     if (tmd_config_validate(&r->c, err, errlen)) return TMD_CONFIG_ERROR;
@@ -228,37 +188,25 @@ static int setup(run *r, const tmd_config *cfg, FILE *log, int eval_only, char *
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* Batches, evaluation                                                                       */
+/* Batches                                                                                   */
 
 /* Training micro-batch `micro` of `step` into r->inp / r->tgt. */
-static void train_batch(run *r, int64_t step, int micro) {
+static void train_batch(tmd_run *r, int64_t step, int micro) {
     if (!r->synth) {
-        tm__batcher_next(&r->bt, r->inp, r->tgt);
+        tmd_batcher_next(&r->bt, r->inp, r->tgt);
         return;
     }
     /* Fresh sequences from the source: nothing can be memorised, so the training loss is an
      * unbiased estimate of the expected loss and its gap to the optimum is a true gap. */
     for (int b = 0; b < r->B; b++) {
         uint64_t stream = ((uint64_t)step * (uint64_t)r->c.grad_accum + (uint64_t)micro) * (uint64_t)r->B + (uint64_t)b;
-        markov_sample(&r->src, (uint64_t)r->c.seed, stream, r->seq, r->T + 1);
+        tmd_markov_sample(&r->src, (uint64_t)r->c.seed, stream, r->seq, r->T + 1);
         memcpy(r->inp + (size_t)b * r->T, r->seq, sizeof *r->seq * (size_t)r->T);
         memcpy(r->tgt + (size_t)b * r->T, r->seq + 1, sizeof *r->seq * (size_t)r->T);
     }
 }
 
-/* Validation window w: a fixed synthetic sequence, or tokens [w T, w T + T] of the val set. */
-static void val_window(run *r, int64_t w, int32_t *inp, int32_t *tgt) {
-    if (r->synth) {
-        markov_sample(&r->src, (uint64_t)r->c.seed, VAL_STREAM | (uint64_t)w, r->seq, r->T + 1);
-    } else {
-        const uint32_t *t = r->val.tok + w * r->T;
-        for (int i = 0; i <= r->T; i++) r->seq[i] = (int32_t)t[i];
-    }
-    memcpy(inp, r->seq, sizeof *r->seq * (size_t)r->T);
-    memcpy(tgt, r->seq + 1, sizeof *r->seq * (size_t)r->T);
-}
-
-static tm_status forward(run *r, int rows, int with_targets, tm_model_out *out) {
+tm_status tmd_run_forward(tmd_run *r, int rows, int with_targets, tm_model_out *out) {
     int64_t shape[2] = {rows, r->T};
     tm_tensor *tok, *tgt = NULL;
     tm_status s = tm_tensor_from_host(r->ctx, TM_I32, 2, shape, r->dev, TM_I32, r->inp, &tok);
@@ -267,35 +215,10 @@ static tm_status forward(run *r, int rows, int with_targets, tm_model_out *out) 
     return s;
 }
 
-/* Mean cross-entropy over the validation windows, with grad mode off. */
-static int evaluate(run *r, double *loss, char *err, size_t errlen) {
-    int prev = tm_ctx_set_grad_enabled(r->ctx, 0);
-    double sum = 0;
-    int64_t tokens = 0;
-    int rc = 0;
-    for (int64_t w0 = 0; w0 < r->n_eval; w0 += r->B) {
-        int rows = (int)(r->n_eval - w0 < r->B ? r->n_eval - w0 : r->B);
-        for (int b = 0; b < rows; b++) val_window(r, w0 + b, r->inp + (size_t)b * r->T, r->tgt + (size_t)b * r->T);
-        tm_model_out out;
-        tm_status s = forward(r, rows, 1, &out);
-        if (s) {
-            rc = lib_fail(r, err, errlen, "validation forward", s);
-            break;
-        }
-        sum += out.ce_value * rows * r->T;
-        tokens += (int64_t)rows * r->T;
-        tm_ctx_arena_reset(r->ctx);
-    }
-    tm_ctx_arena_reset(r->ctx);
-    tm_ctx_set_grad_enabled(r->ctx, prev);
-    *loss = tokens ? sum / (double)tokens : NAN;
-    return rc;
-}
-
 /* ---------------------------------------------------------------------------------------- */
 /* Printing                                                                                  */
 
-static void print_header(run *r, int eval_only) {
+void tmd_run_print_header(tmd_run *r, int eval_only) {
     FILE *f = r->log;
     const tmd_config *c = &r->c;
     if (!f) return;
@@ -344,7 +267,7 @@ typedef struct interval {
 } interval;
 
 /* Returns -1 when the metrics file cannot be written. */
-static int log_train(run *r, int64_t step, double lr, const interval *iv, double elapsed) {
+static int log_train(tmd_run *r, int64_t step, double lr, const interval *iv, double elapsed) {
     double n = iv->n, tps = (double)iv->n * r->c.grad_accum * r->B * r->T / iv->seconds;
     if (r->metrics) {
         tmd_json j;
@@ -373,8 +296,8 @@ static int log_train(run *r, int64_t step, double lr, const interval *iv, double
 
 /* The terminal's progress line: the means of the current log interval, redrawn at most every
  * 0.1 s (and at the last step). */
-static void draw_progress(run *r, int64_t step, double lr, const interval *iv, double elapsed, double *last_draw) {
-    double t = now_s();
+static void draw_progress(tmd_run *r, int64_t step, double lr, const interval *iv, double elapsed, double *last_draw) {
+    double t = tmd_now_s();
     if (!r->tty || !r->log || iv->n == 0 || (t - *last_draw < 0.1 && step < r->c.sched.total_steps)) return;
     *last_draw = t;
     double n = iv->n, tps = (double)iv->n * r->c.grad_accum * r->B * r->T / iv->seconds;
@@ -384,7 +307,7 @@ static void draw_progress(run *r, int64_t step, double lr, const interval *iv, d
     tmd_progress(r->log, step, r->c.sched.total_steps, elapsed, fields);
 }
 
-static int log_eval(run *r, int64_t step, double val) {
+static int log_eval(tmd_run *r, int64_t step, double val) {
     if (r->metrics) {
         tmd_json j;
         tmd_json_begin(&j);
@@ -409,14 +332,14 @@ static int log_eval(run *r, int64_t step, double val) {
 
 /* Continue the prompt for sample_tokens tokens with the KV cache (tmd_generate), printing the
  * bytes as they come. An empty prompt starts from the end-of-text token. */
-static int sample(run *r, char *err, size_t errlen) {
+static int sample(tmd_run *r, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     size_t plen = strlen(c->sample_prompt);
     int32_t *prompt = malloc(sizeof *prompt * (plen ? plen : 1));
     if (!prompt) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for sampling");
     int n = 0;
     for (size_t i = 0; i < plen; i++) prompt[n++] = (unsigned char)c->sample_prompt[i];
-    if (!n) prompt[n++] = TM__BYTE_EOT;
+    if (!n) prompt[n++] = TMD_BYTE_EOT;
     for (int i = 0; i < n; i++)
         if (prompt[i] >= c->model.vocab_size) {
             int byte = prompt[i];
@@ -434,14 +357,14 @@ static int sample(run *r, char *err, size_t errlen) {
     sc.top_k = c->top_k;
     sc.top_p = c->top_p;
     sc.seed = (uint64_t)c->seed;
-    int rc = tmd_generate(r->ctx, r->model, prompt, n, c->sample_tokens, &sc, TM__BYTE_EOT, f, NULL, err, errlen);
+    int rc = tmd_generate(r->ctx, r->model, prompt, n, c->sample_tokens, &sc, TMD_BYTE_EOT, f, NULL, err, errlen);
     fprintf(f, "\n");
     free(prompt);
     return rc;
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* Checkpoints and signals                                                                   */
+/* Signals                                                                                   */
 
 /* SIGINT / SIGTERM ask the loop to stop after the current step and write a checkpoint. The
  * handler is one-shot (SA_RESETHAND): a second signal kills at once, which is safe because a
@@ -469,178 +392,10 @@ static void restore_stop_signals(const saved_handlers *old) {
     sigaction(SIGTERM, &old->term, NULL);
 }
 
-/* Temporary files of writes that a crash or kill -9 interrupted: checkpoint saves
- * ("ckpt-*.tmck.tmp.XXXXXX") and the metrics rewrite of a resume ("metrics.jsonl.tmp.XXXXXX"). */
-static void remove_stale_temporaries(const char *dir) {
-    DIR *d = opendir(dir);
-    if (!d) return;
-    struct dirent *e;
-    char path[TMD_PATH_MAX + 300];
-    while ((e = readdir(d)))
-        if ((!strncmp(e->d_name, "ckpt-", 5) && strstr(e->d_name, TMD_CKPT_EXT ".tmp.")) ||
-            !strncmp(e->d_name, "metrics.jsonl.tmp.", 18)) {
-            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-            unlink(path);
-        }
-    closedir(d);
-}
-
-/* Keep the newest keep_last checkpoints of out (0: all). Only ever called after a save
- * succeeded, so the newest file is complete before an older one goes. */
-static void prune_checkpoints(run *r, int64_t done) {
-    if (r->c.keep_last <= 0) return;
-    int64_t *steps;
-    int n;
-    char e[256], path[TMD_PATH_MAX + 32];
-    if (tmd_ckpt_list(r->c.out, &steps, &n, e, sizeof e)) return;
-    /* Only files up to the one just written count: a later step can only be there because
-     * the user resumed from an earlier checkpoint on purpose, and it is theirs to delete. */
-    int upto = 0;
-    while (upto < n && steps[upto] <= done) upto++;
-    for (int i = 0; i + r->c.keep_last < upto; i++) {
-        tmd_ckpt_path(r->c.out, steps[i], path, sizeof path);
-        unlink(path);
-    }
-    free(steps);
-}
-
-/* A fresh run must not mix its checkpoints with an earlier run's in the same directory
- * (`--resume DIR` picks the highest step, and pruning would delete the other run's files):
- * refuse, unless overwrite says to delete them. Called before anything is written. */
-static int check_out_dir(const tmd_config *c, char *err, size_t errlen) {
-    struct stat sb;
-    if (c->resume[0] || !c->out[0] || stat(c->out, &sb) || !S_ISDIR(sb.st_mode)) return 0;
-    int64_t *steps;
-    int n;
-    char e[512];
-    if (tmd_ckpt_list(c->out, &steps, &n, e, sizeof e)) return 0;
-    int64_t newest = n ? steps[n - 1] : 0;
-    free(steps);
-    if (n == 0 || c->overwrite) return 0;
-    return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
-                    "out = '%s' holds %d checkpoint%s of an earlier run (newest: step %lld); continue it with "
-                    "--resume %s, write this run elsewhere with --out DIR, or pass --overwrite to delete them",
-                    c->out, n, n > 1 ? "s" : "", (long long)newest, c->out);
-}
-
-static void delete_checkpoints(const char *dir) {
-    int64_t *steps;
-    int n;
-    char e[512], path[TMD_PATH_MAX + 32];
-    if (tmd_ckpt_list(dir, &steps, &n, e, sizeof e)) return;
-    for (int i = 0; i < n; i++) {
-        tmd_ckpt_path(dir, steps[i], path, sizeof path);
-        unlink(path);
-    }
-    free(steps);
-}
-
-static int save_checkpoint(run *r, int64_t done, char *err, size_t errlen) {
-    if (!r->c.out[0] || r->saved_step == done) return 0;
-    tmd_config c = r->c;
-    /* The file describes the run, not how it was started. */
-    c.resume[0] = c.init_from[0] = 0;
-    tmd_ckpt_state st = {.step = done, .data_position = r->synth ? 0 : r->bt.position};
-    size_t len = 0;
-    char *meta = tmd_ckpt_meta_encode(&c, &st, &len);
-    if (!meta) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the checkpoint meta");
-    char path[TMD_PATH_MAX + 32];
-    tmd_ckpt_path(r->c.out, done, path, sizeof path);
-    double t0 = now_s();
-    tm_status s = tm_ckpt_save(r->ctx, path, meta, len);
-    free(meta);
-    if (s) return lib_fail(r, err, errlen, "saving a checkpoint", s);
-    r->saved_step = done;
-    prune_checkpoints(r, done);
-    if (r->log) {
-        struct stat sb;
-        if (r->tty) tmd_progress_clear(r->log);
-        fprintf(r->log, "step %lld: saved %s (%.1f MB, %.2f s)\n", (long long)done, path,
-                stat(path, &sb) ? 0.0 : (double)sb.st_size / 1e6, now_s() - t0);
-        fflush(r->log);
-    }
-    return 0;
-}
-
-/* The text after `"key":` in a metrics line (tmd_json writes `"key": value`), or NULL. */
-static const char *json_value(const char *line, const char *key) {
-    char pat[64];
-    snprintf(pat, sizeof pat, "\"%s\"", key);
-    const char *p = strstr(line, pat);
-    if (!p) return NULL;
-    p += strlen(pat);
-    while (*p == ' ') p++;
-    if (*p++ != ':') return NULL;
-    while (*p == ' ') p++;
-    return p;
-}
-
-static double json_field(const char *line, const char *key) {
-    const char *v = json_value(line, key);
-    return v ? strtod(v, NULL) : NAN;
-}
-
-static int json_type_is(const char *line, const char *type) {
-    const char *v = json_value(line, "type");
-    size_t n = strlen(type);
-    return v && v[0] == '"' && !strncmp(v + 1, type, n) && v[n + 1] == '"';
-}
-
-/* On resume, metrics.jsonl keeps the records up to the checkpoint's step (a run killed after
- * its last checkpoint logged steps that will now be trained again) and the plots get them
- * back; a run resumed into a new out directory starts from the checkpoint run's records. The file is rewritten atomically (atomic.h), then opened for appending. */
-static int restore_metrics(run *r, int64_t upto, char *err, size_t errlen) {
-    FILE *in = fopen(r->metrics_path, "r");
-    if (!in) {
-        /* Resuming into another directory: carry over the history of the checkpoint's run. */
-        char src[TMD_PATH_MAX + 32];
-        const char *slash = strrchr(r->resume_path, '/');
-        if (slash) snprintf(src, sizeof src, "%.*s/metrics.jsonl", (int)(slash - r->resume_path), r->resume_path);
-        else snprintf(src, sizeof src, "metrics.jsonl");
-        in = fopen(src, "r");
-    }
-    if (!in) return 0; /* none: start a new one */
-    tmd_atomic out;
-    if (tmd_atomic_open(&out, r->metrics_path, err, errlen)) {
-        fclose(in);
-        return TMD_RUNTIME_ERROR;
-    }
-    char line[4096];
-    while (fgets(line, sizeof line, in)) {
-        double step = json_field(line, "step");
-        if (!(step <= (double)upto)) continue;
-        fputs(line, out.f);
-        if (json_type_is(line, "train")) {
-            double loss = json_field(line, "loss");
-            if (isfinite(loss)) tmd_bins_add(&r->loss_bins, (int64_t)step - 1, &loss);
-        } else if (json_type_is(line, "eval")) {
-            double v = json_field(line, "val_loss");
-            if (isfinite(v)) tmd_bins_add(&r->val_bins, (int64_t)step - 1, &v);
-        }
-    }
-    fclose(in);
-    return tmd_atomic_commit(&out, err, errlen) ? TMD_RUNTIME_ERROR : 0;
-}
-
 /* ---------------------------------------------------------------------------------------- */
 /* Training                                                                                  */
 
-static int open_outputs(run *r, int64_t start, char *err, size_t errlen) {
-    if (!r->c.out[0]) return 0;
-    char e[TMD_PATH_MAX + 256];
-    if (tmd_mkdirs(r->c.out, e, sizeof e)) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "key 'out': %s", e);
-    int rc;
-    remove_stale_temporaries(r->c.out);
-    if (start == 0 && r->c.overwrite) delete_checkpoints(r->c.out);
-    snprintf(r->metrics_path, sizeof r->metrics_path, "%s/metrics.jsonl", r->c.out);
-    if (start > 0 && (rc = restore_metrics(r, start, err, errlen))) return rc;
-    r->metrics = fopen(r->metrics_path, start > 0 ? "a" : "w");
-    if (!r->metrics)
-        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path, strerror(errno));
-    return 0;
-}
-
-static int write_plots(run *r, char *err, size_t errlen) {
+static int write_plots(tmd_run *r, char *err, size_t errlen) {
     if (!r->c.out[0]) return 0;
     char path[TMD_PATH_MAX + 32];
     snprintf(path, sizeof path, "%s/loss.svg", r->c.out);
@@ -654,7 +409,7 @@ static int write_plots(run *r, char *err, size_t errlen) {
 }
 
 /* One optimizer step: grad_accum micro-batches, clip, step, expert-bias update. */
-static int train_step(run *r, int64_t step, double lr, interval *iv, double *first_loss, char *err, size_t errlen) {
+static int train_step(tmd_run *r, int64_t step, double lr, interval *iv, double *first_loss, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     tm_status s;
     double loss = 0;
@@ -662,12 +417,12 @@ static int train_step(run *r, int64_t step, double lr, interval *iv, double *fir
     for (int m = 0; m < c->grad_accum; m++) {
         train_batch(r, step, m);
         tm_model_out out;
-        if ((s = forward(r, r->B, 1, &out))) return lib_fail(r, err, errlen, "forward", s);
+        if ((s = tmd_run_forward(r, r->B, 1, &out))) return tmd_run_lib_fail(r, err, errlen, "forward", s);
         tm_tensor *l = out.loss;
         /* Mean over micro-batches: each backward adds 1/grad_accum of its gradient. */
         if (c->grad_accum > 1 && (s = tm_scale(r->ctx, out.loss, 1.0 / c->grad_accum, &l)))
-            return lib_fail(r, err, errlen, "loss scaling", s);
-        if ((s = tm_backward(r->ctx, l))) return lib_fail(r, err, errlen, "backward", s);
+            return tmd_run_lib_fail(r, err, errlen, "loss scaling", s);
+        if ((s = tm_backward(r->ctx, l))) return tmd_run_lib_fail(r, err, errlen, "backward", s);
         double w = 1.0 / c->grad_accum;
         loss += w * out.loss_value;
         iv->loss += w * out.loss_value;
@@ -688,10 +443,10 @@ static int train_step(run *r, int64_t step, double lr, interval *iv, double *fir
     if (isnan(*first_loss)) *first_loss = loss;
     double gnorm = 0;
     if ((s = tm_ctx_clip_grad_norm(r->ctx, c->grad_clip, &gnorm)))
-        return lib_fail(r, err, errlen, "gradient clipping", s);
-    if ((s = tm_optimizer_step(r->opt, lr))) return lib_fail(r, err, errlen, "optimizer step", s);
-    if ((s = tm_model_step(r->model))) return lib_fail(r, err, errlen, "expert-bias update", s);
-    if ((s = tm_ctx_zero_grad(r->ctx))) return lib_fail(r, err, errlen, "zeroing gradients", s);
+        return tmd_run_lib_fail(r, err, errlen, "gradient clipping", s);
+    if ((s = tm_optimizer_step(r->opt, lr))) return tmd_run_lib_fail(r, err, errlen, "optimizer step", s);
+    if ((s = tm_model_step(r->model))) return tmd_run_lib_fail(r, err, errlen, "expert-bias update", s);
+    if ((s = tm_ctx_zero_grad(r->ctx))) return tmd_run_lib_fail(r, err, errlen, "zeroing gradients", s);
     tm_ctx_arena_reset(r->ctx);
     iv->gnorm += gnorm;
     iv->n++;
@@ -700,7 +455,7 @@ static int train_step(run *r, int64_t step, double lr, interval *iv, double *fir
     return 0;
 }
 
-static int train_loop(run *r, tmd_train_result *res, char *err, size_t errlen) {
+static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     int64_t steps = c->sched.total_steps;
     if (tmd_bins_init(&r->loss_bins, 1, LOSS_BINS) || tmd_bins_init(&r->val_bins, 1, LOSS_BINS) ||
@@ -708,7 +463,7 @@ static int train_loop(run *r, tmd_train_result *res, char *err, size_t errlen) {
         return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the plots");
     int rc;
     int64_t start = r->resume_path[0] ? r->resume_state.step : 0;
-    if ((rc = open_outputs(r, start, err, errlen))) return rc;
+    if ((rc = tmd_rundir_open_outputs(r, start, err, errlen))) return rc;
     if (start >= steps) {
         if (r->log)
             fprintf(r->log, "the checkpoint is at step %lld of %lld: nothing to train (raise steps to train longer)\n",
@@ -722,9 +477,9 @@ static int train_loop(run *r, tmd_train_result *res, char *err, size_t errlen) {
     interval iv = {0};
     double t_train = 0, first_loss = NAN, val = NAN, last_draw = 0;
     for (int64_t step = start; step < steps; step++) {
-        double lr = tm_lr_at(&c->sched, step), t0 = now_s();
+        double lr = tm_lr_at(&c->sched, step), t0 = tmd_now_s();
         if ((rc = train_step(r, step, lr, &iv, &first_loss, err, errlen))) return rc;
-        double dt = now_s() - t0;
+        double dt = tmd_now_s() - t0;
         iv.seconds += dt;
         t_train += dt;
         int64_t done = step + 1;
@@ -738,7 +493,7 @@ static int train_loop(run *r, tmd_train_result *res, char *err, size_t errlen) {
             iv = (interval){0};
         }
         if ((c->eval_every && done % c->eval_every == 0) || done == steps) {
-            if ((rc = evaluate(r, &val, err, errlen))) return rc;
+            if ((rc = tmd_run_evaluate(r, &val, err, errlen))) return rc;
             double v = val;
             tmd_bins_add(&r->val_bins, step, &v);
             if (log_eval(r, done, val))
@@ -746,11 +501,11 @@ static int train_loop(run *r, tmd_train_result *res, char *err, size_t errlen) {
                                 strerror(errno));
         }
         if ((c->save_every && done % c->save_every == 0) || done == steps) {
-            if ((rc = save_checkpoint(r, done, err, errlen))) return rc;
+            if ((rc = tmd_rundir_save_checkpoint(r, done, err, errlen))) return rc;
         }
         if (g_stop_signal) {
             int sig = g_stop_signal;
-            if ((rc = save_checkpoint(r, done, err, errlen))) return rc;
+            if ((rc = tmd_rundir_save_checkpoint(r, done, err, errlen))) return rc;
             if ((rc = write_plots(r, err, errlen))) return rc;
             if (r->log) {
                 if (r->tty) tmd_progress_clear(r->log);
@@ -792,8 +547,8 @@ static int train_loop(run *r, tmd_train_result *res, char *err, size_t errlen) {
 }
 
 /* A resumed run's configuration: the checkpoint's, plus what the command line may change. */
-static int resume_config(run *r, const tmd_config *cli, tmd_config *out, int for_eval, const char *ckpt, char *err,
-                         size_t errlen) {
+int tmd_run_resume_config(tmd_run *r, const tmd_config *cli, tmd_config *out, int for_eval, const char *ckpt,
+                          char *err, size_t errlen) {
     tmd_config ck;
     int rc = tmd_ckpt_resolve(ckpt, r->resume_path, sizeof r->resume_path, err, errlen);
     if (!rc) rc = tmd_ckpt_read_meta(r->resume_path, &ck, &r->resume_state, err, errlen);
@@ -819,7 +574,7 @@ static int resume_config(run *r, const tmd_config *cli, tmd_config *out, int for
 /* --init_from DIR: the architecture keys come from DIR/config.json; one the user set
  * explicitly to another value is an error naming it. Training keys (aux losses, capacity,
  * optimizer, seq_len, ...) stay the user's. */
-static int init_from_config(const tmd_config *cli, tmd_config *out, char *err, size_t errlen) {
+int tmd_run_init_from_config(const tmd_config *cli, tmd_config *out, char *err, size_t errlen) {
     static const char *const ARCH[] = {"vocab_size",     "d_model",       "n_layers",       "n_heads",
                                        "n_kv_heads",     "rope_theta",    "norm_eps",       "tie_embeddings",
                                        "num_experts",    "topk",          "expert_ffn_size", "score_function",
@@ -861,7 +616,7 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
     if (!res) res = &local;
     memset(res, 0, sizeof *res);
     res->val_loss = res->optimum = res->first_loss = NAN;
-    run *r = calloc(1, sizeof *r);
+    tmd_run *r = calloc(1, sizeof *r);
     if (!r) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
     r->saved_step = -1;
     tmd_config c = *cfg;
@@ -870,15 +625,15 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
         rc = tmd_fail(
             err, errlen, TMD_CONFIG_ERROR,
             "keys 'resume' and 'init_from' exclude each other (resume restores the weights from the checkpoint)");
-    if (!rc && cfg->resume[0]) rc = resume_config(r, cfg, &c, 0, cfg->resume, err, errlen);
-    if (!rc && cfg->init_from[0]) rc = init_from_config(cfg, &c, err, errlen);
-    if (!rc) rc = check_out_dir(&c, err, errlen);
-    if (!rc) rc = setup(r, &c, log, 0, err, errlen);
+    if (!rc && cfg->resume[0]) rc = tmd_run_resume_config(r, cfg, &c, 0, cfg->resume, err, errlen);
+    if (!rc && cfg->init_from[0]) rc = tmd_run_init_from_config(cfg, &c, err, errlen);
+    if (!rc) rc = tmd_rundir_check_out_dir(&c, err, errlen);
+    if (!rc) rc = tmd_run_setup(r, &c, log, 0, err, errlen);
     if (!rc) {
         res->params = r->params;
         res->active_params = r->active;
         res->optimum = r->synth ? r->optimum : NAN;
-        print_header(r, 0);
+        tmd_run_print_header(r, 0);
         if (r->resume_path[0] && log) {
             fprintf(log, "resuming from %s at step %lld", r->resume_path, (long long)r->resume_state.step);
             if (r->resume_ck_steps != c.sched.total_steps)
@@ -892,46 +647,7 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
         restore_stop_signals(&old);
         if (rc && r->log && r->tty) tmd_progress_clear(r->log);
     }
-    free_run(r);
+    tmd_run_free(r);
     free(r);
     return rc;
-}
-
-static int eval_run(const tmd_config *cfg, const char *ckpt, FILE *log, double *loss, char *err, size_t errlen) {
-    run *r = calloc(1, sizeof *r);
-    if (!r) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
-    double v = NAN;
-    tmd_config c = *cfg;
-    int rc = ckpt ? resume_config(r, cfg, &c, 1, ckpt, err, errlen) : 0;
-    if (!rc && !ckpt && cfg->init_from[0]) rc = init_from_config(cfg, &c, err, errlen);
-    if (!rc) rc = setup(r, &c, log, 1, err, errlen);
-    if (!rc) {
-        print_header(r, 1);
-        double t0 = now_s();
-        rc = evaluate(r, &v, err, errlen);
-        if (!rc && log) {
-            fprintf(log, "loss %.4f nats/token, perplexity %.3f, over %lld tokens (%.1f s)", v, exp(v),
-                    (long long)r->n_eval * r->T, now_s() - t0);
-            if (r->synth) fprintf(log, "; optimum %.4f", r->optimum);
-            if (ckpt)
-                fprintf(log, "\nmodel: %s (step %lld)\n", r->resume_path, (long long)r->resume_state.step);
-            else if (c.init_from[0])
-                fprintf(log, "\nmodel: the Hugging Face export in %s\n", c.init_from);
-            else
-                fprintf(log, "\nmodel: freshly initialised from the config and seed (give --ckpt to evaluate a "
-                             "trained one)\n");
-        }
-    }
-    if (loss) *loss = v;
-    free_run(r);
-    free(r);
-    return rc;
-}
-
-int tmd_eval(const tmd_config *cfg, FILE *log, double *loss, char *err, size_t errlen) {
-    return eval_run(cfg, NULL, log, loss, err, errlen);
-}
-
-int tmd_eval_ckpt(const tmd_config *cfg, const char *ckpt, FILE *log, double *loss, char *err, size_t errlen) {
-    return eval_run(cfg, ckpt, log, loss, err, errlen);
 }

@@ -18,9 +18,7 @@
 #include <stdio.h>
 
 #include "config.h"
-
-/* Return values, also the process exit status. */
-enum { TMD_OK = 0, TMD_RUNTIME_ERROR = 1, TMD_CONFIG_ERROR = 2 };
+#include "status.h"
 
 typedef struct tmd_train_result {
     int64_t steps;

@@ -8,9 +8,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
-#include "train.h"
+#include "status.h"
 
 int tmd_fail(char *err, size_t errlen, int code, const char *fmt, ...) {
     if (err && errlen) {
@@ -51,4 +52,10 @@ int tmd_read_file(const char *path, unsigned char **data, size_t *len, char *err
     *data = b;
     *len = n;
     return 0;
+}
+
+double tmd_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }

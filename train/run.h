@@ -1,0 +1,78 @@
+/*
+ * run.h — the state of one `tinymoe train` or `tinymoe eval` run, shared by the three files
+ * that make up those commands: train.c (the setup of a run, and the training loop), eval.c
+ * (the validation loss, `tinymoe eval`) and rundir.c (the run directory). Not used elsewhere.
+ */
+#ifndef TMD_RUN_H
+#define TMD_RUN_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "checkpoint.h"
+#include "config.h"
+#include "data.h"
+#include "markov.h"
+#include "plot.h"
+#include "tinymoe.h"
+
+typedef struct tmd_run {
+    tmd_config c;
+    int T, B, synth;
+    FILE *log;
+    int tty;
+    /* data */
+    tmd_markov src;
+    double optimum;
+    tmd_tokens train, val;
+    tmd_batcher bt;
+    int64_t n_eval;           /* validation windows */
+    int32_t *inp, *tgt, *seq; /* [B*T], [B*T], [T+1] */
+    /* model */
+    tm_ctx *ctx;
+    tm_device dev;
+    tm_model *model;
+    tm_optimizer *opt;
+    int64_t params, active;
+    int n_moe, E, *moe_layer;
+    /* records */
+    tmd_bins loss_bins, val_bins, load_bins;
+    double *step_load; /* [n_moe * E] tokens per expert of the current step */
+    FILE *metrics;
+    char metrics_path[TMD_PATH_MAX + 32];
+    /* checkpoints */
+    char resume_path[TMD_PATH_MAX]; /* the checkpoint resumed from ("" for a fresh run) */
+    tmd_ckpt_state resume_state;
+    int64_t resume_ck_steps; /* the checkpoint's own `steps` (a resumed run may change it) */
+    int64_t saved_step; /* step of the newest checkpoint written by this run (-1: none) */
+    int eval_split;     /* eval: validate on the val_fraction tail of data, as training did */
+} tmd_run;
+
+/* ---- train.c ---------------------------------------------------------------------------- */
+
+/* A library call failed: TMD_RUNTIME_ERROR with the context's message, prefixed by `what`. */
+int tmd_run_lib_fail(tmd_run *r, char *err, size_t errlen, const char *what, tm_status s);
+/* Free what the run holds (not r itself). */
+void tmd_run_free(tmd_run *r);
+/* Resolve and validate cfg, load and check the data, build the model (and, unless eval_only,
+ * the optimizer), apply init_from, and load r->resume_path when set. Nothing is written. */
+int tmd_run_setup(tmd_run *r, const tmd_config *cfg, FILE *log, int eval_only, char *err, size_t errlen);
+/* The model's forward pass over r->inp (and r->tgt with with_targets) for `rows` rows. */
+tm_status tmd_run_forward(tmd_run *r, int rows, int with_targets, tm_model_out *out);
+/* The resolved config, the parameter counts and a data summary, to r->log. */
+void tmd_run_print_header(tmd_run *r, int eval_only);
+/* The configuration of a run resumed from (or, for_eval, evaluating) checkpoint `ckpt`: the
+ * checkpoint's, plus what the command line cli may change; sets r->resume_path and
+ * r->resume_state. */
+int tmd_run_resume_config(tmd_run *r, const tmd_config *cli, tmd_config *out, int for_eval, const char *ckpt,
+                          char *err, size_t errlen);
+/* cli with the architecture keys of cli->init_from's config.json. */
+int tmd_run_init_from_config(const tmd_config *cli, tmd_config *out, char *err, size_t errlen);
+
+/* ---- eval.c ----------------------------------------------------------------------------- */
+
+/* Mean cross-entropy over the run's validation windows, with grad mode off. */
+int tmd_run_evaluate(tmd_run *r, double *loss, char *err, size_t errlen);
+
+#endif
