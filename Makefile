@@ -136,8 +136,11 @@ $(LIBA): $(LIB_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
+# --exclude-libs,ALL: symbols of static archives linked into the .so (a toolchain whose
+# libstdc++ is only an archive, as on the GPU machine) stay local, so the .so still exports
+# nothing but the public tm_ names.
 $(LIBSO): $(LIB_OBJ)
-	$(CC) -shared -o $@ $^ $(LDLIBS_ALL)
+	$(CC) -shared -Wl,--exclude-libs,ALL -o $@ $^ $(LDLIBS_ALL)
 
 $(LIBTRAIN): $(DRV_OBJ)
 	@rm -f $@

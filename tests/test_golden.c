@@ -132,7 +132,7 @@ static void shakespeare(int threads) {
     snprintf(bin, sizeof bin, "%s/text.bin", dir);
     FILE *f = fopen(txt, "wb");
     cr_assert(f && fwrite(text, 1, n, f) == n && fclose(f) == 0);
-    cr_assert_eq(tm__tokenize_file(txt, bin, 0.0, NULL, 0, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_tokenize_file(txt, bin, 0.0, NULL, 0, err, sizeof err), 0, "%s", err);
     /* run_and_compare makes (and removes) its own directory; this one is removed below. */
     const char *kv[][2] = {{"preset", "shakespeare"}, {"data", bin}, {"sample_prompt", ""}};
     run_and_compare("golden_shakespeare.txt", kv, 3, threads);
