@@ -37,6 +37,16 @@ static tm_status state_name(tm_ctx *ctx, const char *fn, char *buf, size_t cap, 
     return TM_OK;
 }
 
+/* The first parameter of bucket b, for messages. */
+static const char *bucket_first_param(tm_ctx *ctx, int b) {
+    for (int i = 0; i < tm_ctx_num_params(ctx); i++) {
+        tm_param_info pi;
+        if (tm_param_get_info(tm_ctx_param(ctx, i), &pi) == TM_OK && pi.bucket == b)
+            return tm_tensor_name(tm_ctx_param(ctx, i));
+    }
+    return "?";
+}
+
 /* Decay runs of bucket bi: its parameters (in bucket order = creation order), each extended
  * over the padding that follows it, merged while the decay setting agrees. */
 static tm_status make_runs(tm_ctx *ctx, const char *fn, tm__opt_bucket *ob) {
@@ -147,9 +157,10 @@ tm_status tm_optimizer_step(tm_optimizer *opt, double lr) {
         TM__TRY(tm_ctx_bucket_info(ctx, opt->b[k].bucket, &bi));
         if (!tm__op_available(ctx, opt->op, bi.device))
             return tm__err(ctx, TM_ERR_UNSUPPORTED,
-                           "tm_optimizer_step: %s has no %s kernel on %s yet (bucket %d: %s parameters); nothing "
-                           "was changed", opt->name, opt->op, bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU",
-                           k, tm_dtype_name(bi.dtype));
+                           "tm_optimizer_step: %s has no %s kernel on %s yet (bucket %d: %s parameters such as "
+                           "\"%s\"); nothing was changed", opt->name, opt->op,
+                           bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU", k, tm_dtype_name(bi.dtype),
+                           bucket_first_param(ctx, opt->b[k].bucket));
     }
     int64_t t = 0;
     TM__TRY(tm_tensor_read(ctx, opt->counter, TM_I64, &t, 1));
