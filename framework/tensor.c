@@ -73,8 +73,7 @@ tm_status tm__tensor_new(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shap
     if (!t || !st) return TM_ERR_NOMEM;
     st->nbytes = (size_t)tm__numel_of(ndim, shape) * tm_dtype_size(dt);
     st->device = dev;
-    st->data = tm__arena_alloc(ctx, dev, st->nbytes);
-    if (!st->data) return TM_ERR_NOMEM;
+    TM__TRY(tm__arena_alloc_storage(ctx, st));
     t->storage = st;
     *out = t;
     return TM_OK;
@@ -107,6 +106,14 @@ tm_status tm__tensor_view(tm_ctx *ctx, const tm_tensor *base, int ndim, const in
     t->name = "";
     *out = t;
     return TM_OK;
+}
+
+void tm__tensor_release(tm_ctx *ctx, tm_tensor *t) {
+    if (!ctx || !t || t->persistent || !ctx->mem_reuse) return;
+    tm__storage *st = t->storage;
+    if (!st || !st->data || !st->arena_bytes) return;
+    tm__arena_free(ctx, st->device, st->data, st->arena_bytes);
+    st->data = NULL;
 }
 
 tm_status tm__out_new(tm__call *c, int i, tm_dtype dt, int ndim, const int64_t *shape) {
@@ -174,6 +181,20 @@ static tm_status pool_reserve(tm_ctx *ctx, tm__pool *p, size_t need) {
     return TM_OK;
 }
 
+/* Optimizer state is told apart by name: the optimizers name their state buffers
+ * "<param>.adamw_m", "<param>.adamw_v", "<param>.sgd_b" and their step counters
+ * "optim.<name>.steps" (optim/adamw.c, optim/sgd.c). */
+static int buffer_category(const char *name) {
+    static const char *const suffixes[] = {".adamw_m", ".adamw_v", ".sgd_b"};
+    size_t len = strlen(name);
+    if (strncmp(name, "optim.", 6) == 0) return TM_MEM_OPTIMIZER;
+    for (size_t i = 0; i < sizeof suffixes / sizeof suffixes[0]; i++) {
+        size_t sl = strlen(suffixes[i]);
+        if (len >= sl && memcmp(name + len - sl, suffixes[i], sl) == 0) return TM_MEM_OPTIMIZER;
+    }
+    return TM_MEM_BUFFERS;
+}
+
 static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dtype dt, int ndim,
                            const int64_t *shape, tm_device dev, int is_param, tm_tensor **out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
@@ -232,12 +253,14 @@ static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dty
         t->storage = &pp->st;
         t->offset = (int64_t)(pp->used / esz);
         pp->used += padded;
+        tm__mem_account(ctx, dev, TM_MEM_PARAMETERS, (ptrdiff_t)padded);
         *g = *t;
         g->name = "";
         g->persistent = 1;
         g->storage = &gp->st;
         g->offset = (int64_t)(gp->used / esz);
         gp->used += padded;
+        tm__mem_account(ctx, dev, TM_MEM_GRADIENTS, (ptrdiff_t)padded);
         t->grad = g;
         t->is_param = 1;
         t->requires_grad = 1;
@@ -267,8 +290,10 @@ static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dty
         st->data = mem;
         st->nbytes = padded;
         st->device = dev;
+        st->arena_bytes = 0;
         ctx->owned[ctx->n_owned++] = st;
         t->storage = st;
+        tm__mem_account(ctx, dev, buffer_category(name), (ptrdiff_t)padded);
     }
     ctx->named[ctx->n_named++] = t;
     *out = t;
