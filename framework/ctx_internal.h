@@ -114,7 +114,11 @@ void tm__arena_release(tm_ctx *ctx, tm__arena *a);
 void *tm__dev_alloc(tm_ctx *ctx, tm_device dev, size_t nbytes);
 void tm__dev_free(tm_ctx *ctx, tm_device dev, void *p);
 tm_status tm__dev_memset0(tm_ctx *ctx, tm_device dev, void *p, size_t nbytes);
-/* Run the forward (backward=0) or backward kernel of a call on its backend (dispatch.c). */
+/* Run the forward (backward=0) or backward kernel of a call on its backend (dispatch.c),
+ * giving its scratch back to the arena when it returns. */
 tm_status tm__run_kernel(tm__call *c, int backward);
+/* Give back a call's saved tensors and the dispatcher's contiguous copies of its inputs, once
+ * nothing will run its kernels again (dispatch.c). */
+void tm__release_call(tm__call *c);
 
 #endif

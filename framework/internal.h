@@ -152,7 +152,8 @@ const char *tm__sdesc(tm_ctx *ctx, int ndim, const int64_t *shape);
 void *tm__host_alloc(tm_ctx *ctx, size_t nbytes);
 void tm__host_free(tm_ctx *ctx, void *p);
 
-/* Per-step arena on a device; memory is 64-byte aligned; NULL + message on failure. */
+/* Per-step arena on a device; memory is 64-byte aligned; NULL + message on failure.
+ * Kernel scratch taken here is given back when the kernel returns (see tm__scope_open). */
 void *tm__arena_alloc(tm_ctx *ctx, tm_device dev, size_t nbytes);
 /* The same for a tensor's storage: sets st->data and st->arena_bytes (the block's size). */
 tm_status tm__arena_alloc_storage(tm_ctx *ctx, tm__storage *st);

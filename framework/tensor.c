@@ -371,8 +371,28 @@ tm_status tm__memcpy(tm_ctx *ctx, void *dst, tm_device ddev, const void *src, tm
     return be->memcpy(ctx, dst, src, nbytes, kind);
 }
 
+static tm_status tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count);
+static tm_status tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count);
+
+/* Read and write stage through arena memory inside a scope: the staging goes back to the arena
+ * when they return. */
 tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count) {
     if (!ctx) return TM_ERR_INVALID_ARG;
+    int mark = tm__scope_open(ctx);
+    tm_status s = tensor_read(ctx, t, dst_dt, dst, count);
+    tm__scope_close(ctx, mark, NULL, 0);
+    return s;
+}
+
+tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    int mark = tm__scope_open(ctx);
+    tm_status s = tensor_write(ctx, t, src_dt, src, count);
+    tm__scope_close(ctx, mark, NULL, 0);
+    return s;
+}
+
+static tm_status tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count) {
     if (!t || !dst) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_read: %s is NULL", t ? "dst" : "tensor");
     if ((unsigned)dst_dt >= TM_NDTYPES) return tm__err(ctx, TM_ERR_DTYPE, "tm_tensor_read: bad dst dtype %d", (int)dst_dt);
     int64_t n = tm__numel(t);
@@ -380,8 +400,7 @@ tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void 
     if (n == 0) return TM_OK;
     size_t nbytes = (size_t)n * tm_dtype_size(t->dtype);
     const void *src;
-    /* Stage through the host arena when the tensor is on a device or strided; the staging
-     * memory goes back at the next arena reset. */
+    /* Stage through the host arena when the tensor is on a device or strided. */
     if (t->device.type == TM_DEVICE_CPU && tm__is_contiguous(t)) {
         src = tm__data(t);
     } else {
@@ -408,8 +427,7 @@ convert:
     return TM_OK;
 }
 
-tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count) {
-    if (!ctx) return TM_ERR_INVALID_ARG;
+static tm_status tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count) {
     if (!t || !src) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_write: %s is NULL", t ? "src" : "tensor");
     if ((unsigned)src_dt >= TM_NDTYPES) return tm__err(ctx, TM_ERR_DTYPE, "tm_tensor_write: bad src dtype %d", (int)src_dt);
     int64_t n = tm__numel(t);

@@ -320,7 +320,9 @@ tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value);
  * gradient. tm_backward walks the tape in reverse and ACCUMULATES into .grad of every tensor
  * that requires one (parameters: into the contiguous gradient buffer), so calling forward +
  * backward on several micro-batches before one optimizer step accumulates their gradients.
- * The tape recorded so far is consumed by the call (a second backward does not re-run it). */
+ * The tape recorded so far is consumed by the call (a second backward does not re-run it).
+ * As in PyTorch, only leaves keep their gradient: once the backward has used the gradient of
+ * an op's output it is freed, and tm_tensor_grad of that output is NULL afterwards. */
 
 /* loss: a one-element float tensor; its upstream gradient is 1.
  * Errors: TM_ERR_INVALID_ARG (loss NULL), TM_ERR_SHAPE (not one element), TM_ERR_STATE (loss
