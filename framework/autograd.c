@@ -5,12 +5,39 @@
  * order, so walking it backwards visits every consumer of a tensor before its producer. A node
  * whose outputs received no gradient is skipped. Gradients of parameters accumulate into the
  * contiguous gradient buffer; gradients of temporaries are arena tensors that start at zero.
+ *
+ * Memory: when a node is done, nothing can read its upstream gradients any more (every
+ * consumer of its outputs came later in the recording, so its backward has run), nor its
+ * saved tensors or its dispatcher staging copies (the tape is consumed). They go back to the
+ * arena at once (release_node) and serve the gradients of the nodes still to come, so the
+ * backward pass holds the gradients of one "frontier" of the graph rather than all of them.
+ * Kept: gradients of leaves (tm_tensor_set_requires_grad tensors: the user reads them) and of
+ * parameters (persistent). An op output's gradient pointer is cleared when it is freed, so
+ * tm_tensor_grad of an intermediate is NULL after the backward, as in PyTorch.
  */
 #include "ctx_internal.h"
 
 static tm_status ensure_grad(tm_ctx *ctx, tm_tensor *t) {
     if (t->grad) return TM_OK;
     return tm__tensor_zeros(ctx, t->dtype, t->ndim, t->shape, t->device, &t->grad);
+}
+
+/* After node n's backward (or its skipping): free its upstream gradients (the outputs'
+ * gradients, zeros made for outputs without one, perturbed copies), its saved tensors and its
+ * staging copies. */
+static void release_node(tm_ctx *ctx, tm__node *n) {
+    if (!ctx->mem_reuse) return;
+    tm__call *c = &n->call;
+    for (int i = 0; i < c->n_out; i++) {
+        tm_tensor *o = c->out[i], *g = c->gout[i];
+        if (g && g != o->grad) tm__tensor_release(ctx, g);
+        c->gout[i] = NULL;
+        if (o->grad && o->node == n && !o->persistent && !o->grad->persistent) {
+            tm__tensor_release(ctx, o->grad);
+            o->grad = NULL;
+        }
+    }
+    tm__release_call(c);
 }
 
 static tm_status run_tape(tm_ctx *ctx) {
@@ -20,7 +47,10 @@ static tm_status run_tape(tm_ctx *ctx) {
         tm__call *c = &n->call;
         int any = 0;
         for (int i = 0; i < c->n_out; i++) any |= c->out[i]->grad != NULL;
-        if (!any) continue;
+        if (!any) {
+            release_node(ctx, n);
+            continue;
+        }
         for (int i = 0; i < c->n_out; i++) {
             if (c->out[i]->grad) {
                 c->gout[i] = c->out[i]->grad;
@@ -49,9 +79,11 @@ static tm_status run_tape(tm_ctx *ctx) {
             c->gin[i] = s->grad;
             needed = 1;
         }
-        if (!needed) continue;
-        tm_status st = tm__run_kernel(c, 1);
-        if (st != TM_OK) return st;
+        if (needed) {
+            tm_status st = tm__run_kernel(c, 1);
+            if (st != TM_OK) return st;
+        }
+        release_node(ctx, n);
     }
     return TM_OK;
 }
@@ -88,7 +120,9 @@ tm_status tm_backward(tm_ctx *ctx, tm_tensor *loss) {
     tm_tensor *one;
     TM__TRY(tm__tensor_new(ctx, loss->dtype, loss->ndim, loss->shape, loss->device, &one));
     TM__TRY(tm__fill(ctx, one, 1.0));
-    return tm_backward_with_grad(ctx, loss, one);
+    tm_status s = tm_backward_with_grad(ctx, loss, one);
+    tm__tensor_release(ctx, one);
+    return s;
 }
 
 /* Test hook: make the backward of op `op` (tm__op_id, -1 to disable) see its upstream

@@ -92,6 +92,7 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->meta.dev = tm_cpu();
     ctx->cuda_device = -1;
     ctx->perturb_op = -1;
+    ctx->mem_reuse = 1;
     ctx->be[TM__CPU] = tm__backend_get(TM__CPU);
     if (o.cuda_device >= 0) {
         const tm__backend_ops *be = tm__backend_get(TM__CUDA);
@@ -149,6 +150,7 @@ void tm_ctx_free(tm_ctx *ctx) {
     }
     tm__host_free(ctx, ctx->named);
     tm__host_free(ctx, ctx->owned);
+    tm__host_free(ctx, ctx->scope_log);
     for (int b = 0; b < TM__NBACKENDS; b++)
         if (ctx->be[b] && ctx->be[b]->shutdown) ctx->be[b]->shutdown(ctx, ctx->state[b]);
     tm__host_free(ctx, ctx);
@@ -229,9 +231,10 @@ uint64_t tm_ctx_sync_count(const tm_ctx *ctx) { return ctx ? ctx->sync_count : 0
 
 void tm_ctx_arena_reset(tm_ctx *ctx) {
     if (!ctx) return;
-    for (int b = 0; b < TM__NBACKENDS; b++) tm__arena_reset(&ctx->arena[b]);
-    tm__arena_reset(&ctx->meta);
+    for (int b = 0; b < TM__NBACKENDS; b++) tm__arena_reset(ctx, &ctx->arena[b]);
+    tm__arena_reset(ctx, &ctx->meta);
     ctx->tape = NULL;
+    ctx->scope_n = ctx->scope_depth = 0;
 }
 
 static const tm__arena *arena_of(const tm_ctx *ctx, tm_device dev) {
@@ -247,4 +250,36 @@ size_t tm_ctx_arena_used(const tm_ctx *ctx, tm_device dev) {
 size_t tm_ctx_arena_peak(const tm_ctx *ctx, tm_device dev) {
     const tm__arena *a = arena_of(ctx, dev);
     return a ? a->peak : 0;
+}
+
+tm_status tm_ctx_memory_report(const tm_ctx *ctx, tm_device dev, tm_memory_report *out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    tm_ctx *c = (tm_ctx *)ctx; /* messages only */
+    if (!out) return tm__err(c, TM_ERR_INVALID_ARG, "tm_ctx_memory_report: out is NULL");
+    if (!arena_of(ctx, dev)) {
+        if (dev.type == TM_DEVICE_CUDA)
+            return tm__err(c, TM_ERR_DEVICE, "tm_ctx_memory_report: cuda:%d is not this context's device (cuda_device=%d)",
+                           dev.index, ctx->cuda_device);
+        return tm__err(c, TM_ERR_DEVICE, "tm_ctx_memory_report: unknown device type %d", (int)dev.type);
+    }
+    const tm__mem_stats *m = &ctx->mem[tm__backend(dev)];
+    memset(out, 0, sizeof *out);
+    for (int i = 0; i < TM_MEM_NCATEGORIES; i++) {
+        out->current[i] = m->current[i];
+        out->peak[i] = m->peak[i];
+        out->at_peak[i] = m->at_peak[i];
+    }
+    out->total = m->total;
+    out->total_peak = m->total_peak;
+    return TM_OK;
+}
+
+void tm_ctx_memory_reset_peak(tm_ctx *ctx) {
+    if (!ctx) return;
+    for (int b = 0; b < TM__NBACKENDS; b++) {
+        tm__mem_stats *m = &ctx->mem[b];
+        memcpy(m->peak, m->current, sizeof m->peak);
+        memcpy(m->at_peak, m->current, sizeof m->at_peak);
+        m->total_peak = m->total;
+    }
 }

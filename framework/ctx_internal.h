@@ -7,20 +7,54 @@
 
 #include "internal.h"
 
-/* A bump arena over a list of chunks. Reset rewinds every chunk; the chunks stay, so a step
- * that repeats the previous step's allocation sequence reuses exactly the same chunks and
- * performs no system allocation. */
+/* A bump arena over a list of chunks, with size-class free lists (data arenas only).
+ * Reset rewinds every chunk and empties the free lists; the chunks stay, so a step that
+ * repeats the previous step's sequence of allocations and frees reuses exactly the same
+ * chunks and performs no system allocation.
+ *
+ * A block given back (tm__arena_free) goes on the free list of the largest size class not
+ * above its size; a request first looks at the free lists of the smallest class not below
+ * it (and a few classes above), so any block found there is big enough. Classes are four per
+ * doubling (in units of TM__ALIGN bytes: 1, 2, 3, then 4, 5, 6, 7, 8, 10, 12, 14, 16, 20,
+ * ...), which bounds the bytes a reused block wastes to a quarter of the request. Blocks are
+ * neither split nor merged; a block that is the last one bumped in the current chunk is
+ * simply un-bumped. The free-list entries live in the meta arena (reset together). */
 typedef struct tm__chunk {
     void *mem;
     size_t size, used;
 } tm__chunk;
 
+typedef struct tm__free_block {
+    void *p;
+    size_t size;
+    struct tm__free_block *next;
+} tm__free_block;
+
+#define TM__NCLASSES 240
+
 typedef struct tm__arena {
     tm_device dev;
     tm__chunk *chunks;
     int n, cap, cur;
-    size_t used, peak; /* bytes handed out since reset; high-water mark */
+    size_t used, peak; /* bytes handed out since reset (freed blocks excluded); high-water mark */
+    tm__free_block *free_list[TM__NCLASSES];
+    tm__free_block *spare; /* entries not in use (meta memory) */
+    size_t free_bytes;     /* bytes sitting on the free lists */
 } tm__arena;
+
+/* One arena block taken while a kernel scope is open (see tm__scope_open). */
+typedef struct tm__scope_entry {
+    void *p;
+    size_t size;
+    int backend;
+    tm__storage *st; /* the tensor storage that owns the block, NULL for raw scratch */
+} tm__scope_entry;
+
+/* Memory accounting per device (tm_ctx_memory_report). */
+typedef struct tm__mem_stats {
+    size_t current[TM_MEM_NCATEGORIES], peak[TM_MEM_NCATEGORIES];
+    size_t total, total_peak, at_peak[TM_MEM_NCATEGORIES];
+} tm__mem_stats;
 
 /* A growable contiguous buffer (the parameters of a bucket, or their gradients). */
 typedef struct tm__pool {
@@ -76,9 +110,18 @@ struct tm_ctx {
     uint64_t sync_count;                  /* device-to-host synchronisations (tm_ctx_sync_count) */
 
     int perturb_op; /* tests: op id whose backward sees a scaled upstream grad; -1 off */
+
+    /* Memory reuse within a step (tm__set_mem_reuse): 1 (default) gives blocks back to the
+     * arena as soon as nothing can read them (kernel scratch, consumed gradients, saved
+     * tensors, staging copies); 0 keeps everything until tm_ctx_arena_reset, as before. */
+    int mem_reuse;
+    tm__scope_entry *scope_log; /* blocks taken inside open kernel scopes */
+    int scope_n, scope_cap, scope_depth;
+
+    tm__mem_stats mem[TM__NBACKENDS];
 };
 
-void tm__arena_reset(tm__arena *a);
+void tm__arena_reset(tm_ctx *ctx, tm__arena *a);
 void tm__arena_release(tm_ctx *ctx, tm__arena *a);
 /* Device allocation for the given device (host allocator or cudaMalloc), counted. */
 void *tm__dev_alloc(tm_ctx *ctx, tm_device dev, size_t nbytes);
@@ -89,7 +132,11 @@ tm_status tm__dev_memset0(tm_ctx *ctx, tm_device dev, void *p, size_t nbytes);
 tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_param_options *opts);
 /* Free every bucket's memory (tm_ctx_free). */
 void tm__buckets_free(tm_ctx *ctx);
-/* Run the forward (backward=0) or backward kernel of a call on its backend (dispatch.c). */
+/* Run the forward (backward=0) or backward kernel of a call on its backend (dispatch.c),
+ * giving its scratch back to the arena when it returns. */
 tm_status tm__run_kernel(tm__call *c, int backward);
+/* Give back a call's saved tensors and the dispatcher's contiguous copies of its inputs, once
+ * nothing will run its kernels again (dispatch.c). */
+void tm__release_call(tm__call *c);
 
 #endif

@@ -93,7 +93,7 @@ static tm_status run_bf16_on_cpu(tm__call *c, tm__fn fn, int backward) {
     return TM_OK;
 }
 
-tm_status tm__run_kernel(tm__call *c, int backward) {
+static tm_status run_kernel_unscoped(tm__call *c, int backward) {
     const tm__op_def *op = &tm__op_table[c->op];
     int b = tm__backend(c->in[0]->device);
     const tm__backend_ops *be = c->ctx->be[b];
@@ -105,6 +105,41 @@ tm_status tm__run_kernel(tm__call *c, int backward) {
     }
     if (b == TM__CPU && !(op->flags & TM__OP_NATIVE_BF16) && call_has_bf16(c)) return run_bf16_on_cpu(c, fn, backward);
     return fn(c);
+}
+
+/* The kernel runs inside a scope (arena.c): whatever it takes from the arena beyond what it
+ * produces is scratch, given back when it returns. A forward produces its outputs and saved
+ * tensors; a backward produces nothing (the gradients it adds into were allocated before). */
+tm_status tm__run_kernel(tm__call *c, int backward) {
+    int mark = tm__scope_open(c->ctx);
+    tm_status s = run_kernel_unscoped(c, backward);
+    tm_tensor *keep[TM__MAX_OUT + TM__MAX_SAVED];
+    int nkeep = 0;
+    if (!backward) {
+        for (int i = 0; i < c->n_out; i++) keep[nkeep++] = c->out[i];
+        for (int i = 0; i < c->n_saved; i++) keep[nkeep++] = c->saved[i];
+    }
+    tm__scope_close(c->ctx, mark, keep, nkeep);
+    return s;
+}
+
+/* Give back what only the call's kernels could read: its saved tensors, and the contiguous
+ * copies the dispatcher made of non-contiguous inputs (c->in[i] != c->src[i]) unless an
+ * output shares their storage. Called once nothing will run the call's kernels again: after
+ * the forward when the call is not recorded, after its backward otherwise (autograd.c). */
+void tm__release_call(tm__call *c) {
+    for (int i = 0; i < c->n_saved; i++) {
+        int shared = 0;
+        for (int j = 0; j < c->n_out; j++) shared |= c->out[j] && c->out[j]->storage == c->saved[i]->storage;
+        if (!shared) tm__tensor_release(c->ctx, c->saved[i]);
+    }
+    for (int i = 0; i < c->n_in; i++) {
+        tm_tensor *t = c->in[i];
+        if (!t || t == c->src[i] || t->storage == c->src[i]->storage) continue;
+        int shared = 0;
+        for (int j = 0; j < c->n_out; j++) shared |= c->out[j] && c->out[j]->storage == t->storage;
+        if (!shared) tm__tensor_release(c->ctx, t); /* a copy used twice: the second is a no-op */
+    }
 }
 
 tm_status tm__op_run(tm__call *c) {
@@ -154,6 +189,8 @@ tm_status tm__op_run(tm__call *c) {
             c->out[i]->requires_grad = 1;
             c->out[i]->node = n;
         }
+    } else {
+        tm__release_call(c);
     }
     return TM_OK;
 }

@@ -44,9 +44,10 @@ enum { TM__CPU = 0, TM__CUDA = 1, TM__NBACKENDS = 2 };
  * gradients; growing that buffer moves `data`, which is why tensors keep (storage, offset)
  * rather than raw pointers. */
 typedef struct tm__storage {
-    void *data;
+    void *data;          /* NULL once released (tm__tensor_release) */
     size_t nbytes;
     tm_device device;
+    size_t arena_bytes;  /* size of the per-step arena block holding data; 0: not an arena block */
 } tm__storage;
 
 struct tm__node;
@@ -157,8 +158,15 @@ const char *tm__sdesc(tm_ctx *ctx, int ndim, const int64_t *shape);
 void *tm__host_alloc(tm_ctx *ctx, size_t nbytes);
 void tm__host_free(tm_ctx *ctx, void *p);
 
-/* Per-step arena on a device; memory is 64-byte aligned; NULL + message on failure. */
+/* Per-step arena on a device; memory is 64-byte aligned; NULL + message on failure.
+ * Kernel scratch taken here is given back when the kernel returns (see tm__scope_open). */
 void *tm__arena_alloc(tm_ctx *ctx, tm_device dev, size_t nbytes);
+/* The same for a tensor's storage: sets st->data and st->arena_bytes (the block's size). */
+tm_status tm__arena_alloc_storage(tm_ctx *ctx, tm__storage *st);
+/* Give a block of `size` bytes (the arena_bytes of its storage) back to the arena of `dev`,
+ * for later requests of the same step. Nothing may read or write it afterwards; on CUDA the
+ * work already queued on the context's stream may (the stream orders it before any reuse). */
+void tm__arena_free(tm_ctx *ctx, tm_device dev, void *p, size_t size);
 /* Per-step host arena for bookkeeping (tensor headers, tape nodes, kernel scratch). */
 void *tm__meta_alloc(tm_ctx *ctx, size_t nbytes);
 
@@ -194,6 +202,11 @@ tm_status tm__tensor_zeros(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *sh
 /* A view sharing base's storage. */
 tm_status tm__tensor_view(tm_ctx *ctx, const tm_tensor *base, int ndim, const int64_t *shape,
                           const int64_t *stride, int64_t offset, tm_tensor **out);
+/* Give a temporary's storage back to the arena now (before tm_ctx_arena_reset). Every tensor
+ * sharing the storage (views) becomes invalid: its data pointer is NULL. No-op for persistent
+ * tensors, storages not from the arena, storages already released, and with memory reuse off
+ * (tm__set_mem_reuse). */
+void tm__tensor_release(tm_ctx *ctx, tm_tensor *t);
 /* Allocate output i of a call as a contiguous temporary on in[0]'s device. */
 tm_status tm__out_new(tm__call *c, int i, tm_dtype dt, int ndim, const int64_t *shape);
 /* Allocate a saved tensor for backward (appends to c->saved, returns it). */
@@ -241,6 +254,24 @@ tm_status tm__check_ndim(tm__call *c, int i, int min_ndim, int max_ndim);
 /* Test hook: op `op`'s backward sees its upstream gradient scaled by 1.25 (-1: off). Used by
  * tests/test_mutation.c to prove every gradient test can fail. */
 void tm__test_perturb_backward(tm_ctx *ctx, int op);
+
+/* Memory reuse within a step (default on): kernel scratch, consumed gradients, saved tensors
+ * and staging copies go back to the arena as soon as they are dead. Tests turn it off (0) to
+ * measure what it saves; with it off every temporary lives until tm_ctx_arena_reset. Returns
+ * the previous setting. */
+int tm__set_mem_reuse(tm_ctx *ctx, int on);
+
+/* Kernel scopes (dispatch.c): while one is open, every data-arena block taken is logged;
+ * tm__scope_close gives back every block logged since `mark` except the storages of the
+ * tensors in keep[] (those move to the enclosing scope, if any). Kernels therefore need not
+ * free their scratch. tm__scope_open returns the mark; with memory reuse off it logs nothing. */
+int tm__scope_open(tm_ctx *ctx);
+void tm__scope_close(tm_ctx *ctx, int mark, tm_tensor *const *keep, int nkeep);
+
+/* Memory accounting (tm_ctx_memory_report): add `delta` bytes to category `cat`
+ * (tm_mem_category) of device `dev`. Every allocation site of parameters, gradients,
+ * buffers and arena blocks calls it. */
+void tm__mem_account(tm_ctx *ctx, tm_device dev, int cat, ptrdiff_t delta);
 
 /* ---- context internals used by kernels --------------------------------------------------- */
 

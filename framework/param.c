@@ -176,6 +176,8 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     t->storage = &b->params.st;
     t->offset = pm->bucket_offset;
     b->params.used += padded;
+    tm__mem_account(ctx, t->device, TM_MEM_PARAMETERS, (ptrdiff_t)padded);
+    tm__mem_account(ctx, t->device, TM_MEM_GRADIENTS, (ptrdiff_t)padded);
     *g = *t;
     g->name = "";
     g->is_param = 0;
@@ -192,6 +194,7 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
         mt->storage = &b->master.st;
         mt->offset = pm->bucket_offset;
         b->master.used += mpadded;
+        tm__mem_account(ctx, t->device, TM_MEM_OPTIMIZER, (ptrdiff_t)mpadded);
         pm->master = mt;
     }
     t->grad = g;
@@ -278,6 +281,7 @@ tm_status tm__bucket_master_ensure(tm_ctx *ctx, int bi) {
         p->pm->master = mt;
     }
     b->master.used = (size_t)n * sizeof(float);
+    tm__mem_account(ctx, b->info.device, TM_MEM_OPTIMIZER, (ptrdiff_t)b->master.used); /* master weights */
     b->has_master = 1;
     bucket_refresh_views(ctx, b);
     /* master = the parameters' current values, widened (padding: zero to zero) */
@@ -326,6 +330,7 @@ tm_status tm__state_alloc(tm_ctx *ctx, const char *fn, int bi, tm_tensor **out) 
     f->t.persistent = 1;
     f->t.name = "";
     ctx->owned[ctx->n_owned++] = &f->st;
+    tm__mem_account(ctx, b->info.device, TM_MEM_OPTIMIZER, (ptrdiff_t)nbytes);
     *out = &f->t;
     return TM_OK;
 }

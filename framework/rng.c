@@ -65,8 +65,12 @@ static tm_status init_common(tm_ctx *ctx, const char *fn, tm_tensor *t, const ch
     if (!nm || !*nm) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: %s has no name; pass one (it keys the random stream)", fn, tm__tdesc(ctx, t));
     uint64_t h = tm_hash_name(nm);
     int64_t n = tm__numel(t);
+    int mark = tm__scope_open(ctx); /* the values go back to the arena when written */
     double *vals = tm__arena_alloc(ctx, tm_cpu(), (size_t)(n ? n : 1) * sizeof(double));
-    if (!vals) return TM_ERR_NOMEM;
+    if (!vals) {
+        tm__scope_close(ctx, mark, NULL, 0);
+        return TM_ERR_NOMEM;
+    }
     uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
 #pragma omp parallel for num_threads(ctx->n_threads) if (n > 16384)
     for (int64_t i = 0; i < n; i++) {
@@ -80,7 +84,9 @@ static tm_status init_common(tm_ctx *ctx, const char *fn, tm_tensor *t, const ch
             vals[i] = p0 + (p1 - p0) * u1;
         }
     }
-    return tm_tensor_write(ctx, t, TM_F64, vals, n);
+    tm_status s = tm_tensor_write(ctx, t, TM_F64, vals, n);
+    tm__scope_close(ctx, mark, NULL, 0);
+    return s;
 }
 
 tm_status tm_tensor_init_normal(tm_ctx *ctx, tm_tensor *t, uint64_t seed, const char *name, double mean, double std) {

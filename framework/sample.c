@@ -50,8 +50,8 @@ static double uniform53(uint64_t seed, uint64_t counter) {
     return ((double)(o[0] >> 5) * 67108864.0 + (double)(o[1] >> 6)) / 9007199254740992.0;
 }
 
-tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const tm_sampler_config *cfg, uint64_t counter,
-                          int *token) {
+static tm_status sample_token(tm_ctx *ctx, const float *logits, int V, const tm_sampler_config *cfg,
+                              uint64_t counter, int *token) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!logits || !cfg || !token)
         return BAD("tm_sample_token: %s is NULL", !logits ? "logits" : !cfg ? "cfg" : "token");
@@ -115,4 +115,14 @@ tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const tm_samp
     }
     *token = pick;
     return TM_OK;
+}
+
+/* The candidate lists are arena scratch, given back on return. */
+tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const tm_sampler_config *cfg, uint64_t counter,
+                          int *token) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    int mark = tm__scope_open(ctx);
+    tm_status s = sample_token(ctx, logits, V, cfg, counter, token);
+    tm__scope_close(ctx, mark, NULL, 0);
+    return s;
 }

@@ -73,8 +73,7 @@ tm_status tm__tensor_new(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shap
     if (!t || !st) return TM_ERR_NOMEM;
     st->nbytes = (size_t)tm__numel_of(ndim, shape) * tm_dtype_size(dt);
     st->device = dev;
-    st->data = tm__arena_alloc(ctx, dev, st->nbytes);
-    if (!st->data) return TM_ERR_NOMEM;
+    TM__TRY(tm__arena_alloc_storage(ctx, st));
     t->storage = st;
     *out = t;
     return TM_OK;
@@ -107,6 +106,14 @@ tm_status tm__tensor_view(tm_ctx *ctx, const tm_tensor *base, int ndim, const in
     t->name = "";
     *out = t;
     return TM_OK;
+}
+
+void tm__tensor_release(tm_ctx *ctx, tm_tensor *t) {
+    if (!ctx || !t || t->persistent || !ctx->mem_reuse) return;
+    tm__storage *st = t->storage;
+    if (!st || !st->data || !st->arena_bytes) return;
+    tm__arena_free(ctx, st->device, st->data, st->arena_bytes);
+    st->data = NULL;
 }
 
 tm_status tm__out_new(tm__call *c, int i, tm_dtype dt, int ndim, const int64_t *shape) {
@@ -153,10 +160,20 @@ tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t 
     return TM_OK;
 }
 
-/* A named persistent tensor: a parameter (is_param; placed in its bucket by param.c), a buffer
- * with its own zeroed storage, or (alias != NULL) a named view of part of `alias`'s storage at
- * element offset alias_offset (optimizer state and master weights: flat per bucket, named per
- * parameter so checkpoints keep per-parameter tensors). */
+/* Optimizer state is told apart by name: the optimizers name their state buffers
+ * "<param>.adamw_m", "<param>.adamw_v", "<param>.sgd_b" and their step counters
+ * "optim.<name>.steps" (optim/adamw.c, optim/sgd.c). */
+static int buffer_category(const char *name) {
+    static const char *const suffixes[] = {".adamw_m", ".adamw_v", ".sgd_b"};
+    size_t len = strlen(name);
+    if (strncmp(name, "optim.", 6) == 0) return TM_MEM_OPTIMIZER;
+    for (size_t i = 0; i < sizeof suffixes / sizeof suffixes[0]; i++) {
+        size_t sl = strlen(suffixes[i]);
+        if (len >= sl && memcmp(name + len - sl, suffixes[i], sl) == 0) return TM_MEM_OPTIMIZER;
+    }
+    return TM_MEM_BUFFERS;
+}
+
 static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dtype dt, int ndim,
                            const int64_t *shape, tm_device dev, int is_param, const tm_param_options *opts,
                            const tm_tensor *alias, int64_t alias_offset, tm_tensor **out) {
@@ -238,8 +255,10 @@ static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dty
         st->data = mem;
         st->nbytes = padded;
         st->device = dev;
+        st->arena_bytes = 0;
         ctx->owned[ctx->n_owned++] = st;
         t->storage = st;
+        tm__mem_account(ctx, dev, buffer_category(name), (ptrdiff_t)padded);
     }
     ctx->named[ctx->n_named++] = t;
     *out = t;
@@ -320,8 +339,28 @@ tm_status tm__memcpy(tm_ctx *ctx, void *dst, tm_device ddev, const void *src, tm
     return be->memcpy(ctx, dst, src, nbytes, kind);
 }
 
+static tm_status tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count);
+static tm_status tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count);
+
+/* Read and write stage through arena memory inside a scope: the staging goes back to the arena
+ * when they return. */
 tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count) {
     if (!ctx) return TM_ERR_INVALID_ARG;
+    int mark = tm__scope_open(ctx);
+    tm_status s = tensor_read(ctx, t, dst_dt, dst, count);
+    tm__scope_close(ctx, mark, NULL, 0);
+    return s;
+}
+
+tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    int mark = tm__scope_open(ctx);
+    tm_status s = tensor_write(ctx, t, src_dt, src, count);
+    tm__scope_close(ctx, mark, NULL, 0);
+    return s;
+}
+
+static tm_status tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count) {
     if (!t || !dst) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_read: %s is NULL", t ? "dst" : "tensor");
     if ((unsigned)dst_dt >= TM_NDTYPES) return tm__err(ctx, TM_ERR_DTYPE, "tm_tensor_read: bad dst dtype %d", (int)dst_dt);
     int64_t n = tm__numel(t);
@@ -329,8 +368,7 @@ tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void 
     if (n == 0) return TM_OK;
     size_t nbytes = (size_t)n * tm_dtype_size(t->dtype);
     const void *src;
-    /* Stage through the host arena when the tensor is on a device or strided; the staging
-     * memory goes back at the next arena reset. */
+    /* Stage through the host arena when the tensor is on a device or strided. */
     if (t->device.type == TM_DEVICE_CPU && tm__is_contiguous(t)) {
         src = tm__data(t);
     } else {
@@ -357,8 +395,7 @@ convert:
     return TM_OK;
 }
 
-tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count) {
-    if (!ctx) return TM_ERR_INVALID_ARG;
+static tm_status tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count) {
     if (!t || !src) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_write: %s is NULL", t ? "src" : "tensor");
     if ((unsigned)src_dt >= TM_NDTYPES) return tm__err(ctx, TM_ERR_DTYPE, "tm_tensor_write: bad src dtype %d", (int)src_dt);
     int64_t n = tm__numel(t);

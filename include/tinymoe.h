@@ -183,6 +183,43 @@ TM_API uint64_t tm_ctx_sync_count(const tm_ctx *ctx);
 TM_API size_t tm_ctx_arena_used(const tm_ctx *ctx, tm_device dev);
 TM_API size_t tm_ctx_arena_peak(const tm_ctx *ctx, tm_device dev);
 
+/* Memory of a context on one device, by category, in bytes:
+ *   TM_MEM_PARAMETERS   the parameter buffer's bytes in use (each parameter padded to 64 bytes)
+ *   TM_MEM_GRADIENTS    the parameter-gradient buffer's bytes in use (same layout)
+ *   TM_MEM_OPTIMIZER    optimizer state (AdamW moments, SGD momentum, step counters) and the f32
+ *                       master weights of bf16 buckets
+ *   TM_MEM_BUFFERS      every other persistent buffer (tm_buffer_new: expert_bias, counters)
+ *   TM_MEM_TEMPORARIES  the per-step arena's bytes handed out (tensors of the step: activations,
+ *                       saved tensors, gradients of temporaries, kernel scratch); blocks given
+ *                       back during the step (consumed gradients, saved tensors after their
+ *                       backward, scratch after its kernel) no longer count.
+ * Not included: the host bookkeeping arena (tensor headers, tape), KV caches, the CUDA
+ * library's own workspace, and the unused capacity of the growable buffers and arena chunks. */
+typedef enum tm_mem_category {
+    TM_MEM_PARAMETERS = 0,
+    TM_MEM_GRADIENTS,
+    TM_MEM_OPTIMIZER,
+    TM_MEM_BUFFERS,
+    TM_MEM_TEMPORARIES,
+    TM_MEM_NCATEGORIES
+} tm_mem_category;
+
+typedef struct tm_memory_report {
+    size_t current[TM_MEM_NCATEGORIES]; /* bytes in use now */
+    size_t peak[TM_MEM_NCATEGORIES];    /* each category's own high-water mark */
+    size_t total;                       /* sum of current[] */
+    size_t total_peak;                  /* high-water mark of the sum (<= the sum of peak[]) */
+    size_t at_peak[TM_MEM_NCATEGORIES]; /* current[] when total_peak was reached; sums to it */
+} tm_memory_report;
+
+/* Fill *out with the memory of `dev` (the CPU, or the context's CUDA device). High-water
+ * marks run from context creation or the last tm_ctx_memory_reset_peak.
+ * Errors: TM_ERR_INVALID_ARG (out NULL), TM_ERR_DEVICE (dev not a device of the context). */
+TM_API tm_status tm_ctx_memory_report(const tm_ctx *ctx, tm_device dev, tm_memory_report *out);
+/* Restart every high-water mark of the memory report (all devices) at the current values,
+ * e.g. to measure one training step. tm_ctx_arena_peak is not affected. NULL: no-op. */
+TM_API void tm_ctx_memory_reset_peak(tm_ctx *ctx);
+
 /* Enable (1) or disable (0) recording of the autograd tape; returns the previous setting.
  * With recording off (evaluation, sampling) ops produce tensors without grad history. */
 TM_API int tm_ctx_set_grad_enabled(tm_ctx *ctx, int enabled);
@@ -360,7 +397,9 @@ TM_API tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value);
  * gradient. tm_backward walks the tape in reverse and ACCUMULATES into .grad of every tensor
  * that requires one (parameters: into the contiguous gradient buffer), so calling forward +
  * backward on several micro-batches before one optimizer step accumulates their gradients.
- * The tape recorded so far is consumed by the call (a second backward does not re-run it). */
+ * The tape recorded so far is consumed by the call (a second backward does not re-run it).
+ * As in PyTorch, only leaves keep their gradient: once the backward has used the gradient of
+ * an op's output it is freed, and tm_tensor_grad of that output is NULL afterwards. */
 
 /* loss: a one-element float tensor; its upstream gradient is 1.
  * Errors: TM_ERR_INVALID_ARG (loss NULL), TM_ERR_SHAPE (not one element), TM_ERR_STATE (loss

@@ -533,6 +533,13 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
         fprintf(r->log,
                 "\ndone: %lld steps in %.1f s (%.0f tokens/s); train loss %.4f -> %.4f (ce %.4f); val loss %.4f\n",
                 (long long)(steps - start), t_train, res->tokens_per_s, first_loss, res->last_loss, res->last_ce, val);
+        tm_memory_report mr; /* the model's device; the breakdown is the one at the peak */
+        if (tm_ctx_memory_report(r->ctx, r->dev, &mr) == TM_OK) {
+            const double mib = 1024.0 * 1024.0;
+            fprintf(r->log, "memory: peak %.1f MiB (parameters %.1f, gradients %.1f, optimizer %.1f, buffers %.1f, temporaries %.1f)\n",
+                    mr.total_peak / mib, mr.at_peak[TM_MEM_PARAMETERS] / mib, mr.at_peak[TM_MEM_GRADIENTS] / mib,
+                    mr.at_peak[TM_MEM_OPTIMIZER] / mib, mr.at_peak[TM_MEM_BUFFERS] / mib, mr.at_peak[TM_MEM_TEMPORARIES] / mib);
+        }
         if (r->synth)
             fprintf(r->log, "optimum %.4f: the val loss is %.4f nats/token (%.1f%%) above it\n", r->optimum,
                     val - r->optimum, 100 * (val - r->optimum) / r->optimum);
