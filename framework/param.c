@@ -248,6 +248,12 @@ tm_tensor *tm_ctx_bucket_tensor(const tm_ctx *ctx, int i, tm_bucket_part part) {
     return &b->flat[part];
 }
 
+const char *tm__bucket_first_param(const tm_ctx *ctx, int bucket) {
+    for (int k = 0; k < ctx->n_named; k++)
+        if (ctx->named[k]->is_param && ctx->named[k]->pm->bucket == bucket) return ctx->named[k]->name;
+    return "?";
+}
+
 tm_status tm_ctx_zero_grad(tm_ctx *ctx) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     for (int i = 0; i < ctx->n_buckets; i++) {

@@ -13,16 +13,6 @@
 
 #include "extend.h"
 
-/* The first parameter of bucket b, for messages. */
-static const char *bucket_first_param(tm_ctx *ctx, int b) {
-    for (int i = 0; i < tm_ctx_num_params(ctx); i++) {
-        tm_param_info pi;
-        if (tm_param_get_info(tm_ctx_param(ctx, i), &pi) == TM_OK && pi.bucket == b)
-            return tm_tensor_name(tm_ctx_param(ctx, i));
-    }
-    return "?";
-}
-
 tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (isnan(max_norm)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_ctx_clip_grad_norm: max_norm is NaN");
@@ -36,7 +26,7 @@ tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) 
                            "tm_ctx_clip_grad_norm: no grad_sumsq / grad_scale kernel on %s yet (bucket %d: %s "
                            "gradients of parameters such as \"%s\"); nothing was changed",
                            bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU", k, tm_dtype_name(bi.dtype),
-                           bucket_first_param(ctx, k));
+                           tm__bucket_first_param(ctx, k));
     }
     double ss = 0.0;
     for (int k = 0; k < nb; k++) {

@@ -37,16 +37,6 @@ static tm_status state_name(tm_ctx *ctx, const char *fn, char *buf, size_t cap, 
     return TM_OK;
 }
 
-/* The first parameter of bucket b, for messages. */
-static const char *bucket_first_param(tm_ctx *ctx, int b) {
-    for (int i = 0; i < tm_ctx_num_params(ctx); i++) {
-        tm_param_info pi;
-        if (tm_param_get_info(tm_ctx_param(ctx, i), &pi) == TM_OK && pi.bucket == b)
-            return tm_tensor_name(tm_ctx_param(ctx, i));
-    }
-    return "?";
-}
-
 /* Decay runs of bucket bi: its parameters (in bucket order = creation order), each extended
  * over the padding that follows it, merged while the decay setting agrees. */
 static tm_status make_runs(tm_ctx *ctx, const char *fn, tm__opt_bucket *ob) {
@@ -160,7 +150,7 @@ tm_status tm_optimizer_step(tm_optimizer *opt, double lr) {
                            "tm_optimizer_step: %s has no %s kernel on %s yet (bucket %d: %s parameters such as "
                            "\"%s\"); nothing was changed", opt->name, opt->op,
                            bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU", k, tm_dtype_name(bi.dtype),
-                           bucket_first_param(ctx, opt->b[k].bucket));
+                           tm__bucket_first_param(ctx, opt->b[k].bucket));
     }
     int64_t t = 0;
     TM__TRY(tm_tensor_read(ctx, opt->counter, TM_I64, &t, 1));
