@@ -236,6 +236,13 @@ tm_status tm__check_ndim(tm__call *c, int i, int min_ndim, int max_ndim);
  * tests/test_mutation.c to prove every gradient test can fail. */
 void tm__test_perturb_backward(tm_ctx *ctx, int op);
 
+/* tm_cross_entropy for targets already known to be valid (checked on the device, e.g. by
+ * tm_index_check): the same result, but the CUDA forward does not read its bad-target flag
+ * back, so it does not synchronise (and the CPU forward counts no synchronisation). A target
+ * outside [0, V) that is not ignore_index is then undefined on CUDA (the CPU still reports it). */
+tm_status tm__cross_entropy_checked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
+                                    tm_tensor **out);
+
 /* ---- context internals used by kernels --------------------------------------------------- */
 
 int tm__nthreads(const tm_ctx *ctx);

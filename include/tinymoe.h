@@ -163,10 +163,20 @@ void tm_ctx_arena_reset(tm_ctx *ctx);
  * since creation. A second identical training step leaves it unchanged. */
 uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
 
-/* Count of device-to-host synchronisations this context has made since creation: every
- * device-to-host copy (tm_tensor_read of a device tensor, a statistic or error flag read back
- * by an op) and every tm_ctx_sync. 0 for a CPU-only context. Tests bound it to show that a
- * training step does not stall the device more than its design needs. */
+/* Count of device-to-host synchronisations this context has made since creation: the points
+ * where the host waits for the device's queue. Tests bound it to show that a training step
+ * does not stall the device more than its design needs.
+ * CUDA counts every device-to-host copy (tm_tensor_read of a device tensor, a row count,
+ * statistic or error flag read back by an op) and every tm_ctx_sync.
+ * The CPU counts at the same logical points, where a CUDA run would wait, so that a CPU-only
+ * build (CI) can bound round trips too: one per tm_tensor_read of a non-empty CPU tensor; one
+ * per tm_ctx_sync of a context without a CUDA device; one per forward of an op that must read
+ * data back to size its outputs (tm_moe_permute: its row count R) or to report an error (the
+ * bad-target flag of tm_cross_entropy's CUDA forward, when there are rows). Index checks
+ * inside CPU kernels of ops without a CUDA kernel yet (embedding, gather, index_select,
+ * scatter_add, tm_moe_unpermute, tm_grouped_matmul's counts) are not counted: their CUDA
+ * kernels are still to be designed. Nothing is counted twice (a CUDA tensor's read counts its
+ * copy only). Never decreases; wraps only after 2^64. */
 uint64_t tm_ctx_sync_count(const tm_ctx *ctx);
 
 /* Bytes of arena currently handed out on a device (0 after tm_ctx_arena_reset) and the

@@ -31,7 +31,9 @@
  *   Rows are expert-major and token-ascending within an expert; expert e's block holds its
  *   n_e routed tokens followed by zero padding up to round_up(n_e, align_size), or up to exactly
  *   pad_to rows when pad_to > 0 (then n_e > pad_to is an error: drop tokens first). R is the
- *   sum of the blocks, so out[0..2] are allocated here, not in the check.
+ *   sum of the blocks, so out[0..2] are allocated here, not in the check; reading the counts
+ *   back for R is a device-to-host synchronisation on a device, counted on the CPU too (one per
+ *   forward, tm_ctx_sync_count).
  *   Backward: dx[t] += sum over t's rows in ascending row order of d permuted[row] (summed in
  *   f64, added once); d probs[t,e] += d permuted_probs[row_of[t,e]]. Padding rows feed nothing.
  *
@@ -212,6 +214,9 @@ tm_status tm__moe_permute_forward_cpu(tm__call *c) {
     memset(count, 0, (size_t)E * sizeof *count);
     for (int64_t t = 0; t < T; t++)
         for (int64_t e = 0; e < E; e++) count[e] += map[t * E + e] != 0;
+    /* R sizes the outputs: a device kernel must read the counts back here, so this is one
+     * synchronisation (tm_ctx_sync_count), counted on the CPU too. */
+    tm__count_sync(ctx);
     /* R * H elements must stay addressable (a huge align_size or pad_to is the only way out). */
     const int64_t max_rows = INT64_MAX / (int64_t)tm_dtype_size(x->dtype) / (H > 0 ? H : 1);
     int64_t R = 0;
