@@ -398,6 +398,18 @@ tm_status tm_gather(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out);
 /* Row scatter-add: src [M, C], idx [M] -> out [n_rows, C] zero-initialised,
  * out[idx[m]] += src[m], idx in [0, n_rows). Also TM_ERR_INVALID_ARG (n_rows < 0). */
 tm_status tm_scatter_add(tm_ctx *ctx, tm_tensor *src, tm_tensor *idx, int64_t n_rows, tm_tensor **out);
+/* Validate indices on their own device, without reading them back (tm_model_forward checks
+ * its tokens and targets so): an id is valid when it lies in [0, hi) or equals ignore_index.
+ * ids: i32 or i64, any shape. Outputs, on ids' device, not differentiable:
+ *   *safe      ids' dtype and shape: each valid id, ignore_index in place of each invalid one
+ *              (so pass a valid value, e.g. 0, as ignore_index when nothing is ignored);
+ *   *first_bad i64 [2]: {flat position, value} of the first invalid id, {-1, 0} when none.
+ * A bad id is not an error here: read first_bad back (with the other results of the step) and
+ * report it. Errors: TM_ERR_INVALID_ARG (safe or first_bad NULL, hi < 0, ignore_index outside
+ * the i32 range for i32 ids), TM_ERR_DTYPE (ids not i32/i64), TM_ERR_UNSUPPORTED (ids on CUDA:
+ * CPU only for now), TM_ERR_NOMEM. */
+tm_status tm_index_check(tm_ctx *ctx, tm_tensor *ids, int64_t hi, int64_t ignore_index, tm_tensor **safe,
+                         tm_tensor **first_bad);
 
 /* RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x^2 over last axis) + eps) * weight.
  * x [..., C], weight [C]. Errors: TM_ERR_DTYPE (not float, or x and weight of different
@@ -573,6 +585,13 @@ tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_tensor 
  * TM_ERR_UNSUPPORTED (a tensor not on the CPU), TM_ERR_DTYPE (expert_bias not f32, counts not
  * i64), TM_ERR_SHAPE (expert_bias not [E] with E >= 1, counts not [E]). */
 tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate);
+/* The running count behind that update, kept on the device: sum[e] += counts[e] in place.
+ * sum: i64 [E], contiguous (a buffer, e.g. the block's tokens_per_expert_sum); counts: i64 [E]
+ * (tm_router_out / tm_moe_drop_out tokens_per_expert). Not recorded on the tape; reads nothing
+ * back. Errors: TM_ERR_DTYPE (sum or counts not i64), TM_ERR_SHAPE (not both [E]),
+ * TM_ERR_INVALID_ARG (sum a strided view; a tensor of another context), TM_ERR_DEVICE (on
+ * different devices), TM_ERR_UNSUPPORTED (on CUDA: CPU only for now). */
+tm_status tm_moe_accumulate_counts(tm_ctx *ctx, tm_tensor *sum, tm_tensor *counts);
 
 typedef enum tm_drop_policy {
     TM_DROP_PROBS = 0,   /* per expert, keep the `capacity` tokens of highest p (ties: lower t) */
@@ -584,16 +603,24 @@ typedef enum tm_drop_policy {
  * infinite) or a capacity beyond int64. */
 int64_t tm_moe_capacity(int64_t num_tokens, int topk, int num_experts, double capacity_factor);
 
+typedef struct tm_moe_drop_out {
+    tm_tensor *probs_kept;        /* [T,E] probs' dtype: probs where kept, 0 elsewhere */
+    tm_tensor *map_kept;          /* u8 [T,E] */
+    tm_tensor *tokens_per_expert; /* i64 [E]: routed pairs kept per expert (column sums of map_kept) */
+    tm_tensor *dropped;           /* i64 0-d: routed pairs removed */
+} tm_moe_drop_out;
+
 /* Token dropping (Megatron apply_router_token_dropping without pad_to_capacity): removes from
  * routing_map [T,E] u8 and probs float [T,E] every routed (t,e) beyond `capacity` per expert,
- * chosen by `policy`. Outputs probs_kept (probs' dtype; differentiable: gradient passes where
- * kept), map_kept (u8), and *dropped (may be NULL) = number of routed pairs removed. Unlike
- * Megatron's column top-k, only routed tokens compete for an expert's slots, with a fixed tie
- * order. Errors: TM_ERR_INVALID_ARG (probs_kept or map_kept NULL, capacity < 0, policy not a
- * tm_drop_policy), TM_ERR_DTYPE (probs not float, routing_map not u8), TM_ERR_SHAPE (probs not
- * 2-D, routing_map not of probs' shape). CPU only for now. */
+ * chosen by `policy`. Every output stays on the inputs' device (read the counts with
+ * tm_tensor_read when the host needs them); probs_kept is differentiable (the gradient passes
+ * where kept), the others are not. Unlike Megatron's column top-k, only routed tokens compete
+ * for an expert's slots, with a fixed tie order. On error every field of *out is NULL (out
+ * given). Errors: TM_ERR_INVALID_ARG (out NULL, capacity < 0, policy not a tm_drop_policy),
+ * TM_ERR_DTYPE (probs not float, routing_map not u8), TM_ERR_SHAPE (probs not 2-D, routing_map
+ * not of probs' shape). CPU only for now. */
 tm_status tm_moe_drop_tokens(tm_ctx *ctx, tm_tensor *probs, tm_tensor *routing_map, int64_t capacity,
-                             tm_drop_policy policy, tm_tensor **probs_kept, tm_tensor **map_kept, int64_t *dropped);
+                             tm_drop_policy policy, tm_moe_drop_out *out);
 
 typedef struct tm_moe_dispatch {
     tm_tensor *permuted;          /* [R,H] x's dtype: expert-major, token-ascending rows; padding 0 */

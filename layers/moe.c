@@ -275,7 +275,11 @@ tm_status tm_moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **
     int64_t capacity = 0;
     if (cfg->capacity_factor > 0) {
         capacity = tm_moe_capacity(T, cfg->router.topk, (int)E, cfg->capacity_factor);
-        TM__TRY(tm_moe_drop_tokens(ctx, ro.probs, ro.routing_map, capacity, cfg->drop_policy, &probs, &map, &st.dropped_tokens));
+        tm_moe_drop_out d;
+        TM__TRY(tm_moe_drop_tokens(ctx, ro.probs, ro.routing_map, capacity, cfg->drop_policy, &d));
+        probs = d.probs_kept;
+        map = d.map_kept;
+        TM__TRY(tm_tensor_read(ctx, d.dropped, TM_I64, &st.dropped_tokens, 1));
     }
 
     tm_tensor *out;

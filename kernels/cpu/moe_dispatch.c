@@ -10,6 +10,7 @@
  *   out[0] probs_kept   (T, E) probs' dtype: probs where kept, 0 elsewhere
  *   out[1] map_kept     (T, E) u8 0/1
  *   out[2] dropped      ()     i64: routed pairs removed
+ *   out[3] tokens_per_expert (E) i64: routed pairs kept per expert (column sums of map_kept)
  *   Per expert, at most `capacity` routed tokens survive: TM_DROP_POSITION keeps the first
  *   ones (lowest t); TM_DROP_PROBS the ones of highest p, ties to the lower t (NaN ranks
  *   lowest). Megatron ranks with torch.topk over the whole column, whose tie order is
@@ -173,6 +174,8 @@ tm_status tm__moe_drop_tokens_forward_cpu(tm__call *c) {
         for (int64_t i = 0; i < n; i++) of[i] = keep[i] ? pf[i] : 0.0f;
     }
     *(int64_t *)tm__data(c->out[2]) = dropped;
+    int64_t *kept = tm__data(c->out[3]);
+    for (int64_t e = 0; e < E; e++) kept[e] = count[e] > cap ? cap : count[e];
     return TM_OK;
 }
 
