@@ -579,11 +579,12 @@ tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_tensor 
 /* Aux-loss-free balancing (DeepSeek-V3 sec. 2.1.2; Megatron get_updated_expert_bias), once per
  * optimizer step with counts summed over micro-batches and ranks:
  *   expert_bias[e] += rate * sign(mean(counts) - counts[e])     (sign(0) = 0)
- * expert_bias: f32 [E] (a buffer; views allowed), counts: i64 [E]. An in-place update, not an
- * op: never recorded on the tape.
+ * expert_bias: f32 or f64 [E] (a buffer; views allowed; the new value is computed in f64 and
+ * rounded once to its dtype), counts: i64 [E]. An in-place update, not an op: never recorded
+ * on the tape.
  * Errors: TM_ERR_INVALID_ARG (a tensor NULL or of another context, rate not finite),
- * TM_ERR_UNSUPPORTED (a tensor not on the CPU), TM_ERR_DTYPE (expert_bias not f32, counts not
- * i64), TM_ERR_SHAPE (expert_bias not [E] with E >= 1, counts not [E]). */
+ * TM_ERR_UNSUPPORTED (a tensor not on the CPU), TM_ERR_DTYPE (expert_bias not f32 or f64,
+ * counts not i64), TM_ERR_SHAPE (expert_bias not [E] with E >= 1, counts not [E]). */
 tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate);
 /* The running count behind that update, kept on the device: sum[e] += counts[e] in place.
  * sum: i64 [E], contiguous (a buffer, e.g. the block's tokens_per_expert_sum); counts: i64 [E]
@@ -756,9 +757,8 @@ typedef struct tm_moe_stats {
 tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats);
 /* Once per optimizer step: apply the expert-bias update (if use_expert_bias and the rate is
  * > 0) from the counts summed since the last call, then clear the sum.
- * Errors: those of tm_moe_expert_bias_update (TM_ERR_UNSUPPORTED for a CUDA block; and
- * TM_ERR_DTYPE for an f64 block, whose expert_bias is f64 while the update takes f32 only: a
- * known defect), TM_ERR_CUDA (clearing a CUDA sum). */
+ * Errors: those of tm_moe_expert_bias_update (TM_ERR_UNSUPPORTED for a CUDA block),
+ * TM_ERR_CUDA (clearing a CUDA sum). */
 tm_status tm_moe_step(tm_moe *moe);
 
 /* ------------------------------------------------------------------------------------------ */

@@ -283,6 +283,30 @@ Test(moe_layer, stats_capacity_and_bias_step) {
     tm_ctx_free(ctx);
 }
 
+/* An f64 block keeps expert_bias in f64 (its gate dtype); tm_moe_step updates it there. */
+Test(moe_layer, f64_block_bias_step) {
+    tm_ctx *ctx = tt_ctx();
+    tm_moe_config c = small_cfg(4, 2);
+    c.use_expert_bias = 1;
+    c.expert_bias_update_rate = 0.01;
+    tm_moe *m = make_moe(ctx, &c, TM_F64);
+    cr_assert_eq(tm_tensor_dtype(tm_moe_tensor(m, "expert_bias")), TM_F64);
+    int64_t T = 30, xs[2] = {T, c.hidden_size}, counts[4];
+    tm_tensor *y;
+    tm_moe_stats st;
+    TT_OK(ctx, tm_moe_forward(m, tt_randn(ctx, TM_F64, 2, xs, 4), 1, &y, &st));
+    TT_OK(ctx, tm_tensor_read(ctx, st.tokens_per_expert, TM_I64, counts, 4));
+    TT_OK(ctx, tm_moe_step(m));
+    double bias[4], mean = (double)T * 2 / 4;
+    TT_OK(ctx, tm_tensor_read(ctx, tm_moe_tensor(m, "expert_bias"), TM_F64, bias, 4));
+    for (int e = 0; e < 4; e++) {
+        double d = mean - (double)counts[e];
+        cr_assert_eq(bias[e], d > 0 ? 0.01 : d < 0 ? -0.01 : 0.0, "bias[%d] = %.17g", e, bias[e]);
+    }
+    tm_moe_free(m);
+    tm_ctx_free(ctx);
+}
+
 static void bad_config(tm_moe_config c, const char *field) {
     tm_ctx *ctx = tt_ctx();
     tm_moe *m = NULL;

@@ -118,7 +118,7 @@ tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_tensor 
  * overloaded expert's bias goes down by `rate`, an underloaded one's up, a perfectly loaded one
  * stays. The mean is taken in f64: for counts below 2^53 / E it is exact whenever it is an
  * integer, so sign(0) = 0 holds exactly for a balanced expert. The new value is computed in f64
- * and rounded once to f32. */
+ * and rounded once to the bias dtype (f32; f64 for an f64 block's bias). */
 tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!expert_bias || !counts)
@@ -130,8 +130,8 @@ tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tens
     if (expert_bias->device.type != TM_DEVICE_CPU || counts->device.type != TM_DEVICE_CPU)
         return tm__err(ctx, TM_ERR_UNSUPPORTED, "moe_expert_bias_update: CPU only for now, got expert_bias %s, counts %s",
                        tm__tdesc(ctx, expert_bias), tm__tdesc(ctx, counts));
-    if (expert_bias->dtype != TM_F32)
-        return tm__err(ctx, TM_ERR_DTYPE, "moe_expert_bias_update: expert_bias must be f32 [E], got %s",
+    if (expert_bias->dtype != TM_F32 && expert_bias->dtype != TM_F64)
+        return tm__err(ctx, TM_ERR_DTYPE, "moe_expert_bias_update: expert_bias must be f32 or f64 [E], got %s",
                        tm__tdesc(ctx, expert_bias));
     if (counts->dtype != TM_I64)
         return tm__err(ctx, TM_ERR_DTYPE, "moe_expert_bias_update: counts must be i64 [E], got %s", tm__tdesc(ctx, counts));
@@ -146,7 +146,6 @@ tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tens
 
     /* Both are 1-D; walk them by stride so views work too. */
     int64_t E = expert_bias->shape[0], sb = expert_bias->stride[0], sc = counts->stride[0];
-    float *b = tm__data(expert_bias);
     const int64_t *cnt = tm__data(counts);
     double mean = 0.0;
     for (int64_t e = 0; e < E; e++) mean += (double)cnt[e * sc];
@@ -154,7 +153,13 @@ tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tens
     for (int64_t e = 0; e < E; e++) {
         double d = mean - (double)cnt[e * sc];
         double sign = (d > 0) - (d < 0);
-        b[e * sb] = (float)((double)b[e * sb] + rate * sign);
+        if (expert_bias->dtype == TM_F64) {
+            double *b = tm__data(expert_bias);
+            b[e * sb] += rate * sign;
+        } else {
+            float *b = tm__data(expert_bias);
+            b[e * sb] = (float)((double)b[e * sb] + rate * sign);
+        }
     }
     return TM_OK;
 }
