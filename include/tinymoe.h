@@ -735,26 +735,44 @@ const tm_moe_config *tm_moe_get_config(const tm_moe *moe);
 tm_tensor *tm_moe_tensor(const tm_moe *moe, const char *suffix);
 
 typedef struct tm_moe_stats {
+    /* Filled by tm_moe_forward: tensors on the block's device, arena temporaries (valid until
+     * tm_ctx_arena_reset); nothing of them has been read back. */
     /* Differentiable 0-d losses in the gate dtype (f32; f64 for an f64 block), coefficients
      * applied; NULL when the coefficient is 0. Add them to the training loss. */
     tm_tensor *aux_loss, *seq_aux_loss, *z_loss;
     tm_tensor *tokens_per_expert; /* i64 [E]: routed (after drops, before alignment) */
+    tm_tensor *dropped;           /* i64 0-d: routed (t,e) pairs removed by capacity; NULL when dropless */
+    /* i64 [E + 4]: all of the above in one tensor, so that one read brings them to the host
+     * (tm_moe_stats_read): the E counts, dropped, then the aux, seq-aux and z loss values,
+     * each in an 8-byte slot holding its gate-dtype bits (an f32 in the slot's first 4 bytes);
+     * 0 for what is off. */
+    tm_tensor *packed;
+    /* Host copies: 0 after tm_moe_forward, filled by tm_moe_stats_read. */
     int64_t dropped_tokens;       /* routed (t,e) pairs removed by capacity */
     double max_load_ratio;        /* max_e count / mean_e count (1 = perfectly balanced) */
     double min_load_ratio;        /* min_e count / mean_e count */
-    double aux_loss_value, seq_aux_loss_value, z_loss_value; /* host copies (0 when off) */
+    double aux_loss_value, seq_aux_loss_value, z_loss_value; /* 0 when off */
 } tm_moe_stats;
 
 /* y = MoE(x): x [..., H] -> y [..., H] (same dtype). num_seqs: sequences in x for the
- * sequence-level aux loss (rows are split evenly; 1 if unused). stats may be NULL.
- * With grad mode on, tokens_per_expert is also added to the block's running sum for
- * tm_moe_step (evaluation and sampling forwards do not move the expert bias).
+ * sequence-level aux loss (rows are split evenly; 1 if unused). stats may be NULL; otherwise
+ * it receives the statistics as device tensors (see tm_moe_stats; tm_moe_stats_read brings
+ * them to the host). With grad mode on, tokens_per_expert is also added to the block's running
+ * sum for tm_moe_step, on the device (evaluation and sampling forwards do not move the expert
+ * bias). Host round trips (tm_ctx_sync_count): one with the grouped strategy (the permute's row
+ * count), none with the dense one; the forward reads no statistic back.
  * Errors: TM_ERR_INVALID_ARG (x or y NULL, num_seqs < 1, a sequence-level aux loss with the
  * T rows not divisible by num_seqs), TM_ERR_SHAPE (x 0-d or its last dim not H), TM_ERR_DTYPE
  * (x not of the block's dtype), and those of the ops it runs (see Ops): TM_ERR_DEVICE (x not
  * on the block's device), TM_ERR_UNSUPPORTED (on CUDA: the MoE ops are CPU only for now),
  * TM_ERR_NOMEM, TM_ERR_CUDA. */
 tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats);
+/* Bring the statistics of a forward of this block to the host with one read of stats->packed
+ * (one synchronisation): fills dropped_tokens, max_load_ratio, min_load_ratio and the three
+ * loss values of *stats. Call it before tm_ctx_arena_reset, when (and only if) the values are
+ * needed. Errors: TM_ERR_INVALID_ARG (stats NULL, stats->packed NULL or not the i64 [E + 4] of
+ * a forward of this block), TM_ERR_NOMEM, TM_ERR_CUDA. */
+tm_status tm_moe_stats_read(tm_moe *moe, tm_moe_stats *stats);
 /* Once per optimizer step: apply the expert-bias update (if use_expert_bias and the rate is
  * > 0) from the counts summed since the last call, then clear the sum.
  * Errors: those of tm_moe_expert_bias_update (TM_ERR_UNSUPPORTED for a CUDA block),
@@ -821,23 +839,33 @@ typedef struct tm_model_out {
                          * without targets. ce_loss's dtype */
     tm_tensor *ce_loss; /* 0-d mean cross-entropy over targets != ignore_index; f32 for f32
                          * and bf16 models (bf16 logits are cast first), f64 for f64 */
-    double loss_value, ce_value, aux_value, seq_aux_value, z_value; /* host copies, summed over layers */
+    /* Host values, all from the forward's one read (below): */
+    double loss_value, ce_value;               /* 0 without targets */
+    double aux_value, seq_aux_value, z_value;  /* summed over MoE layers; 0 when off */
     int n_moe_layers;
-    /* [n_moe_layers * E] routed tokens per expert of this forward, row-major by MoE layer;
-     * owned by the model, valid until its next forward. */
+    /* [n_moe_layers * E] routed tokens per expert of this forward (after drops), row-major by
+     * MoE layer; owned by the model, valid until its next forward. */
     const int64_t *tokens_per_expert;
     double max_load_ratio;  /* max over MoE layers of max_e count / mean count */
     int64_t dropped_tokens; /* summed over MoE layers */
 } tm_model_out;
 
 /* Forward: tokens i32 [B,T] (values in [0, vocab_size), T <= max_seq_len); targets i32 [B,T]
- * or NULL (no loss); target -1 is ignored. Tokens and targets are checked on the host before
- * anything runs. Errors: TM_ERR_INVALID_ARG (tokens or out NULL), TM_ERR_DTYPE / TM_ERR_SHAPE
+ * or NULL (no loss); target -1 is ignored. Every statistic of the step (loss, cross-entropy,
+ * each MoE layer's counts, dropped pairs and losses) is gathered on the model's device into one
+ * tensor and read back once, at the end: a forward's host round trips (tm_ctx_sync_count) are
+ * that read plus one per MoE layer of the grouped strategy (its permute's row count), so a
+ * forward + tm_backward makes at most n_moe_layers + 1. The token and target values are checked
+ * on the device too (tm_index_check) and reported from that read: a bad id still lets the
+ * forward run (on a replaced id) but fails the call with TM_ERR_INDEX, *out untouched and the
+ * MoE layers' running counts unchanged (they grow, with grad mode on, only after the check).
+ * Errors: TM_ERR_INVALID_ARG (tokens or out NULL), TM_ERR_DTYPE / TM_ERR_SHAPE
  * (tokens or targets not i32 [B,T] with B, T >= 1; targets' shape not tokens'; T >
  * max_seq_len), TM_ERR_DEVICE (tokens or targets not on the model's device), TM_ERR_INDEX (a
  * token outside [0, vocab_size), or a target outside it and not -1, naming its position and
- * value), and those of the ops and blocks it runs: TM_ERR_UNSUPPORTED (an op without a kernel
- * on the model's device, named), TM_ERR_NOMEM, TM_ERR_CUDA. */
+ * value; tokens are reported before targets), and those of the ops and blocks it runs:
+ * TM_ERR_UNSUPPORTED (an op without a kernel on the model's device, named), TM_ERR_NOMEM,
+ * TM_ERR_CUDA. */
 tm_status tm_model_forward(tm_model *model, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out);
 /* Once per optimizer step: tm_moe_step on every MoE layer (expert-bias updates). Errors: those
  * of tm_moe_step. */
@@ -875,7 +903,8 @@ int tm_kv_cache_capacity(const tm_kv_cache *cache);
  * floating-point summation order), however the sequence is split into calls. Runs with the
  * tape off whatever the grad mode (no backward through the cache; the mode is restored) and
  * does not touch the expert-bias statistics. The cache stays valid across
- * tm_ctx_arena_reset.
+ * tm_ctx_arena_reset. Host round trips: one read of tokens (checked on the host before
+ * anything runs) and one per MoE layer of the grouped strategy (its permute's row count).
  * Exception: with moe.capacity_factor > 0 a token's expert slots depend on which other
  * tokens share its forward (capacity = f(tokens in the call)), so cached decoding then
  * drops differently from the full forward and the logits differ.
