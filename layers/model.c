@@ -410,25 +410,6 @@ enum {
     SLOT_LAYERS = 6   /* then each MoE layer's packed statistics (E + TM__MOE_STAT_SLOTS) */
 };
 
-/* Copy a contiguous tensor's bytes into slot `slot` of the step's statistics (device to
- * device: no kernel, no read). */
-static tm_status put(tm_ctx *ctx, tm_tensor *stats, int64_t slot, const tm_tensor *t) {
-    if (!tm__is_contiguous(t)) return tm__err(ctx, TM_ERR_INTERNAL, "tm_model_forward: cannot pack %s", tm__tdesc(ctx, t));
-    return tm__memcpy(ctx, (int64_t *)tm__data(stats) + slot, stats->device, tm__data(t), t->device,
-                      (size_t)tm__numel(t) * tm_dtype_size(t->dtype));
-}
-
-static double slot_value(const int64_t *slot, tm_dtype dt) {
-    if (dt == TM_F64) {
-        double v;
-        memcpy(&v, slot, sizeof v);
-        return v;
-    }
-    float f;
-    memcpy(&f, slot, sizeof f);
-    return f;
-}
-
 tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out) {
     static const char fn[] = "tm_model_forward";
     if (!m) return TM_ERR_INVALID_ARG;
@@ -457,10 +438,10 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
      * ignore index) so the forward runs through, and reported after the one read below. */
     tm_tensor *tok, *tok_bad, *tgt = NULL, *tgt_bad = NULL;
     TM__TRY(tm_index_check(ctx, tokens, V, 0, &tok, &tok_bad));
-    TM__TRY(put(ctx, stats, SLOT_TOK_BAD, tok_bad));
+    TM__TRY(tm__stat_put(ctx, stats, SLOT_TOK_BAD, tok_bad));
     if (targets) {
         TM__TRY(tm_index_check(ctx, targets, V, -1, &tgt, &tgt_bad));
-        TM__TRY(put(ctx, stats, SLOT_TGT_BAD, tgt_bad));
+        TM__TRY(tm__stat_put(ctx, stats, SLOT_TGT_BAD, tgt_bad));
     }
 
     tm_tensor *x;
@@ -473,7 +454,7 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
         if (!m->layers[l].moe) continue;
         tm_tensor *parts[3] = {st.aux_loss, st.seq_aux_loss, st.z_loss};
         for (int p = 0; p < 3; p++) TM__TRY(add_loss(ctx, moe_loss[p], parts[p], &moe_loss[p]));
-        TM__TRY(put(ctx, stats, SLOT_LAYERS + (int64_t)j * per_layer, st.packed));
+        TM__TRY(tm__stat_put(ctx, stats, SLOT_LAYERS + (int64_t)j * per_layer, st.packed));
         counts[j++] = st.tokens_per_expert;
     }
     tm_tensor *logits;
@@ -489,8 +470,8 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
         TM__TRY(tm__cross_entropy_checked(ctx, lg, tg, -1, &o.ce_loss));
         o.loss = o.ce_loss;
         for (int p = 0; p < 3; p++) TM__TRY(add_loss(ctx, o.loss, moe_loss[p], &o.loss));
-        TM__TRY(put(ctx, stats, SLOT_LOSS, o.loss));
-        TM__TRY(put(ctx, stats, SLOT_CE, o.ce_loss));
+        TM__TRY(tm__stat_put(ctx, stats, SLOT_LOSS, o.loss));
+        TM__TRY(tm__stat_put(ctx, stats, SLOT_CE, o.ce_loss));
     }
 
     /* The step's one read. */
@@ -499,8 +480,8 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
     if (targets && slots[SLOT_TGT_BAD] >= 0)
         return bad_id(m, fn, targets, "targets", 1, slots[SLOT_TGT_BAD], slots[SLOT_TGT_BAD + 1]);
     if (targets) {
-        o.loss_value = slot_value(slots + SLOT_LOSS, o.loss->dtype);
-        o.ce_value = slot_value(slots + SLOT_CE, o.ce_loss->dtype);
+        o.loss_value = tm__stat_value(slots + SLOT_LOSS, o.loss->dtype);
+        o.ce_value = tm__stat_value(slots + SLOT_CE, o.ce_loss->dtype);
     }
     for (j = 0; j < m->n_moe; j++) {
         const int64_t *ls = slots + SLOT_LAYERS + (int64_t)j * per_layer;

@@ -219,12 +219,13 @@ static tm_status grouped_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_t
 }
 
 /* stats->packed, i64 [E + TM__MOE_STAT_SLOTS]: counts [0, E), then dropped, aux, seq aux, z.
- * A loss slot holds the bytes of its 0-d tensor (gate dtype: f32 in the slot's first 4 bytes,
- * or f64), an absent one stays 0. Filled by device-to-device copies: no kernel, no read. */
-static tm_status pack_put(tm_ctx *ctx, tm_tensor *packed, int64_t slot, const tm_tensor *t) {
+ * An absent loss stays 0. Filled by device-to-device copies: no kernel, no read. */
+tm_status tm__stat_put(tm_ctx *ctx, tm_tensor *packed, int64_t slot, const tm_tensor *t) {
     if (!t) return TM_OK;
-    if (!tm__is_contiguous(t) || tm_dtype_size(t->dtype) > sizeof(int64_t))
-        return tm__err(ctx, TM_ERR_INTERNAL, "tm_moe_forward: cannot pack statistic %s", tm__tdesc(ctx, t));
+    if (!tm__is_contiguous(t) || tm_dtype_size(t->dtype) > sizeof(int64_t) || slot < 0 ||
+        slot + tm__numel(t) > tm__numel(packed))
+        return tm__err(ctx, TM_ERR_INTERNAL, "cannot pack statistic %s into slot %lld of %s", tm__tdesc(ctx, t),
+                       (long long)slot, tm__tdesc(ctx, packed));
     return tm__memcpy(ctx, (int64_t *)tm__data(packed) + slot, packed->device, tm__data(t), t->device,
                       (size_t)tm__numel(t) * tm_dtype_size(t->dtype));
 }
@@ -233,14 +234,14 @@ static tm_status pack_stats(tm_moe *m, tm_moe_stats *st) {
     tm_ctx *ctx = m->ctx;
     int64_t E = m->cfg.router.num_experts, n = E + TM__MOE_STAT_SLOTS;
     TM__TRY(tm__tensor_zeros(ctx, TM_I64, 1, &n, m->dev, &st->packed));
-    TM__TRY(pack_put(ctx, st->packed, 0, st->tokens_per_expert));
-    TM__TRY(pack_put(ctx, st->packed, E + TM__MOE_STAT_DROPPED, st->dropped));
-    TM__TRY(pack_put(ctx, st->packed, E + TM__MOE_STAT_AUX, st->aux_loss));
-    TM__TRY(pack_put(ctx, st->packed, E + TM__MOE_STAT_SEQ_AUX, st->seq_aux_loss));
-    return pack_put(ctx, st->packed, E + TM__MOE_STAT_Z, st->z_loss);
+    TM__TRY(tm__stat_put(ctx, st->packed, 0, st->tokens_per_expert));
+    TM__TRY(tm__stat_put(ctx, st->packed, E + TM__MOE_STAT_DROPPED, st->dropped));
+    TM__TRY(tm__stat_put(ctx, st->packed, E + TM__MOE_STAT_AUX, st->aux_loss));
+    TM__TRY(tm__stat_put(ctx, st->packed, E + TM__MOE_STAT_SEQ_AUX, st->seq_aux_loss));
+    return tm__stat_put(ctx, st->packed, E + TM__MOE_STAT_Z, st->z_loss);
 }
 
-static double slot_value(const int64_t *slot, tm_dtype dt) {
+double tm__stat_value(const int64_t *slot, tm_dtype dt) {
     if (dt == TM_F64) {
         double v;
         memcpy(&v, slot, sizeof v);
@@ -262,9 +263,9 @@ void tm__moe_stats_decode(const tm_moe *m, const int64_t *slots, tm_moe_stats *s
     st->max_load_ratio = mean > 0 ? mx / mean : 0;
     st->min_load_ratio = mean > 0 ? mn / mean : 0;
     st->dropped_tokens = slots[E + TM__MOE_STAT_DROPPED];
-    st->aux_loss_value = slot_value(slots + E + TM__MOE_STAT_AUX, m->gate_dtype);
-    st->seq_aux_loss_value = slot_value(slots + E + TM__MOE_STAT_SEQ_AUX, m->gate_dtype);
-    st->z_loss_value = slot_value(slots + E + TM__MOE_STAT_Z, m->gate_dtype);
+    st->aux_loss_value = tm__stat_value(slots + E + TM__MOE_STAT_AUX, m->gate_dtype);
+    st->seq_aux_loss_value = tm__stat_value(slots + E + TM__MOE_STAT_SEQ_AUX, m->gate_dtype);
+    st->z_loss_value = tm__stat_value(slots + E + TM__MOE_STAT_Z, m->gate_dtype);
 }
 
 tm_status tm_moe_stats_read(tm_moe *m, tm_moe_stats *stats) {
