@@ -405,8 +405,8 @@ tm_status tm_scatter_add(tm_ctx *ctx, tm_tensor *src, tm_tensor *idx, int64_t n_
  *              (so pass a valid value, e.g. 0, as ignore_index when nothing is ignored);
  *   *first_bad i64 [2]: {flat position, value} of the first invalid id, {-1, 0} when none.
  * A bad id is not an error here: read first_bad back (with the other results of the step) and
- * report it. Errors: TM_ERR_INVALID_ARG (safe or first_bad NULL, hi < 0, ignore_index outside
- * the i32 range for i32 ids), TM_ERR_DTYPE (ids not i32/i64), TM_ERR_UNSUPPORTED (ids on CUDA:
+ * report it. Errors: TM_ERR_INVALID_ARG (ids, safe or first_bad NULL, ids of another context,
+ * hi < 0, ignore_index outside the i32 range for i32 ids), TM_ERR_DTYPE (ids not i32/i64), TM_ERR_UNSUPPORTED (ids on CUDA:
  * CPU only for now), TM_ERR_NOMEM. */
 tm_status tm_index_check(tm_ctx *ctx, tm_tensor *ids, int64_t hi, int64_t ignore_index, tm_tensor **safe,
                          tm_tensor **first_bad);
@@ -590,7 +590,7 @@ tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tens
  * sum: i64 [E], contiguous (a buffer, e.g. the block's tokens_per_expert_sum); counts: i64 [E]
  * (tm_router_out / tm_moe_drop_out tokens_per_expert). Not recorded on the tape; reads nothing
  * back. Errors: TM_ERR_DTYPE (sum or counts not i64), TM_ERR_SHAPE (not both [E]),
- * TM_ERR_INVALID_ARG (sum a strided view; a tensor of another context), TM_ERR_DEVICE (on
+ * TM_ERR_INVALID_ARG (a tensor NULL or of another context; sum a strided view), TM_ERR_DEVICE (on
  * different devices), TM_ERR_UNSUPPORTED (on CUDA: CPU only for now). */
 tm_status tm_moe_accumulate_counts(tm_ctx *ctx, tm_tensor *sum, tm_tensor *counts);
 
