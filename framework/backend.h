@@ -59,7 +59,11 @@ const tm__backend_ops *tm__ctx_backend(const tm_ctx *ctx, tm_device dev);
 tm_status tm__gemm(tm_ctx *ctx, tm_device dev, tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N,
                    int64_t K, double alpha, const void *A, int64_t lda, int64_t sa, const void *B, int64_t ldb,
                    int64_t sb, double beta, void *C, int64_t ldc, int64_t sc, int64_t batch);
-/* Backends count their device-to-host synchronisations here (tm_ctx_sync_count). */
+/* Backends count their device-to-host synchronisations here (tm_ctx_sync_count). The CUDA
+ * backend counts its D2H copies and syncs; on the CPU, where nothing waits, the same logical
+ * points count instead (the rules are in tinymoe.h at tm_ctx_sync_count): tm_tensor_read of a
+ * CPU tensor, tm_ctx_sync of a context without CUDA, and the CPU kernels whose CUDA version
+ * must read back (a data-dependent output size, an error flag). */
 void tm__count_sync(tm_ctx *ctx);
 
 /* Building a backend's kernel tables from ops.def: TM__FWD_<BACKEND>_<kernels>(name) is the

@@ -222,6 +222,9 @@ uint64_t tm_ctx_alloc_count(const tm_ctx *ctx) { return ctx ? ctx->alloc_count :
 
 tm_status tm_ctx_sync(tm_ctx *ctx) {
     if (!ctx) return TM_ERR_INVALID_ARG;
+    /* The CUDA backend counts its own wait; a CPU-only context counts the call itself, where a
+     * CUDA run would wait (tm_ctx_sync_count). */
+    if (!ctx->be[TM__CUDA]) tm__count_sync(ctx);
     for (int b = 0; b < TM__NBACKENDS; b++)
         if (ctx->be[b]) TM__TRY(ctx->be[b]->sync(ctx));
     return TM_OK;

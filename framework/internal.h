@@ -273,6 +273,13 @@ void tm__scope_close(tm_ctx *ctx, int mark, tm_tensor *const *keep, int nkeep);
  * buffers and arena blocks calls it. */
 void tm__mem_account(tm_ctx *ctx, tm_device dev, int cat, ptrdiff_t delta);
 
+/* tm_cross_entropy for targets already known to be valid (checked on the device, e.g. by
+ * tm_index_check): the same result, but the CUDA forward does not read its bad-target flag
+ * back, so it does not synchronise (and the CPU forward counts no synchronisation). A target
+ * outside [0, V) that is not ignore_index is then undefined on CUDA (the CPU still reports it). */
+tm_status tm__cross_entropy_checked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
+                                    tm_tensor **out);
+
 /* ---- context internals used by kernels --------------------------------------------------- */
 
 int tm__nthreads(const tm_ctx *ctx);

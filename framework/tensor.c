@@ -366,6 +366,10 @@ static tm_status tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, v
     int64_t n = tm__numel(t);
     if (count != n) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_read: count %lld but %s has %lld elements", (long long)count, tm__tdesc(ctx, t), (long long)n);
     if (n == 0) return TM_OK;
+    /* A CPU tensor stands for device memory here: reading it back is where a CUDA run would
+     * wait for its stream, so it counts as one synchronisation (tm_ctx_sync_count). A device
+     * tensor's D2H copy below counts itself. */
+    if (t->device.type == TM_DEVICE_CPU) tm__count_sync(ctx);
     size_t nbytes = (size_t)n * tm_dtype_size(t->dtype);
     const void *src;
     /* Stage through the host arena when the tensor is on a device or strided. */

@@ -172,10 +172,20 @@ TM_API void tm_ctx_arena_reset(tm_ctx *ctx);
  * since creation. A second identical training step leaves it unchanged. */
 TM_API uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
 
-/* Count of device-to-host synchronisations this context has made since creation: every
- * device-to-host copy (tm_tensor_read of a device tensor, a statistic or error flag read back
- * by an op) and every tm_ctx_sync. 0 for a CPU-only context. Tests bound it to show that a
- * training step does not stall the device more than its design needs. */
+/* Count of device-to-host synchronisations this context has made since creation: the points
+ * where the host waits for the device's queue. Tests bound it to show that a training step
+ * does not stall the device more than its design needs.
+ * CUDA counts every device-to-host copy (tm_tensor_read of a device tensor, a row count,
+ * statistic or error flag read back by an op) and every tm_ctx_sync.
+ * The CPU counts at the same logical points, where a CUDA run would wait, so that a CPU-only
+ * build (CI) can bound round trips too: one per tm_tensor_read of a non-empty CPU tensor; one
+ * per tm_ctx_sync of a context without a CUDA device; one per forward of an op that must read
+ * data back to size its outputs (tm_moe_permute: its row count R) or to report an error (the
+ * bad-target flag of tm_cross_entropy's CUDA forward, when there are rows). Index checks
+ * inside CPU kernels of ops without a CUDA kernel yet (embedding, gather, index_select,
+ * scatter_add, tm_moe_unpermute, tm_grouped_matmul's counts) are not counted: their CUDA
+ * kernels are still to be designed. Nothing is counted twice (a CUDA tensor's read counts its
+ * copy only). Never decreases; wraps only after 2^64. */
 TM_API uint64_t tm_ctx_sync_count(const tm_ctx *ctx);
 
 /* Bytes of arena currently handed out on a device (0 after tm_ctx_arena_reset) and the
@@ -503,6 +513,18 @@ TM_API tm_status tm_gather(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor 
 /* Row scatter-add: src [M, C], idx [M] -> out [n_rows, C] zero-initialised,
  * out[idx[m]] += src[m], idx in [0, n_rows). Also TM_ERR_INVALID_ARG (n_rows < 0). */
 TM_API tm_status tm_scatter_add(tm_ctx *ctx, tm_tensor *src, tm_tensor *idx, int64_t n_rows, tm_tensor **out);
+/* Validate indices on their own device, without reading them back (tm_model_forward checks
+ * its tokens and targets so): an id is valid when it lies in [0, hi) or equals ignore_index.
+ * ids: i32 or i64, any shape. Outputs, on ids' device, not differentiable:
+ *   *safe      ids' dtype and shape: each valid id, ignore_index in place of each invalid one
+ *              (so pass a valid value, e.g. 0, as ignore_index when nothing is ignored);
+ *   *first_bad i64 [2]: {flat position, value} of the first invalid id, {-1, 0} when none.
+ * A bad id is not an error here: read first_bad back (with the other results of the step) and
+ * report it. Errors: TM_ERR_INVALID_ARG (ids, safe or first_bad NULL, ids of another context,
+ * hi < 0, ignore_index outside the i32 range for i32 ids), TM_ERR_DTYPE (ids not i32/i64), TM_ERR_UNSUPPORTED (ids on CUDA:
+ * CPU only for now), TM_ERR_NOMEM. */
+TM_API tm_status tm_index_check(tm_ctx *ctx, tm_tensor *ids, int64_t hi, int64_t ignore_index, tm_tensor **safe,
+                         tm_tensor **first_bad);
 
 /* RMSNorm (Zhang & Sennrich 2019): y = x / sqrt(mean(x^2 over last axis) + eps) * weight.
  * x [..., C], weight [C]. Errors: TM_ERR_DTYPE (not float, or x and weight of different
@@ -672,12 +694,20 @@ TM_API tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_
 /* Aux-loss-free balancing (DeepSeek-V3 sec. 2.1.2; Megatron get_updated_expert_bias), once per
  * optimizer step with counts summed over micro-batches and ranks:
  *   expert_bias[e] += rate * sign(mean(counts) - counts[e])     (sign(0) = 0)
- * expert_bias: f32 [E] (a buffer; views allowed), counts: i64 [E]. An in-place update, not an
- * op: never recorded on the tape.
+ * expert_bias: f32 or f64 [E] (a buffer; views allowed; the new value is computed in f64 and
+ * rounded once to its dtype), counts: i64 [E]. An in-place update, not an op: never recorded
+ * on the tape.
  * Errors: TM_ERR_INVALID_ARG (a tensor NULL or of another context, rate not finite),
- * TM_ERR_UNSUPPORTED (a tensor not on the CPU), TM_ERR_DTYPE (expert_bias not f32, counts not
- * i64), TM_ERR_SHAPE (expert_bias not [E] with E >= 1, counts not [E]). */
+ * TM_ERR_UNSUPPORTED (a tensor not on the CPU), TM_ERR_DTYPE (expert_bias not f32 or f64,
+ * counts not i64), TM_ERR_SHAPE (expert_bias not [E] with E >= 1, counts not [E]). */
 TM_API tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate);
+/* The running count behind that update, kept on the device: sum[e] += counts[e] in place.
+ * sum: i64 [E], contiguous (a buffer, e.g. the block's tokens_per_expert_sum); counts: i64 [E]
+ * (tm_router_out / tm_moe_drop_out tokens_per_expert). Not recorded on the tape; reads nothing
+ * back. Errors: TM_ERR_DTYPE (sum or counts not i64), TM_ERR_SHAPE (not both [E]),
+ * TM_ERR_INVALID_ARG (a tensor NULL or of another context; sum a strided view), TM_ERR_DEVICE (on
+ * different devices), TM_ERR_UNSUPPORTED (on CUDA: CPU only for now). */
+TM_API tm_status tm_moe_accumulate_counts(tm_ctx *ctx, tm_tensor *sum, tm_tensor *counts);
 
 typedef enum tm_drop_policy {
     TM_DROP_PROBS = 0,   /* per expert, keep the `capacity` tokens of highest p (ties: lower t) */
@@ -689,16 +719,24 @@ typedef enum tm_drop_policy {
  * infinite) or a capacity beyond int64. */
 TM_API int64_t tm_moe_capacity(int64_t num_tokens, int topk, int num_experts, double capacity_factor);
 
+typedef struct tm_moe_drop_out {
+    tm_tensor *probs_kept;        /* [T,E] probs' dtype: probs where kept, 0 elsewhere */
+    tm_tensor *map_kept;          /* u8 [T,E] */
+    tm_tensor *tokens_per_expert; /* i64 [E]: routed pairs kept per expert (column sums of map_kept) */
+    tm_tensor *dropped;           /* i64 0-d: routed pairs removed */
+} tm_moe_drop_out;
+
 /* Token dropping (Megatron apply_router_token_dropping without pad_to_capacity): removes from
  * routing_map [T,E] u8 and probs float [T,E] every routed (t,e) beyond `capacity` per expert,
- * chosen by `policy`. Outputs probs_kept (probs' dtype; differentiable: gradient passes where
- * kept), map_kept (u8), and *dropped (may be NULL) = number of routed pairs removed. Unlike
- * Megatron's column top-k, only routed tokens compete for an expert's slots, with a fixed tie
- * order. Errors: TM_ERR_INVALID_ARG (probs_kept or map_kept NULL, capacity < 0, policy not a
- * tm_drop_policy), TM_ERR_DTYPE (probs not float, routing_map not u8), TM_ERR_SHAPE (probs not
- * 2-D, routing_map not of probs' shape). CPU only for now. */
+ * chosen by `policy`. Every output stays on the inputs' device (read the counts with
+ * tm_tensor_read when the host needs them); probs_kept is differentiable (the gradient passes
+ * where kept), the others are not. Unlike Megatron's column top-k, only routed tokens compete
+ * for an expert's slots, with a fixed tie order. On error every field of *out is NULL (out
+ * given). Errors: TM_ERR_INVALID_ARG (out NULL, capacity < 0, policy not a tm_drop_policy),
+ * TM_ERR_DTYPE (probs not float, routing_map not u8), TM_ERR_SHAPE (probs not 2-D, routing_map
+ * not of probs' shape). CPU only for now. */
 TM_API tm_status tm_moe_drop_tokens(tm_ctx *ctx, tm_tensor *probs, tm_tensor *routing_map, int64_t capacity,
-                             tm_drop_policy policy, tm_tensor **probs_kept, tm_tensor **map_kept, int64_t *dropped);
+                             tm_drop_policy policy, tm_moe_drop_out *out);
 
 typedef struct tm_moe_dispatch {
     tm_tensor *permuted;          /* [R,H] x's dtype: expert-major, token-ascending rows; padding 0 */
@@ -813,31 +851,48 @@ TM_API const tm_moe_config *tm_moe_get_config(const tm_moe *moe);
 TM_API tm_tensor *tm_moe_tensor(const tm_moe *moe, const char *suffix);
 
 typedef struct tm_moe_stats {
+    /* Filled by tm_moe_forward: tensors on the block's device, arena temporaries (valid until
+     * tm_ctx_arena_reset); nothing of them has been read back. */
     /* Differentiable 0-d losses in the gate dtype (f32; f64 for an f64 block), coefficients
      * applied; NULL when the coefficient is 0. Add them to the training loss. */
     tm_tensor *aux_loss, *seq_aux_loss, *z_loss;
     tm_tensor *tokens_per_expert; /* i64 [E]: routed (after drops, before alignment) */
+    tm_tensor *dropped;           /* i64 0-d: routed (t,e) pairs removed by capacity; NULL when dropless */
+    /* i64 [E + 4]: all of the above in one tensor, so that one read brings them to the host
+     * (tm_moe_stats_read): the E counts, dropped, then the aux, seq-aux and z loss values,
+     * each in an 8-byte slot holding its gate-dtype bits (an f32 in the slot's first 4 bytes);
+     * 0 for what is off. */
+    tm_tensor *packed;
+    /* Host copies: 0 after tm_moe_forward, filled by tm_moe_stats_read. */
     int64_t dropped_tokens;       /* routed (t,e) pairs removed by capacity */
     double max_load_ratio;        /* max_e count / mean_e count (1 = perfectly balanced) */
     double min_load_ratio;        /* min_e count / mean_e count */
-    double aux_loss_value, seq_aux_loss_value, z_loss_value; /* host copies (0 when off) */
+    double aux_loss_value, seq_aux_loss_value, z_loss_value; /* 0 when off */
 } tm_moe_stats;
 
 /* y = MoE(x): x [..., H] -> y [..., H] (same dtype). num_seqs: sequences in x for the
- * sequence-level aux loss (rows are split evenly; 1 if unused). stats may be NULL.
- * With grad mode on, tokens_per_expert is also added to the block's running sum for
- * tm_moe_step (evaluation and sampling forwards do not move the expert bias).
+ * sequence-level aux loss (rows are split evenly; 1 if unused). stats may be NULL; otherwise
+ * it receives the statistics as device tensors (see tm_moe_stats; tm_moe_stats_read brings
+ * them to the host). With grad mode on, tokens_per_expert is also added to the block's running
+ * sum for tm_moe_step, on the device (evaluation and sampling forwards do not move the expert
+ * bias). Host round trips (tm_ctx_sync_count): one with the grouped strategy (the permute's row
+ * count), none with the dense one; the forward reads no statistic back.
  * Errors: TM_ERR_INVALID_ARG (x or y NULL, num_seqs < 1, a sequence-level aux loss with the
  * T rows not divisible by num_seqs), TM_ERR_SHAPE (x 0-d or its last dim not H), TM_ERR_DTYPE
  * (x not of the block's dtype), and those of the ops it runs (see Ops): TM_ERR_DEVICE (x not
  * on the block's device), TM_ERR_UNSUPPORTED (on CUDA: the MoE ops are CPU only for now),
  * TM_ERR_NOMEM, TM_ERR_CUDA. */
 TM_API tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats);
+/* Bring the statistics of a forward of this block to the host with one read of stats->packed
+ * (one synchronisation): fills dropped_tokens, max_load_ratio, min_load_ratio and the three
+ * loss values of *stats. Call it before tm_ctx_arena_reset, when (and only if) the values are
+ * needed. Errors: TM_ERR_INVALID_ARG (stats NULL, stats->packed NULL or not the i64 [E + 4] of
+ * a forward of this block), TM_ERR_NOMEM, TM_ERR_CUDA. */
+TM_API tm_status tm_moe_stats_read(tm_moe *moe, tm_moe_stats *stats);
 /* Once per optimizer step: apply the expert-bias update (if use_expert_bias and the rate is
  * > 0) from the counts summed since the last call, then clear the sum.
- * Errors: those of tm_moe_expert_bias_update (TM_ERR_UNSUPPORTED for a CUDA block; and
- * TM_ERR_DTYPE for an f64 block, whose expert_bias is f64 while the update takes f32 only: a
- * known defect), TM_ERR_CUDA (clearing a CUDA sum). */
+ * Errors: those of tm_moe_expert_bias_update (TM_ERR_UNSUPPORTED for a CUDA block),
+ * TM_ERR_CUDA (clearing a CUDA sum). */
 TM_API tm_status tm_moe_step(tm_moe *moe);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -900,23 +955,33 @@ typedef struct tm_model_out {
                          * without targets. ce_loss's dtype */
     tm_tensor *ce_loss; /* 0-d mean cross-entropy over targets != ignore_index; f32 for f32
                          * and bf16 models (bf16 logits are cast first), f64 for f64 */
-    double loss_value, ce_value, aux_value, seq_aux_value, z_value; /* host copies, summed over layers */
+    /* Host values, all from the forward's one read (below): */
+    double loss_value, ce_value;               /* 0 without targets */
+    double aux_value, seq_aux_value, z_value;  /* summed over MoE layers; 0 when off */
     int n_moe_layers;
-    /* [n_moe_layers * E] routed tokens per expert of this forward, row-major by MoE layer;
-     * owned by the model, valid until its next forward. */
+    /* [n_moe_layers * E] routed tokens per expert of this forward (after drops), row-major by
+     * MoE layer; owned by the model, valid until its next forward. */
     const int64_t *tokens_per_expert;
     double max_load_ratio;  /* max over MoE layers of max_e count / mean count */
     int64_t dropped_tokens; /* summed over MoE layers */
 } tm_model_out;
 
 /* Forward: tokens i32 [B,T] (values in [0, vocab_size), T <= max_seq_len); targets i32 [B,T]
- * or NULL (no loss); target -1 is ignored. Tokens and targets are checked on the host before
- * anything runs. Errors: TM_ERR_INVALID_ARG (tokens or out NULL), TM_ERR_DTYPE / TM_ERR_SHAPE
+ * or NULL (no loss); target -1 is ignored. Every statistic of the step (loss, cross-entropy,
+ * each MoE layer's counts, dropped pairs and losses) is gathered on the model's device into one
+ * tensor and read back once, at the end: a forward's host round trips (tm_ctx_sync_count) are
+ * that read plus one per MoE layer of the grouped strategy (its permute's row count), so a
+ * forward + tm_backward makes at most n_moe_layers + 1. The token and target values are checked
+ * on the device too (tm_index_check) and reported from that read: a bad id still lets the
+ * forward run (on a replaced id) but fails the call with TM_ERR_INDEX, *out untouched and the
+ * MoE layers' running counts unchanged (they grow, with grad mode on, only after the check).
+ * Errors: TM_ERR_INVALID_ARG (tokens or out NULL), TM_ERR_DTYPE / TM_ERR_SHAPE
  * (tokens or targets not i32 [B,T] with B, T >= 1; targets' shape not tokens'; T >
  * max_seq_len), TM_ERR_DEVICE (tokens or targets not on the model's device), TM_ERR_INDEX (a
  * token outside [0, vocab_size), or a target outside it and not -1, naming its position and
- * value), and those of the ops and blocks it runs: TM_ERR_UNSUPPORTED (an op without a kernel
- * on the model's device, named), TM_ERR_NOMEM, TM_ERR_CUDA. */
+ * value; tokens are reported before targets), and those of the ops and blocks it runs:
+ * TM_ERR_UNSUPPORTED (an op without a kernel on the model's device, named), TM_ERR_NOMEM,
+ * TM_ERR_CUDA. */
 TM_API tm_status tm_model_forward(tm_model *model, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out);
 /* Once per optimizer step: tm_moe_step on every MoE layer (expert-bias updates). Errors: those
  * of tm_moe_step. */
@@ -954,7 +1019,8 @@ TM_API int tm_kv_cache_capacity(const tm_kv_cache *cache);
  * floating-point summation order), however the sequence is split into calls. Runs with the
  * tape off whatever the grad mode (no backward through the cache; the mode is restored) and
  * does not touch the expert-bias statistics. The cache stays valid across
- * tm_ctx_arena_reset.
+ * tm_ctx_arena_reset. Host round trips: one read of tokens (checked on the host before
+ * anything runs) and one per MoE layer of the grouped strategy (its permute's row count).
  * Exception: with moe.capacity_factor > 0 a token's expert slots depend on which other
  * tokens share its forward (capacity = f(tokens in the call)), so cached decoding then
  * drops differently from the full forward and the logits differ.

@@ -16,6 +16,13 @@
  * once in tm_model_new; the per-step tensors come from the context's arena, so a steady-state
  * training step makes no system allocation.
  *
+ * Host round trips: tm_model_forward reads back once, at its end. The tokens and targets are
+ * checked on the device (tm_index_check: invalid ids are replaced, the first one recorded), the
+ * loss, the cross-entropy, the check results and every MoE layer's packed statistics are copied
+ * into one i64 tensor, and that tensor is read; only then, with the ids known to be valid, do
+ * the MoE layers' running counts for the expert-bias update grow (on the device). With the
+ * grouped MoE strategy each MoE layer adds its permute's row count: n_moe_layers + 1 in all.
+ *
  * tm_model_forward_cached runs the same blocks (one function, `block`, serves both paths) on a
  * few new positions of a sequence whose earlier keys and values sit in a tm_kv_cache
  * (layers/kv_cache.c): rope starts at the cache's length, the new keys and values are written
@@ -26,6 +33,7 @@
 #include <stdlib.h>
 
 #include "kv_cache.h"
+#include "moe_internal.h"
 
 typedef struct tm__layer {
     tm_tensor *attn_norm, *wq, *wk, *wv, *wo;
@@ -315,7 +323,9 @@ static tm_status block(tm_model *m, int l, tm_tensor *x, int64_t B, int64_t T, t
     TM__TRY(self_attention(m, l, h, B, T, kv, &y));
     TM__TRY(tm_add(ctx, x, y, &x));
     TM__TRY(tm_rmsnorm(ctx, x, L->ffn_norm, c->norm_eps, &h));
-    if (L->moe) TM__TRY(tm_moe_forward(L->moe, h, B, &y, st));
+    /* The running counts of the expert-bias update are left to the caller (tm_model_forward
+     * adds them once the step's ids are known to be valid; the cached forward never does). */
+    if (L->moe) TM__TRY(tm__moe_forward(L->moe, h, B, &y, st, 0));
     else TM__TRY(swiglu_mlp(ctx, h, L->mlp_w0, L->mlp_w1, L->mlp_wo, &y));
     return tm_add(ctx, x, y, out);
 }
@@ -340,21 +350,28 @@ static tm_status head(tm_model *m, tm_tensor *x, int64_t B, int64_t T, tm_tensor
     return tm_reshape(ctx, lg, 3, s3, logits); // (B, T, V)
 }
 
+/* TM_ERR_INDEX naming id i (flat) of ids (i32 [B,T]) by position and value. */
+static tm_status bad_id(tm_model *m, const char *fn, const tm_tensor *ids, const char *what, int ignore, int64_t i,
+                        int64_t value) {
+    tm_ctx *ctx = m->ctx;
+    int64_t T = ids->shape[1];
+    return tm__err(ctx, TM_ERR_INDEX, "%s: %s[%lld, %lld] = %lld is outside [0, vocab_size = %lld)%s (%s %s)", fn, what,
+                   (long long)(i / T), (long long)(i % T), (long long)value, (long long)m->cfg.vocab_size,
+                   ignore ? " and is not the ignore index -1" : "", what, tm__tdesc(ctx, ids));
+}
+
 /* Every id of ids (i32 [B,T]) in [0, hi), or equal to the ignore index when `ignore` is set;
- * otherwise TM_ERR_INDEX naming the first offender by position and value. Checked on the host
- * before anything runs, so a bad batch leaves no trace (the MoE layers' running counts and a
- * KV cache included). B*T ints: nothing next to the forward. */
+ * otherwise TM_ERR_INDEX naming the first offender. Checked on the host before anything runs
+ * (one read of ids), so a bad batch leaves no trace in a KV cache. */
 static tm_status check_range(tm_model *m, const char *fn, tm_tensor *ids, const char *what, int ignore) {
     tm_ctx *ctx = m->ctx;
-    int64_t n = tm__numel(ids), T = ids->shape[1], V = m->cfg.vocab_size;
+    int64_t n = tm__numel(ids), V = m->cfg.vocab_size;
     int32_t *h = tm__arena_alloc(ctx, tm_cpu(), sizeof(int32_t) * (size_t)n);
     if (!h) return TM_ERR_NOMEM;
     TM__TRY(tm_tensor_read(ctx, ids, TM_I32, h, n));
     for (int64_t i = 0; i < n; i++) {
         if ((h[i] >= 0 && h[i] < V) || (ignore && h[i] == -1)) continue;
-        return tm__err(ctx, TM_ERR_INDEX, "%s: %s[%lld, %lld] = %d is outside [0, vocab_size = %lld)%s (%s %s)", fn,
-                       what, (long long)(i / T), (long long)(i % T), (int)h[i], (long long)V,
-                       ignore ? " and is not the ignore index -1" : "", what, tm__tdesc(ctx, ids));
+        return bad_id(m, fn, ids, what, ignore, i, h[i]);
     }
     return TM_OK;
 }
@@ -384,6 +401,15 @@ static tm_status add_loss(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **o
     return tm_add(ctx, a, b, out);
 }
 
+/* The one tensor tm_model_forward reads back: i64 slots. */
+enum {
+    SLOT_LOSS = 0,    /* the loss's bits (its dtype: f32 in the slot's first 4 bytes, or f64) */
+    SLOT_CE = 1,      /* the cross-entropy's, likewise */
+    SLOT_TOK_BAD = 2, /* tm_index_check of tokens: first bad position (-1: none), its value */
+    SLOT_TGT_BAD = 4, /* and of targets */
+    SLOT_LAYERS = 6   /* then each MoE layer's packed statistics (E + TM__MOE_STAT_SLOTS) */
+};
+
 tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out) {
     static const char fn[] = "tm_model_forward";
     if (!m) return TM_ERR_INVALID_ARG;
@@ -393,22 +419,33 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
     TM__TRY(check_ids(m, fn, tokens, "tokens", NULL));
     if (targets) TM__TRY(check_ids(m, fn, targets, "targets", tokens));
     int64_t B = tokens->shape[0], T = tokens->shape[1];
-    int64_t E = c->moe.router.num_experts;
+    int64_t E = c->moe.router.num_experts, V = c->vocab_size, per_layer = E + TM__MOE_STAT_SLOTS;
     if (T > c->max_seq_len)
         return tm__err(ctx, TM_ERR_SHAPE, "%s: sequence length T = %lld of tokens %s exceeds max_seq_len = %d", fn,
                        (long long)T, tm__tdesc(ctx, tokens), c->max_seq_len);
-    TM__TRY(check_range(m, fn, tokens, "tokens", 0));
-    if (targets) TM__TRY(check_range(m, fn, targets, "targets", 1));
 
     tm_model_out o;
     memset(&o, 0, sizeof o);
     o.n_moe_layers = m->n_moe;
-    /* Counts are gathered here and copied to the model's array only on success. */
-    int64_t *tpe = tm__arena_alloc(ctx, tm_cpu(), sizeof(int64_t) * (size_t)(m->n_moe * E) + 1);
-    if (!tpe) return TM_ERR_NOMEM;
+    /* The step's statistics, on the device; each MoE layer's routed counts, for after the read. */
+    int64_t n_slots = SLOT_LAYERS + (int64_t)m->n_moe * per_layer;
+    tm_tensor *stats, **counts = tm__meta_alloc(ctx, sizeof(tm_tensor *) * (size_t)(m->n_moe + 1));
+    int64_t *slots = tm__arena_alloc(ctx, tm_cpu(), sizeof(int64_t) * (size_t)n_slots);
+    if (!counts || !slots) return TM_ERR_NOMEM;
+    TM__TRY(tm__tensor_zeros(ctx, TM_I64, 1, &n_slots, m->dev, &stats));
+
+    /* Ids are checked on the device: invalid ones are replaced (tokens by 0, targets by the
+     * ignore index) so the forward runs through, and reported after the one read below. */
+    tm_tensor *tok, *tok_bad, *tgt = NULL, *tgt_bad = NULL;
+    TM__TRY(tm_index_check(ctx, tokens, V, 0, &tok, &tok_bad));
+    TM__TRY(tm__stat_put(ctx, stats, SLOT_TOK_BAD, tok_bad));
+    if (targets) {
+        TM__TRY(tm_index_check(ctx, targets, V, -1, &tgt, &tgt_bad));
+        TM__TRY(tm__stat_put(ctx, stats, SLOT_TGT_BAD, tgt_bad));
+    }
 
     tm_tensor *x;
-    TM__TRY(embed(m, tokens, &x)); // (B*T, H)
+    TM__TRY(embed(m, tok, &x)); // (B*T, H)
     tm_tensor *moe_loss[3] = {NULL, NULL, NULL}; /* aux, seq aux, z: summed over layers */
     int j = 0;
     for (int l = 0; l < c->n_layers; l++) {
@@ -417,13 +454,8 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
         if (!m->layers[l].moe) continue;
         tm_tensor *parts[3] = {st.aux_loss, st.seq_aux_loss, st.z_loss};
         for (int p = 0; p < 3; p++) TM__TRY(add_loss(ctx, moe_loss[p], parts[p], &moe_loss[p]));
-        o.aux_value += st.aux_loss_value;
-        o.seq_aux_value += st.seq_aux_loss_value;
-        o.z_value += st.z_loss_value;
-        o.dropped_tokens += st.dropped_tokens;
-        if (st.max_load_ratio > o.max_load_ratio) o.max_load_ratio = st.max_load_ratio;
-        TM__TRY(tm_tensor_read(ctx, st.tokens_per_expert, TM_I64, tpe + (int64_t)j * E, E));
-        j++;
+        TM__TRY(tm__stat_put(ctx, stats, SLOT_LAYERS + (int64_t)j * per_layer, st.packed));
+        counts[j++] = st.tokens_per_expert;
     }
     tm_tensor *logits;
     TM__TRY(head(m, x, B, T, &logits, &o.logits)); // (B*T, V), (B, T, V)
@@ -431,16 +463,44 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
     if (targets) {
         int64_t flat[1] = {B * T};
         tm_tensor *tg, *lg = logits;
-        TM__TRY(tm_reshape(ctx, targets, 1, flat, &tg));
+        TM__TRY(tm_reshape(ctx, tgt, 1, flat, &tg));
         /* A bf16 loss would keep 3 significant digits: take the cross-entropy in f32. */
         if (lg->dtype == TM_BF16) TM__TRY(tm_cast(ctx, lg, TM_F32, &lg));
-        TM__TRY(tm_cross_entropy(ctx, lg, tg, -1, &o.ce_loss));
+        /* The targets were checked above: the cross-entropy need not read its own flag back. */
+        TM__TRY(tm__cross_entropy_checked(ctx, lg, tg, -1, &o.ce_loss));
         o.loss = o.ce_loss;
         for (int p = 0; p < 3; p++) TM__TRY(add_loss(ctx, o.loss, moe_loss[p], &o.loss));
-        TM__TRY(tm_tensor_read(ctx, o.ce_loss, TM_F64, &o.ce_value, 1));
-        TM__TRY(tm_tensor_read(ctx, o.loss, TM_F64, &o.loss_value, 1));
+        TM__TRY(tm__stat_put(ctx, stats, SLOT_LOSS, o.loss));
+        TM__TRY(tm__stat_put(ctx, stats, SLOT_CE, o.ce_loss));
     }
-    memcpy(m->tokens_per_expert, tpe, sizeof(int64_t) * (size_t)(m->n_moe * E));
+
+    /* The step's one read. */
+    TM__TRY(tm_tensor_read(ctx, stats, TM_I64, slots, n_slots));
+    if (slots[SLOT_TOK_BAD] >= 0) return bad_id(m, fn, tokens, "tokens", 0, slots[SLOT_TOK_BAD], slots[SLOT_TOK_BAD + 1]);
+    if (targets && slots[SLOT_TGT_BAD] >= 0)
+        return bad_id(m, fn, targets, "targets", 1, slots[SLOT_TGT_BAD], slots[SLOT_TGT_BAD + 1]);
+    if (targets) {
+        o.loss_value = tm__stat_value(slots + SLOT_LOSS, o.loss->dtype);
+        o.ce_value = tm__stat_value(slots + SLOT_CE, o.ce_loss->dtype);
+    }
+    for (j = 0; j < m->n_moe; j++) {
+        const int64_t *ls = slots + SLOT_LAYERS + (int64_t)j * per_layer;
+        tm_moe_stats st;
+        memset(&st, 0, sizeof st);
+        tm__moe_stats_decode(m->layers[c->first_k_dense + j].moe, ls, &st);
+        o.aux_value += st.aux_loss_value;
+        o.seq_aux_value += st.seq_aux_loss_value;
+        o.z_value += st.z_loss_value;
+        o.dropped_tokens += st.dropped_tokens;
+        if (st.max_load_ratio > o.max_load_ratio) o.max_load_ratio = st.max_load_ratio;
+    }
+    /* Only training forwards (grad mode on) feed the expert-bias update, and only once the
+     * batch is known to be valid: a refused batch leaves the running counts alone. */
+    if (tm__grad_enabled(ctx))
+        for (j = 0; j < m->n_moe; j++) TM__TRY(tm__moe_accumulate(m->layers[c->first_k_dense + j].moe, counts[j]));
+    for (j = 0; j < m->n_moe; j++)
+        memcpy(m->tokens_per_expert + (int64_t)j * E, slots + SLOT_LAYERS + (int64_t)j * per_layer,
+               sizeof(int64_t) * (size_t)E);
     o.tokens_per_expert = m->tokens_per_expert;
     *out = o;
     return TM_OK;

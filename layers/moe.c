@@ -9,12 +9,18 @@
  * The dense strategy computes every expert on every token with plain matmuls and weights the
  * results by probs: no permute, no grouped GEMM, so it is an independent oracle for the grouped
  * path (tests/test_moe_layer.c) and the cheaper choice when E is tiny.
+ *
+ * Statistics stay on the block's device: the routed (or kept) counts come from the router (or
+ * the drop op), the running sum for the expert-bias update grows by an op
+ * (tm_moe_accumulate_counts), and counts, dropped and the three loss values are copied into one
+ * small tensor (stats->packed) that tm_moe_stats_read brings back in a single read. The only
+ * host round trip of a forward is the permute's row count (grouped strategy).
  */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "internal.h"
+#include "moe_internal.h"
 
 struct tm_moe {
     tm_ctx *ctx;
@@ -220,25 +226,84 @@ static tm_status grouped_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_t
     return tm_moe_unpermute(ctx, eo, pp, d.row_token, x->shape[0], y);
 }
 
-/* Column sums of a u8 [T,E] map on the host, as an i64 [E] tensor. */
-static tm_status count_map(tm_ctx *ctx, tm_tensor *map, int64_t *counts, tm_tensor **out) {
-    int64_t T = map->shape[0], E = map->shape[1];
-    uint8_t *h = tm__arena_alloc(ctx, tm_cpu(), (size_t)(T * E) + 1);
-    if (!h) return TM_ERR_NOMEM;
-    TM__TRY(tm_tensor_read(ctx, map, TM_U8, h, T * E));
-    for (int64_t e = 0; e < E; e++) counts[e] = 0;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t e = 0; e < E; e++) counts[e] += h[t * E + e] != 0;
-    return tm_tensor_from_host(ctx, TM_I64, 1, &E, map->device, TM_I64, counts, out);
+/* stats->packed, i64 [E + TM__MOE_STAT_SLOTS]: counts [0, E), then dropped, aux, seq aux, z.
+ * An absent loss stays 0. Filled by device-to-device copies: no kernel, no read. */
+tm_status tm__stat_put(tm_ctx *ctx, tm_tensor *packed, int64_t slot, const tm_tensor *t) {
+    if (!t) return TM_OK;
+    if (!tm__is_contiguous(t) || tm_dtype_size(t->dtype) > sizeof(int64_t) || slot < 0 ||
+        slot + tm__numel(t) > tm__numel(packed))
+        return tm__err(ctx, TM_ERR_INTERNAL, "cannot pack statistic %s into slot %lld of %s", tm__tdesc(ctx, t),
+                       (long long)slot, tm__tdesc(ctx, packed));
+    return tm__memcpy(ctx, (int64_t *)tm__data(packed) + slot, packed->device, tm__data(t), t->device,
+                      (size_t)tm__numel(t) * tm_dtype_size(t->dtype));
 }
 
-static tm_status read_scalar(tm_ctx *ctx, tm_tensor *t, double *v) {
-    *v = 0;
-    return t ? tm_tensor_read(ctx, t, TM_F64, v, 1) : TM_OK;
+static tm_status pack_stats(tm_moe *m, tm_moe_stats *st) {
+    tm_ctx *ctx = m->ctx;
+    int64_t E = m->cfg.router.num_experts, n = E + TM__MOE_STAT_SLOTS;
+    TM__TRY(tm__tensor_zeros(ctx, TM_I64, 1, &n, m->dev, &st->packed));
+    TM__TRY(tm__stat_put(ctx, st->packed, 0, st->tokens_per_expert));
+    TM__TRY(tm__stat_put(ctx, st->packed, E + TM__MOE_STAT_DROPPED, st->dropped));
+    TM__TRY(tm__stat_put(ctx, st->packed, E + TM__MOE_STAT_AUX, st->aux_loss));
+    TM__TRY(tm__stat_put(ctx, st->packed, E + TM__MOE_STAT_SEQ_AUX, st->seq_aux_loss));
+    return tm__stat_put(ctx, st->packed, E + TM__MOE_STAT_Z, st->z_loss);
 }
+
+double tm__stat_value(const int64_t *slot, tm_dtype dt) {
+    if (dt == TM_F64) {
+        double v;
+        memcpy(&v, slot, sizeof v);
+        return v;
+    }
+    float f;
+    memcpy(&f, slot, sizeof f);
+    return f;
+}
+
+void tm__moe_stats_decode(const tm_moe *m, const int64_t *slots, tm_moe_stats *st) {
+    int64_t E = m->cfg.router.num_experts;
+    double mean = 0, mx = 0, mn = INFINITY;
+    for (int64_t e = 0; e < E; e++) {
+        mean += (double)slots[e] / (double)E;
+        mx = fmax(mx, (double)slots[e]);
+        mn = fmin(mn, (double)slots[e]);
+    }
+    st->max_load_ratio = mean > 0 ? mx / mean : 0;
+    st->min_load_ratio = mean > 0 ? mn / mean : 0;
+    st->dropped_tokens = slots[E + TM__MOE_STAT_DROPPED];
+    st->aux_loss_value = tm__stat_value(slots + E + TM__MOE_STAT_AUX, m->gate_dtype);
+    st->seq_aux_loss_value = tm__stat_value(slots + E + TM__MOE_STAT_SEQ_AUX, m->gate_dtype);
+    st->z_loss_value = tm__stat_value(slots + E + TM__MOE_STAT_Z, m->gate_dtype);
+}
+
+tm_status tm_moe_stats_read(tm_moe *m, tm_moe_stats *stats) {
+    if (!m) return TM_ERR_INVALID_ARG;
+    tm_ctx *ctx = m->ctx;
+    if (!stats) return BAD("tm_moe_stats_read: stats is NULL");
+    int64_t E = m->cfg.router.num_experts, n = E + TM__MOE_STAT_SLOTS;
+    const tm_tensor *p = stats->packed;
+    if (!p) return BAD("tm_moe_stats_read: stats->packed is NULL (not filled by tm_moe_forward)");
+    if (p->ctx != ctx || p->dtype != TM_I64 || p->ndim != 1 || p->shape[0] != n)
+        return BAD("tm_moe_stats_read: stats->packed %s is not the i64 [%lld] of a forward of this block (E = %lld)",
+                   tm__tdesc(ctx, p), (long long)n, (long long)E);
+    int64_t *slots = tm__arena_alloc(ctx, tm_cpu(), sizeof(int64_t) * (size_t)n);
+    if (!slots) return TM_ERR_NOMEM;
+    TM__TRY(tm_tensor_read(ctx, p, TM_I64, slots, n));
+    tm__moe_stats_decode(m, slots, stats);
+    return TM_OK;
+}
+
+tm_status tm__moe_accumulate(tm_moe *m, tm_tensor *counts) { return tm_moe_accumulate_counts(m->ctx, m->tpe_sum, counts); }
 
 tm_status tm_moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats) {
     if (!m) return TM_ERR_INVALID_ARG;
+    /* Only training forwards (grad mode on) feed the expert-bias update: evaluation and
+     * sampling must not move the routing. */
+    return tm__moe_forward(m, x, num_seqs, y, stats, tm__grad_enabled(m->ctx));
+}
+
+tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats,
+                          int accumulate) {
     tm_ctx *ctx = m->ctx;
     if (!x || !y) return BAD("tm_moe_forward: %s is NULL", x ? "y" : "x");
     const tm_moe_config *cfg = &m->cfg;
@@ -280,10 +345,16 @@ tm_status tm_moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **
     if (cfg->z_loss_coeff > 0) TM__TRY(tm_moe_z_loss(ctx, logits, cfg->z_loss_coeff, &st.z_loss));
 
     tm_tensor *probs = ro.probs, *map = ro.routing_map;
+    st.tokens_per_expert = ro.tokens_per_expert;
     int64_t capacity = 0;
     if (cfg->capacity_factor > 0) {
         capacity = tm_moe_capacity(T, cfg->router.topk, (int)E, cfg->capacity_factor);
-        TM__TRY(tm_moe_drop_tokens(ctx, ro.probs, ro.routing_map, capacity, cfg->drop_policy, &probs, &map, &st.dropped_tokens));
+        tm_moe_drop_out d;
+        TM__TRY(tm_moe_drop_tokens(ctx, ro.probs, ro.routing_map, capacity, cfg->drop_policy, &d));
+        probs = d.probs_kept;
+        map = d.map_kept;
+        st.tokens_per_expert = d.tokens_per_expert;
+        st.dropped = d.dropped;
     }
 
     tm_tensor *out;
@@ -296,35 +367,12 @@ tm_status tm_moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **
     }
     TM__TRY(tm_reshape(ctx, out, x->ndim, x->shape, y));
 
-    /* Statistics and the running count for the expert-bias update. */
-    int64_t *counts = tm__arena_alloc(ctx, tm_cpu(), sizeof(int64_t) * (size_t)E * 2);
-    if (!counts) return TM_ERR_NOMEM;
-    if (map == ro.routing_map) { /* nothing dropped: the router already counted */
-        st.tokens_per_expert = ro.tokens_per_expert;
-        TM__TRY(tm_tensor_read(ctx, ro.tokens_per_expert, TM_I64, counts, E));
-    } else {
-        TM__TRY(count_map(ctx, map, counts, &st.tokens_per_expert));
+    /* The running count for the expert-bias update, and the statistics, stay on the device. */
+    if (accumulate) TM__TRY(tm__moe_accumulate(m, st.tokens_per_expert));
+    if (stats) {
+        TM__TRY(pack_stats(m, &st));
+        *stats = st;
     }
-    double mean = 0, mx = 0, mn = INFINITY;
-    for (int64_t e = 0; e < E; e++) {
-        mean += (double)counts[e] / (double)E;
-        mx = fmax(mx, (double)counts[e]);
-        mn = fmin(mn, (double)counts[e]);
-    }
-    /* Only training forwards (grad mode on) feed the expert-bias update: evaluation and
-     * sampling must not move the routing. */
-    if (tm__grad_enabled(ctx)) {
-        int64_t *sum = counts + E;
-        TM__TRY(tm_tensor_read(ctx, m->tpe_sum, TM_I64, sum, E));
-        for (int64_t e = 0; e < E; e++) sum[e] += counts[e];
-        TM__TRY(tm_tensor_write(ctx, m->tpe_sum, TM_I64, sum, E));
-    }
-    st.max_load_ratio = mean > 0 ? mx / mean : 0;
-    st.min_load_ratio = mean > 0 ? mn / mean : 0;
-    TM__TRY(read_scalar(ctx, st.aux_loss, &st.aux_loss_value));
-    TM__TRY(read_scalar(ctx, st.seq_aux_loss, &st.seq_aux_loss_value));
-    TM__TRY(read_scalar(ctx, st.z_loss, &st.z_loss_value));
-    if (stats) *stats = st;
     return TM_OK;
 }
 

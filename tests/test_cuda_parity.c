@@ -453,3 +453,47 @@ Test(cuda_parity, f64_rejected_on_device) {
     cr_assert_null(t);
     tm_ctx_free(ctx);
 }
+
+/* tm_ctx_sync_count: the CPU counts at the points where CUDA waits (tinymoe.h), so the same
+ * sequence of calls counts the same on both devices. Each step's count is compared. */
+static void sync_sequence(tm_ctx *ctx, tm_device dev, uint64_t *deltas) {
+    int64_t ls[2] = {6, 9}, ts[1] = {6};
+    double *hl = host_uniform(54, 12), ht[6] = {1, 8, -1, 0, 3, 5};
+    tm_tensor *l, *t, *tr, *loss, *loss2;
+    TT_OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, ls, dev, TM_F64, hl, &l));
+    TT_OK(ctx, tm_tensor_from_host(ctx, TM_I64, 1, ts, dev, TM_F64, ht, &t));
+    float buf[54];
+    int k = 0;
+    uint64_t before = tm_ctx_sync_count(ctx);
+#define STEP(expr) do { TT_OK(ctx, expr); deltas[k++] = tm_ctx_sync_count(ctx) - before; before = tm_ctx_sync_count(ctx); } while (0)
+    STEP(tm_tensor_read(ctx, l, TM_F32, buf, 54));           /* 1 */
+    STEP(tm_transpose(ctx, l, 0, 1, &tr));                   /* 0: a view */
+    STEP(tm_tensor_read(ctx, tr, TM_F32, buf, 54));          /* 1: a strided read is one copy back */
+    STEP(tm_cross_entropy(ctx, l, t, -1, &loss));            /* 1: the bad-target flag */
+    STEP(tm__cross_entropy_checked(ctx, l, t, -1, &loss2));  /* 0: targets known valid */
+    STEP(tm_backward(ctx, loss));                            /* 0 */
+    STEP(tm_ctx_sync(ctx));                                  /* 1, not one per backend */
+#undef STEP
+    float a, b;
+    TT_OK(ctx, tm_tensor_read(ctx, loss, TM_F32, &a, 1));
+    TT_OK(ctx, tm_tensor_read(ctx, loss2, TM_F32, &b, 1));
+    cr_assert_eq(a, b, "checked and unchecked cross-entropy differ: %.9g vs %.9g", a, b);
+    free(hl);
+}
+
+Test(cuda_parity, sync_count_matches_the_cpu) {
+    SKIP_WITHOUT_CUDA();
+    tm_ctx *cu = cuda_ctx(), *cpu = tt_ctx();
+    uint64_t dc[7], dh[7];
+    const uint64_t want[7] = {1, 0, 1, 1, 0, 0, 1};
+    sync_sequence(cu, tm_cuda(0), dc);
+    sync_sequence(cpu, tm_cpu(), dh);
+    for (int i = 0; i < 7; i++) {
+        cr_assert_eq(dc[i], want[i], "CUDA step %d: %llu synchronisations, want %llu", i, (unsigned long long)dc[i],
+                     (unsigned long long)want[i]);
+        cr_assert_eq(dh[i], want[i], "CPU step %d: %llu synchronisations, want %llu", i, (unsigned long long)dh[i],
+                     (unsigned long long)want[i]);
+    }
+    tm_ctx_free(cu);
+    tm_ctx_free(cpu);
+}

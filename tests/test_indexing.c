@@ -340,3 +340,78 @@ Test(scatter_add, bad_inputs) {
     cr_assert_null(out);
     tm_ctx_free(ctx);
 }
+
+/* ---- index_check -------------------------------------------------------------------------- */
+
+static void check_index_check(tm_dtype it, int64_t hi, int64_t ign, const int64_t *vals, int64_t n,
+                              const int64_t *want_safe, int64_t want_pos, int64_t want_val) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t s[2] = {2, n / 2};
+    tm_tensor *safe, *fb;
+    uint64_t before = tm_ctx_sync_count(ctx);
+    TT_OK(ctx, tm_index_check(ctx, ids_from(ctx, it, 2, s, vals), hi, ign, &safe, &fb));
+    cr_assert_eq(tm_ctx_sync_count(ctx), before, "index_check reads nothing back");
+    cr_assert_eq(tm_tensor_dtype(safe), it);
+    cr_assert_eq(tm_tensor_ndim(safe), 2);
+    cr_assert_eq(tm_tensor_dim(safe, 1), n / 2);
+    cr_assert_eq(tm_tensor_dtype(fb), TM_I64);
+    cr_assert_eq(tm_tensor_numel(fb), 2);
+    int64_t got[64], first[2];
+    TT_OK(ctx, tm_tensor_read(ctx, safe, TM_I64, got, n));
+    for (int64_t i = 0; i < n; i++) cr_assert_eq(got[i], want_safe[i], "safe[%lld] = %lld, want %lld", (long long)i,
+                                                 (long long)got[i], (long long)want_safe[i]);
+    TT_OK(ctx, tm_tensor_read(ctx, fb, TM_I64, first, 2));
+    cr_assert(first[0] == want_pos && first[1] == want_val, "first_bad {%lld, %lld}, want {%lld, %lld}",
+              (long long)first[0], (long long)first[1], (long long)want_pos, (long long)want_val);
+    tm_ctx_free(ctx);
+}
+
+Test(index_check, valid_ids_pass_through) {
+    const int64_t v[6] = {0, 4, 2, 3, 1, 4};
+    check_index_check(TM_I32, 5, 0, v, 6, v, -1, 0);
+    check_index_check(TM_I64, 5, 0, v, 6, v, -1, 0);
+}
+
+Test(index_check, bad_ids_are_replaced_and_the_first_named) {
+    /* tokens: nothing ignored (ignore_index 0 is a valid id), bad ones become 0 */
+    const int64_t tok[8] = {1, 2, 7, 4, -3, 0, 9, 6}, tok_safe[8] = {1, 2, 0, 4, 0, 0, 0, 6};
+    check_index_check(TM_I32, 7, 0, tok, 8, tok_safe, 2, 7);
+    check_index_check(TM_I64, 7, 0, tok, 8, tok_safe, 2, 7);
+    /* targets: -1 is ignored and stays; bad ones become -1 */
+    const int64_t tgt[6] = {-1, 3, 0, -2, 11, 5}, tgt_safe[6] = {-1, 3, 0, -1, -1, 5};
+    check_index_check(TM_I32, 6, -1, tgt, 6, tgt_safe, 3, -2);
+    check_index_check(TM_I64, 6, -1, tgt, 6, tgt_safe, 3, -2);
+}
+
+Test(index_check, large_parallel_first_is_lowest) {
+    tm_ctx *ctx = tt_ctx();
+    enum { N = 1 << 17 };
+    int64_t *v = malloc(sizeof(int64_t) * N), s[1] = {N}, fb[2];
+    for (int64_t i = 0; i < N; i++) v[i] = i % 100;
+    v[N - 5] = 100;
+    v[70001] = -7;
+    v[90000] = 1000;
+    tm_tensor *safe, *first;
+    TT_OK(ctx, tm_index_check(ctx, ids_from(ctx, TM_I64, 1, s, v), 100, 0, &safe, &first));
+    TT_OK(ctx, tm_tensor_read(ctx, first, TM_I64, fb, 2));
+    cr_assert(fb[0] == 70001 && fb[1] == -7, "first_bad {%lld, %lld}", (long long)fb[0], (long long)fb[1]);
+    free(v);
+    tm_ctx_free(ctx);
+}
+
+Test(index_check, bad_inputs) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t s[1] = {3};
+    const int64_t v[3] = {0, 1, 2};
+    const double f[3] = {0, 1, 2};
+    tm_tensor *i32 = ids_from(ctx, TM_I32, 1, s, v), *safe, *fb;
+    assert_err(ctx, tm_index_check(ctx, tt_from(ctx, TM_F32, 1, s, f), 3, 0, &safe, &fb), TM_ERR_DTYPE, "index_check",
+               "f32[3]", NULL);
+    assert_err(ctx, tm_index_check(ctx, i32, -1, 0, &safe, &fb), TM_ERR_INVALID_ARG, "index_check", "hi = -1", NULL);
+    assert_err(ctx, tm_index_check(ctx, i32, 3, (int64_t)1 << 40, &safe, &fb), TM_ERR_INVALID_ARG, "index_check",
+               "ignore_index", "i32[3]");
+    assert_err(ctx, tm_index_check(ctx, i32, 3, 0, NULL, &fb), TM_ERR_INVALID_ARG, "index_check", "safe", NULL);
+    assert_err(ctx, tm_index_check(ctx, i32, 3, 0, &safe, NULL), TM_ERR_INVALID_ARG, "index_check", "first_bad", NULL);
+    cr_assert_eq(tm_index_check(NULL, i32, 3, 0, &safe, &fb), TM_ERR_INVALID_ARG);
+    tm_ctx_free(ctx);
+}

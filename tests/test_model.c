@@ -587,6 +587,10 @@ Test(model, bad_tokens_and_targets_are_named) {
     free(sum);
     tgt[3] = 3;
     TT_OK(ctx, tm_model_forward(m, ids(ctx, tok, B, T), ids(ctx, tgt, B, T), &o));
+    /* A valid batch is counted, once, after its check. */
+    sum = tt_read(ctx, tm_ctx_find(ctx, "layers.0.moe.tokens_per_expert_sum"));
+    for (int e = 0; e < 4; e++) cr_assert_eq(sum[e], (double)o.tokens_per_expert[e], "expert %d", e);
+    free(sum);
 
     /* Sequence longer than max_seq_len = 16. */
     int32_t longer[17] = {0};

@@ -144,10 +144,19 @@ static void check_drop(tm_dtype dt, double cf, tm_drop_policy policy, const doub
     tm_ctx *ctx = tt_ctx();
     int64_t s[2] = {6, 3};
     tm_tensor *map = tt_from(ctx, TM_U8, 2, s, EX_MAP), *probs = tt_from(ctx, dt, 2, s, EX_PROBS);
-    tm_tensor *pk, *mk;
     int64_t cap = tm_moe_capacity(6, 2, 3, cf), dropped = -1;
-    TT_OK(ctx, tm_moe_drop_tokens(ctx, probs, map, cap, policy, &pk, &mk, &dropped));
+    tm_moe_drop_out d;
+    TT_OK(ctx, tm_moe_drop_tokens(ctx, probs, map, cap, policy, &d));
+    tm_tensor *pk = d.probs_kept, *mk = d.map_kept;
+    cr_assert_eq(tm_tensor_dtype(d.dropped), TM_I64);
+    cr_assert_eq(tm_tensor_ndim(d.dropped), 0);
+    TT_OK(ctx, tm_tensor_read(ctx, d.dropped, TM_I64, &dropped, 1));
     cr_assert_eq(dropped, want_dropped, "dropped %lld, want %lld", (long long)dropped, (long long)want_dropped);
+    /* Kept counts: the column sums of the kept map. */
+    int64_t kept[3] = {0, 0, 0};
+    for (int i = 0; i < 18; i++) kept[i % 3] += want_map[i] != 0;
+    assert_exact_i64(ctx, d.tokens_per_expert, kept, 3, "tokens_per_expert");
+    cr_assert_eq(kept[0] + kept[1] + kept[2] + dropped, 12, "kept + dropped = routed");
     cr_assert_eq(tm_tensor_dtype(mk), TM_U8);
     cr_assert_eq(tm_tensor_dtype(pk), dt);
     assert_exact(ctx, mk, want_map, 18, "map_kept");
@@ -184,13 +193,17 @@ Test(moe_dispatch, drop_nothing) {
 Test(moe_dispatch, drop_capacity_zero) {
     tm_ctx *ctx = tt_ctx();
     int64_t s[2] = {6, 3};
-    tm_tensor *map = tt_from(ctx, TM_U8, 2, s, EX_MAP), *probs = tt_from(ctx, TM_F64, 2, s, EX_PROBS), *pk, *mk;
+    tm_tensor *map = tt_from(ctx, TM_U8, 2, s, EX_MAP), *probs = tt_from(ctx, TM_F64, 2, s, EX_PROBS);
     int64_t dropped = -1;
-    TT_OK(ctx, tm_moe_drop_tokens(ctx, probs, map, 0, TM_DROP_PROBS, &pk, &mk, &dropped));
+    tm_moe_drop_out d;
+    TT_OK(ctx, tm_moe_drop_tokens(ctx, probs, map, 0, TM_DROP_PROBS, &d));
+    TT_OK(ctx, tm_tensor_read(ctx, d.dropped, TM_I64, &dropped, 1));
     cr_assert_eq(dropped, 12);
     double zeros[18] = {0};
-    assert_exact(ctx, mk, zeros, 18, "map_kept");
-    assert_exact(ctx, pk, zeros, 18, "probs_kept");
+    const int64_t none[3] = {0, 0, 0};
+    assert_exact(ctx, d.map_kept, zeros, 18, "map_kept");
+    assert_exact(ctx, d.probs_kept, zeros, 18, "probs_kept");
+    assert_exact_i64(ctx, d.tokens_per_expert, none, 3, "tokens_per_expert");
     tm_ctx_free(ctx);
 }
 
@@ -198,12 +211,13 @@ Test(moe_dispatch, drop_capacity_zero) {
 Test(moe_dispatch, pad_to_capacity) {
     tm_ctx *ctx = tt_ctx();
     int64_t s[2] = {6, 3}, xs[2] = {6, 5};
-    tm_tensor *map = tt_from(ctx, TM_U8, 2, s, EX_MAP), *probs = tt_from(ctx, TM_F64, 2, s, EX_PROBS), *pk, *mk;
+    tm_tensor *map = tt_from(ctx, TM_U8, 2, s, EX_MAP), *probs = tt_from(ctx, TM_F64, 2, s, EX_PROBS);
     tm_tensor *x = tt_randn(ctx, TM_F64, 2, xs, 5);
-    int64_t cap = tm_moe_capacity(6, 2, 3, 0.75), dropped;
-    TT_OK(ctx, tm_moe_drop_tokens(ctx, probs, map, cap, TM_DROP_PROBS, &pk, &mk, &dropped));
+    int64_t cap = tm_moe_capacity(6, 2, 3, 0.75);
+    tm_moe_drop_out dr;
+    TT_OK(ctx, tm_moe_drop_tokens(ctx, probs, map, cap, TM_DROP_PROBS, &dr));
     tm_moe_dispatch d;
-    TT_OK(ctx, tm_moe_permute(ctx, x, mk, pk, 1, cap, &d));
+    TT_OK(ctx, tm_moe_permute(ctx, x, dr.map_kept, dr.probs_kept, 1, cap, &d));
     cr_assert_eq(d.num_rows, 9);
     const int64_t tpe[3] = {3, 3, 3}, rt[9] = {0, 2, 4, 0, 2, 5, 1, 3, 4};
     assert_exact_i64(ctx, d.tokens_per_expert, tpe, 3, "tokens_per_expert");
@@ -213,8 +227,8 @@ Test(moe_dispatch, pad_to_capacity) {
 
     /* Capacity 4 (factor 1): expert 2 has 3 tokens and one zero row at the end of its block. */
     cap = tm_moe_capacity(6, 2, 3, 1.0);
-    TT_OK(ctx, tm_moe_drop_tokens(ctx, probs, map, cap, TM_DROP_POSITION, &pk, &mk, &dropped));
-    TT_OK(ctx, tm_moe_permute(ctx, x, mk, pk, 16, cap, &d)); /* pad_to wins over align_size */
+    TT_OK(ctx, tm_moe_drop_tokens(ctx, probs, map, cap, TM_DROP_POSITION, &dr));
+    TT_OK(ctx, tm_moe_permute(ctx, x, dr.map_kept, dr.probs_kept, 16, cap, &d)); /* pad_to wins over align_size */
     cr_assert_eq(d.num_rows, 12);
     const int64_t tpe4[3] = {4, 4, 4}, rt4[12] = {0, 1, 2, 4, 0, 2, 3, 5, 1, 3, 4, -1};
     assert_exact_i64(ctx, d.tokens_per_expert, tpe4, 3, "tokens_per_expert");
@@ -447,8 +461,10 @@ typedef struct drop_args {
 
 static tm_status drop_fn(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
     const drop_args *a = user;
-    tm_tensor *mk;
-    return tm_moe_drop_tokens(ctx, in[0], in[1], a->capacity, a->policy, out, &mk, NULL);
+    tm_moe_drop_out d;
+    tm_status s = tm_moe_drop_tokens(ctx, in[0], in[1], a->capacity, a->policy, &d);
+    if (s == TM_OK) *out = d.probs_kept;
+    return s;
 }
 
 static double drop_gradcase(tm_ctx *ctx, tm_drop_policy policy) {
@@ -578,18 +594,19 @@ Test(moe_dispatch, bad_permute) {
 Test(moe_dispatch, bad_drop_tokens) {
     tm_ctx *ctx = tt_ctx();
     int64_t ms[2] = {6, 3}, m2[2] = {6, 2};
-    tm_tensor *map = tt_from(ctx, TM_U8, 2, ms, EX_MAP), *probs = tt_from(ctx, TM_F32, 2, ms, EX_PROBS), *pk, *mk;
-    int64_t dropped;
-    assert_err(ctx, tm_moe_drop_tokens(ctx, probs, map, -1, TM_DROP_PROBS, &pk, &mk, &dropped), TM_ERR_INVALID_ARG,
+    tm_tensor *map = tt_from(ctx, TM_U8, 2, ms, EX_MAP), *probs = tt_from(ctx, TM_F32, 2, ms, EX_PROBS);
+    tm_moe_drop_out d;
+    assert_err(ctx, tm_moe_drop_tokens(ctx, probs, map, -1, TM_DROP_PROBS, &d), TM_ERR_INVALID_ARG,
                "moe_drop_tokens", "capacity = -1", NULL);
-    assert_err(ctx, tm_moe_drop_tokens(ctx, probs, map, 2, (tm_drop_policy)7, &pk, &mk, &dropped), TM_ERR_INVALID_ARG,
+    cr_assert(!d.probs_kept && !d.map_kept && !d.tokens_per_expert && !d.dropped, "outputs left set on failure");
+    assert_err(ctx, tm_moe_drop_tokens(ctx, probs, map, 2, (tm_drop_policy)7, &d), TM_ERR_INVALID_ARG,
                "moe_drop_tokens", "policy = 7", NULL);
-    assert_err(ctx, tm_moe_drop_tokens(ctx, probs, tt_from(ctx, TM_U8, 2, m2, EX_MAP), 2, TM_DROP_PROBS, &pk, &mk, &dropped),
+    assert_err(ctx, tm_moe_drop_tokens(ctx, probs, tt_from(ctx, TM_U8, 2, m2, EX_MAP), 2, TM_DROP_PROBS, &d),
                TM_ERR_SHAPE, "moe_drop_tokens", "u8[6,2]", "f32[6,3]");
-    assert_err(ctx, tm_moe_drop_tokens(ctx, map, map, 2, TM_DROP_PROBS, &pk, &mk, &dropped), TM_ERR_DTYPE,
+    assert_err(ctx, tm_moe_drop_tokens(ctx, map, map, 2, TM_DROP_PROBS, &d), TM_ERR_DTYPE,
                "moe_drop_tokens", "probs", "u8[6,3]");
-    assert_err(ctx, tm_moe_drop_tokens(ctx, probs, map, 2, TM_DROP_PROBS, NULL, &mk, &dropped), TM_ERR_INVALID_ARG,
-               "moe_drop_tokens", "probs_kept", NULL);
+    assert_err(ctx, tm_moe_drop_tokens(ctx, probs, map, 2, TM_DROP_PROBS, NULL), TM_ERR_INVALID_ARG,
+               "moe_drop_tokens", "out", NULL);
     tm_ctx_free(ctx);
 }
 
@@ -612,5 +629,32 @@ Test(moe_dispatch, bad_unpermute) {
     assert_err(ctx, tm_moe_unpermute(ctx, eo, p, eo, 5, &y), TM_ERR_DTYPE, "moe_unpermute", "row_token", "f32[4,3]");
     assert_err(ctx, tm_moe_unpermute(ctx, eo, p, ok, -1, &y), TM_ERR_INVALID_ARG, "moe_unpermute", "num_tokens = -1", NULL);
     TT_OK(ctx, tm_moe_unpermute(ctx, eo, p, ok, 3, &y));
+    tm_ctx_free(ctx);
+}
+
+/* ---- tm_moe_accumulate_counts ------------------------------------------------------------ */
+
+Test(moe_accumulate_counts, adds_in_place_and_reads_nothing_back) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t E = 4, two = 2;
+    tm_tensor *sum;
+    TT_OK(ctx, tm_buffer_new(ctx, "sum", TM_I64, 1, &E, tm_cpu(), &sum));
+    const int64_t a[4] = {3, 0, 5, 1}, b[4] = {1, 2, 0, 7}, ab[4] = {4, 2, 5, 8};
+    tm_tensor *ta, *tb;
+    TT_OK(ctx, tm_tensor_from_host(ctx, TM_I64, 1, &E, tm_cpu(), TM_I64, a, &ta));
+    TT_OK(ctx, tm_tensor_from_host(ctx, TM_I64, 1, &E, tm_cpu(), TM_I64, b, &tb));
+    uint64_t before = tm_ctx_sync_count(ctx);
+    TT_OK(ctx, tm_moe_accumulate_counts(ctx, sum, ta));
+    TT_OK(ctx, tm_moe_accumulate_counts(ctx, sum, tb));
+    cr_assert_eq(tm_ctx_sync_count(ctx), before);
+    assert_exact_i64(ctx, sum, ab, 4, "sum");
+    /* Wrong dtype, shape, a NULL. */
+    tm_tensor *i32, *e3;
+    TT_OK(ctx, tm_tensor_from_host(ctx, TM_I32, 1, &E, tm_cpu(), TM_I64, a, &i32));
+    TT_OK(ctx, tm_tensor_from_host(ctx, TM_I64, 1, &two, tm_cpu(), TM_I64, a, &e3));
+    assert_err(ctx, tm_moe_accumulate_counts(ctx, sum, i32), TM_ERR_DTYPE, "moe_accumulate_counts", "i32[4]", NULL);
+    assert_err(ctx, tm_moe_accumulate_counts(ctx, sum, e3), TM_ERR_SHAPE, "moe_accumulate_counts", "i64[2]", "i64[4]");
+    assert_err(ctx, tm_moe_accumulate_counts(ctx, sum, NULL), TM_ERR_INVALID_ARG, "moe_accumulate_counts", NULL, NULL);
+    assert_exact_i64(ctx, sum, ab, 4, "sum after refused calls");
     tm_ctx_free(ctx);
 }

@@ -27,6 +27,8 @@ static void grouped_vs_dense(tm_moe_config cfg, tm_dtype dt, int64_t T, double r
     tm_moe_stats sa, sb;
     TT_OK(a, tm_moe_forward(ma, xa, 2, &ya, &sa));
     TT_OK(b, tm_moe_forward(mb, xb, 2, &yb, &sb));
+    TT_OK(a, tm_moe_stats_read(ma, &sa));
+    TT_OK(b, tm_moe_stats_read(mb, &sb));
     cr_assert_eq(tm_tensor_ndim(ya), 3);
     double *va = tt_read(a, ya), *vb = tt_read(b, yb);
     int64_t n = tm_tensor_numel(ya);
@@ -180,6 +182,7 @@ Test(moe_layer, aux_loss_uses_routed_counts_under_groups) {
     tm_tensor *x = tt_randn(ctx, TM_F64, 2, xs, 17), *y, *logits;
     tm_moe_stats st;
     TT_OK(ctx, tm_moe_forward(m, x, 1, &y, &st));
+    TT_OK(ctx, tm_moe_stats_read(m, &st));
     TT_OK(ctx, tm_matmul(ctx, x, tm_moe_tensor(m, "gate.weight"), 0, 0, &logits));
     double *l = tt_read(ctx, logits);
     int64_t routed[8];
@@ -228,6 +231,7 @@ Test(moe_layer, clean_counts_option_matches_megatron) {
     tm_tensor *x = tt_randn(ctx, TM_F64, 2, xs, 17), *y, *logits, *scores;
     tm_moe_stats st;
     TT_OK(ctx, tm_moe_forward(m, x, 1, &y, &st));
+    TT_OK(ctx, tm_moe_stats_read(m, &st));
     /* Reference: the same loss through the public pieces with a plain top-k router. */
     TT_OK(ctx, tm_matmul(ctx, x, tm_moe_tensor(m, "gate.weight"), 0, 0, &logits));
     tm_router_config plain = c.router;
@@ -256,6 +260,7 @@ Test(moe_layer, stats_capacity_and_bias_step) {
     tm_tensor *x = tt_randn(ctx, TM_F32, 2, xs, 3), *y;
     tm_moe_stats st;
     TT_OK(ctx, tm_moe_forward(m, x, 1, &y, &st));
+    TT_OK(ctx, tm_moe_stats_read(m, &st));
     int64_t cap = tm_moe_capacity(T, 2, 4, 0.5), counts[4], sum = 0;
     TT_OK(ctx, tm_tensor_read(ctx, st.tokens_per_expert, TM_I64, counts, 4));
     for (int e = 0; e < 4; e++) {
@@ -279,6 +284,118 @@ Test(moe_layer, stats_capacity_and_bias_step) {
     int64_t zero[4];
     TT_OK(ctx, tm_tensor_read(ctx, tm_moe_tensor(m, "tokens_per_expert_sum"), TM_I64, zero, 4));
     for (int e = 0; e < 4; e++) cr_assert_eq(zero[e], 0, "running count cleared by the step");
+    tm_moe_free(m);
+    tm_ctx_free(ctx);
+}
+
+/* The statistics stay on the device until tm_moe_stats_read brings them back, in one read:
+ * the same values as reading each tensor on its own. f32 and f64 blocks (the loss slots hold
+ * the gate dtype's bits). */
+static void check_stats_read(tm_dtype dt) {
+    tm_ctx *ctx = tt_ctx();
+    tm_moe_config c = small_cfg(4, 2);
+    c.capacity_factor = 0.5;
+    c.aux_loss_coeff = 0.3;
+    c.seq_aux_loss_coeff = 0.2;
+    c.z_loss_coeff = 0.1;
+    tm_moe *m = make_moe(ctx, &c, dt);
+    int64_t T = 32, xs[2] = {T, c.hidden_size};
+    tm_tensor *y;
+    tm_moe_stats st;
+    TT_OK(ctx, tm_moe_forward(m, tt_randn(ctx, dt, 2, xs, 8), 2, &y, &st));
+    cr_assert(st.dropped_tokens == 0 && st.max_load_ratio == 0 && st.aux_loss_value == 0 && st.z_loss_value == 0,
+              "host fields are filled by tm_moe_stats_read only");
+    cr_assert_not_null(st.packed);
+    cr_assert_eq(tm_tensor_dtype(st.packed), TM_I64);
+    cr_assert_eq(tm_tensor_numel(st.packed), 4 + 4);
+    uint64_t before = tm_ctx_sync_count(ctx);
+    TT_OK(ctx, tm_moe_stats_read(m, &st));
+    cr_assert_eq(tm_ctx_sync_count(ctx) - before, 1, "one read");
+    int64_t counts[4], dropped;
+    double aux, seq, z, mean = 0, mx = 0, mn = INFINITY;
+    TT_OK(ctx, tm_tensor_read(ctx, st.tokens_per_expert, TM_I64, counts, 4));
+    TT_OK(ctx, tm_tensor_read(ctx, st.dropped, TM_I64, &dropped, 1));
+    TT_OK(ctx, tm_tensor_read(ctx, st.aux_loss, TM_F64, &aux, 1));
+    TT_OK(ctx, tm_tensor_read(ctx, st.seq_aux_loss, TM_F64, &seq, 1));
+    TT_OK(ctx, tm_tensor_read(ctx, st.z_loss, TM_F64, &z, 1));
+    for (int e = 0; e < 4; e++) {
+        mean += (double)counts[e] / 4;
+        mx = fmax(mx, (double)counts[e]);
+        mn = fmin(mn, (double)counts[e]);
+    }
+    cr_assert_gt(dropped, 0);
+    cr_assert_eq(st.dropped_tokens, dropped);
+    cr_assert_eq(st.aux_loss_value, aux);
+    cr_assert_eq(st.seq_aux_loss_value, seq);
+    cr_assert_eq(st.z_loss_value, z);
+    cr_assert(aux > 0 && seq > 0 && z > 0);
+    cr_assert_eq(st.max_load_ratio, mx / mean);
+    cr_assert_eq(st.min_load_ratio, mn / mean);
+    /* Off losses read as 0; a dropless block has no dropped tensor. */
+    c.capacity_factor = 0;
+    c.seq_aux_loss_coeff = 0;
+    tm_moe *m2 = NULL;
+    TT_OK(ctx, tm_moe_new(ctx, "blk2", &c, dt, tm_cpu(), &m2));
+    TT_OK(ctx, tm_moe_init(m2, 1, 0.4, 0.3));
+    tm_moe_stats s2;
+    TT_OK(ctx, tm_moe_forward(m2, tt_randn(ctx, dt, 2, xs, 9), 1, &y, &s2));
+    cr_assert_null(s2.dropped);
+    cr_assert_null(s2.seq_aux_loss);
+    TT_OK(ctx, tm_moe_stats_read(m2, &s2));
+    cr_assert_eq(s2.dropped_tokens, 0);
+    cr_assert_eq(s2.seq_aux_loss_value, 0);
+    cr_assert_gt(s2.aux_loss_value, 0);
+    tm_moe_free(m2);
+    tm_moe_free(m);
+    tm_ctx_free(ctx);
+}
+
+Test(moe_layer, stats_read_f32) { check_stats_read(TM_F32); }
+Test(moe_layer, stats_read_f64) { check_stats_read(TM_F64); }
+
+Test(moe_layer, stats_read_bad_arguments) {
+    tm_ctx *ctx = tt_ctx();
+    tm_moe_config c = small_cfg(4, 2);
+    tm_moe *m = make_moe(ctx, &c, TM_F32), *m8 = NULL;
+    tm_moe_config c8 = small_cfg(8, 2);
+    TT_OK(ctx, tm_moe_new(ctx, "blk8", &c8, TM_F32, tm_cpu(), &m8));
+    int64_t xs[2] = {6, c.hidden_size};
+    tm_tensor *y;
+    tm_moe_stats st, none;
+    memset(&none, 0, sizeof none);
+    TT_OK(ctx, tm_moe_forward(m, tt_randn(ctx, TM_F32, 2, xs, 1), 1, &y, &st));
+    cr_assert_eq(tm_moe_stats_read(m, NULL), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "stats is NULL"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_eq(tm_moe_stats_read(m, &none), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "packed is NULL"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_eq(tm_moe_stats_read(m8, &st), TM_ERR_INVALID_ARG, "another block's statistics");
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "i64[8]") && strstr(tm_ctx_errmsg(ctx), "E = 8"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_eq(tm_moe_stats_read(NULL, &st), TM_ERR_INVALID_ARG);
+    tm_moe_free(m8);
+    tm_moe_free(m);
+    tm_ctx_free(ctx);
+}
+
+/* An f64 block keeps expert_bias in f64 (its gate dtype); tm_moe_step updates it there. */
+Test(moe_layer, f64_block_bias_step) {
+    tm_ctx *ctx = tt_ctx();
+    tm_moe_config c = small_cfg(4, 2);
+    c.use_expert_bias = 1;
+    c.expert_bias_update_rate = 0.01;
+    tm_moe *m = make_moe(ctx, &c, TM_F64);
+    cr_assert_eq(tm_tensor_dtype(tm_moe_tensor(m, "expert_bias")), TM_F64);
+    int64_t T = 30, xs[2] = {T, c.hidden_size}, counts[4];
+    tm_tensor *y;
+    tm_moe_stats st;
+    TT_OK(ctx, tm_moe_forward(m, tt_randn(ctx, TM_F64, 2, xs, 4), 1, &y, &st));
+    TT_OK(ctx, tm_tensor_read(ctx, st.tokens_per_expert, TM_I64, counts, 4));
+    TT_OK(ctx, tm_moe_step(m));
+    double bias[4], mean = (double)T * 2 / 4;
+    TT_OK(ctx, tm_tensor_read(ctx, tm_moe_tensor(m, "expert_bias"), TM_F64, bias, 4));
+    for (int e = 0; e < 4; e++) {
+        double d = mean - (double)counts[e];
+        cr_assert_eq(bias[e], d > 0 ? 0.01 : d < 0 ? -0.01 : 0.0, "bias[%d] = %.17g", e, bias[e]);
+    }
     tm_moe_free(m);
     tm_ctx_free(ctx);
 }

@@ -446,6 +446,21 @@ Test(moe_expert_bias_update, hand_case) {
     tm_ctx_free(ctx);
 }
 
+/* An f64 block keeps its bias in f64 (the gate dtype): updated in f64, no rounding to f32. */
+Test(moe_expert_bias_update, f64_bias) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t E = 4;
+    double cv[4] = {5, 1, 3, 3}, b0[4] = {0.1, -0.2, 0.3, 1e-9}, sign[4] = {-1, 1, 0, 0};
+    tm_tensor *bias;
+    TT_OK(ctx, tm_buffer_new(ctx, "moe.expert_bias", TM_F64, 1, &E, tm_cpu(), &bias));
+    TT_OK(ctx, tm_tensor_write(ctx, bias, TM_F64, b0, 4));
+    TT_OK(ctx, tm_moe_expert_bias_update(ctx, bias, tt_from(ctx, TM_I64, 1, &E, cv), 1e-3));
+    double *got = tt_read(ctx, bias);
+    for (int e = 0; e < 4; e++) cr_assert_eq(got[e], b0[e] + 1e-3 * sign[e], "bias[%d] = %.17g", e, got[e]);
+    free(got);
+    tm_ctx_free(ctx);
+}
+
 Test(moe_expert_bias_update, balanced_is_unchanged) {
     /* Equal counts (and a mean that is not an integer elsewhere) leave no sign(0) rounding slip. */
     tm_ctx *ctx = tt_ctx();

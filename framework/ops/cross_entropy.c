@@ -21,12 +21,23 @@ tm_status tm__cross_entropy_check(tm__call *c) {
     return tm__out_new(c, 0, logits->dtype, 0, logits->shape);
 }
 
-tm_status tm_cross_entropy(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
-                           tm_tensor **out) {
+static tm_status cross_entropy(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
+                               int checked, tm_tensor **out) {
     tm__call c = tm__call_init(ctx, TM__OP_CROSS_ENTROPY);
     c.n_in = 2;
     c.in[0] = logits;
     c.in[1] = targets;
     c.iattr[0] = ignore_index;
+    c.iattr[1] = checked;
     return tm__op_run1(&c, out);
+}
+
+tm_status tm_cross_entropy(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
+                           tm_tensor **out) {
+    return cross_entropy(ctx, logits, targets, ignore_index, 0, out);
+}
+
+tm_status tm__cross_entropy_checked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
+                                    tm_tensor **out) {
+    return cross_entropy(ctx, logits, targets, ignore_index, 1, out);
 }

@@ -1,6 +1,7 @@
 /*
  * indexing.c — row and element lookups by integer index: tm_embedding, tm_index_select,
- * tm_gather, tm_scatter_add. Public entry points and checks; kernels in kernels/cpu/indexing.c.
+ * tm_gather, tm_scatter_add; and tm_index_check, which validates indices on their device.
+ * Public entry points and checks; kernels in kernels/cpu/indexing.c.
  * Index values are range-checked by the forward kernels, which is where the index data is
  * readable (on the host for the CPU backend); checks here cover dtypes and shapes only.
  */
@@ -81,4 +82,37 @@ tm_status tm_gather(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out) 
 
 tm_status tm_scatter_add(tm_ctx *ctx, tm_tensor *src, tm_tensor *idx, int64_t n_rows, tm_tensor **out) {
     return run2(ctx, TM__OP_SCATTER_ADD, src, idx, n_rows, out);
+}
+
+/* ids i32/i64 of any shape; iattr[0] hi >= 0, iattr[1] ignore_index. out[0] ids' dtype and
+ * shape, out[1] i64 [2]. */
+tm_status tm__index_check_check(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    const tm_tensor *ids = c->in[0];
+    TM__TRY(tm__check_index(c, 0));
+    if (c->iattr[0] < 0)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "index_check: hi = %lld must be >= 0 (ids %s)", (long long)c->iattr[0],
+                       tm__tdesc(ctx, ids));
+    if (ids->dtype == TM_I32 && (c->iattr[1] < INT32_MIN || c->iattr[1] > INT32_MAX))
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "index_check: ignore_index = %lld does not fit the i32 ids %s",
+                       (long long)c->iattr[1], tm__tdesc(ctx, ids));
+    int64_t two[1] = {2};
+    TM__TRY(tm__out_new(c, 0, ids->dtype, ids->ndim, ids->shape));
+    return tm__out_new(c, 1, TM_I64, 1, two);
+}
+
+tm_status tm_index_check(tm_ctx *ctx, tm_tensor *ids, int64_t hi, int64_t ignore_index, tm_tensor **safe,
+                         tm_tensor **first_bad) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!safe || !first_bad)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "index_check: %s is NULL", safe ? "first_bad" : "safe");
+    tm__call c = tm__call_init(ctx, TM__OP_INDEX_CHECK);
+    c.n_in = 1;
+    c.in[0] = ids;
+    c.iattr[0] = hi;
+    c.iattr[1] = ignore_index;
+    TM__TRY(tm__op_run(&c));
+    *safe = c.out[0];
+    *first_bad = c.out[1];
+    return TM_OK;
 }

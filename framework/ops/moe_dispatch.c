@@ -54,14 +54,15 @@ tm_status tm__moe_drop_tokens_check(tm__call *c) {
     const tm_tensor *p = c->in[0];
     TM__TRY(tm__out_new(c, 0, p->dtype, 2, p->shape));
     TM__TRY(tm__out_new(c, 1, TM_U8, 2, p->shape));
-    return tm__out_new(c, 2, TM_I64, 0, NULL);
+    TM__TRY(tm__out_new(c, 2, TM_I64, 0, NULL));
+    return tm__out_new(c, 3, TM_I64, 1, &p->shape[1]);
 }
 
 tm_status tm_moe_drop_tokens(tm_ctx *ctx, tm_tensor *probs, tm_tensor *routing_map, int64_t capacity,
-                             tm_drop_policy policy, tm_tensor **probs_kept, tm_tensor **map_kept, int64_t *dropped) {
+                             tm_drop_policy policy, tm_moe_drop_out *out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
-    if (!probs_kept || !map_kept)
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_drop_tokens: %s is NULL", probs_kept ? "map_kept" : "probs_kept");
+    if (!out) return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_drop_tokens: out is NULL");
+    memset(out, 0, sizeof *out);
     tm__call c = tm__call_init(ctx, TM__OP_MOE_DROP_TOKENS);
     c.n_in = 2;
     c.in[0] = probs;
@@ -69,9 +70,10 @@ tm_status tm_moe_drop_tokens(tm_ctx *ctx, tm_tensor *probs, tm_tensor *routing_m
     c.iattr[0] = capacity;
     c.iattr[1] = (int64_t)policy;
     TM__TRY(tm__op_run(&c));
-    *probs_kept = c.out[0];
-    *map_kept = c.out[1];
-    if (dropped) TM__TRY(tm_tensor_read(ctx, c.out[2], TM_I64, dropped, 1));
+    out->probs_kept = c.out[0];
+    out->map_kept = c.out[1];
+    out->dropped = c.out[2];
+    out->tokens_per_expert = c.out[3];
     return TM_OK;
 }
 

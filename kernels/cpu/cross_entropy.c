@@ -8,6 +8,8 @@
  *   in[0]     logits   (N, V)
  *   in[1]     targets  (N)     i32 or i64
  *   iattr[0]  ignore_index
+ *   iattr[1]  1: the targets are known to be valid (tm__cross_entropy_checked): the CUDA
+ *             forward skips reading its error flag back
  *   out[0]    loss     ()      mean over valid rows of lse[n] - logits[n, targets[n]]; 0 if none
  *   saved[0]  lse      (N)     logsumexp of each row; f32 for f32/bf16 logits, f64 for f64;
  *                              unspecified for ignored rows (the CPU writes 0)
@@ -17,7 +19,9 @@
  *
  * Targets are checked before anything is written: the first one outside [0, V) that is not
  * ignore_index fails the op with TM_ERR_INDEX (the message describes the caller's tensors,
- * c->src, not the f32 staging copies of bf16 ones). The loss is summed in f64 in row order, so it
+ * c->src, not the f32 staging copies of bf16 ones). The CUDA forward finds a bad target on the
+ * device and reads a flag back, one synchronisation; the CPU forward counts one at the same
+ * point (tm_ctx_sync_count), except where iattr[1] says the targets were checked already. The loss is summed in f64 in row order, so it
  * does not depend on the thread count.
  */
 #include <math.h>
@@ -73,6 +77,7 @@ tm_status tm__cross_entropy_forward_cpu(tm__call *c) {
     int64_t N = logits->shape[0], V = logits->shape[1], ign = c->iattr[0];
     if (logits->dtype != TM_F32 && logits->dtype != TM_F64)
         return tm__err(ctx, TM_ERR_INTERNAL, "cross_entropy: CPU kernel got logits %s", tm__tdesc(ctx, logits));
+    if (N > 0 && !c->iattr[1]) tm__count_sync(ctx); /* the CUDA forward's error-flag read */
 
     int64_t n_valid = 0;
     for (int64_t n = 0; n < N; n++) {

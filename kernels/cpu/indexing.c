@@ -7,7 +7,14 @@
  *   scatter_add   src (M, C), idx (M)        -> out (n_rows, C) out[idx[m]] += src[m]
  * No saved tensors: every backward reads the index input and the upstream gradient.
  *
- * Every forward checks all indices before it writes anything; the first one out of range
+ *   index_check   ids (S...), iattr[0] hi, iattr[1] ignore_index
+ *                 -> out[0] safe (S...) ids' dtype: ids[s] where valid, ignore_index elsewhere
+ *                    out[1] first_bad (2) i64: {s, ids[s]} of the lowest flat s whose id is
+ *                    outside [0, hi) and not ignore_index; {-1, 0} when there is none
+ *                 Not differentiable; reports nothing itself (no error for a bad id): the
+ *                 caller reads first_bad back when it reads its other results.
+ *
+ * Every forward but index_check's checks all indices before it writes anything; the first one out of range
  * (lowest flat position) fails the op with TM_ERR_INDEX, naming its position and value.
  *
  * Row scatter-adds (the backward of embedding and index_select, the forward of scatter_add)
@@ -221,5 +228,35 @@ tm_status tm__scatter_add_backward_cpu(tm__call *c) {
         gather_rows_add_f64(tm__data(dsrc), tm__data(c->gout[0]), idx, M, C, nth);
     else
         gather_rows_add_f32(tm__data(dsrc), tm__data(c->gout[0]), idx, M, C, nth);
+    return TM_OK;
+}
+
+tm_status tm__index_check_forward_cpu(tm__call *c) {
+    const tm_tensor *ids = c->in[0];
+    const int64_t n = tm__numel(ids), hi = c->iattr[0], ign = c->iattr[1];
+    int64_t first = n;
+    const int nth = tm__nthreads(c->ctx);
+    if (ids->dtype == TM_I32) {
+        const int32_t *v = tm__data(ids);
+        int32_t *o = tm__data(c->out[0]);
+#pragma omp parallel for num_threads(nth) if (n >= PAR_MIN) reduction(min : first) schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            int ok = (v[i] >= 0 && v[i] < hi) || v[i] == ign;
+            o[i] = ok ? v[i] : (int32_t)ign;
+            if (!ok && i < first) first = i;
+        }
+    } else {
+        const int64_t *v = tm__data(ids);
+        int64_t *o = tm__data(c->out[0]);
+#pragma omp parallel for num_threads(nth) if (n >= PAR_MIN) reduction(min : first) schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            int ok = (v[i] >= 0 && v[i] < hi) || v[i] == ign;
+            o[i] = ok ? v[i] : ign;
+            if (!ok && i < first) first = i;
+        }
+    }
+    int64_t *fb = tm__data(c->out[1]);
+    fb[0] = first < n ? first : -1;
+    fb[1] = first < n ? tm__idx(ids, first) : 0;
     return TM_OK;
 }

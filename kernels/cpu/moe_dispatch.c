@@ -10,6 +10,7 @@
  *   out[0] probs_kept   (T, E) probs' dtype: probs where kept, 0 elsewhere
  *   out[1] map_kept     (T, E) u8 0/1
  *   out[2] dropped      ()     i64: routed pairs removed
+ *   out[3] tokens_per_expert (E) i64: routed pairs kept per expert (column sums of map_kept)
  *   Per expert, at most `capacity` routed tokens survive: TM_DROP_POSITION keeps the first
  *   ones (lowest t); TM_DROP_PROBS the ones of highest p, ties to the lower t (NaN ranks
  *   lowest). Megatron ranks with torch.topk over the whole column, whose tie order is
@@ -31,7 +32,9 @@
  *   Rows are expert-major and token-ascending within an expert; expert e's block holds its
  *   n_e routed tokens followed by zero padding up to round_up(n_e, align_size), or up to exactly
  *   pad_to rows when pad_to > 0 (then n_e > pad_to is an error: drop tokens first). R is the
- *   sum of the blocks, so out[0..2] are allocated here, not in the check.
+ *   sum of the blocks, so out[0..2] are allocated here, not in the check; reading the counts
+ *   back for R is a device-to-host synchronisation on a device, counted on the CPU too (one per
+ *   forward, tm_ctx_sync_count).
  *   Backward: dx[t] += sum over t's rows in ascending row order of d permuted[row] (summed in
  *   f64, added once); d probs[t,e] += d permuted_probs[row_of[t,e]]. Padding rows feed nothing.
  *
@@ -171,6 +174,8 @@ tm_status tm__moe_drop_tokens_forward_cpu(tm__call *c) {
         for (int64_t i = 0; i < n; i++) of[i] = keep[i] ? pf[i] : 0.0f;
     }
     *(int64_t *)tm__data(c->out[2]) = dropped;
+    int64_t *kept = tm__data(c->out[3]);
+    for (int64_t e = 0; e < E; e++) kept[e] = count[e] > cap ? cap : count[e];
     return TM_OK;
 }
 
@@ -212,6 +217,9 @@ tm_status tm__moe_permute_forward_cpu(tm__call *c) {
     memset(count, 0, (size_t)E * sizeof *count);
     for (int64_t t = 0; t < T; t++)
         for (int64_t e = 0; e < E; e++) count[e] += map[t * E + e] != 0;
+    /* R sizes the outputs: a device kernel must read the counts back here, so this is one
+     * synchronisation (tm_ctx_sync_count), counted on the CPU too. */
+    tm__count_sync(ctx);
     /* R * H elements must stay addressable (a huge align_size or pad_to is the only way out). */
     const int64_t max_rows = INT64_MAX / (int64_t)tm_dtype_size(x->dtype) / (H > 0 ? H : 1);
     int64_t R = 0;

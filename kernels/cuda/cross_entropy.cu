@@ -3,7 +3,8 @@
  * materialised in the forward pass; the backward recomputes them from the saved logsumexp.
  *
  * Layout, shared with kernels/cpu/cross_entropy.c:
- *   in[0] logits (N, V) f32/bf16, in[1] targets (N) i32/i64, iattr[0] ignore_index
+ *   in[0] logits (N, V) f32/bf16, in[1] targets (N) i32/i64, iattr[0] ignore_index,
+ *   iattr[1] 1: targets known valid (tm__cross_entropy_checked), the flag is not read back
  *   out[0] loss () = mean over valid rows of lse[n] - logits[n, targets[n]]; 0 if none
  *   saved[0] lse (N) f32 (0 for ignored rows), saved[1] n_valid () i64
  * Backward, valid rows only: dlogits[n, v] += (exp(logits[n, v] - lse[n]) - [v == t]) * dloss / n_valid
@@ -11,7 +12,9 @@
  * Targets are validated on the device: a row whose target is outside [0, V) and is not
  * ignore_index lowers a flag (atomicMin of its row index); the flag is copied back once at the
  * end of the forward, which is the op's only synchronisation, and the first bad row is named
- * in the TM_ERR_INDEX message. A bad row never reads logits at its target.
+ * in the TM_ERR_INDEX message. A bad row never reads logits at its target. With iattr[1] set
+ * (the caller validated the targets on the device already, as tm_model_forward does) the
+ * flag is not read back and the forward does not synchronise.
  */
 #include "common.cuh"
 
@@ -126,6 +129,7 @@ extern "C" tm_status tm__cross_entropy_forward_cuda(tm__call *c) {
                                    tm__data(logits), tm__data(tg), tm__data(c->out[0]), (int64_t *)tm__data(count), V,
                                    ign);
     TM__CU_LAUNCHED(ctx, what, "ce_forward_kernel / ce_total_kernel");
+    if (c->iattr[1]) return TM_OK;
 
     unsigned long long first_bad;
     TM__TRY(tm__cuda_memcpy(ctx, &first_bad, bad, sizeof first_bad, TM__D2H));

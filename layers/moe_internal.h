@@ -1,0 +1,30 @@
+/*
+ * moe_internal.h — private to layers/: what layers/model.c needs of the MoE block (layers/moe.c)
+ * beyond the public contract (include/tinymoe.h, "Mixture of Experts: the block").
+ */
+#ifndef TM_MOE_INTERNAL_H
+#define TM_MOE_INTERNAL_H
+
+#include "internal.h"
+
+/* Slots of tm_moe_stats.packed after the E counts: i64 [E + TM__MOE_STAT_SLOTS]. */
+enum { TM__MOE_STAT_DROPPED = 0, TM__MOE_STAT_AUX, TM__MOE_STAT_SEQ_AUX, TM__MOE_STAT_Z, TM__MOE_STAT_SLOTS };
+
+/* tm_moe_forward with the running count's update chosen by the caller: accumulate = 0 leaves
+ * tokens_per_expert_sum alone (tm_model_forward adds the counts itself, once the step's ids are
+ * known to be valid, with tm__moe_accumulate). */
+tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats,
+                          int accumulate);
+/* tokens_per_expert_sum += counts (i64 [E]) on the device (tm_moe_accumulate_counts). */
+tm_status tm__moe_accumulate(tm_moe *m, tm_tensor *counts);
+/* Statistics travel to the host packed into i64 tensors, one 8-byte slot per value: copy the
+ * bytes of t (contiguous, elements of at most 8 bytes; NULL: nothing) into packed from slot
+ * `slot` on, device to device (no kernel, no read). A float lands in its slot's first bytes. */
+tm_status tm__stat_put(tm_ctx *ctx, tm_tensor *packed, int64_t slot, const tm_tensor *t);
+/* The float of dtype dt (f32 or f64) held in a slot read back. */
+double tm__stat_value(const int64_t *slot, tm_dtype dt);
+/* Fill the host fields of *st (dropped_tokens, load ratios, loss values) from the E +
+ * TM__MOE_STAT_SLOTS slots of a packed tensor already read back. */
+void tm__moe_stats_decode(const tm_moe *m, const int64_t *slots, tm_moe_stats *st);
+
+#endif
