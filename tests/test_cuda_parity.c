@@ -18,41 +18,9 @@
 
 #include "common.h"
 #include "internal.h"
-
-#define SKIP_WITHOUT_CUDA() \
-    do { if (tm_cuda_device_count() == 0) cr_skip_test("no CUDA device"); } while (0)
-
-static tm_ctx *cuda_ctx(void) {
-    tm_ctx_options o = tm_ctx_options_default();
-    o.num_threads = 2;
-    o.cuda_device = 0;
-    o.arena_chunk_bytes = 8 << 20;
-    tm_ctx *ctx = NULL;
-    tm_status s = tm_ctx_new(&ctx, &o);
-    cr_assert_eq(s, TM_OK, "tm_ctx_new(cuda_device=0): %s", tm_last_create_error());
-    return ctx;
-}
+#include "parity.h"
 
 /* ---- cases ---------------------------------------------------------------------------------- */
-
-#define MAX_CASE_IN 3
-
-typedef tm_status (*pfn)(tm_ctx *ctx, tm_tensor **in, const int64_t *iattr, tm_tensor **out);
-
-typedef struct pcase {
-    const char *op;   /* the op under test (its name in framework/ops.def) */
-    const char *name;
-    pfn fn;
-    int n_in;
-    int nd[MAX_CASE_IN];
-    int64_t shape[MAX_CASE_IN][TM_MAX_DIMS];
-    tm_dtype index_dt[MAX_CASE_IN]; /* TM_I32 / TM_I64 for an index input (targets), else 0 (= TM_F32 slot) */
-    int is_index[MAX_CASE_IN];
-    int64_t iattr[4];
-    /* atol multiplier for long f32 reductions: their results are sums of thousands of terms
-     * (|sum| ~ 100), whose f32 rounding depends on the summation order. */
-    double atol_scale;
-} pcase;
 
 static tm_status f_matmul(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
     return tm_matmul(c, in[0], in[1], (int)a[0], (int)a[1], o);
@@ -121,164 +89,69 @@ static tm_status f_to_device(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_ten
 
 /* Shapes are awkward on purpose (no multiples of 4 or 32); the large ones take the split
  * (two-pass) paths of the CUDA reducer and the multi-pass row loops. */
-static const pcase CASES[] = {
-    {"matmul", "matmul nn, a batched, b 2-D", f_matmul, 2, {3, 2}, {{3, 5, 7}, {7, 6}}, {0}, {0}, {0, 0}, 1},
-    {"matmul", "matmul tt, a batched, b 2-D", f_matmul, 2, {3, 2}, {{3, 7, 5}, {6, 7}}, {0}, {0}, {1, 1}, 1},
-    {"matmul", "matmul tn, batched b", f_matmul, 2, {3, 3}, {{2, 7, 5}, {2, 7, 9}}, {0}, {0}, {1, 0}, 1},
-    {"matmul", "matmul nt, 2-D", f_matmul, 2, {2, 2}, {{33, 19}, {21, 19}}, {0}, {0}, {0, 1}, 1},
-    {"matmul", "matmul nn, 4-D batched", f_matmul, 2, {4, 4}, {{2, 3, 5, 7}, {2, 3, 7, 3}}, {0}, {0}, {0, 0}, 1},
-    {"add", "add same shape", f_add, 2, {2, 2}, {{3, 7}, {3, 7}}, {0}, {0}, {0}, 1},
-    {"add", "add [4,5,6] + [6]", f_add, 2, {3, 1}, {{4, 5, 6}, {6}}, {0}, {0}, {0}, 1},
-    {"add", "add [6] + [4,5,6]", f_add, 2, {1, 3}, {{6}, {4, 5, 6}}, {0}, {0}, {0}, 1},
-    {"sub", "sub [4,5,6] - [5,6]", f_sub, 2, {3, 2}, {{4, 5, 6}, {5, 6}}, {0}, {0}, {0}, 1},
-    {"sub", "sub [5,6] - [4,5,6]", f_sub, 2, {2, 3}, {{5, 6}, {4, 5, 6}}, {0}, {0}, {0}, 1},
-    {"mul", "mul same shape", f_mul, 2, {2, 2}, {{3, 7}, {3, 7}}, {0}, {0}, {0}, 1},
-    {"mul", "mul [5,6] * [4,5,6]", f_mul, 2, {2, 3}, {{5, 6}, {4, 5, 6}}, {0}, {0}, {0}, 1},
-    {"mul", "mul [3001,5] * [5] (split reduce)", f_mul, 2, {2, 1}, {{3001, 5}, {5}}, {0}, {0}, {0}, 100},
-    {"scale", "scale", f_scale, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1},
-    {"sum", "sum axis 1", f_sum, 1, {3}, {{3, 5, 7}}, {0}, {0}, {1, 0}, 1},
-    {"sum", "sum axis -1 keepdim", f_sum, 1, {3}, {{3, 5, 7}}, {0}, {0}, {-1, 1}, 1},
-    {"sum", "sum axis 0 long (split)", f_sum, 1, {2}, {{3001, 5}}, {0}, {0}, {0, 0}, 100},
-    {"mean", "mean axis 0 keepdim", f_mean, 1, {3}, {{3, 5, 7}}, {0}, {0}, {0, 1}, 1},
-    {"mean", "mean axis 1 long row (split)", f_mean, 1, {2}, {{2, 5003}}, {0}, {0}, {1, 0}, 1},
-    {"sum_all", "sum_all", f_sum_all, 1, {3}, {{3, 5, 7}}, {0}, {0}, {0}, 1},
-    {"sum_all", "sum_all long (split)", f_sum_all, 1, {1}, {{70001}}, {0}, {0}, {0}, 100},
-    {"mean_all", "mean_all", f_mean_all, 1, {2}, {{13, 11}}, {0}, {0}, {0}, 1},
-    {"silu", "silu", f_silu, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1},
-    {"swiglu", "swiglu", f_swiglu, 2, {2, 2}, {{4, 9}, {4, 9}}, {0}, {0}, {0}, 1},
-    {"rmsnorm", "rmsnorm", f_rmsnorm, 2, {3, 1}, {{3, 4, 37}, {37}}, {0}, {0}, {0}, 1},
-    {"rmsnorm", "rmsnorm many rows (split dw)", f_rmsnorm, 2, {2, 1}, {{1501, 9}, {9}}, {0}, {0}, {0}, 100},
-    {"rmsnorm", "rmsnorm wide row", f_rmsnorm, 2, {2, 1}, {{3, 1100}, {1100}}, {0}, {0}, {0}, 1},
-    {"softmax", "softmax", f_softmax, 1, {2}, {{6, 17}}, {0}, {0}, {0}, 1},
-    {"softmax", "softmax wide row", f_softmax, 1, {2}, {{3, 1100}}, {0}, {0}, {0}, 1},
-    {"log_softmax", "log_softmax", f_log_softmax, 1, {3}, {{2, 3, 17}}, {0}, {0}, {0}, 1},
-    {"cross_entropy", "cross_entropy i64 targets", f_cross_entropy, 2, {2, 1}, {{7, 13}, {7}}, {0, TM_I64}, {0, 1}, {-100}, 1},
-    {"cross_entropy", "cross_entropy i32 targets, wide", f_cross_entropy, 2, {2, 1}, {{5, 1037}, {5}}, {0, TM_I32}, {0, 1}, {-100}, 1},
-    {"view", "view: permute, slice, reshape", f_view, 1, {3}, {{2, 3, 5}}, {0}, {0}, {0}, 1},
-    {"concat", "concat with a transposed input", f_concat, 2, {2, 2}, {{3, 2}, {5, 3}}, {0}, {0}, {0}, 1},
-    {"contiguous", "contiguous of a transpose", f_contiguous, 1, {3}, {{3, 2, 5}}, {0}, {0}, {0}, 1},
-    {"cast", "cast f32 <-> bf16", f_cast, 1, {2}, {{4, 7}}, {0}, {0}, {0}, 1},
-    {"to_device", "to_device round trip", f_to_device, 1, {2}, {{4, 7}}, {0}, {0}, {0}, 1},
+static const tt_pcase CASES[] = {
+    {"matmul", "matmul nn, a batched, b 2-D", f_matmul, 2, {3, 2}, {{3, 5, 7}, {7, 6}}, {0}, {0}, {0, 0}, 1, 0},
+    {"matmul", "matmul tt, a batched, b 2-D", f_matmul, 2, {3, 2}, {{3, 7, 5}, {6, 7}}, {0}, {0}, {1, 1}, 1, 0},
+    {"matmul", "matmul tn, batched b", f_matmul, 2, {3, 3}, {{2, 7, 5}, {2, 7, 9}}, {0}, {0}, {1, 0}, 1, 0},
+    {"matmul", "matmul nt, 2-D", f_matmul, 2, {2, 2}, {{33, 19}, {21, 19}}, {0}, {0}, {0, 1}, 1, 0},
+    {"matmul", "matmul nn, 4-D batched", f_matmul, 2, {4, 4}, {{2, 3, 5, 7}, {2, 3, 7, 3}}, {0}, {0}, {0, 0}, 1, 0},
+    {"add", "add same shape", f_add, 2, {2, 2}, {{3, 7}, {3, 7}}, {0}, {0}, {0}, 1, 0},
+    {"add", "add [4,5,6] + [6]", f_add, 2, {3, 1}, {{4, 5, 6}, {6}}, {0}, {0}, {0}, 1, 0},
+    {"add", "add [6] + [4,5,6]", f_add, 2, {1, 3}, {{6}, {4, 5, 6}}, {0}, {0}, {0}, 1, 0},
+    {"sub", "sub [4,5,6] - [5,6]", f_sub, 2, {3, 2}, {{4, 5, 6}, {5, 6}}, {0}, {0}, {0}, 1, 0},
+    {"sub", "sub [5,6] - [4,5,6]", f_sub, 2, {2, 3}, {{5, 6}, {4, 5, 6}}, {0}, {0}, {0}, 1, 0},
+    {"mul", "mul same shape", f_mul, 2, {2, 2}, {{3, 7}, {3, 7}}, {0}, {0}, {0}, 1, 0},
+    {"mul", "mul [5,6] * [4,5,6]", f_mul, 2, {2, 3}, {{5, 6}, {4, 5, 6}}, {0}, {0}, {0}, 1, 0},
+    {"mul", "mul [3001,5] * [5] (split reduce)", f_mul, 2, {2, 1}, {{3001, 5}, {5}}, {0}, {0}, {0}, 100, 0},
+    {"scale", "scale", f_scale, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1, 0},
+    {"sum", "sum axis 1", f_sum, 1, {3}, {{3, 5, 7}}, {0}, {0}, {1, 0}, 1, 0},
+    {"sum", "sum axis -1 keepdim", f_sum, 1, {3}, {{3, 5, 7}}, {0}, {0}, {-1, 1}, 1, 0},
+    {"sum", "sum axis 0 long (split)", f_sum, 1, {2}, {{3001, 5}}, {0}, {0}, {0, 0}, 100, 0},
+    {"mean", "mean axis 0 keepdim", f_mean, 1, {3}, {{3, 5, 7}}, {0}, {0}, {0, 1}, 1, 0},
+    {"mean", "mean axis 1 long row (split)", f_mean, 1, {2}, {{2, 5003}}, {0}, {0}, {1, 0}, 1, 0},
+    {"sum_all", "sum_all", f_sum_all, 1, {3}, {{3, 5, 7}}, {0}, {0}, {0}, 1, 0},
+    {"sum_all", "sum_all long (split)", f_sum_all, 1, {1}, {{70001}}, {0}, {0}, {0}, 100, 0},
+    {"mean_all", "mean_all", f_mean_all, 1, {2}, {{13, 11}}, {0}, {0}, {0}, 1, 0},
+    {"silu", "silu", f_silu, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1, 0},
+    {"swiglu", "swiglu", f_swiglu, 2, {2, 2}, {{4, 9}, {4, 9}}, {0}, {0}, {0}, 1, 0},
+    {"rmsnorm", "rmsnorm", f_rmsnorm, 2, {3, 1}, {{3, 4, 37}, {37}}, {0}, {0}, {0}, 1, 0},
+    {"rmsnorm", "rmsnorm many rows (split dw)", f_rmsnorm, 2, {2, 1}, {{1501, 9}, {9}}, {0}, {0}, {0}, 100, 0},
+    {"rmsnorm", "rmsnorm wide row", f_rmsnorm, 2, {2, 1}, {{3, 1100}, {1100}}, {0}, {0}, {0}, 1, 0},
+    {"softmax", "softmax", f_softmax, 1, {2}, {{6, 17}}, {0}, {0}, {0}, 1, 0},
+    {"softmax", "softmax wide row", f_softmax, 1, {2}, {{3, 1100}}, {0}, {0}, {0}, 1, 0},
+    {"log_softmax", "log_softmax", f_log_softmax, 1, {3}, {{2, 3, 17}}, {0}, {0}, {0}, 1, 0},
+    {"cross_entropy", "cross_entropy i64 targets", f_cross_entropy, 2, {2, 1}, {{7, 13}, {7}}, {0, TM_I64}, {0, 1}, {-100}, 1, 0},
+    {"cross_entropy", "cross_entropy i32 targets, wide", f_cross_entropy, 2, {2, 1}, {{5, 1037}, {5}}, {0, TM_I32}, {0, 1}, {-100}, 1, 0},
+    {"view", "view: permute, slice, reshape", f_view, 1, {3}, {{2, 3, 5}}, {0}, {0}, {0}, 1, 0},
+    {"concat", "concat with a transposed input", f_concat, 2, {2, 2}, {{3, 2}, {5, 3}}, {0}, {0}, {0}, 1, 0},
+    {"contiguous", "contiguous of a transpose", f_contiguous, 1, {3}, {{3, 2, 5}}, {0}, {0}, {0}, 1, 0},
+    {"cast", "cast f32 <-> bf16", f_cast, 1, {2}, {{4, 7}}, {0}, {0}, {0}, 1, 0},
+    {"to_device", "to_device round trip", f_to_device, 1, {2}, {{4, 7}}, {0}, {0}, {0}, 1, 0},
 };
 #define N_CASES ((int)(sizeof CASES / sizeof CASES[0]))
 
-/* ---- host data --------------------------------------------------------------------------- */
-
-static uint64_t rng_next(uint64_t *s) {
-    *s += 0x9e3779b97f4a7c15ull;
-    uint64_t z = *s;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-/* Uniform in [-2, 2): keeps softmax/exp inputs tame and products O(1). */
-static double *host_uniform(int64_t n, uint64_t seed) {
-    double *v = malloc(sizeof(double) * (size_t)(n ? n : 1));
-    for (int64_t i = 0; i < n; i++) v[i] = (double)(rng_next(&seed) >> 11) * 0x1.0p-53 * 4.0 - 2.0;
-    return v;
-}
-
-static int64_t numel_of(int nd, const int64_t *shape) {
-    int64_t n = 1;
-    for (int d = 0; d < nd; d++) n *= shape[d];
-    return n;
-}
-
-/* ---- one side (CPU or CUDA) of a parity run --------------------------------------------- */
-
-typedef struct side {
-    tm_tensor *in[MAX_CASE_IN];
-    tm_tensor *out;
-} side;
-
-static void run_side(tm_ctx *ctx, const pcase *pc, tm_dtype dt, tm_device dev, double **host_in, const double *host_g,
-                     side *sd) {
-    for (int i = 0; i < pc->n_in; i++) {
-        tm_dtype idt = pc->is_index[i] ? pc->index_dt[i] : dt;
-        TT_OK(ctx, tm_tensor_from_host(ctx, idt, pc->nd[i], pc->shape[i], dev, TM_F64, host_in[i], &sd->in[i]));
-        if (!pc->is_index[i]) TT_OK(ctx, tm_tensor_set_requires_grad(ctx, sd->in[i], 1));
-    }
-    TT_OK(ctx, pc->fn(ctx, sd->in, pc->iattr, &sd->out));
-    cr_assert_eq(tm_tensor_dtype(sd->out), dt, "%s: output dtype", pc->name);
-    int64_t oshape[TM_MAX_DIMS];
-    int ond = tm_tensor_ndim(sd->out);
-    for (int d = 0; d < ond; d++) oshape[d] = tm_tensor_dim(sd->out, d);
-    tm_tensor *g;
-    TT_OK(ctx, tm_tensor_from_host(ctx, dt, ond, oshape, dev, TM_F64, host_g, &g));
-    TT_OK(ctx, tm_backward_with_grad(ctx, sd->out, g));
-}
-
-static void run_case(const pcase *pc, tm_dtype dt, double atol, double rtol) {
-    tm_ctx *ctx = cuda_ctx();
-    double *host_in[MAX_CASE_IN];
-    for (int i = 0; i < pc->n_in; i++) {
-        int64_t n = numel_of(pc->nd[i], pc->shape[i]);
-        host_in[i] = host_uniform(n, 1000 + 17 * (uint64_t)i + (uint64_t)n);
-        if (pc->is_index[i]) { /* targets: valid classes, plus one ignored row */
-            int64_t V = pc->shape[0][pc->nd[0] - 1];
-            for (int64_t k = 0; k < n; k++) host_in[i][k] = (double)((int64_t)((host_in[i][k] + 2.0) * 0.25 * V) % V);
-            host_in[i][n / 2] = (double)pc->iattr[0];
-        }
-    }
-    side cpu, gpu;
-    memset(&cpu, 0, sizeof cpu);
-    memset(&gpu, 0, sizeof gpu);
-    /* The output shape is known after the first run; the upstream gradient is drawn for it. */
-    tm_tensor *probe;
-    tm_tensor *pin[MAX_CASE_IN];
-    int prev = tm_ctx_set_grad_enabled(ctx, 0);
-    for (int i = 0; i < pc->n_in; i++)
-        TT_OK(ctx, tm_tensor_from_host(ctx, pc->is_index[i] ? pc->index_dt[i] : TM_F32, pc->nd[i], pc->shape[i],
-                                       tm_cpu(), TM_F64, host_in[i], &pin[i]));
-    TT_OK(ctx, pc->fn(ctx, pin, pc->iattr, &probe));
-    tm_ctx_set_grad_enabled(ctx, prev);
-    double *host_g = host_uniform(tm_tensor_numel(probe), 77);
-
-    run_side(ctx, pc, dt, tm_cpu(), host_in, host_g, &cpu);
-    run_side(ctx, pc, dt, tm_cuda(0), host_in, host_g, &gpu);
-    cr_assert_eq(tm_tensor_device(gpu.out).type, TM_DEVICE_CUDA, "%s: output not on CUDA", pc->name);
-
-    cr_assert_eq(tm_tensor_numel(gpu.out), tm_tensor_numel(cpu.out), "%s: output size", pc->name);
-    double *go = tt_read(ctx, gpu.out), *co = tt_read(ctx, cpu.out);
-    if (pc->atol_scale > 0) atol *= pc->atol_scale;
-    double r = tt_close_ratio(go, co, tm_tensor_numel(cpu.out), atol, rtol);
-    cr_assert(r <= 1.0, "%s (%s): forward differs, ratio %g", pc->name, tm_dtype_name(dt), r);
-    free(go), free(co);
-    for (int i = 0; i < pc->n_in; i++) {
-        if (pc->is_index[i]) continue;
-        tm_tensor *gg = tm_tensor_grad(gpu.in[i]), *cg = tm_tensor_grad(cpu.in[i]);
-        cr_assert(gg && cg, "%s: input %d has no gradient (cuda %p, cpu %p)", pc->name, i, (void *)gg, (void *)cg);
-        double *a = tt_read(ctx, gg), *b = tt_read(ctx, cg);
-        double rg = tt_close_ratio(a, b, tm_tensor_numel(cg), atol, rtol);
-        cr_assert(rg <= 1.0, "%s (%s): gradient of input %d differs, ratio %g", pc->name, tm_dtype_name(dt), i, rg);
-        free(a), free(b);
-    }
-    for (int i = 0; i < pc->n_in; i++) free(host_in[i]);
-    free(host_g);
-    tm_ctx_free(ctx);
-}
-
-/* Every op that the registry (framework/ops.def) gives a CUDA kernel has a parity case here, as
- * tests/test_mutation.c demands a gradient case of every differentiable op. Runs without a GPU. */
+/* Every op that the registry (framework/ops.def) gives a CUDA kernel has a parity test (a case
+ * in CASES, or TT_PARITY_COVERS in a family's parity file), as tests/test_mutation.c demands a
+ * gradient case of every differentiable op. Runs without a GPU. */
 Test(cuda_parity, every_cuda_op_has_a_parity_case) {
     for (int i = 0; i < TM__NOPS; i++) {
         const tm__op_def *d = &tm__op_table[i];
         if (!(d->kernels & (TM__K_CUDA_FWD | TM__K_CUDA_BWD))) continue;
-        if (d->flags & TM__OP_NONDIFF) continue; /* update ops: their parity cases are below */
-        int found = 0;
+        int found = tt_parity_covered(d->name);
         for (int k = 0; k < N_CASES; k++) found |= strcmp(CASES[k].op, d->name) == 0;
-        cr_assert(found, "op %s has CUDA kernels but no case in tests/test_cuda_parity.c", d->name);
+        cr_assert(found, "op %s has CUDA kernels but no parity test: add a case to CASES in "
+                         "tests/test_cuda_parity.c, or TT_PARITY_COVERS(\"%s\") beside its test", d->name, d->name);
     }
 }
 
 Test(cuda_parity, all_ops_f32) {
-    SKIP_WITHOUT_CUDA();
-    for (int k = 0; k < N_CASES; k++) run_case(&CASES[k], TM_F32, 1e-5, 1e-5);
+    TT_SKIP_WITHOUT_CUDA();
+    for (int k = 0; k < N_CASES; k++) tt_parity_run(&CASES[k], TM_F32, 1e-5, 1e-5);
 }
 
 Test(cuda_parity, all_ops_bf16) {
-    SKIP_WITHOUT_CUDA();
-    for (int k = 0; k < N_CASES; k++) run_case(&CASES[k], TM_BF16, 1e-2, 1e-2);
+    TT_SKIP_WITHOUT_CUDA();
+    for (int k = 0; k < N_CASES; k++) tt_parity_run(&CASES[k], TM_BF16, 1e-2, 1e-2);
 }
 
 /* ---- GEMM on misaligned data ---------------------------------------------------------------- */
@@ -287,9 +160,9 @@ Test(cuda_parity, all_ops_bf16) {
  * past an aligned address: 4-byte (f32) or 2-byte (bf16) alignment. cuBLASLt must be asked
  * for algorithms that accept that (the GEMM plan cache keys on pointer alignment). */
 static void misaligned_gemm(tm_dtype dt, double atol, double rtol) {
-    tm_ctx *ctx = cuda_ctx();
+    tm_ctx *ctx = tt_parity_ctx();
     int64_t n55 = 55, s69[2] = {6, 9}, sb[2] = {9, 5};
-    double *ha = host_uniform(55, 3), *hb = host_uniform(45, 4);
+    double *ha = tt_parity_uniform(55, 3), *hb = tt_parity_uniform(45, 4);
     tm_tensor *base[2], *b[2], *a[2], *o[2];
     tm_device devs[2] = {tm_cpu(), tm_cuda(0)};
     for (int k = 0; k < 2; k++) {
@@ -303,7 +176,7 @@ static void misaligned_gemm(tm_dtype dt, double atol, double rtol) {
         cr_assert(tm_tensor_is_contiguous(a[k]));
         TT_OK(ctx, tm_matmul(ctx, a[k], b[k], 0, 0, &o[k]));
         int64_t os[2] = {6, 5};
-        double *hg = host_uniform(30, 6);
+        double *hg = tt_parity_uniform(30, 6);
         TT_OK(ctx, tm_tensor_from_host(ctx, dt, 2, os, devs[k], TM_F64, hg, &g));
         TT_OK(ctx, tm_backward_with_grad(ctx, o[k], g));
         free(hg);
@@ -316,24 +189,24 @@ static void misaligned_gemm(tm_dtype dt, double atol, double rtol) {
 }
 
 Test(cuda_parity, matmul_misaligned_f32) {
-    SKIP_WITHOUT_CUDA();
+    TT_SKIP_WITHOUT_CUDA();
     misaligned_gemm(TM_F32, 1e-5, 1e-5);
 }
 Test(cuda_parity, matmul_misaligned_bf16) {
-    SKIP_WITHOUT_CUDA();
+    TT_SKIP_WITHOUT_CUDA();
     misaligned_gemm(TM_BF16, 1e-2, 1e-2);
 }
 
 /* ---- determinism -------------------------------------------------------------------------- */
 
 Test(cuda_parity, reductions_bitwise_reproducible) {
-    SKIP_WITHOUT_CUDA();
-    tm_ctx *ctx = cuda_ctx();
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
     int64_t s[2] = {4001, 7};
-    double *h = host_uniform(4001 * 7, 9);
+    double *h = tt_parity_uniform(4001 * 7, 9);
     tm_tensor *x, *w, *y1, *y2, *l1, *l2;
     int64_t c7 = 7;
-    double *hw = host_uniform(7, 10);
+    double *hw = tt_parity_uniform(7, 10);
     TT_OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, s, tm_cuda(0), TM_F64, h, &x));
     TT_OK(ctx, tm_tensor_from_host(ctx, TM_F32, 1, &c7, tm_cuda(0), TM_F64, hw, &w));
     TT_OK(ctx, tm_tensor_set_requires_grad(ctx, w, 1));
@@ -376,8 +249,8 @@ static void cuda_step(tm_ctx *ctx, tm_tensor *w1, tm_tensor *w2, tm_tensor *wn, 
 }
 
 Test(cuda_parity, arena_steady_state) {
-    SKIP_WITHOUT_CUDA();
-    tm_ctx *ctx = cuda_ctx();
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
     int64_t s1[2] = {12, 22}, s2[2] = {13, 11}, sn[1] = {12};
     tm_tensor *w1, *w2, *wn;
     TT_OK(ctx, tm_param_new(ctx, "w1", TM_F32, 2, s1, tm_cuda(0), &w1));
@@ -386,7 +259,7 @@ Test(cuda_parity, arena_steady_state) {
     TT_OK(ctx, tm_tensor_init_normal(ctx, w1, 1, NULL, 0.0, 0.3));
     TT_OK(ctx, tm_tensor_init_normal(ctx, w2, 1, NULL, 0.0, 0.3));
     TT_OK(ctx, tm_tensor_fill(ctx, wn, 1.0));
-    double *hx = host_uniform(120, 5), ht[10];
+    double *hx = tt_parity_uniform(120, 5), ht[10];
     for (int i = 0; i < 10; i++) ht[i] = (double)((i * 7) % 13);
     cuda_step(ctx, w1, w2, wn, hx, ht);
     uint64_t n1 = tm_ctx_alloc_count(ctx);
@@ -405,8 +278,8 @@ Test(cuda_parity, arena_steady_state) {
 /* ---- errors ------------------------------------------------------------------------------- */
 
 Test(cuda_parity, mixed_devices_rejected) {
-    SKIP_WITHOUT_CUDA();
-    tm_ctx *ctx = cuda_ctx();
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
     int64_t s[2] = {2, 3};
     double h[6] = {1, 2, 3, 4, 5, 6};
     tm_tensor *a, *b, *o = NULL;
@@ -421,10 +294,10 @@ Test(cuda_parity, mixed_devices_rejected) {
 }
 
 Test(cuda_parity, cross_entropy_bad_target) {
-    SKIP_WITHOUT_CUDA();
-    tm_ctx *ctx = cuda_ctx();
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
     int64_t ls[2] = {4, 5}, ts[1] = {4};
-    double *hl = host_uniform(20, 8), ht[4] = {1, -100, 7, 9};
+    double *hl = tt_parity_uniform(20, 8), ht[4] = {1, -100, 7, 9};
     tm_tensor *l, *t, *o = NULL;
     TT_OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, ls, tm_cuda(0), TM_F64, hl, &l));
     TT_OK(ctx, tm_tensor_from_host(ctx, TM_I64, 1, ts, tm_cuda(0), TM_F64, ht, &t));
@@ -442,8 +315,8 @@ Test(cuda_parity, cross_entropy_bad_target) {
 }
 
 Test(cuda_parity, f64_rejected_on_device) {
-    SKIP_WITHOUT_CUDA();
-    tm_ctx *ctx = cuda_ctx();
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
     int64_t n = 3;
     tm_tensor *t = NULL, *x;
     cr_assert_eq(tm_tensor_empty(ctx, TM_F64, 1, &n, tm_cuda(0), &t), TM_ERR_DTYPE);
@@ -458,7 +331,7 @@ Test(cuda_parity, f64_rejected_on_device) {
  * sequence of calls counts the same on both devices. Each step's count is compared. */
 static void sync_sequence(tm_ctx *ctx, tm_device dev, uint64_t *deltas) {
     int64_t ls[2] = {6, 9}, ts[1] = {6};
-    double *hl = host_uniform(54, 12), ht[6] = {1, 8, -1, 0, 3, 5};
+    double *hl = tt_parity_uniform(54, 12), ht[6] = {1, 8, -1, 0, 3, 5};
     tm_tensor *l, *t, *tr, *loss, *loss2;
     TT_OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, ls, dev, TM_F64, hl, &l));
     TT_OK(ctx, tm_tensor_from_host(ctx, TM_I64, 1, ts, dev, TM_F64, ht, &t));
@@ -482,8 +355,8 @@ static void sync_sequence(tm_ctx *ctx, tm_device dev, uint64_t *deltas) {
 }
 
 Test(cuda_parity, sync_count_matches_the_cpu) {
-    SKIP_WITHOUT_CUDA();
-    tm_ctx *cu = cuda_ctx(), *cpu = tt_ctx();
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *cu = tt_parity_ctx(), *cpu = tt_ctx();
     uint64_t dc[7], dh[7];
     const uint64_t want[7] = {1, 0, 1, 1, 0, 0, 1};
     sync_sequence(cu, tm_cuda(0), dc);
