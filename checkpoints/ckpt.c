@@ -37,7 +37,7 @@
 #include <omp.h>
 #endif
 
-#include "ctx_internal.h"
+#include "extend.h"
 
 #define CK_VERSION 1u
 #define CK_ENDIAN 0x01020304u
@@ -93,7 +93,7 @@ static uint32_t crc_update(uint32_t crc, const void *p, size_t n) {
 }
 
 static size_t tensor_bytes(const tm_tensor *t) {
-    return (size_t)tm_tensor_numel(t) * tm_dtype_size(t->dtype);
+    return (size_t)tm_tensor_numel(t) * tm_dtype_size(tm_tensor_dtype(t));
 }
 
 /* zlib allocates through the context's allocator hook like everything else the library does
@@ -204,13 +204,13 @@ static size_t ck_bound(size_t raw) { return (size_t)compressBound((uLong)raw); }
 /* Sizes of the largest batch, so the buffers are allocated once. */
 static void plan_batches(const tm_ctx *ctx, size_t *raw_cap, size_t *comp_cap, int *max_count) {
     *raw_cap = 1, *comp_cap = 1, *max_count = 1;
-    for (int k = 0; k < ctx->n_named;) {
+    for (int k = 0; k < tm_ctx_num_named(ctx);) {
         size_t raw = 0, comp = 0;
         int n = 0;
         do {
-            size_t rb = tensor_bytes(ctx->named[k]);
+            size_t rb = tensor_bytes(tm_ctx_named(ctx, k));
             raw += rb, comp += ck_bound(rb), n++, k++;
-        } while (k < ctx->n_named && raw + tensor_bytes(ctx->named[k]) <= CK_BATCH);
+        } while (k < tm_ctx_num_named(ctx) && raw + tensor_bytes(tm_ctx_named(ctx, k)) <= CK_BATCH);
         if (raw > *raw_cap) *raw_cap = raw;
         if (comp > *comp_cap) *comp_cap = comp;
         if (n > *max_count) *max_count = n;
@@ -219,21 +219,21 @@ static void plan_batches(const tm_ctx *ctx, size_t *raw_cap, size_t *comp_cap, i
 
 static tm_status write_tensors(tm_ctx *ctx, const char *path, ck_writer *w, ck_stage *st, uint32_t *table_crc) {
     uint32_t tcrc = 0;
-    for (int k0 = 0; k0 < ctx->n_named && !w->err;) {
+    for (int k0 = 0; k0 < tm_ctx_num_named(ctx) && !w->err;) {
         int k1 = k0;
         size_t raw = 0, comp = 0;
         do {
-            const tm_tensor *t = ctx->named[k1];
+            const tm_tensor *t = tm_ctx_named(ctx, k1);
             size_t rb = tensor_bytes(t);
-            TM__TRY(tm_tensor_read(ctx, t, t->dtype, st->raw + raw, tm_tensor_numel(t)));
+            TM__TRY(tm_tensor_read(ctx, t, tm_tensor_dtype(t), st->raw + raw, tm_tensor_numel(t)));
             st->raw_off[k1 - k0] = raw;
             st->comp_off[k1 - k0] = comp;
             raw += rb, comp += ck_bound(rb), k1++;
-        } while (k1 < ctx->n_named && raw + tensor_bytes(ctx->named[k1]) <= CK_BATCH);
+        } while (k1 < tm_ctx_num_named(ctx) && raw + tensor_bytes(tm_ctx_named(ctx, k1)) <= CK_BATCH);
         int n = k1 - k0;
 #pragma omp parallel for num_threads(st->nz) schedule(dynamic) if (n > 1)
         for (int i = 0; i < n; i++) {
-            const tm_tensor *t = ctx->named[k0 + i];
+            const tm_tensor *t = tm_ctx_named(ctx, k0 + i);
             size_t rb = tensor_bytes(t), cl = ck_bound(rb);
 #ifdef _OPENMP
             z_stream *z = &st->z[omp_get_thread_num()];
@@ -244,20 +244,20 @@ static tm_status write_tensors(tm_ctx *ctx, const char *path, ck_writer *w, ck_s
             st->comp_len[i] = cl;
         }
         for (int i = 0; i < n && !w->err; i++) {
-            const tm_tensor *t = ctx->named[k0 + i];
+            const tm_tensor *t = tm_ctx_named(ctx, k0 + i);
             if (st->zs[i] != Z_OK)
                 return tm__err(ctx, st->zs[i] == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL,
-                               "tm_ckpt_save: '%s': compressing tensor '%s' failed (zlib %d)", path, t->name,
+                               "tm_ckpt_save: '%s': compressing tensor '%s' failed (zlib %d)", path, tm_tensor_name(t),
                                st->zs[i]);
-            size_t name_len = strlen(t->name), cl = st->comp_len[i];
+            size_t name_len = strlen(tm_tensor_name(t)), cl = st->comp_len[i];
             const unsigned char *data = st->comp + st->comp_off[i];
             /* descriptor: u16 name_len, name, u8 dtype, u8 ndim, i64 shape[], u64 raw, u64 comp, u32 crc */
             unsigned char d[2 + CK_NAME_MAX + 2 + 8 * TM_MAX_DIMS + 8 + 8 + 4], *p = d;
             put_u16(p, (uint16_t)name_len), p += 2;
-            memcpy(p, t->name, name_len), p += name_len;
-            *p++ = (unsigned char)t->dtype;
-            *p++ = (unsigned char)t->ndim;
-            for (int a = 0; a < t->ndim; a++) put_u64(p, (uint64_t)t->shape[a]), p += 8;
+            memcpy(p, tm_tensor_name(t), name_len), p += name_len;
+            *p++ = (unsigned char)tm_tensor_dtype(t);
+            *p++ = (unsigned char)tm_tensor_ndim(t);
+            for (int a = 0; a < tm_tensor_ndim(t); a++) put_u64(p, (uint64_t)tm_tensor_dim(t, a)), p += 8;
             put_u64(p, (uint64_t)tensor_bytes(t)), p += 8;
             put_u64(p, (uint64_t)cl), p += 8;
             put_u32(p, crc_update(0, data, cl)), p += 4;
@@ -340,12 +340,12 @@ tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t m
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: meta is NULL but meta_bytes is %zu", fn, meta_bytes);
     if (!host_little_endian())
         return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: big-endian hosts are not supported", fn);
-    if ((uint64_t)ctx->n_named > UINT32_MAX)
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: too many tensors (%d)", fn, ctx->n_named);
+    if ((uint64_t)tm_ctx_num_named(ctx) > UINT32_MAX)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: too many tensors (%d)", fn, tm_ctx_num_named(ctx));
 
     size_t max_raw = 1;
-    for (int k = 0; k < ctx->n_named; k++) {
-        size_t rb = tensor_bytes(ctx->named[k]);
+    for (int k = 0; k < tm_ctx_num_named(ctx); k++) {
+        size_t rb = tensor_bytes(tm_ctx_named(ctx, k));
         if (rb > max_raw) max_raw = rb;
     }
     /* One deflate call per tensor: its length must fit zlib's 32-bit uInt. */
@@ -378,7 +378,7 @@ tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t m
     memcpy(h, ck_magic, 8);
     put_u32(h + 8, CK_VERSION);
     put_u32(h + 12, CK_ENDIAN);
-    put_u32(h + 16, (uint32_t)ctx->n_named);
+    put_u32(h + 16, (uint32_t)tm_ctx_num_named(ctx));
     put_u64(h + 20, (uint64_t)meta_bytes);
     put_u32(h + 28, crc_update(0, h, 28));
     w_put(&w, h, sizeof h);
@@ -603,8 +603,8 @@ static tm_status match_records(tm_ctx *ctx, ck_image *im, unsigned flags, unsign
         memcpy(name, r->name, r->name_len);
         name[r->name_len] = '\0';
         int k = 0;
-        while (k < ctx->n_named && strcmp(ctx->named[k]->name, name) != 0) k++;
-        if (k == ctx->n_named || strlen(name) != r->name_len) {
+        while (k < tm_ctx_num_named(ctx) && strcmp(tm_tensor_name(tm_ctx_named(ctx, k)), name) != 0) k++;
+        if (k == tm_ctx_num_named(ctx) || strlen(name) != r->name_len) {
             if ((flags & TM_CKPT_SKIP_UNKNOWN) && strlen(name) == r->name_len) continue;
             return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' holds tensor '%s', unknown in this context",
                            fn, path, name);
@@ -612,20 +612,20 @@ static tm_status match_records(tm_ctx *ctx, ck_image *im, unsigned flags, unsign
         if (seen[k])
             return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' holds tensor '%s' twice", fn, path, name);
         seen[k] = 1;
-        tm_tensor *t = r->t = ctx->named[k];
-        if (r->dtype != (int)t->dtype)
+        tm_tensor *t = r->t = tm_ctx_named(ctx, k);
+        if (r->dtype != (int)tm_tensor_dtype(t))
             return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': tensor '%s' is %s in the file, %s", fn, path, name,
                            tm_dtype_name((tm_dtype)r->dtype), tm__tdesc(ctx, t));
-        int same = r->ndim == t->ndim;
-        for (int d = 0; same && d < t->ndim; d++) same = r->shape[d] == t->shape[d];
+        int same = r->ndim == tm_tensor_ndim(t);
+        for (int d = 0; same && d < r->ndim; d++) same = r->shape[d] == tm_tensor_dim(t, d);
         if (!same)
             return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': tensor '%s' has shape %s in the file, %s",
                            fn, path, name, tm__sdesc(ctx, r->ndim, r->shape), tm__tdesc(ctx, t));
     }
-    for (int k = 0; k < ctx->n_named; k++)
+    for (int k = 0; k < tm_ctx_num_named(ctx); k++)
         if (!seen[k])
             return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' lacks tensor %s (%s)", fn, path,
-                           ctx->named[k]->name, tm__tdesc(ctx, ctx->named[k]));
+                           tm_tensor_name(tm_ctx_named(ctx, k)), tm__tdesc(ctx, tm_ctx_named(ctx, k)));
     return TM_OK;
 }
 
@@ -668,9 +668,10 @@ tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void
     unsigned char *seen = NULL, *raw = NULL;
     tm_status st = parse_image(ctx, &im);
     if (st == TM_OK) {
-        seen = tm__host_alloc(ctx, ctx->n_named ? (size_t)ctx->n_named : 1);
+        size_t n_named = tm_ctx_num_named(ctx) ? (size_t)tm_ctx_num_named(ctx) : 1;
+        seen = tm__host_alloc(ctx, n_named);
         if (!seen) st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory", fn, path);
-        else memset(seen, 0, ctx->n_named ? (size_t)ctx->n_named : 1);
+        else memset(seen, 0, n_named);
     }
     if (st == TM_OK) st = match_records(ctx, &im, flags, seen);
     if (st == TM_OK && meta && im.meta_len > meta_cap)
@@ -685,7 +686,7 @@ tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void
         const ck_rec *r = &im.rec[i];
         if (!r->t) continue;
         st = inflate_rec(ctx, &im, r, raw);
-        if (st == TM_OK) st = tm_tensor_write(ctx, r->t, r->t->dtype, raw, tm_tensor_numel(r->t));
+        if (st == TM_OK) st = tm_tensor_write(ctx, r->t, tm_tensor_dtype(r->t), raw, tm_tensor_numel(r->t));
     }
     if (st == TM_OK) {
         if (meta && im.meta_len) memcpy(meta, im.meta, (size_t)im.meta_len);

@@ -23,8 +23,14 @@ tm_status tm__err(tm_ctx *ctx, tm_status s, const char *fmt, ...)
         if (tm__s_ != TM_OK) return tm__s_; \
     } while (0)
 
-/* "f32[2,3]@cpu" for messages (8 rotating buffers in the context). */
+/* "f32[2,3]@cpu", a tensor described for messages: one of 8 rotating buffers in the context,
+ * so up to 8 may appear in one message. "NULL" for NULL. */
 const char *tm__tdesc(tm_ctx *ctx, const tm_tensor *t);
+
+/* Shape only: "[2,3]". Same buffer rules. */
+const char *tm__sdesc(tm_ctx *ctx, int ndim, const int64_t *shape);
+/* The context's CPU thread count (tm_ctx_options.num_threads, resolved). */
+int tm__nthreads(const tm_ctx *ctx);
 
 /* Host allocation through the context's allocator hook (counted in tm_ctx_alloc_count). */
 void *tm__host_alloc(tm_ctx *ctx, size_t nbytes);

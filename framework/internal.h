@@ -145,11 +145,7 @@ tm_status tm__err(tm_ctx *ctx, tm_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)))
 #endif
     ;
-/* "f32[2,3]@cpu" — a description of a tensor for messages. Uses one of 8 rotating buffers
- * in the context, so up to 8 may appear in one message. "NULL" for NULL. */
-const char *tm__tdesc(tm_ctx *ctx, const tm_tensor *t);
-/* Shape only: "[2,3]". Same buffer rules. */
-const char *tm__sdesc(tm_ctx *ctx, int ndim, const int64_t *shape);
+/* tm__tdesc and tm__sdesc (descriptions for messages) are declared in extend.h. */
 
 
 /* ---- memory ------------------------------------------------------------------------------ */
@@ -282,7 +278,7 @@ tm_status tm__cross_entropy_checked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *t
 
 /* ---- context internals used by kernels --------------------------------------------------- */
 
-int tm__nthreads(const tm_ctx *ctx);
+/* (tm__nthreads: extend.h) */
 int tm__grad_enabled(const tm_ctx *ctx);
 /* 1: the CPU GEMM must use the built-in kernel even when the build has CBLAS. */
 int tm__cpu_gemm_builtin(const tm_ctx *ctx);

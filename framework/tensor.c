@@ -294,6 +294,12 @@ tm_tensor *tm_ctx_param(const tm_ctx *ctx, int i) {
     return NULL;
 }
 
+int tm_ctx_num_named(const tm_ctx *ctx) { return ctx ? ctx->n_named : 0; }
+
+tm_tensor *tm_ctx_named(const tm_ctx *ctx, int i) {
+    return ctx && i >= 0 && i < ctx->n_named ? ctx->named[i] : NULL;
+}
+
 tm_tensor *tm_ctx_find(const tm_ctx *ctx, const char *name) {
     if (!ctx || !name) return NULL;
     for (int k = 0; k < ctx->n_named; k++)

@@ -338,6 +338,10 @@ TM_API tm_status tm_buffer_new(tm_ctx *ctx, const char *name, tm_dtype dt, int n
 /* Parameters in creation order: count, and the i-th (NULL when out of range). */
 TM_API int tm_ctx_num_params(const tm_ctx *ctx);
 TM_API tm_tensor *tm_ctx_param(const tm_ctx *ctx, int i);
+/* Every named persistent tensor (parameters, buffers, f32 master weights, optimizer state:
+ * what a checkpoint holds) in creation order: count, and the i-th (NULL when out of range). */
+TM_API int tm_ctx_num_named(const tm_ctx *ctx);
+TM_API tm_tensor *tm_ctx_named(const tm_ctx *ctx, int i);
 /* Find a parameter or buffer by name; NULL if none. */
 TM_API tm_tensor *tm_ctx_find(const tm_ctx *ctx, const char *name);
 

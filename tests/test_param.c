@@ -198,3 +198,35 @@ Test(param, bf16_master_keeps_small_updates) {
     tm_optimizer_free(opt);
     tm_ctx_free(ctx);
 }
+
+/* The named tensors are what a checkpoint holds: parameters, buffers, and the optimizer's state
+ * and master weights once it exists, each reachable by index and by name. */
+Test(param, named_tensors_cover_parameters_buffers_and_state) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t s4 = 4, s23[2] = {2, 3};
+    tm_tensor *w, *b, *buf;
+    TT_OK(ctx, tm_param_new(ctx, "w", TM_BF16, 2, s23, tm_cpu(), &w));
+    TT_OK(ctx, tm_param_new(ctx, "b", TM_F32, 1, &s4, tm_cpu(), &b));
+    TT_OK(ctx, tm_buffer_new(ctx, "buf", TM_I64, 1, &s4, tm_cpu(), &buf));
+    cr_assert_eq(tm_ctx_num_named(ctx), 3);
+    cr_assert_eq(tm_ctx_named(ctx, 0), w);
+    cr_assert_eq(tm_ctx_named(ctx, 1), b);
+    cr_assert_eq(tm_ctx_named(ctx, 2), buf);
+    cr_assert_null(tm_ctx_named(ctx, 3));
+    cr_assert_null(tm_ctx_named(ctx, -1));
+    cr_assert_null(tm_ctx_named(NULL, 0));
+    cr_assert_eq(tm_ctx_num_named(NULL), 0);
+
+    tm_optimizer *opt;
+    TT_OK(ctx, tm_adamw_new(ctx, NULL, &opt));
+    int n = tm_ctx_num_named(ctx), masters = 0;
+    cr_assert_gt(n, 3, "AdamW's moments are named");
+    for (int i = 0; i < n; i++) {
+        tm_tensor *t = tm_ctx_named(ctx, i);
+        cr_assert_eq(tm_ctx_find(ctx, tm_tensor_name(t)), t, "%s", tm_tensor_name(t));
+        masters += strcmp(tm_tensor_name(t), "w.master") == 0;
+    }
+    cr_assert_eq(masters, 1, "the bf16 parameter's f32 master is named w.master");
+    tm_optimizer_free(opt);
+    tm_ctx_free(ctx);
+}
