@@ -1173,9 +1173,9 @@ typedef struct tm_optimizer tm_optimizer;
 TM_API tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimizer **out);
 /* One update from the gradients currently accumulated. lr < 0: the configured lr (pass the
  * scheduled value otherwise). Does not zero the gradients (tm_ctx_zero_grad).
+ * Runs on the parameters' devices (CPU and CUDA; bf16 buckets update their f32 master weights).
  * Errors: TM_ERR_INVALID_ARG (lr NaN or +inf; -inf is < 0, the configured lr),
- * TM_ERR_UNSUPPORTED (a CUDA parameter: the CUDA update kernel comes with the full CUDA
- * backend; nothing is changed). */
+ * TM_ERR_UNSUPPORTED (a device without the update kernel; nothing is changed), TM_ERR_CUDA. */
 TM_API tm_status tm_optimizer_step(tm_optimizer *opt, double lr);
 /* Number of steps taken. */
 TM_API int64_t tm_optimizer_steps(const tm_optimizer *opt);
@@ -1230,7 +1230,7 @@ TM_API tm_status tm_lr_schedule_check(tm_ctx *ctx, const tm_lr_schedule *s);
 
 /* The update ops that tm_optimizer_step and tm_ctx_clip_grad_norm are built from, for
  * programs that write their own training step. Each writes its first input in place, is
- * never recorded on the tape, and runs on the tensors' device (CPU kernels today). Inputs are
+ * never recorded on the tape, and runs on the tensors' device (CPU or CUDA). Inputs are
  * contiguous ranges of equal element counts: one parameter, or a bucket range of parameters
  * with the matching range of gradients, f32 state and f32 master (tm_ctx_bucket_tensor + slice).
  * Errors: TM_ERR_INVALID_ARG (NULL, a non-contiguous input, step < 1, lr / weight_decay /
@@ -1248,8 +1248,10 @@ TM_API tm_status tm_adamw_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad,
  * f32 momentum buffer (NULL allowed only with momentum 0); master as for AdamW. */
 TM_API tm_status tm_sgd_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_tensor *b, tm_tensor *master,
                         const tm_sgd_config *cfg, double lr, double weight_decay);
-/* out: 0-d f64 on grad's device = sum_i grad[i]^2, accumulated in f64 in a fixed order that
- * depends on the element count only (bitwise the same at any thread count). */
+/* out: 0-d on grad's device = sum_i grad[i]^2, accumulated in f64 in a fixed order that
+ * depends on the element count only (bitwise the same at any thread count and run to run).
+ * The output is f64 on the CPU; on CUDA, where f64 tensors cannot live, it is f32 (the f64 sum
+ * rounded once). Nothing is read back to the host. */
 TM_API tm_status tm_grad_sumsq(tm_ctx *ctx, tm_tensor *grad, tm_tensor **out);
 /* grad *= scale (in the gradient's dtype; scale rounded to f32 for f32 and bf16). */
 TM_API tm_status tm_grad_scale(tm_ctx *ctx, tm_tensor *grad, double scale);
@@ -1258,8 +1260,10 @@ TM_API tm_status tm_grad_scale(tm_ctx *ctx, tm_tensor *grad, double scale);
  * one tm_grad_sumsq per bucket summed in bucket order, then one tm_grad_scale per bucket.
  * With max_norm > 0, gradients are then scaled by max_norm / (norm + 1e-6) when norm >
  * max_norm (torch.nn.utils.clip_grad_norm_). *norm_out (may be NULL) gets the norm before
- * clipping. Errors: TM_ERR_INVALID_ARG (max_norm NaN), TM_ERR_UNSUPPORTED (CUDA gradients;
- * nothing is changed). */
+ * clipping. The partial sums of a device's buckets are read back together: one
+ * synchronisation per device holding parameters (CUDA partials are f32-rounded, see
+ * tm_grad_sumsq). Errors: TM_ERR_INVALID_ARG (max_norm NaN), TM_ERR_UNSUPPORTED (a device
+ * without the kernels; nothing is changed), TM_ERR_CUDA. */
 TM_API tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out);
 
 #ifdef __cplusplus

@@ -5,13 +5,34 @@
  *
  * One grad_sumsq op per bucket over its whole gradient buffer (padding is zero: it adds
  * nothing), the partial sums added on the host in bucket order, then one grad_scale op per
- * bucket. Each partial is a fixed-order f64 sum (kernels/cpu/update.c), so the norm is bitwise
- * independent of the thread count. On a device, reading the partials is one synchronisation
- * per bucket.
+ * bucket. Each partial is a fixed-order f64 sum (kernels/cpu/update.c, kernels/cuda/update.cu),
+ * so the norm is bitwise independent of the thread count and reproducible run to run.
+ *
+ * Synchronisations: the host needs the norm (to decide whether to scale, and for norm_out), so
+ * it reads the partials back, once per device: the partials of a device's buckets stay on that
+ * device and are concatenated there into one vector, read in one copy. A CUDA run therefore
+ * waits once per clip, not once per bucket (a CPU-only context counts one as well).
  */
 #include <math.h>
 
 #include "extend.h"
+
+/* Read the m 0-d partials xs[] (one device) into vals[0..m) in one copy: concatenated on
+ * their device, at most 8 at a time (tm_concat's limit), in order. xs is overwritten. */
+static tm_status read_partials(tm_ctx *ctx, tm_tensor **xs, int m, double *vals) {
+    int64_t one[1] = {1}, total = m;
+    for (int j = 0; j < m; j++) TM__TRY(tm_reshape(ctx, xs[j], 1, one, &xs[j]));
+    while (m > 1) {
+        int w = 0;
+        for (int j = 0; j < m; j += 8) {
+            int n = m - j < 8 ? m - j : 8;
+            if (n == 1) xs[w++] = xs[j];
+            else TM__TRY(tm_concat(ctx, n, xs + j, 0, &xs[w++]));
+        }
+        m = w;
+    }
+    return tm_tensor_read(ctx, xs[0], TM_F64, vals, total);
+}
 
 tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
@@ -28,21 +49,49 @@ tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) 
                            bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU", k, tm_dtype_name(bi.dtype),
                            tm__bucket_first_param(ctx, k));
     }
-    double ss = 0.0;
-    for (int k = 0; k < nb; k++) {
-        tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS), *part;
-        if (tm_tensor_numel(g) == 0) continue;
-        double v = 0.0;
-        TM__TRY(tm_grad_sumsq(ctx, g, &part));
-        TM__TRY(tm_tensor_read(ctx, part, TM_F64, &v, 1));
-        ss += v;
+    /* Stack arrays for the usual handful of buckets: a training step allocates nothing on
+     * the host (tm_ctx_alloc_count stays flat). */
+    enum { NB_STACK = 32 };
+    double part_s[NB_STACK], *part = part_s;
+    tm_tensor *xs_s[NB_STACK], **xs = xs_s;
+    int idx_s[NB_STACK], *idx = idx_s;
+    double vals_s[NB_STACK], *vals = vals_s;
+    tm_status s = TM_OK;
+    if (nb > NB_STACK) {
+        part = tm__host_alloc(ctx, sizeof *part * (size_t)nb);
+        xs = tm__host_alloc(ctx, sizeof *xs * (size_t)nb);
+        idx = tm__host_alloc(ctx, sizeof *idx * (size_t)nb);
+        vals = tm__host_alloc(ctx, sizeof *vals * (size_t)nb);
+        if (!part || !xs || !idx || !vals) s = tm__err(ctx, TM_ERR_NOMEM, "tm_ctx_clip_grad_norm: out of host memory");
     }
+    for (int k = 0; s == TM_OK && k < nb; k++) part[k] = 0.0;
+    /* CPU buckets, then CUDA buckets (a context has at most one CUDA device) */
+    for (int pass = 0; s == TM_OK && pass < 2; pass++) {
+        int m = 0;
+        for (int k = 0; s == TM_OK && k < nb; k++) {
+            tm_bucket_info bi;
+            s = tm_ctx_bucket_info(ctx, k, &bi);
+            tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS);
+            if (s != TM_OK || (bi.device.type == TM_DEVICE_CUDA) != pass || tm_tensor_numel(g) == 0) continue;
+            s = tm_grad_sumsq(ctx, g, &xs[m]);
+            idx[m++] = k;
+        }
+        if (s == TM_OK && m > 0) s = read_partials(ctx, xs, m, vals);
+        for (int j = 0; s == TM_OK && j < m; j++) part[idx[j]] = vals[j];
+    }
+    double ss = 0.0;
+    for (int k = 0; s == TM_OK && k < nb; k++) ss += part[k]; /* bucket order */
+    if (part != part_s) tm__host_free(ctx, part);
+    if (xs != xs_s) tm__host_free(ctx, xs);
+    if (idx != idx_s) tm__host_free(ctx, idx);
+    if (vals != vals_s) tm__host_free(ctx, vals);
+    TM__TRY(s);
     double norm = sqrt(ss);
     if (max_norm > 0.0 && norm > max_norm) {
-        double s = max_norm / (norm + 1e-6);
+        double scale = max_norm / (norm + 1e-6);
         for (int k = 0; k < nb; k++) {
             tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS);
-            if (tm_tensor_numel(g)) TM__TRY(tm_grad_scale(ctx, g, s));
+            if (tm_tensor_numel(g)) TM__TRY(tm_grad_scale(ctx, g, scale));
         }
     }
     if (norm_out) *norm_out = norm;

@@ -737,7 +737,8 @@ int tmd_config_validate(const tmd_config *c, char *err, size_t errlen) {
     CHECK(c->top_k <= c->model.vocab_size, "key 'top_k' = %d: larger than vocab_size = %d", c->top_k,
           c->model.vocab_size);
     CHECK(!(c->device == TMD_DEVICE_CUDA && tm_cuda_device_count() == 0),
-          "key 'device' = cuda: this build has no CUDA backend or no CUDA device is visible");
+          "key 'device' = cuda: this build has no CUDA backend or no CUDA device is visible (--device cpu runs on "
+          "the CPU; checkpoints of either device load on the other)");
 
     /* The library is the one authority on its own fields: run its checks now, so that nothing
      * is written for a configuration the model or the optimizer would reject later. */
