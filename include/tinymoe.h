@@ -599,8 +599,8 @@ typedef struct tm_router_config {
 /* E = 8, k = 2, softmax, pre-softmax, no groups, scaling 1, no renormalisation. */
 TM_API tm_router_config tm_router_config_default(void);
 
-/* Float outputs have the logits' dtype (f32; bf16 logits give bf16 outputs, computed in f64
- * and rounded; f64 for gradient checks). */
+/* Float outputs have the logits' dtype (f32; bf16 logits give bf16 outputs, computed in f64 on
+ * the CPU, in f32 on CUDA, and rounded; f64 for gradient checks). */
 typedef struct tm_router_out {
     tm_tensor *probs;             /* [T,E]: p at the routed (t,e), 0 elsewhere */
     tm_tensor *routing_map;       /* u8  [T,E]: 1 where routed */
@@ -623,14 +623,20 @@ typedef struct tm_router_out {
  *   p *= scaling_factor last. Ties: the lowest expert index wins (everywhere, groups too).
  * logits: float [T,E]. expert_bias: float [E] (any float dtype) or NULL, used for selection
  * only (no gradient), with either score function (softmax + bias shifts the selection only,
- * too). The arithmetic is f64 on the CPU. On error every field of *out is NULL (out given).
+ * too). The arithmetic is f64 on the CPU and f32 on CUDA (bf16 logits read as f32): CUDA's
+ * float outputs and gradients are within 1e-5 (f32) or one bf16 rounding step of the CPU's.
+ * Both select the same experts unless f32 rounding makes two scores equal (or unequal) that
+ * are not so in f64; equal logits give equal scores on both. NaN ranks lowest on CUDA, while
+ * the CPU's insertion may keep one, so a row mixing NaN and numbers may select differently.
+ * tokens_per_expert is exact on both. On error every field of *out is NULL (out given).
  * Gradients flow from probs and topk_weights (both may be used) into logits.
  * Errors (message names the field and its value): TM_ERR_INVALID_ARG for out or cfg NULL,
  * score_function not a tm_score_function, num_experts < 1, k outside [1,E], num_groups < 0,
  * E % num_groups, group_topk outside [1, num_groups], k % group_topk,
  * k / group_topk > E / num_groups, scaling_factor <= 0, NaN or infinite; TM_ERR_DTYPE for
  * logits or expert_bias not float; TM_ERR_SHAPE for logits not [T,E] with E = num_experts >= 1, or
- * expert_bias not [E]. CPU only for now (TM_ERR_UNSUPPORTED on CUDA). */
+ * expert_bias not [E]; TM_ERR_UNSUPPORTED on CUDA for a row beyond 48 KiB of shared memory
+ * (9 E + 8 k + 5 num_groups bytes: E above about 5400). */
 TM_API tm_status tm_moe_router(tm_ctx *ctx, tm_tensor *logits, tm_tensor *expert_bias, const tm_router_config *cfg,
                         tm_router_out *out);
 
@@ -645,7 +651,11 @@ TM_API tm_status tm_moe_router(tm_ctx *ctx, tm_tensor *logits, tm_tensor *expert
  * Gradient: d scores[t,e] = E * coeff / (k * T^2) * tokens_per_expert[e].
  * Errors: TM_ERR_DTYPE (scores not float, tokens_per_expert not i64), TM_ERR_SHAPE (scores
  * not [T,E] with E >= 1, tokens_per_expert not [E]), TM_ERR_INVALID_ARG (topk outside [1, E],
- * coeff not finite, 0 < total_tokens < T). CPU only for now. */
+ * coeff not finite, 0 < total_tokens < T).
+ * On CUDA the sum is a two-pass fixed-order f32 reduction (block partial sums, then one block
+ * adds them in order; c applied once, in f64): bitwise reproducible run to run, and within
+ * 1e-5 of the CPU's f64 sum (a bf16 rounding step for bf16 scores). The same holds for
+ * tm_moe_seq_aux_loss and tm_moe_z_loss. */
 TM_API tm_status tm_moe_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *tokens_per_expert, int topk, double coeff,
                           int64_t total_tokens, tm_tensor **out);
 /* Sequence-level variant (DeepSeek-V3 sec. 2.1.2, complementary sequence-wise balance loss):
@@ -655,7 +665,7 @@ TM_API tm_status tm_moe_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *toke
  * sequences. Out: 0-d, the scores' dtype; 0 when T = 0.
  * Errors: TM_ERR_DTYPE (scores not float, routing_map not u8), TM_ERR_SHAPE (scores not [T,E]
  * with E >= 1, routing_map not of scores' shape), TM_ERR_INVALID_ARG (topk outside [1, E],
- * coeff not finite, num_seqs < 1 or not dividing T). CPU only for now. */
+ * coeff not finite, num_seqs < 1 or not dividing T). */
 TM_API tm_status tm_moe_seq_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *routing_map, int topk, double coeff,
                               int64_t num_seqs, tm_tensor **out);
 /* Scores for the auxiliary losses (Megatron compute_routing_scores_for_aux_loss, TE
@@ -667,7 +677,8 @@ TM_API tm_status tm_moe_seq_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *
  * tm_moe_seq_aux_loss; the counts that go with them are the routed ones (tm_router_out) or
  * Megatron's clean ones, a plain top-k of these very scores: tm_moe_aux_counts.
  * Errors: TM_ERR_INVALID_ARG (score_function not a tm_score_function), TM_ERR_DTYPE (logits
- * not float), TM_ERR_SHAPE (logits not [T,E] with E >= 1). CPU only for now. */
+ * not float), TM_ERR_SHAPE (logits not [T,E] with E >= 1). Computed in f32 on CUDA (f64 on
+ * the CPU). */
 TM_API tm_status tm_moe_aux_scores(tm_ctx *ctx, tm_tensor *logits, tm_score_function score_function, tm_tensor **out);
 /* Megatron's "clean" routing for the balance losses (TM_AUX_COUNTS_CLEAN): a plain top-k of
  * the aux scores, without groups, expert bias, capacity or scaling, as Megatron-LM's
@@ -686,31 +697,31 @@ TM_API tm_status tm_moe_aux_scores(tm_ctx *ctx, tm_tensor *logits, tm_score_func
  * never recorded on the tape, whatever the grad mode.
  * Errors: TM_ERR_INVALID_ARG (logits, routing_map or tokens_per_expert NULL; logits of
  * another context; topk outside [1, E]), TM_ERR_DTYPE (logits not float), TM_ERR_SHAPE
- * (logits not [T,E] with E >= 1), TM_ERR_UNSUPPORTED (logits on CUDA: the router op is CPU
- * only for now), TM_ERR_NOMEM. */
+ * (logits not [T,E] with E >= 1), TM_ERR_NOMEM, TM_ERR_CUDA. */
 TM_API tm_status tm_moe_aux_counts(tm_ctx *ctx, tm_tensor *logits, int topk, tm_tensor **routing_map,
                             tm_tensor **tokens_per_expert);
 /* Router z-loss (ST-MoE eq. 5): z = coeff * mean_t (logsumexp_e logits[t,e])^2; 0 when T = 0.
  * Out: 0-d, the logits' dtype (f64 for f64 logits).
  * Errors: TM_ERR_DTYPE (logits not float), TM_ERR_SHAPE (logits not [T,E] with E >= 1),
- * TM_ERR_INVALID_ARG (coeff not finite). CPU only for now. */
+ * TM_ERR_INVALID_ARG (coeff not finite). CUDA: logsumexp in f32, see tm_moe_aux_loss. */
 TM_API tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_tensor **out);
 /* Aux-loss-free balancing (DeepSeek-V3 sec. 2.1.2; Megatron get_updated_expert_bias), once per
  * optimizer step with counts summed over micro-batches and ranks:
  *   expert_bias[e] += rate * sign(mean(counts) - counts[e])     (sign(0) = 0)
- * expert_bias: f32 or f64 [E] (a buffer; views allowed; the new value is computed in f64 and
- * rounded once to its dtype), counts: i64 [E]. An in-place update, not an op: never recorded
- * on the tape.
+ * expert_bias: f32 or f64 [E] (f32 on CUDA; a buffer; views allowed; the new value is computed
+ * in f64 and rounded once to its dtype, on CUDA too: the result is the CPU's bit for bit),
+ * counts: i64 [E] on the same device. An in-place update, not an op: never recorded on the
+ * tape; reads nothing back.
  * Errors: TM_ERR_INVALID_ARG (a tensor NULL or of another context, rate not finite),
- * TM_ERR_UNSUPPORTED (a tensor not on the CPU), TM_ERR_DTYPE (expert_bias not f32 or f64,
- * counts not i64), TM_ERR_SHAPE (expert_bias not [E] with E >= 1, counts not [E]). */
+ * TM_ERR_DEVICE (on different devices), TM_ERR_DTYPE (expert_bias not f32 or f64, counts not
+ * i64), TM_ERR_SHAPE (expert_bias not [E] with E >= 1, counts not [E]), TM_ERR_CUDA. */
 TM_API tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate);
 /* The running count behind that update, kept on the device: sum[e] += counts[e] in place.
  * sum: i64 [E], contiguous (a buffer, e.g. the block's tokens_per_expert_sum); counts: i64 [E]
  * (tm_router_out / tm_moe_drop_out tokens_per_expert). Not recorded on the tape; reads nothing
  * back. Errors: TM_ERR_DTYPE (sum or counts not i64), TM_ERR_SHAPE (not both [E]),
  * TM_ERR_INVALID_ARG (a tensor NULL or of another context; sum a strided view), TM_ERR_DEVICE (on
- * different devices), TM_ERR_UNSUPPORTED (on CUDA: CPU only for now). */
+ * different devices), TM_ERR_CUDA. */
 TM_API tm_status tm_moe_accumulate_counts(tm_ctx *ctx, tm_tensor *sum, tm_tensor *counts);
 
 typedef enum tm_drop_policy {
@@ -738,7 +749,9 @@ typedef struct tm_moe_drop_out {
  * for an expert's slots, with a fixed tie order. On error every field of *out is NULL (out
  * given). Errors: TM_ERR_INVALID_ARG (out NULL, capacity < 0, policy not a tm_drop_policy),
  * TM_ERR_DTYPE (probs not float, routing_map not u8), TM_ERR_SHAPE (probs not 2-D, routing_map
- * not of probs' shape). CPU only for now. */
+ * not of probs' shape). On CUDA nothing is read back either: the kept set is the CPU's exactly
+ * (TM_DROP_PROBS ranks in O(n_e^2) per expert of n_e routed tokens; TM_ERR_UNSUPPORTED beyond
+ * 2^31 - 1 tokens). */
 TM_API tm_status tm_moe_drop_tokens(tm_ctx *ctx, tm_tensor *probs, tm_tensor *routing_map, int64_t capacity,
                              tm_drop_policy policy, tm_moe_drop_out *out);
 
@@ -895,8 +908,7 @@ TM_API tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_
 TM_API tm_status tm_moe_stats_read(tm_moe *moe, tm_moe_stats *stats);
 /* Once per optimizer step: apply the expert-bias update (if use_expert_bias and the rate is
  * > 0) from the counts summed since the last call, then clear the sum.
- * Errors: those of tm_moe_expert_bias_update (TM_ERR_UNSUPPORTED for a CUDA block),
- * TM_ERR_CUDA (clearing a CUDA sum). */
+ * Errors: those of tm_moe_expert_bias_update, TM_ERR_CUDA (clearing a CUDA sum). */
 TM_API tm_status tm_moe_step(tm_moe *moe);
 
 /* ------------------------------------------------------------------------------------------ */
