@@ -60,7 +60,7 @@ static attn_dims attn_dims_of(const tm__call *c) {
 /* sum_x a[x] b[x] over D, a in shared memory (f32), b in global memory: the lanes of a warp
  * stride over x, then a butterfly; every lane gets the same value (float addition commutes). */
 template <typename T>
-__device__ __forceinline__ float warp_dot(const float *a, const T *b, int64_t D) {
+__device__ __forceinline__ float attn_warp_dot(const float *a, const T *b, int64_t D) {
     float s = 0.0f;
     for (int64_t x = threadIdx.x & 31; x < D; x += 32) s += a[x] * tm__ld(b + x);
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -94,7 +94,7 @@ attn_forward_kernel(void *o_, float *lse, const void *q_, const void *k_, const 
     for (int64_t j0 = 0; j0 < n; j0 += ATT_TILE) {
         const int cnt = (int)(n - j0 < ATT_TILE ? n - j0 : ATT_TILE);
         for (int jj = warp; jj < cnt; jj += ATT_WARPS) {
-            float s = warp_dot(qs, kb + (j0 + jj) * ks, D);
+            float s = attn_warp_dot(qs, kb + (j0 + jj) * ks, D);
             if (lane == 0) p[jj] = s * d.scale;
         }
         __syncthreads();
@@ -151,7 +151,8 @@ attn_backward_q_kernel(void *dq_, float *delta, const void *q_, const void *k_, 
         for (int64_t j0 = 0; j0 < n; j0 += ATT_TILE) {
             const int cnt = (int)(n - j0 < ATT_TILE ? n - j0 : ATT_TILE);
             for (int jj = warp; jj < cnt; jj += ATT_WARPS) {
-                float s = warp_dot(qs, kb + (j0 + jj) * ks, D), t = warp_dot(dos, vb + (j0 + jj) * ks, D);
+                float s = attn_warp_dot(qs, kb + (j0 + jj) * ks, D);
+                float t = attn_warp_dot(dos, vb + (j0 + jj) * ks, D);
                 if (lane == 0) {
                     p[jj] = expf(s * d.scale - lse_i);
                     dp[jj] = t;
@@ -207,7 +208,7 @@ attn_backward_kv_kernel(void *dk_, void *dv_, const void *q_, const void *k_, co
             const int cnt = (int)(d.Tq - r0 < ATT_TILE ? d.Tq - r0 : ATT_TILE);
             for (int rr = warp; rr < cnt; rr += ATT_WARPS) {
                 const int64_t i = r0 + rr;
-                float s = warp_dot(kr, qb + i * qs, D), t = warp_dot(vr, ob + i * qs, D);
+                float s = attn_warp_dot(kr, qb + i * qs, D), t = attn_warp_dot(vr, ob + i * qs, D);
                 if (lane == 0) {
                     float pi = expf(s * d.scale - lse[lrow + i]);
                     p[rr] = pi;

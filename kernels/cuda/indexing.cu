@@ -48,7 +48,7 @@
 /* fb[0], read as unsigned, is lowered to the lowest flat position whose index is outside [0, hi).
  * Initialised to all ones (-1 as i64): none. */
 template <typename I>
-__global__ void first_bad_scan_kernel(unsigned long long *fb, const I *idx, int64_t n, int64_t hi) {
+__global__ void ix_first_bad_scan_kernel(unsigned long long *fb, const I *idx, int64_t n, int64_t hi) {
     TM__CU_GRID_STRIDE(i, n) {
         int64_t v = (int64_t)idx[i];
         if (v < 0 || v >= hi) atomicMin(fb, (unsigned long long)i);
@@ -57,7 +57,7 @@ __global__ void first_bad_scan_kernel(unsigned long long *fb, const I *idx, int6
 
 /* fb[1] = the value at position fb[0], or 0 when fb[0] is -1. */
 template <typename I>
-__global__ void first_bad_value_kernel(int64_t *fb, const I *idx) {
+__global__ void ix_first_bad_value_kernel(int64_t *fb, const I *idx) {
     int64_t p = fb[0];
     fb[1] = p >= 0 ? (int64_t)idx[p] : 0;
 }
@@ -68,18 +68,15 @@ static tm_status first_bad_launch(tm_ctx *ctx, const tm__cuda *st, const char *w
                                   const void *idx, int64_t n, int64_t hi) {
     TM__CU_CHECK(ctx, what, cudaMemsetAsync(fb, 0xff, sizeof(int64_t), st->stream));
     unsigned g = tm__cu_blocks(st, n);
+    unsigned long long *pos = (unsigned long long *)fb;
     if (idt == TM_I32) {
-        if (n > 0)
-            first_bad_scan_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>((unsigned long long *)fb, (const int32_t *)idx,
-                                                                        n, hi);
-        first_bad_value_kernel<<<1, 1, 0, st->stream>>>(fb, (const int32_t *)idx);
+        if (n > 0) ix_first_bad_scan_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>(pos, (const int32_t *)idx, n, hi);
+        ix_first_bad_value_kernel<<<1, 1, 0, st->stream>>>(fb, (const int32_t *)idx);
     } else {
-        if (n > 0)
-            first_bad_scan_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>((unsigned long long *)fb, (const int64_t *)idx,
-                                                                        n, hi);
-        first_bad_value_kernel<<<1, 1, 0, st->stream>>>(fb, (const int64_t *)idx);
+        if (n > 0) ix_first_bad_scan_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>(pos, (const int64_t *)idx, n, hi);
+        ix_first_bad_value_kernel<<<1, 1, 0, st->stream>>>(fb, (const int64_t *)idx);
     }
-    TM__CU_LAUNCHED(ctx, what, "first_bad_scan_kernel / first_bad_value_kernel");
+    TM__CU_LAUNCHED(ctx, what, "ix_first_bad_scan_kernel / ix_first_bad_value_kernel");
     return TM_OK;
 }
 
@@ -99,7 +96,7 @@ static tm_status check_indices(tm__call *c, const tm__cuda *st) {
 /* ---- row lookup: embedding and index_select forward ------------------------------------------ */
 
 template <typename T, typename I>
-__global__ void lookup_rows_kernel(T *out, const T *table, const I *idx, int64_t M, int64_t R, int64_t C) {
+__global__ void ix_lookup_rows_kernel(T *out, const T *table, const I *idx, int64_t M, int64_t R, int64_t C) {
     TM__CU_GRID_STRIDE(e, M * C) {
         int64_t m = e / C, col = e % C, v = (int64_t)idx[m];
         if (v >= 0 && v < R) out[e] = table[v * C + col];
@@ -112,7 +109,7 @@ __global__ void lookup_rows_kernel(T *out, const T *table, const I *idx, int64_t
 /* keys (N, a power of two >= M): idx[m] << 32 | m for valid idx[m], IDX_NONE for bad ones and
  * for the padding past M. */
 template <typename I>
-__global__ void scatter_keys_kernel(unsigned long long *keys, const I *idx, int64_t M, int64_t N, int64_t R) {
+__global__ void ix_scatter_keys_kernel(unsigned long long *keys, const I *idx, int64_t M, int64_t N, int64_t R) {
     TM__CU_GRID_STRIDE(i, N) {
         unsigned long long key = IDX_NONE;
         if (i < M) {
@@ -125,7 +122,7 @@ __global__ void scatter_keys_kernel(unsigned long long *keys, const I *idx, int6
 
 /* One compare-exchange step (k, j) of the bitonic network over N = 2 * half keys: pair t joins
  * i (bit j clear) and i + j, sorted ascending where bit k of i is clear, descending elsewhere. */
-__global__ void bitonic_step_kernel(unsigned long long *keys, int64_t half, int64_t j, int64_t k) {
+__global__ void ix_bitonic_step_kernel(unsigned long long *keys, int64_t half, int64_t j, int64_t k) {
     TM__CU_GRID_STRIDE(t, half) {
         int64_t i = (t / j) * 2 * j + t % j, l = i + j;
         unsigned long long a = keys[i], b = keys[l];
@@ -138,7 +135,7 @@ __global__ void bitonic_step_kernel(unsigned long long *keys, int64_t half, int6
 }
 
 /* First position in sorted keys[0, n) whose key is >= want. */
-__device__ int64_t lower_bound_key(const unsigned long long *keys, int64_t n, unsigned long long want) {
+static __device__ int64_t ix_lower_bound_key(const unsigned long long *keys, int64_t n, unsigned long long want) {
     int64_t lo = 0, hi = n;
     while (lo < hi) {
         int64_t mid = lo + (hi - lo) / 2;
@@ -151,13 +148,13 @@ __device__ int64_t lower_bound_key(const unsigned long long *keys, int64_t n, un
 /* dst (R, C) (+)= the rows of src (M, C) whose keys (sorted, M of them) name row r, summed in
  * key order (ascending m) in f64. accumulate = 0: rows that receive nothing become 0. */
 template <typename T>
-__global__ void scatter_rows_kernel(T *dst, const T *src, const unsigned long long *keys, int64_t M, int64_t R,
-                                    int64_t C, int accumulate) {
+__global__ void ix_scatter_rows_kernel(T *dst, const T *src, const unsigned long long *keys, int64_t M, int64_t R,
+                                       int64_t C, int accumulate) {
     __shared__ int64_t run[2];
     for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
         if (threadIdx.x == 0) {
-            run[0] = lower_bound_key(keys, M, (unsigned long long)r << 32);
-            run[1] = lower_bound_key(keys, M, (unsigned long long)(r + 1) << 32);
+            run[0] = ix_lower_bound_key(keys, M, (unsigned long long)r << 32);
+            run[1] = ix_lower_bound_key(keys, M, (unsigned long long)(r + 1) << 32);
         }
         __syncthreads();
         const int64_t j0 = run[0], j1 = run[1];
@@ -165,7 +162,8 @@ __global__ void scatter_rows_kernel(T *dst, const T *src, const unsigned long lo
             T *d = dst + r * C;
             for (int64_t col = threadIdx.x; col < C; col += blockDim.x) {
                 double a = accumulate ? (double)tm__ld(d + col) : 0.0;
-                for (int64_t j = j0; j < j1; j++) a += (double)tm__ld(src + (int64_t)(keys[j] & 0xffffffffull) * C + col);
+                for (int64_t j = j0; j < j1; j++)
+                    a += (double)tm__ld(src + (int64_t)(keys[j] & 0xffffffffull) * C + col);
                 tm__st(d + col, (float)a);
             }
         }
@@ -176,12 +174,12 @@ __global__ void scatter_rows_kernel(T *dst, const T *src, const unsigned long lo
 template <typename T, typename I>
 static void scatter_rows_launch(const tm__cuda *st, unsigned long long *keys, T *dst, const T *src, const I *idx,
                                 int64_t R, int64_t M, int64_t N, int64_t C, int accumulate) {
-    scatter_keys_kernel<<<tm__cu_blocks(st, N), TM__CU_THREADS, 0, st->stream>>>(keys, idx, M, N, R);
+    ix_scatter_keys_kernel<<<tm__cu_blocks(st, N), TM__CU_THREADS, 0, st->stream>>>(keys, idx, M, N, R);
     for (int64_t k = 2; k <= N; k <<= 1)
         for (int64_t j = k >> 1; j > 0; j >>= 1)
-            bitonic_step_kernel<<<tm__cu_blocks(st, N / 2), TM__CU_THREADS, 0, st->stream>>>(keys, N / 2, j, k);
+            ix_bitonic_step_kernel<<<tm__cu_blocks(st, N / 2), TM__CU_THREADS, 0, st->stream>>>(keys, N / 2, j, k);
     unsigned grid = (unsigned)(R < ((int64_t)1 << 30) ? R : ((int64_t)1 << 30));
-    scatter_rows_kernel<<<grid, tm__cu_row_threads(C), 0, st->stream>>>(dst, src, keys, M, R, C, accumulate);
+    ix_scatter_rows_kernel<<<grid, tm__cu_row_threads(C), 0, st->stream>>>(dst, src, keys, M, R, C, accumulate);
 }
 
 /* dst (R, C) (+)= src (M, C) scattered by idx (M); bad indices add nothing.
@@ -192,11 +190,13 @@ static tm_status scatter_rows(tm__call *c, const tm__cuda *st, tm_tensor *dst, c
     const char *what = tm__opname(c);
     int64_t R = dst->shape[0], C = dst->shape[1], M = tm__numel(idx);
     if (R == 0 || C == 0) return TM_OK;
-    if (M == 0) return accumulate ? TM_OK : tm__cuda_memset0(ctx, tm__data(dst), (size_t)(R * C) * tm_dtype_size(dst->dtype));
+    if (M == 0)
+        return accumulate ? TM_OK : tm__cuda_memset0(ctx, tm__data(dst), (size_t)(R * C) * tm_dtype_size(dst->dtype));
     /* A key holds the row in its high 32 bits and the source position in its low 32. */
     if (M >= (int64_t)UINT32_MAX || R >= (int64_t)UINT32_MAX)
         return tm__err(ctx, TM_ERR_UNSUPPORTED,
-                       "%s: the CUDA row scatter-add takes < 2^32 - 1 rows and sources, got %lld sources into %lld rows",
+                       "%s: the CUDA row scatter-add takes < 2^32 - 1 rows and sources, got %lld sources into "
+                       "%lld rows",
                        what, (long long)M, (long long)R);
     int64_t N = 1;
     while (N < M) N <<= 1;
@@ -214,14 +214,14 @@ static tm_status scatter_rows(tm__call *c, const tm__cuda *st, tm_tensor *dst, c
         if (idx->dtype == TM_I32) scatter_rows_launch(st, keys, d, s, (const int32_t *)ip, R, M, N, C, accumulate);
         else scatter_rows_launch(st, keys, d, s, (const int64_t *)ip, R, M, N, C, accumulate);
     }
-    TM__CU_LAUNCHED(ctx, what, "scatter_keys_kernel / bitonic_step_kernel / scatter_rows_kernel");
+    TM__CU_LAUNCHED(ctx, what, "ix_scatter_keys_kernel / ix_bitonic_step_kernel / ix_scatter_rows_kernel");
     return TM_OK;
 }
 
 /* ---- gather and the backward of scatter_add ------------------------------------------------- */
 
 template <typename T, typename I>
-__global__ void gather_forward_kernel(T *out, const T *x, const I *idx, int64_t N, int64_t C, int64_t K) {
+__global__ void ix_gather_forward_kernel(T *out, const T *x, const I *idx, int64_t N, int64_t C, int64_t K) {
     TM__CU_GRID_STRIDE(e, N * K) {
         int64_t n = e / K, v = (int64_t)idx[e];
         if (v >= 0 && v < C) out[e] = x[n * C + v];
@@ -231,7 +231,7 @@ __global__ void gather_forward_kernel(T *out, const T *x, const I *idx, int64_t 
 
 /* One thread per row n of dx (f32): dx[n, idx[n, k]] += dout[n, k] for k in order. */
 template <typename T, typename I>
-__global__ void gather_backward_kernel(float *dx, const T *dout, const I *idx, int64_t N, int64_t C, int64_t K) {
+__global__ void ix_gather_backward_kernel(float *dx, const T *dout, const I *idx, int64_t N, int64_t C, int64_t K) {
     TM__CU_GRID_STRIDE(n, N) {
         for (int64_t k = 0; k < K; k++) {
             int64_t v = (int64_t)idx[n * K + k];
@@ -242,13 +242,13 @@ __global__ void gather_backward_kernel(float *dx, const T *dout, const I *idx, i
 
 /* dst = src elementwise, converting (bf16 <-> f32 staging of gather's dx). */
 template <typename D, typename S>
-__global__ void convert_kernel(D *dst, const S *src, int64_t n) {
+__global__ void ix_convert_kernel(D *dst, const S *src, int64_t n) {
     TM__CU_GRID_STRIDE(i, n) tm__st(dst + i, tm__ld(src + i));
 }
 
 /* dsrc (M, C) += dout[idx[m]]: a row gather, no two threads write one element. */
 template <typename T, typename I>
-__global__ void gather_rows_add_kernel(T *dsrc, const T *dout, const I *idx, int64_t M, int64_t R, int64_t C) {
+__global__ void ix_gather_rows_add_kernel(T *dsrc, const T *dout, const I *idx, int64_t M, int64_t R, int64_t C) {
     TM__CU_GRID_STRIDE(e, M * C) {
         int64_t m = e / C, col = e % C, v = (int64_t)idx[m];
         if (v >= 0 && v < R) tm__st(dsrc + e, tm__ld(dsrc + e) + tm__ld(dout + v * C + col));
@@ -281,9 +281,9 @@ static tm_status row_lookup_forward(tm__call *c) {
     const tm_tensor *table = c->in[0], *idx = c->in[1];
     int64_t V = table->shape[0], C = table->shape[1], M = tm__numel(idx);
     if (M * C > 0) {
-        IDX_LAUNCH(table->dtype, idx->dtype, lookup_rows_kernel, tm__cu_blocks(st, M * C), TM__CU_THREADS, st->stream,
-                   tm__data(c->out[0]), tm__data(table), tm__data(idx), M, V, C);
-        TM__CU_LAUNCHED(c->ctx, tm__opname(c), "lookup_rows_kernel");
+        IDX_LAUNCH(table->dtype, idx->dtype, ix_lookup_rows_kernel, tm__cu_blocks(st, M * C), TM__CU_THREADS,
+                   st->stream, tm__data(c->out[0]), tm__data(table), tm__data(idx), M, V, C);
+        TM__CU_LAUNCHED(c->ctx, tm__opname(c), "ix_lookup_rows_kernel");
     }
     return check_indices(c, st);
 }
@@ -306,9 +306,9 @@ extern "C" tm_status tm__gather_forward_cuda(tm__call *c) {
     const tm_tensor *x = c->in[0], *idx = c->in[1];
     int64_t N = x->shape[0], C = x->shape[1], K = idx->shape[1];
     if (N * K > 0) {
-        IDX_LAUNCH(x->dtype, idx->dtype, gather_forward_kernel, tm__cu_blocks(st, N * K), TM__CU_THREADS, st->stream,
+        IDX_LAUNCH(x->dtype, idx->dtype, ix_gather_forward_kernel, tm__cu_blocks(st, N * K), TM__CU_THREADS, st->stream,
                    tm__data(c->out[0]), tm__data(x), tm__data(idx), N, C, K);
-        TM__CU_LAUNCHED(c->ctx, "gather", "gather_forward_kernel");
+        TM__CU_LAUNCHED(c->ctx, "gather", "ix_gather_forward_kernel");
     }
     return check_indices(c, st);
 }
@@ -316,12 +316,11 @@ extern "C" tm_status tm__gather_forward_cuda(tm__call *c) {
 template <typename T>
 static void gather_backward_launch(const tm__cuda *st, float *dx, const T *dout, tm_dtype it, const void *idx,
                                    int64_t N, int64_t C, int64_t K) {
+    unsigned g = tm__cu_blocks(st, N);
     if (it == TM_I32)
-        gather_backward_kernel<<<tm__cu_blocks(st, N), TM__CU_THREADS, 0, st->stream>>>(dx, dout, (const int32_t *)idx, N,
-                                                                                        C, K);
+        ix_gather_backward_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>(dx, dout, (const int32_t *)idx, N, C, K);
     else
-        gather_backward_kernel<<<tm__cu_blocks(st, N), TM__CU_THREADS, 0, st->stream>>>(dx, dout, (const int64_t *)idx, N,
-                                                                                        C, K);
+        ix_gather_backward_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>(dx, dout, (const int64_t *)idx, N, C, K);
 }
 
 /* bf16 dx is staged through f32 scratch, as the CPU dispatcher stages it, so that a column hit
@@ -342,11 +341,11 @@ extern "C" tm_status tm__gather_backward_cuda(tm__call *c) {
         tm__bf16 *d = (tm__bf16 *)tm__data(dx);
         TM__TRY(tm__cu_scratch(ctx, st, (size_t)(N * C) * sizeof(float), (void **)&acc));
         unsigned g = tm__cu_blocks(st, N * C);
-        convert_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>(acc, (const tm__bf16 *)d, N * C);
+        ix_convert_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>(acc, (const tm__bf16 *)d, N * C);
         gather_backward_launch(st, acc, (const tm__bf16 *)tm__data(c->gout[0]), idx->dtype, tm__data(idx), N, C, K);
-        convert_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>(d, (const float *)acc, N * C);
+        ix_convert_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>(d, (const float *)acc, N * C);
     }
-    TM__CU_LAUNCHED(ctx, "gather", "convert_kernel / gather_backward_kernel");
+    TM__CU_LAUNCHED(ctx, "gather", "ix_convert_kernel / ix_gather_backward_kernel");
     return TM_OK;
 }
 
@@ -364,16 +363,17 @@ extern "C" tm_status tm__scatter_add_backward_cuda(tm__call *c) {
     if (!dsrc || M * C == 0) return TM_OK;
     tm__cuda *st;
     TM__TRY(tm__cu_enter(c->ctx, "scatter_add", &st));
-    IDX_LAUNCH(dsrc->dtype, idx->dtype, gather_rows_add_kernel, tm__cu_blocks(st, M * C), TM__CU_THREADS, st->stream,
+    IDX_LAUNCH(dsrc->dtype, idx->dtype, ix_gather_rows_add_kernel, tm__cu_blocks(st, M * C), TM__CU_THREADS, st->stream,
                tm__data(dsrc), tm__data(c->gout[0]), tm__data(idx), M, R, C);
-    TM__CU_LAUNCHED(c->ctx, "scatter_add", "gather_rows_add_kernel");
+    TM__CU_LAUNCHED(c->ctx, "scatter_add", "ix_gather_rows_add_kernel");
     return TM_OK;
 }
 
 /* ---- index_check ------------------------------------------------------------------------------- */
 
 template <typename I>
-__global__ void index_check_kernel(I *safe, unsigned long long *fb, const I *ids, int64_t n, int64_t hi, int64_t ign) {
+__global__ void ix_index_check_kernel(I *safe, unsigned long long *fb, const I *ids, int64_t n, int64_t hi,
+                                      int64_t ign) {
     TM__CU_GRID_STRIDE(i, n) {
         int64_t v = (int64_t)ids[i];
         bool ok = (v >= 0 && v < hi) || v == ign;
@@ -392,17 +392,20 @@ extern "C" tm_status tm__index_check_forward_cuda(tm__call *c) {
     int64_t *fb = (int64_t *)tm__data(c->out[1]);
     TM__CU_CHECK(ctx, what, cudaMemsetAsync(fb, 0xff, sizeof(int64_t), st->stream)); /* -1: none yet */
     unsigned g = tm__cu_blocks(st, n);
+    unsigned long long *pos = (unsigned long long *)fb;
+    void *safe = tm__data(c->out[0]);
+    const void *v = tm__data(ids);
     if (ids->dtype == TM_I32) {
         if (n > 0)
-            index_check_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>((int32_t *)tm__data(c->out[0]), (unsigned long long *)fb,
-                                                                     (const int32_t *)tm__data(ids), n, hi, ign);
-        first_bad_value_kernel<<<1, 1, 0, st->stream>>>(fb, (const int32_t *)tm__data(ids));
+            ix_index_check_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>((int32_t *)safe, pos, (const int32_t *)v, n, hi,
+                                                                        ign);
+        ix_first_bad_value_kernel<<<1, 1, 0, st->stream>>>(fb, (const int32_t *)v);
     } else {
         if (n > 0)
-            index_check_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>((int64_t *)tm__data(c->out[0]), (unsigned long long *)fb,
-                                                                     (const int64_t *)tm__data(ids), n, hi, ign);
-        first_bad_value_kernel<<<1, 1, 0, st->stream>>>(fb, (const int64_t *)tm__data(ids));
+            ix_index_check_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>((int64_t *)safe, pos, (const int64_t *)v, n, hi,
+                                                                        ign);
+        ix_first_bad_value_kernel<<<1, 1, 0, st->stream>>>(fb, (const int64_t *)v);
     }
-    TM__CU_LAUNCHED(ctx, what, "index_check_kernel / first_bad_value_kernel");
+    TM__CU_LAUNCHED(ctx, what, "ix_index_check_kernel / ix_first_bad_value_kernel");
     return TM_OK;
 }
