@@ -102,7 +102,7 @@ attn_forward_kernel(void *o_, float *lse, const void *q_, const void *k_, const 
         for (int jj = 0; jj < cnt; jj++) mt = fmaxf(mt, p[jj]);
         const float corr = expf(m - mt); /* 0 on the first tile (m = -inf) */
         __syncthreads();                 /* every thread has read the scores */
-        if (threadIdx.x < cnt) p[threadIdx.x] = expf(p[threadIdx.x] - mt);
+        if ((int)threadIdx.x < cnt) p[threadIdx.x] = expf(p[threadIdx.x] - mt);
         __syncthreads();
         float ls = 0.0f;
         for (int jj = 0; jj < cnt; jj++) ls += p[jj];
