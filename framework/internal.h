@@ -276,6 +276,18 @@ void tm__mem_account(tm_ctx *ctx, tm_device dev, int cat, ptrdiff_t delta);
 tm_status tm__cross_entropy_checked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
                                     tm_tensor **out);
 
+/* tm_embedding for ids already known to be valid (tm_index_check on the device, or read on the
+ * host): the same result, but the CUDA forward does not read its bad-index flag back, so it
+ * does not synchronise (and the CPU forward counts no synchronisation). An id outside [0, V)
+ * then gives a zero row on CUDA (the CPU still reports it). */
+tm_status tm__embedding_checked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
+/* Index range errors of embedding, index_select, gather and scatter_add (framework/ops/
+ * indexing.c), shared by their CPU and CUDA kernels so both name a bad index alike: the bound
+ * of the call's indices c->in[1] ([0, hi)), and TM_ERR_INDEX for `value` at flat position
+ * `pos` of them, with its multi-index. */
+int64_t tm__index_range_hi(const tm__call *c);
+tm_status tm__index_range_err(tm__call *c, int64_t pos, int64_t value);
+
 /* ---- context internals used by kernels --------------------------------------------------- */
 
 /* (tm__nthreads: extend.h) */

@@ -181,11 +181,13 @@ TM_API uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
  * build (CI) can bound round trips too: one per tm_tensor_read of a non-empty CPU tensor; one
  * per tm_ctx_sync of a context without a CUDA device; one per forward of an op that must read
  * data back to size its outputs (tm_moe_permute: its row count R) or to report an error (the
- * bad-target flag of tm_cross_entropy's CUDA forward, when there are rows). Index checks
- * inside CPU kernels of ops without a CUDA kernel yet (embedding, gather, index_select,
- * scatter_add, tm_moe_unpermute, tm_grouped_matmul's counts) are not counted: their CUDA
- * kernels are still to be designed. Nothing is counted twice (a CUDA tensor's read counts its
- * copy only). Never decreases; wraps only after 2^64. */
+ * bad-target flag of tm_cross_entropy's CUDA forward, when there are rows; the bad-index flag
+ * of the CUDA forwards of tm_embedding, tm_index_select, tm_gather and tm_scatter_add, when
+ * there are indices). tm_index_check reads nothing back, and tm_model_forward, which checks
+ * its ids with it, embeds them without the flag read. Index checks inside CPU kernels of ops
+ * without a CUDA kernel yet (tm_moe_unpermute, tm_grouped_matmul's counts) are not counted:
+ * their CUDA kernels are still to be designed. Nothing is counted twice (a CUDA tensor's read
+ * counts its copy only). Never decreases; wraps only after 2^64. */
 TM_API uint64_t tm_ctx_sync_count(const tm_ctx *ctx);
 
 /* Bytes of arena currently handed out on a device (0 after tm_ctx_arena_reset) and the
@@ -442,9 +444,10 @@ TM_API tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *g
  *   TM_ERR_DEVICE       inputs on different devices (tm_to_device excepted);
  *   TM_ERR_UNSUPPORTED  no kernel for the inputs' backend. Every op has CPU kernels; CUDA ones
  *                       exist only for matmul, add, sub, mul, scale, the four reductions, the
- *                       shape ops (reshape ... to_device), rmsnorm, silu, swiglu, softmax,
- *                       log_softmax and cross_entropy (the rows of framework/op_table.c with a
- *                       CUDA column). Also a GEMM that cuBLASLt has no algorithm for;
+ *                       shape ops (reshape ... to_device), embedding, index_select, gather,
+ *                       scatter_add, index_check, rmsnorm, silu, swiglu, softmax, log_softmax,
+ *                       cross_entropy, rope and attention (the rows of framework/op_table.c
+ *                       with a CUDA column). Also a GEMM that cuBLASLt has no algorithm for;
  *   TM_ERR_NOMEM        the per-step arena could not grow (outputs, saved tensors, contiguous
  *                       copies of strided inputs, scratch, the tape entry);
  *   TM_ERR_CUDA         a CUDA runtime or cuBLASLt call failed (CUDA inputs only).
@@ -502,13 +505,17 @@ TM_API tm_status tm_cast(tm_ctx *ctx, tm_tensor *x, tm_dtype dt, tm_tensor **out
 TM_API tm_status tm_to_device(tm_ctx *ctx, tm_tensor *x, tm_device dev, tm_tensor **out);
 
 /* Embedding lookup: weight [V, C], ids (i32 or i64) of any shape S -> out [S..., C].
- * Backward scatter-adds rows into d weight. Errors: TM_ERR_DTYPE (weight not float, ids not
- * index), TM_ERR_SHAPE (weight not 2-D, ids of more than 3 dims), TM_ERR_INDEX naming the
- * first id outside [0, V) and its position. */
+ * Backward scatter-adds rows into d weight, in a fixed order (bitwise reproducible, also on
+ * CUDA). Errors: TM_ERR_DTYPE (weight not float, ids not index), TM_ERR_SHAPE (weight not 2-D,
+ * ids of more than 3 dims), TM_ERR_INDEX naming the first id outside [0, V) and its position.
+ * On CUDA the ids are checked on the device and the verdict read back: one host round trip
+ * (tm_ctx_sync_count) per call with ids (tm_model_forward checks its tokens with
+ * tm_index_check instead and skips this read). The same holds for the three below. */
 TM_API tm_status tm_embedding(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
 /* The three below: TM_ERR_DTYPE (x / src not float, idx not index), TM_ERR_SHAPE (a shape
  * other than the one shown), TM_ERR_INDEX naming the first index out of range (lowest flat
- * position) and its value.
+ * position) and its value; TM_ERR_UNSUPPORTED on CUDA for a row scatter-add (scatter_add, the
+ * backward of index_select and embedding) of 2^32 - 1 or more rows or sources.
  * Row gather: x [N, C], idx [M] (i32/i64) -> out [M, C], out[m] = x[idx[m]], idx in [0, N). */
 TM_API tm_status tm_index_select(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out);
 /* Gather along the last axis: x [N, C], idx [N, K] -> out [N, K], out[n,k] = x[n, idx[n,k]],
@@ -525,8 +532,8 @@ TM_API tm_status tm_scatter_add(tm_ctx *ctx, tm_tensor *src, tm_tensor *idx, int
  *   *first_bad i64 [2]: {flat position, value} of the first invalid id, {-1, 0} when none.
  * A bad id is not an error here: read first_bad back (with the other results of the step) and
  * report it. Errors: TM_ERR_INVALID_ARG (ids, safe or first_bad NULL, ids of another context,
- * hi < 0, ignore_index outside the i32 range for i32 ids), TM_ERR_DTYPE (ids not i32/i64), TM_ERR_UNSUPPORTED (ids on CUDA:
- * CPU only for now), TM_ERR_NOMEM. */
+ * hi < 0, ignore_index outside the i32 range for i32 ids), TM_ERR_DTYPE (ids not i32/i64), TM_ERR_NOMEM,
+ * TM_ERR_CUDA. */
 TM_API tm_status tm_index_check(tm_ctx *ctx, tm_tensor *ids, int64_t hi, int64_t ignore_index, tm_tensor **safe,
                          tm_tensor **first_bad);
 
@@ -566,7 +573,7 @@ TM_API tm_status tm_rope(tm_ctx *ctx, tm_tensor *x, int64_t pos_offset, double t
  * out [B, Tq, Hq, D]. (Vaswani et al. 2017; GQA: Ainslie et al. 2023.)
  * Errors: TM_ERR_DTYPE (not float, or of different dtypes), TM_ERR_SHAPE (not 4-D; v's shape
  * not k's; B or D differ; D, Hq or Hkv < 1; Hq % Hkv != 0; Tk < Tq), TM_ERR_INVALID_ARG (scale
- * not finite). */
+ * not finite), TM_ERR_UNSUPPORTED (on CUDA: D > 3056, or 2^31 or more rows of q or k). */
 TM_API tm_status tm_attention(tm_ctx *ctx, tm_tensor *q, tm_tensor *k, tm_tensor *v, double scale,
                        tm_tensor **out);
 

@@ -1,13 +1,15 @@
 /* test_sync.c — host round trips (tm_ctx_sync_count) on the CPU, where CI runs: the counting
  * rules (a tm_tensor_read, tm_ctx_sync, a data-dependent output size, an error flag that the
- * CUDA kernel reads back), and the bounds the MoE block and the model are designed to: one MoE
- * layer's forward + backward makes at most one synchronisation (the permute's row count), a
- * model's forward + backward at most n_moe_layers + 1 (one per MoE layer, plus the single read
- * of the step's statistics at the end of tm_model_forward). */
+ * CUDA kernel reads back: cross_entropy's bad target, the indexing ops' bad index), and the
+ * bounds the MoE block and the model are designed to: one MoE layer's forward + backward makes
+ * at most one synchronisation (the permute's row count), a model's forward + backward at most
+ * n_moe_layers + 1 (one per MoE layer, plus the single read of the step's statistics at the end
+ * of tm_model_forward). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
+#include "internal.h"
 
 static uint64_t syncs(tm_ctx *ctx) { return tm_ctx_sync_count(ctx); }
 
@@ -66,6 +68,29 @@ Test(sync, data_dependent_sizes_and_error_flags_count_one) {
     TT_OK(ctx, tm_tensor_empty(ctx, TM_I64, 1, zero, tm_cpu(), &no_targets));
     TT_OK(ctx, tm_cross_entropy(ctx, no_rows, no_targets, -1, &loss));
     cr_assert_eq(syncs(ctx) - before, 1, "cross_entropy without rows reads nothing back");
+    tm_ctx_free(ctx);
+}
+
+/* The CUDA forwards of embedding, index_select, gather and scatter_add read their bad-index
+ * flag back: one each, also on the CPU, when there are indices; tm__embedding_checked (ids
+ * validated already, as tm_model_forward's are) and tm_index_check read nothing. */
+Test(sync, index_flags_count_one) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t ws[2] = {6, 4}, n = 5, ks[2] = {6, 2}, zero[1] = {0};
+    const double ids[5] = {5, 0, 2, 2, 1}, cols[12] = {0, 3, 1, 1, 2, 0, 3, 3, 0, 1, 2, 2}, rows[6] = {1, 1, 0, 5, 2, 1};
+    tm_tensor *w = tt_randn(ctx, TM_F32, 2, ws, 4), *idx = tt_from(ctx, TM_I64, 1, &n, ids), *o, *safe, *fb;
+    tm_tensor *none = tt_from(ctx, TM_I32, 1, zero, ids);
+    uint64_t before = syncs(ctx);
+    TT_OK(ctx, tm_embedding(ctx, w, idx, &o));
+    cr_assert_eq(syncs(ctx) - before, 1, "embedding: the bad-index flag");
+    TT_OK(ctx, tm_index_select(ctx, w, idx, &o));
+    TT_OK(ctx, tm_gather(ctx, w, tt_from(ctx, TM_I32, 2, ks, cols), &o));
+    TT_OK(ctx, tm_scatter_add(ctx, o, tt_from(ctx, TM_I32, 1, ks, rows), 6, &o));
+    cr_assert_eq(syncs(ctx) - before, 4, "index_select, gather, scatter_add: one flag each");
+    TT_OK(ctx, tm__embedding_checked(ctx, w, idx, &o));
+    TT_OK(ctx, tm_embedding(ctx, w, none, &o));
+    TT_OK(ctx, tm_index_check(ctx, idx, 6, 0, &safe, &fb));
+    cr_assert_eq(syncs(ctx) - before, 4, "checked embedding, no ids, index_check: nothing read back");
     tm_ctx_free(ctx);
 }
 
