@@ -171,6 +171,11 @@ tm_status tm__op_run(tm__call *c) {
         for (int i = 0; i < c->n_in; i++)
             if (!tm__is_contiguous(c->in[i])) TM__TRY(tm__contiguous_copy(ctx, c->in[i], &c->in[i]));
 
+    /* The in-place ops (updates, bookkeeping: all TM__OP_NONDIFF) may write their inputs, so
+     * those lose their host mirrors (internal.h). */
+    if (op->flags & TM__OP_NONDIFF)
+        for (int i = 0; i < c->n_in; i++) tm__mirror_drop(ctx, c->src[i]);
+
     TM__TRY(tm__run_kernel(c, 0));
     for (int i = 0; i < c->n_out; i++)
         if (!c->out[i]) return tm__err(ctx, TM_ERR_INTERNAL, "%s: output %d was not produced", op->name, i);

@@ -183,11 +183,12 @@ TM_API uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
  * data back to size its outputs (tm_moe_permute: its row count R) or to report an error (the
  * bad-target flag of tm_cross_entropy's CUDA forward, when there are rows; the bad-index flag
  * of the CUDA forwards of tm_embedding, tm_index_select, tm_gather and tm_scatter_add, when
- * there are indices). tm_index_check reads nothing back, and tm_model_forward, which checks
- * its ids with it, embeds them without the flag read. Index checks inside CPU kernels of ops
- * without a CUDA kernel yet (tm_moe_unpermute, tm_grouped_matmul's counts) are not counted:
- * their CUDA kernels are still to be designed. Nothing is counted twice (a CUDA tensor's read
- * counts its copy only). Never decreases; wraps only after 2^64. */
+ * there are indices); one per tm_grouped_matmul (forward or backward) whose counts have no
+ * host mirror (see there). tm_index_check reads nothing back, and tm_model_forward, which
+ * checks its ids with it, embeds them without the flag read. tm_moe_unpermute reads nothing
+ * back either (its CUDA kernels skip bad rows instead of reading row_token back). Nothing is
+ * counted twice (a CUDA tensor's read counts its copy only). Never decreases; wraps only after
+ * 2^64. */
 TM_API uint64_t tm_ctx_sync_count(const tm_ctx *ctx);
 
 /* Bytes of arena currently handed out on a device (0 after tm_ctx_arena_reset) and the
@@ -778,11 +779,15 @@ typedef struct tm_moe_dispatch {
  * x: [T,H] float; routing_map: u8 [T,E]; probs: float [T,E] (its own dtype; rows are moved
  * bit-exactly, bf16 included). Differentiable in x and probs:
  * dx[t] = sum of d permuted over t's rows; d probs[t,e] = d permuted_probs[row(t,e)].
- * R is known only after reading routing_map (a data-dependent output size).
+ * R is known only after reading routing_map (a data-dependent output size): on CUDA the forward
+ * reads the E expert counts back once (one synchronisation, tm_ctx_sync_count; counted on the
+ * CPU too) and keeps them on the host with tokens_per_expert, so that tm_grouped_matmul on
+ * those counts (as the MoE layer chains them) does not read them back again, forward or
+ * backward. The backward does not synchronise.
  * Errors: TM_ERR_INVALID_ARG (out NULL, align_size < 1, pad_to < 0, an expert with more than
  * pad_to routed tokens, padding that would make R * H elements overflow), TM_ERR_DTYPE (x or
  * probs not float, routing_map not u8), TM_ERR_SHAPE (x not 2-D, probs not 2-D, routing_map
- * not of probs' shape or not one row per token of x). CPU only for now. */
+ * not of probs' shape or not one row per token of x). */
 TM_API tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t align_size,
                          int64_t pad_to, tm_moe_dispatch *out);
 
@@ -792,10 +797,12 @@ TM_API tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_ma
  * or NULL (weights 1), of a dtype computed like expert_out's (f32 or bf16 with f32 or bf16,
  * f64 with f64), row_token i64 (or i32) [R], out [num_tokens, H] of expert_out's dtype.
  * Backward: d expert_out[r] = dy[t] p[r]; d permuted_probs[r] = <expert_out[r], dy[t]>.
+ * No synchronisation, forward or backward.
  * Errors: TM_ERR_DTYPE (expert_out not float, row_token not index, permuted_probs of another
  * kind), TM_ERR_SHAPE (expert_out not 2-D, row_token or permuted_probs not [R]),
- * TM_ERR_INVALID_ARG (num_tokens < 0), TM_ERR_INDEX (the first row_token outside
- * [-1, num_tokens), with its row). CPU only for now. */
+ * TM_ERR_INVALID_ARG (num_tokens < 0), TM_ERR_INDEX (on the CPU: the first row_token outside
+ * [-1, num_tokens), with its row; on CUDA, which does not read row_token back, such rows are
+ * skipped like padding rows and get no gradient). */
 TM_API tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor *permuted_probs, tm_tensor *row_token,
                            int64_t num_tokens, tm_tensor **out);
 
@@ -803,9 +810,15 @@ TM_API tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor 
  * (counts: i64 [G], sum = R); out[rows of g] = x[rows of g] @ w[g], w [G,K,N], out [R,N].
  * One GEMM per non-empty group; empty groups cost nothing and leave dw[g] untouched (zero).
  * Backward: dx_g = dy_g @ w[g]^T; dw[g] = x_g^T @ dy_g.
+ * The group sizes are needed on the host. The tokens_per_expert of a tm_moe_permute carry them
+ * already (a host copy made by the permute's own read): no synchronisation. Other counts on a
+ * device are read back once (one synchronisation, tm_ctx_sync_count; counted on the CPU too)
+ * and kept with the tensor, so later calls and the backward on the same counts do not wait
+ * again. Writing the counts (tm_tensor_write, tm_tensor_fill, an in-place op) discards that
+ * host copy. The counts are validated from it, on every device alike.
  * Errors: TM_ERR_DTYPE (x or w not float, or of different dtypes; counts not i64),
  * TM_ERR_SHAPE (x not 2-D, w not 3-D, counts not [G], K differs, counts running past R or not
- * summing to R), TM_ERR_INVALID_ARG (a negative count). CPU only for now. */
+ * summing to R), TM_ERR_INVALID_ARG (a negative count). */
 TM_API tm_status tm_grouped_matmul(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor *counts, tm_tensor **out);
 
 /* ------------------------------------------------------------------------------------------ */
