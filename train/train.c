@@ -524,6 +524,23 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
         if ((c->save_every && done % c->save_every == 0) || done == steps) {
             if ((rc = tmd_rundir_save_checkpoint(r, done, err, errlen))) return rc;
         }
+        /* Megatron's --exit-interval: a run sliced into scheduler jobs (or replayed piecewise,
+         * as tests/gpu/e2e.sh does) stops here and continues with --resume. */
+        if (c->exit_interval && done % c->exit_interval == 0 && done < steps) {
+            if (!(c->save_every && done % c->save_every == 0) &&
+                (rc = tmd_rundir_save_checkpoint(r, done, err, errlen)))
+                return rc;
+            if ((rc = write_plots(r, err, errlen))) return rc;
+            if (r->log) {
+                if (r->tty) tmd_progress_clear(r->log);
+                fprintf(r->log, "stopped at step %lld (exit_interval %lld)%s%s%s\n", (long long)done,
+                        (long long)c->exit_interval, c->out[0] ? ": continue with 'tinymoe train --resume " : "",
+                        c->out, c->out[0] ? "'" : "");
+                fflush(r->log);
+            }
+            res->steps = done;
+            return 0;
+        }
         if (g_stop_signal) {
             int sig = g_stop_signal;
             if ((rc = tmd_rundir_save_checkpoint(r, done, err, errlen))) return rc;
