@@ -119,6 +119,8 @@ struct tm_ctx {
     int scope_n, scope_cap, scope_depth;
 
     tm__mem_stats mem[TM__NBACKENDS];
+
+    struct tm__comm *comm; /* tm_comm_init (framework/comm.h); NULL: one rank */
 };
 
 void tm__arena_reset(tm_ctx *ctx, tm__arena *a);
@@ -138,5 +140,7 @@ tm_status tm__run_kernel(tm__call *c, int backward);
 /* Give back a call's saved tensors and the dispatcher's contiguous copies of its inputs, once
  * nothing will run its kernels again (dispatch.c). */
 void tm__release_call(tm__call *c);
+/* Free the context's communicator (tm_ctx_free). */
+void tm__comm_destroy(tm_ctx *ctx);
 
 #endif

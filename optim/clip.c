@@ -28,21 +28,42 @@ tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) 
                            bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU", k, tm_dtype_name(bi.dtype),
                            tm__bucket_first_param(ctx, k));
     }
-    double ss = 0.0;
-    for (int k = 0; k < nb; k++) {
-        tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS), *part;
-        if (tm_tensor_numel(g) == 0) continue;
-        double v = 0.0;
-        TM__TRY(tm_grad_sumsq(ctx, g, &part));
-        TM__TRY(tm_tensor_read(ctx, part, TM_F64, &v, 1));
-        ss += v;
+    /* Under a communicator each rank measures what it holds (tm_ctx_grad_shard: its ZeRO-1 range,
+     * or the whole bucket), and a bucket replicated over its group is counted by one replica
+     * (group rank 0); the per-bucket partial sums are then added over the world and summed in
+     * bucket order, the same order on every rank. */
+    int world = tm_comm_size(ctx, TM_COMM_WORLD) > 1;
+    /* (no system allocation in a steady-state step: the stack for the usual few buckets) */
+    double stack_part[64], *part = nb <= 64 ? stack_part : tm__host_alloc(ctx, sizeof(double) * (size_t)nb);
+    if (!part) return tm__err(ctx, TM_ERR_NOMEM, "tm_ctx_clip_grad_norm: out of host memory");
+    tm_status st = TM_OK;
+    for (int k = 0; k < nb && st == TM_OK; k++) {
+        tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS), *sl, *p;
+        int64_t lo = 0, hi = 0;
+        part[k] = 0.0;
+        st = tm_ctx_grad_shard(ctx, k, &lo, &hi);
+        if (st != TM_OK || hi <= lo) continue;
+        int owner = tm__zero_enabled(ctx) || tm_comm_rank(ctx, (tm_comm_group)tm__bucket_comm_group(ctx, k)) == 0;
+        if (!owner) continue;
+        st = hi - lo == tm_tensor_numel(g) ? (sl = g, TM_OK) : tm_slice(ctx, g, 0, lo, hi, &sl);
+        if (st == TM_OK) st = tm_grad_sumsq(ctx, sl, &p);
+        if (st == TM_OK) st = tm_tensor_read(ctx, p, TM_F64, &part[k], 1);
     }
+    if (st == TM_OK && world) st = tm_comm_allreduce_host(ctx, TM_COMM_WORLD, TM_F64, part, nb);
+    double ss = 0.0;
+    for (int k = 0; k < nb; k++) ss += part[k];
+    if (part != stack_part) tm__host_free(ctx, part);
+    TM__TRY(st);
     double norm = sqrt(ss);
     if (max_norm > 0.0 && norm > max_norm) {
         double s = max_norm / (norm + 1e-6);
         for (int k = 0; k < nb; k++) {
-            tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS);
-            if (tm_tensor_numel(g)) TM__TRY(tm_grad_scale(ctx, g, s));
+            tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS), *sl = g;
+            int64_t lo = 0, hi = 0;
+            TM__TRY(tm_ctx_grad_shard(ctx, k, &lo, &hi));
+            if (hi <= lo) continue;
+            if (hi - lo != tm_tensor_numel(g)) TM__TRY(tm_slice(ctx, g, 0, lo, hi, &sl));
+            TM__TRY(tm_grad_scale(ctx, sl, s));
         }
     }
     if (norm_out) *norm_out = norm;
