@@ -12,7 +12,7 @@
 # Auto-detected, override on the command line:
 #   CUDA=0|1      nvcc found (PATH or $(CUDA_HOME)/bin)      -> CUDA backend (cudart, cuBLASLt)
 #   BLAS=0|1      pkg-config openblas found                   -> CPU GEMM through CBLAS
-#   MPI=0|1       mpicc found                                 -> recorded for distributed work
+#   MPI=0|1       mpicc found                                 -> distributed training (comm/mpi.c)
 #   CUDA_ARCH     nvcc -gencode list (default sm_80, sm_90, PTX compute_90)
 
 CC       ?= cc
@@ -56,8 +56,22 @@ ifeq ($(BLAS),1)
   LDLIBS_ALL += $(BLAS_LIBS) -Wl,-rpath,$(patsubst -L%,%,$(filter -L%,$(BLAS_LIBS)))
   PC_LIBS_PRIVATE += $(BLAS_LIBS) -Wl,-rpath,$(patsubst -L%,%,$(filter -L%,$(BLAS_LIBS)))
 endif
+# MPI (comm/mpi.c): Open MPI's compile and link flags from its compiler wrapper; MPI_CFLAGS /
+# MPI_LIBS override them (another MPI: `mpicc -show`). MPI=0 builds a single-process library.
+MPICC ?= mpicc
 ifeq ($(MPI),1)
+  ifeq ($(origin MPI_CFLAGS),undefined)
+    MPI_CFLAGS := $(shell $(MPICC) --showme:compile 2>/dev/null)
+  endif
+  ifeq ($(origin MPI_LIBS),undefined)
+    MPI_LIBS := $(shell $(MPICC) --showme:link 2>/dev/null)
+  endif
   CFLAGS_ALL += -DTM_HAVE_MPI
+  LDLIBS_ALL += $(MPI_LIBS)
+  PC_LIBS_PRIVATE += $(MPI_LIBS)
+  COMM_SRC := comm/mpi.c
+else
+  COMM_SRC :=
 endif
 # cJSON (Debian libcjson-dev) reads JSON for the driver (train/hf.c) and its tests; libtinymoe
 # does not use it. Override CJSON_CFLAGS / CJSON_LIBS where pkg-config cannot find it.
@@ -85,7 +99,7 @@ else
   CU_SRC :=
 endif
 
-LIB_SRC  := $(wildcard framework/*.c framework/ops/*.c kernels/cpu/*.c layers/*.c optim/*.c checkpoints/*.c)
+LIB_SRC  := $(wildcard framework/*.c framework/ops/*.c kernels/cpu/*.c layers/*.c optim/*.c checkpoints/*.c) $(COMM_SRC)
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
 
 # The library's boundary: libtinymoe.so exports the public API (include/tinymoe.h) and nothing
@@ -103,6 +117,7 @@ LIB_VIS := -fvisibility=hidden
 # Only the library and the tests see framework/ (internal.h); the driver (train/) and bench/
 # are built against include/ alone, as any program using the library is.
 $(LIB_SRC:%.c=$(BUILD)/%.o): CFLAGS_ALL += $(LIB_VIS) -Iframework
+$(COMM_SRC:%.c=$(BUILD)/%.o): CFLAGS_ALL += $(MPI_CFLAGS)
 # The driver: train/main.c plus the rest of train/ (data, config, ...), which the tests link
 # too, through libtinymoe_train.a.
 DRV_SRC  := $(filter-out train/main.c,$(wildcard train/*.c))
@@ -116,6 +131,7 @@ LIBTRAIN := $(BUILD)/libtinymoe_train.a
 LIBSO := $(BUILD)/libtinymoe.so
 BIN   := $(BUILD)/tinymoe
 TESTBIN := $(BUILD)/tinymoe_tests
+DIST_HELPER := $(BUILD)/tinymoe_dist_helper
 
 .PHONY: all test install clean config cjson-check
 all: $(LIBA) $(LIBSO) $(BIN)
@@ -156,8 +172,14 @@ $(BIN): $(DRV_MAIN) $(LIBTRAIN) $(LIBA)
 $(BUILD)/tests/%.o: CFLAGS_ALL += $(shell pkg-config --cflags criterion 2>/dev/null) -Itests
 $(BUILD)/tests/%.o: CFLAGS_ALL += -Iframework -Itrain $(CJSON_CFLAGS)
 $(TEST_OBJ): | cjson-check
-$(TESTBIN): $(TEST_OBJ) $(LIBTRAIN) $(LIBA)
+$(TESTBIN): $(TEST_OBJ) $(LIBTRAIN) $(LIBA) | $(DIST_HELPER) $(BIN)
 	$(CC) -o $@ $(TEST_OBJ) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(shell pkg-config --libs criterion 2>/dev/null || echo -lcriterion)
+
+# The SPMD program that tests/test_dist.c runs under mpirun (next to the test binary), and the
+# driver those tests train with.
+$(DIST_HELPER): tests/dist/dist_helper.c $(LIBA)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_ALL) -o $@ $< $(LIBA) $(LDLIBS_ALL)
 
 # ASan and the CUDA runtime disagree about the shadow gap; UBSan prints stacks.
 TEST_ENV := ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1

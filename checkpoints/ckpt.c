@@ -332,8 +332,25 @@ static void sync_dir(const char *path) {
     }
 }
 
+static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes);
+
+/* Under a communicator saving is collective: every rank takes part (sharded tensors are
+ * gathered to logical ones), world rank 0 writes the file, and every rank returns its status. */
 tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes) {
     if (!ctx) return TM_ERR_INVALID_ARG;
+    int W = tm_comm_size(ctx, TM_COMM_WORLD), me = tm_comm_rank(ctx, TM_COMM_WORLD);
+    if (W == 1) return save_file(ctx, path, meta, meta_bytes);
+    tm_status st = me == 0 ? save_file(ctx, path, meta, meta_bytes) : TM_OK;
+    int64_t v = st;
+    tm_status bs = tm_comm_bcast_host(ctx, TM_COMM_WORLD, 0, &v, sizeof v);
+    if (bs != TM_OK) return bs;
+    if (me != 0 && v != TM_OK)
+        return tm__err(ctx, (tm_status)v, "tm_ckpt_save: rank 0 failed to write '%s' (%s)", path ? path : "(null)",
+                       tm_status_str((tm_status)v));
+    return st;
+}
+
+static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes) {
     const char *fn = "tm_ckpt_save";
     if (!path || !*path) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path is NULL or empty", fn);
     if (!meta && meta_bytes)

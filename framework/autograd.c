@@ -3,7 +3,9 @@
  *
  * The tape is the list of recorded calls, newest first; recording order is a topological
  * order, so walking it backwards visits every consumer of a tensor before its producer. A node
- * whose outputs received no gradient is skipped. Gradients of parameters accumulate into the
+ * whose outputs received no gradient is skipped, except a collective (TM__OP_COLLECTIVE): its
+ * backward is a collective as well, so it runs on every rank, with zero upstream gradients and
+ * scratch input gradients where this rank has none. Gradients of parameters accumulate into the
  * contiguous gradient buffer; gradients of temporaries are arena tensors that start at zero.
  *
  * Memory: when a node is done, nothing can read its upstream gradients any more (every
@@ -45,9 +47,9 @@ static tm_status run_tape(tm_ctx *ctx) {
     ctx->tape = NULL; /* consumed, even on error: a retry must not double-count */
     for (; n; n = n->prev) {
         tm__call *c = &n->call;
-        int any = 0;
+        int any = 0, collective = (tm__op_table[c->op].flags & TM__OP_COLLECTIVE) != 0;
         for (int i = 0; i < c->n_out; i++) any |= c->out[i]->grad != NULL;
-        if (!any) {
+        if (!any && !collective) {
             release_node(ctx, n);
             continue;
         }
@@ -79,7 +81,7 @@ static tm_status run_tape(tm_ctx *ctx) {
             c->gin[i] = s->grad;
             needed = 1;
         }
-        if (needed) {
+        if (needed || collective) { /* a collective's backward runs on every rank */
             tm_status st = tm__run_kernel(c, 1);
             if (st != TM_OK) return st;
         }

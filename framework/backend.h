@@ -88,6 +88,10 @@ void tm__count_sync(tm_ctx *ctx);
 #define TM__BWD_CUDA_GENERIC(n) tm__##n##_backward
 #define TM__BWD_CUDA_UPDATE_CPU(n) NULL
 #define TM__BWD_CUDA_UPDATE_CPU_CUDA(n) NULL
+#define TM__FWD_CPU_COMM(n) tm__##n##_forward
+#define TM__BWD_CPU_COMM(n) tm__##n##_backward
+#define TM__FWD_CUDA_COMM(n) tm__##n##_forward
+#define TM__BWD_CUDA_COMM(n) tm__##n##_backward
 
 /* The CPU backend's primitives (kernels/cpu/copy.c), also used by host-side code. */
 double tm__load_f64(const void *p, tm_dtype dt, int64_t i);

@@ -24,6 +24,7 @@ const char *tm_status_str(tm_status s) {
     case TM_ERR_CUDA: return "CUDA error";
     case TM_ERR_IO: return "I/O error";
     case TM_ERR_INTERNAL: return "internal error";
+    case TM_ERR_COMM: return "communication error";
     }
     return "unknown status";
 }
@@ -128,6 +129,7 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
 
 void tm_ctx_free(tm_ctx *ctx) {
     if (!ctx) return;
+    tm__comm_destroy(ctx);
     for (int b = 0; b < TM__NBACKENDS; b++) {
         tm__arena_release(ctx, &ctx->arena[b]);
     }

@@ -121,6 +121,7 @@ struct tm_ctx {
     tm__mem_stats mem[TM__NBACKENDS];
 
     struct tm__mirror *mirrors; /* host mirrors (internal.h), newest first, meta memory; reset with the arena */
+    struct tm__comm *comm; /* tm_comm_init (framework/comm.h); NULL: one rank */
 };
 
 /* One host mirror (internal.h, "host mirrors"): n i64 values of storage st from element offset. */
@@ -148,5 +149,7 @@ tm_status tm__run_kernel(tm__call *c, int backward);
 /* Give back a call's saved tensors and the dispatcher's contiguous copies of its inputs, once
  * nothing will run its kernels again (dispatch.c). */
 void tm__release_call(tm__call *c);
+/* Free the context's communicator (tm_ctx_free). */
+void tm__comm_destroy(tm_ctx *ctx);
 
 #endif

@@ -202,7 +202,10 @@ tm_status tm__op_run(tm__call *c) {
     int needs = 0;
     if (ctx->grad_enabled && !(op->flags & TM__OP_NONDIFF) && (op->kernels & (TM__K_CPU_BWD | TM__K_CUDA_BWD)))
         for (int i = 0; i < c->n_in; i++) needs |= c->src[i]->requires_grad;
-    if (needs) {
+    /* A collective's backward is a collective too: every rank records it, so that every rank
+     * runs it, whether or not its own input needs a gradient. */
+    int collective = (op->flags & TM__OP_COLLECTIVE) && ctx->grad_enabled && tm__is_float(c->src[0]->dtype);
+    if (needs || collective) {
         tm__node *n = tm__meta_alloc(ctx, sizeof *n);
         if (!n) return TM_ERR_NOMEM;
         n->call = *c;

@@ -57,4 +57,19 @@ const char *tm__bucket_first_param(const tm_ctx *ctx, int bucket);
  * context. */
 int tm__op_available(const tm_ctx *ctx, const char *name, tm_device dev);
 
+/* ---- distributed (framework/comm.c) --------------------------------------------------------- */
+/* The group a bucket's gradients are summed over: TM_COMM_EXPERT_DP for expert buckets,
+ * TM_COMM_DP otherwise. */
+int tm__bucket_comm_group(const tm_ctx *ctx, int bucket);
+/* 1 when the context's communicator shards optimizer state (ZeRO-1). */
+int tm__zero_enabled(const tm_ctx *ctx);
+/* Elements of each rank's block of a bucket under ZeRO-1 (tm_ctx_grad_shard's ranges are
+ * [r blk, (r + 1) blk) clipped to the bucket). */
+int64_t tm__zero_block(const tm_ctx *ctx, int bucket);
+/* Make the parameter, gradient (and master) buffers of a bucket hold at least n elements, the
+ * bytes past its parameters zero (collectives over G equal blocks read and write them). */
+tm_status tm__bucket_reserve(tm_ctx *ctx, int bucket, int64_t n);
+/* ZeRO-1: all-gather every bucket's parameters from the ranks that updated their blocks. */
+tm_status tm__zero_gather_params(tm_ctx *ctx);
+
 #endif

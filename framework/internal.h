@@ -101,7 +101,9 @@ enum {
     TM__OP_STRIDED = 1u << 0,   /* forward handles non-contiguous inputs itself (views, copies) */
     TM__OP_NATIVE_BF16 = 1u << 1, /* CPU kernels handle bf16 themselves (casts, copies) */
     TM__OP_NONDIFF = 1u << 2,   /* never recorded on the tape */
-    TM__OP_ANY_DEVICE = 1u << 3 /* inputs may sit on different devices (to_device) */
+    TM__OP_ANY_DEVICE = 1u << 3, /* inputs may sit on different devices (to_device) */
+    TM__OP_COLLECTIVE = 1u << 4  /* a collective: recorded whenever grad mode is on and input 0 is
+                                  * float, and run by every backward (framework/ops/comm.c) */
 };
 
 /* Which kernels an op has (from its `kernels` column in ops.def), whatever this build holds. */
@@ -116,6 +118,7 @@ enum {
 #define TM__KMASK_GENERIC TM__KMASK_CPU_CUDA
 #define TM__KMASK_UPDATE_CPU TM__K_CPU_FWD
 #define TM__KMASK_UPDATE_CPU_CUDA (TM__K_CPU_FWD | TM__K_CUDA_FWD)
+#define TM__KMASK_COMM TM__KMASK_CPU_CUDA
 
 /* One row of the op table (op_table.c, generated from ops.def). The kernels themselves live
  * in each backend's kernel table (tm__backend_ops.fwd / .bwd, framework/backend.h). */
@@ -382,6 +385,7 @@ void tm__gemm_cpu(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M,
 #define TM__DECL_UPDATE_CPU_CUDA(name) \
     TM__DECL_UPDATE_CPU(name)          \
     tm_status tm__##name##_forward_cuda(tm__call *c);
+#define TM__DECL_COMM(name) TM__DECL_GENERIC(name)
 #define TM__OP(ID, name, n_in, n_out, flags, kernels) TM__DECL_##kernels(name)
 #include "ops.def"
 #undef TM__OP

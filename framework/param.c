@@ -205,6 +205,16 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     return TM_OK;
 }
 
+tm_status tm__bucket_reserve(tm_ctx *ctx, int bi, int64_t n) {
+    tm__bucket *b = ctx->buckets[bi];
+    size_t es = tm_dtype_size(b->info.dtype), want = (size_t)n * es;
+    if (want > b->params.used) TM__TRY(pool_reserve(ctx, &b->params, want - b->params.used));
+    if (want > b->grads.used) TM__TRY(pool_reserve(ctx, &b->grads, want - b->grads.used));
+    size_t mwant = (size_t)n * sizeof(float);
+    if (b->has_master && mwant > b->master.used) TM__TRY(pool_reserve(ctx, &b->master, mwant - b->master.used));
+    return TM_OK;
+}
+
 void tm__buckets_free(tm_ctx *ctx) {
     for (int i = 0; i < ctx->n_buckets; i++) {
         tm__bucket *b = ctx->buckets[i];

@@ -72,16 +72,37 @@ static tm_status init_common(tm_ctx *ctx, const char *fn, tm_tensor *t, const ch
         return TM_ERR_NOMEM;
     }
     uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
+    /* A shard of a parameter (expert parallelism: experts [lo, hi) of E) draws the values of its
+     * elements' logical indices, so every layout initialises the logical tensor alike. */
+    const tm_param_options *po = t->pm && t->pm->opts.shard_axis >= 0 ? &t->pm->opts : NULL;
+    int64_t lstride[TM_MAX_DIMS] = {0}, sstride[TM_MAX_DIMS] = {0};
+    if (po) {
+        int64_t a = 1, b = 1;
+        for (int d = t->ndim - 1; d >= 0; d--) {
+            lstride[d] = a, sstride[d] = b;
+            a *= po->logical_shape[d], b *= t->shape[d];
+        }
+    }
 #pragma omp parallel for num_threads(ctx->n_threads) if (n > 16384)
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t li = 0; li < n; li++) {
+        int64_t i = li;
+        if (po) {
+            int64_t rem = li;
+            i = 0;
+            for (int d = 0; d < t->ndim; d++) {
+                int64_t k = rem / sstride[d];
+                rem -= k * sstride[d];
+                i += (k + (d == po->shard_axis ? po->shard_offset : 0)) * lstride[d];
+            }
+        }
         uint32_t ctr[4] = {(uint32_t)i, (uint32_t)((uint64_t)i >> 32), (uint32_t)h, (uint32_t)(h >> 32)}, r[4];
         tm_philox4x32_10(ctr, key, r);
         double u1 = u01(r[0], r[1]);
         if (normal) {
             double u2 = u01(r[2], r[3]);
-            vals[i] = p0 + p1 * sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+            vals[li] = p0 + p1 * sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
         } else {
-            vals[i] = p0 + (p1 - p0) * u1;
+            vals[li] = p0 + (p1 - p0) * u1;
         }
     }
     tm_status s = tm_tensor_write(ctx, t, TM_F64, vals, n);

@@ -69,7 +69,8 @@ typedef enum tm_status {
     TM_ERR_STATE = 8,       /* call not valid in the context's current state */
     TM_ERR_CUDA = 9,        /* a CUDA runtime / cuBLASLt call failed */
     TM_ERR_IO = 10,         /* file or stream I/O failed */
-    TM_ERR_INTERNAL = 11    /* a bug in tinymoe: please report */
+    TM_ERR_INTERNAL = 11,   /* a bug in tinymoe: please report */
+    TM_ERR_COMM = 12        /* a collective failed or timed out, or the ranks disagree (Distributed) */
 } tm_status;
 
 /* A short constant description of a status code ("shape mismatch", ...). Never NULL. */
@@ -1297,6 +1298,183 @@ TM_API tm_status tm_grad_scale(tm_ctx *ctx, tm_tensor *grad, double scale);
  * tm_grad_sumsq). Errors: TM_ERR_INVALID_ARG (max_norm NaN), TM_ERR_UNSUPPORTED (a device
  * without the kernels; nothing is changed), TM_ERR_CUDA. */
 TM_API tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Distributed                                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+/* One process per rank (`mpirun -np N`), one context per process. A communicator attached to
+ * the context (tm_comm_init) describes the layout; without one, or in a build without MPI
+ * (MPI=0), every function below behaves as a world of one rank.
+ *
+ * Groups, for a world of N ranks and ep_size P (P divides N; Megatron-LM's order, EP inner):
+ *   TM_COMM_WORLD      every rank.
+ *   TM_COMM_DP         every rank: the data-parallel group of the dense parameters (attention,
+ *                      norms, router, embeddings, shared experts). Each rank reads its own slice
+ *                      of the global batch.
+ *   TM_COMM_EP         world ranks [g P, (g + 1) P), g = rank / P: they split the routed experts
+ *                      contiguously, ep rank r holding experts [r E / P, (r + 1) E / P).
+ *   TM_COMM_EXPERT_DP  world ranks {rank % P + j P : j < N / P}: the ranks that hold the same
+ *                      experts; expert gradients are summed over it.
+ * Rank r of a group is the r-th of its members in world order.
+ *
+ * Data-parallel semantics (tm_model_forward, tm_moe_forward under a dp group of more than one
+ * rank): each rank's loss tensors are its *share* of the global batch's: the cross-entropy,
+ * z-loss and sequence aux loss are scaled by (this rank's tokens / all ranks' tokens), the
+ * switch aux loss uses the global tokens_per_expert and the global T (TransformerEngine's and
+ * Megatron-LM's rule for expert parallelism), so the shares sum to the loss of the global batch
+ * and tm_backward on every rank followed by tm_comm_sync_grads gives its gradient. Host values
+ * (tm_model_out: loss_value, tokens_per_expert, dropped_tokens, ...) are the global ones on
+ * every rank. Capacity dropping (capacity_factor > 0) decides over the global batch (the ranks'
+ * router outputs are all-gathered), so every layout drops the tokens the single-process run
+ * drops. Positions with an ignored target (-1) weigh as the others in a rank's share.
+ *
+ * Determinism: every collective runs a fixed algorithm for a given layout and message size, so
+ * a run repeats bit for bit; different layouts sum in different orders (results agree to
+ * rounding). Sources: Megatron-LM (parallel_state.py groups, distributed optimizer), PyTorch
+ * DDP (bucketed gradient all-reduce), ZeRO (Rajbhandari et al. 2020, stage 1). */
+
+typedef enum tm_comm_group {
+    TM_COMM_WORLD = 0,
+    TM_COMM_DP = 1,
+    TM_COMM_EP = 2,
+    TM_COMM_EXPERT_DP = 3,
+    TM_COMM_NGROUPS = 4
+} tm_comm_group;
+
+/* Expert-parallel dispatch (layers/moe.c; ../shared/reference/moe-semantics.md section 7):
+ * ALLTOALL (default; TE's MoE block, Megatron's MoEAlltoAllTokenDispatcher): the [P, E]
+ * tokens_per_expert matrix is all-gathered over ep, the permuted rows go to the ranks owning
+ * their experts by a ragged all-to-all, are regrouped expert-major, run through the local
+ * experts and come back the same way (the combine weights stay on the source rank).
+ * ALLGATHER (MaxText's "ring of experts"): tokens and router outputs are all-gathered over ep,
+ * each rank runs only its experts on all of them, the outputs are reduce-scattered. */
+typedef enum tm_ep_strategy { TM_EP_ALLTOALL = 0, TM_EP_ALLGATHER = 1 } tm_ep_strategy;
+
+typedef struct tm_comm_options {
+    int ep_size;                /* P >= 1, divides the world size; default 1 */
+    tm_ep_strategy ep_strategy; /* default TM_EP_ALLTOALL */
+    int zero;                   /* ZeRO stage 0 (default) or 1: optimizer state and f32 master
+                                 * weights sharded over each bucket's data-parallel group */
+    double timeout_s;           /* a collective still waiting after this many seconds fails with
+                                 * TM_ERR_COMM (a rank died or stopped answering); <= 0: wait
+                                 * forever; default 60 */
+    const void *mpi_comm;       /* NULL: MPI_COMM_WORLD (or one rank when MPI is not initialised);
+                                 * else a pointer to the MPI_Comm to use as the world (duplicated) */
+} tm_comm_options;
+
+/* ep_size 1, alltoall, zero 0, timeout 60 s, MPI_COMM_WORLD. */
+TM_API tm_comm_options tm_comm_options_default(void);
+
+/* MPI is process-wide state, so these three are the only functions of tinymoe that touch the
+ * process rather than a context. tm_mpi_init initialises MPI (MPI_Init_thread, funneled) when
+ * the build has MPI and the process was started by an MPI launcher (mpirun: OMPI_COMM_WORLD_SIZE,
+ * PMI_SIZE or PMIX_RANK in the environment) and MPI is not initialised yet; otherwise it does
+ * nothing. *world_size (may be NULL) receives the launcher's world size (1 otherwise). A
+ * program that initialises MPI itself need not call it. Errors: TM_ERR_COMM (MPI_Init failed),
+ * TM_ERR_UNSUPPORTED (a build without MPI started by a launcher as one of several ranks).
+ * tm_mpi_finalize: MPI_Finalize if tm_mpi_init initialised MPI (free every context first).
+ * tm_mpi_abort: MPI_Abort(MPI_COMM_WORLD, code) under an initialised MPI (every rank of the job
+ * is killed: what a program does after a TM_ERR_COMM), otherwise nothing (returns). */
+TM_API tm_status tm_mpi_init(int *argc, char ***argv, int *world_size);
+TM_API void tm_mpi_finalize(void);
+TM_API void tm_mpi_abort(int code);
+/* 1 when this build has MPI (MPI=1). */
+TM_API int tm_mpi_available(void);
+/* This process's rank in MPI_COMM_WORLD and its size under an initialised MPI; 0 and 1
+ * otherwise. */
+TM_API int tm_mpi_world_rank(void);
+TM_API int tm_mpi_world_size(void);
+
+/* Attach a communicator to ctx (one per context; collective: every rank of the world calls it
+ * with the same options). The world is opts->mpi_comm or MPI_COMM_WORLD under an initialised
+ * MPI, else one rank. Call it before creating parameters: tm_moe_new sizes its expert weights
+ * by the layout. Errors: TM_ERR_INVALID_ARG (ep_size < 1 or not dividing the world size, zero
+ * not 0 or 1, ep_strategy not a tm_ep_strategy, timeout NaN), TM_ERR_STATE (ctx has a
+ * communicator already, or parameters), TM_ERR_COMM (an MPI call failed). */
+TM_API tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts);
+/* This process's rank in group g and the group's size: 0 and 1 without a communicator (or for
+ * a bad g / NULL ctx). */
+TM_API int tm_comm_rank(const tm_ctx *ctx, tm_comm_group g);
+TM_API int tm_comm_size(const tm_ctx *ctx, tm_comm_group g);
+/* The options of the attached communicator (tm_comm_options_default() with ep_size 1 when none);
+ * mpi_comm is NULL in the copy. */
+TM_API tm_comm_options tm_comm_get_options(const tm_ctx *ctx);
+/* Which engine moves tensors of device dev: "self" (one rank), "mpi" (CPU tensors),
+ * "mpi-staged" (CUDA tensors through host buffers), "nccl" (CUDA tensors). */
+TM_API const char *tm_comm_engine(const tm_ctx *ctx, tm_device dev);
+
+/* Collectives as ops: every rank of group g calls them in the same order (they are recorded on
+ * the tape whenever grad mode is on and the input is float, whether or not the input requires
+ * a gradient, and their backward runs on every rank in tape order, so no rank waits for a
+ * collective another skipped). Sums are in the input's dtype (bf16 is summed in f32 on the
+ * CPU); integer tensors are allowed (not differentiable). Inputs of any device of the context
+ * (CPU tensors through MPI, CUDA tensors through NCCL or host staging); out on x's device.
+ * Errors (beside those of every op): TM_ERR_INVALID_ARG (g not a group), TM_ERR_SHAPE (as
+ * stated; the sizes are checked across the ranks too), TM_ERR_COMM (the collective failed or
+ * timed out, naming it, the group and the bytes).
+ *
+ * allreduce: out = sum over the ranks of g of x (same shape everywhere). Backward: the upstream
+ * gradients are all-reduced (the output is replicated, and the ranks' losses add up). */
+TM_API tm_status tm_comm_allreduce(tm_ctx *ctx, tm_tensor *x, tm_comm_group g, tm_tensor **out);
+/* allgather: out = the ranks' x concatenated along dim 0 in rank order; x [n_r, ...] with the
+ * trailing dims equal on every rank (n_r may differ: MPI_Allgatherv). Backward: reduce-scatter
+ * (rank r gets the sum over the ranks of the gradient of its rows). */
+TM_API tm_status tm_comm_allgather(tm_ctx *ctx, tm_tensor *x, tm_comm_group g, tm_tensor **out);
+/* reduce_scatter: x [G n, ...] on every rank (G = size of g) -> out [n, ...] = sum over the
+ * ranks of rows [r n, (r + 1) n) of x, r this rank. Backward: all-gather. */
+TM_API tm_status tm_comm_reduce_scatter(tm_ctx *ctx, tm_tensor *x, tm_comm_group g, tm_tensor **out);
+/* alltoall (ragged, MPI_Alltoallv): x [R, ...] holds send_counts[j] rows for rank j of g, in
+ * rank order; out [sum recv_counts, ...] holds recv_counts[j] rows from rank j, in rank order.
+ * send_counts and recv_counts: i64 [G] CPU tensors (recv_counts[j] must equal rank j's
+ * send_counts[this rank]). Backward: the reverse all-to-all. Errors: also TM_ERR_SHAPE (counts
+ * not [G], negative, not summing to R; mismatched across ranks), TM_ERR_DTYPE (counts not i64),
+ * TM_ERR_DEVICE (counts not on the CPU). */
+TM_API tm_status tm_comm_alltoall(tm_ctx *ctx, tm_tensor *x, tm_tensor *send_counts, tm_tensor *recv_counts,
+                                  tm_comm_group g, tm_tensor **out);
+
+/* Host-memory collectives for drivers (not ops, not taped): in-place sum of n f64 or i64
+ * values; all-gather of nbytes from every rank into out (size nbytes * G, rank order);
+ * broadcast of nbytes from rank root; barrier. Errors: TM_ERR_INVALID_ARG (NULL, n < 0, dtype
+ * not f64 / i64, root out of range), TM_ERR_COMM. */
+TM_API tm_status tm_comm_allreduce_host(tm_ctx *ctx, tm_comm_group g, tm_dtype dt, void *buf, int64_t n);
+TM_API tm_status tm_comm_allgather_host(tm_ctx *ctx, tm_comm_group g, const void *in, void *out, size_t nbytes);
+TM_API tm_status tm_comm_bcast_host(tm_ctx *ctx, tm_comm_group g, int root, void *buf, size_t nbytes);
+TM_API tm_status tm_comm_barrier(tm_ctx *ctx, tm_comm_group g);
+
+/* Gradient synchronisation, once per optimizer step after the last backward: every bucket's
+ * gradients summed over its group (dense buckets: dp; expert buckets: expert_dp), one
+ * collective per bucket: an all-reduce, or with zero = 1 a reduce-scatter after which this rank
+ * holds the sums of its range [lo, hi) only (tm_ctx_grad_shard). tm_ctx_clip_grad_norm and
+ * tm_optimizer_step then work on what each rank holds. No-op without a communicator or on
+ * groups of one rank. Errors: TM_ERR_COMM, TM_ERR_NOMEM. */
+TM_API tm_status tm_comm_sync_grads(tm_ctx *ctx);
+/* The element range [lo, hi) of bucket i that this rank owns under ZeRO-1 (the whole bucket
+ * otherwise): the bucket's elements padded to a multiple of its group's size G, in G equal
+ * blocks in group-rank order. Errors: TM_ERR_INVALID_ARG (NULL, i out of range). */
+TM_API tm_status tm_ctx_grad_shard(const tm_ctx *ctx, int i, int64_t *lo, int64_t *hi);
+
+/* Traffic of the collectives since the last reset, per kind: calls, bytes this rank sent
+ * (all-reduce: the buffer; all-gather: its part; reduce-scatter: the input; all-to-all: the
+ * rows sent) and seconds spent waiting in them. */
+typedef enum tm_comm_kind {
+    TM_COMM_ALLREDUCE = 0,
+    TM_COMM_ALLGATHER,
+    TM_COMM_REDUCE_SCATTER,
+    TM_COMM_ALLTOALL,
+    TM_COMM_OTHER, /* broadcasts, barriers */
+    TM_COMM_NKINDS
+} tm_comm_kind;
+typedef struct tm_comm_stats {
+    int64_t calls[TM_COMM_NKINDS];
+    int64_t bytes[TM_COMM_NKINDS];
+    double seconds[TM_COMM_NKINDS];
+} tm_comm_stats;
+/* Zeros without a communicator. Errors: TM_ERR_INVALID_ARG (out NULL). */
+TM_API tm_status tm_comm_get_stats(const tm_ctx *ctx, tm_comm_stats *out);
+TM_API void tm_comm_reset_stats(tm_ctx *ctx);
+/* "allreduce", "allgather", ... ("?" out of range). */
+TM_API const char *tm_comm_kind_name(tm_comm_kind k);
+
 
 #ifdef __cplusplus
 }

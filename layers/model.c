@@ -446,6 +446,10 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
         TM__TRY(tm__stat_put(ctx, stats, SLOT_TGT_BAD, tgt_bad));
     }
 
+    /* Tokens of the global batch under data parallelism (one small host collective). */
+    int64_t dp_tokens = B * T;
+    if (tm_comm_size(ctx, TM_COMM_DP) > 1) TM__TRY(tm_comm_allreduce_host(ctx, TM_COMM_DP, TM_I64, &dp_tokens, 1));
+
     tm_tensor *x;
     TM__TRY(embed(m, tok, &x)); // (B*T, H)
     tm_tensor *moe_loss[3] = {NULL, NULL, NULL}; /* aux, seq aux, z: summed over layers */
@@ -470,6 +474,8 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
         if (lg->dtype == TM_BF16) TM__TRY(tm_cast(ctx, lg, TM_F32, &lg));
         /* The targets were checked above: the cross-entropy need not read its own flag back. */
         TM__TRY(tm__cross_entropy_checked(ctx, lg, tg, -1, &o.ce_loss));
+        /* Data parallelism: this rank's share of the global batch's mean (tinymoe.h). */
+        if (dp_tokens > B * T) TM__TRY(tm_scale(ctx, o.ce_loss, (double)(B * T) / (double)dp_tokens, &o.ce_loss));
         o.loss = o.ce_loss;
         for (int p = 0; p < 3; p++) TM__TRY(add_loss(ctx, o.loss, moe_loss[p], &o.loss));
         TM__TRY(tm__stat_put(ctx, stats, SLOT_LOSS, o.loss));
@@ -495,6 +501,13 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
         o.z_value += st.z_loss_value;
         o.dropped_tokens += st.dropped_tokens;
         if (st.max_load_ratio > o.max_load_ratio) o.max_load_ratio = st.max_load_ratio;
+    }
+    if (tm_comm_size(ctx, TM_COMM_DP) > 1) {
+        /* The loss values read back are this rank's shares: their sum over the ranks is the
+         * global batch's (the counts and drops are global already). */
+        double v[5] = {o.loss_value, o.ce_value, o.aux_value, o.seq_aux_value, o.z_value};
+        TM__TRY(tm_comm_allreduce_host(ctx, TM_COMM_DP, TM_F64, v, 5));
+        o.loss_value = v[0], o.ce_value = v[1], o.aux_value = v[2], o.seq_aux_value = v[3], o.z_value = v[4];
     }
     /* Only training forwards (grad mode on) feed the expert-bias update, and only once the
      * batch is known to be valid: a refused batch leaves the running counts alone. */

@@ -22,6 +22,11 @@
 
 #include "moe_internal.h"
 
+typedef struct dp_rows {
+    int G;               /* ranks of the dp group */
+    int64_t T, off, Tg;  /* this rank's rows, where they start, all ranks' rows */
+} dp_rows;
+
 struct tm_moe {
     tm_ctx *ctx;
     tm_moe_config cfg;
@@ -297,6 +302,32 @@ tm_status tm_moe_stats_read(tm_moe *m, tm_moe_stats *stats) {
 
 tm_status tm__moe_accumulate(tm_moe *m, tm_tensor *counts) { return tm_moe_accumulate_counts(m->ctx, m->tpe_sum, counts); }
 
+/* Where this rank's rows sit in the global batch under data parallelism (G ranks of the dp
+ * group): rows [off, off + T) of Tg. One small host all-gather of the row counts. */
+static tm_status dp_rows_of(tm_ctx *ctx, int64_t T, dp_rows *out) {
+    out->G = tm_comm_size(ctx, TM_COMM_DP);
+    out->T = T;
+    out->off = 0;
+    out->Tg = T;
+    if (out->G == 1) return TM_OK;
+    int64_t *all = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)out->G);
+    if (!all) return TM_ERR_NOMEM;
+    TM__TRY(tm_comm_allgather_host(ctx, TM_COMM_DP, &T, all, sizeof T));
+    int me = tm_comm_rank(ctx, TM_COMM_DP);
+    out->Tg = 0;
+    for (int j = 0; j < out->G; j++) {
+        if (j < me) out->off += all[j];
+        out->Tg += all[j];
+    }
+    return TM_OK;
+}
+
+/* A per-token mean of this rank's rows becomes its share of the global batch's mean. */
+static tm_status dp_share(tm_ctx *ctx, const dp_rows *dp, tm_tensor **loss) {
+    if (dp->G == 1 || !*loss) return TM_OK;
+    return tm_scale(ctx, *loss, (double)dp->T / (double)dp->Tg, loss);
+}
+
 tm_status tm_moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats) {
     if (!m) return TM_ERR_INVALID_ARG;
     /* Only training forwards (grad mode on) feed the expert-bias update: evaluation and
@@ -330,31 +361,58 @@ tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor *
     tm_router_out ro;
     TM__TRY(tm_moe_router(ctx, logits, m->expert_bias, &cfg->router, &ro));
 
+    /* Data parallelism: this rank's T rows are rows [off, off + T) of the global batch of Tg. */
+    dp_rows dp;
+    TM__TRY(dp_rows_of(ctx, T, &dp));
+    tm_tensor *routed = ro.tokens_per_expert; /* global counts under data parallelism */
+    if (dp.G > 1) TM__TRY(tm_comm_allreduce(ctx, routed, TM_COMM_DP, &routed));
+
     tm_moe_stats st;
     memset(&st, 0, sizeof st);
     if (cfg->aux_loss_coeff > 0 || cfg->seq_aux_loss_coeff > 0) {
-        tm_tensor *scores, *counts = ro.tokens_per_expert, *map = ro.routing_map;
+        tm_tensor *scores, *counts = routed, *map = ro.routing_map;
         TM__TRY(tm_moe_aux_scores(ctx, logits, cfg->router.score_function, &scores));
         if (cfg->aux_counts == TM_AUX_COUNTS_CLEAN) {
             /* Megatron: counts of a plain top-k of the aux scores (no groups, no bias). */
             TM__TRY(tm_moe_aux_counts(ctx, logits, cfg->router.topk, &map, &counts));
+            if (dp.G > 1) TM__TRY(tm_comm_allreduce(ctx, counts, TM_COMM_DP, &counts));
         }
+        /* With global counts and the global T, this rank's term is its share of the global
+         * batch's loss (the sum over t splits over the ranks). */
         if (cfg->aux_loss_coeff > 0)
-            TM__TRY(tm_moe_aux_loss(ctx, scores, counts, cfg->router.topk, cfg->aux_loss_coeff, 0, &st.aux_loss));
-        if (cfg->seq_aux_loss_coeff > 0)
+            TM__TRY(tm_moe_aux_loss(ctx, scores, counts, cfg->router.topk, cfg->aux_loss_coeff, dp.G > 1 ? dp.Tg : 0,
+                                    &st.aux_loss));
+        if (cfg->seq_aux_loss_coeff > 0) {
             TM__TRY(tm_moe_seq_aux_loss(ctx, scores, map, cfg->router.topk, cfg->seq_aux_loss_coeff, num_seqs, &st.seq_aux_loss));
+            TM__TRY(dp_share(ctx, &dp, &st.seq_aux_loss));
+        }
     }
-    if (cfg->z_loss_coeff > 0) TM__TRY(tm_moe_z_loss(ctx, logits, cfg->z_loss_coeff, &st.z_loss));
+    if (cfg->z_loss_coeff > 0) {
+        TM__TRY(tm_moe_z_loss(ctx, logits, cfg->z_loss_coeff, &st.z_loss));
+        TM__TRY(dp_share(ctx, &dp, &st.z_loss));
+    }
 
     tm_tensor *probs = ro.probs, *map = ro.routing_map;
-    st.tokens_per_expert = ro.tokens_per_expert;
+    st.tokens_per_expert = routed;
     int64_t capacity = 0;
     if (cfg->capacity_factor > 0) {
-        capacity = tm_moe_capacity(T, cfg->router.topk, (int)E, cfg->capacity_factor);
+        /* The capacity of the global batch, decided over its tokens: every rank sees the
+         * router outputs of all of them, drops as the single-process run would, and keeps its
+         * own rows of the result. */
+        capacity = tm_moe_capacity(dp.Tg, cfg->router.topk, (int)E, cfg->capacity_factor);
+        tm_tensor *all_probs = ro.probs, *all_map = ro.routing_map;
+        if (dp.G > 1) {
+            TM__TRY(tm_comm_allgather(ctx, ro.probs, TM_COMM_DP, &all_probs));
+            TM__TRY(tm_comm_allgather(ctx, ro.routing_map, TM_COMM_DP, &all_map));
+        }
         tm_moe_drop_out d;
-        TM__TRY(tm_moe_drop_tokens(ctx, ro.probs, ro.routing_map, capacity, cfg->drop_policy, &d));
+        TM__TRY(tm_moe_drop_tokens(ctx, all_probs, all_map, capacity, cfg->drop_policy, &d));
         probs = d.probs_kept;
         map = d.map_kept;
+        if (dp.G > 1) {
+            TM__TRY(tm_slice(ctx, probs, 0, dp.off, dp.off + T, &probs));
+            TM__TRY(tm_slice(ctx, map, 0, dp.off, dp.off + T, &map));
+        }
         st.tokens_per_expert = d.tokens_per_expert;
         st.dropped = d.dropped;
     }

@@ -49,8 +49,12 @@ tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) 
                            bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU", k, tm_dtype_name(bi.dtype),
                            tm__bucket_first_param(ctx, k));
     }
-    /* Stack arrays for the usual handful of buckets: a training step allocates nothing on
-     * the host (tm_ctx_alloc_count stays flat). */
+    /* Under a communicator each rank measures what it holds (tm_ctx_grad_shard: its ZeRO-1 range,
+     * or the whole bucket), and a bucket replicated over its group is counted by one replica
+     * (group rank 0); the per-bucket partial sums are then added over the world and summed in
+     * bucket order, the same order on every rank. Stack arrays for the usual handful of
+     * buckets: a training step allocates nothing on the host (tm_ctx_alloc_count stays flat). */
+    int world = tm_comm_size(ctx, TM_COMM_WORLD) > 1;
     enum { NB_STACK = 32 };
     double part_s[NB_STACK], *part = part_s;
     tm_tensor *xs_s[NB_STACK], **xs = xs_s;
@@ -65,20 +69,27 @@ tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) 
         if (!part || !xs || !idx || !vals) s = tm__err(ctx, TM_ERR_NOMEM, "tm_ctx_clip_grad_norm: out of host memory");
     }
     for (int k = 0; s == TM_OK && k < nb; k++) part[k] = 0.0;
-    /* CPU buckets, then CUDA buckets (a context has at most one CUDA device) */
+    /* CPU buckets, then CUDA buckets (a context has at most one CUDA device): one read per device */
     for (int pass = 0; s == TM_OK && pass < 2; pass++) {
         int m = 0;
         for (int k = 0; s == TM_OK && k < nb; k++) {
             tm_bucket_info bi;
             s = tm_ctx_bucket_info(ctx, k, &bi);
-            tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS);
-            if (s != TM_OK || (bi.device.type == TM_DEVICE_CUDA) != pass || tm_tensor_numel(g) == 0) continue;
-            s = tm_grad_sumsq(ctx, g, &xs[m]);
+            if (s != TM_OK || (bi.device.type == TM_DEVICE_CUDA) != pass) continue;
+            tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS), *sl = g;
+            int64_t lo = 0, hi = 0;
+            s = tm_ctx_grad_shard(ctx, k, &lo, &hi);
+            if (s != TM_OK || hi <= lo) continue;
+            int owner = tm__zero_enabled(ctx) || tm_comm_rank(ctx, (tm_comm_group)tm__bucket_comm_group(ctx, k)) == 0;
+            if (!owner) continue;
+            if (hi - lo != tm_tensor_numel(g)) s = tm_slice(ctx, g, 0, lo, hi, &sl);
+            if (s == TM_OK) s = tm_grad_sumsq(ctx, sl, &xs[m]);
             idx[m++] = k;
         }
         if (s == TM_OK && m > 0) s = read_partials(ctx, xs, m, vals);
         for (int j = 0; s == TM_OK && j < m; j++) part[idx[j]] = vals[j];
     }
+    if (s == TM_OK && world) s = tm_comm_allreduce_host(ctx, TM_COMM_WORLD, TM_F64, part, nb);
     double ss = 0.0;
     for (int k = 0; s == TM_OK && k < nb; k++) ss += part[k]; /* bucket order */
     if (part != part_s) tm__host_free(ctx, part);
@@ -90,8 +101,12 @@ tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) 
     if (max_norm > 0.0 && norm > max_norm) {
         double scale = max_norm / (norm + 1e-6);
         for (int k = 0; k < nb; k++) {
-            tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS);
-            if (tm_tensor_numel(g)) TM__TRY(tm_grad_scale(ctx, g, scale));
+            tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS), *sl = g;
+            int64_t lo = 0, hi = 0;
+            TM__TRY(tm_ctx_grad_shard(ctx, k, &lo, &hi));
+            if (hi <= lo) continue;
+            if (hi - lo != tm_tensor_numel(g)) TM__TRY(tm_slice(ctx, g, 0, lo, hi, &sl));
+            TM__TRY(tm_grad_scale(ctx, sl, scale));
         }
     }
     if (norm_out) *norm_out = norm;

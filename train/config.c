@@ -16,13 +16,14 @@ _Static_assert(TM_AUX_COUNTS_ROUTED == 0 && TM_AUX_COUNTS_CLEAN == 1, "aux_count
 _Static_assert(TM_DROP_PROBS == 0 && TM_DROP_POSITION == 1, "drop_policy order");
 _Static_assert(TM_MOE_GROUPED == 0 && TM_MOE_DENSE == 1, "moe_strategy order");
 _Static_assert(TM_LR_CONSTANT == 0 && TM_LR_COSINE == 1 && TM_LR_LINEAR == 2 && TM_LR_WSD == 3, "lr_schedule order");
+_Static_assert(TM_EP_ALLTOALL == 0 && TM_EP_ALLGATHER == 1 && sizeof(tm_ep_strategy) == sizeof(int), "ep_strategy order");
 _Static_assert(sizeof(tm_score_function) == sizeof(int) && sizeof(tm_aux_counts) == sizeof(int) &&
                    sizeof(tm_drop_policy) == sizeof(int) && sizeof(tm_moe_strategy) == sizeof(int) &&
                    sizeof(tm_lr_kind) == sizeof(int),
                "enum keys are stored through int");
 
 typedef enum { T_INT, T_I64, T_FLOAT, T_BOOL, T_STR, T_ENUM } key_type;
-typedef enum { G_MODEL, G_MOE, G_OPTIM, G_SCHED, G_TRAIN, G_DATA, G_RUN, G_COUNT } key_group;
+typedef enum { G_MODEL, G_MOE, G_OPTIM, G_SCHED, G_TRAIN, G_DATA, G_RUN, G_DIST, G_COUNT } key_group;
 
 // clang-format off
 static const char *const GROUP_TITLE[G_COUNT] = {
@@ -30,6 +31,7 @@ static const char *const GROUP_TITLE[G_COUNT] = {
     "optimizer",                      "learning-rate schedule (tm_lr_schedule)",
     "training",                       "data",
     "run: evaluation, logging, output, sampling",
+    "distributed (mpirun -np N tinymoe train ...; the layout may change on resume)",
 };
 // clang-format on
 
@@ -182,6 +184,15 @@ static const key KEYS[] = {
      "sample from the smallest set of most likely tokens holding this much probability (1: all)"},
     {"preset", T_STR, G_RUN, STR(preset), NULL, "", 0, NULL,
      "tiny | small | shakespeare: applied before the config file and the flags"},
+    /* distributed */
+    {"ep_size", T_INT, G_DIST, OFF(ep_size), NULL, "1", 0, NULL,
+     "ranks the routed experts are split over (divides the ranks and num_experts)"},
+    {"ep_strategy", T_ENUM, G_DIST, OFF(ep_strategy), "alltoall|allgather", "alltoall", 0, NULL,
+     "expert-parallel dispatch: ragged all-to-all of the routed rows, or all-gather of the tokens"},
+    {"zero", T_INT, G_DIST, OFF(zero), NULL, "0", 0, NULL,
+     "ZeRO stage: 0, or 1 to shard optimizer state and f32 master weights over the data-parallel ranks"},
+    {"comm_timeout", T_FLOAT, G_DIST, OFF(comm_timeout), NULL, "60", 0, NULL,
+     "seconds a collective may wait before the run fails (a rank died or stopped answering); 0: forever"},
 };
 
 // clang-format on
@@ -716,6 +727,12 @@ int tmd_config_validate(const tmd_config *c, char *err, size_t errlen) {
     CHECK(!(c->resume[0] && c->init_from[0]), "keys 'resume' and 'init_from' exclude each other (resume restores "
           "the weights from the checkpoint)");
     CHECK(c->data[0], "key 'data' is empty: give 'synthetic' or a token file");
+    CHECK(c->ep_size >= 1, "key 'ep_size' = %d: must be >= 1", c->ep_size);
+    CHECK(c->model.moe.router.num_experts % c->ep_size == 0,
+          "key 'ep_size' = %d: does not divide num_experts = %d (each rank holds num_experts / ep_size experts)",
+          c->ep_size, c->model.moe.router.num_experts);
+    CHECK(c->zero == 0 || c->zero == 1, "key 'zero' = %d: must be 0 or 1", c->zero);
+    CHECK(c->comm_timeout >= 0, "key 'comm_timeout' = %g: must be >= 0 (0: wait forever)", c->comm_timeout);
     if (tmd_config_synthetic(c)) {
         CHECK(c->synthetic_vocab >= 2 && c->synthetic_vocab <= 4096, "key 'synthetic_vocab' = %d: must be in [2, 4096]",
               c->synthetic_vocab);
@@ -786,7 +803,8 @@ int tmd_config_key_resumable(int i, int for_eval) {
     if (for_eval && (KEYS[i].group == G_DATA || !strcmp(KEYS[i].name, "batch_size"))) return 1;
     /* Run settings, the thread count, the CPU GEMM and the device change nothing of the trained state;
      * steps may grow (train longer: a decaying schedule then decays over the new total). */
-    return KEYS[i].group == G_RUN || !strcmp(KEYS[i].name, "threads") || !strcmp(KEYS[i].name, "cpu_gemm") ||
+    /* The parallel layout too: checkpoints hold logical tensors. */
+    return KEYS[i].group == G_RUN || KEYS[i].group == G_DIST || !strcmp(KEYS[i].name, "threads") || !strcmp(KEYS[i].name, "cpu_gemm") ||
            !strcmp(KEYS[i].name, "device") || !strcmp(KEYS[i].name, "steps");
 }
 

@@ -66,6 +66,8 @@ typedef struct tmd_config {
     int top_k;
     double top_p;
     char preset[32];
+    int ep_size, ep_strategy, zero; /* the parallel layout (tm_comm_options) */
+    double comm_timeout;
     unsigned char source[TMD_MAX_KEYS]; /* tmd_source of each key, by table index */
 } tmd_config;
 

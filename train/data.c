@@ -427,19 +427,23 @@ int tmd_batcher_init(tmd_batcher *bt, const tmd_tokens *data, int B, int T, uint
 }
 
 void tmd_batcher_next(tmd_batcher *bt, int32_t *inputs, int32_t *targets) {
+    tmd_batcher_next_rows(bt, 0, bt->B, inputs, targets);
+}
+
+void tmd_batcher_next_rows(tmd_batcher *bt, int b0, int rows, int32_t *inputs, int32_t *targets) {
     const uint32_t *tok = bt->data->tok;
     const int T = bt->T;
     const uint64_t n_start = (uint64_t)(bt->data->n - T); /* offsets 0 .. n - T - 1 */
     const uint32_t key[2] = {(uint32_t)bt->seed, (uint32_t)(bt->seed >> 32)};
     const uint64_t p = (uint64_t)bt->position;
-    for (int b = 0; b < bt->B; b++) {
+    for (int b = b0; b < b0 + rows; b++) {
         uint32_t ctr[4] = {(uint32_t)p, (uint32_t)(p >> 32), (uint32_t)b, BATCH_STREAM}, r[4];
         tm_philox4x32_10(ctr, key, r);
         /* 64 random bits mod n_start: the bias, under n_start / 2^64, is far below anything a
          * training run could notice. */
         uint64_t off = ((uint64_t)r[0] << 32 | r[1]) % n_start;
         const uint32_t *w = tok + off;
-        int32_t *in = inputs + (size_t)b * T, *tg = targets + (size_t)b * T;
+        int32_t *in = inputs + (size_t)(b - b0) * T, *tg = targets + (size_t)(b - b0) * T;
         for (int t = 0; t < T; t++) {
             in[t] = (int32_t)w[t];
             tg[t] = (int32_t)w[t + 1];

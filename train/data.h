@@ -78,5 +78,8 @@ int tmd_batcher_init(tmd_batcher *bt, const tmd_tokens *data, int B, int T, uint
 /* inputs and targets: B*T int32 each, row-major (B, T); targets = inputs shifted by one.
  * Advances position by one. */
 void tmd_batcher_next(tmd_batcher *bt, int32_t *inputs, int32_t *targets);
+/* Rows [b0, b0 + rows) of the next batch (what tmd_batcher_next writes there) into inputs and
+ * targets (rows * T each): a data-parallel rank's slice. Advances position by one. */
+void tmd_batcher_next_rows(tmd_batcher *bt, int b0, int rows, int32_t *inputs, int32_t *targets);
 
 #endif

@@ -36,9 +36,17 @@ int tmd_run_evaluate(tmd_run *r, double *loss, char *err, size_t errlen) {
     int rc = 0;
     for (int64_t w0 = 0; w0 < r->n_eval; w0 += r->B) {
         int rows = (int)(r->n_eval - w0 < r->B ? r->n_eval - w0 : r->B);
-        for (int b = 0; b < rows; b++) val_window(r, w0 + b, r->inp + (size_t)b * r->T, r->tgt + (size_t)b * r->T);
+        /* Distributed: each rank takes a slice of the batch's windows (the model's host values
+         * are the whole batch's); a batch of fewer windows than ranks is run whole by every
+         * rank (each then holds a 1 / world share of it). */
+        int lo = 0, n = rows;
+        if (r->world > 1 && rows >= r->world) {
+            lo = (int)((int64_t)rows * r->rank / r->world);
+            n = (int)((int64_t)rows * (r->rank + 1) / r->world) - lo;
+        }
+        for (int b = 0; b < n; b++) val_window(r, w0 + lo + b, r->inp + (size_t)b * r->T, r->tgt + (size_t)b * r->T);
         tm_model_out out;
-        tm_status s = tmd_run_forward(r, rows, 1, &out);
+        tm_status s = tmd_run_forward(r, n, 1, &out);
         if (s) {
             rc = tmd_run_lib_fail(r, err, errlen, "validation forward", s);
             break;

@@ -112,7 +112,7 @@ static int cmd_train_or_eval(int eval, int argc, char **argv) {
         tmd_config_help(stdout);
         return 0;
     }
-    int rc;
+    int rc, uniform = 0;
     if (eval) {
         double loss;
         rc = ckpt ? tmd_eval_ckpt(&cfg, ckpt, stdout, &loss, err, sizeof err)
@@ -121,10 +121,17 @@ static int cmd_train_or_eval(int eval, int argc, char **argv) {
         tmd_train_result res;
         rc = tmd_train(&cfg, stdout, &res, err, sizeof err);
         if (rc && res.stopped_by_signal) return rc; /* a clean stop, already reported */
+        uniform = res.uniform_error;
     }
+    int rank = tm_mpi_world_rank(), world = tm_mpi_world_size();
     if (rc) {
         fflush(stdout);
-        fprintf(stderr, "tinymoe: %s\n", err);
+        if (world == 1) fprintf(stderr, "tinymoe: %s\n", err);
+        else if (!uniform || rank == 0) fprintf(stderr, "tinymoe: rank %d of %d: %s\n", rank, world, err);
+        fflush(stderr);
+        /* A failure of this rank alone leaves the others waiting in a collective: end the job.
+         * A configuration error every rank found alike ends every rank by itself. */
+        if (world > 1 && !uniform) tm_mpi_abort(rc);
     }
     return rc;
 }
@@ -297,8 +304,20 @@ int main(int argc, char **argv) {
         printf("tinymoe %s (library %s)\n", TM_VERSION_STRING, tm_version());
         return 0;
     }
-    if (!strcmp(cmd, "train")) return cmd_train_or_eval(0, argc - 2, argv + 2);
-    if (!strcmp(cmd, "eval")) return cmd_train_or_eval(1, argc - 2, argv + 2);
+    if (!strcmp(cmd, "train") || !strcmp(cmd, "eval")) {
+        /* Under mpirun: one process per rank (MPI only where a launcher started us). */
+        tm_status ms = tm_mpi_init(&argc, &argv, NULL);
+        if (ms) {
+            fprintf(stderr, "tinymoe: %s\n", ms == TM_ERR_UNSUPPORTED
+                                                  ? "started by mpirun as one of several ranks, but this build has no "
+                                                    "MPI (rebuild with MPI=1)"
+                                                  : "MPI_Init failed");
+            return ms == TM_ERR_UNSUPPORTED ? TMD_CONFIG_ERROR : TMD_RUNTIME_ERROR;
+        }
+        int rc = cmd_train_or_eval(!strcmp(argv[1], "eval"), argc - 2, argv + 2);
+        tm_mpi_finalize();
+        return rc;
+    }
     if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc - 2, argv + 2);
     if (!strcmp(cmd, "inspect")) return cmd_inspect(argc - 2, argv + 2);
     if (!strcmp(cmd, "sample")) return tmd_sample_main(argc - 2, argv + 2);

@@ -47,6 +47,10 @@ typedef struct tmd_run {
     int64_t resume_ck_steps; /* the checkpoint's own `steps` (a resumed run may change it) */
     int64_t saved_step; /* step of the newest checkpoint written by this run (-1: none) */
     int eval_split;     /* eval: validate on the val_fraction tail of data, as training did */
+    /* distributed: this process's world rank and the world size; each micro-batch of B rows
+     * is split into world slices of Bl rows, this rank's starting at row b0 */
+    int rank, world, Bl, b0;
+    int uniform_error; /* the failure happened where every rank fails alike (config checks) */
 } tmd_run;
 
 /* ---- train.c ---------------------------------------------------------------------------- */

@@ -99,7 +99,7 @@ int tmd_rundir_save_checkpoint(tmd_run *r, int64_t done, char *err, size_t errle
     free(meta);
     if (s) return tmd_run_lib_fail(r, err, errlen, "saving a checkpoint", s);
     r->saved_step = done;
-    prune_checkpoints(r, done);
+    if (r->rank == 0) prune_checkpoints(r, done);
     if (r->log) {
         struct stat sb;
         if (r->tty) tmd_progress_clear(r->log);
@@ -171,7 +171,7 @@ static int restore_metrics(tmd_run *r, int64_t upto, char *err, size_t errlen) {
 }
 
 int tmd_rundir_open_outputs(tmd_run *r, int64_t start, char *err, size_t errlen) {
-    if (!r->c.out[0]) return 0;
+    if (!r->c.out[0] || r->rank != 0) return 0; /* rank 0 owns the run directory */
     char e[TMD_PATH_MAX + 256];
     if (tmd_mkdirs(r->c.out, e, sizeof e)) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "key 'out': %s", e);
     int rc;

@@ -107,6 +107,77 @@ static int load_data(tmd_run *r, int eval_only, char *err, size_t errlen) {
     return 0;
 }
 
+static tm_comm_options layout_of(const tmd_config *c) {
+    tm_comm_options co = tm_comm_options_default();
+    co.ep_size = c->ep_size;
+    co.ep_strategy = (tm_ep_strategy)c->ep_strategy;
+    co.zero = c->zero;
+    co.timeout_s = c->comm_timeout;
+    return co;
+}
+
+/* Under mpirun: every rank must run the same configuration. One all-gather of a hash per key
+ * finds the first key that differs, a second one its values, so that every rank can name the
+ * key, the values and the ranks. A throwaway CPU context carries the communicator, so that this
+ * runs before anything that could fail on one rank only. */
+static int check_same_config(tmd_run *r, char *err, size_t errlen) {
+    const tmd_config *c = &r->c;
+    tm_ctx *ctx = NULL;
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    if (tm_ctx_new(&ctx, &o))
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot create a context: %s", tm_last_create_error());
+    tm_comm_options co = tm_comm_options_default();
+    co.timeout_s = c->comm_timeout;
+    int n = tmd_config_num_keys(), W = tm_comm_size(ctx, TM_COMM_WORLD), rc = 0;
+    tm_status s = tm_comm_init(ctx, &co);
+    W = tm_comm_size(ctx, TM_COMM_WORLD);
+    uint64_t *mine = calloc((size_t)n, sizeof *mine), *all = calloc((size_t)n * (size_t)W, sizeof *all);
+    char *vals = calloc((size_t)W, 256), v[256];
+    if (!mine || !all || !vals) rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
+    for (int i = 0; !rc && i < n; i++) {
+        tmd_config_format_exact(c, i, v, sizeof v);
+        mine[i] = tm_hash_name(v);
+    }
+    if (!rc && !s) s = tm_comm_allgather_host(ctx, TM_COMM_WORLD, mine, all, sizeof *mine * (size_t)n);
+    if (!rc && s) rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "comparing the configuration across ranks: %s",
+                                tm_ctx_errmsg(ctx));
+    for (int i = 0; !rc && i < n; i++) {
+        int differs = 0;
+        for (int j = 1; j < W; j++) differs |= all[(size_t)j * n + i] != all[i];
+        if (!differs) continue;
+        tmd_config_format(c, i, v, sizeof v);
+        if ((s = tm_comm_allgather_host(ctx, TM_COMM_WORLD, v, vals, sizeof v))) {
+            rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "comparing the configuration across ranks: %s",
+                          tm_ctx_errmsg(ctx));
+            break;
+        }
+        /* "key 'lr' differs across the 4 ranks: 0.01 on ranks 0, 2, 3; 0.02 on rank 1" */
+        char msg[1024];
+        int k = snprintf(msg, sizeof msg, "key '%s' differs across the %d ranks (every rank must run one configuration):",
+                         tmd_config_key_name(i), W);
+        for (int j = 0; j < W && k < (int)sizeof msg; j++) {
+            int first = 1;
+            for (int q = 0; q < j; q++) first &= all[(size_t)q * n + i] != all[(size_t)j * n + i];
+            if (!first) continue;
+            int cnt = 0;
+            for (int q = j; q < W; q++) cnt += all[(size_t)q * n + i] == all[(size_t)j * n + i];
+            k += snprintf(msg + k, sizeof msg - (size_t)k, "%s %s on rank%s", j ? ";" : "", vals + (size_t)j * 256,
+                          cnt > 1 ? "s" : "");
+            for (int q = j, c2 = 0; q < W && k < (int)sizeof msg; q++)
+                if (all[(size_t)q * n + i] == all[(size_t)j * n + i])
+                    k += snprintf(msg + k, sizeof msg - (size_t)k, "%s %d", c2++ ? "," : "", q);
+        }
+        rc = tmd_fail(err, errlen, TMD_CONFIG_ERROR, "%s", msg);
+        r->uniform_error = 1;
+    }
+    free(mine);
+    free(all);
+    free(vals);
+    tm_ctx_free(ctx);
+    return rc;
+}
+
 static int build(tmd_run *r, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     tm_ctx_options o = tm_ctx_options_default();
@@ -117,6 +188,8 @@ static int build(tmd_run *r, char *err, size_t errlen) {
     if (s)
         return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot create a context (%s): %s", tm_status_str(s),
                         tm_last_create_error());
+    tm_comm_options co = layout_of(c);
+    if ((s = tm_comm_init(r->ctx, &co))) return tmd_run_lib_fail(r, err, errlen, "setting up the communicator", s);
     r->dev = c->device == TMD_DEVICE_CUDA ? tm_cuda(0) : tm_cpu();
     tm_dtype dt = c->dtype == TMD_DTYPE_BF16 ? TM_BF16 : TM_F32;
     char e[1024];
@@ -159,13 +232,30 @@ static int build_optimizer(tmd_run *r, char *err, size_t errlen) {
 int tmd_run_setup(tmd_run *r, const tmd_config *cfg, FILE *log, int eval_only, char *err, size_t errlen) {
     r->c = *cfg;
     tmd_config_resolve(&r->c);
+    r->rank = tm_mpi_world_rank();
+    r->world = tm_mpi_world_size();
+    int rc;
+    if (r->world > 1 && (rc = check_same_config(r, err, errlen))) return rc;
+    /* From here on every rank holds one configuration: its checks fail alike everywhere. */
+    r->uniform_error = 1;
     if (tmd_config_validate(&r->c, err, errlen)) return TMD_CONFIG_ERROR;
-    r->log = log;
-    r->tty = log && isatty(fileno(log));
+    if (r->world % r->c.ep_size)
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'ep_size' = %d: does not divide the %d ranks", r->c.ep_size,
+                        r->world);
+    if (r->c.batch_size % r->world)
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                        "key 'batch_size' = %d: not divisible by the %d ranks (each rank takes batch_size / ranks "
+                        "sequences of every micro-batch)", r->c.batch_size, r->world);
+    r->uniform_error = 0;
+    /* Only rank 0 prints, writes metrics and plots (checkpoints: every rank takes part, rank 0
+     * writes). */
+    r->log = r->rank == 0 ? log : NULL;
+    r->tty = r->log && isatty(fileno(r->log));
     r->T = r->c.model.max_seq_len;
     r->B = r->c.batch_size;
+    r->Bl = r->B / r->world;
+    r->b0 = r->rank * r->Bl;
     r->synth = tmd_config_synthetic(&r->c);
-    int rc;
     if ((rc = load_data(r, eval_only, err, errlen))) return rc;
     if ((rc = build(r, err, errlen))) return rc;
     if (r->c.init_from[0]) {
@@ -191,18 +281,20 @@ int tmd_run_setup(tmd_run *r, const tmd_config *cfg, FILE *log, int eval_only, c
 /* Batches                                                                                   */
 
 /* Training micro-batch `micro` of `step` into r->inp / r->tgt. */
+/* Rows [b0, b0 + Bl) of it: this rank's slice (all B rows in a single process), so that the
+ * global batch and its order are the same for every layout. */
 static void train_batch(tmd_run *r, int64_t step, int micro) {
     if (!r->synth) {
-        tmd_batcher_next(&r->bt, r->inp, r->tgt);
+        tmd_batcher_next_rows(&r->bt, r->b0, r->Bl, r->inp, r->tgt);
         return;
     }
     /* Fresh sequences from the source: nothing can be memorised, so the training loss is an
      * unbiased estimate of the expected loss and its gap to the optimum is a true gap. */
-    for (int b = 0; b < r->B; b++) {
+    for (int b = r->b0; b < r->b0 + r->Bl; b++) {
         uint64_t stream = ((uint64_t)step * (uint64_t)r->c.grad_accum + (uint64_t)micro) * (uint64_t)r->B + (uint64_t)b;
         tmd_markov_sample(&r->src, (uint64_t)r->c.seed, stream, r->seq, r->T + 1);
-        memcpy(r->inp + (size_t)b * r->T, r->seq, sizeof *r->seq * (size_t)r->T);
-        memcpy(r->tgt + (size_t)b * r->T, r->seq + 1, sizeof *r->seq * (size_t)r->T);
+        memcpy(r->inp + (size_t)(b - r->b0) * r->T, r->seq, sizeof *r->seq * (size_t)r->T);
+        memcpy(r->tgt + (size_t)(b - r->b0) * r->T, r->seq + 1, sizeof *r->seq * (size_t)r->T);
     }
 }
 
@@ -417,7 +509,7 @@ static void restore_stop_signals(const saved_handlers *old) {
 /* Training                                                                                  */
 
 static int write_plots(tmd_run *r, char *err, size_t errlen) {
-    if (!r->c.out[0]) return 0;
+    if (!r->c.out[0] || r->rank != 0) return 0;
     char path[TMD_PATH_MAX + 32];
     snprintf(path, sizeof path, "%s/loss.svg", r->c.out);
     if (tmd_plot_loss(path, &r->loss_bins, &r->val_bins, r->optimum, err, errlen)) return TMD_RUNTIME_ERROR;
@@ -438,7 +530,7 @@ static int train_step(tmd_run *r, int64_t step, double lr, interval *iv, double 
     for (int m = 0; m < c->grad_accum; m++) {
         train_batch(r, step, m);
         tm_model_out out;
-        if ((s = tmd_run_forward(r, r->B, 1, &out))) return tmd_run_lib_fail(r, err, errlen, "forward", s);
+        if ((s = tmd_run_forward(r, r->Bl, 1, &out))) return tmd_run_lib_fail(r, err, errlen, "forward", s);
         tm_tensor *l = out.loss;
         /* Mean over micro-batches: each backward adds 1/grad_accum of its gradient. */
         if (c->grad_accum > 1 && (s = tm_scale(r->ctx, out.loss, 1.0 / c->grad_accum, &l)))
@@ -462,6 +554,8 @@ static int train_step(tmd_run *r, int64_t step, double lr, interval *iv, double 
                         "the training loss is %g at step %lld (try a lower lr or grad_clip)", loss,
                         (long long)step + 1);
     if (isnan(*first_loss)) *first_loss = loss;
+    /* Distributed: every bucket's gradient summed over its group (one collective per bucket). */
+    if ((s = tm_comm_sync_grads(r->ctx))) return tmd_run_lib_fail(r, err, errlen, "gradient synchronisation", s);
     double gnorm = 0;
     if ((s = tm_ctx_clip_grad_norm(r->ctx, c->grad_clip, &gnorm)))
         return tmd_run_lib_fail(r, err, errlen, "gradient clipping", s);
@@ -541,8 +635,16 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
             res->steps = done;
             return 0;
         }
-        if (g_stop_signal) {
-            int sig = g_stop_signal;
+        int sig = g_stop_signal;
+        if (r->world > 1) {
+            /* Every rank stops after the same step (mpirun forwards the signal to each rank, which
+             * may see it at different steps): the first step after which any rank saw one. */
+            int64_t v[2] = {sig != 0, sig};
+            tm_status s = tm_comm_allreduce_host(r->ctx, TM_COMM_WORLD, TM_I64, v, 2);
+            if (s) return tmd_run_lib_fail(r, err, errlen, "agreeing on a stop", s);
+            sig = v[0] ? (int)(v[1] / v[0]) : 0;
+        }
+        if (sig) {
             if ((rc = tmd_rundir_save_checkpoint(r, done, err, errlen))) return rc;
             if ((rc = write_plots(r, err, errlen))) return rc;
             if (r->log) {
@@ -588,7 +690,9 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
                     c->out, (long long)steps);
         fflush(r->log);
     }
-    if (r->log && c->sample_prompt[0] && c->sample_tokens > 0 && (rc = sample(r, err, errlen))) return rc;
+    /* Sampling runs on one process: its forwards would wait for the other ranks' collectives. */
+    if (r->log && r->world == 1 && c->sample_prompt[0] && c->sample_tokens > 0 && (rc = sample(r, err, errlen)))
+        return rc;
     return 0;
 }
 
@@ -693,6 +797,9 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
         restore_stop_signals(&old);
         if (rc && r->log && r->tty) tmd_progress_clear(r->log);
     }
+    res->rank = r->rank;
+    res->world = r->world;
+    res->uniform_error = rc && r->uniform_error;
     tmd_run_free(r);
     free(r);
     return rc;

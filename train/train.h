@@ -31,6 +31,9 @@ typedef struct tmd_train_result {
     double train_seconds;          /* wall time of the training steps (evaluations excluded) */
     double tokens_per_s;           /* training tokens per second over the run */
     int stopped_by_signal;         /* SIGINT / SIGTERM that ended the run early (0: none) */
+    int rank, world;               /* distributed runs: this rank and the world size */
+    int uniform_error;             /* a failure every rank hit alike (configuration checks), so
+                                    * one rank reports it and no rank needs to abort the job */
 } tmd_train_result;
 
 /* log: where the summary and progress go (stdout in the driver); res may be NULL. On failure

@@ -1,0 +1,92 @@
+/*
+ * comm.h — the communicator behind the public "Distributed" functions (include/tinymoe.h):
+ * groups, and one table of collective functions per memory kind, the way framework/backend.h
+ * has one table of kernels per device. Private to framework/ and comm/.
+ *
+ *   engine       table                    implementation            moves
+ *   self         tm__comm_self_ops        framework/comm.c          any device (one rank)
+ *   mpi          tm__comm_mpi_ops         comm/mpi.c (MPI=1)        CPU memory
+ *   mpi-staged   tm__comm_staged_ops      framework/comm.c          CUDA memory through host
+ *                                                                   buffers and the mpi table
+ *   nccl         tm__comm_nccl_ops        comm/nccl.c (NCCL=1)      CUDA memory
+ *
+ * Contracts of a table (every function reports failures through tm__err with TM_ERR_COMM and
+ * returns its status; counts are in elements of dt; pointers are memory of the device the
+ * table serves; `g` is a tm_comm_group):
+ *  - allreduce: recv = sum over the group of send, n elements (send == recv: in place). Float
+ *    dtypes and i32 / i64; the mpi table sums bf16 in f32.
+ *  - allgatherv: rank r's n = counts[r] elements of send land at recv + displs[r].
+ *  - reduce_scatter: send holds G blocks of n elements; recv (n) = sum over the group of block
+ *    `rank`. recv may be send + rank * n (in place).
+ *  - alltoallv: sc[j] elements from send + sd[j] go to rank j; rc[j] from rank j land at
+ *    recv + rd[j].
+ *  - bcast: n elements of buf from group rank root. barrier: every rank of the group arrives.
+ * A collective that does not complete within the communicator's timeout fails (the peers are
+ * then in an undefined state: the caller reports and the program aborts the job).
+ */
+#ifndef TM_COMM_H
+#define TM_COMM_H
+
+#include "ctx_internal.h"
+
+typedef struct tm__comm tm__comm;
+
+typedef struct tm__comm_ops {
+    const char *name;
+    tm_status (*allreduce)(tm__comm *c, int g, const void *send, void *recv, int64_t n, tm_dtype dt, tm_device dev);
+    tm_status (*allgatherv)(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts,
+                            const int64_t *displs, tm_dtype dt, tm_device dev);
+    tm_status (*reduce_scatter)(tm__comm *c, int g, const void *send, void *recv, int64_t n, tm_dtype dt, tm_device dev);
+    tm_status (*alltoallv)(tm__comm *c, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
+                           const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev);
+    tm_status (*bcast)(tm__comm *c, int g, void *buf, int64_t n, tm_dtype dt, int root, tm_device dev);
+    tm_status (*barrier)(tm__comm *c, int g);
+    void (*free)(tm__comm *c); /* the engine's state (may be NULL) */
+} tm__comm_ops;
+
+struct tm__comm {
+    tm_ctx *ctx;
+    tm_comm_options opts;
+    int rank[TM_COMM_NGROUPS], size[TM_COMM_NGROUPS];
+    int world_rank, world_size;
+    const tm__comm_ops *host;   /* CPU memory: mpi or self */
+    const tm__comm_ops *device; /* CUDA memory: nccl, mpi-staged or self (NULL: no CUDA device) */
+    void *mpi;                  /* the mpi engine's state (comm/mpi.c) */
+    void *nccl;                 /* the nccl engine's state (comm/nccl.c) */
+    tm_comm_stats stats;
+};
+
+/* The context's communicator, NULL when none is attached. */
+tm__comm *tm__ctx_comm(const tm_ctx *ctx);
+/* The table moving memory of dev. */
+const tm__comm_ops *tm__comm_ops_for(tm__comm *c, tm_device dev);
+/* Traffic accounting (tm_comm_get_stats) and a monotonic clock for it. */
+void tm__comm_account(tm__comm *c, tm_comm_kind k, size_t bytes, double seconds);
+double tm__comm_now(void);
+/* "dp (rank 1 of 4)", for messages (rotating buffers of tm__tdesc). */
+const char *tm__comm_gdesc(tm__comm *c, int g);
+
+extern const tm__comm_ops tm__comm_self_ops;
+extern const tm__comm_ops tm__comm_staged_ops;
+
+/* comm/mpi.c, in builds with MPI: make the world (world: pointer to an MPI_Comm or NULL for
+ * MPI_COMM_WORLD) and the group communicators, fill rank[] / size[]; TM_ERR_STATE when MPI is
+ * not initialised (the caller then makes a world of one). */
+tm_status tm__mpi_comm_create(tm__comm *c, const void *world);
+extern const tm__comm_ops tm__comm_mpi_ops;
+/* comm/nccl.c, in builds with NCCL: one NCCL communicator per group on the context's CUDA
+ * device, the unique ids broadcast over the mpi engine. */
+tm_status tm__nccl_comm_create(tm__comm *c);
+extern const tm__comm_ops tm__comm_nccl_ops;
+
+/* Collective entry points that account traffic and pick the table by device (framework code
+ * calls these, never a table directly). */
+tm_status tm__coll_allreduce(tm_ctx *ctx, int g, const void *send, void *recv, int64_t n, tm_dtype dt, tm_device dev);
+tm_status tm__coll_allgatherv(tm_ctx *ctx, int g, const void *send, void *recv, const int64_t *counts,
+                              const int64_t *displs, tm_dtype dt, tm_device dev);
+tm_status tm__coll_reduce_scatter(tm_ctx *ctx, int g, const void *send, void *recv, int64_t n, tm_dtype dt,
+                                  tm_device dev);
+tm_status tm__coll_alltoallv(tm_ctx *ctx, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
+                             const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev);
+
+#endif

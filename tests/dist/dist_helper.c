@@ -1,0 +1,289 @@
+/*
+ * dist_helper.c — the SPMD half of tests/test_dist.c: run by `mpirun -np N` (one process per
+ * rank), it checks the collectives as ops across real ranks and exits 0 when every check
+ * passes (1 otherwise, with the failures on stderr). Built as $(BUILD)/tinymoe_dist_helper;
+ * uses only the public header.
+ *
+ *   tinymoe_dist_helper collectives   forward values and gradient checks of comm_allreduce,
+ *                                     comm_allgather (equal and ragged), comm_reduce_scatter,
+ *                                     comm_alltoall, over the world, ep and expert_dp groups
+ *                                     (ep_size 2 when N is even)
+ *
+ * Gradient check: every rank r has an f64 input x_r and a fixed random upstream gradient g_r;
+ * the scalar L = sum_r <g_r, f(x)_r> depends on every rank's input. Analytic: tm_backward_with_grad
+ * on each rank. Numeric: for each rank q and element i, every rank evaluates L with x_q[i]
+ * moved by +-h (the same collective calls everywhere) and the central difference is compared
+ * on rank q with its analytic d L / d x_q[i].
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tinymoe.h"
+
+static int g_rank, g_fail;
+
+#define CHECK(cond, ...)                                      \
+    do {                                                      \
+        if (!(cond)) {                                        \
+            fprintf(stderr, "rank %d: FAIL ", g_rank);        \
+            fprintf(stderr, __VA_ARGS__);                     \
+            fprintf(stderr, "\n");                            \
+            g_fail++;                                         \
+        }                                                     \
+    } while (0)
+
+#define OK(ctx, expr)                                                                                  \
+    do {                                                                                               \
+        tm_status s_ = (expr);                                                                         \
+        if (s_) {                                                                                      \
+            fprintf(stderr, "rank %d: %s -> %s: %s\n", g_rank, #expr, tm_status_str(s_), tm_ctx_errmsg(ctx)); \
+            exit(1);                                                                                   \
+        }                                                                                              \
+    } while (0)
+
+/* Deterministic values any rank can recompute: element i of rank r's tensor `tag`. */
+static double val(int tag, int r, int64_t i) {
+    uint32_t ctr[4] = {(uint32_t)i, (uint32_t)r, (uint32_t)tag, 77}, key[2] = {12345, 678}, out[4];
+    tm_philox4x32_10(ctr, key, out);
+    return (double)(out[0] >> 8) / (double)(1u << 24) * 2.0 - 1.0;
+}
+
+typedef struct op_case {
+    const char *name;
+    int group;
+    /* rows of rank r's input (world rank of the group member) and row width */
+    int64_t (*rows)(int gr, int G);
+    int64_t width;
+    int kind; /* 0 allreduce, 1 allgather, 2 reduce_scatter, 3 alltoall */
+} op_case;
+
+static int64_t rows_two(int gr, int G) { return 2; }
+static int64_t rows_ragged(int gr, int G) { return 1 + gr % 2; }
+static int64_t rows_rs(int gr, int G) { return 2 * G; }
+/* alltoall: group rank a sends (a + 2 b) % 3 rows to group rank b */
+static int64_t a2a_count(int a, int b) { return (a + 2 * b) % 3; }
+static int64_t rows_a2a(int gr, int G) {
+    int64_t n = 0;
+    for (int b = 0; b < G; b++) n += a2a_count(gr, b);
+    return n;
+}
+
+/* The op on this rank's x (a tensor of the case's rows x width). */
+static tm_status run_op(tm_ctx *ctx, const op_case *oc, tm_tensor *x, tm_tensor **y) {
+    int G = tm_comm_size(ctx, (tm_comm_group)oc->group), me = tm_comm_rank(ctx, (tm_comm_group)oc->group);
+    switch (oc->kind) {
+    case 0: return tm_comm_allreduce(ctx, x, (tm_comm_group)oc->group, y);
+    case 1: return tm_comm_allgather(ctx, x, (tm_comm_group)oc->group, y);
+    case 2: return tm_comm_reduce_scatter(ctx, x, (tm_comm_group)oc->group, y);
+    default: {
+        int64_t *sc = malloc(sizeof(int64_t) * 2 * (size_t)G), shape = G;
+        for (int b = 0; b < G; b++) sc[b] = a2a_count(me, b), sc[G + b] = a2a_count(b, me);
+        tm_tensor *s, *r;
+        tm_status st = tm_tensor_from_host(ctx, TM_I64, 1, &shape, tm_cpu(), TM_I64, sc, &s);
+        if (!st) st = tm_tensor_from_host(ctx, TM_I64, 1, &shape, tm_cpu(), TM_I64, sc + G, &r);
+        free(sc);
+        return st ? st : tm_comm_alltoall(ctx, x, s, r, (tm_comm_group)oc->group, y);
+    }
+    }
+}
+
+/* World rank of group member j of this rank's group g (the layout of tinymoe.h). */
+static int member(tm_ctx *ctx, int g, int j) {
+    int P = tm_comm_get_options(ctx).ep_size, r = tm_comm_rank(ctx, TM_COMM_WORLD);
+    if (g == TM_COMM_EP) return (r / P) * P + j;
+    if (g == TM_COMM_EXPERT_DP) return r % P + j * P;
+    return j;
+}
+
+/* Expected y of this rank, from every member's (recomputed) input. */
+static double *expected(tm_ctx *ctx, const op_case *oc, int64_t *n_out) {
+    int g = oc->group, G = tm_comm_size(ctx, (tm_comm_group)g), me = tm_comm_rank(ctx, (tm_comm_group)g);
+    int64_t W = oc->width, n = 0;
+    double *y = NULL;
+    switch (oc->kind) {
+    case 0:
+    case 2: {
+        int64_t rows = oc->kind == 0 ? oc->rows(me, G) : oc->rows(me, G) / G;
+        n = rows * W;
+        y = calloc((size_t)n, sizeof *y);
+        int64_t base = oc->kind == 0 ? 0 : me * n;
+        for (int j = 0; j < G; j++)
+            for (int64_t i = 0; i < n; i++) y[i] += val(oc->kind, member(ctx, g, j), base + i);
+        break;
+    }
+    case 1:
+        for (int j = 0; j < G; j++) n += oc->rows(j, G) * W;
+        y = calloc((size_t)n, sizeof *y);
+        for (int j = 0, k = 0; j < G; j++)
+            for (int64_t i = 0; i < oc->rows(j, G) * W; i++) y[k++] = val(oc->kind, member(ctx, g, j), i);
+        break;
+    default:
+        for (int j = 0; j < G; j++) n += a2a_count(j, me) * W;
+        y = calloc((size_t)n, sizeof *y);
+        for (int j = 0, k = 0; j < G; j++) {
+            int64_t off = 0; /* where rank j's rows for me start in its x */
+            for (int b = 0; b < me; b++) off += a2a_count(j, b);
+            for (int64_t i = 0; i < a2a_count(j, me) * W; i++) y[k++] = val(oc->kind, member(ctx, g, j), off * W + i);
+        }
+    }
+    *n_out = n;
+    return y;
+}
+
+/* L = sum over ranks of <g_r, f(x)_r> with x = this rank's input (perturbed by the caller). */
+static double loss_of(tm_ctx *ctx, const op_case *oc, tm_tensor *x) {
+    tm_tensor *y;
+    OK(ctx, run_op(ctx, oc, x, &y));
+    int64_t n = tm_tensor_numel(y);
+    double *h = malloc(sizeof(double) * (size_t)(n ? n : 1)), l = 0;
+    OK(ctx, tm_tensor_read(ctx, y, TM_F64, h, n));
+    for (int64_t i = 0; i < n; i++) l += val(100 + oc->kind, g_rank, i) * h[i];
+    free(h);
+    OK(ctx, tm_comm_allreduce_host(ctx, TM_COMM_WORLD, TM_F64, &l, 1));
+    return l;
+}
+
+static void check_case(tm_ctx *ctx, const op_case *oc) {
+    int g = oc->group, G = tm_comm_size(ctx, (tm_comm_group)g), me = tm_comm_rank(ctx, (tm_comm_group)g);
+    int W = tm_comm_size(ctx, TM_COMM_WORLD);
+    int64_t rows = oc->rows(me, G), shape[2] = {rows, oc->width}, n = rows * oc->width;
+    double *xv = malloc(sizeof(double) * (size_t)(n ? n : 1));
+    for (int64_t i = 0; i < n; i++) xv[i] = val(oc->kind, g_rank, i);
+
+    /* forward */
+    tm_tensor *x, *y;
+    OK(ctx, tm_tensor_from_host(ctx, TM_F64, 2, shape, tm_cpu(), TM_F64, xv, &x));
+    OK(ctx, run_op(ctx, oc, x, &y));
+    int64_t ne;
+    double *want = expected(ctx, oc, &ne), *got = malloc(sizeof(double) * (size_t)(ne ? ne : 1));
+    CHECK(tm_tensor_numel(y) == ne, "%s: %lld outputs, expected %lld", oc->name, (long long)tm_tensor_numel(y), (long long)ne);
+    if (tm_tensor_numel(y) == ne) {
+        OK(ctx, tm_tensor_read(ctx, y, TM_F64, got, ne));
+        for (int64_t i = 0; i < ne; i++)
+            CHECK(fabs(got[i] - want[i]) <= 1e-12, "%s: y[%lld] = %.17g, expected %.17g", oc->name, (long long)i,
+                  got[i], want[i]);
+    }
+    tm_ctx_arena_reset(ctx);
+
+    /* analytic gradient */
+    OK(ctx, tm_tensor_from_host(ctx, TM_F64, 2, shape, tm_cpu(), TM_F64, xv, &x));
+    OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
+    OK(ctx, run_op(ctx, oc, x, &y));
+    int64_t ny = tm_tensor_numel(y);
+    double *gv = malloc(sizeof(double) * (size_t)(ny ? ny : 1)), *ga = malloc(sizeof(double) * (size_t)(n ? n : 1));
+    for (int64_t i = 0; i < ny; i++) gv[i] = val(100 + oc->kind, g_rank, i);
+    tm_tensor *gy;
+    int64_t yshape[2] = {tm_tensor_dim(y, 0), tm_tensor_dim(y, 1)};
+    OK(ctx, tm_tensor_from_host(ctx, TM_F64, 2, yshape, tm_cpu(), TM_F64, gv, &gy));
+    OK(ctx, tm_backward_with_grad(ctx, y, gy));
+    if (n) OK(ctx, tm_tensor_read(ctx, tm_tensor_grad(x), TM_F64, ga, n));
+    tm_ctx_arena_reset(ctx);
+
+    /* numeric, one element of one rank at a time, every rank evaluating */
+    int prev = tm_ctx_set_grad_enabled(ctx, 0);
+    const double h = 1e-6;
+    for (int q = 0; q < W; q++) {
+        int64_t nq = n;
+        OK(ctx, tm_comm_bcast_host(ctx, TM_COMM_WORLD, q, &nq, sizeof nq));
+        for (int64_t i = 0; i < nq; i++) {
+            double l[2];
+            for (int s = 0; s < 2; s++) {
+                if (g_rank == q) xv[i] += s ? -h : h;
+                OK(ctx, tm_tensor_from_host(ctx, TM_F64, 2, shape, tm_cpu(), TM_F64, xv, &x));
+                l[s] = loss_of(ctx, oc, x);
+                if (g_rank == q) xv[i] -= s ? -h : h;
+                tm_ctx_arena_reset(ctx);
+            }
+            double num = (l[0] - l[1]) / (2 * h);
+            if (g_rank == q)
+                CHECK(fabs(num - ga[i]) <= 1e-6 + 1e-6 * fabs(num), "%s: dL/dx[%lld] analytic %.12g numeric %.12g",
+                      oc->name, (long long)i, ga[i], num);
+        }
+    }
+    tm_ctx_set_grad_enabled(ctx, prev);
+    free(xv), free(want), free(got), free(gv), free(ga);
+}
+
+/* A backward whose collective input needs a gradient on rank 0 only still completes on every
+ * rank, and rank 0 gets the right gradient. */
+static void check_partial_requires_grad(tm_ctx *ctx) {
+    int64_t shape[2] = {2, 3}, one = 1;
+    double xv[6];
+    for (int i = 0; i < 6; i++) xv[i] = val(7, g_rank, i);
+    tm_tensor *x, *y, *w, *s, *t, *l;
+    OK(ctx, tm_tensor_from_host(ctx, TM_F64, 2, shape, tm_cpu(), TM_F64, xv, &x));
+    if (g_rank == 0) OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
+    double wv = 2.0;
+    OK(ctx, tm_tensor_from_host(ctx, TM_F64, 1, &one, tm_cpu(), TM_F64, &wv, &w));
+    OK(ctx, tm_tensor_set_requires_grad(ctx, w, 1));
+    OK(ctx, tm_comm_allgather(ctx, x, TM_COMM_WORLD, &y)); /* [2 W, 3] */
+    OK(ctx, tm_sum_all(ctx, y, &s));
+    OK(ctx, tm_sum_all(ctx, w, &t));
+    OK(ctx, tm_mul(ctx, s, t, &l)); /* L_r = 2 * sum(all x) */
+    OK(ctx, tm_backward(ctx, l));
+    if (g_rank == 0) {
+        double gx[6];
+        OK(ctx, tm_tensor_read(ctx, tm_tensor_grad(x), TM_F64, gx, 6));
+        int W = tm_comm_size(ctx, TM_COMM_WORLD);
+        for (int i = 0; i < 6; i++)
+            CHECK(fabs(gx[i] - 2.0 * W) < 1e-12, "partial requires_grad: dL/dx[%d] = %g, expected %d", i, gx[i], 2 * W);
+    }
+    tm_ctx_arena_reset(ctx);
+}
+
+/* Integer all-reduce (the MoE counts) and the host collectives. */
+static void check_counts(tm_ctx *ctx) {
+    int W = tm_comm_size(ctx, TM_COMM_WORLD);
+    int64_t c[3] = {g_rank, 1, 2 * g_rank}, shape = 3, got[3];
+    tm_tensor *t, *y;
+    OK(ctx, tm_tensor_from_host(ctx, TM_I64, 1, &shape, tm_cpu(), TM_I64, c, &t));
+    OK(ctx, tm_comm_allreduce(ctx, t, TM_COMM_WORLD, &y));
+    OK(ctx, tm_tensor_read(ctx, y, TM_I64, got, 3));
+    int64_t s = (int64_t)W * (W - 1) / 2;
+    CHECK(got[0] == s && got[1] == W && got[2] == 2 * s, "i64 allreduce: %lld %lld %lld", (long long)got[0],
+          (long long)got[1], (long long)got[2]);
+    tm_ctx_arena_reset(ctx);
+}
+
+int main(int argc, char **argv) {
+    int world = 1;
+    if (tm_mpi_init(&argc, &argv, &world)) return 2;
+    g_rank = tm_mpi_world_rank();
+    const char *what = argc > 1 ? argv[1] : "collectives";
+    tm_ctx *ctx = NULL;
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    if (tm_ctx_new(&ctx, &o)) return 2;
+    tm_comm_options co = tm_comm_options_default();
+    co.ep_size = world % 2 == 0 ? 2 : 1;
+    co.timeout_s = 30;
+    OK(ctx, tm_comm_init(ctx, &co));
+    if (!strcmp(what, "collectives")) {
+        const op_case cases[] = {
+            {"allreduce world", TM_COMM_WORLD, rows_two, 3, 0},
+            {"allreduce ep", TM_COMM_EP, rows_two, 3, 0},
+            {"allgather world", TM_COMM_WORLD, rows_two, 2, 1},
+            {"allgather ragged", TM_COMM_WORLD, rows_ragged, 3, 1},
+            {"allgather expert_dp", TM_COMM_EXPERT_DP, rows_ragged, 2, 1},
+            {"reduce_scatter world", TM_COMM_WORLD, rows_rs, 2, 2},
+            {"reduce_scatter ep", TM_COMM_EP, rows_rs, 2, 2},
+            {"alltoall world", TM_COMM_WORLD, rows_a2a, 2, 3},
+            {"alltoall ep", TM_COMM_EP, rows_a2a, 3, 3},
+        };
+        for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) check_case(ctx, &cases[k]);
+        check_partial_requires_grad(ctx);
+        check_counts(ctx);
+    } else {
+        fprintf(stderr, "unknown check '%s'\n", what);
+        g_fail++;
+    }
+    /* Every rank learns whether any failed. */
+    int64_t f = g_fail;
+    OK(ctx, tm_comm_allreduce_host(ctx, TM_COMM_WORLD, TM_I64, &f, 1));
+    if (g_rank == 0) printf("%s: %d ranks, %s\n", what, world, f ? "FAILED" : "ok");
+    tm_ctx_free(ctx);
+    tm_mpi_finalize();
+    return f ? 1 : 0;
+}

@@ -1,0 +1,311 @@
+/*
+ * test_dist.c — distributed training (include/tinymoe.h, "Distributed").
+ *
+ * In this process (a world of one rank): the communicator's defaults and refusals, and the
+ * canonical gradient cases of the collective ops (test_mutation.c proves each can fail).
+ * Across ranks: the tests spawn `mpirun --oversubscribe --allow-run-as-root -np N` with a
+ * time limit, running the driver (build/tinymoe) or tests/dist/dist_helper.c (built next to
+ * this binary as tinymoe_dist_helper), and skip when this build has no MPI or mpirun is
+ * missing. They check:
+ *  - every collective op's forward values and finite-difference gradients of a scalar that
+ *    depends on every rank, over the world, ep and expert_dp groups (2 and 4 ranks);
+ *  - data parallelism: N in {1, 2, 4} ranks train the same global batches, and the first 10
+ *    steps' losses equal the single-process run's within 1e-5 relative, and so do the final
+ *    weights (scale-aware tolerance below); also with capacity dropping, the expert-bias
+ *    update and the sequence aux loss;
+ *  - ranks started with different configurations refuse to run, naming the key, the values and
+ *    the ranks.
+ * Weights: AdamW normalises every element's step (m / sqrt(v)), so an element whose gradient
+ * is near zero moves by up to lr whatever its magnitude, and summing the gradient in another
+ * order (per rank, then across ranks) shifts such elements by more than 1e-5 of themselves. So
+ * each parameter tensor must agree within 1e-5 relative in L2 norm (measured: ~4e-6 after 10
+ * steps at lr 1e-2), and every element within 2e-4 of the tensor's largest magnitude.
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "checkpoint.h"
+#include "common.h"
+#include "internal.h"
+
+double tt_gradcase_comm_allreduce(tm_ctx *ctx);
+double tt_gradcase_comm_allgather(tm_ctx *ctx);
+double tt_gradcase_comm_reduce_scatter(tm_ctx *ctx);
+double tt_gradcase_comm_alltoall(tm_ctx *ctx);
+
+/* ---- one rank ---------------------------------------------------------------------------- */
+
+Test(dist, one_rank_defaults_and_refusals) {
+    tm_ctx *ctx = tt_ctx();
+    for (int g = 0; g < TM_COMM_NGROUPS; g++) {
+        cr_assert_eq(tm_comm_rank(ctx, (tm_comm_group)g), 0);
+        cr_assert_eq(tm_comm_size(ctx, (tm_comm_group)g), 1);
+    }
+    cr_assert_str_eq(tm_comm_engine(ctx, tm_cpu()), "self");
+    tm_comm_options o = tm_comm_options_default();
+    cr_assert_eq(o.ep_size, 1);
+    cr_assert_eq(o.zero, 0);
+    o.ep_size = 2;
+    cr_assert_eq(tm_comm_init(ctx, &o), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "ep_size = 2 does not divide the world size 1"), "%s", tm_ctx_errmsg(ctx));
+    o.ep_size = 1;
+    o.zero = 2;
+    cr_assert_eq(tm_comm_init(ctx, &o), TM_ERR_INVALID_ARG);
+    o.zero = 1;
+    TT_OK(ctx, tm_comm_init(ctx, &o));
+    cr_assert_eq(tm_comm_init(ctx, &o), TM_ERR_STATE);
+    cr_assert_eq(tm_comm_get_options(ctx).zero, 1);
+    /* Host collectives of one rank leave their buffers alone. */
+    double v[2] = {1.5, -2};
+    TT_OK(ctx, tm_comm_allreduce_host(ctx, TM_COMM_DP, TM_F64, v, 2));
+    cr_assert(v[0] == 1.5 && v[1] == -2);
+    cr_assert_eq(tm_comm_allreduce_host(ctx, TM_COMM_DP, TM_F32, v, 2), TM_ERR_INVALID_ARG);
+    cr_assert_eq(tm_comm_allreduce_host(ctx, (tm_comm_group)9, TM_F64, v, 2), TM_ERR_INVALID_ARG);
+    TT_OK(ctx, tm_comm_barrier(ctx, TM_COMM_WORLD));
+    tm_ctx_free(ctx);
+
+    /* A communicator after the parameters: too late (the experts are sized by it). */
+    ctx = tt_ctx();
+    int64_t n = 4;
+    tm_tensor *p;
+    TT_OK(ctx, tm_param_new(ctx, "w", TM_F32, 1, &n, tm_cpu(), &p));
+    cr_assert_eq(tm_comm_init(ctx, NULL), TM_ERR_STATE);
+    tm_ctx_free(ctx);
+}
+
+/* Collective ops over a world of one: identities, with their backward rules in place (the
+ * mutation test scales each backward's upstream gradient and expects these to fail). */
+static tm_status f_allreduce(tm_ctx *c, tm_tensor **in, void *u, tm_tensor **o) {
+    tm_tensor *y;
+    tm_status s = tm_comm_allreduce(c, in[0], TM_COMM_DP, &y);
+    return s ? s : tm_mul(c, y, in[0], o);
+}
+static tm_status f_allgather(tm_ctx *c, tm_tensor **in, void *u, tm_tensor **o) {
+    tm_tensor *y;
+    tm_status s = tm_comm_allgather(c, in[0], TM_COMM_WORLD, &y);
+    return s ? s : tm_mul(c, y, in[0], o);
+}
+static tm_status f_reduce_scatter(tm_ctx *c, tm_tensor **in, void *u, tm_tensor **o) {
+    tm_tensor *y;
+    tm_status s = tm_comm_reduce_scatter(c, in[0], TM_COMM_EP, &y);
+    return s ? s : tm_mul(c, y, in[0], o);
+}
+static tm_status f_alltoall(tm_ctx *c, tm_tensor **in, void *u, tm_tensor **o) {
+    tm_tensor *y;
+    tm_status s = tm_comm_alltoall(c, in[0], in[1], in[1], TM_COMM_EXPERT_DP, &y);
+    return s ? s : tm_mul(c, y, in[0], o);
+}
+
+static double gradcase(tm_ctx *ctx, tt_fn fn, int with_counts) {
+    int64_t shape[2] = {3, 4}, one = 1;
+    double c3 = 3;
+    tm_tensor *in[2] = {tt_randn(ctx, TM_F64, 2, shape, 91), tt_from(ctx, TM_I64, 1, &one, &c3)};
+    int check[2] = {1, 0};
+    return tt_gradcheck(ctx, fn, NULL, with_counts ? 2 : 1, in, check, 1e-6, 1e-7, 1e-6);
+}
+double tt_gradcase_comm_allreduce(tm_ctx *ctx) { return gradcase(ctx, f_allreduce, 0); }
+double tt_gradcase_comm_allgather(tm_ctx *ctx) { return gradcase(ctx, f_allgather, 0); }
+double tt_gradcase_comm_reduce_scatter(tm_ctx *ctx) { return gradcase(ctx, f_reduce_scatter, 0); }
+double tt_gradcase_comm_alltoall(tm_ctx *ctx) { return gradcase(ctx, f_alltoall, 1); }
+
+Test(dist, one_rank_collective_gradients) {
+    tm_ctx *ctx = tt_ctx();
+    double r[4] = {tt_gradcase_comm_allreduce(ctx), tt_gradcase_comm_allgather(ctx),
+                   tt_gradcase_comm_reduce_scatter(ctx), tt_gradcase_comm_alltoall(ctx)};
+    for (int i = 0; i < 4; i++) cr_assert_leq(r[i], 1.0, "case %d: gradcheck ratio %g", i, r[i]);
+    tm_ctx_free(ctx);
+}
+
+Test(dist, one_rank_collective_refusals) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t shape[2] = {3, 2}, two = 2;
+    tm_tensor *x = tt_randn(ctx, TM_F32, 2, shape, 1), *y = NULL;
+    double bad[2] = {3, 1}, neg[1] = {-1};
+    cr_assert_eq(tm_comm_allreduce(ctx, x, (tm_comm_group)7, &y), TM_ERR_INVALID_ARG);
+    cr_assert_eq(tm_comm_alltoall(ctx, x, tt_from(ctx, TM_I64, 1, &two, bad), tt_from(ctx, TM_I64, 1, &two, bad),
+                                  TM_COMM_WORLD, &y), TM_ERR_SHAPE);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "[1]"), "%s", tm_ctx_errmsg(ctx));
+    int64_t one = 1;
+    cr_assert_eq(tm_comm_alltoall(ctx, x, tt_from(ctx, TM_I64, 1, &one, neg), tt_from(ctx, TM_I64, 1, &one, neg),
+                                  TM_COMM_WORLD, &y), TM_ERR_SHAPE);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "negative"), "%s", tm_ctx_errmsg(ctx));
+    double f3 = 3;
+    cr_assert_eq(tm_comm_alltoall(ctx, x, tt_from(ctx, TM_F64, 1, &one, &f3), tt_from(ctx, TM_I64, 1, &one, &f3),
+                                  TM_COMM_WORLD, &y), TM_ERR_DTYPE);
+    cr_assert_null(y);
+    tm_ctx_free(ctx);
+}
+
+/* ---- across ranks -------------------------------------------------------------------------- */
+
+/* The directory of this test binary (build/), where the driver and the helper live. */
+static const char *bindir(void) {
+    static char dir[1024];
+    ssize_t n = readlink("/proc/self/exe", dir, sizeof dir - 1);
+    cr_assert(n > 0, "readlink /proc/self/exe");
+    dir[n] = 0;
+    char *slash = strrchr(dir, '/');
+    if (slash) *slash = 0;
+    return dir;
+}
+
+static void skip_without_mpirun(void) {
+    if (!tm_mpi_available()) cr_skip_test("this build has no MPI (MPI=0)");
+    if (system("command -v mpirun >/dev/null 2>&1")) cr_skip_test("mpirun is not installed");
+}
+
+/* Run a shell command with a time limit; its output (stdout and stderr) goes to `log`.
+ * Returns the exit status (124: timed out). */
+static int run(const char *log, const char *fmt, ...) {
+    char cmd[8192];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    char full[8400];
+    /* The sanitizer build's leak checker would report Open MPI's own allocations. */
+    snprintf(full, sizeof full, "ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0 OMP_WAIT_POLICY=passive "
+             "timeout -k 5 150 %s > '%s' 2>&1", cmd, log);
+    int st = system(full);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+static char *slurp_text(const char *path) {
+    long n;
+    unsigned char *s = tt_slurp(path, &n);
+    char *t = realloc(s, (size_t)n + 1);
+    t[n] = 0;
+    return t;
+}
+
+#define MPIRUN "mpirun --oversubscribe --allow-run-as-root --mca btl self,vader"
+
+Test(dist, collectives_across_2_and_4_ranks, .timeout = 200) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    for (int np = 2; np <= 4; np += 2) {
+        const char *log = tt_path(np == 2 ? "c2.log" : "c4.log");
+        int rc = run(log, MPIRUN " -np %d '%s/tinymoe_dist_helper' collectives", np, bindir());
+        char *out = slurp_text(log);
+        cr_assert_eq(rc, 0, "%d ranks: exit %d\n%s", np, rc, out);
+        cr_assert(strstr(out, "collectives: ") && strstr(out, "ranks, ok"), "%s", out);
+        free(out);
+    }
+    tt_tmpdir_remove();
+}
+
+/* A small MoE on the synthetic source, 10 steps, a loss and a checkpoint at the end. */
+static const char *BASE =
+    "--preset tiny --n_layers 2 --steps 10 --batch_size 8 --threads 1 --log_every 1 --eval_every 0 "
+    "--eval_batches 1 --lr_schedule constant --warmup_steps 0 --save_every 0 --keep_last 1";
+
+static int train(const char *out, int np, const char *extra) {
+    char log[1100];
+    snprintf(log, sizeof log, "%s.log", out);
+    if (np == 1) return run(log, "'%s/tinymoe' train %s %s --out '%s'", bindir(), BASE, extra, out);
+    return run(log, MPIRUN " -np %d '%s/tinymoe' train %s %s --out '%s'", np, bindir(), BASE, extra, out);
+}
+
+/* The `loss` of every train record of out/metrics.jsonl (the global batch's, logged by rank 0). */
+static int losses(const char *out, double *v, int max) {
+    char path[1100];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", out);
+    char *t = slurp_text(path);
+    int n = 0;
+    for (char *line = t; line && *line && n < max; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+        if (strncmp(line, "{\"type\": \"train\"", 16)) continue;
+        char *l = strstr(line, "\"loss\": ");
+        if (l) v[n++] = strtod(l + 8, NULL);
+    }
+    free(t);
+    return n;
+}
+
+static void assert_same_losses(const char *a, const char *b, int steps) {
+    double la[64], lb[64];
+    int na = losses(a, la, 64), nb = losses(b, lb, 64);
+    cr_assert_eq(na, steps, "%s: %d train records", a, na);
+    cr_assert_eq(nb, steps, "%s: %d train records", b, nb);
+    for (int i = 0; i < steps; i++)
+        cr_assert_leq(fabs(la[i] - lb[i]), 1e-5 * fabs(la[i]), "step %d: loss %.9g (%s) vs %.9g (%s)", i + 1, la[i], a,
+                      lb[i], b);
+}
+
+/* Every parameter of the two runs' final checkpoints. */
+static void assert_same_weights(const char *a, const char *b) {
+    tmd_loaded_model ma, mb;
+    char err[2048];
+    cr_assert_eq(tmd_ckpt_load_model(a, -1, 1, &ma, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_ckpt_load_model(b, -1, 1, &mb, err, sizeof err), 0, "%s", err);
+    int n = tm_ctx_num_params(ma.ctx);
+    cr_assert_eq(n, tm_ctx_num_params(mb.ctx));
+    for (int i = 0; i < n; i++) {
+        tm_tensor *pa = tm_ctx_param(ma.ctx, i), *pb = tm_ctx_param(mb.ctx, i);
+        cr_assert_str_eq(tm_tensor_name(pa), tm_tensor_name(pb));
+        int64_t k = tm_tensor_numel(pa);
+        cr_assert_eq(k, tm_tensor_numel(pb));
+        double *va = tt_read(ma.ctx, pa), *vb = tt_read(mb.ctx, pb), scale = 0, d2 = 0, n2 = 0, md = 0;
+        for (int64_t j = 0; j < k; j++) {
+            scale = fmax(scale, fabs(va[j]));
+            md = fmax(md, fabs(va[j] - vb[j]));
+            d2 += (va[j] - vb[j]) * (va[j] - vb[j]);
+            n2 += va[j] * va[j];
+        }
+        double rel = n2 > 0 ? sqrt(d2 / n2) : sqrt(d2);
+        cr_assert_leq(rel, 1e-5, "%s: weights of %s and %s differ by %g relative (L2)", tm_tensor_name(pa), a, b, rel);
+        cr_assert_leq(md, 2e-4 * scale, "%s: weights of %s and %s differ by %g in one element (largest |w| %g)",
+                      tm_tensor_name(pa), a, b, md, scale);
+        free(va), free(vb);
+    }
+    tmd_loaded_model_free(&ma);
+    tmd_loaded_model_free(&mb);
+}
+
+static void data_parallel(const char *extra, int max_np) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    char ref[1024];
+    snprintf(ref, sizeof ref, "%s", tt_path("np1"));
+    cr_assert_eq(train(ref, 1, extra), 0, "single process: see %s.log", ref);
+    for (int np = 2; np <= max_np; np *= 2) {
+        char out[1024], name[16];
+        snprintf(name, sizeof name, "np%d", np);
+        snprintf(out, sizeof out, "%s", tt_path(name));
+        int rc = train(out, np, extra);
+        if (rc) {
+            char log[1100];
+            snprintf(log, sizeof log, "%s.log", out);
+            char *t = slurp_text(log);
+            cr_assert_fail("%d ranks: exit %d\n%s", np, rc, t);
+        }
+        assert_same_losses(ref, out, 10);
+        assert_same_weights(ref, out);
+    }
+    tt_tmpdir_remove();
+}
+
+Test(dist, data_parallel_1_2_4_ranks_match_one_process, .timeout = 300) { data_parallel("", 4); }
+
+Test(dist, data_parallel_with_capacity_expert_bias_and_seq_aux_loss, .timeout = 300) {
+    data_parallel("--capacity_factor 1.0 --expert_bias true --seq_aux_loss_coeff 1e-3 --aux_counts clean "
+                  "--grad_accum 2", 2);
+}
+
+Test(dist, config_that_differs_across_ranks_is_refused, .timeout = 200) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    const char *log = tt_path("mismatch.log");
+    int rc = run(log, MPIRUN " -np 1 '%s/tinymoe' train %s --lr 0.01 --out '%s' : -np 1 '%s/tinymoe' train %s --lr 0.02 "
+                 "--out '%s'", bindir(), BASE, tt_path("o"), bindir(), BASE, tt_path("o"));
+    char *t = slurp_text(log);
+    cr_assert_eq(rc, 2, "exit %d\n%s", rc, t);
+    cr_assert(strstr(t, "key 'lr' differs across the 2 ranks") && strstr(t, "0.01 on rank 0") &&
+                  strstr(t, "0.02 on rank 1"), "%s", t);
+    free(t);
+    tt_tmpdir_remove();
+}
