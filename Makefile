@@ -5,6 +5,8 @@
 #                             the Criterion suite (tests/), then examples/*.c against a staged
 #                             install ($(BUILD)/stage)
 #   make SAN=1 test           the same with AddressSanitizer + UBSan (objects in build-san/)
+#   make test-cuda            on a GPU machine: tests/gpu/run.sh (builds with CUDA=1 BLAS=0, runs
+#                             the Criterion suite, the Hugging Face check and tests/gpu/e2e.sh)
 #   make install PREFIX=/usr/local
 #
 # Auto-detected, override on the command line:
@@ -184,6 +186,11 @@ TEST_ENV := ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print
 test: check-exports $(TESTBIN) $(BIN)
 	$(TEST_ENV) $(abspath $(TESTBIN)) --jobs 2 $(TEST_ARGS)
 	@$(MAKE) --no-print-directory examples
+
+# The GPU machine's run (see tests/gpu/run.sh): its own build, the suite, then the driver end to end.
+.PHONY: test-cuda
+test-cuda:
+	bash tests/gpu/run.sh
 
 # libtinymoe.so exports exactly the TM_API functions of libtinymoe.a (see LIB_VIS above).
 .PHONY: check-exports

@@ -241,6 +241,7 @@ void tm_ctx_arena_reset(tm_ctx *ctx) {
     tm__arena_reset(ctx, &ctx->meta);
     ctx->tape = NULL;
     ctx->scope_n = ctx->scope_depth = 0;
+    ctx->mirrors = NULL; /* they lived in the meta arena */
 }
 
 static const tm__arena *arena_of(const tm_ctx *ctx, tm_device dev) {

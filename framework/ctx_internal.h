@@ -124,8 +124,17 @@ struct tm_ctx {
 
     tm__mem_stats mem[TM__NBACKENDS];
 
+    struct tm__mirror *mirrors; /* host mirrors (internal.h), newest first, meta memory; reset with the arena */
     struct tm__comm *comm; /* tm_comm_init (framework/comm.h); NULL: one rank */
 };
+
+/* One host mirror (internal.h, "host mirrors"): n i64 values of storage st from element offset. */
+typedef struct tm__mirror {
+    const tm__storage *st;
+    int64_t offset, n;
+    const int64_t *vals;
+    struct tm__mirror *next;
+} tm__mirror;
 
 void tm__arena_reset(tm_ctx *ctx, tm__arena *a);
 void tm__arena_release(tm_ctx *ctx, tm__arena *a);

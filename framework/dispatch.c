@@ -61,9 +61,23 @@ static int call_has_bf16(const tm__call *c) {
     return 0;
 }
 
+/* The index of the first of ts[0..i] that is ts[i]: an op may take one tensor twice (x * x,
+ * attention with k as v), and then its gradient slots are one tensor too. */
+static int first_alias(tm_tensor *const *ts, int i) {
+    int j = 0;
+    while (ts[j] != ts[i]) j++;
+    return j;
+}
+
 static tm_status run_bf16_on_cpu(tm__call *c, tm__fn fn, int backward) {
     tm__call k = *c;
-    for (int i = 0; i < c->n_in; i++) TM__TRY(f32_stage(c->ctx, c->in[i], &k.in[i]));
+    /* One f32 copy per distinct tensor: aliased gradient slots must accumulate into one
+     * staging buffer, or the second write-back would overwrite the first's contribution. */
+    for (int i = 0; i < c->n_in; i++) {
+        int j = first_alias(c->in, i);
+        if (j < i) k.in[i] = k.in[j];
+        else TM__TRY(f32_stage(c->ctx, c->in[i], &k.in[i]));
+    }
     for (int i = 0; i < c->n_out; i++) {
         if (!c->out[i]) continue;
         if (backward) TM__TRY(f32_stage(c->ctx, c->out[i], &k.out[i]));
@@ -72,12 +86,17 @@ static tm_status run_bf16_on_cpu(tm__call *c, tm__fn fn, int backward) {
     }
     if (backward) {
         for (int i = 0; i < c->n_out; i++) TM__TRY(f32_stage(c->ctx, c->gout[i], &k.gout[i]));
-        for (int i = 0; i < c->n_in; i++) TM__TRY(f32_stage(c->ctx, c->gin[i], &k.gin[i]));
+        for (int i = 0; i < c->n_in; i++) {
+            int j = c->gin[i] ? first_alias(c->gin, i) : i;
+            if (j < i) k.gin[i] = k.gin[j];
+            else TM__TRY(f32_stage(c->ctx, c->gin[i], &k.gin[i]));
+        }
     }
     TM__TRY(fn(&k));
     if (backward) {
         for (int i = 0; i < c->n_in; i++)
-            if (c->gin[i] && k.gin[i] != c->gin[i]) TM__TRY(tm__copy_into(c->ctx, c->gin[i], k.gin[i]));
+            if (c->gin[i] && k.gin[i] != c->gin[i] && first_alias(c->gin, i) == i)
+                TM__TRY(tm__copy_into(c->ctx, c->gin[i], k.gin[i]));
     } else {
         for (int i = 0; i < c->n_out; i++) {
             if (!k.out[i]) continue;
@@ -170,6 +189,11 @@ tm_status tm__op_run(tm__call *c) {
     if (!(op->flags & TM__OP_STRIDED))
         for (int i = 0; i < c->n_in; i++)
             if (!tm__is_contiguous(c->in[i])) TM__TRY(tm__contiguous_copy(ctx, c->in[i], &c->in[i]));
+
+    /* The in-place ops (updates, bookkeeping: all TM__OP_NONDIFF) may write their inputs, so
+     * those lose their host mirrors (internal.h). */
+    if (op->flags & TM__OP_NONDIFF)
+        for (int i = 0; i < c->n_in; i++) tm__mirror_drop(ctx, c->src[i]);
 
     TM__TRY(tm__run_kernel(c, 0));
     for (int i = 0; i < c->n_out; i++)

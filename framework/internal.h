@@ -292,6 +292,56 @@ void tm__mem_account(tm_ctx *ctx, tm_device dev, int cat, ptrdiff_t delta);
 tm_status tm__cross_entropy_checked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
                                     tm_tensor **out);
 
+/* tm_embedding for ids already known to be valid (tm_index_check on the device, or read on the
+ * host): the same result, but the CUDA forward does not read its bad-index flag back, so it
+ * does not synchronise (and the CPU forward counts no synchronisation). An id outside [0, V)
+ * then gives a zero row on CUDA (the CPU still reports it). */
+tm_status tm__embedding_checked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
+/* Index range errors of embedding, index_select, gather and scatter_add (framework/ops/
+ * indexing.c), shared by their CPU and CUDA kernels so both name a bad index alike: the bound
+ * of the call's indices c->in[1] ([0, hi)), and TM_ERR_INDEX for `value` at flat position
+ * `pos` of them, with its multi-index. */
+int64_t tm__index_range_hi(const tm__call *c);
+tm_status tm__index_range_err(tm__call *c, int64_t pos, int64_t value);
+
+/* ---- host mirrors of small i64 tensors (framework/tensor.c) ------------------------------- */
+/*
+ * A host mirror is a host copy of the values of a contiguous i64 tensor, kept beside the
+ * device data so that a later kernel that needs those values on the host does not read them
+ * back again. moe_permute's forward brings its padded tokens_per_expert to the host (its one
+ * synchronisation, for R) and mirrors them on that output; grouped_matmul, forward and
+ * backward, takes its group sizes from the mirror of its counts, and reads them back (counted)
+ * and mirrors them only when there is none. So a MoE layer's forward + backward waits once.
+ *
+ * Invariant: a mirror equals the tensor's data. Mirrors are kept per context, keyed by
+ * (storage, element offset, numel), so views of the same elements share them; they live in
+ * the host meta arena and are forgotten by tm_ctx_arena_reset, together with the headers they
+ * describe. Every framework path that writes into existing tensor data drops the mirrors of
+ * that storage first: tm_tensor_write, tm__fill (tm_tensor_fill), tm__copy_into,
+ * tm__accumulate, tm__assign, tm__tensor_release, and the dispatcher before the forward of a
+ * TM__OP_NONDIFF op (the in-place updates write their inputs). An op's kernels write only
+ * their own fresh outputs, gin and scratch; code that writes existing tensor data by other
+ * means (raw tm__memcpy / backend memcpy into a live tensor) must call tm__mirror_drop.
+ */
+/* Mirror t (contiguous i64) with numel(t) values copied from vals (any host memory). */
+tm_status tm__mirror_set(tm_ctx *ctx, const tm_tensor *t, const int64_t *vals);
+/* t's mirror (numel(t) values), or NULL when t has none (or is not contiguous i64). */
+const int64_t *tm__mirror_find(const tm_ctx *ctx, const tm_tensor *t);
+/* t's storage is about to be written: forget every mirror of that storage. */
+void tm__mirror_drop(tm_ctx *ctx, const tm_tensor *t);
+
+/* ---- MoE dispatch helpers shared by the CPU and CUDA kernels (framework/ops/) ------------- */
+
+/* moe_permute: from count[e] (routed tokens of expert e) the rows of each expert with its
+ * padding, rows[e] (align_size / pad_to, c->iattr), and R = their sum; TM_ERR_INVALID_ARG
+ * for an expert above pad_to or rows that overflow. */
+tm_status tm__moe_permute_rows(tm__call *c, const int64_t *count, int64_t *rows, int64_t *R);
+/* grouped_matmul: the group sizes of c->in[2] on the host, checked against the rows of x
+ * (negative, running past R, not summing to R). From the counts' host mirror when they have
+ * one; otherwise read back once (one synchronisation; counted on the CPU too) and mirrored, so
+ * later calls on the same counts do not wait again. *cnt: G values (host memory of the step). */
+tm_status tm__grouped_matmul_counts(tm__call *c, const int64_t **cnt);
+
 /* ---- context internals used by kernels --------------------------------------------------- */
 
 /* (tm__nthreads: extend.h) */

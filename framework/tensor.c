@@ -112,6 +112,7 @@ void tm__tensor_release(tm_ctx *ctx, tm_tensor *t) {
     if (!ctx || !t || t->persistent || !ctx->mem_reuse) return;
     tm__storage *st = t->storage;
     if (!st || !st->data || !st->arena_bytes) return;
+    tm__mirror_drop(ctx, t);
     tm__arena_free(ctx, st->device, st->data, st->arena_bytes);
     st->data = NULL;
 }
@@ -418,6 +419,7 @@ static tm_status tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const 
         return tm__err(ctx, TM_ERR_STATE, "tm_tensor_write: \"%s\" is split over the ranks (ZeRO-1); this rank holds "
                        "part of it", t->name);
     if (n == 0) return TM_OK;
+    tm__mirror_drop(ctx, t);
     tm_tensor *master = t->pm ? t->pm->master : NULL;
     if (master) TM__TRY(tm_tensor_write(ctx, master, src_dt, src, count)); /* f32 master weights follow */
     if (t->pm) TM__TRY(tm__param_master_write(ctx, t, src_dt, src));   /* (sharded over the ranks) */
@@ -450,6 +452,7 @@ static const tm__backend_ops *be_of(tm_ctx *ctx, tm_device d) { return ctx->be[t
 
 tm_status tm__fill(tm_ctx *ctx, tm_tensor *t, double value) {
     if (tm__numel(t) == 0) return TM_OK;
+    tm__mirror_drop(ctx, t);
     return be_of(ctx, t->device)->fill(ctx, t, value);
 }
 
@@ -468,6 +471,7 @@ tm_status tm__copy_into(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src) {
     if (!tm__same_device(dst->device, src->device))
         return tm__err(ctx, TM_ERR_INTERNAL, "copy_into across devices: %s <- %s", tm__tdesc(ctx, dst), tm__tdesc(ctx, src));
     if (n == 0) return TM_OK;
+    tm__mirror_drop(ctx, dst);
     return be_of(ctx, dst->device)->copy_into(ctx, dst, src);
 }
 
@@ -476,6 +480,7 @@ tm_status tm__accumulate(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, doub
     if (n != tm__numel(src) || !tm__is_contiguous(dst) || !tm__is_float(dst->dtype))
         return tm__err(ctx, TM_ERR_INTERNAL, "accumulate: %s += %s", tm__tdesc(ctx, dst), tm__tdesc(ctx, src));
     if (n == 0) return TM_OK;
+    tm__mirror_drop(ctx, dst);
     return be_of(ctx, dst->device)->accumulate(ctx, dst, src, alpha);
 }
 
@@ -487,5 +492,42 @@ tm_status tm__assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accu
     if (tm__numel(dst) == 0) return TM_OK;
     if (tm__is_contiguous(dst))
         return accumulate ? tm__accumulate(ctx, dst, src, alpha) : tm__copy_into(ctx, dst, src);
+    tm__mirror_drop(ctx, dst);
     return be_of(ctx, dst->device)->assign(ctx, dst, src, accumulate, alpha);
+}
+
+/* ---- host mirrors (internal.h) ---------------------------------------------------------- */
+
+tm_status tm__mirror_set(tm_ctx *ctx, const tm_tensor *t, const int64_t *vals) {
+    int64_t n = tm__numel(t);
+    if (n == 0) return TM_OK; /* nothing a reader could need */
+    if (t->dtype != TM_I64 || !tm__is_contiguous(t) || !t->storage || !t->storage->data)
+        return tm__err(ctx, TM_ERR_INTERNAL, "mirror of %s: not a live contiguous i64 tensor", tm__tdesc(ctx, t));
+    tm__mirror_drop(ctx, t); /* at most one mirror per storage */
+    tm__mirror *m = tm__meta_alloc(ctx, sizeof *m);
+    int64_t *v = tm__meta_alloc(ctx, (size_t)n * sizeof *v);
+    if (!m || !v) return TM_ERR_NOMEM;
+    memcpy(v, vals, (size_t)n * sizeof *v);
+    m->st = t->storage;
+    m->offset = t->offset;
+    m->n = n;
+    m->vals = v;
+    m->next = ctx->mirrors;
+    ctx->mirrors = m;
+    return TM_OK;
+}
+
+const int64_t *tm__mirror_find(const tm_ctx *ctx, const tm_tensor *t) {
+    if (!t || t->dtype != TM_I64 || !t->storage || !t->storage->data || !tm__is_contiguous(t)) return NULL;
+    for (const tm__mirror *m = ctx->mirrors; m; m = m->next)
+        if (m->st == t->storage && m->offset == t->offset && m->n == tm__numel(t)) return m->vals;
+    return NULL;
+}
+
+void tm__mirror_drop(tm_ctx *ctx, const tm_tensor *t) {
+    if (!t) return;
+    for (tm__mirror **pm = &ctx->mirrors; *pm;) {
+        if ((*pm)->st == t->storage) *pm = (*pm)->next;
+        else pm = &(*pm)->next;
+    }
 }

@@ -182,11 +182,14 @@ TM_API uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
  * build (CI) can bound round trips too: one per tm_tensor_read of a non-empty CPU tensor; one
  * per tm_ctx_sync of a context without a CUDA device; one per forward of an op that must read
  * data back to size its outputs (tm_moe_permute: its row count R) or to report an error (the
- * bad-target flag of tm_cross_entropy's CUDA forward, when there are rows). Index checks
- * inside CPU kernels of ops without a CUDA kernel yet (embedding, gather, index_select,
- * scatter_add, tm_moe_unpermute, tm_grouped_matmul's counts) are not counted: their CUDA
- * kernels are still to be designed. Nothing is counted twice (a CUDA tensor's read counts its
- * copy only). Never decreases; wraps only after 2^64. */
+ * bad-target flag of tm_cross_entropy's CUDA forward, when there are rows; the bad-index flag
+ * of the CUDA forwards of tm_embedding, tm_index_select, tm_gather and tm_scatter_add, when
+ * there are indices); one per tm_grouped_matmul (forward or backward) whose counts have no
+ * host mirror (see there). tm_index_check reads nothing back, and tm_model_forward, which
+ * checks its ids with it, embeds them without the flag read. tm_moe_unpermute reads nothing
+ * back either (its CUDA kernels skip bad rows instead of reading row_token back). Nothing is
+ * counted twice (a CUDA tensor's read counts its copy only). Never decreases; wraps only after
+ * 2^64. */
 TM_API uint64_t tm_ctx_sync_count(const tm_ctx *ctx);
 
 /* Bytes of arena currently handed out on a device (0 after tm_ctx_arena_reset) and the
@@ -443,9 +446,10 @@ TM_API tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *g
  *   TM_ERR_DEVICE       inputs on different devices (tm_to_device excepted);
  *   TM_ERR_UNSUPPORTED  no kernel for the inputs' backend. Every op has CPU kernels; CUDA ones
  *                       exist only for matmul, add, sub, mul, scale, the four reductions, the
- *                       shape ops (reshape ... to_device), rmsnorm, silu, swiglu, softmax,
- *                       log_softmax and cross_entropy (the rows of framework/op_table.c with a
- *                       CUDA column). Also a GEMM that cuBLASLt has no algorithm for;
+ *                       shape ops (reshape ... to_device), embedding, index_select, gather,
+ *                       scatter_add, index_check, rmsnorm, silu, swiglu, softmax, log_softmax,
+ *                       cross_entropy, rope and attention (the rows of framework/op_table.c
+ *                       with a CUDA column). Also a GEMM that cuBLASLt has no algorithm for;
  *   TM_ERR_NOMEM        the per-step arena could not grow (outputs, saved tensors, contiguous
  *                       copies of strided inputs, scratch, the tape entry);
  *   TM_ERR_CUDA         a CUDA runtime or cuBLASLt call failed (CUDA inputs only).
@@ -503,13 +507,17 @@ TM_API tm_status tm_cast(tm_ctx *ctx, tm_tensor *x, tm_dtype dt, tm_tensor **out
 TM_API tm_status tm_to_device(tm_ctx *ctx, tm_tensor *x, tm_device dev, tm_tensor **out);
 
 /* Embedding lookup: weight [V, C], ids (i32 or i64) of any shape S -> out [S..., C].
- * Backward scatter-adds rows into d weight. Errors: TM_ERR_DTYPE (weight not float, ids not
- * index), TM_ERR_SHAPE (weight not 2-D, ids of more than 3 dims), TM_ERR_INDEX naming the
- * first id outside [0, V) and its position. */
+ * Backward scatter-adds rows into d weight, in a fixed order (bitwise reproducible, also on
+ * CUDA). Errors: TM_ERR_DTYPE (weight not float, ids not index), TM_ERR_SHAPE (weight not 2-D,
+ * ids of more than 3 dims), TM_ERR_INDEX naming the first id outside [0, V) and its position.
+ * On CUDA the ids are checked on the device and the verdict read back: one host round trip
+ * (tm_ctx_sync_count) per call with ids (tm_model_forward checks its tokens with
+ * tm_index_check instead and skips this read). The same holds for the three below. */
 TM_API tm_status tm_embedding(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
 /* The three below: TM_ERR_DTYPE (x / src not float, idx not index), TM_ERR_SHAPE (a shape
  * other than the one shown), TM_ERR_INDEX naming the first index out of range (lowest flat
- * position) and its value.
+ * position) and its value; TM_ERR_UNSUPPORTED on CUDA for a row scatter-add (scatter_add, the
+ * backward of index_select and embedding) of 2^32 - 1 or more rows or sources.
  * Row gather: x [N, C], idx [M] (i32/i64) -> out [M, C], out[m] = x[idx[m]], idx in [0, N). */
 TM_API tm_status tm_index_select(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out);
 /* Gather along the last axis: x [N, C], idx [N, K] -> out [N, K], out[n,k] = x[n, idx[n,k]],
@@ -526,8 +534,8 @@ TM_API tm_status tm_scatter_add(tm_ctx *ctx, tm_tensor *src, tm_tensor *idx, int
  *   *first_bad i64 [2]: {flat position, value} of the first invalid id, {-1, 0} when none.
  * A bad id is not an error here: read first_bad back (with the other results of the step) and
  * report it. Errors: TM_ERR_INVALID_ARG (ids, safe or first_bad NULL, ids of another context,
- * hi < 0, ignore_index outside the i32 range for i32 ids), TM_ERR_DTYPE (ids not i32/i64), TM_ERR_UNSUPPORTED (ids on CUDA:
- * CPU only for now), TM_ERR_NOMEM. */
+ * hi < 0, ignore_index outside the i32 range for i32 ids), TM_ERR_DTYPE (ids not i32/i64), TM_ERR_NOMEM,
+ * TM_ERR_CUDA. */
 TM_API tm_status tm_index_check(tm_ctx *ctx, tm_tensor *ids, int64_t hi, int64_t ignore_index, tm_tensor **safe,
                          tm_tensor **first_bad);
 
@@ -567,7 +575,7 @@ TM_API tm_status tm_rope(tm_ctx *ctx, tm_tensor *x, int64_t pos_offset, double t
  * out [B, Tq, Hq, D]. (Vaswani et al. 2017; GQA: Ainslie et al. 2023.)
  * Errors: TM_ERR_DTYPE (not float, or of different dtypes), TM_ERR_SHAPE (not 4-D; v's shape
  * not k's; B or D differ; D, Hq or Hkv < 1; Hq % Hkv != 0; Tk < Tq), TM_ERR_INVALID_ARG (scale
- * not finite). */
+ * not finite), TM_ERR_UNSUPPORTED (on CUDA: D > 3056, or 2^31 or more rows of q or k). */
 TM_API tm_status tm_attention(tm_ctx *ctx, tm_tensor *q, tm_tensor *k, tm_tensor *v, double scale,
                        tm_tensor **out);
 
@@ -600,8 +608,8 @@ typedef struct tm_router_config {
 /* E = 8, k = 2, softmax, pre-softmax, no groups, scaling 1, no renormalisation. */
 TM_API tm_router_config tm_router_config_default(void);
 
-/* Float outputs have the logits' dtype (f32; bf16 logits give bf16 outputs, computed in f64
- * and rounded; f64 for gradient checks). */
+/* Float outputs have the logits' dtype (f32; bf16 logits give bf16 outputs, computed in f64 on
+ * the CPU, in f32 on CUDA, and rounded; f64 for gradient checks). */
 typedef struct tm_router_out {
     tm_tensor *probs;             /* [T,E]: p at the routed (t,e), 0 elsewhere */
     tm_tensor *routing_map;       /* u8  [T,E]: 1 where routed */
@@ -624,14 +632,20 @@ typedef struct tm_router_out {
  *   p *= scaling_factor last. Ties: the lowest expert index wins (everywhere, groups too).
  * logits: float [T,E]. expert_bias: float [E] (any float dtype) or NULL, used for selection
  * only (no gradient), with either score function (softmax + bias shifts the selection only,
- * too). The arithmetic is f64 on the CPU. On error every field of *out is NULL (out given).
+ * too). The arithmetic is f64 on the CPU and f32 on CUDA (bf16 logits read as f32): CUDA's
+ * float outputs and gradients are within 1e-5 (f32) or one bf16 rounding step of the CPU's.
+ * Both select the same experts unless f32 rounding makes two scores equal (or unequal) that
+ * are not so in f64; equal logits give equal scores on both. NaN ranks lowest on CUDA, while
+ * the CPU's insertion may keep one, so a row mixing NaN and numbers may select differently.
+ * tokens_per_expert is exact on both. On error every field of *out is NULL (out given).
  * Gradients flow from probs and topk_weights (both may be used) into logits.
  * Errors (message names the field and its value): TM_ERR_INVALID_ARG for out or cfg NULL,
  * score_function not a tm_score_function, num_experts < 1, k outside [1,E], num_groups < 0,
  * E % num_groups, group_topk outside [1, num_groups], k % group_topk,
  * k / group_topk > E / num_groups, scaling_factor <= 0, NaN or infinite; TM_ERR_DTYPE for
  * logits or expert_bias not float; TM_ERR_SHAPE for logits not [T,E] with E = num_experts >= 1, or
- * expert_bias not [E]. CPU only for now (TM_ERR_UNSUPPORTED on CUDA). */
+ * expert_bias not [E]; TM_ERR_UNSUPPORTED on CUDA for a row beyond 48 KiB of shared memory
+ * (9 E + 8 k + 5 num_groups bytes: E above about 5400). */
 TM_API tm_status tm_moe_router(tm_ctx *ctx, tm_tensor *logits, tm_tensor *expert_bias, const tm_router_config *cfg,
                         tm_router_out *out);
 
@@ -646,7 +660,11 @@ TM_API tm_status tm_moe_router(tm_ctx *ctx, tm_tensor *logits, tm_tensor *expert
  * Gradient: d scores[t,e] = E * coeff / (k * T^2) * tokens_per_expert[e].
  * Errors: TM_ERR_DTYPE (scores not float, tokens_per_expert not i64), TM_ERR_SHAPE (scores
  * not [T,E] with E >= 1, tokens_per_expert not [E]), TM_ERR_INVALID_ARG (topk outside [1, E],
- * coeff not finite, 0 < total_tokens < T). CPU only for now. */
+ * coeff not finite, 0 < total_tokens < T).
+ * On CUDA the sum is a two-pass fixed-order f32 reduction (block partial sums, then one block
+ * adds them in order; c applied once, in f64): bitwise reproducible run to run, and within
+ * 1e-5 of the CPU's f64 sum (a bf16 rounding step for bf16 scores). The same holds for
+ * tm_moe_seq_aux_loss and tm_moe_z_loss. */
 TM_API tm_status tm_moe_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *tokens_per_expert, int topk, double coeff,
                           int64_t total_tokens, tm_tensor **out);
 /* Sequence-level variant (DeepSeek-V3 sec. 2.1.2, complementary sequence-wise balance loss):
@@ -656,7 +674,7 @@ TM_API tm_status tm_moe_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *toke
  * sequences. Out: 0-d, the scores' dtype; 0 when T = 0.
  * Errors: TM_ERR_DTYPE (scores not float, routing_map not u8), TM_ERR_SHAPE (scores not [T,E]
  * with E >= 1, routing_map not of scores' shape), TM_ERR_INVALID_ARG (topk outside [1, E],
- * coeff not finite, num_seqs < 1 or not dividing T). CPU only for now. */
+ * coeff not finite, num_seqs < 1 or not dividing T). */
 TM_API tm_status tm_moe_seq_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *routing_map, int topk, double coeff,
                               int64_t num_seqs, tm_tensor **out);
 /* Scores for the auxiliary losses (Megatron compute_routing_scores_for_aux_loss, TE
@@ -668,7 +686,8 @@ TM_API tm_status tm_moe_seq_aux_loss(tm_ctx *ctx, tm_tensor *scores, tm_tensor *
  * tm_moe_seq_aux_loss; the counts that go with them are the routed ones (tm_router_out) or
  * Megatron's clean ones, a plain top-k of these very scores: tm_moe_aux_counts.
  * Errors: TM_ERR_INVALID_ARG (score_function not a tm_score_function), TM_ERR_DTYPE (logits
- * not float), TM_ERR_SHAPE (logits not [T,E] with E >= 1). CPU only for now. */
+ * not float), TM_ERR_SHAPE (logits not [T,E] with E >= 1). Computed in f32 on CUDA (f64 on
+ * the CPU). */
 TM_API tm_status tm_moe_aux_scores(tm_ctx *ctx, tm_tensor *logits, tm_score_function score_function, tm_tensor **out);
 /* Megatron's "clean" routing for the balance losses (TM_AUX_COUNTS_CLEAN): a plain top-k of
  * the aux scores, without groups, expert bias, capacity or scaling, as Megatron-LM's
@@ -687,31 +706,31 @@ TM_API tm_status tm_moe_aux_scores(tm_ctx *ctx, tm_tensor *logits, tm_score_func
  * never recorded on the tape, whatever the grad mode.
  * Errors: TM_ERR_INVALID_ARG (logits, routing_map or tokens_per_expert NULL; logits of
  * another context; topk outside [1, E]), TM_ERR_DTYPE (logits not float), TM_ERR_SHAPE
- * (logits not [T,E] with E >= 1), TM_ERR_UNSUPPORTED (logits on CUDA: the router op is CPU
- * only for now), TM_ERR_NOMEM. */
+ * (logits not [T,E] with E >= 1), TM_ERR_NOMEM, TM_ERR_CUDA. */
 TM_API tm_status tm_moe_aux_counts(tm_ctx *ctx, tm_tensor *logits, int topk, tm_tensor **routing_map,
                             tm_tensor **tokens_per_expert);
 /* Router z-loss (ST-MoE eq. 5): z = coeff * mean_t (logsumexp_e logits[t,e])^2; 0 when T = 0.
  * Out: 0-d, the logits' dtype (f64 for f64 logits).
  * Errors: TM_ERR_DTYPE (logits not float), TM_ERR_SHAPE (logits not [T,E] with E >= 1),
- * TM_ERR_INVALID_ARG (coeff not finite). CPU only for now. */
+ * TM_ERR_INVALID_ARG (coeff not finite). CUDA: logsumexp in f32, see tm_moe_aux_loss. */
 TM_API tm_status tm_moe_z_loss(tm_ctx *ctx, tm_tensor *logits, double coeff, tm_tensor **out);
 /* Aux-loss-free balancing (DeepSeek-V3 sec. 2.1.2; Megatron get_updated_expert_bias), once per
  * optimizer step with counts summed over micro-batches and ranks:
  *   expert_bias[e] += rate * sign(mean(counts) - counts[e])     (sign(0) = 0)
- * expert_bias: f32 or f64 [E] (a buffer; views allowed; the new value is computed in f64 and
- * rounded once to its dtype), counts: i64 [E]. An in-place update, not an op: never recorded
- * on the tape.
+ * expert_bias: f32 or f64 [E] (f32 on CUDA; a buffer; views allowed; the new value is computed
+ * in f64 and rounded once to its dtype, on CUDA too: the result is the CPU's bit for bit),
+ * counts: i64 [E] on the same device. An in-place update, not an op: never recorded on the
+ * tape; reads nothing back.
  * Errors: TM_ERR_INVALID_ARG (a tensor NULL or of another context, rate not finite),
- * TM_ERR_UNSUPPORTED (a tensor not on the CPU), TM_ERR_DTYPE (expert_bias not f32 or f64,
- * counts not i64), TM_ERR_SHAPE (expert_bias not [E] with E >= 1, counts not [E]). */
+ * TM_ERR_DEVICE (on different devices), TM_ERR_DTYPE (expert_bias not f32 or f64, counts not
+ * i64), TM_ERR_SHAPE (expert_bias not [E] with E >= 1, counts not [E]), TM_ERR_CUDA. */
 TM_API tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate);
 /* The running count behind that update, kept on the device: sum[e] += counts[e] in place.
  * sum: i64 [E], contiguous (a buffer, e.g. the block's tokens_per_expert_sum); counts: i64 [E]
  * (tm_router_out / tm_moe_drop_out tokens_per_expert). Not recorded on the tape; reads nothing
  * back. Errors: TM_ERR_DTYPE (sum or counts not i64), TM_ERR_SHAPE (not both [E]),
  * TM_ERR_INVALID_ARG (a tensor NULL or of another context; sum a strided view), TM_ERR_DEVICE (on
- * different devices), TM_ERR_UNSUPPORTED (on CUDA: CPU only for now). */
+ * different devices), TM_ERR_CUDA. */
 TM_API tm_status tm_moe_accumulate_counts(tm_ctx *ctx, tm_tensor *sum, tm_tensor *counts);
 
 typedef enum tm_drop_policy {
@@ -739,7 +758,9 @@ typedef struct tm_moe_drop_out {
  * for an expert's slots, with a fixed tie order. On error every field of *out is NULL (out
  * given). Errors: TM_ERR_INVALID_ARG (out NULL, capacity < 0, policy not a tm_drop_policy),
  * TM_ERR_DTYPE (probs not float, routing_map not u8), TM_ERR_SHAPE (probs not 2-D, routing_map
- * not of probs' shape). CPU only for now. */
+ * not of probs' shape). On CUDA nothing is read back either: the kept set is the CPU's exactly
+ * (TM_DROP_PROBS ranks in O(n_e^2) per expert of n_e routed tokens; TM_ERR_UNSUPPORTED beyond
+ * 2^31 - 1 tokens). */
 TM_API tm_status tm_moe_drop_tokens(tm_ctx *ctx, tm_tensor *probs, tm_tensor *routing_map, int64_t capacity,
                              tm_drop_policy policy, tm_moe_drop_out *out);
 
@@ -759,11 +780,15 @@ typedef struct tm_moe_dispatch {
  * x: [T,H] float; routing_map: u8 [T,E]; probs: float [T,E] (its own dtype; rows are moved
  * bit-exactly, bf16 included). Differentiable in x and probs:
  * dx[t] = sum of d permuted over t's rows; d probs[t,e] = d permuted_probs[row(t,e)].
- * R is known only after reading routing_map (a data-dependent output size).
+ * R is known only after reading routing_map (a data-dependent output size): on CUDA the forward
+ * reads the E expert counts back once (one synchronisation, tm_ctx_sync_count; counted on the
+ * CPU too) and keeps them on the host with tokens_per_expert, so that tm_grouped_matmul on
+ * those counts (as the MoE layer chains them) does not read them back again, forward or
+ * backward. The backward does not synchronise.
  * Errors: TM_ERR_INVALID_ARG (out NULL, align_size < 1, pad_to < 0, an expert with more than
  * pad_to routed tokens, padding that would make R * H elements overflow), TM_ERR_DTYPE (x or
  * probs not float, routing_map not u8), TM_ERR_SHAPE (x not 2-D, probs not 2-D, routing_map
- * not of probs' shape or not one row per token of x). CPU only for now. */
+ * not of probs' shape or not one row per token of x). */
 TM_API tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t align_size,
                          int64_t pad_to, tm_moe_dispatch *out);
 
@@ -773,10 +798,12 @@ TM_API tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_ma
  * or NULL (weights 1), of a dtype computed like expert_out's (f32 or bf16 with f32 or bf16,
  * f64 with f64), row_token i64 (or i32) [R], out [num_tokens, H] of expert_out's dtype.
  * Backward: d expert_out[r] = dy[t] p[r]; d permuted_probs[r] = <expert_out[r], dy[t]>.
+ * No synchronisation, forward or backward.
  * Errors: TM_ERR_DTYPE (expert_out not float, row_token not index, permuted_probs of another
  * kind), TM_ERR_SHAPE (expert_out not 2-D, row_token or permuted_probs not [R]),
- * TM_ERR_INVALID_ARG (num_tokens < 0), TM_ERR_INDEX (the first row_token outside
- * [-1, num_tokens), with its row). CPU only for now. */
+ * TM_ERR_INVALID_ARG (num_tokens < 0), TM_ERR_INDEX (on the CPU: the first row_token outside
+ * [-1, num_tokens), with its row; on CUDA, which does not read row_token back, such rows are
+ * skipped like padding rows and get no gradient). */
 TM_API tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor *permuted_probs, tm_tensor *row_token,
                            int64_t num_tokens, tm_tensor **out);
 
@@ -784,9 +811,15 @@ TM_API tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor 
  * (counts: i64 [G], sum = R); out[rows of g] = x[rows of g] @ w[g], w [G,K,N], out [R,N].
  * One GEMM per non-empty group; empty groups cost nothing and leave dw[g] untouched (zero).
  * Backward: dx_g = dy_g @ w[g]^T; dw[g] = x_g^T @ dy_g.
+ * The group sizes are needed on the host. The tokens_per_expert of a tm_moe_permute carry them
+ * already (a host copy made by the permute's own read): no synchronisation. Other counts on a
+ * device are read back once (one synchronisation, tm_ctx_sync_count; counted on the CPU too)
+ * and kept with the tensor, so later calls and the backward on the same counts do not wait
+ * again. Writing the counts (tm_tensor_write, tm_tensor_fill, an in-place op) discards that
+ * host copy. The counts are validated from it, on every device alike.
  * Errors: TM_ERR_DTYPE (x or w not float, or of different dtypes; counts not i64),
  * TM_ERR_SHAPE (x not 2-D, w not 3-D, counts not [G], K differs, counts running past R or not
- * summing to R), TM_ERR_INVALID_ARG (a negative count). CPU only for now. */
+ * summing to R), TM_ERR_INVALID_ARG (a negative count). */
 TM_API tm_status tm_grouped_matmul(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor *counts, tm_tensor **out);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -896,8 +929,7 @@ TM_API tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_
 TM_API tm_status tm_moe_stats_read(tm_moe *moe, tm_moe_stats *stats);
 /* Once per optimizer step: apply the expert-bias update (if use_expert_bias and the rate is
  * > 0) from the counts summed since the last call, then clear the sum.
- * Errors: those of tm_moe_expert_bias_update (TM_ERR_UNSUPPORTED for a CUDA block),
- * TM_ERR_CUDA (clearing a CUDA sum). */
+ * Errors: those of tm_moe_expert_bias_update, TM_ERR_CUDA (clearing a CUDA sum). */
 TM_API tm_status tm_moe_step(tm_moe *moe);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -1174,9 +1206,9 @@ typedef struct tm_optimizer tm_optimizer;
 TM_API tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimizer **out);
 /* One update from the gradients currently accumulated. lr < 0: the configured lr (pass the
  * scheduled value otherwise). Does not zero the gradients (tm_ctx_zero_grad).
+ * Runs on the parameters' devices (CPU and CUDA; bf16 buckets update their f32 master weights).
  * Errors: TM_ERR_INVALID_ARG (lr NaN or +inf; -inf is < 0, the configured lr),
- * TM_ERR_UNSUPPORTED (a CUDA parameter: the CUDA update kernel comes with the full CUDA
- * backend; nothing is changed). */
+ * TM_ERR_UNSUPPORTED (a device without the update kernel; nothing is changed), TM_ERR_CUDA. */
 TM_API tm_status tm_optimizer_step(tm_optimizer *opt, double lr);
 /* Number of steps taken. */
 TM_API int64_t tm_optimizer_steps(const tm_optimizer *opt);
@@ -1231,7 +1263,7 @@ TM_API tm_status tm_lr_schedule_check(tm_ctx *ctx, const tm_lr_schedule *s);
 
 /* The update ops that tm_optimizer_step and tm_ctx_clip_grad_norm are built from, for
  * programs that write their own training step. Each writes its first input in place, is
- * never recorded on the tape, and runs on the tensors' device (CPU kernels today). Inputs are
+ * never recorded on the tape, and runs on the tensors' device (CPU or CUDA). Inputs are
  * contiguous ranges of equal element counts: one parameter, or a bucket range of parameters
  * with the matching range of gradients, f32 state and f32 master (tm_ctx_bucket_tensor + slice).
  * Errors: TM_ERR_INVALID_ARG (NULL, a non-contiguous input, step < 1, lr / weight_decay /
@@ -1249,8 +1281,10 @@ TM_API tm_status tm_adamw_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad,
  * f32 momentum buffer (NULL allowed only with momentum 0); master as for AdamW. */
 TM_API tm_status tm_sgd_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_tensor *b, tm_tensor *master,
                         const tm_sgd_config *cfg, double lr, double weight_decay);
-/* out: 0-d f64 on grad's device = sum_i grad[i]^2, accumulated in f64 in a fixed order that
- * depends on the element count only (bitwise the same at any thread count). */
+/* out: 0-d on grad's device = sum_i grad[i]^2, accumulated in f64 in a fixed order that
+ * depends on the element count only (bitwise the same at any thread count and run to run).
+ * The output is f64 on the CPU; on CUDA, where f64 tensors cannot live, it is f32 (the f64 sum
+ * rounded once). Nothing is read back to the host. */
 TM_API tm_status tm_grad_sumsq(tm_ctx *ctx, tm_tensor *grad, tm_tensor **out);
 /* grad *= scale (in the gradient's dtype; scale rounded to f32 for f32 and bf16). */
 TM_API tm_status tm_grad_scale(tm_ctx *ctx, tm_tensor *grad, double scale);
@@ -1259,8 +1293,10 @@ TM_API tm_status tm_grad_scale(tm_ctx *ctx, tm_tensor *grad, double scale);
  * one tm_grad_sumsq per bucket summed in bucket order, then one tm_grad_scale per bucket.
  * With max_norm > 0, gradients are then scaled by max_norm / (norm + 1e-6) when norm >
  * max_norm (torch.nn.utils.clip_grad_norm_). *norm_out (may be NULL) gets the norm before
- * clipping. Errors: TM_ERR_INVALID_ARG (max_norm NaN), TM_ERR_UNSUPPORTED (CUDA gradients;
- * nothing is changed). */
+ * clipping. The partial sums of a device's buckets are read back together: one
+ * synchronisation per device holding parameters (CUDA partials are f32-rounded, see
+ * tm_grad_sumsq). Errors: TM_ERR_INVALID_ARG (max_norm NaN), TM_ERR_UNSUPPORTED (a device
+ * without the kernels; nothing is changed), TM_ERR_CUDA. */
 TM_API tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out);
 
 /* ------------------------------------------------------------------------------------------ */

@@ -330,12 +330,14 @@ static tm_status block(tm_model *m, int l, tm_tensor *x, int64_t B, int64_t T, t
     return tm_add(ctx, x, y, out);
 }
 
-/* tokens i32 [B,T] -> the residual stream [B*T,H]. */
+/* tokens i32 [B,T] -> the residual stream [B*T,H]. The tokens are valid already (checked on the
+ * device by tm_index_check in tm_model_forward, on the host by tm_model_forward_cached), so the
+ * embedding need not read its own bad-id flag back (no synchronisation on CUDA). */
 static tm_status embed(tm_model *m, tm_tensor *tokens, tm_tensor **x) {
     int64_t flat[1] = {tokens->shape[0] * tokens->shape[1]};
     tm_tensor *ids;
     TM__TRY(tm_reshape(m->ctx, tokens, 1, flat, &ids));
-    return tm_embedding(m->ctx, m->embed, ids, x); // (B*T, H)
+    return tm__embedding_checked(m->ctx, m->embed, ids, x); // (B*T, H)
 }
 
 /* Final norm and lm_head (embed.weight^T when tied): x [B*T,H] -> logits [B,T,V]. */

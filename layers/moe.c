@@ -223,6 +223,8 @@ static tm_status grouped_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_t
     tm_moe_dispatch d;
     int64_t pad_to = m->cfg.pad_to_capacity ? capacity : 0;
     TM__TRY(tm_moe_permute(ctx, x, map, probs, m->cfg.align_size, pad_to, &d));
+    /* The permute's tokens_per_expert, as they are: their host mirror spares the grouped GEMMs
+     * (forward and backward) a read back of the group sizes (framework/internal.h). */
     tm_tensor *a, *b, *h, *eo, *pp = d.permuted_probs;
     TM__TRY(tm_grouped_matmul(ctx, d.permuted, m->w0, d.tokens_per_expert, &a));
     TM__TRY(tm_grouped_matmul(ctx, d.permuted, m->w1, d.tokens_per_expert, &b));

@@ -235,3 +235,38 @@ Test(core, tensor_read_write_convert) {
     cr_assert_eq(tm_tensor_write(ctx, t, TM_I32, NULL, 6), TM_ERR_INVALID_ARG);
     tm_ctx_free(ctx);
 }
+
+/* A bf16 op taking one tensor twice runs on one f32 staging copy of its gradient, so both
+ * contributions land: d/dx sum(x * x) = 2x, and attention with k as v gets dk + dv (found by
+ * the CUDA parity suite: the CPU's staged bf16 backward kept only the second). */
+Test(core, bf16_staging_of_an_input_used_twice) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t n = 5;
+    const double v[5] = {1, 2, 3, -1, 0.5};
+    tm_tensor *x = tt_from(ctx, TM_BF16, 1, &n, v), *y, *s;
+    TT_OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
+    TT_OK(ctx, tm_mul(ctx, x, x, &y));
+    TT_OK(ctx, tm_sum_all(ctx, y, &s));
+    TT_OK(ctx, tm_backward(ctx, s));
+    double want[5];
+    for (int i = 0; i < 5; i++) want[i] = 2 * v[i];
+    tt_assert_close_host(ctx, tm_tensor_grad(x), want, 0, 0);
+
+    /* attention(q, k, k) in bf16 against the f32 run of the same values */
+    int64_t qs[4] = {1, 6, 2, 8}, ks[4] = {1, 9, 1, 8};
+    tm_tensor *q32 = tt_randn(ctx, TM_F32, 4, qs, 3), *k32 = tt_randn(ctx, TM_F32, 4, ks, 4), *q16, *k16;
+    TT_OK(ctx, tm_cast(ctx, q32, TM_BF16, &q16));
+    TT_OK(ctx, tm_cast(ctx, k32, TM_BF16, &k16));
+    TT_OK(ctx, tm_cast(ctx, k16, TM_F32, &k32)); /* the f32 run sees the bf16 values */
+    TT_OK(ctx, tm_cast(ctx, q16, TM_F32, &q32));
+    tm_tensor *leaves[2] = {k16, k32};
+    for (int i = 0; i < 2; i++) {
+        tm_tensor *o, *os;
+        TT_OK(ctx, tm_tensor_set_requires_grad(ctx, leaves[i], 1));
+        TT_OK(ctx, tm_attention(ctx, i ? q32 : q16, leaves[i], leaves[i], 0.0, &o));
+        TT_OK(ctx, tm_sum_all(ctx, o, &os));
+        TT_OK(ctx, tm_backward(ctx, os));
+    }
+    tt_assert_close(ctx, tm_tensor_grad(k16), tm_tensor_grad(k32), 2e-2, 2e-2);
+    tm_ctx_free(ctx);
+}

@@ -334,6 +334,7 @@ static void sync_sequence(tm_ctx *ctx, tm_device dev, uint64_t *deltas) {
     double *hl = tt_parity_uniform(54, 12), ht[6] = {1, 8, -1, 0, 3, 5};
     tm_tensor *l, *t, *tr, *loss, *loss2;
     TT_OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, ls, dev, TM_F64, hl, &l));
+    TT_OK(ctx, tm_tensor_set_requires_grad(ctx, l, 1));
     TT_OK(ctx, tm_tensor_from_host(ctx, TM_I64, 1, ts, dev, TM_F64, ht, &t));
     float buf[54];
     int k = 0;

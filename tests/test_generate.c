@@ -387,3 +387,54 @@ Test(sample_cmd, samples_a_checkpoint_like_the_reference) {
     tm_model_free(m);
     tm_ctx_free(ctx);
 }
+
+/* A checkpoint's tensors are logical: one written by a CUDA run (its meta says device = cuda)
+ * samples on the CPU with --device cpu, the same text as a CPU checkpoint of the same model;
+ * without --device on a machine without CUDA the error says to pass --device cpu. */
+Test(sample_cmd, cuda_checkpoint_samples_on_the_cpu) {
+    tmd_config c;
+    tmd_config_defaults(&c);
+    const char *kv[][2] = {{"vocab_size", "257"}, {"d_model", "16"},     {"n_layers", "2"},   {"n_heads", "2"},
+                           {"n_kv_heads", "1"},   {"seq_len", "10"},     {"num_experts", "4"}, {"topk", "2"},
+                           {"expert_ffn_size", "8"}, {"init_std", "0.3"}};
+    char err[1024];
+    for (size_t i = 0; i < sizeof kv / sizeof *kv; i++)
+        cr_assert_eq(tmd_config_set(&c, kv[i][0], kv[i][1], TMD_SRC_FLAG, "test", err, sizeof err), 0, "%s", err);
+    tmd_config_resolve(&c);
+    tt_tmpdir_make("tm_sample_dev_");
+    tm_ctx *ctx = tt_ctx();
+    tm_model *m = NULL;
+    TT_OK(ctx, tm_model_new(ctx, &c.model, TM_F32, tm_cpu(), &m));
+    TT_OK(ctx, tm_model_init(m, 3));
+    tmd_ckpt_state st = {.step = 5, .data_position = 0};
+    const char *names[2] = {"cpu.tmck", "cuda.tmck"};
+    for (int k = 0; k < 2; k++) {
+        c.device = k ? TMD_DEVICE_CUDA : TMD_DEVICE_CPU;
+        size_t len;
+        char *meta = tmd_ckpt_meta_encode(&c, &st, &len);
+        TT_OK(ctx, tm_ckpt_save(ctx, tt_path(names[k]), meta, len));
+        free(meta);
+    }
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+    long n0 = 0, n1 = 0, ne = 0;
+    const char *a_cpu[] = {"--ckpt", tt_path("cpu.tmck"), "--prompt", "ab", "--tokens", "12", "--seed", "3"};
+    cr_assert_eq(run_sample(8, a_cpu, tt_path("out_cpu.txt"), tt_path("err.txt")), 0);
+    const char *a_dev[] = {"--ckpt", tt_path("cuda.tmck"), "--prompt", "ab", "--tokens", "12", "--seed", "3",
+                           "--device", "cpu"};
+    cr_assert_eq(run_sample(10, a_dev, tt_path("out_dev.txt"), tt_path("err.txt")), 0);
+    unsigned char *o0 = tt_slurp(tt_path("out_cpu.txt"), &n0), *o1 = tt_slurp(tt_path("out_dev.txt"), &n1);
+    cr_assert(n0 > 3 && n0 == n1 && memcmp(o0, o1, (size_t)n0) == 0, "the two checkpoints sample differently");
+    free(o0), free(o1);
+    if (tm_cuda_device_count() == 0) {
+        cr_assert_eq(run_sample(8, (const char *[]){"--ckpt", tt_path("cuda.tmck"), "--prompt", "ab", "--tokens", "12",
+                                                     "--seed", "3"},
+                                tt_path("out_dev.txt"), tt_path("err.txt")),
+                     TMD_CONFIG_ERROR);
+        char *log = (char *)tt_slurp(tt_path("err.txt"), &ne);
+        log[ne] = 0;
+        cr_assert(strstr(log, "trained on cuda") && strstr(log, "--device cpu"), "%s", log);
+        free(log);
+    }
+    tt_tmpdir_remove();
+}

@@ -481,3 +481,38 @@ Test(resume, fresh_run_refuses_an_earlier_runs_checkpoints) {
     free(m0);
     free(m1);
 }
+
+/* exit_interval (Megatron's --exit-interval) ends a run after a multiple of it, with a
+ * checkpoint, exit status 0 and the schedule of the full run; a resume continues it exactly
+ * (tests/gpu/e2e.sh replays a CPU trajectory on the GPU this way, 5 steps at a time). */
+Test(resume, exit_interval_stops_with_a_checkpoint_and_resumes_exactly, .timeout = 120) {
+    char a[256], b[256], ck[512], fa[512], fb[512], ma[512], mb[512];
+    snprintf(a, sizeof a, "%s", tt_path("a"));
+    snprintf(b, sizeof b, "%s", tt_path("b"));
+    tmd_config c, r;
+    small_run(&c, a, 12);
+    tmd_train_result ra, rb;
+    run_ok(&c, &ra); /* the whole run, for reference */
+    small_run(&r, b, 12);
+    set(&r, "exit_interval", "5");
+    run_ok(&r, &rb);
+    cr_assert_eq(rb.steps, 5, "stopped after step 5, not %lld", (long long)rb.steps);
+    tmd_ckpt_path(b, 5, ck, sizeof ck);
+    cr_assert_eq(access(ck, F_OK), 0, "no checkpoint at step 5");
+    for (int k = 0; k < 2; k++) { /* resume twice more: steps 6-10 (stops again), then 11-12 */
+        tmd_config rr = r;
+        snprintf(rr.resume, sizeof rr.resume, "%s", b);
+        run_ok(&rr, &rb);
+        cr_assert_eq(rb.steps, k == 0 ? 10 : 12);
+    }
+    tmd_ckpt_path(a, 12, fa, sizeof fa);
+    tmd_ckpt_path(b, 12, fb, sizeof fb);
+    assert_same_tensors(fa, fb);
+    char la[64][40], lb[64][40];
+    snprintf(ma, sizeof ma, "%s/metrics.jsonl", a);
+    snprintf(mb, sizeof mb, "%s/metrics.jsonl", b);
+    cr_assert_eq(losses(ma, 0, 12, la), 12);
+    cr_assert_eq(losses(mb, 0, 12, lb), 12);
+    for (int i = 0; i < 12; i++) cr_assert_str_eq(la[i], lb[i], "loss of step %d", i + 1);
+    cr_assert_eq(ra.val_loss, rb.val_loss);
+}

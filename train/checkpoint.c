@@ -222,6 +222,11 @@ int tmd_ckpt_load_model(const char *ckpt, int device, int threads, tmd_loaded_mo
     if (rc) return rc;
     tmd_config *c = &out->cfg;
     if (device >= 0) c->device = device;
+    else if (c->device == TMD_DEVICE_CUDA && tm_cuda_device_count() == 0)
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                        "'%s' was trained on cuda, and this build has no CUDA backend or no CUDA device is visible: "
+                        "pass --device cpu (checkpoints of either device load on the other)",
+                        out->path);
     c->threads = threads;
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = threads;

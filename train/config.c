@@ -163,6 +163,8 @@ static const key KEYS[] = {
     {"log_every", T_INT, G_RUN, OFF(log_every), NULL, "10", 0, NULL, "print and record metrics every this many steps"},
     {"out", T_STR, G_RUN, STR(out), NULL, "out", 0, NULL,
      "directory for checkpoints, metrics.jsonl, loss.svg and experts.svg (empty: write nothing)"},
+    {"exit_interval", T_I64, G_RUN, OFF(exit_interval), NULL, "0", 0, NULL,
+     "end the run after a step that is a multiple of this, with a checkpoint, as an interrupt would (exit 0; the schedule still follows steps; 0: never)"},
     {"save_every", T_INT, G_RUN, OFF(save_every), NULL, "0", 0, NULL,
      "write <out>/ckpt-<step>.tmck every this many steps (0: only at the end and on SIGINT/SIGTERM)"},
     {"overwrite", T_BOOL, G_RUN, OFF(overwrite), NULL, "false", 0, NULL,
@@ -719,6 +721,7 @@ int tmd_config_validate(const tmd_config *c, char *err, size_t errlen) {
     CHECK(c->temperature >= 0, "key 'temperature' = %g: must be >= 0 (0: greedy)", c->temperature);
     CHECK(c->top_k >= 0, "key 'top_k' = %d: must be >= 0 (0: all tokens)", c->top_k);
     CHECK(c->top_p > 0 && c->top_p <= 1, "key 'top_p' = %g: must be in (0, 1] (1: all tokens)", c->top_p);
+    CHECK(c->exit_interval >= 0, "key 'exit_interval' = %lld: must be >= 0 (0: never)", (long long)c->exit_interval);
     CHECK(c->save_every >= 0, "key 'save_every' = %d: must be >= 0 (0: only at the end)", c->save_every);
     CHECK(c->keep_last >= 0, "key 'keep_last' = %d: must be >= 0 (0: keep all)", c->keep_last);
     CHECK(!(c->resume[0] && c->init_from[0]), "keys 'resume' and 'init_from' exclude each other (resume restores "
@@ -754,7 +757,8 @@ int tmd_config_validate(const tmd_config *c, char *err, size_t errlen) {
     CHECK(c->top_k <= c->model.vocab_size, "key 'top_k' = %d: larger than vocab_size = %d", c->top_k,
           c->model.vocab_size);
     CHECK(!(c->device == TMD_DEVICE_CUDA && tm_cuda_device_count() == 0),
-          "key 'device' = cuda: this build has no CUDA backend or no CUDA device is visible");
+          "key 'device' = cuda: this build has no CUDA backend or no CUDA device is visible (--device cpu runs on "
+          "the CPU; checkpoints of either device load on the other)");
 
     /* The library is the one authority on its own fields: run its checks now, so that nothing
      * is written for a configuration the model or the optimizer would reject later. */

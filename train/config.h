@@ -58,6 +58,7 @@ typedef struct tmd_config {
     int eval_every, eval_batches, log_every;
     char out[TMD_PATH_MAX];
     int save_every, keep_last, overwrite;
+    int64_t exit_interval;
     char resume[TMD_PATH_MAX], init_from[TMD_PATH_MAX];
     char sample_prompt[TMD_PATH_MAX];
     int sample_tokens;

@@ -28,7 +28,7 @@ typedef struct tmd_run {
     tmd_tokens train, val;
     tmd_batcher bt;
     int64_t n_eval;           /* validation windows */
-    int32_t *inp, *tgt, *seq; /* [B*T], [B*T], [T+1] */
+    int32_t *inp, *tgt, *seq; /* [B*T], [B*T] (one block: tgt = inp + B*T), [T+1] */
     /* model */
     tm_ctx *ctx;
     tm_device dev;

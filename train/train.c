@@ -41,8 +41,7 @@ void tmd_run_free(tmd_run *r) {
     tmd_bins_free(&r->load_bins);
     free(r->step_load);
     free(r->moe_layer);
-    free(r->inp);
-    free(r->tgt);
+    free(r->inp); /* r->tgt lies in the same block */
     free(r->seq);
     tmd_markov_free(&r->src);
     tmd_tokens_free(&r->train);
@@ -210,10 +209,11 @@ static int build(tmd_run *r, char *err, size_t errlen) {
         if (!r->moe_layer || !r->step_load) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
         for (int i = 0; i < r->n_moe; i++) r->moe_layer[i] = c->model.first_k_dense + i;
     }
-    r->inp = malloc(sizeof *r->inp * (size_t)r->B * (size_t)r->T);
-    r->tgt = malloc(sizeof *r->tgt * (size_t)r->B * (size_t)r->T);
+    /* Inputs and targets in one block, so a batch goes to the device in one copy. */
+    r->inp = calloc(2 * (size_t)r->B * (size_t)r->T, sizeof *r->inp);
+    r->tgt = r->inp ? r->inp + (size_t)r->B * (size_t)r->T : NULL;
     r->seq = malloc(sizeof *r->seq * ((size_t)r->T + 1));
-    if (!r->inp || !r->tgt || !r->seq) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the batches");
+    if (!r->inp || !r->seq) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the batches");
     return 0;
 }
 
@@ -298,11 +298,32 @@ static void train_batch(tmd_run *r, int64_t step, int micro) {
     }
 }
 
-tm_status tmd_run_forward(tmd_run *r, int rows, int with_targets, tm_model_out *out) {
+/* Rows [0, rows) of half `half` of the uploaded [2, B, T] batch, as an i32 [rows, T] view. */
+static tm_status batch_half(tmd_run *r, tm_tensor *both, int half, int rows, tm_tensor **out) {
     int64_t shape[2] = {rows, r->T};
+    tm_tensor *h, *hr;
+    tm_status s = tm_slice(r->ctx, both, 0, half, half + 1, &h);
+    if (!s) s = tm_slice(r->ctx, h, 1, 0, rows, &hr);
+    if (!s) s = tm_reshape(r->ctx, hr, 2, shape, out);
+    return s;
+}
+
+/* One host-to-device copy per batch: r->inp and r->tgt are the two halves of one block, sent
+ * whole (the rows past `rows` of a short last batch ride along unused) and viewed on the
+ * device. Nothing is read back here; the model's forward reads its statistics once. */
+tm_status tmd_run_forward(tmd_run *r, int rows, int with_targets, tm_model_out *out) {
     tm_tensor *tok, *tgt = NULL;
-    tm_status s = tm_tensor_from_host(r->ctx, TM_I32, 2, shape, r->dev, TM_I32, r->inp, &tok);
-    if (!s && with_targets) s = tm_tensor_from_host(r->ctx, TM_I32, 2, shape, r->dev, TM_I32, r->tgt, &tgt);
+    tm_status s;
+    if (with_targets) {
+        int64_t shape[3] = {2, r->B, r->T};
+        tm_tensor *both;
+        s = tm_tensor_from_host(r->ctx, TM_I32, 3, shape, r->dev, TM_I32, r->inp, &both);
+        if (!s) s = batch_half(r, both, 0, rows, &tok);
+        if (!s) s = batch_half(r, both, 1, rows, &tgt);
+    } else {
+        int64_t shape[2] = {rows, r->T};
+        s = tm_tensor_from_host(r->ctx, TM_I32, 2, shape, r->dev, TM_I32, r->inp, &tok);
+    }
     if (!s) s = tm_model_forward(r->model, tok, tgt, out);
     return s;
 }
@@ -597,6 +618,23 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
         if ((c->save_every && done % c->save_every == 0) || done == steps) {
             if ((rc = tmd_rundir_save_checkpoint(r, done, err, errlen))) return rc;
         }
+        /* Megatron's --exit-interval: a run sliced into scheduler jobs (or replayed piecewise,
+         * as tests/gpu/e2e.sh does) stops here and continues with --resume. */
+        if (c->exit_interval && done % c->exit_interval == 0 && done < steps) {
+            if (!(c->save_every && done % c->save_every == 0) &&
+                (rc = tmd_rundir_save_checkpoint(r, done, err, errlen)))
+                return rc;
+            if ((rc = write_plots(r, err, errlen))) return rc;
+            if (r->log) {
+                if (r->tty) tmd_progress_clear(r->log);
+                fprintf(r->log, "stopped at step %lld (exit_interval %lld)%s%s%s\n", (long long)done,
+                        (long long)c->exit_interval, c->out[0] ? ": continue with 'tinymoe train --resume " : "",
+                        c->out, c->out[0] ? "'" : "");
+                fflush(r->log);
+            }
+            res->steps = done;
+            return 0;
+        }
         int sig = g_stop_signal;
         if (r->world > 1) {
             /* Every rank stops after the same step (mpirun forwards the signal to each rank, which
@@ -638,8 +676,9 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
         tm_memory_report mr; /* the model's device; the breakdown is the one at the peak */
         if (tm_ctx_memory_report(r->ctx, r->dev, &mr) == TM_OK) {
             const double mib = 1024.0 * 1024.0;
-            fprintf(r->log, "memory: peak %.1f MiB (parameters %.1f, gradients %.1f, optimizer %.1f, buffers %.1f, temporaries %.1f)\n",
-                    mr.total_peak / mib, mr.at_peak[TM_MEM_PARAMETERS] / mib, mr.at_peak[TM_MEM_GRADIENTS] / mib,
+            fprintf(r->log, "memory (%s): peak %.1f MiB (parameters %.1f, gradients %.1f, optimizer %.1f, buffers %.1f, temporaries %.1f)\n",
+                    r->dev.type == TM_DEVICE_CUDA ? "cuda:0" : "cpu", mr.total_peak / mib,
+                    mr.at_peak[TM_MEM_PARAMETERS] / mib, mr.at_peak[TM_MEM_GRADIENTS] / mib,
                     mr.at_peak[TM_MEM_OPTIMIZER] / mib, mr.at_peak[TM_MEM_BUFFERS] / mib, mr.at_peak[TM_MEM_TEMPORARIES] / mib);
         }
         if (r->synth)

@@ -1,6 +1,6 @@
 /*
  * attention.c — tm_attention (fused causal attention with grouped-query heads): public entry
- * point and check. Kernels: kernels/cpu/attention.c.
+ * point and check. Kernels: kernels/cpu/attention.c, kernels/cuda/attention.cu.
  *
  * Call layout: in[0] q (B, Tq, Hq, D), in[1] k (B, Tk, Hkv, D), in[2] v (B, Tk, Hkv, D);
  * fattr[0] scale (<= 0: 1/sqrt(D)); out[0] (B, Tq, Hq, D); saved[0] logsumexp (B, Hq, Tq).

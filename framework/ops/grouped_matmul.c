@@ -2,11 +2,60 @@
  * grouped_matmul.c — tm_grouped_matmul (ragged GEMM over expert groups): public entry point and
  * shape/dtype check. Kernels: kernels/cpu/grouped_matmul.c (layout documented there).
  *
- * The values of counts (each >= 0, sum = rows of x) are validated by the forward kernel, where
- * they are readable: on the CPU they sit in host memory, on CUDA they would have to be copied
- * back first, which the check must not do behind the caller's back.
+ * The values of counts (each >= 0, sum = rows of x) are validated by the kernels, from the
+ * host values the GEMM loop needs anyway (tm__grouped_matmul_counts): the counts' host mirror
+ * when they come from tm_moe_permute (no synchronisation), else one read back, after which
+ * they are mirrored. The check itself never reads device data.
  */
 #include "internal.h"
+
+/* Validate cnt (G host values) against R. src[0]: the caller's x, not a bf16 staging copy. */
+static tm_status check_counts(tm__call *c, const int64_t *cnt) {
+    tm_ctx *ctx = c->ctx;
+    const tm_tensor *x = c->src[0], *counts = c->in[2];
+    int64_t G = counts->shape[0], R = x->shape[0], sum = 0;
+    for (int64_t g = 0; g < G; g++) {
+        if (cnt[g] < 0)
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "grouped_matmul: counts[%lld] = %lld is negative (counts %s)",
+                           (long long)g, (long long)cnt[g], tm__tdesc(ctx, counts));
+        if (cnt[g] > R - sum)
+            return tm__err(ctx, TM_ERR_SHAPE, "grouped_matmul: counts exceed the rows of x at group %lld "
+                           "(counts[%lld] = %lld, %lld rows before it, x %s)",
+                           (long long)g, (long long)g, (long long)cnt[g], (long long)sum, tm__tdesc(ctx, x));
+        sum += cnt[g];
+    }
+    if (sum != R)
+        return tm__err(ctx, TM_ERR_SHAPE, "grouped_matmul: counts sum to %lld but x has %lld rows (x %s, counts %s)",
+                       (long long)sum, (long long)R, tm__tdesc(ctx, x), tm__tdesc(ctx, counts));
+    return TM_OK;
+}
+
+tm_status tm__grouped_matmul_counts(tm__call *c, const int64_t **out) {
+    tm_ctx *ctx = c->ctx;
+    const tm_tensor *counts = c->in[2];
+    const int64_t G = counts->shape[0];
+    const int64_t *cnt = tm__mirror_find(ctx, counts);
+    if (counts->device.type == TM_DEVICE_CPU) {
+        /* Where a device would read the counts back, the CPU counts a synchronisation; the values
+         * are the data itself (equal to any mirror). */
+        if (!cnt && G > 0) {
+            tm__count_sync(ctx);
+            TM__TRY(tm__mirror_set(ctx, counts, tm__data(counts)));
+        }
+        cnt = tm__data(counts);
+    } else if (!cnt) {
+        int64_t *h = tm__arena_alloc(ctx, tm_cpu(), (size_t)(G ? G : 1) * sizeof *h);
+        if (!h) return TM_ERR_NOMEM;
+        if (G > 0) {
+            TM__TRY(tm__memcpy(ctx, h, tm_cpu(), tm__data(counts), counts->device, (size_t)G * sizeof *h));
+            TM__TRY(tm__mirror_set(ctx, counts, h));
+        }
+        cnt = h;
+    }
+    TM__TRY(check_counts(c, cnt));
+    *out = cnt;
+    return TM_OK;
+}
 
 tm_status tm__grouped_matmul_check(tm__call *c) {
     tm_ctx *ctx = c->ctx;

@@ -101,6 +101,32 @@ tm_status tm__moe_permute_check(tm__call *c) {
     return tm__out_new(c, 3, TM_I64, 1, &m->shape[1]);
 }
 
+tm_status tm__moe_permute_rows(tm__call *c, const int64_t *count, int64_t *rows, int64_t *R_out) {
+    tm_ctx *ctx = c->ctx;
+    const tm_tensor *x = c->in[0];
+    const int64_t H = x->shape[1], E = c->in[1]->shape[1], align = c->iattr[0], pad_to = c->iattr[1];
+    /* R * H elements must stay addressable (a huge align_size or pad_to is the only way out). */
+    const int64_t max_rows = INT64_MAX / (int64_t)tm_dtype_size(x->dtype) / (H > 0 ? H : 1);
+    int64_t R = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (pad_to > 0 && count[e] > pad_to)
+            return tm__err(ctx, TM_ERR_INVALID_ARG,
+                           "moe_permute: expert %lld has %lld routed tokens, more than pad_to = %lld "
+                           "(drop tokens to a capacity <= pad_to first)",
+                           (long long)e, (long long)count[e], (long long)pad_to);
+        int64_t rem = count[e] % align, pad = pad_to > 0 ? pad_to - count[e] : rem ? align - rem : 0;
+        if (pad > max_rows - count[e] || count[e] + pad > max_rows - R)
+            return tm__err(ctx, TM_ERR_INVALID_ARG,
+                           "moe_permute: padding expert %lld to align_size = %lld / pad_to = %lld makes more than "
+                           "%lld rows of %lld elements",
+                           (long long)e, (long long)align, (long long)pad_to, (long long)max_rows, (long long)H);
+        rows[e] = count[e] + pad;
+        R += rows[e];
+    }
+    *R_out = R;
+    return TM_OK;
+}
+
 tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t align_size,
                          int64_t pad_to, tm_moe_dispatch *out) {
     if (!ctx) return TM_ERR_INVALID_ARG;

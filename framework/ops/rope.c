@@ -1,6 +1,6 @@
 /*
  * rope.c — tm_rope (rotary position embedding, rotate-half pairing): public entry point and
- * check. Kernels: kernels/cpu/rope.c.
+ * check. Kernels: kernels/cpu/rope.c, kernels/cuda/rope.cu.
  *
  * Call layout: in[0] x (B, T, H, D); iattr[0] pos_offset; fattr[0] theta; out[0] (B, T, H, D).
  */

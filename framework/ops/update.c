@@ -1,7 +1,8 @@
 /*
  * update.c — the update ops: AdamW, SGD, the gradient sum of squares, gradient scaling and
  * the aux-loss-free expert-bias update, as non-differentiable rows of the op table that write
- * their first input in place (kernels: kernels/cpu/update.c). optim/ builds tm_optimizer_step
+ * their first input in place (kernels: kernels/cpu/update.c; AdamW, SGD, sumsq and scale
+ * also kernels/cuda/update.cu). optim/ builds tm_optimizer_step
  * and tm_ctx_clip_grad_norm from them over bucket ranges, so the optimizer has no device code.
  *
  * Attributes (kernels read them by these indices):
@@ -9,7 +10,7 @@
  *                 fattr: 0 lr, 1 beta1, 2 1-beta1, 3 beta2, 4 1-beta2, 5 eps, 6 wd, 7 bc1, 8 bc2
  *   sgd_update    in: param, grad [, b] [, master]   iattr[0] has_b, iattr[1] has_master
  *                 fattr: 0 lr, 1 momentum, 2 wd; iattr[2] nesterov
- *   grad_sumsq    in: grad -> out 0-d f64 on grad's device
+ *   grad_sumsq    in: grad -> out 0-d on grad's device: f64 on the CPU, f32 on CUDA
  *   grad_scale    in: grad; fattr[0] scale
  *   moe_expert_bias_update  in: expert_bias, counts; fattr[0] rate
  */
@@ -65,7 +66,10 @@ tm_status tm__grad_sumsq_check(tm__call *c) {
     TM__TRY(tm__check_float(c, 0));
     TM__TRY(check_flat(c, 0, "grad", tm__numel(c->in[0]), 0));
     int64_t none[1] = {0};
-    return tm__tensor_new(c->ctx, TM_F64, 0, none, c->in[0]->device, &c->out[0]);
+    /* f64 cannot live on CUDA: there the f64 sum is stored rounded to f32 (still one value per
+     * bucket on the device, so the clip reads all of them in one copy). */
+    tm_dtype dt = c->in[0]->device.type == TM_DEVICE_CUDA ? TM_F32 : TM_F64;
+    return tm__tensor_new(c->ctx, dt, 0, none, c->in[0]->device, &c->out[0]);
 }
 
 tm_status tm__grad_scale_check(tm__call *c) {

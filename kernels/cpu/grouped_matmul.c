@@ -13,45 +13,27 @@
  * An empty group issues no GEMM at all: its dw[g] is never touched (stays whatever it was,
  * zero for a fresh gradient), rather than being "written" by a K x N GEMM over zero rows.
  *
+ * The group sizes come from tm__grouped_matmul_counts (framework/ops/grouped_matmul.c), which
+ * validates them and counts the synchronisation a device would make to read them when they
+ * have no host mirror (counts that are not a tm_moe_permute's tokens_per_expert).
+ *
  * One tm__gemm_cpu per non-empty group, serially: BLAS (or the blocked kernel's OpenMP) is
  * parallel inside each GEMM, and BLAS must not be called from inside a parallel region. With
  * dropless routing the groups are large (about R / G rows each), so this is the efficient order.
  */
 #include "internal.h"
 
-/* Validate counts against R (the data is only readable here, see framework/ops/grouped_matmul.c). */
-static tm_status check_counts(tm__call *c) {
-    tm_ctx *ctx = c->ctx;
-    const tm_tensor *x = c->src[0], *counts = c->in[2]; /* src: the caller's x, not a bf16 staging copy */
-    const int64_t *cnt = tm__data(counts);
-    int64_t G = counts->shape[0], R = x->shape[0], sum = 0;
-    for (int64_t g = 0; g < G; g++) {
-        if (cnt[g] < 0)
-            return tm__err(ctx, TM_ERR_INVALID_ARG, "grouped_matmul: counts[%lld] = %lld is negative (counts %s)",
-                           (long long)g, (long long)cnt[g], tm__tdesc(ctx, counts));
-        if (cnt[g] > R - sum)
-            return tm__err(ctx, TM_ERR_SHAPE, "grouped_matmul: counts exceed the rows of x at group %lld "
-                           "(counts[%lld] = %lld, %lld rows before it, x %s)",
-                           (long long)g, (long long)g, (long long)cnt[g], (long long)sum, tm__tdesc(ctx, x));
-        sum += cnt[g];
-    }
-    if (sum != R)
-        return tm__err(ctx, TM_ERR_SHAPE, "grouped_matmul: counts sum to %lld but x has %lld rows (x %s, counts %s)",
-                       (long long)sum, (long long)R, tm__tdesc(ctx, x), tm__tdesc(ctx, counts));
-    return TM_OK;
-}
-
 static inline char *at(const void *p, int64_t i, size_t esz) { return (char *)p + i * (int64_t)esz; }
 
 tm_status tm__grouped_matmul_forward_cpu(tm__call *c) {
-    const tm_tensor *x = c->in[0], *w = c->in[1], *counts = c->in[2];
+    const tm_tensor *x = c->in[0], *w = c->in[1];
     tm_dtype dt = x->dtype;
     if (dt != TM_F32 && dt != TM_F64)
         return tm__err(c->ctx, TM_ERR_INTERNAL, "grouped_matmul: CPU kernel got x %s", tm__tdesc(c->ctx, x));
-    TM__TRY(check_counts(c));
+    const int64_t *cnt;
+    TM__TRY(tm__grouped_matmul_counts(c, &cnt));
     int64_t G = w->shape[0], K = w->shape[1], N = w->shape[2];
     size_t esz = tm_dtype_size(dt);
-    const int64_t *cnt = tm__data(counts);
     const void *X = tm__data(x), *W = tm__data(w);
     void *Y = tm__data(c->out[0]);
     for (int64_t g = 0, off = 0; g < G; off += cnt[g], g++) {
@@ -64,16 +46,16 @@ tm_status tm__grouped_matmul_forward_cpu(tm__call *c) {
 }
 
 tm_status tm__grouped_matmul_backward_cpu(tm__call *c) {
-    const tm_tensor *x = c->in[0], *w = c->in[1], *counts = c->in[2];
+    const tm_tensor *x = c->in[0], *w = c->in[1];
     tm_tensor *gx = c->gin[0], *gw = c->gin[1];
     tm_dtype dt = x->dtype;
     if (dt != TM_F32 && dt != TM_F64)
         return tm__err(c->ctx, TM_ERR_INTERNAL, "grouped_matmul: CPU kernel got x %s", tm__tdesc(c->ctx, x));
     if (!gx && !gw) return TM_OK;
-    TM__TRY(check_counts(c)); /* counts may have been rewritten since the forward */
+    const int64_t *cnt;
+    TM__TRY(tm__grouped_matmul_counts(c, &cnt)); /* counts may have been rewritten since the forward */
     int64_t G = w->shape[0], K = w->shape[1], N = w->shape[2];
     size_t esz = tm_dtype_size(dt);
-    const int64_t *cnt = tm__data(counts);
     const void *X = tm__data(x), *W = tm__data(w), *DY = tm__data(c->gout[0]);
     for (int64_t g = 0, off = 0; g < G; off += cnt[g], g++) {
         int64_t n = cnt[g];

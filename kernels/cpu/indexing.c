@@ -14,8 +14,14 @@
  *                 Not differentiable; reports nothing itself (no error for a bad id): the
  *                 caller reads first_bad back when it reads its other results.
  *
+ *   iattr[1]      (embedding, index_select, gather, scatter_add) 1: the indices are known valid
+ *                 (tm__embedding_checked); the CPU checks them all the same
+ *
  * Every forward but index_check's checks all indices before it writes anything; the first one out of range
- * (lowest flat position) fails the op with TM_ERR_INDEX, naming its position and value.
+ * (lowest flat position) fails the op with TM_ERR_INDEX, naming its position and value
+ * (tm__index_range_err, shared with the CUDA kernels). The CUDA forward reads a flag back to
+ * learn this, so these forwards count one synchronisation when they have indices and iattr[1]
+ * is 0 (tm_ctx_sync_count; kernels/cuda/indexing.cu).
  *
  * Row scatter-adds (the backward of embedding and index_select, the forward of scatter_add)
  * must be race-free and give the same bits for any thread count, so they never let two threads
@@ -24,7 +30,6 @@
  * ascending source order, in f64.
  */
 #include <omp.h>
-#include <stdio.h>
 
 #include "internal.h"
 
@@ -35,26 +40,14 @@ static void *scratch(tm_ctx *ctx, size_t nbytes) {
     return tm__arena_alloc(ctx, tm_cpu(), nbytes ? nbytes : TM__ALIGN);
 }
 
-/* "[i0,i1,...]": the multi-index of flat element i of t ("[]" for a scalar). */
-static const char *pos_str(char *buf, size_t cap, const tm_tensor *t, int64_t i) {
-    int64_t sub[TM_MAX_DIMS];
-    for (int d = t->ndim - 1; d >= 0; d--) {
-        sub[d] = t->shape[d] ? i % t->shape[d] : 0;
-        i = t->shape[d] ? i / t->shape[d] : 0;
-    }
-    size_t len = (size_t)snprintf(buf, cap, "[");
-    for (int d = 0; d < t->ndim && len < cap; d++)
-        len += (size_t)snprintf(buf + len, cap - len, d ? ",%lld" : "%lld", (long long)sub[d]);
-    if (len < cap) snprintf(buf + len, cap - len, "]");
-    return buf;
-}
-
-/* TM_ERR_INDEX unless every entry of c->in[1] lies in [0, hi). `what` says what the indices
- * address ("the rows of weight f32[10,4]@cpu"), for the message, which describes the caller's
- * tensors (c->src), not the f32 staging copies of bf16 ones. */
-static tm_status check_range(tm__call *c, const char *idx_name, int64_t hi, const char *what) {
+/* TM_ERR_INDEX unless every entry of c->in[1] lies in [0, tm__index_range_hi(c)); the message
+ * (tm__index_range_err) names the first one out of range. Counts the synchronisation that the
+ * CUDA forward makes to read its bad-index flag back, unless the indices are known valid
+ * (iattr[1], tm__embedding_checked) or there are none. */
+static tm_status check_range(tm__call *c) {
     const tm_tensor *idx = c->in[1];
-    int64_t n = tm__numel(idx), first = n;
+    int64_t n = tm__numel(idx), first = n, hi = tm__index_range_hi(c);
+    if (n > 0 && !c->iattr[1]) tm__count_sync(c->ctx);
     int nth = tm__nthreads(c->ctx);
 #pragma omp parallel for num_threads(nth) if (n >= PAR_MIN) reduction(min : first) schedule(static)
     for (int64_t i = 0; i < n; i++) {
@@ -62,10 +55,7 @@ static tm_status check_range(tm__call *c, const char *idx_name, int64_t hi, cons
         if ((v < 0 || v >= hi) && i < first) first = i;
     }
     if (first == n) return TM_OK;
-    char pos[96];
-    return tm__err(c->ctx, TM_ERR_INDEX, "%s: %s%s = %lld is outside [0, %lld), %s; %s %s", tm__opname(c),
-                   idx_name, pos_str(pos, sizeof pos, idx, first), (long long)tm__idx(idx, first),
-                   (long long)hi, what, idx_name, tm__tdesc(c->ctx, c->src[1]));
+    return tm__index_range_err(c, first, tm__idx(idx, first));
 }
 
 static tm_status check_kernel_dtype(tm__call *c, const tm_tensor *t) {
@@ -153,14 +143,11 @@ static tm_status scatter_rows(tm__call *c, tm_tensor *dst, const tm_tensor *src,
 }
 
 /* out (M, C) = table[idx[m]] for idx of any shape (M = numel): embedding and index_select. */
-static tm_status row_lookup_forward(tm__call *c, const char *idx_name) {
+static tm_status row_lookup_forward(tm__call *c) {
     const tm_tensor *table = c->in[0], *idx = c->in[1];
     TM__TRY(check_kernel_dtype(c, table));
-    int64_t V = table->shape[0], C = table->shape[1], M = tm__numel(idx);
-    char what[96];
-    snprintf(what, sizeof what, "the rows of %s %s", c->op == TM__OP_EMBEDDING ? "weight" : "x",
-             tm__tdesc(c->ctx, c->src[0]));
-    TM__TRY(check_range(c, idx_name, V, what));
+    int64_t C = table->shape[1], M = tm__numel(idx);
+    TM__TRY(check_range(c));
     size_t row = (size_t)C * tm_dtype_size(table->dtype);
     const char *src = tm__data(table);
     char *dst = tm__data(c->out[0]);
@@ -176,18 +163,16 @@ static tm_status row_lookup_backward(tm__call *c) {
     return scatter_rows(c, c->gin[0], c->gout[0], c->in[1], 1);
 }
 
-tm_status tm__embedding_forward_cpu(tm__call *c) { return row_lookup_forward(c, "ids"); }
+tm_status tm__embedding_forward_cpu(tm__call *c) { return row_lookup_forward(c); }
 tm_status tm__embedding_backward_cpu(tm__call *c) { return row_lookup_backward(c); }
-tm_status tm__index_select_forward_cpu(tm__call *c) { return row_lookup_forward(c, "idx"); }
+tm_status tm__index_select_forward_cpu(tm__call *c) { return row_lookup_forward(c); }
 tm_status tm__index_select_backward_cpu(tm__call *c) { return row_lookup_backward(c); }
 
 tm_status tm__gather_forward_cpu(tm__call *c) {
     const tm_tensor *x = c->in[0], *idx = c->in[1];
     TM__TRY(check_kernel_dtype(c, x));
     int64_t N = x->shape[0], C = x->shape[1], K = idx->shape[1];
-    char what[96];
-    snprintf(what, sizeof what, "the columns of x %s", tm__tdesc(c->ctx, c->src[0]));
-    TM__TRY(check_range(c, "idx", C, what));
+    TM__TRY(check_range(c));
     int nth = tm__nthreads(c->ctx);
     if (x->dtype == TM_F64)
         gather_forward_f64(tm__data(c->out[0]), tm__data(x), idx, N, C, K, nth);
@@ -212,9 +197,7 @@ tm_status tm__gather_backward_cpu(tm__call *c) {
 tm_status tm__scatter_add_forward_cpu(tm__call *c) {
     const tm_tensor *src = c->in[0];
     TM__TRY(check_kernel_dtype(c, src));
-    char what[64];
-    snprintf(what, sizeof what, "the rows of out (n_rows = %lld)", (long long)c->iattr[0]);
-    TM__TRY(check_range(c, "idx", c->iattr[0], what));
+    TM__TRY(check_range(c));
     return scatter_rows(c, c->out[0], src, c->in[1], 0);
 }
 

@@ -34,7 +34,8 @@
  *   pad_to rows when pad_to > 0 (then n_e > pad_to is an error: drop tokens first). R is the
  *   sum of the blocks, so out[0..2] are allocated here, not in the check; reading the counts
  *   back for R is a device-to-host synchronisation on a device, counted on the CPU too (one per
- *   forward, tm_ctx_sync_count).
+ *   forward, tm_ctx_sync_count). out[3] gets a host mirror of its values (internal.h), from
+ *   which grouped_matmul takes its group sizes without another synchronisation.
  *   Backward: dx[t] += sum over t's rows in ascending row order of d permuted[row] (summed in
  *   f64, added once); d probs[t,e] += d permuted_probs[row_of[t,e]]. Padding rows feed nothing.
  *
@@ -46,7 +47,9 @@
  *   out[0] y              (num_tokens, H) expert_out's dtype
  *   y[t] = sum over rows r with row_token[r] = t, ascending, of expert_out[r] * p[r], summed in
  *   the compute dtype (f32; f64 for f64) and rounded to bf16 once by the dispatcher; rows with
- *   row_token -1 are padding and skipped, tokens without rows get 0.
+ *   row_token -1 are padding and skipped, tokens without rows get 0. A row_token outside
+ *   [-1, num_tokens) is TM_ERR_INDEX here; the CUDA kernel skips such rows instead (it does not
+ *   read row_token back, see kernels/cuda/moe_dispatch.cu).
  *   Backward: d expert_out[r] += dy[t] * p[r]; d p[r] += <expert_out[r], dy[t]> (f64 dot);
  *   nothing for padding rows.
  *
@@ -208,7 +211,6 @@ tm_status tm__moe_permute_forward_cpu(tm__call *c) {
     tm_ctx *ctx = c->ctx;
     const tm_tensor *x = c->in[0], *m = c->in[1], *probs = c->in[2];
     const int64_t T = x->shape[0], H = x->shape[1], E = m->shape[1];
-    const int64_t align = c->iattr[0], pad_to = c->iattr[1];
     const uint8_t *map = tm__data(m);
     int64_t *rows = tm__data(c->out[3]);
     int64_t *count = scratch(ctx, (size_t)E * sizeof *count), *next = scratch(ctx, (size_t)E * sizeof *next);
@@ -220,25 +222,12 @@ tm_status tm__moe_permute_forward_cpu(tm__call *c) {
     /* R sizes the outputs: a device kernel must read the counts back here, so this is one
      * synchronisation (tm_ctx_sync_count), counted on the CPU too. */
     tm__count_sync(ctx);
-    /* R * H elements must stay addressable (a huge align_size or pad_to is the only way out). */
-    const int64_t max_rows = INT64_MAX / (int64_t)tm_dtype_size(x->dtype) / (H > 0 ? H : 1);
-    int64_t R = 0;
-    for (int64_t e = 0; e < E; e++) {
-        if (pad_to > 0 && count[e] > pad_to)
-            return tm__err(ctx, TM_ERR_INVALID_ARG,
-                           "moe_permute: expert %lld has %lld routed tokens, more than pad_to = %lld "
-                           "(drop tokens to a capacity <= pad_to first)",
-                           (long long)e, (long long)count[e], (long long)pad_to);
-        int64_t rem = count[e] % align, pad = pad_to > 0 ? pad_to - count[e] : rem ? align - rem : 0;
-        if (pad > max_rows - count[e] || count[e] + pad > max_rows - R)
-            return tm__err(ctx, TM_ERR_INVALID_ARG,
-                           "moe_permute: padding expert %lld to align_size = %lld / pad_to = %lld makes more than "
-                           "%lld rows of %lld elements",
-                           (long long)e, (long long)align, (long long)pad_to, (long long)max_rows, (long long)H);
-        rows[e] = count[e] + pad;
-        next[e] = R;
-        R += rows[e];
-    }
+    int64_t R;
+    TM__TRY(tm__moe_permute_rows(c, count, rows, &R));
+    /* As on a device, the padded counts get a host mirror: grouped_matmul on them counts no
+     * further synchronisation. */
+    TM__TRY(tm__mirror_set(ctx, c->out[3], rows));
+    for (int64_t e = 0, o = 0; e < E; o += rows[e], e++) next[e] = o;
 
     int64_t ps[2] = {R, H}, ts[2] = {T, E};
     tm_tensor *row_of_t;

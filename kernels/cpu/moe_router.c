@@ -3,7 +3,7 @@
  * scores (tm_moe_aux_scores). Semantics: include/tinymoe.h and the MoE semantics note (sec. 2,
  * 3), after TE fused_topk_with_score_function and Megatron topk_routing_with_score_function.
  *
- * Op "moe_router", layout shared with any future kernels/cuda version:
+ * Op "moe_router", layout shared with kernels/cuda/moe_router.cu:
  *   in[0]     logits        (T, E) float
  *   in[1]     expert_bias   (E) float, optional (n_in = 2); selection only, never a gradient
  *   iattr[0]  num_experts E     iattr[1] topk k        iattr[2] score_function (tm_score_function)

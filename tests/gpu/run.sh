@@ -3,6 +3,9 @@
 # GPU machine that has nvcc but no Criterion and no network.
 #
 #   bash tests/gpu/run.sh          (from the repository root; the log goes to $OUT/test.log)
+#   make test-cuda                 (the same)
+#
+# Ends with tests/gpu/e2e.sh: `tinymoe train / eval / sample --device cuda` against the CPU.
 #
 # Criterion comes from Debian bookworm .debs carried in the ignored folder .deps/ (prepared on the
 # dev machine with `apt-get download`, see the end of this file). They are unpacked into a private
@@ -80,6 +83,10 @@ if TM_HF_DUMP_DIR="$HF_DIR" ./build/tinymoe_tests --filter='hf/transformers_refe
 else
     rc=1
 fi
+
+# The driver end to end: train / eval / sample on CUDA against the CPU (its own log: $OUT/e2e.log).
+log "== end to end (tests/gpu/e2e.sh)"
+OUT="$OUT" MAKE="$MAKE" bash tests/gpu/e2e.sh 2>&1 | tee -a "$LOG" || rc=1
 exit $rc
 
 # Preparing .deps on a Debian bookworm dev machine (x86-64), from the repository root:

@@ -1,0 +1,467 @@
+/*
+ * test_cuda_parity_moe_dispatch.c — the MoE dispatch ops on CUDA against the CPU: moe_permute,
+ * moe_unpermute and grouped_matmul, forward and backward with random inputs and random
+ * upstream gradients, f32 and bf16, on routings with ragged and EMPTY expert groups over an odd
+ * expert count (E = 7), align_size 1, 8 and 16, pad_to (capacity), i32 and i64 row_token, with
+ * and without probs, and 0 tokens; then the chain of the MoE layer (permute -> grouped SwiGLU
+ * GEMMs -> unpermute) and the synchronisations each op makes (tm_ctx_sync_count): permute one
+ * (its row count), grouped_matmul none on a permute's tokens_per_expert (their host mirror) and
+ * one on other counts (read back once, then mirrored), unpermute none.
+ *
+ * Tolerances (|cuda - cpu| <= atol + rtol |cpu|):
+ *   permute's outputs, exact: both sides move bits (bf16 included) and place rows alike.
+ *   f32   atol 1e-5, rtol 1e-5: both sum in f32 (the CPU permute backward and unpermute's
+ *         d probs in f64), cuBLASLt without TF32: only the summation order differs.
+ *   bf16  atol 1e-2, rtol 1e-2: f32 arithmetic from the same bf16 inputs, rounded once; a
+ *         result near a rounding boundary may land on the neighbouring bf16 value (2^-8).
+ *   the layer chain, f32: atol 1e-4, rtol 1e-4 (three GEMMs and a SwiGLU in sequence, each
+ *         contributing f32 summation-order differences of O(1e-6) relative).
+ * Every test skips when no CUDA device is visible.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "parity.h"
+
+TT_PARITY_COVERS("moe_permute")
+TT_PARITY_COVERS("moe_unpermute")
+TT_PARITY_COVERS("grouped_matmul")
+
+enum { E7 = 7 };
+
+static uint64_t splitmix(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* map [T*E] 0/1: each token routes to 1..3 distinct experts, never to experts 1 and 4 (empty
+ * groups); with cap > 0 an expert keeps only its first cap tokens (as TM_DROP_POSITION). */
+static void routing(double *map, int64_t T, int64_t E, int64_t cap, uint64_t seed) {
+    uint64_t s = seed;
+    int64_t *used = calloc((size_t)E, sizeof *used);
+    memset(map, 0, sizeof(double) * (size_t)(T * E));
+    for (int64_t t = 0; t < T; t++) {
+        int64_t k = 1 + (int64_t)(splitmix(&s) % 3);
+        for (int64_t j = 0; j < k; j++) {
+            int64_t e = (int64_t)(splitmix(&s) % (uint64_t)E);
+            if (e == 1 || e == 4 || map[t * E + e] || (cap > 0 && used[e] >= cap)) continue;
+            map[t * E + e] = 1;
+            used[e]++;
+        }
+    }
+    free(used);
+}
+
+static tm_tensor *from(tm_ctx *ctx, tm_dtype dt, int nd, const int64_t *shape, tm_device dev, const double *v,
+                       int grad) {
+    tm_tensor *t;
+    TT_OK(ctx, tm_tensor_from_host(ctx, dt, nd, shape, dev, TM_F64, v, &t));
+    if (grad) TT_OK(ctx, tm_tensor_set_requires_grad(ctx, t, 1));
+    return t;
+}
+
+/* Bitwise equal values (as f64: exact for every dtype used here). */
+static void assert_same(tm_ctx *ctx, const tm_tensor *got, const tm_tensor *want, const char *what) {
+    int64_t n = tm_tensor_numel(want);
+    cr_assert_eq(tm_tensor_numel(got), n, "%s: %lld elements on CUDA, %lld on the CPU", what,
+                 (long long)tm_tensor_numel(got), (long long)n);
+    double *a = tt_read(ctx, got), *b = tt_read(ctx, want);
+    for (int64_t i = 0; i < n; i++)
+        cr_assert(a[i] == b[i], "%s[%lld]: CUDA %.9g, CPU %.9g", what, (long long)i, a[i], b[i]);
+    free(a), free(b);
+}
+
+static void assert_on_cuda(const tm_tensor *t, const char *what) {
+    cr_assert_eq(tm_tensor_device(t).type, TM_DEVICE_CUDA, "%s is not on the CUDA device", what);
+}
+
+/* ---- moe_permute ------------------------------------------------------------------------- */
+
+static void permute_case(tm_dtype xdt, tm_dtype pdt, int64_t T, int64_t align, int64_t pad_to, double atol, double rtol) {
+    tm_ctx *ctx = tt_parity_ctx();
+    const int64_t E = E7, H = 19, cap = pad_to > 0 ? pad_to : 0;
+    int64_t xs[2] = {T, H}, ms[2] = {T, E};
+    double *hx = tt_parity_uniform(T * H, 100 + (uint64_t)T), *hp = tt_parity_uniform(T * E, 200 + (uint64_t)T);
+    double *hm = malloc(sizeof(double) * (size_t)(T * E + 1));
+    routing(hm, T, E, cap, 300 + (uint64_t)T);
+    tm_device devs[2] = {tm_cpu(), tm_cuda(0)};
+    tm_tensor *x[2], *p[2];
+    tm_moe_dispatch d[2];
+    double *g1 = NULL, *g2 = NULL;
+    const char *tag = tm_dtype_name(xdt);
+    /* Each side runs forward then backward before the other starts: a backward consumes the
+     * whole tape. */
+    for (int k = 0; k < 2; k++) {
+        x[k] = from(ctx, xdt, 2, xs, devs[k], hx, 1);
+        p[k] = from(ctx, pdt, 2, ms, devs[k], hp, 1);
+        tm_tensor *m = from(ctx, TM_U8, 2, ms, devs[k], hm, 0);
+        uint64_t before = tm_ctx_sync_count(ctx);
+        TT_OK(ctx, tm_moe_permute(ctx, x[k], m, p[k], align, pad_to, &d[k]));
+        uint64_t n = tm_ctx_sync_count(ctx) - before;
+        cr_assert_eq(n, 1, "permute on %s: %llu synchronisations, want 1 (the row count)", k ? "CUDA" : "the CPU",
+                     (unsigned long long)n);
+        cr_assert_eq(d[k].num_rows, d[0].num_rows, "%s T=%lld align %lld pad_to %lld: R %lld on CUDA, %lld on the CPU",
+                     tag, (long long)T, (long long)align, (long long)pad_to, (long long)d[k].num_rows,
+                     (long long)d[0].num_rows);
+        const int64_t R = d[0].num_rows;
+        if (T == 0 || R == 0) continue;
+        /* loss = <permuted, G1> + <permuted_probs, G2>: upstream gradients G1, G2. */
+        int64_t gs[2] = {R, H};
+        if (!g1) g1 = tt_parity_uniform(R * H, 400), g2 = tt_parity_uniform(R, 500);
+        tm_tensor *a, *b, *la, *lb, *l;
+        TT_OK(ctx, tm_mul(ctx, d[k].permuted, from(ctx, xdt, 2, gs, devs[k], g1, 0), &a));
+        TT_OK(ctx, tm_mul(ctx, d[k].permuted_probs, from(ctx, pdt, 1, &R, devs[k], g2, 0), &b));
+        TT_OK(ctx, tm_sum_all(ctx, a, &la));
+        TT_OK(ctx, tm_sum_all(ctx, b, &lb));
+        if (pdt != xdt) TT_OK(ctx, tm_cast(ctx, lb, xdt, &lb));
+        TT_OK(ctx, tm_add(ctx, la, lb, &l));
+        before = tm_ctx_sync_count(ctx);
+        TT_OK(ctx, tm_backward(ctx, l));
+        cr_assert_eq(tm_ctx_sync_count(ctx), before, "permute backward synchronised");
+    }
+    const int64_t R = d[0].num_rows;
+    assert_on_cuda(d[1].permuted, "permuted");
+    assert_on_cuda(d[1].tokens_per_expert, "tokens_per_expert");
+    assert_same(ctx, d[1].tokens_per_expert, d[0].tokens_per_expert, "tokens_per_expert");
+    assert_same(ctx, d[1].row_token, d[0].row_token, "row_token");
+    assert_same(ctx, d[1].permuted, d[0].permuted, "permuted");
+    assert_same(ctx, d[1].permuted_probs, d[0].permuted_probs, "permuted_probs");
+    /* The case is what it claims: padded blocks, empty experts. */
+    int64_t tpe[E7];
+    TT_OK(ctx, tm_tensor_read(ctx, d[1].tokens_per_expert, TM_I64, tpe, E));
+    for (int64_t e = 0; e < E; e++) {
+        if (pad_to > 0) cr_assert_eq(tpe[e], pad_to, "expert %lld: %lld rows, want pad_to", (long long)e, (long long)tpe[e]);
+        else cr_assert_eq(tpe[e] % align, 0, "expert %lld: %lld rows, not a multiple of %lld", (long long)e, (long long)tpe[e],
+                          (long long)align);
+    }
+    if (pad_to == 0) cr_assert(tpe[1] == 0 && tpe[4] == 0, "experts 1 and 4 must be empty groups");
+    if (T > 0 && R > 0) {
+        cr_assert(tm_tensor_grad(x[1]) && tm_tensor_grad(p[1]), "no gradient on CUDA");
+        tt_assert_close(ctx, tm_tensor_grad(x[1]), tm_tensor_grad(x[0]), atol, rtol);
+        tt_assert_close(ctx, tm_tensor_grad(p[1]), tm_tensor_grad(p[0]), atol, rtol);
+    }
+    free(g1), free(g2);
+    free(hx), free(hp), free(hm);
+    tm_ctx_free(ctx);
+}
+
+static void permute_all(tm_dtype dt, double atol, double rtol) {
+    const int64_t aligns[3] = {1, 8, 16};
+    for (int i = 0; i < 3; i++) {
+        permute_case(dt, dt, 37, aligns[i], 0, atol, rtol);
+        permute_case(dt, dt, 0, aligns[i], 0, atol, rtol); /* no tokens: R = 0 */
+    }
+    permute_case(dt, dt, 37, 1, 9, atol, rtol);  /* capacity: every expert exactly 9 rows */
+    permute_case(dt, dt, 0, 8, 5, atol, rtol);   /* no tokens, pad_to: R = 7 * 5 padding rows */
+    permute_case(dt, dt, 300, 16, 0, atol, rtol); /* several scan chunks per expert column */
+}
+
+Test(cuda_parity_moe, permute_f32) {
+    TT_SKIP_WITHOUT_CUDA();
+    permute_all(TM_F32, 1e-5, 1e-5);
+}
+
+Test(cuda_parity_moe, permute_bf16) {
+    TT_SKIP_WITHOUT_CUDA();
+    permute_all(TM_BF16, 1e-2, 1e-2);
+    permute_case(TM_BF16, TM_F32, 37, 8, 0, 1e-2, 1e-2); /* probs keep their own dtype */
+}
+
+/* ---- moe_unpermute ----------------------------------------------------------------------- */
+
+/* row_token of R rows over T tokens, unsorted, several rows per token, tokens 2 and 5 without
+ * rows, some padding (-1). bad > 0: also values outside [-1, T) (CUDA treats them as padding);
+ * *clean gets the same with those replaced by -1 (what the CPU is given). */
+static void row_tokens(double *rt, double *clean, int64_t R, int64_t T, int bad, uint64_t seed) {
+    uint64_t s = seed;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t t = T > 0 ? (int64_t)(splitmix(&s) % (uint64_t)(T + 2)) - 1 : -1; /* [-1, T] */
+        if (t >= T || t == 2 || t == 5) t = -1;
+        rt[r] = clean[r] = (double)t;
+    }
+    if (bad)
+        for (int64_t r = 3; r < R; r += 11) {
+            rt[r] = (r / 11) % 2 ? (double)T + (double)(r % 4) : -2.0 - (double)(r % 3);
+            clean[r] = -1;
+        }
+}
+
+static void unpermute_case(tm_dtype dt, tm_dtype pdt, int with_probs, tm_dtype idt, int64_t R, int64_t T, int bad,
+                           double atol, double rtol) {
+    tm_ctx *ctx = tt_parity_ctx();
+    const int64_t H = 21;
+    int64_t es[2] = {R, H}, ys[2] = {T, H};
+    double *he = tt_parity_uniform(R * H, 600 + (uint64_t)R), *hp = tt_parity_uniform(R, 700 + (uint64_t)R);
+    double *hdy = tt_parity_uniform(T * H, 800 + (uint64_t)T);
+    double *hrt = malloc(sizeof(double) * (size_t)(R ? R : 1)), *hclean = malloc(sizeof(double) * (size_t)(R ? R : 1));
+    row_tokens(hrt, hclean, R, T, bad, 900 + (uint64_t)R);
+    tm_device devs[2] = {tm_cpu(), tm_cuda(0)};
+    tm_tensor *eo[2], *p[2] = {NULL, NULL}, *y[2];
+    for (int k = 0; k < 2; k++) {
+        eo[k] = from(ctx, dt, 2, es, devs[k], he, 1);
+        if (with_probs) p[k] = from(ctx, pdt, 1, &R, devs[k], hp, 1);
+        tm_tensor *rt = from(ctx, idt, 1, &R, devs[k], k ? hrt : hclean, 0);
+        uint64_t before = tm_ctx_sync_count(ctx);
+        TT_OK(ctx, tm_moe_unpermute(ctx, eo[k], p[k], rt, T, &y[k]));
+        if (T > 0 && R > 0) TT_OK(ctx, tm_backward_with_grad(ctx, y[k], from(ctx, dt, 2, ys, devs[k], hdy, 0)));
+        cr_assert_eq(tm_ctx_sync_count(ctx), before, "unpermute on %s synchronised", k ? "CUDA" : "the CPU");
+    }
+    assert_on_cuda(y[1], "y");
+    cr_assert_eq(tm_tensor_dim(y[1], 0), T);
+    tt_assert_close(ctx, y[1], y[0], atol, rtol);
+    if (T > 0 && R > 0) {
+        cr_assert(tm_tensor_grad(eo[1]), "no gradient of expert_out on CUDA");
+        tt_assert_close(ctx, tm_tensor_grad(eo[1]), tm_tensor_grad(eo[0]), atol, rtol);
+        if (with_probs) {
+            cr_assert(tm_tensor_grad(p[1]), "no gradient of permuted_probs on CUDA");
+            tt_assert_close(ctx, tm_tensor_grad(p[1]), tm_tensor_grad(p[0]), atol, rtol);
+        }
+    }
+    free(he), free(hp), free(hdy), free(hrt), free(hclean);
+    tm_ctx_free(ctx);
+}
+
+static void unpermute_all(tm_dtype dt, double atol, double rtol) {
+    const tm_dtype idts[2] = {TM_I64, TM_I32};
+    for (int i = 0; i < 2; i++) {
+        unpermute_case(dt, dt, 1, idts[i], 53, 17, 0, atol, rtol);
+        unpermute_case(dt, dt, 0, idts[i], 53, 17, 0, atol, rtol); /* no probs: weights 1 */
+        unpermute_case(dt, dt, 1, idts[i], 1500, 40, 0, atol, rtol); /* ~40 rows per token, sort passes */
+    }
+    unpermute_case(dt, dt, 1, TM_I64, 0, 17, 0, atol, rtol);  /* no rows: y = 0 */
+    unpermute_case(dt, dt, 1, TM_I64, 53, 0, 0, atol, rtol);  /* no tokens: every row padding */
+}
+
+Test(cuda_parity_moe, unpermute_f32) {
+    TT_SKIP_WITHOUT_CUDA();
+    unpermute_all(TM_F32, 1e-5, 1e-5);
+}
+
+Test(cuda_parity_moe, unpermute_bf16) {
+    TT_SKIP_WITHOUT_CUDA();
+    unpermute_all(TM_BF16, 1e-2, 1e-2);
+    unpermute_case(TM_BF16, TM_F32, 1, TM_I32, 53, 17, 0, 1e-2, 1e-2); /* f32 probs with bf16 rows */
+    unpermute_case(TM_F32, TM_BF16, 1, TM_I64, 53, 17, 0, 1e-2, 1e-2);
+}
+
+/* The CUDA kernels do not read row_token back to validate it: rows outside [-1, num_tokens)
+ * are skipped like padding (the CPU reports TM_ERR_INDEX, tests/test_moe_dispatch.c), and get
+ * no gradient. */
+Test(cuda_parity_moe, unpermute_skips_rows_outside_the_tokens) {
+    TT_SKIP_WITHOUT_CUDA();
+    unpermute_case(TM_F32, TM_F32, 1, TM_I64, 53, 17, 1, 1e-5, 1e-5);
+    unpermute_case(TM_F32, TM_F32, 1, TM_I32, 53, 17, 1, 1e-5, 1e-5);
+}
+
+/* ---- grouped_matmul ---------------------------------------------------------------------- */
+
+static void grouped_case(tm_dtype dt, const int64_t *counts, double atol, double rtol) {
+    tm_ctx *ctx = tt_parity_ctx();
+    const int64_t G = E7, K = 13, N = 11;
+    int64_t R = 0;
+    for (int64_t g = 0; g < G; g++) R += counts[g];
+    int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N};
+    double *hx = tt_parity_uniform(R * K, 1000 + (uint64_t)R), *hw = tt_parity_uniform(G * K * N, 1100);
+    double *hdy = tt_parity_uniform(R * N, 1200 + (uint64_t)R), hc[E7];
+    for (int64_t g = 0; g < G; g++) hc[g] = (double)counts[g];
+    tm_device devs[2] = {tm_cpu(), tm_cuda(0)};
+    tm_tensor *x[2], *w[2], *y[2];
+    for (int k = 0; k < 2; k++) {
+        x[k] = from(ctx, dt, 2, xs, devs[k], hx, 1);
+        w[k] = from(ctx, dt, 3, ws, devs[k], hw, 1);
+        tm_tensor *cnt = from(ctx, TM_I64, 1, &G, devs[k], hc, 0);
+        uint64_t before = tm_ctx_sync_count(ctx);
+        TT_OK(ctx, tm_grouped_matmul(ctx, x[k], w[k], cnt, &y[k]));
+        uint64_t fwd = tm_ctx_sync_count(ctx) - before;
+        TT_OK(ctx, tm_backward_with_grad(ctx, y[k], from(ctx, dt, 2, ys, devs[k], hdy, 0)));
+        uint64_t all = tm_ctx_sync_count(ctx) - before;
+        /* Counts not from a permute: read back once by the forward, mirrored for the backward. */
+        cr_assert(fwd == 1 && all == 1, "grouped_matmul on %s: %llu synchronisations in the forward, %llu with the "
+                  "backward; want 1 and 1", k ? "CUDA" : "the CPU", (unsigned long long)fwd, (unsigned long long)all);
+    }
+    assert_on_cuda(y[1], "y");
+    tt_assert_close(ctx, y[1], y[0], atol, rtol);
+    tt_assert_close(ctx, tm_tensor_grad(x[1]), tm_tensor_grad(x[0]), atol, rtol);
+    tt_assert_close(ctx, tm_tensor_grad(w[1]), tm_tensor_grad(w[0]), atol, rtol);
+    /* Empty groups leave their weight gradient exactly zero. */
+    double *gw = tt_read(ctx, tm_tensor_grad(w[1]));
+    for (int64_t g = 0; g < G; g++)
+        if (counts[g] == 0)
+            for (int64_t i = 0; i < K * N; i++)
+                cr_assert(gw[g * K * N + i] == 0, "dw of empty group %lld is not zero", (long long)g);
+    free(gw), free(hx), free(hw), free(hdy);
+    tm_ctx_free(ctx);
+}
+
+static void grouped_all(tm_dtype dt, double atol, double rtol) {
+    const int64_t ragged[E7] = {5, 0, 9, 1, 0, 12, 3}, first_last_empty[E7] = {0, 4, 4, 17, 2, 8, 0},
+                  one[E7] = {0, 0, 0, 33, 0, 0, 0}, none[E7] = {0, 0, 0, 0, 0, 0, 0};
+    grouped_case(dt, ragged, atol, rtol);
+    grouped_case(dt, first_last_empty, atol, rtol);
+    grouped_case(dt, one, atol, rtol);
+    grouped_case(dt, none, atol, rtol); /* R = 0 */
+}
+
+Test(cuda_parity_moe, grouped_matmul_f32) {
+    TT_SKIP_WITHOUT_CUDA();
+    grouped_all(TM_F32, 1e-5, 1e-5);
+}
+
+Test(cuda_parity_moe, grouped_matmul_bf16) {
+    TT_SKIP_WITHOUT_CUDA();
+    grouped_all(TM_BF16, 1e-2, 1e-2);
+}
+
+/* Counts are validated on the host as on the CPU: the same errors, the same messages. */
+Test(cuda_parity_moe, grouped_matmul_bad_counts) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
+    int64_t G = 3, xs[2] = {6, 4}, ws[3] = {3, 4, 5};
+    double hx[24] = {0}, hw[60] = {0}, neg[3] = {2, -1, 5}, over[3] = {4, 4, 0}, under[3] = {1, 2, 0};
+    tm_tensor *x = from(ctx, TM_F32, 2, xs, tm_cuda(0), hx, 0), *w = from(ctx, TM_F32, 3, ws, tm_cuda(0), hw, 0), *y = NULL;
+    cr_assert_eq(tm_grouped_matmul(ctx, x, w, from(ctx, TM_I64, 1, &G, tm_cuda(0), neg, 0), &y), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "counts[1] = -1"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_eq(tm_grouped_matmul(ctx, x, w, from(ctx, TM_I64, 1, &G, tm_cuda(0), over, 0), &y), TM_ERR_SHAPE);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "exceed the rows of x at group 1"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_eq(tm_grouped_matmul(ctx, x, w, from(ctx, TM_I64, 1, &G, tm_cuda(0), under, 0), &y), TM_ERR_SHAPE);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "sum to 3 but x has 6 rows"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_null(y);
+    tm_ctx_free(ctx);
+}
+
+/* A permute's tokens_per_expert carry a host mirror: grouped_matmul on them does not wait.
+ * Writing the counts drops the mirror (the next call reads back once and mirrors again). */
+Test(cuda_parity_moe, grouped_matmul_uses_the_permute_mirror) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
+    const int64_t T = 29, E = E7, H = 8, F = 6;
+    int64_t xs[2] = {T, H}, ms[2] = {T, E}, ws[3] = {E, H, F};
+    double *hx = tt_parity_uniform(T * H, 1), *hp = tt_parity_uniform(T * E, 2), *hw = tt_parity_uniform(E * H * F, 3);
+    double hm[29 * E7];
+    routing(hm, T, E, 0, 4);
+    tm_tensor *x = from(ctx, TM_F32, 2, xs, tm_cuda(0), hx, 1), *w = from(ctx, TM_F32, 3, ws, tm_cuda(0), hw, 1);
+    tm_moe_dispatch d;
+    TT_OK(ctx, tm_moe_permute(ctx, x, from(ctx, TM_U8, 2, ms, tm_cuda(0), hm, 0),
+                              from(ctx, TM_F32, 2, ms, tm_cuda(0), hp, 1), 8, 0, &d));
+    uint64_t before = tm_ctx_sync_count(ctx);
+    tm_tensor *y, *y2, *view, *l;
+    TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w, d.tokens_per_expert, &y));
+    int64_t e1[1] = {E};
+    TT_OK(ctx, tm_reshape(ctx, d.tokens_per_expert, 1, e1, &view)); /* a view of the same elements */
+    TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w, view, &y2));
+    TT_OK(ctx, tm_sum_all(ctx, y, &l));
+    TT_OK(ctx, tm_backward(ctx, l));
+    cr_assert_eq(tm_ctx_sync_count(ctx), before, "grouped_matmul on a permute's counts synchronised");
+    int64_t tpe[E7];
+    TT_OK(ctx, tm_tensor_read(ctx, d.tokens_per_expert, TM_I64, tpe, E));
+    TT_OK(ctx, tm_tensor_write(ctx, d.tokens_per_expert, TM_I64, tpe, E));
+    before = tm_ctx_sync_count(ctx);
+    TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w, view, &y2));
+    TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w, d.tokens_per_expert, &y2));
+    cr_assert_eq(tm_ctx_sync_count(ctx) - before, 1, "after a write: one read back, then mirrored");
+    free(hx), free(hp), free(hw);
+    tm_ctx_free(ctx);
+}
+
+/* ---- the MoE layer's chain --------------------------------------------------------------- */
+
+typedef struct chain_io {
+    tm_tensor *x, *probs, *w0, *w1, *wo, *y;
+    uint64_t syncs;
+} chain_io;
+
+/* layers/moe.c's grouped strategy: permute -> swiglu(rows @ w0[e], rows @ w1[e]) @ wo[e] ->
+ * unpermute, weighted by probs; forward and backward with upstream gradient g. */
+static void chain(tm_ctx *ctx, tm_device dev, int64_t T, int64_t H, int64_t F, int64_t align, int64_t pad_to,
+                  const double *hx, const double *hm, const double *hp, const double *hw, const double *hg, chain_io *io) {
+    const int64_t E = E7;
+    int64_t xs[2] = {T, H}, ms[2] = {T, E}, w01[3] = {E, H, F}, wos[3] = {E, F, H};
+    io->x = from(ctx, TM_F32, 2, xs, dev, hx, 1);
+    io->probs = from(ctx, TM_F32, 2, ms, dev, hp, 1);
+    io->w0 = from(ctx, TM_F32, 3, w01, dev, hw, 1);
+    io->w1 = from(ctx, TM_F32, 3, w01, dev, hw + E * H * F, 1);
+    io->wo = from(ctx, TM_F32, 3, wos, dev, hw + 2 * E * H * F, 1);
+    tm_tensor *map = from(ctx, TM_U8, 2, ms, dev, hm, 0), *g = from(ctx, TM_F32, 2, xs, dev, hg, 0);
+    uint64_t before = tm_ctx_sync_count(ctx);
+    tm_moe_dispatch d;
+    tm_tensor *a, *b, *h, *eo;
+    TT_OK(ctx, tm_moe_permute(ctx, io->x, map, io->probs, align, pad_to, &d));
+    TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, io->w0, d.tokens_per_expert, &a));
+    TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, io->w1, d.tokens_per_expert, &b));
+    TT_OK(ctx, tm_swiglu(ctx, a, b, &h));
+    TT_OK(ctx, tm_grouped_matmul(ctx, h, io->wo, d.tokens_per_expert, &eo));
+    TT_OK(ctx, tm_moe_unpermute(ctx, eo, d.permuted_probs, d.row_token, T, &io->y));
+    TT_OK(ctx, tm_backward_with_grad(ctx, io->y, g));
+    io->syncs = tm_ctx_sync_count(ctx) - before;
+}
+
+static void chain_case(int64_t align, int64_t pad_to) {
+    tm_ctx *ctx = tt_parity_ctx();
+    const int64_t T = 45, H = 16, F = 12, E = E7;
+    double *hx = tt_parity_uniform(T * H, 21), *hp = tt_parity_uniform(T * E, 22);
+    double *hw = tt_parity_uniform(3 * E * H * F, 23), *hg = tt_parity_uniform(T * H, 24);
+    double *hm = malloc(sizeof(double) * (size_t)(T * E));
+    for (int64_t i = 0; i < 3 * E * H * F; i++) hw[i] *= 0.3;
+    routing(hm, T, E, pad_to, 25);
+    chain_io io[2];
+    chain(ctx, tm_cpu(), T, H, F, align, pad_to, hx, hm, hp, hw, hg, &io[0]);
+    chain(ctx, tm_cuda(0), T, H, F, align, pad_to, hx, hm, hp, hw, hg, &io[1]);
+    cr_assert_eq(io[1].syncs, 1, "MoE chain forward + backward on CUDA (align %lld, pad_to %lld): %llu synchronisations, "
+                 "at most 1 (the permute's row count)", (long long)align, (long long)pad_to, (unsigned long long)io[1].syncs);
+    cr_assert_eq(io[0].syncs, io[1].syncs, "the CPU counts %llu, CUDA %llu", (unsigned long long)io[0].syncs,
+                 (unsigned long long)io[1].syncs);
+    const double tol = 1e-4;
+    tt_assert_close(ctx, io[1].y, io[0].y, tol, tol);
+    tt_assert_close(ctx, tm_tensor_grad(io[1].x), tm_tensor_grad(io[0].x), tol, tol);
+    tt_assert_close(ctx, tm_tensor_grad(io[1].probs), tm_tensor_grad(io[0].probs), tol, tol);
+    tt_assert_close(ctx, tm_tensor_grad(io[1].w0), tm_tensor_grad(io[0].w0), tol, tol);
+    tt_assert_close(ctx, tm_tensor_grad(io[1].w1), tm_tensor_grad(io[0].w1), tol, tol);
+    tt_assert_close(ctx, tm_tensor_grad(io[1].wo), tm_tensor_grad(io[0].wo), tol, tol);
+    free(hx), free(hp), free(hw), free(hg), free(hm);
+    tm_ctx_free(ctx);
+}
+
+Test(cuda_parity_moe, layer_chain_dropless) {
+    TT_SKIP_WITHOUT_CUDA();
+    chain_case(1, 0);
+    chain_case(16, 0);
+}
+
+Test(cuda_parity_moe, layer_chain_capacity) {
+    TT_SKIP_WITHOUT_CUDA();
+    chain_case(1, 8); /* pad_to_capacity: every expert 8 rows, empty experts all padding */
+}
+
+/* Bit-identical results from run to run (no float atomics, a stable sort). The arena is reset
+ * between the runs, so both see the same addresses and cuBLASLt the same plans. */
+Test(cuda_parity_moe, bitwise_reproducible) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
+    const int64_t T = 45, H = 16, F = 12, E = E7;
+    double *hx = tt_parity_uniform(T * H, 31), *hp = tt_parity_uniform(T * E, 32);
+    double *hw = tt_parity_uniform(3 * E * H * F, 33), *hg = tt_parity_uniform(T * H, 34);
+    double *hm = malloc(sizeof(double) * (size_t)(T * E));
+    routing(hm, T, E, 0, 35);
+    double *got[2][4];
+    for (int k = 0; k < 2; k++) {
+        chain_io io;
+        chain(ctx, tm_cuda(0), T, H, F, 8, 0, hx, hm, hp, hw, hg, &io);
+        got[k][0] = tt_read(ctx, io.y);
+        got[k][1] = tt_read(ctx, tm_tensor_grad(io.x));
+        got[k][2] = tt_read(ctx, tm_tensor_grad(io.probs));
+        got[k][3] = tt_read(ctx, tm_tensor_grad(io.wo));
+        tm_ctx_arena_reset(ctx);
+    }
+    const char *what[4] = {"y", "dx", "dprobs", "dwo"};
+    const int64_t n[4] = {T * H, T * H, T * E, E * F * H};
+    for (int i = 0; i < 4; i++) {
+        cr_assert(memcmp(got[0][i], got[1][i], sizeof(double) * (size_t)n[i]) == 0, "%s differs between two runs", what[i]);
+        free(got[0][i]), free(got[1][i]);
+    }
+    free(hx), free(hp), free(hw), free(hg), free(hm);
+    tm_ctx_free(ctx);
+}
