@@ -32,6 +32,7 @@
 
 #include "checkpoint.h"
 #include "common.h"
+#include "comm.h"
 #include "internal.h"
 
 double tt_gradcase_comm_allreduce(tm_ctx *ctx);
@@ -317,15 +318,40 @@ Test(dist, data_parallel_1_2_4_ranks_zero_0_1_match_one_process, .timeout = 300)
     data_parallel("", lay, 4);
 }
 
-Test(dist, data_parallel_with_capacity_expert_bias_and_seq_aux_loss, .timeout = 300) {
-    const layout lay[] = {{2, ""}, {2, "--zero 1"}};
+/* Ranks x ep_size x strategy x zero: each cell once where it adds something. */
+Test(dist, expert_parallel_layouts_match_one_process, .timeout = 300) {
+    const layout lay[] = {
+        {2, "--ep_size 2"},
+        {2, "--ep_size 2 --ep_strategy allgather --zero 1"},
+        {4, "--ep_size 2 --zero 1"},
+        {4, "--ep_size 2 --ep_strategy allgather"},
+        {4, "--ep_size 4"},
+        {4, "--ep_size 4 --ep_strategy allgather --zero 1"},
+    };
+    data_parallel("", lay, 6);
+}
+
+/* Capacity dropping decides over the global batch, the expert-bias update and the sequence aux
+ * loss use global counts, with gradient accumulation, alignment padding and expert parallelism
+ * (padded to capacity too). */
+Test(dist, capacity_expert_bias_seq_aux_loss_with_data_and_expert_parallelism, .timeout = 300) {
+    const layout lay[] = {
+        {2, "--zero 1"},
+        {2, "--ep_size 2"},
+        {4, "--ep_size 4 --ep_strategy allgather --zero 1"},
+    };
     data_parallel("--capacity_factor 1.0 --expert_bias true --seq_aux_loss_coeff 1e-3 --aux_counts clean "
-                  "--grad_accum 2", lay, 2);
+                  "--grad_accum 2 --align_size 4", lay, 3);
+}
+
+Test(dist, capacity_padded_to_capacity_with_expert_parallelism, .timeout = 300) {
+    const layout lay[] = {{2, "--ep_size 2"}, {4, "--ep_size 2 --ep_strategy allgather"}};
+    data_parallel("--capacity_factor 1.25 --pad_to_capacity true --drop_policy position", lay, 2);
 }
 
 /* Checkpoints hold logical tensors: 5 steps under one layout, 5 more under another, give the
- * straight run's losses and weights (save at 4 ranks with ZeRO-1, resume at 2 without; and
- * from one process to 4 ranks with ZeRO-1). */
+ * straight run's losses and weights (save at 4 ranks, ep_size 4, ZeRO-1; resume at 2 ranks,
+ * ep_size 1, no ZeRO; and back: from one process to 4 ranks, ep_size 4, ZeRO-1). */
 Test(dist, resume_across_layouts, .timeout = 300) {
     skip_without_mpirun();
     tt_tmpdir_make("tinymoe_dist_");
@@ -334,7 +360,7 @@ Test(dist, resume_across_layouts, .timeout = 300) {
     snprintf(a, sizeof a, "%s", tt_path("a"));
     snprintf(b, sizeof b, "%s", tt_path("b"));
     train_ok(ref, 1, "--save_every 5 --keep_last 2");
-    train_ok(a, 4, "--zero 1 --steps 5");
+    train_ok(a, 4, "--ep_size 4 --zero 1 --steps 5");
     snprintf(flags, sizeof flags, "--resume '%s' --steps 10", a);
     train_ok(a, 2, flags);
     double lr[16], la[16];
@@ -345,7 +371,7 @@ Test(dist, resume_across_layouts, .timeout = 300) {
     /* and back: the single process's step-5 checkpoint continued by 4 ranks with ZeRO-1 */
     char ck5[1100];
     snprintf(ck5, sizeof ck5, "%s/ckpt-00000005.tmck", ref);
-    snprintf(flags, sizeof flags, "--resume '%s' --zero 1 --out '%s'", ck5, b);
+    snprintf(flags, sizeof flags, "--resume '%s' --ep_size 4 --zero 1 --out '%s'", ck5, b);
     char log[1100];
     snprintf(log, sizeof log, "%s.log", b);
     int rc = run(log, MPIRUN " -np 4 '%s/tinymoe' train %s %s", bindir(), BASE, flags);
@@ -371,5 +397,54 @@ Test(dist, config_that_differs_across_ranks_is_refused, .timeout = 200) {
     cr_assert(strstr(t, "key 'lr' differs across the 2 ranks") && strstr(t, "0.01 on rank 0") &&
                   strstr(t, "0.02 on rank 1"), "%s", t);
     free(t);
+    tt_tmpdir_remove();
+}
+
+/* ---- failure modes --------------------------------------------------------------------------- */
+
+Test(dist, layouts_that_cannot_work_are_refused_by_every_rank, .timeout = 200) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    const char *log = tt_path("e.log");
+    /* 4 experts over ep_size 3 */
+    int rc = run(log, MPIRUN " -np 3 '%s/tinymoe' train %s --ep_size 3 --out '%s'", bindir(), BASE, tt_path("o"));
+    char *t = slurp_text(log);
+    cr_assert_eq(rc, 2, "exit %d\n%s", rc, t);
+    cr_assert(strstr(t, "key 'ep_size' = 3: does not divide num_experts = 4"), "%s", t);
+    free(t);
+    /* ep_size 4 on 2 ranks */
+    rc = run(log, MPIRUN " -np 2 '%s/tinymoe' train %s --ep_size 4 --num_experts 8 --out '%s'", bindir(), BASE,
+             tt_path("o"));
+    t = slurp_text(log);
+    cr_assert_eq(rc, 2, "exit %d\n%s", rc, t);
+    cr_assert(strstr(t, "key 'ep_size' = 4: does not divide the 2 ranks"), "%s", t);
+    free(t);
+    /* a batch that does not split over the ranks */
+    rc = run(log, MPIRUN " -np 3 '%s/tinymoe' train %s --out '%s'", bindir(), BASE, tt_path("o"));
+    t = slurp_text(log);
+    cr_assert_eq(rc, 2, "exit %d\n%s", rc, t);
+    cr_assert(strstr(t, "key 'batch_size' = 8: not divisible by the 3 ranks"), "%s", t);
+    free(t);
+    tt_tmpdir_remove();
+}
+
+/* A rank that stops answering, or dies, ends the job within a bounded time with a message, not
+ * a hang (the helper's rank 0 waits in an all-reduce with a 2 s timeout). */
+Test(dist, a_hung_or_dead_rank_ends_the_job, .timeout = 200) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    const char *modes[2] = {"hang", "die"};
+    for (int i = 0; i < 2; i++) {
+        const char *log = tt_path(modes[i]);
+        double t0 = tm__comm_now();
+        int rc = run(log, MPIRUN " -np 2 '%s/tinymoe_dist_helper' %s", bindir(), modes[i]);
+        double dt = tm__comm_now() - t0;
+        char *t = slurp_text(log);
+        cr_assert(rc != 0 && rc != 124, "%s: exit %d after %.1f s\n%s", modes[i], rc, dt, t);
+        cr_assert_lt(dt, 60.0, "%s: %.1f s", modes[i], dt);
+        if (i == 0)
+            cr_assert(strstr(t, "communication error") && strstr(t, "did not complete within 2 s"), "%s", t);
+        free(t);
+    }
     tt_tmpdir_remove();
 }

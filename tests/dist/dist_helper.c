@@ -9,6 +9,8 @@
  *                                     comm_alltoall, over the world, ep and expert_dp groups
  *                                     (ep_size 2 when N is even); ZeRO-1's optimizer memory per
  *                                     rank (f32 state, bf16 master weights)
+ *   tinymoe_dist_helper hang | die    rank 1 stops answering / exits while rank 0 waits in an
+ *                                     all-reduce (2 s timeout); rank 0 reports and aborts the job
  *
  * Gradient check: every rank r has an f64 input x_r and a fixed random upstream gradient g_r;
  * the scalar L = sum_r <g_r, f(x)_r> depends on every rank's input. Analytic: tm_backward_with_grad
@@ -20,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "tinymoe.h"
 
@@ -329,6 +332,24 @@ int main(int argc, char **argv) {
         check_partial_requires_grad(ctx);
         check_counts(ctx);
         check_zero_memory(ctx, world);
+    } else if (!strcmp(what, "hang") || !strcmp(what, "die")) {
+        /* Failure modes: rank 1 stops answering (sleeps past the timeout) or dies (exits without
+         * MPI_Finalize) while rank 0 waits in an all-reduce; rank 0 must not hang. */
+        tm_ctx *c2 = NULL;
+        OK(c2, tm_ctx_new(&c2, &o));
+        tm_comm_options t = tm_comm_options_default();
+        t.timeout_s = 2;
+        OK(c2, tm_comm_init(c2, &t));
+        if (g_rank == 1) {
+            if (!strcmp(what, "die")) _exit(7);
+            sleep(30);
+        }
+        double v = 1;
+        tm_status s = tm_comm_allreduce_host(c2, TM_COMM_WORLD, TM_F64, &v, 1);
+        fprintf(stderr, "rank %d: %s: %s\n", g_rank, tm_status_str(s), tm_ctx_errmsg(c2));
+        fflush(stderr);
+        tm_mpi_abort(3); /* what the driver does after TM_ERR_COMM */
+        return 3;
     } else {
         fprintf(stderr, "unknown check '%s'\n", what);
         g_fail++;
