@@ -92,8 +92,16 @@ static uint32_t crc_update(uint32_t crc, const void *p, size_t n) {
     return (uint32_t)c;
 }
 
+/* Checkpoints hold logical tensors: a tensor spread over the ranks (an expert shard, a ZeRO-1
+ * block of optimizer state) is stored whole, gathered from the ranks (framework/shard.c). */
+static void logical_shape(const tm_tensor *t, int *ndim, int64_t *shape) { tm__named_logical(t, ndim, shape); }
+
 static size_t tensor_bytes(const tm_tensor *t) {
-    return (size_t)tm_tensor_numel(t) * tm_dtype_size(tm_tensor_dtype(t));
+    int nd;
+    int64_t shape[TM_MAX_DIMS], n = 1;
+    logical_shape(t, &nd, shape);
+    for (int d = 0; d < nd; d++) n *= shape[d];
+    return (size_t)n * tm_dtype_size(tm_tensor_dtype(t));
 }
 
 /* zlib allocates through the context's allocator hook like everything else the library does
@@ -217,7 +225,8 @@ static void plan_batches(const tm_ctx *ctx, size_t *raw_cap, size_t *comp_cap, i
     }
 }
 
-static tm_status write_tensors(tm_ctx *ctx, const char *path, ck_writer *w, ck_stage *st, uint32_t *table_crc) {
+static tm_status write_tensors(tm_ctx *ctx, const char *path, ck_writer *w, ck_stage *st, uint32_t *table_crc,
+                               int *progress) {
     uint32_t tcrc = 0;
     for (int k0 = 0; k0 < tm_ctx_num_named(ctx) && !w->err;) {
         int k1 = k0;
@@ -225,7 +234,9 @@ static tm_status write_tensors(tm_ctx *ctx, const char *path, ck_writer *w, ck_s
         do {
             const tm_tensor *t = tm_ctx_named(ctx, k1);
             size_t rb = tensor_bytes(t);
-            TM__TRY(tm_tensor_read(ctx, t, tm_tensor_dtype(t), st->raw + raw, tm_tensor_numel(t)));
+            *progress = k1; /* the gathers of the other ranks pair with these */
+            TM__TRY(tm__named_gather(ctx, t, st->raw + raw));
+            *progress = k1 + 1;
             st->raw_off[k1 - k0] = raw;
             st->comp_off[k1 - k0] = comp;
             raw += rb, comp += ck_bound(rb), k1++;
@@ -255,9 +266,12 @@ static tm_status write_tensors(tm_ctx *ctx, const char *path, ck_writer *w, ck_s
             unsigned char d[2 + CK_NAME_MAX + 2 + 8 * TM_MAX_DIMS + 8 + 8 + 4], *p = d;
             put_u16(p, (uint16_t)name_len), p += 2;
             memcpy(p, tm_tensor_name(t), name_len), p += name_len;
+            int lnd;
+            int64_t lshape[TM_MAX_DIMS];
+            logical_shape(t, &lnd, lshape);
             *p++ = (unsigned char)tm_tensor_dtype(t);
-            *p++ = (unsigned char)tm_tensor_ndim(t);
-            for (int a = 0; a < tm_tensor_ndim(t); a++) put_u64(p, (uint64_t)tm_tensor_dim(t, a)), p += 8;
+            *p++ = (unsigned char)lnd;
+            for (int a = 0; a < lnd; a++) put_u64(p, (uint64_t)lshape[a]), p += 8;
             put_u64(p, (uint64_t)tensor_bytes(t)), p += 8;
             put_u64(p, (uint64_t)cl), p += 8;
             put_u32(p, crc_update(0, data, cl)), p += 4;
@@ -332,15 +346,44 @@ static void sync_dir(const char *path) {
     }
 }
 
-static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes);
+static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes, int *progress);
+
+/* Take part in the gathers of named tensors [from, n) that the writing rank makes (the ranks
+ * other than 0, and rank 0 after a failure, so that nobody waits for a partner). */
+static tm_status drain_gathers(tm_ctx *ctx, int from) {
+    tm_status st = TM_OK;
+    for (int k = from; k < tm_ctx_num_named(ctx); k++) {
+        const tm_tensor *t = tm_ctx_named(ctx, k);
+        if (!tm__named_sharded(ctx, t)) continue;
+        size_t nb = tensor_bytes(t);
+        void *buf = tm__host_alloc(ctx, nb ? nb : 1);
+        if (!buf) return tm__err(ctx, TM_ERR_NOMEM, "tm_ckpt_save: out of host memory gathering '%s'", tm_tensor_name(t));
+        tm_status s = tm__named_gather(ctx, t, buf);
+        tm__host_free(ctx, buf);
+        if (st == TM_OK) st = s;
+        if (s == TM_ERR_COMM) return s; /* the partners are gone */
+    }
+    return st;
+}
 
 /* Under a communicator saving is collective: every rank takes part (sharded tensors are
  * gathered to logical ones), world rank 0 writes the file, and every rank returns its status. */
 tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes) {
     if (!ctx) return TM_ERR_INVALID_ARG;
-    int W = tm_comm_size(ctx, TM_COMM_WORLD), me = tm_comm_rank(ctx, TM_COMM_WORLD);
-    if (W == 1) return save_file(ctx, path, meta, meta_bytes);
-    tm_status st = me == 0 ? save_file(ctx, path, meta, meta_bytes) : TM_OK;
+    int W = tm_comm_size(ctx, TM_COMM_WORLD), me = tm_comm_rank(ctx, TM_COMM_WORLD), progress = 0;
+    if (W == 1) return save_file(ctx, path, meta, meta_bytes, &progress);
+    tm_status st;
+    if (me == 0) {
+        st = save_file(ctx, path, meta, meta_bytes, &progress);
+        if (st != TM_OK && st != TM_ERR_COMM) {
+            char msg[1024]; /* keep the first error's message */
+            snprintf(msg, sizeof msg, "%s", tm_ctx_errmsg(ctx));
+            drain_gathers(ctx, progress);
+            tm__err(ctx, st, "%s", msg);
+        }
+    } else {
+        st = drain_gathers(ctx, 0);
+    }
     int64_t v = st;
     tm_status bs = tm_comm_bcast_host(ctx, TM_COMM_WORLD, 0, &v, sizeof v);
     if (bs != TM_OK) return bs;
@@ -350,7 +393,7 @@ tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t m
     return st;
 }
 
-static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes) {
+static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes, int *progress) {
     const char *fn = "tm_ckpt_save";
     if (!path || !*path) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path is NULL or empty", fn);
     if (!meta && meta_bytes)
@@ -405,7 +448,7 @@ static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size
     w_put(&w, c4, 4);
 
     uint32_t tcrc = 0;
-    st = write_tensors(ctx, path, &w, &stage, &tcrc);
+    st = write_tensors(ctx, path, &w, &stage, &tcrc, progress);
     if (st == TM_OK) {
         w_put(&w, ck_end, 8);
         put_u32(c4, tcrc);
@@ -633,11 +676,15 @@ static tm_status match_records(tm_ctx *ctx, ck_image *im, unsigned flags, unsign
         if (r->dtype != (int)tm_tensor_dtype(t))
             return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': tensor '%s' is %s in the file, %s", fn, path, name,
                            tm_dtype_name((tm_dtype)r->dtype), tm__tdesc(ctx, t));
-        int same = r->ndim == tm_tensor_ndim(t);
-        for (int d = 0; same && d < r->ndim; d++) same = r->shape[d] == tm_tensor_dim(t, d);
+        int lnd;
+        int64_t lshape[TM_MAX_DIMS];
+        logical_shape(t, &lnd, lshape);
+        int same = r->ndim == lnd;
+        for (int d = 0; same && d < r->ndim; d++) same = r->shape[d] == lshape[d];
         if (!same)
-            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': tensor '%s' has shape %s in the file, %s",
-                           fn, path, name, tm__sdesc(ctx, r->ndim, r->shape), tm__tdesc(ctx, t));
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': tensor '%s' has shape %s in the file, %s (logical %s)",
+                           fn, path, name, tm__sdesc(ctx, r->ndim, r->shape), tm__tdesc(ctx, t),
+                           tm__sdesc(ctx, lnd, lshape));
     }
     for (int k = 0; k < tm_ctx_num_named(ctx); k++)
         if (!seen[k])
@@ -703,7 +750,7 @@ tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void
         const ck_rec *r = &im.rec[i];
         if (!r->t) continue;
         st = inflate_rec(ctx, &im, r, raw);
-        if (st == TM_OK) st = tm_tensor_write(ctx, r->t, tm_tensor_dtype(r->t), raw, tm_tensor_numel(r->t));
+        if (st == TM_OK) st = tm__named_scatter(ctx, r->t, raw); /* this rank's part of the logical tensor */
     }
     if (st == TM_OK) {
         if (meta && im.meta_len) memcpy(meta, im.meta, (size_t)im.meta_len);

@@ -147,6 +147,7 @@ void tm_ctx_free(tm_ctx *ctx) {
             if (t->pm->master) tm__host_free(ctx, t->pm->master);
             tm__host_free(ctx, t->pm);
         }
+        tm__host_free(ctx, t->zs);
         tm__host_free(ctx, (void *)t->name);
         tm__host_free(ctx, t);
     }

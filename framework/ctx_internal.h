@@ -71,6 +71,10 @@ typedef struct tm__bucket {
     tm_bucket_info info;
     tm__pool params, grads, master;
     int has_master;
+    /* ZeRO-1 (tm__zero_enabled when the master was made): the master holds bucket elements
+     * [master_lo, master_hi) only, and no parameter has a master view of its own */
+    int master_sharded;
+    int64_t master_lo, master_hi;
     tm_tensor flat[3]; /* 1-D views of the used range: params, grads, master (TM_BUCKET_*) */
 } tm__bucket;
 
@@ -149,6 +153,10 @@ tm_status tm__run_kernel(tm__call *c, int backward);
 /* Give back a call's saved tensors and the dispatcher's contiguous copies of its inputs, once
  * nothing will run its kernels again (dispatch.c). */
 void tm__release_call(tm__call *c);
+/* A parameter written or filled: the part of its bucket's sharded (ZeRO-1) master weights that
+ * this rank holds follows (param.c; a no-op for other parameters). */
+tm_status tm__param_master_write(tm_ctx *ctx, const tm_tensor *p, tm_dtype src_dt, const void *src);
+tm_status tm__param_master_fill(tm_ctx *ctx, const tm_tensor *p, double value);
 /* Free the context's communicator (tm_ctx_free). */
 void tm__comm_destroy(tm_ctx *ctx);
 

@@ -46,6 +46,8 @@ tm_tensor *tm__param_master(const tm_tensor *param);
  * the context, not named (so not in checkpoints by itself). fn names the caller. Errors:
  * TM_ERR_NOMEM, TM_ERR_CUDA. */
 tm_status tm__state_alloc(tm_ctx *ctx, const char *fn, int bucket, tm_tensor **flat);
+/* The same with numel elements (a ZeRO-1 block of the bucket: tm_ctx_grad_shard). */
+tm_status tm__state_alloc_n(tm_ctx *ctx, const char *fn, int bucket, int64_t numel, tm_tensor **flat);
 /* Register `name` as a named persistent view of `base` (a persistent tensor) with the given
  * shape at element `offset` (checkpoints save and load it under that name). Errors: as
  * tm_buffer_new (name rules, NOMEM). */
@@ -71,5 +73,24 @@ int64_t tm__zero_block(const tm_ctx *ctx, int bucket);
 tm_status tm__bucket_reserve(tm_ctx *ctx, int bucket, int64_t n);
 /* ZeRO-1: all-gather every bucket's parameters from the ranks that updated their blocks. */
 tm_status tm__zero_gather_params(tm_ctx *ctx);
+
+/* ---- sharded named tensors (framework/shard.c): checkpoints hold logical tensors ----------- */
+/* t (a named view of optimizer state of `param`) follows param's logical shape and expert
+ * shard. */
+void tm__named_set_like(tm_tensor *t, const tm_tensor *param);
+/* t's elements are elements [off, off + numel(t)) of a bucket split in ZeRO-1 blocks of blk
+ * elements over group `group`; this rank holds bucket elements [lo, hi), t's storage starting at
+ * element lo. Errors: TM_ERR_NOMEM. */
+tm_status tm__named_set_zero(tm_ctx *ctx, tm_tensor *t, int group, int64_t off, int64_t blk, int64_t lo, int64_t hi);
+/* 1 when reading t's logical value needs the other ranks (a collective: every rank must call
+ * tm__named_gather for it, in the same order). */
+int tm__named_sharded(const tm_ctx *ctx, const tm_tensor *t);
+/* The logical shape of a named tensor (its own shape unless it is an expert shard). */
+void tm__named_logical(const tm_tensor *t, int *ndim, int64_t *shape);
+/* The logical tensor's elements (t's dtype, row-major) into host memory dst; collective when
+ * tm__named_sharded. Errors: TM_ERR_NOMEM, TM_ERR_COMM, TM_ERR_CUDA. */
+tm_status tm__named_gather(tm_ctx *ctx, const tm_tensor *t, void *dst);
+/* Take this rank's part of the logical elements src (t's dtype) into t. No communication. */
+tm_status tm__named_scatter(tm_ctx *ctx, tm_tensor *t, const void *src);
 
 #endif

@@ -69,7 +69,20 @@ struct tm_tensor {
     const char *name;            /* "" for temporaries */
     /* parameters only (framework/param.c) */
     struct tm__param_meta *pm;   /* group, bucket, logical shape, shard; NULL for non-parameters */
+    /* named views of sharded state (framework/shard.c): the parameter whose logical shape and
+     * expert shard this view follows (optimizer state of a parameter), and where a ZeRO-1
+     * shard's elements live; NULL for everything else */
+    const struct tm_tensor *like;
+    struct tm__zshard *zs;
 };
+
+/* A named tensor split over a bucket's group in ZeRO-1 blocks (framework/shard.c): its elements
+ * are elements [off, off + numel) of the bucket; group rank j holds bucket elements
+ * [j blk, (j + 1) blk), this rank [lo, hi), at storage + offset + (e - lo). */
+typedef struct tm__zshard {
+    int group;
+    int64_t off, blk, lo, hi;
+} tm__zshard;
 
 /* What a parameter records beside its data (tm_param_new_ex). */
 typedef struct tm__param_meta {

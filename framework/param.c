@@ -63,7 +63,9 @@ static void flat_set(tm_tensor *t, tm_ctx *ctx, tm__pool *p, tm_dtype dt, int64_
 static void bucket_refresh_views(tm_ctx *ctx, tm__bucket *b) {
     flat_set(&b->flat[TM_BUCKET_PARAMS], ctx, &b->params, b->info.dtype, b->info.numel);
     flat_set(&b->flat[TM_BUCKET_GRADS], ctx, &b->grads, b->info.dtype, b->info.numel);
-    if (b->has_master) flat_set(&b->flat[TM_BUCKET_MASTER], ctx, &b->master, TM_F32, b->info.numel);
+    if (b->has_master)
+        flat_set(&b->flat[TM_BUCKET_MASTER], ctx, &b->master, TM_F32,
+                 b->master_sharded ? b->master_hi - b->master_lo : b->info.numel);
 }
 
 /* ---- placing a parameter ------------------------------------------------------------------ */
@@ -158,6 +160,9 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     size_t mpadded = padded / esz * sizeof(float); /* same element count in f32 */
     tm_tensor *g = tm__host_alloc(ctx, sizeof *g);
     tm__param_meta *pm = tm__host_alloc(ctx, sizeof *pm);
+    if (b->has_master && b->master_sharded)
+        return tm__err(ctx, TM_ERR_STATE, "%s: \"%s\": its bucket's master weights are split over the ranks (ZeRO-1) "
+                       "already; create every parameter before the optimizer", fn, t->name);
     tm_tensor *mt = b->has_master ? tm__host_alloc(ctx, sizeof *mt) : NULL;
     tm_status s = (!g || !pm || (b->has_master && !mt)) ? tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn) : TM_OK;
     if (s == TM_OK) s = pool_reserve(ctx, &b->params, padded);
@@ -275,9 +280,60 @@ tm_status tm_ctx_zero_grad(tm_ctx *ctx) {
 
 /* ---- master weights and optimizer state (extend.h) ------------------------------------------ */
 
+/* ZeRO-1: the master holds this rank's block [lo, hi) of the bucket. */
+static tm_status master_ensure_sharded(tm_ctx *ctx, int bi) {
+    tm__bucket *b = ctx->buckets[bi];
+    int64_t lo, hi;
+    TM__TRY(tm_ctx_grad_shard(ctx, bi, &lo, &hi));
+    TM__TRY(pool_reserve(ctx, &b->master, (size_t)(hi - lo) * sizeof(float)));
+    b->master.used = (size_t)(hi - lo) * sizeof(float);
+    tm__mem_account(ctx, b->info.device, TM_MEM_OPTIMIZER, (ptrdiff_t)b->master.used); /* master weights */
+    b->has_master = 1;
+    b->master_sharded = 1;
+    b->master_lo = lo;
+    b->master_hi = hi;
+    bucket_refresh_views(ctx, b);
+    if (hi == lo) return TM_OK;
+    tm_tensor *src;
+    int64_t n = hi - lo, one = 1;
+    TM__TRY(tm__tensor_view(ctx, &b->flat[TM_BUCKET_PARAMS], 1, &n, &one, lo, &src));
+    return tm__copy_into(ctx, &b->flat[TM_BUCKET_MASTER], src);
+}
+
+/* The part of parameter p's master inside a sharded master, as a view; *skip: elements of p
+ * before it. NULL view when p's master is not sharded or p has nothing in this rank's block. */
+static tm_status sharded_master_part(tm_ctx *ctx, const tm_tensor *p, tm_tensor **view, int64_t *skip) {
+    *view = NULL;
+    if (!p->pm) return TM_OK;
+    tm__bucket *b = ctx->buckets[p->pm->bucket];
+    if (!b->has_master || !b->master_sharded) return TM_OK;
+    int64_t off = p->pm->bucket_offset, n = tm__numel(p);
+    int64_t a = off > b->master_lo ? off : b->master_lo, e = off + n < b->master_hi ? off + n : b->master_hi;
+    if (a >= e) return TM_OK;
+    int64_t k = e - a, one = 1;
+    *skip = a - off;
+    return tm__tensor_view(ctx, &b->flat[TM_BUCKET_MASTER], 1, &k, &one, a - b->master_lo, view);
+}
+
+tm_status tm__param_master_write(tm_ctx *ctx, const tm_tensor *p, tm_dtype src_dt, const void *src) {
+    tm_tensor *v;
+    int64_t skip = 0;
+    TM__TRY(sharded_master_part(ctx, p, &v, &skip));
+    if (!v) return TM_OK;
+    return tm_tensor_write(ctx, v, src_dt, (const char *)src + (size_t)skip * tm_dtype_size(src_dt), tm__numel(v));
+}
+
+tm_status tm__param_master_fill(tm_ctx *ctx, const tm_tensor *p, double value) {
+    tm_tensor *v;
+    int64_t skip = 0;
+    TM__TRY(sharded_master_part(ctx, p, &v, &skip));
+    return v ? tm__fill(ctx, v, value) : TM_OK;
+}
+
 tm_status tm__bucket_master_ensure(tm_ctx *ctx, int bi) {
     tm__bucket *b = ctx->buckets[bi];
     if (b->has_master) return TM_OK;
+    if (tm__zero_enabled(ctx)) return master_ensure_sharded(ctx, bi);
     int64_t n = b->info.numel;
     TM__TRY(pool_reserve(ctx, &b->master, (size_t)n * sizeof(float)));
     /* header per parameter first (nothing observable changes if one fails) */
@@ -307,6 +363,10 @@ tm_status tm__bucket_master_ensure(tm_ctx *ctx, int bi) {
 tm_tensor *tm__param_master(const tm_tensor *p) { return p && p->pm ? p->pm->master : NULL; }
 
 tm_status tm__state_alloc(tm_ctx *ctx, const char *fn, int bi, tm_tensor **out) {
+    return tm__state_alloc_n(ctx, fn, bi, ctx->buckets[bi]->info.numel, out);
+}
+
+tm_status tm__state_alloc_n(tm_ctx *ctx, const char *fn, int bi, int64_t numel, tm_tensor **out) {
     tm__bucket *b = ctx->buckets[bi];
     if (ctx->n_owned == ctx->cap_owned) {
         int cap = ctx->cap_owned ? 2 * ctx->cap_owned : 16;
@@ -324,7 +384,7 @@ tm_status tm__state_alloc(tm_ctx *ctx, const char *fn, int bi, tm_tensor **out) 
         tm_tensor t;
     } *f = tm__host_alloc(ctx, sizeof *f);
     if (!f) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
-    size_t nbytes = (size_t)(b->info.numel ? b->info.numel : 1) * sizeof(float);
+    size_t nbytes = (size_t)(numel ? numel : 1) * sizeof(float);
     f->st.device = b->info.device;
     f->st.nbytes = nbytes;
     f->st.data = tm__dev_alloc(ctx, b->info.device, nbytes);
@@ -340,7 +400,7 @@ tm_status tm__state_alloc(tm_ctx *ctx, const char *fn, int bi, tm_tensor **out) 
     f->t.dtype = TM_F32;
     f->t.device = b->info.device;
     f->t.ndim = 1;
-    f->t.shape[0] = b->info.numel;
+    f->t.shape[0] = numel;
     f->t.stride[0] = 1;
     f->t.storage = &f->st;
     f->t.persistent = 1;

@@ -372,6 +372,9 @@ static tm_status tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, v
     if ((unsigned)dst_dt >= TM_NDTYPES) return tm__err(ctx, TM_ERR_DTYPE, "tm_tensor_read: bad dst dtype %d", (int)dst_dt);
     int64_t n = tm__numel(t);
     if (count != n) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_read: count %lld but %s has %lld elements", (long long)count, tm__tdesc(ctx, t), (long long)n);
+    if (t->zs)
+        return tm__err(ctx, TM_ERR_STATE, "tm_tensor_read: \"%s\" is split over the ranks (ZeRO-1); this rank holds "
+                       "part of it (checkpoints gather it)", t->name);
     if (n == 0) return TM_OK;
     /* A CPU tensor stands for device memory here: reading it back is where a CUDA run would
      * wait for its stream, so it counts as one synchronisation (tm_ctx_sync_count). A device
@@ -412,10 +415,14 @@ static tm_status tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const 
     int64_t n = tm__numel(t);
     if (count != n) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_write: count %lld but %s has %lld elements", (long long)count, tm__tdesc(ctx, t), (long long)n);
     if (!tm__is_contiguous(t)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_write: %s is a strided view; write to a contiguous tensor", tm__tdesc(ctx, t));
+    if (t->zs)
+        return tm__err(ctx, TM_ERR_STATE, "tm_tensor_write: \"%s\" is split over the ranks (ZeRO-1); this rank holds "
+                       "part of it", t->name);
     if (n == 0) return TM_OK;
     tm__mirror_drop(ctx, t);
     tm_tensor *master = t->pm ? t->pm->master : NULL;
     if (master) TM__TRY(tm_tensor_write(ctx, master, src_dt, src, count)); /* f32 master weights follow */
+    if (t->pm) TM__TRY(tm__param_master_write(ctx, t, src_dt, src));   /* (sharded over the ranks) */
     if (t->device.type == TM_DEVICE_CPU) {
         tm__convert_host(tm__data(t), t->dtype, src, src_dt, n, ctx->n_threads);
         return TM_OK;
@@ -436,6 +443,7 @@ tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value) {
     if (!t) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_fill: tensor is NULL");
     if (!tm__is_contiguous(t)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_fill: %s is a strided view", tm__tdesc(ctx, t));
     if (t->pm && t->pm->master) TM__TRY(tm__fill(ctx, t->pm->master, value)); /* f32 master weights follow */
+    if (t->pm) TM__TRY(tm__param_master_fill(ctx, t, value));
     return tm__fill(ctx, t, value);
 }
 /* ---- untaped primitives: validation here, the work in the backend ---------------------- */

@@ -264,7 +264,12 @@ int64_t tm_model_num_params(const tm_model *m, int64_t *active_per_token) {
         for (size_t i = 0; i < sizeof per_layer / sizeof *per_layer; i++)
             total += tm_tensor_numel(tm_moe_tensor(L->moe, per_layer[i]));
         for (size_t i = 0; i < sizeof experts / sizeof *experts; i++) {
-            int64_t n = tm_tensor_numel(tm_moe_tensor(L->moe, experts[i]));
+            /* the logical [E, ...] tensor, also where this rank holds a shard of the experts */
+            tm_tensor *w = tm_moe_tensor(L->moe, experts[i]);
+            tm_param_info pi;
+            int64_t n = tm_tensor_numel(w);
+            if (tm_tensor_dim(w, 0) > 0 && tm_param_get_info(w, &pi) == TM_OK)
+                n = n / tm_tensor_dim(w, 0) * pi.opts.logical_shape[0];
             routed += n;
             routed_active += n / c->moe.router.num_experts * c->moe.router.topk;
         }

@@ -36,6 +36,9 @@ struct tm_moe {
     tm_tensor *gate, *w0, *w1, *wo;
     tm_tensor *sw0, *sw1, *swo;
     tm_tensor *expert_bias, *tpe_sum;
+    /* expert parallelism: this rank holds experts [e0, e0 + L) of E, split over P ep ranks */
+    int P, ep_rank, L, e0;
+    tm_ep_strategy ep_strategy;
 };
 
 tm_moe_config tm_moe_config_default(void) {
@@ -104,13 +107,21 @@ static tm_status mk(tm_moe *m, const char *suffix, int is_param, tm_dtype dt, in
     if (n < 0 || n >= (int)sizeof name) return tm__err(m->ctx, TM_ERR_INVALID_ARG, "tm_moe_new: name \"%s.%s\" too long", m->prefix, suffix);
     int64_t shape[3] = {a, b, c};
     if (!is_param) return tm_buffer_new(m->ctx, name, dt, nd, shape, m->dev, out);
-    /* The routed experts' weights form the expert group (all E of them here: one process
-     * holds every expert); everything else of the block is dense. */
+    /* The routed experts' weights form the expert group; under expert parallelism this rank
+     * holds experts [e0, e0 + L) of the logical [E, ...] tensor (a shard along dim 0, which the
+     * initialisation and the checkpoints see as such); everything else of the block is dense. */
     tm_param_options o = tm_param_options_default();
     if (!strncmp(suffix, "experts.", 8)) {
         o.group = TM_PARAM_EXPERT;
-        o.expert_lo = 0;
-        o.expert_hi = (int)a;
+        o.expert_lo = m->e0;
+        o.expert_hi = m->e0 + m->L;
+        if (m->P > 1) {
+            o.logical_ndim = nd;
+            o.logical_shape[0] = a, o.logical_shape[1] = b, o.logical_shape[2] = c;
+            o.shard_axis = 0;
+            o.shard_offset = m->e0;
+            shape[0] = m->L;
+        }
     }
     return tm_param_new_ex(m->ctx, name, dt, nd, shape, m->dev, &o, out);
 }
@@ -132,6 +143,20 @@ tm_status tm_moe_new(tm_ctx *ctx, const char *prefix, const tm_moe_config *cfg, 
     m->dev = dev;
     snprintf(m->prefix, sizeof m->prefix, "%s", prefix);
     int64_t H = cfg->hidden_size, F = cfg->ffn_size, E = cfg->router.num_experts, Fs = cfg->shared_ffn_size;
+    /* The layout of the context's communicator (tinymoe.h, "Distributed"). */
+    m->P = tm_comm_size(ctx, TM_COMM_EP);
+    m->ep_rank = tm_comm_rank(ctx, TM_COMM_EP);
+    m->ep_strategy = tm_comm_get_options(ctx).ep_strategy;
+    m->L = (int)E / m->P;
+    m->e0 = m->ep_rank * m->L;
+    if (E % m->P || (m->P > 1 && cfg->strategy != TM_MOE_GROUPED)) {
+        tm_status bad = E % m->P ? BAD("tm_moe_new: num_experts = %lld is not divisible by ep_size = %d (each ep rank "
+                                       "holds num_experts / ep_size experts)", (long long)E, m->P)
+                                 : BAD("tm_moe_new: expert parallelism (ep_size = %d) needs the grouped strategy, not "
+                                       "the dense oracle", m->P);
+        tm__host_free(ctx, m);
+        return bad;
+    }
     tm_status s = mk(m, "gate.weight", 1, m->gate_dtype, 2, H, E, 0, &m->gate);
     if (!s) s = mk(m, "experts.w0", 1, dtype, 3, E, H, F, &m->w0);
     if (!s) s = mk(m, "experts.w1", 1, dtype, 3, E, H, F, &m->w1);
@@ -217,9 +242,134 @@ static tm_status dense_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_ten
     return TM_OK;
 }
 
+/* ---- expert parallelism (../shared/reference/moe-semantics.md section 7) ------------------ */
+
+/* Host values of a small i64 tensor: its host mirror when it has one (the permute's counts),
+ * else one read (a synchronisation on a device). */
+static tm_status host_i64(tm_ctx *ctx, tm_tensor *t, const int64_t **out) {
+    const int64_t *v = tm__mirror_find(ctx, t);
+    if (!v) {
+        int64_t n = tm__numel(t), *h = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(n ? n : 1));
+        if (!h) return TM_ERR_NOMEM;
+        TM__TRY(tm_tensor_read(ctx, t, TM_I64, h, n));
+        v = h;
+    }
+    *out = v;
+    return TM_OK;
+}
+
+/* An i64 [n] tensor on dev from host values, mirrored (the grouped GEMMs read their group
+ * sizes from the mirror instead of the device). */
+static tm_status i64_tensor(tm_ctx *ctx, const int64_t *v, int64_t n, tm_device dev, int mirror, tm_tensor **out) {
+    TM__TRY(tm_tensor_from_host(ctx, TM_I64, 1, &n, dev, TM_I64, v, out));
+    return mirror ? tm__mirror_set(ctx, *out, v) : TM_OK;
+}
+
+/* The local experts on rows grouped expert-major by `counts` (L groups). */
+static tm_status local_experts(tm_moe *m, tm_tensor *rows, tm_tensor *counts, tm_tensor **out) {
+    tm_ctx *ctx = m->ctx;
+    tm_tensor *a, *b, *h;
+    TM__TRY(tm_grouped_matmul(ctx, rows, m->w0, counts, &a));
+    TM__TRY(tm_grouped_matmul(ctx, rows, m->w1, counts, &b));
+    TM__TRY(tm_swiglu(ctx, a, b, &h));
+    return tm_grouped_matmul(ctx, h, m->wo, counts, out);
+}
+
+/* All-to-all dispatch (TE's MoE block; Megatron's MoEAlltoAllTokenDispatcher):
+ *   permute (all E experts, expert-major) -> all-gather the [P, E] row counts over ep ->
+ *   ragged all-to-all of the rows to the ranks owning their experts (they arrive source-rank
+ *   major: from rank j, its rows of local expert 0, 1, ...) -> regroup expert-major (a row
+ *   gather) -> the L local experts -> the inverse regrouping -> the reverse all-to-all -> the
+ *   source's own unpermute with its own combine weights (permuted_probs never travel: the
+ *   expert outputs come back to the rows they left, so the weighted sum is the one-rank one).
+ * Every step is an op, so the backward mirrors it (the all-to-alls reverse, the gathers
+ * scatter-add). Counts include the permute's alignment padding rows, which travel as zero rows. */
+static tm_status ep_alltoall_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor *map, int64_t pad_to,
+                                     tm_tensor **y) {
+    tm_ctx *ctx = m->ctx;
+    int P = m->P, L = m->L, E = P * L;
+    tm_moe_dispatch d;
+    TM__TRY(tm_moe_permute(ctx, x, map, probs, m->cfg.align_size, pad_to, &d));
+    const int64_t *cnt;
+    TM__TRY(host_i64(ctx, d.tokens_per_expert, &cnt));
+    int64_t *all = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(P * E + 4 * P + L + 1));
+    if (!all) return TM_ERR_NOMEM;
+    int64_t *sendc = all + P * E, *recvc = sendc + P, *srcoff = recvc + P, *lcount = srcoff + P;
+    TM__TRY(tm_comm_allgather_host(ctx, TM_COMM_EP, cnt, all, sizeof(int64_t) * (size_t)E));
+    int64_t Rr = 0;
+    for (int j = 0; j < P; j++) {
+        sendc[j] = recvc[j] = 0;
+        for (int l = 0; l < L; l++) sendc[j] += cnt[j * L + l], recvc[j] += all[(int64_t)j * E + m->e0 + l];
+        srcoff[j] = Rr;
+        Rr += recvc[j];
+    }
+    /* expert-major order of the received rows: for local expert l, source j's rows */
+    int64_t *idx = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(2 * Rr + 1)), *inv = idx + Rr, k = 0;
+    if (!idx) return TM_ERR_NOMEM;
+    for (int l = 0; l < L; l++) {
+        lcount[l] = 0;
+        for (int j = 0; j < P; j++) {
+            int64_t start = srcoff[j];
+            for (int q = 0; q < l; q++) start += all[(int64_t)j * E + m->e0 + q];
+            for (int64_t r = 0; r < all[(int64_t)j * E + m->e0 + l]; r++) {
+                inv[start + r] = k;
+                idx[k++] = start + r;
+            }
+            lcount[l] += all[(int64_t)j * E + m->e0 + l];
+        }
+    }
+    tm_tensor *sc, *rc, *ti, *tinv, *tl, *recv, *xe, *eo, *back, *ret;
+    TM__TRY(i64_tensor(ctx, sendc, P, tm_cpu(), 0, &sc));
+    TM__TRY(i64_tensor(ctx, recvc, P, tm_cpu(), 0, &rc));
+    TM__TRY(i64_tensor(ctx, idx, Rr, m->dev, 0, &ti));
+    TM__TRY(i64_tensor(ctx, inv, Rr, m->dev, 0, &tinv));
+    TM__TRY(i64_tensor(ctx, lcount, L, m->dev, 1, &tl));
+    TM__TRY(tm_comm_alltoall(ctx, d.permuted, sc, rc, TM_COMM_EP, &recv)); // (Rr, H) source-major
+    TM__TRY(tm__embedding_checked(ctx, recv, ti, &xe));                     // (Rr, H) expert-major
+    TM__TRY(local_experts(m, xe, tl, &eo));
+    TM__TRY(tm__embedding_checked(ctx, eo, tinv, &back));                   // (Rr, H) source-major
+    TM__TRY(tm_comm_alltoall(ctx, back, rc, sc, TM_COMM_EP, &ret));         // (R, H) as permuted
+    return tm_moe_unpermute(ctx, ret, d.permuted_probs, d.row_token, x->shape[0], y);
+}
+
+/* All-gather dispatch (MaxText's "ring of experts"): the ep group's tokens and router outputs
+ * are all-gathered, each rank runs its L experts on all of them (its columns of probs and the
+ * map), and the partial outputs are reduce-scattered back to the ranks the tokens came from. */
+static tm_status ep_allgather_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor *map, int64_t pad_to,
+                                      tm_tensor **y) {
+    tm_ctx *ctx = m->ctx;
+    int P = m->P;
+    tm_tensor *xg, *pg, *mg, *pl, *ml, *eo, *yl;
+    TM__TRY(tm_comm_allgather(ctx, x, TM_COMM_EP, &xg));      // (Tep, H)
+    TM__TRY(tm_comm_allgather(ctx, probs, TM_COMM_EP, &pg));  // (Tep, E)
+    TM__TRY(tm_comm_allgather(ctx, map, TM_COMM_EP, &mg));    // (Tep, E) u8
+    TM__TRY(tm_slice(ctx, pg, 1, m->e0, m->e0 + m->L, &pl));  // (Tep, L)
+    TM__TRY(tm_slice(ctx, mg, 1, m->e0, m->e0 + m->L, &ml));
+    TM__TRY(tm_contiguous(ctx, ml, &ml));
+    tm_moe_dispatch d;
+    TM__TRY(tm_moe_permute(ctx, xg, ml, pl, m->cfg.align_size, pad_to, &d));
+    TM__TRY(local_experts(m, d.permuted, d.tokens_per_expert, &eo));
+    int64_t Tep = xg->shape[0], T = x->shape[0];
+    TM__TRY(tm_moe_unpermute(ctx, eo, d.permuted_probs, d.row_token, Tep, &yl)); // (Tep, H) partial
+    if (Tep == T * P) return tm_comm_reduce_scatter(ctx, yl, TM_COMM_EP, y);
+    /* ranks with different token counts: sum everything, keep this rank's rows */
+    int64_t *rows = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)P), off = 0;
+    if (!rows) return TM_ERR_NOMEM;
+    TM__TRY(tm_comm_allgather_host(ctx, TM_COMM_EP, &T, rows, sizeof T));
+    for (int j = 0; j < m->ep_rank; j++) off += rows[j];
+    tm_tensor *sum;
+    TM__TRY(tm_comm_allreduce(ctx, yl, TM_COMM_EP, &sum));
+    return tm_slice(ctx, sum, 0, off, off + T, y);
+}
+
 static tm_status grouped_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor *map, int64_t capacity,
                                  tm_tensor **y) {
     tm_ctx *ctx = m->ctx;
+    if (m->P > 1) {
+        int64_t pad_to = m->cfg.pad_to_capacity ? capacity : 0;
+        return m->ep_strategy == TM_EP_ALLGATHER ? ep_allgather_experts(m, x, probs, map, pad_to, y)
+                                                 : ep_alltoall_experts(m, x, probs, map, pad_to, y);
+    }
     tm_moe_dispatch d;
     int64_t pad_to = m->cfg.pad_to_capacity ? capacity : 0;
     TM__TRY(tm_moe_permute(ctx, x, map, probs, m->cfg.align_size, pad_to, &d));

@@ -49,12 +49,8 @@ tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) 
                            bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU", k, tm_dtype_name(bi.dtype),
                            tm__bucket_first_param(ctx, k));
     }
-    /* Under a communicator each rank measures what it holds (tm_ctx_grad_shard: its ZeRO-1 range,
-     * or the whole bucket), and a bucket replicated over its group is counted by one replica
-     * (group rank 0); the per-bucket partial sums are then added over the world and summed in
-     * bucket order, the same order on every rank. Stack arrays for the usual handful of
-     * buckets: a training step allocates nothing on the host (tm_ctx_alloc_count stays flat). */
-    int world = tm_comm_size(ctx, TM_COMM_WORLD) > 1;
+    /* Stack arrays for the usual handful of buckets: a training step allocates nothing on
+     * the host (tm_ctx_alloc_count stays flat). */
     enum { NB_STACK = 32 };
     double part_s[NB_STACK], *part = part_s;
     tm_tensor *xs_s[NB_STACK], **xs = xs_s;
@@ -69,21 +65,25 @@ tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) 
         if (!part || !xs || !idx || !vals) s = tm__err(ctx, TM_ERR_NOMEM, "tm_ctx_clip_grad_norm: out of host memory");
     }
     for (int k = 0; s == TM_OK && k < nb; k++) part[k] = 0.0;
-    /* CPU buckets, then CUDA buckets (a context has at most one CUDA device): one read per device */
+    /* Under a communicator each rank measures what it holds (tm_ctx_grad_shard: its ZeRO-1
+     * block, or the whole bucket), a bucket replicated over its group counted by one replica
+     * (group rank 0); the per-bucket partial sums are then added over the world, and summed in
+     * bucket order, the same on every rank. */
+    int world = tm_comm_size(ctx, TM_COMM_WORLD) > 1;
+    /* CPU buckets, then CUDA buckets (a context has at most one CUDA device) */
     for (int pass = 0; s == TM_OK && pass < 2; pass++) {
         int m = 0;
         for (int k = 0; s == TM_OK && k < nb; k++) {
             tm_bucket_info bi;
-            s = tm_ctx_bucket_info(ctx, k, &bi);
-            if (s != TM_OK || (bi.device.type == TM_DEVICE_CUDA) != pass) continue;
-            tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS), *sl = g;
             int64_t lo = 0, hi = 0;
-            s = tm_ctx_grad_shard(ctx, k, &lo, &hi);
-            if (s != TM_OK || hi <= lo) continue;
+            s = tm_ctx_bucket_info(ctx, k, &bi);
+            if (s == TM_OK) s = tm_ctx_grad_shard(ctx, k, &lo, &hi);
+            tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS);
+            if (s != TM_OK || (bi.device.type == TM_DEVICE_CUDA) != pass || hi <= lo) continue;
             int owner = tm__zero_enabled(ctx) || tm_comm_rank(ctx, (tm_comm_group)tm__bucket_comm_group(ctx, k)) == 0;
             if (!owner) continue;
-            if (hi - lo != tm_tensor_numel(g)) s = tm_slice(ctx, g, 0, lo, hi, &sl);
-            if (s == TM_OK) s = tm_grad_sumsq(ctx, sl, &xs[m]);
+            if (hi - lo != tm_tensor_numel(g)) s = tm_slice(ctx, g, 0, lo, hi, &g);
+            if (s == TM_OK) s = tm_grad_sumsq(ctx, g, &xs[m]);
             idx[m++] = k;
         }
         if (s == TM_OK && m > 0) s = read_partials(ctx, xs, m, vals);
@@ -101,12 +101,12 @@ tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) 
     if (max_norm > 0.0 && norm > max_norm) {
         double scale = max_norm / (norm + 1e-6);
         for (int k = 0; k < nb; k++) {
-            tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS), *sl = g;
+            tm_tensor *g = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS);
             int64_t lo = 0, hi = 0;
             TM__TRY(tm_ctx_grad_shard(ctx, k, &lo, &hi));
             if (hi <= lo) continue;
-            if (hi - lo != tm_tensor_numel(g)) TM__TRY(tm_slice(ctx, g, 0, lo, hi, &sl));
-            TM__TRY(tm_grad_scale(ctx, sl, scale));
+            if (hi - lo != tm_tensor_numel(g)) TM__TRY(tm_slice(ctx, g, 0, lo, hi, &g));
+            TM__TRY(tm_grad_scale(ctx, g, scale));
         }
     }
     if (norm_out) *norm_out = norm;

@@ -75,7 +75,11 @@ tm_status tm__optimizer_create(tm_ctx *ctx, const char *fn, int n_state, const c
     for (int i = 0; i < n; i++) {
         tm_tensor *p = tm_ctx_param(ctx, i);
         for (int j = 0; j < n_state; j++) TM__TRY(state_name(ctx, fn, name, sizeof name, tm_tensor_name(p), suffix[j]));
-        if (tm_tensor_dtype(p) == TM_BF16 && !tm__param_master(p))
+        tm_param_info pinfo;
+        tm_bucket_info binfo;
+        TM__TRY(tm_param_get_info(p, &pinfo));
+        TM__TRY(tm_ctx_bucket_info(ctx, pinfo.bucket, &binfo));
+        if (tm_tensor_dtype(p) == TM_BF16 && !binfo.has_master)
             TM__TRY(state_name(ctx, fn, name, sizeof name, tm_tensor_name(p), ".master"));
     }
     TM__TRY(state_name(ctx, fn, name, sizeof name, counter, ""));
@@ -103,8 +107,10 @@ tm_status tm__optimizer_create(tm_ctx *ctx, const char *fn, int n_state, const c
         s = tm_ctx_bucket_info(ctx, k, &bi);
         b[k].bucket = k;
         b[k].numel = bi.numel;
+        if (s == TM_OK) s = tm_ctx_grad_shard(ctx, k, &b[k].lo, &b[k].hi);
         if (s == TM_OK && bi.dtype == TM_BF16) s = tm__bucket_master_ensure(ctx, k);
-        for (int j = 0; s == TM_OK && j < n_state; j++) s = tm__state_alloc(ctx, fn, k, &b[k].state[j]);
+        for (int j = 0; s == TM_OK && j < n_state; j++)
+            s = tm__state_alloc_n(ctx, fn, k, b[k].hi - b[k].lo, &b[k].state[j]);
         if (s == TM_OK) s = make_runs(ctx, fn, &b[k]);
     }
     /* per-parameter names, in parameter order */
@@ -115,13 +121,28 @@ tm_status tm__optimizer_create(tm_ctx *ctx, const char *fn, int n_state, const c
         int64_t shape[TM_MAX_DIMS];
         int nd = tm_tensor_ndim(p);
         for (int d = 0; d < nd; d++) shape[d] = tm_tensor_dim(p, d);
+        const tm__opt_bucket *ob = &b[pi.bucket];
+        int zero = tm__zero_enabled(ctx), g = tm__bucket_comm_group(ctx, pi.bucket);
+        int64_t blk = zero ? tm__zero_block(ctx, pi.bucket) : 0;
         for (int j = 0; s == TM_OK && j < n_state; j++) {
             snprintf(name, sizeof name, "%s%s", tm_tensor_name(p), suffix[j]);
-            s = tm__named_alias(ctx, fn, name, b[pi.bucket].state[j], nd, shape, pi.bucket_offset, &v);
+            /* Under ZeRO-1 the name covers state spread over the group's blocks. */
+            s = tm__named_alias(ctx, fn, name, ob->state[j], nd, shape, zero ? 0 : pi.bucket_offset, &v);
+            if (s == TM_OK) tm__named_set_like(v, p);
+            if (s == TM_OK && zero) s = tm__named_set_zero(ctx, v, g, pi.bucket_offset, blk, ob->lo, ob->hi);
         }
-        tm_tensor *master = tm__param_master(p);
-        if (s == TM_OK && master && !tm_ctx_find(ctx, (snprintf(name, sizeof name, "%s.master", tm_tensor_name(p)), name)))
-            s = tm__named_alias(ctx, fn, name, master, nd, shape, 0, &v);
+        tm_tensor *master = tm__param_master(p), *M = tm_ctx_bucket_tensor(ctx, pi.bucket, TM_BUCKET_MASTER);
+        if (s == TM_OK && M && !tm_ctx_find(ctx, (snprintf(name, sizeof name, "%s.master", tm_tensor_name(p)), name))) {
+            /* Under ZeRO-1 the bucket's master holds this rank's block only (param.c): the name
+             * is gathered from the blocks' owners like the state. */
+            if (zero) {
+                s = tm__named_alias(ctx, fn, name, M, nd, shape, 0, &v);
+                if (s == TM_OK) s = tm__named_set_zero(ctx, v, g, pi.bucket_offset, blk, ob->lo, ob->hi);
+            } else {
+                s = tm__named_alias(ctx, fn, name, master, nd, shape, 0, &v);
+            }
+            if (s == TM_OK) tm__named_set_like(v, p);
+        }
     }
     if (s != TM_OK) {
         tm_optimizer_free(opt);
@@ -162,17 +183,23 @@ tm_status tm_optimizer_step(tm_optimizer *opt, double lr) {
         tm_tensor *M = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_MASTER);
         for (int r = 0; r < ob->n_runs; r++) {
             const tm__opt_run *run = &ob->runs[r];
+            /* the part of the run in this rank's range (all of it without ZeRO-1) */
+            int64_t a = run->lo > ob->lo ? run->lo : ob->lo, e = run->hi < ob->hi ? run->hi : ob->hi;
+            if (a >= e) continue;
             tm_tensor *p, *g, *m = NULL, *st[TM__OPT_MAX_STATE] = {NULL, NULL};
-            TM__TRY(range(ctx, P, run->lo, run->hi, &p));
-            TM__TRY(range(ctx, G, run->lo, run->hi, &g));
-            if (M) TM__TRY(range(ctx, M, run->lo, run->hi, &m));
-            for (int j = 0; j < opt->n_state; j++) TM__TRY(range(ctx, ob->state[j], run->lo, run->hi, &st[j]));
+            TM__TRY(range(ctx, P, a, e, &p));
+            TM__TRY(range(ctx, G, a, e, &g));
+            /* (the master, like the state, holds [lo, hi) only under ZeRO-1) */
+            if (M) TM__TRY(range(ctx, M, a - ob->lo, e - ob->lo, &m));
+            for (int j = 0; j < opt->n_state; j++) TM__TRY(range(ctx, ob->state[j], a - ob->lo, e - ob->lo, &st[j]));
             switch (opt->kind) {
             case TM__OPT_ADAMW: TM__TRY(tm__adamw_run(opt, p, g, st, m, run->decay, lr, t)); break;
             case TM__OPT_SGD: TM__TRY(tm__sgd_run(opt, p, g, st, m, run->decay, lr, t)); break;
             }
         }
     }
+    /* ZeRO-1: every rank updated its blocks; every rank needs every parameter. */
+    TM__TRY(tm__zero_gather_params(ctx));
     return tm_tensor_write(ctx, opt->counter, TM_I64, &t, 1);
 }
 

@@ -7,6 +7,10 @@
  * moment, the bucket's layout, tm__state_alloc), named per parameter ("<param>.adamw_m", ...)
  * so checkpoints keep per-parameter tensors, the f32 master weights of bf16 buckets, and the
  * runs of the bucket that share a weight-decay setting. A step is one update op per run.
+ * Under ZeRO-1 (tm_comm_options.zero) a rank keeps the state of its block [lo, hi) of each
+ * bucket only, updates the runs' parts inside it, and all-gathers the parameters afterwards;
+ * the per-parameter names are then views of state split over the ranks (framework/shard.c),
+ * gathered by checkpoints.
  */
 #ifndef TM_OPTIM_OPTIMIZER_H
 #define TM_OPTIM_OPTIMIZER_H
@@ -26,7 +30,9 @@ typedef struct tm__opt_run {
 typedef struct tm__opt_bucket {
     int bucket;                          /* tm_ctx_bucket_info index */
     int64_t numel;                       /* elements covered (the bucket's size when made) */
-    tm_tensor *state[TM__OPT_MAX_STATE]; /* flat f32 [numel] */
+    int64_t lo, hi;                      /* the range this rank updates: [0, numel), or its ZeRO-1
+                                          * block (tm_ctx_grad_shard) */
+    tm_tensor *state[TM__OPT_MAX_STATE]; /* flat f32 [hi - lo]: element i is bucket element lo + i */
     int n_runs;
     tm__opt_run *runs;
 } tm__opt_bucket;

@@ -248,6 +248,14 @@ int tmd_ckpt_merge_config(const tmd_config *cli, const tmd_config *ck, const cha
     tmd_config m = *ck;
     char a[4 * TMD_PATH_MAX], b[4 * TMD_PATH_MAX], e2[1024];
     for (int i = 0; i < tmd_config_num_keys(); i++) {
+        if (tmd_config_key_layout(i)) {
+            /* How this run is launched, whatever launched the one that saved. */
+            tmd_config_format_exact(cli, i, a, sizeof a);
+            if (tmd_config_set(&m, tmd_config_key_name(i), a, (tmd_source)cli->source[i], "the command line", e2,
+                               sizeof e2))
+                return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "%s", e2);
+            continue;
+        }
         if (cli->source[i] == TMD_SRC_DEFAULT) continue;
         tmd_config_format_exact(cli, i, a, sizeof a);
         tmd_config_format_exact(ck, i, b, sizeof b);

@@ -798,6 +798,8 @@ int tmd_config_parse_line(char *line, char **key, char **value, const char **why
 
 int tmd_config_key_index(const char *name) { return find_key(name); }
 
+int tmd_config_key_layout(int i) { return i >= 0 && i < NKEYS && KEYS[i].group == G_DIST; }
+
 int tmd_config_key_resumable(int i, int for_eval) {
     if (i < 0 || i >= NKEYS) return 0;
     if (for_eval && (KEYS[i].group == G_DATA || !strcmp(KEYS[i].name, "batch_size"))) return 1;

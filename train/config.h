@@ -118,6 +118,9 @@ int tmd_config_key_index(const char *name);
  * out, logging, evaluation, sampling; threads; device; steps); for_eval: evaluating it (the
  * same plus the data keys and batch_size). */
 int tmd_config_key_resumable(int i, int for_eval);
+/* 1 when key i describes the parallel layout (ep_size, zero, ...): a resumed run takes it from
+ * its own command line, never from the checkpoint (checkpoints hold logical tensors). */
+int tmd_config_key_layout(int i);
 /* Parse one `key = value` config line in place (the config file syntax: quotes, escapes, '#'
  * comments). Returns 1 for an entry, 0 for a blank or comment line, -1 with *why set. */
 int tmd_config_parse_line(char *line, char **key, char **value, const char **why);

@@ -7,7 +7,10 @@
  *   tinymoe_dist_helper collectives   forward values and gradient checks of comm_allreduce,
  *                                     comm_allgather (equal and ragged), comm_reduce_scatter,
  *                                     comm_alltoall, over the world, ep and expert_dp groups
- *                                     (ep_size 2 when N is even)
+ *                                     (ep_size 2 when N is even); ZeRO-1's optimizer memory per
+ *                                     rank (f32 state, bf16 master weights)
+ *   tinymoe_dist_helper hang | die    rank 1 stops answering / exits while rank 0 waits in an
+ *                                     all-reduce (2 s timeout); rank 0 reports and aborts the job
  *
  * Gradient check: every rank r has an f64 input x_r and a fixed random upstream gradient g_r;
  * the scalar L = sum_r <g_r, f(x)_r> depends on every rank's input. Analytic: tm_backward_with_grad
@@ -19,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "tinymoe.h"
 
@@ -247,6 +251,58 @@ static void check_counts(tm_ctx *ctx) {
     tm_ctx_arena_reset(ctx);
 }
 
+/* ZeRO-1: each rank keeps the AdamW moments (and, for bf16, the f32 master weights) of its
+ * block of every bucket only; the blocks tile the bucket. */
+static void check_zero_memory(tm_ctx *unused, int world) {
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+        tm_ctx *ctx = NULL;
+        tm_ctx_options o = tm_ctx_options_default();
+        o.num_threads = 1;
+        OK(ctx, tm_ctx_new(&ctx, &o));
+        tm_comm_options co = tm_comm_options_default();
+        co.zero = 1;
+        co.ep_size = world % 2 == 0 ? 2 : 1;
+        co.timeout_s = 30;
+        OK(ctx, tm_comm_init(ctx, &co));
+        tm_model_config mc = tm_model_config_default();
+        mc.vocab_size = 32, mc.d_model = 16, mc.n_layers = 1, mc.n_heads = 2, mc.n_kv_heads = 1, mc.max_seq_len = 8;
+        mc.moe.ffn_size = 16;
+        tm_model *m;
+        OK(ctx, tm_model_new(ctx, &mc, bf16 ? TM_BF16 : TM_F32, tm_cpu(), &m));
+        tm_memory_report before, after;
+        OK(ctx, tm_ctx_memory_report(ctx, tm_cpu(), &before));
+        tm_optimizer *opt;
+        OK(ctx, tm_adamw_new(ctx, NULL, &opt));
+        OK(ctx, tm_ctx_memory_report(ctx, tm_cpu(), &after));
+        int64_t want = 0, total[2] = {0, 0};
+        for (int k = 0; k < tm_ctx_num_buckets(ctx); k++) {
+            int64_t lo, hi;
+            tm_bucket_info bi;
+            OK(ctx, tm_ctx_grad_shard(ctx, k, &lo, &hi));
+            OK(ctx, tm_ctx_bucket_info(ctx, k, &bi));
+            int64_t per = (hi - lo ? hi - lo : 1) * 4; /* one f32 buffer of the block (>= 1 element) */
+            want += 2 * per + (bi.dtype == TM_BF16 ? (hi - lo) * 4 : 0);
+            /* the blocks of a bucket's group tile it: sum over the group = the bucket */
+            int64_t mine[2] = {hi - lo, bi.numel};
+            OK(ctx, tm_comm_allreduce_host(ctx, bi.group == TM_PARAM_EXPERT ? TM_COMM_EXPERT_DP : TM_COMM_DP, TM_I64,
+                                           mine, 2));
+            int G = tm_comm_size(ctx, bi.group == TM_PARAM_EXPERT ? TM_COMM_EXPERT_DP : TM_COMM_DP);
+            CHECK(mine[0] == mine[1] / G, "zero: bucket %d blocks cover %lld of %lld elements", k, (long long)mine[0],
+                  (long long)(mine[1] / G));
+            total[0] += hi - lo, total[1] += bi.numel;
+        }
+        int64_t got = (int64_t)(after.current[TM_MEM_OPTIMIZER] - before.current[TM_MEM_OPTIMIZER]);
+        /* + the i64 step counter, a host buffer of the optimizer category, on the CPU */
+        CHECK(got >= want && got <= want + 64, "zero (%s): optimizer memory %lld bytes, expected %lld", bf16 ? "bf16" : "f32",
+              (long long)got, (long long)want);
+        CHECK(world == 1 || total[0] < total[1], "zero: this rank holds %lld of %lld elements", (long long)total[0],
+              (long long)total[1]);
+        tm_optimizer_free(opt);
+        tm_model_free(m);
+        tm_ctx_free(ctx);
+    }
+}
+
 int main(int argc, char **argv) {
     int world = 1;
     if (tm_mpi_init(&argc, &argv, &world)) return 2;
@@ -275,6 +331,25 @@ int main(int argc, char **argv) {
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) check_case(ctx, &cases[k]);
         check_partial_requires_grad(ctx);
         check_counts(ctx);
+        check_zero_memory(ctx, world);
+    } else if (!strcmp(what, "hang") || !strcmp(what, "die")) {
+        /* Failure modes: rank 1 stops answering (sleeps past the timeout) or dies (exits without
+         * MPI_Finalize) while rank 0 waits in an all-reduce; rank 0 must not hang. */
+        tm_ctx *c2 = NULL;
+        OK(c2, tm_ctx_new(&c2, &o));
+        tm_comm_options t = tm_comm_options_default();
+        t.timeout_s = 2;
+        OK(c2, tm_comm_init(c2, &t));
+        if (g_rank == 1) {
+            if (!strcmp(what, "die")) _exit(7);
+            sleep(30);
+        }
+        double v = 1;
+        tm_status s = tm_comm_allreduce_host(c2, TM_COMM_WORLD, TM_F64, &v, 1);
+        fprintf(stderr, "rank %d: %s: %s\n", g_rank, tm_status_str(s), tm_ctx_errmsg(c2));
+        fflush(stderr);
+        tm_mpi_abort(3); /* what the driver does after TM_ERR_COMM */
+        return 3;
     } else {
         fprintf(stderr, "unknown check '%s'\n", what);
         g_fail++;
