@@ -602,9 +602,8 @@ static tm_status match_records(tm_ctx *ctx, ck_image *im, unsigned flags, unsign
         char name[CK_NAME_MAX + 1];
         memcpy(name, r->name, r->name_len);
         name[r->name_len] = '\0';
-        int k = 0;
-        while (k < ctx->n_named && strcmp(ctx->named[k]->name, name) != 0) k++;
-        if (k == ctx->n_named || strlen(name) != r->name_len) {
+        int k = strlen(name) == r->name_len ? tm__names_find(ctx, name) : -1;
+        if (k < 0) {
             if ((flags & TM_CKPT_SKIP_UNKNOWN) && strlen(name) == r->name_len) continue;
             return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' holds tensor '%s', unknown in this context",
                            fn, path, name);
