@@ -43,6 +43,9 @@ void tmd_stop_catch(tmd_stop_saved *old) {
 }
 
 void tmd_stop_restore(const tmd_stop_saved *old) {
+    /* The run has reported its stop by now; a later run (or eval) in this process starts clean. */
+    g_first = 0;
+    g_count = 0;
     sigaction(SIGINT, &old->intr, NULL);
     sigaction(SIGTERM, &old->term, NULL);
     sigaction(SIGPIPE, &old->pipe, NULL);

@@ -24,7 +24,8 @@ typedef struct tmd_stop_saved {
     struct sigaction intr, term, pipe, xfsz;
 } tmd_stop_saved;
 
-/* Install the handlers above (clearing any earlier request); restore what was there. */
+/* Install the handlers above (clearing any earlier request); restore what was there (and
+ * clear the request). */
 void tmd_stop_catch(tmd_stop_saved *old);
 void tmd_stop_restore(const tmd_stop_saved *old);
 

@@ -457,9 +457,12 @@ static int stop_run(tmd_run *r, tmd_train_result *res, int64_t done, const char 
     if ((rc = tmd_rundir_save_checkpoint(r, done, err, errlen))) return rc;
     tmd_rundir_prune(r);
     if ((rc = write_plots(r, err, errlen))) return rc;
+    res->steps = done;
+    res->stopped_by_signal = sig;
     /* Where the reader went away with the terminal (| tee ended by the same Ctrl-C), stderr
-     * may still be there. */
-    FILE *f = r->log ? r->log : stderr;
+     * may still be there; a caller that gave no log wants silence. */
+    FILE *f = r->log ? r->log : r->log_errno ? stderr : NULL;
+    if (!f) return 128 + sig;
     if (r->log && r->tty) tmd_progress_clear(r->log);
     char ck[TMD_PATH_MAX + 32];
     tmd_ckpt_path(c->out, done, ck, sizeof ck);
@@ -476,8 +479,6 @@ static int stop_run(tmd_run *r, tmd_train_result *res, int64_t done, const char 
                 tmd_stop_count());
     if (r->log) tmd_run_log_flush(r);
     else fflush(stderr);
-    res->steps = done;
-    res->stopped_by_signal = sig;
     return 128 + sig;
 }
 
@@ -588,9 +589,12 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
     if (r->log && c->sample_prompt[0] && c->sample_tokens > 0 && (rc = sample(r, err, errlen))) return rc;
     /* The checkpoint is written; a stop request during the sample only cut the sample short. */
     if (tmd_stop_signal()) {
-        FILE *f = r->log ? r->log : stderr;
-        fprintf(f, "%s: sample stopped; the run had finished (checkpoint written)\n", tmd_stop_name(tmd_stop_signal()));
-        fflush(f);
+        FILE *f = r->log ? r->log : r->log_errno ? stderr : NULL;
+        if (f) {
+            fprintf(f, "%s: sample stopped; the run had finished (checkpoint written)\n",
+                    tmd_stop_name(tmd_stop_signal()));
+            fflush(f);
+        }
         res->stopped_by_signal = tmd_stop_signal();
         return 128 + tmd_stop_signal();
     }
@@ -618,6 +622,9 @@ int tmd_run_resume_config(tmd_run *r, const tmd_config *cli, tmd_config *out, in
     } else {
         snprintf(out->resume, sizeof out->resume, "%s", cli->resume);
         out->init_from[0] = 0;
+        /* The checkpoint's warmup is part of its trajectory, even where it equals the default:
+         * a resume with fewer steps than it must not clamp it silently (resolve would). */
+        out->source[tmd_config_key_index("warmup_steps")] = TMD_SRC_CKPT;
     }
     return 0;
 }
