@@ -955,14 +955,18 @@ void tmd_config_help(FILE *f) {
     fprintf(f,
             "keys (--key value, --key=value, or 'key = value' in a --config file; flags win):\n"
             "  %-19s %-10s %s\n",
-            "name", "default", "meaning (type or values)");
+            "name", "default", "meaning (type and valid range, or values)");
     for (int g = 0; g < G_COUNT; g++) {
         fprintf(f, "\n%s\n", GROUP_TITLE[g]);
         for (int i = 0; i < NKEYS; i++) {
             const key *k = &KEYS[i];
             if (k->group != (key_group)g) continue;
-            fprintf(f, "  %-19s %-10s %s (%s)\n", k->name, *k->def ? k->def : "''", k->help,
-                    k->type == T_ENUM ? k->values : type_name(k));
+            char what[96];
+            if (k->type == T_INT || k->type == T_I64 || k->type == T_FLOAT)
+                snprintf(what, sizeof what, "%s in [%.15g, %.15g]", type_name(k), k->lo, k->hi);
+            else
+                snprintf(what, sizeof what, "%s", k->type == T_ENUM ? k->values : type_name(k));
+            fprintf(f, "  %-19s %-10s %s (%s)\n", k->name, *k->def ? k->def : "''", k->help, what);
         }
     }
     fprintf(f, "\npresets (--preset NAME, applied before the config file and the flags):\n");
