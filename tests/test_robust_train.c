@@ -176,7 +176,6 @@ Test(robust, a_save_refuses_nonfinite_weights) {
     tmd_run *r = calloc(1, sizeof *r);
     r->saved_step = -1;
     r->prune_pending = -1;
-    r->lock = (tmd_lock)TMD_LOCK_NONE;
     char err[2048] = "";
     cr_assert_eq(tmd_run_setup(r, &c, NULL, 0, err, sizeof err), 0, "%s", err);
     cr_assert_eq(tmd_rundir_open_outputs(r, 0, err, sizeof err), 0, "%s", err);

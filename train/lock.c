@@ -24,7 +24,7 @@ static long holder_pid(int fd) {
 }
 
 int tmd_lock_dir(tmd_lock *l, const char *dir, char *err, size_t errlen) {
-    if (l->fd >= 0) return 0;
+    if (l->held) return 0;
     char path[4096];
     if ((size_t)snprintf(path, sizeof path, "%s/%s", dir, TMD_LOCK_FILE) >= sizeof path)
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "out = '%s': path too long", dir);
@@ -54,11 +54,12 @@ int tmd_lock_dir(tmd_lock *l, const char *dir, char *err, size_t errlen) {
     if (ftruncate(fd, 0) == 0 && pwrite(fd, buf, (size_t)n, 0) == n) {
     }
     l->fd = fd;
+    l->held = 1;
     return 0;
 }
 
 void tmd_unlock(tmd_lock *l) {
-    if (l->fd < 0) return;
+    if (!l->held) return;
     close(l->fd); /* closing the last descriptor releases the flock */
-    l->fd = -1;
+    l->held = 0;
 }

@@ -16,11 +16,11 @@
 
 #define TMD_LOCK_FILE "tinymoe.lock"
 
+/* Zero-initialised (a calloc'ed run): not held. */
 typedef struct tmd_lock {
-    int fd; /* -1: not held */
+    int held;
+    int fd;
 } tmd_lock;
-
-#define TMD_LOCK_NONE {-1}
 
 /* Take the lock of directory `dir` (which must exist). 0; TMD_CONFIG_ERROR when another
  * process holds it ("out = '<dir>' is in use by another tinymoe run (pid N) ..."), or

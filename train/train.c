@@ -678,7 +678,6 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
     if (!r) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
     r->saved_step = -1;
     r->prune_pending = -1;
-    r->lock = (tmd_lock)TMD_LOCK_NONE;
     tmd_config c = *cfg;
     int rc = 0;
     if (cfg->resume[0] && cfg->init_from[0])
