@@ -662,9 +662,8 @@ static tm_status match_records(tm_ctx *ctx, ck_image *im, unsigned flags, unsign
         char name[CK_NAME_MAX + 1];
         memcpy(name, r->name, r->name_len);
         name[r->name_len] = '\0';
-        int k = 0;
-        while (k < tm_ctx_num_named(ctx) && strcmp(tm_tensor_name(tm_ctx_named(ctx, k)), name) != 0) k++;
-        if (k == tm_ctx_num_named(ctx) || strlen(name) != r->name_len) {
+        int k = strlen(name) == r->name_len ? tm__names_find(ctx, name) : -1;
+        if (k < 0) {
             if ((flags & TM_CKPT_SKIP_UNKNOWN) && strlen(name) == r->name_len) continue;
             return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' holds tensor '%s', unknown in this context",
                            fn, path, name);

@@ -152,6 +152,7 @@ void tm_ctx_free(tm_ctx *ctx) {
         tm__host_free(ctx, t);
     }
     tm__host_free(ctx, ctx->named);
+    tm__names_free(ctx);
     tm__host_free(ctx, ctx->owned);
     tm__host_free(ctx, ctx->scope_log);
     for (int b = 0; b < TM__NBACKENDS; b++)

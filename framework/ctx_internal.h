@@ -102,7 +102,10 @@ struct tm_ctx {
     int n_buckets, cap_buckets;
     tm_tensor **named; /* params and buffers, creation order */
     int n_named, cap_named;
-    int n_params;
+    tm_tensor **params; /* the parameters among them, creation order (names.c) */
+    int n_params, cap_params;
+    int *name_slots; /* hash index of named: position + 1, 0 empty (names.c) */
+    int name_cap;
     tm__storage **owned; /* storages of buffers, freed with the context */
     int n_owned, cap_owned;
 
@@ -145,6 +148,13 @@ tm_status tm__dev_memset0(tm_ctx *ctx, tm_device dev, void *p, size_t nbytes);
 /* Place a new parameter t (header filled, storage not yet) in the bucket of its (device,
  * dtype, group); allocates its gradient header (framework/param.c). */
 tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_param_options *opts);
+/* The index of named tensors (names.c): the position in ctx->named of `name`, or -1;
+ * room for one more named tensor (call before making it: adding cannot fail); register t
+ * (its name is new); free the index (tm_ctx_free). */
+int tm__names_find(const tm_ctx *ctx, const char *name);
+tm_status tm__names_reserve(tm_ctx *ctx, const char *fn);
+void tm__names_add(tm_ctx *ctx, tm_tensor *t);
+void tm__names_free(tm_ctx *ctx);
 /* Free every bucket's memory (tm_ctx_free). */
 void tm__buckets_free(tm_ctx *ctx);
 /* Run the forward (backward=0) or backward kernel of a call on its backend (dispatch.c),

@@ -53,6 +53,8 @@ tm_status tm__state_alloc_n(tm_ctx *ctx, const char *fn, int bucket, int64_t num
  * tm_buffer_new (name rules, NOMEM). */
 tm_status tm__named_alias(tm_ctx *ctx, const char *fn, const char *name, const tm_tensor *base, int ndim,
                           const int64_t *shape, int64_t offset, tm_tensor **out);
+/* The position of named tensor `name` in tm_ctx_named's order (a hash lookup), or -1. */
+int tm__names_find(const tm_ctx *ctx, const char *name);
 /* The name of the first parameter of bucket `bucket` (for messages); "?" if none. */
 const char *tm__bucket_first_param(const tm_ctx *ctx, int bucket);
 /* 1 when op `name` (as in framework/ops.def) has a forward kernel for tensors on dev in this

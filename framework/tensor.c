@@ -188,15 +188,7 @@ static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dty
     if (is_param && !tm__is_float(dt))
         return tm__err(ctx, TM_ERR_DTYPE, "%s: parameter \"%s\" must be a float dtype, got %s", fn, name, tm_dtype_name(dt));
 
-    if (ctx->n_named == ctx->cap_named) {
-        int cap = ctx->cap_named ? 2 * ctx->cap_named : 64;
-        tm_tensor **nn = tm__host_alloc(ctx, sizeof *nn * cap);
-        if (!nn) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
-        if (ctx->n_named) memcpy(nn, ctx->named, sizeof *nn * ctx->n_named);
-        tm__host_free(ctx, ctx->named);
-        ctx->named = nn;
-        ctx->cap_named = cap;
-    }
+    TM__TRY(tm__names_reserve(ctx, fn));
     tm_tensor *t = tm__host_alloc(ctx, sizeof *t);
     char *nm = tm__host_alloc(ctx, len + 1);
     if (!t || !nm) {
@@ -227,7 +219,6 @@ static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dty
             tm__host_free(ctx, nm);
             return s;
         }
-        ctx->n_params++;
     } else if (alias) {
         t->storage = alias->storage;
         t->offset = alias->offset + alias_offset;
@@ -261,7 +252,7 @@ static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dty
         t->storage = st;
         tm__mem_account(ctx, dev, buffer_category(name), (ptrdiff_t)padded);
     }
-    ctx->named[ctx->n_named++] = t;
+    tm__names_add(ctx, t);
     *out = t;
     return TM_OK;
 }
@@ -289,10 +280,7 @@ tm_status tm__named_alias(tm_ctx *ctx, const char *fn, const char *name, const t
 int tm_ctx_num_params(const tm_ctx *ctx) { return ctx ? ctx->n_params : 0; }
 
 tm_tensor *tm_ctx_param(const tm_ctx *ctx, int i) {
-    if (!ctx || i < 0) return NULL;
-    for (int k = 0; k < ctx->n_named; k++)
-        if (ctx->named[k]->is_param && i-- == 0) return ctx->named[k];
-    return NULL;
+    return ctx && i >= 0 && i < ctx->n_params ? ctx->params[i] : NULL;
 }
 
 int tm_ctx_num_named(const tm_ctx *ctx) { return ctx ? ctx->n_named : 0; }
@@ -303,9 +291,8 @@ tm_tensor *tm_ctx_named(const tm_ctx *ctx, int i) {
 
 tm_tensor *tm_ctx_find(const tm_ctx *ctx, const char *name) {
     if (!ctx || !name) return NULL;
-    for (int k = 0; k < ctx->n_named; k++)
-        if (strcmp(ctx->named[k]->name, name) == 0) return ctx->named[k];
-    return NULL;
+    int k = tm__names_find(ctx, name);
+    return k >= 0 ? ctx->named[k] : NULL;
 }
 
 /* ---- introspection ----------------------------------------------------------------------- */

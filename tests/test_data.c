@@ -17,6 +17,7 @@
 
 #include "common.h"
 #include "data.h"
+#include "status.h"
 
 static char g_dir[128];
 static void setup(void) { snprintf(g_dir, sizeof g_dir, "%s", tt_tmpdir_make("tm_test_data_")); }
@@ -347,7 +348,8 @@ Test(data, failed_write_keeps_old_file) {
     cr_assert_eq(tt_dir_entries(g_dir), 1, "temporary file removed");
 }
 
-/* The rename itself fails (the target is a directory): the staged file is removed. */
+/* The target is a directory: refused before anything is staged (the rename would fail, or
+ * replace an empty one), and nothing is left behind. */
 Test(data, failed_rename_removes_temp) {
     char err[512];
     const char *path = tt_path("adir");
@@ -356,7 +358,7 @@ Test(data, failed_rename_removes_temp) {
     FILE *f = fopen(inner, "w");
     fclose(f);
     const uint32_t tok[] = {1, 2, 3};
-    ASSERT_ERR(tmd_tokens_write(path, tok, 3, err, sizeof err), path, "rename");
+    ASSERT_ERR(tmd_tokens_write(path, tok, 3, err, sizeof err), path, "a directory");
     cr_assert_eq(tt_dir_entries(g_dir), 1);
     cr_assert(exists(inner));
 }
@@ -424,23 +426,34 @@ Test(data, tokenize_val_names) {
     cr_assert(exists(tt_path("d.x/a.b_val.bin")));
 }
 
+/* tmd_tokenize_file returns the exit statuses: 2 for bad input, 1 for I/O. */
+#define ASSERT_CODE(code, call, ...)                                                              \
+    do {                                                                                          \
+        err[0] = '\0';                                                                            \
+        int rc_ = (call);                                                                         \
+        cr_assert_eq(rc_, (code), "%s should fail with %d, got %d: %s", #call, (code), rc_, err); \
+        const char *want_[] = {__VA_ARGS__};                                                      \
+        for (size_t k_ = 0; k_ < sizeof want_ / sizeof *want_; k_++)                              \
+            cr_assert(strstr(err, want_[k_]), "error '%s' should contain '%s'", err, want_[k_]); \
+    } while (0)
+
 Test(data, tokenize_errors) {
     char err[512], valp[256];
     const char *missing = tt_path("missing.txt"), *out = tt_path("o.bin");
-    ASSERT_ERR(tmd_tokenize_file(missing, out, 0.1, valp, sizeof valp, err, sizeof err), missing,
+    ASSERT_CODE(TMD_CONFIG_ERROR, tmd_tokenize_file(missing, out, 0.1, valp, sizeof valp, err, sizeof err), missing,
                strerror(ENOENT));
     const char *empty = tt_path("empty.txt");
     write_text(empty, "");
-    ASSERT_ERR(tmd_tokenize_file(empty, out, 0.1, valp, sizeof valp, err, sizeof err), empty, "empty");
+    ASSERT_CODE(TMD_CONFIG_ERROR, tmd_tokenize_file(empty, out, 0.1, valp, sizeof valp, err, sizeof err), empty, "empty");
     const char *small = tt_path("small.txt");
     write_text(small, "abcd"); /* 5 tokens: 0.1 -> 1 validation token */
-    ASSERT_ERR(tmd_tokenize_file(small, out, 0.1, valp, sizeof valp, err, sizeof err), small,
+    ASSERT_CODE(TMD_CONFIG_ERROR, tmd_tokenize_file(small, out, 0.1, valp, sizeof valp, err, sizeof err), small,
                "4 training and 1 validation");
-    ASSERT_ERR(tmd_tokenize_file(small, out, 1.0, valp, sizeof valp, err, sizeof err), "fraction 1");
-    ASSERT_ERR(tmd_tokenize_file(small, out, -0.1, valp, sizeof valp, err, sizeof err), "fraction -0.1");
-    ASSERT_ERR(tmd_tokenize_file(small, small, 0.0, valp, sizeof valp, err, sizeof err), small, "input");
+    ASSERT_CODE(TMD_CONFIG_ERROR, tmd_tokenize_file(small, out, 1.0, valp, sizeof valp, err, sizeof err), "fraction 1");
+    ASSERT_CODE(TMD_CONFIG_ERROR, tmd_tokenize_file(small, out, -0.1, valp, sizeof valp, err, sizeof err), "fraction -0.1");
+    ASSERT_CODE(TMD_CONFIG_ERROR, tmd_tokenize_file(small, small, 0.0, valp, sizeof valp, err, sizeof err), small, "input");
     const char *nodir = tt_path("nodir/o.bin");
-    ASSERT_ERR(tmd_tokenize_file(small, nodir, 0.5, valp, sizeof valp, err, sizeof err), "nodir/o");
+    ASSERT_CODE(TMD_RUNTIME_ERROR, tmd_tokenize_file(small, nodir, 0.5, valp, sizeof valp, err, sizeof err), "nodir/o");
     /* Nothing written by any failure: only the two inputs that exist remain. */
     cr_assert_eq(tt_dir_entries(g_dir), 2);
 }

@@ -11,10 +11,27 @@
 #include "status.h"
 #include "util.h"
 
+static const char *kind_of(mode_t m) {
+    return S_ISDIR(m)    ? "a directory"
+           : S_ISCHR(m)  ? "a character device"
+           : S_ISBLK(m)  ? "a block device"
+           : S_ISFIFO(m) ? "a FIFO"
+           : S_ISSOCK(m) ? "a socket"
+           : S_ISLNK(m)  ? "a symbolic link"
+                         : "not a regular file";
+}
+
 int tmd_atomic_open(tmd_atomic *a, const char *path, char *err, size_t errlen) {
     memset(a, 0, sizeof *a);
     if (strlen(path) >= sizeof a->path)
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "cannot write '%s': path too long", path);
+    /* The rename would replace whatever is at path by a regular file: /dev/null (run as
+     * root), a FIFO someone reads, the link rather than its target. Only regular files are
+     * ours to replace. (lstat, so a link is seen as a link.) */
+    struct stat st;
+    if (lstat(path, &st) == 0 && !S_ISREG(st.st_mode))
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "refusing to write '%s': it exists and is %s, not a regular file",
+                        path, kind_of(st.st_mode));
     memcpy(a->path, path, strlen(path) + 1);
     snprintf(a->tmp, sizeof a->tmp, "%s.tmp.XXXXXX", path);
     int fd = mkstemp(a->tmp);

@@ -38,7 +38,9 @@ typedef struct tmd_atomic {
 } tmd_atomic;
 
 /* Create the temporary file for `path` (mode 0644: mkstemp's 0600 would hide ordinary output
- * from other users) and open a->f on it ("wb"). On failure nothing is left to abort. */
+ * from other users) and open a->f on it ("wb"). TMD_CONFIG_ERROR, touching nothing, when path
+ * exists and is not a regular file (a device, a FIFO, a socket, a directory, a symbolic link):
+ * renaming over it would replace it. On failure nothing is left to abort. */
 int tmd_atomic_open(tmd_atomic *a, const char *path, char *err, size_t errlen);
 
 /* fwrite n bytes to a->f; 0, or -1 after recording errno in a->error (the first failure's,

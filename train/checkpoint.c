@@ -10,11 +10,13 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "finite.h"
 #include "status.h"
 #include "strbuf.h"
 #include "util.h"
 
 #define META_MAGIC "tinymoe-checkpoint 1"
+#define META_MAX (1 << 20)
 
 /* ---- meta text ------------------------------------------------------------------------- */
 
@@ -27,6 +29,11 @@ char *tmd_ckpt_meta_encode(const tmd_config *cfg, const tmd_ckpt_state *state, s
         tmd_sb_printf(&b, "%s = %s\n", tmd_config_key_name(i), val);
     }
     tmd_sb_printf(&b, "[state]\nstep = %" PRId64 "\ndata_position = %" PRId64 "\n", state->step, state->data_position);
+    const tmd_data_id *d = &state->data;
+    if (d->data_tokens)
+        tmd_sb_printf(&b, "data_tokens = %" PRId64 "\ndata_fingerprint = %016" PRIx64 "\n", d->data_tokens, d->data_hash);
+    if (d->val_tokens)
+        tmd_sb_printf(&b, "val_tokens = %" PRId64 "\nval_fingerprint = %016" PRIx64 "\n", d->val_tokens, d->val_hash);
     if (b.oom) {
         free(b.p);
         return NULL;
@@ -44,8 +51,23 @@ static int parse_i64(const char *s, int64_t *out) {
     return 0;
 }
 
+static int parse_hex64(const char *s, uint64_t *out) {
+    char *end;
+    errno = 0;
+    if (strlen(s) != 16) return -1;
+    unsigned long long v = strtoull(s, &end, 16);
+    if (*end || errno) return -1;
+    *out = v;
+    return 0;
+}
+
 int tmd_ckpt_meta_decode(const char *meta, size_t len, const char *path, tmd_config *cfg, tmd_ckpt_state *state,
                          char *err, size_t errlen) {
+    /* tinymoe writes about 3 KB; a meta a thousand times that is not one of ours. */
+    if (len > META_MAX)
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                        "'%s' has %zu bytes of meta, more than the %d a checkpoint of 'tinymoe train' has", path, len,
+                        META_MAX);
     char *text = malloc(len + 1);
     if (!text) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory reading '%s'", path);
     memcpy(text, meta, len);
@@ -85,12 +107,18 @@ int tmd_ckpt_meta_decode(const char *meta, size_t len, const char *path, tmd_con
                 if (tmd_config_set(cfg, k, v, TMD_SRC_FILE, where, e2, sizeof e2))
                     rc = tmd_fail(err, errlen, TMD_CONFIG_ERROR, "checkpoint config: %s", e2);
             } else if (r > 0) {
-                int64_t x;
-                if (parse_i64(v, &x))
-                    rc = tmd_fail(err, errlen, TMD_CONFIG_ERROR, "'%s': meta line %d: '%s' is not a count", path, line,
-                                  v);
+                int64_t x = 0;
+                uint64_t h = 0;
+                int hex = strstr(k, "_fingerprint") != NULL;
+                if (hex ? parse_hex64(v, &h) : parse_i64(v, &x))
+                    rc = tmd_fail(err, errlen, TMD_CONFIG_ERROR, "'%s': meta line %d: '%s' is not %s", path, line, v,
+                                  hex ? "a 16-digit hexadecimal fingerprint" : "a count");
                 else if (!strcmp(k, "step")) state->step = x, have_step = 1;
                 else if (!strcmp(k, "data_position")) state->data_position = x, have_pos = 1;
+                else if (!strcmp(k, "data_tokens")) state->data.data_tokens = x;
+                else if (!strcmp(k, "val_tokens")) state->data.val_tokens = x;
+                else if (!strcmp(k, "data_fingerprint")) state->data.data_hash = h;
+                else if (!strcmp(k, "val_fingerprint")) state->data.val_hash = h;
                 else
                     rc = tmd_fail(err, errlen, TMD_CONFIG_ERROR, "'%s': meta line %d: unknown state '%s'", path, line,
                                   k);
@@ -189,6 +217,75 @@ int tmd_ckpt_resolve(const char *ckpt, char *path, size_t pathlen, char *err, si
     return 0;
 }
 
+/* The file's entry of that name, or NULL. */
+static const tm_ckpt_entry *entry_named(const tm_ckpt_info *info, const char *name) {
+    for (int i = 0; i < info->num_entries; i++)
+        if (!strcmp(info->entries[i].name, name)) return &info->entries[i];
+    return NULL;
+}
+
+/* Whether entry `name` exists with this shape; otherwise a message naming the keys. */
+static int expect_shape(const tm_ckpt_info *info, const char *path, const char *name, int ndim, const int64_t *shape,
+                        const char *keys, char *err, size_t errlen) {
+    const tm_ckpt_entry *e = entry_named(info, name);
+    int ok = e && e->ndim == ndim;
+    for (int d = 0; ok && d < ndim; d++) ok = e->shape[d] == shape[d];
+    if (ok) return 0;
+    char want[96];
+    size_t w = (size_t)snprintf(want, sizeof want, "[");
+    for (int d = 0; d < ndim && w < sizeof want; d++)
+        w += (size_t)snprintf(want + w, sizeof want - w, "%s%lld", d ? ", " : "", (long long)shape[d]);
+    if (w < sizeof want) snprintf(want + w, sizeof want - w, "]");
+    return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                    "'%s': its meta (%s) implies tensor '%s' of shape %s, which the file %s: the meta does not "
+                    "describe this file (edited, or from another build)",
+                    path, keys, name, want, e ? "holds with another shape" : "does not hold");
+}
+
+/* The meta against the tensors, before any model is built from the meta: every key that sizes
+ * the model (layers, vocabulary, widths, experts) is read off a tensor's shape. */
+static int check_meta_against_file(const tm_ckpt_info *info, const char *path, const tmd_config *c,
+                                   const tmd_ckpt_state *st, char *err, size_t errlen) {
+    const tm_model_config *m = &c->model;
+    /* Layers: the highest "layers.<i>." index in the file + 1. */
+    long layers = 0;
+    for (int i = 0; i < info->num_entries; i++) {
+        const char *n = info->entries[i].name;
+        if (strncmp(n, "layers.", 7)) continue;
+        char *end;
+        long l = strtol(n + 7, &end, 10);
+        if (end != n + 7 && *end == '.' && l >= 0 && l < 1000000000 && l + 1 > layers) layers = l + 1;
+    }
+    if (layers != m->n_layers)
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                        "'%s': its meta says n_layers = %d but the file holds the tensors of %ld layers: the meta does "
+                        "not describe this file (edited, or from another build)",
+                        path, m->n_layers, layers);
+    int64_t ev[2] = {m->vocab_size, m->d_model};
+    int rc = expect_shape(info, path, "embed.weight", 2, ev, "vocab_size, d_model", err, errlen);
+    char name[96];
+    if (!rc && m->first_k_dense > 0) {
+        int64_t s[2] = {m->d_model, m->dense_ffn_size};
+        rc = expect_shape(info, path, "layers.0.mlp.w0", 2, s, "d_model, dense_ffn_size", err, errlen);
+    }
+    if (!rc && m->first_k_dense < m->n_layers) {
+        int64_t s[3] = {m->moe.router.num_experts, m->d_model, m->moe.ffn_size};
+        snprintf(name, sizeof name, "layers.%d.moe.experts.w0", m->first_k_dense);
+        rc = expect_shape(info, path, name, 3, s, "num_experts, d_model, expert_ffn_size", err, errlen);
+    }
+    if (rc) return rc;
+    int64_t most = 0;
+    int synth = tmd_config_synthetic(c);
+    if (!synth && __builtin_mul_overflow(st->step, (int64_t)c->grad_accum, &most)) most = INT64_MAX;
+    if (st->data_position > most)
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                        "'%s': its meta says data_position = %lld, beyond the %lld batches that %lld steps of "
+                        "grad_accum %d%s can have drawn: the meta is damaged",
+                        path, (long long)st->data_position, (long long)most, (long long)st->step, c->grad_accum,
+                        synth ? " on synthetic data (which has no position)" : "");
+    return 0;
+}
+
 int tmd_ckpt_read_meta(const char *path, tmd_config *cfg, tmd_ckpt_state *state, char *err, size_t errlen) {
     tm_ctx *ctx = NULL;
     tm_ctx_options o = tm_ctx_options_default();
@@ -200,9 +297,30 @@ int tmd_ckpt_read_meta(const char *path, tmd_config *cfg, tmd_ckpt_state *state,
     if (s)
         rc = tmd_fail(err, errlen, s == TM_ERR_NOMEM ? TMD_RUNTIME_ERROR : TMD_CONFIG_ERROR, "%s", tm_ctx_errmsg(ctx));
     else rc = tmd_ckpt_meta_decode(info->meta, info->meta_bytes, path, cfg, state, err, errlen);
+    if (!rc) rc = check_meta_against_file(info, path, cfg, state, err, errlen);
     tm_ckpt_info_free(info);
     tm_ctx_free(ctx);
     return rc;
+}
+
+int tmd_ckpt_check_data(const tmd_data_id *was, const tmd_data_id *now, const tmd_config *cfg, const char *path,
+                        char *err, size_t errlen) {
+    const struct {
+        const char *key, *file;
+        int64_t n0, n1;
+        uint64_t h0, h1;
+    } src[2] = {{"data", cfg->data, was->data_tokens, now->data_tokens, was->data_hash, now->data_hash},
+                {"val_data", cfg->val_data, was->val_tokens, now->val_tokens, was->val_hash, now->val_hash}};
+    for (int i = 0; i < 2; i++) {
+        if (!src[i].n0 || (src[i].n0 == src[i].n1 && src[i].h0 == src[i].h1)) continue;
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                        "key '%s' = '%s': not the data checkpoint '%s' was trained on (it had %lld tokens, fingerprint "
+                        "%016llx; the file now has %lld, fingerprint %016llx): the file was replaced or changed since. "
+                        "Resume on it anyway with --allow_data_change",
+                        src[i].key, src[i].file, path, (long long)src[i].n0, (unsigned long long)src[i].h0,
+                        (long long)src[i].n1, (unsigned long long)src[i].h1);
+    }
+    return 0;
 }
 
 /* ---- loading a model ------------------------------------------------------------------- */
@@ -228,6 +346,10 @@ int tmd_ckpt_load_model(const char *ckpt, int device, int threads, tmd_loaded_mo
                         "pass --device cpu (checkpoints of either device load on the other)",
                         out->path);
     c->threads = threads;
+    /* The meta is input like any other: its values are checked before a model is built. */
+    char e[1024];
+    if (tmd_config_validate(c, e, sizeof e))
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "checkpoint '%s': %s", out->path, e);
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = threads;
     o.cuda_device = c->device == TMD_DEVICE_CUDA ? 0 : -1;
@@ -239,7 +361,11 @@ int tmd_ckpt_load_model(const char *ckpt, int device, int threads, tmd_loaded_mo
         rc = tmd_fail(err, errlen, s == TM_ERR_NOMEM || s == TM_ERR_CUDA ? TMD_RUNTIME_ERROR : TMD_CONFIG_ERROR,
                       "loading '%s': %s", out->path, tm_ctx_errmsg(out->ctx));
         tmd_loaded_model_free(out);
+        return rc;
     }
+    char what[TMD_PATH_MAX + 16];
+    snprintf(what, sizeof what, "checkpoint '%s'", out->path);
+    if ((rc = tmd_require_finite_weights(out->ctx, what, err, errlen))) tmd_loaded_model_free(out);
     return rc;
 }
 

@@ -11,7 +11,10 @@
  *     ...
  *     [state]
  *     step = 200             optimizer steps completed
- *     data_position = 400    batches the token-file batcher has produced
+ *     data_position = 400    batches the token-file batcher has produced (<= step x grad_accum)
+ *     data_tokens = 1000000  token files only: tokens of the data source, and a fingerprint of
+ *     data_fingerprint = 9f3c2a...   them (16 hex digits); val_tokens / val_fingerprint the same
+ *                            for val_data. A resume compares them with the files it loads.
  *
  * The tensors are every parameter and buffer of the training context: the weights, the
  * optimizer state (AdamW m and v or SGD momentum, and the optimizer's step counter) and the
@@ -29,9 +32,19 @@
 
 #define TMD_CKPT_EXT ".tmck"
 
+/* What a run trains on: the token counts and fingerprints (tmd_tokens_fingerprint) of its
+ * data source (before the validation split) and of val_data, so that resuming notices a file
+ * replaced since the checkpoint. Zero where there is none: synthetic data, no val_data, and
+ * checkpoints written before they were recorded. */
+typedef struct tmd_data_id {
+    int64_t data_tokens, val_tokens;
+    uint64_t data_hash, val_hash;
+} tmd_data_id;
+
 typedef struct tmd_ckpt_state {
     int64_t step;          /* optimizer steps completed */
     int64_t data_position; /* tmd_batcher.position (0 for synthetic data) */
+    tmd_data_id data;
 } tmd_ckpt_state;
 
 /* A checkpoint loaded as a model, for inference. */
@@ -47,8 +60,19 @@ typedef struct tmd_loaded_model {
 void tmd_ckpt_path(const char *dir, int64_t step, char *path, size_t pathlen);
 /* Steps of the ckpt-*.tmck files in dir, ascending (malloc'ed; *n may be 0). */
 int tmd_ckpt_list(const char *dir, int64_t **steps, int *n, char *err, size_t errlen);
-/* Validate a checkpoint file completely (tm_ckpt_inspect) and decode its meta. */
+/* Validate a checkpoint file completely (tm_ckpt_inspect), decode its meta, and check the meta
+ * against the file's tensors before anything is built from it: the layer count, vocab_size,
+ * d_model and the expert shapes it claims must be those of the tensors (a meta edited to
+ * claim 10^6 layers would otherwise have a model of 10^6 layers built first), and the state
+ * must be sane (data_position <= step x grad_accum, 0 for synthetic data). */
 int tmd_ckpt_read_meta(const char *path, tmd_config *cfg, tmd_ckpt_state *state, char *err, size_t errlen);
+
+/* Whether the data a resumed run loaded (`now`) is what the checkpoint `path` was trained on
+ * (`was`, from its meta): 0, or TMD_CONFIG_ERROR naming the key ('data' or 'val_data'), both
+ * token counts and fingerprints, and --allow_data_change (which the caller honours). Nothing
+ * is compared for sources the checkpoint recorded nothing of. */
+int tmd_ckpt_check_data(const tmd_data_id *was, const tmd_data_id *now, const tmd_config *cfg, const char *path,
+                        char *err, size_t errlen);
 
 /* CKPT is a checkpoint file, or a directory: its newest ckpt-*.tmck (highest step). Fills
  * path; errors name CKPT (no such file, a directory without checkpoints). */
@@ -56,8 +80,10 @@ int tmd_ckpt_resolve(const char *ckpt, char *path, size_t pathlen, char *err, si
 
 /* Resolve CKPT, read its config, build the model on `device` (tmd_device_kind; -1: the
  * checkpoint's own) with `threads` CPU threads (0: all) and load its weights (the optimizer
- * state in the file is checked and skipped). Returns 0, or TMD_CONFIG_ERROR / TMD_RUNTIME_ERROR
- * (status.h) with a message naming the file. On success free with tmd_loaded_model_free. */
+ * state in the file is checked and skipped). The config is validated before the model is
+ * built, and the loaded weights must be finite (finite.h). Returns 0, or TMD_CONFIG_ERROR /
+ * TMD_RUNTIME_ERROR (status.h) with a message naming the file. On success free with
+ * tmd_loaded_model_free. */
 int tmd_ckpt_load_model(const char *ckpt, int device, int threads, tmd_loaded_model *out, char *err, size_t errlen);
 /* NULL or zeroed: no-op. */
 void tmd_loaded_model_free(tmd_loaded_model *m);

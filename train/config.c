@@ -3,10 +3,14 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "footprint.h"
+#include "markov.h"
 #include "util.h"
 
 /* Enum keys store the index of the value in their `values` list, straight into the library's
@@ -48,6 +52,11 @@ typedef struct key {
     int flags;
     const char *field; /* the field name the library's check messages use; NULL: driver-only */
     const char *help;
+    /* Numbers: the valid range, inclusive, checked by tmd_config_validate ("auto" aside). Every
+     * number is bounded, so that no value can overflow a size computed from it or ask for
+     * unbounded work; the bounds are far beyond any sensible run (ranges that depend on other
+     * keys, and the memory a model needs, are checked there too). */
+    double lo, hi;
 } key;
 
 #define OFF(member) offsetof(tmd_config, member), 0
@@ -57,142 +66,147 @@ typedef struct key {
 static const key KEYS[] = {
     /* model */
     {"vocab_size", T_INT, G_MODEL, OFF(model.vocab_size), NULL, "auto", AUTO_OK, "vocab_size",
-     "vocabulary size; auto: synthetic_vocab for synthetic data, 257 (bytes + end-of-text) for token files"},
-    {"d_model", T_INT, G_MODEL, OFF(model.d_model), NULL, "64", 0, "d_model", "hidden size"},
-    {"n_layers", T_INT, G_MODEL, OFF(model.n_layers), NULL, "2", 0, "n_layers", "transformer blocks"},
-    {"n_heads", T_INT, G_MODEL, OFF(model.n_heads), NULL, "4", 0, "n_heads", "query heads (d_model % n_heads == 0)"},
+     "vocabulary size; auto: synthetic_vocab for synthetic data, 257 (bytes + end-of-text) for token files", 1, 16777216},
+    {"d_model", T_INT, G_MODEL, OFF(model.d_model), NULL, "64", 0, "d_model", "hidden size", 1, 65536},
+    {"n_layers", T_INT, G_MODEL, OFF(model.n_layers), NULL, "2", 0, "n_layers", "transformer blocks", 1, 10000},
+    {"n_heads", T_INT, G_MODEL, OFF(model.n_heads), NULL, "4", 0, "n_heads", "query heads (d_model % n_heads == 0)", 1, 65536},
     {"n_kv_heads", T_INT, G_MODEL, OFF(model.n_kv_heads), NULL, "2", 0, "n_kv_heads",
-     "key/value heads, grouped-query attention (n_heads % n_kv_heads == 0)"},
+     "key/value heads, grouped-query attention (n_heads % n_kv_heads == 0)", 1, 65536},
     {"seq_len", T_INT, G_MODEL, OFF(model.max_seq_len), NULL, "64", 0, "max_seq_len",
-     "tokens per training sequence, and the longest context the model accepts"},
-    {"rope_theta", T_FLOAT, G_MODEL, OFF(model.rope_theta), NULL, "10000", 0, "rope_theta", "rotary embedding base"},
-    {"norm_eps", T_FLOAT, G_MODEL, OFF(model.norm_eps), NULL, "1e-5", 0, "norm_eps", "RMSNorm epsilon"},
+     "tokens per training sequence, and the longest context the model accepts", 1, 1048576},
+    {"rope_theta", T_FLOAT, G_MODEL, OFF(model.rope_theta), NULL, "10000", 0, "rope_theta", "rotary embedding base", 0, 1e12},
+    {"norm_eps", T_FLOAT, G_MODEL, OFF(model.norm_eps), NULL, "1e-5", 0, "norm_eps", "RMSNorm epsilon", 0, 1},
     {"tie_embeddings", T_BOOL, G_MODEL, OFF(model.tie_embeddings), NULL, "false", 0, "tie_embeddings",
-     "LM head = token embedding transposed"},
+     "LM head = token embedding transposed", 0, 0},
     {"first_k_dense", T_INT, G_MODEL, OFF(model.first_k_dense), NULL, "0", 0, "first_k_dense",
-     "the first k blocks use a dense SwiGLU instead of the MoE block"},
+     "the first k blocks use a dense SwiGLU instead of the MoE block", 0, 10000},
     {"dense_ffn_size", T_INT, G_MODEL, OFF(model.dense_ffn_size), NULL, "auto", AUTO_OK, "dense_ffn_size",
-     "FFN size of those dense blocks; auto: 4 * d_model"},
+     "FFN size of those dense blocks; auto: 4 * d_model", 1, 1048576},
     {"init_std", T_FLOAT, G_MODEL, OFF(model.init_std), NULL, "0.02", 0, "init_std",
-     "init N(0, init_std^2); residual output projections / sqrt(2 n_layers)"},
+     "init N(0, init_std^2); residual output projections / sqrt(2 n_layers)", 0, 100},
     /* MoE */
-    {"num_experts", T_INT, G_MOE, OFF(model.moe.router.num_experts), NULL, "4", 0, "num_experts", "routed experts per MoE block"},
-    {"topk", T_INT, G_MOE, OFF(model.moe.router.topk), NULL, "2", 0, "topk", "experts per token"},
-    {"expert_ffn_size", T_INT, G_MOE, OFF(model.moe.ffn_size), NULL, "128", 0, "ffn_size", "FFN size of each expert"},
+    {"num_experts", T_INT, G_MOE, OFF(model.moe.router.num_experts), NULL, "4", 0, "num_experts", "routed experts per MoE block", 1, 4096},
+    {"topk", T_INT, G_MOE, OFF(model.moe.router.topk), NULL, "2", 0, "topk", "experts per token", 1, 4096},
+    {"expert_ffn_size", T_INT, G_MOE, OFF(model.moe.ffn_size), NULL, "128", 0, "ffn_size", "FFN size of each expert", 1, 1048576},
     {"score_function", T_ENUM, G_MOE, OFF(model.moe.router.score_function), "softmax|sigmoid", "softmax", 0,
-     "score_function", "router scores: softmax over experts, or sigmoid per expert (DeepSeek-V3)"},
+     "score_function", "router scores: softmax over experts, or sigmoid per expert (DeepSeek-V3)", 0, 0},
     {"pre_softmax", T_BOOL, G_MOE, OFF(model.moe.router.use_pre_softmax), NULL, "true", 0, "use_pre_softmax",
-     "softmax over all experts before top-k (else softmax over the k selected)"},
+     "softmax over all experts before top-k (else softmax over the k selected)", 0, 0},
     {"num_groups", T_INT, G_MOE, OFF(model.moe.router.num_groups), NULL, "0", 0, "num_groups",
-     "group-limited routing: expert groups (0 or 1: off)"},
+     "group-limited routing: expert groups (0 or 1: off)", 0, 4096},
     {"group_topk", T_INT, G_MOE, OFF(model.moe.router.group_topk), NULL, "0", 0, "group_topk",
-     "groups kept per token, with num_groups > 1"},
+     "groups kept per token, with num_groups > 1", 0, 4096},
     {"scaling_factor", T_FLOAT, G_MOE, OFF(model.moe.router.scaling_factor), NULL, "1", 0, "scaling_factor",
-     "multiplies the routing weights"},
+     "multiplies the routing weights", 0, 1e6},
     {"norm_topk_prob", T_BOOL, G_MOE, OFF(model.moe.router.norm_topk_prob), NULL, "true", 0, "norm_topk_prob",
-     "renormalise the top-k weights to sum 1 (Mixtral; softmax-pre only)"},
+     "renormalise the top-k weights to sum 1 (Mixtral; softmax-pre only)", 0, 0},
     {"expert_bias", T_BOOL, G_MOE, OFF(model.moe.use_expert_bias), NULL, "false", 0, "use_expert_bias",
-     "aux-loss-free balancing: a per-expert selection bias updated every step"},
+     "aux-loss-free balancing: a per-expert selection bias updated every step", 0, 0},
     {"expert_bias_rate", T_FLOAT, G_MOE, OFF(model.moe.expert_bias_update_rate), NULL, "1e-3", 0,
-     "expert_bias_update_rate", "step size of that bias update"},
+     "expert_bias_update_rate", "step size of that bias update", 0, 1e6},
     {"aux_loss_coeff", T_FLOAT, G_MOE, OFF(model.moe.aux_loss_coeff), NULL, "1e-2", 0, "aux_loss_coeff",
-     "load-balancing loss weight (0: off)"},
+     "load-balancing loss weight (0: off)", 0, 1e6},
     {"aux_counts", T_ENUM, G_MOE, OFF(model.moe.aux_counts), "routed|clean", "routed", 0, "aux_counts",
-     "token counts of the aux loss: as routed, or a plain top-k of the scores (Megatron)"},
+     "token counts of the aux loss: as routed, or a plain top-k of the scores (Megatron)", 0, 0},
     {"seq_aux_loss_coeff", T_FLOAT, G_MOE, OFF(model.moe.seq_aux_loss_coeff), NULL, "0", 0, "seq_aux_loss_coeff",
-     "sequence-level balancing loss weight (0: off)"},
+     "sequence-level balancing loss weight (0: off)", 0, 1e6},
     {"z_loss_coeff", T_FLOAT, G_MOE, OFF(model.moe.z_loss_coeff), NULL, "1e-3", 0, "z_loss_coeff",
-     "router z-loss weight (0: off)"},
+     "router z-loss weight (0: off)", 0, 1e6},
     {"align_size", T_I64, G_MOE, OFF(model.moe.align_size), NULL, "1", 0, "align_size",
-     "rows per expert rounded up to a multiple of this"},
+     "rows per expert rounded up to a multiple of this", 1, 1048576},
     {"capacity_factor", T_FLOAT, G_MOE, OFF(model.moe.capacity_factor), NULL, "0", 0, "capacity_factor",
-     "expert capacity (T k / E) * factor; 0: dropless"},
+     "expert capacity (T k / E) * factor; 0: dropless", 0, 4096},
     {"drop_policy", T_ENUM, G_MOE, OFF(model.moe.drop_policy), "probs|position", "probs", 0, "drop_policy",
-     "over capacity, keep the highest-probability or the first tokens"},
+     "over capacity, keep the highest-probability or the first tokens", 0, 0},
     {"pad_to_capacity", T_BOOL, G_MOE, OFF(model.moe.pad_to_capacity), NULL, "false", 0, "pad_to_capacity",
-     "pad every expert to exactly its capacity"},
+     "pad every expert to exactly its capacity", 0, 0},
     {"shared_ffn_size", T_INT, G_MOE, OFF(model.moe.shared_ffn_size), NULL, "0", 0, "shared_ffn_size",
-     "FFN size of a shared expert on every token (0: none)"},
+     "FFN size of a shared expert on every token (0: none)", 0, 1048576},
     {"moe_strategy", T_ENUM, G_MOE, OFF(model.moe.strategy), "grouped|dense", "grouped", 0, "strategy",
-     "grouped GEMMs over routed tokens, or every expert on every token (reference)"},
+     "grouped GEMMs over routed tokens, or every expert on every token (reference)", 0, 0},
     /* optimizer */
-    {"optimizer", T_ENUM, G_OPTIM, OFF(optimizer), "adamw|sgd", "adamw", 0, NULL, "AdamW, or SGD with momentum"},
-    {"beta1", T_FLOAT, G_OPTIM, OFF(adamw.beta1), NULL, "0.9", 0, "beta1", "AdamW first-moment decay"},
-    {"beta2", T_FLOAT, G_OPTIM, OFF(adamw.beta2), NULL, "0.95", 0, "beta2", "AdamW second-moment decay"},
-    {"eps", T_FLOAT, G_OPTIM, OFF(adamw.eps), NULL, "1e-8", 0, "eps", "AdamW epsilon"},
+    {"optimizer", T_ENUM, G_OPTIM, OFF(optimizer), "adamw|sgd", "adamw", 0, NULL, "AdamW, or SGD with momentum", 0, 0},
+    {"beta1", T_FLOAT, G_OPTIM, OFF(adamw.beta1), NULL, "0.9", 0, "beta1", "AdamW first-moment decay", 0, 1},
+    {"beta2", T_FLOAT, G_OPTIM, OFF(adamw.beta2), NULL, "0.95", 0, "beta2", "AdamW second-moment decay", 0, 1},
+    {"eps", T_FLOAT, G_OPTIM, OFF(adamw.eps), NULL, "1e-8", 0, "eps", "AdamW epsilon", 0, 1},
     {"weight_decay", T_FLOAT, G_OPTIM, OFF(adamw.weight_decay), NULL, "0.1", 0, "weight_decay",
-     "decoupled (AdamW) or L2 (SGD) weight decay, matrices only"},
-    {"momentum", T_FLOAT, G_OPTIM, OFF(sgd.momentum), NULL, "0.9", 0, "momentum", "SGD momentum"},
-    {"nesterov", T_BOOL, G_OPTIM, OFF(sgd.nesterov), NULL, "false", 0, "nesterov", "SGD Nesterov momentum"},
+     "decoupled (AdamW) or L2 (SGD) weight decay, matrices only", 0, 1e3},
+    {"momentum", T_FLOAT, G_OPTIM, OFF(sgd.momentum), NULL, "0.9", 0, "momentum", "SGD momentum", 0, 1},
+    {"nesterov", T_BOOL, G_OPTIM, OFF(sgd.nesterov), NULL, "false", 0, "nesterov", "SGD Nesterov momentum", 0, 0},
     {"grad_clip", T_FLOAT, G_OPTIM, OFF(grad_clip), NULL, "1.0", 0, NULL,
-     "clip the global gradient norm to this (0: no clipping)"},
+     "clip the global gradient norm to this (0: no clipping)", 0, 1e12},
     /* schedule */
-    {"lr", T_FLOAT, G_SCHED, OFF(sched.lr), NULL, "1e-2", 0, "lr", "peak learning rate"},
+    {"lr", T_FLOAT, G_SCHED, OFF(sched.lr), NULL, "1e-2", 0, "lr", "peak learning rate", 0, 1e6},
     {"min_lr", T_FLOAT, G_SCHED, OFF(sched.min_lr), NULL, "auto", AUTO_OK, "min_lr",
-     "final learning rate of the decaying schedules; auto: lr / 10"},
+     "final learning rate of the decaying schedules; auto: lr / 10", 0, 1e6},
     {"lr_schedule", T_ENUM, G_SCHED, OFF(sched.kind), "constant|cosine|linear|wsd", "cosine", 0, "kind",
-     "constant, warmup + cosine, warmup + linear, warmup-stable-decay"},
+     "constant, warmup + cosine, warmup + linear, warmup-stable-decay", 0, 0},
     {"warmup_steps", T_I64, G_SCHED, OFF(sched.warmup_steps), NULL, "30", 0, "warmup_steps",
-     "linear warmup steps"},
+     "linear warmup steps", 0, 1e12},
     {"decay_fraction", T_FLOAT, G_SCHED, OFF(sched.decay_fraction), NULL, "0.2", 0, "decay_fraction",
-     "wsd: fraction of the steps spent decaying"},
+     "wsd: fraction of the steps spent decaying", 0, 1},
     /* training */
-    {"steps", T_I64, G_TRAIN, OFF(sched.total_steps), NULL, "600", 0, "total_steps", "optimizer steps"},
-    {"batch_size", T_INT, G_TRAIN, OFF(batch_size), NULL, "16", 0, NULL, "sequences per micro-batch"},
-    {"grad_accum", T_INT, G_TRAIN, OFF(grad_accum), NULL, "1", 0, NULL, "micro-batches per optimizer step"},
-    {"seed", T_I64, G_TRAIN, OFF(seed), NULL, "1", 0, NULL, "seed of the initialisation, the batches and the synthetic source"},
-    {"threads", T_INT, G_TRAIN, OFF(threads), NULL, "0", 0, NULL, "CPU threads (0: all available)"},
+    {"steps", T_I64, G_TRAIN, OFF(sched.total_steps), NULL, "600", 0, "total_steps", "optimizer steps", 1, 1e12},
+    {"batch_size", T_INT, G_TRAIN, OFF(batch_size), NULL, "16", 0, NULL, "sequences per micro-batch", 1, 1048576},
+    {"grad_accum", T_INT, G_TRAIN, OFF(grad_accum), NULL, "1", 0, NULL, "micro-batches per optimizer step", 1, 1048576},
+    {"skip_nonfinite", T_INT, G_TRAIN, OFF(skip_nonfinite), NULL, "0", 0, NULL,
+     "skip (no update) up to this many steps whose loss or gradient norm is NaN or infinite before stopping", 0,
+     1000000},
+    {"seed", T_I64, G_TRAIN, OFF(seed), NULL, "1", 0, NULL, "seed of the initialisation, the batches and the synthetic source", 0, 9223372036854775807.0},
+    {"threads", T_INT, G_TRAIN, OFF(threads), NULL, "0", 0, NULL, "CPU threads (0: all available)", 0, 1024},
     {"cpu_gemm", T_ENUM, G_TRAIN, OFF(cpu_gemm), "auto|builtin", "auto", 0, NULL,
-     "CPU matrix products: OpenBLAS when built with it, or always the built-in kernel (the same results on every build)"},
-    {"device", T_ENUM, G_TRAIN, OFF(device), "cpu|cuda", "cpu", 0, NULL, "where the model runs (cuda: device 0)"},
-    {"dtype", T_ENUM, G_TRAIN, OFF(dtype), "f32|bf16", "f32", 0, NULL, "parameter dtype"},
+     "CPU matrix products: OpenBLAS when built with it, or always the built-in kernel (the same results on every build)", 0, 0},
+    {"device", T_ENUM, G_TRAIN, OFF(device), "cpu|cuda", "cpu", 0, NULL, "where the model runs (cuda: device 0)", 0, 0},
+    {"dtype", T_ENUM, G_TRAIN, OFF(dtype), "f32|bf16", "f32", 0, NULL, "parameter dtype", 0, 0},
     /* data */
     {"data", T_STR, G_DATA, STR(data), NULL, "synthetic", 0, NULL,
-     "'synthetic' (order-2 Markov source with a known optimum), or an llm.c token file or glob of shards"},
+     "'synthetic' (order-2 Markov source with a known optimum), or an llm.c token file or glob of shards", 0, 0},
     {"val_data", T_STR, G_DATA, STR(val_data), NULL, "", 0, NULL,
-     "validation token file or glob (empty: the last val_fraction of data)"},
+     "validation token file or glob (empty: the last val_fraction of data)", 0, 0},
     {"val_fraction", T_FLOAT, G_DATA, OFF(val_fraction), NULL, "0.1", 0, NULL,
-     "fraction of data held out for validation when val_data is empty"},
-    {"synthetic_vocab", T_INT, G_DATA, OFF(synthetic_vocab), NULL, "16", 0, NULL, "synthetic source: vocabulary size"},
+     "fraction of data held out for validation when val_data is empty", 0, 1},
+    {"synthetic_vocab", T_INT, G_DATA, OFF(synthetic_vocab), NULL, "16", 0, NULL, "synthetic source: vocabulary size", 2, 1024},
     {"synthetic_k", T_INT, G_DATA, OFF(synthetic_k), NULL, "3", 0, NULL,
-     "synthetic source: allowed next tokens per two-token context"},
+     "synthetic source: allowed next tokens per two-token context", 1, 1024},
     /* run */
-    {"eval_every", T_INT, G_RUN, OFF(eval_every), NULL, "100", 0, NULL, "validate every this many steps (0: at the end only)"},
+    {"eval_every", T_INT, G_RUN, OFF(eval_every), NULL, "100", 0, NULL, "validate every this many steps (0: at the end only)", 0, 2147483647},
     {"eval_batches", T_INT, G_RUN, OFF(eval_batches), NULL, "8", 0, NULL,
-     "validation batches of batch_size sequences (0: the whole validation set)"},
-    {"log_every", T_INT, G_RUN, OFF(log_every), NULL, "10", 0, NULL, "print and record metrics every this many steps"},
+     "validation batches of batch_size sequences (0: the whole validation set)", 0, 2147483647},
+    {"log_every", T_INT, G_RUN, OFF(log_every), NULL, "10", 0, NULL, "print and record metrics every this many steps", 1, 2147483647},
     {"out", T_STR, G_RUN, STR(out), NULL, "out", 0, NULL,
-     "directory for checkpoints, metrics.jsonl, loss.svg and experts.svg (empty: write nothing)"},
+     "directory for checkpoints, metrics.jsonl, loss.svg and experts.svg (empty: write nothing)", 0, 0},
     {"exit_interval", T_I64, G_RUN, OFF(exit_interval), NULL, "0", 0, NULL,
-     "end the run after a step that is a multiple of this, with a checkpoint, as an interrupt would (exit 0; the schedule still follows steps; 0: never)"},
+     "end the run after a step that is a multiple of this, with a checkpoint, as an interrupt would (exit 0; the schedule still follows steps; 0: never)", 0, 1e12},
     {"save_every", T_INT, G_RUN, OFF(save_every), NULL, "0", 0, NULL,
-     "write <out>/ckpt-<step>.tmck every this many steps (0: only at the end and on SIGINT/SIGTERM)"},
+     "write <out>/ckpt-<step>.tmck every this many steps (0: only at the end and on SIGINT/SIGTERM)", 0, 2147483647},
+    {"allow_data_change", T_BOOL, G_RUN, OFF(allow_data_change), NULL, "false", 0, NULL,
+     "resume even though the data files differ from those the checkpoint was trained on", 0, 0},
     {"overwrite", T_BOOL, G_RUN, OFF(overwrite), NULL, "false", 0, NULL,
-     "a fresh run may delete the checkpoints of an earlier run in out (otherwise it refuses to start)"},
+     "a fresh run may delete the checkpoints of an earlier run in out (otherwise it refuses to start)", 0, 0},
     {"keep_last", T_INT, G_RUN, OFF(keep_last), NULL, "3", 0, NULL,
-     "keep the newest this many checkpoints in out, deleting older ones (0: keep all)"},
+     "keep the newest this many checkpoints in out, deleting older ones (0: keep all)", 0, 2147483647},
     {"resume", T_STR, G_RUN, STR(resume), NULL, "", 0, NULL,
-     "continue from a checkpoint file, or the newest in a directory; model and training keys come from it"},
+     "continue from a checkpoint file, or the newest in a directory; model and training keys come from it", 0, 0},
     {"init_from", T_STR, G_RUN, STR(init_from), NULL, "", 0, NULL,
-     "start from the weights of a Hugging Face Mixtral export (config.json + model.safetensors) in this directory"},
+     "start from the weights of a Hugging Face Mixtral export (config.json + model.safetensors) in this directory", 0, 0},
     {"sample_prompt", T_STR, G_RUN, STR(sample_prompt), NULL, "", 0, NULL,
-     "after training, continue this text (byte-level models; empty: no sample)"},
-    {"sample_tokens", T_INT, G_RUN, OFF(sample_tokens), NULL, "256", 0, NULL, "tokens to generate"},
-    {"temperature", T_FLOAT, G_RUN, OFF(temperature), NULL, "0.8", 0, NULL, "sampling temperature (0: greedy)"},
-    {"top_k", T_INT, G_RUN, OFF(top_k), NULL, "0", 0, NULL, "sample among the k most likely tokens (0: all)"},
+     "after training, continue this text (byte-level models; empty: no sample)", 0, 0},
+    {"sample_tokens", T_INT, G_RUN, OFF(sample_tokens), NULL, "256", 0, NULL, "tokens to generate", 0, 1000000},
+    {"temperature", T_FLOAT, G_RUN, OFF(temperature), NULL, "0.8", 0, NULL, "sampling temperature (0: greedy)", 0, 1e6},
+    {"top_k", T_INT, G_RUN, OFF(top_k), NULL, "0", 0, NULL, "sample among the k most likely tokens (0: all)", 0, 16777216},
     {"top_p", T_FLOAT, G_RUN, OFF(top_p), NULL, "1", 0, NULL,
-     "sample from the smallest set of most likely tokens holding this much probability (1: all)"},
+     "sample from the smallest set of most likely tokens holding this much probability (1: all)", 0, 1},
     {"preset", T_STR, G_RUN, STR(preset), NULL, "", 0, NULL,
-     "tiny | small | shakespeare: applied before the config file and the flags"},
+     "tiny | small | shakespeare: applied before the config file and the flags", 0, 0},
     /* distributed */
     {"ep_size", T_INT, G_DIST, OFF(ep_size), NULL, "1", 0, NULL,
-     "ranks the routed experts are split over (divides the ranks and num_experts)"},
+     "ranks the routed experts are split over (divides the ranks and num_experts)", 1, 65536},
     {"ep_strategy", T_ENUM, G_DIST, OFF(ep_strategy), "alltoall|allgather", "alltoall", 0, NULL,
-     "expert-parallel dispatch: ragged all-to-all of the routed rows, or all-gather of the tokens"},
+     "expert-parallel dispatch: ragged all-to-all of the routed rows, or all-gather of the tokens", 0, 0},
     {"zero", T_INT, G_DIST, OFF(zero), NULL, "0", 0, NULL,
-     "ZeRO stage: 0, or 1 to shard optimizer state and f32 master weights over the data-parallel ranks"},
+     "ZeRO stage: 0, or 1 to shard optimizer state and f32 master weights over the data-parallel ranks", 0, 1},
     {"comm_timeout", T_FLOAT, G_DIST, OFF(comm_timeout), NULL, "60", 0, NULL,
-     "seconds a collective may wait before the run fails (a rank died or stopped answering); 0: forever"},
+     "seconds a collective may wait before the run fails (a rank died or stopped answering); 0: forever", 0, 1e9},
 };
 
 // clang-format on
@@ -489,6 +503,8 @@ static int parse_line(char *line, char **key, char **value, const char **why) {
     return 1;
 }
 
+enum { CONFIG_FILE_MAX = 16 << 20 };
+
 static int read_file(const char *path, char **out, char *err, size_t errlen) {
     FILE *f = fopen(path, "rb");
     if (!f) return tmd_fail(err, errlen, -1, "cannot open config file '%s': %s", path, strerror(errno));
@@ -501,6 +517,14 @@ static int read_file(const char *path, char **out, char *err, size_t errlen) {
         }
         n += fread(buf + n, 1, cap - 1 - n, f);
         if (n < cap - 1) break;
+        /* A config file is a few hundred lines: a huge one is a mistake (a token file given
+         * to --config?), not worth reading to the end. */
+        if (cap >= CONFIG_FILE_MAX) {
+            free(buf);
+            fclose(f);
+            return tmd_fail(err, errlen, -1, "config file '%s' is larger than %d MiB: not a config file", path,
+                            CONFIG_FILE_MAX >> 20);
+        }
         char *nb = realloc(buf, cap *= 2);
         if (!nb) free(buf);
         buf = nb;
@@ -552,6 +576,21 @@ static int parse_file(const char *path, char **text, entry **entries, int *n, ch
             (*entries)[(*n)++] = (entry){k, v, line};
         }
         s = nl ? nl + 1 : NULL;
+    }
+    /* A key given twice: the file means one of them, and which one the reader meant is not ours
+     * to guess (config.json refuses repeated keys too). */
+    int first[TMD_MAX_KEYS] = {0};
+    for (int i = 0; i < *n; i++) {
+        int k = find_key((*entries)[i].key);
+        if (k < 0) continue; /* unknown: tmd_config_set names it, with a suggestion */
+        if (first[k]) {
+            int a = first[k], b = (*entries)[i].line;
+            free(*entries);
+            *entries = NULL;
+            return tmd_fail(err, errlen, -1, "key '%s' is given twice in config file '%s' (lines %d and %d): keep one",
+                            KEYS[k].name, path, a, b);
+        }
+        first[k] = (*entries)[i].line;
     }
     return 0;
 }
@@ -622,8 +661,14 @@ int tmd_config_from_args(tmd_config *cfg, int argc, char **argv, int *help, char
             tmd_fail(err, errlen, -1, "flag --%s needs a value", f->name);
             goto done;
         }
-        if (!strcmp(f->name, "config")) config_path = f->value;
-        else if (!strcmp(f->name, "preset")) preset_name = f->value;
+        /* The file and the preset are sources, not keys: a second one would silently replace
+         * the first, so two are an error (a key flag given twice: the last wins, as usual). */
+        const char **src = !strcmp(f->name, "config") ? &config_path : !strcmp(f->name, "preset") ? &preset_name : NULL;
+        if (src && *src) {
+            tmd_fail(err, errlen, -1, "flag --%s is given twice ('%s' and '%s'): give one", f->name, *src, f->value);
+            goto done;
+        }
+        if (src) *src = f->value;
         else nf++;
     }
 
@@ -651,6 +696,20 @@ done:
 
 int tmd_config_synthetic(const tmd_config *cfg) { return !strcmp(cfg->data, "synthetic"); }
 
+void tmd_config_note(tmd_config *cfg, const char *fmt, ...) {
+    size_t n = strlen(cfg->notes);
+    if (n + 2 >= sizeof cfg->notes) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int w = vsnprintf(cfg->notes + n, sizeof cfg->notes - n - 1, fmt, ap);
+    va_end(ap);
+    if (w < 0 || (size_t)w >= sizeof cfg->notes - n - 1) {
+        cfg->notes[n] = 0; /* a cut note would mislead: drop it */
+        return;
+    }
+    strcat(cfg->notes, "\n");
+}
+
 void tmd_config_resolve(tmd_config *cfg) {
     int synth = tmd_config_synthetic(cfg);
     if (cfg->model.vocab_size == 0) {
@@ -658,8 +717,21 @@ void tmd_config_resolve(tmd_config *cfg) {
         cfg->source[find_key("vocab_size")] = TMD_SRC_AUTO;
     }
     if (cfg->model.dense_ffn_size == 0) {
-        cfg->model.dense_ffn_size = 4 * cfg->model.d_model;
+        /* In 64 bits: validate refuses an absurd d_model, but only after this. */
+        int64_t f = 4 * (int64_t)cfg->model.d_model;
+        cfg->model.dense_ffn_size = f > INT_MAX ? INT_MAX : f < 1 ? 1 : (int)f;
         cfg->source[find_key("dense_ffn_size")] = TMD_SRC_AUTO;
+    }
+    /* A warmup nobody asked for (the default 30, or a preset's) must not refuse a short run:
+     * other trainers clamp it too. One the user wrote stays, and validate refuses it. */
+    int wi = find_key("warmup_steps");
+    if (cfg->sched.warmup_steps > cfg->sched.total_steps && cfg->sched.total_steps >= 1 &&
+        (cfg->source[wi] == TMD_SRC_DEFAULT || cfg->source[wi] == TMD_SRC_PRESET)) {
+        tmd_config_note(cfg, "warmup_steps %lld (%s) clamped to steps = %lld: the run is shorter than the warmup",
+                        (long long)cfg->sched.warmup_steps, cfg->source[wi] == TMD_SRC_PRESET ? "the preset's" : "default",
+                        (long long)cfg->sched.total_steps);
+        cfg->sched.warmup_steps = cfg->sched.total_steps;
+        cfg->source[wi] = TMD_SRC_AUTO;
     }
     if (isnan(cfg->sched.min_lr)) {
         cfg->sched.min_lr = cfg->sched.lr / 10;
@@ -734,7 +806,7 @@ int tmd_config_validate(const tmd_config *c, char *err, size_t errlen) {
     CHECK(c->zero == 0 || c->zero == 1, "key 'zero' = %d: must be 0 or 1", c->zero);
     CHECK(c->comm_timeout >= 0, "key 'comm_timeout' = %g: must be >= 0 (0: wait forever)", c->comm_timeout);
     if (tmd_config_synthetic(c)) {
-        CHECK(c->synthetic_vocab >= 2 && c->synthetic_vocab <= 4096, "key 'synthetic_vocab' = %d: must be in [2, 4096]",
+        CHECK(c->synthetic_vocab >= 2 && c->synthetic_vocab <= 1024, "key 'synthetic_vocab' = %d: must be in [2, 1024]",
               c->synthetic_vocab);
         CHECK(c->synthetic_k >= 1 && c->synthetic_k <= c->synthetic_vocab,
               "key 'synthetic_k' = %d: must be in [1, synthetic_vocab = %d]", c->synthetic_k, c->synthetic_vocab);
@@ -756,6 +828,36 @@ int tmd_config_validate(const tmd_config *c, char *err, size_t errlen) {
               c->sample_prompt);
     CHECK(c->top_k <= c->model.vocab_size, "key 'top_k' = %d: larger than vocab_size = %d", c->top_k,
           c->model.vocab_size);
+    /* Every number within its key's range (after the checks above, whose messages say more). */
+    for (int i = 0; i < NKEYS; i++) {
+        const key *k = &KEYS[i];
+        if (k->type != T_INT && k->type != T_I64 && k->type != T_FLOAT) continue;
+        const void *p = field_cptr(c, k);
+        double v = k->type == T_INT ? *(const int *)p : k->type == T_I64 ? (double)*(const int64_t *)p : *(const double *)p;
+        if ((k->flags & AUTO_OK) && (k->type == T_FLOAT ? isnan(v) : v == 0)) continue;
+        if (!(v >= k->lo && v <= k->hi)) {
+            char val[64];
+            tmd_config_format(c, i, val, sizeof val);
+            return tmd_fail(err, errlen, -1, "key '%s' = %s: outside its valid range [%.15g, %.15g]", k->name, val, k->lo,
+                            k->hi);
+        }
+    }
+    const tm_router_config *rt = &c->model.moe.router;
+    CHECK(c->model.moe.capacity_factor <= (double)rt->num_experts / rt->topk,
+          "key 'capacity_factor' = %g: must be 0 (dropless) or at most num_experts / topk = %d / %d = %g, where every "
+          "expert can already take every token",
+          c->model.moe.capacity_factor, rt->num_experts, rt->topk, (double)rt->num_experts / rt->topk);
+    if (tmd_config_synthetic(c)) {
+        double table = (double)c->synthetic_vocab * c->synthetic_vocab * c->synthetic_k;
+        CHECK(table <= TMD_SYNTH_MAX_TRANSITIONS,
+              "keys 'synthetic_vocab' = %d and 'synthetic_k' = %d: the synthetic source would have synthetic_vocab^2 x "
+              "synthetic_k = %.0f transitions, more than %d (a smaller synthetic_vocab or synthetic_k)",
+              c->synthetic_vocab, c->synthetic_k, table, TMD_SYNTH_MAX_TRANSITIONS);
+    }
+    {
+        char e[1024];
+        if (tmd_footprint_check(c, e, sizeof e)) return tmd_fail(err, errlen, -1, "%s", e);
+    }
     CHECK(!(c->device == TMD_DEVICE_CUDA && tm_cuda_device_count() == 0),
           "key 'device' = cuda: this build has no CUDA backend or no CUDA device is visible (--device cpu runs on "
           "the CPU; checkpoints of either device load on the other)");
@@ -806,8 +908,9 @@ int tmd_config_key_resumable(int i, int for_eval) {
     /* Run settings, the thread count, the CPU GEMM and the device change nothing of the trained state;
      * steps may grow (train longer: a decaying schedule then decays over the new total). */
     /* The parallel layout too: checkpoints hold logical tensors. */
-    return KEYS[i].group == G_RUN || KEYS[i].group == G_DIST || !strcmp(KEYS[i].name, "threads") || !strcmp(KEYS[i].name, "cpu_gemm") ||
-           !strcmp(KEYS[i].name, "device") || !strcmp(KEYS[i].name, "steps");
+    return KEYS[i].group == G_RUN || KEYS[i].group == G_DIST || !strcmp(KEYS[i].name, "threads") ||
+           !strcmp(KEYS[i].name, "cpu_gemm") || !strcmp(KEYS[i].name, "device") || !strcmp(KEYS[i].name, "steps") ||
+           !strcmp(KEYS[i].name, "skip_nonfinite");
 }
 
 static void format_value(const tmd_config *cfg, int i, char *buf, size_t len, int exact) {
@@ -876,14 +979,18 @@ void tmd_config_help(FILE *f) {
     fprintf(f,
             "keys (--key value, --key=value, or 'key = value' in a --config file; flags win):\n"
             "  %-19s %-10s %s\n",
-            "name", "default", "meaning (type or values)");
+            "name", "default", "meaning (type and valid range, or values)");
     for (int g = 0; g < G_COUNT; g++) {
         fprintf(f, "\n%s\n", GROUP_TITLE[g]);
         for (int i = 0; i < NKEYS; i++) {
             const key *k = &KEYS[i];
             if (k->group != (key_group)g) continue;
-            fprintf(f, "  %-19s %-10s %s (%s)\n", k->name, *k->def ? k->def : "''", k->help,
-                    k->type == T_ENUM ? k->values : type_name(k));
+            char what[96];
+            if (k->type == T_INT || k->type == T_I64 || k->type == T_FLOAT)
+                snprintf(what, sizeof what, "%s in [%.15g, %.15g]", type_name(k), k->lo, k->hi);
+            else
+                snprintf(what, sizeof what, "%s", k->type == T_ENUM ? k->values : type_name(k));
+            fprintf(f, "  %-19s %-10s %s (%s)\n", k->name, *k->def ? k->def : "''", k->help, what);
         }
     }
     fprintf(f, "\npresets (--preset NAME, applied before the config file and the flags):\n");

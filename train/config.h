@@ -47,6 +47,7 @@ typedef struct tmd_config {
     int optimizer;         /* tmd_optimizer_kind */
     double grad_clip;      /* 0: no clipping (the norm is still measured) */
     int batch_size, grad_accum;
+    int skip_nonfinite; /* steps with a non-finite loss or gradient norm skipped before stopping */
     int64_t seed;
     int threads;
     int cpu_gemm; /* TM_CPU_GEMM_AUTO / TM_CPU_GEMM_BUILTIN */
@@ -57,7 +58,7 @@ typedef struct tmd_config {
     int synthetic_vocab, synthetic_k;
     int eval_every, eval_batches, log_every;
     char out[TMD_PATH_MAX];
-    int save_every, keep_last, overwrite;
+    int save_every, keep_last, overwrite, allow_data_change;
     int64_t exit_interval;
     char resume[TMD_PATH_MAX], init_from[TMD_PATH_MAX];
     char sample_prompt[TMD_PATH_MAX];
@@ -69,6 +70,9 @@ typedef struct tmd_config {
     int ep_size, ep_strategy, zero; /* the parallel layout (tm_comm_options) */
     double comm_timeout;
     unsigned char source[TMD_MAX_KEYS]; /* tmd_source of each key, by table index */
+    /* One line per value tmd_config_resolve (or the run's setup) changed from what was asked:
+     * a clamp the user should hear about, printed with the resolved config. Not a key. */
+    char notes[512];
 } tmd_config;
 
 /* Every key at its default. */
@@ -89,11 +93,20 @@ int tmd_config_apply_preset(tmd_config *cfg, const char *name, char *err, size_t
 /* 1 when data is the embedded synthetic source. */
 int tmd_config_synthetic(const tmd_config *cfg);
 /* Fill the "auto" values that do not need the data: vocab_size (synthetic_vocab for synthetic
- * data, 257 for token files), dense_ffn_size (4 * d_model), moe.hidden_size (d_model). */
+ * data, 257 for token files), dense_ffn_size (4 * d_model), moe.hidden_size (d_model). A
+ * warmup_steps that the user did not set (the default, or a preset's) and that exceeds steps is
+ * clamped to steps, with a note; one set in a config file or a flag is left for validate to
+ * refuse. */
 void tmd_config_resolve(tmd_config *cfg);
-/* Semantic checks after resolve: the driver's own (positive sizes, ranges, combinations) and
- * the library's (tm_model_config_check, tm_lr_schedule_check, the optimizer's field checks),
- * every message naming the key. */
+/* Append one line to cfg->notes (printf-style; dropped when full). */
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+void tmd_config_note(tmd_config *cfg, const char *fmt, ...);
+/* Semantic checks after resolve: the driver's own (every number within its key's range,
+ * combinations, the memory the model needs against the machine's) and the library's
+ * (tm_model_config_check, tm_lr_schedule_check, the optimizer's field checks), every message
+ * naming the key, its value and the valid range. */
 int tmd_config_validate(const tmd_config *cfg, char *err, size_t errlen);
 /* Rewrite a library check message (which names a struct field, e.g. "moe.router.topk") so that
  * it names the config key instead; used for errors raised when the model or optimizer is built. */
@@ -115,8 +128,8 @@ void tmd_config_format_exact(const tmd_config *cfg, int i, char *buf, size_t len
 /* Index of a key by name (dashes not translated), -1 if none. */
 int tmd_config_key_index(const char *name);
 /* 1 when key i may differ between a checkpoint and the run resuming it (run settings:
- * out, logging, evaluation, sampling; threads; device; steps); for_eval: evaluating it (the
- * same plus the data keys and batch_size). */
+ * out, logging, evaluation, sampling; threads; device; steps; skip_nonfinite); for_eval:
+ * evaluating it (the same plus the data keys and batch_size). */
 int tmd_config_key_resumable(int i, int for_eval);
 /* 1 when key i describes the parallel layout (ep_size, zero, ...): a resumed run takes it from
  * its own command line, never from the checkpoint (checkpoints hold logical tensors). */

@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 
 #include "atomic.h"
+#include "status.h"
 #include "tinymoe.h"
 #include "util.h"
 
@@ -244,6 +245,16 @@ int tmd_tokens_split(tmd_tokens *train, double fraction, tmd_tokens *val, char *
     return 0;
 }
 
+uint64_t tmd_tokens_fingerprint(const tmd_tokens *t) {
+    /* FNV-1a over whole tokens, then a final mix so that every token moves every bit. */
+    uint64_t h = 1469598103934665603ull ^ (uint64_t)t->n;
+    for (int64_t i = 0; i < t->n; i++) h = (h ^ t->tok[i]) * 1099511628211ull;
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    return h;
+}
+
 int tmd_tokens_check_vocab(const tmd_tokens *t, int vocab_size, char *err, size_t errlen) {
     if (vocab_size < 1) return tmd_fail(err, errlen, -1, "vocab size %d must be >= 1", vocab_size);
     if (t->max_token < (uint32_t)vocab_size) return 0;
@@ -259,19 +270,22 @@ int tmd_tokens_check_vocab(const tmd_tokens *t, int vocab_size, char *err, size_
  * ------------------------------------------------------------------------------------------ */
 
 /* Write a complete, fsync'ed token file to a staged temporary for `path`, for the caller to
- * publish. On failure nothing is left behind. */
+ * publish. On failure nothing is left behind; the code is TMD_CONFIG_ERROR or
+ * TMD_RUNTIME_ERROR (status.h). */
 static int stage(tmd_atomic *a, const char *path, const uint32_t *tok, int64_t n, char *err, size_t errlen) {
-    if (n < 0 || (n > 0 && !tok)) return tmd_fail(err, errlen, -1, "cannot write '%s': invalid token array", path);
+    if (n < 0 || (n > 0 && !tok))
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "cannot write '%s': invalid token array", path);
     if (n > INT32_MAX)
-        return tmd_fail(err, errlen, -1, "cannot write '%s': %lld tokens exceed the format's int32 count", path,
-                        (long long)n);
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "cannot write '%s': %lld tokens exceed the format's int32 count",
+                        path, (long long)n);
     uint32_t mx = max_of(tok, n);
     int v7 = mx > UINT16_MAX, width = v7 ? 4 : 2;
     unsigned char *buf = malloc((size_t)CHUNK_TOKENS * 4 > HEADER_BYTES ? (size_t)CHUNK_TOKENS * 4 : HEADER_BYTES);
-    if (!buf) return tmd_fail(err, errlen, -1, "cannot write '%s': out of memory", path);
-    if (tmd_atomic_open(a, path, err, errlen)) {
+    if (!buf) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': out of memory", path);
+    int rc = tmd_atomic_open(a, path, err, errlen);
+    if (rc) {
         free(buf);
-        return -1;
+        return rc;
     }
     memset(buf, 0, HEADER_BYTES);
     put_u32le(buf, v7 ? TMD_DATA_MAGIC_V7 : TMD_DATA_MAGIC_V1);
@@ -293,7 +307,7 @@ static int stage(tmd_atomic *a, const char *path, const uint32_t *tok, int64_t n
         done += (int64_t)k;
     }
     free(buf);
-    return tmd_atomic_stage(a, err, errlen) ? -1 : 0;
+    return tmd_atomic_stage(a, err, errlen);
 }
 
 int tmd_tokens_write(const char *path, const uint32_t *tok, int64_t n, char *err, size_t errlen) {
@@ -317,54 +331,66 @@ static int val_name(const char *out_path, char *dst, size_t cap) {
     return n >= 0 && (size_t)n < cap ? 0 : -1;
 }
 
+/* Whether an output would overwrite the input: the same file (device and inode), by any name
+ * (a link, "./x", the val file of another name). */
+static int same_file(const char *path, const struct stat *in) {
+    struct stat st;
+    return stat(path, &st) == 0 && st.st_dev == in->st_dev && st.st_ino == in->st_ino;
+}
+
 /* The text is held whole (1 byte) and as tokens (4 bytes per byte): 5x the file size, fine
  * for the text corpora a byte-level model trains on. */
 int tmd_tokenize_file(const char *in_path, const char *out_path, double val_fraction, char *val_path_out,
                       size_t val_path_len, char *err, size_t errlen) {
+    const int BAD = TMD_CONFIG_ERROR, IO = TMD_RUNTIME_ERROR;
     if (val_path_out && val_path_len) val_path_out[0] = '\0';
     if (!(val_fraction >= 0.0 && val_fraction < 1.0))
-        return tmd_fail(err, errlen, -1, "validation fraction %g must be in [0, 1)", val_fraction);
+        return tmd_fail(err, errlen, BAD, "validation fraction %g must be in [0, 1)", val_fraction);
     char val_path[4096] = "";
     if (val_fraction > 0.0) {
         if (val_name(out_path, val_path, sizeof val_path) != 0)
-            return tmd_fail(err, errlen, -1, "output path '%s' is too long", out_path);
+            return tmd_fail(err, errlen, BAD, "output path '%s' is too long", out_path);
         if (val_path_out && strlen(val_path) >= val_path_len)
-            return tmd_fail(err, errlen, -1, "no room for the validation file name '%s'", val_path);
+            return tmd_fail(err, errlen, BAD, "no room for the validation file name '%s'", val_path);
     }
 
     FILE *f = fopen(in_path, "rb");
-    if (!f) return tmd_fail(err, errlen, -1, "cannot open '%s': %s", in_path, strerror(errno));
-    struct stat st, st_out;
+    if (!f) return tmd_fail(err, errlen, BAD, "cannot open '%s': %s", in_path, strerror(errno));
+    struct stat st;
     if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
         fclose(f);
-        return tmd_fail(err, errlen, -1, "'%s' is not a readable regular file", in_path);
+        return tmd_fail(err, errlen, BAD, "'%s' is not a readable regular file", in_path);
     }
-    /* Reading whole before writing makes in == out safe, but it would replace the text by its
-     * tokens: surely not what was meant. */
-    if (stat(out_path, &st_out) == 0 && st_out.st_dev == st.st_dev && st_out.st_ino == st.st_ino) {
-        fclose(f);
-        return tmd_fail(err, errlen, -1, "output '%s' is the input file", out_path);
-    }
+    /* Every output against the input, before anything is read or written: replacing the text
+     * by its own tokens (OUT named like the input, or OUT_val: `tokenize y_val.bin y.bin`) is
+     * surely not what was meant. */
+    const char *outs[2] = {out_path, val_path[0] ? val_path : NULL};
+    for (int o = 0; o < 2; o++)
+        if (outs[o] && same_file(outs[o], &st)) {
+            fclose(f);
+            return tmd_fail(err, errlen, BAD, "output '%s'%s is the input file '%s'", outs[o],
+                            o ? " (the validation part)" : "", in_path);
+        }
     if (st.st_size == 0) {
         fclose(f);
-        return tmd_fail(err, errlen, -1, "'%s' is empty: nothing to tokenize", in_path);
+        return tmd_fail(err, errlen, BAD, "'%s' is empty: nothing to tokenize", in_path);
     }
     int64_t nbytes = (int64_t)st.st_size, n = nbytes + 1;
     if (n > INT32_MAX) {
         fclose(f);
-        return tmd_fail(err, errlen, -1, "'%s' has %lld bytes, more tokens than a token file can hold", in_path,
+        return tmd_fail(err, errlen, BAD, "'%s' has %lld bytes, more tokens than a token file can hold", in_path,
                         (long long)nbytes);
     }
     unsigned char *text = malloc((size_t)nbytes);
     uint32_t *tok = malloc((size_t)n * sizeof *tok);
-    int rc = -1;
+    int rc = IO;
     tmd_atomic a_train = {0}, a_val = {0}; /* zeroed: tmd_atomic_abort does nothing */
     if (!text || !tok) {
-        tmd_fail(err, errlen, -1, "out of memory for the %lld bytes of '%s'", (long long)nbytes, in_path);
+        tmd_fail(err, errlen, IO, "out of memory for the %lld bytes of '%s'", (long long)nbytes, in_path);
         goto done;
     }
     if (fread(text, 1, (size_t)nbytes, f) != (size_t)nbytes) {
-        tmd_fail(err, errlen, -1, "cannot read '%s': %s", in_path,
+        tmd_fail(err, errlen, IO, "cannot read '%s': %s", in_path,
                  ferror(f) ? strerror(errno) : "file shrank while being read");
         goto done;
     }
@@ -376,17 +402,18 @@ int tmd_tokenize_file(const char *in_path, const char *out_path, double val_frac
         int64_t n_val = (int64_t)llround(val_fraction * (double)n);
         n_train = n - n_val;
         if (n_val < 2 || n_train < 2) {
-            tmd_fail(err, errlen, -1,
-                     "validation fraction %g of the %lld tokens of '%s' leaves %lld training and %lld "
-                     "validation tokens (each needs >= 2)",
-                     val_fraction, (long long)n, in_path, (long long)n_train, (long long)n_val);
+            rc = tmd_fail(err, errlen, BAD,
+                          "validation fraction %g of the %lld tokens of '%s' leaves %lld training and %lld "
+                          "validation tokens (each needs >= 2)",
+                          val_fraction, (long long)n, in_path, (long long)n_train, (long long)n_val);
             goto done;
         }
         /* Both files are staged before either is renamed into place: a failure leaves neither
          * half-written nor one new beside one stale. */
-        if (stage(&a_val, val_path, tok + n_train, n_val, err, errlen) != 0) goto done;
+        if ((rc = stage(&a_val, val_path, tok + n_train, n_val, err, errlen)) != 0) goto done;
     }
-    if (stage(&a_train, out_path, tok, n_train, err, errlen) != 0) goto done;
+    if ((rc = stage(&a_train, out_path, tok, n_train, err, errlen)) != 0) goto done;
+    rc = IO;
     if (val_fraction > 0.0 && tmd_atomic_publish(&a_val, err, errlen) != 0) goto done;
     if (tmd_atomic_publish(&a_train, err, errlen) != 0) goto done;
     if (val_path_out && val_path_len) snprintf(val_path_out, val_path_len, "%s", val_path);

@@ -43,6 +43,10 @@ void tmd_tokens_free(tmd_tokens *t);
  * copy; train is truncated to the first part). Each side must keep >= 2 tokens (one input and
  * its target). On error train is unchanged and *val empty. */
 int tmd_tokens_split(tmd_tokens *train, double fraction, tmd_tokens *val, char *err, size_t errlen);
+/* A 64-bit fingerprint of the token values (and their count): what a checkpoint records of
+ * its data, so that a resume notices a file replaced since. One multiply per token, over
+ * tokens already in memory: negligible next to loading them. Not cryptographic. */
+uint64_t tmd_tokens_fingerprint(const tmd_tokens *t);
 /* Every token < vocab_size, else an error naming the source, the position and the value. */
 int tmd_tokens_check_vocab(const tmd_tokens *t, int vocab_size, char *err, size_t errlen);
 
@@ -57,7 +61,10 @@ int tmd_tokens_write(const char *path, const uint32_t *tok, int64_t n, char *err
  * before the extension (out.bin -> out_val.bin, out -> out_val), and the training part to
  * out_path; its name is copied to val_path_out (may be NULL; "" when val_fraction == 0).
  * val_fraction in [0, 1). Both files are written in full to temporary files before either is
- * renamed into place. An empty input, or out_path naming the input, is an error. */
+ * renamed into place. Unlike the rest of this file, returns the codes of status.h:
+ * TMD_CONFIG_ERROR for bad input, with nothing written (a missing, empty or non-regular input,
+ * either output naming the input file, an output that exists and is not a regular file, a
+ * fraction out of range or leaving too few tokens), TMD_RUNTIME_ERROR for I/O and memory. */
 int tmd_tokenize_file(const char *in_path, const char *out_path, double val_fraction, char *val_path_out,
                       size_t val_path_len, char *err, size_t errlen);
 

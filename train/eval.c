@@ -9,6 +9,7 @@
 #include "markov.h"
 #include "run.h"
 #include "status.h"
+#include "stop.h"
 #include "tinymoe.h"
 #include "util.h"
 
@@ -35,6 +36,12 @@ int tmd_run_evaluate(tmd_run *r, double *loss, char *err, size_t errlen) {
     int64_t tokens = 0;
     int rc = 0;
     for (int64_t w0 = 0; w0 < r->n_eval; w0 += r->B) {
+        /* A long evaluation must not hold a stop request back until it ends. */
+        if (tmd_stop_signal()) {
+            rc = 128 + tmd_stop_signal();
+            tokens = 0;
+            break;
+        }
         int rows = (int)(r->n_eval - w0 < r->B ? r->n_eval - w0 : r->B);
         /* Distributed: each rank takes a slice of the batch's windows (the model's host values
          * are the whole batch's); a batch of fewer windows than ranks is run whole by every
@@ -85,6 +92,13 @@ static int eval_run(const tmd_config *cfg, const char *ckpt, FILE *log, double *
                 fprintf(log, "\nmodel: freshly initialised from the config and seed (give --ckpt to evaluate a "
                              "trained one)\n");
         }
+        /* Not a measurement: the weights are finite (checked at the load), so the forward pass
+         * overflowed. A script must not read it as a result. */
+        if (!rc && !isfinite(v))
+            rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR,
+                          "the mean loss is %g: the model's forward pass overflows on this data (its weights are "
+                          "finite, but a run that diverged can leave them too large)",
+                          v);
     }
     if (loss) *loss = v;
     tmd_run_free(r);

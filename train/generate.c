@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "status.h"
+#include "stop.h"
 #include "util.h"
 
 /* The window of tokens the cache holds, or is about to. */
@@ -87,6 +88,7 @@ int tmd_generate(tm_ctx *ctx, tm_model *model, const int32_t *prompt, int n_prom
     memcpy(w.tok, prompt + n_prompt - w.n, sizeof(int32_t) * (size_t)w.n);
     for (int64_t g = 0;;) {
         int next = 0;
+        if (tmd_stop_signal()) break; /* the caller says why */
         s = forward(ctx, model, cache, dev, &w, logits, V);
         if (!s) s = tm_sample_token(ctx, logits, V, sc, (uint64_t)n_prompt + (uint64_t)g, &next);
         /* Copy the message before the reset: it may name arena tensors. */

@@ -19,7 +19,8 @@
  * Output: every generated token below 256 is a byte, written to `out` and flushed as soon as
  * it is drawn (the prompt is not printed: the caller does that). Tokens >= 256 other than
  * eot_token are not printed. Generation stops after max_new_tokens tokens or when eot_token is
- * drawn (not printed, not counted; eot_token < 0: never).
+ * drawn (not printed, not counted; eot_token < 0: never), and early, returning 0, once a stop
+ * signal has been caught (stop.h: Ctrl-C during the sample at the end of training).
  *
  * ctx's arena is reset after every token (temporaries the caller made before the call die).
  * Returns 0, or TMD_RUNTIME_ERROR (status.h) with a message in err: bad arguments (naming them),

@@ -9,8 +9,10 @@
  *   tinymoe export --ckpt CKPT --format hf --out DIR
  *   tinymoe --version | --help
  *
- * Exit status: 0 success; 1 a run that failed; 2 a usage, configuration or data error (nothing
- * written). Messages go to stderr, prefixed "tinymoe: ".
+ * Exit status, every command: 0 success; 1 a runtime failure (I/O, memory, a run that diverged);
+ * 2 bad input: usage, configuration, data or checkpoint errors, found before anything is
+ * written; 128 + n when signal n stopped a run (130 SIGINT, 143 SIGTERM), after it saved its
+ * checkpoint. Messages go to stderr, prefixed "tinymoe: ".
  */
 #include <errno.h>
 #include <stdio.h>
@@ -24,6 +26,7 @@
 #include "hf.h"
 #include "sample.h"
 #include "status.h"
+#include "stop.h"
 #include "tinymoe.h"
 #include "train.h"
 
@@ -50,7 +53,16 @@ static const char USAGE[] =
     "  tinymoe tokenize input.txt input.bin --val-fraction 0.1\n"
     "  tinymoe train --preset shakespeare --data input.bin --val_data input_val.bin\n"
     "\n"
-    "exit status: 0 ok, 1 runtime error, 2 usage, configuration or data error\n";
+    "out directory: a run holds <out>/tinymoe.lock for its whole life; a second run into the same\n"
+    "directory fails at once, naming the holder's pid (a lock left by a dead run does not count)\n"
+    "\n"
+    "exit status (every command):\n"
+    "  0        ok\n"
+    "  1        runtime failure: I/O error, disk full or file-size limit, out of memory, a run whose\n"
+    "           loss or gradients became NaN or infinite (no checkpoint of it is written)\n"
+    "  2        bad input: usage, configuration, data or checkpoint error, found before anything is\n"
+    "           written; also an out directory in use by another run\n"
+    "  128+n    signal n stopped a run (130 SIGINT, 143 SIGTERM) after its checkpoint was written\n";
 
 static const char TRAIN_USAGE[] =
     "usage: tinymoe train [--preset NAME] [--config FILE] [--key value | --key=value ...]\n"
@@ -112,6 +124,13 @@ static int cmd_train_or_eval(int eval, int argc, char **argv) {
         tmd_config_help(stdout);
         return 0;
     }
+    /* Both name the model to evaluate; the import would silently lose to the checkpoint. */
+    if (ckpt && cfg.init_from[0]) {
+        fprintf(stderr,
+                "tinymoe: eval: --ckpt '%s' and --init_from '%s' both name the model to evaluate: give one\n", ckpt,
+                cfg.init_from);
+        return TMD_CONFIG_ERROR;
+    }
     int rc, uniform = 0;
     if (eval) {
         double loss;
@@ -171,18 +190,12 @@ static int cmd_tokenize(int argc, char **argv) {
         }
     }
     if (!in || !out) return usage_error("tokenize needs IN.txt and OUT.bin");
-    FILE *probe = fopen(in, "rb");
-    if (!probe) {
-        /* A missing input is the user's error (status 2), like a missing data file in train. */
-        fprintf(stderr, "tinymoe: tokenize: cannot open '%s': %s\n", in, strerror(errno));
-        return TMD_CONFIG_ERROR;
-    }
-    fclose(probe);
     char err[1024], val_path[TMD_PATH_MAX];
     val_path[0] = 0;
-    if (tmd_tokenize_file(in, out, frac, val_path, sizeof val_path, err, sizeof err)) {
+    int rc = tmd_tokenize_file(in, out, frac, val_path, sizeof val_path, err, sizeof err);
+    if (rc) {
         fprintf(stderr, "tinymoe: tokenize: %s\n", err);
-        return TMD_RUNTIME_ERROR;
+        return rc;
     }
     tmd_tokens t;
     if (!tmd_tokens_load(out, &t, err, sizeof err)) {
@@ -291,6 +304,9 @@ static void prefer_passive_openmp(char **argv) {
 
 int main(int argc, char **argv) {
     prefer_passive_openmp(argv);
+    /* A reader that went away (| head, | tee ended by Ctrl-C) and a file-size limit become
+     * write errors, reported like any other, instead of killing the process. */
+    tmd_signals_ignore_io();
     if (argc < 2) {
         fputs(USAGE, stderr);
         return TMD_CONFIG_ERROR;

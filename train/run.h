@@ -13,6 +13,7 @@
 #include "checkpoint.h"
 #include "config.h"
 #include "data.h"
+#include "lock.h"
 #include "markov.h"
 #include "plot.h"
 #include "tinymoe.h"
@@ -20,12 +21,14 @@
 typedef struct tmd_run {
     tmd_config c;
     int T, B, synth;
-    FILE *log;
+    FILE *log; /* NULL once a write to it failed (a closed pipe): the run goes on, silently */
     int tty;
+    int log_errno; /* why the log was dropped (0: it was not) */
     /* data */
     tmd_markov src;
     double optimum;
     tmd_tokens train, val;
+    tmd_data_id data_id; /* what the run trains on, recorded in its checkpoints (checkpoint.h) */
     tmd_batcher bt;
     int64_t n_eval;           /* validation windows */
     int32_t *inp, *tgt, *seq; /* [B*T], [B*T] (one block: tgt = inp + B*T), [T+1] */
@@ -46,6 +49,9 @@ typedef struct tmd_run {
     tmd_ckpt_state resume_state;
     int64_t resume_ck_steps; /* the checkpoint's own `steps` (a resumed run may change it) */
     int64_t saved_step; /* step of the newest checkpoint written by this run (-1: none) */
+    int64_t prune_pending; /* a save whose pruning waits for the next finite loss (-1: none) */
+    int64_t skipped;    /* steps skipped for a non-finite loss or gradient norm (skip_nonfinite) */
+    tmd_lock lock;      /* out's lock, held from the first write to the end of the run */
     int eval_split;     /* eval: validate on the val_fraction tail of data, as training did */
     /* distributed: this process's world rank and the world size; each micro-batch of B rows
      * is split into world slices of Bl rows, this rank's starting at row b0 */
@@ -57,6 +63,9 @@ typedef struct tmd_run {
 
 /* A library call failed: TMD_RUNTIME_ERROR with the context's message, prefixed by `what`. */
 int tmd_run_lib_fail(tmd_run *r, char *err, size_t errlen, const char *what, tm_status s);
+/* Flush r->log after printing; when that fails (EPIPE: the reader is gone, or any other
+ * error) stop printing for the rest of the run rather than fail it. */
+void tmd_run_log_flush(tmd_run *r);
 /* Free what the run holds (not r itself). */
 void tmd_run_free(tmd_run *r);
 /* Resolve and validate cfg, load and check the data, build the model (and, unless eval_only,
@@ -74,9 +83,27 @@ int tmd_run_resume_config(tmd_run *r, const tmd_config *cli, tmd_config *out, in
 /* cli with the architecture keys of cli->init_from's config.json. */
 int tmd_run_init_from_config(const tmd_config *cli, tmd_config *out, char *err, size_t errlen);
 
+/* ---- step.c ----------------------------------------------------------------------------- */
+
+/* What one optimizer step saw: the means over its micro-batches, and whether it was skipped. */
+typedef struct tmd_step {
+    double loss, ce, aux, z, max_load; /* training loss (ce + layer losses) and its parts */
+    double gnorm;                      /* global gradient norm before clipping */
+    int64_t dropped;                   /* tokens dropped by expert capacity */
+    int skipped; /* a non-finite loss or gradient norm, within skip_nonfinite: no update made */
+} tmd_step;
+
+/* One optimizer step `step` (from 0) at learning rate lr: grad_accum micro-batches (r->step_load
+ * gets the tokens per expert), then, unless the loss or the gradient norm is non-finite, the
+ * clip, the update and the expert-bias update. A non-finite step is skipped (out->skipped)
+ * while r->skipped < skip_nonfinite, else TMD_RUNTIME_ERROR names the step and the first bad
+ * tensor; either way no update is made. */
+int tmd_run_step(tmd_run *r, int64_t step, double lr, tmd_step *out, char *err, size_t errlen);
+
 /* ---- eval.c ----------------------------------------------------------------------------- */
 
-/* Mean cross-entropy over the run's validation windows, with grad mode off. */
+/* Mean cross-entropy over the run's validation windows, with grad mode off. Checks for a stop
+ * request (stop.h) between batches: then returns 128 + the signal, *loss NaN. */
 int tmd_run_evaluate(tmd_run *r, double *loss, char *err, size_t errlen);
 
 #endif

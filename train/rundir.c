@@ -11,6 +11,8 @@
 
 #include "atomic.h"
 #include "checkpoint.h"
+#include "finite.h"
+#include "lock.h"
 #include "log.h"
 #include "plot.h"
 #include "status.h"
@@ -33,8 +35,8 @@ static void remove_stale_temporaries(const char *dir) {
     closedir(d);
 }
 
-/* Keep the newest keep_last checkpoints of out (0: all). Only ever called after a save
- * succeeded, so the newest file is complete before an older one goes. */
+/* Keep the newest keep_last checkpoints of out up to step `done` (0: all). Only ever called
+ * after a save succeeded, so the newest file is complete before an older one goes. */
 static void prune_checkpoints(tmd_run *r, int64_t done) {
     if (r->c.keep_last <= 0) return;
     int64_t *steps;
@@ -71,6 +73,47 @@ int tmd_rundir_check_out_dir(const tmd_config *c, char *err, size_t errlen) {
                     c->out, n, n > 1 ? "s" : "", (long long)newest, c->out);
 }
 
+/* The nearest existing ancestor of a path that does not exist, for "out is under a file". */
+static int nearest_existing(const char *path, char *buf, size_t len, struct stat *sb) {
+    if ((size_t)snprintf(buf, len, "%s", path) >= len) return -1;
+    for (;;) {
+        char *slash = strrchr(buf, '/');
+        if (!slash) return stat(".", sb) == 0 ? (snprintf(buf, len, "."), 0) : -1;
+        if (slash == buf) return stat("/", sb) == 0 ? (snprintf(buf, len, "/"), 0) : -1;
+        *slash = 0;
+        if (stat(buf, sb) == 0) return 0;
+        if (errno != ENOENT && errno != ENOTDIR) return -1;
+    }
+}
+
+int tmd_rundir_claim(tmd_run *r, const tmd_config *c, char *err, size_t errlen) {
+    if (!c->out[0]) return 0;
+    struct stat sb;
+    if (stat(c->out, &sb) == 0) {
+        if (!S_ISDIR(sb.st_mode))
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                            "key 'out' = '%s' exists and is not a directory (give a directory for the checkpoints "
+                            "and metrics)",
+                            c->out);
+        int rc = tmd_lock_dir(&r->lock, c->out, err, errlen);
+        if (rc) return rc;
+        /* Appended to in place (not replaced atomically): it must be a file of ours. */
+        char m[TMD_PATH_MAX + 32];
+        snprintf(m, sizeof m, "%s/metrics.jsonl", c->out);
+        if (lstat(m, &sb) == 0 && !S_ISREG(sb.st_mode))
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "'%s' exists and is not a regular file: refusing to write it",
+                            m);
+    } else if (errno == ENOENT || errno == ENOTDIR) {
+        char anc[TMD_PATH_MAX];
+        if (nearest_existing(c->out, anc, sizeof anc, &sb) == 0 && !S_ISDIR(sb.st_mode))
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                            "key 'out' = '%s' cannot be created: '%s' is not a directory", c->out, anc);
+    } else {
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'out' = '%s': %s", c->out, strerror(errno));
+    }
+    return tmd_rundir_check_out_dir(c, err, errlen);
+}
+
 static void delete_checkpoints(const char *dir) {
     int64_t *steps;
     int n;
@@ -85,10 +128,30 @@ static void delete_checkpoints(const char *dir) {
 
 int tmd_rundir_save_checkpoint(tmd_run *r, int64_t done, char *err, size_t errlen) {
     if (!r->c.out[0] || r->saved_step == done) return 0;
+    /* The last line of defence against a diverged run passing for progress: the update of the
+     * step just done may have overflowed a weight with a finite loss and gradient norm (weight
+     * decay at an absurd lr). Such a checkpoint is not written, and so prunes nothing. */
+    tmd_nonfinite bad;
+    int nf = tmd_find_nonfinite(r->ctx, 0, &bad, err, errlen);
+    if (nf < 0) return TMD_RUNTIME_ERROR;
+    if (nf == 1) {
+        char d[256], prev[TMD_PATH_MAX + 64] = "no earlier checkpoint of this run";
+        tmd_nonfinite_describe(&bad, d, sizeof d);
+        if (r->saved_step >= 0) {
+            char p[TMD_PATH_MAX + 32];
+            tmd_ckpt_path(r->c.out, r->saved_step, p, sizeof p);
+            snprintf(prev, sizeof prev, "the newest checkpoint is %s", p);
+        }
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR,
+                        "the weights are no longer finite after step %lld (%s): the run diverged; no checkpoint of it "
+                        "is written and none is pruned (%s). Try a lower lr or grad_clip",
+                        (long long)done, d, prev);
+    }
     tmd_config c = r->c;
     /* The file describes the run, not how it was started. */
     c.resume[0] = c.init_from[0] = 0;
-    tmd_ckpt_state st = {.step = done, .data_position = r->synth ? 0 : r->bt.position};
+    c.notes[0] = 0;
+    tmd_ckpt_state st = {.step = done, .data_position = r->synth ? 0 : r->bt.position, .data = r->data_id};
     size_t len = 0;
     char *meta = tmd_ckpt_meta_encode(&c, &st, &len);
     if (!meta) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the checkpoint meta");
@@ -99,15 +162,24 @@ int tmd_rundir_save_checkpoint(tmd_run *r, int64_t done, char *err, size_t errle
     free(meta);
     if (s) return tmd_run_lib_fail(r, err, errlen, "saving a checkpoint", s);
     r->saved_step = done;
-    if (r->rank == 0) prune_checkpoints(r, done);
+    /* Not pruned yet: finite weights may still be garbage, and only the next step's loss says
+     * so. The older checkpoints go once that loss is finite (tmd_rundir_prune), or the run ends
+     * another way; a run that diverges right after this save keeps them all. */
+    r->prune_pending = done;
     if (r->log) {
         struct stat sb;
         if (r->tty) tmd_progress_clear(r->log);
         fprintf(r->log, "step %lld: saved %s (%.1f MB, %.2f s)\n", (long long)done, path,
                 stat(path, &sb) ? 0.0 : (double)sb.st_size / 1e6, tmd_now_s() - t0);
-        fflush(r->log);
+        tmd_run_log_flush(r);
     }
     return 0;
+}
+
+void tmd_rundir_prune(tmd_run *r) {
+    if (r->prune_pending < 0) return;
+    if (r->rank == 0) prune_checkpoints(r, r->prune_pending);
+    r->prune_pending = -1;
 }
 
 /* The text after `"key":` in a metrics line (tmd_json writes `"key": value`), or NULL. */
@@ -153,8 +225,13 @@ static int restore_metrics(tmd_run *r, int64_t upto, char *err, size_t errlen) {
         fclose(in);
         return TMD_RUNTIME_ERROR;
     }
-    char line[4096];
-    while (fgets(line, sizeof line, in)) {
+    /* Only whole records are kept: a run killed in the middle of a write leaves a last line
+     * without its newline (and its closing brace), which a reader of the file would choke on. */
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t n;
+    while ((n = getline(&line, &cap, in)) > 0) {
+        if (line[n - 1] != '\n' || n < 3 || line[0] != '{' || line[n - 2] != '}') continue;
         double step = json_field(line, "step");
         if (!(step <= (double)upto)) continue;
         fputs(line, out.f);
@@ -166,6 +243,7 @@ static int restore_metrics(tmd_run *r, int64_t upto, char *err, size_t errlen) {
             if (isfinite(v)) tmd_bins_add(&r->val_bins, (int64_t)step - 1, &v);
         }
     }
+    free(line);
     fclose(in);
     return tmd_atomic_commit(&out, err, errlen) ? TMD_RUNTIME_ERROR : 0;
 }
@@ -175,6 +253,9 @@ int tmd_rundir_open_outputs(tmd_run *r, int64_t start, char *err, size_t errlen)
     char e[TMD_PATH_MAX + 256];
     if (tmd_mkdirs(r->c.out, e, sizeof e)) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "key 'out': %s", e);
     int rc;
+    /* Held already when out existed (tmd_rundir_claim); a new directory is locked before the
+     * first file goes in, and before the temporaries are swept (a live run's are not stale). */
+    if ((rc = tmd_lock_dir(&r->lock, r->c.out, err, errlen))) return rc;
     remove_stale_temporaries(r->c.out);
     if (start == 0 && r->c.overwrite) delete_checkpoints(r->c.out);
     snprintf(r->metrics_path, sizeof r->metrics_path, "%s/metrics.jsonl", r->c.out);

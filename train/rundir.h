@@ -2,11 +2,11 @@
  * rundir.h — the run directory (key `out`) of `tinymoe train`: whether a new run may use it,
  * what is cleaned and restored in it when the loop starts, and the checkpoint policy.
  *
- * A fresh run refuses a directory that holds another run's checkpoints unless overwrite says
- * to delete them. When the loop starts, temporaries of interrupted writes are removed, and a
+ * One run at a time holds the directory (lock.h). A fresh run refuses a directory that holds
+ * another run's checkpoints unless overwrite says to delete them. When the loop starts, temporaries of interrupted writes are removed, and a
  * resumed run's metrics.jsonl is cut back to the checkpoint's step (or carried over from the
  * checkpoint's directory). Checkpoints are <out>/ckpt-<step>.tmck; after each save only the
- * newest keep_last up to that step are kept.
+ * newest keep_last up to that step are kept, once the saved weights have proven finite.
  */
 #ifndef TMD_RUNDIR_H
 #define TMD_RUNDIR_H
@@ -20,12 +20,24 @@
 /* A fresh run (no resume) must not mix its checkpoints with an earlier run's in c->out:
  * TMD_CONFIG_ERROR saying how to resume it, unless c->overwrite. Writes nothing. */
 int tmd_rundir_check_out_dir(const tmd_config *c, char *err, size_t errlen);
-/* Create out, remove stale temporaries (and, for a fresh run with overwrite, the earlier
- * checkpoints), restore metrics.jsonl up to step `start` when resuming, and open it in
- * r->metrics. Nothing (0) when out is empty. */
+/* Before the data is loaded: c->out must be a directory or creatable (not a file, not under
+ * one: TMD_CONFIG_ERROR); an existing one is locked now (lock.h: another live run there is
+ * refused at once) and checked with tmd_rundir_check_out_dir. Writes nothing but the lock file
+ * into an existing directory. */
+int tmd_rundir_claim(tmd_run *r, const tmd_config *c, char *err, size_t errlen);
+/* Create out and lock it (if tmd_rundir_claim did not), remove stale temporaries (and, for a
+ * fresh run with overwrite, the earlier checkpoints), restore metrics.jsonl up to step `start`
+ * when resuming (whole records only: a torn last line is dropped), and open it in r->metrics.
+ * Nothing (0) when out is empty. */
 int tmd_rundir_open_outputs(tmd_run *r, int64_t start, char *err, size_t errlen);
-/* Write <out>/ckpt-<done>.tmck (unless out is empty or this run already saved step `done`),
- * then prune to the newest keep_last. */
+/* Write <out>/ckpt-<done>.tmck (unless out is empty or this run already saved step `done`).
+ * A model holding a non-finite weight is not saved: TMD_RUNTIME_ERROR naming the tensor. The
+ * pruning this save calls for waits (r->prune_pending) for tmd_rundir_prune. */
 int tmd_rundir_save_checkpoint(tmd_run *r, int64_t done, char *err, size_t errlen);
+/* Keep the newest keep_last checkpoints up to the last save, if its pruning is pending. The
+ * loop calls this once the weights of that save have given a finite loss (the next step), or
+ * when the run ends without diverging: a divergence seen right after a save thus prunes
+ * nothing, and the older checkpoints, whose weights are known to work, stay. */
+void tmd_rundir_prune(tmd_run *r);
 
 #endif

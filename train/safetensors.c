@@ -236,7 +236,7 @@ void tmd_st_close(tmd_st_file *f) {
 
 int tmd_st_open(const char *path, tmd_st_file *f, char *err, size_t errlen) {
     memset(f, 0, sizeof *f);
-    int rc = tmd_read_file(path, &f->img, &f->len, err, errlen);
+    int rc = tmd_read_file(path, 0, &f->img, &f->len, err, errlen); /* weights: any size; the header is capped below */
     if (rc) return rc;
     rc = TMD_CONFIG_ERROR;
     if (f->len < 8) {

@@ -153,7 +153,7 @@ int tmd_sample_parse(int argc, char **argv, tmd_sample_opts *o, int *help, char 
             else return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "sample: %s needs cpu or cuda, got '%s'", flag, v);
             break;
         case 8:
-            if (parse_int(flag, v, 0, 4096, &x, err, errlen)) return TMD_CONFIG_ERROR;
+            if (parse_int(flag, v, 0, 1024, &x, err, errlen)) return TMD_CONFIG_ERROR;
             o->threads = (int)x;
             break;
         }
@@ -230,6 +230,13 @@ int tmd_sample_main(int argc, char **argv) {
         double t0 = tmd_now_s();
         rc = tmd_generate(lm.ctx, lm.model, prompt, n_prompt, o.tokens, &o.sampler, V > EOT_TOKEN ? EOT_TOKEN : -1,
                           stdout, &n_gen, err, sizeof err);
+        /* The reader went away (| head): there is no one left to print for, which is the end
+         * of the job, not a failure (SIGPIPE is ignored, so this is where it shows). */
+        if (rc && errno == EPIPE) {
+            tmd_loaded_model_free(&lm);
+            free(prompt);
+            return 0;
+        }
         double dt = tmd_now_s() - t0;
         putchar('\n');
         fflush(stdout);

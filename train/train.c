@@ -12,19 +12,24 @@
 
 #include "checkpoint.h"
 #include "data.h"
+#include "finite.h"
 #include "generate.h"
 #include "hf.h"
+#include "lock.h"
 #include "log.h"
 #include "markov.h"
 #include "plot.h"
 #include "run.h"
 #include "rundir.h"
 #include "status.h"
+#include "stop.h"
 #include "tinymoe.h"
 #include "util.h"
 
-/* Synthetic data has no "whole validation set": eval_batches 0 means this many batches. */
-enum { SYNTH_DEFAULT_EVAL_BATCHES = 8 };
+/* Synthetic data has no "whole validation set": eval_batches 0 means this many batches, and
+ * its validation set is this many fixed sequences (eval_batches beyond them is clamped, not a
+ * practically endless evaluation). */
+enum { SYNTH_DEFAULT_EVAL_BATCHES = 8, SYNTH_VAL_SEQUENCES = 8192 };
 /* Plot resolution: steps of the loss curve, columns of the heatmap. */
 enum { LOSS_BINS = 1000, LOAD_BINS = 160 };
 
@@ -34,14 +39,23 @@ int tmd_run_lib_fail(tmd_run *r, char *err, size_t errlen, const char *what, tm_
                     tm_ctx_errmsg(r->ctx));
 }
 
+void tmd_run_log_flush(tmd_run *r) {
+    if (!r->log) return;
+    if (fflush(r->log) == 0 && !ferror(r->log)) return;
+    r->log_errno = errno ? errno : EIO;
+    r->log = NULL;
+}
+
 void tmd_run_free(tmd_run *r) {
+    tmd_unlock(&r->lock);
     if (r->metrics) fclose(r->metrics);
     tmd_bins_free(&r->loss_bins);
     tmd_bins_free(&r->val_bins);
     tmd_bins_free(&r->load_bins);
     free(r->step_load);
     free(r->moe_layer);
-    free(r->inp); /* r->tgt lies in the same block */
+    free(r->inp);
+    free(r->tgt);
     free(r->seq);
     tmd_markov_free(&r->src);
     tmd_tokens_free(&r->train);
@@ -61,6 +75,11 @@ static int load_data(tmd_run *r, int eval_only, char *err, size_t errlen) {
             return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory building the synthetic source");
         r->optimum = tmd_markov_optimal_loss(&r->src, r->T);
         r->n_eval = (int64_t)(c->eval_batches ? c->eval_batches : SYNTH_DEFAULT_EVAL_BATCHES) * r->B;
+        if (r->n_eval > SYNTH_VAL_SEQUENCES) {
+            tmd_config_note(&r->c, "eval_batches %d x batch_size %d clamped to the %d synthetic validation sequences",
+                            c->eval_batches, r->B, SYNTH_VAL_SEQUENCES);
+            r->n_eval = SYNTH_VAL_SEQUENCES;
+        }
         return 0;
     }
     r->optimum = NAN;
@@ -71,6 +90,8 @@ static int load_data(tmd_run *r, int eval_only, char *err, size_t errlen) {
     if (!val_path || !eval_only) {
         if (tmd_tokens_load(c->data, &r->train, e, sizeof e))
             return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'data' = '%s': %s", c->data, e);
+        r->data_id.data_tokens = r->train.n;
+        r->data_id.data_hash = tmd_tokens_fingerprint(&r->train);
         if (tmd_tokens_check_vocab(&r->train, c->model.vocab_size, e, sizeof e))
             return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
                             "key 'data' = '%s': %s (vocab_size = %d; set vocab_size for "
@@ -81,6 +102,10 @@ static int load_data(tmd_run *r, int eval_only, char *err, size_t errlen) {
         if (tmd_tokens_load(val_path, &r->val, e, sizeof e))
             return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key '%s' = '%s': %s", c->val_data[0] ? "val_data" : "data",
                             val_path, e);
+        if (c->val_data[0]) {
+            r->data_id.val_tokens = r->val.n;
+            r->data_id.val_hash = tmd_tokens_fingerprint(&r->val);
+        }
     } else if (tmd_tokens_split(&r->train, c->val_fraction, &r->val, e, sizeof e)) {
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'val_fraction' = %g: %s", c->val_fraction, e);
     }
@@ -94,6 +119,10 @@ static int load_data(tmd_run *r, int eval_only, char *err, size_t errlen) {
                         r->val.source, (long long)r->val.n, r->T + 1);
     r->n_eval =
         c->eval_batches && (int64_t)c->eval_batches * r->B < windows ? (int64_t)c->eval_batches * r->B : windows;
+    if (c->eval_batches && r->n_eval < (int64_t)c->eval_batches * r->B &&
+        c->source[tmd_config_key_index("eval_batches")] != TMD_SRC_DEFAULT)
+        tmd_config_note(&r->c, "eval_batches %d x batch_size %d clamped to the %lld windows of the validation data",
+                        c->eval_batches, r->B, (long long)windows);
     if (eval_only) return 0;
     int64_t per_batch = (int64_t)r->B * r->T;
     if (per_batch > r->train.n - 1)
@@ -194,6 +223,13 @@ static int build(tmd_run *r, char *err, size_t errlen) {
     tm_dtype dt = c->dtype == TMD_DTYPE_BF16 ? TM_BF16 : TM_F32;
     char e[1024];
     if ((s = tm_model_new(r->ctx, &c->model, dt, r->dev, &r->model))) {
+        /* The configuration asked for more than the machine has: bad input, like a size the
+         * estimate (footprint.h) already refused. */
+        if (s == TM_ERR_NOMEM)
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                            "the model does not fit in memory (%s): reduce d_model, n_layers, num_experts, "
+                            "expert_ffn_size or vocab_size",
+                            tm_ctx_errmsg(r->ctx));
         if (s != TM_ERR_INVALID_ARG) return tmd_run_lib_fail(r, err, errlen, "building the model", s);
         tmd_config_explain(c, tm_ctx_errmsg(r->ctx), e, sizeof e);
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "%s", e);
@@ -209,11 +245,10 @@ static int build(tmd_run *r, char *err, size_t errlen) {
         if (!r->moe_layer || !r->step_load) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
         for (int i = 0; i < r->n_moe; i++) r->moe_layer[i] = c->model.first_k_dense + i;
     }
-    /* Inputs and targets in one block, so a batch goes to the device in one copy. */
-    r->inp = calloc(2 * (size_t)r->B * (size_t)r->T, sizeof *r->inp);
-    r->tgt = r->inp ? r->inp + (size_t)r->B * (size_t)r->T : NULL;
+    r->inp = malloc(sizeof *r->inp * (size_t)r->B * (size_t)r->T);
+    r->tgt = malloc(sizeof *r->tgt * (size_t)r->B * (size_t)r->T);
     r->seq = malloc(sizeof *r->seq * ((size_t)r->T + 1));
-    if (!r->inp || !r->seq) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the batches");
+    if (!r->inp || !r->tgt || !r->seq) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the batches");
     return 0;
 }
 
@@ -259,9 +294,11 @@ int tmd_run_setup(tmd_run *r, const tmd_config *cfg, FILE *log, int eval_only, c
     if ((rc = load_data(r, eval_only, err, errlen))) return rc;
     if ((rc = build(r, err, errlen))) return rc;
     if (r->c.init_from[0]) {
-        char e[2048];
+        char e[2048], what[TMD_PATH_MAX + 32];
         if ((rc = tmd_hf_import(r->ctx, r->model, r->c.init_from, e, sizeof e)))
             return tmd_fail(err, errlen, rc, "key 'init_from' = '%s': %s", r->c.init_from, e);
+        snprintf(what, sizeof what, "key 'init_from' = '%s': the export", r->c.init_from);
+        if ((rc = tmd_require_finite_weights(r->ctx, what, err, errlen))) return rc;
     }
     if (!eval_only && (rc = build_optimizer(r, err, errlen))) return rc;
     if (r->resume_path[0]) {
@@ -272,31 +309,23 @@ int tmd_run_setup(tmd_run *r, const tmd_config *cfg, FILE *log, int eval_only, c
             return tmd_fail(err, errlen, s == TM_ERR_NOMEM || s == TM_ERR_CUDA ? TMD_RUNTIME_ERROR : TMD_CONFIG_ERROR,
                             "cannot %s '%s': %s", eval_only ? "evaluate" : "resume from", r->resume_path,
                             tm_ctx_errmsg(r->ctx));
-        if (!eval_only && !r->synth) r->bt.position = r->resume_state.data_position;
+        char what[TMD_PATH_MAX + 16];
+        snprintf(what, sizeof what, "checkpoint '%s'", r->resume_path);
+        if ((rc = tmd_require_finite_weights(r->ctx, what, err, errlen))) return rc;
+        if (!eval_only) {
+            char e[2048];
+            if (tmd_ckpt_check_data(&r->resume_state.data, &r->data_id, &r->c, r->resume_path, e, sizeof e)) {
+                if (!r->c.allow_data_change) return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "%s", e);
+                tmd_config_note(&r->c, "allow_data_change: resuming on data that differs from the checkpoint's");
+            }
+            if (!r->synth) r->bt.position = r->resume_state.data_position;
+        }
     }
     return 0;
 }
 
 /* ---------------------------------------------------------------------------------------- */
 /* Batches                                                                                   */
-
-/* Training micro-batch `micro` of `step` into r->inp / r->tgt. */
-/* Rows [b0, b0 + Bl) of it: this rank's slice (all B rows in a single process), so that the
- * global batch and its order are the same for every layout. */
-static void train_batch(tmd_run *r, int64_t step, int micro) {
-    if (!r->synth) {
-        tmd_batcher_next_rows(&r->bt, r->b0, r->Bl, r->inp, r->tgt);
-        return;
-    }
-    /* Fresh sequences from the source: nothing can be memorised, so the training loss is an
-     * unbiased estimate of the expected loss and its gap to the optimum is a true gap. */
-    for (int b = r->b0; b < r->b0 + r->Bl; b++) {
-        uint64_t stream = ((uint64_t)step * (uint64_t)r->c.grad_accum + (uint64_t)micro) * (uint64_t)r->B + (uint64_t)b;
-        tmd_markov_sample(&r->src, (uint64_t)r->c.seed, stream, r->seq, r->T + 1);
-        memcpy(r->inp + (size_t)(b - r->b0) * r->T, r->seq, sizeof *r->seq * (size_t)r->T);
-        memcpy(r->tgt + (size_t)(b - r->b0) * r->T, r->seq + 1, sizeof *r->seq * (size_t)r->T);
-    }
-}
 
 /* Rows [0, rows) of half `half` of the uploaded [2, B, T] batch, as an i32 [rows, T] view. */
 static tm_status batch_half(tmd_run *r, tm_tensor *both, int half, int rows, tm_tensor **out) {
@@ -338,6 +367,12 @@ void tmd_run_print_header(tmd_run *r, int eval_only) {
     fprintf(f, "tinymoe %s %s\n\n", tm_version(), eval_only ? "eval" : "train");
     fprintf(f, "config (defaults unmarked; '#' says where a value came from):\n");
     tmd_config_print(c, f);
+    for (const char *n = c->notes; *n;) {
+        const char *nl = strchr(n, '\n');
+        int len = nl ? (int)(nl - n) : (int)strlen(n);
+        fprintf(f, "note: %.*s\n", len, n);
+        n += len + (nl != NULL);
+    }
     fprintf(f,
             "\nmodel : %lld parameters, %lld active per token; %d layers (%d MoE: %d experts, top-%d), d_model %d, %s "
             "on %s\n",
@@ -348,10 +383,11 @@ void tmd_run_print_header(tmd_run *r, int eval_only) {
         fprintf(
             f,
             "data  : synthetic order-2 Markov source: vocab %d, %d allowed next tokens per context, fresh sequences\n"
-            "        every step; optimal loss %.4f nats/token (exact: (H1 %.4f + %d x H2 %.4f) / %d; log(vocab) %.4f)\n"
+            "        every step; optimal loss %.4f nats/token (%s: (H1 %.4f + %d x H2 %.4f) / %d; log(vocab) %.4f)\n"
             "        validation: %lld fixed sequences of %d tokens\n",
-            c->synthetic_vocab, c->synthetic_k, r->optimum, r->src.h1, r->T - 1, r->src.h2, r->T,
-            log((double)c->synthetic_vocab), (long long)r->n_eval, r->T);
+            c->synthetic_vocab, c->synthetic_k, r->optimum,
+            tmd_markov_converged(&r->src) ? "exact" : "approximate: the table mixes too slowly for its size",
+            r->src.h1, r->T - 1, r->src.h2, r->T, log((double)c->synthetic_vocab), (long long)r->n_eval, r->T);
     } else {
         if (!eval_only)
             fprintf(f, "data  : %lld training tokens from '%s' (largest token %u)\n", (long long)r->train.n,
@@ -361,16 +397,23 @@ void tmd_run_print_header(tmd_run *r, int eval_only) {
                 c->val_data[0] || eval_only ? "" : " (the held-out tail)", (long long)r->n_eval, r->T);
     }
     if (!eval_only) {
-        int64_t tokens = c->sched.total_steps * (int64_t)c->grad_accum * r->B * r->T;
+        /* Checked: steps, grad_accum, batch and length are each bounded, not their product. */
+        int64_t tokens = 0;
+        char total[32];
+        if (__builtin_mul_overflow(c->sched.total_steps, (int64_t)c->grad_accum, &tokens) ||
+            __builtin_mul_overflow(tokens, (int64_t)r->B * r->T, &tokens))
+            snprintf(total, sizeof total, "%.3g", (double)c->sched.total_steps * c->grad_accum * r->B * r->T);
+        else
+            snprintf(total, sizeof total, "%lld", (long long)tokens);
         static const char *const sched[] = {"constant", "warmup + cosine", "warmup + linear", "warmup-stable-decay"};
         fprintf(
             f,
-            "train : %lld steps x %d micro-batch%s x %d x %d tokens = %lld tokens; %s, %s lr %g -> %g, warmup %lld\n\n",
-            (long long)c->sched.total_steps, c->grad_accum, c->grad_accum > 1 ? "es" : "", r->B, r->T,
-            (long long)tokens, c->optimizer == TMD_OPT_ADAMW ? "AdamW" : "SGD", sched[c->sched.kind], c->sched.lr,
-            c->sched.min_lr, (long long)c->sched.warmup_steps);
+            "train : %lld steps x %d micro-batch%s x %d x %d tokens = %s tokens; %s, %s lr %g -> %g, warmup %lld\n\n",
+            (long long)c->sched.total_steps, c->grad_accum, c->grad_accum > 1 ? "es" : "", r->B, r->T, total,
+            c->optimizer == TMD_OPT_ADAMW ? "AdamW" : "SGD", sched[c->sched.kind], c->sched.lr, c->sched.min_lr,
+            (long long)c->sched.warmup_steps);
     }
-    fflush(f);
+    tmd_run_log_flush(r);
 }
 
 typedef struct interval {
@@ -403,7 +446,7 @@ static int log_train(tmd_run *r, int64_t step, double lr, const interval *iv, do
     if (!r->log || r->tty) return 0;
     fprintf(r->log, "%7lld %8.4f %8.4f %8.5f %8.5f %9.2e %7.3f %8.1f %9.0f %6.2f\n", (long long)step, iv->loss / n,
             iv->ce / n, iv->aux / n, iv->z / n, lr, iv->gnorm / n, 1e3 * iv->seconds / n, tps, iv->max_load / n);
-    fflush(r->log);
+    tmd_run_log_flush(r);
     return 0;
 }
 
@@ -418,6 +461,7 @@ static void draw_progress(tmd_run *r, int64_t step, double lr, const interval *i
     snprintf(fields, sizeof fields, "loss %.4f | lr %.2e | %.0f tok/s | load %.2f |", iv->loss / n, lr, tps,
              iv->max_load / n);
     tmd_progress(r->log, step, r->c.sched.total_steps, elapsed, fields);
+    tmd_run_log_flush(r);
 }
 
 static int log_eval(tmd_run *r, int64_t step, double val) {
@@ -436,7 +480,7 @@ static int log_eval(tmd_run *r, int64_t step, double val) {
         fprintf(r->log, "step %lld: val loss %.4f (optimum %.4f, %+.1f%%)\n", (long long)step, val, r->optimum,
                 100 * (val - r->optimum) / r->optimum);
     else fprintf(r->log, "step %lld: val loss %.4f\n", (long long)step, val);
-    fflush(r->log);
+    tmd_run_log_flush(r);
     return 0;
 }
 
@@ -464,45 +508,20 @@ static int sample(tmd_run *r, char *err, size_t errlen) {
     FILE *f = r->log;
     fprintf(f, "\nsample (temperature %g, top_k %d, top_p %g):\n%s", c->temperature, c->top_k, c->top_p,
             c->sample_prompt);
-    fflush(f);
+    tmd_run_log_flush(r);
     tm_sampler_config sc = tm_sampler_config_default();
     sc.temperature = c->temperature;
     sc.top_k = c->top_k;
     sc.top_p = c->top_p;
     sc.seed = (uint64_t)c->seed;
-    int rc = tmd_generate(r->ctx, r->model, prompt, n, c->sample_tokens, &sc, TMD_BYTE_EOT, f, NULL, err, errlen);
-    fprintf(f, "\n");
+    int rc = r->log ? tmd_generate(r->ctx, r->model, prompt, n, c->sample_tokens, &sc, TMD_BYTE_EOT, f, NULL, err, errlen)
+                    : 0;
     free(prompt);
-    return rc;
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* Signals                                                                                   */
-
-/* SIGINT / SIGTERM ask the loop to stop after the current step and write a checkpoint. The
- * handler is one-shot (SA_RESETHAND): a second signal kills at once, which is safe because a
- * checkpoint being written replaces the old one only when complete. */
-static volatile sig_atomic_t g_stop_signal;
-static void on_stop_signal(int sig) { g_stop_signal = sig; }
-
-typedef struct saved_handlers {
-    struct sigaction intr, term;
-} saved_handlers;
-
-static void catch_stop_signals(saved_handlers *old) {
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_stop_signal;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESETHAND;
-    g_stop_signal = 0;
-    sigaction(SIGINT, &sa, &old->intr);
-    sigaction(SIGTERM, &sa, &old->term);
-}
-
-static void restore_stop_signals(const saved_handlers *old) {
-    sigaction(SIGINT, &old->intr, NULL);
-    sigaction(SIGTERM, &old->term, NULL);
+    if (!r->log) return 0;
+    fprintf(f, "\n");
+    tmd_run_log_flush(r);
+    /* A reader that went away ends the sample, not the (finished) run. */
+    return r->log ? rc : 0;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -521,53 +540,57 @@ static int write_plots(tmd_run *r, char *err, size_t errlen) {
     return tmd_plot_experts(path, &r->load_bins, r->n_moe, r->E, r->moe_layer, err, errlen) ? TMD_RUNTIME_ERROR : 0;
 }
 
-/* One optimizer step: grad_accum micro-batches, clip, step, expert-bias update. */
-static int train_step(tmd_run *r, int64_t step, double lr, interval *iv, double *first_loss, char *err, size_t errlen) {
-    const tmd_config *c = &r->c;
-    tm_status s;
-    double loss = 0;
-    if (r->step_load) memset(r->step_load, 0, sizeof *r->step_load * (size_t)r->n_moe * (size_t)r->E);
-    for (int m = 0; m < c->grad_accum; m++) {
-        train_batch(r, step, m);
-        tm_model_out out;
-        if ((s = tmd_run_forward(r, r->Bl, 1, &out))) return tmd_run_lib_fail(r, err, errlen, "forward", s);
-        tm_tensor *l = out.loss;
-        /* Mean over micro-batches: each backward adds 1/grad_accum of its gradient. */
-        if (c->grad_accum > 1 && (s = tm_scale(r->ctx, out.loss, 1.0 / c->grad_accum, &l)))
-            return tmd_run_lib_fail(r, err, errlen, "loss scaling", s);
-        if ((s = tm_backward(r->ctx, l))) return tmd_run_lib_fail(r, err, errlen, "backward", s);
-        double w = 1.0 / c->grad_accum;
-        loss += w * out.loss_value;
-        iv->loss += w * out.loss_value;
-        iv->ce += w * out.ce_value;
-        iv->aux += w * (out.aux_value + out.seq_aux_value);
-        iv->z += w * out.z_value;
-        iv->max_load += w * out.max_load_ratio;
-        iv->dropped += out.dropped_tokens;
-        if (r->step_load && out.tokens_per_expert && out.n_moe_layers == r->n_moe)
-            for (int i = 0; i < r->n_moe * r->E; i++) r->step_load[i] += (double)out.tokens_per_expert[i];
-        /* Parameter gradients persist; the activations of this micro-batch are done with. */
-        tm_ctx_arena_reset(r->ctx);
+/* A step skipped for a non-finite value (skip_nonfinite): a line and a metrics record. */
+static int log_skip(tmd_run *r, int64_t step, const tmd_step *st) {
+    if (r->metrics) {
+        tmd_json j;
+        tmd_json_begin(&j);
+        tmd_json_str(&j, "type", "skip");
+        tmd_json_int(&j, "step", step);
+        tmd_json_num(&j, "loss", st->loss);
+        tmd_json_num(&j, "grad_norm", st->gnorm);
+        if (tmd_jsonl_write(r->metrics, &j)) return -1;
     }
-    if (!isfinite(loss))
-        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR,
-                        "the training loss is %g at step %lld (try a lower lr or grad_clip)", loss,
-                        (long long)step + 1);
-    if (isnan(*first_loss)) *first_loss = loss;
-    /* Distributed: every bucket's gradient summed over its group (one collective per bucket). */
-    if ((s = tm_comm_sync_grads(r->ctx))) return tmd_run_lib_fail(r, err, errlen, "gradient synchronisation", s);
-    double gnorm = 0;
-    if ((s = tm_ctx_clip_grad_norm(r->ctx, c->grad_clip, &gnorm)))
-        return tmd_run_lib_fail(r, err, errlen, "gradient clipping", s);
-    if ((s = tm_optimizer_step(r->opt, lr))) return tmd_run_lib_fail(r, err, errlen, "optimizer step", s);
-    if ((s = tm_model_step(r->model))) return tmd_run_lib_fail(r, err, errlen, "expert-bias update", s);
-    if ((s = tm_ctx_zero_grad(r->ctx))) return tmd_run_lib_fail(r, err, errlen, "zeroing gradients", s);
-    tm_ctx_arena_reset(r->ctx);
-    iv->gnorm += gnorm;
-    iv->n++;
-    tmd_bins_add(&r->loss_bins, step, &loss);
-    if (r->step_load) tmd_bins_add(&r->load_bins, step, r->step_load);
+    if (r->log) {
+        if (r->tty) tmd_progress_clear(r->log);
+        fprintf(r->log, "step %lld: skipped, no update: loss %g, gradient norm %g (%lld of skip_nonfinite %d)\n",
+                (long long)step, st->loss, st->gnorm, (long long)r->skipped, r->c.skip_nonfinite);
+        tmd_run_log_flush(r);
+    }
     return 0;
+}
+
+/* A stop signal arrived (stop.h): save at step `done`, draw the plots, say what happened.
+ * `during` names where the request was noticed ("" after a step). */
+static int stop_run(tmd_run *r, tmd_train_result *res, int64_t done, const char *during, char *err, size_t errlen) {
+    const tmd_config *c = &r->c;
+    int sig = tmd_stop_signal(), rc;
+    if ((rc = tmd_rundir_save_checkpoint(r, done, err, errlen))) return rc;
+    tmd_rundir_prune(r);
+    if ((rc = write_plots(r, err, errlen))) return rc;
+    res->steps = done;
+    res->stopped_by_signal = sig;
+    /* Where the reader went away with the terminal (| tee ended by the same Ctrl-C), stderr
+     * may still be there; a caller that gave no log wants silence. */
+    FILE *f = r->log ? r->log : r->log_errno ? stderr : NULL;
+    if (!f) return 128 + sig;
+    if (r->log && r->tty) tmd_progress_clear(r->log);
+    char ck[TMD_PATH_MAX + 32];
+    tmd_ckpt_path(c->out, done, ck, sizeof ck);
+    if (c->out[0])
+        fprintf(f, "%s: stopped at step %lld%s; checkpoint %s; continue with 'tinymoe train --resume %s'\n",
+                tmd_stop_name(sig), (long long)done, during, ck, c->out);
+    else
+        fprintf(f, "%s: stopped at step %lld%s; no checkpoint written (out is empty)\n", tmd_stop_name(sig),
+                (long long)done, during);
+    if (tmd_stop_count() > 1)
+        fprintf(f,
+                "(%d stop signals arrived: the second was absorbed so that the run could finish stopping; a third "
+                "ends it at once)\n",
+                tmd_stop_count());
+    if (r->log) tmd_run_log_flush(r);
+    else fflush(stderr);
+    return 128 + sig;
 }
 
 static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errlen) {
@@ -583,6 +606,7 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
         if (r->log)
             fprintf(r->log, "the checkpoint is at step %lld of %lld: nothing to train (raise steps to train longer)\n",
                     (long long)start, (long long)steps);
+        tmd_run_log_flush(r);
         res->steps = start;
         return 0;
     }
@@ -593,13 +617,33 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
     double t_train = 0, first_loss = NAN, val = NAN, last_draw = 0;
     for (int64_t step = start; step < steps; step++) {
         double lr = tm_lr_at(&c->sched, step), t0 = tmd_now_s();
-        if ((rc = train_step(r, step, lr, &iv, &first_loss, err, errlen))) return rc;
+        tmd_step st;
+        if ((rc = tmd_run_step(r, step, lr, &st, err, errlen))) return rc;
         double dt = tmd_now_s() - t0;
         iv.seconds += dt;
         t_train += dt;
         int64_t done = step + 1;
+        if (st.skipped) {
+            if (log_skip(r, done, &st))
+                return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path,
+                                strerror(errno));
+        } else {
+            tmd_rundir_prune(r); /* the weights of the last save gave a finite loss */
+            if (isnan(first_loss)) first_loss = st.loss;
+            iv.loss += st.loss;
+            iv.ce += st.ce;
+            iv.aux += st.aux;
+            iv.z += st.z;
+            iv.max_load += st.max_load;
+            iv.dropped += st.dropped;
+            iv.gnorm += st.gnorm;
+            iv.n++;
+            tmd_bins_add(&r->loss_bins, step, &st.loss);
+            if (r->step_load) tmd_bins_add(&r->load_bins, step, r->step_load);
+        }
         draw_progress(r, done, lr, &iv, t_train, &last_draw);
-        if (done % c->log_every == 0 || done == steps) {
+        /* An interval of skipped steps only has no means to record. */
+        if ((done % c->log_every == 0 || done == steps) && iv.n > 0) {
             if (log_train(r, done, lr, &iv, t_train))
                 return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", r->metrics_path,
                                 strerror(errno));
@@ -608,7 +652,9 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
             iv = (interval){0};
         }
         if ((c->eval_every && done % c->eval_every == 0) || done == steps) {
-            if ((rc = tmd_run_evaluate(r, &val, err, errlen))) return rc;
+            rc = tmd_run_evaluate(r, &val, err, errlen);
+            if (rc > 128) return stop_run(r, res, done, " (during the evaluation after it)", err, errlen);
+            if (rc) return rc;
             double v = val;
             tmd_bins_add(&r->val_bins, step, &v);
             if (log_eval(r, done, val))
@@ -635,7 +681,7 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
             res->steps = done;
             return 0;
         }
-        int sig = g_stop_signal;
+        int sig = tmd_stop_signal();
         if (r->world > 1) {
             /* Every rank stops after the same step (mpirun forwards the signal to each rank, which
              * may see it at different steps): the first step after which any rank saw one. */
@@ -644,24 +690,9 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
             if (s) return tmd_run_lib_fail(r, err, errlen, "agreeing on a stop", s);
             sig = v[0] ? (int)(v[1] / v[0]) : 0;
         }
-        if (sig) {
-            if ((rc = tmd_rundir_save_checkpoint(r, done, err, errlen))) return rc;
-            if ((rc = write_plots(r, err, errlen))) return rc;
-            if (r->log) {
-                if (r->tty) tmd_progress_clear(r->log);
-                if (c->out[0])
-                    fprintf(r->log, "%s at step %lld: continue with 'tinymoe train --resume %s'\n",
-                            sig == SIGINT ? "interrupted" : "terminated", (long long)done, c->out);
-                else
-                    fprintf(r->log, "%s at step %lld; no checkpoint written (out is empty)\n",
-                            sig == SIGINT ? "interrupted" : "terminated", (long long)done);
-                fflush(r->log);
-            }
-            res->steps = done;
-            res->stopped_by_signal = sig;
-            return 128 + sig;
-        }
+        if (sig) return stop_run(r, res, done, "", err, errlen);
     }
+    tmd_rundir_prune(r);
     if (r->tty && r->log) tmd_progress_clear(r->log);
     res->steps = steps;
     res->first_loss = first_loss;
@@ -673,12 +704,14 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
         fprintf(r->log,
                 "\ndone: %lld steps in %.1f s (%.0f tokens/s); train loss %.4f -> %.4f (ce %.4f); val loss %.4f\n",
                 (long long)(steps - start), t_train, res->tokens_per_s, first_loss, res->last_loss, res->last_ce, val);
+        if (r->skipped)
+            fprintf(r->log, "skipped %lld step%s with a non-finite loss or gradient norm (skip_nonfinite %d)\n",
+                    (long long)r->skipped, r->skipped > 1 ? "s" : "", c->skip_nonfinite);
         tm_memory_report mr; /* the model's device; the breakdown is the one at the peak */
         if (tm_ctx_memory_report(r->ctx, r->dev, &mr) == TM_OK) {
             const double mib = 1024.0 * 1024.0;
             fprintf(r->log, "memory (%s): peak %.1f MiB (parameters %.1f, gradients %.1f, optimizer %.1f, buffers %.1f, temporaries %.1f)\n",
-                    r->dev.type == TM_DEVICE_CUDA ? "cuda:0" : "cpu", mr.total_peak / mib,
-                    mr.at_peak[TM_MEM_PARAMETERS] / mib, mr.at_peak[TM_MEM_GRADIENTS] / mib,
+                    r->dev.type == TM_DEVICE_CUDA ? "cuda:0" : "cpu", mr.total_peak / mib, mr.at_peak[TM_MEM_PARAMETERS] / mib, mr.at_peak[TM_MEM_GRADIENTS] / mib,
                     mr.at_peak[TM_MEM_OPTIMIZER] / mib, mr.at_peak[TM_MEM_BUFFERS] / mib, mr.at_peak[TM_MEM_TEMPORARIES] / mib);
         }
         if (r->synth)
@@ -688,11 +721,22 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
             fprintf(r->log, "wrote %s/metrics.jsonl, %s/loss.svg%s%s%s; checkpoint %s/ckpt-%08lld" TMD_CKPT_EXT "\n",
                     c->out, c->out, r->n_moe ? ", " : "", r->n_moe ? c->out : "", r->n_moe ? "/experts.svg" : "",
                     c->out, (long long)steps);
-        fflush(r->log);
+        tmd_run_log_flush(r);
     }
     /* Sampling runs on one process: its forwards would wait for the other ranks' collectives. */
     if (r->log && r->world == 1 && c->sample_prompt[0] && c->sample_tokens > 0 && (rc = sample(r, err, errlen)))
         return rc;
+    /* The checkpoint is written; a stop request during the sample only cut the sample short. */
+    if (tmd_stop_signal()) {
+        FILE *f = r->log ? r->log : r->log_errno ? stderr : NULL;
+        if (f) {
+            fprintf(f, "%s: sample stopped; the run had finished (checkpoint written)\n",
+                    tmd_stop_name(tmd_stop_signal()));
+            fflush(f);
+        }
+        res->stopped_by_signal = tmd_stop_signal();
+        return 128 + tmd_stop_signal();
+    }
     return 0;
 }
 
@@ -717,6 +761,9 @@ int tmd_run_resume_config(tmd_run *r, const tmd_config *cli, tmd_config *out, in
     } else {
         snprintf(out->resume, sizeof out->resume, "%s", cli->resume);
         out->init_from[0] = 0;
+        /* The checkpoint's warmup is part of its trajectory, even where it equals the default:
+         * a resume with fewer steps than it must not clamp it silently (resolve would). */
+        out->source[tmd_config_key_index("warmup_steps")] = TMD_SRC_CKPT;
     }
     return 0;
 }
@@ -769,6 +816,7 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
     tmd_run *r = calloc(1, sizeof *r);
     if (!r) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
     r->saved_step = -1;
+    r->prune_pending = -1;
     tmd_config c = *cfg;
     int rc = 0;
     if (cfg->resume[0] && cfg->init_from[0])
@@ -777,24 +825,27 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
             "keys 'resume' and 'init_from' exclude each other (resume restores the weights from the checkpoint)");
     if (!rc && cfg->resume[0]) rc = tmd_run_resume_config(r, cfg, &c, 0, cfg->resume, err, errlen);
     if (!rc && cfg->init_from[0]) rc = tmd_run_init_from_config(cfg, &c, err, errlen);
-    if (!rc) rc = tmd_rundir_check_out_dir(&c, err, errlen);
+    if (!rc) rc = tmd_rundir_claim(r, &c, err, errlen);
     if (!rc) rc = tmd_run_setup(r, &c, log, 0, err, errlen);
     if (!rc) {
         res->params = r->params;
         res->active_params = r->active;
         res->optimum = r->synth ? r->optimum : NAN;
+        /* From the first line printed: a closed pipe must not kill the run (SIGPIPE). */
+        tmd_stop_saved old;
+        tmd_stop_catch(&old);
         tmd_run_print_header(r, 0);
-        if (r->resume_path[0] && log) {
-            fprintf(log, "resuming from %s at step %lld", r->resume_path, (long long)r->resume_state.step);
+        if (r->resume_path[0] && r->log) {
+            fprintf(r->log, "resuming from %s at step %lld", r->resume_path, (long long)r->resume_state.step);
             if (r->resume_ck_steps != c.sched.total_steps)
-                fprintf(log, "; steps %lld -> %lld%s", (long long)r->resume_ck_steps, (long long)c.sched.total_steps,
+                fprintf(r->log, "; steps %lld -> %lld%s", (long long)r->resume_ck_steps,
+                        (long long)c.sched.total_steps,
                         c.sched.kind == TM_LR_CONSTANT ? "" : " (the learning-rate schedule now spans the new total)");
-            fprintf(log, "\n\n");
+            fprintf(r->log, "\n\n");
+            tmd_run_log_flush(r);
         }
-        saved_handlers old;
-        catch_stop_signals(&old);
         rc = train_loop(r, res, err, errlen);
-        restore_stop_signals(&old);
+        tmd_stop_restore(&old);
         if (rc && r->log && r->tty) tmd_progress_clear(r->log);
     }
     res->rank = r->rank;

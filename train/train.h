@@ -2,8 +2,9 @@
  * train.h — `tinymoe train` and `tinymoe eval` as functions (the command line is main.c), so
  * the training loop can be tested.
  *
- * tmd_train: validate the config, load and check the data, build the model and the optimizer
- * (any problem up to here: status 2 and nothing written); print the resolved config, the
+ * tmd_train: validate the config, claim the out directory (not a file; locked against another
+ * run, lock.h), load and check the data, build the model and the optimizer (any problem up to
+ * here: status 2 and nothing written but the lock file); print the resolved config, the
  * parameter counts and a data summary; train (per step: grad_accum micro-batches, clip, the
  * scheduled learning rate, the optimizer step, the expert-bias update); validate every
  * eval_every steps and at the end; log every log_every steps (a progress bar when `log` is a
@@ -36,12 +37,15 @@ typedef struct tmd_train_result {
                                     * one rank reports it and no rank needs to abort the job */
 } tmd_train_result;
 
-/* log: where the summary and progress go (stdout in the driver); res may be NULL. On failure
- * err holds the message (without the "tinymoe: " prefix).
+/* log: where the summary and progress go (stdout in the driver; a write to it that fails, a
+ * closed pipe, only stops the printing); res may be NULL. On failure err holds the message
+ * (without the "tinymoe: " prefix). A step whose loss or gradient norm is not finite ends the
+ * run with TMD_RUNTIME_ERROR before its update (after skip_nonfinite skips), and no checkpoint
+ * with a non-finite weight is ever written (step.c, rundir.h).
  * Checkpoints (with out set): <out>/ckpt-<step>.tmck every save_every steps, at the end, and
- * when SIGINT or SIGTERM arrives (caught for the duration of the call: the loop stops after
- * the current step, saves, and returns 128 + the signal number); the newest keep_last are
- * kept. With cfg->resume the run continues from that checkpoint (file, or the newest in a
+ * when SIGINT or SIGTERM arrives (caught for the duration of the call, stop.h: the loop stops
+ * after the current step, evaluation batch or sampled token, saves, and returns 128 + the
+ * signal number); the newest keep_last are kept. With cfg->resume the run continues from that checkpoint (file, or the newest in a
  * directory): its config is the checkpoint's, the keys cfg set explicitly must agree with it
  * except run settings (tmd_config_key_resumable), and on the CPU the result is bit-identical
  * to a run that was never interrupted. */

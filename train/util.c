@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,13 +24,18 @@ int tmd_fail(char *err, size_t errlen, int code, const char *fmt, ...) {
     return code;
 }
 
-int tmd_read_file(const char *path, unsigned char **data, size_t *len, char *err, size_t errlen) {
+int tmd_read_file(const char *path, size_t max, unsigned char **data, size_t *len, char *err, size_t errlen) {
     int fd = open(path, O_RDONLY);
     if (fd < 0) return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "cannot open '%s': %s", path, strerror(errno));
     struct stat sb;
     if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
         close(fd);
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "'%s' is not a regular file", path);
+    }
+    if (max && (uint64_t)sb.st_size > max) {
+        close(fd);
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "'%s' is %lld bytes, more than the %zu bytes such a file may have",
+                        path, (long long)sb.st_size, max);
     }
     size_t n = (size_t)sb.st_size, got = 0;
     unsigned char *b = malloc(n ? n : 1);

@@ -20,9 +20,11 @@ __attribute__((format(printf, 4, 5)))
 int tmd_fail(char *err, size_t errlen, int code, const char *fmt, ...);
 
 /* The whole of the regular file `path` in a malloc'ed buffer (*data, free() it; *len bytes).
- * TMD_CONFIG_ERROR when it cannot be opened or is not a regular file, TMD_RUNTIME_ERROR when
- * memory or a read fails (codes of status.h); the message names the file. */
-int tmd_read_file(const char *path, unsigned char **data, size_t *len, char *err, size_t errlen);
+ * TMD_CONFIG_ERROR when it cannot be opened, is not a regular file, or is larger than max
+ * bytes (0: no limit; a small file that is huge is hostile, not worth a GB of memory),
+ * TMD_RUNTIME_ERROR when memory or a read fails (codes of status.h); the message names the
+ * file. */
+int tmd_read_file(const char *path, size_t max, unsigned char **data, size_t *len, char *err, size_t errlen);
 
 /* Seconds on the monotonic clock (CLOCK_MONOTONIC), for measuring durations. */
 double tmd_now_s(void);

@@ -1,0 +1,41 @@
+/*
+ * child.h — running the `tinymoe` binary in a child process, for the tests of what only a
+ * process shows: signals, closed pipes, file-size limits, exit statuses, the out-directory lock.
+ *
+ * The binary is the one built beside the test binary (build/tinymoe next to
+ * build/tinymoe_tests, build-san/ under SAN=1), so a test exercises main.c as users run it.
+ */
+#ifndef TT_CHILD_H
+#define TT_CHILD_H
+
+#include <sys/types.h>
+
+typedef struct tt_child {
+    pid_t pid;
+    int out_fd; /* read end of the child's stdout + stderr when started with a pipe, else -1 */
+} tt_child;
+
+/* The tinymoe binary beside this test binary (asserts it exists). */
+const char *tt_tinymoe(void);
+
+/* Start argv (argv[0] is looked up with execvp; NULL-terminated) in its own process group
+ * (so a signal to -pid reaches it and whatever it starts, as Ctrl-C reaches a pipeline).
+ * stdout and stderr go to out_path (truncated), or to a pipe (out_path NULL: read out_fd).
+ * fsize_limit > 0: RLIMIT_FSIZE in bytes. */
+tt_child tt_spawn(char *const *argv, const char *out_path, long fsize_limit);
+
+/* Wait up to `seconds` for the child: its wait status, or -1 after killing it (SIGKILL to
+ * the group) when it did not end in time. */
+int tt_wait(tt_child *c, double seconds);
+
+/* Run to completion (at most `seconds`), stdout + stderr into out_path: the exit code, 128 +
+ * the signal if one killed it, or -1 on timeout. *elapsed (may be NULL) gets the seconds. */
+int tt_run(char *const *argv, const char *out_path, double seconds, double *elapsed);
+
+/* Poll until `path` exists and holds `text` (NULL: any content), up to `seconds`: 1, or 0. */
+int tt_wait_for_text(const char *path, const char *text, double seconds);
+
+/* Seconds on the monotonic clock. */
+double tt_now(void);
+
+#endif
