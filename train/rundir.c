@@ -95,7 +95,8 @@ int tmd_rundir_claim(tmd_run *r, const tmd_config *c, char *err, size_t errlen) 
                             "key 'out' = '%s' exists and is not a directory (give a directory for the checkpoints "
                             "and metrics)",
                             c->out);
-        int rc = tmd_lock_dir(&r->lock, c->out, err, errlen);
+        /* Under mpirun the ranks are one run: rank 0, which owns the directory, holds the lock. */
+        int rc = tm_mpi_world_rank() == 0 ? tmd_lock_dir(&r->lock, c->out, err, errlen) : 0;
         if (rc) return rc;
         /* Appended to in place (not replaced atomically): it must be a file of ours. */
         char m[TMD_PATH_MAX + 32];

@@ -55,7 +55,6 @@ void tmd_run_free(tmd_run *r) {
     free(r->step_load);
     free(r->moe_layer);
     free(r->inp);
-    free(r->tgt);
     free(r->seq);
     tmd_markov_free(&r->src);
     tmd_tokens_free(&r->train);
@@ -245,8 +244,9 @@ static int build(tmd_run *r, char *err, size_t errlen) {
         if (!r->moe_layer || !r->step_load) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
         for (int i = 0; i < r->n_moe; i++) r->moe_layer[i] = c->model.first_k_dense + i;
     }
-    r->inp = malloc(sizeof *r->inp * (size_t)r->B * (size_t)r->T);
-    r->tgt = malloc(sizeof *r->tgt * (size_t)r->B * (size_t)r->T);
+    /* inputs and targets: the two halves of one block, uploaded in one copy (tmd_run_forward) */
+    r->inp = calloc(2 * (size_t)r->B * (size_t)r->T, sizeof *r->inp);
+    r->tgt = r->inp ? r->inp + (size_t)r->B * (size_t)r->T : NULL;
     r->seq = malloc(sizeof *r->seq * ((size_t)r->T + 1));
     if (!r->inp || !r->tgt || !r->seq) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the batches");
     return 0;
