@@ -1,7 +1,8 @@
 # tinymoe — build
 #
 #   make                      libtinymoe.a, libtinymoe.so and the tinymoe driver in build/
-#   make test                 check the .so's exports (scripts/check-exports.sh), build and run
+#   make test                 check the .so's exports (scripts/check-exports.sh) and the layers'
+#                             include boundary (scripts/check-boundary.sh), build and run
 #                             the Criterion suite (tests/), then examples/*.c against a staged
 #                             install ($(BUILD)/stage)
 #   make SAN=1 test           the same with AddressSanitizer + UBSan (objects in build-san/)
@@ -183,7 +184,7 @@ $(DIST_HELPER): tests/dist/dist_helper.c $(LIBA)
 
 # ASan and the CUDA runtime disagree about the shadow gap; UBSan prints stacks.
 TEST_ENV := ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1
-test: check-exports $(TESTBIN) $(BIN)
+test: check-exports check-boundary $(TESTBIN) $(BIN)
 	$(TEST_ENV) $(abspath $(TESTBIN)) --jobs 2 $(TEST_ARGS)
 	@$(MAKE) --no-print-directory examples
 
@@ -196,6 +197,12 @@ test-cuda:
 .PHONY: check-exports
 check-exports: $(LIBSO) $(LIBA)
 	scripts/check-exports.sh $(LIBSO) $(LIBA)
+
+# layers/, optim/ and checkpoints/ include only tinymoe.h and framework/extend.h (no other
+# framework/ header): scripts/check-boundary.sh, run by `make test`.
+.PHONY: check-boundary
+check-boundary:
+	scripts/check-boundary.sh
 
 # Every examples/*.c, built the way a user would: against a staged install (its header and its
 # pkg-config file, not the tree's), linked to the shared library through an rpath, and run in

@@ -3,7 +3,10 @@
  * public tinymoe.h: error reporting, host memory through the allocator hook, the bucket
  * machinery an optimizer needs (master weights, flat state per bucket, named per-parameter
  * views of it for checkpoints), and a kernel-availability query so that a multi-op update can
- * refuse before touching anything. Everything else of the runtime stays behind internal.h.
+ * refuse before touching anything; and, for layers/, the few runtime entry points a model
+ * built from public ops still needs (host scratch of the step, the no-sync embedding and
+ * cross-entropy, untaped copies into views, a persistent tensor owned by its caller).
+ * Everything else of the runtime stays behind internal.h: tm_tensor is an incomplete type here.
  */
 #ifndef TM_EXTEND_H
 #define TM_EXTEND_H
@@ -60,6 +63,51 @@ const char *tm__bucket_first_param(const tm_ctx *ctx, int bucket);
 /* 1 when op `name` (as in framework/ops.def) has a forward kernel for tensors on dev in this
  * context. */
 int tm__op_available(const tm_ctx *ctx, const char *name, tm_device dev);
+
+/* ---- for layers/ (layers/model.c, moe.c, kv_cache.c) ------------------------------------ */
+/* 1 for the float dtypes (f32, bf16, f64). */
+static inline int tm__is_float(tm_dtype dt) { return dt == TM_F32 || dt == TM_BF16 || dt == TM_F64; }
+/* 1 when a and b are the same device (any CPU is the CPU). */
+static inline int tm__same_device(tm_device a, tm_device b) {
+    return a.type == b.type && (a.type == TM_DEVICE_CPU || a.index == b.index);
+}
+/* 1 while the context records the tape (tm_ctx_set_grad_enabled). */
+int tm__grad_enabled(const tm_ctx *ctx);
+/* The context a tensor belongs to. */
+tm_ctx *tm__tensor_ctx(const tm_tensor *t);
+/* nbytes from the per-step data arena of dev (64-byte aligned; gone at tm_ctx_arena_reset;
+ * inside a kernel, given back when it returns); NULL + message on failure. */
+void *tm__arena_alloc(tm_ctx *ctx, tm_device dev, size_t nbytes);
+/* nbytes of per-step host bookkeeping memory (tensor headers, tape nodes); gone at
+ * tm_ctx_arena_reset; NULL on failure. */
+void *tm__meta_alloc(tm_ctx *ctx, size_t nbytes);
+/* tm_embedding for ids already known to be valid (tm_index_check on the device, or read on the
+ * host): the same result, but the CUDA forward does not read its bad-index flag back, so it
+ * does not synchronise (and the CPU forward counts no synchronisation). An id outside [0, V)
+ * then gives a zero row on CUDA (the CPU still reports it). */
+tm_status tm__embedding_checked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
+/* tm_cross_entropy for targets already known to be valid (checked on the device, e.g. by
+ * tm_index_check): the same result, but the CUDA forward does not read its bad-target flag
+ * back, so it does not synchronise (and the CPU forward counts no synchronisation). A target
+ * outside [0, V) that is not ignore_index is then undefined on CUDA (the CPU still reports it). */
+tm_status tm__cross_entropy_checked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
+                                    tm_tensor **out);
+/* Not taped: dst = src (accumulate 0) or dst += alpha * src (accumulate 1) with ANY strides on
+ * both sides (dst must not overlap itself); same shape and device; dtypes converted. Used
+ * where the destination is a view (concat forward, slice backward, KV cache writes). */
+tm_status tm__assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accumulate, double alpha);
+/* Not taped, no kernel: copy the bytes of src (contiguous) into the memory of dst (contiguous)
+ * from byte `offset` on, device to device (no dtype conversion: statistics packed into i64
+ * slots). TM_ERR_INTERNAL when either is strided or the bytes do not fit in dst. */
+tm_status tm__copy_bytes(tm_ctx *ctx, tm_tensor *dst, size_t offset, const tm_tensor *src);
+/* A zeroed contiguous tensor that outlives tm_ctx_arena_reset, owned by the caller until
+ * tm__persistent_free: unnamed (no checkpoint sees it), no gradient, and, like the KV caches
+ * that use it, not in tm_ctx_memory_report. fn names the caller in messages. Errors: as
+ * tm_tensor_zeros (TM_ERR_NOMEM when host or device memory runs out). */
+tm_status tm__persistent_new(tm_ctx *ctx, const char *fn, tm_dtype dt, int ndim, const int64_t *shape,
+                             tm_device dev, tm_tensor **out);
+/* Free a tensor of tm__persistent_new (its views become invalid). NULL: no-op. */
+void tm__persistent_free(tm_ctx *ctx, tm_tensor *t);
 
 /* ---- distributed (framework/comm.c) --------------------------------------------------------- */
 /* The group a bucket's gradients are summed over: TM_COMM_EXPERT_DP for expert buckets,

@@ -170,17 +170,13 @@ tm_status tm__err(tm_ctx *ctx, tm_status s, const char *fmt, ...)
 void *tm__host_alloc(tm_ctx *ctx, size_t nbytes);
 void tm__host_free(tm_ctx *ctx, void *p);
 
-/* Per-step arena on a device; memory is 64-byte aligned; NULL + message on failure.
- * Kernel scratch taken here is given back when the kernel returns (see tm__scope_open). */
-void *tm__arena_alloc(tm_ctx *ctx, tm_device dev, size_t nbytes);
-/* The same for a tensor's storage: sets st->data and st->arena_bytes (the block's size). */
+/* (tm__arena_alloc and tm__meta_alloc: extend.h) */
+/* tm__arena_alloc for a tensor's storage: sets st->data and st->arena_bytes (the block's size). */
 tm_status tm__arena_alloc_storage(tm_ctx *ctx, tm__storage *st);
 /* Give a block of `size` bytes (the arena_bytes of its storage) back to the arena of `dev`,
  * for later requests of the same step. Nothing may read or write it afterwards; on CUDA the
  * work already queued on the context's stream may (the stream orders it before any reuse). */
 void tm__arena_free(tm_ctx *ctx, tm_device dev, void *p, size_t size);
-/* Per-step host arena for bookkeeping (tensor headers, tape nodes, kernel scratch). */
-void *tm__meta_alloc(tm_ctx *ctx, size_t nbytes);
 
 /* ---- tensors ----------------------------------------------------------------------------- */
 
@@ -190,11 +186,8 @@ int tm__is_contiguous(const tm_tensor *t);
 static inline void *tm__data(const tm_tensor *t) {
     return (char *)t->storage->data + t->offset * (int64_t)tm_dtype_size(t->dtype);
 }
-static inline int tm__is_float(tm_dtype dt) { return dt == TM_F32 || dt == TM_BF16 || dt == TM_F64; }
+/* (tm__is_float and tm__same_device: extend.h) */
 static inline int tm__is_index(tm_dtype dt) { return dt == TM_I32 || dt == TM_I64; }
-static inline int tm__same_device(tm_device a, tm_device b) {
-    return a.type == b.type && (a.type == TM_DEVICE_CPU || a.index == b.index);
-}
 static inline int tm__backend(tm_device d) { return d.type == TM_DEVICE_CUDA ? TM__CUDA : TM__CPU; }
 /* Read element i (logical, contiguous tensor) of an i32/i64 tensor on the CPU. */
 static inline int64_t tm__idx(const tm_tensor *t, int64_t i) {
@@ -232,10 +225,7 @@ tm_status tm__copy_into(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src);
 /* Internal, not taped: dst += alpha * src; same shape; dst contiguous; src any strides.
  * The gradient plumbing of view ops is built on this. */
 tm_status tm__accumulate(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, double alpha);
-/* Internal, not taped: dst = src (accumulate 0) or dst += alpha * src (accumulate 1) with ANY
- * strides on both sides (dst must not overlap itself); same shape and device; dtypes
- * converted. Used where the destination is a view (concat forward, slice backward). */
-tm_status tm__assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accumulate, double alpha);
+/* (tm__assign: extend.h) */
 /* Internal, not taped: set every element to `value`. */
 tm_status tm__fill(tm_ctx *ctx, tm_tensor *t, double value);
 /* Internal: memcpy between any two devices of the context (nbytes). */
@@ -285,18 +275,7 @@ void tm__scope_close(tm_ctx *ctx, int mark, tm_tensor *const *keep, int nkeep);
  * buffers and arena blocks calls it. */
 void tm__mem_account(tm_ctx *ctx, tm_device dev, int cat, ptrdiff_t delta);
 
-/* tm_cross_entropy for targets already known to be valid (checked on the device, e.g. by
- * tm_index_check): the same result, but the CUDA forward does not read its bad-target flag
- * back, so it does not synchronise (and the CPU forward counts no synchronisation). A target
- * outside [0, V) that is not ignore_index is then undefined on CUDA (the CPU still reports it). */
-tm_status tm__cross_entropy_checked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
-                                    tm_tensor **out);
-
-/* tm_embedding for ids already known to be valid (tm_index_check on the device, or read on the
- * host): the same result, but the CUDA forward does not read its bad-index flag back, so it
- * does not synchronise (and the CPU forward counts no synchronisation). An id outside [0, V)
- * then gives a zero row on CUDA (the CPU still reports it). */
-tm_status tm__embedding_checked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
+/* (tm__cross_entropy_checked and tm__embedding_checked: extend.h) */
 /* Index range errors of embedding, index_select, gather and scatter_add (framework/ops/
  * indexing.c), shared by their CPU and CUDA kernels so both name a bad index alike: the bound
  * of the call's indices c->in[1] ([0, hi)), and TM_ERR_INDEX for `value` at flat position
@@ -344,8 +323,7 @@ tm_status tm__grouped_matmul_counts(tm__call *c, const int64_t **cnt);
 
 /* ---- context internals used by kernels --------------------------------------------------- */
 
-/* (tm__nthreads: extend.h) */
-int tm__grad_enabled(const tm_ctx *ctx);
+/* (tm__nthreads and tm__grad_enabled: extend.h) */
 /* 1: the CPU GEMM must use the built-in kernel even when the build has CBLAS. */
 int tm__cpu_gemm_builtin(const tm_ctx *ctx);
 /* Opaque CUDA state of the context (NULL when the context has no CUDA device). */

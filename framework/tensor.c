@@ -5,6 +5,7 @@
 #include "ctx_internal.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 
 int64_t tm__numel_of(int ndim, const int64_t *shape) {
@@ -306,6 +307,7 @@ int64_t tm_tensor_dim(const tm_tensor *t, int axis) {
 int64_t tm_tensor_numel(const tm_tensor *t) { return t ? tm__numel(t) : 0; }
 tm_dtype tm_tensor_dtype(const tm_tensor *t) { return t ? t->dtype : TM_F32; }
 tm_device tm_tensor_device(const tm_tensor *t) { return t ? t->device : tm_cpu(); }
+tm_ctx *tm__tensor_ctx(const tm_tensor *t) { return t ? t->ctx : NULL; }
 const char *tm_tensor_name(const tm_tensor *t) { return t ? t->name : NULL; }
 int tm_tensor_is_contiguous(const tm_tensor *t) { return t ? tm__is_contiguous(t) : 0; }
 int tm_tensor_requires_grad(const tm_tensor *t) { return t ? (int)t->requires_grad : 0; }
@@ -481,6 +483,75 @@ tm_status tm__assign(tm_ctx *ctx, tm_tensor *dst, const tm_tensor *src, int accu
         return accumulate ? tm__accumulate(ctx, dst, src, alpha) : tm__copy_into(ctx, dst, src);
     tm__mirror_drop(ctx, dst);
     return be_of(ctx, dst->device)->assign(ctx, dst, src, accumulate, alpha);
+}
+
+tm_status tm__copy_bytes(tm_ctx *ctx, tm_tensor *dst, size_t offset, const tm_tensor *src) {
+    size_t n = (size_t)tm__numel(src) * tm_dtype_size(src->dtype);
+    size_t cap = (size_t)tm__numel(dst) * tm_dtype_size(dst->dtype);
+    if (!tm__is_contiguous(dst) || !tm__is_contiguous(src) || offset > cap || n > cap - offset)
+        return tm__err(ctx, TM_ERR_INTERNAL, "copy_bytes: the %zu bytes of %s do not fit at byte %zu of %s", n,
+                       tm__tdesc(ctx, src), offset, tm__tdesc(ctx, dst));
+    tm__mirror_drop(ctx, dst);
+    return tm__memcpy(ctx, (char *)tm__data(dst) + offset, dst->device, tm__data(src), src->device, n);
+}
+
+/* ---- persistent tensors owned by their caller (extend.h) -------------------------------- */
+
+/* The header and its storage in one host block: tm__persistent_free gives back both. */
+typedef struct persistent_block {
+    tm_tensor t;
+    tm__storage st;
+} persistent_block;
+
+tm_status tm__persistent_new(tm_ctx *ctx, const char *fn, tm_dtype dt, int ndim, const int64_t *shape,
+                             tm_device dev, tm_tensor **out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    TM__TRY(check_new(ctx, fn, dt, ndim, shape, dev));
+    int64_t numel = tm__numel_of(ndim, shape);
+    size_t esz = tm_dtype_size(dt);
+    if ((uint64_t)numel > SIZE_MAX / esz)
+        return tm__err(ctx, TM_ERR_NOMEM, "%s: %s %s does not fit in memory", fn, tm_dtype_name(dt),
+                       tm__sdesc(ctx, ndim, shape));
+    size_t nbytes = (size_t)numel * esz;
+    persistent_block *b = tm__host_alloc(ctx, sizeof *b);
+    if (!b) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+    void *mem = tm__dev_alloc(ctx, dev, nbytes);
+    if (!mem) {
+        tm__host_free(ctx, b);
+        return tm__err(ctx, TM_ERR_NOMEM, "%s: out of %s memory for %zu bytes", fn,
+                       dev.type == TM_DEVICE_CPU ? "host" : "device", nbytes);
+    }
+    /* Zeroed so that nothing ever reads uninitialised memory. */
+    tm_status s = tm__dev_memset0(ctx, dev, mem, nbytes);
+    if (s != TM_OK) {
+        tm__dev_free(ctx, dev, mem);
+        tm__host_free(ctx, b);
+        return s;
+    }
+    memset(b, 0, sizeof *b);
+    b->st.data = mem;
+    b->st.nbytes = nbytes;
+    b->st.device = dev;
+    tm_tensor *t = &b->t;
+    t->ctx = ctx;
+    t->dtype = dt;
+    t->device = dev;
+    t->ndim = ndim;
+    for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
+    contiguous_strides(ndim, t->shape, t->stride);
+    t->storage = &b->st;
+    t->persistent = 1;
+    t->name = "";
+    *out = t;
+    return TM_OK;
+}
+
+void tm__persistent_free(tm_ctx *ctx, tm_tensor *t) {
+    if (!t) return;
+    /* A mirror keyed by this storage must not outlive it (a later storage may reuse the address). */
+    tm__mirror_drop(ctx, t);
+    tm__dev_free(ctx, t->device, t->storage->data);
+    tm__host_free(ctx, (persistent_block *)t);
 }
 
 /* ---- host mirrors (internal.h) ---------------------------------------------------------- */

@@ -2,15 +2,17 @@
  * kv_cache.c — the key/value cache of incremental decoding (tm_kv_cache_*): persistent memory
  * for the rotated keys and the values of every position a model has seen, per layer.
  *
- * The memory is one device allocation made here (not an arena: it outlives
- * tm_ctx_arena_reset; not a named buffer: checkpoints must not carry it). Writes and reads go
- * through tm__assign and tensor views, which every backend implements, so the cache itself is
- * device-generic. The cached forward that uses it is tm_model_forward_cached (layers/model.c).
+ * The memory is one persistent tensor owned by the cache (tm__persistent_new: not an arena
+ * block, it outlives tm_ctx_arena_reset; not a named buffer, checkpoints must not carry it).
+ * Writes and reads go through tm__assign and tm_slice views, which every backend implements,
+ * so the cache itself is device-generic. It starts zeroed, so that nothing ever reads
+ * uninitialised memory, not even a position past len. The cached forward that uses it is
+ * tm_model_forward_cached (layers/model.c).
  */
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
-#include "ctx_internal.h"
 #include "kv_cache.h"
 
 #define BAD(...) tm__err(ctx, TM_ERR_INVALID_ARG, __VA_ARGS__)
@@ -33,55 +35,29 @@ tm_status tm_kv_cache_new(tm_model *model, int batch, int max_len, tm_kv_cache *
                        max_len);
     size_t nbytes = (size_t)slot * esz * 2 * (size_t)L;
 
-    size_t head = (sizeof(tm_kv_cache) + 63) & ~(size_t)63;
-    char *hmem = tm__host_alloc(ctx, head + sizeof(tm_tensor) * 2 * (size_t)L);
-    if (!hmem) return tm__err(ctx, TM_ERR_NOMEM, "tm_kv_cache_new: out of host memory");
-    void *mem = tm__dev_alloc(ctx, dev, nbytes);
-    if (!mem) {
-        tm__host_free(ctx, hmem);
+    tm_kv_cache *kc = tm__host_alloc(ctx, sizeof *kc);
+    if (!kc) return tm__err(ctx, TM_ERR_NOMEM, "tm_kv_cache_new: out of host memory");
+    memset(kc, 0, sizeof *kc);
+    int64_t shape[4] = {2 * L * batch, max_len, Hkv, D};
+    tm_status s = tm__persistent_new(ctx, "tm_kv_cache_new", dt, 4, shape, dev, &kc->block);
+    if (s != TM_OK) {
+        tm__host_free(ctx, kc);
+        if (s != TM_ERR_NOMEM) return s;
         return tm__err(ctx, TM_ERR_NOMEM, "tm_kv_cache_new: out of %s memory for %zu bytes (batch = %d, max_len = %d)",
                        dev.type == TM_DEVICE_CPU ? "host" : "device", nbytes, batch, max_len);
     }
-    /* Zeroed so that nothing ever reads uninitialised memory, not even a position past len. */
-    tm_status s = tm__dev_memset0(ctx, dev, mem, nbytes);
-    if (s != TM_OK) {
-        tm__dev_free(ctx, dev, mem);
-        tm__host_free(ctx, hmem);
-        return s;
-    }
-    tm_kv_cache *kc = (tm_kv_cache *)hmem;
-    memset(kc, 0, sizeof *kc);
     kc->model = model;
     kc->ctx = ctx;
-    kc->dev = dev;
     kc->batch = batch;
     kc->capacity = max_len;
     kc->n_layers = (int)L;
-    kc->storage.data = mem;
-    kc->storage.nbytes = nbytes;
-    kc->storage.device = dev;
-    kc->slots = (tm_tensor *)(hmem + head);
-    for (int64_t i = 0; i < 2 * L; i++) {
-        tm_tensor *t = &kc->slots[i];
-        memset(t, 0, sizeof *t);
-        t->ctx = ctx;
-        t->dtype = dt;
-        t->device = dev;
-        t->ndim = 4;
-        t->shape[0] = batch, t->shape[1] = max_len, t->shape[2] = Hkv, t->shape[3] = D;
-        t->stride[3] = 1, t->stride[2] = D, t->stride[1] = Hkv * D, t->stride[0] = (int64_t)max_len * Hkv * D;
-        t->offset = i * slot;
-        t->storage = &kc->storage;
-        t->persistent = 1;
-        t->name = "";
-    }
     *out = kc;
     return TM_OK;
 }
 
 void tm_kv_cache_free(tm_kv_cache *kc) {
     if (!kc) return;
-    tm__dev_free(kc->ctx, kc->dev, kc->storage.data);
+    tm__persistent_free(kc->ctx, kc->block);
     tm__host_free(kc->ctx, kc);
 }
 
@@ -92,28 +68,29 @@ void tm_kv_cache_reset(tm_kv_cache *kc) {
 int tm_kv_cache_len(const tm_kv_cache *kc) { return kc ? kc->len : 0; }
 int tm_kv_cache_capacity(const tm_kv_cache *kc) { return kc ? kc->capacity : 0; }
 
-/* Positions [start, end) of a slot as a [batch, end - start, Hkv, D] view. */
-static tm_status slot_view(tm_kv_cache *kc, const tm_tensor *slot, int64_t start, int64_t end, tm_tensor **out) {
-    int64_t shape[4] = {slot->shape[0], end - start, slot->shape[2], slot->shape[3]};
-    return tm__tensor_view(kc->ctx, slot, 4, shape, slot->stride, slot->offset + start * slot->stride[1], out);
+/* Slot i (k of layer l at 2l, v at 2l + 1) as a [batch, capacity, Hkv, D] view. */
+static tm_status slot_view(tm_kv_cache *kc, int64_t i, tm_tensor **out) {
+    return tm_slice(kc->ctx, kc->block, 0, i * kc->batch, (i + 1) * kc->batch, out);
 }
 
 tm_status tm__kv_cache_write(tm_kv_cache *kc, int l, const tm_tensor *k, const tm_tensor *v, tm_tensor **k_all,
                              tm_tensor **v_all) {
     tm_ctx *ctx = kc->ctx;
-    int64_t T = k->shape[1], len = kc->len;
+    int64_t T = tm_tensor_dim(k, 1), len = kc->len;
     const tm_tensor *src[2] = {k, v};
     tm_tensor *all[2];
     for (int i = 0; i < 2; i++) {
-        const tm_tensor *slot = &kc->slots[2 * l + i];
-        if (src[i]->ndim != 4 || src[i]->shape[0] != slot->shape[0] || src[i]->shape[2] != slot->shape[2] ||
-            src[i]->shape[3] != slot->shape[3] || src[i]->shape[1] != T || len + T > kc->capacity)
+        tm_tensor *slot;
+        TM__TRY(slot_view(kc, 2 * (int64_t)l + i, &slot));
+        if (tm_tensor_ndim(src[i]) != 4 || tm_tensor_dim(src[i], 0) != tm_tensor_dim(slot, 0) ||
+            tm_tensor_dim(src[i], 2) != tm_tensor_dim(slot, 2) || tm_tensor_dim(src[i], 3) != tm_tensor_dim(slot, 3) ||
+            tm_tensor_dim(src[i], 1) != T || len + T > kc->capacity)
             return tm__err(ctx, TM_ERR_INTERNAL, "kv cache write: %s at len %lld into %s", tm__tdesc(ctx, src[i]),
                            (long long)len, tm__tdesc(ctx, slot));
         tm_tensor *dst;
-        TM__TRY(slot_view(kc, slot, len, len + T, &dst));
+        TM__TRY(tm_slice(ctx, slot, 1, len, len + T, &dst));
         TM__TRY(tm__assign(ctx, dst, src[i], 0, 0.0));
-        TM__TRY(slot_view(kc, slot, 0, len + T, &all[i]));
+        TM__TRY(tm_slice(ctx, slot, 1, 0, len + T, &all[i]));
     }
     *k_all = all[0];
     *v_all = all[1];

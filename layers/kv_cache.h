@@ -6,18 +6,17 @@
 #ifndef TM_KV_CACHE_H
 #define TM_KV_CACHE_H
 
-#include "internal.h"
+#include "extend.h"
 
 struct tm_kv_cache {
     tm_model *model;
     tm_ctx *ctx;
-    tm_device dev;
     int batch, capacity, len, n_layers;
-    /* One device block for every layer: k of layer l at slot 2l, v at 2l + 1, each
-     * [batch, capacity, n_kv_heads, head_dim] contiguous. The headers are persistent and
-     * unnamed (no checkpoint sees them); views of them are made per forward. */
-    tm__storage storage;
-    tm_tensor *slots; /* [2 * n_layers] */
+    /* Every layer's keys and values in one persistent, unnamed tensor (tm__persistent_new: no
+     * checkpoint sees it, tm_ctx_arena_reset leaves it), [2 * n_layers * batch, capacity,
+     * n_kv_heads, head_dim]: k of layer l in rows [2l * batch, (2l + 1) * batch), v in the next
+     * batch rows. Views of it (tm_slice) are made per forward. */
+    tm_tensor *block;
 };
 
 /* The model's context, dtype and device (layers/model.c). */

@@ -31,6 +31,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kv_cache.h"
 #include "moe_internal.h"
@@ -339,7 +340,7 @@ static tm_status block(tm_model *m, int l, tm_tensor *x, int64_t B, int64_t T, t
  * device by tm_index_check in tm_model_forward, on the host by tm_model_forward_cached), so the
  * embedding need not read its own bad-id flag back (no synchronisation on CUDA). */
 static tm_status embed(tm_model *m, tm_tensor *tokens, tm_tensor **x) {
-    int64_t flat[1] = {tokens->shape[0] * tokens->shape[1]};
+    int64_t flat[1] = {tm_tensor_dim(tokens, 0) * tm_tensor_dim(tokens, 1)};
     tm_tensor *ids;
     TM__TRY(tm_reshape(m->ctx, tokens, 1, flat, &ids));
     return tm__embedding_checked(m->ctx, m->embed, ids, x); // (B*T, H)
@@ -361,7 +362,7 @@ static tm_status head(tm_model *m, tm_tensor *x, int64_t B, int64_t T, tm_tensor
 static tm_status bad_id(tm_model *m, const char *fn, const tm_tensor *ids, const char *what, int ignore, int64_t i,
                         int64_t value) {
     tm_ctx *ctx = m->ctx;
-    int64_t T = ids->shape[1];
+    int64_t T = tm_tensor_dim(ids, 1);
     return tm__err(ctx, TM_ERR_INDEX, "%s: %s[%lld, %lld] = %lld is outside [0, vocab_size = %lld)%s (%s %s)", fn, what,
                    (long long)(i / T), (long long)(i % T), (long long)value, (long long)m->cfg.vocab_size,
                    ignore ? " and is not the ignore index -1" : "", what, tm__tdesc(ctx, ids));
@@ -372,7 +373,7 @@ static tm_status bad_id(tm_model *m, const char *fn, const tm_tensor *ids, const
  * (one read of ids), so a bad batch leaves no trace in a KV cache. */
 static tm_status check_range(tm_model *m, const char *fn, tm_tensor *ids, const char *what, int ignore) {
     tm_ctx *ctx = m->ctx;
-    int64_t n = tm__numel(ids), V = m->cfg.vocab_size;
+    int64_t n = tm_tensor_numel(ids), V = m->cfg.vocab_size;
     int32_t *h = tm__arena_alloc(ctx, tm_cpu(), sizeof(int32_t) * (size_t)n);
     if (!h) return TM_ERR_NOMEM;
     TM__TRY(tm_tensor_read(ctx, ids, TM_I32, h, n));
@@ -385,12 +386,13 @@ static tm_status check_range(tm_model *m, const char *fn, tm_tensor *ids, const 
 
 static tm_status check_ids(tm_model *m, const char *fn, tm_tensor *t, const char *what, const tm_tensor *like) {
     tm_ctx *ctx = m->ctx;
-    if (t->dtype != TM_I32 || t->ndim != 2 || t->shape[0] < 1 || t->shape[1] < 1)
-        return tm__err(ctx, t->dtype != TM_I32 ? TM_ERR_DTYPE : TM_ERR_SHAPE,
+    tm_dtype dt = tm_tensor_dtype(t);
+    if (dt != TM_I32 || tm_tensor_ndim(t) != 2 || tm_tensor_dim(t, 0) < 1 || tm_tensor_dim(t, 1) < 1)
+        return tm__err(ctx, dt != TM_I32 ? TM_ERR_DTYPE : TM_ERR_SHAPE,
                        "%s: %s must be i32 [B,T] with B, T >= 1, got %s", fn, what, tm__tdesc(ctx, t));
-    if (!tm__same_device(t->device, m->dev))
+    if (!tm__same_device(tm_tensor_device(t), m->dev))
         return tm__err(ctx, TM_ERR_DEVICE, "%s: %s %s is not on the model's device", fn, what, tm__tdesc(ctx, t));
-    if (like && (t->shape[0] != like->shape[0] || t->shape[1] != like->shape[1]))
+    if (like && (tm_tensor_dim(t, 0) != tm_tensor_dim(like, 0) || tm_tensor_dim(t, 1) != tm_tensor_dim(like, 1)))
         return tm__err(ctx, TM_ERR_SHAPE, "%s: %s %s must have the shape of tokens %s", fn, what, tm__tdesc(ctx, t),
                        tm__tdesc(ctx, like));
     return TM_OK;
@@ -404,7 +406,7 @@ static tm_status add_loss(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **o
         *out = a ? a : b;
         return TM_OK;
     }
-    if (b->dtype != a->dtype) TM__TRY(tm_cast(ctx, b, a->dtype, &b));
+    if (tm_tensor_dtype(b) != tm_tensor_dtype(a)) TM__TRY(tm_cast(ctx, b, tm_tensor_dtype(a), &b));
     return tm_add(ctx, a, b, out);
 }
 
@@ -425,7 +427,7 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
     if (!tokens || !out) return BAD("%s: %s is NULL", fn, tokens ? "out" : "tokens");
     TM__TRY(check_ids(m, fn, tokens, "tokens", NULL));
     if (targets) TM__TRY(check_ids(m, fn, targets, "targets", tokens));
-    int64_t B = tokens->shape[0], T = tokens->shape[1];
+    int64_t B = tm_tensor_dim(tokens, 0), T = tm_tensor_dim(tokens, 1);
     int64_t E = c->moe.router.num_experts, V = c->vocab_size, per_layer = E + TM__MOE_STAT_SLOTS;
     if (T > c->max_seq_len)
         return tm__err(ctx, TM_ERR_SHAPE, "%s: sequence length T = %lld of tokens %s exceeds max_seq_len = %d", fn,
@@ -439,7 +441,7 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
     tm_tensor *stats, **counts = tm__meta_alloc(ctx, sizeof(tm_tensor *) * (size_t)(m->n_moe + 1));
     int64_t *slots = tm__arena_alloc(ctx, tm_cpu(), sizeof(int64_t) * (size_t)n_slots);
     if (!counts || !slots) return TM_ERR_NOMEM;
-    TM__TRY(tm__tensor_zeros(ctx, TM_I64, 1, &n_slots, m->dev, &stats));
+    TM__TRY(tm_tensor_zeros(ctx, TM_I64, 1, &n_slots, m->dev, &stats));
 
     /* Ids are checked on the device: invalid ones are replaced (tokens by 0, targets by the
      * ignore index) so the forward runs through, and reported after the one read below. */
@@ -476,7 +478,7 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
         tm_tensor *tg, *lg = logits;
         TM__TRY(tm_reshape(ctx, tgt, 1, flat, &tg));
         /* A bf16 loss would keep 3 significant digits: take the cross-entropy in f32. */
-        if (lg->dtype == TM_BF16) TM__TRY(tm_cast(ctx, lg, TM_F32, &lg));
+        if (tm_tensor_dtype(lg) == TM_BF16) TM__TRY(tm_cast(ctx, lg, TM_F32, &lg));
         /* The targets were checked above: the cross-entropy need not read its own flag back. */
         TM__TRY(tm__cross_entropy_checked(ctx, lg, tg, -1, &o.ce_loss));
         /* Data parallelism: this rank's share of the global batch's mean (tinymoe.h). */
@@ -493,8 +495,8 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
     if (targets && slots[SLOT_TGT_BAD] >= 0)
         return bad_id(m, fn, targets, "targets", 1, slots[SLOT_TGT_BAD], slots[SLOT_TGT_BAD + 1]);
     if (targets) {
-        o.loss_value = tm__stat_value(slots + SLOT_LOSS, o.loss->dtype);
-        o.ce_value = tm__stat_value(slots + SLOT_CE, o.ce_loss->dtype);
+        o.loss_value = tm__stat_value(slots + SLOT_LOSS, tm_tensor_dtype(o.loss));
+        o.ce_value = tm__stat_value(slots + SLOT_CE, tm_tensor_dtype(o.ce_loss));
     }
     for (j = 0; j < m->n_moe; j++) {
         const int64_t *ls = slots + SLOT_LAYERS + (int64_t)j * per_layer;
@@ -528,7 +530,7 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
 
 /* The cached forward proper (tape off, arguments checked). */
 static tm_status forward_cached(tm_model *m, tm_kv_cache *kv, tm_tensor *tokens, tm_tensor **logits) {
-    int64_t B = tokens->shape[0], T = tokens->shape[1];
+    int64_t B = tm_tensor_dim(tokens, 0), T = tm_tensor_dim(tokens, 1);
     tm_tensor *x;
     TM__TRY(embed(m, tokens, &x)); // (B*T, H)
     /* The MoE statistics are not asked for, and with the tape off tm_moe_forward leaves the
@@ -544,7 +546,7 @@ tm_status tm_model_forward_cached(tm_model *m, tm_kv_cache *kv, tm_tensor *token
     if (!kv || !tokens || !logits) return BAD("%s: %s is NULL", fn, !kv ? "cache" : !tokens ? "tokens" : "logits");
     if (kv->model != m) return BAD("%s: the cache was made for another model (tm_kv_cache_new)", fn);
     TM__TRY(check_ids(m, fn, tokens, "tokens", NULL));
-    int64_t B = tokens->shape[0], T = tokens->shape[1];
+    int64_t B = tm_tensor_dim(tokens, 0), T = tm_tensor_dim(tokens, 1);
     if (B != kv->batch)
         return tm__err(ctx, TM_ERR_SHAPE, "%s: tokens %s hold %lld sequences but the cache was made for batch = %d", fn,
                        tm__tdesc(ctx, tokens), (long long)B, kv->batch);

@@ -203,7 +203,7 @@ tm_status tm_moe_init(tm_moe *m, uint64_t seed, double std, double out_std) {
 static tm_status expert_weight(tm_ctx *ctx, tm_tensor *w, int64_t e, tm_tensor **out) {
     tm_tensor *s;
     TM__TRY(tm_slice(ctx, w, 0, e, e + 1, &s));
-    int64_t shape[2] = {w->shape[1], w->shape[2]};
+    int64_t shape[2] = {tm_tensor_dim(w, 1), tm_tensor_dim(w, 2)};
     return tm_reshape(ctx, s, 2, shape, out);
 }
 
@@ -219,12 +219,13 @@ static tm_status swiglu_ffn(tm_ctx *ctx, tm_tensor *x, tm_tensor *w0, tm_tensor 
  * with a K=1 matmul against ones (an outer product) since broadcasting is over leading dims. */
 static tm_status dense_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor **y) {
     tm_ctx *ctx = m->ctx;
-    int64_t H = x->shape[1], E = m->cfg.router.num_experts;
+    int64_t H = tm_tensor_dim(x, 1), E = m->cfg.router.num_experts;
     int64_t one_h[2] = {1, H};
     tm_tensor *ones, *p = probs;
-    TM__TRY(tm_tensor_empty(ctx, x->dtype, 2, one_h, x->device, &ones));
+    tm_dtype dt = tm_tensor_dtype(x);
+    TM__TRY(tm_tensor_empty(ctx, dt, 2, one_h, tm_tensor_device(x), &ones));
     TM__TRY(tm_tensor_fill(ctx, ones, 1.0));
-    if (p->dtype != x->dtype) TM__TRY(tm_cast(ctx, p, x->dtype, &p));
+    if (tm_tensor_dtype(p) != dt) TM__TRY(tm_cast(ctx, p, dt, &p));
     tm_tensor *acc = NULL;
     for (int64_t e = 0; e < E; e++) {
         tm_tensor *w0, *w1, *wo, *h, *col, *spread, *term;
@@ -380,25 +381,24 @@ static tm_status grouped_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_t
     TM__TRY(tm_grouped_matmul(ctx, d.permuted, m->w1, d.tokens_per_expert, &b));
     TM__TRY(tm_swiglu(ctx, a, b, &h));
     TM__TRY(tm_grouped_matmul(ctx, h, m->wo, d.tokens_per_expert, &eo));
-    return tm_moe_unpermute(ctx, eo, pp, d.row_token, x->shape[0], y);
+    return tm_moe_unpermute(ctx, eo, pp, d.row_token, tm_tensor_dim(x, 0), y);
 }
 
 /* stats->packed, i64 [E + TM__MOE_STAT_SLOTS]: counts [0, E), then dropped, aux, seq aux, z.
  * An absent loss stays 0. Filled by device-to-device copies: no kernel, no read. */
 tm_status tm__stat_put(tm_ctx *ctx, tm_tensor *packed, int64_t slot, const tm_tensor *t) {
     if (!t) return TM_OK;
-    if (!tm__is_contiguous(t) || tm_dtype_size(t->dtype) > sizeof(int64_t) || slot < 0 ||
-        slot + tm__numel(t) > tm__numel(packed))
+    if (!tm_tensor_is_contiguous(t) || tm_dtype_size(tm_tensor_dtype(t)) > sizeof(int64_t) || slot < 0 ||
+        slot + tm_tensor_numel(t) > tm_tensor_numel(packed))
         return tm__err(ctx, TM_ERR_INTERNAL, "cannot pack statistic %s into slot %lld of %s", tm__tdesc(ctx, t),
                        (long long)slot, tm__tdesc(ctx, packed));
-    return tm__memcpy(ctx, (int64_t *)tm__data(packed) + slot, packed->device, tm__data(t), t->device,
-                      (size_t)tm__numel(t) * tm_dtype_size(t->dtype));
+    return tm__copy_bytes(ctx, packed, (size_t)slot * sizeof(int64_t), t);
 }
 
 static tm_status pack_stats(tm_moe *m, tm_moe_stats *st) {
     tm_ctx *ctx = m->ctx;
     int64_t E = m->cfg.router.num_experts, n = E + TM__MOE_STAT_SLOTS;
-    TM__TRY(tm__tensor_zeros(ctx, TM_I64, 1, &n, m->dev, &st->packed));
+    TM__TRY(tm_tensor_zeros(ctx, TM_I64, 1, &n, m->dev, &st->packed));
     TM__TRY(tm__stat_put(ctx, st->packed, 0, st->tokens_per_expert));
     TM__TRY(tm__stat_put(ctx, st->packed, E + TM__MOE_STAT_DROPPED, st->dropped));
     TM__TRY(tm__stat_put(ctx, st->packed, E + TM__MOE_STAT_AUX, st->aux_loss));
@@ -440,7 +440,7 @@ tm_status tm_moe_stats_read(tm_moe *m, tm_moe_stats *stats) {
     int64_t E = m->cfg.router.num_experts, n = E + TM__MOE_STAT_SLOTS;
     const tm_tensor *p = stats->packed;
     if (!p) return BAD("tm_moe_stats_read: stats->packed is NULL (not filled by tm_moe_forward)");
-    if (p->ctx != ctx || p->dtype != TM_I64 || p->ndim != 1 || p->shape[0] != n)
+    if (tm__tensor_ctx(p) != ctx || tm_tensor_dtype(p) != TM_I64 || tm_tensor_ndim(p) != 1 || tm_tensor_dim(p, 0) != n)
         return BAD("tm_moe_stats_read: stats->packed %s is not the i64 [%lld] of a forward of this block (E = %lld)",
                    tm__tdesc(ctx, p), (long long)n, (long long)E);
     int64_t *slots = tm__arena_alloc(ctx, tm_cpu(), sizeof(int64_t) * (size_t)n);
@@ -491,13 +491,14 @@ tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor *
     if (!x || !y) return BAD("tm_moe_forward: %s is NULL", x ? "y" : "x");
     const tm_moe_config *cfg = &m->cfg;
     int64_t H = cfg->hidden_size, E = cfg->router.num_experts;
-    if (x->ndim < 1 || x->shape[x->ndim - 1] != H)
+    int nd = tm_tensor_ndim(x);
+    if (nd < 1 || tm_tensor_dim(x, -1) != H)
         return tm__err(ctx, TM_ERR_SHAPE, "tm_moe_forward: x %s must end in hidden_size = %lld", tm__tdesc(ctx, x), (long long)H);
-    if (x->dtype != m->dtype)
+    if (tm_tensor_dtype(x) != m->dtype)
         return tm__err(ctx, TM_ERR_DTYPE, "tm_moe_forward: x %s does not match the block's dtype %s", tm__tdesc(ctx, x),
                        tm_dtype_name(m->dtype));
     if (num_seqs < 1) return BAD("tm_moe_forward: num_seqs = %lld must be >= 1", (long long)num_seqs);
-    int64_t T = tm__numel(x) / H, shape2[2] = {T, H};
+    int64_t T = tm_tensor_numel(x) / H, shape2[2] = {T, H};
     if (cfg->seq_aux_loss_coeff > 0 && T % num_seqs)
         return BAD("tm_moe_forward: %lld tokens do not split into num_seqs = %lld sequences", (long long)T, (long long)num_seqs);
     tm_tensor *x2, *xg, *logits;
@@ -505,7 +506,7 @@ tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor *
 
     /* Gate in f32 whatever the activation dtype (router precision matters for selection). */
     xg = x2;
-    if (x2->dtype != m->gate_dtype) TM__TRY(tm_cast(ctx, x2, m->gate_dtype, &xg));
+    if (tm_tensor_dtype(x2) != m->gate_dtype) TM__TRY(tm_cast(ctx, x2, m->gate_dtype, &xg));
     TM__TRY(tm_matmul(ctx, xg, m->gate, 0, 0, &logits));
 
     tm_router_out ro;
@@ -575,7 +576,9 @@ tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor *
         TM__TRY(swiglu_ffn(ctx, x2, m->sw0, m->sw1, m->swo, &sh));
         TM__TRY(tm_add(ctx, out, sh, &out));
     }
-    TM__TRY(tm_reshape(ctx, out, x->ndim, x->shape, y));
+    int64_t xshape[TM_MAX_DIMS];
+    for (int i = 0; i < nd; i++) xshape[i] = tm_tensor_dim(x, i);
+    TM__TRY(tm_reshape(ctx, out, nd, xshape, y));
 
     /* The running count for the expert-bias update, and the statistics, stay on the device. */
     if (accumulate) TM__TRY(tm__moe_accumulate(m, st.tokens_per_expert));

@@ -5,7 +5,9 @@
 #ifndef TM_MOE_INTERNAL_H
 #define TM_MOE_INTERNAL_H
 
-#include "internal.h"
+#include <string.h>
+
+#include "extend.h"
 
 /* Slots of tm_moe_stats.packed after the E counts: i64 [E + TM__MOE_STAT_SLOTS]. */
 enum { TM__MOE_STAT_DROPPED = 0, TM__MOE_STAT_AUX, TM__MOE_STAT_SEQ_AUX, TM__MOE_STAT_Z, TM__MOE_STAT_SLOTS };
