@@ -143,4 +143,12 @@ tm_status tm__named_gather(tm_ctx *ctx, const tm_tensor *t, void *dst);
 /* Take this rank's part of the logical elements src (t's dtype) into t. No communication. */
 tm_status tm__named_scatter(tm_ctx *ctx, tm_tensor *t, const void *src);
 
+/* Host mirrors of small i64 tensors (the invariant: framework/internal.h, "host mirrors"). */
+/* Mirror t (contiguous i64) with numel(t) values copied from vals (any host memory). */
+tm_status tm__mirror_set(tm_ctx *ctx, const tm_tensor *t, const int64_t *vals);
+/* t's mirror (numel(t) values), or NULL when t has none (or is not contiguous i64). */
+const int64_t *tm__mirror_find(const tm_ctx *ctx, const tm_tensor *t);
+/* t's storage is about to be written: forget every mirror of that storage. */
+void tm__mirror_drop(tm_ctx *ctx, const tm_tensor *t);
+
 #endif

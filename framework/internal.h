@@ -302,12 +302,7 @@ tm_status tm__index_range_err(tm__call *c, int64_t pos, int64_t value);
  * their own fresh outputs, gin and scratch; code that writes existing tensor data by other
  * means (raw tm__memcpy / backend memcpy into a live tensor) must call tm__mirror_drop.
  */
-/* Mirror t (contiguous i64) with numel(t) values copied from vals (any host memory). */
-tm_status tm__mirror_set(tm_ctx *ctx, const tm_tensor *t, const int64_t *vals);
-/* t's mirror (numel(t) values), or NULL when t has none (or is not contiguous i64). */
-const int64_t *tm__mirror_find(const tm_ctx *ctx, const tm_tensor *t);
-/* t's storage is about to be written: forget every mirror of that storage. */
-void tm__mirror_drop(tm_ctx *ctx, const tm_tensor *t);
+/* tm__mirror_set, tm__mirror_find, tm__mirror_drop: extend.h (the MoE block uses them). */
 
 /* ---- MoE dispatch helpers shared by the CPU and CUDA kernels (framework/ops/) ------------- */
 

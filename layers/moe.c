@@ -250,7 +250,7 @@ static tm_status dense_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_ten
 static tm_status host_i64(tm_ctx *ctx, tm_tensor *t, const int64_t **out) {
     const int64_t *v = tm__mirror_find(ctx, t);
     if (!v) {
-        int64_t n = tm__numel(t), *h = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(n ? n : 1));
+        int64_t n = tm_tensor_numel(t), *h = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(n ? n : 1));
         if (!h) return TM_ERR_NOMEM;
         TM__TRY(tm_tensor_read(ctx, t, TM_I64, h, n));
         v = h;
@@ -330,7 +330,7 @@ static tm_status ep_alltoall_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, 
     TM__TRY(local_experts(m, xe, tl, &eo));
     TM__TRY(tm__embedding_checked(ctx, eo, tinv, &back));                   // (Rr, H) source-major
     TM__TRY(tm_comm_alltoall(ctx, back, rc, sc, TM_COMM_EP, &ret));         // (R, H) as permuted
-    return tm_moe_unpermute(ctx, ret, d.permuted_probs, d.row_token, x->shape[0], y);
+    return tm_moe_unpermute(ctx, ret, d.permuted_probs, d.row_token, tm_tensor_dim(x, 0), y);
 }
 
 /* All-gather dispatch (MaxText's "ring of experts"): the ep group's tokens and router outputs
@@ -350,7 +350,7 @@ static tm_status ep_allgather_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs,
     tm_moe_dispatch d;
     TM__TRY(tm_moe_permute(ctx, xg, ml, pl, m->cfg.align_size, pad_to, &d));
     TM__TRY(local_experts(m, d.permuted, d.tokens_per_expert, &eo));
-    int64_t Tep = xg->shape[0], T = x->shape[0];
+    int64_t Tep = tm_tensor_dim(xg, 0), T = tm_tensor_dim(x, 0);
     TM__TRY(tm_moe_unpermute(ctx, eo, d.permuted_probs, d.row_token, Tep, &yl)); // (Tep, H) partial
     if (Tep == T * P) return tm_comm_reduce_scatter(ctx, yl, TM_COMM_EP, y);
     /* ranks with different token counts: sum everything, keep this rank's rows */
