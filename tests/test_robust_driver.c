@@ -30,7 +30,10 @@
 #include "train.h"
 
 static void setup(void) { tt_tmpdir_make("tm_test_driver_"); }
-static void teardown(void) { tt_tmpdir_remove(); }
+static void teardown(void) {
+    tt_kill_children();
+    tt_tmpdir_remove();
+}
 TestSuite(driver, .init = setup, .fini = teardown);
 
 /* A hang fails the test through alarm(2) (SIGALRM ends the worker: a crash), not Criterion's
