@@ -22,6 +22,24 @@ double tt_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* Children not yet waited for, for tt_kill_children. */
+static pid_t live[64];
+static int n_live;
+
+static void forget(pid_t pid) {
+    for (int i = 0; i < n_live; i++)
+        if (live[i] == pid) live[i] = live[--n_live];
+}
+
+void tt_kill_children(void) {
+    while (n_live > 0) {
+        pid_t pid = live[--n_live];
+        kill(-pid, SIGKILL);
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+    }
+}
+
 const char *tt_tinymoe(void) {
     static char path[PATH_MAX];
     if (path[0]) return path;
@@ -64,6 +82,7 @@ tt_child tt_spawn(char *const *argv, const char *out_path, long fsize_limit) {
     }
     setpgid(pid, pid); /* also here: no race with a signal sent to the group right away */
     if (p[1] >= 0) close(p[1]);
+    if (n_live < (int)(sizeof live / sizeof live[0])) live[n_live++] = pid;
     return (tt_child){pid, p[0]};
 }
 
@@ -83,6 +102,7 @@ int tt_wait(tt_child *c, double seconds) {
         }
         usleep(2000);
     }
+    forget(c->pid);
     if (c->out_fd >= 0) close(c->out_fd);
     c->out_fd = -1;
     return status;

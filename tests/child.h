@@ -38,4 +38,8 @@ int tt_wait_for_text(const char *path, const char *text, double seconds);
 /* Seconds on the monotonic clock. */
 double tt_now(void);
 
+/* SIGKILL the process group of every child started with tt_spawn and not yet waited for (a
+ * test that failed half-way must not leave a training run behind): call from a suite's fini. */
+void tt_kill_children(void);
+
 #endif
