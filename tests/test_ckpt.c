@@ -460,7 +460,8 @@ static void kill_save_gen(tm_ctx *ctx, tm_tensor *t, const char *path, long gen)
     }
 }
 
-Test(ckpt, kill9_during_save_keeps_a_loadable_file, .timeout = 120) {
+Test(ckpt, kill9_during_save_keeps_a_loadable_file) {
+    TT_WATCHDOG(120);
     char path[256]; /* tt_path's buffers rotate, and the loop below calls it */
     snprintf(path, sizeof path, "%s", tt_path("killed.ckpt"));
     tm_tensor *t;

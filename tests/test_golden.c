@@ -148,7 +148,19 @@ static void shakespeare(int threads) {
     rmdir(dir);
 }
 
-Test(golden, default_run_1_thread, .timeout = 300) { run_and_compare("golden_default.txt", default_kv, 1, 1); }
-Test(golden, default_run_2_threads, .timeout = 300) { run_and_compare("golden_default.txt", default_kv, 1, 2); }
-Test(golden, shakespeare_1_thread, .timeout = 600) { shakespeare(1); }
-Test(golden, shakespeare_2_threads, .timeout = 600) { shakespeare(2); }
+Test(golden, default_run_1_thread) {
+    TT_WATCHDOG(300);
+    run_and_compare("golden_default.txt", default_kv, 1, 1);
+}
+Test(golden, default_run_2_threads) {
+    TT_WATCHDOG(300);
+    run_and_compare("golden_default.txt", default_kv, 1, 2);
+}
+Test(golden, shakespeare_1_thread) {
+    TT_WATCHDOG(600);
+    shakespeare(1);
+}
+Test(golden, shakespeare_2_threads) {
+    TT_WATCHDOG(600);
+    shakespeare(2);
+}

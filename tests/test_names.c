@@ -19,11 +19,6 @@ static void setup(void) { tt_tmpdir_make("tm_test_names_"); }
 static void teardown(void) { tt_tmpdir_remove(); }
 TestSuite(names, .init = setup, .fini = teardown);
 
-/* A hang fails the test through alarm(2) (SIGALRM ends the worker: a crash), not Criterion's
- * .timeout: under the sanitizers, Criterion 2.4's timeout watchdog (BoxFort) intermittently
- * loses a request of a finished test, and LeakSanitizer then fails the whole run. */
-#define WATCHDOG(seconds) alarm(seconds)
-
 Test(names, every_name_is_found_and_params_keep_their_order) {
     tm_ctx *ctx = tt_ctx();
     enum { N = 5000 };
@@ -61,7 +56,7 @@ Test(names, every_name_is_found_and_params_keep_their_order) {
 /* The bound is generous (the linear search took minutes for this model; the index takes well
  * under a second on 2 cores). */
 Test(names, a_model_of_10000_layers_builds_saves_and_loads_in_seconds) {
-    WATCHDOG(120);
+    TT_WATCHDOG(120);
     tm_ctx *ctx = tt_ctx();
     tm_model_config c = tm_model_config_default();
     c.vocab_size = 16;

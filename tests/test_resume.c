@@ -163,13 +163,15 @@ static void check_exact_resume(tmd_config *c, int n) {
     free(s2);
 }
 
-Test(resume, exact_on_synthetic_data_adamw, .timeout = 120) {
+Test(resume, exact_on_synthetic_data_adamw) {
+    TT_WATCHDOG(120);
     tmd_config c;
     small_run(&c, "", 12);
     check_exact_resume(&c, 6);
 }
 
-Test(resume, exact_on_a_token_file_with_grad_accum_expert_bias_and_sgd, .timeout = 120) {
+Test(resume, exact_on_a_token_file_with_grad_accum_expert_bias_and_sgd) {
+    TT_WATCHDOG(120);
     tmd_config c;
     small_run(&c, "", 10);
     set(&c, "data", token_file());
@@ -186,7 +188,8 @@ Test(resume, exact_on_a_token_file_with_grad_accum_expert_bias_and_sgd, .timeout
  * 130; resuming it to the end equals a run that was never interrupted. The schedule is
  * constant so that the resumed run may end earlier than the interrupted one was set to (keeps
  * the test short) and still follow the same trajectory as the reference. */
-Test(resume, sigint_saves_and_resumes_exactly, .timeout = 180) {
+Test(resume, sigint_saves_and_resumes_exactly) {
+    TT_WATCHDOG(180);
     char a[256], ref[256], fa[512], fr[512];
     snprintf(a, sizeof a, "%s", tt_path("interrupted"));
     snprintf(ref, sizeof ref, "%s", tt_path("reference"));
@@ -485,7 +488,8 @@ Test(resume, fresh_run_refuses_an_earlier_runs_checkpoints) {
 /* exit_interval (Megatron's --exit-interval) ends a run after a multiple of it, with a
  * checkpoint, exit status 0 and the schedule of the full run; a resume continues it exactly
  * (tests/gpu/e2e.sh replays a CPU trajectory on the GPU this way, 5 steps at a time). */
-Test(resume, exit_interval_stops_with_a_checkpoint_and_resumes_exactly, .timeout = 120) {
+Test(resume, exit_interval_stops_with_a_checkpoint_and_resumes_exactly) {
+    TT_WATCHDOG(120);
     char a[256], b[256], ck[512], fa[512], fb[512], ma[512], mb[512];
     snprintf(a, sizeof a, "%s", tt_path("a"));
     snprintf(b, sizeof b, "%s", tt_path("b"));

@@ -36,11 +36,6 @@ static void teardown(void) {
 }
 TestSuite(driver, .init = setup, .fini = teardown);
 
-/* A hang fails the test through alarm(2) (SIGALRM ends the worker: a crash), not Criterion's
- * .timeout: under the sanitizers, Criterion 2.4's timeout watchdog (BoxFort) intermittently
- * loses a request of a finished test, and LeakSanitizer then fails the whole run. */
-#define WATCHDOG(seconds) alarm(seconds)
-
 #define ARGV(...) ((char *const[]){__VA_ARGS__, NULL})
 #define T ((char *)tt_tinymoe())
 #define P(name) ((char *)tt_path(name))
@@ -72,7 +67,7 @@ static int64_t newest_step(const char *dir) {
 /* ---- defect 2: one run per out directory ------------------------------------------------- */
 
 Test(driver, a_second_run_into_a_live_runs_directory_fails_at_once_naming_the_pid) {
-    WATCHDOG(180);
+    TT_WATCHDOG(180);
     char pid[32], out[300], *log;
     snprintf(out, sizeof out, "%s", tt_path("run"));
     /* A fresh run before its first checkpoint: another fresh run is refused. */
@@ -149,7 +144,7 @@ static void assert_same_tensors(const char *a, const char *b) {
  * checkpoint); now the run stops printing, saves, exits 130, and the checkpoint resumes to the
  * same tensors as a run never interrupted. */
 Test(driver, sigint_to_the_group_with_the_reader_gone_saves_and_resumes_exactly) {
-    WATCHDOG(180);
+    TT_WATCHDOG(180);
     char out[300];
     snprintf(out, sizeof out, "%s", tt_path("piped"));
     tt_child c = tt_spawn(ARGV(T, LONG_RUN, "--out", out), NULL, 0);
@@ -193,7 +188,7 @@ Test(driver, sigint_to_the_group_with_the_reader_gone_saves_and_resumes_exactly)
  * killed the run (one-shot handler) with nothing saved. Now the save completes, the message
  * says what happened, and the exit status is 128 + the signal. */
 Test(driver, two_quick_signals_leave_a_checkpoint) {
-    WATCHDOG(180);
+    TT_WATCHDOG(180);
     const int sigs[] = {SIGINT, SIGTERM};
     for (int i = 0; i < 2; i++) {
         char name[32], log[32];
@@ -224,7 +219,7 @@ Test(driver, two_quick_signals_leave_a_checkpoint) {
 
 /* `timeout 2 tinymoe train ...`: its TERM (to the child, and to the group) leaves a checkpoint. */
 Test(driver, timeout_leaves_a_checkpoint) {
-    WATCHDOG(120);
+    TT_WATCHDOG(120);
     char out[300];
     snprintf(out, sizeof out, "%s", tt_path("timed"));
     int code = tt_run(ARGV("timeout", "-s", "TERM", "3", T, LONG_RUN, "--out", out), P("timed.log"), 60, NULL);
@@ -241,7 +236,7 @@ Test(driver, timeout_leaves_a_checkpoint) {
  * on a wider model) is stopped between batches: the run saves and exits 130 within seconds of
  * the signal (it went on for the whole evaluation). */
 Test(driver, ctrl_c_stops_a_long_evaluation_promptly) {
-    WATCHDOG(180);
+    TT_WATCHDOG(180);
     char out[300];
     snprintf(out, sizeof out, "%s", tt_path("evalrun"));
     tt_child c = tt_spawn(ARGV(T, TINY, "--d_model", "64", "--n_heads", "4", "--n_kv_heads", "2", "--seq_len", "256",
@@ -264,7 +259,7 @@ Test(driver, ctrl_c_stops_a_long_evaluation_promptly) {
 /* Ctrl-C during the sample at the end of training (a million tokens asked for): the sample
  * stops at once (the checkpoint was written before it) and the run exits 130. */
 Test(driver, ctrl_c_stops_the_end_of_training_sample_promptly) {
-    WATCHDOG(180);
+    TT_WATCHDOG(180);
     char txt[300];
     snprintf(txt, sizeof txt, "%s", tt_path("text.txt"));
     char bin[300];
@@ -298,7 +293,7 @@ Test(driver, ctrl_c_stops_the_end_of_training_sample_promptly) {
 /* Past `ulimit -f` a write raised SIGXFSZ and killed the run (exit 153); now it fails like a
  * full disk: exit 1 and a message naming the file and the error. */
 Test(driver, a_file_size_limit_fails_like_a_full_disk) {
-    WATCHDOG(60);
+    TT_WATCHDOG(60);
     tt_child c = tt_spawn(ARGV(T, TINY, "--steps", "3", "--warmup_steps", "1", "--out", P("small")), P("fsize.log"),
                           64 * 1024);
     int code = exit_code(tt_wait(&c, 60));
@@ -315,7 +310,7 @@ Test(driver, a_file_size_limit_fails_like_a_full_disk) {
  * dense_ffn_size; steps 2^63-1: "-128 tokens"), failed late (capacity_factor 1e300: capacity
  * -1 at the first forward) or ran practically forever. */
 Test(driver, absurd_sizes_are_refused_or_clamped_within_seconds) {
-    WATCHDOG(300);
+    TT_WATCHDOG(300);
     static const struct {
         const char *args[10];
         int code;
@@ -364,7 +359,7 @@ static void write_file(const char *path, const char *text) {
 /* 0 ok, 1 runtime failure, 2 bad input, everywhere; --help and the README say so. Tokenize's
  * bad inputs exited 1, and so did a configuration asking for more memory than exists. */
 Test(driver, exit_statuses_are_consistent_and_documented) {
-    WATCHDOG(120);
+    TT_WATCHDOG(120);
     write_file(tt_path("empty.txt"), "");
     write_file(tt_path("text.txt"), "hello world, hello tokens");
     write_file(tt_path("file"), "x");
@@ -436,7 +431,7 @@ Test(driver, exit_statuses_are_consistent_and_documented) {
  * tokens; a FIFO or a link as the output was replaced by a regular file. All refused with
  * exit 2, touching nothing. */
 Test(driver, tokenize_never_replaces_its_input_or_a_non_regular_file) {
-    WATCHDOG(60);
+    TT_WATCHDOG(60);
     const char *text = "the user's only copy of the text";
     write_file(tt_path("y_val.bin"), text);
     int code = tt_run(ARGV(T, "tokenize", P("y_val.bin"), P("y.bin"), "--val-fraction", "0.5"), P("t.log"), 30, NULL);

@@ -36,11 +36,6 @@ static void setup(void) { tt_tmpdir_make("tm_test_robust_"); }
 static void teardown(void) { tt_tmpdir_remove(); }
 TestSuite(robust, .init = setup, .fini = teardown);
 
-/* A hang fails the test through alarm(2) (SIGALRM ends the worker: a crash), not Criterion's
- * .timeout: under the sanitizers, Criterion 2.4's timeout watchdog (BoxFort) intermittently
- * loses a request of a finished test, and LeakSanitizer then fails the whole run. */
-#define WATCHDOG(seconds) alarm(seconds)
-
 static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -104,7 +99,7 @@ static int count_checkpoints(const char *dir, int64_t *newest) {
  * gave the NaN, so its pruning never happened: keep_last + 1 checkpoints remain, every one
  * with finite weights (they load), and the oldest evaluates to a finite loss. */
 Test(robust, divergence_stops_before_the_update_and_prunes_nothing_good) {
-    WATCHDOG(120);
+    TT_WATCHDOG(120);
     char out[300];
     snprintf(out, sizeof out, "%s", tt_path("div"));
     tmd_config c;
@@ -154,7 +149,7 @@ Test(robust, divergence_stops_before_the_update_and_prunes_nothing_good) {
 /* skip_nonfinite N: up to N non-finite steps are skipped (a "skip" record each, no update),
  * then the run stops saying so. */
 Test(robust, skip_nonfinite_skips_then_stops) {
-    WATCHDOG(120);
+    TT_WATCHDOG(120);
     char out[300];
     snprintf(out, sizeof out, "%s", tt_path("skip"));
     tmd_config c;
@@ -229,7 +224,7 @@ static void poison(const char *ckpt, const char *bad_ckpt, const char *bad_hf) {
 /* eval --ckpt, the loader behind sample and export, and eval --init_from refuse a model whose
  * weights hold a NaN, naming the tensor (they exited 0 printing a NaN loss, or trained on). */
 Test(robust, eval_sample_export_and_init_from_refuse_nonfinite_weights) {
-    WATCHDOG(120);
+    TT_WATCHDOG(120);
     char out[300];
     snprintf(out, sizeof out, "%s", tt_path("ok"));
     char bad[300];
@@ -338,7 +333,7 @@ Test(robust, resume_trims_a_torn_last_metrics_line) {
 /* A resume on a data file that is not the one the checkpoint trained on is refused, naming
  * the key, the counts and the way to allow it; allowed, it trains. */
 Test(robust, resume_refuses_data_replaced_since_the_checkpoint) {
-    WATCHDOG(60);
+    TT_WATCHDOG(60);
     char out[300];
     snprintf(out, sizeof out, "%s", tt_path("data"));
     const char *data = token_file("t.bin", 0);
@@ -453,7 +448,7 @@ static char *meta_with(const char *path, const char *key, const char *value) {
 /* A meta claiming 10^6 layers hung --resume (the model was built from it first); one claiming
  * layers the file does not hold, or a data_position of 2^63-1, is refused just as fast. */
 Test(robust, checkpoint_meta_is_validated_before_anything_is_built) {
-    WATCHDOG(60);
+    TT_WATCHDOG(60);
     char out[300];
     snprintf(out, sizeof out, "%s", tt_path("meta"));
     tmd_config c;
@@ -508,7 +503,7 @@ Test(robust, checkpoint_meta_is_validated_before_anything_is_built) {
  * seconds: the repeated-key check sorts the names (comparing every pair took 93 s); and a
  * repeated key is still found. */
 Test(robust, config_json_of_200k_keys_is_read_in_seconds) {
-    WATCHDOG(60);
+    TT_WATCHDOG(60);
     cr_assert_eq(mkdir(tt_path("big"), 0755), 0);
     FILE *f = fopen(tt_path("big/config.json"), "w");
     fputs("{\"model_type\": \"mixtral\", \"vocab_size\": 64, \"hidden_size\": 16, \"intermediate_size\": 8, "
@@ -537,7 +532,7 @@ Test(robust, config_json_of_200k_keys_is_read_in_seconds) {
 /* A Mixtral export of 100,000+ tensors (1000 layers of 32 experts) imports in seconds: each
  * name is found by binary search, not by scanning the plan (over a minute). */
 Test(robust, safetensors_of_100k_tensors_imports_in_seconds) {
-    WATCHDOG(120);
+    TT_WATCHDOG(120);
     tm_ctx *ctx = tt_ctx();
     tm_model_config c = tm_model_config_default();
     c.vocab_size = 4;

@@ -93,7 +93,8 @@ static void assert_svg(const char *path) {
     free(s);
 }
 
-Test(train, synthetic_loss_falls_metrics_plots_and_rerun_identical, .timeout = 120) {
+Test(train, synthetic_loss_falls_metrics_plots_and_rerun_identical) {
+    TT_WATCHDOG(120);
     char *d = tmpdir(), out1[256], out2[256], path[300], err[1024] = "";
     snprintf(out1, sizeof out1, "%s/run1", d);
     snprintf(out2, sizeof out2, "%s/nested/run2", d);
@@ -152,7 +153,8 @@ Test(train, synthetic_loss_falls_metrics_plots_and_rerun_identical, .timeout = 1
     rm_rf(d);
 }
 
-Test(train, grad_accum_and_sgd_run, .timeout = 120) {
+Test(train, grad_accum_and_sgd_run) {
+    TT_WATCHDOG(120);
     char *d = tmpdir(), err[1024] = "";
     tmd_config c;
     tiny(&c, "");
@@ -170,7 +172,8 @@ Test(train, grad_accum_and_sgd_run, .timeout = 120) {
     rm_rf(d);
 }
 
-Test(train, byte_level_token_file_trains_samples_and_evaluates, .timeout = 120) {
+Test(train, byte_level_token_file_trains_samples_and_evaluates) {
+    TT_WATCHDOG(120);
     char *d = tmpdir(), txt[256], bin[256], val[256], err[1024] = "";
     snprintf(txt, sizeof txt, "%s/text.txt", d);
     snprintf(bin, sizeof bin, "%s/text.bin", d);
