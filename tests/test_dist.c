@@ -448,3 +448,59 @@ Test(dist, a_hung_or_dead_rank_ends_the_job, .timeout = 200) {
     }
     tt_tmpdir_remove();
 }
+
+/* ---- seeing and planning layouts ------------------------------------------------------------ */
+
+/* `tinymoe plan` computes, without running, what a real run measures: each rank's parameter,
+ * gradient and optimizer bytes (the --print-layout table, from tm_ctx_memory_report) and the
+ * bytes of its gradient synchronisation per step (metrics.jsonl, from tm_comm_get_stats). */
+static void plan_vs_run(int np, const char *flags) {
+    char out[1024], log[1100], plog[1100];
+    snprintf(out, sizeof out, "%s", tt_path("run"));
+    snprintf(log, sizeof log, "%s.log", out);
+    snprintf(plog, sizeof plog, "%s", tt_path("plan.log"));
+    int rc = run(log, MPIRUN " -np %d '%s/tinymoe' train %s %s --steps 3 --print-layout --out '%s' --overwrite", np,
+                 bindir(), BASE, flags, out);
+    char *t = slurp_text(log);
+    cr_assert_eq(rc, 0, "%s", t);
+    rc = run(plog, "'%s/tinymoe' plan %s %s --steps 3 --ranks %d", bindir(), BASE, flags, np);
+    char *p = slurp_text(plog);
+    cr_assert_eq(rc, 0, "%s", p);
+    char mpath[1100];
+    snprintf(mpath, sizeof mpath, "%s/metrics.jsonl", out);
+    char *m = slurp_text(mpath), *gs = strstr(m, "\"grad_sync_bytes\": ");
+    cr_assert(gs, "%s", m);
+    long long sync = strtoll(gs + 19, NULL, 10);
+    const char *row = strstr(t, "(bytes on cpu)");
+    cr_assert(row, "%s", t);
+    for (int r = 0; r < np; r++) {
+        row = strchr(row, '\n') + 1;
+        long long rk, ep, xdp, mp, mg, mo, pp, pg, po, ps;
+        char ex[32], want[64];
+        cr_assert_eq(sscanf(row, "%lld %lld %lld %31s %lld %lld %lld", &rk, &ep, &xdp, ex, &mp, &mg, &mo), 7, "%s", row);
+        snprintf(want, sizeof want, "  rank %4d  experts ", r);
+        const char *pr = strstr(p, want);
+        cr_assert(pr, "%s", p);
+        cr_assert_eq(sscanf(pr, "  rank %*d  experts %*s  parameters %lld  gradients %lld  optimizer %lld  grad_sync %lld",
+                            &pp, &pg, &po, &ps), 4, "%s", pr);
+        cr_assert_eq(mp, pp, "rank %d parameters: measured %lld, planned %lld", r, mp, pp);
+        cr_assert_eq(mg, pg, "rank %d gradients: measured %lld, planned %lld", r, mg, pg);
+        cr_assert_eq(mo, po, "rank %d optimizer: measured %lld, planned %lld", r, mo, po);
+        if (r == 0) cr_assert_eq(sync, ps, "gradient sync per step: measured %lld, planned %lld", sync, ps);
+        cr_assert(strstr(pr, ex) == strstr(pr, "experts ") + 8, "rank %d experts %s\n%s", r, ex, pr);
+    }
+    char svg[1100];
+    snprintf(svg, sizeof svg, "%s/layout.svg", out);
+    char *s = slurp_text(svg);
+    cr_assert(strstr(s, "<svg") && strstr(s, "rank 0"), "%s", s);
+    free(s), free(m), free(p), free(t);
+}
+
+Test(dist, plan_equals_what_a_run_measures, .timeout = 300) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    plan_vs_run(4, "--ep_size 2 --zero 1");
+    plan_vs_run(2, "--dtype bf16 --zero 1 --shared_ffn_size 16");
+    plan_vs_run(2, "--ep_size 2");
+    tt_tmpdir_remove();
+}

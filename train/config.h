@@ -68,6 +68,7 @@ typedef struct tmd_config {
     char preset[32];
     int ep_size, ep_strategy, zero; /* the parallel layout (tm_comm_options) */
     double comm_timeout;
+    int print_layout;
     unsigned char source[TMD_MAX_KEYS]; /* tmd_source of each key, by table index */
 } tmd_config;
 

@@ -14,6 +14,7 @@
 #include "data.h"
 #include "generate.h"
 #include "hf.h"
+#include "layout.h"
 #include "log.h"
 #include "markov.h"
 #include "plot.h"
@@ -336,6 +337,10 @@ void tmd_run_print_header(tmd_run *r, int eval_only) {
     const tmd_config *c = &r->c;
     if (!f) return;
     fprintf(f, "tinymoe %s %s\n\n", tm_version(), eval_only ? "eval" : "train");
+    if (r->world > 1)
+        fprintf(f, "distributed: %d ranks (mpirun); each takes %d of the %d sequences of a micro-batch; ep_size %d (%s), "
+                   "ZeRO-%d; collectives on %s\n\n", r->world, r->Bl, r->B, c->ep_size,
+                c->ep_strategy ? "allgather" : "alltoall", c->zero, tm_comm_engine(r->ctx, r->dev));
     fprintf(f, "config (defaults unmarked; '#' says where a value came from):\n");
     tmd_config_print(c, f);
     fprintf(f,
@@ -377,6 +382,8 @@ typedef struct interval {
     int n;
     double loss, ce, aux, z, gnorm, seconds, max_load;
     int64_t dropped;
+    /* distributed: this rank's collectives (tm_comm_get_stats), and the gradient sync's part */
+    double comm_bytes, comm_s, sync_bytes, sync_s;
 } interval;
 
 /* Returns -1 when the metrics file cannot be written. */
@@ -398,11 +405,20 @@ static int log_train(tmd_run *r, int64_t step, double lr, const interval *iv, do
         tmd_json_num(&j, "max_load", iv->max_load / n);
         tmd_json_int(&j, "dropped", iv->dropped);
         tmd_json_num(&j, "elapsed_s", elapsed);
+        if (r->world > 1) {
+            /* rank 0's collectives per step: all of them, and the gradient synchronisation */
+            tmd_json_num(&j, "comm_bytes", iv->comm_bytes / n);
+            tmd_json_num(&j, "comm_ms", 1e3 * iv->comm_s / n);
+            tmd_json_num(&j, "grad_sync_bytes", iv->sync_bytes / n);
+            tmd_json_num(&j, "grad_sync_ms", 1e3 * iv->sync_s / n);
+        }
         if (tmd_jsonl_write(r->metrics, &j)) return -1;
     }
     if (!r->log || r->tty) return 0;
-    fprintf(r->log, "%7lld %8.4f %8.4f %8.5f %8.5f %9.2e %7.3f %8.1f %9.0f %6.2f\n", (long long)step, iv->loss / n,
+    fprintf(r->log, "%7lld %8.4f %8.4f %8.5f %8.5f %9.2e %7.3f %8.1f %9.0f %6.2f", (long long)step, iv->loss / n,
             iv->ce / n, iv->aux / n, iv->z / n, lr, iv->gnorm / n, 1e3 * iv->seconds / n, tps, iv->max_load / n);
+    if (r->world > 1) fprintf(r->log, " %9.3f %7.1f", iv->comm_bytes / n / 1e6, 1e3 * iv->comm_s / n);
+    fprintf(r->log, "\n");
     fflush(r->log);
     return 0;
 }
@@ -525,6 +541,7 @@ static int write_plots(tmd_run *r, char *err, size_t errlen) {
 static int train_step(tmd_run *r, int64_t step, double lr, interval *iv, double *first_loss, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     tm_status s;
+    tm_comm_reset_stats(r->ctx);
     double loss = 0;
     if (r->step_load) memset(r->step_load, 0, sizeof *r->step_load * (size_t)r->n_moe * (size_t)r->E);
     for (int m = 0; m < c->grad_accum; m++) {
@@ -555,7 +572,14 @@ static int train_step(tmd_run *r, int64_t step, double lr, interval *iv, double 
                         (long long)step + 1);
     if (isnan(*first_loss)) *first_loss = loss;
     /* Distributed: every bucket's gradient summed over its group (one collective per bucket). */
+    tm_comm_stats before, after;
+    tm_comm_get_stats(r->ctx, &before);
     if ((s = tm_comm_sync_grads(r->ctx))) return tmd_run_lib_fail(r, err, errlen, "gradient synchronisation", s);
+    tm_comm_get_stats(r->ctx, &after);
+    for (int k = 0; k < TM_COMM_NKINDS; k++) {
+        iv->sync_bytes += (double)(after.bytes[k] - before.bytes[k]);
+        iv->sync_s += after.seconds[k] - before.seconds[k];
+    }
     double gnorm = 0;
     if ((s = tm_ctx_clip_grad_norm(r->ctx, c->grad_clip, &gnorm)))
         return tmd_run_lib_fail(r, err, errlen, "gradient clipping", s);
@@ -563,6 +587,9 @@ static int train_step(tmd_run *r, int64_t step, double lr, interval *iv, double 
     if ((s = tm_model_step(r->model))) return tmd_run_lib_fail(r, err, errlen, "expert-bias update", s);
     if ((s = tm_ctx_zero_grad(r->ctx))) return tmd_run_lib_fail(r, err, errlen, "zeroing gradients", s);
     tm_ctx_arena_reset(r->ctx);
+    tm_comm_stats cs;
+    tm_comm_get_stats(r->ctx, &cs);
+    for (int k = 0; k < TM_COMM_NKINDS; k++) iv->comm_bytes += (double)cs.bytes[k], iv->comm_s += cs.seconds[k];
     iv->gnorm += gnorm;
     iv->n++;
     tmd_bins_add(&r->loss_bins, step, &loss);
@@ -586,9 +613,12 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
         res->steps = start;
         return 0;
     }
-    if (r->log && !r->tty)
-        fprintf(r->log, "%7s %8s %8s %8s %8s %9s %7s %8s %9s %6s\n", "step", "loss", "ce", "aux", "z", "lr", "gnorm",
+    if (r->log && !r->tty) {
+        fprintf(r->log, "%7s %8s %8s %8s %8s %9s %7s %8s %9s %6s", "step", "loss", "ce", "aux", "z", "lr", "gnorm",
                 "ms/step", "tokens/s", "load");
+        if (r->world > 1) fprintf(r->log, " %9s %7s", "comm MB", "comm ms"); /* rank 0's, per step */
+        fprintf(r->log, "\n");
+    }
     interval iv = {0};
     double t_train = 0, first_loss = NAN, val = NAN, last_draw = 0;
     for (int64_t step = start; step < steps; step++) {
@@ -784,12 +814,15 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
         res->active_params = r->active;
         res->optimum = r->synth ? r->optimum : NAN;
         tmd_run_print_header(r, 0);
-        if (r->resume_path[0] && log) {
-            fprintf(log, "resuming from %s at step %lld", r->resume_path, (long long)r->resume_state.step);
+        if (c.print_layout) rc = tmd_layout_print(r->ctx, r->dev, r->E, r->log, c.out, err, errlen);
+    }
+    if (!rc) {
+        if (r->resume_path[0] && r->log) {
+            fprintf(r->log, "resuming from %s at step %lld", r->resume_path, (long long)r->resume_state.step);
             if (r->resume_ck_steps != c.sched.total_steps)
-                fprintf(log, "; steps %lld -> %lld%s", (long long)r->resume_ck_steps, (long long)c.sched.total_steps,
+                fprintf(r->log, "; steps %lld -> %lld%s", (long long)r->resume_ck_steps, (long long)c.sched.total_steps,
                         c.sched.kind == TM_LR_CONSTANT ? "" : " (the learning-rate schedule now spans the new total)");
-            fprintf(log, "\n\n");
+            fprintf(r->log, "\n\n");
         }
         saved_handlers old;
         catch_stop_signals(&old);
