@@ -13,6 +13,7 @@
 #   CUDA=0|1      nvcc found (PATH or $(CUDA_HOME)/bin)      -> CUDA backend (cudart, cuBLASLt)
 #   BLAS=0|1      pkg-config openblas found                   -> CPU GEMM through CBLAS
 #   MPI=0|1       mpicc found                                 -> distributed training (comm/mpi.c)
+#   NCCL=0|1      CUDA, MPI and nccl.h + libnccl.so found     -> NCCL for CUDA tensors (comm/nccl.cu)
 #   CUDA_ARCH     nvcc -gencode list (default sm_80, sm_90, PTX compute_90)
 
 CC       ?= cc
@@ -98,6 +99,22 @@ ifeq ($(CUDA),1)
 else
   CU_SRC :=
 endif
+# NCCL (comm/nccl.cu): collectives on CUDA tensors, in builds with CUDA and MPI (the unique ids
+# travel over MPI). Found beside the CUDA toolkit ($(CUDA_HOME)) or in the system directories
+# (Debian's libnccl-dev); NCCL=0 leaves CUDA tensors to the host-staged MPI engine.
+NCCL_H := $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h))
+NCCL_SO := $(firstword $(wildcard $(CUDA_HOME)/lib64/libnccl.so /usr/lib/x86_64-linux-gnu/libnccl.so /usr/lib64/libnccl.so))
+ifeq ($(origin NCCL),undefined)
+  NCCL := $(if $(and $(filter 1,$(CUDA)),$(filter 1,$(MPI)),$(NCCL_H),$(NCCL_SO)),1,0)
+endif
+ifeq ($(NCCL),1)
+  NCCL_LIBDIR := $(patsubst %/,%,$(dir $(NCCL_SO)))
+  CFLAGS_ALL += -DTM_HAVE_NCCL
+  NVCCFLAGS += -DTM_HAVE_NCCL -I$(dir $(NCCL_H))
+  LDLIBS_ALL += -L$(NCCL_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) -lnccl
+  PC_LIBS_PRIVATE += -L$(NCCL_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) -lnccl
+  CU_SRC += comm/nccl.cu
+endif
 
 LIB_SRC  := $(wildcard framework/*.c framework/ops/*.c kernels/cpu/*.c layers/*.c optim/*.c checkpoints/*.c) $(COMM_SRC)
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
@@ -137,7 +154,7 @@ DIST_HELPER := $(BUILD)/tinymoe_dist_helper
 all: $(LIBA) $(LIBSO) $(BIN)
 
 config:
-	@echo "CUDA=$(CUDA) BLAS=$(BLAS) ($(BLAS_PKG) openblas) MPI=$(MPI) SAN=$(SAN) BUILD=$(BUILD) NVCC=$(NVCC) CJSON_LIBS=$(CJSON_LIBS)"
+	@echo "CUDA=$(CUDA) BLAS=$(BLAS) ($(BLAS_PKG) openblas) MPI=$(MPI) NCCL=$(NCCL) SAN=$(SAN) BUILD=$(BUILD) NVCC=$(NVCC) CJSON_LIBS=$(CJSON_LIBS)"
 
 cjson-check:
 	@test -n "$(strip $(CJSON_LIBS))" || { echo "Makefile: cJSON not found (pkg-config libcjson): install libcjson-dev (scripts/install-deps.sh), or set CJSON_CFLAGS and CJSON_LIBS" >&2; exit 1; }

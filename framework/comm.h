@@ -8,7 +8,7 @@
  *   mpi          tm__comm_mpi_ops         comm/mpi.c (MPI=1)        CPU memory
  *   mpi-staged   tm__comm_staged_ops      framework/comm.c          CUDA memory through host
  *                                                                   buffers and the mpi table
- *   nccl         tm__comm_nccl_ops        comm/nccl.c (NCCL=1)      CUDA memory
+ *   nccl         tm__comm_nccl_ops        comm/nccl.cu (NCCL=1)     CUDA memory
  *
  * Contracts of a table (every function reports failures through tm__err with TM_ERR_COMM and
  * returns its status; counts are in elements of dt; pointers are memory of the device the
@@ -52,7 +52,7 @@ struct tm__comm {
     const tm__comm_ops *host;   /* CPU memory: mpi or self */
     const tm__comm_ops *device; /* CUDA memory: nccl, mpi-staged or self (NULL: no CUDA device) */
     void *mpi;                  /* the mpi engine's state (comm/mpi.c) */
-    void *nccl;                 /* the nccl engine's state (comm/nccl.c) */
+    void *nccl;                 /* the nccl engine's state (comm/nccl.cu) */
     tm_comm_stats stats;
 };
 
@@ -74,7 +74,7 @@ extern const tm__comm_ops tm__comm_staged_ops;
  * not initialised (the caller then makes a world of one). */
 tm_status tm__mpi_comm_create(tm__comm *c, const void *world);
 extern const tm__comm_ops tm__comm_mpi_ops;
-/* comm/nccl.c, in builds with NCCL: one NCCL communicator per group on the context's CUDA
+/* comm/nccl.cu, in builds with NCCL: one NCCL communicator per group on the context's CUDA
  * device, the unique ids broadcast over the mpi engine. */
 tm_status tm__nccl_comm_create(tm__comm *c);
 extern const tm__comm_ops tm__comm_nccl_ops;

@@ -179,19 +179,32 @@ static int check_same_config(tmd_run *r, char *err, size_t errlen) {
     return rc;
 }
 
+/* Under mpirun each rank of a machine takes its own GPU when there are enough (NCCL needs one
+ * per rank), by its local rank; several ranks on one GPU share it (host-staged collectives). */
+static int local_gpu(void) {
+    const char *vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"};
+    int n = tm_cuda_device_count(), lr = 0;
+    for (size_t i = 0; i < sizeof vars / sizeof *vars; i++)
+        if (getenv(vars[i])) {
+            lr = atoi(getenv(vars[i]));
+            break;
+        }
+    return n > 0 ? lr % n : 0;
+}
+
 static int build(tmd_run *r, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = c->threads;
     o.cpu_gemm = c->cpu_gemm;
-    o.cuda_device = c->device == TMD_DEVICE_CUDA ? 0 : -1;
+    o.cuda_device = c->device == TMD_DEVICE_CUDA ? local_gpu() : -1;
     tm_status s = tm_ctx_new(&r->ctx, &o);
     if (s)
         return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot create a context (%s): %s", tm_status_str(s),
                         tm_last_create_error());
     tm_comm_options co = layout_of(c);
     if ((s = tm_comm_init(r->ctx, &co))) return tmd_run_lib_fail(r, err, errlen, "setting up the communicator", s);
-    r->dev = c->device == TMD_DEVICE_CUDA ? tm_cuda(0) : tm_cpu();
+    r->dev = c->device == TMD_DEVICE_CUDA ? tm_cuda(o.cuda_device) : tm_cpu();
     tm_dtype dt = c->dtype == TMD_DTYPE_BF16 ? TM_BF16 : TM_F32;
     char e[1024];
     if ((s = tm_model_new(r->ctx, &c->model, dt, r->dev, &r->model))) {
