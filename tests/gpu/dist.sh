@@ -32,6 +32,16 @@ compare() { # name
         END { printf "   %s: %d steps, largest relative loss difference to the CPU %.3g\n", n, k, m;
               exit (k != 10 || m > 1e-3) }' || fail=1
 }
+# the collective ops on CUDA tensors against CPU tensors, 1 rank (NCCL) and 2 ranks (host-staged)
+for np in 1 2; do
+    echo "== collectives on CUDA tensors, $np rank(s)"
+    if ! TINYMOE_NCCL=$([ $np = 1 ] && echo 1 || echo auto) timeout 300 $MPIRUN -np $np ./build/tinymoe_dist_helper cuda \
+            >"$OUT/cuda$np.log" 2>&1; then
+        echo "   FAILED; tail of $OUT/cuda$np.log:"; tail -20 "$OUT/cuda$np.log"; fail=1
+    else
+        grep "^cuda" "$OUT/cuda$np.log"
+    fi
+done
 run cpu $BIN train $ARGS
 run nccl1 env TINYMOE_NCCL=1 $BIN train $ARGS --device cuda && compare nccl1
 run staged2 $MPIRUN -np 2 $BIN train $ARGS --device cuda --zero 1 && compare staged2
