@@ -13,7 +13,8 @@
 # Auto-detected, override on the command line:
 #   CUDA=0|1      nvcc found (PATH or $(CUDA_HOME)/bin)      -> CUDA backend (cudart, cuBLASLt)
 #   BLAS=0|1      pkg-config openblas found                   -> CPU GEMM through CBLAS
-#   MPI=0|1       mpicc found                                 -> distributed training (comm/mpi.c)
+#   MPI=0|1       mpicc found                                 -> distributed training (framework/comm_mpi.c)
+#   NCCL=0|1      CUDA, MPI and nccl.h + libnccl.so found     -> NCCL for CUDA tensors (kernels/cuda/comm_nccl.cu)
 #   CUDA_ARCH     nvcc -gencode list (default sm_80, sm_90, PTX compute_90)
 
 CC       ?= cc
@@ -57,7 +58,7 @@ ifeq ($(BLAS),1)
   LDLIBS_ALL += $(BLAS_LIBS) -Wl,-rpath,$(patsubst -L%,%,$(filter -L%,$(BLAS_LIBS)))
   PC_LIBS_PRIVATE += $(BLAS_LIBS) -Wl,-rpath,$(patsubst -L%,%,$(filter -L%,$(BLAS_LIBS)))
 endif
-# MPI (comm/mpi.c): Open MPI's compile and link flags from its compiler wrapper; MPI_CFLAGS /
+# MPI (framework/comm_mpi.c): Open MPI's compile and link flags from its compiler wrapper; MPI_CFLAGS /
 # MPI_LIBS override them (another MPI: `mpicc -show`). MPI=0 builds a single-process library.
 MPICC ?= mpicc
 ifeq ($(MPI),1)
@@ -70,7 +71,7 @@ ifeq ($(MPI),1)
   CFLAGS_ALL += -DTM_HAVE_MPI
   LDLIBS_ALL += $(MPI_LIBS)
   PC_LIBS_PRIVATE += $(MPI_LIBS)
-  COMM_SRC := comm/mpi.c
+  COMM_SRC := framework/comm_mpi.c
 else
   COMM_SRC :=
 endif
@@ -95,12 +96,28 @@ ifeq ($(CUDA),1)
   CUDA_LIBDIR := $(CUDA_HOME)/lib64
   LDLIBS_ALL += -L$(CUDA_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lcublasLt -lcudart -lstdc++
   PC_LIBS_PRIVATE += -L$(CUDA_LIBDIR) -Wl,-rpath,$(CUDA_LIBDIR) -lcublasLt -lcudart -lstdc++
-  CU_SRC := $(wildcard kernels/cuda/*.cu)
+  CU_SRC := $(filter-out kernels/cuda/comm_nccl.cu,$(wildcard kernels/cuda/*.cu))
 else
   CU_SRC :=
 endif
+# NCCL (kernels/cuda/comm_nccl.cu): collectives on CUDA tensors, in builds with CUDA and MPI (the unique ids
+# travel over MPI). Found beside the CUDA toolkit ($(CUDA_HOME)) or in the system directories
+# (Debian's libnccl-dev); NCCL=0 leaves CUDA tensors to the host-staged MPI engine.
+NCCL_H := $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h))
+NCCL_SO := $(firstword $(wildcard $(CUDA_HOME)/lib64/libnccl.so /usr/lib/x86_64-linux-gnu/libnccl.so /usr/lib64/libnccl.so))
+ifeq ($(origin NCCL),undefined)
+  NCCL := $(if $(and $(filter 1,$(CUDA)),$(filter 1,$(MPI)),$(NCCL_H),$(NCCL_SO)),1,0)
+endif
+ifeq ($(NCCL),1)
+  NCCL_LIBDIR := $(patsubst %/,%,$(dir $(NCCL_SO)))
+  CFLAGS_ALL += -DTM_HAVE_NCCL
+  NVCCFLAGS += -DTM_HAVE_NCCL -I$(dir $(NCCL_H))
+  LDLIBS_ALL += -L$(NCCL_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) -lnccl
+  PC_LIBS_PRIVATE += -L$(NCCL_LIBDIR) -Wl,-rpath,$(NCCL_LIBDIR) -lnccl
+  CU_SRC += kernels/cuda/comm_nccl.cu
+endif
 
-LIB_SRC  := $(wildcard framework/*.c framework/ops/*.c kernels/cpu/*.c layers/*.c optim/*.c checkpoints/*.c) $(COMM_SRC)
+LIB_SRC  := $(filter-out framework/comm_mpi.c,$(wildcard framework/*.c framework/ops/*.c kernels/cpu/*.c layers/*.c optim/*.c checkpoints/*.c)) $(COMM_SRC)
 LIB_OBJ  := $(LIB_SRC:%.c=$(BUILD)/%.o) $(CU_SRC:%.cu=$(BUILD)/%.cu.o)
 
 # The library's boundary: libtinymoe.so exports the public API (include/tinymoe.h) and nothing
@@ -138,7 +155,7 @@ DIST_HELPER := $(BUILD)/tinymoe_dist_helper
 all: $(LIBA) $(LIBSO) $(BIN)
 
 config:
-	@echo "CUDA=$(CUDA) BLAS=$(BLAS) ($(BLAS_PKG) openblas) MPI=$(MPI) SAN=$(SAN) BUILD=$(BUILD) NVCC=$(NVCC) CJSON_LIBS=$(CJSON_LIBS)"
+	@echo "CUDA=$(CUDA) BLAS=$(BLAS) ($(BLAS_PKG) openblas) MPI=$(MPI) NCCL=$(NCCL) SAN=$(SAN) BUILD=$(BUILD) NVCC=$(NVCC) CJSON_LIBS=$(CJSON_LIBS)"
 
 cjson-check:
 	@test -n "$(strip $(CJSON_LIBS))" || { echo "Makefile: cJSON not found (pkg-config libcjson): install libcjson-dev (scripts/install-deps.sh), or set CJSON_CFLAGS and CJSON_LIBS" >&2; exit 1; }

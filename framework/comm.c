@@ -348,10 +348,15 @@ tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts) {
     if (s == TM_OK && ctx->cuda_device >= 0) {
         c->device = c->world_size == 1 ? &tm__comm_self_ops : &tm__comm_staged_ops;
 #ifdef TM_HAVE_NCCL
-        if (c->world_size > 1 && !getenv("TINYMOE_NCCL_OFF")) {
+        /* NCCL unless ranks share a GPU (TM_ERR_UNSUPPORTED: host staging) or TINYMOE_NCCL=0;
+         * TINYMOE_NCCL=1 uses it for one rank too (the GPU machine's one-GPU check of the
+         * NCCL path). */
+        const char *want = getenv("TINYMOE_NCCL");
+        int force = want && !strcmp(want, "1"), off = want && !strcmp(want, "0");
+        if (((c->world_size > 1 && c->host == &tm__comm_mpi_ops) || force) && !off) {
             tm_status ns = tm__nccl_comm_create(c);
             if (ns == TM_OK) c->device = &tm__comm_nccl_ops;
-            else s = ns;
+            else if (ns != TM_ERR_UNSUPPORTED) s = ns;
         }
 #endif
     }

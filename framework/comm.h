@@ -5,10 +5,10 @@
  *
  *   engine       table                    implementation            moves
  *   self         tm__comm_self_ops        framework/comm.c          any device (one rank)
- *   mpi          tm__comm_mpi_ops         comm/mpi.c (MPI=1)        CPU memory
+ *   mpi          tm__comm_mpi_ops         framework/comm_mpi.c (MPI=1)        CPU memory
  *   mpi-staged   tm__comm_staged_ops      framework/comm.c          CUDA memory through host
  *                                                                   buffers and the mpi table
- *   nccl         tm__comm_nccl_ops        comm/nccl.c (NCCL=1)      CUDA memory
+ *   nccl         tm__comm_nccl_ops        kernels/cuda/comm_nccl.cu (NCCL=1)     CUDA memory
  *
  * Contracts of a table (every function reports failures through tm__err with TM_ERR_COMM and
  * returns its status; counts are in elements of dt; pointers are memory of the device the
@@ -51,8 +51,8 @@ struct tm__comm {
     int world_rank, world_size;
     const tm__comm_ops *host;   /* CPU memory: mpi or self */
     const tm__comm_ops *device; /* CUDA memory: nccl, mpi-staged or self (NULL: no CUDA device) */
-    void *mpi;                  /* the mpi engine's state (comm/mpi.c) */
-    void *nccl;                 /* the nccl engine's state (comm/nccl.c) */
+    void *mpi;                  /* the mpi engine's state (framework/comm_mpi.c) */
+    void *nccl;                 /* the nccl engine's state (kernels/cuda/comm_nccl.cu) */
     tm_comm_stats stats;
 };
 
@@ -69,12 +69,12 @@ const char *tm__comm_gdesc(tm__comm *c, int g);
 extern const tm__comm_ops tm__comm_self_ops;
 extern const tm__comm_ops tm__comm_staged_ops;
 
-/* comm/mpi.c, in builds with MPI: make the world (world: pointer to an MPI_Comm or NULL for
+/* framework/comm_mpi.c, in builds with MPI: make the world (world: pointer to an MPI_Comm or NULL for
  * MPI_COMM_WORLD) and the group communicators, fill rank[] / size[]; TM_ERR_STATE when MPI is
  * not initialised (the caller then makes a world of one). */
 tm_status tm__mpi_comm_create(tm__comm *c, const void *world);
 extern const tm__comm_ops tm__comm_mpi_ops;
-/* comm/nccl.c, in builds with NCCL: one NCCL communicator per group on the context's CUDA
+/* kernels/cuda/comm_nccl.cu, in builds with NCCL: one NCCL communicator per group on the context's CUDA
  * device, the unique ids broadcast over the mpi engine. */
 tm_status tm__nccl_comm_create(tm__comm *c);
 extern const tm__comm_ops tm__comm_nccl_ops;

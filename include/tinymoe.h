@@ -331,7 +331,8 @@ typedef enum tm_bucket_part { TM_BUCKET_PARAMS = 0, TM_BUCKET_GRADS = 1, TM_BUCK
 /* A 1-D persistent view [numel] of bucket i's parameters, gradients or f32 master weights,
  * valid until a parameter is added to that bucket or the context is freed (writes through it
  * change the parameters; they are not recorded on the tape). NULL for a bad index, or for the
- * master of a bucket without one. */
+ * master of a bucket without one. Under ZeRO-1 (tm_comm_options.zero) the master view holds
+ * only this rank's block [lo, hi) of the bucket (tm_ctx_grad_shard): [hi - lo] elements. */
 TM_API tm_tensor *tm_ctx_bucket_tensor(const tm_ctx *ctx, int i, tm_bucket_part part);
 
 /* Persistent tensor without gradient (optimizer state, expert_bias, data). Zero-filled; any
@@ -864,7 +865,11 @@ TM_API tm_status tm_moe_config_check(tm_ctx *ctx, const tm_moe_config *cfg);
 
 typedef struct tm_moe tm_moe;
 
-/* Build a block's parameters (names prefixed by `prefix`, e.g. "layers.3.moe"):
+/* Build a block's parameters (names prefixed by `prefix`, e.g. "layers.3.moe"). Under expert
+ * parallelism (the context's communicator has ep_size P > 1) the experts.* tensors hold this
+ * rank's E / P experts [ep rank * E / P, ...), as shards of the logical [E, ...] tensors
+ * (tm_param_options shard_axis 0: initialised and checkpointed as the logical tensors), and the
+ * forward dispatches tokens with the communicator's ep_strategy (tinymoe.h, "Distributed"):
  *   <p>.gate.weight [H,E]; <p>.experts.w0, .w1 [E,H,F]; <p>.experts.wo [E,F,H] (these three in
  *   the expert parameter group, experts [0, E)); the rest dense:
  *   <p>.shared.w0, .w1 [H,Fs]; <p>.shared.wo [Fs,H] (if shared_ffn_size);
@@ -874,7 +879,8 @@ typedef struct tm_moe tm_moe;
  * dtype: f32, bf16 or f64 (CPU) for the weights; the gate math is always f32 (f64 for f64):
  * gate.weight, expert_bias, the logits and the losses are in that gate dtype.
  * Errors: TM_ERR_INVALID_ARG (out or prefix NULL, a field as tm_moe_config_check, a prefix of
- * 96 bytes or more, a name already in the context: one block per prefix), TM_ERR_DTYPE (dtype
+ * 96 bytes or more, a name already in the context: one block per prefix; under expert
+ * parallelism num_experts not divisible by ep_size, or the dense strategy), TM_ERR_DTYPE (dtype
  * not float; f64 on CUDA), TM_ERR_DEVICE (dev not available), TM_ERR_NOMEM, TM_ERR_CUDA. A
  * failure may leave the parameters made before it in the context. */
 TM_API tm_status tm_moe_new(tm_ctx *ctx, const char *prefix, const tm_moe_config *cfg, tm_dtype dtype, tm_device dev,
@@ -1118,6 +1124,11 @@ TM_API tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const 
  * with meta_bytes > 0), TM_ERR_IO (the message names the file and the system error),
  * TM_ERR_UNSUPPORTED (a big-endian host; a tensor over 4 GiB, zlib's limit for one deflate
  * call), TM_ERR_NOMEM, TM_ERR_CUDA (reading a device tensor). */
+/* Under a communicator of several ranks saving is collective: every rank calls it, tensors
+ * spread over the ranks (expert shards, ZeRO-1 blocks) are gathered to logical ones, world rank
+ * 0 writes the file, and every rank returns rank 0's status (TM_ERR_COMM if a gather failed).
+ * Loading needs no communication: each rank reads the file and keeps its part, so a checkpoint
+ * written under one layout loads under any other. */
 TM_API tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes);
 
 /* Load a checkpoint written by tm_ckpt_save into the tensors of ctx, which must hold exactly
@@ -1205,7 +1216,9 @@ typedef struct tm_optimizer tm_optimizer;
  * of CUDA parameters). */
 TM_API tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimizer **out);
 /* One update from the gradients currently accumulated. lr < 0: the configured lr (pass the
- * scheduled value otherwise). Does not zero the gradients (tm_ctx_zero_grad).
+ * scheduled value otherwise). Does not zero the gradients (tm_ctx_zero_grad). Under ZeRO-1
+ * (after tm_comm_sync_grads) each rank updates its block of every bucket, whose state (and
+ * master weights) it alone keeps, then the parameters are all-gathered: a collective.
  * Runs on the parameters' devices (CPU and CUDA; bf16 buckets update their f32 master weights).
  * Errors: TM_ERR_INVALID_ARG (lr NaN or +inf; -inf is < 0, the configured lr),
  * TM_ERR_UNSUPPORTED (a device without the update kernel; nothing is changed), TM_ERR_CUDA. */

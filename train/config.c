@@ -207,6 +207,8 @@ static const key KEYS[] = {
      "ZeRO stage: 0, or 1 to shard optimizer state and f32 master weights over the data-parallel ranks", 0, 1},
     {"comm_timeout", T_FLOAT, G_DIST, OFF(comm_timeout), NULL, "60", 0, NULL,
      "seconds a collective may wait before the run fails (a rank died or stopped answering); 0: forever", 0, 1e9},
+    {"print_layout", T_BOOL, G_DIST, OFF(print_layout), NULL, "false", 0, NULL,
+     "print which rank holds which parameters and experts, and its bytes; draw <out>/layout.svg", 0, 0},
 };
 
 // clang-format on

@@ -69,6 +69,7 @@ typedef struct tmd_config {
     char preset[32];
     int ep_size, ep_strategy, zero; /* the parallel layout (tm_comm_options) */
     double comm_timeout;
+    int print_layout;
     unsigned char source[TMD_MAX_KEYS]; /* tmd_source of each key, by table index */
     /* One line per value tmd_config_resolve (or the run's setup) changed from what was asked:
      * a clamp the user should hear about, printed with the resolved config. Not a key. */

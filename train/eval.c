@@ -80,7 +80,7 @@ static int eval_run(const tmd_config *cfg, const char *ckpt, FILE *log, double *
         tmd_run_print_header(r, 1);
         double t0 = tmd_now_s();
         rc = tmd_run_evaluate(r, &v, err, errlen);
-        if (!rc && log) {
+        if (!rc && log && r->rank == 0) { /* under mpirun: rank 0 reports */
             fprintf(log, "loss %.6f nats/token, perplexity %.3f, over %lld tokens (%.1f s)", v, exp(v),
                     (long long)r->n_eval * r->T, tmd_now_s() - t0);
             if (r->synth) fprintf(log, "; optimum %.4f", r->optimum);

@@ -24,6 +24,7 @@
 #include "config.h"
 #include "data.h"
 #include "hf.h"
+#include "layout.h"
 #include "sample.h"
 #include "status.h"
 #include "stop.h"
@@ -41,6 +42,8 @@ static const char USAGE[] =
     "  sample     --ckpt CKPT --prompt TEXT: generate text from a trained model\n"
     "  inspect    CKPT: config, step and tensors of a checkpoint\n"
     "  export     --ckpt CKPT --format hf --out DIR: a Hugging Face Mixtral model directory\n"
+    "  plan       --ranks N [--key value ...]: memory per rank and communication per step of a parallel\n"
+    "             layout (ep_size, zero), computed without running\n"
     "  tokenize   IN.txt OUT.bin [--val-fraction F]: byte-level tokens (256 bytes + end-of-text)\n"
     "             in llm.c's token file format; with F > 0 the last F of the text goes to OUT_val.bin\n"
     "\n"
@@ -52,6 +55,9 @@ static const char USAGE[] =
     "train on any text file:\n"
     "  tinymoe tokenize input.txt input.bin --val-fraction 0.1\n"
     "  tinymoe train --preset shakespeare --data input.bin --val_data input_val.bin\n"
+    "\n"
+    "distributed: mpirun -np N tinymoe train [--ep_size P] [--ep_strategy alltoall|allgather] [--zero 1]\n"
+    "             [--print-layout] ...: one process per rank (docs/layouts.md)\n"
     "\n"
     "out directory: a run holds <out>/tinymoe.lock for its whole life; a second run into the same\n"
     "directory fails at once, naming the holder's pid (a lock left by a dead run does not count)\n"
@@ -146,7 +152,8 @@ static int cmd_train_or_eval(int eval, int argc, char **argv) {
     if (rc) {
         fflush(stdout);
         if (world == 1) fprintf(stderr, "tinymoe: %s\n", err);
-        else if (!uniform || rank == 0) fprintf(stderr, "tinymoe: rank %d of %d: %s\n", rank, world, err);
+        else if (uniform && rank == 0) fprintf(stderr, "tinymoe: %s\n", err); /* every rank found it */
+        else if (!uniform) fprintf(stderr, "tinymoe: rank %d of %d: %s\n", rank, world, err);
         fflush(stderr);
         /* A failure of this rank alone leaves the others waiting in a collective: end the job.
          * A configuration error every rank found alike ends every rank by itself. */
@@ -334,6 +341,7 @@ int main(int argc, char **argv) {
         tm_mpi_finalize();
         return rc;
     }
+    if (!strcmp(cmd, "plan")) return tmd_plan_main(argc - 2, argv + 2);
     if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc - 2, argv + 2);
     if (!strcmp(cmd, "inspect")) return cmd_inspect(argc - 2, argv + 2);
     if (!strcmp(cmd, "sample")) return tmd_sample_main(argc - 2, argv + 2);

@@ -90,6 +90,9 @@ typedef struct tmd_step {
     double loss, ce, aux, z, max_load; /* training loss (ce + layer losses) and its parts */
     double gnorm;                      /* global gradient norm before clipping */
     int64_t dropped;                   /* tokens dropped by expert capacity */
+    /* distributed: this rank's collectives in the step (tm_comm_get_stats), all of them and the
+     * gradient synchronisation's part; bytes sent by this rank, seconds waited */
+    double comm_bytes, comm_s, sync_bytes, sync_s;
     int skipped; /* a non-finite loss or gradient norm, within skip_nonfinite: no update made */
 } tmd_step;
 

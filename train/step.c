@@ -103,6 +103,7 @@ int tmd_run_step(tmd_run *r, int64_t step, double lr, tmd_step *out, char *err, 
     const tmd_config *c = &r->c;
     tm_status s;
     memset(out, 0, sizeof *out);
+    tm_comm_reset_stats(r->ctx);
     if (r->step_load) memset(r->step_load, 0, sizeof *r->step_load * (size_t)r->n_moe * (size_t)r->E);
     for (int m = 0; m < c->grad_accum; m++) {
         train_batch(r, step, m);
@@ -128,7 +129,14 @@ int tmd_run_step(tmd_run *r, int64_t step, double lr, tmd_step *out, char *err, 
     double gnorm = NAN;
     if (!isfinite(out->loss)) return nonfinite(r, step, out->loss, gnorm, out, err, errlen);
     /* Distributed: every bucket's gradient summed over its group (one collective per bucket). */
+    tm_comm_stats before, after;
+    tm_comm_get_stats(r->ctx, &before);
     if ((s = tm_comm_sync_grads(r->ctx))) return tmd_run_lib_fail(r, err, errlen, "gradient synchronisation", s);
+    tm_comm_get_stats(r->ctx, &after);
+    for (int k = 0; k < TM_COMM_NKINDS; k++) {
+        out->sync_bytes += (double)(after.bytes[k] - before.bytes[k]);
+        out->sync_s += after.seconds[k] - before.seconds[k];
+    }
     if ((s = tm_ctx_clip_grad_norm(r->ctx, c->grad_clip, &gnorm)))
         return tmd_run_lib_fail(r, err, errlen, "gradient clipping", s);
     if (!isfinite(gnorm)) return nonfinite(r, step, out->loss, gnorm, out, err, errlen);
@@ -137,5 +145,8 @@ int tmd_run_step(tmd_run *r, int64_t step, double lr, tmd_step *out, char *err, 
     if ((s = tm_model_step(r->model))) return tmd_run_lib_fail(r, err, errlen, "expert-bias update", s);
     if ((s = tm_ctx_zero_grad(r->ctx))) return tmd_run_lib_fail(r, err, errlen, "zeroing gradients", s);
     tm_ctx_arena_reset(r->ctx);
+    tm_comm_stats cs;
+    tm_comm_get_stats(r->ctx, &cs);
+    for (int k = 0; k < TM_COMM_NKINDS; k++) out->comm_bytes += (double)cs.bytes[k], out->comm_s += cs.seconds[k];
     return 0;
 }

@@ -16,6 +16,7 @@
 #include "generate.h"
 #include "hf.h"
 #include "lock.h"
+#include "layout.h"
 #include "log.h"
 #include "markov.h"
 #include "plot.h"
@@ -206,19 +207,32 @@ static int check_same_config(tmd_run *r, char *err, size_t errlen) {
     return rc;
 }
 
+/* Under mpirun each rank of a machine takes its own GPU when there are enough (NCCL needs one
+ * per rank), by its local rank; several ranks on one GPU share it (host-staged collectives). */
+static int local_gpu(void) {
+    const char *vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"};
+    int n = tm_cuda_device_count(), lr = 0;
+    for (size_t i = 0; i < sizeof vars / sizeof *vars; i++)
+        if (getenv(vars[i])) {
+            lr = atoi(getenv(vars[i]));
+            break;
+        }
+    return n > 0 ? lr % n : 0;
+}
+
 static int build(tmd_run *r, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = c->threads;
     o.cpu_gemm = c->cpu_gemm;
-    o.cuda_device = c->device == TMD_DEVICE_CUDA ? 0 : -1;
+    o.cuda_device = c->device == TMD_DEVICE_CUDA ? local_gpu() : -1;
     tm_status s = tm_ctx_new(&r->ctx, &o);
     if (s)
         return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot create a context (%s): %s", tm_status_str(s),
                         tm_last_create_error());
     tm_comm_options co = layout_of(c);
     if ((s = tm_comm_init(r->ctx, &co))) return tmd_run_lib_fail(r, err, errlen, "setting up the communicator", s);
-    r->dev = c->device == TMD_DEVICE_CUDA ? tm_cuda(0) : tm_cpu();
+    r->dev = c->device == TMD_DEVICE_CUDA ? tm_cuda(o.cuda_device) : tm_cpu();
     tm_dtype dt = c->dtype == TMD_DTYPE_BF16 ? TM_BF16 : TM_F32;
     char e[1024];
     if ((s = tm_model_new(r->ctx, &c->model, dt, r->dev, &r->model))) {
@@ -365,6 +379,10 @@ void tmd_run_print_header(tmd_run *r, int eval_only) {
     const tmd_config *c = &r->c;
     if (!f) return;
     fprintf(f, "tinymoe %s %s\n\n", tm_version(), eval_only ? "eval" : "train");
+    if (r->world > 1)
+        fprintf(f, "distributed: %d ranks (mpirun); each takes %d of the %d sequences of a micro-batch; ep_size %d (%s), "
+                   "ZeRO-%d; collectives on %s\n\n", r->world, r->Bl, r->B, c->ep_size,
+                c->ep_strategy ? "allgather" : "alltoall", c->zero, tm_comm_engine(r->ctx, r->dev));
     fprintf(f, "config (defaults unmarked; '#' says where a value came from):\n");
     tmd_config_print(c, f);
     for (const char *n = c->notes; *n;) {
@@ -420,6 +438,8 @@ typedef struct interval {
     int n;
     double loss, ce, aux, z, gnorm, seconds, max_load;
     int64_t dropped;
+    /* distributed: this rank's collectives (tm_comm_get_stats), and the gradient sync's part */
+    double comm_bytes, comm_s, sync_bytes, sync_s;
 } interval;
 
 /* Returns -1 when the metrics file cannot be written. */
@@ -441,11 +461,20 @@ static int log_train(tmd_run *r, int64_t step, double lr, const interval *iv, do
         tmd_json_num(&j, "max_load", iv->max_load / n);
         tmd_json_int(&j, "dropped", iv->dropped);
         tmd_json_num(&j, "elapsed_s", elapsed);
+        if (r->world > 1) {
+            /* rank 0's collectives per step: all of them, and the gradient synchronisation */
+            tmd_json_num(&j, "comm_bytes", iv->comm_bytes / n);
+            tmd_json_num(&j, "comm_ms", 1e3 * iv->comm_s / n);
+            tmd_json_num(&j, "grad_sync_bytes", iv->sync_bytes / n);
+            tmd_json_num(&j, "grad_sync_ms", 1e3 * iv->sync_s / n);
+        }
         if (tmd_jsonl_write(r->metrics, &j)) return -1;
     }
     if (!r->log || r->tty) return 0;
-    fprintf(r->log, "%7lld %8.4f %8.4f %8.5f %8.5f %9.2e %7.3f %8.1f %9.0f %6.2f\n", (long long)step, iv->loss / n,
+    fprintf(r->log, "%7lld %8.4f %8.4f %8.5f %8.5f %9.2e %7.3f %8.1f %9.0f %6.2f", (long long)step, iv->loss / n,
             iv->ce / n, iv->aux / n, iv->z / n, lr, iv->gnorm / n, 1e3 * iv->seconds / n, tps, iv->max_load / n);
+    if (r->world > 1) fprintf(r->log, " %9.3f %7.1f", iv->comm_bytes / n / 1e6, 1e3 * iv->comm_s / n);
+    fprintf(r->log, "\n");
     tmd_run_log_flush(r);
     return 0;
 }
@@ -610,9 +639,12 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
         res->steps = start;
         return 0;
     }
-    if (r->log && !r->tty)
-        fprintf(r->log, "%7s %8s %8s %8s %8s %9s %7s %8s %9s %6s\n", "step", "loss", "ce", "aux", "z", "lr", "gnorm",
+    if (r->log && !r->tty) {
+        fprintf(r->log, "%7s %8s %8s %8s %8s %9s %7s %8s %9s %6s", "step", "loss", "ce", "aux", "z", "lr", "gnorm",
                 "ms/step", "tokens/s", "load");
+        if (r->world > 1) fprintf(r->log, " %9s %7s", "comm MB", "comm ms"); /* rank 0's, per step */
+        fprintf(r->log, "\n");
+    }
     interval iv = {0};
     double t_train = 0, first_loss = NAN, val = NAN, last_draw = 0;
     for (int64_t step = start; step < steps; step++) {
@@ -637,6 +669,10 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
             iv.max_load += st.max_load;
             iv.dropped += st.dropped;
             iv.gnorm += st.gnorm;
+            iv.comm_bytes += st.comm_bytes;
+            iv.comm_s += st.comm_s;
+            iv.sync_bytes += st.sync_bytes;
+            iv.sync_s += st.sync_s;
             iv.n++;
             tmd_bins_add(&r->loss_bins, step, &st.loss);
             if (r->step_load) tmd_bins_add(&r->load_bins, step, r->step_load);
@@ -835,16 +871,16 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
         tmd_stop_saved old;
         tmd_stop_catch(&old);
         tmd_run_print_header(r, 0);
-        if (r->resume_path[0] && r->log) {
+        if (c.print_layout) rc = tmd_layout_print(r->ctx, r->dev, r->E, r->log, c.out, err, errlen);
+        if (!rc && r->resume_path[0] && r->log) {
             fprintf(r->log, "resuming from %s at step %lld", r->resume_path, (long long)r->resume_state.step);
             if (r->resume_ck_steps != c.sched.total_steps)
-                fprintf(r->log, "; steps %lld -> %lld%s", (long long)r->resume_ck_steps,
-                        (long long)c.sched.total_steps,
+                fprintf(r->log, "; steps %lld -> %lld%s", (long long)r->resume_ck_steps, (long long)c.sched.total_steps,
                         c.sched.kind == TM_LR_CONSTANT ? "" : " (the learning-rate schedule now spans the new total)");
             fprintf(r->log, "\n\n");
             tmd_run_log_flush(r);
         }
-        rc = train_loop(r, res, err, errlen);
+        if (!rc) rc = train_loop(r, res, err, errlen);
         tmd_stop_restore(&old);
         if (rc && r->log && r->tty) tmd_progress_clear(r->log);
     }

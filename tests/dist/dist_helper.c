@@ -9,6 +9,8 @@
  *                                     comm_alltoall, over the world, ep and expert_dp groups
  *                                     (ep_size 2 when N is even); ZeRO-1's optimizer memory per
  *                                     rank (f32 state, bf16 master weights)
+ *   tinymoe_dist_helper cuda           (GPU machine) every collective op on CUDA tensors against
+ *                                     the same op on CPU tensors, forward and backward
  *   tinymoe_dist_helper hang | die    rank 1 stops answering / exits while rank 0 waits in an
  *                                     all-reduce (2 s timeout); rank 0 reports and aborts the job
  *
@@ -251,6 +253,72 @@ static void check_counts(tm_ctx *ctx) {
     tm_ctx_arena_reset(ctx);
 }
 
+/* The op on this rank's f32 input on device dev, forward and backward with a fixed upstream
+ * gradient; output and input gradient to the host (malloc'd). */
+static void run_on(tm_ctx *ctx, const op_case *oc, tm_device dev, double **y, int64_t *ny, double **gx, int64_t *nx) {
+    int G = tm_comm_size(ctx, (tm_comm_group)oc->group), me = tm_comm_rank(ctx, (tm_comm_group)oc->group);
+    int64_t rows = oc->rows(me, G), shape[2] = {rows, oc->width}, n = rows * oc->width;
+    double *xv = malloc(sizeof(double) * (size_t)(n ? n : 1));
+    for (int64_t i = 0; i < n; i++) xv[i] = val(oc->kind, g_rank, i);
+    tm_tensor *x, *out, *gy;
+    OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, shape, dev, TM_F64, xv, &x));
+    OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
+    OK(ctx, run_op(ctx, oc, x, &out));
+    *ny = tm_tensor_numel(out);
+    double *gv = malloc(sizeof(double) * (size_t)(*ny ? *ny : 1));
+    for (int64_t i = 0; i < *ny; i++) gv[i] = val(100 + oc->kind, g_rank, i);
+    int64_t yshape[2] = {tm_tensor_dim(out, 0), tm_tensor_dim(out, 1)};
+    OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, yshape, dev, TM_F64, gv, &gy));
+    *y = malloc(sizeof(double) * (size_t)(*ny ? *ny : 1));
+    OK(ctx, tm_tensor_read(ctx, out, TM_F64, *y, *ny));
+    OK(ctx, tm_backward_with_grad(ctx, out, gy));
+    *nx = n;
+    *gx = malloc(sizeof(double) * (size_t)(n ? n : 1));
+    if (n) OK(ctx, tm_tensor_read(ctx, tm_tensor_grad(x), TM_F64, *gx, n));
+    tm_ctx_arena_reset(ctx);
+    free(xv), free(gv);
+}
+
+/* The GPU machine's check of the CUDA engines (nccl, or mpi-staged when ranks share a GPU):
+ * every collective op on CUDA tensors equals the same op on CPU tensors (mpi engine), forward
+ * and backward. Skipped (exit 0) without a CUDA device. */
+static void check_cuda(int world) {
+    if (tm_cuda_device_count() == 0) {
+        if (g_rank == 0) printf("cuda: no CUDA device, skipped\n");
+        return;
+    }
+    tm_ctx *ctx = NULL;
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    o.cuda_device = g_rank % tm_cuda_device_count();
+    OK(ctx, tm_ctx_new(&ctx, &o));
+    tm_comm_options co = tm_comm_options_default();
+    co.ep_size = world % 2 == 0 ? 2 : 1;
+    co.timeout_s = 60;
+    OK(ctx, tm_comm_init(ctx, &co));
+    if (g_rank == 0) printf("cuda: engine %s for CUDA tensors\n", tm_comm_engine(ctx, tm_cuda(o.cuda_device)));
+    const op_case cases[] = {
+        {"allreduce world", TM_COMM_WORLD, rows_two, 3, 0},   {"allgather ragged", TM_COMM_WORLD, rows_ragged, 3, 1},
+        {"allgather ep", TM_COMM_EP, rows_two, 2, 1},         {"reduce_scatter world", TM_COMM_WORLD, rows_rs, 2, 2},
+        {"alltoall world", TM_COMM_WORLD, rows_a2a, 2, 3},    {"alltoall ep", TM_COMM_EP, rows_a2a, 3, 3},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        double *yc, *gc, *yg, *gg;
+        int64_t nyc, nxc, nyg, nxg;
+        run_on(ctx, &cases[k], tm_cpu(), &yc, &nyc, &gc, &nxc);
+        run_on(ctx, &cases[k], tm_cuda(o.cuda_device), &yg, &nyg, &gg, &nxg);
+        CHECK(nyc == nyg && nxc == nxg, "cuda %s: sizes differ", cases[k].name);
+        for (int64_t i = 0; nyc == nyg && i < nyc; i++)
+            CHECK(fabs(yc[i] - yg[i]) <= 1e-5 + 1e-5 * fabs(yc[i]), "cuda %s: y[%lld] %g (cpu) vs %g (cuda)",
+                  cases[k].name, (long long)i, yc[i], yg[i]);
+        for (int64_t i = 0; nxc == nxg && i < nxc; i++)
+            CHECK(fabs(gc[i] - gg[i]) <= 1e-5 + 1e-5 * fabs(gc[i]), "cuda %s: dx[%lld] %g (cpu) vs %g (cuda)",
+                  cases[k].name, (long long)i, gc[i], gg[i]);
+        free(yc), free(gc), free(yg), free(gg);
+    }
+    tm_ctx_free(ctx);
+}
+
 /* ZeRO-1: each rank keeps the AdamW moments (and, for bf16, the f32 master weights) of its
  * block of every bucket only; the blocks tile the bucket. */
 static void check_zero_memory(tm_ctx *unused, int world) {
@@ -332,6 +400,8 @@ int main(int argc, char **argv) {
         check_partial_requires_grad(ctx);
         check_counts(ctx);
         check_zero_memory(ctx, world);
+    } else if (!strcmp(what, "cuda")) {
+        check_cuda(world);
     } else if (!strcmp(what, "hang") || !strcmp(what, "die")) {
         /* Failure modes: rank 1 stops answering (sleeps past the timeout) or dies (exits without
          * MPI_Finalize) while rank 0 waits in an all-reduce; rank 0 must not hang. */

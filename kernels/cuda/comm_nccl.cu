@@ -1,0 +1,264 @@
+/*
+ * nccl.cu — the nccl engine (framework/comm.h): collectives on CUDA memory through NCCL, for
+ * builds with CUDA, MPI and NCCL (Makefile NCCL=1). No kernels: host code that enqueues NCCL
+ * calls on the context's stream (CUDA C++ only to reach the stream in common.cuh).
+ *
+ * Layout: (N ranks, one per GPU)
+ *   one ncclComm_t per group of more than one rank (world, dp, ep, expert_dp), made with
+ *   ncclCommInitRank; group rank 0 draws the unique id and the mpi engine broadcasts it over
+ *   the group. The context's device is the rank's GPU (the driver picks local rank % GPUs).
+ *   Ranks that share a GPU cannot share an NCCL communicator: tm__nccl_comm_create then
+ *   answers TM_ERR_UNSUPPORTED and tm_comm_init uses the host-staged mpi engine instead.
+ * Calls (stream-ordered, like every kernel of the context):
+ *   allreduce       ncclAllReduce (sum)
+ *   allgatherv      ncclAllGather when the counts are equal and packed, else one
+ *                   ncclBroadcast per rank in an ncclGroupStart/End group
+ *   reduce_scatter  ncclReduceScatter (sum; in place when recv = send + rank n)
+ *   alltoallv       ncclSend / ncclRecv pairs in one group (the ragged all-to-all)
+ *   bcast           ncclBroadcast; barrier: the mpi engine's
+ * Timeout: with timeout_s > 0 each call waits for its stream (cudaStreamQuery polled; counted
+ * as a synchronisation) and, past the timeout or on an asynchronous NCCL error, aborts the
+ * communicator (ncclCommAbort) and fails with TM_ERR_COMM; with timeout_s <= 0 the calls stay
+ * asynchronous. Determinism: NCCL's reductions follow a fixed order for a given communicator
+ * and size (ring or tree chosen once per size), so a run repeats bit for bit on the same
+ * machine and NCCL version.
+ */
+#include <nccl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common.cuh"
+
+extern "C" {
+#include "comm.h"
+}
+
+typedef struct nccl_state {
+    ncclComm_t comm[TM_COMM_NGROUPS]; /* NULL for groups of one rank */
+} nccl_state;
+
+static tm_status nccl_fail(tm__comm *c, const char *what, int g, ncclResult_t r) {
+    return tm__err(c->ctx, TM_ERR_COMM, "%s over %s failed: NCCL %s (%d)", what, tm__comm_gdesc(c, g),
+                   ncclGetErrorString(r), (int)r);
+}
+
+#define NCCL_TRY(c, what, g, call)                    \
+    do {                                              \
+        ncclResult_t r_ = (call);                     \
+        if (r_ != ncclSuccess) return nccl_fail((c), (what), (g), r_); \
+    } while (0)
+
+static int nccl_type(tm_dtype dt, ncclDataType_t *t) {
+    switch (dt) {
+    case TM_F32: *t = ncclFloat32; return 1;
+    case TM_BF16: *t = ncclBfloat16; return 1;
+    case TM_F64: *t = ncclFloat64; return 1;
+    case TM_I32: *t = ncclInt32; return 1;
+    case TM_I64: *t = ncclInt64; return 1;
+    case TM_U8: *t = ncclUint8; return 1;
+    default: return 0;
+    }
+}
+
+static ncclComm_t gcomm(tm__comm *c, int g) { return ((nccl_state *)c->nccl)->comm[g]; }
+
+/* Enter the context's device; the stream of its work. */
+static tm_status enter(tm__comm *c, const char *what, cudaStream_t *stream) {
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(c->ctx, what, &st));
+    *stream = st->stream;
+    return TM_OK;
+}
+
+/* With a timeout, wait for the collective just enqueued (see the top of the file). */
+static tm_status finish(tm__comm *c, const char *what, int g, cudaStream_t stream, size_t bytes) {
+    double timeout = c->opts.timeout_s;
+    if (!(timeout > 0)) return TM_OK;
+    tm__count_sync(c->ctx);
+    double t0 = tm__comm_now();
+    for (;;) {
+        cudaError_t e = cudaStreamQuery(stream);
+        if (e == cudaSuccess) return TM_OK;
+        if (e != cudaErrorNotReady) {
+            (void)cudaGetLastError();
+            return tm__err(c->ctx, TM_ERR_CUDA, "%s over %s: %s", what, tm__comm_gdesc(c, g), cudaGetErrorString(e));
+        }
+        ncclResult_t async = ncclSuccess;
+        ncclCommGetAsyncError(gcomm(c, g), &async);
+        double waited = tm__comm_now() - t0;
+        if (async != ncclSuccess || waited > timeout) {
+            ncclCommAbort(gcomm(c, g));
+            ((nccl_state *)c->nccl)->comm[g] = NULL;
+            if (async != ncclSuccess) return nccl_fail(c, what, g, async);
+            return tm__err(c->ctx, TM_ERR_COMM,
+                           "%s of %zu bytes over %s did not complete within %g s: a rank died, stopped answering, or "
+                           "left the collective sequence (the NCCL communicator was aborted)",
+                           what, bytes, tm__comm_gdesc(c, g), timeout);
+        }
+        struct timespec ts = {0, 50000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static tm_status start(tm__comm *c, const char *what, int g, tm_dtype dt, ncclDataType_t *t, cudaStream_t *stream) {
+    if (!gcomm(c, g)) return tm__err(c->ctx, TM_ERR_COMM, "%s over %s: no NCCL communicator (aborted earlier?)", what,
+                                     tm__comm_gdesc(c, g));
+    if (!nccl_type(dt, t))
+        return tm__err(c->ctx, TM_ERR_DTYPE, "%s over %s: NCCL has no type for %s", what, tm__comm_gdesc(c, g),
+                       tm_dtype_name(dt));
+    return enter(c, what, stream);
+}
+
+static tm_status nccl_allreduce(tm__comm *c, int g, const void *send, void *recv, int64_t n, tm_dtype dt,
+                                tm_device dev) {
+    ncclDataType_t t;
+    cudaStream_t s;
+    TM__TRY(start(c, "allreduce", g, dt, &t, &s));
+    NCCL_TRY(c, "allreduce", g, ncclAllReduce(send, recv, (size_t)n, t, ncclSum, gcomm(c, g), s));
+    return finish(c, "allreduce", g, s, (size_t)n * tm_dtype_size(dt));
+}
+
+static tm_status nccl_allgatherv(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts,
+                                 const int64_t *displs, tm_dtype dt, tm_device dev) {
+    ncclDataType_t t;
+    cudaStream_t s;
+    TM__TRY(start(c, "allgather", g, dt, &t, &s));
+    int G = c->size[g], me = c->rank[g], packed = 1;
+    size_t es = tm_dtype_size(dt);
+    for (int j = 0; j < G; j++) packed &= counts[j] == counts[0] && displs[j] == counts[0] * j;
+    if (packed) {
+        NCCL_TRY(c, "allgather", g, ncclAllGather(send, recv, (size_t)counts[0], t, gcomm(c, g), s));
+    } else {
+        NCCL_TRY(c, "allgather", g, ncclGroupStart());
+        for (int j = 0; j < G; j++) {
+            if (!counts[j]) continue;
+            ncclResult_t r = ncclBroadcast(j == me ? send : NULL, (char *)recv + displs[j] * (int64_t)es,
+                                           (size_t)counts[j], t, j, gcomm(c, g), s);
+            if (r != ncclSuccess) {
+                ncclGroupEnd();
+                return nccl_fail(c, "allgather", g, r);
+            }
+        }
+        NCCL_TRY(c, "allgather", g, ncclGroupEnd());
+    }
+    return finish(c, "allgather", g, s, (size_t)counts[me] * es);
+}
+
+static tm_status nccl_reduce_scatter(tm__comm *c, int g, const void *send, void *recv, int64_t n, tm_dtype dt,
+                                     tm_device dev) {
+    ncclDataType_t t;
+    cudaStream_t s;
+    TM__TRY(start(c, "reduce_scatter", g, dt, &t, &s));
+    NCCL_TRY(c, "reduce_scatter", g, ncclReduceScatter(send, recv, (size_t)n, t, ncclSum, gcomm(c, g), s));
+    return finish(c, "reduce_scatter", g, s, (size_t)n * (size_t)c->size[g] * tm_dtype_size(dt));
+}
+
+static tm_status nccl_alltoallv(tm__comm *c, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
+                                const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev) {
+    ncclDataType_t t;
+    cudaStream_t s;
+    TM__TRY(start(c, "alltoall", g, dt, &t, &s));
+    size_t es = tm_dtype_size(dt), sent = 0;
+    NCCL_TRY(c, "alltoall", g, ncclGroupStart());
+    for (int j = 0; j < c->size[g]; j++) {
+        ncclResult_t r = ncclSuccess;
+        if (sc[j]) r = ncclSend((const char *)send + sd[j] * (int64_t)es, (size_t)sc[j], t, j, gcomm(c, g), s);
+        if (r == ncclSuccess && rc[j]) r = ncclRecv((char *)recv + rd[j] * (int64_t)es, (size_t)rc[j], t, j, gcomm(c, g), s);
+        if (r != ncclSuccess) {
+            ncclGroupEnd();
+            return nccl_fail(c, "alltoall", g, r);
+        }
+        sent += (size_t)sc[j];
+    }
+    NCCL_TRY(c, "alltoall", g, ncclGroupEnd());
+    return finish(c, "alltoall", g, s, sent * es);
+}
+
+static tm_status nccl_bcast(tm__comm *c, int g, void *buf, int64_t n, tm_dtype dt, int root, tm_device dev) {
+    ncclDataType_t t;
+    cudaStream_t s;
+    TM__TRY(start(c, "bcast", g, dt, &t, &s));
+    NCCL_TRY(c, "bcast", g, ncclBroadcast(buf, buf, (size_t)n, t, root, gcomm(c, g), s));
+    return finish(c, "bcast", g, s, (size_t)n * tm_dtype_size(dt));
+}
+
+static tm_status nccl_barrier(tm__comm *c, int g) { return c->host->barrier(c, g); }
+
+static void nccl_free(tm__comm *c) {
+    nccl_state *st = (nccl_state *)c->nccl;
+    if (!st) return;
+    for (int g = 0; g < TM_COMM_NGROUPS; g++)
+        if (st->comm[g]) ncclCommDestroy(st->comm[g]);
+    tm__host_free(c->ctx, st);
+    c->nccl = NULL;
+}
+
+extern "C" const tm__comm_ops tm__comm_nccl_ops = {
+    "nccl", nccl_allreduce, nccl_allgatherv, nccl_reduce_scatter, nccl_alltoallv, nccl_bcast, nccl_barrier, nccl_free,
+};
+
+/* FNV-1a of the host name: which ranks share a machine. */
+static uint64_t host_hash(void) {
+    char name[256] = {0};
+    FILE *f = fopen("/proc/sys/kernel/hostname", "r");
+    if (f) {
+        if (!fgets(name, sizeof name, f)) name[0] = 0;
+        fclose(f);
+    }
+    return tm_hash_name(name);
+}
+
+extern "C" tm_status tm__nccl_comm_create(tm__comm *c) {
+    tm_ctx *ctx = c->ctx;
+    tm__cuda *cu;
+    TM__TRY(tm__cu_enter(ctx, "tm_comm_init (nccl)", &cu));
+    /* Ranks sharing a GPU cannot share a communicator: fall back to host staging. */
+    int W = c->world_size;
+    uint64_t mine[2] = {host_hash(), (uint64_t)cu->device};
+    uint64_t *all = (uint64_t *)tm__host_alloc(ctx, sizeof(uint64_t) * 2 * (size_t)W);
+    if (!all) return tm__err(ctx, TM_ERR_NOMEM, "tm_comm_init: out of host memory");
+    int64_t cd[2] = {(int64_t)sizeof mine, 0};
+    tm_status s = TM_OK;
+    {
+        int64_t *counts = (int64_t *)tm__host_alloc(ctx, sizeof(int64_t) * 2 * (size_t)W);
+        if (!counts) s = tm__err(ctx, TM_ERR_NOMEM, "tm_comm_init: out of host memory");
+        for (int j = 0; s == TM_OK && j < W; j++) counts[j] = cd[0], counts[W + j] = cd[0] * j;
+        if (s == TM_OK) s = c->host->allgatherv(c, TM_COMM_WORLD, mine, all, counts, counts + W, TM_U8, tm_cpu());
+        tm__host_free(ctx, counts);
+    }
+    int shared = 0;
+    for (int i = 0; s == TM_OK && i < W; i++)
+        for (int j = i + 1; j < W; j++) shared |= all[2 * i] == all[2 * j] && all[2 * i + 1] == all[2 * j + 1];
+    tm__host_free(ctx, all);
+    TM__TRY(s);
+    if (shared) return TM_ERR_UNSUPPORTED;
+    nccl_state *st = (nccl_state *)tm__host_alloc(ctx, sizeof *st);
+    if (!st) return tm__err(ctx, TM_ERR_NOMEM, "tm_comm_init: out of host memory");
+    memset(st, 0, sizeof *st);
+    c->nccl = st;
+    /* groups of one rank need no communicator, unless NCCL was asked for one rank (a check of
+     * this engine on a single GPU: TINYMOE_NCCL=1) */
+    const char *want = getenv("TINYMOE_NCCL");
+    int force = want && !strcmp(want, "1");
+    for (int g = 0; g < TM_COMM_NGROUPS; g++) {
+        if (c->size[g] < 2 && !force) continue;
+        ncclUniqueId id;
+        memset(&id, 0, sizeof id);
+        if (c->rank[g] == 0) {
+            ncclResult_t r = ncclGetUniqueId(&id);
+            if (r != ncclSuccess) s = nccl_fail(c, "ncclGetUniqueId", g, r);
+        }
+        /* every rank takes part in the broadcast, even after a failure above, so none waits */
+        tm_status bs = c->host->bcast(c, g, &id, (int64_t)sizeof id, TM_U8, 0, tm_cpu());
+        if (s == TM_OK) s = bs;
+        if (s == TM_OK) {
+            ncclResult_t r = ncclCommInitRank(&st->comm[g], c->size[g], id, c->rank[g]);
+            if (r != ncclSuccess) s = nccl_fail(c, "ncclCommInitRank", g, r);
+        }
+        if (s != TM_OK) break;
+    }
+    if (s != TM_OK) nccl_free(c);
+    return s;
+}

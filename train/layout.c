@@ -1,0 +1,285 @@
+/* layout.c — seeing and planning parallel layouts: `--print-layout` (which rank holds which
+ * parameters and experts, and the bytes of parameters, gradients and optimizer state of each,
+ * measured, plus <out>/layout.svg) and `tinymoe plan` (the same figures and the communication of
+ * a step for any scale, computed without running). See layout.h. Uses only the public header. */
+#include "layout.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "atomic.h"
+#include "status.h"
+#include "tinymoe.h"
+#include "util.h"
+
+/* ---- measured: --print-layout ------------------------------------------------------------ */
+
+enum { R_RANK, R_EP, R_XDP, R_ELO, R_EHI, R_PARAMS, R_GRADS, R_OPTIM, R_BUFFERS, R_OWNED, R_ELEMS, R_N };
+
+static void human(double b, char *buf, size_t n) {
+    if (b >= 1 << 30) snprintf(buf, n, "%.2f GiB", b / (1 << 30));
+    else if (b >= 1 << 20) snprintf(buf, n, "%.2f MiB", b / (1 << 20));
+    else if (b >= 1 << 10) snprintf(buf, n, "%.1f KiB", b / (1 << 10));
+    else snprintf(buf, n, "%.0f B", b);
+}
+
+static void write_svg(FILE *f, const int64_t *rows, int W, int E, int P, int zero) {
+    const int cw = 28, dw = 120, rh = 26, left = 70, top = 40;
+    int width = left + dw + 10 + E * cw + 20, height = top + W * rh + 50;
+    if (width < 640) width = 640; /* room for the title */
+    fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" font-family=\"sans-serif\" "
+               "font-size=\"11\">\n", width, height);
+    fprintf(f, "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
+    fprintf(f, "<text x=\"%d\" y=\"16\" font-size=\"13\">%d ranks, ep_size %d%s: parameters held (dense | "
+               "experts)%s</text>\n", left, W, P, zero ? ", ZeRO-1" : "",
+            zero ? "; dark band: this rank's optimizer-state block" : "");
+    fprintf(f, "<text x=\"%d\" y=\"%d\">dense</text>\n", left, top - 6);
+    for (int e = 0; e < E; e++)
+        fprintf(f, "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">e%d</text>\n", left + dw + 10 + e * cw + cw / 2,
+                top - 6, e);
+    for (int r = 0; r < W; r++) {
+        const int64_t *q = rows + (size_t)r * R_N;
+        int y = top + r * rh;
+        fprintf(f, "<text x=\"8\" y=\"%d\">rank %d</text>\n", y + 17, r);
+        fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"#9ecae1\" stroke=\"#555\"/>\n", left, y + 3,
+                dw, rh - 6);
+        if (zero && q[R_ELEMS] > 0) {
+            /* this rank's share of the optimizer state, placed at its block */
+            double frac = (double)q[R_OWNED] / (double)q[R_ELEMS];
+            int bw = (int)ceil(frac * dw), bx = left + (int)((double)r * frac * dw) % dw; /* dense: dp rank = rank */
+            fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"6\" fill=\"#08519c\"/>\n", bx, y + rh - 9,
+                    bw < 2 ? 2 : bw);
+        }
+        for (int e = 0; e < E; e++) {
+            int held = e >= q[R_ELO] && e < q[R_EHI];
+            fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"%s\" stroke=\"#555\"/>\n",
+                    left + dw + 10 + e * cw, y + 3, cw - 2, rh - 6, held ? "#fd8d3c" : "#f0f0f0");
+        }
+    }
+    char pb[32], ob[32];
+    human((double)rows[R_PARAMS], pb, sizeof pb);
+    human((double)rows[R_OPTIM], ob, sizeof ob);
+    fprintf(f, "<text x=\"%d\" y=\"%d\">rank 0: parameters %s, gradients the same, optimizer state %s</text>\n", left,
+            top + W * rh + 22, pb, ob);
+    fprintf(f, "</svg>\n");
+}
+
+int tmd_layout_print(tm_ctx *ctx, tm_device dev, int num_experts, FILE *log, const char *out_dir, char *err,
+                     size_t errlen) {
+    int W = tm_comm_size(ctx, TM_COMM_WORLD), P = tm_comm_size(ctx, TM_COMM_EP);
+    tm_comm_options o = tm_comm_get_options(ctx);
+    int64_t mine[R_N] = {0};
+    mine[R_RANK] = tm_comm_rank(ctx, TM_COMM_WORLD);
+    mine[R_EP] = tm_comm_rank(ctx, TM_COMM_EP);
+    mine[R_XDP] = tm_comm_rank(ctx, TM_COMM_EXPERT_DP);
+    mine[R_ELO] = -1, mine[R_EHI] = -1;
+    for (int k = 0; k < tm_ctx_num_buckets(ctx); k++) {
+        tm_bucket_info bi;
+        int64_t lo, hi;
+        if (tm_ctx_bucket_info(ctx, k, &bi) || tm_ctx_grad_shard(ctx, k, &lo, &hi)) continue;
+        if (bi.group == TM_PARAM_EXPERT) mine[R_ELO] = bi.expert_lo, mine[R_EHI] = bi.expert_hi;
+        mine[R_OWNED] += hi - lo;
+        mine[R_ELEMS] += bi.numel;
+    }
+    tm_memory_report mr;
+    if (tm_ctx_memory_report(ctx, dev, &mr) == TM_OK) {
+        mine[R_PARAMS] = (int64_t)mr.current[TM_MEM_PARAMETERS];
+        mine[R_GRADS] = (int64_t)mr.current[TM_MEM_GRADIENTS];
+        mine[R_OPTIM] = (int64_t)mr.current[TM_MEM_OPTIMIZER];
+        mine[R_BUFFERS] = (int64_t)mr.current[TM_MEM_BUFFERS];
+    }
+    if (dev.type != TM_DEVICE_CPU && tm_ctx_memory_report(ctx, tm_cpu(), &mr) == TM_OK)
+        mine[R_OPTIM] += (int64_t)mr.current[TM_MEM_OPTIMIZER]; /* the step counter lives on the host */
+    int64_t *rows = malloc(sizeof(int64_t) * R_N * (size_t)W);
+    if (!rows) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
+    tm_status s = tm_comm_allgather_host(ctx, TM_COMM_WORLD, mine, rows, sizeof mine);
+    if (s) {
+        free(rows);
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "gathering the layout: %s", tm_ctx_errmsg(ctx));
+    }
+    if (mine[R_RANK] == 0 && log) {
+        fprintf(log, "\nlayout: %d rank%s; dp %d; ep_size %d (%s), %d expert-dp group%s of %d; ZeRO-%d; engine %s\n", W,
+                W > 1 ? "s" : "", W, P, o.ep_strategy == TM_EP_ALLGATHER ? "allgather" : "alltoall", P, P > 1 ? "s" : "",
+                W / P, o.zero, tm_comm_engine(ctx, dev));
+        fprintf(log, "  %4s %3s %4s %-10s %14s %14s %14s   (bytes on %s)\n", "rank", "ep", "xdp", "experts",
+                "parameters", "gradients", "optimizer", dev.type == TM_DEVICE_CPU ? "cpu" : "the GPU");
+        for (int r = 0; r < W; r++) {
+            const int64_t *q = rows + (size_t)r * R_N;
+            char ex[32];
+            if (q[R_ELO] < 0) snprintf(ex, sizeof ex, "-");
+            else snprintf(ex, sizeof ex, "[%lld,%lld)", (long long)q[R_ELO], (long long)q[R_EHI]);
+            fprintf(log, "  %4lld %3lld %4lld %-10s %14lld %14lld %14lld\n", (long long)q[R_RANK], (long long)q[R_EP],
+                    (long long)q[R_XDP], ex, (long long)q[R_PARAMS], (long long)q[R_GRADS], (long long)q[R_OPTIM]);
+        }
+        fflush(log);
+    }
+    int rc = 0;
+    if (mine[R_RANK] == 0 && out_dir && *out_dir) {
+        char path[1024], e[512];
+        snprintf(path, sizeof path, "%s/layout.svg", out_dir);
+        if (tmd_mkdirs(out_dir, e, sizeof e)) {
+            rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "key 'out': %s", e);
+        } else {
+            FILE *f = fopen(path, "w");
+            if (!f) {
+                rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s': %s", path, strerror(errno));
+            } else {
+                write_svg(f, rows, W, num_experts, P, o.zero);
+                if (fclose(f)) rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot write '%s'", path);
+            }
+        }
+    }
+    free(rows);
+    return rc;
+}
+
+/* ---- planned: tinymoe plan ---------------------------------------------------------------- */
+/* The formulas of the library, for a model that is not built:
+ *  - a bucket per (dtype, group): the model's dtype for dense weights, f32 for the MoE gates
+ *    (f64 for f64 models), the model's dtype for the experts (framework/param.c);
+ *  - every parameter padded to 64 bytes in its bucket; gradients the same layout;
+ *  - expert parallelism: each rank holds E / P experts of every routed-expert tensor;
+ *  - ZeRO-1: a bucket of n elements over a group of G ranks in blocks of ceil(n / G) rounded up
+ *    to 64 elements (framework/comm.c tm__zero_block); rank j's block [j blk, (j+1) blk) clipped
+ *    to n; AdamW keeps 2 f32 buffers of its block (at least one element each), a bf16 bucket an
+ *    f32 master of its block;
+ *  - the optimizer's step counter: an i64 host buffer.
+ * Communication of a step (bytes this rank hands to the collectives, as tm_comm_get_stats counts
+ * them): gradient sync per bucket whose group has > 1 rank: all-reduce of the bucket, or under
+ * ZeRO-1 a reduce-scatter of the G blocks; then ZeRO-1's parameter all-gather of the block. The MoE
+ * dispatch of expert parallelism per layer and micro-batch, forward and backward, assuming
+ * balanced routing: all-to-all of T k (P - 1) / P rows of H each way, or all-gather of T rows of
+ * H (+ the router outputs, T E (f32 + u8)) and a reduce-scatter of P T rows. */
+
+typedef struct pbucket {
+    int dtype_size, expert; /* element size; expert group */
+    int64_t numel;          /* padded elements */
+} pbucket;
+
+static int64_t padded(int64_t numel, int es) { return (numel * es + 63) / 64 * 64 / es; }
+
+static void add(pbucket *b, int64_t numel) { b->numel += padded(numel, b->dtype_size); }
+
+void tmd_plan_compute(const tmd_config *c, int ranks, int ep_size, int zero, int rank, tmd_plan *out) {
+    memset(out, 0, sizeof *out);
+    const tm_model_config *m = &c->model;
+    int es = c->dtype == TMD_DTYPE_BF16 ? 2 : 4, gs = 4;
+    int64_t H = m->d_model, V = m->vocab_size, D = H / m->n_heads, Hq = (int64_t)m->n_heads * D,
+            Hkv = (int64_t)m->n_kv_heads * D, Fd = m->dense_ffn_size ? m->dense_ffn_size : 4 * H,
+            E = m->moe.router.num_experts, F = m->moe.ffn_size, Fs = m->moe.shared_ffn_size, L = E / ep_size;
+    pbucket dense = {es, 0, 0}, gate = {gs, 0, 0}, expert = {es, 1, 0};
+    add(&dense, V * H);
+    int n_moe = 0;
+    for (int l = 0; l < m->n_layers; l++) {
+        add(&dense, H);
+        add(&dense, H * Hq), add(&dense, H * Hkv), add(&dense, H * Hkv), add(&dense, Hq * H);
+        add(&dense, H);
+        if (l < m->first_k_dense) {
+            add(&dense, H * Fd), add(&dense, H * Fd), add(&dense, Fd * H);
+            continue;
+        }
+        n_moe++;
+        (es == gs ? add(&dense, H * E) : add(&gate, H * E));
+        add(&expert, L * H * F), add(&expert, L * H * F), add(&expert, L * F * H);
+        if (Fs) add(&dense, H * Fs), add(&dense, H * Fs), add(&dense, Fs * H);
+    }
+    add(&dense, H);
+    if (!m->tie_embeddings) add(&dense, H * V);
+    pbucket *bk[3] = {&dense, &gate, &expert};
+    int dp = ranks, xdp = ranks / ep_size;
+    for (int k = 0; k < 3; k++) {
+        pbucket *b = bk[k];
+        if (!b->numel) continue;
+        int G = b->expert ? xdp : dp, gr = b->expert ? rank / ep_size : rank;
+        out->params += b->numel * b->dtype_size;
+        int64_t lo = 0, hi = b->numel, blk = (b->numel + G - 1) / G;
+        blk = (blk + 63) / 64 * 64;
+        if (zero) {
+            lo = blk * gr < b->numel ? blk * gr : b->numel;
+            hi = blk * (gr + 1) < b->numel ? blk * (gr + 1) : b->numel;
+        }
+        int64_t own = hi - lo;
+        out->optimizer += 2 * 4 * (own ? own : 1) + (b->dtype_size == 2 ? 4 * own : 0);
+        if (G > 1) {
+            out->grad_sync += zero ? (int64_t)G * blk * b->dtype_size : b->numel * b->dtype_size;
+            if (zero) out->param_gather += blk * b->dtype_size;
+        }
+    }
+    out->gradients = out->params;
+    out->optimizer += 64; /* the step counter: an i64 buffer, 64-byte aligned */
+    /* the MoE dispatch (balanced routing), per micro-batch: forward + backward */
+    int64_t T = (int64_t)c->batch_size / ranks * m->max_seq_len, k = m->moe.router.topk;
+    double per_layer = 0;
+    if (ep_size > 1) {
+        if (c->ep_strategy == 0)
+            per_layer = 2.0 * 2.0 * (double)T * (double)k * (ep_size - 1) / ep_size * (double)H * es;
+        else
+            per_layer = 2.0 * ((double)T * H * es + (double)T * E * (gs + 1) + (double)ep_size * T * H * es);
+    }
+    out->dispatch = (int64_t)(per_layer * n_moe * c->grad_accum);
+    out->experts_lo = (rank % ep_size) * L;
+    out->experts_hi = out->experts_lo + L;
+}
+
+static void print_plan_row(FILE *f, int r, const tmd_plan *p) {
+    fprintf(f, "  rank %4d  experts [%lld,%lld)  parameters %lld  gradients %lld  optimizer %lld  grad_sync %lld  "
+               "param_gather %lld  dispatch %lld\n", r, (long long)p->experts_lo, (long long)p->experts_hi,
+            (long long)p->params, (long long)p->gradients, (long long)p->optimizer, (long long)p->grad_sync,
+            (long long)p->param_gather, (long long)p->dispatch);
+}
+
+int tmd_plan_main(int argc, char **argv) {
+    int ranks = 0, help = 0, w = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--ranks") && i + 1 < argc) ranks = atoi(argv[++i]);
+        else if (!strncmp(a, "--ranks=", 8)) ranks = atoi(a + 8);
+        else argv[w++] = argv[i];
+    }
+    argc = w;
+    tmd_config c;
+    char err[2048];
+    if (tmd_config_from_args(&c, argc, argv, &help, err, sizeof err)) {
+        fprintf(stderr, "tinymoe: plan: %s\n", err);
+        return TMD_CONFIG_ERROR;
+    }
+    if (help) {
+        fputs("usage: tinymoe plan --ranks N [--config FILE] [--preset NAME] [--key value ...]\n"
+              "Memory per rank (parameters, gradients, optimizer state, in bytes) and the bytes each rank's\n"
+              "collectives move per optimizer step, for N ranks and the layout keys ep_size, ep_strategy and\n"
+              "zero, computed from the configuration without building anything (any scale: e.g. 256 experts\n"
+              "on 64 ranks). The MoE dispatch assumes balanced routing. docs/layouts.md explains the layouts.\n",
+              stdout);
+        return 0;
+    }
+    tmd_config_resolve(&c);
+    if (tmd_config_validate(&c, err, sizeof err)) {
+        fprintf(stderr, "tinymoe: plan: %s\n", err);
+        return TMD_CONFIG_ERROR;
+    }
+    if (ranks < 1 || ranks % c.ep_size || c.batch_size % ranks) {
+        fprintf(stderr, "tinymoe: plan: --ranks %d must be >= 1, a multiple of ep_size = %d, and divide batch_size = %d\n",
+                ranks, c.ep_size, c.batch_size);
+        return TMD_CONFIG_ERROR;
+    }
+    tmd_plan p, mx;
+    memset(&mx, 0, sizeof mx);
+    printf("plan: %d ranks, ep_size %d (%s), ZeRO-%d, %s; per rank, bytes (grad_sync and dispatch: per optimizer "
+           "step)\n", ranks, c.ep_size, c.ep_strategy ? "allgather" : "alltoall", c.zero,
+           c.dtype == TMD_DTYPE_BF16 ? "bf16" : "f32");
+    for (int r = 0; r < ranks; r++) {
+        tmd_plan_compute(&c, ranks, c.ep_size, c.zero, r, &p);
+        if (ranks <= 16) print_plan_row(stdout, r, &p);
+        if (p.params + p.gradients + p.optimizer > mx.params + mx.gradients + mx.optimizer) mx = p;
+    }
+    char a[32], b[32], o[32], s[32];
+    human((double)mx.params, a, sizeof a);
+    human((double)mx.gradients, b, sizeof b);
+    human((double)mx.optimizer, o, sizeof o);
+    human((double)mx.grad_sync, s, sizeof s);
+    printf("largest rank: parameters %s, gradients %s, optimizer %s; gradient sync %s per step\n", a, b, o, s);
+    return 0;
+}

@@ -1,0 +1,41 @@
+/*
+ * layout.h — seeing and planning parallel layouts (driver code; the public header only).
+ *
+ * tmd_layout_print: collective over the context's world; rank 0 prints, per rank, its ep and
+ * expert-dp ranks, the experts it holds and the bytes of its parameters, gradients and
+ * optimizer state (tm_ctx_memory_report of `dev`), and writes <out_dir>/layout.svg (ranks x
+ * dense parameters and experts held, with the ZeRO-1 blocks). Returns 0 or TMD_RUNTIME_ERROR.
+ *
+ * tmd_plan_compute: the same figures for one rank of a layout, and the bytes its collectives
+ * move per optimizer step, from the configuration alone (nothing is built: any scale), with the
+ * library's formulas (the comment in layout.c lists them). tests/test_dist.c checks them
+ * against what --print-layout and metrics.jsonl measure on a real run.
+ */
+#ifndef TMD_LAYOUT_H
+#define TMD_LAYOUT_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "config.h"
+#include "tinymoe.h"
+
+int tmd_layout_print(tm_ctx *ctx, tm_device dev, int num_experts, FILE *log, const char *out_dir, char *err,
+                     size_t errlen);
+
+typedef struct tmd_plan {
+    int64_t params, gradients, optimizer; /* bytes held by the rank */
+    int64_t grad_sync;                    /* bytes handed to the gradient collectives per step */
+    int64_t param_gather;                 /* ZeRO-1: bytes of the parameter all-gather per step */
+    int64_t dispatch;                     /* MoE dispatch bytes per step (balanced routing) */
+    int64_t experts_lo, experts_hi;
+} tmd_plan;
+
+/* c resolved and valid; ranks divisible by ep_size; rank in [0, ranks). */
+void tmd_plan_compute(const tmd_config *c, int ranks, int ep_size, int zero, int rank, tmd_plan *out);
+
+/* `tinymoe plan --ranks N [--config FILE] [--key value ...]` (ep_size, ep_strategy and zero are
+ * keys): returns the exit status. */
+int tmd_plan_main(int argc, char **argv);
+
+#endif
