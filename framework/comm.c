@@ -107,85 +107,70 @@ static int64_t sum_counts(const int64_t *counts, const int64_t *displs, int n) {
     return hi;
 }
 
+/* One staged call: the device input copied into a host buffer `in` (nin bytes), the host
+ * output `out` (nout bytes; `in` itself for an in-place call), then the output copied back to
+ * recv by staged_end, which also gives the buffers back whatever the collective returned. */
+typedef struct staged {
+    int mark;
+    void *in, *out;
+} staged;
+
+static tm_status staged_begin(tm__comm *c, staged *st, const void *send, size_t nin, size_t nout, int in_place,
+                              tm_device dev) {
+    st->mark = tm__scope_open(c->ctx);
+    st->in = stage(c, nin);
+    st->out = in_place ? st->in : stage(c, nout);
+    tm_status s = st->in && st->out ? tm__memcpy(c->ctx, st->in, tm_cpu(), send, dev, nin) : TM_ERR_NOMEM;
+    if (s) tm__scope_close(c->ctx, st->mark, NULL, 0);
+    return s;
+}
+
+static tm_status staged_end(tm__comm *c, staged *st, tm_status s, void *recv, size_t nout, tm_device dev) {
+    if (!s) s = tm__memcpy(c->ctx, recv, dev, st->out, tm_cpu(), nout);
+    tm__scope_close(c->ctx, st->mark, NULL, 0);
+    return s;
+}
+
 static tm_status staged_allreduce(tm__comm *c, int g, const void *send, void *recv, int64_t n, tm_dtype dt,
                                   tm_device dev) {
     size_t nb = (size_t)n * tm_dtype_size(dt);
-    int mark = tm__scope_open(c->ctx);
-    void *h = stage(c, nb);
-    if (!h) {
-        tm__scope_close(c->ctx, mark, NULL, 0);
-        return TM_ERR_NOMEM;
-    }
-    tm_status s = tm__memcpy(c->ctx, h, tm_cpu(), send, dev, nb);
-    if (!s) s = c->host->allreduce(c, g, h, h, n, dt, tm_cpu());
-    if (!s) s = tm__memcpy(c->ctx, recv, dev, h, tm_cpu(), nb);
-    tm__scope_close(c->ctx, mark, NULL, 0);
-    return s;
+    staged st;
+    TM__TRY(staged_begin(c, &st, send, nb, nb, 1, dev));
+    return staged_end(c, &st, c->host->allreduce(c, g, st.in, st.in, n, dt, tm_cpu()), recv, nb, dev);
 }
 
 static tm_status staged_allgatherv(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts,
                                    const int64_t *displs, tm_dtype dt, tm_device dev) {
     size_t es = tm_dtype_size(dt), nin = (size_t)counts[c->rank[g]] * es;
     size_t nout = (size_t)sum_counts(counts, displs, c->size[g]) * es;
-    int mark = tm__scope_open(c->ctx);
-    void *hi = stage(c, nin), *ho = stage(c, nout);
-    if (!hi || !ho) {
-        tm__scope_close(c->ctx, mark, NULL, 0);
-        return TM_ERR_NOMEM;
-    }
-    tm_status s = tm__memcpy(c->ctx, hi, tm_cpu(), send, dev, nin);
-    if (!s) s = c->host->allgatherv(c, g, hi, ho, counts, displs, dt, tm_cpu());
-    if (!s) s = tm__memcpy(c->ctx, recv, dev, ho, tm_cpu(), nout);
-    tm__scope_close(c->ctx, mark, NULL, 0);
-    return s;
+    staged st;
+    TM__TRY(staged_begin(c, &st, send, nin, nout, 0, dev));
+    return staged_end(c, &st, c->host->allgatherv(c, g, st.in, st.out, counts, displs, dt, tm_cpu()), recv, nout,
+                      dev);
 }
 
 static tm_status staged_reduce_scatter(tm__comm *c, int g, const void *send, void *recv, int64_t n, tm_dtype dt,
                                        tm_device dev) {
     size_t es = tm_dtype_size(dt), nin = (size_t)n * (size_t)c->size[g] * es, nout = (size_t)n * es;
-    int mark = tm__scope_open(c->ctx);
-    void *hi = stage(c, nin), *ho = stage(c, nout);
-    if (!hi || !ho) {
-        tm__scope_close(c->ctx, mark, NULL, 0);
-        return TM_ERR_NOMEM;
-    }
-    tm_status s = tm__memcpy(c->ctx, hi, tm_cpu(), send, dev, nin);
-    if (!s) s = c->host->reduce_scatter(c, g, hi, ho, n, dt, tm_cpu());
-    if (!s) s = tm__memcpy(c->ctx, recv, dev, ho, tm_cpu(), nout);
-    tm__scope_close(c->ctx, mark, NULL, 0);
-    return s;
+    staged st;
+    TM__TRY(staged_begin(c, &st, send, nin, nout, 0, dev));
+    return staged_end(c, &st, c->host->reduce_scatter(c, g, st.in, st.out, n, dt, tm_cpu()), recv, nout, dev);
 }
 
 static tm_status staged_alltoallv(tm__comm *c, int g, const void *send, const int64_t *sc, const int64_t *sd,
                                   void *recv, const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev) {
     size_t es = tm_dtype_size(dt);
     size_t nin = (size_t)sum_counts(sc, sd, c->size[g]) * es, nout = (size_t)sum_counts(rc, rd, c->size[g]) * es;
-    int mark = tm__scope_open(c->ctx);
-    void *hi = stage(c, nin), *ho = stage(c, nout);
-    if (!hi || !ho) {
-        tm__scope_close(c->ctx, mark, NULL, 0);
-        return TM_ERR_NOMEM;
-    }
-    tm_status s = tm__memcpy(c->ctx, hi, tm_cpu(), send, dev, nin);
-    if (!s) s = c->host->alltoallv(c, g, hi, sc, sd, ho, rc, rd, dt, tm_cpu());
-    if (!s) s = tm__memcpy(c->ctx, recv, dev, ho, tm_cpu(), nout);
-    tm__scope_close(c->ctx, mark, NULL, 0);
-    return s;
+    staged st;
+    TM__TRY(staged_begin(c, &st, send, nin, nout, 0, dev));
+    return staged_end(c, &st, c->host->alltoallv(c, g, st.in, sc, sd, st.out, rc, rd, dt, tm_cpu()), recv, nout, dev);
 }
 
 static tm_status staged_bcast(tm__comm *c, int g, void *buf, int64_t n, tm_dtype dt, int root, tm_device dev) {
     size_t nb = (size_t)n * tm_dtype_size(dt);
-    int mark = tm__scope_open(c->ctx);
-    void *h = stage(c, nb);
-    if (!h) {
-        tm__scope_close(c->ctx, mark, NULL, 0);
-        return TM_ERR_NOMEM;
-    }
-    tm_status s = tm__memcpy(c->ctx, h, tm_cpu(), buf, dev, nb);
-    if (!s) s = c->host->bcast(c, g, h, n, dt, root, tm_cpu());
-    if (!s) s = tm__memcpy(c->ctx, buf, dev, h, tm_cpu(), nb);
-    tm__scope_close(c->ctx, mark, NULL, 0);
-    return s;
+    staged st;
+    TM__TRY(staged_begin(c, &st, buf, nb, nb, 1, dev));
+    return staged_end(c, &st, c->host->bcast(c, g, st.in, n, dt, root, tm_cpu()), buf, nb, dev);
 }
 
 static tm_status staged_barrier(tm__comm *c, int g) { return c->host->barrier(c, g); }
