@@ -271,6 +271,15 @@ $(BENCH_BIN): bench/train_cpu.c $(LIBA)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_ALL) -o $@ $< $(LIBA) $(LDLIBS_ALL)
 
+# bench/alltoall.c (MPI builds): tinymoe's ragged all-to-all against NCCL send/recv (CUDA) or
+# MPI_Alltoallv (CPU) of the same bytes: mpirun -np N $(BUILD)/bench_alltoall [--device cpu].
+ifeq ($(MPI),1)
+$(BUILD)/bench_alltoall: bench/alltoall.c $(LIBA)
+	$(CC) $(CFLAGS_ALL) $(MPI_CFLAGS) -o $@ $< $(LIBA) $(LDLIBS_ALL)
+bench-tools: $(BUILD)/bench_alltoall
+endif
+.PHONY: bench-tools
+
 .PHONY: bench
 bench: $(BENCH_BIN)
 	TM_BENCH_BIN=$(BENCH_BIN) bench/run.sh $(BENCH_ARGS)

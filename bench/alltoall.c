@@ -1,0 +1,220 @@
+/*
+ * alltoall.c — the bandwidth of tinymoe's ragged all-to-all (tm_comm_alltoall, the expert-parallel
+ * dispatch) against the engine's own all-to-all of the same bytes, on the same ranks, in one run.
+ *
+ *   mpirun -np N build/bench_alltoall [--device cuda|cpu] [--tokens T] [--hidden H] [--topk K]
+ *                                     [--experts E] [--iters I] [--dtype bf16|f32]
+ *
+ * The default workload is the dispatch of the "fine" benchmark model (issue 12/13): the global
+ * batch of 16 x 1024 tokens split over the N ranks, each token sent to topk 6 of 64 experts,
+ * the experts split contiguously over the N ranks (ep_size N), rows of d_model 1024 in bf16.
+ * The routing is uniform at random (seed fixed), so rank r sends send[j] rows to rank j, as
+ * the layer's permute would lay them out (rank order).
+ *
+ * Reference, moving exactly the same bytes with the same counts:
+ *   CUDA tensors: NCCL's grouped ncclSend / ncclRecv (ncclGroupStart ... ncclGroupEnd, then a
+ *                 stream synchronisation), as nccl-tests' alltoall does (not installed there);
+ *   CPU tensors:  MPI_Alltoallv.
+ * tinymoe's call waits for its collective too (the engines block until it is done, to enforce
+ * the timeout), so both columns are wall time per call on rank 0, after warm-up, the best of
+ * the repeats after a barrier. Bandwidth = bytes this rank sends to other ranks / time (the
+ * "algorithm bandwidth" of nccl-tests; rows kept on the rank itself are not counted).
+ * Ratio = tinymoe / reference (1.0: no overhead beyond the engine).
+ */
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tinymoe.h"
+
+#ifdef TM_HAVE_NCCL
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+static int64_t splitmix(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return (int64_t)((z ^ (z >> 31)) >> 1);
+}
+
+#define CHECK(ctx, expr)                                                                          \
+    do {                                                                                          \
+        tm_status s_ = (expr);                                                                    \
+        if (s_) {                                                                                 \
+            fprintf(stderr, "bench_alltoall: %s: %s: %s\n", #expr, tm_status_str(s_), tm_ctx_errmsg(ctx)); \
+            MPI_Abort(MPI_COMM_WORLD, 1);                                                         \
+        }                                                                                         \
+    } while (0)
+
+int main(int argc, char **argv) {
+    int64_t tokens = 16 * 1024, hidden = 1024, topk = 6, experts = 64, iters = 20;
+    const char *device = "cuda", *dtype = "bf16";
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "--tokens")) tokens = atoll(argv[i + 1]);
+        else if (!strcmp(argv[i], "--hidden")) hidden = atoll(argv[i + 1]);
+        else if (!strcmp(argv[i], "--topk")) topk = atoll(argv[i + 1]);
+        else if (!strcmp(argv[i], "--experts")) experts = atoll(argv[i + 1]);
+        else if (!strcmp(argv[i], "--iters")) iters = atoll(argv[i + 1]);
+        else if (!strcmp(argv[i], "--device")) device = argv[i + 1];
+        else if (!strcmp(argv[i], "--dtype")) dtype = argv[i + 1];
+        else {
+            fprintf(stderr, "bench_alltoall: unknown option '%s' (see the top of bench/alltoall.c)\n", argv[i]);
+            return 2;
+        }
+    }
+    MPI_Init(&argc, &argv);
+    int rank, N;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &N);
+    int cuda = !strcmp(device, "cuda");
+    if (tokens % N || experts % N) {
+        if (!rank) fprintf(stderr, "bench_alltoall: --tokens %lld and --experts %lld must be multiples of the %d ranks\n",
+                           (long long)tokens, (long long)experts, N);
+        MPI_Finalize();
+        return 2;
+    }
+    int ndev = cuda ? tm_cuda_device_count() : 0;
+    if (cuda && ndev < 1) {
+        if (!rank) fprintf(stderr, "bench_alltoall: --device cuda, but no CUDA device is visible\n");
+        MPI_Finalize();
+        return 2;
+    }
+    const char *lr = getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+    int gpu = cuda ? (lr ? atoi(lr) : rank) % ndev : -1;
+    tm_ctx_options o = tm_ctx_options_default();
+    o.cuda_device = gpu;
+    tm_ctx *ctx;
+    if (tm_ctx_new(&ctx, &o)) {
+        fprintf(stderr, "bench_alltoall: rank %d: cannot create a context: %s\n", rank, tm_last_create_error());
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    tm_comm_options co = tm_comm_options_default();
+    co.ep_size = N;
+    CHECK(ctx, tm_comm_init(ctx, &co));
+    tm_device dev = cuda ? tm_cuda(gpu) : tm_cpu();
+    tm_dtype dt = !strcmp(dtype, "f32") ? TM_F32 : TM_BF16;
+    size_t es = tm_dtype_size(dt);
+
+    /* This rank's routing: tokens / N tokens, topk distinct-enough experts each (uniform; the
+     * count per destination rank is what matters), rows grouped by destination rank. */
+    int64_t *send = calloc((size_t)N, sizeof *send), *recv = calloc((size_t)N, sizeof *recv);
+    uint64_t seed = 1234 + (uint64_t)rank;
+    for (int64_t t = 0; t < tokens / N * topk; t++) send[splitmix(&seed) % experts / (experts / N)]++;
+    MPI_Alltoall(send, 1, MPI_INT64_T, recv, 1, MPI_INT64_T, MPI_COMM_WORLD);
+    int64_t rows = 0, rrows = 0, sent_off = 0;
+    for (int j = 0; j < N; j++) rows += send[j], rrows += recv[j], sent_off += j == rank ? 0 : send[j];
+    tm_tensor *x, *sc, *rc, *y;
+    CHECK(ctx, tm_buffer_new(ctx, "x", dt, 2, (int64_t[]){rows, hidden}, dev, &x));
+    CHECK(ctx, tm_tensor_fill(ctx, x, 1.0));
+    CHECK(ctx, tm_buffer_new(ctx, "send_counts", TM_I64, 1, (int64_t[]){N}, tm_cpu(), &sc));
+    CHECK(ctx, tm_buffer_new(ctx, "recv_counts", TM_I64, 1, (int64_t[]){N}, tm_cpu(), &rc));
+    CHECK(ctx, tm_tensor_write(ctx, sc, TM_I64, send, N));
+    CHECK(ctx, tm_tensor_write(ctx, rc, TM_I64, recv, N));
+    tm_ctx_set_grad_enabled(ctx, 0);
+
+    /* the reference's buffers and displacements (bytes) */
+    size_t *sd = calloc((size_t)N, sizeof *sd), *rd = calloc((size_t)N, sizeof *rd);
+    for (int j = 1; j < N; j++) sd[j] = sd[j - 1] + (size_t)send[j - 1] * (size_t)hidden * es,
+                                rd[j] = rd[j - 1] + (size_t)recv[j - 1] * (size_t)hidden * es;
+    size_t sbytes = (size_t)rows * (size_t)hidden * es, rbytes = (size_t)rrows * (size_t)hidden * es;
+    void *rs = NULL, *rr = NULL;
+#ifdef TM_HAVE_NCCL
+    ncclComm_t nc = NULL;
+    cudaStream_t stream = NULL;
+    if (cuda) {
+        ncclUniqueId id;
+        if (!rank) ncclGetUniqueId(&id);
+        MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
+        cudaSetDevice(gpu);
+        cudaStreamCreate(&stream);
+        if (ncclCommInitRank(&nc, N, id, rank) != ncclSuccess || cudaMalloc(&rs, sbytes + 1) != cudaSuccess ||
+            cudaMalloc(&rr, rbytes + 1) != cudaSuccess) {
+            fprintf(stderr, "bench_alltoall: rank %d: NCCL or cudaMalloc failed\n", rank);
+            MPI_Abort(MPI_COMM_WORLD, 1);
+        }
+    }
+#else
+    if (cuda) {
+        if (!rank) fprintf(stderr, "bench_alltoall: this build has no NCCL: the CUDA reference needs it\n");
+        MPI_Abort(MPI_COMM_WORLD, 2);
+    }
+#endif
+    int *msc = NULL, *msd = NULL, *mrc = NULL, *mrd = NULL;
+    if (!cuda) {
+        rs = malloc(sbytes + 1), rr = malloc(rbytes + 1);
+        msc = calloc((size_t)N, sizeof *msc), msd = calloc((size_t)N, sizeof *msd);
+        mrc = calloc((size_t)N, sizeof *mrc), mrd = calloc((size_t)N, sizeof *mrd);
+        for (int j = 0; j < N; j++)
+            msc[j] = (int)(send[j] * hidden * (int64_t)es), msd[j] = (int)sd[j],
+            mrc[j] = (int)(recv[j] * hidden * (int64_t)es), mrd[j] = (int)rd[j];
+    }
+
+    double best_tm = 1e30, best_ref = 1e30;
+    for (int rep = 0; rep < 3; rep++) {
+        for (int which = 0; which < 2; which++) {
+            MPI_Barrier(MPI_COMM_WORLD);
+            double t0 = MPI_Wtime();
+            for (int64_t it = 0; it < iters + 2; it++) {
+                if (it == 2) { /* two warm-up calls */
+                    MPI_Barrier(MPI_COMM_WORLD);
+                    t0 = MPI_Wtime();
+                }
+                if (which == 0) {
+                    CHECK(ctx, tm_comm_alltoall(ctx, x, sc, rc, TM_COMM_EP, &y));
+                    tm_ctx_arena_reset(ctx); /* y: x, the counts are persistent buffers */
+                } else if (cuda) {
+#ifdef TM_HAVE_NCCL
+                    ncclDataType_t nt = dt == TM_F32 ? ncclFloat32 : ncclBfloat16;
+                    ncclGroupStart();
+                    for (int j = 0; j < N; j++) {
+                        ncclSend((char *)rs + sd[j], (size_t)(send[j] * hidden), nt, j, nc, stream);
+                        ncclRecv((char *)rr + rd[j], (size_t)(recv[j] * hidden), nt, j, nc, stream);
+                    }
+                    ncclGroupEnd();
+                    cudaStreamSynchronize(stream);
+#endif
+                } else {
+                    MPI_Alltoallv(rs, msc, msd, MPI_BYTE, rr, mrc, mrd, MPI_BYTE, MPI_COMM_WORLD);
+                }
+            }
+            double t = (MPI_Wtime() - t0) / (double)iters, tmax;
+            MPI_Allreduce(&t, &tmax, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+            if (which == 0 && tmax < best_tm) best_tm = tmax;
+            if (which == 1 && tmax < best_ref) best_ref = tmax;
+        }
+    }
+    double bytes = (double)sent_off * (double)hidden * (double)es;
+    if (!rank) {
+        const char *ref = cuda ? "NCCL send/recv" : "MPI_Alltoallv";
+        printf("all-to-all, %d ranks (%s, engine %s): %lld tokens x top-%lld of %lld experts, rows of %lld %s;\n"
+               "rank 0 sends %.1f MB to other ranks per call (%lld of its %lld rows)\n\n",
+               N, cuda ? "cuda" : "cpu", tm_comm_engine(ctx, dev), (long long)tokens, (long long)topk,
+               (long long)experts, (long long)hidden, dt == TM_F32 ? "f32" : "bf16", bytes / 1e6,
+               (long long)sent_off, (long long)rows);
+        printf("%-26s %10s %10s\n", "", "ms/call", "GB/s");
+        printf("%-26s %10.3f %10.2f\n", "tinymoe tm_comm_alltoall", 1e3 * best_tm, bytes / best_tm / 1e9);
+        printf("%-26s %10.3f %10.2f\n", ref, 1e3 * best_ref, bytes / best_ref / 1e9);
+        printf("%-26s %10.2f\n", "ratio (tinymoe / ref)", best_ref / best_tm);
+        printf("RESULT bench=alltoall ranks=%d device=%s bytes=%.0f tinymoe_ms=%.4f ref_ms=%.4f ratio=%.4f\n", N,
+               cuda ? "cuda" : "cpu", bytes, 1e3 * best_tm, 1e3 * best_ref, best_ref / best_tm);
+    }
+#ifdef TM_HAVE_NCCL
+    if (cuda) {
+        ncclCommDestroy(nc);
+        cudaFree(rs);
+        cudaFree(rr);
+        cudaStreamDestroy(stream);
+    } else
+#endif
+    {
+        free(rs), free(rr), free(msc), free(msd), free(mrc), free(mrd);
+    }
+    free(send), free(recv), free(sd), free(rd);
+    tm_ctx_free(ctx);
+    MPI_Finalize();
+    return 0;
+}
