@@ -313,8 +313,12 @@ tm_status tm__moe_permute_rows(tm__call *c, const int64_t *count, int64_t *rows,
 /* grouped_matmul: the group sizes of c->in[2] on the host, checked against the rows of x
  * (negative, running past R, not summing to R). From the counts' host mirror when they have
  * one; otherwise read back once (one synchronisation; counted on the CPU too) and mirrored, so
- * later calls on the same counts do not wait again. *cnt: G values (host memory of the step). */
+ * later calls on the same counts do not wait again. On the CPU with bf16 x, neither counted nor
+ * mirrored: the bf16 CUDA kernel reads nothing back. *cnt: G values (host memory of the step). */
 tm_status tm__grouped_matmul_counts(tm__call *c, const int64_t **cnt);
+/* The same from the host mirror only, never reading back: *cnt = the validated mirror, or NULL
+ * when the counts have none (the bf16 CUDA kernel then takes them on the device, unvalidated). */
+tm_status tm__grouped_matmul_counts_mirrored(tm__call *c, const int64_t **cnt);
 
 /* ---- context internals used by kernels --------------------------------------------------- */
 

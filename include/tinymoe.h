@@ -184,8 +184,8 @@ TM_API uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
  * data back to size its outputs (tm_moe_permute: its row count R) or to report an error (the
  * bad-target flag of tm_cross_entropy's CUDA forward, when there are rows; the bad-index flag
  * of the CUDA forwards of tm_embedding, tm_index_select, tm_gather and tm_scatter_add, when
- * there are indices); one per tm_grouped_matmul (forward or backward) whose counts have no
- * host mirror (see there). tm_index_check reads nothing back, and tm_model_forward, which
+ * there are indices); one per f32 tm_grouped_matmul (forward or backward) whose counts have no
+ * host mirror (see there; bf16 reads nothing back). tm_index_check reads nothing back, and tm_model_forward, which
  * checks its ids with it, embeds them without the flag read. tm_moe_unpermute reads nothing
  * back either (its CUDA kernels skip bad rows instead of reading row_token back). Nothing is
  * counted twice (a CUDA tensor's read counts its copy only). Never decreases; wraps only after
@@ -810,17 +810,26 @@ TM_API tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor 
 
 /* Grouped (ragged) GEMM: rows of x [R,K] form consecutive groups of counts[g] rows
  * (counts: i64 [G], sum = R); out[rows of g] = x[rows of g] @ w[g], w [G,K,N], out [R,N].
- * One GEMM per non-empty group; empty groups cost nothing and leave dw[g] untouched (zero).
+ * Empty groups cost nothing and leave dw[g] untouched (zero).
  * Backward: dx_g = dy_g @ w[g]^T; dw[g] = x_g^T @ dy_g.
- * The group sizes are needed on the host. The tokens_per_expert of a tm_moe_permute carry them
- * already (a host copy made by the permute's own read): no synchronisation. Other counts on a
- * device are read back once (one synchronisation, tm_ctx_sync_count; counted on the CPU too)
- * and kept with the tensor, so later calls and the backward on the same counts do not wait
- * again. Writing the counts (tm_tensor_write, tm_tensor_fill, an in-place op) discards that
- * host copy. The counts are validated from it, on every device alike.
+ * f32 (and f64 on the CPU): one GEMM per non-empty group, with the group sizes on the host.
+ * The tokens_per_expert of a tm_moe_permute carry them already (a host copy made by the
+ * permute's own read): no synchronisation. Other counts on a device are read back once (one
+ * synchronisation, tm_ctx_sync_count; counted on the CPU too) and kept with the tensor, so
+ * later calls and the backward on the same counts do not wait again. Writing the counts
+ * (tm_tensor_write, tm_tensor_fill, an in-place op) discards that host copy. The counts are
+ * validated from it, on every device alike.
+ * bf16 on CUDA: one tensor-core kernel over all groups, which takes the group sizes on the
+ * device: no synchronisation, whatever the counts (none counted on the CPU either). Counts
+ * with a host copy (a permute's) are validated from it as above; others are not validated on
+ * CUDA but clamped (a negative count as 0, a count cut at the rows left; rows past the last
+ * group get out = 0 and no gradient). The environment variable TINYMOE_GMM=cublaslt, read
+ * when a context first runs a bf16 grouped GEMM, gives bf16 the f32 behaviour (cuBLASLt per
+ * group) instead, for comparisons.
  * Errors: TM_ERR_DTYPE (x or w not float, or of different dtypes; counts not i64),
  * TM_ERR_SHAPE (x not 2-D, w not 3-D, counts not [G], K differs, counts running past R or not
- * summing to R), TM_ERR_INVALID_ARG (a negative count). */
+ * summing to R), TM_ERR_INVALID_ARG (a negative count; on CUDA, shapes too large for one
+ * launch). */
 TM_API tm_status tm_grouped_matmul(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor *counts, tm_tensor **out);
 
 /* ------------------------------------------------------------------------------------------ */

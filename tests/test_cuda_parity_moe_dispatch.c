@@ -5,15 +5,21 @@
  * expert count (E = 7), align_size 1, 8 and 16, pad_to (capacity), i32 and i64 row_token, with
  * and without probs, and 0 tokens; then the chain of the MoE layer (permute -> grouped SwiGLU
  * GEMMs -> unpermute) and the synchronisations each op makes (tm_ctx_sync_count): permute one
- * (its row count), grouped_matmul none on a permute's tokens_per_expert (their host mirror) and
- * one on other counts (read back once, then mirrored), unpermute none.
+ * (its row count), grouped_matmul none on a permute's tokens_per_expert (their host mirror) and,
+ * for f32, one on other counts (read back once, then mirrored), unpermute none. The bf16
+ * grouped_matmul is the tensor-core kernel with its schedule on the device: no synchronisation
+ * at all, both code paths (cp.async for K, N multiples of 8; element-wise loads otherwise) on
+ * ragged, empty and sub-tile groups, bitwise reproducible; mirrored counts validated, others
+ * clamped. Run with TINYMOE_GMM=cublaslt to test bf16's cuBLASLt-per-group path instead.
  *
  * Tolerances (|cuda - cpu| <= atol + rtol |cpu|):
  *   permute's outputs, exact: both sides move bits (bf16 included) and place rows alike.
  *   f32   atol 1e-5, rtol 1e-5: both sum in f32 (the CPU permute backward and unpermute's
  *         d probs in f64), cuBLASLt without TF32: only the summation order differs.
  *   bf16  atol 1e-2, rtol 1e-2: f32 arithmetic from the same bf16 inputs, rounded once; a
- *         result near a rounding boundary may land on the neighbouring bf16 value (2^-8).
+ *         result near a rounding boundary may land on the neighbouring bf16 value (2^-8). The
+ *         grouped GEMM's f32 sums (up to 423 terms of |.| < 4 here) differ by summation order
+ *         only, O(1e-5) absolute, far below that.
  *   the layer chain, f32: atol 1e-4, rtol 1e-4 (three GEMMs and a SwiGLU in sequence, each
  *         contributing f32 summation-order differences of O(1e-6) relative).
  * Every test skips when no CUDA device is visible.
@@ -23,6 +29,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "internal.h"
 #include "parity.h"
 
 TT_PARITY_COVERS("moe_permute")
@@ -259,14 +266,27 @@ Test(cuda_parity_moe, unpermute_skips_rows_outside_the_tokens) {
 
 /* ---- grouped_matmul ---------------------------------------------------------------------- */
 
-static void grouped_case(tm_dtype dt, const int64_t *counts, double atol, double rtol) {
+/* 1 when TINYMOE_GMM=cublaslt sends bf16 to the cuBLASLt-per-group path (which reads counts
+ * without a mirror back once, as f32 does) instead of the tensor-core kernel. */
+static int gmm_cublaslt(void) {
+    const char *e = getenv("TINYMOE_GMM");
+    return e && strcmp(e, "cublaslt") == 0;
+}
+
+/* Synchronisations of one grouped_matmul forward and of forward + backward on counts without a
+ * host mirror: f32 reads them back once (then mirrored, for the backward too); bf16 on CUDA
+ * schedules the groups on the device and reads nothing, and the CPU counts alike. */
+static uint64_t grouped_syncs(tm_dtype dt, int on_cuda) {
+    return dt == TM_BF16 && !(on_cuda && gmm_cublaslt()) ? 0 : 1;
+}
+
+static void grouped_case(tm_dtype dt, int64_t G, int64_t K, int64_t N, const int64_t *counts, double atol, double rtol) {
     tm_ctx *ctx = tt_parity_ctx();
-    const int64_t G = E7, K = 13, N = 11;
     int64_t R = 0;
     for (int64_t g = 0; g < G; g++) R += counts[g];
     int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N};
     double *hx = tt_parity_uniform(R * K, 1000 + (uint64_t)R), *hw = tt_parity_uniform(G * K * N, 1100);
-    double *hdy = tt_parity_uniform(R * N, 1200 + (uint64_t)R), hc[E7];
+    double *hdy = tt_parity_uniform(R * N, 1200 + (uint64_t)R), *hc = malloc(sizeof(double) * (size_t)(G ? G : 1));
     for (int64_t g = 0; g < G; g++) hc[g] = (double)counts[g];
     tm_device devs[2] = {tm_cpu(), tm_cuda(0)};
     tm_tensor *x[2], *w[2], *y[2];
@@ -278,10 +298,10 @@ static void grouped_case(tm_dtype dt, const int64_t *counts, double atol, double
         TT_OK(ctx, tm_grouped_matmul(ctx, x[k], w[k], cnt, &y[k]));
         uint64_t fwd = tm_ctx_sync_count(ctx) - before;
         TT_OK(ctx, tm_backward_with_grad(ctx, y[k], from(ctx, dt, 2, ys, devs[k], hdy, 0)));
-        uint64_t all = tm_ctx_sync_count(ctx) - before;
-        /* Counts not from a permute: read back once by the forward, mirrored for the backward. */
-        cr_assert(fwd == 1 && all == 1, "grouped_matmul on %s: %llu synchronisations in the forward, %llu with the "
-                  "backward; want 1 and 1", k ? "CUDA" : "the CPU", (unsigned long long)fwd, (unsigned long long)all);
+        uint64_t all = tm_ctx_sync_count(ctx) - before, want = grouped_syncs(dt, k);
+        cr_assert(fwd == want && all == want, "grouped_matmul %s on %s: %llu synchronisations in the forward, %llu "
+                  "with the backward; want %llu and %llu", tm_dtype_name(dt), k ? "CUDA" : "the CPU",
+                  (unsigned long long)fwd, (unsigned long long)all, (unsigned long long)want, (unsigned long long)want);
     }
     assert_on_cuda(y[1], "y");
     tt_assert_close(ctx, y[1], y[0], atol, rtol);
@@ -293,17 +313,17 @@ static void grouped_case(tm_dtype dt, const int64_t *counts, double atol, double
         if (counts[g] == 0)
             for (int64_t i = 0; i < K * N; i++)
                 cr_assert(gw[g * K * N + i] == 0, "dw of empty group %lld is not zero", (long long)g);
-    free(gw), free(hx), free(hw), free(hdy);
+    free(gw), free(hx), free(hw), free(hdy), free(hc);
     tm_ctx_free(ctx);
 }
 
 static void grouped_all(tm_dtype dt, double atol, double rtol) {
     const int64_t ragged[E7] = {5, 0, 9, 1, 0, 12, 3}, first_last_empty[E7] = {0, 4, 4, 17, 2, 8, 0},
                   one[E7] = {0, 0, 0, 33, 0, 0, 0}, none[E7] = {0, 0, 0, 0, 0, 0, 0};
-    grouped_case(dt, ragged, atol, rtol);
-    grouped_case(dt, first_last_empty, atol, rtol);
-    grouped_case(dt, one, atol, rtol);
-    grouped_case(dt, none, atol, rtol); /* R = 0 */
+    grouped_case(dt, E7, 13, 11, ragged, atol, rtol);
+    grouped_case(dt, E7, 13, 11, first_last_empty, atol, rtol);
+    grouped_case(dt, E7, 13, 11, one, atol, rtol);
+    grouped_case(dt, E7, 13, 11, none, atol, rtol); /* R = 0 */
 }
 
 Test(cuda_parity_moe, grouped_matmul_f32) {
@@ -311,9 +331,79 @@ Test(cuda_parity_moe, grouped_matmul_f32) {
     grouped_all(TM_F32, 1e-5, 1e-5);
 }
 
+/* K = 13, N = 11 are not multiples of 8: the tensor-core kernel's element-wise load path. */
 Test(cuda_parity_moe, grouped_matmul_bf16) {
     TT_SKIP_WITHOUT_CUDA();
     grouped_all(TM_BF16, 1e-2, 1e-2);
+}
+
+/* The tensor-core kernel's cp.async path (K, N multiples of 8) on shapes that are not multiples
+ * of its 128 x 128 x 32 tiles: groups smaller than a tile, spanning two tiles with a ragged end,
+ * empty (first, middle, last), a single row; then several m, n and k tiles per group, the dw
+ * reduction over 423 rows, and a larger element-wise case. */
+Test(cuda_parity_moe, grouped_matmul_bf16_tiles) {
+    TT_SKIP_WITHOUT_CUDA();
+    const int64_t ragged[E7] = {5, 0, 130, 1, 0, 200, 3}, first_last_empty[E7] = {0, 4, 129, 17, 2, 8, 0},
+                  big[E7] = {140, 0, 301, 7, 129, 0, 423}, odd[5] = {0, 150, 1, 149, 0};
+    grouped_case(TM_BF16, E7, 72, 40, ragged, 1e-2, 1e-2);
+    grouped_case(TM_BF16, E7, 72, 40, first_last_empty, 1e-2, 1e-2);
+    grouped_case(TM_BF16, E7, 40, 72, ragged, 1e-2, 1e-2);
+    grouped_case(TM_BF16, E7, 256, 192, big, 1e-2, 1e-2); /* R = 1000 */
+    grouped_case(TM_BF16, 5, 100, 50, odd, 1e-2, 1e-2);   /* element-wise loads, several tiles */
+    const int64_t single[1] = {37};
+    grouped_case(TM_BF16, 1, 8, 8, single, 1e-2, 1e-2);
+}
+
+/* bf16 on CUDA reads nothing back, forward or backward, whatever the counts carry: no host
+ * mirror here (the f32 path would wait once). */
+Test(cuda_parity_moe, grouped_matmul_bf16_never_synchronises) {
+    TT_SKIP_WITHOUT_CUDA();
+    if (gmm_cublaslt()) cr_skip_test("TINYMOE_GMM=cublaslt: bf16 takes the cuBLASLt path, which reads counts back");
+    tm_ctx *ctx = tt_parity_ctx();
+    const int64_t G = 4, K = 64, N = 48, R = 300;
+    int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N};
+    double *hx = tt_parity_uniform(R * K, 41), *hw = tt_parity_uniform(G * K * N, 42), *hdy = tt_parity_uniform(R * N, 43);
+    const double hc[4] = {100, 0, 150, 50};
+    tm_tensor *x = from(ctx, TM_BF16, 2, xs, tm_cuda(0), hx, 1), *w = from(ctx, TM_BF16, 3, ws, tm_cuda(0), hw, 1);
+    tm_tensor *cnt = from(ctx, TM_I64, 1, &G, tm_cuda(0), hc, 0), *y, *y2;
+    const uint64_t before = tm_ctx_sync_count(ctx);
+    TT_OK(ctx, tm_grouped_matmul(ctx, x, w, cnt, &y));
+    TT_OK(ctx, tm_grouped_matmul(ctx, x, w, cnt, &y2));
+    TT_OK(ctx, tm_backward_with_grad(ctx, y, from(ctx, TM_BF16, 2, ys, tm_cuda(0), hdy, 0)));
+    cr_assert_eq(tm_ctx_sync_count(ctx), before, "bf16 grouped_matmul on CUDA synchronised %llu times",
+                 (unsigned long long)(tm_ctx_sync_count(ctx) - before));
+    free(hx), free(hw), free(hdy);
+    tm_ctx_free(ctx);
+}
+
+/* Two runs of the bf16 kernel, forward and backward, give the same bits: every output element
+ * comes from one CTA in a fixed order (dw[g] loops over the group's rows itself). The inputs
+ * are made afresh for each run, the arena reset in between. */
+Test(cuda_parity_moe, grouped_matmul_bf16_bitwise_reproducible) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
+    const int64_t G = E7, K = 256, N = 192, R = 1000, cnt[E7] = {140, 0, 301, 7, 129, 0, 423};
+    int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N};
+    double *hx = tt_parity_uniform(R * K, 51), *hw = tt_parity_uniform(G * K * N, 52), *hdy = tt_parity_uniform(R * N, 53);
+    double hc[E7], *got[2][3];
+    for (int64_t g = 0; g < G; g++) hc[g] = (double)cnt[g];
+    for (int k = 0; k < 2; k++) {
+        tm_tensor *x = from(ctx, TM_BF16, 2, xs, tm_cuda(0), hx, 1), *w = from(ctx, TM_BF16, 3, ws, tm_cuda(0), hw, 1), *y;
+        TT_OK(ctx, tm_grouped_matmul(ctx, x, w, from(ctx, TM_I64, 1, &G, tm_cuda(0), hc, 0), &y));
+        TT_OK(ctx, tm_backward_with_grad(ctx, y, from(ctx, TM_BF16, 2, ys, tm_cuda(0), hdy, 0)));
+        got[k][0] = tt_read(ctx, y);
+        got[k][1] = tt_read(ctx, tm_tensor_grad(x));
+        got[k][2] = tt_read(ctx, tm_tensor_grad(w));
+        tm_ctx_arena_reset(ctx);
+    }
+    const char *what[3] = {"y", "dx", "dw"};
+    const int64_t n[3] = {R * N, R * K, G * K * N};
+    for (int i = 0; i < 3; i++) {
+        cr_assert(memcmp(got[0][i], got[1][i], sizeof(double) * (size_t)n[i]) == 0, "%s differs between two runs", what[i]);
+        free(got[0][i]), free(got[1][i]);
+    }
+    free(hx), free(hw), free(hdy);
+    tm_ctx_free(ctx);
 }
 
 /* Counts are validated on the host as on the CPU: the same errors, the same messages. */
@@ -330,6 +420,64 @@ Test(cuda_parity_moe, grouped_matmul_bad_counts) {
     cr_assert_eq(tm_grouped_matmul(ctx, x, w, from(ctx, TM_I64, 1, &G, tm_cuda(0), under, 0), &y), TM_ERR_SHAPE);
     cr_assert(strstr(tm_ctx_errmsg(ctx), "sum to 3 but x has 6 rows"), "%s", tm_ctx_errmsg(ctx));
     cr_assert_null(y);
+    tm_ctx_free(ctx);
+}
+
+/* bf16 counts with a host mirror are validated from it (the f32 messages, no read back). */
+Test(cuda_parity_moe, grouped_matmul_bf16_bad_mirrored_counts) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
+    int64_t G = 3, xs[2] = {6, 8}, ws[3] = {3, 8, 8};
+    double hx[48] = {0}, hw[192] = {0}, neg[3] = {2, -1, 5}, over[3] = {4, 4, 0}, under[3] = {1, 2, 0};
+    const double *bad[3] = {neg, over, under};
+    const tm_status want[3] = {TM_ERR_INVALID_ARG, TM_ERR_SHAPE, TM_ERR_SHAPE};
+    const char *msg[3] = {"counts[1] = -1", "exceed the rows of x at group 1", "sum to 3 but x has 6 rows"};
+    tm_tensor *x = from(ctx, TM_BF16, 2, xs, tm_cuda(0), hx, 0), *w = from(ctx, TM_BF16, 3, ws, tm_cuda(0), hw, 0), *y = NULL;
+    for (int i = 0; i < 3; i++) {
+        int64_t v[3] = {(int64_t)bad[i][0], (int64_t)bad[i][1], (int64_t)bad[i][2]};
+        tm_tensor *cnt = from(ctx, TM_I64, 1, &G, tm_cuda(0), bad[i], 0);
+        TT_OK(ctx, tm__mirror_set(ctx, cnt, v));
+        const uint64_t before = tm_ctx_sync_count(ctx);
+        cr_assert_eq(tm_grouped_matmul(ctx, x, w, cnt, &y), want[i]);
+        cr_assert(strstr(tm_ctx_errmsg(ctx), msg[i]), "%s", tm_ctx_errmsg(ctx));
+        cr_assert_eq(tm_ctx_sync_count(ctx), before, "validating a mirror synchronised");
+    }
+    cr_assert_null(y);
+    tm_ctx_free(ctx);
+}
+
+/* bf16 counts without a mirror are not validated (that would need a read back): the kernel
+ * clamps them so that nothing outside x, w, y is touched. A negative count is 0, a count is cut
+ * at the rows left, and rows past the last group get y = 0 and no dx. Compared with the CPU on
+ * the clamped counts; for rows past the groups, with a last group whose weights are zero. */
+Test(cuda_parity_moe, grouped_matmul_bf16_unvalidated_counts_are_clamped) {
+    TT_SKIP_WITHOUT_CUDA();
+    if (gmm_cublaslt()) cr_skip_test("TINYMOE_GMM=cublaslt: bf16 takes the cuBLASLt path, which validates");
+    tm_ctx *ctx = tt_parity_ctx();
+    const int64_t G = 3, K = 24, N = 16, R = 200;
+    int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N};
+    double *hx = tt_parity_uniform(R * K, 61), *hw = tt_parity_uniform(G * K * N, 62), *hdy = tt_parity_uniform(R * N, 63);
+    for (int64_t i = 2 * K * N; i < G * K * N; i++) hw[i] = 0; /* w[2] = 0 */
+    /* CUDA counts -> what they clamp to (the CPU's counts) */
+    const double cuda_c[3][3] = {{50, 170, -7}, {-3, 170, 40}, {20, 30, 0}};
+    const double cpu_c[3][3] = {{50, 150, 0}, {0, 170, 30}, {20, 30, 150}};
+    for (int i = 0; i < 3; i++) {
+        tm_device devs[2] = {tm_cpu(), tm_cuda(0)};
+        tm_tensor *x[2], *y[2];
+        for (int k = 0; k < 2; k++) {
+            x[k] = from(ctx, TM_BF16, 2, xs, devs[k], hx, 1);
+            tm_tensor *w = from(ctx, TM_BF16, 3, ws, devs[k], hw, 0);
+            tm_tensor *cnt = from(ctx, TM_I64, 1, &G, devs[k], k ? cuda_c[i] : cpu_c[i], 0);
+            const uint64_t before = tm_ctx_sync_count(ctx);
+            TT_OK(ctx, tm_grouped_matmul(ctx, x[k], w, cnt, &y[k]));
+            TT_OK(ctx, tm_backward_with_grad(ctx, y[k], from(ctx, TM_BF16, 2, ys, devs[k], hdy, 0)));
+            if (k) cr_assert_eq(tm_ctx_sync_count(ctx), before, "case %d synchronised", i);
+        }
+        tt_assert_close(ctx, y[1], y[0], 1e-2, 1e-2);
+        tt_assert_close(ctx, tm_tensor_grad(x[1]), tm_tensor_grad(x[0]), 1e-2, 1e-2);
+        tm_ctx_arena_reset(ctx);
+    }
+    free(hx), free(hw), free(hdy);
     tm_ctx_free(ctx);
 }
 
@@ -364,6 +512,41 @@ Test(cuda_parity_moe, grouped_matmul_uses_the_permute_mirror) {
     TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w, d.tokens_per_expert, &y2));
     cr_assert_eq(tm_ctx_sync_count(ctx) - before, 1, "after a write: one read back, then mirrored");
     free(hx), free(hp), free(hw);
+    tm_ctx_free(ctx);
+}
+
+/* bf16 on a permute's tokens_per_expert (host mirror: validated from it, nothing read back),
+ * with align 8 padding rows and empty experts, against the CPU, forward and backward. */
+Test(cuda_parity_moe, grouped_matmul_bf16_on_permute) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
+    const int64_t T = 45, E = E7, H = 16, F = 24;
+    int64_t xs[2] = {T, H}, ms[2] = {T, E}, ws[3] = {E, H, F};
+    double *hx = tt_parity_uniform(T * H, 71), *hp = tt_parity_uniform(T * E, 72), *hw = tt_parity_uniform(E * H * F, 73);
+    double hm[45 * E7];
+    routing(hm, T, E, 0, 74);
+    tm_device devs[2] = {tm_cpu(), tm_cuda(0)};
+    tm_tensor *x[2], *w[2], *y[2];
+    double *hdy = NULL;
+    for (int k = 0; k < 2; k++) {
+        x[k] = from(ctx, TM_BF16, 2, xs, devs[k], hx, 1);
+        w[k] = from(ctx, TM_BF16, 3, ws, devs[k], hw, 1);
+        tm_moe_dispatch d;
+        TT_OK(ctx, tm_moe_permute(ctx, x[k], from(ctx, TM_U8, 2, ms, devs[k], hm, 0),
+                                  from(ctx, TM_BF16, 2, ms, devs[k], hp, 0), 8, 0, &d));
+        int64_t ys[2] = {d.num_rows, F};
+        if (!hdy) hdy = tt_parity_uniform(d.num_rows * F, 75);
+        const uint64_t before = tm_ctx_sync_count(ctx);
+        TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w[k], d.tokens_per_expert, &y[k]));
+        TT_OK(ctx, tm_backward_with_grad(ctx, y[k], from(ctx, TM_BF16, 2, ys, devs[k], hdy, 0)));
+        cr_assert_eq(tm_ctx_sync_count(ctx), before, "bf16 grouped_matmul on a permute's counts synchronised (%s)",
+                     k ? "CUDA" : "the CPU");
+    }
+    assert_on_cuda(y[1], "y");
+    tt_assert_close(ctx, y[1], y[0], 1e-2, 1e-2);
+    tt_assert_close(ctx, tm_tensor_grad(x[1]), tm_tensor_grad(x[0]), 1e-2, 1e-2);
+    tt_assert_close(ctx, tm_tensor_grad(w[1]), tm_tensor_grad(w[0]), 1e-2, 1e-2);
+    free(hx), free(hp), free(hw), free(hdy);
     tm_ctx_free(ctx);
 }
 
