@@ -287,10 +287,12 @@ tm_status tm__index_range_err(tm__call *c, int64_t pos, int64_t value);
 /*
  * A host mirror is a host copy of the values of a contiguous i64 tensor, kept beside the
  * device data so that a later kernel that needs those values on the host does not read them
- * back again. moe_permute's forward brings its padded tokens_per_expert to the host (its one
- * synchronisation, for R) and mirrors them on that output; grouped_matmul, forward and
- * backward, takes its group sizes from the mirror of its counts, and reads them back (counted)
- * and mirrors them only when there is none. So a MoE layer's forward + backward waits once.
+ * back again. moe_permute's forward mirrors its padded tokens_per_expert on that output when it
+ * has them on the host: it read them back (its one synchronisation, where R depends on the
+ * data), or they are pad_to each (pad_to > 0); with R = T * topk (align_size 1) the counts stay
+ * on the device and have no mirror. grouped_matmul, forward and backward, takes its group
+ * sizes from the mirror of its counts, and reads them back (counted) and mirrors them only when
+ * there is none. So a MoE layer's forward + backward waits at most once.
  *
  * Invariant: a mirror equals the tensor's data. Mirrors are kept per context, keyed by
  * (storage, element offset, numel), so views of the same elements share them; they live in
@@ -310,6 +312,10 @@ tm_status tm__index_range_err(tm__call *c, int64_t pos, int64_t value);
  * padding, rows[e] (align_size / pad_to, c->iattr), and R = their sum; TM_ERR_INVALID_ARG
  * for an expert above pad_to or rows that overflow. */
 tm_status tm__moe_permute_rows(tm__call *c, const int64_t *count, int64_t *rows, int64_t *R);
+/* moe_permute: *known = 1 when R does not depend on routing_map's values, with R: pad_to > 0
+ * (E * pad_to) or topk > 0 with align_size 1 (T * topk). Then no kernel reads anything back
+ * and the CPU counts no synchronisation. TM_ERR_INVALID_ARG when R * H would overflow. */
+tm_status tm__moe_permute_fixed_rows(tm__call *c, int *known, int64_t *R);
 /* grouped_matmul: the group sizes of c->in[2] on the host, checked against the rows of x
  * (negative, running past R, not summing to R). From the counts' host mirror when they have
  * one; otherwise read back once (one synchronisation; counted on the CPU too) and mirrored, so

@@ -181,7 +181,9 @@ TM_API uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
  * The CPU counts at the same logical points, where a CUDA run would wait, so that a CPU-only
  * build (CI) can bound round trips too: one per tm_tensor_read of a non-empty CPU tensor; one
  * per tm_ctx_sync of a context without a CUDA device; one per forward of an op that must read
- * data back to size its outputs (tm_moe_permute: its row count R) or to report an error (the
+ * data back to size its outputs (tm_moe_permute: its row count R, only where R depends on the
+ * data: not with pad_to > 0, nor with tm_moe_permute_topk and align_size 1, whose
+ * tokens_per_expert then stay on the device; see there) or to report an error (the
  * bad-target flag of tm_cross_entropy's CUDA forward, when there are rows; the bad-index flag
  * of the CUDA forwards of tm_embedding, tm_index_select, tm_gather and tm_scatter_add, when
  * there are indices); one per f32 tm_grouped_matmul (forward or backward) whose counts have no
@@ -781,17 +783,34 @@ typedef struct tm_moe_dispatch {
  * x: [T,H] float; routing_map: u8 [T,E]; probs: float [T,E] (its own dtype; rows are moved
  * bit-exactly, bf16 included). Differentiable in x and probs:
  * dx[t] = sum of d permuted over t's rows; d probs[t,e] = d permuted_probs[row(t,e)].
- * R is known only after reading routing_map (a data-dependent output size): on CUDA the forward
- * reads the E expert counts back once (one synchronisation, tm_ctx_sync_count; counted on the
- * CPU too) and keeps them on the host with tokens_per_expert, so that tm_grouped_matmul on
- * those counts (as the MoE layer chains them) does not read them back again, forward or
- * backward. The backward does not synchronise.
+ * Synchronisation: with pad_to > 0, R = E * pad_to is known without the data: nothing is read
+ * back, and tokens_per_expert (pad_to each) is kept on the host too, so that tm_grouped_matmul
+ * on those counts does not read them back. Otherwise R depends on routing_map (align_size > 1,
+ * or tokens per expert unknown): on CUDA the forward reads the E expert counts back once (one
+ * synchronisation, tm_ctx_sync_count; counted on the CPU too) and keeps them on the host with
+ * tokens_per_expert likewise. (tm_moe_permute_topk also knows R with align_size 1.) The
+ * backward does not synchronise.
+ * On CUDA, with pad_to > 0, an expert with more than pad_to routed tokens is not reported (that
+ * would be a read back): its tokens past the first pad_to are not placed (no row, no gradient).
  * Errors: TM_ERR_INVALID_ARG (out NULL, align_size < 1, pad_to < 0, an expert with more than
- * pad_to routed tokens, padding that would make R * H elements overflow), TM_ERR_DTYPE (x or
- * probs not float, routing_map not u8), TM_ERR_SHAPE (x not 2-D, probs not 2-D, routing_map
- * not of probs' shape or not one row per token of x). */
+ * pad_to routed tokens (the CPU), padding that would make R * H elements overflow),
+ * TM_ERR_DTYPE (x or probs not float, routing_map not u8), TM_ERR_SHAPE (x not 2-D, probs not
+ * 2-D, routing_map not of probs' shape or not one row per token of x). */
 TM_API tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t align_size,
                          int64_t pad_to, tm_moe_dispatch *out);
+/* tm_moe_permute where every token routes to exactly topk experts (a tm_moe_router's
+ * routing_map before any dropping; topk in [1, E], 0 is tm_moe_permute). With align_size 1 and
+ * pad_to 0 the forward then knows R = T * topk without the data and reads nothing back: the
+ * rows are placed on the device, and tokens_per_expert stays on the device only (no host
+ * copy: a tm_grouped_matmul that needs its group sizes on the host reads them once, then keeps
+ * them). Other align_size / pad_to behave as tm_moe_permute. The CPU checks the promise
+ * (TM_ERR_INVALID_ARG naming the routed count); CUDA cannot without a read back: there a map
+ * that breaks it places rows past R nowhere and leaves rows it does not fill as padding,
+ * while tokens_per_expert holds the actual counts (which then do not sum to R).
+ * Errors: those of tm_moe_permute; TM_ERR_INVALID_ARG (topk outside [0, E]; on the CPU,
+ * routing_map not routing T * topk pairs). */
+TM_API tm_status tm_moe_permute_topk(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int topk,
+                              int64_t align_size, int64_t pad_to, tm_moe_dispatch *out);
 
 /* Combine / unpermute: y[t] = sum over rows r with row_token[r] = t of
  * expert_out[r] * permuted_probs[r] (f32 accumulation, f64 for f64, cast once to expert_out's
@@ -928,8 +947,12 @@ typedef struct tm_moe_stats {
  * it receives the statistics as device tensors (see tm_moe_stats; tm_moe_stats_read brings
  * them to the host). With grad mode on, tokens_per_expert is also added to the block's running
  * sum for tm_moe_step, on the device (evaluation and sampling forwards do not move the expert
- * bias). Host round trips (tm_ctx_sync_count): one with the grouped strategy (the permute's row
- * count), none with the dense one; the forward reads no statistic back.
+ * bias). Host round trips (tm_ctx_sync_count), forward + backward: with the grouped strategy
+ * at most one: the permute's row count where it depends on the data (dropless with
+ * align_size > 1, or a capacity without pad_to_capacity); dropless with align_size 1 the permute
+ * reads nothing (R = T * topk) and a grouped GEMM that needs the group sizes on the host reads
+ * them once; with pad_to_capacity none. None with the dense strategy; the forward reads no
+ * statistic back.
  * Errors: TM_ERR_INVALID_ARG (x or y NULL, num_seqs < 1, a sequence-level aux loss with the
  * T rows not divisible by num_seqs), TM_ERR_SHAPE (x 0-d or its last dim not H), TM_ERR_DTYPE
  * (x not of the block's dtype), and those of the ops it runs (see Ops): TM_ERR_DEVICE (x not

@@ -13,8 +13,12 @@
  * Statistics stay on the block's device: the routed (or kept) counts come from the router (or
  * the drop op), the running sum for the expert-bias update grows by an op
  * (tm_moe_accumulate_counts), and counts, dropped and the three loss values are copied into one
- * small tensor (stats->packed) that tm_moe_stats_read brings back in a single read. The only
- * host round trip of a forward is the permute's row count (grouped strategy).
+ * small tensor (stats->packed) that tm_moe_stats_read brings back in a single read. A forward
+ * + backward of the grouped strategy waits at most once: for the permute's row count where it
+ * depends on the data (align padding, or a capacity without pad_to_capacity); dropless with
+ * align_size 1 the permute knows R = T * topk (the router's map routes every token to exactly
+ * topk experts) and keeps the counts on the device, where the grouped GEMMs read them at most
+ * once; with pad_to_capacity nothing is read.
  */
 #include <math.h>
 #include <stdio.h>
@@ -245,14 +249,16 @@ static tm_status dense_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_ten
 
 /* ---- expert parallelism (../shared/reference/moe-semantics.md section 7) ------------------ */
 
-/* Host values of a small i64 tensor: its host mirror when it has one (the permute's counts),
- * else one read (a synchronisation on a device). */
+/* Host values of a small i64 tensor: its host mirror when it has one (the counts of a permute
+ * that read them back or padded to a fixed size), else one read (a synchronisation on a
+ * device), then mirrored. */
 static tm_status host_i64(tm_ctx *ctx, tm_tensor *t, const int64_t **out) {
     const int64_t *v = tm__mirror_find(ctx, t);
     if (!v) {
         int64_t n = tm_tensor_numel(t), *h = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(n ? n : 1));
         if (!h) return TM_ERR_NOMEM;
         TM__TRY(tm_tensor_read(ctx, t, TM_I64, h, n));
+        TM__TRY(tm__mirror_set(ctx, t, h));
         v = h;
     }
     *out = v;
@@ -373,9 +379,14 @@ static tm_status grouped_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_t
     }
     tm_moe_dispatch d;
     int64_t pad_to = m->cfg.pad_to_capacity ? capacity : 0;
-    TM__TRY(tm_moe_permute(ctx, x, map, probs, m->cfg.align_size, pad_to, &d));
-    /* The permute's tokens_per_expert, as they are: their host mirror spares the grouped GEMMs
-     * (forward and backward) a read back of the group sizes (framework/internal.h). */
+    /* Without dropping, map is the router's: exactly topk experts per token, so with
+     * align_size 1 the permute knows R = T * topk and reads nothing back. */
+    int topk = m->cfg.capacity_factor > 0 ? 0 : m->cfg.router.topk;
+    TM__TRY(tm_moe_permute_topk(ctx, x, map, probs, topk, m->cfg.align_size, pad_to, &d));
+    /* The permute's tokens_per_expert, as they are: where the permute has them on the host
+     * (it read them back, or pad_to each) their host mirror spares the grouped GEMMs, forward
+     * and backward, a read back of the group sizes (framework/internal.h); otherwise they stay
+     * on the device and a GEMM that needs them on the host reads them once. */
     tm_tensor *a, *b, *h, *eo, *pp = d.permuted_probs;
     TM__TRY(tm_grouped_matmul(ctx, d.permuted, m->w0, d.tokens_per_expert, &a));
     TM__TRY(tm_grouped_matmul(ctx, d.permuted, m->w1, d.tokens_per_expert, &b));

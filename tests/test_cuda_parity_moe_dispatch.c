@@ -1,16 +1,21 @@
 /*
- * test_cuda_parity_moe_dispatch.c — the MoE dispatch ops on CUDA against the CPU: moe_permute,
- * moe_unpermute and grouped_matmul, forward and backward with random inputs and random
- * upstream gradients, f32 and bf16, on routings with ragged and EMPTY expert groups over an odd
- * expert count (E = 7), align_size 1, 8 and 16, pad_to (capacity), i32 and i64 row_token, with
- * and without probs, and 0 tokens; then the chain of the MoE layer (permute -> grouped SwiGLU
- * GEMMs -> unpermute) and the synchronisations each op makes (tm_ctx_sync_count): permute one
- * (its row count), grouped_matmul none on a permute's tokens_per_expert (their host mirror) and,
- * for f32, one on other counts (read back once, then mirrored), unpermute none. The bf16
- * grouped_matmul is the tensor-core kernel with its schedule on the device: no synchronisation
- * at all, both code paths (cp.async for K, N multiples of 8; element-wise loads otherwise) on
- * ragged, empty and sub-tile groups, bitwise reproducible; mirrored counts validated, others
- * clamped. Run with TINYMOE_GMM=cublaslt to test bf16's cuBLASLt-per-group path instead.
+ * test_cuda_parity_moe_dispatch.c — the MoE dispatch ops on CUDA against the CPU: moe_permute
+ * (also tm_moe_permute_topk), moe_unpermute and grouped_matmul, forward and backward with
+ * random inputs and random upstream gradients, f32 and bf16, on routings with ragged and EMPTY
+ * expert groups over an odd expert count (E = 7), align_size 1, 8 and 16, pad_to (capacity),
+ * topk, i32 and i64 row_token, with and without probs, and 0 tokens; rows of 19 or 21
+ * elements (one element per access), 36 (16-byte vectors for f32 only) and 64 (16-byte
+ * vectors for both), and a row pointer off 16-byte alignment (the fallback); then the chain of
+ * the MoE layer (permute -> grouped SwiGLU GEMMs -> unpermute) and the synchronisations each
+ * op makes (tm_ctx_sync_count), the same on both devices: permute one (its row count) where R
+ * depends on the data, none with pad_to or with topk and align_size 1; grouped_matmul none on
+ * a permute's tokens_per_expert that the host has (read back, or pad_to each: their host
+ * mirror) and one on other counts (a topk permute's, or any others: read back once, then
+ * mirrored; f32 only), unpermute none. The bf16 grouped_matmul is the tensor-core kernel with
+ * its schedule on the device: no synchronisation at all, both code paths (cp.async for K, N
+ * multiples of 8; element-wise loads otherwise) on ragged, empty and sub-tile groups, bitwise
+ * reproducible; mirrored counts validated, others clamped. Run with TINYMOE_GMM=cublaslt to
+ * test bf16's cuBLASLt-per-group path instead.
  *
  * Tolerances (|cuda - cpu| <= atol + rtol |cpu|):
  *   permute's outputs, exact: both sides move bits (bf16 included) and place rows alike.
@@ -63,11 +68,44 @@ static void routing(double *map, int64_t T, int64_t E, int64_t cap, uint64_t see
     free(used);
 }
 
+/* map [T*E] 0/1: each token routes to exactly k distinct experts, never to experts 1 and 4
+ * (k <= E - 2; a router's map, as tm_moe_permute_topk wants). */
+static void routing_k(double *map, int64_t T, int64_t E, int64_t k, uint64_t seed) {
+    uint64_t s = seed;
+    memset(map, 0, sizeof(double) * (size_t)(T * E));
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < k;) {
+            int64_t e = (int64_t)(splitmix(&s) % (uint64_t)E);
+            if (e == 1 || e == 4 || map[t * E + e]) continue;
+            map[t * E + e] = 1;
+            j++;
+        }
+}
+
 static tm_tensor *from(tm_ctx *ctx, tm_dtype dt, int nd, const int64_t *shape, tm_device dev, const double *v,
                        int grad) {
     tm_tensor *t;
     TT_OK(ctx, tm_tensor_from_host(ctx, dt, nd, shape, dev, TM_F64, v, &t));
     if (grad) TT_OK(ctx, tm_tensor_set_requires_grad(ctx, t, 1));
+    return t;
+}
+
+/* As from(), but a contiguous view one element into a larger 1-D tensor *base (which gets
+ * the gradient): its data pointer is off 16-byte alignment, so the CUDA row kernels take their
+ * one-element-per-access path. */
+static tm_tensor *from_offset(tm_ctx *ctx, tm_dtype dt, int nd, const int64_t *shape, tm_device dev, const double *v,
+                              int grad, tm_tensor **base) {
+    int64_t n = 1;
+    for (int i = 0; i < nd; i++) n *= shape[i];
+    int64_t n1 = n + 1;
+    double *h = malloc(sizeof(double) * (size_t)n1);
+    h[0] = 0.5;
+    memcpy(h + 1, v, sizeof(double) * (size_t)n);
+    *base = from(ctx, dt, 1, &n1, dev, h, grad);
+    free(h);
+    tm_tensor *s, *t;
+    TT_OK(ctx, tm_slice(ctx, *base, 0, 1, n1, &s));
+    TT_OK(ctx, tm_reshape(ctx, s, nd, shape, &t));
     return t;
 }
 
@@ -88,32 +126,41 @@ static void assert_on_cuda(const tm_tensor *t, const char *what) {
 
 /* ---- moe_permute ------------------------------------------------------------------------- */
 
-static void permute_case(tm_dtype xdt, tm_dtype pdt, int64_t T, int64_t align, int64_t pad_to, double atol, double rtol) {
+/* One permute case: rows of H elements; topk > 0 routes every token to exactly topk experts
+ * and runs tm_moe_permute_topk; misalign puts x one element off 16-byte alignment. */
+static void permute_case_ex(tm_dtype xdt, tm_dtype pdt, int64_t T, int64_t H, int64_t align, int64_t pad_to, int topk,
+                            int misalign, double atol, double rtol) {
     tm_ctx *ctx = tt_parity_ctx();
-    const int64_t E = E7, H = 19, cap = pad_to > 0 ? pad_to : 0;
+    const int64_t E = E7, cap = pad_to > 0 ? pad_to : 0;
     int64_t xs[2] = {T, H}, ms[2] = {T, E};
     double *hx = tt_parity_uniform(T * H, 100 + (uint64_t)T), *hp = tt_parity_uniform(T * E, 200 + (uint64_t)T);
     double *hm = malloc(sizeof(double) * (size_t)(T * E + 1));
-    routing(hm, T, E, cap, 300 + (uint64_t)T);
+    if (topk > 0) routing_k(hm, T, E, topk, 300 + (uint64_t)T);
+    else routing(hm, T, E, cap, 300 + (uint64_t)T);
+    /* R known without the data: nothing read back, on either device. */
+    const uint64_t want_syncs = pad_to > 0 || (topk > 0 && align == 1) ? 0 : 1;
     tm_device devs[2] = {tm_cpu(), tm_cuda(0)};
-    tm_tensor *x[2], *p[2];
+    tm_tensor *x[2], *xg[2], *p[2];
     tm_moe_dispatch d[2];
     double *g1 = NULL, *g2 = NULL;
     const char *tag = tm_dtype_name(xdt);
     /* Each side runs forward then backward before the other starts: a backward consumes the
      * whole tape. */
     for (int k = 0; k < 2; k++) {
-        x[k] = from(ctx, xdt, 2, xs, devs[k], hx, 1);
+        if (misalign) x[k] = from_offset(ctx, xdt, 2, xs, devs[k], hx, 1, &xg[k]);
+        else x[k] = xg[k] = from(ctx, xdt, 2, xs, devs[k], hx, 1);
         p[k] = from(ctx, pdt, 2, ms, devs[k], hp, 1);
         tm_tensor *m = from(ctx, TM_U8, 2, ms, devs[k], hm, 0);
         uint64_t before = tm_ctx_sync_count(ctx);
-        TT_OK(ctx, tm_moe_permute(ctx, x[k], m, p[k], align, pad_to, &d[k]));
+        TT_OK(ctx, tm_moe_permute_topk(ctx, x[k], m, p[k], topk, align, pad_to, &d[k]));
         uint64_t n = tm_ctx_sync_count(ctx) - before;
-        cr_assert_eq(n, 1, "permute on %s: %llu synchronisations, want 1 (the row count)", k ? "CUDA" : "the CPU",
-                     (unsigned long long)n);
+        cr_assert_eq(n, want_syncs, "permute (align %lld, pad_to %lld, topk %d) on %s: %llu synchronisations, want %llu",
+                     (long long)align, (long long)pad_to, topk, k ? "CUDA" : "the CPU", (unsigned long long)n,
+                     (unsigned long long)want_syncs);
         cr_assert_eq(d[k].num_rows, d[0].num_rows, "%s T=%lld align %lld pad_to %lld: R %lld on CUDA, %lld on the CPU",
                      tag, (long long)T, (long long)align, (long long)pad_to, (long long)d[k].num_rows,
                      (long long)d[0].num_rows);
+        if (topk > 0 && align == 1) cr_assert_eq(d[k].num_rows, T * topk);
         const int64_t R = d[0].num_rows;
         if (T == 0 || R == 0) continue;
         /* loss = <permuted, G1> + <permuted_probs, G2>: upstream gradients G1, G2. */
@@ -147,13 +194,17 @@ static void permute_case(tm_dtype xdt, tm_dtype pdt, int64_t T, int64_t align, i
     }
     if (pad_to == 0) cr_assert(tpe[1] == 0 && tpe[4] == 0, "experts 1 and 4 must be empty groups");
     if (T > 0 && R > 0) {
-        cr_assert(tm_tensor_grad(x[1]) && tm_tensor_grad(p[1]), "no gradient on CUDA");
-        tt_assert_close(ctx, tm_tensor_grad(x[1]), tm_tensor_grad(x[0]), atol, rtol);
+        cr_assert(tm_tensor_grad(xg[1]) && tm_tensor_grad(p[1]), "no gradient on CUDA");
+        tt_assert_close(ctx, tm_tensor_grad(xg[1]), tm_tensor_grad(xg[0]), atol, rtol);
         tt_assert_close(ctx, tm_tensor_grad(p[1]), tm_tensor_grad(p[0]), atol, rtol);
     }
     free(g1), free(g2);
     free(hx), free(hp), free(hm);
     tm_ctx_free(ctx);
+}
+
+static void permute_case(tm_dtype xdt, tm_dtype pdt, int64_t T, int64_t align, int64_t pad_to, double atol, double rtol) {
+    permute_case_ex(xdt, pdt, T, 19, align, pad_to, 0, 0, atol, rtol);
 }
 
 static void permute_all(tm_dtype dt, double atol, double rtol) {
@@ -165,6 +216,18 @@ static void permute_all(tm_dtype dt, double atol, double rtol) {
     permute_case(dt, dt, 37, 1, 9, atol, rtol);  /* capacity: every expert exactly 9 rows */
     permute_case(dt, dt, 0, 8, 5, atol, rtol);   /* no tokens, pad_to: R = 7 * 5 padding rows */
     permute_case(dt, dt, 300, 16, 0, atol, rtol); /* several scan chunks per expert column */
+    /* Row lengths: 64 (16-byte vectors for f32 and bf16), 36 (vectors of 16 bytes for f32,
+     * 8 for bf16), 19 (one element per access), and 64 off alignment. */
+    const int64_t hs[3] = {64, 36, 19};
+    for (int i = 0; i < 3; i++) {
+        permute_case_ex(dt, dt, 300, hs[i], 1, 0, 3, 0, atol, rtol);  /* topk: R = T * 3, nothing read back */
+        permute_case_ex(dt, dt, 1100, hs[i], 8, 0, 2, 0, atol, rtol); /* topk with align: read back */
+        permute_case_ex(dt, dt, 300, hs[i], 1, 60, 0, 0, atol, rtol); /* pad_to: nothing read back */
+    }
+    permute_case_ex(dt, dt, 300, 64, 1, 0, 3, 1, atol, rtol);
+    permute_case_ex(dt, dt, 300, 64, 16, 0, 0, 1, atol, rtol);
+    permute_case_ex(dt, dt, 0, 64, 1, 0, 2, 0, atol, rtol); /* topk, no tokens: R = 0 */
+    permute_case_ex(dt, dt, 5000, 64, 1, 0, 4, 0, atol, rtol); /* 157 tiles: a long scan per expert */
 }
 
 Test(cuda_parity_moe, permute_f32) {
@@ -176,6 +239,41 @@ Test(cuda_parity_moe, permute_bf16) {
     TT_SKIP_WITHOUT_CUDA();
     permute_all(TM_BF16, 1e-2, 1e-2);
     permute_case(TM_BF16, TM_F32, 37, 8, 0, 1e-2, 1e-2); /* probs keep their own dtype */
+    permute_case_ex(TM_BF16, TM_F32, 300, 64, 1, 0, 2, 0, 1e-2, 1e-2);
+}
+
+/* CUDA does not read the counts back under pad_to or topk, so it cannot report an expert
+ * above pad_to (the CPU does: tests/test_moe_dispatch.c): such an expert's tokens past the
+ * first pad_to get no row and no gradient; every other row is the CPU's, placed alike. */
+Test(cuda_parity_moe, permute_pad_to_overflow_drops_on_cuda) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
+    const int64_t T = 40, E = E7, H = 16, pad_to = 6;
+    int64_t xs[2] = {T, H}, ms[2] = {T, E};
+    double *hx = tt_parity_uniform(T * H, 7), *hp = tt_parity_uniform(T * E, 8), hm[40 * E7], hk[40 * E7];
+    routing(hm, T, E, 0, 9);   /* overflows pad_to */
+    routing(hk, T, E, pad_to, 9); /* the same with each expert's tokens past pad_to dropped */
+    tm_moe_dispatch d[2];
+    tm_tensor *x[2];
+    for (int k = 0; k < 2; k++) {
+        tm_device dev = k ? tm_cuda(0) : tm_cpu();
+        x[k] = from(ctx, TM_F32, 2, xs, dev, hx, 1);
+        uint64_t before = tm_ctx_sync_count(ctx);
+        TT_OK(ctx, tm_moe_permute(ctx, x[k], from(ctx, TM_U8, 2, ms, dev, k ? hm : hk, 0),
+                                  from(ctx, TM_F32, 2, ms, dev, hp, 0), 1, pad_to, &d[k]));
+        cr_assert_eq(tm_ctx_sync_count(ctx), before);
+        tm_tensor *l;
+        TT_OK(ctx, tm_sum_all(ctx, d[k].permuted, &l));
+        TT_OK(ctx, tm_backward(ctx, l));
+    }
+    cr_assert_eq(d[1].num_rows, E * pad_to);
+    assert_same(ctx, d[1].row_token, d[0].row_token, "row_token");
+    assert_same(ctx, d[1].permuted, d[0].permuted, "permuted");
+    assert_same(ctx, d[1].permuted_probs, d[0].permuted_probs, "permuted_probs");
+    assert_same(ctx, d[1].tokens_per_expert, d[0].tokens_per_expert, "tokens_per_expert");
+    tt_assert_close(ctx, tm_tensor_grad(x[1]), tm_tensor_grad(x[0]), 1e-5, 1e-5);
+    free(hx), free(hp);
+    tm_ctx_free(ctx);
 }
 
 /* ---- moe_unpermute ----------------------------------------------------------------------- */
@@ -197,19 +295,21 @@ static void row_tokens(double *rt, double *clean, int64_t R, int64_t T, int bad,
         }
 }
 
-static void unpermute_case(tm_dtype dt, tm_dtype pdt, int with_probs, tm_dtype idt, int64_t R, int64_t T, int bad,
-                           double atol, double rtol) {
+/* One unpermute case: rows of H elements; misalign puts expert_out one element off 16-byte
+ * alignment. */
+static void unpermute_case_ex(tm_dtype dt, tm_dtype pdt, int with_probs, tm_dtype idt, int64_t R, int64_t T, int64_t H,
+                              int bad, int misalign, double atol, double rtol) {
     tm_ctx *ctx = tt_parity_ctx();
-    const int64_t H = 21;
     int64_t es[2] = {R, H}, ys[2] = {T, H};
     double *he = tt_parity_uniform(R * H, 600 + (uint64_t)R), *hp = tt_parity_uniform(R, 700 + (uint64_t)R);
     double *hdy = tt_parity_uniform(T * H, 800 + (uint64_t)T);
     double *hrt = malloc(sizeof(double) * (size_t)(R ? R : 1)), *hclean = malloc(sizeof(double) * (size_t)(R ? R : 1));
     row_tokens(hrt, hclean, R, T, bad, 900 + (uint64_t)R);
     tm_device devs[2] = {tm_cpu(), tm_cuda(0)};
-    tm_tensor *eo[2], *p[2] = {NULL, NULL}, *y[2];
+    tm_tensor *eo[2], *eog[2], *p[2] = {NULL, NULL}, *y[2];
     for (int k = 0; k < 2; k++) {
-        eo[k] = from(ctx, dt, 2, es, devs[k], he, 1);
+        if (misalign) eo[k] = from_offset(ctx, dt, 2, es, devs[k], he, 1, &eog[k]);
+        else eo[k] = eog[k] = from(ctx, dt, 2, es, devs[k], he, 1);
         if (with_probs) p[k] = from(ctx, pdt, 1, &R, devs[k], hp, 1);
         tm_tensor *rt = from(ctx, idt, 1, &R, devs[k], k ? hrt : hclean, 0);
         uint64_t before = tm_ctx_sync_count(ctx);
@@ -221,8 +321,8 @@ static void unpermute_case(tm_dtype dt, tm_dtype pdt, int with_probs, tm_dtype i
     cr_assert_eq(tm_tensor_dim(y[1], 0), T);
     tt_assert_close(ctx, y[1], y[0], atol, rtol);
     if (T > 0 && R > 0) {
-        cr_assert(tm_tensor_grad(eo[1]), "no gradient of expert_out on CUDA");
-        tt_assert_close(ctx, tm_tensor_grad(eo[1]), tm_tensor_grad(eo[0]), atol, rtol);
+        cr_assert(tm_tensor_grad(eog[1]), "no gradient of expert_out on CUDA");
+        tt_assert_close(ctx, tm_tensor_grad(eog[1]), tm_tensor_grad(eog[0]), atol, rtol);
         if (with_probs) {
             cr_assert(tm_tensor_grad(p[1]), "no gradient of permuted_probs on CUDA");
             tt_assert_close(ctx, tm_tensor_grad(p[1]), tm_tensor_grad(p[0]), atol, rtol);
@@ -230,6 +330,11 @@ static void unpermute_case(tm_dtype dt, tm_dtype pdt, int with_probs, tm_dtype i
     }
     free(he), free(hp), free(hdy), free(hrt), free(hclean);
     tm_ctx_free(ctx);
+}
+
+static void unpermute_case(tm_dtype dt, tm_dtype pdt, int with_probs, tm_dtype idt, int64_t R, int64_t T, int bad,
+                           double atol, double rtol) {
+    unpermute_case_ex(dt, pdt, with_probs, idt, R, T, 21, bad, 0, atol, rtol);
 }
 
 static void unpermute_all(tm_dtype dt, double atol, double rtol) {
@@ -241,6 +346,16 @@ static void unpermute_all(tm_dtype dt, double atol, double rtol) {
     }
     unpermute_case(dt, dt, 1, TM_I64, 0, 17, 0, atol, rtol);  /* no rows: y = 0 */
     unpermute_case(dt, dt, 1, TM_I64, 53, 0, 0, atol, rtol);  /* no tokens: every row padding */
+    /* Row lengths: 64 (16-byte vectors for f32 and bf16), 36 (for f32 only), 320 (several
+     * vector groups per lane), and 64 off alignment (one element per access). */
+    const int64_t hs[3] = {64, 36, 320};
+    for (int i = 0; i < 3; i++) {
+        unpermute_case_ex(dt, dt, 1, TM_I64, 300, 90, hs[i], 0, 0, atol, rtol);
+        unpermute_case_ex(dt, dt, 0, TM_I32, 300, 90, hs[i], 0, 0, atol, rtol);
+    }
+    unpermute_case_ex(dt, dt, 1, TM_I64, 1500, 40, 64, 0, 0, atol, rtol); /* > 32 rows per token: several fetches */
+    unpermute_case_ex(dt, dt, 1, TM_I64, 300, 90, 64, 0, 1, atol, rtol);
+    unpermute_case_ex(dt, dt, 1, TM_I32, 300, 90, 64, 1, 0, atol, rtol);  /* rows outside the tokens */
 }
 
 Test(cuda_parity_moe, unpermute_f32) {
@@ -511,6 +626,33 @@ Test(cuda_parity_moe, grouped_matmul_uses_the_permute_mirror) {
     TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w, view, &y2));
     TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w, d.tokens_per_expert, &y2));
     cr_assert_eq(tm_ctx_sync_count(ctx) - before, 1, "after a write: one read back, then mirrored");
+
+    /* pad_to: the host knows the counts (pad_to each) without reading: mirrored, no wait. */
+    double hk[29 * E7], hm2[29 * E7];
+    routing(hk, T, E, 5, 4);
+    before = tm_ctx_sync_count(ctx);
+    TT_OK(ctx, tm_moe_permute(ctx, x, from(ctx, TM_U8, 2, ms, tm_cuda(0), hk, 0),
+                              from(ctx, TM_F32, 2, ms, tm_cuda(0), hp, 1), 1, 5, &d));
+    TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w, d.tokens_per_expert, &y));
+    TT_OK(ctx, tm_sum_all(ctx, y, &l));
+    TT_OK(ctx, tm_backward(ctx, l));
+    cr_assert_eq(tm_ctx_sync_count(ctx), before, "pad_to permute + grouped_matmul synchronised");
+
+    /* topk with align_size 1: the counts stay on the device (no mirror); the first
+     * grouped_matmul reads them once and mirrors them for the next calls and the backward. */
+    routing_k(hm2, T, E, 2, 5);
+    before = tm_ctx_sync_count(ctx);
+    TT_OK(ctx, tm_moe_permute_topk(ctx, x, from(ctx, TM_U8, 2, ms, tm_cuda(0), hm2, 0),
+                                   from(ctx, TM_F32, 2, ms, tm_cuda(0), hp, 1), 2, 1, 0, &d));
+    cr_assert_eq(tm_ctx_sync_count(ctx), before, "topk permute synchronised");
+    cr_assert_eq(d.num_rows, 2 * T);
+    TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w, d.tokens_per_expert, &y));
+    cr_assert_eq(tm_ctx_sync_count(ctx) - before, 1, "the first grouped_matmul on a topk permute's counts: one read");
+    TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w, d.tokens_per_expert, &y2));
+    TT_OK(ctx, tm_add(ctx, y, y2, &y));
+    TT_OK(ctx, tm_sum_all(ctx, y, &l));
+    TT_OK(ctx, tm_backward(ctx, l));
+    cr_assert_eq(tm_ctx_sync_count(ctx) - before, 1, "then mirrored, for the backward too");
     free(hx), free(hp), free(hw);
     tm_ctx_free(ctx);
 }
@@ -554,12 +696,13 @@ Test(cuda_parity_moe, grouped_matmul_bf16_on_permute) {
 
 typedef struct chain_io {
     tm_tensor *x, *probs, *w0, *w1, *wo, *y;
-    uint64_t syncs;
+    uint64_t syncs, permute_syncs;
 } chain_io;
 
-/* layers/moe.c's grouped strategy: permute -> swiglu(rows @ w0[e], rows @ w1[e]) @ wo[e] ->
- * unpermute, weighted by probs; forward and backward with upstream gradient g. */
-static void chain(tm_ctx *ctx, tm_device dev, int64_t T, int64_t H, int64_t F, int64_t align, int64_t pad_to,
+/* layers/moe.c's grouped strategy: permute (tm_moe_permute_topk; topk 0: tm_moe_permute) ->
+ * swiglu(rows @ w0[e], rows @ w1[e]) @ wo[e] -> unpermute, weighted by probs; forward and
+ * backward with upstream gradient g. */
+static void chain(tm_ctx *ctx, tm_device dev, int64_t T, int64_t H, int64_t F, int64_t align, int64_t pad_to, int topk,
                   const double *hx, const double *hm, const double *hp, const double *hw, const double *hg, chain_io *io) {
     const int64_t E = E7;
     int64_t xs[2] = {T, H}, ms[2] = {T, E}, w01[3] = {E, H, F}, wos[3] = {E, F, H};
@@ -572,7 +715,8 @@ static void chain(tm_ctx *ctx, tm_device dev, int64_t T, int64_t H, int64_t F, i
     uint64_t before = tm_ctx_sync_count(ctx);
     tm_moe_dispatch d;
     tm_tensor *a, *b, *h, *eo;
-    TT_OK(ctx, tm_moe_permute(ctx, io->x, map, io->probs, align, pad_to, &d));
+    TT_OK(ctx, tm_moe_permute_topk(ctx, io->x, map, io->probs, topk, align, pad_to, &d));
+    io->permute_syncs = tm_ctx_sync_count(ctx) - before;
     TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, io->w0, d.tokens_per_expert, &a));
     TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, io->w1, d.tokens_per_expert, &b));
     TT_OK(ctx, tm_swiglu(ctx, a, b, &h));
@@ -582,21 +726,32 @@ static void chain(tm_ctx *ctx, tm_device dev, int64_t T, int64_t H, int64_t F, i
     io->syncs = tm_ctx_sync_count(ctx) - before;
 }
 
-static void chain_case(int64_t align, int64_t pad_to) {
+/* The chain's synchronisations, on both devices (f32): the permute reads its counts back
+ * where R depends on the data (then the GEMMs use the mirror); with pad_to nothing is read;
+ * with topk and align_size 1 the permute reads nothing and the first grouped_matmul reads
+ * the counts once (the GEMMs that follow and the backward use its mirror). */
+static void chain_case(int64_t align, int64_t pad_to, int topk) {
     tm_ctx *ctx = tt_parity_ctx();
     const int64_t T = 45, H = 16, F = 12, E = E7;
     double *hx = tt_parity_uniform(T * H, 21), *hp = tt_parity_uniform(T * E, 22);
     double *hw = tt_parity_uniform(3 * E * H * F, 23), *hg = tt_parity_uniform(T * H, 24);
     double *hm = malloc(sizeof(double) * (size_t)(T * E));
     for (int64_t i = 0; i < 3 * E * H * F; i++) hw[i] *= 0.3;
-    routing(hm, T, E, pad_to, 25);
+    if (topk > 0) routing_k(hm, T, E, topk, 25);
+    else routing(hm, T, E, pad_to, 25);
+    const int known = pad_to > 0 || (topk > 0 && align == 1);
+    const uint64_t want_permute = known ? 0 : 1, want = pad_to > 0 ? 0 : 1;
     chain_io io[2];
-    chain(ctx, tm_cpu(), T, H, F, align, pad_to, hx, hm, hp, hw, hg, &io[0]);
-    chain(ctx, tm_cuda(0), T, H, F, align, pad_to, hx, hm, hp, hw, hg, &io[1]);
-    cr_assert_eq(io[1].syncs, 1, "MoE chain forward + backward on CUDA (align %lld, pad_to %lld): %llu synchronisations, "
-                 "at most 1 (the permute's row count)", (long long)align, (long long)pad_to, (unsigned long long)io[1].syncs);
-    cr_assert_eq(io[0].syncs, io[1].syncs, "the CPU counts %llu, CUDA %llu", (unsigned long long)io[0].syncs,
-                 (unsigned long long)io[1].syncs);
+    chain(ctx, tm_cpu(), T, H, F, align, pad_to, topk, hx, hm, hp, hw, hg, &io[0]);
+    chain(ctx, tm_cuda(0), T, H, F, align, pad_to, topk, hx, hm, hp, hw, hg, &io[1]);
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(io[k].permute_syncs, want_permute, "permute on %s (align %lld, pad_to %lld, topk %d): %llu "
+                     "synchronisations, want %llu", k ? "CUDA" : "the CPU", (long long)align, (long long)pad_to, topk,
+                     (unsigned long long)io[k].permute_syncs, (unsigned long long)want_permute);
+        cr_assert_eq(io[k].syncs, want, "MoE chain forward + backward on %s (align %lld, pad_to %lld, topk %d): %llu "
+                     "synchronisations, want %llu", k ? "CUDA" : "the CPU", (long long)align, (long long)pad_to, topk,
+                     (unsigned long long)io[k].syncs, (unsigned long long)want);
+    }
     const double tol = 1e-4;
     tt_assert_close(ctx, io[1].y, io[0].y, tol, tol);
     tt_assert_close(ctx, tm_tensor_grad(io[1].x), tm_tensor_grad(io[0].x), tol, tol);
@@ -610,13 +765,15 @@ static void chain_case(int64_t align, int64_t pad_to) {
 
 Test(cuda_parity_moe, layer_chain_dropless) {
     TT_SKIP_WITHOUT_CUDA();
-    chain_case(1, 0);
-    chain_case(16, 0);
+    chain_case(1, 0, 0);
+    chain_case(16, 0, 0);
+    chain_case(1, 0, 2);  /* the MoE layer's dropless call: R = T * 2 */
+    chain_case(16, 0, 2); /* align padding: R depends on the data again */
 }
 
 Test(cuda_parity_moe, layer_chain_capacity) {
     TT_SKIP_WITHOUT_CUDA();
-    chain_case(1, 8); /* pad_to_capacity: every expert 8 rows, empty experts all padding */
+    chain_case(1, 8, 0); /* pad_to_capacity: every expert 8 rows, empty experts all padding */
 }
 
 /* Bit-identical results from run to run (no float atomics, a stable sort). The arena is reset
@@ -628,22 +785,26 @@ Test(cuda_parity_moe, bitwise_reproducible) {
     double *hx = tt_parity_uniform(T * H, 31), *hp = tt_parity_uniform(T * E, 32);
     double *hw = tt_parity_uniform(3 * E * H * F, 33), *hg = tt_parity_uniform(T * H, 34);
     double *hm = malloc(sizeof(double) * (size_t)(T * E));
-    routing(hm, T, E, 0, 35);
-    double *got[2][4];
-    for (int k = 0; k < 2; k++) {
-        chain_io io;
-        chain(ctx, tm_cuda(0), T, H, F, 8, 0, hx, hm, hp, hw, hg, &io);
-        got[k][0] = tt_read(ctx, io.y);
-        got[k][1] = tt_read(ctx, tm_tensor_grad(io.x));
-        got[k][2] = tt_read(ctx, tm_tensor_grad(io.probs));
-        got[k][3] = tt_read(ctx, tm_tensor_grad(io.wo));
-        tm_ctx_arena_reset(ctx);
-    }
-    const char *what[4] = {"y", "dx", "dprobs", "dwo"};
-    const int64_t n[4] = {T * H, T * H, T * E, E * F * H};
-    for (int i = 0; i < 4; i++) {
-        cr_assert(memcmp(got[0][i], got[1][i], sizeof(double) * (size_t)n[i]) == 0, "%s differs between two runs", what[i]);
-        free(got[0][i]), free(got[1][i]);
+    for (int topk = 0; topk <= 2; topk += 2) { /* the permute with align padding, then with topk */
+        if (topk) routing_k(hm, T, E, topk, 35);
+        else routing(hm, T, E, 0, 35);
+        double *got[2][4];
+        for (int k = 0; k < 2; k++) {
+            chain_io io;
+            chain(ctx, tm_cuda(0), T, H, F, topk ? 1 : 8, 0, topk, hx, hm, hp, hw, hg, &io);
+            got[k][0] = tt_read(ctx, io.y);
+            got[k][1] = tt_read(ctx, tm_tensor_grad(io.x));
+            got[k][2] = tt_read(ctx, tm_tensor_grad(io.probs));
+            got[k][3] = tt_read(ctx, tm_tensor_grad(io.wo));
+            tm_ctx_arena_reset(ctx);
+        }
+        const char *what[4] = {"y", "dx", "dprobs", "dwo"};
+        const int64_t n[4] = {T * H, T * H, T * E, E * F * H};
+        for (int i = 0; i < 4; i++) {
+            cr_assert(memcmp(got[0][i], got[1][i], sizeof(double) * (size_t)n[i]) == 0, "%s differs between two runs "
+                      "(topk %d)", what[i], topk);
+            free(got[0][i]), free(got[1][i]);
+        }
     }
     free(hx), free(hp), free(hw), free(hg), free(hm);
     tm_ctx_free(ctx);

@@ -1,5 +1,6 @@
 /*
- * test_moe_dispatch.c — tm_moe_capacity, tm_moe_drop_tokens, tm_moe_permute, tm_moe_unpermute:
+ * test_moe_dispatch.c — tm_moe_capacity, tm_moe_drop_tokens, tm_moe_permute (and
+ * tm_moe_permute_topk), tm_moe_unpermute:
  * capacity against Megatron's formula, both drop policies on a hand-worked example, permute
  * against a naive reference on random routings (empty experts, align_size 1 and 16, pad_to),
  * the permute -> unpermute round trip, bf16 bit-exactness, gradients by finite differences,
@@ -570,6 +571,75 @@ Test(moe_dispatch, same_bits_for_any_thread_count) {
         free(got);
     }
     free(ref);
+}
+
+/* ---- tm_moe_permute_topk ----------------------------------------------------------------- */
+
+/* Every token on exactly k experts: tm_moe_permute_topk gives tm_moe_permute's outputs and
+ * gradients bit for bit, with align_size 1 (R = T * k, known without the data), with align
+ * padding and with pad_to. */
+Test(moe_dispatch, permute_topk_matches_permute) {
+    tm_ctx *ctx = tt_ctx();
+    const int64_t T = 50, E = 9, H = 6, k = 3;
+    double *hm = malloc(sizeof(double) * (size_t)(T * E)), *hp = malloc(sizeof(double) * (size_t)(T * E));
+    random_routing(hm, hp, T, E, k, 7, 11);
+    int64_t ms[2] = {T, E}, xs[2] = {T, H};
+    tm_tensor *map = tt_from(ctx, TM_U8, 2, ms, hm);
+    const int64_t cfg[3][2] = {{1, 0}, {8, 0}, {1, 40}};
+    for (int i = 0; i < 3; i++) {
+        tm_tensor *x[2], *p[2];
+        tm_moe_dispatch d[2];
+        for (int j = 0; j < 2; j++) {
+            x[j] = tt_randn(ctx, TM_F64, 2, xs, 3);
+            p[j] = tt_from(ctx, TM_F64, 2, ms, hp);
+            TT_OK(ctx, tm_tensor_set_requires_grad(ctx, x[j], 1));
+            TT_OK(ctx, tm_tensor_set_requires_grad(ctx, p[j], 1));
+            if (j) TT_OK(ctx, tm_moe_permute_topk(ctx, x[j], map, p[j], (int)k, cfg[i][0], cfg[i][1], &d[j]));
+            else TT_OK(ctx, tm_moe_permute(ctx, x[j], map, p[j], cfg[i][0], cfg[i][1], &d[j]));
+            tm_tensor *a, *b, *l;
+            TT_OK(ctx, tm_mul(ctx, d[j].permuted, d[j].permuted, &a));
+            TT_OK(ctx, tm_sum_all(ctx, a, &a));
+            TT_OK(ctx, tm_mul(ctx, d[j].permuted_probs, d[j].permuted_probs, &b));
+            TT_OK(ctx, tm_sum_all(ctx, b, &b));
+            TT_OK(ctx, tm_add(ctx, a, b, &l));
+            TT_OK(ctx, tm_backward(ctx, l));
+        }
+        if (cfg[i][0] == 1 && cfg[i][1] == 0) cr_assert_eq(d[1].num_rows, T * k);
+        cr_assert_eq(d[1].num_rows, d[0].num_rows);
+        const tm_tensor *pairs[6][2] = {{d[1].permuted, d[0].permuted}, {d[1].permuted_probs, d[0].permuted_probs},
+                                        {d[1].row_token, d[0].row_token}, {d[1].tokens_per_expert, d[0].tokens_per_expert},
+                                        {tm_tensor_grad(x[1]), tm_tensor_grad(x[0])}, {tm_tensor_grad(p[1]), tm_tensor_grad(p[0])}};
+        for (int q = 0; q < 6; q++) {
+            int64_t n = tm_tensor_numel(pairs[q][1]);
+            cr_assert_eq(tm_tensor_numel(pairs[q][0]), n);
+            double *a = tt_read(ctx, pairs[q][0]), *b = tt_read(ctx, pairs[q][1]);
+            for (int64_t e = 0; e < n; e++) cr_assert(a[e] == b[e], "config %d, output %d [%lld]: %g vs %g", i, q, (long long)e, a[e], b[e]);
+            free(a), free(b);
+        }
+    }
+    free(hm), free(hp);
+    tm_ctx_free(ctx);
+}
+
+/* The CPU checks topk's promise (T * topk routed pairs) and its range. */
+Test(moe_dispatch, bad_permute_topk) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t ms[2] = {6, 3}, xs[2] = {6, 4};
+    tm_tensor *map = tt_from(ctx, TM_U8, 2, ms, EX_MAP), *probs = tt_from(ctx, TM_F32, 2, ms, EX_PROBS);
+    tm_tensor *x = tt_randn(ctx, TM_F32, 2, xs, 1);
+    tm_moe_dispatch d;
+    /* EX_MAP routes 12 pairs (two per token), not 6 * 1 */
+    assert_err(ctx, tm_moe_permute_topk(ctx, x, map, probs, 1, 1, 0, &d), TM_ERR_INVALID_ARG, "moe_permute",
+               "routes 12", "6 * 1");
+    TT_OK(ctx, tm_moe_permute_topk(ctx, x, map, probs, 2, 1, 0, &d));
+    cr_assert_eq(d.num_rows, 12);
+    assert_err(ctx, tm_moe_permute_topk(ctx, x, map, probs, -1, 1, 0, &d), TM_ERR_INVALID_ARG, "moe_permute",
+               "topk = -1", NULL);
+    assert_err(ctx, tm_moe_permute_topk(ctx, x, map, probs, 4, 1, 0, &d), TM_ERR_INVALID_ARG, "moe_permute",
+               "topk = 4", "E = 3");
+    /* Where R depends on the data anyway (align padding), the count is not compared. */
+    TT_OK(ctx, tm_moe_permute_topk(ctx, x, map, probs, 1, 4, 0, &d));
+    tm_ctx_free(ctx);
 }
 
 /* ---- bad inputs -------------------------------------------------------------------------- */

@@ -3,9 +3,12 @@
  * CUDA kernel reads back: cross_entropy's bad target, the indexing ops' bad index,
  * grouped_matmul's counts without a host mirror), and the bounds the
  * MoE block and the model are designed to: one MoE layer's forward + backward makes at most one
- * synchronisation (the permute's row count), a model's forward + backward at most
- * n_moe_layers + 1 (one per MoE layer, plus the single read of the step's statistics at the end
- * of tm_model_forward). The same bounds on CUDA, where the GPU is (skipped without one). */
+ * synchronisation, exactly: the permute's row count where it depends on the data (dropless
+ * with align_size > 1, capacity without pad_to_capacity); dropless with align_size 1 the
+ * permute knows R = T * topk and the first grouped GEMM reads the counts instead; with
+ * pad_to_capacity none. A model's forward + backward makes at most n_moe_layers + 1 (one per
+ * MoE layer, plus the single read of the step's statistics at the end of tm_model_forward).
+ * The same counts on CUDA (f32), where the GPU is (skipped without one). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -131,6 +134,43 @@ Test(sync, grouped_matmul_counts_mirror) {
     tm_ctx_free(ctx);
 }
 
+/* The permute reads its counts back only where R depends on the data: not with pad_to (the
+ * counts, pad_to each, are mirrored all the same), nor with tm_moe_permute_topk and
+ * align_size 1 (the counts stay on the device, unmirrored: the first grouped_matmul reads
+ * them once). */
+Test(sync, permute_reads_only_where_r_depends_on_the_data) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t xs[2] = {4, 3}, ms[2] = {4, 2}, ws[3] = {2, 3, 5};
+    const double map[8] = {1, 0, 1, 1, 0, 1, 0, 0}, probs[8] = {.5, 0, .4, .6, 0, 1, 0, 0};
+    const double one[8] = {1, 0, 0, 1, 0, 1, 1, 0}; /* one expert per token */
+    tm_tensor *x = tt_randn(ctx, TM_F32, 2, xs, 2), *w = tt_randn(ctx, TM_F32, 3, ws, 3), *y, *y2;
+    TT_OK(ctx, tm_tensor_set_requires_grad(ctx, w, 1));
+    tm_tensor *m = tt_from(ctx, TM_U8, 2, ms, map), *m1 = tt_from(ctx, TM_U8, 2, ms, one), *p = tt_from(ctx, TM_F32, 2, ms, probs);
+    tm_moe_dispatch d;
+    uint64_t before = syncs(ctx);
+    TT_OK(ctx, tm_moe_permute(ctx, x, m, p, 1, 2, &d));
+    cr_assert_eq(d.num_rows, 4);
+    TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w, d.tokens_per_expert, &y));
+    cr_assert_eq(syncs(ctx) - before, 0, "pad_to: R = E * pad_to, the counts mirrored");
+
+    TT_OK(ctx, tm_moe_permute_topk(ctx, x, m1, p, 1, 1, 0, &d));
+    cr_assert_eq(d.num_rows, 4);
+    cr_assert_eq(syncs(ctx) - before, 0, "topk, align_size 1: R = T * topk");
+    TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w, d.tokens_per_expert, &y));
+    cr_assert_eq(syncs(ctx) - before, 1, "no mirror: the first grouped_matmul reads the counts");
+    TT_OK(ctx, tm_grouped_matmul(ctx, d.permuted, w, d.tokens_per_expert, &y2));
+    TT_OK(ctx, tm_add(ctx, y, y2, &y));
+    TT_OK(ctx, tm_backward_with_grad(ctx, y, tt_randn(ctx, TM_F32, 2, (int64_t[]){4, 5}, 4)));
+    cr_assert_eq(syncs(ctx) - before, 1, "then mirrored, for the backward too");
+
+    TT_OK(ctx, tm_moe_permute_topk(ctx, x, m1, p, 1, 4, 0, &d));
+    cr_assert_eq(d.num_rows, 8);
+    cr_assert_eq(syncs(ctx) - before, 2, "topk with align padding: R depends on the data");
+    TT_OK(ctx, tm_moe_permute_topk(ctx, x, m, p, 0, 1, 0, &d));
+    cr_assert_eq(syncs(ctx) - before, 3, "topk 0 is tm_moe_permute");
+    tm_ctx_free(ctx);
+}
+
 /* ---- one MoE layer ----------------------------------------------------------------------- */
 
 static void moe_layer_bound(double capacity_factor, int with_seq_aux) {
@@ -175,6 +215,65 @@ static void moe_layer_bound(double capacity_factor, int with_seq_aux) {
 Test(sync, moe_layer_forward_backward_dropless) { moe_layer_bound(0, 0); }
 Test(sync, moe_layer_forward_backward_capacity) { moe_layer_bound(0.75, 0); }
 Test(sync, moe_layer_forward_backward_capacity_seq_aux) { moe_layer_bound(1.0, 1); }
+
+static tm_tensor *dev_tensor(tm_ctx *ctx, tm_dtype dt, int nd, const int64_t *shape, tm_device dev, uint64_t seed,
+                             int grad);
+
+/* The exact count of one MoE layer's forward + backward (the rule at the top), per
+ * configuration, so that a regression (a second read, or a read where none is needed) fails.
+ * dev: the CPU, or CUDA (f32; the caller skips without a GPU). */
+static void moe_layer_exact(tm_device dev, double capacity_factor, int pad_to_capacity, int64_t align, uint64_t want) {
+    tm_ctx *ctx = dev.type == TM_DEVICE_CPU ? tt_ctx() : tt_parity_ctx();
+    tm_moe_config c = tm_moe_config_default();
+    c.hidden_size = 16;
+    c.ffn_size = 12;
+    c.shared_ffn_size = 8;
+    c.router.num_experts = 6;
+    c.router.topk = 2;
+    c.aux_loss_coeff = 1e-2;
+    c.seq_aux_loss_coeff = 1e-3;
+    c.z_loss_coeff = 1e-3;
+    c.capacity_factor = capacity_factor;
+    c.pad_to_capacity = pad_to_capacity;
+    c.align_size = align;
+    c.use_expert_bias = 1;
+    c.strategy = TM_MOE_GROUPED;
+    tm_moe *m = NULL;
+    TT_OK(ctx, tm_moe_new(ctx, "blk", &c, TM_F32, dev, &m));
+    TT_OK(ctx, tm_moe_init(m, 5, 0.3, 0.2));
+    int64_t xs[3] = {2, 20, 16};
+    for (int step = 0; step < 2; step++) {
+        tm_tensor *x, *y, *l;
+        x = dev_tensor(ctx, TM_F32, 3, xs, dev, 40 + (uint64_t)step, 1);
+        uint64_t before = syncs(ctx);
+        tm_moe_stats st;
+        tm_status s = tm_moe_forward(m, x, 2, &y, &st);
+        if (s == TM_ERR_UNSUPPORTED && dev.type != TM_DEVICE_CPU)
+            cr_skip_test("tm_moe_forward on CUDA: %s", tm_ctx_errmsg(ctx));
+        TT_OK(ctx, s);
+        TT_OK(ctx, tm_sum_all(ctx, y, &l));
+        TT_OK(ctx, tm_add(ctx, l, st.aux_loss, &l));
+        TT_OK(ctx, tm_add(ctx, l, st.seq_aux_loss, &l));
+        TT_OK(ctx, tm_add(ctx, l, st.z_loss, &l));
+        TT_OK(ctx, tm_backward(ctx, l));
+        uint64_t n = syncs(ctx) - before;
+        cr_assert_eq(n, want, "MoE forward + backward on %s (capacity_factor %g, pad_to_capacity %d, align_size %lld): "
+                     "%llu synchronisations, want %llu", dev.type == TM_DEVICE_CPU ? "the CPU" : "CUDA", capacity_factor,
+                     pad_to_capacity, (long long)align, (unsigned long long)n, (unsigned long long)want);
+        TT_OK(ctx, tm_moe_step(m));
+        TT_OK(ctx, tm_ctx_zero_grad(ctx));
+        tm_ctx_arena_reset(ctx);
+    }
+    tm_moe_free(m);
+    tm_ctx_free(ctx);
+}
+
+Test(sync, moe_layer_exact_counts) {
+    moe_layer_exact(tm_cpu(), 0, 0, 1, 1);    /* dropless: R = T * topk; the first grouped GEMM reads */
+    moe_layer_exact(tm_cpu(), 0, 0, 8, 1);    /* dropless, align padding: the permute reads */
+    moe_layer_exact(tm_cpu(), 0.75, 0, 1, 1); /* capacity: the permute reads */
+    moe_layer_exact(tm_cpu(), 1.0, 1, 8, 0);  /* pad_to_capacity: nothing */
+}
 
 /* ---- the model --------------------------------------------------------------------------- */
 
@@ -304,7 +403,8 @@ static uint64_t moe_chain_syncs(tm_ctx *ctx, tm_device dev, int64_t capacity) {
 
 /* One MoE layer's forward + backward on CUDA: at most one synchronisation, as on the CPU. The
  * whole block (tm_moe_forward) needs the router and loss ops on CUDA too; where this build has
- * none yet (TM_ERR_UNSUPPORTED) the layer's dispatch chain runs on CUDA alone. */
+ * none yet (TM_ERR_UNSUPPORTED) the layer's dispatch chain runs on CUDA alone (tm_moe_permute
+ * with pad_to = the capacity: one read dropless, none with a capacity). */
 static void cuda_moe_layer_bound(double capacity_factor) {
     TT_SKIP_WITHOUT_CUDA();
     tm_ctx *ctx = tt_parity_ctx();
@@ -329,9 +429,9 @@ static void cuda_moe_layer_bound(double capacity_factor) {
     if (s == TM_ERR_UNSUPPORTED) {
         cr_log_info("tm_moe_forward on CUDA: %s; running the layer's dispatch chain on CUDA instead", tm_ctx_errmsg(ctx));
         int64_t capacity = capacity_factor > 0 ? tm_moe_capacity(40, 2, 6, capacity_factor) : 0;
-        uint64_t n = moe_chain_syncs(ctx, tm_cuda(0), capacity);
-        cr_assert_leq(n, 1, "MoE chain forward + backward on CUDA (capacity %lld): %llu synchronisations, at most 1",
-                      (long long)capacity, (unsigned long long)n);
+        uint64_t n = moe_chain_syncs(ctx, tm_cuda(0), capacity), want = capacity > 0 ? 0 : 1;
+        cr_assert_eq(n, want, "MoE chain forward + backward on CUDA (capacity %lld): %llu synchronisations, want %llu",
+                     (long long)capacity, (unsigned long long)n, (unsigned long long)want);
         tm_ctx *cpu = tt_ctx();
         uint64_t n_cpu = moe_chain_syncs(cpu, tm_cpu(), capacity);
         cr_assert_eq(n, n_cpu, "CUDA waits %llu times, the CPU counts %llu", (unsigned long long)n,
@@ -353,6 +453,16 @@ static void cuda_moe_layer_bound(double capacity_factor) {
 
 Test(sync, cuda_moe_layer_forward_backward_dropless) { cuda_moe_layer_bound(0); }
 Test(sync, cuda_moe_layer_forward_backward_capacity) { cuda_moe_layer_bound(0.75); }
+
+/* The exact counts on CUDA, configuration by configuration, as on the CPU (f32: the grouped
+ * GEMMs need their group sizes on the host). */
+Test(sync, cuda_moe_layer_exact_counts) {
+    TT_SKIP_WITHOUT_CUDA();
+    moe_layer_exact(tm_cuda(0), 0, 0, 1, 1);    /* dropless: the permute reads nothing, the first GEMM once */
+    moe_layer_exact(tm_cuda(0), 0, 0, 8, 1);    /* dropless, align padding: the permute reads */
+    moe_layer_exact(tm_cuda(0), 0.75, 0, 1, 1); /* capacity: the permute reads */
+    moe_layer_exact(tm_cuda(0), 1.0, 1, 8, 0);  /* pad_to_capacity: nothing */
+}
 
 /* A tiny model's training step on CUDA: at most n_moe_layers + 1 synchronisations, the count
  * the CPU makes for the same step. Skipped while an op of the model has no CUDA kernel. */
@@ -400,8 +510,9 @@ static void cuda_model_bound(double capacity_factor) {
     uint64_t n = model_step_syncs(ctx, tm_cuda(0), capacity_factor, &n_moe, &s);
     if (s == TM_ERR_UNSUPPORTED) cr_skip_test("the model's step on CUDA: %s", tm_ctx_errmsg(ctx));
     TT_OK(ctx, s);
-    cr_assert_leq(n, (uint64_t)n_moe + 1, "model forward + backward on CUDA (%d MoE layers, capacity_factor %g): %llu "
-                  "synchronisations, at most %d", n_moe, capacity_factor, (unsigned long long)n, n_moe + 1);
+    cr_assert_eq(n, (uint64_t)n_moe + 1, "model forward + backward on CUDA (%d MoE layers, capacity_factor %g): %llu "
+                 "synchronisations, want %d (one per MoE layer, one for the statistics)", n_moe, capacity_factor,
+                 (unsigned long long)n, n_moe + 1);
     uint64_t n_cpu = model_step_syncs(cpu, tm_cpu(), capacity_factor, &n_moe, &s);
     TT_OK(cpu, s);
     cr_assert_eq(n, n_cpu, "CUDA waits %llu times, the CPU counts %llu", (unsigned long long)n, (unsigned long long)n_cpu);

@@ -79,12 +79,12 @@ tm_status tm_moe_drop_tokens(tm_ctx *ctx, tm_tensor *probs, tm_tensor *routing_m
 
 /* ---- moe_permute ----------------------------------------------------------------------- */
 
-/* The row count R depends on routing_map's values, so permuted, permuted_probs and row_token
+/* The row count R may depend on routing_map's values, so permuted, permuted_probs and row_token
  * are allocated by the forward kernel; only tokens_per_expert [E] is known here. */
 tm_status tm__moe_permute_check(tm__call *c) {
     tm_ctx *ctx = c->ctx;
     const tm_tensor *x = c->in[0], *m = c->in[1];
-    const int64_t align = c->iattr[0], pad_to = c->iattr[1];
+    const int64_t align = c->iattr[0], pad_to = c->iattr[1], topk = c->iattr[2];
     if (!tm__is_float(x->dtype))
         return tm__err(ctx, TM_ERR_DTYPE, "moe_permute: x must be f32, bf16 or f64, got %s", tm__tdesc(ctx, x));
     if (x->ndim != 2)
@@ -98,6 +98,9 @@ tm_status tm__moe_permute_check(tm__call *c) {
     if (pad_to < 0)
         return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_permute: pad_to = %lld must be >= 0 (0: no padding to a fixed size)",
                        (long long)pad_to);
+    if (topk < 0 || topk > m->shape[1])
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_permute: topk = %lld must be in [0, E = %lld] (0: not known), routing_map %s",
+                       (long long)topk, (long long)m->shape[1], tm__tdesc(ctx, m));
     return tm__out_new(c, 3, TM_I64, 1, &m->shape[1]);
 }
 
@@ -127,8 +130,34 @@ tm_status tm__moe_permute_rows(tm__call *c, const int64_t *count, int64_t *rows,
     return TM_OK;
 }
 
-tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t align_size,
-                         int64_t pad_to, tm_moe_dispatch *out) {
+tm_status tm__moe_permute_fixed_rows(tm__call *c, int *known, int64_t *R_out) {
+    tm_ctx *ctx = c->ctx;
+    const tm_tensor *x = c->in[0];
+    const int64_t T = x->shape[0], H = x->shape[1], E = c->in[1]->shape[1];
+    const int64_t align = c->iattr[0], pad_to = c->iattr[1], topk = c->iattr[2];
+    *known = 0;
+    *R_out = 0;
+    if (pad_to > 0) {
+        /* Every expert is exactly pad_to rows whatever it holds: tm__moe_permute_rows on empty
+         * experts gives that R with the same overflow errors. */
+        int64_t *zero = tm__arena_alloc(ctx, tm_cpu(), (size_t)(2 * E + 1) * sizeof *zero);
+        if (!zero) return TM_ERR_NOMEM;
+        memset(zero, 0, (size_t)E * sizeof *zero);
+        TM__TRY(tm__moe_permute_rows(c, zero, zero + E, R_out));
+        *known = 1;
+    } else if (topk > 0 && align == 1) {
+        const int64_t max_rows = INT64_MAX / (int64_t)tm_dtype_size(x->dtype) / (H > 0 ? H : 1);
+        if (T > max_rows / topk)
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_permute: T * topk = %lld * %lld rows of %lld elements overflow",
+                           (long long)T, (long long)topk, (long long)H);
+        *R_out = T * topk;
+        *known = 1;
+    }
+    return TM_OK;
+}
+
+static tm_status permute_run(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t topk,
+                             int64_t align_size, int64_t pad_to, tm_moe_dispatch *out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!out) return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_permute: out is NULL");
     tm__call c = tm__call_init(ctx, TM__OP_MOE_PERMUTE);
@@ -138,6 +167,7 @@ tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_t
     c.in[2] = probs;
     c.iattr[0] = align_size;
     c.iattr[1] = pad_to;
+    c.iattr[2] = topk;
     TM__TRY(tm__op_run(&c));
     out->permuted = c.out[0];
     out->permuted_probs = c.out[1];
@@ -145,6 +175,16 @@ tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_t
     out->tokens_per_expert = c.out[3];
     out->num_rows = c.out[0]->shape[0];
     return TM_OK;
+}
+
+tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t align_size,
+                         int64_t pad_to, tm_moe_dispatch *out) {
+    return permute_run(ctx, x, routing_map, probs, 0, align_size, pad_to, out);
+}
+
+tm_status tm_moe_permute_topk(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int topk,
+                              int64_t align_size, int64_t pad_to, tm_moe_dispatch *out) {
+    return permute_run(ctx, x, routing_map, probs, topk, align_size, pad_to, out);
 }
 
 /* ---- moe_unpermute --------------------------------------------------------------------- */

@@ -23,7 +23,8 @@
  *   in[0]  x            (T, H) float
  *   in[1]  routing_map  (T, E) u8
  *   in[2]  probs        (T, E) float
- *   iattr  [0] align_size >= 1, [1] pad_to >= 0
+ *   iattr  [0] align_size >= 1, [1] pad_to >= 0, [2] topk in [0, E] (0: not known; else every
+ *          token routes to exactly topk experts: tm_moe_permute_topk)
  *   out[0] permuted       (R, H) x's dtype
  *   out[1] permuted_probs (R)    probs' dtype
  *   out[2] row_token      (R)    i64, -1 on padding rows
@@ -32,10 +33,14 @@
  *   Rows are expert-major and token-ascending within an expert; expert e's block holds its
  *   n_e routed tokens followed by zero padding up to round_up(n_e, align_size), or up to exactly
  *   pad_to rows when pad_to > 0 (then n_e > pad_to is an error: drop tokens first). R is the
- *   sum of the blocks, so out[0..2] are allocated here, not in the check; reading the counts
- *   back for R is a device-to-host synchronisation on a device, counted on the CPU too (one per
- *   forward, tm_ctx_sync_count). out[3] gets a host mirror of its values (internal.h), from
- *   which grouped_matmul takes its group sizes without another synchronisation.
+ *   sum of the blocks, so out[0..2] are allocated here, not in the check. Synchronisation
+ *   rule (tm__moe_permute_fixed_rows, shared with CUDA): R is known without the data when
+ *   pad_to > 0 (E * pad_to) or topk > 0 with align_size 1 (T * topk; here the count is
+ *   checked, TM_ERR_INVALID_ARG when it differs); otherwise a device reads the counts back for
+ *   R, one synchronisation counted on the CPU too (tm_ctx_sync_count). out[3] gets a host
+ *   mirror (internal.h), from which grouped_matmul takes its group sizes without another
+ *   synchronisation, where a device has the values on the host: after that read, or pad_to
+ *   each; with R = T * topk it has none (the first grouped_matmul on it reads once).
  *   Backward: dx[t] += sum over t's rows in ascending row order of d permuted[row] (summed in
  *   f64, added once); d probs[t,e] += d permuted_probs[row_of[t,e]]. Padding rows feed nothing.
  *
@@ -219,14 +224,22 @@ tm_status tm__moe_permute_forward_cpu(tm__call *c) {
     memset(count, 0, (size_t)E * sizeof *count);
     for (int64_t t = 0; t < T; t++)
         for (int64_t e = 0; e < E; e++) count[e] += map[t * E + e] != 0;
-    /* R sizes the outputs: a device kernel must read the counts back here, so this is one
-     * synchronisation (tm_ctx_sync_count), counted on the CPU too. */
-    tm__count_sync(ctx);
-    int64_t R;
+    int known;
+    int64_t R, R_fixed;
+    TM__TRY(tm__moe_permute_fixed_rows(c, &known, &R_fixed));
+    /* R sizes the outputs: where it depends on the data a device kernel must read the counts
+     * back here, so this is one synchronisation (tm_ctx_sync_count), counted on the CPU too. */
+    if (!known) tm__count_sync(ctx);
     TM__TRY(tm__moe_permute_rows(c, count, rows, &R));
-    /* As on a device, the padded counts get a host mirror: grouped_matmul on them counts no
-     * further synchronisation. */
-    TM__TRY(tm__mirror_set(ctx, c->out[3], rows));
+    if (known && R != R_fixed) /* topk promised T * topk routed pairs (pad_to cannot differ) */
+        return tm__err(ctx, TM_ERR_INVALID_ARG,
+                       "moe_permute: routing_map routes %lld (token, expert) pairs, not T * topk = %lld * %lld "
+                       "(topk promises exactly topk experts per token; routing_map %s)",
+                       (long long)R, (long long)T, (long long)c->iattr[2], tm__tdesc(ctx, m));
+    /* As on a device, padded counts the host has get a mirror: grouped_matmul on them counts no
+     * further synchronisation. With R = T * topk a device has them only on the device: no
+     * mirror, the first grouped_matmul on them counts its read. */
+    if (!known || c->iattr[1] > 0) TM__TRY(tm__mirror_set(ctx, c->out[3], rows));
     for (int64_t e = 0, o = 0; e < E; o += rows[e], e++) next[e] = o;
 
     int64_t ps[2] = {R, H}, ts[2] = {T, E};

@@ -4,40 +4,66 @@
  * its comment first), f32 or bf16 storage.
  *
  * moe_permute
- *   in[0] x (T, H), in[1] routing_map (T, E) u8, in[2] probs (T, E); iattr align_size, pad_to
+ *   in[0] x (T, H), in[1] routing_map (T, E) u8, in[2] probs (T, E);
+ *   iattr align_size, pad_to, topk (0: not known)
  *   out[0] permuted (R, H) x's dtype, out[1] permuted_probs (R) probs' dtype,
  *   out[2] row_token (R) i64 (-1 on padding), out[3] tokens_per_expert (E) i64 (with padding)
  *   saved[0] row_of (T, E) i64: the row of routed (t,e), -1 elsewhere
- *   1. permute_rank_kernel, one block per expert: a block-wide exclusive scan down the
- *      expert's column of routing_map gives rank[t,e] (routed tokens t' < t of e) into row_of,
- *      and the expert's routed count.
- *   2. The E counts come back to the host in one copy: the op's one synchronisation (R sizes
- *      the outputs). The host applies the padding rules (tm__moe_permute_rows, shared with the
- *      CPU, so errors and R agree), uploads tokens_per_expert and each expert's first row
- *      (host-to-device copies do not wait), and gives tokens_per_expert a host mirror
- *      (framework/internal.h): grouped_matmul takes its group sizes from there and does not
- *      read them back again.
- *   3. permute_scatter_kernel turns ranks into rows (row = first row of e + rank), fills
- *      row_token and permuted_probs; rows nobody claims are padding (row_token -1, prob 0:
- *      set beforehand by memsets). permute_rows_kernel, one block per row, copies x[row_token]
- *      or zeros. Both move bits (bf16 stays bit-exact, as on the CPU).
- *   Backward, one block per token: dx[t] += sum over e ascending (= ascending rows, the CPU's
- *   order) of d permuted[row_of[t,e]], summed in f32; d probs[t,e] += d permuted_probs[row].
+ *   row(t,e) = first[e] + rank(t,e): first[e] = rows of the experts before e (padding
+ *   included), rank = routed tokens t' < t of expert e. All of it is computed on the device,
+ *   over tiles of 32 tokens (one warp's ballot):
+ *   1. permute_count_kernel, a warp per (tile, e): the tile's routed count in column e.
+ *   2. permute_scan_kernel, a block per expert: exclusive scan of its column of tile counts,
+ *      in place -> each tile's first rank (i32: T <= INT_MAX on CUDA), count[e], and rows[e]
+ *      (padded: round_up(count, align_size), or pad_to) straight into tokens_per_expert;
+ *      permute_first_kernel, one block: first[e] = exclusive scan of rows.
+ *      Scratch: (ceil(T / 32), E) i32, count and first (E) i64.
+ *   3. permute_scatter_kernel, a warp per (tile, e): rank = the tile's first rank + routed
+ *      lanes below (popc of the ballot); writes row_of, row_token and permuted_probs (bits).
+ *      Rows nobody claims are padding (row_token -1, prob 0: memsets beforehand).
+ *   4. permute_rows_kernel, a warp per row: permuted[r] = x[row_token[r]] or zeros, as raw
+ *      16-byte vectors when the row length and both pointers allow, else 8, 4 or 2 bytes.
+ *   Synchronisation rule (tm__moe_permute_fixed_rows, shared with the CPU's counting): when R
+ *   is known without the data (pad_to > 0: R = E * pad_to; topk > 0 with align_size 1:
+ *   R = T * topk) nothing is read back. With pad_to the host also knows tokens_per_expert
+ *   (pad_to each) and mirrors them (framework/internal.h); with topk they stay on the device
+ *   without a mirror (a grouped_matmul that needs them on the host reads them itself). Where R
+ *   depends on the data (align_size > 1, or neither pad_to nor topk), count[] comes back in
+ *   one copy after step 2: the op's one synchronisation; the host applies
+ *   tm__moe_permute_rows (the CPU's errors and R) and mirrors the padded counts.
+ *   Not validated on the device (that would need a read back): with pad_to, an expert's tokens
+ *   past the first pad_to are not placed (row_of -1; the CPU reports TM_ERR_INVALID_ARG);
+ *   with topk, a map that does not route T * topk pairs places no row at or past R and leaves
+ *   unclaimed rows as padding. No access ever leaves the tensors.
+ *   Backward, a warp per token: dx[t] += sum over e ascending (= ascending rows, the CPU's
+ *   order) of d permuted[row_of[t,e]] (the routed e found 32 at a time by a ballot), summed in
+ *   f32; d probs[t,e] += d permuted_probs[row] elementwise.
  *
  * moe_unpermute
  *   in[0] expert_out (R, H), in[1] row_token (R) i64 or i32, in[2] permuted_probs (R)
  *   (optional; f32 or bf16 whatever expert_out's dtype); iattr num_tokens; out[0] y (T, H)
  *   y[t] = sum over t's rows in ascending row order of expert_out[r] * p[r], in f32 (the
- *   CPU's order and precision), stored once.
+ *   CPU's order and precision), stored once: the prob weighting is fused into the sum.
  *   Each token's list of rows is built on the device without a read back: a stable radix sort
- *   (CUB) of the row indices by key row_token + 1 (0 for padding) puts every token's rows
- *   together in ascending order; unpermute_bounds_kernel marks where each token's run starts
- *   and ends; unpermute_forward_kernel, one block per token, sums its run.
- *   Backward, one block per row r of token t: d expert_out[r] += dy[t] p[r];
- *   d p[r] += <expert_out[r], dy[t]> (a block sum in a fixed tree).
+ *   (CUB, 32-bit keys and values) of the row indices by key row_token + 1 (0 for padding)
+ *   puts every token's rows together in ascending order; unpermute_bounds_kernel marks where
+ *   each token's run starts and ends; unpermute_forward_kernel, a warp per token, sums its
+ *   run (row ids and weights fetched 32 at a time, one per lane, and broadcast by shuffles).
+ *   Backward, a warp per row r of token t: d expert_out[r] += dy[t] p[r];
+ *   d p[r] += <expert_out[r], dy[t]>: each lane sums its elements in order, then a fixed
+ *   shuffle tree (lane 0 gets the sum).
  *   row_token outside [-1, num_tokens): the CPU reports TM_ERR_INDEX; validating on the device
  *   would need a read back (a synchronisation per layer), so the CUDA kernels treat such rows
  *   as padding instead: skipped in the forward, no gradient in the backward.
+ *
+ * Vectorisation: the row kernels move 16 bytes per access (4 f32 or 8 bf16: float4 / uint4
+ * loads, bf16 widened exactly, stored rounded to nearest even as tm__st does) when H is a
+ * multiple of that and every row pointer they touch is 16-byte aligned; otherwise one element
+ * per access (the permute's raw copy steps down to 8, 4 or 2 bytes). A warp per row with 8 rows
+ * per block keeps every load of a warp on one contiguous row. The permute's outputs are bit
+ * moves; y, dx and d expert_out get the same per-element arithmetic in the same order on
+ * either path (and as the earlier block-per-row kernels), so the same bits; only d p's dot
+ * product splits a row over the lanes differently on the two paths (each split fixed).
  *
  * Determinism: no float atomics. Every output element is written by one thread, summing in a
  * fixed order; the scans are integer, the radix sort is stable, so results are bit-identical
@@ -49,100 +75,280 @@
 
 #include "common.cuh"
 
-#define PERMUTE_SCAN_THREADS 256
+#define DISPATCH_WARPS 8 /* warps per block of the warp-per-item kernels */
+#define DISPATCH_THREADS (DISPATCH_WARPS * 32)
+#define SCAN_THREADS 256 /* a multiple of 32, at most 1024 (block_scan) */
+#define TILE 32          /* tokens per tile of the permute's index passes: one ballot */
+#define VECS 2           /* 16-byte vectors per lane held at once by the summing kernels */
+#define FULL 0xffffffffu
 
-/* Blocks for a loop of one block per item (rows, tokens): the items, capped to fill the GPU. */
-static unsigned per_item_blocks(const tm__cuda *st, int64_t n) {
-    int64_t cap = (int64_t)st->num_sms * 32;
-    return (unsigned)(n < cap ? (n < 1 ? 1 : n) : cap);
+/* Blocks of DISPATCH_WARPS warps for a loop of one warp per item, capped to fill the GPU. */
+static unsigned warp_blocks(const tm__cuda *st, int64_t n) {
+    int64_t b = (n + DISPATCH_WARPS - 1) / DISPATCH_WARPS, cap = (int64_t)st->num_sms * 32;
+    if (b > cap) b = cap;
+    return (unsigned)(b < 1 ? 1 : b);
+}
+
+static inline int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+__device__ __forceinline__ int64_t warp_id() { return ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
+__device__ __forceinline__ int64_t warp_count() { return ((int64_t)gridDim.x * blockDim.x) >> 5; }
+
+/* Elements of T in 16 bytes. */
+template <typename T>
+struct vec_n {
+    static constexpr int n = 16 / (int)sizeof(T);
+};
+
+/* N consecutive elements at p (N = 1, or vec_n<T>::n from a 16-byte aligned p) as f32. bf16 is
+ * widened by its bits (exact, as __bfloat162float). */
+template <int N, typename T>
+__device__ __forceinline__ void ldv(const T *p, float *f) {
+    if constexpr (N == 1) {
+        f[0] = tm__ld(p);
+    } else if constexpr (sizeof(T) == 4) {
+        static_assert(N == 4, "4 f32 per 16 bytes");
+        const float4 q = *reinterpret_cast<const float4 *>(p);
+        f[0] = q.x, f[1] = q.y, f[2] = q.z, f[3] = q.w;
+    } else {
+        static_assert(N == 8, "8 bf16 per 16 bytes");
+        const uint4 q = *reinterpret_cast<const uint4 *>(p);
+        const unsigned u[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            f[2 * i] = __uint_as_float(u[i] << 16);
+            f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+        }
+    }
+}
+
+__device__ __forceinline__ unsigned bf16_bits(float v) { return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+
+/* Store N f32 values at p, rounded to nearest even for bf16 (tm__st's rounding). */
+template <int N, typename T>
+__device__ __forceinline__ void stv(T *p, const float *f) {
+    if constexpr (N == 1) {
+        tm__st(p, f[0]);
+    } else if constexpr (sizeof(T) == 4) {
+        static_assert(N == 4, "4 f32 per 16 bytes");
+        *reinterpret_cast<float4 *>(p) = make_float4(f[0], f[1], f[2], f[3]);
+    } else {
+        static_assert(N == 8, "8 bf16 per 16 bytes");
+        uint4 q;
+        q.x = bf16_bits(f[0]) | bf16_bits(f[1]) << 16;
+        q.y = bf16_bits(f[2]) | bf16_bits(f[3]) << 16;
+        q.z = bf16_bits(f[4]) | bf16_bits(f[5]) << 16;
+        q.w = bf16_bits(f[6]) | bf16_bits(f[7]) << 16;
+        *reinterpret_cast<uint4 *>(p) = q;
+    }
 }
 
 /* ---- moe_permute --------------------------------------------------------------------------- */
 
-/* One block per expert e (blockDim PERMUTE_SCAN_THREADS, a multiple of 32): rank[t,e] =
- * number of routed t' < t of expert e, -1 where (t,e) is not routed; count[e] = routed tokens.
- * The column is scanned in chunks of blockDim tokens: warp scans, then a scan of the warp
- * totals, plus the running total of the previous chunks. */
-__global__ void permute_rank_kernel(int64_t *rank, int64_t *count, const uint8_t *map, int64_t T, int64_t E) {
-    __shared__ int64_t warp_sum[32];
-    const int64_t e = blockIdx.x;
+/* Inclusive scan of v over the block (blockDim a multiple of 32, <= 1024); *total = the
+ * block's sum. Every thread of the block must call it; sh: 32 int64 of shared memory. */
+__device__ __forceinline__ int64_t block_scan(int64_t v, int64_t *sh, int64_t *total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int64_t carry = 0;
-    for (int64_t base = 0; base < T; base += blockDim.x) {
-        const int64_t t = base + threadIdx.x;
-        const int f = t < T && map[t * E + e] != 0;
-        int v = f; /* inclusive scan within the warp */
+    for (int o = 1; o < 32; o <<= 1) {
+        const int64_t u = __shfl_up_sync(FULL, v, o);
+        if (lane >= o) v += u;
+    }
+    if (lane == 31) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        int64_t w = lane < nw ? sh[lane] : 0;
         for (int o = 1; o < 32; o <<= 1) {
-            int u = __shfl_up_sync(0xffffffffu, v, o);
-            if (lane >= o) v += u;
+            const int64_t u = __shfl_up_sync(FULL, w, o);
+            if (lane >= o) w += u;
         }
-        if (lane == 31) warp_sum[warp] = v;
-        __syncthreads();
-        if (warp == 0) { /* inclusive scan of the warp totals */
-            int64_t w = lane < nw ? warp_sum[lane] : 0;
-            for (int o = 1; o < 32; o <<= 1) {
-                int64_t u = __shfl_up_sync(0xffffffffu, w, o);
-                if (lane >= o) w += u;
-            }
-            if (lane < nw) warp_sum[lane] = w;
-        }
-        __syncthreads();
-        if (t < T) rank[t * E + e] = f ? carry + (warp ? warp_sum[warp - 1] : 0) + (v - f) : -1;
-        carry += warp_sum[nw - 1];
-        __syncthreads(); /* warp_sum is rewritten by the next chunk */
+        if (lane < nw) sh[lane] = w;
     }
-    if (threadIdx.x == 0) count[e] = carry;
+    __syncthreads();
+    const int64_t incl = v + (warp ? sh[warp - 1] : 0);
+    *total = sh[nw - 1];
+    __syncthreads(); /* sh is rewritten by the next call */
+    return incl;
 }
 
-/* (t,e) routed: its rank becomes its row first[e] + rank; row_token[row] = t and
- * permuted_probs[row] = probs[t,e] (P: the probs' storage as raw bits). */
+/* A warp per item = tile * E + e: tile_cnt[item] = routed tokens among the tile's 32 in
+ * expert e's column. */
+__global__ void __launch_bounds__(DISPATCH_THREADS)
+permute_count_kernel(int32_t *__restrict__ tile_cnt, const uint8_t *__restrict__ map, int64_t T, int64_t E,
+                     int64_t items) {
+    const int lane = threadIdx.x & 31;
+    for (int64_t item = warp_id(); item < items; item += warp_count()) {
+        const int64_t tile = item / E, e = item - tile * E, t = tile * TILE + lane;
+        const unsigned bal = __ballot_sync(FULL, t < T && map[t * E + e] != 0);
+        if (lane == 0) tile_cnt[item] = __popc(bal);
+    }
+}
+
+/* A block per expert e, in place over the tile counts: tile[i, e] becomes the routed tokens of
+ * e in the tiles before i (exclusive scan down the column; <= T <= INT_MAX), count[e] = all of
+ * them, rows[e] = its padded row count (the host's tm__moe_permute_rows formula: pad_to, or
+ * count rounded up to align). */
+__global__ void __launch_bounds__(SCAN_THREADS)
+permute_scan_kernel(int32_t *__restrict__ tile, int64_t *__restrict__ count, int64_t *__restrict__ rows, int64_t ntiles,
+                    int64_t E, int64_t align, int64_t pad_to) {
+    __shared__ int64_t sh[32];
+    for (int64_t e = blockIdx.x; e < E; e += gridDim.x) {
+        int64_t carry = 0;
+        for (int64_t base = 0; base < ntiles; base += blockDim.x) {
+            const int64_t i = base + threadIdx.x;
+            const int64_t v = i < ntiles ? (int64_t)tile[i * E + e] : 0;
+            int64_t tot;
+            const int64_t incl = block_scan(v, sh, &tot);
+            if (i < ntiles) tile[i * E + e] = (int32_t)(carry + incl - v);
+            carry += tot;
+        }
+        if (threadIdx.x == 0) {
+            const int64_t rem = carry % align;
+            count[e] = carry;
+            rows[e] = pad_to > 0 ? pad_to : carry + (rem ? align - rem : 0);
+        }
+    }
+}
+
+/* One block: first[e] = sum of rows[e'] for e' < e. */
+__global__ void __launch_bounds__(SCAN_THREADS)
+permute_first_kernel(int64_t *__restrict__ first, const int64_t *__restrict__ rows, int64_t E) {
+    __shared__ int64_t sh[32];
+    int64_t carry = 0;
+    for (int64_t base = 0; base < E; base += blockDim.x) {
+        const int64_t i = base + threadIdx.x;
+        const int64_t v = i < E ? rows[i] : 0;
+        int64_t tot;
+        const int64_t incl = block_scan(v, sh, &tot);
+        if (i < E) first[i] = carry + incl - v;
+        carry += tot;
+    }
+}
+
+/* A warp per item = tile * E + e, lane = token of the tile: a routed (t,e) of rank k gets row
+ * first[e] + k (none past pad_to's block or at/after R: see the top), row_of[t,e] = its row
+ * or -1, row_token[row] = t, permuted_probs[row] = probs[t,e] (P: the probs' bits). */
 template <typename P>
-__global__ void permute_scatter_kernel(int64_t *row_of, int64_t *row_token, P *pp, const P *probs, const int64_t *first,
-                                       int64_t T, int64_t E) {
-    TM__CU_GRID_STRIDE(i, T * E) {
-        const int64_t k = row_of[i];
-        if (k < 0) continue;
-        const int64_t t = i / E, e = i - t * E, r = first[e] + k;
-        row_of[i] = r;
-        row_token[r] = t;
-        pp[r] = probs[i];
-    }
-}
-
-/* One block per row: permuted[r] = x[row_token[r]], zeros on padding (X: raw bits). */
-template <typename X>
-__global__ void permute_rows_kernel(X *dst, const X *x, const int64_t *row_token, int64_t R, int64_t H) {
-    for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
-        const int64_t t = row_token[r];
-        X *d = dst + r * H;
-        if (t < 0) {
-            for (int64_t h = threadIdx.x; h < H; h += blockDim.x) d[h] = (X)0;
-        } else {
-            const X *s = x + t * H;
-            for (int64_t h = threadIdx.x; h < H; h += blockDim.x) d[h] = s[h];
-        }
-    }
-}
-
-/* One block per token: dx[t] += sum over e ascending of g[row_of[t,e]] (f32). */
-template <typename T_>
-__global__ void permute_dx_kernel(void *dx_, const void *g_, const int64_t *row_of, int64_t T, int64_t H, int64_t E) {
-    T_ *dx = (T_ *)dx_;
-    const T_ *g = (const T_ *)g_;
-    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
-        const int64_t *ro = row_of + t * E;
-        for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
-            float a = 0.0f;
-            int any = 0;
-            for (int64_t e = 0; e < E; e++) {
-                const int64_t r = ro[e];
-                if (r < 0) continue;
-                a += tm__ld(g + r * H + h);
-                any = 1;
+__global__ void __launch_bounds__(DISPATCH_THREADS)
+permute_scatter_kernel(int64_t *__restrict__ row_of, int64_t *__restrict__ row_token, P *__restrict__ pp,
+                       const P *__restrict__ probs, const uint8_t *__restrict__ map, const int32_t *__restrict__ tile_off,
+                       const int64_t *__restrict__ first, int64_t T, int64_t E, int64_t items, int64_t pad_to, int64_t R) {
+    const int lane = threadIdx.x & 31;
+    const unsigned below = (1u << lane) - 1u;
+    for (int64_t item = warp_id(); item < items; item += warp_count()) {
+        const int64_t tile = item / E, e = item - tile * E, t = tile * TILE + lane;
+        const int f = t < T && map[t * E + e] != 0;
+        const unsigned bal = __ballot_sync(FULL, f);
+        if (t < T) {
+            int64_t r = -1;
+            if (f) {
+                const int64_t k = (int64_t)tile_off[item] + __popc(bal & below);
+                if (pad_to == 0 || k < pad_to) r = first[e] + k;
+                if (r >= R) r = -1;
             }
-            if (any) tm__st(dx + t * H + h, tm__ld(dx + t * H + h) + a);
+            row_of[t * E + e] = r;
+            if (r >= 0) {
+                row_token[r] = t;
+                pp[r] = probs[t * E + e];
+            }
         }
     }
+}
+
+/* A warp per row: permuted[r] = x[row_token[r]], zeros on padding. V: a raw vector of 16, 8,
+ * 4 or 2 bytes, nv of them per row; four loads in flight per lane before their stores. */
+template <typename V>
+__global__ void __launch_bounds__(DISPATCH_THREADS)
+permute_rows_kernel(V *__restrict__ dst, const V *__restrict__ x, const int64_t *__restrict__ row_token, int64_t R,
+                    int64_t nv) {
+    const int lane = threadIdx.x & 31;
+    V zero;
+    memset(&zero, 0, sizeof zero);
+    for (int64_t r = warp_id(); r < R; r += warp_count()) {
+        const int64_t t = row_token[r];
+        V *d = dst + r * nv;
+        if (t < 0) {
+            for (int64_t v = lane; v < nv; v += 32) d[v] = zero;
+            continue;
+        }
+        const V *s = x + t * nv;
+        int64_t v = lane;
+        for (; v + 96 < nv; v += 128) {
+            const V a = s[v], b = s[v + 32], c = s[v + 64], q = s[v + 96];
+            d[v] = a, d[v + 32] = b, d[v + 64] = c, d[v + 96] = q;
+        }
+        for (; v < nv; v += 32) d[v] = s[v];
+    }
+}
+
+template <typename V>
+static void permute_rows_launch(const tm__cuda *st, void *dst, const void *x, const int64_t *row_token, int64_t R,
+                                int64_t row_bytes) {
+    permute_rows_kernel<V><<<warp_blocks(st, R), DISPATCH_THREADS, 0, st->stream>>>(
+        (V *)dst, (const V *)x, row_token, R, row_bytes / (int64_t)sizeof(V));
+}
+
+/* A warp per token: dx[t] += sum over e ascending of g[row_of[t,e]] (f32). The routed e are
+ * found 32 at a time (a ballot over row_of >= 0) and taken in ascending order; each lane holds
+ * VECS groups of N elements. */
+template <typename T_, int N>
+__global__ void __launch_bounds__(DISPATCH_THREADS)
+permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of, int64_t T, int64_t H, int64_t E) {
+    T_ *__restrict__ dx = (T_ *)dx_;
+    const T_ *__restrict__ g = (const T_ *)g_;
+    const int lane = threadIdx.x & 31;
+    const int64_t nv = H / N;
+    for (int64_t t = warp_id(); t < T; t += warp_count()) {
+        const int64_t *ro = row_of + t * E;
+        for (int64_t base = 0; base < nv; base += 32 * VECS) {
+            float a[VECS][N];
+#pragma unroll
+            for (int u = 0; u < VECS; u++)
+#pragma unroll
+                for (int i = 0; i < N; i++) a[u][i] = 0.0f;
+            unsigned any = 0;
+            for (int64_t eb = 0; eb < E; eb += 32) {
+                const int64_t rl = eb + lane < E ? ro[eb + lane] : -1;
+                unsigned bal = __ballot_sync(FULL, rl >= 0);
+                any |= bal;
+                while (bal) {
+                    const int j = __ffs(bal) - 1;
+                    bal &= bal - 1u;
+                    const int64_t r = __shfl_sync(FULL, rl, j);
+#pragma unroll
+                    for (int u = 0; u < VECS; u++) {
+                        const int64_t v = base + u * 32 + lane;
+                        if (v < nv) {
+                            float x[N];
+                            ldv<N>(g + r * H + v * N, x);
+#pragma unroll
+                            for (int i = 0; i < N; i++) a[u][i] += x[i];
+                        }
+                    }
+                }
+            }
+            if (!any) continue;
+#pragma unroll
+            for (int u = 0; u < VECS; u++) {
+                const int64_t v = base + u * 32 + lane;
+                if (v < nv) {
+                    T_ *d = dx + t * H + v * N;
+                    float o[N];
+                    ldv<N>(d, o);
+#pragma unroll
+                    for (int i = 0; i < N; i++) o[i] = o[i] + a[u][i];
+                    stv<N>(d, o);
+                }
+            }
+        }
+    }
+}
+
+template <typename T_>
+static void permute_dx_launch(const tm__cuda *st, int vec, void *dx, const void *g, const int64_t *row_of, int64_t T,
+                              int64_t H, int64_t E) {
+    const unsigned grid = warp_blocks(st, T);
+    if (vec) permute_dx_kernel<T_, vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(dx, g, row_of, T, H, E);
+    else permute_dx_kernel<T_, 1><<<grid, DISPATCH_THREADS, 0, st->stream>>>(dx, g, row_of, T, H, E);
 }
 
 /* dprobs (T, E) += gpp[row_of] where routed. */
@@ -162,71 +368,93 @@ extern "C" tm_status tm__moe_permute_forward_cuda(tm__call *c) {
     tm__cuda *st;
     TM__TRY(tm__cu_enter(ctx, what, &st));
     const tm_tensor *x = c->in[0], *m = c->in[1], *probs = c->in[2];
-    const int64_t T = x->shape[0], H = x->shape[1], E = m->shape[1];
-    if (E > INT_MAX)
-        return tm__err(ctx, TM_ERR_UNSUPPORTED, "moe_permute: %lld experts exceed the CUDA grid (routing_map %s)",
-                       (long long)E, tm__tdesc(ctx, m));
+    const int64_t T = x->shape[0], H = x->shape[1], E = m->shape[1], align = c->iattr[0], pad_to = c->iattr[1];
+    if (E > INT_MAX || T > INT_MAX)
+        return tm__err(ctx, TM_ERR_UNSUPPORTED, "moe_permute: %lld tokens or %lld experts exceed the CUDA kernels' "
+                       "32-bit ranks and grid (routing_map %s)", (long long)T, (long long)E, tm__tdesc(ctx, m));
+    int known;
+    int64_t R;
+    TM__TRY(tm__moe_permute_fixed_rows(c, &known, &R));
     int64_t ts[2] = {T, E};
     tm_tensor *row_of_t;
     TM__TRY(tm__saved_new(c, TM_I64, 2, ts, &row_of_t));
     int64_t *row_of = (int64_t *)tm__data(row_of_t);
+    const uint8_t *map = (const uint8_t *)tm__data(m);
     const size_t ebytes = (size_t)E * sizeof(int64_t);
+    int64_t *tpe = (int64_t *)tm__data(c->out[3]);
 
-    /* 1-2: routed counts, brought back in one copy (the synchronisation). */
+    /* 1-2: tile counts, their scans (in place), count / rows (= tokens_per_expert) / first per
+     * expert. */
+    const int64_t ntiles = (T + TILE - 1) / TILE, items = ntiles * E;
+    int32_t *tile;
     int64_t *count_d, *first_d;
+    TM__TRY(tm__cu_scratch(ctx, st, (size_t)items * sizeof *tile, (void **)&tile));
     TM__TRY(tm__cu_scratch(ctx, st, ebytes, (void **)&count_d));
     TM__TRY(tm__cu_scratch(ctx, st, ebytes, (void **)&first_d));
-    int64_t *count = (int64_t *)tm__arena_alloc(ctx, tm_cpu(), 2 * ebytes + TM__ALIGN);
-    if (!count) return TM_ERR_NOMEM;
-    int64_t *first = count + E;
+    if (items > 0) {
+        permute_count_kernel<<<warp_blocks(st, items), DISPATCH_THREADS, 0, st->stream>>>(tile, map, T, E, items);
+        TM__CU_LAUNCHED(ctx, what, "permute_count_kernel");
+    }
     if (E > 0) {
-        permute_rank_kernel<<<(unsigned)E, PERMUTE_SCAN_THREADS, 0, st->stream>>>(
-            row_of, count_d, (const uint8_t *)tm__data(m), T, E);
-        TM__CU_LAUNCHED(ctx, what, "permute_rank_kernel");
-        TM__TRY(tm__cuda_memcpy(ctx, count, count_d, ebytes, TM__D2H));
-    } else {
-        tm__count_sync(ctx); /* one per forward, as the CPU counts (nothing to wait for here) */
+        const int64_t cap = (int64_t)st->num_sms * 32;
+        permute_scan_kernel<<<(unsigned)(E < cap ? E : cap), SCAN_THREADS, 0, st->stream>>>(
+            tile, count_d, tpe, ntiles, E, align, pad_to);
+        TM__CU_LAUNCHED(ctx, what, "permute_scan_kernel");
+        permute_first_kernel<<<1, SCAN_THREADS, 0, st->stream>>>(first_d, tpe, E);
+        TM__CU_LAUNCHED(ctx, what, "permute_first_kernel");
     }
 
-    int64_t R;
-    int64_t *rows = (int64_t *)tm__arena_alloc(ctx, tm_cpu(), ebytes + TM__ALIGN);
-    if (!rows) return TM_ERR_NOMEM;
-    TM__TRY(tm__moe_permute_rows(c, count, rows, &R));
-    for (int64_t e = 0, o = 0; e < E; o += rows[e], e++) first[e] = o;
+    if (!known) {
+        /* R depends on the data: the counts come back in one copy (the synchronisation). */
+        int64_t *count = (int64_t *)tm__arena_alloc(ctx, tm_cpu(), 2 * ebytes + TM__ALIGN);
+        if (!count) return TM_ERR_NOMEM;
+        int64_t *rows = count + E;
+        if (E > 0) TM__TRY(tm__cuda_memcpy(ctx, count, count_d, ebytes, TM__D2H));
+        else tm__count_sync(ctx); /* one per such forward, as the CPU counts (nothing to wait for here) */
+        TM__TRY(tm__moe_permute_rows(c, count, rows, &R));
+        TM__TRY(tm__mirror_set(ctx, c->out[3], rows));
+    } else if (pad_to > 0) {
+        /* tokens_per_expert is pad_to each, whatever the data: the host has it for free. */
+        int64_t *rows = (int64_t *)tm__arena_alloc(ctx, tm_cpu(), ebytes + TM__ALIGN);
+        if (!rows) return TM_ERR_NOMEM;
+        for (int64_t e = 0; e < E; e++) rows[e] = pad_to;
+        TM__TRY(tm__mirror_set(ctx, c->out[3], rows));
+    }
     int64_t ps[2] = {R, H};
     TM__TRY(tm__out_new(c, 0, x->dtype, 2, ps));
     TM__TRY(tm__out_new(c, 1, probs->dtype, 1, &R));
     TM__TRY(tm__out_new(c, 2, TM_I64, 1, &R));
-    TM__TRY(tm__cuda_memcpy(ctx, tm__data(c->out[3]), rows, ebytes, TM__H2D));
-    TM__TRY(tm__cuda_memcpy(ctx, first_d, first, ebytes, TM__H2D));
-    TM__TRY(tm__mirror_set(ctx, c->out[3], rows));
 
-    /* 3: rows. */
+    /* 3: rows of the routed pairs. */
     int64_t *row_token = (int64_t *)tm__data(c->out[2]);
     void *pp = tm__data(c->out[1]);
     if (R > 0) {
         TM__CU_CHECK(ctx, what, cudaMemsetAsync(row_token, 0xff, (size_t)R * sizeof(int64_t), st->stream)); /* -1 */
         TM__CU_CHECK(ctx, what, cudaMemsetAsync(pp, 0, (size_t)R * tm_dtype_size(probs->dtype), st->stream));
     }
-    if (T * E > 0) {
-        unsigned g = tm__cu_blocks(st, T * E);
+    if (items > 0) {
+        const unsigned g = warp_blocks(st, items);
         if (tm_dtype_size(probs->dtype) == 2)
-            permute_scatter_kernel<uint16_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
-                row_of, row_token, (uint16_t *)pp, (const uint16_t *)tm__data(probs), first_d, T, E);
+            permute_scatter_kernel<uint16_t><<<g, DISPATCH_THREADS, 0, st->stream>>>(
+                row_of, row_token, (uint16_t *)pp, (const uint16_t *)tm__data(probs), map, tile, first_d, T, E, items,
+                pad_to, R);
         else
-            permute_scatter_kernel<uint32_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
-                row_of, row_token, (uint32_t *)pp, (const uint32_t *)tm__data(probs), first_d, T, E);
+            permute_scatter_kernel<uint32_t><<<g, DISPATCH_THREADS, 0, st->stream>>>(
+                row_of, row_token, (uint32_t *)pp, (const uint32_t *)tm__data(probs), map, tile, first_d, T, E, items,
+                pad_to, R);
         TM__CU_LAUNCHED(ctx, what, "permute_scatter_kernel");
     }
+
+    /* 4: the row copy, as wide as the row length and both pointers allow. */
     if (R * H > 0) {
-        unsigned g = per_item_blocks(st, R);
-        int threads = tm__cu_row_threads(H);
-        if (tm_dtype_size(x->dtype) == 2)
-            permute_rows_kernel<uint16_t><<<g, threads, 0, st->stream>>>(
-                (uint16_t *)tm__data(c->out[0]), (const uint16_t *)tm__data(x), row_token, R, H);
-        else
-            permute_rows_kernel<uint32_t><<<g, threads, 0, st->stream>>>(
-                (uint32_t *)tm__data(c->out[0]), (const uint32_t *)tm__data(x), row_token, R, H);
+        void *dst = tm__data(c->out[0]);
+        const void *src = tm__data(x);
+        const int64_t rb = H * (int64_t)tm_dtype_size(x->dtype);
+        const uintptr_t a = (uintptr_t)dst | (uintptr_t)src | (uintptr_t)rb;
+        if ((a & 15u) == 0) permute_rows_launch<uint4>(st, dst, src, row_token, R, rb);
+        else if ((a & 7u) == 0) permute_rows_launch<uint2>(st, dst, src, row_token, R, rb);
+        else if ((a & 3u) == 0) permute_rows_launch<uint32_t>(st, dst, src, row_token, R, rb);
+        else permute_rows_launch<uint16_t>(st, dst, src, row_token, R, rb);
         TM__CU_LAUNCHED(ctx, what, "permute_rows_kernel");
     }
     return TM_OK;
@@ -242,8 +470,12 @@ extern "C" tm_status tm__moe_permute_backward_cuda(tm__call *c) {
     const int64_t T = c->in[0]->shape[0], H = c->in[0]->shape[1], E = c->in[1]->shape[1];
     const int64_t *row_of = (const int64_t *)tm__data(c->saved[0]);
     if (dx && T * H > 0) {
-        TM__CU_LAUNCH_FLOAT(dx->dtype, permute_dx_kernel, per_item_blocks(st, T), tm__cu_row_threads(H), 0, st->stream,
-                            tm__data(dx), tm__data(c->gout[0]), row_of, T, H, E);
+        void *d = tm__data(dx);
+        const void *g = tm__data(c->gout[0]);
+        const int64_t n = dx->dtype == TM_BF16 ? vec_n<tm__bf16>::n : vec_n<float>::n;
+        const int vec = H % n == 0 && aligned16(d) && aligned16(g);
+        if (dx->dtype == TM_BF16) permute_dx_launch<tm__bf16>(st, vec, d, g, row_of, T, H, E);
+        else permute_dx_launch<float>(st, vec, d, g, row_of, T, H, E);
         TM__CU_LAUNCHED(ctx, what, "permute_dx_kernel");
     }
     if (dp && T * E > 0) {
@@ -259,103 +491,166 @@ extern "C" tm_status tm__moe_permute_backward_cuda(tm__call *c) {
 /* key[r] = row_token[r] + 1 for a row of a token in [0, T), 0 for padding (and for a
  * row_token outside [-1, T), treated as padding); val[r] = r. */
 template <typename I>
-__global__ void unpermute_keys_kernel(unsigned long long *key, int64_t *val, const I *rt, int64_t R, int64_t T) {
+__global__ void unpermute_keys_kernel(unsigned *key, int32_t *val, const I *rt, int64_t R, int64_t T) {
     TM__CU_GRID_STRIDE(r, R) {
         const int64_t t = (int64_t)rt[r];
-        key[r] = t >= 0 && t < T ? (unsigned long long)(t + 1) : 0ull;
-        val[r] = r;
+        key[r] = t >= 0 && t < T ? (unsigned)(t + 1) : 0u;
+        val[r] = (int32_t)r;
     }
 }
 
 /* Over the sorted keys: token t's rows are sorted positions [lo[t], hi[t]) (both 0 when t
  * has none: lo and hi are zeroed beforehand). */
-__global__ void unpermute_bounds_kernel(int64_t *lo, int64_t *hi, const unsigned long long *key, int64_t R) {
+__global__ void unpermute_bounds_kernel(int32_t *lo, int32_t *hi, const unsigned *key, int64_t R) {
     TM__CU_GRID_STRIDE(i, R) {
-        const unsigned long long k = key[i];
+        const unsigned k = key[i];
         if (k == 0) continue;
         const int64_t t = (int64_t)k - 1;
-        if (i == 0 || key[i - 1] != k) lo[t] = i;
-        if (i == R - 1 || key[i + 1] != k) hi[t] = i + 1;
+        if (i == 0 || key[i - 1] != k) lo[t] = (int32_t)i;
+        if (i == R - 1 || key[i + 1] != k) hi[t] = (int32_t)(i + 1);
     }
 }
 
-/* One block per token: y[t] = sum over j in [lo[t], hi[t]) of eo[order[j]] * w[order[j]]. */
-template <typename T_, typename W>
-__global__ void unpermute_forward_kernel(void *y_, const void *eo_, const void *w_, const int64_t *order,
-                                         const int64_t *lo, const int64_t *hi, int64_t T, int64_t H) {
-    T_ *y = (T_ *)y_;
-    const T_ *eo = (const T_ *)eo_;
-    const W *w = (const W *)w_;
-    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+/* A warp per token: y[t] = sum over j in [lo[t], hi[t]) of eo[order[j]] * w[order[j]]. The
+ * rows and weights of up to 32 j are fetched one per lane, then broadcast in ascending j;
+ * each lane sums VECS groups of N elements. */
+template <typename T_, typename W, int N>
+__global__ void __launch_bounds__(DISPATCH_THREADS)
+unpermute_forward_kernel(void *y_, const void *eo_, const void *w_, const int32_t *__restrict__ order,
+                         const int32_t *__restrict__ lo, const int32_t *__restrict__ hi, int64_t T, int64_t H) {
+    T_ *__restrict__ y = (T_ *)y_;
+    const T_ *__restrict__ eo = (const T_ *)eo_;
+    const W *__restrict__ w = (const W *)w_;
+    const int lane = threadIdx.x & 31;
+    const int64_t nv = H / N;
+    for (int64_t t = warp_id(); t < T; t += warp_count()) {
         const int64_t j0 = lo[t], j1 = hi[t];
-        for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
-            float a = 0.0f;
-            for (int64_t j = j0; j < j1; j++) {
-                const int64_t r = order[j];
-                a += tm__ld(eo + r * H + h) * (w ? tm__ld(w + r) : 1.0f);
+        for (int64_t base = 0; base < nv; base += 32 * VECS) {
+            float a[VECS][N];
+#pragma unroll
+            for (int u = 0; u < VECS; u++)
+#pragma unroll
+                for (int i = 0; i < N; i++) a[u][i] = 0.0f;
+            for (int64_t jb = j0; jb < j1; jb += 32) {
+                int rl = 0;
+                float wl = 1.0f;
+                if (jb + lane < j1) {
+                    rl = order[jb + lane];
+                    if (w) wl = tm__ld(w + rl);
+                }
+                const int n = j1 - jb < 32 ? (int)(j1 - jb) : 32;
+                for (int jj = 0; jj < n; jj++) {
+                    const int64_t r = __shfl_sync(FULL, rl, jj);
+                    const float wv = __shfl_sync(FULL, wl, jj);
+#pragma unroll
+                    for (int u = 0; u < VECS; u++) {
+                        const int64_t v = base + u * 32 + lane;
+                        if (v < nv) {
+                            float x[N];
+                            ldv<N>(eo + r * H + v * N, x);
+#pragma unroll
+                            for (int i = 0; i < N; i++) a[u][i] += x[i] * wv;
+                        }
+                    }
+                }
             }
-            tm__st(y + t * H + h, a);
+#pragma unroll
+            for (int u = 0; u < VECS; u++) {
+                const int64_t v = base + u * 32 + lane;
+                if (v < nv) stv<N>(y + t * H + v * N, a[u]);
+            }
         }
     }
 }
 
-/* One block per row r whose token t is in [0, T): deo[r] += dy[t] w[r]; dw[r] += <eo[r], dy[t]>.
- * The skip is the same for the whole block, so every thread reaches tm__block_sum. */
-template <typename T_, typename W, typename I>
-__global__ void unpermute_backward_kernel(void *deo_, void *dw_, const void *dy_, const void *eo_, const void *w_,
-                                          const I *rt, int64_t R, int64_t T, int64_t H) {
-    __shared__ float sh[32];
-    T_ *deo = (T_ *)deo_;
-    W *dw = (W *)dw_;
-    const T_ *dy = (const T_ *)dy_, *eo = (const T_ *)eo_;
-    const W *w = (const W *)w_;
-    for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+/* A warp per row r whose token t is in [0, T): deo[r] += dy[t] w[r]; dw[r] += <eo[r], dy[t]>,
+ * each lane summing its elements in order, then a fixed shuffle tree. The skip is the same
+ * for the whole warp, so every lane reaches the shuffles. */
+template <typename T_, typename W, typename I, int N>
+__global__ void __launch_bounds__(DISPATCH_THREADS)
+unpermute_backward_kernel(void *deo_, void *dw_, const void *dy_, const void *eo_, const void *w_,
+                          const I *__restrict__ rt, int64_t R, int64_t T, int64_t H) {
+    T_ *__restrict__ deo = (T_ *)deo_;
+    W *__restrict__ dw = (W *)dw_;
+    const T_ *__restrict__ dy = (const T_ *)dy_;
+    const T_ *__restrict__ eo = (const T_ *)eo_;
+    const W *__restrict__ w = (const W *)w_;
+    const int lane = threadIdx.x & 31;
+    const int64_t nv = H / N;
+    for (int64_t r = warp_id(); r < R; r += warp_count()) {
         const int64_t t = (int64_t)rt[r];
         if (t < 0 || t >= T) continue;
         const T_ *dyr = dy + t * H;
-        if (deo) {
-            const float wr = w ? tm__ld(w + r) : 1.0f;
-            T_ *d = deo + r * H;
-            for (int64_t h = threadIdx.x; h < H; h += blockDim.x) tm__st(d + h, tm__ld(d + h) + tm__ld(dyr + h) * wr);
+        const float wr = w ? tm__ld(w + r) : 1.0f;
+        float s = 0.0f;
+#pragma unroll 2
+        for (int64_t v = lane; v < nv; v += 32) {
+            float g[N];
+            ldv<N>(dyr + v * N, g);
+            if (deo) {
+                T_ *d = deo + r * H + v * N;
+                float o[N];
+                ldv<N>(d, o);
+#pragma unroll
+                for (int i = 0; i < N; i++) o[i] = o[i] + g[i] * wr;
+                stv<N>(d, o);
+            }
+            if (dw) {
+                float e[N];
+                ldv<N>(eo + r * H + v * N, e);
+#pragma unroll
+                for (int i = 0; i < N; i++) s += e[i] * g[i];
+            }
         }
         if (dw) {
-            const T_ *er = eo + r * H;
-            float s = 0.0f;
-            for (int64_t h = threadIdx.x; h < H; h += blockDim.x) s += tm__ld(er + h) * tm__ld(dyr + h);
-            s = tm__block_sum(s, sh);
-            if (threadIdx.x == 0) tm__st(dw + r, tm__ld(dw + r) + s);
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(FULL, s, o);
+            if (lane == 0) tm__st(dw + r, tm__ld(dw + r) + s);
         }
     }
 }
 
-template <typename T_>
-static void unpermute_forward_launch(tm_dtype wdt, unsigned grid, int threads, cudaStream_t s, void *y, const void *eo,
-                                     const void *w, const int64_t *order, const int64_t *lo, const int64_t *hi,
-                                     int64_t T, int64_t H) {
-    if (w && wdt == TM_BF16)
-        unpermute_forward_kernel<T_, tm__bf16><<<grid, threads, 0, s>>>(y, eo, w, order, lo, hi, T, H);
+template <typename T_, typename W>
+static void unpermute_forward_launch_w(const tm__cuda *st, int vec, void *y, const void *eo, const void *w,
+                                       const int32_t *order, const int32_t *lo, const int32_t *hi, int64_t T, int64_t H) {
+    const unsigned grid = warp_blocks(st, T);
+    if (vec)
+        unpermute_forward_kernel<T_, W, vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(y, eo, w, order, lo, hi, T, H);
     else
-        unpermute_forward_kernel<T_, float><<<grid, threads, 0, s>>>(y, eo, w, order, lo, hi, T, H);
+        unpermute_forward_kernel<T_, W, 1><<<grid, DISPATCH_THREADS, 0, st->stream>>>(y, eo, w, order, lo, hi, T, H);
+}
+
+template <typename T_>
+static void unpermute_forward_launch(const tm__cuda *st, tm_dtype wdt, int vec, void *y, const void *eo, const void *w,
+                                     const int32_t *order, const int32_t *lo, const int32_t *hi, int64_t T, int64_t H) {
+    if (w && wdt == TM_BF16) unpermute_forward_launch_w<T_, tm__bf16>(st, vec, y, eo, w, order, lo, hi, T, H);
+    else unpermute_forward_launch_w<T_, float>(st, vec, y, eo, w, order, lo, hi, T, H);
+}
+
+template <typename T_, typename W, typename I>
+static void unpermute_backward_launch_i(const tm__cuda *st, int vec, void *deo, void *dw, const void *dy, const void *eo,
+                                        const void *w, const void *rt, int64_t R, int64_t T, int64_t H) {
+    const unsigned grid = warp_blocks(st, R);
+    if (vec)
+        unpermute_backward_kernel<T_, W, I, vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(
+            deo, dw, dy, eo, w, (const I *)rt, R, T, H);
+    else
+        unpermute_backward_kernel<T_, W, I, 1><<<grid, DISPATCH_THREADS, 0, st->stream>>>(deo, dw, dy, eo, w, (const I *)rt,
+                                                                                         R, T, H);
 }
 
 template <typename T_, typename W>
-static void unpermute_backward_launch_w(tm_dtype idt, unsigned grid, int threads, cudaStream_t s, void *deo, void *dw,
-                                        const void *dy, const void *eo, const void *w, const void *rt, int64_t R,
-                                        int64_t T, int64_t H) {
-    if (idt == TM_I32)
-        unpermute_backward_kernel<T_, W, int32_t><<<grid, threads, 0, s>>>(deo, dw, dy, eo, w, (const int32_t *)rt, R, T, H);
-    else
-        unpermute_backward_kernel<T_, W, int64_t><<<grid, threads, 0, s>>>(deo, dw, dy, eo, w, (const int64_t *)rt, R, T, H);
+static void unpermute_backward_launch_w(const tm__cuda *st, tm_dtype idt, int vec, void *deo, void *dw, const void *dy,
+                                        const void *eo, const void *w, const void *rt, int64_t R, int64_t T, int64_t H) {
+    if (idt == TM_I32) unpermute_backward_launch_i<T_, W, int32_t>(st, vec, deo, dw, dy, eo, w, rt, R, T, H);
+    else unpermute_backward_launch_i<T_, W, int64_t>(st, vec, deo, dw, dy, eo, w, rt, R, T, H);
 }
 
 template <typename T_>
-static void unpermute_backward_launch(tm_dtype wdt, tm_dtype idt, unsigned grid, int threads, cudaStream_t s, void *deo,
-                                      void *dw, const void *dy, const void *eo, const void *w, const void *rt, int64_t R,
-                                      int64_t T, int64_t H) {
-    if (w && wdt == TM_BF16)
-        unpermute_backward_launch_w<T_, tm__bf16>(idt, grid, threads, s, deo, dw, dy, eo, w, rt, R, T, H);
-    else
-        unpermute_backward_launch_w<T_, float>(idt, grid, threads, s, deo, dw, dy, eo, w, rt, R, T, H);
+static void unpermute_backward_launch(const tm__cuda *st, tm_dtype wdt, tm_dtype idt, int vec, void *deo, void *dw,
+                                      const void *dy, const void *eo, const void *w, const void *rt, int64_t R, int64_t T,
+                                      int64_t H) {
+    if (w && wdt == TM_BF16) unpermute_backward_launch_w<T_, tm__bf16>(st, idt, vec, deo, dw, dy, eo, w, rt, R, T, H);
+    else unpermute_backward_launch_w<T_, float>(st, idt, vec, deo, dw, dy, eo, w, rt, R, T, H);
 }
 
 extern "C" tm_status tm__moe_unpermute_forward_cuda(tm__call *c) {
@@ -368,13 +663,14 @@ extern "C" tm_status tm__moe_unpermute_forward_cuda(tm__call *c) {
     void *y = tm__data(c->out[0]);
     if (T * H == 0) return TM_OK;
     if (R == 0) return tm__cuda_memset0(ctx, y, (size_t)(T * H) * tm_dtype_size(eo->dtype));
-    if (R > INT_MAX)
-        return tm__err(ctx, TM_ERR_UNSUPPORTED, "moe_unpermute: %lld rows exceed the CUDA sort's limit (expert_out %s)",
-                       (long long)R, tm__tdesc(ctx, eo));
+    if (R > INT_MAX || T > (int64_t)UINT_MAX)
+        return tm__err(ctx, TM_ERR_UNSUPPORTED,
+                       "moe_unpermute: %lld rows or %lld tokens exceed the CUDA sort's 32-bit keys (expert_out %s)",
+                       (long long)R, (long long)T, tm__tdesc(ctx, eo));
 
     /* Token -> rows: a stable sort of the row indices by token. */
-    unsigned long long *key_in, *key_out;
-    int64_t *val_in, *order, *lo, *hi;
+    unsigned *key_in, *key_out;
+    int32_t *val_in, *order, *lo, *hi;
     TM__TRY(tm__cu_scratch(ctx, st, (size_t)R * sizeof *key_in, (void **)&key_in));
     TM__TRY(tm__cu_scratch(ctx, st, (size_t)R * sizeof *key_out, (void **)&key_out));
     TM__TRY(tm__cu_scratch(ctx, st, (size_t)R * sizeof *val_in, (void **)&val_in));
@@ -388,7 +684,7 @@ extern "C" tm_status tm__moe_unpermute_forward_cuda(tm__call *c) {
         unpermute_keys_kernel<int64_t><<<g, TM__CU_THREADS, 0, st->stream>>>(key_in, val_in, (const int64_t *)tm__data(rt), R, T);
     TM__CU_LAUNCHED(ctx, what, "unpermute_keys_kernel");
     int end_bit = 0; /* keys are <= T: sort only the bits T has */
-    while (end_bit < 64 && (((unsigned long long)T) >> end_bit) != 0) end_bit++;
+    while (end_bit < 32 && (((unsigned long long)T) >> end_bit) != 0) end_bit++;
     size_t tmp_bytes = 0;
     TM__CU_CHECK(ctx, what,
                  cub::DeviceRadixSort::SortPairs(nullptr, tmp_bytes, key_in, key_out, val_in, order, (int)R, 0, end_bit,
@@ -403,14 +699,12 @@ extern "C" tm_status tm__moe_unpermute_forward_cuda(tm__call *c) {
     unpermute_bounds_kernel<<<g, TM__CU_THREADS, 0, st->stream>>>(lo, hi, key_out, R);
     TM__CU_LAUNCHED(ctx, what, "unpermute_bounds_kernel");
 
-    unsigned gt = per_item_blocks(st, T);
-    int threads = tm__cu_row_threads(H);
-    const void *wd = w ? tm__data(w) : NULL;
+    const void *wd = w ? tm__data(w) : NULL, *eod = tm__data(eo);
     tm_dtype wdt = w ? w->dtype : TM_F32;
-    if (eo->dtype == TM_BF16)
-        unpermute_forward_launch<tm__bf16>(wdt, gt, threads, st->stream, y, tm__data(eo), wd, order, lo, hi, T, H);
-    else
-        unpermute_forward_launch<float>(wdt, gt, threads, st->stream, y, tm__data(eo), wd, order, lo, hi, T, H);
+    const int64_t n = eo->dtype == TM_BF16 ? vec_n<tm__bf16>::n : vec_n<float>::n;
+    const int vec = H % n == 0 && aligned16(y) && aligned16(eod);
+    if (eo->dtype == TM_BF16) unpermute_forward_launch<tm__bf16>(st, wdt, vec, y, eod, wd, order, lo, hi, T, H);
+    else unpermute_forward_launch<float>(st, wdt, vec, y, eod, wd, order, lo, hi, T, H);
     TM__CU_LAUNCHED(ctx, what, "unpermute_forward_kernel");
     return TM_OK;
 }
@@ -425,17 +719,15 @@ extern "C" tm_status tm__moe_unpermute_backward_cuda(tm__call *c) {
     const char *what = "moe_unpermute";
     tm__cuda *st;
     TM__TRY(tm__cu_enter(ctx, what, &st));
-    unsigned g = per_item_blocks(st, R);
-    int threads = tm__cu_row_threads(H);
-    const void *wd = w ? tm__data(w) : NULL;
+    const void *wd = w ? tm__data(w) : NULL, *eod = tm__data(eo), *dyd = tm__data(c->gout[0]);
     tm_dtype wdt = w ? w->dtype : TM_F32;
     void *deo_d = deo ? tm__data(deo) : NULL, *dw_d = dw ? tm__data(dw) : NULL;
+    const int64_t n = eo->dtype == TM_BF16 ? vec_n<tm__bf16>::n : vec_n<float>::n;
+    const int vec = H % n == 0 && aligned16(deo_d) && aligned16(eod) && aligned16(dyd); /* NULL is aligned */
     if (eo->dtype == TM_BF16)
-        unpermute_backward_launch<tm__bf16>(wdt, rt->dtype, g, threads, st->stream, deo_d, dw_d, tm__data(c->gout[0]),
-                                            tm__data(eo), wd, tm__data(rt), R, T, H);
+        unpermute_backward_launch<tm__bf16>(st, wdt, rt->dtype, vec, deo_d, dw_d, dyd, eod, wd, tm__data(rt), R, T, H);
     else
-        unpermute_backward_launch<float>(wdt, rt->dtype, g, threads, st->stream, deo_d, dw_d, tm__data(c->gout[0]),
-                                         tm__data(eo), wd, tm__data(rt), R, T, H);
+        unpermute_backward_launch<float>(st, wdt, rt->dtype, vec, deo_d, dw_d, dyd, eod, wd, tm__data(rt), R, T, H);
     TM__CU_LAUNCHED(ctx, what, "unpermute_backward_kernel");
     return TM_OK;
 }
