@@ -42,6 +42,7 @@ import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.dont_write_bytecode = True  # no bench/__pycache__ in the work tree
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_layer_torch import experts, route  # noqa: E402
 
