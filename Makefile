@@ -283,3 +283,17 @@ endif
 .PHONY: bench
 bench: $(BENCH_BIN)
 	TM_BENCH_BIN=$(BENCH_BIN) bench/run.sh $(BENCH_ARGS)
+
+# The GPU benchmarks of issue 12 (bench/gpu.sh, docs/PERFORMANCE.md): built by `make` on every
+# machine, so that CI compiles them; without a CUDA device they refuse --device cuda with a
+# message (exit 3) and run only as CPU smoke tests (--device cpu, bench/gpu.sh --smoke).
+# `make bench-gpu` builds them with the driver and runs bench/gpu.sh (BENCH_ARGS: --quick, ...).
+BENCH_GPU_BIN := $(BUILD)/bench/moe_layer $(BUILD)/bench/kernels $(BUILD)/bench/attention
+all: $(BENCH_GPU_BIN)
+$(BENCH_GPU_BIN): $(BUILD)/bench/%: bench/%.c bench/bench.h $(LIBA)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_ALL) -o $@ $< $(LIBA) $(LDLIBS_ALL)
+
+.PHONY: bench-gpu
+bench-gpu: $(BENCH_GPU_BIN) $(BIN)
+	bash bench/gpu.sh --no-build $(BENCH_ARGS)

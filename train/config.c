@@ -197,7 +197,7 @@ static const key KEYS[] = {
     {"top_p", T_FLOAT, G_RUN, OFF(top_p), NULL, "1", 0, NULL,
      "sample from the smallest set of most likely tokens holding this much probability (1: all)", 0, 1},
     {"preset", T_STR, G_RUN, STR(preset), NULL, "", 0, NULL,
-     "tiny | small | shakespeare: applied before the config file and the flags", 0, 0},
+     "tiny | small | shakespeare | coarse | fine: applied before the config file and the flags", 0, 0},
     /* distributed */
     {"ep_size", T_INT, G_DIST, OFF(ep_size), NULL, "1", 0, NULL,
      "ranks the routed experts are split over (divides the ranks and num_experts)", 1, 65536},
@@ -234,6 +234,17 @@ static const preset PRESETS[] = {
      {"d_model=128", "n_layers=4", "n_heads=4", "n_kv_heads=4", "num_experts=4", "topk=2", "expert_ffn_size=256",
       "seq_len=128", "batch_size=16", "lr=8e-3", "min_lr=8e-4", "warmup_steps=50", "steps=1000", "weight_decay=0.1",
       "eval_every=250", "eval_batches=16", "log_every=50", "sample_prompt=ROMEO:", "sample_tokens=300", NULL}},
+    /* The GPU benchmark models of issue 12 (bench/train_gpu.sh, docs/PERFORMANCE.md): the same
+     * active expert parameters per token (3 k H F = 9.4M a layer), as a few large experts or
+     * many small ones. */
+    {"coarse", "GPU benchmark, coarse experts (with --device cuda --dtype bf16): d_model 768, 12 layers, 12 heads "
+               "(4 kv), 8 experts top-2, F 2048, vocab 32768, seq 1024, batch 16 (522M parameters, 183M active)",
+     {"d_model=768", "n_layers=12", "n_heads=12", "n_kv_heads=4", "num_experts=8", "topk=2", "expert_ffn_size=2048",
+      "vocab_size=32768", "seq_len=1024", "batch_size=16", "lr=3e-4", "warmup_steps=100", NULL}},
+    {"fine", "GPU benchmark, fine-grained experts (with --device cuda --dtype bf16): d_model 1024, 8 layers, 16 "
+             "heads (4 kv), 64 experts top-6, F 512, vocab 32768, seq 1024, batch 16 (894M parameters, 164M active)",
+     {"d_model=1024", "n_layers=8", "n_heads=16", "n_kv_heads=4", "num_experts=64", "topk=6", "expert_ffn_size=512",
+      "vocab_size=32768", "seq_len=1024", "batch_size=16", "lr=3e-4", "warmup_steps=100", NULL}},
 };
 // clang-format on
 enum { NPRESETS = (int)(sizeof PRESETS / sizeof PRESETS[0]) };

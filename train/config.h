@@ -88,7 +88,7 @@ int tmd_config_from_args(tmd_config *cfg, int argc, char **argv, int *help, char
  * "flag --lr"). */
 int tmd_config_set(tmd_config *cfg, const char *key, const char *value, tmd_source src, const char *where, char *err,
                    size_t errlen);
-/* Apply a named preset (tiny, small, shakespeare). */
+/* Apply a named preset (tiny, small, shakespeare, coarse, fine). */
 int tmd_config_apply_preset(tmd_config *cfg, const char *name, char *err, size_t errlen);
 
 /* 1 when data is the embedded synthetic source. */
