@@ -88,6 +88,7 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->n_threads = o.num_threads > 0 ? o.num_threads : omp_get_max_threads();
     ctx->grad_enabled = 1;
     ctx->cpu_gemm_builtin = o.cpu_gemm == TM_CPU_GEMM_BUILTIN;
+    ctx->gmm_device = -1;
     ctx->chunk_bytes = o.arena_chunk_bytes ? o.arena_chunk_bytes : ((size_t)64 << 20);
     ctx->arena[TM__CPU].dev = tm_cpu();
     ctx->meta.dev = tm_cpu();
@@ -290,4 +291,12 @@ void tm_ctx_memory_reset_peak(tm_ctx *ctx) {
         memcpy(m->at_peak, m->current, sizeof m->at_peak);
         m->total_peak = m->total;
     }
+}
+
+int tm__gmm_device_schedule(tm_ctx *ctx) {
+    if (ctx->gmm_device < 0) {
+        const char *e = getenv("TINYMOE_GMM");
+        ctx->gmm_device = e && !strcmp(e, "device");
+    }
+    return ctx->gmm_device;
 }

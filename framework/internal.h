@@ -319,12 +319,18 @@ tm_status tm__moe_permute_fixed_rows(tm__call *c, int *known, int64_t *R);
 /* grouped_matmul: the group sizes of c->in[2] on the host, checked against the rows of x
  * (negative, running past R, not summing to R). From the counts' host mirror when they have
  * one; otherwise read back once (one synchronisation; counted on the CPU too) and mirrored, so
- * later calls on the same counts do not wait again. On the CPU with bf16 x, neither counted nor
- * mirrored: the bf16 CUDA kernel reads nothing back. *cnt: G values (host memory of the step). */
+ * later calls on the same counts do not wait again. On the CPU with bf16 x under
+ * tm__gmm_device_schedule, neither counted nor mirrored: that CUDA kernel reads nothing back. *cnt: G values (host memory of the step). */
 tm_status tm__grouped_matmul_counts(tm__call *c, const int64_t **cnt);
 /* The same from the host mirror only, never reading back: *cnt = the validated mirror, or NULL
  * when the counts have none (the bf16 CUDA kernel then takes them on the device, unvalidated). */
 tm_status tm__grouped_matmul_counts_mirrored(tm__call *c, const int64_t **cnt);
+/* 1 when bf16 grouped_matmul on CUDA schedules its groups on the device (TINYMOE_GMM=device in
+ * the environment, read once per context): no read back, our tensor-core kernel; 0 (default):
+ * one cuBLASLt GEMM per group from host counts (a mirror, or one read back), which measured
+ * 2.5x faster on an H100 at the MoE benchmark's shapes (docs/PERFORMANCE.md). The CPU counts
+ * its synchronisations by the same rule. */
+int tm__gmm_device_schedule(tm_ctx *ctx);
 
 /* ---- context internals used by kernels --------------------------------------------------- */
 

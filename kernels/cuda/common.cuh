@@ -54,9 +54,6 @@ typedef struct tm__cuda {
     size_t workspace_bytes;
     tm__gemm_plan plans[TM__GEMM_CACHE];
     int next_victim;                     /* round-robin eviction when the cache is full */
-    /* grouped_matmul.cu: bf16 path, 0 until its first call reads TINYMOE_GMM, then 1 (the
-     * tensor-core kernel) or 2 (cuBLASLt per group) */
-    int gmm_mode;
 } tm__cuda;
 
 /* ---- errors -------------------------------------------------------------------------------- */

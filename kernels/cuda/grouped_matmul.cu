@@ -18,14 +18,20 @@
  *   host mirror (framework/internal.h; a tm_moe_permute's tokens_per_expert have one) or reads
  *   them back once (one synchronisation, counted) and mirrors them. Validated on the host.
  *
- * bf16: our tensor-core kernel with the group offsets computed ON THE DEVICE: nothing is read
+ * bf16, default: the f32 path's cuBLASLt GEMM per group (bf16 in and out, f32 accumulation),
+ *   group sizes from the host as above. On an H100 at the MoE benchmark's shapes (R = 98304,
+ *   K 2048, N 2816, 64 groups) it reached 661 TFLOP/s forward against 265 for the kernel below
+ *   (bench/kernels.c, docs/PERFORMANCE.md): one read back per layer costs far less than that.
+ *
+ * bf16 with TINYMOE_GMM=device in the environment (read once per context,
+ *   tm__gmm_device_schedule): our tensor-core kernel with the group offsets computed ON THE
+ *   DEVICE, for a step that must not wait (CUDA graph capture): nothing is read
  *   back, no synchronisation, forward or backward. Counts with a host mirror are validated from
  *   it (as for f32: the same errors); counts without one are not validated (that would need a
  *   read back) but clamped on the device so that no access leaves the tensors: a count is taken
  *   as min(max(counts[g], 0), rows left), rows past the last group get y = 0 and no gradient.
- *   TINYMOE_GMM=cublaslt in the environment (read once per context, at its first bf16 grouped
- *   GEMM) sends bf16 down the cuBLASLt-per-group path instead, with its host counts (benchmarks
- *   compare the two that way).
+ *   Its speed (mma.sync, 128x128x32 tiles, 4 cp.async stages) is 33-35% of a dense cuBLASLt
+ *   GEMM of the same FLOPs there; wgmma + TMA (sm_90a) is the way to close the gap.
  *
  * The bf16 kernel, step by step:
  *
@@ -485,14 +491,8 @@ __global__ void __launch_bounds__(GMM_THREADS, 2) gmm_kernel(gmm_args a) {
 
 static const char *const GMM_WHAT = "grouped_matmul";
 
-/* 1: bf16 goes to cuBLASLt per group (TINYMOE_GMM=cublaslt), read once per context. */
-static int gmm_use_cublaslt(tm__cuda *st) {
-    if (!st->gmm_mode) {
-        const char *e = getenv("TINYMOE_GMM");
-        st->gmm_mode = e && strcmp(e, "cublaslt") == 0 ? 2 : 1;
-    }
-    return st->gmm_mode == 2;
-}
+/* 1: bf16 goes to cuBLASLt per group (the default; TINYMOE_GMM=device: our kernel). */
+static int gmm_use_cublaslt(tm__call *c) { return !tm__gmm_device_schedule(c->ctx); }
 
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
@@ -600,7 +600,7 @@ extern "C" tm_status tm__grouped_matmul_forward_cuda(tm__call *c) {
     if (c->in[0]->dtype != TM_BF16) return gmm_forward_lt(c);
     tm__cuda *st;
     TM__TRY(tm__cu_enter(c->ctx, GMM_WHAT, &st));
-    return gmm_use_cublaslt(st) ? gmm_forward_lt(c) : gmm_forward_bf16(c, st);
+    return gmm_use_cublaslt(c) ? gmm_forward_lt(c) : gmm_forward_bf16(c, st);
 }
 
 extern "C" tm_status tm__grouped_matmul_backward_cuda(tm__call *c) {
@@ -608,5 +608,5 @@ extern "C" tm_status tm__grouped_matmul_backward_cuda(tm__call *c) {
     if (c->in[0]->dtype != TM_BF16) return gmm_backward_lt(c);
     tm__cuda *st;
     TM__TRY(tm__cu_enter(c->ctx, GMM_WHAT, &st));
-    return gmm_use_cublaslt(st) ? gmm_backward_lt(c) : gmm_backward_bf16(c, st);
+    return gmm_use_cublaslt(c) ? gmm_backward_lt(c) : gmm_backward_bf16(c, st);
 }
