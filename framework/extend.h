@@ -89,7 +89,10 @@ tm_status tm__embedding_checked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, 
 /* tm_cross_entropy for targets already known to be valid (checked on the device, e.g. by
  * tm_index_check): the same result, but the CUDA forward does not read its bad-target flag
  * back, so it does not synchronise (and the CPU forward counts no synchronisation). A target
- * outside [0, V) that is not ignore_index is then undefined on CUDA (the CPU still reports it). */
+ * outside [0, V) that is not ignore_index is then undefined on CUDA (the CPU still reports it).
+ * The loss of bf16 logits is f32 (a bf16 loss would keep 3 significant digits), computed from
+ * the bf16 logits directly: no f32 copy of the logits, and their gradient is written in bf16,
+ * the bits of a cast to f32 followed by the cross-entropy. */
 tm_status tm__cross_entropy_checked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
                                     tm_tensor **out);
 /* Not taped: dst = src (accumulate 0) or dst += alpha * src (accumulate 1) with ANY strides on

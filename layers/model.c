@@ -477,9 +477,9 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
         int64_t flat[1] = {B * T};
         tm_tensor *tg, *lg = logits;
         TM__TRY(tm_reshape(ctx, tgt, 1, flat, &tg));
-        /* A bf16 loss would keep 3 significant digits: take the cross-entropy in f32. */
-        if (tm_tensor_dtype(lg) == TM_BF16) TM__TRY(tm_cast(ctx, lg, TM_F32, &lg));
-        /* The targets were checked above: the cross-entropy need not read its own flag back. */
+        /* The targets were checked above: the cross-entropy need not read its own flag back.
+         * Its loss is f32 for bf16 logits, read from the bf16 logits directly: no f32 copy of
+         * the (B*T, V) logits, and the gradient comes back in bf16 (extend.h). */
         TM__TRY(tm__cross_entropy_checked(ctx, lg, tg, -1, &o.ce_loss));
         /* Data parallelism: this rank's share of the global batch's mean (tinymoe.h). */
         if (dp_tokens > B * T) TM__TRY(tm_scale(ctx, o.ce_loss, (double)(B * T) / (double)dp_tokens, &o.ce_loss));
