@@ -18,7 +18,8 @@
  * the model cast the logits to an f32 copy (4 N V bytes, kept for the backward), whose f32
  * gradient (4 N V more) a cast backward then rounded to bf16. The results are the same bits:
  * bf16 -> f32 is exact, and rounding rn_f32(0 + g s) to bf16 in one store is what the cast
- * backward did with the f32 gradient.
+ * backward did with the f32 gradient. The backward gives one block to each row (the classes in
+ * chunks of blockDim.x), so no element pays a 64-bit division by V to find its row.
  *
  * Targets are validated on the device: a row whose target is outside [0, V) and is not
  * ignore_index lowers a flag (atomicMin of its row index); the flag is copied back once at the
@@ -83,22 +84,20 @@ __global__ void ce_total_kernel(void *loss_, int64_t *n_valid, const float *loss
     }
 }
 
-/* dloss_ is T, or f32 when dloss_f32 (the loss of iattr[2]). */
+/* One block per row n, in chunks of blockDim.x classes (no division per element); ignored rows
+ * get nothing. dloss_ is T, or f32 when dloss_f32 (the loss of iattr[2]). */
 template <typename T, typename I>
 __global__ void ce_backward_kernel(void *dlogits_, const void *logits_, const float *lse, const I *targets,
-                                   const void *dloss_, int dloss_f32, const int64_t *n_valid, int64_t N, int64_t V,
-                                   int64_t ign) {
-    int64_t k = *n_valid;
-    if (k == 0) return;
-    float scale = (dloss_f32 ? *(const float *)dloss_ : tm__ld((const T *)dloss_)) / (float)k;
-    T *d = (T *)dlogits_;
-    const T *x = (const T *)logits_;
-    TM__CU_GRID_STRIDE(i, N * V) {
-        int64_t n = i / V, v = i % V;
-        int64_t t = (int64_t)targets[n];
-        if (t == ign) continue;
-        float g = expf(tm__ld(x + i) - lse[n]) - (v == t ? 1.0f : 0.0f);
-        tm__st(d + i, tm__ld(d + i) + g * scale);
+                                   const void *dloss_, int dloss_f32, const int64_t *n_valid, int64_t V, int64_t ign) {
+    int64_t k = *n_valid, n = blockIdx.x;
+    int64_t t = (int64_t)targets[n];
+    if (k == 0 || t == ign) return;
+    float scale = (dloss_f32 ? *(const float *)dloss_ : tm__ld((const T *)dloss_)) / (float)k, l = lse[n];
+    T *d = (T *)dlogits_ + n * V;
+    const T *x = (const T *)logits_ + n * V;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+        float g = expf(tm__ld(x + v) - l) - (v == t ? 1.0f : 0.0f);
+        tm__st(d + v, tm__ld(d + v) + g * scale);
     }
 }
 
@@ -180,23 +179,24 @@ extern "C" tm_status tm__cross_entropy_backward_cuda(tm__call *c) {
     const float *lse = (const float *)tm__data(c->saved[0]);
     const int64_t *n_valid = (const int64_t *)tm__data(c->saved[1]);
     int dloss_f32 = c->gout[0]->dtype == TM_F32;
-    unsigned g = tm__cu_blocks(st, N * V);
+    unsigned g = (unsigned)N;
+    int threads = tm__cu_row_threads(V);
     if (tg->dtype == TM_I32) {
         const int32_t *t = (const int32_t *)tm__data(tg);
         if (logits->dtype == TM_BF16)
-            ce_backward_kernel<tm__bf16, int32_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
-                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, N, V, ign);
+            ce_backward_kernel<tm__bf16, int32_t><<<g, threads, 0, st->stream>>>(
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign);
         else
-            ce_backward_kernel<float, int32_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
-                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, N, V, ign);
+            ce_backward_kernel<float, int32_t><<<g, threads, 0, st->stream>>>(
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign);
     } else {
         const int64_t *t = (const int64_t *)tm__data(tg);
         if (logits->dtype == TM_BF16)
-            ce_backward_kernel<tm__bf16, int64_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
-                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, N, V, ign);
+            ce_backward_kernel<tm__bf16, int64_t><<<g, threads, 0, st->stream>>>(
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign);
         else
-            ce_backward_kernel<float, int64_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
-                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, N, V, ign);
+            ce_backward_kernel<float, int64_t><<<g, threads, 0, st->stream>>>(
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign);
     }
     TM__CU_LAUNCHED(ctx, what, "ce_backward_kernel");
     return TM_OK;
