@@ -161,9 +161,9 @@ void tm_ctx_free(tm_ctx *ctx) {
     tm__host_free(ctx, ctx);
 }
 
-tm_status tm__ctx_segs(tm_ctx *ctx, tm_device dev, tm__segs **out) {
+tm_status tm__ctx_segs(tm_ctx *ctx, tm_device dev, int cap, tm__segs **out) {
     int b = tm__backend(dev);
-    if (!ctx->segs[b]) TM__TRY(tm__segs_new(ctx, "tm_ctx_clip_grad_norm", dev, 8, &ctx->segs[b]));
+    if (!ctx->segs[b]) TM__TRY(tm__segs_new(ctx, "tm_ctx_clip_grad_norm", dev, cap, &ctx->segs[b]));
     *out = ctx->segs[b];
     return TM_OK;
 }

@@ -166,9 +166,9 @@ enum { TM__SEGS_ADAMW = 1, TM__SEGS_GRADS = 2 };
 tm_status tm__segs_new(tm_ctx *ctx, const char *fn, tm_device dev, int cap, tm__segs **out);
 /* NULL: no-op. */
 void tm__segs_free(tm_ctx *ctx, tm__segs *l);
-/* The context's own list for dev (tm_ctx_clip_grad_norm's), made on first use, freed with the
- * context. Errors: as tm__segs_new. */
-tm_status tm__ctx_segs(tm_ctx *ctx, tm_device dev, tm__segs **out);
+/* The context's own list for dev (tm_ctx_clip_grad_norm's), made on first use (for cap ranges),
+ * freed with the context. Errors: as tm__segs_new. */
+tm_status tm__ctx_segs(tm_ctx *ctx, tm_device dev, int cap, tm__segs **out);
 /* Empty the list to describe up to cap ranges of kind TM__SEGS_ADAMW or TM__SEGS_GRADS. */
 tm_status tm__segs_begin(tm_ctx *ctx, tm__segs *l, int kind, int cap);
 /* Ranges left in the list (empty ones are not). */

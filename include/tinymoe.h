@@ -545,6 +545,15 @@ TM_API tm_status tm_index_check(tm_ctx *ctx, tm_tensor *ids, int64_t hi, int64_t
  * dtypes), TM_ERR_SHAPE (x 0-d or C = 0, weight not [C]), TM_ERR_INVALID_ARG (eps negative,
  * NaN or infinite). */
 TM_API tm_status tm_rmsnorm(tm_ctx *ctx, tm_tensor *x, tm_tensor *weight, double eps, tm_tensor **out);
+/* The pre-norm residual step "x = x + f(x); h = norm(x)" in one op: *sum = x + y and
+ * *out = tm_rmsnorm(*sum, weight, eps), both [..., C] in x's dtype; the same bits as tm_add
+ * followed by tm_rmsnorm (forward and gradients; bf16 sums are rounded before the norm reads
+ * them, as tm_add's output is), with one kernel per direction on CUDA. x and y [..., C] of one
+ * shape (no broadcasting) and one float dtype, weight [C] of that dtype.
+ * Errors: TM_ERR_INVALID_ARG (sum or out NULL; eps negative, NaN or infinite), TM_ERR_DTYPE
+ * (not float, or dtypes differ), TM_ERR_SHAPE (x and y differ, x 0-d or C = 0, weight not [C]). */
+TM_API tm_status tm_add_rmsnorm(tm_ctx *ctx, tm_tensor *x, tm_tensor *y, tm_tensor *weight, double eps,
+                                tm_tensor **sum, tm_tensor **out);
 /* SiLU(x) = x * sigmoid(x) (Elfwing et al. 2018). Errors: TM_ERR_DTYPE (x not float). */
 TM_API tm_status tm_silu(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 /* SwiGLU (Shazeer 2020), fused: out = silu(gate) * up; gate and up of the same shape.

@@ -30,7 +30,7 @@
 static tm_status clip_fused(tm_ctx *ctx, tm_device dev, double max_norm, double *norm_out) {
     int nb = tm_ctx_num_buckets(ctx);
     tm__segs *l;
-    TM__TRY(tm__ctx_segs(ctx, dev, &l));
+    TM__TRY(tm__ctx_segs(ctx, dev, nb, &l));
     TM__TRY(tm__segs_begin(ctx, l, TM__SEGS_GRADS, nb));
     for (int k = 0; k < nb; k++) {
         int64_t lo = 0, hi = 0;
