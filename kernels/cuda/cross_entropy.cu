@@ -20,6 +20,10 @@
  * bf16 -> f32 is exact, and rounding rn_f32(0 + g s) to bf16 in one store is what the cast
  * backward did with the f32 gradient. The backward gives one block to each row (the classes in
  * chunks of blockDim.x), so no element pays a 64-bit division by V to find its row.
+ * Launches per step of a bf16 model (derived from the code): forward 3 -> 2 (the cast's copy
+ * kernel, ce_forward_kernel, ce_total_kernel), backward 3 -> 1 (ce_backward_kernel, then the
+ * cast's backward: a copy to a bf16 temporary and an accumulate kernel); (N, V) buffers beside
+ * the bf16 logits and their gradient: f32 logits + f32 gradient + bf16 temporary -> none.
  *
  * Targets are validated on the device: a row whose target is outside [0, V) and is not
  * ignore_index lowers a flag (atomicMin of its row index); the flag is copied back once at the

@@ -89,6 +89,11 @@ extern "C" tm_status tm__rmsnorm_backward_cuda(tm__call *c) {
  * rmsnorm's read of s from memory; the backward reads ds, dh, s once and adds t into dx and dy
  * without storing s's gradient. Per element the arithmetic of the add, rmsnorm and axpy
  * kernels in their order, with s and t rounded to T where the unfused ops store them.
+ * Launches per residual add + norm (two per layer; derived from elementwise.cu and above):
+ * forward 2 -> 1 (ew_forward_kernel + rmsnorm_forward_kernel); backward 3 + R -> 1 + R
+ * (rmsnorm_backward_kernel + two ew_grad_full_kernel + rmsnorm's dw reduction, R = 1 or 2
+ * tm__cu_reduce launches). Memory passes over (N, C), in units of the activation dtype, bf16:
+ * forward 5 -> 4, backward about 14 -> 11 (the f32 dw products, 4 of them, remain).
  */
 template <typename T>
 __global__ void add_rmsnorm_forward_kernel(void *s_, void *h_, float *rstd, const void *x_, const void *y_,
