@@ -131,6 +131,7 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
 void tm_ctx_free(tm_ctx *ctx) {
     if (!ctx) return;
     tm__comm_destroy(ctx);
+    for (int b = 0; b < TM__NBACKENDS; b++) tm__segs_free(ctx, ctx->segs[b]);
     for (int b = 0; b < TM__NBACKENDS; b++) {
         tm__arena_release(ctx, &ctx->arena[b]);
     }
@@ -159,6 +160,13 @@ void tm_ctx_free(tm_ctx *ctx) {
     for (int b = 0; b < TM__NBACKENDS; b++)
         if (ctx->be[b] && ctx->be[b]->shutdown) ctx->be[b]->shutdown(ctx, ctx->state[b]);
     tm__host_free(ctx, ctx);
+}
+
+tm_status tm__ctx_segs(tm_ctx *ctx, tm_device dev, int cap, tm__segs **out) {
+    int b = tm__backend(dev);
+    if (!ctx->segs[b]) TM__TRY(tm__segs_new(ctx, "tm_ctx_clip_grad_norm", dev, cap, &ctx->segs[b]));
+    *out = ctx->segs[b];
+    return TM_OK;
 }
 
 const char *tm_ctx_errmsg(const tm_ctx *ctx) { return ctx ? ctx->errmsg : "context is NULL"; }

@@ -130,6 +130,7 @@ struct tm_ctx {
 
     struct tm__mirror *mirrors; /* host mirrors (internal.h), newest first, meta memory; reset with the arena */
     struct tm__comm *comm; /* tm_comm_init (framework/comm.h); NULL: one rank */
+    struct tm__segs *segs[TM__NBACKENDS]; /* tm__ctx_segs: the clip's segment list per backend */
 };
 
 /* One host mirror (internal.h, "host mirrors"): n i64 values of storage st from element offset. */

@@ -89,7 +89,10 @@ tm_status tm__embedding_checked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, 
 /* tm_cross_entropy for targets already known to be valid (checked on the device, e.g. by
  * tm_index_check): the same result, but the CUDA forward does not read its bad-target flag
  * back, so it does not synchronise (and the CPU forward counts no synchronisation). A target
- * outside [0, V) that is not ignore_index is then undefined on CUDA (the CPU still reports it). */
+ * outside [0, V) that is not ignore_index is then undefined on CUDA (the CPU still reports it).
+ * The loss of bf16 logits is f32 (a bf16 loss would keep 3 significant digits), computed from
+ * the bf16 logits directly: no f32 copy of the logits, and their gradient is written in bf16,
+ * the bits of a cast to f32 followed by the cross-entropy. */
 tm_status tm__cross_entropy_checked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
                                     tm_tensor **out);
 /* Not taped: dst = src (accumulate 0) or dst += alpha * src (accumulate 1) with ANY strides on
@@ -150,5 +153,45 @@ tm_status tm__mirror_set(tm_ctx *ctx, const tm_tensor *t, const int64_t *vals);
 const int64_t *tm__mirror_find(const tm_ctx *ctx, const tm_tensor *t);
 /* t's storage is about to be written: forget every mirror of that storage. */
 void tm__mirror_drop(tm_ctx *ctx, const tm_tensor *t);
+
+/* ---- fused updates over many bucket ranges (framework/ops/update.c) ------------------------ */
+/* A segment list: the ranges one fused update op covers on one device (framework/
+ * update_multi.h), with its table on that device. Fill it before every use (begin, then one
+ * add per range, in a fixed order); the ops upload the table only when it differs from the one
+ * the device holds, so a steady training step uploads nothing. Empty ranges are left out. */
+typedef struct tm__segs tm__segs;
+enum { TM__SEGS_ADAMW = 1, TM__SEGS_GRADS = 2 };
+/* A list for up to cap ranges (it grows when begin asks for more) of tensors on dev. fn names
+ * the caller in messages. Errors: TM_ERR_NOMEM, TM_ERR_CUDA. */
+tm_status tm__segs_new(tm_ctx *ctx, const char *fn, tm_device dev, int cap, tm__segs **out);
+/* NULL: no-op. */
+void tm__segs_free(tm_ctx *ctx, tm__segs *l);
+/* The context's own list for dev (tm_ctx_clip_grad_norm's), made on first use (for cap ranges),
+ * freed with the context. Errors: as tm__segs_new. */
+tm_status tm__ctx_segs(tm_ctx *ctx, tm_device dev, int cap, tm__segs **out);
+/* Empty the list to describe up to cap ranges of kind TM__SEGS_ADAMW or TM__SEGS_GRADS. */
+tm_status tm__segs_begin(tm_ctx *ctx, tm__segs *l, int kind, int cap);
+/* Ranges left in the list (empty ones are not). */
+int tm__segs_count(const tm__segs *l);
+/* AdamW range [a, e) of a bucket: elements [a, e) of the flat params P and grads G (one float
+ * dtype), elements [a - off, e - off) of the flat f32 moments m, v and master weights (NULL:
+ * none; bf16 parameters then round each step), with weight decay wd. Errors (nothing is added):
+ * TM_ERR_INVALID_ARG (NULL, not contiguous, a range outside a tensor, the list full or of
+ * another kind), TM_ERR_DTYPE, TM_ERR_DEVICE. */
+tm_status tm__segs_add_adamw(tm_ctx *ctx, tm__segs *l, tm_tensor *P, tm_tensor *G, tm_tensor *m, tm_tensor *v,
+                             tm_tensor *master, int64_t a, int64_t e, int64_t off, double wd);
+/* Gradient range [a, e) of the flat gradients G. Errors: as tm__segs_add_adamw. */
+tm_status tm__segs_add_grad(tm_ctx *ctx, tm__segs *l, tm_tensor *G, int64_t a, int64_t e);
+/* tm_adamw_update over every range of l (TM__SEGS_ADAMW) in one op, with each range's weight
+ * decay; bit for bit what one tm_adamw_update per range gives. Errors: as tm_adamw_update. */
+tm_status tm__adamw_update_multi(tm_ctx *ctx, tm__segs *l, const tm_adamw_config *cfg, double lr, int64_t step);
+/* The clip's two ops over l (TM__SEGS_GRADS, at least one range). grad_sumsq_multi: *partials
+ * [count] = tm_grad_sumsq of each range (f64 on the CPU, f32 on CUDA, the same values), and
+ * *factor (0-d, f64 / f32) = max_norm / (norm + 1e-6) when max_norm > 0 and norm > max_norm,
+ * else exactly 1, where norm = sqrt of the partials (f64 each) added in range order: computed
+ * on the device, nothing is read back. grad_scale_multi: every range *= factor (rounded to f32
+ * for f32 and bf16 gradients), nothing when factor is 1, without a host read. */
+tm_status tm__grad_sumsq_multi(tm_ctx *ctx, tm__segs *l, double max_norm, tm_tensor **partials, tm_tensor **factor);
+tm_status tm__grad_scale_multi(tm_ctx *ctx, tm__segs *l, tm_tensor *factor);
 
 #endif

@@ -547,6 +547,15 @@ TM_API tm_status tm_index_check(tm_ctx *ctx, tm_tensor *ids, int64_t hi, int64_t
  * dtypes), TM_ERR_SHAPE (x 0-d or C = 0, weight not [C]), TM_ERR_INVALID_ARG (eps negative,
  * NaN or infinite). */
 TM_API tm_status tm_rmsnorm(tm_ctx *ctx, tm_tensor *x, tm_tensor *weight, double eps, tm_tensor **out);
+/* The pre-norm residual step "x = x + f(x); h = norm(x)" in one op: *sum = x + y and
+ * *out = tm_rmsnorm(*sum, weight, eps), both [..., C] in x's dtype; the same bits as tm_add
+ * followed by tm_rmsnorm (forward and gradients; bf16 sums are rounded before the norm reads
+ * them, as tm_add's output is), with one kernel per direction on CUDA. x and y [..., C] of one
+ * shape (no broadcasting) and one float dtype, weight [C] of that dtype.
+ * Errors: TM_ERR_INVALID_ARG (sum or out NULL; eps negative, NaN or infinite), TM_ERR_DTYPE
+ * (not float, or dtypes differ), TM_ERR_SHAPE (x and y differ, x 0-d or C = 0, weight not [C]). */
+TM_API tm_status tm_add_rmsnorm(tm_ctx *ctx, tm_tensor *x, tm_tensor *y, tm_tensor *weight, double eps,
+                                tm_tensor **sum, tm_tensor **out);
 /* SiLU(x) = x * sigmoid(x) (Elfwing et al. 2018). Errors: TM_ERR_DTYPE (x not float). */
 TM_API tm_status tm_silu(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
 /* SwiGLU (Shazeer 2020), fused: out = silu(gate) * up; gate and up of the same shape.
@@ -1251,7 +1260,8 @@ typedef struct tm_optimizer tm_optimizer;
  * of CUDA parameters). */
 TM_API tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimizer **out);
 /* One update from the gradients currently accumulated. lr < 0: the configured lr (pass the
- * scheduled value otherwise). Does not zero the gradients (tm_ctx_zero_grad). Under ZeRO-1
+ * scheduled value otherwise). Does not zero the gradients (tm_ctx_zero_grad). AdamW updates all
+ * the buckets of a device in one op (one CUDA launch). Under ZeRO-1
  * (after tm_comm_sync_grads) each rank updates its block of every bucket, whose state (and
  * master weights) it alone keeps, then the parameters are all-gathered: a collective.
  * Runs on the parameters' devices (CPU and CUDA; bf16 buckets update their f32 master weights).
@@ -1338,13 +1348,17 @@ TM_API tm_status tm_grad_sumsq(tm_ctx *ctx, tm_tensor *grad, tm_tensor **out);
 TM_API tm_status tm_grad_scale(tm_ctx *ctx, tm_tensor *grad, double scale);
 
 /* Global L2 norm of all parameter gradients (accumulated in f64): sqrt(sum_p sum_i g_i^2),
- * one tm_grad_sumsq per bucket summed in bucket order, then one tm_grad_scale per bucket.
- * With max_norm > 0, gradients are then scaled by max_norm / (norm + 1e-6) when norm >
- * max_norm (torch.nn.utils.clip_grad_norm_). *norm_out (may be NULL) gets the norm before
- * clipping. The partial sums of a device's buckets are read back together: one
- * synchronisation per device holding parameters (CUDA partials are f32-rounded, see
- * tm_grad_sumsq). Errors: TM_ERR_INVALID_ARG (max_norm NaN), TM_ERR_UNSUPPORTED (a device
- * without the kernels; nothing is changed), TM_ERR_CUDA. */
+ * the tm_grad_sumsq of each bucket summed in bucket order, then every bucket scaled as
+ * tm_grad_scale does. With max_norm > 0, gradients are then scaled by max_norm / (norm + 1e-6)
+ * when norm > max_norm (torch.nn.utils.clip_grad_norm_). *norm_out (may be NULL) gets the norm
+ * before clipping (CUDA partials are f32-rounded, see tm_grad_sumsq).
+ * Synchronisations: with every bucket on one device and no communicator, the norm and the scale
+ * factor are computed on the device (on CUDA: two kernel launches for all buckets, no host read
+ * between them), and the per-bucket partial sums are read back once, only when norm_out is not
+ * NULL (NULL: no synchronisation). Otherwise (buckets on the CPU and a GPU, or a communicator)
+ * the partials of a device's buckets are read back together, one synchronisation per device
+ * holding parameters, and the host decides the scaling. Errors: TM_ERR_INVALID_ARG (max_norm
+ * NaN), TM_ERR_UNSUPPORTED (a device without the kernels; nothing is changed), TM_ERR_CUDA. */
 TM_API tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out);
 
 /* ------------------------------------------------------------------------------------------ */

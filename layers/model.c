@@ -8,6 +8,10 @@
  *   rmsnorm --lm_head (or embed.weight^T when tied)--> logits [B,T,V]
  *   loss = mean CE + the MoE layers' aux / seq-aux / z losses (coefficients applied there)
  *
+ * Each residual add is fused with the norm that reads its sum (tm_add_rmsnorm: ffn_norm after
+ * the attention's add, the next layer's attn_norm or the final norm after the FFN's); only
+ * layer 0's attn_norm stands alone. Same bits as separate adds and norms.
+ *
  * The residual stream is kept as one [B*T, H] matrix so every projection is a single GEMM of
  * B*T rows; only rope and attention see the [B,T,heads,D] view of it (a reshape of contiguous
  * memory, no copy). Weights are stored [in, out] so activations multiply from the left.
@@ -317,23 +321,34 @@ static tm_status self_attention(tm_model *m, int l, tm_tensor *h, int64_t B, int
     return tm_matmul(ctx, a, L->wo, 0, 0, out);   // (B*T, H)
 }
 
-/* Decoder block l on the residual stream x [B*T,H]: x + attn(norm(x)), then + ffn(norm(.)).
- * st (may be NULL) receives the MoE block's statistics; untouched on dense layers. */
-static tm_status block(tm_model *m, int l, tm_tensor *x, int64_t B, int64_t T, tm_kv_cache *kv, tm_moe_stats *st,
-                       tm_tensor **out) {
+/* Decoder block l on the residual stream x [B*T,H], given h = attn_norm(x): x + attn(h), then
+ * + ffn(norm(.)). Each residual add is fused with the norm after it (tm_add_rmsnorm: the bits
+ * of tm_add and tm_rmsnorm, one kernel per direction on CUDA), so the block stops before its
+ * last add: *x1 = x + attn(h) and *y = ffn(ffn_norm(*x1)), whose sum the caller fuses with the
+ * next norm (norm_after). st (may be NULL) receives the MoE block's statistics; untouched
+ * on dense layers. */
+static tm_status block(tm_model *m, int l, tm_tensor *x, tm_tensor *h, int64_t B, int64_t T, tm_kv_cache *kv,
+                       tm_moe_stats *st, tm_tensor **x1, tm_tensor **y) {
     tm_ctx *ctx = m->ctx;
     const tm_model_config *c = &m->cfg;
     const tm__layer *L = &m->layers[l];
-    tm_tensor *h, *y;
-    TM__TRY(tm_rmsnorm(ctx, x, L->attn_norm, c->norm_eps, &h));
-    TM__TRY(self_attention(m, l, h, B, T, kv, &y));
-    TM__TRY(tm_add(ctx, x, y, &x));
-    TM__TRY(tm_rmsnorm(ctx, x, L->ffn_norm, c->norm_eps, &h));
+    tm_tensor *a;
+    TM__TRY(self_attention(m, l, h, B, T, kv, &a));
+    TM__TRY(tm_add_rmsnorm(ctx, x, a, L->ffn_norm, c->norm_eps, x1, &h));
     /* The running counts of the expert-bias update are left to the caller (tm_model_forward
      * adds them once the step's ids are known to be valid; the cached forward never does). */
-    if (L->moe) TM__TRY(tm__moe_forward(L->moe, h, B, &y, st, 0));
-    else TM__TRY(swiglu_mlp(ctx, h, L->mlp_w0, L->mlp_w1, L->mlp_wo, &y));
-    return tm_add(ctx, x, y, out);
+    if (L->moe) return tm__moe_forward(L->moe, h, B, y, st, 0);
+    return swiglu_mlp(ctx, h, L->mlp_w0, L->mlp_w1, L->mlp_wo, y);
+}
+
+/* The norm after layer l: the next layer's attention norm, or the final norm. */
+static tm_tensor *norm_after(const tm_model *m, int l) {
+    return l + 1 < m->cfg.n_layers ? m->layers[l + 1].attn_norm : m->norm;
+}
+
+/* h = attn_norm(x) of layer 0, the one norm not fused with a residual add (n_layers >= 1). */
+static tm_status first_norm(tm_model *m, tm_tensor *x, tm_tensor **h) {
+    return tm_rmsnorm(m->ctx, x, m->layers[0].attn_norm, m->cfg.norm_eps, h);
 }
 
 /* tokens i32 [B,T] -> the residual stream [B*T,H]. The tokens are valid already (checked on the
@@ -346,12 +361,11 @@ static tm_status embed(tm_model *m, tm_tensor *tokens, tm_tensor **x) {
     return tm__embedding_checked(m->ctx, m->embed, ids, x); // (B*T, H)
 }
 
-/* Final norm and lm_head (embed.weight^T when tied): x [B*T,H] -> logits [B,T,V]. */
-static tm_status head(tm_model *m, tm_tensor *x, int64_t B, int64_t T, tm_tensor **logits_2d, tm_tensor **logits) {
+/* lm_head (embed.weight^T when tied) on the final norm h [B*T,H] -> logits [B,T,V]. */
+static tm_status head(tm_model *m, tm_tensor *h, int64_t B, int64_t T, tm_tensor **logits_2d, tm_tensor **logits) {
     tm_ctx *ctx = m->ctx;
     int64_t s3[3] = {B, T, m->cfg.vocab_size};
-    tm_tensor *h, *lg;
-    TM__TRY(tm_rmsnorm(ctx, x, m->norm, m->cfg.norm_eps, &h));
+    tm_tensor *lg;
     if (m->lm_head) TM__TRY(tm_matmul(ctx, h, m->lm_head, 0, 0, &lg)); // (B*T, V)
     else TM__TRY(tm_matmul(ctx, h, m->embed, 0, 1, &lg));
     if (logits_2d) *logits_2d = lg;
@@ -457,13 +471,15 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
     int64_t dp_tokens = B * T;
     if (tm_comm_size(ctx, TM_COMM_DP) > 1) TM__TRY(tm_comm_allreduce_host(ctx, TM_COMM_DP, TM_I64, &dp_tokens, 1));
 
-    tm_tensor *x;
+    tm_tensor *x, *h, *x1, *y;
     TM__TRY(embed(m, tok, &x)); // (B*T, H)
+    TM__TRY(first_norm(m, x, &h));
     tm_tensor *moe_loss[3] = {NULL, NULL, NULL}; /* aux, seq aux, z: summed over layers */
     int j = 0;
     for (int l = 0; l < c->n_layers; l++) {
         tm_moe_stats st;
-        TM__TRY(block(m, l, x, B, T, NULL, &st, &x));
+        TM__TRY(block(m, l, x, h, B, T, NULL, &st, &x1, &y));
+        TM__TRY(tm_add_rmsnorm(ctx, x1, y, norm_after(m, l), c->norm_eps, &x, &h)); // x1 + y, its norm
         if (!m->layers[l].moe) continue;
         tm_tensor *parts[3] = {st.aux_loss, st.seq_aux_loss, st.z_loss};
         for (int p = 0; p < 3; p++) TM__TRY(add_loss(ctx, moe_loss[p], parts[p], &moe_loss[p]));
@@ -471,15 +487,15 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
         counts[j++] = st.tokens_per_expert;
     }
     tm_tensor *logits;
-    TM__TRY(head(m, x, B, T, &logits, &o.logits)); // (B*T, V), (B, T, V)
+    TM__TRY(head(m, h, B, T, &logits, &o.logits)); // (B*T, V), (B, T, V)
 
     if (targets) {
         int64_t flat[1] = {B * T};
         tm_tensor *tg, *lg = logits;
         TM__TRY(tm_reshape(ctx, tgt, 1, flat, &tg));
-        /* A bf16 loss would keep 3 significant digits: take the cross-entropy in f32. */
-        if (tm_tensor_dtype(lg) == TM_BF16) TM__TRY(tm_cast(ctx, lg, TM_F32, &lg));
-        /* The targets were checked above: the cross-entropy need not read its own flag back. */
+        /* The targets were checked above: the cross-entropy need not read its own flag back.
+         * Its loss is f32 for bf16 logits, read from the bf16 logits directly: no f32 copy of
+         * the (B*T, V) logits, and the gradient comes back in bf16 (extend.h). */
         TM__TRY(tm__cross_entropy_checked(ctx, lg, tg, -1, &o.ce_loss));
         /* Data parallelism: this rank's share of the global batch's mean (tinymoe.h). */
         if (dp_tokens > B * T) TM__TRY(tm_scale(ctx, o.ce_loss, (double)(B * T) / (double)dp_tokens, &o.ce_loss));
@@ -531,12 +547,16 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
 /* The cached forward proper (tape off, arguments checked). */
 static tm_status forward_cached(tm_model *m, tm_kv_cache *kv, tm_tensor *tokens, tm_tensor **logits) {
     int64_t B = tm_tensor_dim(tokens, 0), T = tm_tensor_dim(tokens, 1);
-    tm_tensor *x;
+    tm_tensor *x, *h, *x1, *y;
     TM__TRY(embed(m, tokens, &x)); // (B*T, H)
+    TM__TRY(first_norm(m, x, &h));
     /* The MoE statistics are not asked for, and with the tape off tm_moe_forward leaves the
      * expert-bias counts alone. */
-    for (int l = 0; l < m->cfg.n_layers; l++) TM__TRY(block(m, l, x, B, T, kv, NULL, &x));
-    return head(m, x, B, T, NULL, logits); // (B, T, V)
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        TM__TRY(block(m, l, x, h, B, T, kv, NULL, &x1, &y));
+        TM__TRY(tm_add_rmsnorm(m->ctx, x1, y, norm_after(m, l), m->cfg.norm_eps, &x, &h));
+    }
+    return head(m, h, B, T, NULL, logits); // (B, T, V)
 }
 
 tm_status tm_model_forward_cached(tm_model *m, tm_kv_cache *kv, tm_tensor *tokens, tm_tensor **logits) {

@@ -1,6 +1,7 @@
 /*
- * adamw.c — the AdamW optimizer: tm_adamw_new and its update of one bucket run through the
- * adamw_update op (kernels/cpu/update.c; optimizer.c drives it).
+ * adamw.c — the AdamW optimizer: tm_adamw_new, and its update of one bucket run through the
+ * adamw_update op (kernels/cpu/update.c). tm_optimizer_step (optimizer.c) updates every run of
+ * a device at once with adamw_update_multi, the same arithmetic per element.
  *
  * Update of one parameter p with gradient g at step t (Loshchilov & Hutter 2019, Alg. 2; bias
  * correction of Kingma & Ba 2015), exactly as documented in tinymoe.h:

@@ -8,14 +8,56 @@
  * bucket. Each partial is a fixed-order f64 sum (kernels/cpu/update.c, kernels/cuda/update.cu),
  * so the norm is bitwise independent of the thread count and reproducible run to run.
  *
- * Synchronisations: the host needs the norm (to decide whether to scale, and for norm_out), so
- * it reads the partials back, once per device: the partials of a device's buckets stay on that
- * device and are concatenated there into one vector, read in one copy. A CUDA run therefore
- * waits once per clip, not once per bucket (a CPU-only context counts one as well).
+ * The usual case, every bucket on one device and no communicator, is fused (clip_fused): one
+ * grad_sumsq_multi over every bucket, which also computes the norm and the scale factor on the
+ * device, and one grad_scale_multi that reads the factor there: two CUDA launches, bit for bit
+ * the values of the general path below, and no host read between them. The host reads the
+ * per-bucket partials (one copy, the step's one clip synchronisation) only when the caller asks
+ * for the norm: `tinymoe train` does every step (train/step.c: its non-finite guard must see the
+ * norm before the update, and it logs it), a caller passing norm_out = NULL waits for nothing.
+ *
+ * General path (buckets on the CPU and a GPU, or a communicator): one grad_sumsq op per bucket,
+ * the partials read back once per device (concatenated there, read in one copy), added over
+ * the world, then one grad_scale op per bucket decided on the host.
  */
 #include <math.h>
 
 #include "extend.h"
+
+/* Every bucket's gradients on one device and one rank: the clip in two ops (see the top). The
+ * partial of each non-empty bucket (f64, or f32 on CUDA), added in bucket order from 0, is the
+ * general path's sum (its empty buckets add 0). */
+static tm_status clip_fused(tm_ctx *ctx, tm_device dev, double max_norm, double *norm_out) {
+    int nb = tm_ctx_num_buckets(ctx);
+    tm__segs *l;
+    TM__TRY(tm__ctx_segs(ctx, dev, nb, &l));
+    TM__TRY(tm__segs_begin(ctx, l, TM__SEGS_GRADS, nb));
+    for (int k = 0; k < nb; k++) {
+        int64_t lo = 0, hi = 0;
+        TM__TRY(tm_ctx_grad_shard(ctx, k, &lo, &hi));
+        if (hi > lo) TM__TRY(tm__segs_add_grad(ctx, l, tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS), lo, hi));
+    }
+    int m = tm__segs_count(l);
+    if (m == 0) {
+        if (norm_out) *norm_out = 0.0;
+        return TM_OK;
+    }
+    tm_tensor *partials, *factor;
+    TM__TRY(tm__grad_sumsq_multi(ctx, l, max_norm, &partials, &factor));
+    if (max_norm > 0.0) TM__TRY(tm__grad_scale_multi(ctx, l, factor));
+    if (!norm_out) return TM_OK;
+    enum { NB_STACK = 32 };
+    double vals_s[NB_STACK], *vals = vals_s;
+    if (m > NB_STACK && !(vals = tm__host_alloc(ctx, sizeof *vals * (size_t)m)))
+        return tm__err(ctx, TM_ERR_NOMEM, "tm_ctx_clip_grad_norm: out of host memory");
+    tm_status s = tm_tensor_read(ctx, partials, TM_F64, vals, m);
+    double ss = 0.0;
+    for (int j = 0; j < m; j++) ss += vals[j]; /* bucket order, as the device added them */
+    if (vals != vals_s) tm__host_free(ctx, vals);
+    TM__TRY(s);
+    *norm_out = sqrt(ss);
+    return TM_OK;
+}
 
 /* Read the m 0-d partials xs[] (one device) into vals[0..m) in one copy: concatenated on
  * their device, at most 8 at a time (tm_concat's limit), in order. xs is overwritten. */
@@ -49,6 +91,17 @@ tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) 
                            bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU", k, tm_dtype_name(bi.dtype),
                            tm__bucket_first_param(ctx, k));
     }
+    /* One device and one rank: fused. */
+    int one_dev = nb > 0 && tm_comm_size(ctx, TM_COMM_WORLD) <= 1;
+    tm_device dev = tm_cpu();
+    for (int k = 0; one_dev && k < nb; k++) {
+        tm_bucket_info bi;
+        TM__TRY(tm_ctx_bucket_info(ctx, k, &bi));
+        if (k == 0) dev = bi.device;
+        else if (!tm__same_device(bi.device, dev)) one_dev = 0;
+    }
+    if (one_dev && tm__op_available(ctx, "grad_sumsq_multi", dev) && tm__op_available(ctx, "grad_scale_multi", dev))
+        return clip_fused(ctx, dev, max_norm, norm_out);
     /* Stack arrays for the usual handful of buckets: a training step allocates nothing on
      * the host (tm_ctx_alloc_count stays flat). */
     enum { NB_STACK = 32 };

@@ -3,7 +3,8 @@
  * buckets with flat state, and tm_optimizer_step / _steps / _free.
  *
  * State is flat per bucket (the bucket's layout, so a step is one update op per run of
- * parameters sharing a decay setting, and a later optimizer shard is a [lo, hi) range of it)
+ * parameters sharing a decay setting, or for AdamW one fused op per device over all the runs,
+ * and a later optimizer shard is a [lo, hi) range of it)
  * and named per parameter ("<param>.adamw_m", "<param>.sgd_b", "<param>.master", ..., and the
  * step counter "optim.adamw.steps" / "optim.sgd.steps"): found by name (checkpoints, which
  * keep storing per-parameter tensors) and freed with the context, not with the optimizer.
@@ -157,6 +158,56 @@ static tm_status range(tm_ctx *ctx, tm_tensor *flat, int64_t lo, int64_t hi, tm_
     return tm_slice(ctx, flat, 0, lo, hi, out);
 }
 
+/* The part of run r of bucket ob in this rank's range [ob->lo, ob->hi) (all of it without
+ * ZeRO-1); empty when a >= e. */
+static void run_part(const tm__opt_bucket *ob, const tm__opt_run *run, int64_t *a, int64_t *e) {
+    *a = run->lo > ob->lo ? run->lo : ob->lo;
+    *e = run->hi < ob->hi ? run->hi : ob->hi;
+}
+
+/* AdamW: one adamw_update_multi per device over every run of its buckets, each run with its
+ * weight decay: the same bits as one adamw_update per run, in one CUDA launch. The ranges are
+ * described afresh each step (no slices: offsets into the flat bucket tensors), and their table
+ * goes to the device only when it changed (the first step, a bucket that moved). */
+static tm_status adamw_step(tm_optimizer *opt, double lr, int64_t t) {
+    tm_ctx *ctx = opt->ctx;
+    const tm_adamw_config *c = &opt->cfg.adamw;
+    for (int d = 0; d < 2; d++) {
+        int cap = 0;
+        tm_device dev = tm_cpu();
+        for (int k = 0; k < opt->n_buckets; k++) {
+            tm_bucket_info bi;
+            TM__TRY(tm_ctx_bucket_info(ctx, opt->b[k].bucket, &bi));
+            if ((bi.device.type == TM_DEVICE_CUDA) != d) continue;
+            cap += opt->b[k].n_runs;
+            dev = bi.device;
+        }
+        if (cap == 0) continue;
+        if (!opt->segs[d]) TM__TRY(tm__segs_new(ctx, "tm_optimizer_step", dev, cap, &opt->segs[d]));
+        tm__segs *l = opt->segs[d];
+        TM__TRY(tm__segs_begin(ctx, l, TM__SEGS_ADAMW, cap));
+        for (int k = 0; k < opt->n_buckets; k++) {
+            const tm__opt_bucket *ob = &opt->b[k];
+            tm_bucket_info bi;
+            TM__TRY(tm_ctx_bucket_info(ctx, ob->bucket, &bi));
+            if ((bi.device.type == TM_DEVICE_CUDA) != d) continue;
+            tm_tensor *P = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_PARAMS);
+            tm_tensor *G = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_GRADS);
+            tm_tensor *M = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_MASTER);
+            for (int r = 0; r < ob->n_runs; r++) {
+                int64_t a, e;
+                run_part(ob, &ob->runs[r], &a, &e);
+                if (a >= e) continue;
+                /* (the state and the master hold [lo, hi) only under ZeRO-1) */
+                TM__TRY(tm__segs_add_adamw(ctx, l, P, G, ob->state[0], ob->state[1], M, a, e, ob->lo,
+                                           ob->runs[r].decay ? c->weight_decay : 0.0));
+            }
+        }
+        TM__TRY(tm__adamw_update_multi(ctx, l, c, lr, t));
+    }
+    return TM_OK;
+}
+
 tm_status tm_optimizer_step(tm_optimizer *opt, double lr) {
     if (!opt) return TM_ERR_INVALID_ARG;
     tm_ctx *ctx = opt->ctx;
@@ -166,25 +217,27 @@ tm_status tm_optimizer_step(tm_optimizer *opt, double lr) {
     for (int k = 0; k < opt->n_buckets; k++) {
         tm_bucket_info bi;
         TM__TRY(tm_ctx_bucket_info(ctx, opt->b[k].bucket, &bi));
-        if (!tm__op_available(ctx, opt->op, bi.device))
+        const char *op = opt->kind == TM__OPT_ADAMW ? "adamw_update_multi" : opt->op;
+        if (!tm__op_available(ctx, opt->op, bi.device) || !tm__op_available(ctx, op, bi.device))
             return tm__err(ctx, TM_ERR_UNSUPPORTED,
                            "tm_optimizer_step: %s has no %s kernel on %s yet (bucket %d: %s parameters such as "
-                           "\"%s\"); nothing was changed", opt->name, opt->op,
+                           "\"%s\"); nothing was changed", opt->name, op,
                            bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU", k, tm_dtype_name(bi.dtype),
                            tm__bucket_first_param(ctx, opt->b[k].bucket));
     }
     int64_t t = 0;
     TM__TRY(tm_tensor_read(ctx, opt->counter, TM_I64, &t, 1));
     t += 1;
-    for (int k = 0; k < opt->n_buckets; k++) {
+    if (opt->kind == TM__OPT_ADAMW) TM__TRY(adamw_step(opt, lr, t));
+    for (int k = 0; opt->kind != TM__OPT_ADAMW && k < opt->n_buckets; k++) {
         const tm__opt_bucket *ob = &opt->b[k];
         tm_tensor *P = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_PARAMS);
         tm_tensor *G = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_GRADS);
         tm_tensor *M = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_MASTER);
         for (int r = 0; r < ob->n_runs; r++) {
             const tm__opt_run *run = &ob->runs[r];
-            /* the part of the run in this rank's range (all of it without ZeRO-1) */
-            int64_t a = run->lo > ob->lo ? run->lo : ob->lo, e = run->hi < ob->hi ? run->hi : ob->hi;
+            int64_t a, e;
+            run_part(ob, run, &a, &e);
             if (a >= e) continue;
             tm_tensor *p, *g, *m = NULL, *st[TM__OPT_MAX_STATE] = {NULL, NULL};
             TM__TRY(range(ctx, P, a, e, &p));
@@ -213,6 +266,7 @@ void tm_optimizer_free(tm_optimizer *opt) {
     if (!opt) return;
     tm_ctx *ctx = opt->ctx;
     for (int k = 0; k < opt->n_buckets; k++) tm__host_free(ctx, opt->b[k].runs);
+    for (int d = 0; d < 2; d++) tm__segs_free(ctx, opt->segs[d]);
     tm__host_free(ctx, opt->b);
     tm__host_free(ctx, opt);
 }

@@ -6,7 +6,8 @@
  * holds when it is made, bucket by bucket: per bucket its flat f32 state buffers (one per
  * moment, the bucket's layout, tm__state_alloc), named per parameter ("<param>.adamw_m", ...)
  * so checkpoints keep per-parameter tensors, the f32 master weights of bf16 buckets, and the
- * runs of the bucket that share a weight-decay setting. A step is one update op per run.
+ * runs of the bucket that share a weight-decay setting. An SGD step is one update op per run;
+ * an AdamW step one adamw_update_multi per device over every run of its buckets.
  * Under ZeRO-1 (tm_comm_options.zero) a rank keeps the state of its block [lo, hi) of each
  * bucket only, updates the runs' parts inside it, and all-gathers the parameters afterwards;
  * the per-parameter names are then views of state split over the ranks (framework/shard.c),
@@ -51,6 +52,9 @@ struct tm_optimizer {
     int n_state;        /* state buffers per parameter, <= TM__OPT_MAX_STATE */
     int n_buckets;
     tm__opt_bucket *b;
+    /* AdamW: the ranges of every bucket of the CPU (0) and of the CUDA device (1), updated by
+     * one adamw_update_multi each (made on the first step) */
+    tm__segs *segs[2];
 };
 
 /* Make an optimizer over every parameter of the context: n_state flat f32 state buffers per

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "extend.h"
 
 #define IGN (-100)
 
@@ -124,6 +125,40 @@ Test(cross_entropy, backward_closed_form_f32) {
     }
     tt_assert_close_host(ctx, tm_tensor_grad(x), want, 1e-9, 1e-5);
     free(hx), free(want);
+    tm_ctx_free(ctx);
+}
+
+/* The model's path (tm__cross_entropy_checked) on bf16 logits: an f32 loss computed from the
+ * bf16 logits directly and a bf16 gradient, the same bits as casting the logits to f32 first
+ * (what tm_model_forward did before): bf16 -> f32 is exact, and the cast's backward rounded
+ * the f32 gradient to bf16 once, as the bf16 gradient's own store does. */
+Test(cross_entropy, checked_bf16_logits_give_an_f32_loss_bitwise_the_cast_path) {
+    tm_ctx *ctx = tt_ctx();
+    const int64_t N = 37, V = 1031; /* wide enough for the OpenMP path */
+    int64_t xs[2] = {N, V}, t[37];
+    for (int64_t n = 0; n < N; n++) t[n] = n % 6 == 4 ? -1 : (n * 211) % V;
+    tm_tensor *x[2], *loss[2], *tg = targets_i64(ctx, N, t);
+    for (int k = 0; k < 2; k++) {
+        x[k] = tt_randn(ctx, TM_BF16, 2, xs, 56);
+        TT_OK(ctx, tm_tensor_set_requires_grad(ctx, x[k], 1));
+        tm_tensor *lg = x[k], *l;
+        if (k == 0) TT_OK(ctx, tm_cast(ctx, x[k], TM_F32, &lg));
+        TT_OK(ctx, tm__cross_entropy_checked(ctx, lg, tg, -1, &loss[k]));
+        cr_assert_eq(tm_tensor_dtype(loss[k]), TM_F32);
+        TT_OK(ctx, tm_scale(ctx, loss[k], 0.37, &l)); /* an upstream gradient other than 1 */
+        TT_OK(ctx, tm_backward(ctx, l));
+    }
+    float lv[2];
+    for (int k = 0; k < 2; k++) TT_OK(ctx, tm_tensor_read(ctx, loss[k], TM_F32, &lv[k], 1));
+    cr_assert(memcmp(&lv[0], &lv[1], sizeof lv[0]) == 0, "loss %.9g, through an f32 cast %.9g", lv[1], lv[0]);
+    cr_assert_eq(tm_tensor_dtype(tm_tensor_grad(x[1])), TM_BF16);
+    uint16_t *g[2];
+    for (int k = 0; k < 2; k++) {
+        g[k] = malloc(sizeof(uint16_t) * N * V);
+        TT_OK(ctx, tm_tensor_read(ctx, tm_tensor_grad(x[k]), TM_BF16, g[k], N * V));
+    }
+    cr_assert(memcmp(g[0], g[1], sizeof(uint16_t) * N * V) == 0, "the bf16 gradients differ from the cast path's");
+    free(g[0]), free(g[1]);
     tm_ctx_free(ctx);
 }
 

@@ -15,6 +15,9 @@
  *     CUDA result is stored as f32 (f64 cannot live on CUDA): agreement to f32 rounding.
  *   clip + step: the norms to rtol 1e-6, then parameters as above; the whole training-like
  *     loop runs 3 steps so differences would compound.
+ *   the fused ops (adamw_update_multi, grad_sumsq_multi, grad_scale_multi): as above against
+ *     the CPU's fused ops, and bit for bit against the single-range CUDA ops (adamw_update,
+ *     grad_sumsq, grad_scale): they share the per-element code and the summation order.
  * Every test but the coverage declaration skips when no CUDA device is visible.
  */
 #include <math.h>
@@ -23,6 +26,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "extend.h"
 #include "parity.h"
 
 TT_PARITY_COVERS("adamw_update")
@@ -328,4 +332,264 @@ Test(cuda_parity_update, clip_and_adamw_step_on_cuda_buckets) {
 Test(cuda_parity_update, clip_and_sgd_step_on_cuda_buckets) {
     TT_SKIP_WITHOUT_CUDA();
     clip_and_step(1);
+}
+
+/* ---- the fused ops: adamw_update_multi, grad_sumsq_multi, grad_scale_multi ------------------- */
+/* Against the CPU's fused ops (tolerances above) and against the CUDA single-range ops, which
+ * they must reproduce bit for bit (same per-element code, same sum order): a difference there
+ * would change every CUDA training run. */
+
+TT_PARITY_COVERS("adamw_update_multi")
+TT_PARITY_COVERS("grad_sumsq_multi")
+TT_PARITY_COVERS("grad_scale_multi")
+
+/* Flat "buckets" on one device: f32 without master; bf16 with an f32 master whose state starts
+ * at element 64 (a ZeRO-1 block); bf16 without master. Sizes leave ragged last blocks. */
+enum { MG = 3 };
+static const tm_dtype MG_DT[MG] = {TM_F32, TM_BF16, TM_BF16};
+static const int64_t MG_N[MG] = {300007, 70001, 4099}, MG_OFF[MG] = {0, 64, 0};
+static const int MG_MASTER[MG] = {0, 1, 0};
+
+typedef struct mgroup {
+    tm_tensor *P, *G, *m, *v, *master;
+} mgroup;
+
+static void mg_make(tm_ctx *ctx, tm_device dev, mgroup *g) {
+    for (int k = 0; k < MG; k++) {
+        int64_t n = MG_N[k], ns = n - MG_OFF[k];
+        double *p = tt_parity_uniform(n, 70 + (uint64_t)k), *z = calloc((size_t)n, sizeof(double));
+        if (MG_DT[k] == TM_BF16)
+            for (int64_t i = 0; i < n; i++) {
+                float f = (float)p[i];
+                uint32_t u;
+                memcpy(&u, &f, 4);
+                u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+                memcpy(&f, &u, 4);
+                p[i] = f;
+            }
+        g[k].P = make(ctx, MG_DT[k], n, dev, p);
+        g[k].G = make(ctx, MG_DT[k], n, dev, z);
+        g[k].m = make(ctx, TM_F32, ns, dev, z);
+        g[k].v = make(ctx, TM_F32, ns, dev, z);
+        g[k].master = MG_MASTER[k] ? make(ctx, TM_F32, ns, dev, p + MG_OFF[k]) : NULL;
+        free(p), free(z);
+    }
+}
+
+static void mg_grads(tm_ctx *ctx, mgroup *g, int t, double scale) {
+    for (int k = 0; k < MG; k++) {
+        double *h = tt_parity_uniform(MG_N[k], 300 + 11 * (uint64_t)t + (uint64_t)k);
+        for (int64_t i = 0; i < MG_N[k]; i++) h[i] *= scale * ((i % 7 == 0) ? 1e-6 : (i % 3 == 0 ? 30.0 : 1.0));
+        TT_OK(ctx, tm_tensor_write(ctx, g[k].G, TM_F64, h, MG_N[k]));
+        free(h);
+    }
+}
+
+typedef struct mrange {
+    int group;
+    int64_t a, e;
+    double wd;
+} mrange;
+
+static const mrange MR[] = {
+    {0, 0, 4096, 0.1}, {0, 4096, 4099, 0.0}, {0, 4099, 200001, 0.1}, {0, 200001, 300007, 0.0},
+    {1, 64, 65, 0.0}, {1, 65, 70001, 0.05}, {2, 0, 4099, 0.01},
+};
+enum { N_MR = sizeof MR / sizeof MR[0] };
+
+static void mg_adamw_per_range(tm_ctx *ctx, mgroup *g, const tm_adamw_config *cfg, double lr, int t) {
+    for (int r = 0; r < N_MR; r++) {
+        const mrange *q = &MR[r];
+        mgroup *x = &g[q->group];
+        int64_t o = MG_OFF[q->group];
+        tm_tensor *p, *gr, *m, *v, *ms = NULL;
+        TT_OK(ctx, tm_slice(ctx, x->P, 0, q->a, q->e, &p));
+        TT_OK(ctx, tm_slice(ctx, x->G, 0, q->a, q->e, &gr));
+        TT_OK(ctx, tm_slice(ctx, x->m, 0, q->a - o, q->e - o, &m));
+        TT_OK(ctx, tm_slice(ctx, x->v, 0, q->a - o, q->e - o, &v));
+        if (x->master) TT_OK(ctx, tm_slice(ctx, x->master, 0, q->a - o, q->e - o, &ms));
+        TT_OK(ctx, tm_adamw_update(ctx, p, gr, m, v, ms, cfg, lr, q->wd, t));
+    }
+}
+
+static void mg_adamw_fused(tm_ctx *ctx, tm__segs *l, mgroup *g, const tm_adamw_config *cfg, double lr, int t) {
+    TT_OK(ctx, tm__segs_begin(ctx, l, TM__SEGS_ADAMW, N_MR));
+    for (int r = 0; r < N_MR; r++) {
+        const mrange *q = &MR[r];
+        mgroup *x = &g[q->group];
+        TT_OK(ctx, tm__segs_add_adamw(ctx, l, x->P, x->G, x->m, x->v, x->master, q->a, q->e, MG_OFF[q->group], q->wd));
+    }
+    TT_OK(ctx, tm__adamw_update_multi(ctx, l, cfg, lr, t));
+}
+
+/* The same bits (both tensors on CUDA, read in their dtype). */
+static void assert_bits(tm_ctx *ctx, const tm_tensor *a, const tm_tensor *b, const char *what, const char *name) {
+    int64_t n = tm_tensor_numel(a);
+    tm_dtype dt = tm_tensor_dtype(a);
+    size_t es = tm_dtype_size(dt);
+    char *x = malloc(es * (size_t)n + 1), *y = malloc(es * (size_t)n + 1);
+    TT_OK(ctx, tm_tensor_read(ctx, a, dt, x, n));
+    TT_OK(ctx, tm_tensor_read(ctx, b, dt, y, n));
+    int64_t bad = -1;
+    for (int64_t i = 0; i < n && bad < 0; i++)
+        if (memcmp(x + (size_t)i * es, y + (size_t)i * es, es)) bad = i;
+    cr_assert(bad < 0, "%s: %s of the fused CUDA op differs from the single-range CUDA op at element %lld", name, what,
+              (long long)bad);
+    free(x), free(y);
+}
+
+Test(cuda_parity_update, adamw_update_multi) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
+    mgroup fc[MG], fg[MG], rg[MG]; /* fused on the CPU, fused on CUDA, per range on CUDA */
+    mg_make(ctx, tm_cpu(), fc);
+    mg_make(ctx, tm_cuda(0), fg);
+    mg_make(ctx, tm_cuda(0), rg);
+    tm__segs *lc, *lg;
+    TT_OK(ctx, tm__segs_new(ctx, "test", tm_cpu(), N_MR, &lc));
+    TT_OK(ctx, tm__segs_new(ctx, "test", tm_cuda(0), N_MR, &lg));
+    tm_adamw_config cfg = tm_adamw_config_default();
+    cfg.beta2 = 0.95;
+    for (int t = 1; t <= 4; t++) {
+        mg_grads(ctx, fc, t, 1.0);
+        mg_grads(ctx, fg, t, 1.0);
+        mg_grads(ctx, rg, t, 1.0);
+        uint64_t before = tm_ctx_sync_count(ctx);
+        mg_adamw_fused(ctx, lg, fg, &cfg, 3e-3 * t, t);
+        cr_assert_eq(tm_ctx_sync_count(ctx), before, "adamw_update_multi waited for the device");
+        mg_adamw_fused(ctx, lc, fc, &cfg, 3e-3 * t, t);
+        mg_adamw_per_range(ctx, rg, &cfg, 3e-3 * t, t);
+    }
+    for (int k = 0; k < MG; k++) {
+        const char *name = k == 0 ? "f32" : k == 1 ? "bf16 with master" : "bf16 without master";
+        assert_bits(ctx, fg[k].P, rg[k].P, "param", name);
+        assert_bits(ctx, fg[k].m, rg[k].m, "m", name);
+        assert_bits(ctx, fg[k].v, rg[k].v, "v", name);
+        if (fg[k].master) assert_bits(ctx, fg[k].master, rg[k].master, "master", name);
+        assert_same(ctx, fg[k].P, fc[k].P, MG_DT[k] == TM_BF16 ? BF16_TOL : F32_TOL, "param", name);
+        assert_same(ctx, fg[k].m, fc[k].m, F32_TOL, "m", name);
+        assert_same(ctx, fg[k].v, fc[k].v, F32_TOL, "v", name);
+        if (fg[k].master) assert_same(ctx, fg[k].master, fc[k].master, F32_TOL, "master", name);
+    }
+    tm__segs_free(ctx, lc);
+    tm__segs_free(ctx, lg);
+    tm_ctx_free(ctx);
+}
+
+/* The clip's ops over every range of MR's groups as gradients (one range per group, plus
+ * ranges of assorted sizes cut from group 0: one chunk, exactly one chunk, one past, many). */
+static const int64_t CLIP_CUTS[][2] = {{0, 5}, {5, 4101}, {4101, 8198}, {8198, 300007}};
+
+static void clip_list(tm_ctx *ctx, tm__segs *l, mgroup *g) {
+    int n = (int)(sizeof CLIP_CUTS / sizeof CLIP_CUTS[0]);
+    TT_OK(ctx, tm__segs_begin(ctx, l, TM__SEGS_GRADS, n + 2));
+    for (int j = 0; j < n; j++) TT_OK(ctx, tm__segs_add_grad(ctx, l, g[0].G, CLIP_CUTS[j][0], CLIP_CUTS[j][1]));
+    TT_OK(ctx, tm__segs_add_grad(ctx, l, g[1].G, MG_OFF[1], MG_N[1]));
+    TT_OK(ctx, tm__segs_add_grad(ctx, l, g[2].G, 0, MG_N[2]));
+}
+
+/* cpu: compare with the CPU's ops too (not when the CUDA partials overflow f32, which the
+ * CPU's f64 partials do not). */
+static void clip_multi(double max_norm, double grad_scale, int cpu) {
+    tm_ctx *ctx = tt_parity_ctx();
+    mgroup gc[MG], gg[MG], gr[MG]; /* CPU fused, CUDA fused, CUDA per range */
+    mg_make(ctx, tm_cpu(), gc);
+    mg_make(ctx, tm_cuda(0), gg);
+    mg_make(ctx, tm_cuda(0), gr);
+    mg_grads(ctx, gc, 1, grad_scale);
+    mg_grads(ctx, gg, 1, grad_scale);
+    mg_grads(ctx, gr, 1, grad_scale);
+    tm__segs *lc, *lg;
+    TT_OK(ctx, tm__segs_new(ctx, "test", tm_cpu(), 1, &lc));
+    TT_OK(ctx, tm__segs_new(ctx, "test", tm_cuda(0), 1, &lg));
+    clip_list(ctx, lc, gc);
+    clip_list(ctx, lg, gg);
+    int m = tm__segs_count(lg);
+    tm_tensor *pc, *fc, *pg, *fg, *pg2, *fg2;
+    uint64_t before = tm_ctx_sync_count(ctx);
+    TT_OK(ctx, tm__grad_sumsq_multi(ctx, lg, max_norm, &pg, &fg));
+    TT_OK(ctx, tm__grad_sumsq_multi(ctx, lg, max_norm, &pg2, &fg2)); /* the ticket was reset */
+    TT_OK(ctx, tm__grad_scale_multi(ctx, lg, fg));
+    cr_assert_eq(tm_ctx_sync_count(ctx), before, "the fused clip ops waited for the device");
+    TT_OK(ctx, tm__grad_sumsq_multi(ctx, lc, max_norm, &pc, &fc));
+    TT_OK(ctx, tm__grad_scale_multi(ctx, lc, fc));
+    cr_assert_eq(tm_tensor_dtype(pg), TM_F32);
+    cr_assert_eq(tm_tensor_dtype(fg), TM_F32);
+    double *vg = tt_read(ctx, pg), *vg2 = tt_read(ctx, pg2), *vc = tt_read(ctx, pc), f, f2, fcpu;
+    TT_OK(ctx, tm_tensor_read(ctx, fg, TM_F64, &f, 1));
+    TT_OK(ctx, tm_tensor_read(ctx, fg2, TM_F64, &f2, 1));
+    TT_OK(ctx, tm_tensor_read(ctx, fc, TM_F64, &fcpu, 1));
+    cr_assert(memcmp(vg, vg2, sizeof(double) * (size_t)m) == 0 && f == f2, "two runs of grad_sumsq_multi differ");
+    /* per range on CUDA: grad_sumsq's f32 partials, bit for bit; the host's rule for the factor */
+    double ss = 0.0;
+    for (int j = 0; j < m; j++) {
+        tm_tensor *g, *o;
+        int64_t ncuts = (int64_t)(sizeof CLIP_CUTS / sizeof CLIP_CUTS[0]);
+        if (j < ncuts) TT_OK(ctx, tm_slice(ctx, gr[0].G, 0, CLIP_CUTS[j][0], CLIP_CUTS[j][1], &g));
+        else if (j == ncuts) TT_OK(ctx, tm_slice(ctx, gr[1].G, 0, MG_OFF[1], MG_N[1], &g));
+        else g = gr[2].G;
+        TT_OK(ctx, tm_grad_sumsq(ctx, g, &o));
+        double want;
+        TT_OK(ctx, tm_tensor_read(ctx, o, TM_F64, &want, 1));
+        cr_assert(vg[j] == want, "range %d: partial %.17g, grad_sumsq %.17g", j, vg[j], want);
+        cr_assert(!cpu || fabs(vg[j] - vc[j]) <= 1e-6 * vc[j], "range %d: partial %.17g on CUDA, %.17g on the CPU", j,
+                  vg[j], vc[j]);
+        ss += want;
+    }
+    double norm = sqrt(ss), scale = max_norm / (norm + 1e-6);
+    int clips = max_norm > 0 && norm > max_norm;
+    cr_assert(f == (clips ? (double)(float)scale : 1.0), "factor %.17g (norm %.17g, max_norm %g)", f, norm, max_norm);
+    cr_assert(!cpu || fabs(f - fcpu) <= 1e-6 * fcpu, "factor %.17g on CUDA, %.17g on the CPU", f, fcpu);
+    /* the scaled gradients: grad_scale per range on CUDA, bit for bit (untouched when not clipping) */
+    int64_t ncuts = (int64_t)(sizeof CLIP_CUTS / sizeof CLIP_CUTS[0]);
+    for (int j = 0; clips && j < m; j++) {
+        tm_tensor *g;
+        if (j < ncuts) TT_OK(ctx, tm_slice(ctx, gr[0].G, 0, CLIP_CUTS[j][0], CLIP_CUTS[j][1], &g));
+        else if (j == ncuts) TT_OK(ctx, tm_slice(ctx, gr[1].G, 0, MG_OFF[1], MG_N[1], &g));
+        else g = gr[2].G;
+        TT_OK(ctx, tm_grad_scale(ctx, g, scale));
+    }
+    for (int k = 0; k < MG; k++) {
+        assert_bits(ctx, gg[k].G, gr[k].G, "gradients", clips ? "clipped" : "not clipped");
+        if (cpu)
+            assert_same(ctx, gg[k].G, gc[k].G, MG_DT[k] == TM_BF16 ? BF16_TOL : F32_TOL, "gradients", "grad_scale_multi");
+    }
+    free(vg), free(vg2), free(vc);
+    tm__segs_free(ctx, lc);
+    tm__segs_free(ctx, lg);
+    tm_ctx_free(ctx);
+}
+
+Test(cuda_parity_update, clip_multi_scales) {
+    TT_SKIP_WITHOUT_CUDA();
+    clip_multi(5.0, 1.0, 1);
+}
+
+Test(cuda_parity_update, clip_multi_below_max_norm) {
+    TT_SKIP_WITHOUT_CUDA();
+    clip_multi(1e9, 1.0, 1);
+}
+
+Test(cuda_parity_update, clip_multi_nonfinite_norm) {
+    TT_SKIP_WITHOUT_CUDA();
+    /* The f32 partials overflow to inf (f64 sums near 1e43): norm inf, factor 0, gradients 0,
+     * as the general path's host arithmetic gives. */
+    clip_multi(1.0, 1e20, 0);
+}
+
+/* tm_ctx_clip_grad_norm on CUDA buckets waits only when asked for the norm. */
+Test(cuda_parity_update, clip_without_norm_does_not_wait) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
+    model_params mp;
+    make_params(ctx, tm_cuda(0), &mp);
+    set_grads(ctx, &mp, 0);
+    uint64_t before = tm_ctx_sync_count(ctx);
+    TT_OK(ctx, tm_ctx_clip_grad_norm(ctx, 5.0, NULL));
+    cr_assert_eq(tm_ctx_sync_count(ctx), before, "the clip waited without norm_out");
+    double norm = 0;
+    TT_OK(ctx, tm_ctx_clip_grad_norm(ctx, 5.0, &norm));
+    cr_assert_eq(tm_ctx_sync_count(ctx) - before, 1);
+    cr_assert(fabs(norm - 5.0) <= 1e-5, "norm after clipping to 5: %.17g", norm);
+    tm_ctx_free(ctx);
 }

@@ -414,7 +414,7 @@ Test(model, gradients_of_every_parameter_match_finite_differences) {
  * gradient scaled by 1.25), the same check reports a ratio > 1. So every op on the path, the
  * aux / seq-aux / z losses included, is covered by it. */
 Test(model, gradient_check_catches_a_broken_backward_of_every_op_used) {
-    const char *ops[] = {"embedding", "rmsnorm", "matmul", "view", "rope", "attention", "add", "swiglu",
+    const char *ops[] = {"embedding", "rmsnorm", "add_rmsnorm", "matmul", "view", "rope", "attention", "add", "swiglu",
                          "moe_router", "moe_aux_scores", "moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss",
                          "moe_permute", "moe_unpermute", "grouped_matmul", "cross_entropy"};
     enum { B = 2, T = 5 };

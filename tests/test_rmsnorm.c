@@ -166,3 +166,118 @@ Test(rmsnorm, bad_inputs) {
     cr_assert_null(out, "out was set by a failed call");
     tm_ctx_free(ctx);
 }
+
+/* ---- add_rmsnorm ------------------------------------------------------------------------------ */
+
+static tm_status add_rms_fn(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    tm_tensor *s, *h;
+    tm_status st = tm_add_rmsnorm(ctx, in[0], in[1], in[2], *(const double *)user, &s, &h);
+    /* both outputs feed the loss, with different weights: s * h */
+    return st ? st : tm_mul(ctx, s, h, out);
+}
+
+double tt_gradcase_add_rmsnorm(tm_ctx *ctx) {
+    int64_t xs[3] = {2, 3, 7}, ws[1] = {7};
+    tm_tensor *in[3] = {tt_randn(ctx, TM_F64, 3, xs, 31), tt_randn(ctx, TM_F64, 3, xs, 32),
+                        tt_randn(ctx, TM_F64, 1, ws, 33)};
+    int check[3] = {1, 1, 1};
+    double eps = 1e-5;
+    return tt_gradcheck(ctx, add_rms_fn, &eps, 3, in, check, 1e-6, 1e-7, 1e-6);
+}
+
+Test(rmsnorm, add_rmsnorm_gradcheck) {
+    tm_ctx *ctx = tt_ctx();
+    double r = tt_gradcase_add_rmsnorm(ctx);
+    cr_assert_leq(r, 1.0, "gradcheck ratio %g", r);
+    tm_ctx_free(ctx);
+}
+
+/* The same bits as tm_add then tm_rmsnorm, forward and backward, where s also feeds a later op
+ * (as the residual stream does): loss = sum(h * g1 + s * g2). */
+typedef struct add_rms_grads {
+    double *s, *h, *dx, *dy, *dw;
+} add_rms_grads;
+
+static void add_rms_run(tm_dtype dt, int fused, int64_t N, int64_t C, add_rms_grads *o) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t xs[2] = {N, C};
+    tm_tensor *x = tt_randn(ctx, dt, 2, xs, 41), *y = tt_randn(ctx, dt, 2, xs, 42), *w = tt_randn(ctx, dt, 1, &C, 43);
+    tm_tensor *g1 = tt_randn(ctx, dt, 2, xs, 44), *g2 = tt_randn(ctx, dt, 2, xs, 45), *s, *h, *u, *v, *l;
+    TT_OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
+    TT_OK(ctx, tm_tensor_set_requires_grad(ctx, y, 1));
+    TT_OK(ctx, tm_tensor_set_requires_grad(ctx, w, 1));
+    if (fused) {
+        TT_OK(ctx, tm_add_rmsnorm(ctx, x, y, w, 1e-5, &s, &h));
+    } else {
+        TT_OK(ctx, tm_add(ctx, x, y, &s));
+        TT_OK(ctx, tm_rmsnorm(ctx, s, w, 1e-5, &h));
+    }
+    cr_assert_eq(tm_tensor_dtype(s), dt);
+    cr_assert_eq(tm_tensor_dtype(h), dt);
+    TT_OK(ctx, tm_mul(ctx, h, g1, &u));
+    TT_OK(ctx, tm_mul(ctx, s, g2, &v));
+    TT_OK(ctx, tm_add(ctx, u, v, &l));
+    TT_OK(ctx, tm_sum_all(ctx, l, &l));
+    TT_OK(ctx, tm_backward(ctx, l));
+    o->s = tt_read(ctx, s), o->h = tt_read(ctx, h);
+    o->dx = tt_read(ctx, tm_tensor_grad(x)), o->dy = tt_read(ctx, tm_tensor_grad(y)), o->dw = tt_read(ctx, tm_tensor_grad(w));
+    tm_ctx_free(ctx);
+}
+
+static void add_rms_bitwise(tm_dtype dt, int64_t N, int64_t C) {
+    add_rms_grads a, b;
+    add_rms_run(dt, 0, N, C, &a);
+    add_rms_run(dt, 1, N, C, &b);
+    size_t nc = sizeof(double) * (size_t)(N * C);
+    cr_assert(memcmp(a.s, b.s, nc) == 0, "%s: the sum differs from tm_add's", tm_dtype_name(dt));
+    cr_assert(memcmp(a.h, b.h, nc) == 0, "%s: the norm differs from tm_rmsnorm's", tm_dtype_name(dt));
+    cr_assert(memcmp(a.dx, b.dx, nc) == 0, "%s: dx differs", tm_dtype_name(dt));
+    cr_assert(memcmp(a.dy, b.dy, nc) == 0, "%s: dy differs", tm_dtype_name(dt));
+    cr_assert(memcmp(a.dw, b.dw, sizeof(double) * (size_t)C) == 0, "%s: dw differs", tm_dtype_name(dt));
+    add_rms_grads *g[2] = {&a, &b};
+    for (int k = 0; k < 2; k++) free(g[k]->s), free(g[k]->h), free(g[k]->dx), free(g[k]->dy), free(g[k]->dw);
+}
+
+/* 300 x 129 takes the OpenMP paths and rmsnorm's chunked dw. */
+Test(rmsnorm, add_rmsnorm_is_bitwise_add_then_rmsnorm_f32) { add_rms_bitwise(TM_F32, 300, 129); }
+Test(rmsnorm, add_rmsnorm_is_bitwise_add_then_rmsnorm_f64) { add_rms_bitwise(TM_F64, 7, 13); }
+Test(rmsnorm, add_rmsnorm_is_bitwise_add_then_rmsnorm_bf16) { add_rms_bitwise(TM_BF16, 300, 129); }
+
+/* x + x: one tensor as both inputs gets both gradients. */
+Test(rmsnorm, add_rmsnorm_same_input_twice) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t xs[2] = {4, 6}, ws[1] = {6};
+    double *got[2];
+    for (int fused = 0; fused < 2; fused++) {
+        tm_tensor *x = tt_randn(ctx, TM_F32, 2, xs, 51), *w = tt_randn(ctx, TM_F32, 1, ws, 52), *s, *h, *l;
+        TT_OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
+        if (fused) TT_OK(ctx, tm_add_rmsnorm(ctx, x, x, w, 1e-5, &s, &h));
+        else {
+            TT_OK(ctx, tm_add(ctx, x, x, &s));
+            TT_OK(ctx, tm_rmsnorm(ctx, s, w, 1e-5, &h));
+        }
+        TT_OK(ctx, tm_mul(ctx, h, s, &l));
+        TT_OK(ctx, tm_sum_all(ctx, l, &l));
+        TT_OK(ctx, tm_backward(ctx, l));
+        got[fused] = tt_read(ctx, tm_tensor_grad(x));
+    }
+    cr_assert(memcmp(got[0], got[1], sizeof(double) * 24) == 0, "dx of x + x differs");
+    free(got[0]), free(got[1]);
+    tm_ctx_free(ctx);
+}
+
+Test(rmsnorm, add_rmsnorm_bad_inputs) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t xs[2] = {2, 5}, ys[2] = {1, 5}, w4 = 4, w5 = 5;
+    tm_tensor *x = tt_randn(ctx, TM_F32, 2, xs, 1), *s = NULL, *h = NULL;
+    tm_tensor *y = tt_randn(ctx, TM_F32, 2, xs, 2), *y1 = tt_randn(ctx, TM_F32, 2, ys, 3);
+    tm_tensor *y64 = tt_randn(ctx, TM_F64, 2, xs, 4), *w = tt_randn(ctx, TM_F32, 1, &w5, 5);
+    tm_tensor *w_short = tt_randn(ctx, TM_F32, 1, &w4, 6);
+    assert_err(ctx, tm_add_rmsnorm(ctx, x, y1, w, 1e-5, &s, &h), TM_ERR_SHAPE, "f32[1,5]", "broadcasting");
+    assert_err(ctx, tm_add_rmsnorm(ctx, x, y64, w, 1e-5, &s, &h), TM_ERR_DTYPE, "f64[2,5]", NULL);
+    assert_err(ctx, tm_add_rmsnorm(ctx, x, y, w_short, 1e-5, &s, &h), TM_ERR_SHAPE, "f32[4]", "f32[2,5]");
+    assert_err(ctx, tm_add_rmsnorm(ctx, x, y, w, -1.0, &s, &h), TM_ERR_INVALID_ARG, "eps", "-1");
+    assert_err(ctx, tm_add_rmsnorm(ctx, x, y, w, 1e-5, NULL, &h), TM_ERR_INVALID_ARG, "sum", NULL);
+    cr_assert(s == NULL && h == NULL, "outputs were set by a failed call");
+    tm_ctx_free(ctx);
+}

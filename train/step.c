@@ -137,6 +137,9 @@ int tmd_run_step(tmd_run *r, int64_t step, double lr, tmd_step *out, char *err, 
         out->sync_bytes += (double)(after.bytes[k] - before.bytes[k]);
         out->sync_s += after.seconds[k] - before.seconds[k];
     }
+    /* The clip's one device read (the norm; without &gnorm the clip would not wait at all):
+     * needed every step, since the guard below must see a non-finite norm before the update,
+     * and the norm is logged. */
     if ((s = tm_ctx_clip_grad_norm(r->ctx, c->grad_clip, &gnorm)))
         return tmd_run_lib_fail(r, err, errlen, "gradient clipping", s);
     if (!isfinite(gnorm)) return nonfinite(r, step, out->loss, gnorm, out, err, errlen);

@@ -18,7 +18,9 @@ tm_status tm__cross_entropy_check(tm__call *c) {
                        (long long)logits->shape[0], tm__tdesc(ctx, logits), tm__tdesc(ctx, targets));
     if (logits->shape[1] == 0)
         return tm__err(ctx, TM_ERR_SHAPE, "cross_entropy: logits have no classes: logits %s", tm__tdesc(ctx, logits));
-    return tm__out_new(c, 0, logits->dtype, 0, logits->shape);
+    /* iattr[2]: an f32 loss for bf16 logits (the kernels compute in f32 either way). */
+    tm_dtype dt = c->iattr[2] && logits->dtype == TM_BF16 ? TM_F32 : logits->dtype;
+    return tm__out_new(c, 0, dt, 0, logits->shape);
 }
 
 static tm_status cross_entropy(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
@@ -29,6 +31,7 @@ static tm_status cross_entropy(tm_ctx *ctx, tm_tensor *logits, tm_tensor *target
     c.in[1] = targets;
     c.iattr[0] = ignore_index;
     c.iattr[1] = checked;
+    c.iattr[2] = checked; /* the model's loss: f32 whatever the logits' dtype (extend.h) */
     return tm__op_run1(&c, out);
 }
 

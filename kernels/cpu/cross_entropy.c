@@ -10,7 +10,10 @@
  *   iattr[0]  ignore_index
  *   iattr[1]  1: the targets are known to be valid (tm__cross_entropy_checked): the CUDA
  *             forward skips reading its error flag back
- *   out[0]    loss     ()      mean over valid rows of lse[n] - logits[n, targets[n]]; 0 if none
+ *   iattr[2]  1: the loss is f32 for bf16 logits (tm__cross_entropy_checked; the dispatcher
+ *             stages bf16 to f32 on the CPU, so this kernel sees f32 logits and an f32 loss)
+ *   out[0]    loss     ()      mean over valid rows of lse[n] - logits[n, targets[n]]; 0 if none;
+ *                              the logits' dtype, or f32 (iattr[2])
  *   saved[0]  lse      (N)     logsumexp of each row; f32 for f32/bf16 logits, f64 for f64;
  *                              unspecified for ignored rows (the CPU writes 0)
  *   saved[1]  n_valid  ()      i64: number of rows whose target is not ignore_index

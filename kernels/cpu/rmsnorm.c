@@ -1,5 +1,6 @@
 /*
- * rmsnorm.c — CPU kernels of tm_rmsnorm: y = x * rstd * w, rstd = 1 / sqrt(mean_c(x^2) + eps).
+ * rmsnorm.c — CPU kernels of tm_rmsnorm: y = x * rstd * w, rstd = 1 / sqrt(mean_c(x^2) + eps),
+ * and of tm_add_rmsnorm (the residual add fused with it; its layout at the end of this file).
  *
  * Layout (x viewed as (N, C), N = numel(x) / C), shared with kernels/cuda: the backward of
  * either backend reads exactly what its forward saved.
@@ -126,5 +127,93 @@ tm_status tm__rmsnorm_backward_cpu(tm__call *c) {
     else
         rmsnorm_backward_f32(dx ? tm__data(dx) : NULL, dw ? tm__data(dw) : NULL, part, tm__data(dy),
                              tm__data(x), tm__data(w), tm__data(rstd), N, C, nth);
+    return TM_OK;
+}
+
+/* ---- add_rmsnorm: the residual add fused with the norm after it ----------------------------- */
+/*
+ * Layout (x, y viewed as (N, C)):
+ *   in[0] x (N, C), in[1] y (N, C), in[2] weight (C), fattr[0] eps
+ *   out[0] s = x + y (N, C), out[1] h = rmsnorm(s, weight) (N, C)
+ *   saved[0] rstd (N) as rmsnorm's; saved[1] s (out[0] as this kernel sees it)
+ * Backward, with ds and dh the upstream gradients of s and h:
+ *   t = ds + rmsnorm's dx(s, weight, dh);  dx += t;  dy += t;  dw as rmsnorm's
+ * Bit for bit tm_add then tm_rmsnorm (the golden losses depend on it): the sum is the add
+ * kernel's float add, the norm is rmsnorm_forward/backward itself, and t is what the unfused
+ * graph holds in s's gradient once rmsnorm's backward has added into it (s's other consumers
+ * are newer than the norm, so their gradient is in ds already). For bf16 (the caller's tensors,
+ * c->src: the dispatcher hands this kernel f32 copies) s and t are rounded to bf16 where the
+ * unfused ops store them: the sum before the norm reads it, t before the add's backward reads it.
+ */
+static void round_bf16(float *v, int64_t n, int nth) {
+#pragma omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)
+    for (int64_t i = 0; i < n; i++) v[i] = tm__bf16_to_f32(tm__f32_to_bf16(v[i]));
+}
+
+#define ADD_RMSNORM_KERNELS(T, SFX)                                                                \
+    /* out = a + b, or out += a (b NULL) */                                                        \
+    static void add_##SFX(T *out, const T *a, const T *b, int64_t n, int nth) {                    \
+        _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")            \
+        for (int64_t i = 0; i < n; i++) out[i] = b ? a[i] + b[i] : out[i] + a[i];                  \
+    }
+ADD_RMSNORM_KERNELS(float, f32)
+ADD_RMSNORM_KERNELS(double, f64)
+
+tm_status tm__add_rmsnorm_forward_cpu(tm__call *c) {
+    const tm_tensor *x = c->in[0], *y = c->in[1], *w = c->in[2];
+    tm_tensor *s = c->out[0], *h = c->out[1];
+    if (x->dtype != TM_F32 && x->dtype != TM_F64)
+        return tm__err(c->ctx, TM_ERR_INTERNAL, "add_rmsnorm: CPU kernel got x %s", tm__tdesc(c->ctx, x));
+    int64_t C = x->shape[x->ndim - 1], N = tm__numel(x) / C, n = N * C;
+    tm_tensor *rstd;
+    TM__TRY(tm__saved_new(c, x->dtype, 1, &N, &rstd));
+    c->saved[c->n_saved++] = s;
+    int nth = tm__nthreads(c->ctx);
+    if (x->dtype == TM_F64) {
+        add_f64(tm__data(s), tm__data(x), tm__data(y), n, nth);
+        rmsnorm_forward_f64(tm__data(h), tm__data(rstd), tm__data(s), tm__data(w), N, C, c->fattr[0], nth);
+    } else {
+        add_f32(tm__data(s), tm__data(x), tm__data(y), n, nth);
+        if (c->src[0]->dtype == TM_BF16) round_bf16(tm__data(s), n, nth);
+        rmsnorm_forward_f32(tm__data(h), tm__data(rstd), tm__data(s), tm__data(w), N, C, c->fattr[0], nth);
+    }
+    return TM_OK;
+}
+
+tm_status tm__add_rmsnorm_backward_cpu(tm__call *c) {
+    const tm_tensor *w = c->in[2], *ds = c->gout[0], *dh = c->gout[1], *rstd = c->saved[0], *s = c->saved[1];
+    tm_tensor *dx = c->gin[0], *dy = c->gin[1], *dw = c->gin[2];
+    int64_t C = s->shape[s->ndim - 1], N = tm__numel(s) / C, n = N * C;
+    if (N == 0 || (!dx && !dy && !dw)) return TM_OK;
+    size_t es = tm_dtype_size(s->dtype);
+    void *t = NULL;
+    if (dx || dy) {
+        t = tm__arena_alloc(c->ctx, tm_cpu(), (size_t)n * es);
+        if (!t) return TM_ERR_NOMEM;
+        memcpy(t, tm__data(ds), (size_t)n * es);
+    }
+    double *part = NULL;
+    if (dw) {
+        int64_t rows = chunk_rows(N), nchunks = (N + rows - 1) / rows;
+        part = tm__arena_alloc(c->ctx, tm_cpu(), (size_t)(nchunks * C) * sizeof(double));
+        if (!part) return TM_ERR_NOMEM;
+    }
+    int nth = tm__nthreads(c->ctx);
+    if (s->dtype == TM_F64)
+        rmsnorm_backward_f64(t, dw ? tm__data(dw) : NULL, part, tm__data(dh), tm__data(s), tm__data(w),
+                             tm__data(rstd), N, C, nth);
+    else
+        rmsnorm_backward_f32(t, dw ? tm__data(dw) : NULL, part, tm__data(dh), tm__data(s), tm__data(w),
+                             tm__data(rstd), N, C, nth);
+    if (!t) return TM_OK;
+    if (s->dtype == TM_F32 && c->src[0]->dtype == TM_BF16) round_bf16(t, n, nth);
+    /* (dx and dy may be one tensor, x + x: two additions, as the add's backward makes) */
+    if (s->dtype == TM_F64) {
+        if (dx) add_f64(tm__data(dx), t, NULL, n, nth);
+        if (dy) add_f64(tm__data(dy), t, NULL, n, nth);
+    } else {
+        if (dx) add_f32(tm__data(dx), t, NULL, n, nth);
+        if (dy) add_f32(tm__data(dy), t, NULL, n, nth);
+    }
     return TM_OK;
 }

@@ -4,7 +4,11 @@
  * Layout: every tensor is a contiguous 1-D range of n elements with the same element offsets
  * (a parameter, or a bucket range of parameters / gradients / f32 state / f32 master). The
  * loops are elementwise, so any thread split gives the same bits; only grad_sumsq reduces, in a
- * fixed chunk order that depends on n alone.
+ * fixed chunk order that depends on n alone. The fused ops (adamw_update_multi,
+ * grad_sumsq_multi, grad_scale_multi) do the same per range of a segment table
+ * (framework/update_multi.h: raw pointers to (n) ranges of one device's buckets):
+ *   grad_sumsq_multi  -> partials (ranges) f64 = grad_sumsq of each range, factor () f64
+ *   grad_scale_multi  in: factor () f64; every range *= factor unless factor == 1
  *
  * AdamW (Loshchilov & Hutter 2019, Alg. 2; bias correction of Kingma & Ba 2015):
  *   m = beta1 m + (1 - beta1) g;   v = beta2 v + (1 - beta2) g^2
@@ -20,6 +24,7 @@
 #include <math.h>
 
 #include "internal.h"
+#include "update_multi.h"
 
 enum { PAR_MIN = 1 << 14 };
 
@@ -47,28 +52,31 @@ ADAMW_KERNEL(f32, float, float, sqrtf, ID, ID)
 ADAMW_KERNEL(f64, double, double, sqrt, ID, ID)
 ADAMW_KERNEL(bf16, uint16_t, float, sqrtf, tm__bf16_to_f32, tm__f32_to_bf16)
 
-tm_status tm__adamw_update_forward_cpu(tm__call *c) {
-    tm_tensor *p = c->in[0];
-    int64_t n = tm__numel(p);
-    const double *f = c->fattr;
-    float *m = tm__data(c->in[2]), *v = tm__data(c->in[3]), *master = c->iattr[0] ? tm__data(c->in[4]) : NULL;
-    int nth = tm__nthreads(c->ctx);
-    switch (p->dtype) {
+/* AdamW over n elements of dtype dt with the attributes f[] of adamw_update and weight decay wd
+ * (adamw_update's f[6], or a range's own in adamw_update_multi). */
+static tm_status adamw_any(tm_ctx *ctx, const char *op, tm_dtype dt, void *p, const void *g, float *m, float *v,
+                           float *master, int64_t n, const double *f, double wd) {
+    int nth = tm__nthreads(ctx);
+    switch (dt) {
     case TM_F32:
-        adamw_f32(tm__data(p), tm__data(c->in[1]), m, v, master, n, (float)f[0], (float)f[1], (float)f[2], (float)f[3],
-                  (float)f[4], (float)f[5], (float)f[6], (float)f[7], (float)f[8], nth);
+        adamw_f32(p, g, m, v, master, n, (float)f[0], (float)f[1], (float)f[2], (float)f[3], (float)f[4], (float)f[5],
+                  (float)wd, (float)f[7], (float)f[8], nth);
         break;
     case TM_BF16:
-        adamw_bf16(tm__data(p), tm__data(c->in[1]), m, v, master, n, (float)f[0], (float)f[1], (float)f[2], (float)f[3],
-                   (float)f[4], (float)f[5], (float)f[6], (float)f[7], (float)f[8], nth);
+        adamw_bf16(p, g, m, v, master, n, (float)f[0], (float)f[1], (float)f[2], (float)f[3], (float)f[4], (float)f[5],
+                   (float)wd, (float)f[7], (float)f[8], nth);
         break;
-    case TM_F64:
-        adamw_f64(tm__data(p), tm__data(c->in[1]), m, v, master, n, f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7],
-                  f[8], nth);
-        break;
-    default: return tm__err(c->ctx, TM_ERR_INTERNAL, "adamw_update: dtype %s", tm_dtype_name(p->dtype));
+    case TM_F64: adamw_f64(p, g, m, v, master, n, f[0], f[1], f[2], f[3], f[4], f[5], wd, f[7], f[8], nth); break;
+    default: return tm__err(ctx, TM_ERR_INTERNAL, "%s: dtype %s", op, tm_dtype_name(dt));
     }
     return TM_OK;
+}
+
+tm_status tm__adamw_update_forward_cpu(tm__call *c) {
+    tm_tensor *p = c->in[0];
+    float *m = tm__data(c->in[2]), *v = tm__data(c->in[3]), *master = c->iattr[0] ? tm__data(c->in[4]) : NULL;
+    return adamw_any(c->ctx, "adamw_update", p->dtype, tm__data(p), tm__data(c->in[1]), m, v, master, tm__numel(p),
+                     c->fattr, c->fattr[6]);
 }
 
 /* b NULL: plain SGD (momentum 0). The update uses the unrounded b, as AdamW uses the
@@ -116,11 +124,10 @@ tm_status tm__sgd_update_forward_cpu(tm__call *c) {
     return TM_OK;
 }
 
-/* Sum of squares in f64 in a fixed order whatever the thread count: at most MAX_CHUNKS chunks
- * whose boundaries depend on n only, each summed sequentially, then the partials in chunk
- * order. (An OpenMP reduction(+) groups by thread, so its last bits would change with the
- * thread count.) */
-enum { MAX_CHUNKS = 256, MIN_CHUNK = 4096 };
+/* Sum of squares in f64 in a fixed order whatever the thread count: at most
+ * TM__SUMSQ_MAX_CHUNKS chunks whose boundaries depend on n only (tm__sumsq_chunk), each summed
+ * sequentially, then the partials in chunk order. (An OpenMP reduction(+) groups by thread, so
+ * its last bits would change with the thread count.) */
 
 static double sumsq_range(const void *g, tm_dtype dt, int64_t lo, int64_t hi) {
     double acc = 0.0;
@@ -140,45 +147,85 @@ static double sumsq_range(const void *g, tm_dtype dt, int64_t lo, int64_t hi) {
     return acc;
 }
 
-tm_status tm__grad_sumsq_forward_cpu(tm__call *c) {
-    const tm_tensor *g = c->in[0];
-    int64_t n = tm__numel(g);
-    int64_t chunk = (n + MAX_CHUNKS - 1) / MAX_CHUNKS;
-    if (chunk < MIN_CHUNK) chunk = MIN_CHUNK;
+static double sumsq_chunked(const void *x, tm_dtype dt, int64_t n, int nth) {
+    if (n == 0) return 0.0;
+    int64_t chunk = tm__sumsq_chunk(n);
     int nc = (int)((n + chunk - 1) / chunk);
-    double part[MAX_CHUNKS];
-    const void *x = tm__data(g);
-    int nth = tm__nthreads(c->ctx);
+    double part[TM__SUMSQ_MAX_CHUNKS];
 #pragma omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)
     for (int k = 0; k < nc; k++) {
         int64_t lo = (int64_t)k * chunk, hi = lo + chunk < n ? lo + chunk : n;
-        part[k] = sumsq_range(x, g->dtype, lo, hi);
+        part[k] = sumsq_range(x, dt, lo, hi);
     }
     double acc = 0.0;
     for (int k = 0; k < nc; k++) acc += part[k];
-    *(double *)tm__data(c->out[0]) = acc;
+    return acc;
+}
+
+tm_status tm__grad_sumsq_forward_cpu(tm__call *c) {
+    const tm_tensor *g = c->in[0];
+    *(double *)tm__data(c->out[0]) = sumsq_chunked(tm__data(g), g->dtype, tm__numel(g), tm__nthreads(c->ctx));
     return TM_OK;
 }
 
-tm_status tm__grad_scale_forward_cpu(tm__call *c) {
-    tm_tensor *g = c->in[0];
-    int64_t n = tm__numel(g);
-    double s = c->fattr[0];
-    int nth = tm__nthreads(c->ctx);
-    if (g->dtype == TM_F32) {
-        float *x = tm__data(g), sf = (float)s;
+/* x[0..n) *= s, in x's dtype (s rounded to f32 for f32 and bf16). */
+static void scale_any(void *px, tm_dtype dt, int64_t n, double s, int nth) {
+    if (dt == TM_F32) {
+        float *x = px, sf = (float)s;
 #pragma omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)
         for (int64_t i = 0; i < n; i++) x[i] *= sf;
-    } else if (g->dtype == TM_F64) {
-        double *x = tm__data(g);
+    } else if (dt == TM_F64) {
+        double *x = px;
 #pragma omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)
         for (int64_t i = 0; i < n; i++) x[i] *= s;
     } else {
-        uint16_t *x = tm__data(g);
+        uint16_t *x = px;
         float sf = (float)s;
 #pragma omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)
         for (int64_t i = 0; i < n; i++) x[i] = tm__f32_to_bf16(tm__bf16_to_f32(x[i]) * sf);
     }
+}
+
+tm_status tm__grad_scale_forward_cpu(tm__call *c) {
+    tm_tensor *g = c->in[0];
+    scale_any(tm__data(g), g->dtype, tm__numel(g), c->fattr[0], tm__nthreads(c->ctx));
+    return TM_OK;
+}
+
+/* ---- fused updates over a segment table (framework/update_multi.h) ------------------------- */
+/* Each range gets exactly what the single-range op gives it (the same functions), so the fused
+ * ops change no bit: AdamW per range with its weight decay; the clip's partial of a range is
+ * tm_grad_sumsq's, the norm sqrt of the partials added in range order, as tm_ctx_clip_grad_norm
+ * computes it on the host from grad_sumsq's outputs, and the factor is exactly 1 (no scaling at
+ * all) unless max_norm > 0 and norm > max_norm. */
+
+tm_status tm__adamw_update_multi_forward_cpu(tm__call *c) {
+    const tm__seg *sg = tm__data(c->in[0]);
+    for (int64_t k = 0; k < c->iattr[0]; k++)
+        TM__TRY(adamw_any(c->ctx, "adamw_update_multi", (tm_dtype)sg[k].dtype, sg[k].p, sg[k].g, sg[k].m, sg[k].v,
+                          sg[k].master, sg[k].n, c->fattr, sg[k].wd));
+    return TM_OK;
+}
+
+tm_status tm__grad_sumsq_multi_forward_cpu(tm__call *c) {
+    const tm__seg *sg = tm__data(c->in[0]);
+    double *part = tm__data(c->out[0]), ss = 0.0, max_norm = c->fattr[0];
+    int nth = tm__nthreads(c->ctx);
+    for (int64_t k = 0; k < c->iattr[0]; k++) {
+        part[k] = sumsq_chunked(sg[k].p, (tm_dtype)sg[k].dtype, sg[k].n, nth);
+        ss += part[k];
+    }
+    double norm = sqrt(ss);
+    *(double *)tm__data(c->out[1]) = max_norm > 0.0 && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
+    return TM_OK;
+}
+
+tm_status tm__grad_scale_multi_forward_cpu(tm__call *c) {
+    const tm__seg *sg = tm__data(c->in[0]);
+    double s = *(const double *)tm__data(c->in[1]);
+    if (s == 1.0) return TM_OK; /* not clipping: the gradients stay as they are */
+    int nth = tm__nthreads(c->ctx);
+    for (int64_t k = 0; k < c->iattr[0]; k++) scale_any(sg[k].p, (tm_dtype)sg[k].dtype, sg[k].n, s, nth);
     return TM_OK;
 }
 

@@ -5,9 +5,25 @@
  * Layout, shared with kernels/cpu/cross_entropy.c:
  *   in[0] logits (N, V) f32/bf16, in[1] targets (N) i32/i64, iattr[0] ignore_index,
  *   iattr[1] 1: targets known valid (tm__cross_entropy_checked), the flag is not read back
- *   out[0] loss () = mean over valid rows of lse[n] - logits[n, targets[n]]; 0 if none
+ *   iattr[2] 1: the loss is f32 for bf16 logits (tm__cross_entropy_checked)
+ *   out[0] loss () = mean over valid rows of lse[n] - logits[n, targets[n]]; 0 if none; the
+ *          logits' dtype, or f32 (iattr[2])
  *   saved[0] lse (N) f32 (0 for ignored rows), saved[1] n_valid () i64
  * Backward, valid rows only: dlogits[n, v] += (exp(logits[n, v] - lse[n]) - [v == t]) * dloss / n_valid
+ *
+ * Memory: the logits are read where they are, in their dtype; the forward keeps only lse (4 N
+ * bytes) beside them, and the backward recomputes each probability from the logits and lse and
+ * adds it into dlogits in the logits' dtype (f32 arithmetic, one rounding). With bf16 logits
+ * and an f32 loss (the model's LM head, iattr[2]) nothing of size (N, V) is ever f32: before,
+ * the model cast the logits to an f32 copy (4 N V bytes, kept for the backward), whose f32
+ * gradient (4 N V more) a cast backward then rounded to bf16. The results are the same bits:
+ * bf16 -> f32 is exact, and rounding rn_f32(0 + g s) to bf16 in one store is what the cast
+ * backward did with the f32 gradient. The backward gives one block to each row (the classes in
+ * chunks of blockDim.x), so no element pays a 64-bit division by V to find its row.
+ * Launches per step of a bf16 model (derived from the code): forward 3 -> 2 (the cast's copy
+ * kernel, ce_forward_kernel, ce_total_kernel), backward 3 -> 1 (ce_backward_kernel, then the
+ * cast's backward: a copy to a bf16 temporary and an accumulate kernel); (N, V) buffers beside
+ * the bf16 logits and their gradient: f32 logits + f32 gradient + bf16 temporary -> none.
  *
  * Targets are validated on the device: a row whose target is outside [0, V) and is not
  * ignore_index lowers a flag (atomicMin of its row index); the flag is copied back once at the
@@ -49,10 +65,11 @@ __global__ void ce_forward_kernel(float *loss_rows, float *lse, unsigned long lo
     }
 }
 
-/* One block: loss = sum(loss_rows) / n_valid (0 when no row is valid); n_valid saved. */
+/* One block: loss = sum(loss_rows) / n_valid (0 when no row is valid), stored in T, or in f32
+ * when loss_f32; n_valid saved. */
 template <typename T, typename I>
 __global__ void ce_total_kernel(void *loss_, int64_t *n_valid, const float *loss_rows, const I *targets, int64_t N,
-                                int64_t ign) {
+                                int64_t ign, int loss_f32) {
     __shared__ float sh[32];
     __shared__ long long shk[32];
     float s = 0.0f;
@@ -65,38 +82,40 @@ __global__ void ce_total_kernel(void *loss_, int64_t *n_valid, const float *loss
     k = tm__block_sum_ll(k, shk);
     if (threadIdx.x == 0) {
         *n_valid = k;
-        tm__st((T *)loss_, k ? s / (float)k : 0.0f);
+        float l = k ? s / (float)k : 0.0f;
+        if (loss_f32) *(float *)loss_ = l;
+        else tm__st((T *)loss_, l);
     }
 }
 
+/* One block per row n, in chunks of blockDim.x classes (no division per element); ignored rows
+ * get nothing. dloss_ is T, or f32 when dloss_f32 (the loss of iattr[2]). */
 template <typename T, typename I>
 __global__ void ce_backward_kernel(void *dlogits_, const void *logits_, const float *lse, const I *targets,
-                                   const void *dloss_, const int64_t *n_valid, int64_t N, int64_t V, int64_t ign) {
-    int64_t k = *n_valid;
-    if (k == 0) return;
-    float scale = tm__ld((const T *)dloss_) / (float)k;
-    T *d = (T *)dlogits_;
-    const T *x = (const T *)logits_;
-    TM__CU_GRID_STRIDE(i, N * V) {
-        int64_t n = i / V, v = i % V;
-        int64_t t = (int64_t)targets[n];
-        if (t == ign) continue;
-        float g = expf(tm__ld(x + i) - lse[n]) - (v == t ? 1.0f : 0.0f);
-        tm__st(d + i, tm__ld(d + i) + g * scale);
+                                   const void *dloss_, int dloss_f32, const int64_t *n_valid, int64_t V, int64_t ign) {
+    int64_t k = *n_valid, n = blockIdx.x;
+    int64_t t = (int64_t)targets[n];
+    if (k == 0 || t == ign) return;
+    float scale = (dloss_f32 ? *(const float *)dloss_ : tm__ld((const T *)dloss_)) / (float)k, l = lse[n];
+    T *d = (T *)dlogits_ + n * V;
+    const T *x = (const T *)logits_ + n * V;
+    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+        float g = expf(tm__ld(x + v) - l) - (v == t ? 1.0f : 0.0f);
+        tm__st(d + v, tm__ld(d + v) + g * scale);
     }
 }
 
 template <typename I>
 static void ce_forward_launch(tm_dtype dt, const tm__cuda *st, int64_t N, int threads, float *loss_rows, float *lse,
-                              unsigned long long *bad, const void *logits, const void *tg, void *loss,
+                              unsigned long long *bad, const void *logits, const void *tg, void *loss, int loss_f32,
                               int64_t *n_valid, int64_t V, int64_t ign) {
     const I *t = (const I *)tg;
     if (dt == TM_BF16) {
         ce_forward_kernel<tm__bf16, I><<<(unsigned)N, threads, 0, st->stream>>>(loss_rows, lse, bad, logits, t, V, ign);
-        ce_total_kernel<tm__bf16, I><<<1, 1024, 0, st->stream>>>(loss, n_valid, loss_rows, t, N, ign);
+        ce_total_kernel<tm__bf16, I><<<1, 1024, 0, st->stream>>>(loss, n_valid, loss_rows, t, N, ign, loss_f32);
     } else {
         ce_forward_kernel<float, I><<<(unsigned)N, threads, 0, st->stream>>>(loss_rows, lse, bad, logits, t, V, ign);
-        ce_total_kernel<float, I><<<1, 1024, 0, st->stream>>>(loss, n_valid, loss_rows, t, N, ign);
+        ce_total_kernel<float, I><<<1, 1024, 0, st->stream>>>(loss, n_valid, loss_rows, t, N, ign, loss_f32);
     }
 }
 
@@ -120,14 +139,15 @@ extern "C" tm_status tm__cross_entropy_forward_cuda(tm__call *c) {
     TM__TRY(tm__cu_scratch(ctx, st, sizeof *bad, (void **)&bad));
     TM__CU_CHECK(ctx, what, cudaMemsetAsync(bad, 0xff, sizeof *bad, st->stream)); /* CE_NO_BAD_ROW */
     int threads = tm__cu_row_threads(V);
+    int loss_f32 = c->out[0]->dtype == TM_F32;
     if (tg->dtype == TM_I32)
         ce_forward_launch<int32_t>(logits->dtype, st, N, threads, loss_rows, (float *)tm__data(lse), bad,
-                                   tm__data(logits), tm__data(tg), tm__data(c->out[0]), (int64_t *)tm__data(count), V,
-                                   ign);
+                                   tm__data(logits), tm__data(tg), tm__data(c->out[0]), loss_f32,
+                                   (int64_t *)tm__data(count), V, ign);
     else
         ce_forward_launch<int64_t>(logits->dtype, st, N, threads, loss_rows, (float *)tm__data(lse), bad,
-                                   tm__data(logits), tm__data(tg), tm__data(c->out[0]), (int64_t *)tm__data(count), V,
-                                   ign);
+                                   tm__data(logits), tm__data(tg), tm__data(c->out[0]), loss_f32,
+                                   (int64_t *)tm__data(count), V, ign);
     TM__CU_LAUNCHED(ctx, what, "ce_forward_kernel / ce_total_kernel");
     if (c->iattr[1]) return TM_OK;
 
@@ -162,23 +182,25 @@ extern "C" tm_status tm__cross_entropy_backward_cuda(tm__call *c) {
     if (N * V == 0) return TM_OK;
     const float *lse = (const float *)tm__data(c->saved[0]);
     const int64_t *n_valid = (const int64_t *)tm__data(c->saved[1]);
-    unsigned g = tm__cu_blocks(st, N * V);
+    int dloss_f32 = c->gout[0]->dtype == TM_F32;
+    unsigned g = (unsigned)N;
+    int threads = tm__cu_row_threads(V);
     if (tg->dtype == TM_I32) {
         const int32_t *t = (const int32_t *)tm__data(tg);
         if (logits->dtype == TM_BF16)
-            ce_backward_kernel<tm__bf16, int32_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
-                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), n_valid, N, V, ign);
+            ce_backward_kernel<tm__bf16, int32_t><<<g, threads, 0, st->stream>>>(
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign);
         else
-            ce_backward_kernel<float, int32_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
-                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), n_valid, N, V, ign);
+            ce_backward_kernel<float, int32_t><<<g, threads, 0, st->stream>>>(
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign);
     } else {
         const int64_t *t = (const int64_t *)tm__data(tg);
         if (logits->dtype == TM_BF16)
-            ce_backward_kernel<tm__bf16, int64_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
-                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), n_valid, N, V, ign);
+            ce_backward_kernel<tm__bf16, int64_t><<<g, threads, 0, st->stream>>>(
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign);
         else
-            ce_backward_kernel<float, int64_t><<<g, TM__CU_THREADS, 0, st->stream>>>(
-                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), n_valid, N, V, ign);
+            ce_backward_kernel<float, int64_t><<<g, threads, 0, st->stream>>>(
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign);
     }
     TM__CU_LAUNCHED(ctx, what, "ce_backward_kernel");
     return TM_OK;

@@ -1,5 +1,6 @@
 /*
- * rmsnorm.cu — CUDA kernels of tm_rmsnorm: y = x * rstd * w, rstd = 1 / sqrt(mean_c(x^2) + eps).
+ * rmsnorm.cu — CUDA kernels of tm_rmsnorm: y = x * rstd * w, rstd = 1 / sqrt(mean_c(x^2) + eps),
+ * and of tm_add_rmsnorm (the residual add fused with it; its layout at the end of this file).
  *
  * Layout, shared with kernels/cpu/rmsnorm.c (x viewed as (N, C)):
  *   in[0] x (N, C), in[1] weight (C), fattr[0] eps, out[0] y (N, C)
@@ -75,5 +76,98 @@ extern "C" tm_status tm__rmsnorm_backward_cuda(tm__call *c) {
                         (const float *)tm__data(rstd), C);
     TM__CU_LAUNCHED(c->ctx, "rmsnorm", "rmsnorm_backward_kernel");
     if (dw) TM__TRY(tm__cu_reduce(c->ctx, "rmsnorm", TM_F32, prod, dw->dtype, tm__data(dw), 1, N, C, 1.0f, 1));
+    return TM_OK;
+}
+
+/* ---- add_rmsnorm: the residual add fused with the norm after it ----------------------------- */
+/*
+ * Layout (kernels/cpu/rmsnorm.c): in[0] x (N, C), in[1] y (N, C), in[2] weight (C), fattr[0]
+ * eps; out[0] s = x + y, out[1] h = rmsnorm(s); saved[0] rstd (N) f32, saved[1] s (out[0]).
+ * Backward: t = ds + rmsnorm's dx(s, w, dh); dx += t; dy += t; dw as rmsnorm's.
+ * One block per row, each direction one kernel (plus rmsnorm's dw reduction): the forward
+ * writes s and reads it back from its own row (cache) instead of the unfused add's write and
+ * rmsnorm's read of s from memory; the backward reads ds, dh, s once and adds t into dx and dy
+ * without storing s's gradient. Per element the arithmetic of the add, rmsnorm and axpy
+ * kernels in their order, with s and t rounded to T where the unfused ops store them.
+ * Launches per residual add + norm (two per layer; derived from elementwise.cu and above):
+ * forward 2 -> 1 (ew_forward_kernel + rmsnorm_forward_kernel); backward 3 + R -> 1 + R
+ * (rmsnorm_backward_kernel + two ew_grad_full_kernel + rmsnorm's dw reduction, R = 1 or 2
+ * tm__cu_reduce launches). Memory passes over (N, C), in units of the activation dtype, bf16:
+ * forward 5 -> 4, backward about 14 -> 11 (the f32 dw products, 4 of them, remain).
+ */
+template <typename T>
+__global__ void add_rmsnorm_forward_kernel(void *s_, void *h_, float *rstd, const void *x_, const void *y_,
+                                           const void *w_, int64_t C, float eps) {
+    __shared__ float sh[32];
+    int64_t off = (int64_t)blockIdx.x * C;
+    const T *x = (const T *)x_ + off, *y = (const T *)y_ + off, *w = (const T *)w_;
+    T *s = (T *)s_ + off, *h = (T *)h_ + off;
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+        tm__st(s + i, tm__ld(x + i) + tm__ld(y + i));
+        float v = tm__ld(s + i); /* the stored (rounded) sum, as rmsnorm reads it */
+        ss += v * v;
+    }
+    ss = tm__block_sum(ss, sh);
+    float r = 1.0f / sqrtf(ss / (float)C + eps);
+    if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) tm__st(h + i, tm__ld(s + i) * r * tm__ld(w + i));
+}
+
+/* dx, dy may be NULL (and may be one tensor); prod (N, C) f32 receives dh * s * r when not NULL. */
+template <typename T>
+__global__ void add_rmsnorm_backward_kernel(void *dx_, void *dy_, float *prod, const void *ds_, const void *dh_,
+                                            const void *s_, const void *w_, const float *rstd, int64_t C) {
+    __shared__ float sh[32];
+    int64_t off = (int64_t)blockIdx.x * C;
+    const T *s = (const T *)s_ + off, *dh = (const T *)dh_ + off, *ds = (const T *)ds_ + off, *w = (const T *)w_;
+    float r = rstd[blockIdx.x];
+    if (prod)
+        for (int64_t i = threadIdx.x; i < C; i += blockDim.x) prod[off + i] = tm__ld(dh + i) * tm__ld(s + i) * r;
+    if (!dx_ && !dy_) return;
+    float dot = 0.0f;
+    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) dot += tm__ld(w + i) * tm__ld(dh + i) * tm__ld(s + i);
+    dot = tm__block_sum(dot, sh);
+    float coef = r * r * r * dot / (float)C;
+    T *dx = dx_ ? (T *)dx_ + off : NULL, *dy = dy_ ? (T *)dy_ + off : NULL;
+    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+        T t; /* s's gradient as the unfused rmsnorm backward stores it */
+        tm__st(&t, tm__ld(ds + i) + r * tm__ld(w + i) * tm__ld(dh + i) - coef * tm__ld(s + i));
+        float tv = tm__ld(&t);
+        if (dx) tm__st(dx + i, tm__ld(dx + i) + tv);
+        if (dy) tm__st(dy + i, tm__ld(dy + i) + tv);
+    }
+}
+
+extern "C" tm_status tm__add_rmsnorm_forward_cuda(tm__call *c) {
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(c->ctx, "add_rmsnorm", &st));
+    const tm_tensor *x = c->in[0], *y = c->in[1], *w = c->in[2];
+    int64_t C = x->shape[x->ndim - 1], N = C ? tm__numel(x) / C : 0;
+    tm_tensor *rstd;
+    TM__TRY(tm__saved_new(c, TM_F32, 1, &N, &rstd));
+    c->saved[c->n_saved++] = c->out[0];
+    if (N == 0) return TM_OK;
+    TM__CU_LAUNCH_FLOAT(x->dtype, add_rmsnorm_forward_kernel, (unsigned)N, tm__cu_row_threads(C), 0, st->stream,
+                        tm__data(c->out[0]), tm__data(c->out[1]), (float *)tm__data(rstd), tm__data(x), tm__data(y),
+                        tm__data(w), C, (float)c->fattr[0]);
+    TM__CU_LAUNCHED(c->ctx, "add_rmsnorm", "add_rmsnorm_forward_kernel");
+    return TM_OK;
+}
+
+extern "C" tm_status tm__add_rmsnorm_backward_cuda(tm__call *c) {
+    const tm_tensor *w = c->in[2], *ds = c->gout[0], *dh = c->gout[1], *rstd = c->saved[0], *s = c->saved[1];
+    tm_tensor *dx = c->gin[0], *dy = c->gin[1], *dw = c->gin[2];
+    int64_t C = s->shape[s->ndim - 1], N = C ? tm__numel(s) / C : 0;
+    if (N == 0 || (!dx && !dy && !dw)) return TM_OK;
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(c->ctx, "add_rmsnorm", &st));
+    float *prod = NULL;
+    if (dw) TM__TRY(tm__cu_scratch(c->ctx, st, (size_t)(N * C) * sizeof(float), (void **)&prod));
+    TM__CU_LAUNCH_FLOAT(s->dtype, add_rmsnorm_backward_kernel, (unsigned)N, tm__cu_row_threads(C), 0, st->stream,
+                        dx ? tm__data(dx) : NULL, dy ? tm__data(dy) : NULL, prod, tm__data(ds), tm__data(dh),
+                        tm__data(s), tm__data(w), (const float *)tm__data(rstd), C);
+    TM__CU_LAUNCHED(c->ctx, "add_rmsnorm", "add_rmsnorm_backward_kernel");
+    if (dw) TM__TRY(tm__cu_reduce(c->ctx, "add_rmsnorm", TM_F32, prod, dw->dtype, tm__data(dw), 1, N, C, 1.0f, 1));
     return TM_OK;
 }

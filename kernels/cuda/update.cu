@@ -8,6 +8,10 @@
  *   sgd_update    in: p (n), g (n) [, b (n) f32] [, master (n) f32]
  *   grad_sumsq    in: g (n) -> out () f32: sum_i g_i^2 accumulated in f64, rounded once
  *   grad_scale    in: g (n), written in place: g *= scale
+ *   adamw_update_multi, grad_sumsq_multi, grad_scale_multi: the same over every range (n_s) of
+ *                 a segment table of this device (framework/update_multi.h); grad_sumsq_multi
+ *                 -> partials (ranges) f32, factor () f32; grad_scale_multi reads factor ()
+ *                 (see "fused updates" at the end of this file, with the launch counts)
  * No saved tensors (nothing is on the tape).
  *
  * AdamW: m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
@@ -29,25 +33,31 @@
  * bit. Nothing is read back: tm_ctx_clip_grad_norm reads every bucket's partial in one copy.
  */
 #include "common.cuh"
+#include "update_multi.h"
 
 /* ---- AdamW ----------------------------------------------------------------------------------- */
+
+/* Element i: the one AdamW update of both kernels below, in the CPU kernel's order. */
+template <typename T>
+__device__ __forceinline__ void adamw_elem(T *p, const T *g, float *m, float *v, float *master, int64_t i, float lr,
+                                           float b1, float omb1, float b2, float omb2, float eps, float wd, float bc1,
+                                           float bc2) {
+    float gi = tm__ld(g + i), pi = master ? master[i] : tm__ld(p + i);
+    float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(omb1, gi));
+    float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(__fmul_rn(omb2, gi), gi));
+    m[i] = mi;
+    v[i] = vi;
+    float step = __fdiv_rn(__fdiv_rn(mi, bc1), __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, bc2)), eps));
+    pi = __fsub_rn(pi, __fmul_rn(lr, __fadd_rn(step, __fmul_rn(wd, pi))));
+    if (master) master[i] = pi;
+    tm__st(p + i, pi);
+}
 
 template <typename T>
 __global__ void adamw_kernel(void *p_, const void *g_, float *m, float *v, float *master, int64_t n, float lr, float b1,
                              float omb1, float b2, float omb2, float eps, float wd, float bc1, float bc2) {
-    T *p = (T *)p_;
-    const T *g = (const T *)g_;
-    TM__CU_GRID_STRIDE(i, n) {
-        float gi = tm__ld(g + i), pi = master ? master[i] : tm__ld(p + i);
-        float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(omb1, gi));
-        float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(__fmul_rn(omb2, gi), gi));
-        m[i] = mi;
-        v[i] = vi;
-        float step = __fdiv_rn(__fdiv_rn(mi, bc1), __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, bc2)), eps));
-        pi = __fsub_rn(pi, __fmul_rn(lr, __fadd_rn(step, __fmul_rn(wd, pi))));
-        if (master) master[i] = pi;
-        tm__st(p + i, pi);
-    }
+    TM__CU_GRID_STRIDE(i, n)
+    adamw_elem<T>((T *)p_, (const T *)g_, m, v, master, i, lr, b1, omb1, b2, omb2, eps, wd, bc1, bc2);
 }
 
 extern "C" tm_status tm__adamw_update_forward_cuda(tm__call *c) {
@@ -111,8 +121,8 @@ extern "C" tm_status tm__sgd_update_forward_cuda(tm__call *c) {
 
 /* ---- grad_sumsq ------------------------------------------------------------------------------ */
 
-/* The CPU kernel's chunking (kernels/cpu/update.c), so both split n alike. */
-enum { SUMSQ_MAX_CHUNKS = 256, SUMSQ_MIN_CHUNK = 4096, SUMSQ_THREADS = 256 };
+/* The CPU kernel's chunking (tm__sumsq_chunk, framework/update_multi.h), so both split n alike. */
+enum { SUMSQ_THREADS = 256 };
 
 /* Sum of v over the block in f64, in a fixed tree; thread 0 gets the result. sh: 32 doubles. */
 __device__ __forceinline__ double sumsq_block_sum(double v, double *sh) {
@@ -127,16 +137,24 @@ __device__ __forceinline__ double sumsq_block_sum(double v, double *sh) {
 
 /* Block k sums chunk k: [k chunk, min(n, (k+1) chunk)). With one chunk, out gets the f32 result
  * directly; otherwise part[k] gets the f64 partial. */
+/* This thread's share of the sum of squares of g[lo, hi): elements lo + threadIdx.x + k
+ * blockDim.x in order (both sum-of-squares kernels, so their chunk sums agree bit for bit). */
 template <typename T>
-__global__ void sumsq_chunk_kernel(const void *g_, int64_t n, int64_t chunk, double *part, float *out) {
-    __shared__ double sh[32];
+__device__ __forceinline__ double sumsq_thread(const void *g_, int64_t lo, int64_t hi) {
     const T *g = (const T *)g_;
-    int64_t lo = (int64_t)blockIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
     double acc = 0.0;
     for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         double x = (double)tm__ld(g + i);
         acc = fma(x, x, acc);
     }
+    return acc;
+}
+
+template <typename T>
+__global__ void sumsq_chunk_kernel(const void *g_, int64_t n, int64_t chunk, double *part, float *out) {
+    __shared__ double sh[32];
+    int64_t lo = (int64_t)blockIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
+    double acc = sumsq_thread<T>(g_, lo, hi);
     acc = sumsq_block_sum(acc, sh);
     if (threadIdx.x == 0) {
         if (out) *out = (float)acc;
@@ -163,8 +181,7 @@ extern "C" tm_status tm__grad_sumsq_forward_cuda(tm__call *c) {
         TM__TRY(tm__cuda_memset0(c->ctx, out, sizeof(float)));
         return TM_OK;
     }
-    int64_t chunk = (n + SUMSQ_MAX_CHUNKS - 1) / SUMSQ_MAX_CHUNKS;
-    if (chunk < SUMSQ_MIN_CHUNK) chunk = SUMSQ_MIN_CHUNK;
+    int64_t chunk = tm__sumsq_chunk(n);
     int nc = (int)((n + chunk - 1) / chunk); /* 1..256 */
     double *part = NULL;
     if (nc > 1) TM__TRY(tm__cu_scratch(c->ctx, st, (size_t)nc * sizeof(double), (void **)&part));
@@ -181,9 +198,13 @@ extern "C" tm_status tm__grad_sumsq_forward_cuda(tm__call *c) {
 /* ---- grad_scale ------------------------------------------------------------------------------ */
 
 template <typename T>
+__device__ __forceinline__ void scale_elem(T *g, int64_t i, float s) {
+    tm__st(g + i, __fmul_rn(tm__ld(g + i), s));
+}
+
+template <typename T>
 __global__ void scale_kernel(void *g_, int64_t n, float s) {
-    T *g = (T *)g_;
-    TM__CU_GRID_STRIDE(i, n) tm__st(g + i, __fmul_rn(tm__ld(g + i), s));
+    TM__CU_GRID_STRIDE(i, n) scale_elem<T>((T *)g_, i, s);
 }
 
 extern "C" tm_status tm__grad_scale_forward_cuda(tm__call *c) {
@@ -197,5 +218,178 @@ extern "C" tm_status tm__grad_scale_forward_cuda(tm__call *c) {
     TM__CU_LAUNCH_FLOAT(g->dtype, scale_kernel, tm__cu_blocks(st, n), TM__CU_THREADS, 0, st->stream, tm__data(g), n,
                         (float)c->fattr[0]);
     TM__CU_LAUNCHED(c->ctx, "grad_scale", "scale_kernel");
+    return TM_OK;
+}
+
+/* ---- fused updates over a segment table ------------------------------------------------------ */
+/*
+ * The table (framework/update_multi.h) lists ranges of several buckets of this device; segment
+ * s owns the blocks [first, first + ceil(n / chunk)) (sfirst / schunk for the sum of squares),
+ * and a block finds its segment by binary search over `first` (every thread of a block does the
+ * same search on the same few cached words; no shared memory, no barrier). Each element gets
+ * the arithmetic of the single-range kernels above (adamw_elem, sumsq_thread, scale_elem), so
+ * the fused ops are bit for bit the ops they replace.
+ *
+ * grad_sumsq_multi in one launch: every block sums its chunk as sumsq_chunk_kernel does and
+ * stores the f64 partial; the last block to finish (an integer atomic ticket: the only atomic,
+ * it decides who adds, not the order) adds each segment's chunk partials in chunk order
+ * (sumsq_final_kernel's order), rounds the segment's sum to f32 (grad_sumsq's output), adds
+ * those in segment order in f64 from 0 (tm_ctx_clip_grad_norm's host sum), and computes the
+ * norm and the factor in f64 (IEEE sqrt and division: the host's values) rounded to f32
+ * (grad_scale's (float)scale). The order never depends on which block finishes last.
+ * grad_scale_multi reads that factor on the device and returns at once when it is 1 (no
+ * clipping), so no host read sits between the two launches.
+ *
+ * Launches per optimizer step on one GPU, derived from optim/optimizer.c and optim/clip.c
+ * (B buckets on the device, R_k decay runs in bucket k, C_k = 2 when bucket k's gradients span
+ * more than one 4096-element chunk, else 1):
+ *   before: AdamW sum_k R_k adamw_kernel; clip sum_k C_k sumsq kernels, B copy kernels (the
+ *           partials concatenated, when B > 1), 1 read, and B scale_kernel when it clips
+ *   after:  AdamW 1 adamw_multi_kernel; clip 1 sumsq_multi_kernel and 1 scale_multi_kernel
+ *           (none when max_norm <= 0), and 1 read only when the caller asks for the norm (the
+ *           driver does, every step: its non-finite guard precedes the update), plus one table
+ *           upload on the first step or after a bucket moved, none in steady state
+ * E.g. an f32 MoE model of L = 12 layers: its dense bucket alternates decay (matrices) and no
+ * decay (norm gains): embed | attn_norm | wq..wo | ffn_norm | gate | ... | norm | lm_head,
+ * R = 4L + 3 = 51 runs, its expert bucket 1 run: before 52 + 4 + 2 + 2 = 60 launches and 1 read
+ * per step when clipping (58 when not), after 3 launches and 1 read.
+ */
+
+/* The segment whose blocks include block b: the last s with start(s) <= b (segs[0] starts at
+ * block 0, every segment has at least one block, starts grow with s). */
+__device__ __forceinline__ int seg_find(const tm__seg *segs, int nseg, int64_t b, int sumsq) {
+    int lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        int64_t f = sumsq ? segs[mid].sfirst : segs[mid].first;
+        if (f <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+template <typename T>
+__device__ __forceinline__ void adamw_range(const tm__seg *sg, int64_t lo, int64_t hi, float lr, float b1, float omb1,
+                                            float b2, float omb2, float eps, float bc1, float bc2) {
+    T *p = (T *)sg->p;
+    const T *g = (const T *)sg->g;
+    float wd = (float)sg->wd;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
+        adamw_elem<T>(p, g, sg->m, sg->v, sg->master, i, lr, b1, omb1, b2, omb2, eps, wd, bc1, bc2);
+}
+
+__global__ void adamw_multi_kernel(const tm__seg *segs, int nseg, float lr, float b1, float omb1, float b2, float omb2,
+                                   float eps, float bc1, float bc2) {
+    int64_t b = blockIdx.x;
+    const tm__seg *sg = segs + seg_find(segs, nseg, b, 0);
+    int64_t lo = (b - sg->first) * sg->chunk, hi = lo + sg->chunk < sg->n ? lo + sg->chunk : sg->n;
+    if (sg->dtype == TM_BF16) adamw_range<tm__bf16>(sg, lo, hi, lr, b1, omb1, b2, omb2, eps, bc1, bc2);
+    else adamw_range<float>(sg, lo, hi, lr, b1, omb1, b2, omb2, eps, bc1, bc2);
+}
+
+/* part: one f64 per block; ticket: 0 at launch, 0 again when the kernel ends. */
+__global__ void sumsq_multi_kernel(const tm__seg *segs, int nseg, double *part, unsigned int *ticket, float *partials,
+                                   float *factor, double max_norm) {
+    __shared__ double sh[32];
+    __shared__ int last;
+    int64_t b = blockIdx.x;
+    const tm__seg *sg = segs + seg_find(segs, nseg, b, 1);
+    int64_t lo = (b - sg->sfirst) * sg->schunk, hi = lo + sg->schunk < sg->n ? lo + sg->schunk : sg->n;
+    double acc = sg->dtype == TM_BF16 ? sumsq_thread<tm__bf16>(sg->p, lo, hi) : sumsq_thread<float>(sg->p, lo, hi);
+    acc = sumsq_block_sum(acc, sh);
+    if (threadIdx.x == 0) {
+        part[b] = acc;
+        __threadfence(); /* the partial is visible device-wide before the ticket counts it */
+        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last || threadIdx.x != 0) return;
+    __threadfence();
+    double ss = 0.0;
+    for (int s = 0; s < nseg; s++) {
+        const tm__seg *q = segs + s;
+        int64_t nc = (q->n + q->schunk - 1) / q->schunk;
+        double a = 0.0;
+        for (int64_t k = 0; k < nc; k++) a += __ldcg(part + q->sfirst + k); /* L2: other blocks' writes */
+        float pf = (float)a;
+        partials[s] = pf;
+        ss += (double)pf;
+    }
+    double norm = sqrt(ss);
+    *factor = max_norm > 0.0 && norm > max_norm ? (float)(max_norm / (norm + 1e-6)) : 1.0f;
+    *ticket = 0u;
+}
+
+template <typename T>
+__device__ __forceinline__ void scale_range(void *g, int64_t lo, int64_t hi, float s) {
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) scale_elem<T>((T *)g, i, s);
+}
+
+__global__ void scale_multi_kernel(const tm__seg *segs, int nseg, const float *factor) {
+    float s = *factor;
+    if (s == 1.0f) return; /* not clipping: the gradients stay as they are */
+    int64_t b = blockIdx.x;
+    const tm__seg *sg = segs + seg_find(segs, nseg, b, 0);
+    int64_t lo = (b - sg->first) * sg->chunk, hi = lo + sg->chunk < sg->n ? lo + sg->chunk : sg->n;
+    if (sg->dtype == TM_BF16) scale_range<tm__bf16>(sg->p, lo, hi, s);
+    else scale_range<float>(sg->p, lo, hi, s);
+}
+
+/* nseg and blocks from the call, checked against the grid limit. */
+static tm_status multi_grid(tm__call *c, const char *what, int *nseg, unsigned *blocks) {
+    int64_t n = c->iattr[0], nb = c->iattr[1];
+    if (nb > 0x7fffffffLL || n > 0x7fffffffLL)
+        return tm__err(c->ctx, TM_ERR_INVALID_ARG, "%s: %lld blocks over %lld ranges exceed the CUDA grid", what,
+                       (long long)nb, (long long)n);
+    *nseg = (int)n;
+    *blocks = (unsigned)nb;
+    return TM_OK;
+}
+
+extern "C" tm_status tm__adamw_update_multi_forward_cuda(tm__call *c) {
+    const char *what = "adamw_update_multi";
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(c->ctx, what, &st));
+    int nseg = 0;
+    unsigned blocks = 0;
+    TM__TRY(multi_grid(c, what, &nseg, &blocks));
+    if (nseg == 0 || blocks == 0) return TM_OK;
+    const double *f = c->fattr;
+    adamw_multi_kernel<<<blocks, TM__CU_THREADS, 0, st->stream>>>((const tm__seg *)tm__data(c->in[0]), nseg, (float)f[0],
+                                                                   (float)f[1], (float)f[2], (float)f[3], (float)f[4],
+                                                                   (float)f[5], (float)f[7], (float)f[8]);
+    TM__CU_LAUNCHED(c->ctx, what, "adamw_multi_kernel");
+    return TM_OK;
+}
+
+extern "C" tm_status tm__grad_sumsq_multi_forward_cuda(tm__call *c) {
+    const char *what = "grad_sumsq_multi";
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(c->ctx, what, &st));
+    int nseg = 0;
+    unsigned blocks = 0;
+    TM__TRY(multi_grid(c, what, &nseg, &blocks));
+    float *partials = (float *)tm__data(c->out[0]), *factor = (float *)tm__data(c->out[1]);
+    if (nseg == 0 || blocks == 0) return tm__cuda_fill(c->ctx, c->out[1], 1.0); /* no gradients: nothing to clip */
+    double *part;
+    TM__TRY(tm__cu_scratch(c->ctx, st, (size_t)blocks * sizeof(double), (void **)&part));
+    sumsq_multi_kernel<<<blocks, SUMSQ_THREADS, 0, st->stream>>>((const tm__seg *)tm__data(c->in[0]), nseg, part,
+                                                                 (unsigned int *)tm__data(c->in[1]), partials, factor,
+                                                                 c->fattr[0]);
+    TM__CU_LAUNCHED(c->ctx, what, "sumsq_multi_kernel");
+    return TM_OK;
+}
+
+extern "C" tm_status tm__grad_scale_multi_forward_cuda(tm__call *c) {
+    const char *what = "grad_scale_multi";
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(c->ctx, what, &st));
+    int nseg = 0;
+    unsigned blocks = 0;
+    TM__TRY(multi_grid(c, what, &nseg, &blocks));
+    if (nseg == 0 || blocks == 0) return TM_OK;
+    scale_multi_kernel<<<blocks, TM__CU_THREADS, 0, st->stream>>>((const tm__seg *)tm__data(c->in[0]), nseg,
+                                                                  (const float *)tm__data(c->in[1]));
+    TM__CU_LAUNCHED(c->ctx, what, "scale_multi_kernel");
     return TM_OK;
 }
