@@ -590,6 +590,8 @@ Test(cuda_parity_update, clip_without_norm_does_not_wait) {
     double norm = 0;
     TT_OK(ctx, tm_ctx_clip_grad_norm(ctx, 5.0, &norm));
     cr_assert_eq(tm_ctx_sync_count(ctx) - before, 1);
-    cr_assert(fabs(norm - 5.0) <= 1e-5, "norm after clipping to 5: %.17g", norm);
+    /* 5 up to the rounding of the scaled gradient of the bf16 parameter "half" (2^-9 relative
+     * per element): the H100 gave 4.9999869 */
+    cr_assert(fabs(norm - 5.0) <= 1e-4 * 5.0, "norm after clipping to 5: %.17g", norm);
     tm_ctx_free(ctx);
 }
