@@ -304,7 +304,7 @@ void tm_ctx_memory_reset_peak(tm_ctx *ctx) {
 int tm__gmm_device_schedule(tm_ctx *ctx) {
     if (ctx->gmm_device < 0) {
         const char *e = getenv("TINYMOE_GMM");
-        ctx->gmm_device = e && !strcmp(e, "device");
+        ctx->gmm_device = !(e && !strcmp(e, "cublaslt"));
     }
     return ctx->gmm_device;
 }

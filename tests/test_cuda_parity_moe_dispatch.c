@@ -14,9 +14,8 @@
  * mirrored; f32 only), unpermute none. The bf16 grouped_matmul is the tensor-core kernel with
  * its schedule on the device: no synchronisation at all, both code paths (cp.async for K, N
  * multiples of 8; element-wise loads otherwise) on ragged, empty and sub-tile groups, bitwise
- * reproducible; mirrored counts validated, others clamped: with TINYMOE_GMM=device in the
- * environment (tests/gpu runs this file both ways); without it bf16 takes the default
- * cuBLASLt-per-group path, whose synchronisations are f32's.
+ * reproducible; mirrored counts validated, others clamped. With TINYMOE_GMM=cublaslt in the
+ * environment bf16 takes the cuBLASLt-per-group path instead, whose synchronisations are f32's.
  *
  * Tolerances (|cuda - cpu| <= atol + rtol |cpu|):
  *   permute's outputs, exact: both sides move bits (bf16 included) and place rows alike.
@@ -382,17 +381,17 @@ Test(cuda_parity_moe, unpermute_skips_rows_outside_the_tokens) {
 
 /* ---- grouped_matmul ---------------------------------------------------------------------- */
 
-/* 1 unless TINYMOE_GMM=device: bf16 then takes the cuBLASLt-per-group path (the default, which
- * reads counts without a mirror back once, as f32 does) instead of the tensor-core kernel with
- * its schedule on the device. */
+/* 1 when TINYMOE_GMM=cublaslt sends bf16 to the cuBLASLt-per-group path (which reads counts
+ * without a mirror back once, as f32 does) instead of the default tensor-core kernel with its
+ * schedule on the device. */
 static int gmm_cublaslt(void) {
     const char *e = getenv("TINYMOE_GMM");
-    return !(e && strcmp(e, "device") == 0);
+    return e && strcmp(e, "cublaslt") == 0;
 }
 
 /* Synchronisations of one grouped_matmul forward and of forward + backward on counts without a
- * host mirror: f32, and bf16 by default, read them back once (then mirrored, for the backward
- * too); bf16 with TINYMOE_GMM=device schedules the groups on the device and reads nothing; the
+ * host mirror: f32, and bf16 under TINYMOE_GMM=cublaslt, read them back once (then mirrored, for
+ * the backward too); bf16 by default schedules the groups on the device and reads nothing; the
  * CPU counts alike. */
 static uint64_t grouped_syncs(tm_dtype dt, int on_cuda) {
     (void)on_cuda; /* the CPU counts by the same rule (tm__gmm_device_schedule) */
@@ -477,7 +476,7 @@ Test(cuda_parity_moe, grouped_matmul_bf16_tiles) {
  * mirror here (the f32 path would wait once). */
 Test(cuda_parity_moe, grouped_matmul_bf16_never_synchronises) {
     TT_SKIP_WITHOUT_CUDA();
-    if (gmm_cublaslt()) cr_skip_test("bf16 takes the cuBLASLt path, which reads counts back (TINYMOE_GMM=device tests the device schedule)");
+    if (gmm_cublaslt()) cr_skip_test("TINYMOE_GMM=cublaslt: bf16 takes the cuBLASLt path, which reads counts back");
     tm_ctx *ctx = tt_parity_ctx();
     const int64_t G = 4, K = 64, N = 48, R = 300;
     int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N};
@@ -571,7 +570,7 @@ Test(cuda_parity_moe, grouped_matmul_bf16_bad_mirrored_counts) {
  * the clamped counts; for rows past the groups, with a last group whose weights are zero. */
 Test(cuda_parity_moe, grouped_matmul_bf16_unvalidated_counts_are_clamped) {
     TT_SKIP_WITHOUT_CUDA();
-    if (gmm_cublaslt()) cr_skip_test("bf16 takes the cuBLASLt path, which validates (TINYMOE_GMM=device tests the device schedule)");
+    if (gmm_cublaslt()) cr_skip_test("TINYMOE_GMM=cublaslt: bf16 takes the cuBLASLt path, which validates");
     tm_ctx *ctx = tt_parity_ctx();
     const int64_t G = 3, K = 24, N = 16, R = 200;
     int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N};

@@ -6,7 +6,7 @@
  * host values the GEMM loop needs anyway (tm__grouped_matmul_counts): the counts' host mirror
  * when they come from tm_moe_permute (no synchronisation), else one read back, after which
  * they are mirrored. The check itself never reads device data. The bf16 CUDA kernel with the
- * device schedule (kernels/cuda/grouped_matmul.cu, TINYMOE_GMM=device) needs no host values: it
+ * device schedule (kernels/cuda/grouped_matmul.cu, the default) needs no host values: it
  * validates a mirror when there is one (tm__grouped_matmul_counts_mirrored) and otherwise
  * clamps the counts on the device.
  */
@@ -41,7 +41,7 @@ tm_status tm__grouped_matmul_counts(tm__call *c, const int64_t **out) {
     if (counts->device.type == TM_DEVICE_CPU) {
         /* Where a device would read the counts back, the CPU counts a synchronisation; the values
          * are the data itself (equal to any mirror). CUDA reads nothing back for bf16 when it
-         * schedules the groups on the device (TINYMOE_GMM=device), so neither is counted then. */
+         * schedules the groups on the device (the default), so neither is counted then. */
         if (!cnt && G > 0 && !(c->src[0]->dtype == TM_BF16 && tm__gmm_device_schedule(ctx))) {
             tm__count_sync(ctx);
             TM__TRY(tm__mirror_set(ctx, counts, tm__data(counts)));

@@ -18,20 +18,21 @@
  *   host mirror (framework/internal.h; a tm_moe_permute's tokens_per_expert have one) or reads
  *   them back once (one synchronisation, counted) and mirrors them. Validated on the host.
  *
- * bf16, default: the f32 path's cuBLASLt GEMM per group (bf16 in and out, f32 accumulation),
- *   group sizes from the host as above. On an H100 at the MoE benchmark's shapes (R = 98304,
- *   K 2048, N 2816, 64 groups) it reached 661 TFLOP/s forward against 265 for the kernel below
- *   (bench/kernels.c, docs/PERFORMANCE.md): one read back per layer costs far less than that.
- *
- * bf16 with TINYMOE_GMM=device in the environment (read once per context,
- *   tm__gmm_device_schedule): our tensor-core kernel with the group offsets computed ON THE
- *   DEVICE, for a step that must not wait (CUDA graph capture): nothing is read
+ * bf16, default (tm__gmm_device_schedule): our tensor-core kernel with the group offsets
+ *   computed ON THE DEVICE, in one launch per direction: nothing is read
  *   back, no synchronisation, forward or backward. Counts with a host mirror are validated from
  *   it (as for f32: the same errors); counts without one are not validated (that would need a
  *   read back) but clamped on the device so that no access leaves the tensors: a count is taken
  *   as min(max(counts[g], 0), rows left), rows past the last group get y = 0 and no gradient.
- *   Its speed (mma.sync, 128x128x32 tiles, 4 cp.async stages) is 33-35% of a dense cuBLASLt
- *   GEMM of the same FLOPs there; wgmma + TMA (sm_90a) is the way to close the gap.
+ *   In isolation it is slower than cuBLASLt: on an H100 at the MoE benchmark's shapes (R = 98304,
+ *   K 2048, N 2816, 64 groups) 263-273 TFLOP/s forward (32-35% of a dense GEMM of the same
+ *   FLOPs) against 632-656 for cuBLASLt per group (bench/kernels.c); wgmma + TMA (sm_90a) is
+ *   the way to close that. In a training step it wins all the same (coarse 206 -> 123 ms, fine
+ *   269 -> 114 ms per step): nothing waits for the device, and one launch replaces one cuBLASLt
+ *   call per expert and direction.
+ *
+ * bf16 with TINYMOE_GMM=cublaslt in the environment (read once per context): the f32 path's
+ *   cuBLASLt GEMM per group (bf16 in and out, f32 accumulation), group sizes from the host.
  *
  * The bf16 kernel, step by step:
  *
@@ -491,7 +492,7 @@ __global__ void __launch_bounds__(GMM_THREADS, 2) gmm_kernel(gmm_args a) {
 
 static const char *const GMM_WHAT = "grouped_matmul";
 
-/* 1: bf16 goes to cuBLASLt per group (the default; TINYMOE_GMM=device: our kernel). */
+/* 1: bf16 goes to cuBLASLt per group (TINYMOE_GMM=cublaslt; default: our kernel). */
 static int gmm_use_cublaslt(tm__call *c) { return !tm__gmm_device_schedule(c->ctx); }
 
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
