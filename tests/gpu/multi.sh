@@ -9,6 +9,7 @@
 # with fewer, ranks share a GPU and use the host-staged MPI engine (the run header says which).
 #   bash tests/gpu/multi.sh TEXT_FILE      (from the repository root; logs in $OUT, default /tmp/tinymoe-gpu-multi)
 #   DEVICE=cpu bash tests/gpu/multi.sh TEXT_FILE   (the same on CPU ranks: a check of the script itself)
+#   NS=2 bash tests/gpu/multi.sh TEXT_FILE         (only the 2-rank layouts, e.g. on a 2-GPU machine)
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 TEXT=${1:?usage: tests/gpu/multi.sh TEXT_FILE (e.g. tinyshakespeare.txt)}
@@ -36,7 +37,7 @@ compare() { # name, reference, limit (empty: report only)
               exit !ok }' || fail=1
 }
 for dt in f32 bf16; do train ref_$dt $BIN train $ARGS --dtype $dt; done
-for n in 2 4; do
+for n in ${NS:-2 4}; do
     for ep in 1 2 $n; do
         for st in alltoall allgather; do
             [ $ep = 1 ] && [ $st = allgather ] && continue # ep_size 1: no dispatch collective
@@ -49,9 +50,11 @@ for n in 2 4; do
         done
     done
 done
-for name in n4_ep4_alltoall_z1 n4_ep2_allgather_z0; do
+bf16_layouts="n4_ep4_alltoall_z1 n4_ep2_allgather_z0"
+case " ${NS:-2 4} " in *" 4 "*) ;; *) bf16_layouts="n2_ep2_alltoall_z1 n2_ep2_allgather_z0" ;; esac
+for name in $bf16_layouts; do
     set -- $(echo $name | tr '_' ' ')
-    train ${name}_bf16 $MPIRUN -np 4 $BIN train $ARGS --dtype bf16 --ep_size ${2#ep} --ep_strategy $3 --zero ${4#z} &&
+    train ${name}_bf16 $MPIRUN -np ${1#n} $BIN train $ARGS --dtype bf16 --ep_size ${2#ep} --ep_strategy $3 --zero ${4#z} &&
         compare ${name}_bf16 ref_bf16 ""
 done
 # A rank killed mid-run.
