@@ -27,45 +27,30 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tinymoe.h"
+#define BENCH_PROG "bench_alltoall"
+#include "bench.h"
 
 #ifdef TM_HAVE_NCCL
 #include <cuda_runtime.h>
 #include <nccl.h>
 #endif
 
-static int64_t splitmix(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return (int64_t)((z ^ (z >> 31)) >> 1);
-}
-
-#define CHECK(ctx, expr)                                                                          \
-    do {                                                                                          \
-        tm_status s_ = (expr);                                                                    \
-        if (s_) {                                                                                 \
-            fprintf(stderr, "bench_alltoall: %s: %s: %s\n", #expr, tm_status_str(s_), tm_ctx_errmsg(ctx)); \
-            MPI_Abort(MPI_COMM_WORLD, 1);                                                         \
-        }                                                                                         \
-    } while (0)
-
 int main(int argc, char **argv) {
-    int64_t tokens = 16 * 1024, hidden = 1024, topk = 6, experts = 64, iters = 20;
+    long tokens = 16 * 1024, hidden = 1024, topk = 6, experts = 64, iters = 20;
     const char *device = "cuda", *dtype = "bf16";
-    for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--tokens")) tokens = atoll(argv[i + 1]);
-        else if (!strcmp(argv[i], "--hidden")) hidden = atoll(argv[i + 1]);
-        else if (!strcmp(argv[i], "--topk")) topk = atoll(argv[i + 1]);
-        else if (!strcmp(argv[i], "--experts")) experts = atoll(argv[i + 1]);
-        else if (!strcmp(argv[i], "--iters")) iters = atoll(argv[i + 1]);
-        else if (!strcmp(argv[i], "--device")) device = argv[i + 1];
-        else if (!strcmp(argv[i], "--dtype")) dtype = argv[i + 1];
-        else {
-            fprintf(stderr, "bench_alltoall: unknown option '%s' (see the top of bench/alltoall.c)\n", argv[i]);
-            return 2;
-        }
-    }
+    const bench_opt opts[] = {
+        {"--device", NULL, &device, 0, "cuda (NCCL reference), or cpu (MPI_Alltoallv reference)"},
+        {"--dtype", NULL, &dtype, 0, "bf16 or f32"},
+        {"--tokens", &tokens, NULL, 1, "global tokens (a multiple of the ranks)"},
+        {"--hidden", &hidden, NULL, 1, "row length"},
+        {"--topk", &topk, NULL, 1, "experts per token"},
+        {"--experts", &experts, NULL, 1, "experts (a multiple of the ranks)"},
+        {"--iters", &iters, NULL, 1, "timed calls per repeat"},
+    };
+    int pr = bench_parse(argc, argv, BENCH_PROG, "ragged all-to-all vs the engine's own (bench/alltoall.c); run under mpirun",
+                         opts, (int)(sizeof opts / sizeof opts[0]));
+    if (pr <= 0) return pr < 0 ? 2 : 0;
+    tm_ctx *ctx = NULL;
     MPI_Init(&argc, &argv);
     int rank, N;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -87,14 +72,13 @@ int main(int argc, char **argv) {
     int gpu = cuda ? (lr ? atoi(lr) : rank) % ndev : -1;
     tm_ctx_options o = tm_ctx_options_default();
     o.cuda_device = gpu;
-    tm_ctx *ctx;
     if (tm_ctx_new(&ctx, &o)) {
         fprintf(stderr, "bench_alltoall: rank %d: cannot create a context: %s\n", rank, tm_last_create_error());
         MPI_Abort(MPI_COMM_WORLD, 1);
     }
     tm_comm_options co = tm_comm_options_default();
     co.ep_size = N;
-    CHECK(ctx, tm_comm_init(ctx, &co));
+    CHECK(tm_comm_init(ctx, &co));
     tm_device dev = cuda ? tm_cuda(gpu) : tm_cpu();
     tm_dtype dt = !strcmp(dtype, "f32") ? TM_F32 : TM_BF16;
     size_t es = tm_dtype_size(dt);
@@ -103,17 +87,17 @@ int main(int argc, char **argv) {
      * count per destination rank is what matters), rows grouped by destination rank. */
     int64_t *send = calloc((size_t)N, sizeof *send), *recv = calloc((size_t)N, sizeof *recv);
     uint64_t seed = 1234 + (uint64_t)rank;
-    for (int64_t t = 0; t < tokens / N * topk; t++) send[splitmix(&seed) % experts / (experts / N)]++;
+    for (int64_t t = 0; t < tokens / N * topk; t++) send[(bench_rand(&seed) >> 1) % (uint64_t)experts / (uint64_t)(experts / N)]++; /* >> 1: the draw of the measured runs */
     MPI_Alltoall(send, 1, MPI_INT64_T, recv, 1, MPI_INT64_T, MPI_COMM_WORLD);
     int64_t rows = 0, rrows = 0, sent_off = 0;
     for (int j = 0; j < N; j++) rows += send[j], rrows += recv[j], sent_off += j == rank ? 0 : send[j];
     tm_tensor *x, *sc, *rc, *y;
-    CHECK(ctx, tm_buffer_new(ctx, "x", dt, 2, (int64_t[]){rows, hidden}, dev, &x));
-    CHECK(ctx, tm_tensor_fill(ctx, x, 1.0));
-    CHECK(ctx, tm_buffer_new(ctx, "send_counts", TM_I64, 1, (int64_t[]){N}, tm_cpu(), &sc));
-    CHECK(ctx, tm_buffer_new(ctx, "recv_counts", TM_I64, 1, (int64_t[]){N}, tm_cpu(), &rc));
-    CHECK(ctx, tm_tensor_write(ctx, sc, TM_I64, send, N));
-    CHECK(ctx, tm_tensor_write(ctx, rc, TM_I64, recv, N));
+    CHECK(tm_buffer_new(ctx, "x", dt, 2, (int64_t[]){rows, hidden}, dev, &x));
+    CHECK(tm_tensor_fill(ctx, x, 1.0));
+    CHECK(tm_buffer_new(ctx, "send_counts", TM_I64, 1, (int64_t[]){N}, tm_cpu(), &sc));
+    CHECK(tm_buffer_new(ctx, "recv_counts", TM_I64, 1, (int64_t[]){N}, tm_cpu(), &rc));
+    CHECK(tm_tensor_write(ctx, sc, TM_I64, send, N));
+    CHECK(tm_tensor_write(ctx, rc, TM_I64, recv, N));
     tm_ctx_set_grad_enabled(ctx, 0);
 
     /* the reference's buffers and displacements (bytes) */
@@ -164,7 +148,7 @@ int main(int argc, char **argv) {
                     t0 = MPI_Wtime();
                 }
                 if (which == 0) {
-                    CHECK(ctx, tm_comm_alltoall(ctx, x, sc, rc, TM_COMM_EP, &y));
+                    CHECK(tm_comm_alltoall(ctx, x, sc, rc, TM_COMM_EP, &y));
                     tm_ctx_arena_reset(ctx); /* y: x, the counts are persistent buffers */
                 } else if (cuda) {
 #ifdef TM_HAVE_NCCL
@@ -217,4 +201,7 @@ int main(int argc, char **argv) {
     tm_ctx_free(ctx);
     MPI_Finalize();
     return 0;
+fail: /* a collective failed on this rank: the others would wait for it */
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    return 1;
 }

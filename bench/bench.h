@@ -1,5 +1,5 @@
 /*
- * bench.h — what the GPU benchmark programs (moe_layer.c, kernels.c, attention.c) share: option
+ * bench.h — what the GPU benchmark programs (moe_layer.c, kernels.c, attention.c, alltoall.c) share: option
  * parsing, the device, the clock and the error check. Header-only (static functions), public
  * header only, like any program using the library.
  *
