@@ -126,12 +126,14 @@ static void assert_on_cuda(const tm_tensor *t, const char *what) {
 
 /* ---- moe_permute ------------------------------------------------------------------------- */
 
-/* One permute case: rows of H elements; topk > 0 routes every token to exactly topk experts
- * and runs tm_moe_permute_topk; misalign puts x one element off 16-byte alignment. */
-static void permute_case_ex(tm_dtype xdt, tm_dtype pdt, int64_t T, int64_t H, int64_t align, int64_t pad_to, int topk,
-                            int misalign, double atol, double rtol) {
+/* One permute case over E experts (at most 64): rows of H elements; topk > 0 routes every
+ * token to exactly topk experts and runs tm_moe_permute_topk; misalign puts x one element off
+ * 16-byte alignment. */
+static void permute_case_e(tm_dtype xdt, tm_dtype pdt, int64_t T, int64_t H, int64_t E, int64_t align, int64_t pad_to,
+                           int topk, int misalign, double atol, double rtol) {
     tm_ctx *ctx = tt_parity_ctx();
-    const int64_t E = E7, cap = pad_to > 0 ? pad_to : 0;
+    const int64_t cap = pad_to > 0 ? pad_to : 0;
+    cr_assert(E >= 5 && E <= 64, "permute_case_e: E = %lld", (long long)E);
     int64_t xs[2] = {T, H}, ms[2] = {T, E};
     double *hx = tt_parity_uniform(T * H, 100 + (uint64_t)T), *hp = tt_parity_uniform(T * E, 200 + (uint64_t)T);
     double *hm = malloc(sizeof(double) * (size_t)(T * E + 1));
@@ -185,7 +187,7 @@ static void permute_case_ex(tm_dtype xdt, tm_dtype pdt, int64_t T, int64_t H, in
     assert_same(ctx, d[1].permuted, d[0].permuted, "permuted");
     assert_same(ctx, d[1].permuted_probs, d[0].permuted_probs, "permuted_probs");
     /* The case is what it claims: padded blocks, empty experts. */
-    int64_t tpe[E7];
+    int64_t tpe[64];
     TT_OK(ctx, tm_tensor_read(ctx, d[1].tokens_per_expert, TM_I64, tpe, E));
     for (int64_t e = 0; e < E; e++) {
         if (pad_to > 0) cr_assert_eq(tpe[e], pad_to, "expert %lld: %lld rows, want pad_to", (long long)e, (long long)tpe[e]);
@@ -201,6 +203,11 @@ static void permute_case_ex(tm_dtype xdt, tm_dtype pdt, int64_t T, int64_t H, in
     free(g1), free(g2);
     free(hx), free(hp), free(hm);
     tm_ctx_free(ctx);
+}
+
+static void permute_case_ex(tm_dtype xdt, tm_dtype pdt, int64_t T, int64_t H, int64_t align, int64_t pad_to, int topk,
+                            int misalign, double atol, double rtol) {
+    permute_case_e(xdt, pdt, T, H, E7, align, pad_to, topk, misalign, atol, rtol);
 }
 
 static void permute_case(tm_dtype xdt, tm_dtype pdt, int64_t T, int64_t align, int64_t pad_to, double atol, double rtol) {
@@ -240,6 +247,24 @@ Test(cuda_parity_moe, permute_bf16) {
     permute_all(TM_BF16, 1e-2, 1e-2);
     permute_case(TM_BF16, TM_F32, 37, 8, 0, 1e-2, 1e-2); /* probs keep their own dtype */
     permute_case_ex(TM_BF16, TM_F32, 300, 64, 1, 0, 2, 0, 1e-2, 1e-2);
+}
+
+/* The CUDA permute backward lists a token's routed rows (up to 32) and loads 8 of them at a
+ * time: a long row (several chunks of a warp's vectors), more than 8 rows a token (two
+ * groups), and more than 32 (the rescanning fallback), on both the vector and the
+ * one-element paths. */
+Test(cuda_parity_moe, permute_many_rows_per_token) {
+    TT_SKIP_WITHOUT_CUDA();
+    permute_case_e(TM_BF16, TM_BF16, 300, 1024, 16, 1, 0, 4, 0, 1e-2, 1e-2);
+    permute_case_e(TM_F32, TM_F32, 300, 1024, 16, 1, 0, 4, 0, 1e-5, 1e-5);
+    const tm_dtype dts[2] = {TM_F32, TM_BF16};
+    for (int i = 0; i < 2; i++) {
+        const double tol = dts[i] == TM_F32 ? 1e-5 : 1e-2;
+        permute_case_e(dts[i], dts[i], 100, 64, 16, 1, 0, 12, 0, tol, tol);
+        permute_case_e(dts[i], dts[i], 100, 19, 16, 1, 0, 12, 0, tol, tol);
+        permute_case_e(dts[i], dts[i], 64, 64, 40, 1, 0, 36, 0, tol, tol);
+        permute_case_e(dts[i], dts[i], 64, 36, 40, 8, 0, 36, 1, tol, tol);
+    }
 }
 
 /* CUDA does not read the counts back under pad_to or topk, so it cannot report an expert

@@ -36,8 +36,12 @@
  *   with topk, a map that does not route T * topk pairs places no row at or past R and leaves
  *   unclaimed rows as padding. No access ever leaves the tensors.
  *   Backward, a warp per token: dx[t] += sum over e ascending (= ascending rows, the CPU's
- *   order) of d permuted[row_of[t,e]] (the routed e found 32 at a time by a ballot), summed in
- *   f32; d probs[t,e] += d permuted_probs[row] elementwise.
+ *   order) of d permuted[row_of[t,e]], summed in f32. The token's row_of is read once (a
+ *   ballot per 32 experts) into a list of its routed rows (up to 32, in shared memory; a
+ *   token with more takes a slower loop that rescans row_of per chunk of the row, summing in
+ *   the same order); then per chunk of the row the loads of up to 8 rows are all in flight
+ *   before they are summed, so the kernel waits on memory once per chunk, not once per row.
+ *   d probs[t,e] += d permuted_probs[row] elementwise.
  *
  * moe_unpermute
  *   in[0] expert_out (R, H), in[1] row_token (R) i64 or i32, in[2] permuted_probs (R)
@@ -51,7 +55,8 @@
  *   run (row ids and weights fetched 32 at a time, one per lane, and broadcast by shuffles).
  *   Backward, a warp per row r of token t: d expert_out[r] += dy[t] p[r];
  *   d p[r] += <expert_out[r], dy[t]>: each lane sums its elements in order, then a fixed
- *   shuffle tree (lane 0 gets the sum).
+ *   shuffle tree (lane 0 gets the sum). Each lane loads 4 of its vectors of each operand
+ *   before computing with them (loads in flight, the order of the arithmetic unchanged).
  *   row_token outside [-1, num_tokens): the CPU reports TM_ERR_INDEX; validating on the device
  *   would need a read back (a synchronisation per layer), so the CUDA kernels treat such rows
  *   as padding instead: skipped in the forward, no gradient in the backward.
@@ -80,6 +85,9 @@
 #define SCAN_THREADS 256 /* a multiple of 32, at most 1024 (block_scan) */
 #define TILE 32          /* tokens per tile of the permute's index passes: one ballot */
 #define VECS 2           /* 16-byte vectors per lane held at once by the summing kernels */
+#define DX_MAXROWS 32    /* routed rows of a token listed at once by permute_dx_kernel */
+#define DX_GROUP 8       /* rows whose loads permute_dx_kernel issues before summing them */
+#define UNP_BATCH 4      /* vectors per lane whose loads unpermute_backward_kernel issues at once */
 #define FULL 0xffffffffu
 
 /* Blocks of DISPATCH_WARPS warps for a loop of one warp per item, capped to fill the GPU. */
@@ -140,6 +148,44 @@ __device__ __forceinline__ void stv(T *p, const float *f) {
         q.z = bf16_bits(f[4]) | bf16_bits(f[5]) << 16;
         q.w = bf16_bits(f[6]) | bf16_bits(f[7]) << 16;
         *reinterpret_cast<uint4 *>(p) = q;
+    }
+}
+
+/* The raw form of N elements of T as one access (a 16-byte vector, or the element itself), so
+ * that several loads can be in flight before any is widened; widen(ldraw(p)) is ldv(p). */
+template <int N, typename T>
+struct vraw {
+    static_assert(N == 1, "one element, or 16 bytes below");
+    using type = T;
+};
+template <>
+struct vraw<4, float> {
+    using type = float4;
+};
+template <>
+struct vraw<8, tm__bf16> {
+    using type = uint4;
+};
+
+template <int N, typename T>
+__device__ __forceinline__ typename vraw<N, T>::type ldraw(const T *p) {
+    return *reinterpret_cast<const typename vraw<N, T>::type *>(p);
+}
+
+/* ldv's conversion of a raw vector to N f32 values. */
+template <int N, typename T>
+__device__ __forceinline__ void widen(const typename vraw<N, T>::type &q, float *f) {
+    if constexpr (N == 1) {
+        f[0] = tm__ld(&q);
+    } else if constexpr (sizeof(T) == 4) {
+        f[0] = q.x, f[1] = q.y, f[2] = q.z, f[3] = q.w;
+    } else {
+        const unsigned u[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            f[2 * i] = __uint_as_float(u[i] << 16);
+            f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+        }
     }
 }
 
@@ -287,56 +333,136 @@ static void permute_rows_launch(const tm__cuda *st, void *dst, const void *x, co
         (V *)dst, (const V *)x, row_token, R, row_bytes / (int64_t)sizeof(V));
 }
 
-/* A warp per token: dx[t] += sum over e ascending of g[row_of[t,e]] (f32). The routed e are
- * found 32 at a time (a ballot over row_of >= 0) and taken in ascending order; each lane holds
- * VECS groups of N elements. */
+/* The old per-chunk scan, for a token with more than DX_MAXROWS routed rows (a map routing a
+ * token to over 32 experts): for each chunk of the row, the routed e are found 32 at a time
+ * (a ballot over row_of >= 0) and taken in ascending order; dxt: the token's row of dx. */
 template <typename T_, int N>
-__global__ void __launch_bounds__(DISPATCH_THREADS)
-permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of, int64_t T, int64_t H, int64_t E) {
-    T_ *__restrict__ dx = (T_ *)dx_;
-    const T_ *__restrict__ g = (const T_ *)g_;
-    const int lane = threadIdx.x & 31;
+__device__ void permute_dx_scan(T_ *__restrict__ dxt, const T_ *__restrict__ g, const int64_t *__restrict__ ro, int64_t H,
+                                int64_t E, int lane) {
     const int64_t nv = H / N;
-    for (int64_t t = warp_id(); t < T; t += warp_count()) {
-        const int64_t *ro = row_of + t * E;
-        for (int64_t base = 0; base < nv; base += 32 * VECS) {
-            float a[VECS][N];
+    for (int64_t base = 0; base < nv; base += 32 * VECS) {
+        float a[VECS][N];
 #pragma unroll
-            for (int u = 0; u < VECS; u++)
+        for (int u = 0; u < VECS; u++)
 #pragma unroll
-                for (int i = 0; i < N; i++) a[u][i] = 0.0f;
-            unsigned any = 0;
-            for (int64_t eb = 0; eb < E; eb += 32) {
-                const int64_t rl = eb + lane < E ? ro[eb + lane] : -1;
-                unsigned bal = __ballot_sync(FULL, rl >= 0);
-                any |= bal;
-                while (bal) {
-                    const int j = __ffs(bal) - 1;
-                    bal &= bal - 1u;
-                    const int64_t r = __shfl_sync(FULL, rl, j);
+            for (int i = 0; i < N; i++) a[u][i] = 0.0f;
+        for (int64_t eb = 0; eb < E; eb += 32) {
+            const int64_t rl = eb + lane < E ? ro[eb + lane] : -1;
+            unsigned bal = __ballot_sync(FULL, rl >= 0);
+            while (bal) {
+                const int j = __ffs(bal) - 1;
+                bal &= bal - 1u;
+                const int64_t r = __shfl_sync(FULL, rl, j);
 #pragma unroll
-                    for (int u = 0; u < VECS; u++) {
-                        const int64_t v = base + u * 32 + lane;
-                        if (v < nv) {
-                            float x[N];
-                            ldv<N>(g + r * H + v * N, x);
+                for (int u = 0; u < VECS; u++) {
+                    const int64_t v = base + u * 32 + lane;
+                    if (v < nv) {
+                        float x[N];
+                        ldv<N>(g + r * H + v * N, x);
 #pragma unroll
-                            for (int i = 0; i < N; i++) a[u][i] += x[i];
-                        }
+                        for (int i = 0; i < N; i++) a[u][i] += x[i];
                     }
                 }
             }
-            if (!any) continue;
+        }
+#pragma unroll
+        for (int u = 0; u < VECS; u++) {
+            const int64_t v = base + u * 32 + lane;
+            if (v < nv) {
+                T_ *d = dxt + v * N;
+                float o[N];
+                ldv<N>(d, o);
+#pragma unroll
+                for (int i = 0; i < N; i++) o[i] = o[i] + a[u][i];
+                stv<N>(d, o);
+            }
+        }
+    }
+}
+
+/* A warp per token: dx[t] += sum over e ascending of g[row_of[t,e]] (f32). The token's row_of
+ * is scanned once (a ballot per 32 experts) into a per-warp list of its routed rows in
+ * ascending e; then, per chunk of VECS groups of N elements a lane, the loads of DX_GROUP
+ * rows (and of dx) are all issued before any is summed, so the warp waits on one memory
+ * latency per group, not one per row. The sum is the fallback's, element for element: 0,
+ * then + each row in ascending e, then dx + that (the same bits). A token with more than
+ * DX_MAXROWS routed rows takes the fallback permute_dx_scan. */
+template <typename T_, int N>
+__global__ void __launch_bounds__(DISPATCH_THREADS)
+permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of, int64_t T, int64_t H, int64_t E) {
+    using raw = typename vraw<N, T_>::type;
+    __shared__ int64_t rows_sh[DISPATCH_WARPS][DX_MAXROWS];
+    T_ *__restrict__ dx = (T_ *)dx_;
+    const T_ *__restrict__ g = (const T_ *)g_;
+    const int lane = threadIdx.x & 31;
+    const unsigned below = (1u << lane) - 1u;
+    int64_t *rows = rows_sh[threadIdx.x >> 5];
+    const int64_t nv = H / N;
+    for (int64_t t = warp_id(); t < T; t += warp_count()) {
+        const int64_t *ro = row_of + t * E;
+        __syncwarp(); /* every lane is done reading the previous token's list */
+        int64_t n = 0;
+        for (int64_t eb = 0; eb < E; eb += 32) {
+            const int64_t rl = eb + lane < E ? ro[eb + lane] : -1;
+            const unsigned bal = __ballot_sync(FULL, rl >= 0);
+            const int64_t pos = n + __popc(bal & below);
+            if (rl >= 0 && pos < DX_MAXROWS) rows[pos] = rl;
+            n += __popc(bal);
+        }
+        __syncwarp(); /* the list is visible to every lane */
+        if (n == 0) continue; /* no routed row: dx[t] untouched */
+        T_ *dxt = dx + t * H;
+        if (n > DX_MAXROWS) {
+            permute_dx_scan<T_, N>(dxt, g, ro, H, E, lane);
+            continue;
+        }
+        const int nr = (int)n;
+        for (int64_t base = 0; base < nv; base += 32 * VECS) {
+            float a[VECS][N];
+            raw o[VECS];
+#pragma unroll
+            for (int u = 0; u < VECS; u++) {
+#pragma unroll
+                for (int i = 0; i < N; i++) a[u][i] = 0.0f;
+                const int64_t v = base + u * 32 + lane;
+                if (v < nv) o[u] = ldraw<N>(dxt + v * N);
+            }
+            for (int j0 = 0; j0 < nr; j0 += DX_GROUP) {
+                raw q[DX_GROUP][VECS];
+#pragma unroll
+                for (int jj = 0; jj < DX_GROUP; jj++)
+                    if (j0 + jj < nr) {
+                        const T_ *gr = g + rows[j0 + jj] * H;
+#pragma unroll
+                        for (int u = 0; u < VECS; u++) {
+                            const int64_t v = base + u * 32 + lane;
+                            if (v < nv) q[jj][u] = ldraw<N>(gr + v * N);
+                        }
+                    }
+#pragma unroll
+                for (int jj = 0; jj < DX_GROUP; jj++)
+                    if (j0 + jj < nr) {
+#pragma unroll
+                        for (int u = 0; u < VECS; u++) {
+                            const int64_t v = base + u * 32 + lane;
+                            if (v < nv) {
+                                float x[N];
+                                widen<N, T_>(q[jj][u], x);
+#pragma unroll
+                                for (int i = 0; i < N; i++) a[u][i] += x[i];
+                            }
+                        }
+                    }
+            }
 #pragma unroll
             for (int u = 0; u < VECS; u++) {
                 const int64_t v = base + u * 32 + lane;
                 if (v < nv) {
-                    T_ *d = dx + t * H + v * N;
-                    float o[N];
-                    ldv<N>(d, o);
+                    float f[N];
+                    widen<N, T_>(o[u], f);
 #pragma unroll
-                    for (int i = 0; i < N; i++) o[i] = o[i] + a[u][i];
-                    stv<N>(d, o);
+                    for (int i = 0; i < N; i++) f[i] = f[i] + a[u][i];
+                    stv<N>(dxt + v * N, f);
                 }
             }
         }
@@ -565,11 +691,15 @@ unpermute_forward_kernel(void *y_, const void *eo_, const void *w_, const int32_
 
 /* A warp per row r whose token t is in [0, T): deo[r] += dy[t] w[r]; dw[r] += <eo[r], dy[t]>,
  * each lane summing its elements in order, then a fixed shuffle tree. The skip is the same
- * for the whole warp, so every lane reaches the shuffles. */
+ * for the whole warp, so every lane reaches the shuffles. A lane issues the loads of
+ * UNP_BATCH of its vectors (dy, deo, eo) before computing with any, so a row costs a memory
+ * latency per batch rather than per vector; the arithmetic and its order (vectors v
+ * ascending, elements i ascending) are the one-at-a-time loop's, so the same bits. */
 template <typename T_, typename W, typename I, int N>
 __global__ void __launch_bounds__(DISPATCH_THREADS)
 unpermute_backward_kernel(void *deo_, void *dw_, const void *dy_, const void *eo_, const void *w_,
                           const I *__restrict__ rt, int64_t R, int64_t T, int64_t H) {
+    using raw = typename vraw<N, T_>::type;
     T_ *__restrict__ deo = (T_ *)deo_;
     W *__restrict__ dw = (W *)dw_;
     const T_ *__restrict__ dy = (const T_ *)dy_;
@@ -581,25 +711,41 @@ unpermute_backward_kernel(void *deo_, void *dw_, const void *dy_, const void *eo
         const int64_t t = (int64_t)rt[r];
         if (t < 0 || t >= T) continue;
         const T_ *dyr = dy + t * H;
+        T_ *deor = deo ? deo + r * H : NULL;
+        const T_ *eor = eo + r * H;
         const float wr = w ? tm__ld(w + r) : 1.0f;
         float s = 0.0f;
-#pragma unroll 2
-        for (int64_t v = lane; v < nv; v += 32) {
-            float g[N];
-            ldv<N>(dyr + v * N, g);
-            if (deo) {
-                T_ *d = deo + r * H + v * N;
-                float o[N];
-                ldv<N>(d, o);
+        for (int64_t base = 0; base < nv; base += 32 * UNP_BATCH) {
+            raw gq[UNP_BATCH], oq[UNP_BATCH], eq[UNP_BATCH];
 #pragma unroll
-                for (int i = 0; i < N; i++) o[i] = o[i] + g[i] * wr;
-                stv<N>(d, o);
+            for (int u = 0; u < UNP_BATCH; u++) {
+                const int64_t v = base + u * 32 + lane;
+                if (v < nv) {
+                    gq[u] = ldraw<N>(dyr + v * N);
+                    if (deo) oq[u] = ldraw<N>(deor + v * N);
+                    if (dw) eq[u] = ldraw<N>(eor + v * N);
+                }
             }
-            if (dw) {
-                float e[N];
-                ldv<N>(eo + r * H + v * N, e);
 #pragma unroll
-                for (int i = 0; i < N; i++) s += e[i] * g[i];
+            for (int u = 0; u < UNP_BATCH; u++) {
+                const int64_t v = base + u * 32 + lane;
+                if (v < nv) {
+                    float g[N];
+                    widen<N, T_>(gq[u], g);
+                    if (deo) {
+                        float o[N];
+                        widen<N, T_>(oq[u], o);
+#pragma unroll
+                        for (int i = 0; i < N; i++) o[i] = o[i] + g[i] * wr;
+                        stv<N>(deor + v * N, o);
+                    }
+                    if (dw) {
+                        float e[N];
+                        widen<N, T_>(eq[u], e);
+#pragma unroll
+                        for (int i = 0; i < N; i++) s += e[i] * g[i];
+                    }
+                }
             }
         }
         if (dw) {
