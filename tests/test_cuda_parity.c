@@ -41,6 +41,36 @@ static tm_status f_silu(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor *
 static tm_status f_swiglu(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
     return tm_swiglu(c, in[0], in[1], o);
 }
+/* swiglu on dense views whose data start one element past an aligned address (x[1:] of a
+ * 1-D tensor, reshaped): 64 elements, a multiple of 8, yet the kernels must take the
+ * one-element path. */
+static tm_status f_swiglu_misaligned(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    int64_t shape[2] = {8, 8};
+    tm_tensor *v[2];
+    for (int k = 0; k < 2; k++) {
+        tm_tensor *t;
+        tm_status st = tm_slice(c, in[k], 0, 1, 65, &t);
+        if (!st) st = tm_reshape(c, t, 2, shape, &v[k]);
+        if (st) return st;
+    }
+    return tm_swiglu(c, v[0], v[1], o);
+}
+/* gate and up one tensor: the backward's dgate and dup are the same gradient buffer. */
+static tm_status f_swiglu_same(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    return tm_swiglu(c, in[0], in[0], o);
+}
+/* Only one input of swiglu needs a gradient (a[0] = which): the other is a copy made with
+ * grad mode off; the output adds the raw input back so the harness still finds a gradient
+ * for it. */
+static tm_status f_swiglu_one_grad(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    int k = (int)a[0];
+    tm_tensor *frozen, *y;
+    int prev = tm_ctx_set_grad_enabled(c, 0);
+    tm_status st = tm_scale(c, in[1 - k], 1.0, &frozen);
+    tm_ctx_set_grad_enabled(c, prev);
+    if (!st) st = k == 0 ? tm_swiglu(c, in[0], frozen, &y) : tm_swiglu(c, frozen, in[1], &y);
+    return st ? st : tm_add(c, y, in[1 - k], o);
+}
 static tm_status f_rmsnorm(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
     return tm_rmsnorm(c, in[0], in[1], 1e-5, o);
 }
@@ -114,6 +144,16 @@ static const tt_pcase CASES[] = {
     {"mean_all", "mean_all", f_mean_all, 1, {2}, {{13, 11}}, {0}, {0}, {0}, 1, 0},
     {"silu", "silu", f_silu, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1, 0},
     {"swiglu", "swiglu", f_swiglu, 2, {2, 2}, {{4, 9}, {4, 9}}, {0}, {0}, {0}, 1, 0},
+    /* the elementwise kernels move 16 bytes per access when n is a multiple of 8 (bf16) or
+     * 4 (f32) and every pointer is 16-byte aligned, else one element (kernels/cuda/activation.cu) */
+    {"silu", "silu, 16-byte vectors", f_silu, 1, {3}, {{3, 8, 40}}, {0}, {0}, {0}, 1, 0},
+    {"swiglu", "swiglu, 16-byte vectors", f_swiglu, 2, {3, 3}, {{3, 8, 40}, {3, 8, 40}}, {0}, {0}, {0}, 1, 0},
+    {"swiglu", "swiglu, odd size (one element per access)", f_swiglu, 2, {2, 2}, {{5, 7}, {5, 7}}, {0}, {0}, {0}, 1, 0},
+    {"swiglu", "swiglu, misaligned views (one element per access)", f_swiglu_misaligned, 2, {1, 1}, {{65}, {65}}, {0}, {0}, {0}, 1, 0},
+    {"swiglu", "swiglu(x, x), 16-byte vectors", f_swiglu_same, 1, {2}, {{16, 24}}, {0}, {0}, {0}, 1, 0},
+    {"swiglu", "swiglu, gate gradient only, 16-byte vectors", f_swiglu_one_grad, 2, {2, 2}, {{16, 24}, {16, 24}}, {0}, {0}, {0}, 1, 0},
+    {"swiglu", "swiglu, up gradient only, 16-byte vectors", f_swiglu_one_grad, 2, {2, 2}, {{16, 24}, {16, 24}}, {0}, {0}, {1}, 1, 0},
+    {"swiglu", "swiglu, gate gradient only, odd size", f_swiglu_one_grad, 2, {2, 2}, {{5, 7}, {5, 7}}, {0}, {0}, {0}, 1, 0},
     {"rmsnorm", "rmsnorm", f_rmsnorm, 2, {3, 1}, {{3, 4, 37}, {37}}, {0}, {0}, {0}, 1, 0},
     {"rmsnorm", "rmsnorm many rows (split dw)", f_rmsnorm, 2, {2, 1}, {{1501, 9}, {9}}, {0}, {0}, {0}, 100, 0},
     {"rmsnorm", "rmsnorm wide row", f_rmsnorm, 2, {2, 1}, {{3, 1100}, {1100}}, {0}, {0}, {0}, 1, 0},

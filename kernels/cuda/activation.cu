@@ -1,58 +1,208 @@
 /*
  * activation.cu — CUDA kernels of tm_silu and tm_swiglu (elementwise, f32 math).
  *
- * Layout: silu   in[0] x, out[0] y = x * sigmoid(x)
- *         swiglu in[0] gate, in[1] up (same shape), out[0] = silu(gate) * up
- * No saved tensors: backward recomputes sigmoid from the inputs.
+ * Layout: silu   in[0] x (n), out[0] y = x * sigmoid(x) (n)
+ *         swiglu in[0] gate (n), in[1] up (n, same shape), out[0] = silu(gate) * up (n)
+ * All tensors contiguous (the op table has no TM__OP_STRIDED: views are copied before the
+ * kernel). No saved tensors: backward recomputes sigmoid from the inputs and ADDS into the
+ * input gradients (dx, dgate, dup may already hold gradient).
  *   silu'(x) = s * (1 + x * (1 - s)), s = sigmoid(x)
  *   swiglu:  dgate = dy * up * silu'(gate),  dup = dy * silu(gate)
+ *
+ * Vectorisation: these are memory bound, so each thread moves 16 bytes per access (4 f32 or
+ * 8 bf16: float4 / uint4) when n is a multiple of that and every pointer is 16-byte aligned
+ * (checked on the host); otherwise one element per access. Both paths are one kernel template
+ * (N elements per access) sharing the per-element functions below, so every element gets the
+ * same f32 expressions in the same order (expf, IEEE division) on either path: the same bits.
+ * bf16 is widened by its bits (exact, as __bfloat162float) and stored rounded to nearest even
+ * (tm__st's __float2bfloat16_rn). The vector path runs one resident wave (ACT_BLOCKS_PER_SM
+ * blocks per SM, guaranteed by __launch_bounds__) with a grid-stride loop.
+ * Deterministic: every output element is written by one thread, no atomics.
  */
 #include "common.cuh"
 
+#define ACT_BLOCKS_PER_SM 4
+
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-template <typename T>
-__global__ void silu_forward_kernel(void *y_, const void *x_, int64_t n) {
+/* The per-element arithmetic, shared by the scalar and the vector kernels. acc is the
+ * gradient already accumulated in dx / dgate / dup. */
+__device__ __forceinline__ float silu_fwd(float v) { return v * sigmoidf(v); }
+__device__ __forceinline__ float silu_bwd(float acc, float v, float d) {
+    float s = sigmoidf(v);
+    return acc + d * s * (1.0f + v * (1.0f - s));
+}
+__device__ __forceinline__ float swiglu_fwd(float v, float u) { return v * sigmoidf(v) * u; }
+__device__ __forceinline__ float swiglu_bwd_gate(float acc, float v, float s, float d, float u) {
+    return acc + d * u * s * (1.0f + v * (1.0f - s));
+}
+__device__ __forceinline__ float swiglu_bwd_up(float acc, float v, float s, float d) { return acc + d * v * s; }
+
+/* N consecutive elements at p (N = 1, or 16 bytes' worth from a 16-byte aligned p) as f32. */
+template <int N, typename T>
+__device__ __forceinline__ void act_ld(const T *p, float *f) {
+    if constexpr (N == 1) {
+        f[0] = tm__ld(p);
+    } else if constexpr (sizeof(T) == 4) {
+        static_assert(N == 4, "4 f32 per 16 bytes");
+        const float4 q = *reinterpret_cast<const float4 *>(p);
+        f[0] = q.x, f[1] = q.y, f[2] = q.z, f[3] = q.w;
+    } else {
+        static_assert(N == 8, "8 bf16 per 16 bytes");
+        const uint4 q = *reinterpret_cast<const uint4 *>(p);
+        const unsigned w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) { /* little endian: element 2i is the low half */
+            f[2 * i] = __uint_as_float(w[i] << 16);
+            f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    }
+}
+
+__device__ __forceinline__ unsigned act_bf16_bits(float v) {
+    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+/* Store N f32 values at p, bf16 rounded to nearest even as tm__st does. */
+template <int N, typename T>
+__device__ __forceinline__ void act_st(T *p, const float *f) {
+    if constexpr (N == 1) {
+        tm__st(p, f[0]);
+    } else if constexpr (sizeof(T) == 4) {
+        static_assert(N == 4, "4 f32 per 16 bytes");
+        *reinterpret_cast<float4 *>(p) = make_float4(f[0], f[1], f[2], f[3]);
+    } else {
+        static_assert(N == 8, "8 bf16 per 16 bytes");
+        uint4 q;
+        q.x = act_bf16_bits(f[0]) | act_bf16_bits(f[1]) << 16;
+        q.y = act_bf16_bits(f[2]) | act_bf16_bits(f[3]) << 16;
+        q.z = act_bf16_bits(f[4]) | act_bf16_bits(f[5]) << 16;
+        q.w = act_bf16_bits(f[6]) | act_bf16_bits(f[7]) << 16;
+        *reinterpret_cast<uint4 *>(p) = q;
+    }
+}
+
+/* The kernels take n elements, n a multiple of N (the host picks N = 1 otherwise), and loop
+ * over the n / N groups of N consecutive elements. */
+template <int N, typename T>
+__global__ void __launch_bounds__(TM__CU_THREADS, ACT_BLOCKS_PER_SM)
+silu_forward_kernel(void *y_, const void *x_, int64_t n) {
     T *y = (T *)y_;
     const T *x = (const T *)x_;
-    TM__CU_GRID_STRIDE(i, n) {
-        float v = tm__ld(x + i);
-        tm__st(y + i, v * sigmoidf(v));
+    const int64_t nv = n / N;
+    TM__CU_GRID_STRIDE(i, nv) {
+        float v[N], r[N];
+        act_ld<N>(x + i * N, v);
+#pragma unroll
+        for (int k = 0; k < N; k++) r[k] = silu_fwd(v[k]);
+        act_st<N>(y + i * N, r);
     }
 }
 
-template <typename T>
-__global__ void silu_backward_kernel(void *dx_, const void *x_, const void *dy_, int64_t n) {
+template <int N, typename T>
+__global__ void __launch_bounds__(TM__CU_THREADS, ACT_BLOCKS_PER_SM)
+silu_backward_kernel(void *dx_, const void *x_, const void *dy_, int64_t n) {
     T *dx = (T *)dx_;
     const T *x = (const T *)x_, *dy = (const T *)dy_;
-    TM__CU_GRID_STRIDE(i, n) {
-        float v = tm__ld(x + i), s = sigmoidf(v);
-        tm__st(dx + i, tm__ld(dx + i) + tm__ld(dy + i) * s * (1.0f + v * (1.0f - s)));
+    const int64_t nv = n / N;
+    TM__CU_GRID_STRIDE(i, nv) {
+        float v[N], d[N], a[N];
+        act_ld<N>(x + i * N, v);
+        act_ld<N>(dy + i * N, d);
+        act_ld<N>(dx + i * N, a);
+#pragma unroll
+        for (int k = 0; k < N; k++) a[k] = silu_bwd(a[k], v[k], d[k]);
+        act_st<N>(dx + i * N, a);
     }
 }
 
-template <typename T>
-__global__ void swiglu_forward_kernel(void *y_, const void *g_, const void *u_, int64_t n) {
+template <int N, typename T>
+__global__ void __launch_bounds__(TM__CU_THREADS, ACT_BLOCKS_PER_SM)
+swiglu_forward_kernel(void *y_, const void *g_, const void *u_, int64_t n) {
     T *y = (T *)y_;
     const T *g = (const T *)g_, *u = (const T *)u_;
-    TM__CU_GRID_STRIDE(i, n) {
-        float v = tm__ld(g + i);
-        tm__st(y + i, v * sigmoidf(v) * tm__ld(u + i));
+    const int64_t nv = n / N;
+    TM__CU_GRID_STRIDE(i, nv) {
+        float v[N], w[N], r[N];
+        act_ld<N>(g + i * N, v);
+        act_ld<N>(u + i * N, w);
+#pragma unroll
+        for (int k = 0; k < N; k++) r[k] = swiglu_fwd(v[k], w[k]);
+        act_st<N>(y + i * N, r);
     }
 }
 
-/* dg / du may be NULL (input needs no gradient). */
-template <typename T>
-__global__ void swiglu_backward_kernel(void *dg_, void *du_, const void *g_, const void *u_, const void *dy_,
-                                       int64_t n) {
+/* dg / du may be NULL (input needs no gradient), not both. */
+template <int N, typename T>
+__global__ void __launch_bounds__(TM__CU_THREADS, ACT_BLOCKS_PER_SM)
+swiglu_backward_kernel(void *dg_, void *du_, const void *g_, const void *u_, const void *dy_, int64_t n) {
     T *dg = (T *)dg_, *du = (T *)du_;
     const T *g = (const T *)g_, *u = (const T *)u_, *dy = (const T *)dy_;
-    TM__CU_GRID_STRIDE(i, n) {
-        float v = tm__ld(g + i), s = sigmoidf(v), d = tm__ld(dy + i);
-        if (dg) tm__st(dg + i, tm__ld(dg + i) + d * tm__ld(u + i) * s * (1.0f + v * (1.0f - s)));
-        if (du) tm__st(du + i, tm__ld(du + i) + d * v * s);
+    const int64_t nv = n / N;
+    TM__CU_GRID_STRIDE(i, nv) {
+        float v[N], s[N], d[N], a[N], w[N];
+        act_ld<N>(g + i * N, v);
+        act_ld<N>(dy + i * N, d);
+#pragma unroll
+        for (int k = 0; k < N; k++) s[k] = sigmoidf(v[k]);
+        if (dg) {
+            act_ld<N>(u + i * N, w);
+            act_ld<N>(dg + i * N, a);
+#pragma unroll
+            for (int k = 0; k < N; k++) a[k] = swiglu_bwd_gate(a[k], v[k], s[k], d[k], w[k]);
+            act_st<N>(dg + i * N, a);
+        }
+        if (du) {
+            act_ld<N>(du + i * N, a);
+#pragma unroll
+            for (int k = 0; k < N; k++) a[k] = swiglu_bwd_up(a[k], v[k], s[k], d[k]);
+            act_st<N>(du + i * N, a);
+        }
     }
 }
+
+/* ---- host ------------------------------------------------------------------------------------ */
+
+static inline int act_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* Elements per access for n elements of dt at these pointers (NULL ones ignored): 16 bytes'
+ * worth when n and every pointer allow, else 1. */
+static int act_width(tm_dtype dt, int64_t n, const void *p0, const void *p1, const void *p2, const void *p3,
+                     const void *p4) {
+    int w = dt == TM_BF16 ? 8 : 4;
+    if (n % w != 0) return 1;
+    const void *ps[5] = {p0, p1, p2, p3, p4};
+    for (int k = 0; k < 5; k++)
+        if (!act_aligned16(ps[k])) return 1;
+    return w;
+}
+
+/* Blocks for nv groups: at most one resident wave for the vector path (ACT_BLOCKS_PER_SM
+ * blocks of TM__CU_THREADS per SM fit by __launch_bounds__); the scalar path keeps the
+ * common geometry. */
+static unsigned act_blocks(const tm__cuda *st, int64_t nv, int width) {
+    if (width == 1) return tm__cu_blocks(st, nv);
+    int64_t b = (nv + TM__CU_THREADS - 1) / TM__CU_THREADS, cap = (int64_t)st->num_sms * ACT_BLOCKS_PER_SM;
+    if (b > cap) b = cap;
+    return (unsigned)(b < 1 ? 1 : b);
+}
+
+/* Launch kern<width, T> over n elements of dt; the kernel's last argument is n. */
+#define ACT_LAUNCH(st, dt, width, n, kern, ...)                                                      \
+    do {                                                                                             \
+        unsigned act_grid_ = act_blocks((st), (n) / (width), (width));                               \
+        if ((dt) == TM_BF16) {                                                                       \
+            if ((width) == 8)                                                                        \
+                kern<8, tm__bf16><<<act_grid_, TM__CU_THREADS, 0, (st)->stream>>>(__VA_ARGS__, (n)); \
+            else                                                                                     \
+                kern<1, tm__bf16><<<act_grid_, TM__CU_THREADS, 0, (st)->stream>>>(__VA_ARGS__, (n)); \
+        } else {                                                                                     \
+            if ((width) == 4)                                                                        \
+                kern<4, float><<<act_grid_, TM__CU_THREADS, 0, (st)->stream>>>(__VA_ARGS__, (n));    \
+            else                                                                                     \
+                kern<1, float><<<act_grid_, TM__CU_THREADS, 0, (st)->stream>>>(__VA_ARGS__, (n));    \
+        }                                                                                            \
+    } while (0)
 
 extern "C" tm_status tm__silu_forward_cuda(tm__call *c) {
     tm__cuda *st;
@@ -60,8 +210,10 @@ extern "C" tm_status tm__silu_forward_cuda(tm__call *c) {
     const tm_tensor *x = c->in[0];
     int64_t n = tm__numel(x);
     if (n == 0) return TM_OK;
-    TM__CU_LAUNCH_FLOAT(x->dtype, silu_forward_kernel, tm__cu_blocks(st, n), TM__CU_THREADS, 0, st->stream,
-                        tm__data(c->out[0]), tm__data(x), n);
+    void *y = tm__data(c->out[0]);
+    const void *xp = tm__data(x);
+    int w = act_width(x->dtype, n, y, xp, NULL, NULL, NULL);
+    ACT_LAUNCH(st, x->dtype, w, n, silu_forward_kernel, y, xp);
     TM__CU_LAUNCHED(c->ctx, "silu", "silu_forward_kernel");
     return TM_OK;
 }
@@ -73,8 +225,10 @@ extern "C" tm_status tm__silu_backward_cuda(tm__call *c) {
     TM__TRY(tm__cu_enter(c->ctx, "silu", &st));
     int64_t n = tm__numel(dx);
     if (n == 0) return TM_OK;
-    TM__CU_LAUNCH_FLOAT(dx->dtype, silu_backward_kernel, tm__cu_blocks(st, n), TM__CU_THREADS, 0, st->stream,
-                        tm__data(dx), tm__data(c->in[0]), tm__data(c->gout[0]), n);
+    void *dxp = tm__data(dx);
+    const void *xp = tm__data(c->in[0]), *dyp = tm__data(c->gout[0]);
+    int w = act_width(dx->dtype, n, dxp, xp, dyp, NULL, NULL);
+    ACT_LAUNCH(st, dx->dtype, w, n, silu_backward_kernel, dxp, xp, dyp);
     TM__CU_LAUNCHED(c->ctx, "silu", "silu_backward_kernel");
     return TM_OK;
 }
@@ -85,8 +239,10 @@ extern "C" tm_status tm__swiglu_forward_cuda(tm__call *c) {
     const tm_tensor *g = c->in[0];
     int64_t n = tm__numel(g);
     if (n == 0) return TM_OK;
-    TM__CU_LAUNCH_FLOAT(g->dtype, swiglu_forward_kernel, tm__cu_blocks(st, n), TM__CU_THREADS, 0, st->stream,
-                        tm__data(c->out[0]), tm__data(g), tm__data(c->in[1]), n);
+    void *y = tm__data(c->out[0]);
+    const void *gp = tm__data(g), *up = tm__data(c->in[1]);
+    int w = act_width(g->dtype, n, y, gp, up, NULL, NULL);
+    ACT_LAUNCH(st, g->dtype, w, n, swiglu_forward_kernel, y, gp, up);
     TM__CU_LAUNCHED(c->ctx, "swiglu", "swiglu_forward_kernel");
     return TM_OK;
 }
@@ -99,9 +255,10 @@ extern "C" tm_status tm__swiglu_backward_cuda(tm__call *c) {
     const tm_tensor *g = c->in[0];
     int64_t n = tm__numel(g);
     if (n == 0) return TM_OK;
-    TM__CU_LAUNCH_FLOAT(g->dtype, swiglu_backward_kernel, tm__cu_blocks(st, n), TM__CU_THREADS, 0, st->stream,
-                        dg ? tm__data(dg) : NULL, du ? tm__data(du) : NULL, tm__data(g), tm__data(c->in[1]),
-                        tm__data(c->gout[0]), n);
+    void *dgp = dg ? tm__data(dg) : NULL, *dup = du ? tm__data(du) : NULL;
+    const void *gp = tm__data(g), *up = tm__data(c->in[1]), *dyp = tm__data(c->gout[0]);
+    int w = act_width(g->dtype, n, dgp, dup, gp, up, dyp);
+    ACT_LAUNCH(st, g->dtype, w, n, swiglu_backward_kernel, dgp, dup, gp, up, dyp);
     TM__CU_LAUNCHED(c->ctx, "swiglu", "swiglu_backward_kernel");
     return TM_OK;
 }
