@@ -278,6 +278,13 @@ $(BUILD)/bench_alltoall: bench/alltoall.c $(LIBA)
 	$(CC) $(CFLAGS_ALL) $(MPI_CFLAGS) -o $@ $< $(LIBA) $(LDLIBS_ALL)
 bench-tools: $(BUILD)/bench_alltoall
 endif
+# bench/cudatrace.c (CUDA builds): an LD_PRELOAD library that counts and times the CUDA runtime
+# and cuBLASLt calls of a program (where the host's time goes, without Nsight Systems).
+ifeq ($(CUDA),1)
+$(BUILD)/libcudatrace.so: bench/cudatrace.c
+	$(CC) -std=c11 -O2 -g $(WARN) -fPIC -shared -I$(CUDA_HOME)/include -o $@ $< -ldl
+bench-tools: $(BUILD)/libcudatrace.so
+endif
 .PHONY: bench-tools
 
 .PHONY: bench

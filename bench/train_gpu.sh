@@ -85,19 +85,20 @@ for preset in $(echo "$presets" | tr ',' ' '); do
     read -r params active < <(awk '/^model : / { print $3, $5; exit }' "$log")
     if has "$impls" tinymoe; then
         # The step table: find the ms/step column in its header, average it over the timed steps.
-        ms=$(awk -v w="$warmup" '
+        # The "wait ms" column (CUDA: the host's time blocked on the GPU per step) is the last.
+        read -r ms wait < <(awk -v w="$warmup" '
             $1 == "step" && !c { for (i = 1; i <= NF; i++) if ($i == "ms/step") c = i; next }
-            c && $1 ~ /^[0-9]+$/ && $1 > w { s += $c; n++ }
-            END { if (n) printf "%.3f", s / n }' "$log")
+            c && $1 ~ /^[0-9]+$/ && $1 > w { s += $c; q += $NF; n++ }
+            END { if (n) printf "%.3f %.3f", s / n, q / n }' "$log")
         if [ -z "$ms" ]; then
             echo "train_gpu.sh: no timed steps in $log" >&2
             rc=1
         else
             line=$(awk -v B="$B" -v T="$T" -v V="$V" -v H="$H" -v L="$L" -v a="$active" -v p="$params" -v ms="$ms" \
-                -v peak="$peak" -v dev="$device" -v s="$steps" -v pr="$preset" 'BEGIN {
+                -v peak="$peak" -v dev="$device" -v s="$steps" -v pr="$preset" -v wt="$wait" 'BEGIN {
                 fpt = 6 * (a - V * H) + 12 * L * H * T; tps = B * T * 1000 / ms
-                printf "RESULT bench=train impl=tinymoe preset=%s device=%s tokens_per_s=%.1f ms_per_step=%.2f mfu=%.4f params=%d active=%d flops_per_token=%.0f batch=%d seq=%d steps=%d\n",
-                    pr, dev, tps, ms, tps * fpt / (peak * 1e12), p, a, fpt, B, T, s }')
+                printf "RESULT bench=train impl=tinymoe preset=%s device=%s tokens_per_s=%.1f ms_per_step=%.2f mfu=%.4f params=%d active=%d flops_per_token=%.0f batch=%d seq=%d steps=%d wait_ms=%.2f\n",
+                    pr, dev, tps, ms, tps * fpt / (peak * 1e12), p, a, fpt, B, T, s, dev == "cuda" ? wt : 0 }')
             echo "$line"
             results="$line"
         fi

@@ -4,6 +4,8 @@
  */
 #include "ctx_internal.h"
 
+#include <time.h>
+
 #ifdef TM_HAVE_CUDA
 extern const tm__backend_ops tm__cuda_backend; /* kernels/cuda/device.cu */
 #define TM__CUDA_BACKEND (&tm__cuda_backend)
@@ -33,4 +35,14 @@ tm_status tm__gemm(tm_ctx *ctx, tm_device dev, tm_dtype dt, int trans_a, int tra
 
 void tm__count_sync(tm_ctx *ctx) {
     if (ctx) ctx->sync_count++;
+}
+
+double tm__now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void tm__add_wait(tm_ctx *ctx, double t0) {
+    if (ctx) ctx->sync_seconds += tm__now() - t0;
 }

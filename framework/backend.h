@@ -65,6 +65,11 @@ tm_status tm__gemm(tm_ctx *ctx, tm_device dev, tm_dtype dt, int trans_a, int tra
  * CPU tensor, tm_ctx_sync of a context without CUDA, and the CPU kernels whose CUDA version
  * must read back (a data-dependent output size, an error flag). */
 void tm__count_sync(tm_ctx *ctx);
+/* A monotonic clock in seconds, and the host time a backend spent blocked on a device (its
+ * stream synchronisations, a collective's wait), added up for tm_ctx_sync_seconds:
+ *   double t0 = tm__now(); cudaStreamSynchronize(...); tm__add_wait(ctx, t0); */
+double tm__now(void);
+void tm__add_wait(tm_ctx *ctx, double t0);
 
 /* Building a backend's kernel tables from ops.def: TM__FWD_<BACKEND>_<kernels>(name) is the
  * forward of op `name` on that backend, or NULL. */

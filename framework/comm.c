@@ -28,12 +28,6 @@ tm_comm_options tm_comm_options_default(void) {
 
 tm__comm *tm__ctx_comm(const tm_ctx *ctx) { return ctx ? ctx->comm : NULL; }
 
-double tm__comm_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 void tm__comm_account(tm__comm *c, tm_comm_kind k, size_t bytes, double seconds) {
     if (!c || (unsigned)k >= TM_COMM_NKINDS) return;
     c->stats.calls[k]++;
@@ -206,9 +200,9 @@ tm_status tm__coll_allreduce(tm_ctx *ctx, int g, const void *send, void *recv, i
     tm__comm tmp, *c = comm_or_self(ctx, &tmp);
     const tm__comm_ops *ops;
     TM__TRY(need_ops(ctx, c, dev, &ops));
-    double t0 = tm__comm_now();
+    double t0 = tm__now();
     tm_status s = ops->allreduce(c, g, send, recv, n, dt, dev);
-    tm__comm_account(ctx->comm, TM_COMM_ALLREDUCE, (size_t)n * tm_dtype_size(dt), tm__comm_now() - t0);
+    tm__comm_account(ctx->comm, TM_COMM_ALLREDUCE, (size_t)n * tm_dtype_size(dt), tm__now() - t0);
     return s;
 }
 
@@ -217,9 +211,9 @@ tm_status tm__coll_allgatherv(tm_ctx *ctx, int g, const void *send, void *recv, 
     tm__comm tmp, *c = comm_or_self(ctx, &tmp);
     const tm__comm_ops *ops;
     TM__TRY(need_ops(ctx, c, dev, &ops));
-    double t0 = tm__comm_now();
+    double t0 = tm__now();
     tm_status s = ops->allgatherv(c, g, send, recv, counts, displs, dt, dev);
-    tm__comm_account(ctx->comm, TM_COMM_ALLGATHER, (size_t)counts[c->rank[g]] * tm_dtype_size(dt), tm__comm_now() - t0);
+    tm__comm_account(ctx->comm, TM_COMM_ALLGATHER, (size_t)counts[c->rank[g]] * tm_dtype_size(dt), tm__now() - t0);
     return s;
 }
 
@@ -228,10 +222,10 @@ tm_status tm__coll_reduce_scatter(tm_ctx *ctx, int g, const void *send, void *re
     tm__comm tmp, *c = comm_or_self(ctx, &tmp);
     const tm__comm_ops *ops;
     TM__TRY(need_ops(ctx, c, dev, &ops));
-    double t0 = tm__comm_now();
+    double t0 = tm__now();
     tm_status s = ops->reduce_scatter(c, g, send, recv, n, dt, dev);
     tm__comm_account(ctx->comm, TM_COMM_REDUCE_SCATTER, (size_t)n * (size_t)c->size[g] * tm_dtype_size(dt),
-                     tm__comm_now() - t0);
+                     tm__now() - t0);
     return s;
 }
 
@@ -243,9 +237,9 @@ tm_status tm__coll_alltoallv(tm_ctx *ctx, int g, const void *send, const int64_t
     int64_t sent = 0;
     for (int j = 0; j < c->size[g]; j++)
         if (j != c->rank[g]) sent += sc[j];
-    double t0 = tm__comm_now();
+    double t0 = tm__now();
     tm_status s = ops->alltoallv(c, g, send, sc, sd, recv, rc, rd, dt, dev);
-    tm__comm_account(ctx->comm, TM_COMM_ALLTOALL, (size_t)sent * tm_dtype_size(dt), tm__comm_now() - t0);
+    tm__comm_account(ctx->comm, TM_COMM_ALLTOALL, (size_t)sent * tm_dtype_size(dt), tm__now() - t0);
     return s;
 }
 
@@ -435,9 +429,9 @@ tm_status tm_comm_bcast_host(tm_ctx *ctx, tm_comm_group g, int root, void *buf, 
     if (root < 0 || root >= tm_comm_size(ctx, g))
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: root %d outside the group's %d ranks", fn, root, tm_comm_size(ctx, g));
     if (!ctx->comm || ctx->comm->size[g] == 1) return TM_OK;
-    double t0 = tm__comm_now();
+    double t0 = tm__now();
     tm_status s = ctx->comm->host->bcast(ctx->comm, g, buf, (int64_t)nbytes, TM_U8, root, tm_cpu());
-    tm__comm_account(ctx->comm, TM_COMM_OTHER, nbytes, tm__comm_now() - t0);
+    tm__comm_account(ctx->comm, TM_COMM_OTHER, nbytes, tm__now() - t0);
     return s;
 }
 
@@ -445,9 +439,9 @@ tm_status tm_comm_barrier(tm_ctx *ctx, tm_comm_group g) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     TM__TRY(check_group(ctx, "tm_comm_barrier", g));
     if (!ctx->comm || ctx->comm->size[g] == 1) return TM_OK;
-    double t0 = tm__comm_now();
+    double t0 = tm__now();
     tm_status s = ctx->comm->host->barrier(ctx->comm, g);
-    tm__comm_account(ctx->comm, TM_COMM_OTHER, 0, tm__comm_now() - t0);
+    tm__comm_account(ctx->comm, TM_COMM_OTHER, 0, tm__now() - t0);
     return s;
 }
 

@@ -60,9 +60,8 @@ struct tm__comm {
 tm__comm *tm__ctx_comm(const tm_ctx *ctx);
 /* The table moving memory of dev. */
 const tm__comm_ops *tm__comm_ops_for(tm__comm *c, tm_device dev);
-/* Traffic accounting (tm_comm_get_stats) and a monotonic clock for it. */
+/* Traffic accounting (tm_comm_get_stats; its clock is tm__now, backend.h). */
 void tm__comm_account(tm__comm *c, tm_comm_kind k, size_t bytes, double seconds);
-double tm__comm_now(void);
 /* "dp (rank 1 of 4)", for messages (rotating buffers of tm__tdesc). */
 const char *tm__comm_gdesc(tm__comm *c, int g);
 

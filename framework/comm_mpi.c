@@ -171,13 +171,13 @@ static void pause_briefly(int spins, double waited) {
 
 /* Complete a started collective, or fail after the timeout naming it. */
 static tm_status wait_for(tm__comm *c, MPI_Request *req, const char *what, int g, size_t bytes) {
-    double t0 = tm__comm_now(), timeout = c->opts.timeout_s;
+    double t0 = tm__now(), timeout = c->opts.timeout_s;
     for (int spins = 0;; spins++) {
         int done = 0;
         int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
         if (rc != MPI_SUCCESS) return mpi_fail(c, what, g, rc);
         if (done) return TM_OK;
-        double waited = tm__comm_now() - t0;
+        double waited = tm__now() - t0;
         if (timeout > 0 && waited > timeout)
             return tm__err(c->ctx, TM_ERR_COMM,
                            "%s of %zu bytes over %s did not complete within %g s: a rank died, stopped answering, or "

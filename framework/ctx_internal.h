@@ -116,6 +116,7 @@ struct tm_ctx {
     void *state[TM__NBACKENDS];           /* each backend's per-context state (tm__cuda_state) */
     int cuda_device;
     uint64_t sync_count;                  /* device-to-host synchronisations (tm_ctx_sync_count) */
+    double sync_seconds;                  /* host time blocked in them (tm_ctx_sync_seconds) */
 
     int perturb_op; /* tests: op id whose backward sees a scaled upstream grad; -1 off */
 

@@ -187,12 +187,20 @@ TM_API uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
  * bad-target flag of tm_cross_entropy's CUDA forward, when there are rows; the bad-index flag
  * of the CUDA forwards of tm_embedding, tm_index_select, tm_gather and tm_scatter_add, when
  * there are indices); one per f32 tm_grouped_matmul (forward or backward) whose counts have no
- * host mirror (see there; bf16 reads nothing back). tm_index_check reads nothing back, and tm_model_forward, which
+ * host mirror (see there; so does bf16, except under TINYMOE_GMM=device, which reads nothing back). tm_index_check reads nothing back, and tm_model_forward, which
  * checks its ids with it, embeds them without the flag read. tm_moe_unpermute reads nothing
  * back either (its CUDA kernels skip bad rows instead of reading row_token back). Nothing is
  * counted twice (a CUDA tensor's read counts its copy only). Never decreases; wraps only after
  * 2^64. */
 TM_API uint64_t tm_ctx_sync_count(const tm_ctx *ctx);
+
+/* Wall-clock seconds (monotonic clock) the host has spent blocked on a device since the
+ * context was created: inside the CUDA stream synchronisations that tm_ctx_sync_count counts
+ * (a device-to-host copy, tm_ctx_sync) and waiting for NCCL collectives. 0 without a device
+ * (the CPU backend's counted points wait for nothing). Over a training step, the step's time
+ * minus this is the host's own work: a wait near zero means the GPU finished before the host
+ * asked, i.e. the step is bound by the host's launches, not by the GPU. Never decreases. */
+TM_API double tm_ctx_sync_seconds(const tm_ctx *ctx);
 
 /* Bytes of arena currently handed out on a device (0 after tm_ctx_arena_reset) and the
  * high-water mark since creation. */

@@ -522,3 +522,47 @@ static void cuda_model_bound(double capacity_factor) {
 
 Test(sync, cuda_model_forward_backward) { cuda_model_bound(0); }
 Test(sync, cuda_model_forward_backward_capacity) { cuda_model_bound(0.75); }
+
+/* tm_ctx_sync_seconds: nothing on the CPU (its counted points wait for nothing); on CUDA, a
+ * sync after a queue of work takes longer than the work needs to be enqueued, and the time
+ * adds up monotonically. */
+Test(sync, sync_seconds_cpu_is_zero) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t s[2] = {64, 64};
+    tm_tensor *x = tt_randn(ctx, TM_F32, 2, s, 3), *y;
+    float buf[64 * 64];
+    TT_OK(ctx, tm_matmul(ctx, x, x, 0, 0, &y));
+    TT_OK(ctx, tm_tensor_read(ctx, y, TM_F32, buf, 64 * 64));
+    TT_OK(ctx, tm_ctx_sync(ctx));
+    cr_assert_gt(syncs(ctx), 0);
+    cr_assert_eq(tm_ctx_sync_seconds(ctx), 0.0);
+    cr_assert_eq(tm_ctx_sync_seconds(NULL), 0.0);
+    tm_ctx_free(ctx);
+}
+
+Test(sync, cuda_sync_seconds_measures_the_wait) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
+    int64_t s[2] = {2048, 2048};
+    tm_tensor *x = dev_tensor(ctx, TM_F32, 2, s, tm_cuda(0), 2048, 1), *y = x;
+    TT_OK(ctx, tm_ctx_sync(ctx));
+    double w0 = tm_ctx_sync_seconds(ctx);
+    /* 40 dependent f32 products of 2048^3 (each rescaled by about 1/sqrt(2048) to stay
+     * finite): tens of milliseconds on any GPU, queued in far less. */
+    for (int i = 0; i < 40; i++) {
+        TT_OK(ctx, tm_matmul(ctx, y, x, 0, 0, &y));
+        TT_OK(ctx, tm_scale(ctx, y, 0.022, &y));
+    }
+    double t0 = tm__now();
+    TT_OK(ctx, tm_ctx_sync(ctx));
+    double waited = tm_ctx_sync_seconds(ctx) - w0, wall = tm__now() - t0;
+    cr_assert_gt(waited, 0.0, "the sync after 40 queued products waited %g s", waited);
+    cr_assert_leq(waited, wall + 1e-6, "counted %g s of wait in a %g s call", waited, wall);
+    float v;
+    tm_tensor *e;
+    TT_OK(ctx, tm_slice(ctx, y, 0, 0, 1, &e));
+    TT_OK(ctx, tm_slice(ctx, e, 1, 0, 1, &e));
+    TT_OK(ctx, tm_tensor_read(ctx, e, TM_F32, &v, 1));
+    cr_assert_geq(tm_ctx_sync_seconds(ctx), w0 + waited, "the total never decreases");
+    tm_ctx_free(ctx);
+}

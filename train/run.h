@@ -93,6 +93,8 @@ typedef struct tmd_step {
     /* distributed: this rank's collectives in the step (tm_comm_get_stats), all of them and the
      * gradient synchronisation's part; bytes sent by this rank, seconds waited */
     double comm_bytes, comm_s, sync_bytes, sync_s;
+    /* seconds the host spent blocked on the device (tm_ctx_sync_seconds over the step) */
+    double wait_s;
     int skipped; /* a non-finite loss or gradient norm, within skip_nonfinite: no update made */
 } tmd_step;
 

@@ -103,6 +103,7 @@ int tmd_run_step(tmd_run *r, int64_t step, double lr, tmd_step *out, char *err, 
     const tmd_config *c = &r->c;
     tm_status s;
     memset(out, 0, sizeof *out);
+    double wait0 = tm_ctx_sync_seconds(r->ctx);
     tm_comm_reset_stats(r->ctx);
     if (r->step_load) memset(r->step_load, 0, sizeof *r->step_load * (size_t)r->n_moe * (size_t)r->E);
     for (int m = 0; m < c->grad_accum; m++) {
@@ -151,5 +152,6 @@ int tmd_run_step(tmd_run *r, int64_t step, double lr, tmd_step *out, char *err, 
     tm_comm_stats cs;
     tm_comm_get_stats(r->ctx, &cs);
     for (int k = 0; k < TM_COMM_NKINDS; k++) out->comm_bytes += (double)cs.bytes[k], out->comm_s += cs.seconds[k];
+    out->wait_s = tm_ctx_sync_seconds(r->ctx) - wait0;
     return 0;
 }

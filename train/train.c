@@ -440,6 +440,7 @@ typedef struct interval {
     int64_t dropped;
     /* distributed: this rank's collectives (tm_comm_get_stats), and the gradient sync's part */
     double comm_bytes, comm_s, sync_bytes, sync_s;
+    double wait_s; /* host blocked on the device (tm_ctx_sync_seconds) */
 } interval;
 
 /* Returns -1 when the metrics file cannot be written. */
@@ -461,6 +462,9 @@ static int log_train(tmd_run *r, int64_t step, double lr, const interval *iv, do
         tmd_json_num(&j, "max_load", iv->max_load / n);
         tmd_json_int(&j, "dropped", iv->dropped);
         tmd_json_num(&j, "elapsed_s", elapsed);
+        /* The host's time blocked on the device per step: ms_per_step minus this is the
+         * host's own work; near 0 on a GPU, the step is bound by the host's launches. */
+        if (r->dev.type == TM_DEVICE_CUDA) tmd_json_num(&j, "wait_ms", 1e3 * iv->wait_s / n);
         if (r->world > 1) {
             /* rank 0's collectives per step: all of them, and the gradient synchronisation */
             tmd_json_num(&j, "comm_bytes", iv->comm_bytes / n);
@@ -473,6 +477,7 @@ static int log_train(tmd_run *r, int64_t step, double lr, const interval *iv, do
     if (!r->log || r->tty) return 0;
     fprintf(r->log, "%7lld %8.4f %8.4f %8.5f %8.5f %9.2e %7.3f %8.1f %9.0f %6.2f", (long long)step, iv->loss / n,
             iv->ce / n, iv->aux / n, iv->z / n, lr, iv->gnorm / n, 1e3 * iv->seconds / n, tps, iv->max_load / n);
+    if (r->dev.type == TM_DEVICE_CUDA) fprintf(r->log, " %7.1f", 1e3 * iv->wait_s / n);
     if (r->world > 1) fprintf(r->log, " %9.3f %7.1f", iv->comm_bytes / n / 1e6, 1e3 * iv->comm_s / n);
     fprintf(r->log, "\n");
     tmd_run_log_flush(r);
@@ -642,6 +647,7 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
     if (r->log && !r->tty) {
         fprintf(r->log, "%7s %8s %8s %8s %8s %9s %7s %8s %9s %6s", "step", "loss", "ce", "aux", "z", "lr", "gnorm",
                 "ms/step", "tokens/s", "load");
+        if (r->dev.type == TM_DEVICE_CUDA) fprintf(r->log, " %7s", "wait ms"); /* host blocked on the GPU */
         if (r->world > 1) fprintf(r->log, " %9s %7s", "comm MB", "comm ms"); /* rank 0's, per step */
         fprintf(r->log, "\n");
     }
@@ -673,6 +679,7 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
             iv.comm_s += st.comm_s;
             iv.sync_bytes += st.sync_bytes;
             iv.sync_s += st.sync_s;
+            iv.wait_s += st.wait_s;
             iv.n++;
             tmd_bins_add(&r->loss_bins, step, &st.loss);
             if (r->step_load) tmd_bins_add(&r->load_bins, step, r->step_load);

@@ -77,17 +77,20 @@ static tm_status finish(tm__comm *c, const char *what, int g, cudaStream_t strea
     double timeout = c->opts.timeout_s;
     if (!(timeout > 0)) return TM_OK;
     tm__count_sync(c->ctx);
-    double t0 = tm__comm_now();
+    double t0 = tm__now();
     for (;;) {
         cudaError_t e = cudaStreamQuery(stream);
-        if (e == cudaSuccess) return TM_OK;
+        if (e == cudaSuccess) {
+            tm__add_wait(c->ctx, t0);
+            return TM_OK;
+        }
         if (e != cudaErrorNotReady) {
             (void)cudaGetLastError();
             return tm__err(c->ctx, TM_ERR_CUDA, "%s over %s: %s", what, tm__comm_gdesc(c, g), cudaGetErrorString(e));
         }
         ncclResult_t async = ncclSuccess;
         ncclCommGetAsyncError(gcomm(c, g), &async);
-        double waited = tm__comm_now() - t0;
+        double waited = tm__now() - t0;
         if (async != ncclSuccess || waited > timeout) {
             ncclCommAbort(gcomm(c, g));
             ((nccl_state *)c->nccl)->comm[g] = NULL;

@@ -109,12 +109,19 @@ extern "C" tm_status tm__cuda_memcpy(tm_ctx *ctx, void *dst, const void *src, si
     cudaMemcpyKind k = kind == TM__H2D ? cudaMemcpyHostToDevice
                      : kind == TM__D2H ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice;
     /* From pageable host memory the call returns once the source has been staged, so the
-     * caller may reuse `src` at once; the copy itself stays ordered on the stream. */
-    TM__CU_CHECK(ctx, what, cudaMemcpyAsync(dst, src, nbytes, k, st->stream));
-    if (kind == TM__D2H) {
-        tm__count_sync(ctx);
-        TM__CU_CHECK(ctx, what, cudaStreamSynchronize(st->stream));
+     * caller may reuse `src` at once; the copy itself stays ordered on the stream. To pageable
+     * memory it returns only when the copy is done, i.e. after everything queued before it:
+     * the wait is inside the copy as much as inside the synchronisation, so both are timed. */
+    if (kind != TM__D2H) {
+        TM__CU_CHECK(ctx, what, cudaMemcpyAsync(dst, src, nbytes, k, st->stream));
+        return TM_OK;
     }
+    tm__count_sync(ctx);
+    double t0 = tm__now();
+    cudaError_t e = cudaMemcpyAsync(dst, src, nbytes, k, st->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(st->stream);
+    tm__add_wait(ctx, t0);
+    TM__CU_CHECK(ctx, what, e);
     return TM_OK;
 }
 
@@ -130,7 +137,10 @@ static tm_status tm__cuda_sync(tm_ctx *ctx) {
     tm__cuda *st;
     TM__TRY(tm__cu_enter(ctx, "cuda_sync", &st));
     tm__count_sync(ctx);
-    TM__CU_CHECK(ctx, "cuda_sync", cudaStreamSynchronize(st->stream));
+    double t0 = tm__now();
+    cudaError_t e = cudaStreamSynchronize(st->stream);
+    tm__add_wait(ctx, t0);
+    TM__CU_CHECK(ctx, "cuda_sync", e);
     return TM_OK;
 }
 
