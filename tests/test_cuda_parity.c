@@ -104,6 +104,21 @@ static tm_status f_contiguous(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_te
     tm_status st = tm_transpose(c, in[0], 0, 2, &t);
     return st ? st : tm_contiguous(c, t, o);
 }
+/* (B, S, H, D) -> (B, H, S, D), as attention lays out its heads: the last dimension keeps
+ * stride 1, so with D a multiple of 8 the copy, the transpose's backward (a strided
+ * accumulate) and contiguous's backward take the copy kernels' vector path. */
+static tm_status f_head_transpose(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_tensor *t;
+    tm_status st = tm_transpose(c, in[0], 1, 2, &t);
+    return st ? st : tm_contiguous(c, t, o);
+}
+/* Columns [a[0], a[0] + 16) of a (rows, 48) input, as a fused projection is split: a[0] = 16
+ * is a 16-byte aligned strided view (vector path), a[0] = 1 is not (element path). */
+static tm_status f_slice_cols(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_tensor *t;
+    tm_status st = tm_slice(c, in[0], 1, a[0], a[0] + 16, &t);
+    return st ? st : tm_contiguous(c, t, o);
+}
 static tm_status f_cast(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
     tm_dtype dt = tm_tensor_dtype(in[0]), other = dt == TM_F32 ? TM_BF16 : TM_F32;
     tm_tensor *t;
@@ -166,6 +181,13 @@ static const tt_pcase CASES[] = {
     {"concat", "concat with a transposed input", f_concat, 2, {2, 2}, {{3, 2}, {5, 3}}, {0}, {0}, {0}, 1, 0},
     {"contiguous", "contiguous of a transpose", f_contiguous, 1, {3}, {{3, 2, 5}}, {0}, {0}, {0}, 1, 0},
     {"cast", "cast f32 <-> bf16", f_cast, 1, {2}, {{4, 7}}, {0}, {0}, {0}, 1, 0},
+    /* the copy kernels' vector path (kernels/cuda/copy.cu: 16-byte accesses on strided views
+     * whose last dimension has stride 1) and its element-path twins */
+    {"contiguous", "contiguous of a head transpose, vector path", f_head_transpose, 1, {4}, {{2, 5, 3, 16}}, {0}, {0}, {0}, 1, 0},
+    {"contiguous", "contiguous of a head transpose, D 12 (bf16: element path)", f_head_transpose, 1, {4}, {{2, 5, 3, 12}}, {0}, {0}, {0}, 1, 0},
+    {"contiguous", "aligned column slice, vector path", f_slice_cols, 1, {2}, {{6, 48}}, {0}, {0}, {16}, 1, 0},
+    {"contiguous", "misaligned column slice (element path)", f_slice_cols, 1, {2}, {{6, 48}}, {0}, {0}, {1}, 1, 0},
+    {"cast", "cast f32 <-> bf16, vector path", f_cast, 1, {2}, {{4, 16}}, {0}, {0}, {0}, 1, 0},
     {"to_device", "to_device round trip", f_to_device, 1, {2}, {{4, 7}}, {0}, {0}, {0}, 1, 0},
 };
 #define N_CASES ((int)(sizeof CASES / sizeof CASES[0]))

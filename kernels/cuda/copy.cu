@@ -5,8 +5,20 @@
  *
  * Layout: a source of up to 4 dims is read through its (shape, stride) by logical row-major
  * index; destinations are contiguous except for assign, which takes any strides on both sides.
+ *
+ * Two paths. The vector path, for f32/bf16 on both sides, moves N = 16 / max(element sizes)
+ * elements per access (8 for bf16 -> bf16, else 4) and computes the strided offset once per N
+ * elements: it needs every strided side's last dimension of stride 1 with a length N divides,
+ * its other strides multiples of N and its data aligned to N elements (tm__vec_width). That is
+ * what the autograd's view backwards (head transposes, slices of a fused projection) and
+ * contiguous() copies of them look like. Everything else takes the element path: one element
+ * per thread, the offset's divisions per element. Both compute the same f32 expression per
+ * element (dst + alpha * src for accumulate), so they give the same bits.
  */
 #include "common.cuh"
+#include "vec.cuh"
+
+#include <algorithm>
 
 /* ---- strided copy with conversion, accumulate, fill ---------------------------------------- */
 
@@ -97,6 +109,73 @@ static void tm__copy_launch(tm_dtype ddt, tm_dtype sdt, unsigned g, cudaStream_t
     }
 }
 
+/* ---- the vector path --------------------------------------------------------------------- */
+
+/* dst[i .. i+N) (=|+=) src[i .. i+N) for logical index i = v N, v < nv; a layout with ndim 0 is
+ * contiguous. N consecutive logical elements are consecutive in memory on both sides (the
+ * host checked), so one offset serves the N of them. */
+template <typename D, typename S, bool ACC>
+__global__ void tm__xfer_vec_kernel(D *dst, tm__cu_layout dl, const S *src, tm__cu_layout sl, int64_t nv, float alpha) {
+    constexpr int N = 16 / (int)(sizeof(D) > sizeof(S) ? sizeof(D) : sizeof(S));
+    TM__CU_GRID_STRIDE(v, nv) {
+        const int64_t i = v * N;
+        D *d = dst + (dl.ndim ? tm__cu_offset(dl, i) : i);
+        float x[N];
+        tm__vld<N>(src + (sl.ndim ? tm__cu_offset(sl, i) : i), x);
+        if constexpr (ACC) {
+            float y[N];
+            tm__vld<N>(d, y);
+#pragma unroll
+            for (int k = 0; k < N; k++) x[k] = y[k] + alpha * x[k];
+        }
+        tm__vst<N>(d, x);
+    }
+}
+
+static int tm__cu_float(tm_dtype dt) { return dt == TM_F32 || dt == TM_BF16; }
+
+/* Whether strided tensor t allows N-element accesses: last stride 1, N divides the last length
+ * and every other stride, data aligned to N elements. */
+static int tm__vec_layout_ok(const tm_tensor *t, int N) {
+    if (t->ndim < 1 || t->stride[t->ndim - 1] != 1 || t->shape[t->ndim - 1] % N) return 0;
+    for (int d = 0; d < t->ndim - 1; d++)
+        if (t->shape[d] > 1 && t->stride[d] % N) return 0;
+    return ((uintptr_t)tm__data(t) % ((uintptr_t)N * tm_dtype_size(t->dtype))) == 0;
+}
+
+/* N of the vector path for dst <- src (dst_strided: dst is read through its layout, else
+ * contiguous), or 0 where the element path must run. */
+static int tm__vec_width(const tm_tensor *dst, int dst_strided, const tm_tensor *src) {
+    if (!tm__cu_float(dst->dtype) || !tm__cu_float(src->dtype)) return 0;
+    const int N = 16 / (int)std::max(tm_dtype_size(dst->dtype), tm_dtype_size(src->dtype));
+    if (!tm__vec_layout_ok(src, N)) return 0;
+    if (dst_strided) return tm__vec_layout_ok(dst, N) ? N : 0;
+    return (uintptr_t)tm__data(dst) % ((uintptr_t)N * tm_dtype_size(dst->dtype)) == 0 ? N : 0;
+}
+
+template <typename D, typename S>
+static void tm__xfer_vec_launch_t(const tm__cuda *st, int acc, void *d, tm__cu_layout dl, const void *s,
+                                  tm__cu_layout sl, int64_t nv, float a) {
+    const unsigned g = tm__cu_blocks(st, nv);
+    if (acc) tm__xfer_vec_kernel<D, S, true><<<g, TM__CU_THREADS, 0, st->stream>>>((D *)d, dl, (const S *)s, sl, nv, a);
+    else tm__xfer_vec_kernel<D, S, false><<<g, TM__CU_THREADS, 0, st->stream>>>((D *)d, dl, (const S *)s, sl, nv, a);
+}
+
+/* The vector path over n elements in N-element accesses (n % N == 0: N divides the last dim). */
+static void tm__xfer_vec_launch(const tm__cuda *st, int acc, tm_tensor *dst, tm__cu_layout dl, const tm_tensor *src,
+                                int N, int64_t n, float a) {
+    tm__cu_layout sl;
+    if (tm__is_contiguous(src)) memset(&sl, 0, sizeof sl);
+    else sl = tm__cu_layout_of(src);
+    void *d = tm__data(dst);
+    const void *s = tm__data(src);
+    const int64_t nv = n / N;
+    if (dst->dtype == TM_F32 && src->dtype == TM_F32) tm__xfer_vec_launch_t<float, float>(st, acc, d, dl, s, sl, nv, a);
+    else if (dst->dtype == TM_F32) tm__xfer_vec_launch_t<float, tm__bf16>(st, acc, d, dl, s, sl, nv, a);
+    else if (src->dtype == TM_F32) tm__xfer_vec_launch_t<tm__bf16, float>(st, acc, d, dl, s, sl, nv, a);
+    else tm__xfer_vec_launch_t<tm__bf16, tm__bf16>(st, acc, d, dl, s, sl, nv, a);
+}
+
 static int tm__cu_dtype_ok(tm_dtype dt) {
     return dt == TM_F32 || dt == TM_BF16 || dt == TM_I32 || dt == TM_I64 || dt == TM_U8;
 }
@@ -117,6 +196,11 @@ extern "C" tm_status tm__cuda_copy_into(tm_ctx *ctx, tm_tensor *dst, const tm_te
     }
     tm__cu_layout dl;
     memset(&dl, 0, sizeof dl); /* contiguous */
+    if (int N = tm__vec_width(dst, 0, src)) {
+        tm__xfer_vec_launch(st, 0, dst, dl, src, N, n, 1.0f);
+        TM__CU_LAUNCHED(ctx, what, "tm__xfer_vec_kernel");
+        return TM_OK;
+    }
     tm__copy_launch(dst->dtype, src->dtype, tm__cu_blocks(st, n), st->stream, tm__data(dst), dl, tm__data(src),
                     tm__cu_layout_of(src), n);
     TM__CU_LAUNCHED(ctx, what, "tm__copy_kernel");
@@ -155,6 +239,11 @@ extern "C" tm_status tm__cuda_accumulate(tm_ctx *ctx, tm_tensor *dst, const tm_t
     if (n == 0) return TM_OK;
     tm__cu_layout dl;
     memset(&dl, 0, sizeof dl); /* contiguous */
+    if (int N = tm__vec_width(dst, 0, src)) {
+        tm__xfer_vec_launch(st, 1, dst, dl, src, N, n, (float)alpha);
+        TM__CU_LAUNCHED(ctx, what, "tm__xfer_vec_kernel");
+        return TM_OK;
+    }
     tm__accumulate_launch(dst->dtype, src->dtype, tm__cu_blocks(st, n), st->stream, tm__data(dst), dl, tm__data(src),
                           tm__cu_layout_of(src), n, (float)alpha);
     TM__CU_LAUNCHED(ctx, what, "tm__accumulate_kernel");
@@ -173,6 +262,12 @@ extern "C" tm_status tm__cuda_assign(tm_ctx *ctx, tm_tensor *dst, const tm_tenso
         return tm__err(ctx, TM_ERR_DTYPE, "%s: not supported on CUDA from %s to %s", what, tm__tdesc(ctx, src),
                        tm__tdesc(ctx, dst));
     tm__cu_layout dl = tm__cu_layout_of(dst), sl = tm__cu_layout_of(src);
+    if (int N = tm__vec_width(dst, 1, src)) {
+        if (tm__is_contiguous(dst)) memset(&dl, 0, sizeof dl);
+        tm__xfer_vec_launch(st, accumulate, dst, dl, src, N, n, (float)alpha);
+        TM__CU_LAUNCHED(ctx, what, "tm__xfer_vec_kernel");
+        return TM_OK;
+    }
     unsigned g = tm__cu_blocks(st, n);
     if (accumulate)
         tm__accumulate_launch(dst->dtype, src->dtype, g, st->stream, tm__data(dst), dl, tm__data(src), sl, n,

@@ -1,0 +1,76 @@
+/*
+ * vec.cuh — N consecutive f32 or bf16 elements moved as one aligned 8- or 16-byte access and
+ * widened to f32 (loads) or rounded from f32 (stores), so that bandwidth-bound kernels issue a
+ * quarter or an eighth of the memory instructions. N = 1 is the plain element access
+ * (tm__ld / tm__st), the fallback for odd sizes and misaligned views.
+ *
+ *   tm__vld<N>(p, f)   f[0..N) = p[0..N) as f32 (bf16 widened by its bits: exact)
+ *   tm__vst<N>(p, f)   p[0..N) = f[0..N), bf16 rounded to nearest even (as tm__st)
+ *
+ * p must be aligned to N * sizeof(T) bytes; N * sizeof(T) is sizeof(T), 8 or 16. The caller
+ * checks alignment and divisibility on the host and picks N (tm__vec_ok).
+ */
+#ifndef TM_CUDA_VEC_CUH
+#define TM_CUDA_VEC_CUH
+
+#include "common.cuh"
+
+#include <type_traits>
+
+/* The raw access type of N elements of T. */
+template <typename T, int N>
+struct tm__vraw {
+    static constexpr int bytes = N * (int)sizeof(T);
+    static_assert(N == 1 || bytes == 8 || bytes == 16, "one element, 8 or 16 bytes");
+    using type = typename std::conditional<bytes == 16, uint4, typename std::conditional<bytes == 8, uint2, T>::type>::type;
+};
+
+__device__ __forceinline__ void tm__vwords(const uint4 &q, unsigned *w) { w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w; }
+__device__ __forceinline__ void tm__vwords(const uint2 &q, unsigned *w) { w[0] = q.x, w[1] = q.y; }
+__device__ __forceinline__ void tm__vpack(uint4 &q, const unsigned *w) { q = make_uint4(w[0], w[1], w[2], w[3]); }
+__device__ __forceinline__ void tm__vpack(uint2 &q, const unsigned *w) { q = make_uint2(w[0], w[1]); }
+
+__device__ __forceinline__ unsigned tm__bf16_bits(float v) { return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+
+template <int N, typename T>
+__device__ __forceinline__ void tm__vld(const T *p, float *f) {
+    if constexpr (N == 1) {
+        f[0] = tm__ld(p);
+    } else {
+        using R = typename tm__vraw<T, N>::type;
+        unsigned w[sizeof(R) / 4];
+        tm__vwords(*reinterpret_cast<const R *>(p), w);
+        if constexpr (sizeof(T) == 4) {
+#pragma unroll
+            for (int i = 0; i < N; i++) f[i] = __uint_as_float(w[i]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < N / 2; i++) {
+                f[2 * i] = __uint_as_float(w[i] << 16);
+                f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+            }
+        }
+    }
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void tm__vst(T *p, const float *f) {
+    if constexpr (N == 1) {
+        tm__st(p, f[0]);
+    } else {
+        using R = typename tm__vraw<T, N>::type;
+        unsigned w[sizeof(R) / 4];
+        if constexpr (sizeof(T) == 4) {
+#pragma unroll
+            for (int i = 0; i < N; i++) w[i] = __float_as_uint(f[i]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < N / 2; i++) w[i] = tm__bf16_bits(f[2 * i]) | tm__bf16_bits(f[2 * i + 1]) << 16;
+        }
+        R r;
+        tm__vpack(r, w);
+        *reinterpret_cast<R *>(p) = r;
+    }
+}
+
+#endif /* TM_CUDA_VEC_CUH */
