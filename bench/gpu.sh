@@ -7,8 +7,9 @@
 #
 #   moe        the MoE layer fwd and fwd+bwd, bf16, T=16384 H=2048 F=1408 E=64 k=6:
 #              bench/moe_layer.c vs bench/moe_layer_torch.py (eager, torch.compile)
-#   kernels    grouped GEMM TFLOP/s vs one dense GEMM of the same FLOPs (also with
-#              TINYMOE_GMM=cublaslt, a cuBLASLt GEMM per group); permute / unpermute
+#   kernels    grouped GEMM TFLOP/s vs one dense GEMM of the same FLOPs (the default, a
+#              cuBLASLt GEMM per group, and TINYMOE_GMM=device, the device-scheduled
+#              tensor-core kernel); permute / unpermute
 #              GB/s vs a device-to-device copy: bench/kernels.c
 #   attention  causal GQA attention fwd and fwd+bwd, B=16 S=1024 Hq=12 Hkv=4, D=64 and D=128:
 #              bench/attention.c vs bench/attention_torch.py (SDPA)
@@ -168,12 +169,12 @@ if has "$only" kernels; then
     echo "== kernels ($((SECONDS - T_START)) s)"
     # shellcheck disable=SC2086
     run kernels build/bench/kernels --device $DEV $KER $KER_IT
-    # The cuBLASLt-per-group variant (host group sizes), when this library reads TINYMOE_GMM.
+    # The device-scheduled kernel (no host group sizes), when this library reads TINYMOE_GMM.
     variant=0
     if grep -aq TINYMOE_GMM build/libtinymoe.a 2>/dev/null; then
         variant=1
         # shellcheck disable=SC2086
-        TINYMOE_GMM=cublaslt run kernels_gmm_cublaslt build/bench/kernels --device $DEV $KER $KER_IT --what gemm
+        TINYMOE_GMM=device run kernels_gmm_device build/bench/kernels --device $DEV $KER $KER_IT --what gemm
     fi
     echo "grouped GEMM: TFLOP/s (2 R K N fwd, 6 R K N fwd+bwd) and % of the dense GEMM of the same FLOPs (target >= 75%)"
     printf '%-8s %-9s %8s %8s %14s' gemm routing "dense" "dense" "grouped"
@@ -181,16 +182,16 @@ if has "$only" kernels; then
     printf ' %14s' "grouped"
     [ $variant = 1 ] && printf ' %14s' "grouped"
     printf '\n%-8s %-9s %8s %8s %14s' "" "" "fwd" "fwd+bwd" "fwd"
-    [ $variant = 1 ] && printf ' %14s' "fwd cublaslt"
+    [ $variant = 1 ] && printf ' %14s' "fwd device"
     printf ' %14s' "fwd+bwd"
-    [ $variant = 1 ] && printf ' %14s' "f+b cublaslt"
+    [ $variant = 1 ] && printf ' %14s' "f+b device"
     printf '\n'
     cell() { [ -n "$1" ] && printf ' %7.1f %5.1f%%' "$(field "tflops_$2" "$1")" "$(field "pct_dense_$2" "$1")" || printf ' %14s' "-"; }
     for op in gate_up down; do
         d=$(pick bench=gemm op=$op kind=dense gmm=default)
         for routing in balanced random skewed; do
             g=$(pick bench=gemm op=$op kind=grouped routing=$routing gmm=default)
-            c=$(pick bench=gemm op=$op kind=grouped routing=$routing gmm=cublaslt)
+            c=$(pick bench=gemm op=$op kind=grouped routing=$routing gmm=device)
             [ -n "$g$c" ] || continue
             printf '%-8s %-9s %8.1f %8.1f' "$op" "$routing" "$(field tflops_fwd "$d")" "$(field tflops_fwdbwd "$d")"
             cell "$g" fwd
@@ -200,7 +201,7 @@ if has "$only" kernels; then
             printf '   (max load %s)\n' "$(field max_load "${g:-$c}")"
         done
     done
-    [ $variant = 1 ] || echo "(TINYMOE_GMM=cublaslt: this build of the library does not read TINYMOE_GMM; skipped)"
+    [ $variant = 1 ] || echo "(TINYMOE_GMM=device: this build of the library does not read TINYMOE_GMM; skipped)"
     c=$(pick bench=copy)
     echo
     echo "permute / unpermute: GB/s of the bytes each must move (docs/PERFORMANCE.md) and % of a D2D copy (target >= 80%)"

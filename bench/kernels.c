@@ -13,7 +13,7 @@
  *    buffer: the library reads a device tensor's counts back at most once per arena lifetime
  *    (tinymoe.h, tm_grouped_matmul), so the timed loops reset the arena every --block calls;
  *    the syncs per call are printed. TINYMOE_GMM (when the library reads it: bench/gpu.sh runs
- *    this program with and without TINYMOE_GMM=cublaslt) is echoed in the RESULT lines.
+ *    this program with and without TINYMOE_GMM=device) is echoed in the RESULT lines.
  *
  * 2. Permute / unpermute (tm_moe_permute, tm_moe_unpermute) against a device-to-device copy
  *    (cudaMemcpy, straight from the CUDA runtime: the public API has no plain copy; memcpy on

@@ -245,6 +245,8 @@ tm_status tm_ctx_sync(tm_ctx *ctx) {
 
 uint64_t tm_ctx_sync_count(const tm_ctx *ctx) { return ctx ? ctx->sync_count : 0; }
 
+double tm_ctx_sync_seconds(const tm_ctx *ctx) { return ctx ? ctx->sync_seconds : 0.0; }
+
 void tm_ctx_arena_reset(tm_ctx *ctx) {
     if (!ctx) return;
     for (int b = 0; b < TM__NBACKENDS; b++) tm__arena_reset(ctx, &ctx->arena[b]);
@@ -301,10 +303,14 @@ void tm_ctx_memory_reset_peak(tm_ctx *ctx) {
     }
 }
 
+void tm__set_gmm_device_schedule(tm_ctx *ctx, int on) {
+    if (ctx) ctx->gmm_device = on ? 1 : 0;
+}
+
 int tm__gmm_device_schedule(tm_ctx *ctx) {
     if (ctx->gmm_device < 0) {
         const char *e = getenv("TINYMOE_GMM");
-        ctx->gmm_device = !(e && !strcmp(e, "cublaslt"));
+        ctx->gmm_device = e && !strcmp(e, "device");
     }
     return ctx->gmm_device;
 }

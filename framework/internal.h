@@ -325,14 +325,17 @@ tm_status tm__grouped_matmul_counts(tm__call *c, const int64_t **cnt);
 /* The same from the host mirror only, never reading back: *cnt = the validated mirror, or NULL
  * when the counts have none (the bf16 CUDA kernel then takes them on the device, unvalidated). */
 tm_status tm__grouped_matmul_counts_mirrored(tm__call *c, const int64_t **cnt);
-/* 1 (default) when bf16 grouped_matmul on CUDA schedules its groups on the device: our
- * tensor-core kernel, one launch, no read back; 0 with TINYMOE_GMM=cublaslt in the environment
- * (read once per context): one cuBLASLt GEMM per group from host counts (a mirror, or one read
- * back). In isolation cuBLASLt is 2.5x faster at the MoE benchmark's shapes, but in a training
- * step the device schedule wins (H100: coarse 206 -> 123 ms, fine 269 -> 114 ms per step) since
- * nothing waits and the host issues one launch instead of one per expert (docs/PERFORMANCE.md).
- * The CPU counts its synchronisations by the same rule. */
+/* 1 when bf16 grouped_matmul on CUDA schedules its groups on the device: our tensor-core
+ * kernel, one launch, no read back (TINYMOE_GMM=device in the environment, read once per
+ * context); 0 by default: one cuBLASLt GEMM per group from host counts (a mirror, or one read
+ * back), as f32. Measured on an H100 (docs/PERFORMANCE.md): cuBLASLt is 2.4x faster per GEMM
+ * at the MoE benchmark's shapes, and once its plans are shared per size bucket (gemm.cu) a
+ * training step is faster with it too (coarse 114 -> 87 ms, fine 107 -> 99 ms per step) in
+ * spite of one wait per MoE layer; the device schedule is the one without any wait (what a
+ * CUDA graph capture of the step needs). The CPU counts its synchronisations by the same rule.
+ * tm__set_gmm_device_schedule overrides the environment for a context (tests: both paths). */
 int tm__gmm_device_schedule(tm_ctx *ctx);
+void tm__set_gmm_device_schedule(tm_ctx *ctx, int on);
 
 /* ---- context internals used by kernels --------------------------------------------------- */
 

@@ -858,13 +858,15 @@ TM_API tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor 
  * later calls and the backward on the same counts do not wait again. Writing the counts
  * (tm_tensor_write, tm_tensor_fill, an in-place op) discards that host copy. The counts are
  * validated from it, on every device alike.
- * bf16 on CUDA: one tensor-core kernel over all groups, which takes the group sizes on the
- * device: no synchronisation, whatever the counts (none counted on the CPU either). Counts
- * with a host copy (a permute's) are validated from it as above; others are not validated on
- * CUDA but clamped (a negative count as 0, a count cut at the rows left; rows past the last
- * group get out = 0 and no gradient). The environment variable TINYMOE_GMM=cublaslt, read
- * when a context first runs a bf16 grouped GEMM, gives bf16 the f32 behaviour (cuBLASLt per
- * group) instead, for comparisons.
+ * bf16 on CUDA: as f32 (one cuBLASLt GEMM per group, bf16 in and out, f32 accumulation),
+ * unless the environment variable TINYMOE_GMM=device, read when a context first runs a bf16
+ * grouped GEMM, selects one tensor-core kernel over all groups, which takes the group sizes
+ * on the device: no synchronisation, whatever the counts (none counted on the CPU either).
+ * Counts with a host copy (a permute's) are validated from it as above; others are not
+ * validated on that path but clamped (a negative count as 0, a count cut at the rows left;
+ * rows past the last group get out = 0 and no gradient). cuBLASLt is the default because it
+ * is faster, per GEMM and per training step (docs/PERFORMANCE.md); the device kernel never
+ * makes the host wait.
  * Errors: TM_ERR_DTYPE (x or w not float, or of different dtypes; counts not i64),
  * TM_ERR_SHAPE (x not 2-D, w not 3-D, counts not [G], K differs, counts running past R or not
  * summing to R), TM_ERR_INVALID_ARG (a negative count; on CUDA, shapes too large for one

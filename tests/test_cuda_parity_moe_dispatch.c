@@ -11,11 +11,12 @@
  * depends on the data, none with pad_to or with topk and align_size 1; grouped_matmul none on
  * a permute's tokens_per_expert that the host has (read back, or pad_to each: their host
  * mirror) and one on other counts (a topk permute's, or any others: read back once, then
- * mirrored; f32 only), unpermute none. The bf16 grouped_matmul is the tensor-core kernel with
- * its schedule on the device: no synchronisation at all, both code paths (cp.async for K, N
- * multiples of 8; element-wise loads otherwise) on ragged, empty and sub-tile groups, bitwise
- * reproducible; mirrored counts validated, others clamped. With TINYMOE_GMM=cublaslt in the
- * environment bf16 takes the cuBLASLt-per-group path instead, whose synchronisations are f32's.
+ * mirrored), unpermute none. bf16 grouped_matmul has two paths, each tested in a context set
+ * to it (tm__set_gmm_device_schedule), whatever TINYMOE_GMM says: cuBLASLt per group (the
+ * default), whose synchronisations are f32's; and the tensor-core kernel with its schedule on
+ * the device: no synchronisation at all, both code paths (cp.async for K, N multiples of 8;
+ * element-wise loads otherwise) on ragged, empty and sub-tile groups, bitwise reproducible;
+ * mirrored counts validated, others clamped.
  *
  * Tolerances (|cuda - cpu| <= atol + rtol |cpu|):
  *   permute's outputs, exact: both sides move bits (bf16 included) and place rows alike.
@@ -406,25 +407,22 @@ Test(cuda_parity_moe, unpermute_skips_rows_outside_the_tokens) {
 
 /* ---- grouped_matmul ---------------------------------------------------------------------- */
 
-/* 1 when TINYMOE_GMM=cublaslt sends bf16 to the cuBLASLt-per-group path (which reads counts
- * without a mirror back once, as f32 does) instead of the default tensor-core kernel with its
- * schedule on the device. */
-static int gmm_cublaslt(void) {
-    const char *e = getenv("TINYMOE_GMM");
-    return e && strcmp(e, "cublaslt") == 0;
+/* A context whose bf16 grouped GEMMs take the device-scheduled kernel (1) or cuBLASLt per
+ * group (0). */
+static tm_ctx *gmm_ctx(int device_schedule) {
+    tm_ctx *ctx = tt_parity_ctx();
+    tm__set_gmm_device_schedule(ctx, device_schedule);
+    return ctx;
 }
 
 /* Synchronisations of one grouped_matmul forward and of forward + backward on counts without a
- * host mirror: f32, and bf16 under TINYMOE_GMM=cublaslt, read them back once (then mirrored, for
- * the backward too); bf16 by default schedules the groups on the device and reads nothing; the
- * CPU counts alike. */
-static uint64_t grouped_syncs(tm_dtype dt, int on_cuda) {
-    (void)on_cuda; /* the CPU counts by the same rule (tm__gmm_device_schedule) */
-    return dt == TM_BF16 && !gmm_cublaslt() ? 0 : 1;
-}
+ * host mirror: f32, and bf16 on the cuBLASLt path, read them back once (then mirrored, for the
+ * backward too); the device-scheduled bf16 kernel reads nothing; the CPU counts alike (by the
+ * same rule, tm__gmm_device_schedule). */
+static uint64_t grouped_syncs(tm_ctx *ctx, tm_dtype dt) { return dt == TM_BF16 && tm__gmm_device_schedule(ctx) ? 0 : 1; }
 
-static void grouped_case(tm_dtype dt, int64_t G, int64_t K, int64_t N, const int64_t *counts, double atol, double rtol) {
-    tm_ctx *ctx = tt_parity_ctx();
+static void grouped_case_in(tm_ctx *ctx, tm_dtype dt, int64_t G, int64_t K, int64_t N, const int64_t *counts,
+                            double atol, double rtol) {
     int64_t R = 0;
     for (int64_t g = 0; g < G; g++) R += counts[g];
     int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N};
@@ -441,7 +439,7 @@ static void grouped_case(tm_dtype dt, int64_t G, int64_t K, int64_t N, const int
         TT_OK(ctx, tm_grouped_matmul(ctx, x[k], w[k], cnt, &y[k]));
         uint64_t fwd = tm_ctx_sync_count(ctx) - before;
         TT_OK(ctx, tm_backward_with_grad(ctx, y[k], from(ctx, dt, 2, ys, devs[k], hdy, 0)));
-        uint64_t all = tm_ctx_sync_count(ctx) - before, want = grouped_syncs(dt, k);
+        uint64_t all = tm_ctx_sync_count(ctx) - before, want = grouped_syncs(ctx, dt);
         cr_assert(fwd == want && all == want, "grouped_matmul %s on %s: %llu synchronisations in the forward, %llu "
                   "with the backward; want %llu and %llu", tm_dtype_name(dt), k ? "CUDA" : "the CPU",
                   (unsigned long long)fwd, (unsigned long long)all, (unsigned long long)want, (unsigned long long)want);
@@ -457,27 +455,51 @@ static void grouped_case(tm_dtype dt, int64_t G, int64_t K, int64_t N, const int
             for (int64_t i = 0; i < K * N; i++)
                 cr_assert(gw[g * K * N + i] == 0, "dw of empty group %lld is not zero", (long long)g);
     free(gw), free(hx), free(hw), free(hdy), free(hc);
+}
+
+/* One case in a fresh context; bf16 on the device-scheduled kernel (device_schedule 1) or on
+ * cuBLASLt per group (0). */
+static void grouped_case(tm_dtype dt, int device_schedule, int64_t G, int64_t K, int64_t N, const int64_t *counts,
+                         double atol, double rtol) {
+    tm_ctx *ctx = gmm_ctx(device_schedule);
+    grouped_case_in(ctx, dt, G, K, N, counts, atol, rtol);
     tm_ctx_free(ctx);
 }
 
-static void grouped_all(tm_dtype dt, double atol, double rtol) {
+static void grouped_all(tm_dtype dt, int device_schedule, double atol, double rtol) {
     const int64_t ragged[E7] = {5, 0, 9, 1, 0, 12, 3}, first_last_empty[E7] = {0, 4, 4, 17, 2, 8, 0},
                   one[E7] = {0, 0, 0, 33, 0, 0, 0}, none[E7] = {0, 0, 0, 0, 0, 0, 0};
-    grouped_case(dt, E7, 13, 11, ragged, atol, rtol);
-    grouped_case(dt, E7, 13, 11, first_last_empty, atol, rtol);
-    grouped_case(dt, E7, 13, 11, one, atol, rtol);
-    grouped_case(dt, E7, 13, 11, none, atol, rtol); /* R = 0 */
+    grouped_case(dt, device_schedule, E7, 13, 11, ragged, atol, rtol);
+    grouped_case(dt, device_schedule, E7, 13, 11, first_last_empty, atol, rtol);
+    grouped_case(dt, device_schedule, E7, 13, 11, one, atol, rtol);
+    grouped_case(dt, device_schedule, E7, 13, 11, none, atol, rtol); /* R = 0 */
 }
 
 Test(cuda_parity_moe, grouped_matmul_f32) {
     TT_SKIP_WITHOUT_CUDA();
-    grouped_all(TM_F32, 1e-5, 1e-5);
+    grouped_all(TM_F32, 0, 1e-5, 1e-5);
 }
 
-/* K = 13, N = 11 are not multiples of 8: the tensor-core kernel's element-wise load path. */
+/* The cuBLASLt path shares one plan among the groups whose ragged size falls in the same
+ * power-of-two bucket (kernels/cuda/gemm.cu, tm__gemm_cuda_ragged) and resizes its layouts per
+ * call: groups of 65 to 128 rows (bucket 128), 129 and 300 rows, then a second routing in the
+ * same context, whose sizes hit the plans the first one made. */
+Test(cuda_parity_moe, grouped_matmul_f32_bucketed_plans) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
+    const int64_t first[E7] = {70, 100, 128, 0, 65, 129, 300}, second[E7] = {128, 65, 0, 99, 300, 250, 1};
+    grouped_case_in(ctx, TM_F32, E7, 24, 16, first, 1e-5, 1e-5);
+    grouped_case_in(ctx, TM_F32, E7, 24, 16, second, 1e-5, 1e-5);
+    grouped_case_in(ctx, TM_F32, E7, 24, 16, first, 1e-5, 1e-5);
+    tm_ctx_free(ctx);
+}
+
+/* Both bf16 paths; K = 13, N = 11 are not multiples of 8: the tensor-core kernel's
+ * element-wise load path. */
 Test(cuda_parity_moe, grouped_matmul_bf16) {
     TT_SKIP_WITHOUT_CUDA();
-    grouped_all(TM_BF16, 1e-2, 1e-2);
+    grouped_all(TM_BF16, 0, 1e-2, 1e-2);
+    grouped_all(TM_BF16, 1, 1e-2, 1e-2);
 }
 
 /* The tensor-core kernel's cp.async path (K, N multiples of 8) on shapes that are not multiples
@@ -488,21 +510,20 @@ Test(cuda_parity_moe, grouped_matmul_bf16_tiles) {
     TT_SKIP_WITHOUT_CUDA();
     const int64_t ragged[E7] = {5, 0, 130, 1, 0, 200, 3}, first_last_empty[E7] = {0, 4, 129, 17, 2, 8, 0},
                   big[E7] = {140, 0, 301, 7, 129, 0, 423}, odd[5] = {0, 150, 1, 149, 0};
-    grouped_case(TM_BF16, E7, 72, 40, ragged, 1e-2, 1e-2);
-    grouped_case(TM_BF16, E7, 72, 40, first_last_empty, 1e-2, 1e-2);
-    grouped_case(TM_BF16, E7, 40, 72, ragged, 1e-2, 1e-2);
-    grouped_case(TM_BF16, E7, 256, 192, big, 1e-2, 1e-2); /* R = 1000 */
-    grouped_case(TM_BF16, 5, 100, 50, odd, 1e-2, 1e-2);   /* element-wise loads, several tiles */
+    grouped_case(TM_BF16, 1, E7, 72, 40, ragged, 1e-2, 1e-2);
+    grouped_case(TM_BF16, 1, E7, 72, 40, first_last_empty, 1e-2, 1e-2);
+    grouped_case(TM_BF16, 1, E7, 40, 72, ragged, 1e-2, 1e-2);
+    grouped_case(TM_BF16, 1, E7, 256, 192, big, 1e-2, 1e-2); /* R = 1000 */
+    grouped_case(TM_BF16, 1, 5, 100, 50, odd, 1e-2, 1e-2);   /* element-wise loads, several tiles */
     const int64_t single[1] = {37};
-    grouped_case(TM_BF16, 1, 8, 8, single, 1e-2, 1e-2);
+    grouped_case(TM_BF16, 1, 1, 8, 8, single, 1e-2, 1e-2);
 }
 
 /* bf16 on CUDA reads nothing back, forward or backward, whatever the counts carry: no host
  * mirror here (the f32 path would wait once). */
 Test(cuda_parity_moe, grouped_matmul_bf16_never_synchronises) {
     TT_SKIP_WITHOUT_CUDA();
-    if (gmm_cublaslt()) cr_skip_test("TINYMOE_GMM=cublaslt: bf16 takes the cuBLASLt path, which reads counts back");
-    tm_ctx *ctx = tt_parity_ctx();
+    tm_ctx *ctx = gmm_ctx(1);
     const int64_t G = 4, K = 64, N = 48, R = 300;
     int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N};
     double *hx = tt_parity_uniform(R * K, 41), *hw = tt_parity_uniform(G * K * N, 42), *hdy = tt_parity_uniform(R * N, 43);
@@ -524,7 +545,7 @@ Test(cuda_parity_moe, grouped_matmul_bf16_never_synchronises) {
  * are made afresh for each run, the arena reset in between. */
 Test(cuda_parity_moe, grouped_matmul_bf16_bitwise_reproducible) {
     TT_SKIP_WITHOUT_CUDA();
-    tm_ctx *ctx = tt_parity_ctx();
+    tm_ctx *ctx = gmm_ctx(1);
     const int64_t G = E7, K = 256, N = 192, R = 1000, cnt[E7] = {140, 0, 301, 7, 129, 0, 423};
     int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N};
     double *hx = tt_parity_uniform(R * K, 51), *hw = tt_parity_uniform(G * K * N, 52), *hdy = tt_parity_uniform(R * N, 53);
@@ -595,8 +616,7 @@ Test(cuda_parity_moe, grouped_matmul_bf16_bad_mirrored_counts) {
  * the clamped counts; for rows past the groups, with a last group whose weights are zero. */
 Test(cuda_parity_moe, grouped_matmul_bf16_unvalidated_counts_are_clamped) {
     TT_SKIP_WITHOUT_CUDA();
-    if (gmm_cublaslt()) cr_skip_test("TINYMOE_GMM=cublaslt: bf16 takes the cuBLASLt path, which validates");
-    tm_ctx *ctx = tt_parity_ctx();
+    tm_ctx *ctx = gmm_ctx(1);
     const int64_t G = 3, K = 24, N = 16, R = 200;
     int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N};
     double *hx = tt_parity_uniform(R * K, 61), *hw = tt_parity_uniform(G * K * N, 62), *hdy = tt_parity_uniform(R * N, 63);

@@ -36,13 +36,15 @@ typedef struct tm__gemm_plan {
     int trans_a, trans_b;
     int64_t M, N, K, lda, ldb, ldc, sa, sb, sc, batch;
     uint32_t align_a, align_b, align_c;  /* pointer alignment classes the algorithm assumes */
+    int ragged;                          /* TM__GEMM_RAGGED_*: M / K are buckets, not sizes */
     /* value */
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, lc;   /* cuBLASLt's A (our B), B (our A), C = D */
     cublasLtMatmulAlgo_t algo;
+    int64_t cur_M, cur_K;                /* the sizes the layouts hold now (ragged plans) */
 } tm__gemm_plan;
 
-#define TM__GEMM_CACHE 32
+#define TM__GEMM_CACHE 64
 #define TM__GEMM_WORKSPACE ((size_t)32 << 20)
 
 typedef struct tm__cuda {
@@ -212,6 +214,17 @@ extern "C" tm_status tm__gemm_cuda(tm_ctx *ctx, tm_dtype dt, int trans_a, int tr
                                    int64_t K, double alpha, const void *A, int64_t lda, int64_t sa, const void *B,
                                    int64_t ldb, int64_t sb, double beta, void *C, int64_t ldc, int64_t sc,
                                    int64_t batch);
+/* tm__gemm_cuda for one group of a ragged (grouped) GEMM, whose M (TM__GEMM_RAGGED_M) or K
+ * (TM__GEMM_RAGGED_K) changes from call to call with the routing: the plan is cached per
+ * power-of-two bucket of that size (its algorithm is the heuristic's for the bucket's top,
+ * checked for the exact size with cublasLtMatmulAlgoCheck), and only the layouts' row and
+ * column counts are reset per call. Exact keys would miss the cache on nearly every call
+ * (a fresh heuristic query per expert and direction). batch 1 only. */
+#define TM__GEMM_RAGGED_M 1
+#define TM__GEMM_RAGGED_K 2
+extern "C" tm_status tm__gemm_cuda_ragged(tm_ctx *ctx, tm_dtype dt, int ragged, int trans_a, int trans_b, int64_t M,
+                                          int64_t N, int64_t K, double alpha, const void *A, int64_t lda,
+                                          const void *B, int64_t ldb, double beta, void *C, int64_t ldc);
 /* Free the cached cuBLASLt plans of a context (gemm.cu; at shutdown). */
 extern "C" void tm__gemm_plans_destroy(tm__cuda *st);
 

@@ -2,7 +2,8 @@
  * gemm.cu — every CUDA matmul goes through tm__gemm_cuda: cuBLASLt with f32 compute (bf16 or f32
  * inputs), row-major operands mapped onto cuBLASLt's column-major view, and a small cache of
  * plans (descriptors + the heuristic's algorithm) keyed by shape, transposes, leading dims and
- * pointer alignment, so a steady-state step never queries the heuristic.
+ * pointer alignment, so a steady-state step never queries the heuristic. The groups of a ragged
+ * GEMM (tm__gemm_cuda_ragged) share a plan per power-of-two bucket of their ragged size.
  */
 #include "common.cuh"
 
@@ -51,6 +52,7 @@ static tm_status tm__gemm_plan_make(tm_ctx *ctx, tm__cuda *st, tm__gemm_plan *p)
     TM__LT_CHECK(ctx, what, cublasLtMatrixLayoutCreate(&p->la, ty, la_r, la_c, p->ldb));
     TM__LT_CHECK(ctx, what, cublasLtMatrixLayoutCreate(&p->lb, ty, lb_r, lb_c, p->lda));
     TM__LT_CHECK(ctx, what, cublasLtMatrixLayoutCreate(&p->lc, ty, p->N, p->M, p->ldc));
+    p->cur_M = p->M, p->cur_K = p->K;
     if (p->batch > 1) {
         int32_t bc = (int32_t)p->batch;
         struct { cublasLtMatrixLayout_t l; int64_t s; } ls[3] = {{p->la, p->sb}, {p->lb, p->sa}, {p->lc, p->sc}};
@@ -94,7 +96,7 @@ static tm_status tm__gemm_plan_get(tm_ctx *ctx, tm__cuda *st, const tm__gemm_pla
             p->M == key->M && p->N == key->N && p->K == key->K && p->lda == key->lda && p->ldb == key->ldb &&
             p->ldc == key->ldc && p->batch == key->batch && p->sa == key->sa && p->sb == key->sb &&
             p->sc == key->sc && p->align_a == key->align_a && p->align_b == key->align_b &&
-            p->align_c == key->align_c) {
+            p->align_c == key->align_c && p->ragged == key->ragged) {
             *out = p;
             return TM_OK;
         }
@@ -126,6 +128,35 @@ static tm_status tm__gemm_plan_get(tm_ctx *ctx, tm__cuda *st, const tm__gemm_pla
     return TM_OK;
 }
 
+/* The key of a GEMM's plan (M and K as given: a ragged caller buckets them first). */
+static tm__gemm_plan tm__gemm_key(tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K,
+                                  const void *A, int64_t lda, int64_t sa, const void *B, int64_t ldb, int64_t sb,
+                                  void *C, int64_t ldc, int64_t sc, int64_t batch) {
+    tm__gemm_plan key;
+    memset(&key, 0, sizeof key);
+    key.dt = dt;
+    key.trans_a = trans_a != 0;
+    key.trans_b = trans_b != 0;
+    key.M = M; key.N = N; key.K = K;
+    key.lda = lda; key.ldb = ldb; key.ldc = ldc;
+    key.batch = batch;
+    key.sa = batch > 1 ? sa : 0;
+    key.sb = batch > 1 ? sb : 0;
+    key.sc = batch > 1 ? sc : 0;
+    key.align_a = tm__align_of(A);
+    key.align_b = tm__align_of(B);
+    key.align_c = tm__align_of(C);
+    return key;
+}
+
+static tm_status tm__gemm_launch(tm_ctx *ctx, tm__cuda *st, const tm__gemm_plan *p, double alpha, const void *A,
+                                 const void *B, double beta, void *C) {
+    float fa = (float)alpha, fb = (float)beta;
+    TM__LT_CHECK(ctx, "gemm", cublasLtMatmul(st->lt, p->op, &fa, B, p->la, A, p->lb, &fb, C, p->lc, C, p->lc, &p->algo,
+                                             st->workspace, st->workspace_bytes, st->stream));
+    return TM_OK;
+}
+
 extern "C" tm_status tm__gemm_cuda(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N,
                                    int64_t K, double alpha, const void *A, int64_t lda, int64_t sa, const void *B,
                                    int64_t ldb, int64_t sb, double beta, void *C, int64_t ldc, int64_t sc,
@@ -148,25 +179,50 @@ extern "C" tm_status tm__gemm_cuda(tm_ctx *ctx, tm_dtype dt, int trans_a, int tr
             return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: K == 0 with beta %g on a strided C", what, beta);
         return TM_OK;
     }
-    tm__gemm_plan key;
-    memset(&key, 0, sizeof key);
-    key.dt = dt;
-    key.trans_a = trans_a != 0;
-    key.trans_b = trans_b != 0;
-    key.M = M; key.N = N; key.K = K;
-    key.lda = lda; key.ldb = ldb; key.ldc = ldc;
-    key.batch = batch;
-    key.sa = batch > 1 ? sa : 0;
-    key.sb = batch > 1 ? sb : 0;
-    key.sc = batch > 1 ? sc : 0;
-    key.align_a = tm__align_of(A);
-    key.align_b = tm__align_of(B);
-    key.align_c = tm__align_of(C);
-    tm__gemm_plan *p;
+    tm__gemm_plan key = tm__gemm_key(dt, trans_a, trans_b, M, N, K, A, lda, sa, B, ldb, sb, C, ldc, sc, batch), *p;
     TM__TRY(tm__gemm_plan_get(ctx, st, &key, &p));
-    float fa = (float)alpha, fb = (float)beta;
-    TM__LT_CHECK(ctx, what, cublasLtMatmul(st->lt, p->op, &fa, B, p->la, A, p->lb, &fb, C, p->lc, C, p->lc, &p->algo,
-                                           st->workspace, st->workspace_bytes, st->stream));
+    return tm__gemm_launch(ctx, st, p, alpha, A, B, beta, C);
+}
+
+/* The bucket of a ragged size: the next power of two, at least 64. */
+static int64_t tm__gemm_bucket(int64_t n) {
+    int64_t b = 64;
+    while (b < n) b <<= 1;
+    return b;
+}
+
+static tm_status tm__gemm_layout_dims(tm_ctx *ctx, cublasLtMatrixLayout_t l, uint64_t rows, uint64_t cols) {
+    TM__LT_CHECK(ctx, "gemm", cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_ROWS, &rows, sizeof rows));
+    TM__LT_CHECK(ctx, "gemm", cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_COLS, &cols, sizeof cols));
     return TM_OK;
+}
+
+extern "C" tm_status tm__gemm_cuda_ragged(tm_ctx *ctx, tm_dtype dt, int ragged, int trans_a, int trans_b, int64_t M,
+                                          int64_t N, int64_t K, double alpha, const void *A, int64_t lda,
+                                          const void *B, int64_t ldb, double beta, void *C, int64_t ldc) {
+    tm__cuda *st;
+    const char *what = "gemm";
+    TM__TRY(tm__cu_enter(ctx, what, &st));
+    if ((dt != TM_F32 && dt != TM_BF16) || M == 0 || N == 0 || K == 0)
+        return tm__gemm_cuda(ctx, dt, trans_a, trans_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+    const int64_t bM = ragged & TM__GEMM_RAGGED_M ? tm__gemm_bucket(M) : M;
+    const int64_t bK = ragged & TM__GEMM_RAGGED_K ? tm__gemm_bucket(K) : K;
+    tm__gemm_plan key = tm__gemm_key(dt, trans_a, trans_b, bM, N, bK, A, lda, 0, B, ldb, 0, C, ldc, 0, 1), *p;
+    key.ragged = ragged;
+    TM__TRY(tm__gemm_plan_get(ctx, st, &key, &p));
+    if (p->cur_M != M || p->cur_K != K) {
+        /* Stored shapes as in tm__gemm_plan_make, at the exact sizes. */
+        TM__TRY(tm__gemm_layout_dims(ctx, p->la, p->trans_b ? K : N, p->trans_b ? N : K));
+        TM__TRY(tm__gemm_layout_dims(ctx, p->lb, p->trans_a ? M : K, p->trans_a ? K : M));
+        TM__TRY(tm__gemm_layout_dims(ctx, p->lc, N, M));
+        p->cur_M = M, p->cur_K = K;
+    }
+    /* The bucket's algorithm must also take this size (and fit the workspace); where it does
+     * not, this call gets a plan of its own. */
+    cublasLtMatmulHeuristicResult_t chk;
+    cublasStatus_t cs = cublasLtMatmulAlgoCheck(st->lt, p->op, p->la, p->lb, p->lc, p->lc, &p->algo, &chk);
+    if (cs != CUBLAS_STATUS_SUCCESS || chk.workspaceSize > st->workspace_bytes)
+        return tm__gemm_cuda(ctx, dt, trans_a, trans_b, M, N, K, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+    return tm__gemm_launch(ctx, st, p, alpha, A, B, beta, C);
 }
 

@@ -13,12 +13,15 @@
  *
  * Two implementations:
  *
- * f32: one cuBLASLt GEMM per non-empty group (tm__gemm_cuda, f32 compute, no TF32). The loop
+ * f32, and bf16 by default: one cuBLASLt GEMM per non-empty group (tm__gemm_cuda_ragged, f32
+ *   compute, no TF32; bf16 in and out. A plan per power-of-two bucket of the group's size, so
+ *   a new routing queries no heuristic: with exact-size plans every call missed the cache,
+ *   which made this path 1.7x slower per training step than the one below). The loop
  *   needs the group sizes on the host: tm__grouped_matmul_counts takes them from the counts'
  *   host mirror (framework/internal.h; a tm_moe_permute's tokens_per_expert have one) or reads
  *   them back once (one synchronisation, counted) and mirrors them. Validated on the host.
  *
- * bf16, default (tm__gmm_device_schedule): our tensor-core kernel with the group offsets
+ * bf16 with TINYMOE_GMM=device (tm__gmm_device_schedule): our tensor-core kernel with the group offsets
  *   computed ON THE DEVICE, in one launch per direction: nothing is read
  *   back, no synchronisation, forward or backward. Counts with a host mirror are validated from
  *   it (as for f32: the same errors); counts without one are not validated (that would need a
@@ -27,12 +30,10 @@
  *   In isolation it is slower than cuBLASLt: on an H100 at the MoE benchmark's shapes (R = 98304,
  *   K 2048, N 2816, 64 groups) 263-273 TFLOP/s forward (32-35% of a dense GEMM of the same
  *   FLOPs) against 632-656 for cuBLASLt per group (bench/kernels.c); wgmma + TMA (sm_90a) is
- *   the way to close that. In a training step it wins all the same (coarse 206 -> 123 ms, fine
- *   269 -> 114 ms per step): nothing waits for the device, and one launch replaces one cuBLASLt
- *   call per expert and direction.
- *
- * bf16 with TINYMOE_GMM=cublaslt in the environment (read once per context): the f32 path's
- *   cuBLASLt GEMM per group (bf16 in and out, f32 accumulation), group sizes from the host.
+ *   the way to close that. A training step is slower with it too (H100: coarse 114 against
+ *   87 ms, fine 107 against 99 ms per step with cuBLASLt); what it has is a step without a
+ *   single wait for the device (a CUDA graph capture needs that), and one launch instead of
+ *   one cuBLASLt call per expert and direction (a slow host would feel those).
  *
  * The bf16 kernel, step by step:
  *
@@ -114,8 +115,8 @@ static tm_status gmm_forward_lt(tm__call *c) {
     for (int64_t g = 0, off = 0; g < G; off += cnt[g], g++) {
         if (cnt[g] == 0) continue;
         // (n_g, K) @ (K, N) -> (n_g, N)
-        TM__TRY(tm__gemm_cuda(c->ctx, dt, 0, 0, cnt[g], N, K, 1.0, at(X, off * K, esz), K, 0, at(W, g * K * N, esz), N,
-                              0, 0.0, at(Y, off * N, esz), N, 0, 1));
+        TM__TRY(tm__gemm_cuda_ragged(c->ctx, dt, TM__GEMM_RAGGED_M, 0, 0, cnt[g], N, K, 1.0, at(X, off * K, esz), K,
+                                     at(W, g * K * N, esz), N, 0.0, at(Y, off * N, esz), N));
     }
     return TM_OK;
 }
@@ -134,11 +135,11 @@ static tm_status gmm_backward_lt(tm__call *c) {
         if (n == 0) continue;
         const void *dy = at(DY, off * N, esz);
         if (gx) // (n, N) @ (K, N)^T -> (n, K)
-            TM__TRY(tm__gemm_cuda(c->ctx, dt, 0, 1, n, K, N, 1.0, dy, N, 0, at(W, g * K * N, esz), N, 0, 1.0,
-                                  at(tm__data(gx), off * K, esz), K, 0, 1));
+            TM__TRY(tm__gemm_cuda_ragged(c->ctx, dt, TM__GEMM_RAGGED_M, 0, 1, n, K, N, 1.0, dy, N,
+                                         at(W, g * K * N, esz), N, 1.0, at(tm__data(gx), off * K, esz), K));
         if (gw) // (n, K)^T @ (n, N) -> (K, N)
-            TM__TRY(tm__gemm_cuda(c->ctx, dt, 1, 0, K, N, n, 1.0, at(X, off * K, esz), K, 0, dy, N, 0, 1.0,
-                                  at(tm__data(gw), g * K * N, esz), N, 0, 1));
+            TM__TRY(tm__gemm_cuda_ragged(c->ctx, dt, TM__GEMM_RAGGED_K, 1, 0, K, N, n, 1.0, at(X, off * K, esz), K, dy,
+                                         N, 1.0, at(tm__data(gw), g * K * N, esz), N));
     }
     return TM_OK;
 }
@@ -492,7 +493,7 @@ __global__ void __launch_bounds__(GMM_THREADS, 2) gmm_kernel(gmm_args a) {
 
 static const char *const GMM_WHAT = "grouped_matmul";
 
-/* 1: bf16 goes to cuBLASLt per group (TINYMOE_GMM=cublaslt; default: our kernel). */
+/* 1: bf16 goes to cuBLASLt per group (the default; TINYMOE_GMM=device: our kernel). */
 static int gmm_use_cublaslt(tm__call *c) { return !tm__gmm_device_schedule(c->ctx); }
 
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
