@@ -184,6 +184,7 @@ static const tt_pcase CASES[] = {
     /* the copy kernels' vector path (kernels/cuda/copy.cu: 16-byte accesses on strided views
      * whose last dimension has stride 1) and its element-path twins */
     {"contiguous", "contiguous of a head transpose, vector path", f_head_transpose, 1, {4}, {{2, 5, 3, 16}}, {0}, {0}, {0}, 1, 0},
+    {"contiguous", "contiguous of a transpose with a unit dimension", f_contiguous, 1, {4}, {{3, 1, 4, 8}}, {0}, {0}, {0}, 1, 0},
     {"contiguous", "contiguous of a head transpose, D 12 (bf16: element path)", f_head_transpose, 1, {4}, {{2, 5, 3, 12}}, {0}, {0}, {0}, 1, 0},
     {"contiguous", "aligned column slice, vector path", f_slice_cols, 1, {2}, {{6, 48}}, {0}, {0}, {16}, 1, 0},
     {"contiguous", "misaligned column slice (element path)", f_slice_cols, 1, {2}, {{6, 48}}, {0}, {0}, {1}, 1, 0},

@@ -22,28 +22,60 @@
 
 /* ---- strided copy with conversion, accumulate, fill ---------------------------------------- */
 
-/* Logical shape and element strides of a source tensor, passed by value to kernels. */
+/* Logical shape and element strides of a source tensor, passed by value to kernels. With
+ * fast = 1 (fewer than 2^31 elements) the offset's divisions by the dimensions are a multiply
+ * and a shift by per-dimension magic numbers (q = umulhi(i, mul) >> shr, exact for i < 2^31:
+ * the round-up method of Granlund and Montgomery, "Division by invariant integers using
+ * multiplication", 1994, as CUTLASS's FastDivmod uses it): a 64-bit division is a long
+ * software sequence on the GPU and made the strided copies compute-bound. */
 typedef struct tm__cu_layout {
     int ndim;
+    int fast;
     int64_t shape[TM_MAX_DIMS];
     int64_t stride[TM_MAX_DIMS];
+    uint32_t mul[TM_MAX_DIMS]; /* 0: the dimension is 1 (q = i) */
+    uint32_t shr[TM_MAX_DIMS];
 } tm__cu_layout;
 
 static tm__cu_layout tm__cu_layout_of(const tm_tensor *t) {
     tm__cu_layout l;
     memset(&l, 0, sizeof l);
     l.ndim = t->ndim;
+    l.fast = tm__numel(t) < ((int64_t)1 << 31);
     for (int d = 0; d < t->ndim; d++) {
         l.shape[d] = t->shape[d];
         l.stride[d] = t->stride[d];
+        const uint64_t div = (uint64_t)t->shape[d];
+        if (!l.fast || div <= 1) continue;
+        int lg = 0; /* ceil(log2(div)) */
+        while (((uint64_t)1 << lg) < div) lg++;
+        const int p = 31 + lg;
+        l.mul[d] = (uint32_t)((((uint64_t)1 << p) + div - 1) / div); /* < 2^32 since 2^lg < 2 div */
+        l.shr[d] = (uint32_t)(p - 32);
     }
     return l;
 }
 
-/* Element offset of logical (row-major) index i. */
+/* Element offset of logical (row-major) index i. The loops are unrolled over TM_MAX_DIMS so
+ * that every field is read at a constant offset of the kernel's parameters: a loop bounded by
+ * the runtime ndim indexes them dynamically, which makes each thread copy the struct to local
+ * memory first. */
 __device__ __forceinline__ int64_t tm__cu_offset(const tm__cu_layout &l, int64_t i) {
     int64_t off = 0;
-    for (int d = l.ndim - 1; d >= 0; d--) {
+    if (l.fast) {
+        uint32_t u = (uint32_t)i;
+#pragma unroll
+        for (int d = TM_MAX_DIMS - 1; d >= 0; d--) {
+            if (d >= l.ndim) continue;
+            const uint32_t q = l.mul[d] ? __umulhi(u, l.mul[d]) >> l.shr[d] : u;
+            off += (int64_t)(u - q * (uint32_t)l.shape[d]) * l.stride[d];
+            u = q;
+        }
+        return off;
+    }
+#pragma unroll
+    for (int d = TM_MAX_DIMS - 1; d >= 0; d--) {
+        if (d >= l.ndim) continue;
         off += (i % l.shape[d]) * l.stride[d];
         i /= l.shape[d];
     }
