@@ -106,8 +106,14 @@ tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad) {
     if (!tm__same_device(grad->device, out->device))
         return tm__err(ctx, TM_ERR_DEVICE, "tm_backward: gradient %s is not on the output's device (%s)",
                        tm__tdesc(ctx, grad), tm__tdesc(ctx, out));
-    TM__TRY(ensure_grad(ctx, out));
-    TM__TRY(tm__accumulate(ctx, out->grad, grad, 1.0));
+    if (out->grad) {
+        TM__TRY(tm__accumulate(ctx, out->grad, grad, 1.0));
+    } else {
+        /* A fresh gradient is the seed itself: one copy, the bits zeros + grad would give,
+         * without zeroing the buffer and reading it back (a full pass each for a large out). */
+        TM__TRY(tm__tensor_new(ctx, out->dtype, out->ndim, out->shape, out->device, &out->grad));
+        TM__TRY(tm__copy_into(ctx, out->grad, grad));
+    }
     return run_tape(ctx);
 }
 
