@@ -34,6 +34,7 @@
  */
 #include "common.cuh"
 #include "update_multi.h"
+#include "vec.cuh"
 
 /* ---- AdamW ----------------------------------------------------------------------------------- */
 
@@ -137,13 +138,33 @@ __device__ __forceinline__ double sumsq_block_sum(double v, double *sh) {
 
 /* Block k sums chunk k: [k chunk, min(n, (k+1) chunk)). With one chunk, out gets the f32 result
  * directly; otherwise part[k] gets the f64 partial. */
-/* This thread's share of the sum of squares of g[lo, hi): elements lo + threadIdx.x + k
- * blockDim.x in order (both sum-of-squares kernels, so their chunk sums agree bit for bit). */
+/* This thread's share of the sum of squares of g[lo, hi), in a fixed order (both sum-of-squares
+ * kernels use it, so their chunk sums agree bit for bit): the range is a head up to the first
+ * 16-byte boundary, whole 16-byte vectors (8 bf16 or 4 f32, kernels/cuda/vec.cuh), and a tail;
+ * the thread takes head and tail elements lo + threadIdx.x + k blockDim.x and vectors
+ * threadIdx.x + k blockDim.x, each vector's elements in order. 16-byte loads, several in
+ * flight, are what keep this at the memory's rate (one 2-byte load per step left it at an
+ * eighth of it). */
 template <typename T>
 __device__ __forceinline__ double sumsq_thread(const void *g_, int64_t lo, int64_t hi) {
+    constexpr int N = 16 / (int)sizeof(T);
     const T *g = (const T *)g_;
+    int64_t a = lo + (int64_t)(((16u - ((uintptr_t)(g + lo) & 15u)) & 15u) / sizeof(T));
+    if (a > hi) a = hi;
+    const int64_t nv = (hi - a) / N, b = a + nv * N;
     double acc = 0.0;
-    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    for (int64_t i = lo + threadIdx.x; i < a; i += blockDim.x) {
+        double x = (double)tm__ld(g + i);
+        acc = fma(x, x, acc);
+    }
+#pragma unroll 4
+    for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
+        float f[N];
+        tm__vld<N>(g + a + v * N, f);
+#pragma unroll
+        for (int k = 0; k < N; k++) acc = fma((double)f[k], (double)f[k], acc);
+    }
+    for (int64_t i = b + threadIdx.x; i < hi; i += blockDim.x) {
         double x = (double)tm__ld(g + i);
         acc = fma(x, x, acc);
     }
