@@ -10,7 +10,7 @@
  *   swiglu:  dgate = dy * up * silu'(gate),  dup = dy * silu(gate)
  *
  * Vectorisation: these are memory bound, so each thread moves 16 bytes per access (4 f32 or
- * 8 bf16: float4 / uint4) when n is a multiple of that and every pointer is 16-byte aligned
+ * 8 bf16: tm__vld / tm__vst, kernels/cuda/vec.cuh) when n is a multiple of that and every pointer is 16-byte aligned
  * (checked on the host); otherwise one element per access. Both paths are one kernel template
  * (N elements per access) sharing the per-element functions below, so every element gets the
  * same f32 expressions in the same order (expf, IEEE division) on either path: the same bits.
@@ -20,6 +20,7 @@
  * Deterministic: every output element is written by one thread, no atomics.
  */
 #include "common.cuh"
+#include "vec.cuh"
 
 #define ACT_BLOCKS_PER_SM 4
 
@@ -38,50 +39,6 @@ __device__ __forceinline__ float swiglu_bwd_gate(float acc, float v, float s, fl
 }
 __device__ __forceinline__ float swiglu_bwd_up(float acc, float v, float s, float d) { return acc + d * v * s; }
 
-/* N consecutive elements at p (N = 1, or 16 bytes' worth from a 16-byte aligned p) as f32. */
-template <int N, typename T>
-__device__ __forceinline__ void act_ld(const T *p, float *f) {
-    if constexpr (N == 1) {
-        f[0] = tm__ld(p);
-    } else if constexpr (sizeof(T) == 4) {
-        static_assert(N == 4, "4 f32 per 16 bytes");
-        const float4 q = *reinterpret_cast<const float4 *>(p);
-        f[0] = q.x, f[1] = q.y, f[2] = q.z, f[3] = q.w;
-    } else {
-        static_assert(N == 8, "8 bf16 per 16 bytes");
-        const uint4 q = *reinterpret_cast<const uint4 *>(p);
-        const unsigned w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int i = 0; i < 4; i++) { /* little endian: element 2i is the low half */
-            f[2 * i] = __uint_as_float(w[i] << 16);
-            f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-        }
-    }
-}
-
-__device__ __forceinline__ unsigned act_bf16_bits(float v) {
-    return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(v));
-}
-
-/* Store N f32 values at p, bf16 rounded to nearest even as tm__st does. */
-template <int N, typename T>
-__device__ __forceinline__ void act_st(T *p, const float *f) {
-    if constexpr (N == 1) {
-        tm__st(p, f[0]);
-    } else if constexpr (sizeof(T) == 4) {
-        static_assert(N == 4, "4 f32 per 16 bytes");
-        *reinterpret_cast<float4 *>(p) = make_float4(f[0], f[1], f[2], f[3]);
-    } else {
-        static_assert(N == 8, "8 bf16 per 16 bytes");
-        uint4 q;
-        q.x = act_bf16_bits(f[0]) | act_bf16_bits(f[1]) << 16;
-        q.y = act_bf16_bits(f[2]) | act_bf16_bits(f[3]) << 16;
-        q.z = act_bf16_bits(f[4]) | act_bf16_bits(f[5]) << 16;
-        q.w = act_bf16_bits(f[6]) | act_bf16_bits(f[7]) << 16;
-        *reinterpret_cast<uint4 *>(p) = q;
-    }
-}
-
 /* The kernels take n elements, n a multiple of N (the host picks N = 1 otherwise), and loop
  * over the n / N groups of N consecutive elements. */
 template <int N, typename T>
@@ -92,10 +49,10 @@ silu_forward_kernel(void *y_, const void *x_, int64_t n) {
     const int64_t nv = n / N;
     TM__CU_GRID_STRIDE(i, nv) {
         float v[N], r[N];
-        act_ld<N>(x + i * N, v);
+        tm__vld<N>(x + i * N, v);
 #pragma unroll
         for (int k = 0; k < N; k++) r[k] = silu_fwd(v[k]);
-        act_st<N>(y + i * N, r);
+        tm__vst<N>(y + i * N, r);
     }
 }
 
@@ -107,12 +64,12 @@ silu_backward_kernel(void *dx_, const void *x_, const void *dy_, int64_t n) {
     const int64_t nv = n / N;
     TM__CU_GRID_STRIDE(i, nv) {
         float v[N], d[N], a[N];
-        act_ld<N>(x + i * N, v);
-        act_ld<N>(dy + i * N, d);
-        act_ld<N>(dx + i * N, a);
+        tm__vld<N>(x + i * N, v);
+        tm__vld<N>(dy + i * N, d);
+        tm__vld<N>(dx + i * N, a);
 #pragma unroll
         for (int k = 0; k < N; k++) a[k] = silu_bwd(a[k], v[k], d[k]);
-        act_st<N>(dx + i * N, a);
+        tm__vst<N>(dx + i * N, a);
     }
 }
 
@@ -124,11 +81,11 @@ swiglu_forward_kernel(void *y_, const void *g_, const void *u_, int64_t n) {
     const int64_t nv = n / N;
     TM__CU_GRID_STRIDE(i, nv) {
         float v[N], w[N], r[N];
-        act_ld<N>(g + i * N, v);
-        act_ld<N>(u + i * N, w);
+        tm__vld<N>(g + i * N, v);
+        tm__vld<N>(u + i * N, w);
 #pragma unroll
         for (int k = 0; k < N; k++) r[k] = swiglu_fwd(v[k], w[k]);
-        act_st<N>(y + i * N, r);
+        tm__vst<N>(y + i * N, r);
     }
 }
 
@@ -141,22 +98,22 @@ swiglu_backward_kernel(void *dg_, void *du_, const void *g_, const void *u_, con
     const int64_t nv = n / N;
     TM__CU_GRID_STRIDE(i, nv) {
         float v[N], s[N], d[N], a[N], w[N];
-        act_ld<N>(g + i * N, v);
-        act_ld<N>(dy + i * N, d);
+        tm__vld<N>(g + i * N, v);
+        tm__vld<N>(dy + i * N, d);
 #pragma unroll
         for (int k = 0; k < N; k++) s[k] = sigmoidf(v[k]);
         if (dg) {
-            act_ld<N>(u + i * N, w);
-            act_ld<N>(dg + i * N, a);
+            tm__vld<N>(u + i * N, w);
+            tm__vld<N>(dg + i * N, a);
 #pragma unroll
             for (int k = 0; k < N; k++) a[k] = swiglu_bwd_gate(a[k], v[k], s[k], d[k], w[k]);
-            act_st<N>(dg + i * N, a);
+            tm__vst<N>(dg + i * N, a);
         }
         if (du) {
-            act_ld<N>(du + i * N, a);
+            tm__vld<N>(du + i * N, a);
 #pragma unroll
             for (int k = 0; k < N; k++) a[k] = swiglu_bwd_up(a[k], v[k], s[k], d[k]);
-            act_st<N>(du + i * N, a);
+            tm__vst<N>(du + i * N, a);
         }
     }
 }

@@ -79,6 +79,7 @@
 #include <limits.h>
 
 #include "common.cuh"
+#include "vec.cuh"
 
 #define DISPATCH_WARPS 8 /* warps per block of the warp-per-item kernels */
 #define DISPATCH_THREADS (DISPATCH_WARPS * 32)
@@ -101,93 +102,6 @@ static inline int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 __device__ __forceinline__ int64_t warp_id() { return ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
 __device__ __forceinline__ int64_t warp_count() { return ((int64_t)gridDim.x * blockDim.x) >> 5; }
-
-/* Elements of T in 16 bytes. */
-template <typename T>
-struct vec_n {
-    static constexpr int n = 16 / (int)sizeof(T);
-};
-
-/* N consecutive elements at p (N = 1, or vec_n<T>::n from a 16-byte aligned p) as f32. bf16 is
- * widened by its bits (exact, as __bfloat162float). */
-template <int N, typename T>
-__device__ __forceinline__ void ldv(const T *p, float *f) {
-    if constexpr (N == 1) {
-        f[0] = tm__ld(p);
-    } else if constexpr (sizeof(T) == 4) {
-        static_assert(N == 4, "4 f32 per 16 bytes");
-        const float4 q = *reinterpret_cast<const float4 *>(p);
-        f[0] = q.x, f[1] = q.y, f[2] = q.z, f[3] = q.w;
-    } else {
-        static_assert(N == 8, "8 bf16 per 16 bytes");
-        const uint4 q = *reinterpret_cast<const uint4 *>(p);
-        const unsigned u[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            f[2 * i] = __uint_as_float(u[i] << 16);
-            f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-        }
-    }
-}
-
-__device__ __forceinline__ unsigned bf16_bits(float v) { return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-
-/* Store N f32 values at p, rounded to nearest even for bf16 (tm__st's rounding). */
-template <int N, typename T>
-__device__ __forceinline__ void stv(T *p, const float *f) {
-    if constexpr (N == 1) {
-        tm__st(p, f[0]);
-    } else if constexpr (sizeof(T) == 4) {
-        static_assert(N == 4, "4 f32 per 16 bytes");
-        *reinterpret_cast<float4 *>(p) = make_float4(f[0], f[1], f[2], f[3]);
-    } else {
-        static_assert(N == 8, "8 bf16 per 16 bytes");
-        uint4 q;
-        q.x = bf16_bits(f[0]) | bf16_bits(f[1]) << 16;
-        q.y = bf16_bits(f[2]) | bf16_bits(f[3]) << 16;
-        q.z = bf16_bits(f[4]) | bf16_bits(f[5]) << 16;
-        q.w = bf16_bits(f[6]) | bf16_bits(f[7]) << 16;
-        *reinterpret_cast<uint4 *>(p) = q;
-    }
-}
-
-/* The raw form of N elements of T as one access (a 16-byte vector, or the element itself), so
- * that several loads can be in flight before any is widened; widen(ldraw(p)) is ldv(p). */
-template <int N, typename T>
-struct vraw {
-    static_assert(N == 1, "one element, or 16 bytes below");
-    using type = T;
-};
-template <>
-struct vraw<4, float> {
-    using type = float4;
-};
-template <>
-struct vraw<8, tm__bf16> {
-    using type = uint4;
-};
-
-template <int N, typename T>
-__device__ __forceinline__ typename vraw<N, T>::type ldraw(const T *p) {
-    return *reinterpret_cast<const typename vraw<N, T>::type *>(p);
-}
-
-/* ldv's conversion of a raw vector to N f32 values. */
-template <int N, typename T>
-__device__ __forceinline__ void widen(const typename vraw<N, T>::type &q, float *f) {
-    if constexpr (N == 1) {
-        f[0] = tm__ld(&q);
-    } else if constexpr (sizeof(T) == 4) {
-        f[0] = q.x, f[1] = q.y, f[2] = q.z, f[3] = q.w;
-    } else {
-        const unsigned u[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            f[2 * i] = __uint_as_float(u[i] << 16);
-            f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-        }
-    }
-}
 
 /* ---- moe_permute --------------------------------------------------------------------------- */
 
@@ -358,7 +272,7 @@ __device__ void permute_dx_scan(T_ *__restrict__ dxt, const T_ *__restrict__ g, 
                     const int64_t v = base + u * 32 + lane;
                     if (v < nv) {
                         float x[N];
-                        ldv<N>(g + r * H + v * N, x);
+                        tm__vld<N>(g + r * H + v * N, x);
 #pragma unroll
                         for (int i = 0; i < N; i++) a[u][i] += x[i];
                     }
@@ -371,10 +285,10 @@ __device__ void permute_dx_scan(T_ *__restrict__ dxt, const T_ *__restrict__ g, 
             if (v < nv) {
                 T_ *d = dxt + v * N;
                 float o[N];
-                ldv<N>(d, o);
+                tm__vld<N>(d, o);
 #pragma unroll
                 for (int i = 0; i < N; i++) o[i] = o[i] + a[u][i];
-                stv<N>(d, o);
+                tm__vst<N>(d, o);
             }
         }
     }
@@ -390,7 +304,7 @@ __device__ void permute_dx_scan(T_ *__restrict__ dxt, const T_ *__restrict__ g, 
 template <typename T_, int N>
 __global__ void __launch_bounds__(DISPATCH_THREADS)
 permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of, int64_t T, int64_t H, int64_t E) {
-    using raw = typename vraw<N, T_>::type;
+    using raw = typename tm__vraw<T_, N>::type;
     __shared__ int64_t rows_sh[DISPATCH_WARPS][DX_MAXROWS];
     T_ *__restrict__ dx = (T_ *)dx_;
     const T_ *__restrict__ g = (const T_ *)g_;
@@ -425,7 +339,7 @@ permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of,
 #pragma unroll
                 for (int i = 0; i < N; i++) a[u][i] = 0.0f;
                 const int64_t v = base + u * 32 + lane;
-                if (v < nv) o[u] = ldraw<N>(dxt + v * N);
+                if (v < nv) o[u] = tm__vldraw<N>(dxt + v * N);
             }
             for (int j0 = 0; j0 < nr; j0 += DX_GROUP) {
                 raw q[DX_GROUP][VECS];
@@ -436,7 +350,7 @@ permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of,
 #pragma unroll
                         for (int u = 0; u < VECS; u++) {
                             const int64_t v = base + u * 32 + lane;
-                            if (v < nv) q[jj][u] = ldraw<N>(gr + v * N);
+                            if (v < nv) q[jj][u] = tm__vldraw<N>(gr + v * N);
                         }
                     }
 #pragma unroll
@@ -447,7 +361,7 @@ permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of,
                             const int64_t v = base + u * 32 + lane;
                             if (v < nv) {
                                 float x[N];
-                                widen<N, T_>(q[jj][u], x);
+                                tm__vwiden<N, T_>(q[jj][u], x);
 #pragma unroll
                                 for (int i = 0; i < N; i++) a[u][i] += x[i];
                             }
@@ -459,10 +373,10 @@ permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of,
                 const int64_t v = base + u * 32 + lane;
                 if (v < nv) {
                     float f[N];
-                    widen<N, T_>(o[u], f);
+                    tm__vwiden<N, T_>(o[u], f);
 #pragma unroll
                     for (int i = 0; i < N; i++) f[i] = f[i] + a[u][i];
-                    stv<N>(dxt + v * N, f);
+                    tm__vst<N>(dxt + v * N, f);
                 }
             }
         }
@@ -473,7 +387,7 @@ template <typename T_>
 static void permute_dx_launch(const tm__cuda *st, int vec, void *dx, const void *g, const int64_t *row_of, int64_t T,
                               int64_t H, int64_t E) {
     const unsigned grid = warp_blocks(st, T);
-    if (vec) permute_dx_kernel<T_, vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(dx, g, row_of, T, H, E);
+    if (vec) permute_dx_kernel<T_, tm__vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(dx, g, row_of, T, H, E);
     else permute_dx_kernel<T_, 1><<<grid, DISPATCH_THREADS, 0, st->stream>>>(dx, g, row_of, T, H, E);
 }
 
@@ -598,7 +512,7 @@ extern "C" tm_status tm__moe_permute_backward_cuda(tm__call *c) {
     if (dx && T * H > 0) {
         void *d = tm__data(dx);
         const void *g = tm__data(c->gout[0]);
-        const int64_t n = dx->dtype == TM_BF16 ? vec_n<tm__bf16>::n : vec_n<float>::n;
+        const int64_t n = dx->dtype == TM_BF16 ? tm__vec_n<tm__bf16>::n : tm__vec_n<float>::n;
         const int vec = H % n == 0 && aligned16(d) && aligned16(g);
         if (dx->dtype == TM_BF16) permute_dx_launch<tm__bf16>(st, vec, d, g, row_of, T, H, E);
         else permute_dx_launch<float>(st, vec, d, g, row_of, T, H, E);
@@ -673,7 +587,7 @@ unpermute_forward_kernel(void *y_, const void *eo_, const void *w_, const int32_
                         const int64_t v = base + u * 32 + lane;
                         if (v < nv) {
                             float x[N];
-                            ldv<N>(eo + r * H + v * N, x);
+                            tm__vld<N>(eo + r * H + v * N, x);
 #pragma unroll
                             for (int i = 0; i < N; i++) a[u][i] += x[i] * wv;
                         }
@@ -683,7 +597,7 @@ unpermute_forward_kernel(void *y_, const void *eo_, const void *w_, const int32_
 #pragma unroll
             for (int u = 0; u < VECS; u++) {
                 const int64_t v = base + u * 32 + lane;
-                if (v < nv) stv<N>(y + t * H + v * N, a[u]);
+                if (v < nv) tm__vst<N>(y + t * H + v * N, a[u]);
             }
         }
     }
@@ -699,7 +613,7 @@ template <typename T_, typename W, typename I, int N>
 __global__ void __launch_bounds__(DISPATCH_THREADS)
 unpermute_backward_kernel(void *deo_, void *dw_, const void *dy_, const void *eo_, const void *w_,
                           const I *__restrict__ rt, int64_t R, int64_t T, int64_t H) {
-    using raw = typename vraw<N, T_>::type;
+    using raw = typename tm__vraw<T_, N>::type;
     T_ *__restrict__ deo = (T_ *)deo_;
     W *__restrict__ dw = (W *)dw_;
     const T_ *__restrict__ dy = (const T_ *)dy_;
@@ -721,9 +635,9 @@ unpermute_backward_kernel(void *deo_, void *dw_, const void *dy_, const void *eo
             for (int u = 0; u < UNP_BATCH; u++) {
                 const int64_t v = base + u * 32 + lane;
                 if (v < nv) {
-                    gq[u] = ldraw<N>(dyr + v * N);
-                    if (deo) oq[u] = ldraw<N>(deor + v * N);
-                    if (dw) eq[u] = ldraw<N>(eor + v * N);
+                    gq[u] = tm__vldraw<N>(dyr + v * N);
+                    if (deo) oq[u] = tm__vldraw<N>(deor + v * N);
+                    if (dw) eq[u] = tm__vldraw<N>(eor + v * N);
                 }
             }
 #pragma unroll
@@ -731,17 +645,17 @@ unpermute_backward_kernel(void *deo_, void *dw_, const void *dy_, const void *eo
                 const int64_t v = base + u * 32 + lane;
                 if (v < nv) {
                     float g[N];
-                    widen<N, T_>(gq[u], g);
+                    tm__vwiden<N, T_>(gq[u], g);
                     if (deo) {
                         float o[N];
-                        widen<N, T_>(oq[u], o);
+                        tm__vwiden<N, T_>(oq[u], o);
 #pragma unroll
                         for (int i = 0; i < N; i++) o[i] = o[i] + g[i] * wr;
-                        stv<N>(deor + v * N, o);
+                        tm__vst<N>(deor + v * N, o);
                     }
                     if (dw) {
                         float e[N];
-                        widen<N, T_>(eq[u], e);
+                        tm__vwiden<N, T_>(eq[u], e);
 #pragma unroll
                         for (int i = 0; i < N; i++) s += e[i] * g[i];
                     }
@@ -760,7 +674,7 @@ static void unpermute_forward_launch_w(const tm__cuda *st, int vec, void *y, con
                                        const int32_t *order, const int32_t *lo, const int32_t *hi, int64_t T, int64_t H) {
     const unsigned grid = warp_blocks(st, T);
     if (vec)
-        unpermute_forward_kernel<T_, W, vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(y, eo, w, order, lo, hi, T, H);
+        unpermute_forward_kernel<T_, W, tm__vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(y, eo, w, order, lo, hi, T, H);
     else
         unpermute_forward_kernel<T_, W, 1><<<grid, DISPATCH_THREADS, 0, st->stream>>>(y, eo, w, order, lo, hi, T, H);
 }
@@ -777,7 +691,7 @@ static void unpermute_backward_launch_i(const tm__cuda *st, int vec, void *deo, 
                                         const void *w, const void *rt, int64_t R, int64_t T, int64_t H) {
     const unsigned grid = warp_blocks(st, R);
     if (vec)
-        unpermute_backward_kernel<T_, W, I, vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(
+        unpermute_backward_kernel<T_, W, I, tm__vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(
             deo, dw, dy, eo, w, (const I *)rt, R, T, H);
     else
         unpermute_backward_kernel<T_, W, I, 1><<<grid, DISPATCH_THREADS, 0, st->stream>>>(deo, dw, dy, eo, w, (const I *)rt,
@@ -847,7 +761,7 @@ extern "C" tm_status tm__moe_unpermute_forward_cuda(tm__call *c) {
 
     const void *wd = w ? tm__data(w) : NULL, *eod = tm__data(eo);
     tm_dtype wdt = w ? w->dtype : TM_F32;
-    const int64_t n = eo->dtype == TM_BF16 ? vec_n<tm__bf16>::n : vec_n<float>::n;
+    const int64_t n = eo->dtype == TM_BF16 ? tm__vec_n<tm__bf16>::n : tm__vec_n<float>::n;
     const int vec = H % n == 0 && aligned16(y) && aligned16(eod);
     if (eo->dtype == TM_BF16) unpermute_forward_launch<tm__bf16>(st, wdt, vec, y, eod, wd, order, lo, hi, T, H);
     else unpermute_forward_launch<float>(st, wdt, vec, y, eod, wd, order, lo, hi, T, H);
@@ -868,7 +782,7 @@ extern "C" tm_status tm__moe_unpermute_backward_cuda(tm__call *c) {
     const void *wd = w ? tm__data(w) : NULL, *eod = tm__data(eo), *dyd = tm__data(c->gout[0]);
     tm_dtype wdt = w ? w->dtype : TM_F32;
     void *deo_d = deo ? tm__data(deo) : NULL, *dw_d = dw ? tm__data(dw) : NULL;
-    const int64_t n = eo->dtype == TM_BF16 ? vec_n<tm__bf16>::n : vec_n<float>::n;
+    const int64_t n = eo->dtype == TM_BF16 ? tm__vec_n<tm__bf16>::n : tm__vec_n<float>::n;
     const int vec = H % n == 0 && aligned16(deo_d) && aligned16(eod) && aligned16(dyd); /* NULL is aligned */
     if (eo->dtype == TM_BF16)
         unpermute_backward_launch<tm__bf16>(st, wdt, rt->dtype, vec, deo_d, dw_d, dyd, eod, wd, tm__data(rt), R, T, H);

@@ -6,6 +6,8 @@
  *
  *   tm__vld<N>(p, f)   f[0..N) = p[0..N) as f32 (bf16 widened by its bits: exact)
  *   tm__vst<N>(p, f)   p[0..N) = f[0..N), bf16 rounded to nearest even (as tm__st)
+ *   tm__vldraw<N>(p), tm__vwiden<N, T>(raw, f)   tm__vld in two steps (loads issued early)
+ *   tm__vec_n<T>::n    the N of a 16-byte access
  *
  * p must be aligned to N * sizeof(T) bytes; N * sizeof(T) is sizeof(T), 8 or 16. The caller
  * checks alignment and divisibility on the host and picks N (tm__vec_ok).
@@ -32,25 +34,42 @@ __device__ __forceinline__ void tm__vpack(uint2 &q, const unsigned *w) { q = mak
 
 __device__ __forceinline__ unsigned tm__bf16_bits(float v) { return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(v)); }
 
+/* Elements of T in 16 bytes. */
+template <typename T>
+struct tm__vec_n {
+    static constexpr int n = 16 / (int)sizeof(T);
+};
+
+/* The raw access alone, so that several loads can be in flight before any is widened:
+ * tm__vwiden(tm__vldraw(p)) is tm__vld(p). */
 template <int N, typename T>
-__device__ __forceinline__ void tm__vld(const T *p, float *f) {
+__device__ __forceinline__ typename tm__vraw<T, N>::type tm__vldraw(const T *p) {
+    return *reinterpret_cast<const typename tm__vraw<T, N>::type *>(p);
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void tm__vwiden(const typename tm__vraw<T, N>::type &r, float *f) {
     if constexpr (N == 1) {
-        f[0] = tm__ld(p);
+        f[0] = tm__ld(&r);
     } else {
-        using R = typename tm__vraw<T, N>::type;
-        unsigned w[sizeof(R) / 4];
-        tm__vwords(*reinterpret_cast<const R *>(p), w);
+        unsigned w[sizeof(r) / 4];
+        tm__vwords(r, w);
         if constexpr (sizeof(T) == 4) {
 #pragma unroll
             for (int i = 0; i < N; i++) f[i] = __uint_as_float(w[i]);
         } else {
 #pragma unroll
-            for (int i = 0; i < N / 2; i++) {
+            for (int i = 0; i < N / 2; i++) { /* little endian: element 2i is the low half */
                 f[2 * i] = __uint_as_float(w[i] << 16);
                 f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
             }
         }
     }
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void tm__vld(const T *p, float *f) {
+    tm__vwiden<N, T>(tm__vldraw<N>(p), f);
 }
 
 template <int N, typename T>
