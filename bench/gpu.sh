@@ -205,12 +205,13 @@ if has "$only" kernels; then
     c=$(pick bench=copy)
     echo
     echo "permute / unpermute: GB/s of the bytes each must move (docs/PERFORMANCE.md) and % of a D2D copy (target >= 80%)"
-    printf '%-10s %9s %9s %8s %9s %9s %8s %8s\n' op "fwd ms" "GB/s" "of copy" "bwd ms" "GB/s" "of copy" "syncs"
-    [ -n "$c" ] && printf '%-10s %9.3f %9.1f %8s   (%s bytes, read + written)\n' "d2d copy" "$(field ms "$c")" "$(field gbs "$c")" "" "$(field bytes "$c")"
-    for op in permute unpermute; do
+    echo "(bwd: the op's backward, without the harness's copy of the seed gradient; permute_topk: the layer's dispatch)"
+    printf '%-12s %9s %9s %8s %9s %9s %8s %8s\n' op "fwd ms" "GB/s" "of copy" "bwd ms" "GB/s" "of copy" "syncs"
+    [ -n "$c" ] && printf '%-12s %9.3f %9.1f %8s   (%s bytes, read + written)\n' "d2d copy" "$(field ms "$c")" "$(field gbs "$c")" "" "$(field bytes "$c")"
+    for op in permute permute_topk unpermute; do
         l=$(pick bench=permute op=$op)
         [ -n "$l" ] || continue
-        printf '%-10s %9.3f %9.1f %7.1f%% %9.3f %9.1f %7.1f%% %8s\n' "$op" "$(field ms_fwd "$l")" "$(field gbs_fwd "$l")" \
+        printf '%-12s %9.3f %9.1f %7.1f%% %9.3f %9.1f %7.1f%% %8s\n' "$op" "$(field ms_fwd "$l")" "$(field gbs_fwd "$l")" \
             "$(field pct_copy_fwd "$l")" "$(field ms_bwd "$l")" "$(field gbs_bwd "$l")" "$(field pct_copy_bwd "$l")" \
             "$(field syncs_fwd "$l")"
     done

@@ -27,7 +27,10 @@
  *                bwd: (T + 2R) H b + R (4 + 4 + 8)
  *                     dy and rows read, d rows written; weights read, d weights written,
  *                     row tokens read
- *    The backward's time is (forward + backward) - forward, both measured. The copy moves
+ *    The backward's time is (forward + backward) - forward - seed, all measured: the seed is
+ *    tm_backward_with_grad's copy of the given upstream gradient into the output's gradient
+ *    (the harness's, not the op's: in a model the op's upstream gradient is written by the
+ *    next op's backward), timed as a device copy of the output's bytes. The copy moves
  *    S = R H b bytes: 2 S bytes read + written. The permute's forward includes its one read
  *    of the expert counts (a synchronisation, by design: R sizes its output).
  *
@@ -48,13 +51,13 @@
 #include <cuda_runtime.h>
 #endif
 
-enum { OP_GROUPED, OP_DENSE, OP_PERMUTE, OP_UNPERMUTE };
+enum { OP_GROUPED, OP_DENSE, OP_PERMUTE, OP_PERMUTE_TOPK, OP_UNPERMUTE };
 
 typedef struct op_case {
     int kind;
     tm_tensor *a, *b, *c, *d; /* the op's inputs, in argument order */
     tm_tensor *dy;            /* upstream gradient of its output */
-    int64_t num_tokens;       /* unpermute */
+    int64_t num_tokens;       /* unpermute; permute_topk: topk */
 } op_case;
 
 static tm_status op_call(tm_ctx *ctx, const op_case *oc, int backward) {
@@ -66,6 +69,12 @@ static tm_status op_call(tm_ctx *ctx, const op_case *oc, int backward) {
     case OP_PERMUTE: {
         tm_moe_dispatch d;
         s = tm_moe_permute(ctx, oc->a, oc->b, oc->c, 1, 0, &d);
+        out = d.permuted;
+        break;
+    }
+    case OP_PERMUTE_TOPK: {
+        tm_moe_dispatch d;
+        s = tm_moe_permute_topk(ctx, oc->a, oc->b, oc->c, (int)oc->num_tokens, 1, 0, &d);
         out = d.permuted;
         break;
     }
@@ -371,30 +380,37 @@ int main(int argc, char **argv) {
         const size_t copy_bytes = (size_t)R * (size_t)H * 2;
         double copy_gbs = 0, copy_s = 0;
         if (copy_bandwidth(cuda, copy_bytes, warmup, iters, &copy_gbs, &copy_s)) goto fail;
-        printf("\n%-10s %11s %9s %8s %11s %9s %8s %8s\n", "op", "fwd ms", "GB/s", "of copy", "bwd ms", "GB/s",
+        printf("\n%-12s %11s %9s %8s %11s %9s %8s %8s\n", "op", "fwd ms", "GB/s", "of copy", "bwd ms", "GB/s",
                "of copy", "syncs");
-        printf("%-10s %11.3f %9.1f %8s %11s %9s %8s %8s   (%s of %zu bytes; GB/s counts read + written)\n", "d2d copy",
+        printf("%-12s %11.3f %9.1f %8s %11s %9s %8s %8s   (%s of %zu bytes; GB/s counts read + written)\n", "d2d copy",
                1e3 * copy_s, copy_gbs, "", "", "", "", "", cuda ? "cudaMemcpyAsync" : "memcpy", copy_bytes);
         printf("RESULT bench=copy device=%s bytes=%zu ms=%.4f gbs=%.1f\n", device, copy_bytes, 1e3 * copy_s, copy_gbs);
-        const struct { const char *name; op_case oc; double bf, bb; } ops[2] = {
+        const struct { const char *name; op_case oc; double bf, bb; } ops[3] = {
             {"permute", {OP_PERMUTE, x, mp, pr_, NULL, dperm, 0}, (Td + Rd) * Hd * b + Td * Ed * 5 + Rd * 12,
+             (Rd + Td) * Hd * b + Rd * 8},
+            {"permute_topk", {OP_PERMUTE_TOPK, x, mp, pr_, NULL, dperm, k}, (Td + Rd) * Hd * b + Td * Ed * 5 + Rd * 12,
              (Rd + Td) * Hd * b + Rd * 8},
             {"unpermute", {OP_UNPERMUTE, eo, pw, rt, NULL, dy, T}, (Rd + Td) * Hd * b + Rd * 12,
              (Td + 2 * Rd) * Hd * b + Rd * 16},
         };
-        for (int i = 0; i < 2; i++) {
-            double f = 0, fb = 0, sf = 0, sfb = 0;
+        /* the outputs' bytes: permute R H b (the copy above), unpermute T H b. permute_topk is the
+         * layer's dropless dispatch (tm_moe_permute_topk: R = T k known, nothing read back). */
+        const size_t out_bytes[3] = {copy_bytes, copy_bytes, (size_t)T * (size_t)H * 2};
+        for (int i = 0; i < 3; i++) {
+            double f = 0, fb = 0, sf = 0, sfb = 0, seed = copy_s, seed_gbs = 0;
             uint64_t al = 0;
+            if (out_bytes[i] != copy_bytes && copy_bandwidth(cuda, out_bytes[i], warmup, iters, &seed_gbs, &seed))
+                goto fail;
             if (timed(ctx, &ops[i].oc, 0, warmup, iters, block, &f, &sf, &al)) goto fail;
             if (timed(ctx, &ops[i].oc, 1, warmup, iters, block, &fb, &sfb, &al)) goto fail;
-            double bw = fb - f, gf = ops[i].bf / f / 1e9, gb = bw > 0 ? ops[i].bb / bw / 1e9 : 0;
-            printf("%-10s %11.3f %9.1f %7.1f%% %11.3f %9.1f %7.1f%% %8.2f\n", ops[i].name, 1e3 * f, gf,
+            double bw = fb - f - seed, gf = ops[i].bf / f / 1e9, gb = bw > 0 ? ops[i].bb / bw / 1e9 : 0;
+            printf("%-12s %11.3f %9.1f %7.1f%% %11.3f %9.1f %7.1f%% %8.2f\n", ops[i].name, 1e3 * f, gf,
                    100 * gf / copy_gbs, 1e3 * bw, gb, 100 * gb / copy_gbs, sf);
             printf("RESULT bench=permute op=%s device=%s T=%ld H=%ld E=%ld k=%ld ms_fwd=%.4f ms_fwdbwd=%.4f ms_bwd=%.4f "
-                   "gbs_fwd=%.1f gbs_bwd=%.1f copy_gbs=%.1f pct_copy_fwd=%.1f pct_copy_bwd=%.1f syncs_fwd=%.2f "
-                   "bytes_fwd=%.0f bytes_bwd=%.0f\n",
-                   ops[i].name, device, T, H, E, k, 1e3 * f, 1e3 * fb, 1e3 * bw, gf, gb, copy_gbs, 100 * gf / copy_gbs,
-                   100 * gb / copy_gbs, sf, ops[i].bf, ops[i].bb);
+                   "ms_seed=%.4f gbs_fwd=%.1f gbs_bwd=%.1f copy_gbs=%.1f pct_copy_fwd=%.1f pct_copy_bwd=%.1f "
+                   "syncs_fwd=%.2f bytes_fwd=%.0f bytes_bwd=%.0f\n",
+                   ops[i].name, device, T, H, E, k, 1e3 * f, 1e3 * fb, 1e3 * bw, 1e3 * seed, gf, gb, copy_gbs,
+                   100 * gf / copy_gbs, 100 * gb / copy_gbs, sf, ops[i].bf, ops[i].bb);
         }
     }
     rc = 0;
