@@ -147,11 +147,10 @@ __device__ __forceinline__ double sumsq_block_sum(double v, double *sh) {
  * eighth of it). */
 template <typename T>
 __device__ __forceinline__ double sumsq_thread(const void *g_, int64_t lo, int64_t hi) {
-    constexpr int N = 16 / (int)sizeof(T);
+    constexpr int N = tm__vec_n<T>::n;
     const T *g = (const T *)g_;
-    int64_t a = lo + (int64_t)(((16u - ((uintptr_t)(g + lo) & 15u)) & 15u) / sizeof(T));
-    if (a > hi) a = hi;
-    const int64_t nv = (hi - a) / N, b = a + nv * N;
+    int64_t a, nv, b;
+    tm__vsplit(g, lo, hi, &a, &nv, &b);
     double acc = 0.0;
     for (int64_t i = lo + threadIdx.x; i < a; i += blockDim.x) {
         double x = (double)tm__ld(g + i);
@@ -341,9 +340,24 @@ __global__ void sumsq_multi_kernel(const tm__seg *segs, int nseg, double *part, 
     *ticket = 0u;
 }
 
+/* scale_elem over g[lo, hi), in 16-byte vectors between a head and a tail (tm__vsplit): every
+ * element gets the same one rounded product whichever access carries it. */
 template <typename T>
-__device__ __forceinline__ void scale_range(void *g, int64_t lo, int64_t hi, float s) {
-    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) scale_elem<T>((T *)g, i, s);
+__device__ __forceinline__ void scale_range(void *g_, int64_t lo, int64_t hi, float s) {
+    constexpr int N = tm__vec_n<T>::n;
+    T *g = (T *)g_;
+    int64_t a, nv, b;
+    tm__vsplit(g, lo, hi, &a, &nv, &b);
+    for (int64_t i = lo + threadIdx.x; i < a; i += blockDim.x) scale_elem<T>(g, i, s);
+#pragma unroll 4
+    for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
+        float f[N];
+        tm__vld<N>(g + a + v * N, f);
+#pragma unroll
+        for (int k = 0; k < N; k++) f[k] = __fmul_rn(f[k], s);
+        tm__vst<N>(g + a + v * N, f);
+    }
+    for (int64_t i = b + threadIdx.x; i < hi; i += blockDim.x) scale_elem<T>(g, i, s);
 }
 
 __global__ void scale_multi_kernel(const tm__seg *segs, int nseg, const float *factor) {

@@ -8,6 +8,7 @@
  *   tm__vst<N>(p, f)   p[0..N) = f[0..N), bf16 rounded to nearest even (as tm__st)
  *   tm__vldraw<N>(p), tm__vwiden<N, T>(raw, f)   tm__vld in two steps (loads issued early)
  *   tm__vec_n<T>::n    the N of a 16-byte access
+ *   tm__vsplit(p, lo, hi, ...)   a range as head, whole 16-byte vectors, tail
  *
  * p must be aligned to N * sizeof(T) bytes; N * sizeof(T) is sizeof(T), 8 or 16. The caller
  * checks alignment and divisibility on the host and picks N (tm__vec_ok).
@@ -90,6 +91,19 @@ __device__ __forceinline__ void tm__vst(T *p, const float *f) {
         tm__vpack(r, w);
         *reinterpret_cast<R *>(p) = r;
     }
+}
+
+/* [lo, hi) of p as a head [lo, *a) up to the first 16-byte boundary, *nv whole 16-byte vectors
+ * from *a, and a tail [*b, hi): the split of a range whose start is not aligned (a row of odd
+ * length, a chunk of a bucket). p must be aligned to its element size. */
+template <typename T>
+__device__ __forceinline__ void tm__vsplit(const T *p, int64_t lo, int64_t hi, int64_t *a, int64_t *nv, int64_t *b) {
+    constexpr int N = tm__vec_n<T>::n;
+    int64_t s = lo + (int64_t)(((16u - ((uintptr_t)(p + lo) & 15u)) & 15u) / sizeof(T));
+    if (s > hi) s = hi;
+    *a = s;
+    *nv = (hi - s) / N;
+    *b = s + *nv * N;
 }
 
 #endif /* TM_CUDA_VEC_CUH */
