@@ -18,8 +18,9 @@
  * the model cast the logits to an f32 copy (4 N V bytes, kept for the backward), whose f32
  * gradient (4 N V more) a cast backward then rounded to bf16. The results are the same bits:
  * bf16 -> f32 is exact, and rounding rn_f32(0 + g s) to bf16 in one store is what the cast
- * backward did with the f32 gradient. The backward gives one block to each row (the classes in
- * chunks of blockDim.x), so no element pays a 64-bit division by V to find its row.
+ * backward did with the f32 gradient. Both directions give one block to each row (the classes
+ * in groups of 8, CE_G below, 16-byte accesses where the row is aligned), so no element pays a
+ * 64-bit division by V to find its row.
  * Launches per step of a bf16 model (derived from the code): forward 3 -> 2 (the cast's copy
  * kernel, ce_forward_kernel, ce_total_kernel), backward 3 -> 1 (ce_backward_kernel, then the
  * cast's backward: a copy to a bf16 temporary and an accumulate kernel); (N, V) buffers beside
@@ -33,8 +34,41 @@
  * flag is not read back and the forward does not synchronise.
  */
 #include "common.cuh"
+#include "vec.cuh"
 
 #define CE_NO_BAD_ROW 0xffffffffffffffffull
+
+/* The rows are read in groups of CE_G = 8 consecutive classes (thread i takes groups i, i +
+ * blockDim.x, ..., each group in order; the classes past the last whole group one per thread):
+ * the same order for f32 and bf16 logits, so that the bf16 path and the f32 cast it replaced
+ * give the same bits (tests/test_cuda_parity_cross_entropy.c). A group is one 16-byte load
+ * (bf16) or two (f32) when the row starts 16-byte aligned (V a multiple of 8 and an aligned
+ * base: the model's rows), else eight element loads in the same order. */
+#define CE_G 8
+
+template <typename T>
+__device__ __forceinline__ void ce_ld8(const T *p, float *f, bool vec) {
+    if (vec) {
+        constexpr int N = tm__vec_n<T>::n;
+#pragma unroll
+        for (int h = 0; h < CE_G / N; h++) tm__vld<N>(p + h * N, f + h * N);
+    } else {
+#pragma unroll
+        for (int k = 0; k < CE_G; k++) f[k] = tm__ld(p + k);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void ce_st8(T *p, const float *f, bool vec) {
+    if (vec) {
+        constexpr int N = tm__vec_n<T>::n;
+#pragma unroll
+        for (int h = 0; h < CE_G / N; h++) tm__vst<N>(p + h * N, f + h * N);
+    } else {
+#pragma unroll
+        for (int k = 0; k < CE_G; k++) tm__st(p + k, f[k]);
+    }
+}
 
 /* One block per row: lse[n], loss_rows[n] (0 for ignored or bad rows). */
 template <typename T, typename I>
@@ -52,11 +86,27 @@ __global__ void ce_forward_kernel(float *loss_rows, float *lse, unsigned long lo
         return;
     }
     const T *x = (const T *)logits_ + n * V;
+    const bool vec = ((uintptr_t)x & 15u) == 0;
+    const int64_t ng = V / CE_G;
     float mx = -INFINITY;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, tm__ld(x + v));
+#pragma unroll 4
+    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
+        float f[CE_G];
+        ce_ld8(x + j * CE_G, f, vec);
+#pragma unroll
+        for (int k = 0; k < CE_G; k++) mx = fmaxf(mx, f[k]);
+    }
+    for (int64_t v = ng * CE_G + threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, tm__ld(x + v));
     mx = tm__block_max(mx, sh);
     float sum = 0.0f;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) sum += expf(tm__ld(x + v) - mx);
+#pragma unroll 4
+    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
+        float f[CE_G];
+        ce_ld8(x + j * CE_G, f, vec);
+#pragma unroll
+        for (int k = 0; k < CE_G; k++) sum += expf(f[k] - mx);
+    }
+    for (int64_t v = ng * CE_G + threadIdx.x; v < V; v += blockDim.x) sum += expf(tm__ld(x + v) - mx);
     sum = tm__block_sum(sum, sh);
     if (threadIdx.x == 0) {
         float l = mx + logf(sum);
@@ -99,7 +149,23 @@ __global__ void ce_backward_kernel(void *dlogits_, const void *logits_, const fl
     float scale = (dloss_f32 ? *(const float *)dloss_ : tm__ld((const T *)dloss_)) / (float)k, l = lse[n];
     T *d = (T *)dlogits_ + n * V;
     const T *x = (const T *)logits_ + n * V;
-    for (int64_t v = threadIdx.x; v < V; v += blockDim.x) {
+    /* the forward's groups (each element's value does not depend on the order) */
+    const bool vec = (((uintptr_t)x | (uintptr_t)d) & 15u) == 0;
+    const int64_t ng = V / CE_G;
+#pragma unroll 2
+    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
+        const int64_t v0 = j * CE_G;
+        float xf[CE_G], df[CE_G];
+        ce_ld8(x + v0, xf, vec);
+        ce_ld8(d + v0, df, vec);
+#pragma unroll
+        for (int k = 0; k < CE_G; k++) {
+            float g = expf(xf[k] - l) - (v0 + k == t ? 1.0f : 0.0f);
+            df[k] = df[k] + g * scale;
+        }
+        ce_st8(d + v0, df, vec);
+    }
+    for (int64_t v = ng * CE_G + threadIdx.x; v < V; v += blockDim.x) {
         float g = expf(tm__ld(x + v) - l) - (v == t ? 1.0f : 0.0f);
         tm__st(d + v, tm__ld(d + v) + g * scale);
     }
