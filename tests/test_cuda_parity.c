@@ -172,6 +172,7 @@ static const tt_pcase CASES[] = {
     {"rmsnorm", "rmsnorm", f_rmsnorm, 2, {3, 1}, {{3, 4, 37}, {37}}, {0}, {0}, {0}, 1, 0},
     {"rmsnorm", "rmsnorm many rows (split dw)", f_rmsnorm, 2, {2, 1}, {{1501, 9}, {9}}, {0}, {0}, {0}, 100, 0},
     {"rmsnorm", "rmsnorm wide row", f_rmsnorm, 2, {2, 1}, {{3, 1100}, {1100}}, {0}, {0}, {0}, 1, 0},
+    {"rmsnorm", "rmsnorm, rows of whole 16-byte groups", f_rmsnorm, 2, {2, 1}, {{6, 96}, {96}}, {0}, {0}, {0}, 1, 0},
     {"softmax", "softmax", f_softmax, 1, {2}, {{6, 17}}, {0}, {0}, {0}, 1, 0},
     {"softmax", "softmax wide row", f_softmax, 1, {2}, {{3, 1100}}, {0}, {0}, {0}, 1, 0},
     {"log_softmax", "log_softmax", f_log_softmax, 1, {3}, {{2, 3, 17}}, {0}, {0}, {0}, 1, 0},

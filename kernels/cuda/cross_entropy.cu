@@ -46,30 +46,6 @@
  * base: the model's rows), else eight element loads in the same order. */
 #define CE_G 8
 
-template <typename T>
-__device__ __forceinline__ void ce_ld8(const T *p, float *f, bool vec) {
-    if (vec) {
-        constexpr int N = tm__vec_n<T>::n;
-#pragma unroll
-        for (int h = 0; h < CE_G / N; h++) tm__vld<N>(p + h * N, f + h * N);
-    } else {
-#pragma unroll
-        for (int k = 0; k < CE_G; k++) f[k] = tm__ld(p + k);
-    }
-}
-
-template <typename T>
-__device__ __forceinline__ void ce_st8(T *p, const float *f, bool vec) {
-    if (vec) {
-        constexpr int N = tm__vec_n<T>::n;
-#pragma unroll
-        for (int h = 0; h < CE_G / N; h++) tm__vst<N>(p + h * N, f + h * N);
-    } else {
-#pragma unroll
-        for (int k = 0; k < CE_G; k++) tm__st(p + k, f[k]);
-    }
-}
-
 /* One block per row: lse[n], loss_rows[n] (0 for ignored or bad rows). */
 template <typename T, typename I>
 __global__ void ce_forward_kernel(float *loss_rows, float *lse, unsigned long long *bad, const void *logits_,
@@ -92,7 +68,7 @@ __global__ void ce_forward_kernel(float *loss_rows, float *lse, unsigned long lo
 #pragma unroll 4
     for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
         float f[CE_G];
-        ce_ld8(x + j * CE_G, f, vec);
+        tm__vld_group<CE_G>(x + j * CE_G, f, vec);
 #pragma unroll
         for (int k = 0; k < CE_G; k++) mx = fmaxf(mx, f[k]);
     }
@@ -102,7 +78,7 @@ __global__ void ce_forward_kernel(float *loss_rows, float *lse, unsigned long lo
 #pragma unroll 4
     for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
         float f[CE_G];
-        ce_ld8(x + j * CE_G, f, vec);
+        tm__vld_group<CE_G>(x + j * CE_G, f, vec);
 #pragma unroll
         for (int k = 0; k < CE_G; k++) sum += expf(f[k] - mx);
     }
@@ -156,14 +132,14 @@ __global__ void ce_backward_kernel(void *dlogits_, const void *logits_, const fl
     for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
         const int64_t v0 = j * CE_G;
         float xf[CE_G], df[CE_G];
-        ce_ld8(x + v0, xf, vec);
-        ce_ld8(d + v0, df, vec);
+        tm__vld_group<CE_G>(x + v0, xf, vec);
+        tm__vld_group<CE_G>(d + v0, df, vec);
 #pragma unroll
         for (int k = 0; k < CE_G; k++) {
             float g = expf(xf[k] - l) - (v0 + k == t ? 1.0f : 0.0f);
             df[k] = df[k] + g * scale;
         }
-        ce_st8(d + v0, df, vec);
+        tm__vst_group<CE_G>(d + v0, df, vec);
     }
     for (int64_t v = ng * CE_G + threadIdx.x; v < V; v += blockDim.x) {
         float g = expf(tm__ld(x + v) - l) - (v == t ? 1.0f : 0.0f);

@@ -5,27 +5,91 @@
  * Layout, shared with kernels/cpu/rmsnorm.c (x viewed as (N, C)):
  *   in[0] x (N, C), in[1] weight (C), fattr[0] eps, out[0] y (N, C)
  *   saved[0] rstd (N) f32 (for f32 and bf16 x)
- * One block per row; f32 sums in a fixed tree order.
+ * One block per row; f32 sums in a fixed tree order. A row is read in groups of RN_G = 8
+ * elements (thread i takes groups i, i + blockDim.x, ..., each in order; the elements past the
+ * last whole group one per thread), with 16-byte accesses where every row pointer of the call
+ * is aligned (C a multiple of 8 and aligned tensors: a model's rows) and element accesses in
+ * the same order otherwise; both kernels of a direction (rmsnorm and add_rmsnorm) read alike.
  * Backward, per row with r = rstd[n], g = w * dy:
  *   dx = r * g - x * (r^3 / C) * sum_c(g * x)
  *   dw = sum_n dy * x * r    (per-element products in f32 scratch, then tm__cu_reduce over rows)
  */
 #include "common.cuh"
+#include "vec.cuh"
+
+#define RN_G 8
+
+/* A block per row needs one thread per group. */
+static inline int rn_threads(int64_t C) { return tm__cu_row_threads((C + RN_G - 1) / RN_G); }
+
+__device__ __forceinline__ bool rn_aligned(uintptr_t bits) { return (bits & 15u) == 0; }
+
+/* v rounded to T, as a store to T and a load back give it. */
+template <typename T>
+__device__ __forceinline__ float rn_round(float v) {
+    T t;
+    tm__st(&t, v);
+    return tm__ld(&t);
+}
 
 template <typename T>
 __global__ void rmsnorm_forward_kernel(void *y_, float *rstd, const void *x_, const void *w_, int64_t C, float eps) {
     __shared__ float sh[32];
     const T *x = (const T *)x_ + blockIdx.x * C, *w = (const T *)w_;
     T *y = (T *)y_ + blockIdx.x * C;
+    const bool vec = rn_aligned((uintptr_t)x | (uintptr_t)y | (uintptr_t)w);
+    const int64_t ng = C / RN_G, c0 = ng * RN_G;
     float ss = 0.0f;
-    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
+        float v[RN_G];
+        tm__vld_group<RN_G>(x + j * RN_G, v, vec);
+#pragma unroll
+        for (int k = 0; k < RN_G; k++) ss += v[k] * v[k];
+    }
+    for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) {
         float v = tm__ld(x + i);
         ss += v * v;
     }
     ss = tm__block_sum(ss, sh);
     float r = 1.0f / sqrtf(ss / (float)C + eps);
     if (threadIdx.x == 0) rstd[blockIdx.x] = r;
-    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) tm__st(y + i, tm__ld(x + i) * r * tm__ld(w + i));
+    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
+        float v[RN_G], g[RN_G];
+        tm__vld_group<RN_G>(x + j * RN_G, v, vec);
+        tm__vld_group<RN_G>(w + j * RN_G, g, vec);
+#pragma unroll
+        for (int k = 0; k < RN_G; k++) v[k] = v[k] * r * g[k];
+        tm__vst_group<RN_G>(y + j * RN_G, v, vec);
+    }
+    for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) tm__st(y + i, tm__ld(x + i) * r * tm__ld(w + i));
+}
+
+/* prod[k] = a[k] * b[k] * r for the RN_G elements of group j of a row, f32 (dw's products). */
+template <typename T>
+__device__ __forceinline__ void rn_prod(float *prod, const T *a, const T *b, float r, int64_t j, bool vec) {
+    float u[RN_G], v[RN_G];
+    tm__vld_group<RN_G>(a + j * RN_G, u, vec);
+    tm__vld_group<RN_G>(b + j * RN_G, v, vec);
+#pragma unroll
+    for (int k = 0; k < RN_G; k++) u[k] = u[k] * v[k] * r;
+    tm__vst_group<RN_G>(prod + j * RN_G, u, vec && rn_aligned((uintptr_t)prod));
+}
+
+/* sum over the row of w * a * b, in the groups' order, reduced over the block. */
+template <typename T>
+__device__ __forceinline__ float rn_dot(const T *w, const T *a, const T *b, int64_t C, bool vec, float *sh) {
+    const int64_t ng = C / RN_G, c0 = ng * RN_G;
+    float dot = 0.0f;
+    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
+        float p[RN_G], u[RN_G], v[RN_G];
+        tm__vld_group<RN_G>(w + j * RN_G, p, vec);
+        tm__vld_group<RN_G>(a + j * RN_G, u, vec);
+        tm__vld_group<RN_G>(b + j * RN_G, v, vec);
+#pragma unroll
+        for (int k = 0; k < RN_G; k++) dot += p[k] * u[k] * v[k];
+    }
+    for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) dot += tm__ld(w + i) * tm__ld(a + i) * tm__ld(b + i);
+    return tm__block_sum(dot, sh);
 }
 
 /* dx may be NULL; prod (N, C) f32 receives dy * x * r when not NULL. */
@@ -35,16 +99,28 @@ __global__ void rmsnorm_backward_kernel(void *dx_, float *prod, const void *dy_,
     __shared__ float sh[32];
     int64_t off = (int64_t)blockIdx.x * C;
     const T *x = (const T *)x_ + off, *dy = (const T *)dy_ + off, *w = (const T *)w_;
+    T *dx = dx_ ? (T *)dx_ + off : NULL;
+    const bool vec = rn_aligned((uintptr_t)x | (uintptr_t)dy | (uintptr_t)w | (uintptr_t)dx);
+    const int64_t ng = C / RN_G, c0 = ng * RN_G;
     float r = rstd[blockIdx.x];
-    if (prod)
-        for (int64_t i = threadIdx.x; i < C; i += blockDim.x) prod[off + i] = tm__ld(dy + i) * tm__ld(x + i) * r;
-    if (!dx_) return;
-    T *dx = (T *)dx_ + off;
-    float dot = 0.0f;
-    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) dot += tm__ld(w + i) * tm__ld(dy + i) * tm__ld(x + i);
-    dot = tm__block_sum(dot, sh);
+    if (prod) {
+        for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) rn_prod(prod + off, dy, x, r, j, vec);
+        for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) prod[off + i] = tm__ld(dy + i) * tm__ld(x + i) * r;
+    }
+    if (!dx) return;
+    float dot = rn_dot(w, dy, x, C, vec, sh);
     float coef = r * r * r * dot / (float)C;
-    for (int64_t i = threadIdx.x; i < C; i += blockDim.x)
+    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
+        float d[RN_G], p[RN_G], g[RN_G], v[RN_G];
+        tm__vld_group<RN_G>(dx + j * RN_G, d, vec);
+        tm__vld_group<RN_G>(w + j * RN_G, p, vec);
+        tm__vld_group<RN_G>(dy + j * RN_G, g, vec);
+        tm__vld_group<RN_G>(x + j * RN_G, v, vec);
+#pragma unroll
+        for (int k = 0; k < RN_G; k++) d[k] = d[k] + r * p[k] * g[k] - coef * v[k];
+        tm__vst_group<RN_G>(dx + j * RN_G, d, vec);
+    }
+    for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x)
         tm__st(dx + i, tm__ld(dx + i) + r * tm__ld(w + i) * tm__ld(dy + i) - coef * tm__ld(x + i));
 }
 
@@ -56,7 +132,7 @@ extern "C" tm_status tm__rmsnorm_forward_cuda(tm__call *c) {
     tm_tensor *rstd;
     TM__TRY(tm__saved_new(c, TM_F32, 1, &N, &rstd));
     if (N == 0) return TM_OK;
-    TM__CU_LAUNCH_FLOAT(x->dtype, rmsnorm_forward_kernel, (unsigned)N, tm__cu_row_threads(C), 0, st->stream,
+    TM__CU_LAUNCH_FLOAT(x->dtype, rmsnorm_forward_kernel, (unsigned)N, rn_threads(C), 0, st->stream,
                         tm__data(c->out[0]), (float *)tm__data(rstd), tm__data(x), tm__data(w), C, (float)c->fattr[0]);
     TM__CU_LAUNCHED(c->ctx, "rmsnorm", "rmsnorm_forward_kernel");
     return TM_OK;
@@ -71,7 +147,7 @@ extern "C" tm_status tm__rmsnorm_backward_cuda(tm__call *c) {
     TM__TRY(tm__cu_enter(c->ctx, "rmsnorm", &st));
     float *prod = NULL;
     if (dw) TM__TRY(tm__cu_scratch(c->ctx, st, (size_t)(N * C) * sizeof(float), (void **)&prod));
-    TM__CU_LAUNCH_FLOAT(x->dtype, rmsnorm_backward_kernel, (unsigned)N, tm__cu_row_threads(C), 0, st->stream,
+    TM__CU_LAUNCH_FLOAT(x->dtype, rmsnorm_backward_kernel, (unsigned)N, rn_threads(C), 0, st->stream,
                         dx ? tm__data(dx) : NULL, prod, tm__data(dy), tm__data(x), tm__data(w),
                         (const float *)tm__data(rstd), C);
     TM__CU_LAUNCHED(c->ctx, "rmsnorm", "rmsnorm_backward_kernel");
@@ -102,16 +178,39 @@ __global__ void add_rmsnorm_forward_kernel(void *s_, void *h_, float *rstd, cons
     int64_t off = (int64_t)blockIdx.x * C;
     const T *x = (const T *)x_ + off, *y = (const T *)y_ + off, *w = (const T *)w_;
     T *s = (T *)s_ + off, *h = (T *)h_ + off;
+    const bool vec = rn_aligned((uintptr_t)x | (uintptr_t)y | (uintptr_t)w | (uintptr_t)s | (uintptr_t)h);
+    const int64_t ng = C / RN_G, c0 = ng * RN_G;
     float ss = 0.0f;
-    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
+        float a[RN_G], b[RN_G];
+        tm__vld_group<RN_G>(x + j * RN_G, a, vec);
+        tm__vld_group<RN_G>(y + j * RN_G, b, vec);
+#pragma unroll
+        for (int k = 0; k < RN_G; k++) a[k] = a[k] + b[k];
+        tm__vst_group<RN_G>(s + j * RN_G, a, vec);
+#pragma unroll
+        for (int k = 0; k < RN_G; k++) {
+            float v = rn_round<T>(a[k]); /* the stored (rounded) sum, as rmsnorm reads it */
+            ss += v * v;
+        }
+    }
+    for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) {
         tm__st(s + i, tm__ld(x + i) + tm__ld(y + i));
-        float v = tm__ld(s + i); /* the stored (rounded) sum, as rmsnorm reads it */
+        float v = tm__ld(s + i);
         ss += v * v;
     }
     ss = tm__block_sum(ss, sh);
     float r = 1.0f / sqrtf(ss / (float)C + eps);
     if (threadIdx.x == 0) rstd[blockIdx.x] = r;
-    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) tm__st(h + i, tm__ld(s + i) * r * tm__ld(w + i));
+    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
+        float v[RN_G], g[RN_G];
+        tm__vld_group<RN_G>(s + j * RN_G, v, vec);
+        tm__vld_group<RN_G>(w + j * RN_G, g, vec);
+#pragma unroll
+        for (int k = 0; k < RN_G; k++) v[k] = v[k] * r * g[k];
+        tm__vst_group<RN_G>(h + j * RN_G, v, vec);
+    }
+    for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) tm__st(h + i, tm__ld(s + i) * r * tm__ld(w + i));
 }
 
 /* dx, dy may be NULL (and may be one tensor); prod (N, C) f32 receives dh * s * r when not NULL. */
@@ -121,16 +220,40 @@ __global__ void add_rmsnorm_backward_kernel(void *dx_, void *dy_, float *prod, c
     __shared__ float sh[32];
     int64_t off = (int64_t)blockIdx.x * C;
     const T *s = (const T *)s_ + off, *dh = (const T *)dh_ + off, *ds = (const T *)ds_ + off, *w = (const T *)w_;
-    float r = rstd[blockIdx.x];
-    if (prod)
-        for (int64_t i = threadIdx.x; i < C; i += blockDim.x) prod[off + i] = tm__ld(dh + i) * tm__ld(s + i) * r;
-    if (!dx_ && !dy_) return;
-    float dot = 0.0f;
-    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) dot += tm__ld(w + i) * tm__ld(dh + i) * tm__ld(s + i);
-    dot = tm__block_sum(dot, sh);
-    float coef = r * r * r * dot / (float)C;
     T *dx = dx_ ? (T *)dx_ + off : NULL, *dy = dy_ ? (T *)dy_ + off : NULL;
-    for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+    const bool vec = rn_aligned((uintptr_t)s | (uintptr_t)dh | (uintptr_t)ds | (uintptr_t)w | (uintptr_t)dx |
+                                (uintptr_t)dy);
+    const int64_t ng = C / RN_G, c0 = ng * RN_G;
+    float r = rstd[blockIdx.x];
+    if (prod) {
+        for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) rn_prod(prod + off, dh, s, r, j, vec);
+        for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) prod[off + i] = tm__ld(dh + i) * tm__ld(s + i) * r;
+    }
+    if (!dx && !dy) return;
+    float dot = rn_dot(w, dh, s, C, vec, sh);
+    float coef = r * r * r * dot / (float)C;
+    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
+        float t[RN_G], p[RN_G], g[RN_G], v[RN_G], a[RN_G];
+        tm__vld_group<RN_G>(ds + j * RN_G, t, vec);
+        tm__vld_group<RN_G>(w + j * RN_G, p, vec);
+        tm__vld_group<RN_G>(dh + j * RN_G, g, vec);
+        tm__vld_group<RN_G>(s + j * RN_G, v, vec);
+#pragma unroll
+        for (int k = 0; k < RN_G; k++) t[k] = rn_round<T>(t[k] + r * p[k] * g[k] - coef * v[k]); /* s's gradient as stored */
+        if (dx) {
+            tm__vld_group<RN_G>(dx + j * RN_G, a, vec);
+#pragma unroll
+            for (int k = 0; k < RN_G; k++) a[k] = a[k] + t[k];
+            tm__vst_group<RN_G>(dx + j * RN_G, a, vec);
+        }
+        if (dy) { /* after dx's store: dx and dy may be one tensor */
+            tm__vld_group<RN_G>(dy + j * RN_G, a, vec);
+#pragma unroll
+            for (int k = 0; k < RN_G; k++) a[k] = a[k] + t[k];
+            tm__vst_group<RN_G>(dy + j * RN_G, a, vec);
+        }
+    }
+    for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) {
         T t; /* s's gradient as the unfused rmsnorm backward stores it */
         tm__st(&t, tm__ld(ds + i) + r * tm__ld(w + i) * tm__ld(dh + i) - coef * tm__ld(s + i));
         float tv = tm__ld(&t);
@@ -148,7 +271,7 @@ extern "C" tm_status tm__add_rmsnorm_forward_cuda(tm__call *c) {
     TM__TRY(tm__saved_new(c, TM_F32, 1, &N, &rstd));
     c->saved[c->n_saved++] = c->out[0];
     if (N == 0) return TM_OK;
-    TM__CU_LAUNCH_FLOAT(x->dtype, add_rmsnorm_forward_kernel, (unsigned)N, tm__cu_row_threads(C), 0, st->stream,
+    TM__CU_LAUNCH_FLOAT(x->dtype, add_rmsnorm_forward_kernel, (unsigned)N, rn_threads(C), 0, st->stream,
                         tm__data(c->out[0]), tm__data(c->out[1]), (float *)tm__data(rstd), tm__data(x), tm__data(y),
                         tm__data(w), C, (float)c->fattr[0]);
     TM__CU_LAUNCHED(c->ctx, "add_rmsnorm", "add_rmsnorm_forward_kernel");
@@ -164,7 +287,7 @@ extern "C" tm_status tm__add_rmsnorm_backward_cuda(tm__call *c) {
     TM__TRY(tm__cu_enter(c->ctx, "add_rmsnorm", &st));
     float *prod = NULL;
     if (dw) TM__TRY(tm__cu_scratch(c->ctx, st, (size_t)(N * C) * sizeof(float), (void **)&prod));
-    TM__CU_LAUNCH_FLOAT(s->dtype, add_rmsnorm_backward_kernel, (unsigned)N, tm__cu_row_threads(C), 0, st->stream,
+    TM__CU_LAUNCH_FLOAT(s->dtype, add_rmsnorm_backward_kernel, (unsigned)N, rn_threads(C), 0, st->stream,
                         dx ? tm__data(dx) : NULL, dy ? tm__data(dy) : NULL, prod, tm__data(ds), tm__data(dh),
                         tm__data(s), tm__data(w), (const float *)tm__data(rstd), C);
     TM__CU_LAUNCHED(c->ctx, "add_rmsnorm", "add_rmsnorm_backward_kernel");

@@ -9,6 +9,7 @@
  *   tm__vldraw<N>(p), tm__vwiden<N, T>(raw, f)   tm__vld in two steps (loads issued early)
  *   tm__vec_n<T>::n    the N of a 16-byte access
  *   tm__vsplit(p, lo, hi, ...)   a range as head, whole 16-byte vectors, tail
+ *   tm__vld_group<G>(p, f, vec), tm__vst_group<G>   G elements, vectors when vec, same order
  *
  * p must be aligned to N * sizeof(T) bytes; N * sizeof(T) is sizeof(T), 8 or 16. The caller
  * checks alignment and divisibility on the host and picks N (tm__vec_ok).
@@ -90,6 +91,36 @@ __device__ __forceinline__ void tm__vst(T *p, const float *f) {
         R r;
         tm__vpack(r, w);
         *reinterpret_cast<R *>(p) = r;
+    }
+}
+
+/* G consecutive elements (G a multiple of 16 bytes' worth) as whole 16-byte accesses when vec
+ * (p 16-byte aligned), else G element accesses: the same values, in the same order, either
+ * way. Kernels that read rows in groups of G use these so that a row's alignment (or its dtype)
+ * changes the access width but not which thread sums which element in which order. */
+template <int G, typename T>
+__device__ __forceinline__ void tm__vld_group(const T *p, float *f, bool vec) {
+    constexpr int N = tm__vec_n<T>::n;
+    static_assert(G % N == 0, "a group is whole 16-byte vectors");
+    if (vec) {
+#pragma unroll
+        for (int h = 0; h < G / N; h++) tm__vld<N>(p + h * N, f + h * N);
+    } else {
+#pragma unroll
+        for (int k = 0; k < G; k++) f[k] = tm__ld(p + k);
+    }
+}
+
+template <int G, typename T>
+__device__ __forceinline__ void tm__vst_group(T *p, const float *f, bool vec) {
+    constexpr int N = tm__vec_n<T>::n;
+    static_assert(G % N == 0, "a group is whole 16-byte vectors");
+    if (vec) {
+#pragma unroll
+        for (int h = 0; h < G / N; h++) tm__vst<N>(p + h * N, f + h * N);
+    } else {
+#pragma unroll
+        for (int k = 0; k < G; k++) tm__st(p + k, f[k]);
     }
 }
 
