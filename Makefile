@@ -282,8 +282,10 @@ endif
 # and cuBLASLt calls of a program (where the host's time goes, without Nsight Systems).
 ifeq ($(CUDA),1)
 $(BUILD)/libcudatrace.so: bench/cudatrace.c
+	@mkdir -p $(dir $@)
 	$(CC) -std=c11 -O2 -g $(WARN) -fPIC -shared -I$(CUDA_HOME)/include -o $@ $< -ldl
 bench-tools: $(BUILD)/libcudatrace.so
+all: $(BUILD)/libcudatrace.so
 endif
 .PHONY: bench-tools
 
