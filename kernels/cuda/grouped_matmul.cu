@@ -86,13 +86,13 @@
  *   group's ragged rows: one CTA owns a (BM x BN) tile of dw[g] and loops over all the group's
  *   rows in order. No atomics at all: bit-identical results run to run.
  *
- * Timing it from a benchmark: make bf16 CUDA tensors x (R, K), w (G, K, N) and counts (G) i64
- *   (tm_tensor_from_host: no host mirror, so not even validation touches the host), call
- *   tm_grouped_matmul in a loop (tm_ctx_arena_reset between iterations keeps memory flat;
- *   tm_backward_with_grad on y for the backward kernels) and bracket the loop with tm_ctx_sync;
- *   flops = 2 R K N forward, 4 R K N backward. tm_ctx_sync_count stays put inside the loop.
- *   Run it once more in a context created with TINYMOE_GMM=cublaslt set for the per-group
- *   cuBLASLt baseline (which synchronises once per call on counts without a mirror).
+ * Timing it from a benchmark (bench/kernels.c does): make bf16 CUDA tensors x (R, K), w (G, K, N)
+ *   and counts (G) i64, call tm_grouped_matmul in a loop (tm_ctx_arena_reset between
+ *   iterations keeps memory flat; tm_backward_with_grad on y for the backward kernels) and
+ *   bracket the loop with tm_ctx_sync; flops = 2 R K N forward, 4 R K N backward. By default
+ *   (cuBLASLt per group) counts without a host mirror are read back once per arena lifetime;
+ *   in a context created with TINYMOE_GMM=device set (the device-scheduled kernel)
+ *   tm_ctx_sync_count stays put inside the loop.
  */
 #include "common.cuh"
 
@@ -101,7 +101,7 @@
 
 static inline char *at(const void *p, int64_t i, size_t esz) { return (char *)p + i * (int64_t)esz; }
 
-/* ---- f32 (and TINYMOE_GMM=cublaslt): one cuBLASLt GEMM per group -------------------------- */
+/* ---- f32, and bf16 by default: one cuBLASLt GEMM per group ---------------------------------- */
 
 static tm_status gmm_forward_lt(tm__call *c) {
     const tm_tensor *x = c->in[0], *w = c->in[1];
