@@ -199,7 +199,8 @@ TM_API uint64_t tm_ctx_sync_count(const tm_ctx *ctx);
  * (a device-to-host copy, tm_ctx_sync) and waiting for NCCL collectives. 0 without a device
  * (the CPU backend's counted points wait for nothing). Over a training step, the step's time
  * minus this is the host's own work: a wait near zero means the GPU finished before the host
- * asked, i.e. the step is bound by the host's launches, not by the GPU. Never decreases. */
+ * asked, i.e. the step is bound by the host's launches, not by the GPU. Never decreases; 0 for
+ * a NULL ctx. */
 TM_API double tm_ctx_sync_seconds(const tm_ctx *ctx);
 
 /* Bytes of arena currently handed out on a device (0 after tm_ctx_arena_reset) and the
