@@ -32,6 +32,21 @@ __device__ __forceinline__ float rn_round(float v) {
     return tm__ld(&t);
 }
 
+/* out = in * r * w over a row, in the groups' order (both forwards' second pass). */
+template <typename T>
+__device__ __forceinline__ void rn_scale_row(T *out, const T *in, const T *w, float r, int64_t C, bool vec) {
+    const int64_t ng = C / RN_G, c0 = ng * RN_G;
+    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
+        float v[RN_G], g[RN_G];
+        tm__vld_group<RN_G>(in + j * RN_G, v, vec);
+        tm__vld_group<RN_G>(w + j * RN_G, g, vec);
+#pragma unroll
+        for (int k = 0; k < RN_G; k++) v[k] = v[k] * r * g[k];
+        tm__vst_group<RN_G>(out + j * RN_G, v, vec);
+    }
+    for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) tm__st(out + i, tm__ld(in + i) * r * tm__ld(w + i));
+}
+
 template <typename T>
 __global__ void rmsnorm_forward_kernel(void *y_, float *rstd, const void *x_, const void *w_, int64_t C, float eps) {
     __shared__ float sh[32];
@@ -53,15 +68,7 @@ __global__ void rmsnorm_forward_kernel(void *y_, float *rstd, const void *x_, co
     ss = tm__block_sum(ss, sh);
     float r = 1.0f / sqrtf(ss / (float)C + eps);
     if (threadIdx.x == 0) rstd[blockIdx.x] = r;
-    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
-        float v[RN_G], g[RN_G];
-        tm__vld_group<RN_G>(x + j * RN_G, v, vec);
-        tm__vld_group<RN_G>(w + j * RN_G, g, vec);
-#pragma unroll
-        for (int k = 0; k < RN_G; k++) v[k] = v[k] * r * g[k];
-        tm__vst_group<RN_G>(y + j * RN_G, v, vec);
-    }
-    for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) tm__st(y + i, tm__ld(x + i) * r * tm__ld(w + i));
+    rn_scale_row(y, x, w, r, C, vec);
 }
 
 /* prod[k] = a[k] * b[k] * r for the RN_G elements of group j of a row, f32 (dw's products). */
@@ -202,15 +209,7 @@ __global__ void add_rmsnorm_forward_kernel(void *s_, void *h_, float *rstd, cons
     ss = tm__block_sum(ss, sh);
     float r = 1.0f / sqrtf(ss / (float)C + eps);
     if (threadIdx.x == 0) rstd[blockIdx.x] = r;
-    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
-        float v[RN_G], g[RN_G];
-        tm__vld_group<RN_G>(s + j * RN_G, v, vec);
-        tm__vld_group<RN_G>(w + j * RN_G, g, vec);
-#pragma unroll
-        for (int k = 0; k < RN_G; k++) v[k] = v[k] * r * g[k];
-        tm__vst_group<RN_G>(h + j * RN_G, v, vec);
-    }
-    for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) tm__st(h + i, tm__ld(s + i) * r * tm__ld(w + i));
+    rn_scale_row(h, s, w, r, C, vec);
 }
 
 /* dx, dy may be NULL (and may be one tensor); prod (N, C) f32 receives dh * s * r when not NULL. */

@@ -370,8 +370,10 @@ __global__ void scale_multi_kernel(const tm__seg *segs, int nseg, const float *f
     else scale_range<float>(sg->p, lo, hi, s);
 }
 
-/* nseg and blocks from the call, checked against the grid limit. */
-static tm_status multi_grid(tm__call *c, const char *what, int *nseg, unsigned *blocks) {
+/* The start of the three fused entry points: the stream, and nseg and blocks from the call,
+ * checked against the grid limit. */
+static tm_status multi_begin(tm__call *c, const char *what, tm__cuda **st, int *nseg, unsigned *blocks) {
+    TM__TRY(tm__cu_enter(c->ctx, what, st));
     int64_t n = c->iattr[0], nb = c->iattr[1];
     if (nb > 0x7fffffffLL || n > 0x7fffffffLL)
         return tm__err(c->ctx, TM_ERR_INVALID_ARG, "%s: %lld blocks over %lld ranges exceed the CUDA grid", what,
@@ -384,10 +386,9 @@ static tm_status multi_grid(tm__call *c, const char *what, int *nseg, unsigned *
 extern "C" tm_status tm__adamw_update_multi_forward_cuda(tm__call *c) {
     const char *what = "adamw_update_multi";
     tm__cuda *st;
-    TM__TRY(tm__cu_enter(c->ctx, what, &st));
     int nseg = 0;
     unsigned blocks = 0;
-    TM__TRY(multi_grid(c, what, &nseg, &blocks));
+    TM__TRY(multi_begin(c, what, &st, &nseg, &blocks));
     if (nseg == 0 || blocks == 0) return TM_OK;
     const double *f = c->fattr;
     adamw_multi_kernel<<<blocks, TM__CU_THREADS, 0, st->stream>>>((const tm__seg *)tm__data(c->in[0]), nseg, (float)f[0],
@@ -400,10 +401,9 @@ extern "C" tm_status tm__adamw_update_multi_forward_cuda(tm__call *c) {
 extern "C" tm_status tm__grad_sumsq_multi_forward_cuda(tm__call *c) {
     const char *what = "grad_sumsq_multi";
     tm__cuda *st;
-    TM__TRY(tm__cu_enter(c->ctx, what, &st));
     int nseg = 0;
     unsigned blocks = 0;
-    TM__TRY(multi_grid(c, what, &nseg, &blocks));
+    TM__TRY(multi_begin(c, what, &st, &nseg, &blocks));
     float *partials = (float *)tm__data(c->out[0]), *factor = (float *)tm__data(c->out[1]);
     if (nseg == 0 || blocks == 0) return tm__cuda_fill(c->ctx, c->out[1], 1.0); /* no gradients: nothing to clip */
     double *part;
@@ -418,10 +418,9 @@ extern "C" tm_status tm__grad_sumsq_multi_forward_cuda(tm__call *c) {
 extern "C" tm_status tm__grad_scale_multi_forward_cuda(tm__call *c) {
     const char *what = "grad_scale_multi";
     tm__cuda *st;
-    TM__TRY(tm__cu_enter(c->ctx, what, &st));
     int nseg = 0;
     unsigned blocks = 0;
-    TM__TRY(multi_grid(c, what, &nseg, &blocks));
+    TM__TRY(multi_begin(c, what, &st, &nseg, &blocks));
     if (nseg == 0 || blocks == 0) return TM_OK;
     scale_multi_kernel<<<blocks, TM__CU_THREADS, 0, st->stream>>>((const tm__seg *)tm__data(c->in[0]), nseg,
                                                                   (const float *)tm__data(c->in[1]));
