@@ -290,6 +290,10 @@ tm_status tm_ctx_memory_report(const tm_ctx *ctx, tm_device dev, tm_memory_repor
     }
     out->total = m->total;
     out->total_peak = m->total_peak;
+    const tm__arena *a = arena_of(ctx, dev);
+    out->reserved = a->reserved;
+    out->reserved_peak = a->reserved_peak;
+    out->arena_trims = a->n_trims;
     return TM_OK;
 }
 
@@ -300,6 +304,7 @@ void tm_ctx_memory_reset_peak(tm_ctx *ctx) {
         memcpy(m->peak, m->current, sizeof m->peak);
         memcpy(m->at_peak, m->current, sizeof m->at_peak);
         m->total_peak = m->total;
+        ctx->arena[b].reserved_peak = ctx->arena[b].reserved;
     }
 }
 

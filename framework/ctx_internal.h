@@ -7,39 +7,58 @@
 
 #include "internal.h"
 
-/* A bump arena over a list of chunks, with size-class free lists (data arenas only).
- * Reset rewinds every chunk and empties the free lists; the chunks stay, so a step that
- * repeats the previous step's sequence of allocations and frees reuses exactly the same
- * chunks and performs no system allocation.
+/* The per-step arenas. Each holds chunks of memory from its device (cudaMalloc, or the host
+ * allocator for the CPU), kept from step to step: the arenas are the caching allocator of the
+ * CUDA backend.
  *
- * A block given back (tm__arena_free) goes on the free list of the largest size class not
- * above its size; a request first looks at the free lists of the smallest class not below
- * it (and a few classes above), so any block found there is big enough. Classes are four per
- * doubling (in units of TM__ALIGN bytes: 1, 2, 3, then 4, 5, 6, 7, 8, 10, 12, 14, 16, 20,
- * ...), which bounds the bytes a reused block wastes to a quarter of the request. Blocks are
- * neither split nor merged; a block that is the last one bumped in the current chunk is
- * simply un-bumped. The free-list entries live in the meta arena (reset together). */
+ * The meta arena (host bookkeeping: headers, tape) bumps through its chunks and frees nothing
+ * before tm_ctx_arena_reset.
+ *
+ * A data arena (tensor data, scratch) is a best-fit allocator over its chunks: every chunk is
+ * cut into blocks, in address order (prev/next), each in use or free. A request takes the
+ * smallest free block that holds it (free blocks sit in size-class bins, four classes per
+ * doubling), splits off the rest as a free block, and a block given back merges with free
+ * neighbours, so the same bytes serve requests of other sizes later in the step or in later
+ * steps (ragged MoE shapes change every step). A request no free block holds adds a chunk.
+ * At tm_ctx_arena_reset every chunk becomes one free block again; if the step had to add
+ * chunks, they are all given back and replaced by one chunk of the size the step needed
+ * (in-use peak plus an eighth, at least what it held), so the next step runs in one contiguous
+ * chunk and performs no system allocation. A chunk that cannot be had from the device first
+ * gives back every wholly free chunk and retries. Block records live in host slabs owned by
+ * the arena; live blocks are found by address through an open-addressing table. */
+typedef struct tm__block {
+    char *p;
+    size_t size;
+    struct tm__block *prev, *next;   /* address neighbours in the same chunk; NULL at its ends */
+    struct tm__block *fprev, *fnext; /* the bin's list, free blocks only */
+    int is_free, bin;
+} tm__block;
+
 typedef struct tm__chunk {
     void *mem;
-    size_t size, used;
+    size_t size, used; /* used: the bump offset (meta arena only) */
+    tm__block *first;  /* the block at mem (data arenas) */
 } tm__chunk;
-
-typedef struct tm__free_block {
-    void *p;
-    size_t size;
-    struct tm__free_block *next;
-} tm__free_block;
 
 #define TM__NCLASSES 240
 
 typedef struct tm__arena {
     tm_device dev;
     tm__chunk *chunks;
-    int n, cap, cur;
-    size_t used, peak; /* bytes handed out since reset (freed blocks excluded); high-water mark */
-    tm__free_block *free_list[TM__NCLASSES];
-    tm__free_block *spare; /* entries not in use (meta memory) */
-    size_t free_bytes;     /* bytes sitting on the free lists */
+    int n, cap, cur;   /* cur: the meta arena's current chunk */
+    size_t used, peak; /* bytes in live blocks; high-water mark since creation */
+    size_t step_peak;  /* high-water mark since the last reset */
+    size_t reserved, reserved_peak; /* bytes of the chunks; their high-water mark */
+    int grew;          /* chunks were added since the last reset */
+    uint64_t n_trims;  /* consolidations and chunk releases (tm_memory_report) */
+    /* data arenas: */
+    tm__block *bins[TM__NCLASSES];
+    uint64_t binmask[(TM__NCLASSES + 63) / 64];
+    tm__block *spare;  /* unused records */
+    tm__block **slabs;
+    int n_slabs, cap_slabs;
+    tm__block **map;   /* live blocks by address (open addressing, linear probing) */
+    size_t map_cap, map_n;
 } tm__arena;
 
 /* One arena block taken while a kernel scope is open (see tm__scope_open). */

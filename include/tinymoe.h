@@ -235,6 +235,15 @@ typedef struct tm_memory_report {
     size_t total;                       /* sum of current[] */
     size_t total_peak;                  /* high-water mark of the sum (<= the sum of peak[]) */
     size_t at_peak[TM_MEM_NCATEGORIES]; /* current[] when total_peak was reached; sums to it */
+    /* The per-step arena's chunks: bytes held from the device (in use by TM_MEM_TEMPORARIES or
+     * free for the next request) and their high-water mark. What the process holds of the
+     * device is about total - current[TM_MEM_TEMPORARIES] + reserved. The arena is a best-fit
+     * allocator that reuses freed bytes for requests of any size; when a step needs more, it
+     * replaces its chunks at the next tm_ctx_arena_reset by one chunk of about 1.125x the
+     * step's in-use peak, so reserved stays near peak[TM_MEM_TEMPORARIES] when shapes change
+     * from step to step (ragged MoE dispatch). */
+    size_t reserved, reserved_peak;
+    uint64_t arena_trims; /* times the arena gave chunks back to the device (consolidations, retries) */
 } tm_memory_report;
 
 /* Fill *out with the memory of `dev` (the CPU, or the context's CUDA device). High-water

@@ -282,6 +282,24 @@ static tm_status local_experts(tm_moe *m, tm_tensor *rows, tm_tensor *counts, tm
     return tm_grouped_matmul(ctx, h, m->wo, counts, out);
 }
 
+/* Out of memory inside an expert-parallel dispatch: the rows a rank receives follow the routing
+ * (early in training one rank may get ~10x its share), so say how many came and what bounds
+ * them, before the allocator's own message. */
+static tm_status ep_nomem(tm_moe *m, int64_t received, int64_t sent, int64_t tokens) {
+    tm_ctx *ctx = m->ctx;
+    char prev[600];
+    snprintf(prev, sizeof prev, "%s", tm_ctx_errmsg(ctx));
+    const double mib = 1024.0 * 1024.0;
+    size_t row = (size_t)m->cfg.hidden_size * tm_dtype_size(m->dtype);
+    return tm__err(ctx, TM_ERR_NOMEM,
+                   "%s: expert-parallel dispatch on ep rank %d of %d: received %lld rows for its %d experts (%.1fx the "
+                   "%lld it sent for its %lld tokens; %.1f MiB of rows, each also needing the experts' %d-wide "
+                   "activations and their gradients); bound the rows an expert takes with capacity_factor (e.g. "
+                   "1.25), spread the experts over more ranks (ep_size), or lower batch_size. %s",
+                   m->prefix, m->ep_rank, m->P, (long long)received, m->L, sent ? (double)received / (double)sent : 0.0,
+                   (long long)sent, (long long)tokens, (double)received * (double)row / mib, m->cfg.ffn_size, prev);
+}
+
 /* All-to-all dispatch (TE's MoE block; Megatron's MoEAlltoAllTokenDispatcher):
  *   permute (all E experts, expert-major) -> all-gather the [P, E] row counts over ep ->
  *   ragged all-to-all of the rows to the ranks owning their experts (they arrive source-rank
@@ -331,11 +349,13 @@ static tm_status ep_alltoall_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, 
     TM__TRY(i64_tensor(ctx, idx, Rr, m->dev, 0, &ti));
     TM__TRY(i64_tensor(ctx, inv, Rr, m->dev, 0, &tinv));
     TM__TRY(i64_tensor(ctx, lcount, L, m->dev, 1, &tl));
-    TM__TRY(tm_comm_alltoall(ctx, d.permuted, sc, rc, TM_COMM_EP, &recv)); // (Rr, H) source-major
-    TM__TRY(tm__embedding_checked(ctx, recv, ti, &xe));                     // (Rr, H) expert-major
-    TM__TRY(local_experts(m, xe, tl, &eo));
-    TM__TRY(tm__embedding_checked(ctx, eo, tinv, &back));                   // (Rr, H) source-major
-    TM__TRY(tm_comm_alltoall(ctx, back, rc, sc, TM_COMM_EP, &ret));         // (R, H) as permuted
+    tm_status s = tm_comm_alltoall(ctx, d.permuted, sc, rc, TM_COMM_EP, &recv); // (Rr, H) source-major
+    if (!s) s = tm__embedding_checked(ctx, recv, ti, &xe);                      // (Rr, H) expert-major
+    if (!s) s = local_experts(m, xe, tl, &eo);
+    if (!s) s = tm__embedding_checked(ctx, eo, tinv, &back);                    // (Rr, H) source-major
+    if (!s) s = tm_comm_alltoall(ctx, back, rc, sc, TM_COMM_EP, &ret);          // (R, H) as permuted
+    if (s == TM_ERR_NOMEM) return ep_nomem(m, Rr, tm_tensor_dim(d.permuted, 0), tm_tensor_dim(x, 0));
+    if (s) return s;
     return tm_moe_unpermute(ctx, ret, d.permuted_probs, d.row_token, tm_tensor_dim(x, 0), y);
 }
 

@@ -38,6 +38,11 @@ tm_ctx *tt_ctx_threads(int n);
         cr_assert_eq(tt_s_, TM_OK, "%s -> %s: %s", #expr, tm_status_str(tt_s_), tm_ctx_errmsg(ctx)); \
     } while (0)
 
+/* The allocator under ragged shapes (tests/test_arena.c): `steps` MoE-like steps whose sizes
+ * (multiples of `unit` bytes) change every step on device dev; returns the arena's in-use peak
+ * and the largest bytes it reserved from the device. */
+void tt_ragged_workload(tm_ctx *ctx, tm_device dev, size_t unit, int steps, size_t *max_peak, size_t *max_reserved);
+
 /* Temporary tensor of N(0,1) values (deterministic in seed) on the CPU. */
 tm_tensor *tt_randn(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shape, uint64_t seed);
 /* Temporary tensor of uniform values in [lo, hi). */

@@ -339,6 +339,21 @@ Test(cuda_parity, arena_steady_state) {
     tm_ctx_free(ctx);
 }
 
+/* The arena under ragged shapes on the device (tests/test_arena.c): 200 steps of MoE-like
+ * sizes changing every step (64 MiB units: blocks up to ~2.5 GB), reserved within 1.5x of the
+ * in-use peak. */
+Test(cuda_parity, arena_ragged_steps_reserve_within_1_5x_of_peak) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
+    size_t peak, reserved;
+    tt_ragged_workload(ctx, tm_cuda(0), (size_t)64 << 20, 200, &peak, &reserved);
+    cr_log_info("cuda ragged: in-use peak %.1f MiB, reserved peak %.1f MiB (%.2fx)", peak / 1048576.0,
+                reserved / 1048576.0, (double)reserved / (double)peak);
+    cr_assert(reserved <= peak + peak / 2, "reserved %zu bytes for an in-use peak of %zu (%.2fx > 1.5x)", reserved, peak,
+              (double)reserved / (double)peak);
+    tm_ctx_free(ctx);
+}
+
 /* ---- errors ------------------------------------------------------------------------------- */
 
 Test(cuda_parity, mixed_devices_rejected) {

@@ -263,11 +263,11 @@ Test(memory, only_leaves_keep_their_gradient) {
     for (int k = 0; k < 2; k++) tm_ctx_free(ctx[k]);
 }
 
-Test(memory, freed_blocks_serve_later_requests_of_their_class) {
+Test(memory, freed_blocks_serve_later_requests_split_to_size) {
     tm_ctx *ctx = tt_ctx();
     tm_device cpu = tm_cpu();
-    int64_t n1 = 1000, n2 = 10, n3 = 850, n4 = 2000;
-    tm_tensor *t1, *t2, *t3, *t4, *t5;
+    int64_t n1 = 1000, n2 = 10, n3 = 850, n4 = 2000, n5 = 100;
+    tm_tensor *t1, *t2, *t3, *t4, *t5, *t6;
     TT_OK(ctx, tm__tensor_new(ctx, TM_F32, 1, &n1, cpu, &t1)); /* 4000 -> a 4032-byte block */
     TT_OK(ctx, tm__tensor_new(ctx, TM_F32, 1, &n2, cpu, &t2)); /* t1 is no longer the last block */
     void *p1 = tm__data(t1);
@@ -278,11 +278,15 @@ Test(memory, freed_blocks_serve_later_requests_of_their_class) {
     cr_assert_null(t1->storage->data, "a released storage has no data");
     tm__tensor_release(ctx, t1); /* twice: a no-op */
     cr_assert_eq(tm_ctx_arena_used(ctx, cpu), 64);
-    /* 3400 bytes -> 3456 = 54 x 64, class 56 x 64: the 63 x 64 block (on list 56) serves it. */
+    /* 3400 bytes -> 3456 = 54 x 64: the freed 4032-byte block serves it, split; the 576 bytes
+     * left serve a 400-byte request (448 = 7 x 64) right after it. */
     TT_OK(ctx, tm__tensor_new(ctx, TM_F32, 1, &n3, cpu, &t3));
     cr_assert_eq(tm__data(t3), p1, "the freed block was not reused");
-    cr_assert_eq(tm_ctx_arena_used(ctx, cpu), 64 + 4032, "a reused block counts whole");
-    /* The last block bumped is un-bumped: the next request gets the same address. */
+    cr_assert_eq(tm_ctx_arena_used(ctx, cpu), 64 + 3456, "a reused block counts its own size");
+    TT_OK(ctx, tm__tensor_new(ctx, TM_F32, 1, &n5, cpu, &t6));
+    cr_assert_eq(tm__data(t6), (char *)p1 + 3456, "the rest of the split block was not reused");
+    cr_assert_eq(tm_ctx_arena_used(ctx, cpu), 64 + 3456 + 448);
+    /* A block given back serves the next request of its size at the same address. */
     TT_OK(ctx, tm__tensor_new(ctx, TM_F32, 1, &n4, cpu, &t4));
     void *p4 = tm__data(t4);
     tm__tensor_release(ctx, t4);

@@ -756,6 +756,13 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
             fprintf(r->log, "memory (%s): peak %.1f MiB (parameters %.1f, gradients %.1f, optimizer %.1f, buffers %.1f, temporaries %.1f)\n",
                     r->dev.type == TM_DEVICE_CUDA ? "cuda:0" : "cpu", mr.total_peak / mib, mr.at_peak[TM_MEM_PARAMETERS] / mib, mr.at_peak[TM_MEM_GRADIENTS] / mib,
                     mr.at_peak[TM_MEM_OPTIMIZER] / mib, mr.at_peak[TM_MEM_BUFFERS] / mib, mr.at_peak[TM_MEM_TEMPORARIES] / mib);
+            /* what the arena holds of the device beside what the step uses: with ragged shapes
+             * (expert parallelism) the two differ; the process holds about the peak minus the
+             * temporaries plus the reserved bytes */
+            fprintf(r->log, "        temporaries: %.1f MiB in use at most, %.1f MiB reserved at most (%.2fx), %llu trim%s\n",
+                    mr.peak[TM_MEM_TEMPORARIES] / mib, mr.reserved_peak / mib,
+                    mr.peak[TM_MEM_TEMPORARIES] ? (double)mr.reserved_peak / (double)mr.peak[TM_MEM_TEMPORARIES] : 0.0,
+                    (unsigned long long)mr.arena_trims, mr.arena_trims == 1 ? "" : "s");
         }
         if (r->synth)
             fprintf(r->log, "optimum %.4f: the val loss is %.4f nats/token (%.1f%%) above it\n", r->optimum,

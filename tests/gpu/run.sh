@@ -4,6 +4,7 @@
 #
 #   bash tests/gpu/run.sh          (from the repository root; the log goes to $OUT/test.log)
 #   make test-cuda                 (the same)
+#   FILTER='cuda_parity/arena*' bash tests/gpu/run.sh   (only the tests of a Criterion glob)
 #
 # Ends with tests/gpu/e2e.sh: `tinymoe train / eval / sample --device cuda` against the CPU.
 #
@@ -61,6 +62,11 @@ ldd build/tinymoe_tests | grep -E 'not found|criterion|cublasLt|cudart' | tee -a
 
 log "== test"
 rc=0
+# FILTER=<criterion glob>: only those tests, verbose, and nothing after them.
+if [ -n "${FILTER:-}" ]; then
+    ./build/tinymoe_tests --verbose --filter="$FILTER" 2>&1 | grep -v '^\[SKIP\].*disabled' | tee -a "$LOG"
+    exit "${PIPESTATUS[0]}"
+fi
 if [ -x build/tinymoe ]; then
     $MAKE CUDA=1 BLAS=0 test 2>&1 | tee -a "$LOG" || rc=$?
 else

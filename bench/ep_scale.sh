@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# bench/ep_scale.sh — expert parallelism at GPU scale (issue 19): one model on 1, 2 and 4 GPUs
+# with data parallelism (dp), expert parallelism over the ragged all-to-all (alltoall) and over
+# the all-gather (allgather), weak scaling at a fixed number of tokens per GPU, in one run:
+#
+#   mpirun -np N tinymoe train --preset P --device cuda --dtype bf16 --synthetic_vocab 1024 \
+#       --batch_size $((16 N)) --ep_size N|1 --ep_strategy alltoall|allgather --out ''
+#
+#   bench/ep_scale.sh [--preset fine] [--steps 300] [--warmup 20] [--gpus "1 2 4"]
+#                     [--layouts "dp alltoall allgather"] [--bind "none core"] [--smoke]
+#
+# Per run, one row: ms/step (mean of the steps after --warmup, from rank 0's step table), tokens/s
+# per GPU and its ratio to the 1-GPU run (weak-scaling efficiency), each GPU's peak memory as
+# nvidia-smi saw it (sampled every 0.2 s: what the process holds, CUDA context and NCCL
+# included) against the 1-GPU run's, the library's own report of rank 0 (temporaries in use at
+# most, arena reserved at most), and the start-up: launch to the end of the first step minus
+# that step (wall clock of the whole run minus the driver's 'done: N steps in S s' minus the
+# final evaluation, i.e. everything before the first step and after the last).
+# --bind: how mpirun binds ranks ("core" is Open MPI's default for 2 ranks or fewer per node;
+# "none" leaves each rank every CPU of the node). Logs in $OUT (default /tmp/tinymoe-ep-scale).
+# --smoke: CPU ranks and a toy model (a check of this script, no GPU).
+set -u -o pipefail
+cd "$(dirname "$0")/.." || exit 2
+preset=fine steps=300 warmup=20 gpus="1 2 4" layouts="dp alltoall allgather" bind="none" smoke=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --preset|--steps|--warmup|--gpus|--layouts|--bind)
+        [ $# -ge 2 ] || { echo "ep_scale.sh: $1 needs a value" >&2; exit 2; }
+        eval "${1#--}=\$2"; shift 2 ;;
+    --smoke) smoke=1; shift ;;
+    -h|--help) sed -n '2,25s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    *) echo "ep_scale.sh: unknown option '$1'" >&2; exit 2 ;;
+    esac
+done
+OUT=${OUT:-/tmp/tinymoe-ep-scale}
+mkdir -p "$OUT"
+BIN=$PWD/build/tinymoe
+[ -x "$BIN" ] || { echo "ep_scale.sh: $BIN is missing (make)" >&2; exit 1; }
+if [ "$smoke" = 1 ]; then
+    device=cpu dtype=f32 per_gpu=2
+    extra="--preset $preset --d_model 64 --n_layers 2 --n_heads 4 --n_kv_heads 2 --expert_ffn_size 32 --vocab_size 1024
+           --seq_len 64 --threads 1"
+else
+    device=cuda dtype=bf16 per_gpu=16
+    extra="--preset $preset"
+fi
+MPI="mpirun --oversubscribe --allow-run-as-root"
+rows=()
+base_tps="" base_mem=""
+for n in $gpus; do
+    for lay in $layouts; do
+        [ "$n" = 1 ] && [ "$lay" != dp ] && continue
+        for b in $bind; do
+            [ "$n" = 1 ] && [ "$b" != "${bind%% *}" ] && continue
+            name=n${n}_${lay}_bind-$b
+            log=$OUT/$name.log
+            ep=1 st=alltoall
+            [ "$lay" = alltoall ] && ep=$n
+            [ "$lay" = allgather ] && ep=$n st=allgather
+            args="train $extra --device $device --dtype $dtype --synthetic_vocab 1024 --batch_size $((per_gpu * n))
+                  --ep_size $ep --ep_strategy $st --steps $steps --log_every 1 --eval_every 0 --eval_batches 1
+                  --sample_tokens 0 --out ''"
+            args=$(echo $args) # one line: it goes through eval and bash -c
+            smi=""
+            if [ "$device" = cuda ]; then
+                nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 >"$OUT/$name.smi" 2>/dev/null &
+                smi=$!
+            fi
+            t0=$(date +%s.%N)
+            if [ "$n" = 1 ]; then
+                eval "$BIN $args" >"$log" 2>&1
+            else
+                # Each rank writes its own file: rank 0's is the log (no terminal: the step table).
+                $MPI -np "$n" --bind-to "$b" bash -c "exec $BIN $args >$OUT/$name.rank\$OMPI_COMM_WORLD_RANK.log 2>&1"
+                cp "$OUT/$name.rank0.log" "$log"
+            fi
+            rc=$?
+            t1=$(date +%s.%N)
+            [ -n "$smi" ] && kill "$smi" 2>/dev/null && wait "$smi" 2>/dev/null
+            wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+            read -r ms train_s <<<"$(awk -v w="$warmup" '
+                $1 == "step" && !c { for (i = 1; i <= NF; i++) if ($i == "ms/step") c = i; next }
+                c && $1 ~ /^[0-9]+$/ && $1 > w { s += $c; k++ }
+                /^done: / { t = $5 }
+                END { printf "%s %s\n", k ? s / k : "nan", t ? t : "nan" }' "$log")"
+            tps=$(awk -v ms="$ms" -v b="$per_gpu" 'BEGIN { if (ms == "nan") print "nan"; else printf "%.0f", b * 1024 * 1000 / ms }')
+            [ "$smoke" = 1 ] && tps=$(awk -v ms="$ms" -v b="$per_gpu" 'BEGIN { if (ms == "nan") print "nan"; else printf "%.0f", b * 64 * 1000 / ms }')
+            mem="-"
+            if [ -s "$OUT/$name.smi" ]; then
+                mem=$(awk -F', *' -v n="$n" '$1 < n && $2 > m[$1] { m[$1] = $2 } END { s = ""; for (i = 0; i < n; i++) s = s (i ? "/" : "") sprintf("%.1f", m[i] / 1024); print s }' "$OUT/$name.smi")
+            fi
+            lib=$(awk '/temporaries: .* in use at most/ { printf "%.1f/%.1f", $2 / 1024, $8 / 1024 }' "$log")
+            start=$(awk -v w="$wall" -v t="$train_s" 'BEGIN { if (t == "nan") print "nan"; else printf "%.1f", w - t }')
+            if [ "$n" = 1 ] && [ "$lay" = dp ]; then base_tps=$tps; base_mem=$(echo "$mem" | cut -d/ -f1); fi
+            eff=$(awk -v a="$tps" -v b="$base_tps" 'BEGIN { if (a == "nan" || b == "" || b == "nan") print "-"; else printf "%.2f", a / b }')
+            mx=$(echo "$mem" | tr '/' '\n' | sort -g | tail -1)
+            memr=$(awk -v a="$mx" -v b="$base_mem" 'BEGIN { if (a == "-" || b == "" || b == "-") print "-"; else printf "%.2f", a / b }')
+            status=ok
+            [ "$rc" != 0 ] && status="exit $rc: $(grep -h -m1 -iE 'error|failed|out of' "$OUT/$name"*.log 2>/dev/null | head -1 | cut -c1-120)"
+            rows+=("$(printf '%-26s %9s %11s %6s %-23s %6s %-11s %8s  %s' "$name" "$ms" "$tps" "$eff" "$mem" "$memr" "$lib" "$start" "$status")")
+            printf '%s\n' "${rows[-1]}"
+        done
+    done
+done
+echo
+echo "preset $preset, $dtype, $per_gpu x 1024 tokens per GPU, $steps steps (mean ms/step after $warmup); $(date -u '+%Y-%m-%d %H:%M UTC')"
+[ "$device" = cuda ] && nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
+printf '%-26s %9s %11s %6s %-23s %6s %-11s %8s  %s\n' run ms/step tok/s/GPU vs1 "peak GiB per GPU (smi)" vs1 "GiB use/res" start_s status
+printf '%s\n' "${rows[@]}"
