@@ -48,8 +48,9 @@ MPI="mpirun --oversubscribe --allow-run-as-root"
 rows=()
 base_tps="" base_mem=""
 for n in $gpus; do
-    for lay in $layouts; do
-        [ "$n" = 1 ] && [ "$lay" != dp ] && continue
+    lays=$layouts
+    [ "$n" = 1 ] && lays=dp # the baseline, whatever --layouts says
+    for lay in $lays; do
         for b in $bind; do
             [ "$n" = 1 ] && [ "$b" != "${bind%% *}" ] && continue
             name=n${n}_${lay}_bind-$b
