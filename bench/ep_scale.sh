@@ -68,14 +68,16 @@ for n in $gpus; do
                 smi=$!
             fi
             t0=$(date +%s.%N)
+            rc=""
             if [ "$n" = 1 ]; then
                 eval "$BIN $args" >"$log" 2>&1
+                rc=$?
             else
                 # Each rank writes its own file: rank 0's is the log (no terminal: the step table).
-                $MPI -np "$n" --bind-to "$b" bash -c "exec $BIN $args >$OUT/$name.rank\$OMPI_COMM_WORLD_RANK.log 2>&1"
+                $MPI -np "$n" --bind-to "$b" -x LD_LIBRARY_PATH bash -c "exec $BIN $args >$OUT/$name.rank\$OMPI_COMM_WORLD_RANK.log 2>&1"
+                rc=$?
                 cp "$OUT/$name.rank0.log" "$log"
             fi
-            rc=$?
             t1=$(date +%s.%N)
             [ -n "$smi" ] && kill "$smi" 2>/dev/null && wait "$smi" 2>/dev/null
             wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
