@@ -1537,7 +1537,9 @@ TM_API tm_status tm_ctx_grad_shard(const tm_ctx *ctx, int i, int64_t *lo, int64_
 
 /* Traffic of the collectives since the last reset, per kind: calls, bytes this rank sent
  * (all-reduce: the buffer; all-gather: its part; reduce-scatter: the input; all-to-all: the
- * rows sent) and seconds spent waiting in them. */
+ * rows sent) and host seconds spent in the calls: the whole transfer for the host engines (mpi,
+ * mpi-staged); for nccl only the enqueueing, since NCCL collectives run on the context's stream
+ * without the host waiting (their time shows in tm_ctx_sync_seconds, at the next wait). */
 typedef enum tm_comm_kind {
     TM_COMM_ALLREDUCE = 0,
     TM_COMM_ALLGATHER,

@@ -15,6 +15,7 @@
  * checkpoint. Messages go to stderr, prefixed "tinymoe: ".
  */
 #include <errno.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -299,18 +300,53 @@ static int cmd_inspect(int argc, char **argv) {
     return 0;
 }
 
+/* Under mpirun, Open MPI binds each rank to one core by default when it starts 2 ranks or fewer
+ * on a node (--bind-to core). libgomp sizes its thread pool from the affinity mask as the
+ * program loads, so such a rank runs everything the host does on one CPU: on a 64-CPU H100
+ * machine a 2-rank `fine` run spent 51 s before its first step (the host draws the initial
+ * weights) against 8 s unbound. A rank bound to a single CPU while the node has more than one
+ * per local rank gets its share back: CPUs [local_rank * share, (local_rank + 1) * share) with
+ * share = online CPUs / local ranks. Binding chosen on purpose (--map-by slot:PE=N, or any mask
+ * of more than one CPU) is left alone; --bind-to none avoids the question. Returns 1 if the
+ * mask changed (the caller re-executes, so that libgomp reads the new one). */
+static int widen_single_cpu_binding(void) {
+    const char *lr = getenv("OMPI_COMM_WORLD_LOCAL_RANK"), *ls = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    if (!lr || !ls || getenv("TINYMOE_BINDING_WIDENED")) return 0;
+    long local_rank = strtol(lr, NULL, 10), local_size = strtol(ls, NULL, 10), online = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t have;
+    if (local_size < 1 || local_rank < 0 || local_rank >= local_size || online < 2 ||
+        sched_getaffinity(0, sizeof have, &have) || CPU_COUNT(&have) != 1)
+        return 0;
+    long share = online / local_size;
+    if (share < 2 || share * local_size > CPU_SETSIZE) return 0;
+    cpu_set_t want;
+    CPU_ZERO(&want);
+    for (long c = local_rank * share; c < (local_rank + 1) * share; c++) CPU_SET((int)c, &want);
+    if (sched_setaffinity(0, sizeof want, &want)) return 0;
+    setenv("TINYMOE_BINDING_WIDENED", "1", 1); /* once: the re-executed program keeps it */
+    const char *wr = getenv("OMPI_COMM_WORLD_RANK");
+    if (wr && !strcmp(wr, "0"))
+        fprintf(stderr,
+                "tinymoe: note: mpirun bound each rank to one CPU (Open MPI's default for 2 ranks or fewer per "
+                "node); each rank now uses its share of this node's %ld CPUs (%ld: rank 0 CPUs 0-%ld). Choose "
+                "with mpirun --bind-to none or --map-by slot:PE=N.\n",
+                online, share, share - 1);
+    return 1;
+}
+
 /* libgomp reads OMP_WAIT_POLICY once, as the program loads, and by default its idle threads
  * spin. With other busy processes on the cores (or more threads than cores) a spinning thread
  * holds a core the working ones need, and a training step here took 10x longer (1160 vs 110
- * ms on 2 shared cores). Unless the user chose a policy, run again with the passive one;
- * should exec fail, carry on as we are. */
-static void prefer_passive_openmp(char **argv) {
-    if (getenv("OMP_WAIT_POLICY") || setenv("OMP_WAIT_POLICY", "passive", 1)) return;
-    execv("/proc/self/exe", argv);
+ * ms on 2 shared cores). Unless the user chose a policy, run again with the passive one (and
+ * with a widened CPU binding, see above); should exec fail, carry on as we are. */
+static void prepare_process(char **argv) {
+    int widened = widen_single_cpu_binding();
+    int passive = !getenv("OMP_WAIT_POLICY") && !setenv("OMP_WAIT_POLICY", "passive", 1);
+    if (widened || passive) execv("/proc/self/exe", argv);
 }
 
 int main(int argc, char **argv) {
-    prefer_passive_openmp(argv);
+    prepare_process(argv);
     /* A reader that went away (| head, | tee ended by Ctrl-C) and a file-size limit become
      * write errors, reported like any other, instead of killing the process. */
     tmd_signals_ignore_io();

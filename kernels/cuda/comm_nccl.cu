@@ -16,10 +16,11 @@
  *   reduce_scatter  ncclReduceScatter (sum; in place when recv = send + rank n)
  *   alltoallv       ncclSend / ncclRecv pairs in one group (the ragged all-to-all)
  *   bcast           ncclBroadcast; barrier: the mpi engine's
- * Timeout: with timeout_s > 0 each call waits for its stream (cudaStreamQuery polled; counted
- * as a synchronisation) and, past the timeout or on an asynchronous NCCL error, aborts the
- * communicator (ncclCommAbort) and fails with TM_ERR_COMM; with timeout_s <= 0 the calls stay
- * asynchronous. Determinism: NCCL's reductions follow a fixed order for a given communicator
+ * Timeout: the calls stay asynchronous (the host never waits for a collective by itself);
+ * with timeout_s > 0 the next wait of the host for the stream (a device-to-host copy,
+ * tm_ctx_sync) polls it and NCCL's error state, and past the timeout or on an asynchronous
+ * NCCL error aborts the communicators (ncclCommAbort) and fails with TM_ERR_COMM (finish and
+ * pending_wait below). Determinism: NCCL's reductions follow a fixed order for a given communicator
  * and size (ring or tree chosen once per size), so a run repeats bit for bit on the same
  * machine and NCCL version.
  */
@@ -37,6 +38,9 @@ extern "C" {
 
 typedef struct nccl_state {
     ncclComm_t comm[TM_COMM_NGROUPS]; /* NULL for groups of one rank */
+    const char *last_what;            /* the last collective enqueued, for a timeout's message */
+    int last_group;
+    size_t last_bytes;
 } nccl_state;
 
 static tm_status nccl_fail(tm__comm *c, const char *what, int g, ncclResult_t r) {
@@ -72,37 +76,68 @@ static tm_status enter(tm__comm *c, const char *what, cudaStream_t *stream) {
     return TM_OK;
 }
 
-/* With a timeout, wait for the collective just enqueued (see the top of the file). */
-static tm_status finish(tm__comm *c, const char *what, int g, cudaStream_t stream, size_t bytes) {
-    double timeout = c->opts.timeout_s;
-    if (!(timeout > 0)) return TM_OK;
-    tm__count_sync(c->ctx);
-    double t0 = tm__now();
-    for (;;) {
-        cudaError_t e = cudaStreamQuery(stream);
-        if (e == cudaSuccess) {
-            tm__add_wait(c->ctx, t0);
-            return TM_OK;
-        }
+/* With a timeout, a collective does not wait: it records what it was and leaves its wait to
+ * the next point where the host waits for the stream anyway (a device-to-host copy, tm_ctx_sync:
+ * device.cu calls pending_wait through tm__cuda.comm_wait). There the host polls the stream and
+ * NCCL's asynchronous error state; past the timeout, or on an NCCL error, it aborts every
+ * communicator (ncclCommAbort unblocks the kernels waiting for a dead peer) and fails. Waiting
+ * after every collective instead (as this engine once did) drained the GPU's queue at each
+ * all-to-all of each MoE layer: the next kernels were launched only after the collective ended. */
+static tm_status pending_wait(tm_ctx *ctx, const char *what) {
+    tm__comm *c = tm__ctx_comm(ctx);
+    tm__cuda *st = (tm__cuda *)tm__cuda_state(ctx);
+    nccl_state *ns = c ? (nccl_state *)c->nccl : NULL;
+    if (!st || !ns) return TM_OK;
+    double timeout = c->opts.timeout_s, t0 = tm__now();
+    for (long polls = 0;; polls++) {
+        cudaError_t e = cudaStreamQuery(st->stream);
+        if (e == cudaSuccess) return TM_OK;
         if (e != cudaErrorNotReady) {
             (void)cudaGetLastError();
-            return tm__err(c->ctx, TM_ERR_CUDA, "%s over %s: %s", what, tm__comm_gdesc(c, g), cudaGetErrorString(e));
+            return tm__err(ctx, TM_ERR_CUDA, "%s: waiting for the device after %s over %s: %s", what, ns->last_what,
+                           tm__comm_gdesc(c, ns->last_group), cudaGetErrorString(e));
         }
         ncclResult_t async = ncclSuccess;
-        ncclCommGetAsyncError(gcomm(c, g), &async);
-        double waited = tm__now() - t0;
-        if (async != ncclSuccess || waited > timeout) {
-            ncclCommAbort(gcomm(c, g));
-            ((nccl_state *)c->nccl)->comm[g] = NULL;
-            if (async != ncclSuccess) return nccl_fail(c, what, g, async);
-            return tm__err(c->ctx, TM_ERR_COMM,
-                           "%s of %zu bytes over %s did not complete within %g s: a rank died, stopped answering, or "
-                           "left the collective sequence (the NCCL communicator was aborted)",
-                           what, bytes, tm__comm_gdesc(c, g), timeout);
+        int bad = -1;
+        for (int g = 0; g < TM_COMM_NGROUPS && bad < 0; g++) {
+            if (!ns->comm[g]) continue;
+            ncclCommGetAsyncError(ns->comm[g], &async);
+            if (async != ncclSuccess) bad = g;
         }
-        struct timespec ts = {0, 50000};
-        nanosleep(&ts, NULL);
+        double waited = tm__now() - t0;
+        if (bad >= 0 || waited > timeout) {
+            for (int g = 0; g < TM_COMM_NGROUPS; g++)
+                if (ns->comm[g]) {
+                    ncclCommAbort(ns->comm[g]);
+                    ns->comm[g] = NULL;
+                }
+            if (bad >= 0)
+                return tm__err(ctx, TM_ERR_COMM, "%s: NCCL failed over %s: %s (%d); the communicators were aborted",
+                               what, tm__comm_gdesc(c, bad), ncclGetErrorString(async), (int)async);
+            return tm__err(ctx, TM_ERR_COMM,
+                           "%s: the device did not finish within %g s with collectives in flight (the last: %s of "
+                           "%zu bytes over %s): a rank died, stopped answering, or left the collective sequence (the "
+                           "NCCL communicators were aborted)",
+                           what, timeout, ns->last_what, ns->last_bytes, tm__comm_gdesc(c, ns->last_group));
+        }
+        /* spin the first ~2 ms (a step's wait is usually shorter), then poll every 20 us */
+        if (polls > 2000) {
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
     }
+}
+
+static tm_status finish(tm__comm *c, const char *what, int g, cudaStream_t stream, size_t bytes) {
+    (void)stream;
+    if (!(c->opts.timeout_s > 0)) return TM_OK;
+    nccl_state *ns = (nccl_state *)c->nccl;
+    tm__cuda *st = (tm__cuda *)tm__cuda_state(c->ctx);
+    ns->last_what = what;
+    ns->last_group = g;
+    ns->last_bytes = bytes;
+    if (st) st->comm_wait = pending_wait;
+    return TM_OK;
 }
 
 static tm_status start(tm__comm *c, const char *what, int g, tm_dtype dt, ncclDataType_t *t, cudaStream_t *stream) {
@@ -192,6 +227,11 @@ static tm_status nccl_barrier(tm__comm *c, int g) { return c->host->barrier(c, g
 static void nccl_free(tm__comm *c) {
     nccl_state *st = (nccl_state *)c->nccl;
     if (!st) return;
+    tm__cuda *cu = (tm__cuda *)tm__cuda_state(c->ctx);
+    if (cu && cu->comm_wait == pending_wait) {
+        (void)pending_wait(c->ctx, "tm_comm_free"); /* bounded by the timeout; aborts on expiry */
+        cu->comm_wait = NULL;
+    }
     for (int g = 0; g < TM_COMM_NGROUPS; g++)
         if (st->comm[g]) ncclCommDestroy(st->comm[g]);
     tm__host_free(c->ctx, st);

@@ -56,6 +56,9 @@ typedef struct tm__cuda {
     size_t workspace_bytes;
     tm__gemm_plan plans[TM__GEMM_CACHE];
     int next_victim;                     /* round-robin eviction when the cache is full */
+    /* Set by an engine that enqueued collectives it must watch (comm_nccl.cu, under a timeout):
+     * the next wait for the stream is its, not a plain cudaStreamSynchronize (device.cu). */
+    tm_status (*comm_wait)(tm_ctx *ctx, const char *what);
 } tm__cuda;
 
 /* ---- errors -------------------------------------------------------------------------------- */

@@ -93,12 +93,27 @@ static tm_status tm__cuda_malloc(tm_ctx *ctx, size_t nbytes, void **p) {
     return TM_OK;
 }
 
+static tm_status comm_wait(tm_ctx *ctx, tm__cuda *st, const char *what);
+
 static void tm__cuda_free(tm_ctx *ctx, void *p) {
     tm__cuda *st = (tm__cuda *)tm__cuda_state(ctx);
     if (!p || !st) return;
+    /* cudaFree waits for the device: collectives in flight are waited for under their timeout
+     * first; if they fail, the block is left allocated (the run is failing anyway) */
+    if (comm_wait(ctx, st, "cuda_free") != TM_OK) return;
     cudaSetDevice(st->device);
     cudaFree(p); /* synchronises the device: no kernel still reads p */
     (void)cudaGetLastError();
+}
+
+/* Before the host waits for the stream: if an engine left collectives to watch (NCCL under a
+ * timeout, kernels/cuda/comm_nccl.cu), it waits for them, failing past its timeout; the
+ * collectives themselves never block the host, so the GPU's queue stays full across them. */
+static tm_status comm_wait(tm_ctx *ctx, tm__cuda *st, const char *what) {
+    tm_status (*w)(tm_ctx *, const char *) = st->comm_wait;
+    if (!w) return TM_OK;
+    st->comm_wait = NULL;
+    return w(ctx, what);
 }
 
 extern "C" tm_status tm__cuda_memcpy(tm_ctx *ctx, void *dst, const void *src, size_t nbytes, int kind) {
@@ -118,6 +133,13 @@ extern "C" tm_status tm__cuda_memcpy(tm_ctx *ctx, void *dst, const void *src, si
     }
     tm__count_sync(ctx);
     double t0 = tm__now();
+    /* Collectives in flight: their engine waits first (a copy to pageable memory would block
+     * inside cudaMemcpyAsync, past any timeout); the copy then finds the stream idle. */
+    tm_status ws = comm_wait(ctx, st, what);
+    if (ws != TM_OK) {
+        tm__add_wait(ctx, t0);
+        return ws;
+    }
     cudaError_t e = cudaMemcpyAsync(dst, src, nbytes, k, st->stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(st->stream);
     tm__add_wait(ctx, t0);
@@ -138,8 +160,10 @@ static tm_status tm__cuda_sync(tm_ctx *ctx) {
     TM__TRY(tm__cu_enter(ctx, "cuda_sync", &st));
     tm__count_sync(ctx);
     double t0 = tm__now();
-    cudaError_t e = cudaStreamSynchronize(st->stream);
+    tm_status ws = comm_wait(ctx, st, "cuda_sync");
+    cudaError_t e = ws == TM_OK ? cudaStreamSynchronize(st->stream) : cudaSuccess;
     tm__add_wait(ctx, t0);
+    TM__TRY(ws);
     TM__CU_CHECK(ctx, "cuda_sync", e);
     return TM_OK;
 }
