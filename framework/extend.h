@@ -86,6 +86,11 @@ void *tm__meta_alloc(tm_ctx *ctx, size_t nbytes);
  * does not synchronise (and the CPU forward counts no synchronisation). An id outside [0, V)
  * then gives a zero row on CUDA (the CPU still reports it). */
 tm_status tm__embedding_checked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
+/* tm__embedding_checked for ids that name each row of weight at most once (a permutation, as
+ * the expert-parallel regrouping's): the same values and gradient; the CUDA backward adds each
+ * source row into its destination directly instead of sorting the ids (a sort of the ~10^5 rows
+ * per call, O(M log^2 M) in ~150 launches, cost each MoE layer's all-to-all path milliseconds). */
+tm_status tm__embedding_unique(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
 /* tm_cross_entropy for targets already known to be valid (checked on the device, e.g. by
  * tm_index_check): the same result, but the CUDA forward does not read its bad-target flag
  * back, so it does not synchronise (and the CPU forward counts no synchronisation). A target

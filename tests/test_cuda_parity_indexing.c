@@ -210,6 +210,56 @@ Test(cuda_parity_indexing, scatter_bitwise_reproducible_bf16) {
     scatter_reproducible(TM_BF16, 1e-2, 1e-2);
 }
 
+/* tm__embedding_unique (the expert-parallel regrouping: ids a permutation of the rows): its CUDA
+ * backward scatters without the sort; the gradient must equal, bit for bit, the sorted path's
+ * (tm__embedding_checked on CUDA) and the CPU's, including a second lookup adding into the
+ * gradient the first one left. */
+static void unique_scatter(tm_dtype dt) {
+    tm_ctx *ctx = tt_parity_ctx();
+    enum { R = 30011, C = 72 };
+    int64_t *p1 = malloc(sizeof(int64_t) * R), *p2 = malloc(sizeof(int64_t) * R), n = R, ws[2] = {R, C};
+    for (int64_t m = 0; m < R; m++) p1[m] = (m * 7919) % R, p2[m] = R - 1 - m; /* 7919 is prime, R too */
+    double *hg = tt_parity_uniform(R * C, 8), *hg2 = tt_parity_uniform(R * C, 9), *got[3];
+    const tm_device devs[3] = {tm_cuda(0), tm_cuda(0), tm_cpu()};
+    for (int run = 0; run < 3; run++) {
+        tm_tensor *w = floats_on(ctx, dt, 2, ws, 4, devs[run]);
+        tm_tensor *i1 = ids_on(ctx, TM_I64, 1, &n, p1, devs[run]), *i2 = ids_on(ctx, TM_I32, 1, &n, p2, devs[run]);
+        tm_tensor *a, *b, *g, *g2, *y;
+        TT_OK(ctx, tm_tensor_set_requires_grad(ctx, w, 1));
+        tm_status (*lookup)(tm_ctx *, tm_tensor *, tm_tensor *, tm_tensor **) =
+            run == 1 ? tm__embedding_checked : tm__embedding_unique;
+        TT_OK(ctx, lookup(ctx, w, i1, &a));
+        TT_OK(ctx, lookup(ctx, w, i2, &b));
+        TT_OK(ctx, tm_tensor_from_host(ctx, dt, 2, ws, devs[run], TM_F64, hg, &g));
+        TT_OK(ctx, tm_tensor_from_host(ctx, dt, 2, ws, devs[run], TM_F64, hg2, &g2));
+        TT_OK(ctx, tm_mul(ctx, a, g, &a));
+        TT_OK(ctx, tm_mul(ctx, b, g2, &b));
+        TT_OK(ctx, tm_add(ctx, a, b, &y));
+        TT_OK(ctx, tm_backward_with_grad(ctx, y, g)); /* d a = g * g, d b = g2 * g: two scatters into w */
+        got[run] = tt_read(ctx, tm_tensor_grad(w));
+        double *fw = tt_read(ctx, a);
+        cr_assert(isfinite(fw[0]));
+        free(fw);
+        tm_ctx_arena_reset(ctx);
+    }
+    cr_assert(memcmp(got[0], got[1], sizeof(double) * R * C) == 0, "%s: unique scatter differs from the sorted one",
+              tm_dtype_name(dt));
+    double tol = dt == TM_F32 ? 1e-6 : 1e-2, r = tt_close_ratio(got[0], got[2], (int64_t)R * C, tol, tol);
+    cr_assert(r <= 1.0, "%s: CUDA differs from the CPU, ratio %g", tm_dtype_name(dt), r);
+    for (int run = 0; run < 3; run++) free(got[run]);
+    free(p1), free(p2), free(hg), free(hg2);
+    tm_ctx_free(ctx);
+}
+
+Test(cuda_parity_indexing, unique_ids_scatter_as_the_sorted_path_f32) {
+    TT_SKIP_WITHOUT_CUDA();
+    unique_scatter(TM_F32);
+}
+Test(cuda_parity_indexing, unique_ids_scatter_as_the_sorted_path_bf16) {
+    TT_SKIP_WITHOUT_CUDA();
+    unique_scatter(TM_BF16);
+}
+
 /* ---- index_check ------------------------------------------------------------------------------ */
 
 /* safe and first_bad on CUDA equal the CPU's; the CUDA call reads nothing back. */

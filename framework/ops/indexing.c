@@ -107,7 +107,7 @@ tm_status tm__scatter_add_check(tm__call *c) {
     return tm__out_new(c, 0, src->dtype, 2, shape);
 }
 
-static tm_status run2(tm_ctx *ctx, int op, tm_tensor *a, tm_tensor *b, int64_t iattr0, int checked,
+static tm_status run3(tm_ctx *ctx, int op, tm_tensor *a, tm_tensor *b, int64_t iattr0, int checked, int unique,
                       tm_tensor **out) {
     tm__call c = tm__call_init(ctx, op);
     c.n_in = 2;
@@ -115,7 +115,13 @@ static tm_status run2(tm_ctx *ctx, int op, tm_tensor *a, tm_tensor *b, int64_t i
     c.in[1] = b;
     c.iattr[0] = iattr0;
     c.iattr[1] = checked;
+    c.iattr[2] = unique;
     return tm__op_run1(&c, out);
+}
+
+static tm_status run2(tm_ctx *ctx, int op, tm_tensor *a, tm_tensor *b, int64_t iattr0, int checked,
+                      tm_tensor **out) {
+    return run3(ctx, op, a, b, iattr0, checked, 0, out);
 }
 
 tm_status tm_embedding(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out) {
@@ -124,6 +130,10 @@ tm_status tm_embedding(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor
 
 tm_status tm__embedding_checked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out) {
     return run2(ctx, TM__OP_EMBEDDING, weight, ids, 0, 1, out);
+}
+
+tm_status tm__embedding_unique(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out) {
+    return run3(ctx, TM__OP_EMBEDDING, weight, ids, 0, 1, 1, out);
 }
 
 tm_status tm_index_select(tm_ctx *ctx, tm_tensor *x, tm_tensor *idx, tm_tensor **out) {

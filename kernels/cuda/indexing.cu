@@ -8,6 +8,9 @@
  *   gather        x (N, C), idx (N, K)       -> out (N, K)      out[n, k] = x[n, idx[n, k]]
  *   scatter_add   src (M, C), idx (M), iattr[0] n_rows -> out (n_rows, C)  out[idx[m]] += src[m]
  *   iattr[1] 1: the indices are known valid (tm__embedding_checked): no flag is read back.
+ *   iattr[2] 1: they are also distinct (tm__embedding_unique): the backward scatters without
+ *            sorting (ix_scatter_unique_kernel: one writer per destination row, the same f64
+ *            addition as the sorted path's run of one source).
  *   No saved tensors: every backward reads the index input and the upstream gradient.
  *   index_check   ids (S...), iattr[0] hi, iattr[1] ignore_index
  *                 -> out[0] safe (S...) ids' dtype: ids[s] where valid, ignore_index elsewhere
@@ -288,10 +291,33 @@ static tm_status row_lookup_forward(tm__call *c) {
     return check_indices(c, st);
 }
 
+/* dst (R, C) += src (M, C) scattered by distinct idx (M): each destination row has one source,
+ * so one thread per element writes it: old + src in f64, rounded once, as ix_scatter_rows_kernel
+ * adds a run of one. Out-of-range indices add nothing. */
+template <typename T, typename I>
+__global__ void ix_scatter_unique_kernel(T *dst, const T *src, const I *idx, int64_t M, int64_t R, int64_t C) {
+    TM__CU_GRID_STRIDE(i, M * C) {
+        int64_t m = i / C, col = i - m * C, r = (int64_t)idx[m];
+        if (r < 0 || r >= R) continue;
+        T *d = dst + r * C + col;
+        tm__st(d, (float)((double)tm__ld(d) + (double)tm__ld(src + m * C + col)));
+    }
+}
+
 static tm_status row_lookup_backward(tm__call *c) {
     if (!c->gin[0]) return TM_OK;
     tm__cuda *st;
     TM__TRY(tm__cu_enter(c->ctx, tm__opname(c), &st));
+    if (c->op == TM__OP_EMBEDDING && c->iattr[2]) {
+        const tm_tensor *dst = c->gin[0], *src = c->gout[0], *idx = c->in[1];
+        int64_t R = dst->shape[0], C = dst->shape[1], M = tm__numel(idx);
+        if (M * C > 0) {
+            IDX_LAUNCH(dst->dtype, idx->dtype, ix_scatter_unique_kernel, tm__cu_blocks(st, M * C), TM__CU_THREADS,
+                       st->stream, tm__data(dst), tm__data(src), tm__data(idx), M, R, C);
+            TM__CU_LAUNCHED(c->ctx, tm__opname(c), "ix_scatter_unique_kernel");
+        }
+        return TM_OK;
+    }
     return scatter_rows(c, st, c->gin[0], c->gout[0], c->in[1], 1);
 }
 
