@@ -457,11 +457,12 @@ TM_API tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *g
  *   TM_ERR_INVALID_ARG  an input or the out pointer NULL; an input made by another context;
  *   TM_ERR_DEVICE       inputs on different devices (tm_to_device excepted);
  *   TM_ERR_UNSUPPORTED  no kernel for the inputs' backend. Every op has CPU kernels; CUDA ones
- *                       exist only for matmul, add, sub, mul, scale, the four reductions, the
- *                       shape ops (reshape ... to_device), embedding, index_select, gather,
- *                       scatter_add, index_check, rmsnorm, silu, swiglu, softmax, log_softmax,
- *                       cross_entropy, rope and attention (the rows of framework/op_table.c
- *                       with a CUDA column). Also a GEMM that cuBLASLt has no algorithm for;
+ *                       exist only for matmul, add, sub, mul, scale, scale_rows, the four
+ *                       reductions, the shape ops (reshape ... to_device), embedding,
+ *                       index_select, gather, scatter_add, index_check, rmsnorm, silu, swiglu,
+ *                       softmax, log_softmax, cross_entropy, rope and attention (the rows of
+ *                       framework/op_table.c with a CUDA column). Also a GEMM that cuBLASLt
+ *                       has no algorithm for;
  *   TM_ERR_NOMEM        the per-step arena could not grow (outputs, saved tensors, contiguous
  *                       copies of strided inputs, scratch, the tape entry);
  *   TM_ERR_CUDA         a CUDA runtime or cuBLASLt call failed (CUDA inputs only).
@@ -484,6 +485,17 @@ TM_API tm_status tm_sub(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out
 TM_API tm_status tm_mul(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
 /* out = alpha * x. Errors: TM_ERR_DTYPE (x not float), TM_ERR_INVALID_ARG (alpha not finite). */
 TM_API tm_status tm_scale(tm_ctx *ctx, tm_tensor *x, double alpha, tm_tensor **out);
+/* Row scaling: out[r, c] = x[r, c] * w[r], x [R, C], w [R] (a weight per row: the broadcast
+ * tm_mul cannot express, w being a leading dim). w's dtype is computed like x's, as the
+ * permuted_probs of tm_moe_unpermute: f32 or bf16 with f32 or bf16, f64 with f64; the product
+ * is taken in f32 (f64 for f64) and rounded once to x's dtype, so bf16 rows times f32 router
+ * weights round once, as Megatron-LM's `probs * hidden` followed by `.to(hidden.dtype)`.
+ * out [R, C] of x's dtype. Backward: dx[r, c] = dy[r, c] w[r]; dw[r] = <x[r], dy[r]>
+ * (f64 sum on the CPU, f32 on CUDA). The MoE block's early top-k weighting
+ * (tm_moe_config.apply_topk_weights_early) applies it to the permuted rows.
+ * Errors: TM_ERR_DTYPE (x or w not float; f64 with another dtype), TM_ERR_SHAPE (x not 2-D,
+ * w not [R]). */
+TM_API tm_status tm_scale_rows(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor **out);
 
 /* Sum / mean over one axis (keepdim keeps it as size 1), or over all elements (*_all: a 0-d
  * scalar). Accumulation in f64 on the CPU, f32 on CUDA.
