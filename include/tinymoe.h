@@ -466,11 +466,12 @@ TM_API tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *g
  *   TM_ERR_INVALID_ARG  an input or the out pointer NULL; an input made by another context;
  *   TM_ERR_DEVICE       inputs on different devices (tm_to_device excepted);
  *   TM_ERR_UNSUPPORTED  no kernel for the inputs' backend. Every op has CPU kernels; CUDA ones
- *                       exist only for matmul, add, sub, mul, scale, the four reductions, the
- *                       shape ops (reshape ... to_device), embedding, index_select, gather,
- *                       scatter_add, index_check, rmsnorm, silu, swiglu, softmax, log_softmax,
- *                       cross_entropy, rope and attention (the rows of framework/op_table.c
- *                       with a CUDA column). Also a GEMM that cuBLASLt has no algorithm for;
+ *                       exist only for matmul, add, sub, mul, scale, scale_rows, the four
+ *                       reductions, the shape ops (reshape ... to_device), embedding,
+ *                       index_select, gather, scatter_add, index_check, rmsnorm, silu, swiglu,
+ *                       softmax, log_softmax, cross_entropy, rope and attention (the rows of
+ *                       framework/op_table.c with a CUDA column). Also a GEMM that cuBLASLt
+ *                       has no algorithm for;
  *   TM_ERR_NOMEM        the per-step arena could not grow (outputs, saved tensors, contiguous
  *                       copies of strided inputs, scratch, the tape entry);
  *   TM_ERR_CUDA         a CUDA runtime or cuBLASLt call failed (CUDA inputs only).
@@ -493,6 +494,17 @@ TM_API tm_status tm_sub(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out
 TM_API tm_status tm_mul(tm_ctx *ctx, tm_tensor *a, tm_tensor *b, tm_tensor **out);
 /* out = alpha * x. Errors: TM_ERR_DTYPE (x not float), TM_ERR_INVALID_ARG (alpha not finite). */
 TM_API tm_status tm_scale(tm_ctx *ctx, tm_tensor *x, double alpha, tm_tensor **out);
+/* Row scaling: out[r, c] = x[r, c] * w[r], x [R, C], w [R] (a weight per row: the broadcast
+ * tm_mul cannot express, w being a leading dim). w's dtype is computed like x's, as the
+ * permuted_probs of tm_moe_unpermute: f32 or bf16 with f32 or bf16, f64 with f64; the product
+ * is taken in f32 (f64 for f64) and rounded once to x's dtype, so bf16 rows times f32 router
+ * weights round once, as Megatron-LM's `probs * hidden` followed by `.to(hidden.dtype)`.
+ * out [R, C] of x's dtype. Backward: dx[r, c] = dy[r, c] w[r]; dw[r] = <x[r], dy[r]>
+ * (f64 sum on the CPU, f32 on CUDA). The MoE block's early top-k weighting
+ * (tm_moe_config.apply_topk_weights_early) applies it to the permuted rows.
+ * Errors: TM_ERR_DTYPE (x or w not float; f64 with another dtype), TM_ERR_SHAPE (x not 2-D,
+ * w not [R]). */
+TM_API tm_status tm_scale_rows(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor **out);
 
 /* Sum / mean over one axis (keepdim keeps it as size 1), or over all elements (*_all: a 0-d
  * scalar). Accumulation in f64 on the CPU, f32 on CUDA.
@@ -914,7 +926,50 @@ typedef struct tm_moe_config {
     int pad_to_capacity;        /* with capacity: every expert gets exactly `capacity` rows */
     int shared_ffn_size;        /* 0: none; else a dense SwiGLU of this F on every token, added */
     tm_moe_strategy strategy;
+    int apply_topk_weights_early; /* 0 (default) or 1: router weights on the experts' input, below */
 } tm_moe_config;
+
+/* apply_topk_weights_early. Off (0), each routed (t,e)'s router weight p[t,e] (the probs after
+ * drops: its row's permuted_probs) weights the expert's output in the combine:
+ *     y[t] = sum over routed e of p[t,e] * FFN_e(x[t])
+ * On (1), it scales the expert's input instead and the combine sums with weight 1:
+ *     y[t] = sum over routed e of FFN_e(p[t,e] * x[t])
+ * i.e. expert input row r = p_r * x[t(r)] (tm_scale_rows of the permuted rows by their
+ * permuted_probs), the SwiGLU FFN as usual, then tm_moe_unpermute with NULL weights. SwiGLU is
+ * not linear (silu(p a) * (p b) is not p silu(a) b), so this is another model, not a
+ * reordering of the same arithmetic. Gradients reach x and p (so the gate):
+ * d p_r = <x[t(r)], d row r>.
+ * Source: Megatron-LM moe_apply_probs_on_input (megatron/core/transformer/transformer_config.py;
+ * used in moe/experts.py, the forward of GroupedMLP, TEGroupedMLP and SequentialMLP:
+ * hidden = permuted_probs.unsqueeze(-1) * hidden, cast back to hidden's dtype, then the probs
+ * reset to ones so that nothing weights the output again), as Llama 4 routes (Hugging Face
+ * Llama4TextMoe: hidden states times the router scores before the experts; top-1, sigmoid).
+ * What carries over, and where tinymoe differs:
+ *   - topk: Megatron asserts moe_router_topk == 1 ("`moe_apply_probs_on_input` only works with
+ *     `moe_router_topk`=1"), as does TensorRT-LLM's apply_router_weight_on_input for Llama 4.
+ *     tinymoe accepts any topk: every routed (t,e) is its own row with its own p, and the
+ *     formula above is well defined (the dense strategy checks it); with k = 1 and
+ *     norm_topk_prob the weight is 1 and the option changes nothing, so pair k = 1 with
+ *     sigmoid scores or a softmax without renormalisation, as Llama 4 does;
+ *   - precision: Megatron multiplies the fp32 probs (moe_router_dtype fp32) by the bf16 rows in
+ *     fp32 and casts back; here the product is taken in f32 (f64 for an f64 block) and rounded
+ *     once to the block's dtype (tm_scale_rows);
+ *   - padding rows (align_size, pad_to_capacity; Megatron's drop-and-pad slots, whose probs
+ *     are 0) get weight 0: their input stays zero and the combine skips them;
+ *   - capacity: a dropped (t,e) has no row (tm_moe_drop_tokens zeroes its p and map entry),
+ *     so dropping acts as it does with the option off; capacities and counts are unchanged;
+ *   - the shared expert (shared_ffn_size) sees the unweighted x, as Llama 4's does;
+ *   - the dense strategy computes sum over all E experts of FFN_e(probs[:, e] * x): an expert
+ *     a token does not route to gets p = 0, a zero input and FFN_e(0) = 0 (no biases), so it
+ *     remains an independent oracle of the grouped path;
+ *   - expert parallelism: ALLTOALL scales the rows on their source rank before the dispatch
+ *     all-to-all (the weights still never travel); ALLGATHER scales the local experts' rows of
+ *     the gathered tokens; both then combine with weight 1, so every layout computes what one
+ *     process does.
+ * Not TransformerEngine's flag of the same name (the JAX MoEBlock, transformer_engine/jax/moe.py,
+ * with PR #3116): that one multiplies the SwiGLU output by the weights before the linear wo
+ * GEMM, which moves the multiply but keeps the late-weighted function. A Hugging Face Mixtral
+ * export cannot express the option (Mixtral weights the expert outputs) and refuses it. */
 
 /* H 64, F 128, router defaults (E 8, k 2), no bias, no losses, align 1, dropless, grouped. */
 TM_API tm_moe_config tm_moe_config_default(void);

@@ -6,6 +6,10 @@
  *   --permute--> rows [R,H] --grouped GEMMs: swiglu(rows @ W0[e], rows @ W1[e]) @ Wo[e]-->
  *   --unpermute (prob-weighted sum)--> y [T,H]  (+ shared-expert SwiGLU on every token)
  *
+ * With apply_topk_weights_early the weights move to the other end of the experts: the permuted
+ * rows are scaled by their permuted_probs (tm_scale_rows) before the grouped GEMMs, and the
+ * unpermute sums with weight 1 (no weights passed).
+ *
  * The dense strategy computes every expert on every token with plain matmuls and weights the
  * results by probs: no permute, no grouped GEMM, so it is an independent oracle for the grouped
  * path (tests/test_moe_layer.c) and the cheaper choice when E is tiny.
@@ -101,6 +105,8 @@ tm_status tm_moe_config_check(tm_ctx *ctx, const tm_moe_config *c) {
     if (c->shared_ffn_size < 0) return BAD("moe config: shared_ffn_size = %d must be >= 0", c->shared_ffn_size);
     if (c->strategy != TM_MOE_GROUPED && c->strategy != TM_MOE_DENSE)
         return BAD("moe config: strategy = %d is neither grouped (0) nor dense (1)", (int)c->strategy);
+    if (c->apply_topk_weights_early != 0 && c->apply_topk_weights_early != 1)
+        return BAD("moe config: apply_topk_weights_early = %d must be 0 or 1", c->apply_topk_weights_early);
     return TM_OK;
 }
 
@@ -220,31 +226,60 @@ static tm_status swiglu_ffn(tm_ctx *ctx, tm_tensor *x, tm_tensor *w0, tm_tensor 
 }
 
 /* Dense oracle: y = sum_e probs[:, e] * SwiGLU_e(x). The column probs[:, e] is spread over H
- * with a K=1 matmul against ones (an outer product) since broadcasting is over leading dims. */
+ * with a K=1 matmul against ones (an outer product) since broadcasting is over leading dims.
+ * With apply_topk_weights_early, y = sum_e SwiGLU_e(probs[:, e] * x) (tm_scale_rows by the
+ * column, in the probs' dtype as the grouped path's permuted_probs): an expert that a token
+ * does not route to gets p = 0, a zero input row and SwiGLU_e(0) = 0 (no biases), so the sum
+ * over all E experts is the routed one. */
 static tm_status dense_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor **y) {
     tm_ctx *ctx = m->ctx;
-    int64_t H = tm_tensor_dim(x, 1), E = m->cfg.router.num_experts;
+    int64_t T = tm_tensor_dim(x, 0), H = tm_tensor_dim(x, 1), E = m->cfg.router.num_experts;
     int64_t one_h[2] = {1, H};
-    tm_tensor *ones, *p = probs;
+    int early = m->cfg.apply_topk_weights_early;
+    tm_tensor *ones = NULL, *p = probs;
     tm_dtype dt = tm_tensor_dtype(x);
-    TM__TRY(tm_tensor_empty(ctx, dt, 2, one_h, tm_tensor_device(x), &ones));
-    TM__TRY(tm_tensor_fill(ctx, ones, 1.0));
-    if (tm_tensor_dtype(p) != dt) TM__TRY(tm_cast(ctx, p, dt, &p));
+    if (!early) {
+        TM__TRY(tm_tensor_empty(ctx, dt, 2, one_h, tm_tensor_device(x), &ones));
+        TM__TRY(tm_tensor_fill(ctx, ones, 1.0));
+        if (tm_tensor_dtype(p) != dt) TM__TRY(tm_cast(ctx, p, dt, &p));
+    }
     tm_tensor *acc = NULL;
     for (int64_t e = 0; e < E; e++) {
-        tm_tensor *w0, *w1, *wo, *h, *col, *spread, *term;
+        tm_tensor *w0, *w1, *wo, *h, *col, *term;
         TM__TRY(expert_weight(ctx, m->w0, e, &w0));
         TM__TRY(expert_weight(ctx, m->w1, e, &w1));
         TM__TRY(expert_weight(ctx, m->wo, e, &wo));
-        TM__TRY(swiglu_ffn(ctx, x, w0, w1, wo, &h));
         TM__TRY(tm_slice(ctx, p, 1, e, e + 1, &col)); /* [T,1] */
-        TM__TRY(tm_matmul(ctx, col, ones, 0, 0, &spread)); /* [T,H] */
-        TM__TRY(tm_mul(ctx, h, spread, &term));
+        if (early) {
+            tm_tensor *xe;
+            TM__TRY(tm_reshape(ctx, col, 1, &T, &col)); /* [T] (a copy of the strided column) */
+            TM__TRY(tm_scale_rows(ctx, x, col, &xe));
+            TM__TRY(swiglu_ffn(ctx, xe, w0, w1, wo, &term));
+        } else {
+            tm_tensor *spread;
+            TM__TRY(swiglu_ffn(ctx, x, w0, w1, wo, &h));
+            TM__TRY(tm_matmul(ctx, col, ones, 0, 0, &spread)); /* [T,H] */
+            TM__TRY(tm_mul(ctx, h, spread, &term));
+        }
         if (acc) TM__TRY(tm_add(ctx, acc, term, &acc));
         else acc = term;
     }
     *y = acc;
     return TM_OK;
+}
+
+/* The expert input rows and the combine weights of a dispatch: late weighting (the default)
+ * passes the rows as they are and weights the combine by permuted_probs; early weighting
+ * scales each row by its weight now (padding rows: weight 0, and zero rows already) and
+ * combines with weight 1 (NULL weights for tm_moe_unpermute). */
+static tm_status weighted_rows(tm_moe *m, const tm_moe_dispatch *d, tm_tensor **rows, tm_tensor **combine_w) {
+    if (!m->cfg.apply_topk_weights_early) {
+        *rows = d->permuted;
+        *combine_w = d->permuted_probs;
+        return TM_OK;
+    }
+    *combine_w = NULL;
+    return tm_scale_rows(m->ctx, d->permuted, d->permuted_probs, rows);
 }
 
 /* ---- expert parallelism (../shared/reference/moe-semantics.md section 7) ------------------ */
@@ -307,6 +342,8 @@ static tm_status ep_nomem(tm_moe *m, int64_t received, int64_t sent, int64_t tok
  *   gather) -> the L local experts -> the inverse regrouping -> the reverse all-to-all -> the
  *   source's own unpermute with its own combine weights (permuted_probs never travel: the
  *   expert outputs come back to the rows they left, so the weighted sum is the one-rank one).
+ *   With apply_topk_weights_early the source scales its permuted rows by their weights before
+ *   the first all-to-all (so the weights still stay home) and combines with weight 1.
  * Every step is an op, so the backward mirrors it (the all-to-alls reverse, the gathers
  * scatter-add). Counts include the permute's alignment padding rows, which travel as zero rows. */
 static tm_status ep_alltoall_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor *map, int64_t pad_to,
@@ -343,25 +380,28 @@ static tm_status ep_alltoall_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, 
             lcount[l] += all[(int64_t)j * E + m->e0 + l];
         }
     }
-    tm_tensor *sc, *rc, *ti, *tinv, *tl, *recv, *xe, *eo, *back, *ret;
+    tm_tensor *sc, *rc, *ti, *tinv, *tl, *rows, *cw, *recv, *xe, *eo, *back, *ret;
+    TM__TRY(weighted_rows(m, &d, &rows, &cw));
     TM__TRY(i64_tensor(ctx, sendc, P, tm_cpu(), 0, &sc));
     TM__TRY(i64_tensor(ctx, recvc, P, tm_cpu(), 0, &rc));
     TM__TRY(i64_tensor(ctx, idx, Rr, m->dev, 0, &ti));
     TM__TRY(i64_tensor(ctx, inv, Rr, m->dev, 0, &tinv));
     TM__TRY(i64_tensor(ctx, lcount, L, m->dev, 1, &tl));
-    tm_status s = tm_comm_alltoall(ctx, d.permuted, sc, rc, TM_COMM_EP, &recv); // (Rr, H) source-major
+    tm_status s = tm_comm_alltoall(ctx, rows, sc, rc, TM_COMM_EP, &recv);      // (Rr, H) source-major
     if (!s) s = tm__embedding_unique(ctx, recv, ti, &xe);                       // (Rr, H) expert-major
     if (!s) s = local_experts(m, xe, tl, &eo);
     if (!s) s = tm__embedding_unique(ctx, eo, tinv, &back);                     // (Rr, H) source-major
     if (!s) s = tm_comm_alltoall(ctx, back, rc, sc, TM_COMM_EP, &ret);          // (R, H) as permuted
     if (s == TM_ERR_NOMEM) return ep_nomem(m, Rr, tm_tensor_dim(d.permuted, 0), tm_tensor_dim(x, 0));
     if (s) return s;
-    return tm_moe_unpermute(ctx, ret, d.permuted_probs, d.row_token, tm_tensor_dim(x, 0), y);
+    return tm_moe_unpermute(ctx, ret, cw, d.row_token, tm_tensor_dim(x, 0), y);
 }
 
 /* All-gather dispatch (MaxText's "ring of experts"): the ep group's tokens and router outputs
  * are all-gathered, each rank runs its L experts on all of them (its columns of probs and the
- * map), and the partial outputs are reduce-scattered back to the ranks the tokens came from. */
+ * map), and the partial outputs are reduce-scattered back to the ranks the tokens came from.
+ * With apply_topk_weights_early the rows of the local experts are scaled by their (gathered)
+ * weights before the experts, and the partial combine sums with weight 1. */
 static tm_status ep_allgather_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor *map, int64_t pad_to,
                                       tm_tensor **y) {
     tm_ctx *ctx = m->ctx;
@@ -374,10 +414,12 @@ static tm_status ep_allgather_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs,
     TM__TRY(tm_slice(ctx, mg, 1, m->e0, m->e0 + m->L, &ml));
     TM__TRY(tm_contiguous(ctx, ml, &ml));
     tm_moe_dispatch d;
+    tm_tensor *xe, *cw;
     TM__TRY(tm_moe_permute(ctx, xg, ml, pl, m->cfg.align_size, pad_to, &d));
-    TM__TRY(local_experts(m, d.permuted, d.tokens_per_expert, &eo));
+    TM__TRY(weighted_rows(m, &d, &xe, &cw));
+    TM__TRY(local_experts(m, xe, d.tokens_per_expert, &eo));
     int64_t Tep = tm_tensor_dim(xg, 0), T = tm_tensor_dim(x, 0);
-    TM__TRY(tm_moe_unpermute(ctx, eo, d.permuted_probs, d.row_token, Tep, &yl)); // (Tep, H) partial
+    TM__TRY(tm_moe_unpermute(ctx, eo, cw, d.row_token, Tep, &yl)); // (Tep, H) partial
     if (Tep == T * P) return tm_comm_reduce_scatter(ctx, yl, TM_COMM_EP, y);
     /* ranks with different token counts: sum everything, keep this rank's rows */
     int64_t *rows = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)P), off = 0;
@@ -407,12 +449,13 @@ static tm_status grouped_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_t
      * (it read them back, or pad_to each) their host mirror spares the grouped GEMMs, forward
      * and backward, a read back of the group sizes (framework/internal.h); otherwise they stay
      * on the device and a GEMM that needs them on the host reads them once. */
-    tm_tensor *a, *b, *h, *eo, *pp = d.permuted_probs;
-    TM__TRY(tm_grouped_matmul(ctx, d.permuted, m->w0, d.tokens_per_expert, &a));
-    TM__TRY(tm_grouped_matmul(ctx, d.permuted, m->w1, d.tokens_per_expert, &b));
+    tm_tensor *rows, *cw, *a, *b, *h, *eo;
+    TM__TRY(weighted_rows(m, &d, &rows, &cw));
+    TM__TRY(tm_grouped_matmul(ctx, rows, m->w0, d.tokens_per_expert, &a));
+    TM__TRY(tm_grouped_matmul(ctx, rows, m->w1, d.tokens_per_expert, &b));
     TM__TRY(tm_swiglu(ctx, a, b, &h));
     TM__TRY(tm_grouped_matmul(ctx, h, m->wo, d.tokens_per_expert, &eo));
-    return tm_moe_unpermute(ctx, eo, pp, d.row_token, tm_tensor_dim(x, 0), y);
+    return tm_moe_unpermute(ctx, eo, cw, d.row_token, tm_tensor_dim(x, 0), y);
 }
 
 /* stats->packed, i64 [E + TM__MOE_STAT_SLOTS]: counts [0, E), then dropped, aux, seq aux, z.

@@ -29,6 +29,16 @@ static tm_status f_add(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **
 static tm_status f_sub(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) { return tm_sub(c, in[0], in[1], o); }
 static tm_status f_mul(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) { return tm_mul(c, in[0], in[1], o); }
 static tm_status f_scale(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) { return tm_scale(c, in[0], -0.37, o); }
+static tm_status f_scale_rows(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    return tm_scale_rows(c, in[0], in[1], o);
+}
+/* f32 weights whatever the rows' dtype (the MoE block's bf16 rows times f32 router weights);
+ * the cast is differentiable, so the weights' gradient comes back through it. */
+static tm_status f_scale_rows_f32w(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_tensor *w;
+    tm_status st = tm_cast(c, in[1], TM_F32, &w);
+    return st ? st : tm_scale_rows(c, in[0], w, o);
+}
 static tm_status f_sum(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
     return tm_sum(c, in[0], (int)a[0], (int)a[1], o);
 }
@@ -149,6 +159,9 @@ static const tt_pcase CASES[] = {
     {"mul", "mul [5,6] * [4,5,6]", f_mul, 2, {2, 3}, {{5, 6}, {4, 5, 6}}, {0}, {0}, {0}, 1, 0},
     {"mul", "mul [3001,5] * [5] (split reduce)", f_mul, 2, {2, 1}, {{3001, 5}, {5}}, {0}, {0}, {0}, 100, 0},
     {"scale", "scale", f_scale, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1, 0},
+    {"scale_rows", "scale_rows", f_scale_rows, 2, {2, 1}, {{13, 7}, {13}}, {0}, {0}, {0}, 1, 0},
+    {"scale_rows", "scale_rows, rows longer than a warp", f_scale_rows, 2, {2, 1}, {{5, 300}, {5}}, {0}, {0}, {0}, 10, 0},
+    {"scale_rows", "scale_rows, f32 weights", f_scale_rows_f32w, 2, {2, 1}, {{9, 40}, {9}}, {0}, {0}, {0}, 1, 0},
     {"sum", "sum axis 1", f_sum, 1, {3}, {{3, 5, 7}}, {0}, {0}, {1, 0}, 1, 0},
     {"sum", "sum axis -1 keepdim", f_sum, 1, {3}, {{3, 5, 7}}, {0}, {0}, {-1, 1}, 1, 0},
     {"sum", "sum axis 0 long (split)", f_sum, 1, {2}, {{3001, 5}}, {0}, {0}, {0, 0}, 100, 0},

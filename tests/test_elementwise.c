@@ -3,7 +3,9 @@
  * without broadcasting (either operand the smaller, 0-d scalars), in f64, f32 and bf16;
  * backward by finite differences (broadcast gradients are sums over the leading dims); the
  * broadcast reduction on a size that takes the chunked parallel path (bit-identical for 1, 2
- * and 3 threads); bad inputs.
+ * and 3 threads); bad inputs. tm_scale_rows: forward against the formula (bf16 rows with f32
+ * weights rounded once), finite-difference gradients of both inputs (a zero weight included,
+ * as the MoE padding rows have), gradients thread-count invariant, bad inputs.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -199,6 +201,117 @@ Test(elementwise, bad_inputs) {
     }
     assert_err(ctx, tm_scale(ctx, ai, 2.0, &out), TM_ERR_DTYPE, "scale", "i64[2,3,5]", NULL);
     assert_err(ctx, tm_scale(ctx, a, INFINITY, &out), TM_ERR_INVALID_ARG, "scale", "alpha", "inf");
+    cr_assert_null(out, "out was set by a failed call");
+    tm_ctx_free(ctx);
+}
+
+/* ---- scale_rows ------------------------------------------------------------------------------- */
+
+static tm_status scale_rows_fn(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    return tm_scale_rows(ctx, in[0], in[1], out);
+}
+
+/* 7 rows of 5, one weight 0 (a padding row) and one negative. */
+double tt_gradcase_scale_rows(tm_ctx *ctx) {
+    int64_t xs[2] = {7, 5}, ws = 7;
+    const double w[7] = {0.7, -1.3, 0.0, 2.1, 0.25, 1.0, -0.6};
+    tm_tensor *in[2] = {tt_randn(ctx, TM_F64, 2, xs, 61), tt_from(ctx, TM_F64, 1, &ws, w)};
+    int check[2] = {1, 1};
+    return tt_gradcheck(ctx, scale_rows_fn, NULL, 2, in, check, 1e-6, 1e-8, 1e-6);
+}
+GRADTEST(scale_rows)
+
+/* out[r, c] = x[r, c] w[r] for f64, f32 and bf16 rows, with weights of the rows' dtype and,
+ * for bf16 rows, f32 weights: the product is taken in f32 and rounded to bf16 once. */
+Test(elementwise, scale_rows_forward) {
+    const tm_dtype xdt[4] = {TM_F64, TM_F32, TM_BF16, TM_BF16}, wdt[4] = {TM_F64, TM_F32, TM_BF16, TM_F32};
+    for (int k = 0; k < 4; k++) {
+        tm_ctx *ctx = tt_ctx();
+        int64_t xs[2] = {6, 9}, R = 6;
+        tm_tensor *x = tt_randn(ctx, xdt[k], 2, xs, 70 + k), *w = tt_randu(ctx, wdt[k], 1, &R, 80 + k, -2, 2), *y;
+        TT_OK(ctx, tm_scale_rows(ctx, x, w, &y));
+        cr_assert_eq(tm_tensor_dtype(y), xdt[k]);
+        cr_assert_eq(tm_tensor_dim(y, 0), 6);
+        cr_assert_eq(tm_tensor_dim(y, 1), 9);
+        double *vx = tt_read(ctx, x), *vw = tt_read(ctx, w), want[54];
+        for (int64_t r = 0; r < 6; r++)
+            for (int64_t c = 0; c < 9; c++) want[r * 9 + c] = vx[r * 9 + c] * vw[r];
+        if (xdt[k] == TM_BF16) {
+            /* the exact product rounded once to bf16: tm_cast of an f64 tensor rounds to nearest even */
+            tm_tensor *t = tt_from(ctx, TM_F64, 2, xs, want), *tb;
+            TT_OK(ctx, tm_cast(ctx, t, TM_BF16, &tb));
+            double *vb = tt_read(ctx, tb);
+            double *vy = tt_read(ctx, y);
+            for (int i = 0; i < 54; i++)
+                cr_assert_eq(vy[i], vb[i], "case %d element %d: %.9g, want %.9g rounded to bf16: %.9g", k, i, vy[i],
+                             want[i], vb[i]);
+            free(vb), free(vy);
+        } else {
+            tt_assert_close_host(ctx, y, want, 0, xdt[k] == TM_F64 ? 0 : 1e-7);
+        }
+        free(vx), free(vw);
+        tm_ctx_free(ctx);
+    }
+}
+
+/* The gradients of bf16 rows with f32 weights (the MoE block's case) against f64 ones. */
+Test(elementwise, scale_rows_backward_mixed_dtypes) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t xs[2] = {5, 16}, R = 5;
+    tm_tensor *x = tt_randn(ctx, TM_BF16, 2, xs, 90), *w = tt_randu(ctx, TM_F32, 1, &R, 91, -1, 1);
+    tm_tensor *g = tt_randn(ctx, TM_BF16, 2, xs, 92), *y;
+    double *vx = tt_read(ctx, x), *vw = tt_read(ctx, w), *vg = tt_read(ctx, g), dx[80], dw[5];
+    for (int64_t r = 0; r < 5; r++) {
+        dw[r] = 0;
+        for (int64_t c = 0; c < 16; c++) dx[r * 16 + c] = vg[r * 16 + c] * vw[r], dw[r] += vx[r * 16 + c] * vg[r * 16 + c];
+    }
+    TT_OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
+    TT_OK(ctx, tm_tensor_set_requires_grad(ctx, w, 1));
+    TT_OK(ctx, tm_scale_rows(ctx, x, w, &y));
+    TT_OK(ctx, tm_backward_with_grad(ctx, y, g));
+    cr_assert_eq(tm_tensor_dtype(tm_tensor_grad(x)), TM_BF16);
+    cr_assert_eq(tm_tensor_dtype(tm_tensor_grad(w)), TM_F32);
+    tt_assert_close_host(ctx, tm_tensor_grad(x), dx, 1e-6, 1e-2);
+    tt_assert_close_host(ctx, tm_tensor_grad(w), dw, 1e-5, 1e-6);
+    free(vx), free(vw), free(vg);
+    tm_ctx_free(ctx);
+}
+
+/* Rows are independent: 1, 2 and 3 threads give the same bits (a size past the parallel
+ * threshold). */
+Test(elementwise, scale_rows_thread_invariant) {
+    double *d[3][2];
+    for (int t = 0; t < 3; t++) {
+        tm_ctx *ctx = tt_ctx_threads(t + 1);
+        int64_t xs[2] = {700, 61}, R = 700;
+        tm_tensor *x = tt_randn(ctx, TM_F32, 2, xs, 93), *w = tt_randn(ctx, TM_F32, 1, &R, 94), *g = tt_randn(ctx, TM_F32, 2, xs, 95), *y;
+        TT_OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
+        TT_OK(ctx, tm_tensor_set_requires_grad(ctx, w, 1));
+        TT_OK(ctx, tm_scale_rows(ctx, x, w, &y));
+        TT_OK(ctx, tm_backward_with_grad(ctx, y, g));
+        d[t][0] = tt_read(ctx, tm_tensor_grad(x));
+        d[t][1] = tt_read(ctx, tm_tensor_grad(w));
+        tm_ctx_free(ctx);
+    }
+    for (int t = 1; t < 3; t++) {
+        cr_assert(memcmp(d[0][0], d[t][0], sizeof(double) * 700 * 61) == 0, "dx differs with %d threads", t + 1);
+        cr_assert(memcmp(d[0][1], d[t][1], sizeof(double) * 700) == 0, "dw differs with %d threads", t + 1);
+    }
+    for (int t = 0; t < 3; t++) free(d[t][0]), free(d[t][1]);
+}
+
+Test(elementwise, scale_rows_bad_inputs) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t s35[2] = {3, 5}, s3 = 3, s5 = 5, s235[3] = {2, 3, 5};
+    tm_tensor *x = tt_randn(ctx, TM_F32, 2, s35, 1), *w = tt_randn(ctx, TM_F32, 1, &s3, 2), *out = NULL;
+    assert_err(ctx, tm_scale_rows(ctx, x, tt_randn(ctx, TM_F32, 1, &s5, 3), &out), TM_ERR_SHAPE, "scale_rows", "f32[5]",
+               "f32[3,5]");
+    assert_err(ctx, tm_scale_rows(ctx, tt_randn(ctx, TM_F32, 3, s235, 4), w, &out), TM_ERR_SHAPE, "scale_rows",
+               "f32[2,3,5]", NULL);
+    assert_err(ctx, tm_scale_rows(ctx, x, tt_randn(ctx, TM_F64, 1, &s3, 5), &out), TM_ERR_DTYPE, "scale_rows", "f64[3]",
+               NULL);
+    assert_err(ctx, tm_scale_rows(ctx, x, tt_randint(ctx, TM_I64, 1, &s3, 6, 4), &out), TM_ERR_DTYPE, "scale_rows",
+               "i64[3]", NULL);
     cr_assert_null(out, "out was set by a failed call");
     tm_ctx_free(ctx);
 }

@@ -497,7 +497,7 @@ Test(hf, refuses_what_mixtral_cannot_express) {
     char err[512];
     tm_model_config base = small_config(2, 0, 2);
     cr_assert_eq(tmd_hf_check_config(&base, err, sizeof err), 0, "the reference config exports: %s", err);
-    for (int k = 0; k < 8; k++) {
+    for (int k = 0; k < 9; k++) {
         tm_model_config c = base;
         const char *key = NULL;
         switch (k) {
@@ -509,6 +509,7 @@ Test(hf, refuses_what_mixtral_cannot_express) {
         case 5: c.first_k_dense = 1; key = "first_k_dense"; break;
         case 6: c.moe.router.scaling_factor = 2.5; key = "scaling_factor"; break;
         case 7: c.moe.capacity_factor = 1.25; key = "capacity_factor"; break;
+        case 8: c.moe.apply_topk_weights_early = 1; key = "apply_topk_weights_early"; break;
         }
         err[0] = 0;
         cr_assert_eq(tmd_hf_check_config(&c, err, sizeof err), TMD_CONFIG_ERROR, "%s must be refused", key);
@@ -1196,6 +1197,41 @@ Test(hf, export_command_refusal) {
     /* A missing checkpoint: the loader's message, status 2. */
     char *argv2[] = {"--ckpt", (char *)tt_path("nothing-here"), "--out", out};
     cr_assert_eq(export_cmd(4, argv2, errfile), TMD_CONFIG_ERROR);
+    free(log);
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+}
+
+/* Early top-k weighting (weights on the expert inputs) has no Mixtral form: the key, read back
+ * from the checkpoint's config, is named and nothing is written; the same checkpoint without
+ * the key exports. */
+Test(hf, export_command_refuses_apply_topk_weights_early) {
+    tm_ctx *ctx;
+    tm_model *m;
+    const char *const kv[][2] = {{"apply_topk_weights_early", "true"}};
+    const char *run = save_checkpoint("run", kv, 1, &ctx, &m);
+    char out[512], errfile[512];
+    snprintf(out, sizeof out, "%s", tt_path("out"));
+    snprintf(errfile, sizeof errfile, "%s", tt_path("stderr.txt"));
+    char *argv[] = {"--ckpt", (char *)run, "--out", out};
+    int rc = export_cmd(4, argv, errfile);
+    long n;
+    char *log = (char *)tt_slurp(errfile, &n);
+    log[n] = 0;
+    cr_assert_eq(rc, TMD_CONFIG_ERROR, "%s", log);
+    cr_assert(strstr(log, "tinymoe: export:") && strstr(log, "apply_topk_weights_early"), "%s", log);
+    struct stat st;
+    cr_assert_neq(stat(out, &st), 0, "nothing written");
+    free(log);
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+    const char *const off[][2] = {{"apply_topk_weights_early", "false"}};
+    run = save_checkpoint("run_off", off, 1, &ctx, &m);
+    argv[1] = (char *)run;
+    rc = export_cmd(4, argv, errfile);
+    log = (char *)tt_slurp(errfile, &n);
+    log[n] = 0;
+    cr_assert_eq(rc, TMD_OK, "%s", log);
     free(log);
     tm_model_free(m);
     tm_ctx_free(ctx);

@@ -1,6 +1,9 @@
 /* test_moe_layer.c — the whole MoE block: grouped path against the dense oracle, gradients of
  * every parameter against finite differences, aux-loss counts, capacity, statistics, the
- * expert-bias step, and config errors naming the field. */
+ * expert-bias step, and config errors naming the field. apply_topk_weights_early: the same
+ * three checks with the option on (grouped = dense, finite-difference gradients, with padding
+ * rows, capacity drops and the dense strategy), and a hand-computed reference
+ * sum_e FFN_e(p x) that the option-off block (sum_e p FFN_e(x)) does not meet. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -440,6 +443,11 @@ Test(moe_layer, bad_configs_name_the_field) {
     c = small_cfg(8, 2);
     c.hidden_size = 0;
     bad_config(c, "hidden_size");
+    c = small_cfg(8, 2);
+    c.apply_topk_weights_early = 2;
+    bad_config(c, "apply_topk_weights_early");
+    c.apply_topk_weights_early = -1;
+    bad_config(c, "apply_topk_weights_early");
 }
 
 Test(moe_layer, expert_bias_of_wrong_length_is_rejected) {
@@ -475,3 +483,183 @@ Test(moe_layer, bf16_block_runs_and_matches_dense) {
     c.shared_ffn_size = 5;
     grouped_vs_dense(c, TM_BF16, 38, 2e-2);
 }
+
+/* ---- apply_topk_weights_early ------------------------------------------------------------- */
+
+Test(moe_layer, early_weights_grouped_equals_dense) {
+    tm_moe_config c = small_cfg(8, 2);
+    c.apply_topk_weights_early = 1;
+    grouped_vs_dense(c, TM_F32, 38, 1e-5);
+    c = small_cfg(8, 4);
+    c.apply_topk_weights_early = 1;
+    c.router.scaling_factor = 1.2;
+    c.align_size = 16; /* padding rows: weight 0 */
+    c.shared_ffn_size = 7;
+    grouped_vs_dense(c, TM_F32, 38, 1e-5);
+    c = small_cfg(32, 8);
+    c.apply_topk_weights_early = 1;
+    c.router.score_function = TM_SCORE_SIGMOID;
+    c.router.num_groups = 8;
+    c.router.group_topk = 4;
+    c.use_expert_bias = 1;
+    c.aux_loss_coeff = 1e-2;
+    grouped_vs_dense(c, TM_F32, 40, 1e-5);
+    c = small_cfg(4, 1);
+    c.apply_topk_weights_early = 1;
+    c.router.score_function = TM_SCORE_SIGMOID; /* top-1 as Llama 4: the weight is not 1 */
+    grouped_vs_dense(c, TM_F32, 38, 1e-5);
+    grouped_vs_dense(small_cfg(128, 8), TM_F64, 30, 1e-12);
+}
+
+Test(moe_layer, early_weights_grouped_equals_dense_with_capacity) {
+    tm_moe_config c = small_cfg(8, 2);
+    c.apply_topk_weights_early = 1;
+    c.capacity_factor = 0.5;
+    grouped_vs_dense(c, TM_F32, 64, 1e-5);
+    c.drop_policy = TM_DROP_POSITION;
+    c.pad_to_capacity = 1; /* every expert padded to its capacity: padding rows of weight 0 */
+    grouped_vs_dense(c, TM_F32, 64, 1e-5);
+}
+
+Test(moe_layer, early_weights_bf16_matches_dense) {
+    tm_moe_config c = small_cfg(8, 2);
+    c.apply_topk_weights_early = 1;
+    c.shared_ffn_size = 5;
+    grouped_vs_dense(c, TM_BF16, 38, 2e-2);
+}
+
+/* Finite differences in f64 over x and every parameter, the gate included (the weights p reach
+ * it through the scaled rows). */
+Test(moe_layer, early_weights_gradients) {
+    tm_moe_config c = small_cfg(6, 2);
+    c.apply_topk_weights_early = 1;
+    c.hidden_size = 5;
+    c.ffn_size = 4;
+    c.shared_ffn_size = 3;
+    c.aux_loss_coeff = 0.1;
+    c.z_loss_coeff = 0.01;
+    c.align_size = 4;
+    double r = layer_gradcheck(c);
+    cr_assert_leq(r, 1.0, "softmax, shared, align 4: ratio %g", r);
+    c = small_cfg(8, 4);
+    c.apply_topk_weights_early = 1;
+    c.hidden_size = 5;
+    c.ffn_size = 3;
+    c.router.score_function = TM_SCORE_SIGMOID;
+    c.router.num_groups = 4;
+    c.router.group_topk = 2;
+    c.router.scaling_factor = 2.5;
+    r = layer_gradcheck(c);
+    cr_assert_leq(r, 1.0, "sigmoid, groups, grouped: ratio %g", r);
+    c.strategy = TM_MOE_DENSE;
+    r = layer_gradcheck(c);
+    cr_assert_leq(r, 1.0, "sigmoid, groups, dense: ratio %g", r);
+    c = small_cfg(4, 2);
+    c.apply_topk_weights_early = 1;
+    c.hidden_size = 4;
+    c.ffn_size = 3;
+    c.capacity_factor = 0.75;
+    c.pad_to_capacity = 1;
+    r = layer_gradcheck(c);
+    cr_assert_leq(r, 1.0, "capacity, padded: ratio %g", r);
+}
+
+/* The hand reference: an f64 block with weights written from the test, x of T tokens, and the
+ * routing computed here from logits = x @ gate (softmax over E without renormalisation, or
+ * sigmoid; top k, ties to the lower expert):
+ *   early: y[t] = sum over the k selected e of FFN_e(p[t,e] x[t])
+ *   late:  y[t] = sum over the k selected e of p[t,e] FFN_e(x[t])
+ * with FFN_e(v) = (silu(v W0[e]) * (v W1[e])) Wo[e]. The block with the option on must give
+ * `early`, with it off `late`, and the two must differ (so the test can fail). */
+static double silu(double v) { return v / (1.0 + exp(-v)); }
+
+static void ffn_ref(const double *w0, const double *w1, const double *wo, int e, int H, int F, const double *v,
+                    double *out) {
+    double h[8];
+    for (int f = 0; f < F; f++) {
+        double a = 0, b = 0;
+        for (int i = 0; i < H; i++) a += v[i] * w0[(e * H + i) * F + f], b += v[i] * w1[(e * H + i) * F + f];
+        h[f] = silu(a) * b;
+    }
+    for (int j = 0; j < H; j++) {
+        out[j] = 0;
+        for (int f = 0; f < F; f++) out[j] += h[f] * wo[(e * F + f) * H + j];
+    }
+}
+
+static void early_closed_form(tm_score_function sf, int k) {
+    enum { T = 5, H = 3, F = 4, E = 3 };
+    tm_moe_config c = small_cfg(E, k);
+    c.hidden_size = H;
+    c.ffn_size = F;
+    c.router.score_function = sf;
+    double gate[H * E], w0[E * H * F], w1[E * H * F], wo[E * F * H], x[T * H];
+    uint64_t z = 12345;
+    double *all[5] = {gate, w0, w1, wo, x};
+    int n[5] = {H * E, E * H * F, E * H * F, E * F * H, T * H};
+    for (int a = 0; a < 5; a++)
+        for (int i = 0; i < n[a]; i++) {
+            z = z * 6364136223846793005ull + 1442695040888963407ull;
+            all[a][i] = ((double)(z >> 11) / 9007199254740992.0 - 0.5) * 2.4; /* uniform in [-1.2, 1.2) */
+        }
+    double want_early[T * H], want_late[T * H];
+    for (int t = 0; t < T; t++) {
+        double logit[E], s[E], mx = -INFINITY, sum = 0;
+        for (int e = 0; e < E; e++) {
+            logit[e] = 0;
+            for (int i = 0; i < H; i++) logit[e] += x[t * H + i] * gate[i * E + e];
+            mx = fmax(mx, logit[e]);
+        }
+        for (int e = 0; e < E; e++) s[e] = sf == TM_SCORE_SIGMOID ? 1.0 / (1.0 + exp(-logit[e])) : exp(logit[e] - mx);
+        for (int e = 0; e < E; e++) sum += s[e];
+        if (sf == TM_SCORE_SOFTMAX)
+            for (int e = 0; e < E; e++) s[e] /= sum;
+        int used[E] = {0};
+        double p[E] = {0};
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int e = 0; e < E; e++)
+                if (!used[e] && (best < 0 || s[e] > s[best])) best = e;
+            used[best] = 1, p[best] = s[best];
+        }
+        if (sf == TM_SCORE_SIGMOID && k > 1) { /* the router's renormalisation of sigmoid weights */
+            double ps = 0;
+            for (int e = 0; e < E; e++) ps += p[e];
+            for (int e = 0; e < E; e++) p[e] /= ps + 1e-20;
+        }
+        for (int j = 0; j < H; j++) want_early[t * H + j] = want_late[t * H + j] = 0;
+        for (int e = 0; e < E; e++) {
+            if (!used[e]) continue;
+            double v[H], o[H];
+            for (int i = 0; i < H; i++) v[i] = p[e] * x[t * H + i];
+            ffn_ref(w0, w1, wo, e, H, F, v, o);
+            for (int j = 0; j < H; j++) want_early[t * H + j] += o[j];
+            ffn_ref(w0, w1, wo, e, H, F, x + t * H, o);
+            for (int j = 0; j < H; j++) want_late[t * H + j] += p[e] * o[j];
+        }
+    }
+    double diff = 0;
+    for (int i = 0; i < T * H; i++) diff = fmax(diff, fabs(want_early[i] - want_late[i]));
+    cr_assert_gt(diff, 1e-3, "the reference does not tell early from late weighting (max difference %g)", diff);
+
+    for (int early = 0; early < 2; early++) {
+        for (int strategy = 0; strategy < 2; strategy++) {
+            tm_ctx *ctx = tt_ctx();
+            c.apply_topk_weights_early = early;
+            c.strategy = strategy ? TM_MOE_DENSE : TM_MOE_GROUPED;
+            tm_moe *m = NULL;
+            TT_OK(ctx, tm_moe_new(ctx, "blk", &c, TM_F64, tm_cpu(), &m));
+            const char *names[4] = {"gate.weight", "experts.w0", "experts.w1", "experts.wo"};
+            for (int a = 0; a < 4; a++) TT_OK(ctx, tm_tensor_write(ctx, tm_moe_tensor(m, names[a]), TM_F64, all[a], n[a]));
+            int64_t xs[2] = {T, H};
+            tm_tensor *tx = tt_from(ctx, TM_F64, 2, xs, x), *y;
+            TT_OK(ctx, tm_moe_forward(m, tx, 1, &y, NULL));
+            tt_assert_close_host(ctx, y, early ? want_early : want_late, 1e-13, 1e-12);
+            tm_moe_free(m);
+            tm_ctx_free(ctx);
+        }
+    }
+}
+
+Test(moe_layer, early_weights_equal_the_hand_formula_top1_sigmoid) { early_closed_form(TM_SCORE_SIGMOID, 1); }
+Test(moe_layer, early_weights_equal_the_hand_formula_top2_softmax) { early_closed_form(TM_SCORE_SOFTMAX, 2); }

@@ -184,6 +184,53 @@ Test(resume, exact_on_a_token_file_with_grad_accum_expert_bias_and_sgd) {
     check_exact_resume(&c, 5);
 }
 
+/* apply_topk_weights_early lives in the checkpoint's config: a resume that does not repeat the
+ * flag still trains with it (the same tensors, bit for bit, as the run that never stopped,
+ * which differ from a run without it), and a resume that contradicts it is refused by name. */
+Test(resume, keeps_apply_topk_weights_early) {
+    TT_WATCHDOG(120);
+    char a[256], b[256], off[256], ck[512], fa[512], fb[512], foff[512], err[2048];
+    snprintf(a, sizeof a, "%s", tt_path("early"));
+    snprintf(b, sizeof b, "%s", tt_path("resumed"));
+    snprintf(off, sizeof off, "%s", tt_path("late"));
+    tmd_config c;
+    small_run(&c, a, 8);
+    set(&c, "apply_topk_weights_early", "true");
+    set(&c, "save_every", "4");
+    tmd_train_result res;
+    run_ok(&c, &res);
+    tmd_ckpt_path(a, 4, ck, sizeof ck);
+    tmd_config m;
+    tmd_ckpt_state st;
+    cr_assert_eq(tmd_ckpt_read_meta(ck, &m, &st, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(m.model.moe.apply_topk_weights_early, 1, "the checkpoint's config keeps the key");
+
+    tmd_config r;
+    small_run(&r, b, 8); /* without the flag */
+    snprintf(r.resume, sizeof r.resume, "%s", ck);
+    run_ok(&r, &res);
+    tmd_ckpt_path(a, 8, fa, sizeof fa);
+    tmd_ckpt_path(b, 8, fb, sizeof fb);
+    assert_same_tensors(fa, fb);
+
+    tmd_config l;
+    small_run(&l, off, 8);
+    set(&l, "save_every", "4");
+    run_ok(&l, &res);
+    tmd_ckpt_path(off, 8, foff, sizeof foff);
+    long n1, n2;
+    unsigned char *s1 = tensor_section(fa, &n1), *s2 = tensor_section(foff, &n2);
+    cr_assert(n1 != n2 || memcmp(s1, s2, (size_t)n1), "the option changed nothing in training");
+    free(s1);
+    free(s2);
+
+    small_run(&r, tt_path("refused"), 8);
+    set(&r, "apply_topk_weights_early", "false");
+    snprintf(r.resume, sizeof r.resume, "%s", ck);
+    cr_assert_eq(tmd_train(&r, NULL, NULL, err, sizeof err), TMD_CONFIG_ERROR);
+    cr_assert(strstr(err, "'apply_topk_weights_early' = false") && strstr(err, ck) && strstr(err, "differs"), "%s", err);
+}
+
 /* SIGINT while training (in a child process): a checkpoint at the step it stopped, exit status
  * 130; resuming it to the end equals a run that was never interrupted. The schedule is
  * constant so that the resumed run may end earlier than the interrupted one was set to (keeps
@@ -424,6 +471,11 @@ Test(resume, init_from_an_export_matches_the_checkpoint) {
     set(&e, "init_from", hf);
     cr_assert_eq(tmd_eval(&e, NULL, &from_hf, err, sizeof err), TMD_OK, "%s", err);
     cr_assert_eq(from_ckpt, from_hf, "checkpoint %.17g vs export %.17g", from_ckpt, from_hf);
+    /* apply_topk_weights_early is architecture too: a Mixtral export is always without it. */
+    set(&e, "apply_topk_weights_early", "true");
+    cr_assert_eq(tmd_eval(&e, NULL, &from_hf, err, sizeof err), TMD_CONFIG_ERROR);
+    cr_assert(strstr(err, "apply_topk_weights_early") && strstr(err, "config.json"), "%s", err);
+    set(&e, "apply_topk_weights_early", "false");
     set(&e, "n_layers", "3");
     cr_assert_eq(tmd_eval(&e, NULL, &from_hf, err, sizeof err), TMD_CONFIG_ERROR);
     cr_assert(strstr(err, "n_layers") && strstr(err, "config.json"), "%s", err);

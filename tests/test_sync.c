@@ -6,7 +6,8 @@
  * synchronisation, exactly: the permute's row count where it depends on the data (dropless
  * with align_size > 1, capacity without pad_to_capacity); dropless with align_size 1 the
  * permute knows R = T * topk and the first grouped GEMM reads the counts instead; with
- * pad_to_capacity none. A model's forward + backward makes at most n_moe_layers + 1 (one per
+ * pad_to_capacity none; the same with apply_topk_weights_early (the row scaling reads
+ * nothing). A model's forward + backward makes at most n_moe_layers + 1 (one per
  * MoE layer, plus the single read of the step's statistics at the end of tm_model_forward).
  * The same counts on CUDA (f32), where the GPU is (skipped without one). */
 #include <stdlib.h>
@@ -222,7 +223,8 @@ static tm_tensor *dev_tensor(tm_ctx *ctx, tm_dtype dt, int nd, const int64_t *sh
 /* The exact count of one MoE layer's forward + backward (the rule at the top), per
  * configuration, so that a regression (a second read, or a read where none is needed) fails.
  * dev: the CPU, or CUDA (f32; the caller skips without a GPU). */
-static void moe_layer_exact(tm_device dev, double capacity_factor, int pad_to_capacity, int64_t align, uint64_t want) {
+static void moe_layer_exact_opt(tm_device dev, double capacity_factor, int pad_to_capacity, int64_t align, int early,
+                                uint64_t want) {
     tm_ctx *ctx = dev.type == TM_DEVICE_CPU ? tt_ctx() : tt_parity_ctx();
     tm_moe_config c = tm_moe_config_default();
     c.hidden_size = 16;
@@ -238,6 +240,7 @@ static void moe_layer_exact(tm_device dev, double capacity_factor, int pad_to_ca
     c.align_size = align;
     c.use_expert_bias = 1;
     c.strategy = TM_MOE_GROUPED;
+    c.apply_topk_weights_early = early;
     tm_moe *m = NULL;
     TT_OK(ctx, tm_moe_new(ctx, "blk", &c, TM_F32, dev, &m));
     TT_OK(ctx, tm_moe_init(m, 5, 0.3, 0.2));
@@ -257,15 +260,22 @@ static void moe_layer_exact(tm_device dev, double capacity_factor, int pad_to_ca
         TT_OK(ctx, tm_add(ctx, l, st.z_loss, &l));
         TT_OK(ctx, tm_backward(ctx, l));
         uint64_t n = syncs(ctx) - before;
-        cr_assert_eq(n, want, "MoE forward + backward on %s (capacity_factor %g, pad_to_capacity %d, align_size %lld): "
-                     "%llu synchronisations, want %llu", dev.type == TM_DEVICE_CPU ? "the CPU" : "CUDA", capacity_factor,
-                     pad_to_capacity, (long long)align, (unsigned long long)n, (unsigned long long)want);
+        cr_assert_eq(n, want, "MoE forward + backward on %s (capacity_factor %g, pad_to_capacity %d, align_size %lld, "
+                     "apply_topk_weights_early %d): %llu synchronisations, want %llu",
+                     dev.type == TM_DEVICE_CPU ? "the CPU" : "CUDA", capacity_factor, pad_to_capacity, (long long)align,
+                     early, (unsigned long long)n, (unsigned long long)want);
         TT_OK(ctx, tm_moe_step(m));
         TT_OK(ctx, tm_ctx_zero_grad(ctx));
         tm_ctx_arena_reset(ctx);
     }
     tm_moe_free(m);
     tm_ctx_free(ctx);
+}
+
+/* The same counts with early top-k weighting: scaling the rows (tm_scale_rows) reads nothing. */
+static void moe_layer_exact(tm_device dev, double capacity_factor, int pad_to_capacity, int64_t align, uint64_t want) {
+    moe_layer_exact_opt(dev, capacity_factor, pad_to_capacity, align, 0, want);
+    moe_layer_exact_opt(dev, capacity_factor, pad_to_capacity, align, 1, want);
 }
 
 Test(sync, moe_layer_exact_counts) {

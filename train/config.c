@@ -124,6 +124,10 @@ static const key KEYS[] = {
      "FFN size of a shared expert on every token (0: none)", 0, 1048576},
     {"moe_strategy", T_ENUM, G_MOE, OFF(model.moe.strategy), "grouped|dense", "grouped", 0, "strategy",
      "grouped GEMMs over routed tokens, or every expert on every token (reference)", 0, 0},
+    {"apply_topk_weights_early", T_BOOL, G_MOE, OFF(model.moe.apply_topk_weights_early), NULL, "false", 0,
+     "apply_topk_weights_early",
+     "multiply each routed row by its router weight before the expert FFN, combine with weight 1 (Megatron "
+     "moe_apply_probs_on_input, Llama 4); not exportable to Mixtral", 0, 0},
     /* optimizer */
     {"optimizer", T_ENUM, G_OPTIM, OFF(optimizer), "adamw|sgd", "adamw", 0, NULL, "AdamW, or SGD with momentum", 0, 0},
     {"beta1", T_FLOAT, G_OPTIM, OFF(adamw.beta1), NULL, "0.9", 0, "beta1", "AdamW first-moment decay", 0, 1},

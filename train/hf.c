@@ -216,6 +216,11 @@ int tmd_hf_check_config(const tm_model_config *mc, char *err, size_t errlen) {
             err, errlen, TMD_CONFIG_ERROR,
             "%s capacity_factor = %g; Mixtral is dropless (the logits would differ whenever a token is dropped)", pre,
             m->capacity_factor);
+    if (m->apply_topk_weights_early)
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                        "%s apply_topk_weights_early = true; Mixtral weights the expert outputs by the routing "
+                        "weights, not the expert inputs",
+                        pre);
     return 0;
 }
 
@@ -724,6 +729,7 @@ static int parse_config(const jcfg *j, tm_model_config *mc, int *dtype_bf16) {
     c.moe.shared_ffn_size = 0;
     c.moe.capacity_factor = 0;
     c.moe.pad_to_capacity = 0;
+    c.moe.apply_topk_weights_early = 0;
     c.moe.aux_loss_coeff = aux;
     if (tm_model_config_check(NULL, &c) != TM_OK)
         return tmd_fail(err, errlen, E, "'%s': the config does not describe a valid tinymoe model", path);
@@ -765,7 +771,8 @@ static const char EXPORT_USAGE[] =
     "checkpoint) as a Hugging Face MixtralForCausalLM: DIR/config.json and DIR/model.safetensors,\n"
     "loadable with transformers' from_pretrained(DIR) and with 'tinymoe train --init-from DIR'.\n"
     "Only Mixtral-expressible models export: softmax router with top-k weights summing to 1,\n"
-    "no groups, expert bias, shared experts or dense layers, scaling 1, dropless; f32 or bf16.\n"
+    "no groups, expert bias, shared experts or dense layers, scaling 1, dropless, weights on\n"
+    "the expert outputs (not apply_topk_weights_early); f32 or bf16.\n"
     "\n"
     "  --ckpt PATH   checkpoint file or directory\n"
     "  --format hf   the output format (hf is the only one, and the default)\n"

@@ -826,7 +826,8 @@ int tmd_run_init_from_config(const tmd_config *cli, tmd_config *out, char *err, 
                                        "n_kv_heads",     "rope_theta",    "norm_eps",       "tie_embeddings",
                                        "num_experts",    "topk",          "expert_ffn_size", "score_function",
                                        "pre_softmax",    "norm_topk_prob", "num_groups",     "group_topk",
-                                       "scaling_factor", "expert_bias",   "shared_ffn_size", "first_k_dense"};
+                                       "scaling_factor", "expert_bias",   "shared_ffn_size", "first_k_dense",
+                                       "apply_topk_weights_early"};
     tm_model_config mc;
     int bf16 = 0;
     char e[2048];

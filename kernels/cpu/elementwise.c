@@ -1,5 +1,5 @@
 /*
- * elementwise.c — CPU kernels of tm_add, tm_sub, tm_mul and tm_scale.
+ * elementwise.c — CPU kernels of tm_add, tm_sub, tm_mul, tm_scale and tm_scale_rows.
  *
  * Layout of the binary ops:
  *   in[0] a, in[1] b   one of them "full" (n = numel(out) elements), the other either full
@@ -13,6 +13,13 @@
  * the n / m rows of period m. For a result that is bit-identical for any thread count, rows
  * are cut into chunks of a fixed size (not one per thread): each chunk sums into its own f64
  * scratch row, and the scratch rows are then added in chunk order.
+ *
+ * scale_rows:
+ *   in[0] x (R, C), in[1] w (R)   both f32 or both f64 here (bf16 is staged through f32)
+ *   out[0] (R, C)                 out[r, c] = x[r, c] * w[r]
+ *   Backward: dx[r, c] += dy[r, c] * w[r]; dw[r] += sum_c x[r, c] dy[r, c] (an f64 sum over
+ *   c ascending). Rows are independent: one row per iteration, so any thread count gives the
+ *   same bits.
  */
 #include "internal.h"
 
@@ -202,5 +209,75 @@ tm_status tm__scale_backward_cpu(tm__call *c) {
         scale_f32(tm__data(gx), tm__data(g), c->fattr[0], n, 1, nth);
     else
         scale_f64(tm__data(gx), tm__data(g), c->fattr[0], n, 1, nth);
+    return TM_OK;
+}
+
+/* ---- scale_rows ------------------------------------------------------------------------------- */
+
+#define SCALE_ROWS_KERNELS(T, SFX)                                                               \
+    static void scale_rows_forward_##SFX(T *out, const T *x, const T *w, int64_t R, int64_t C,  \
+                                         int nth) {                                              \
+        _Pragma("omp parallel for num_threads(nth) if (R * C >= PAR_MIN) schedule(static)")      \
+        for (int64_t r = 0; r < R; r++) {                                                        \
+            const T wr = w[r], *xr = x + r * C;                                                  \
+            T *o = out + r * C;                                                                  \
+            for (int64_t c = 0; c < C; c++) o[c] = xr[c] * wr;                                   \
+        }                                                                                        \
+    }                                                                                            \
+    static void scale_rows_backward_##SFX(T *dx, T *dw, const T *dy, const T *x, const T *w,     \
+                                          int64_t R, int64_t C, int nth) {                       \
+        _Pragma("omp parallel for num_threads(nth) if (R * C >= PAR_MIN) schedule(static)")      \
+        for (int64_t r = 0; r < R; r++) {                                                        \
+            const T *g = dy + r * C;                                                             \
+            if (dx) {                                                                            \
+                const T wr = w[r];                                                               \
+                T *d = dx + r * C;                                                               \
+                for (int64_t c = 0; c < C; c++) d[c] += g[c] * wr;                               \
+            }                                                                                    \
+            if (dw) {                                                                            \
+                const T *xr = x + r * C;                                                         \
+                double s = 0.0;                                                                  \
+                for (int64_t c = 0; c < C; c++) s += (double)xr[c] * g[c];                       \
+                dw[r] = (T)(dw[r] + s);                                                          \
+            }                                                                                    \
+        }                                                                                        \
+    }
+
+SCALE_ROWS_KERNELS(float, f32)
+SCALE_ROWS_KERNELS(double, f64)
+
+static tm_status scale_rows_dtypes(tm__call *c) {
+    TM__TRY(check_cpu_dtype(c));
+    if (c->in[1]->dtype != c->in[0]->dtype)
+        return tm__err(c->ctx, TM_ERR_INTERNAL, "scale_rows: CPU kernel got x %s and w %s",
+                       tm__tdesc(c->ctx, c->in[0]), tm__tdesc(c->ctx, c->in[1]));
+    return TM_OK;
+}
+
+tm_status tm__scale_rows_forward_cpu(tm__call *c) {
+    TM__TRY(scale_rows_dtypes(c));
+    const tm_tensor *x = c->in[0], *w = c->in[1];
+    int64_t R = x->shape[0], C = x->shape[1];
+    int nth = tm__nthreads(c->ctx);
+    if (x->dtype == TM_F32)
+        scale_rows_forward_f32(tm__data(c->out[0]), tm__data(x), tm__data(w), R, C, nth);
+    else
+        scale_rows_forward_f64(tm__data(c->out[0]), tm__data(x), tm__data(w), R, C, nth);
+    return TM_OK;
+}
+
+tm_status tm__scale_rows_backward_cpu(tm__call *c) {
+    TM__TRY(scale_rows_dtypes(c));
+    const tm_tensor *x = c->in[0], *w = c->in[1];
+    tm_tensor *dx = c->gin[0], *dw = c->gin[1];
+    if (!dx && !dw) return TM_OK;
+    int64_t R = x->shape[0], C = x->shape[1];
+    int nth = tm__nthreads(c->ctx);
+    if (x->dtype == TM_F32)
+        scale_rows_backward_f32(dx ? tm__data(dx) : NULL, dw ? tm__data(dw) : NULL, tm__data(c->gout[0]),
+                                tm__data(x), tm__data(w), R, C, nth);
+    else
+        scale_rows_backward_f64(dx ? tm__data(dx) : NULL, dw ? tm__data(dw) : NULL, tm__data(c->gout[0]),
+                                tm__data(x), tm__data(w), R, C, nth);
     return TM_OK;
 }

@@ -1,5 +1,5 @@
 /*
- * elementwise.cu — CUDA kernels of tm_add, tm_sub, tm_mul and tm_scale.
+ * elementwise.cu — CUDA kernels of tm_add, tm_sub, tm_mul, tm_scale and tm_scale_rows.
  *
  * Layout (as kernels/cpu/elementwise.c):
  *   in[0] a, in[1] b   one of them full (n = numel(out) elements), the other full too or its
@@ -9,6 +9,13 @@
  * Backward: the full operand's gradient is elementwise; the broadcast operand's is a sum over
  * the n / m rows of period m, done by tm__cu_reduce (fixed order, no atomics), so gradients
  * are bitwise reproducible.
+ *
+ * scale_rows: in[0] x (R, C) f32 or bf16, in[1] w (R) f32 or bf16 (each its own dtype);
+ * out[r, c] = x[r, c] * w[r] in f32, stored in x's dtype. A warp per row (its lanes stride
+ * over the columns), so no element needs a division by C. Backward: dx[r, c] += dy[r, c] w[r];
+ * dw[r] += <x[r], dy[r]>, each lane summing its columns in ascending order, then a fixed
+ * shuffle tree (no atomics: the same bits run to run; the CPU sums in f64, so the two agree to
+ * f32 rounding).
  */
 #include "common.cuh"
 
@@ -132,4 +139,100 @@ extern "C" tm_status tm__scale_backward_cuda(tm__call *c) {
     if (!g) return TM_OK;
     return tm__cu_axpy(c->ctx, "scale", g->dtype, tm__data(g), c->gout[0]->dtype, tm__data(c->gout[0]),
                        tm__numel(g), (float)c->fattr[0]);
+}
+
+/* ---- scale_rows ---------------------------------------------------------------------------- */
+
+#define SR_WARPS 8 /* warps per block: a warp per row */
+
+static unsigned sr_blocks(const tm__cuda *st, int64_t rows) {
+    int64_t b = (rows + SR_WARPS - 1) / SR_WARPS, cap = (int64_t)st->num_sms * 32;
+    if (b > cap) b = cap;
+    return (unsigned)(b < 1 ? 1 : b);
+}
+
+template <typename T, typename W>
+__global__ void scale_rows_forward_kernel(void *out_, const void *x_, const void *w_, int64_t R, int64_t C) {
+    T *out = (T *)out_;
+    const T *x = (const T *)x_;
+    const W *w = (const W *)w_;
+    const int lane = threadIdx.x & 31;
+    const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t r = warp; r < R; r += nwarps) {
+        const float wr = tm__ld(w + r);
+        for (int64_t c = lane; c < C; c += 32) tm__st(out + r * C + c, tm__ld(x + r * C + c) * wr);
+    }
+}
+
+template <typename T, typename W>
+__global__ void scale_rows_backward_kernel(void *dx_, void *dw_, const void *dy_, const void *x_, const void *w_,
+                                           int64_t R, int64_t C) {
+    T *dx = (T *)dx_;
+    W *dw = (W *)dw_;
+    const T *dy = (const T *)dy_, *x = (const T *)x_;
+    const W *w = (const W *)w_;
+    const int lane = threadIdx.x & 31;
+    const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t r = warp; r < R; r += nwarps) { /* the same trip count for every lane of the warp */
+        const float wr = tm__ld(w + r);
+        float s = 0.0f;
+        for (int64_t c = lane; c < C; c += 32) {
+            const int64_t i = r * C + c;
+            const float g = tm__ld(dy + i);
+            if (dx) tm__st(dx + i, tm__ld(dx + i) + g * wr);
+            if (dw) s += tm__ld(x + i) * g;
+        }
+        if (dw) {
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(0xffffffffu, s, o);
+            if (lane == 0) tm__st(dw + r, tm__ld(dw + r) + s);
+        }
+    }
+}
+
+template <typename T, typename W>
+static void scale_rows_launch(const tm__cuda *st, int backward, void *a, void *b, const void *c, const void *d,
+                              const void *e, int64_t R, int64_t C) {
+    const unsigned grid = sr_blocks(st, R);
+    if (backward)
+        scale_rows_backward_kernel<T, W><<<grid, SR_WARPS * 32, 0, st->stream>>>(a, b, c, d, e, R, C);
+    else
+        scale_rows_forward_kernel<T, W><<<grid, SR_WARPS * 32, 0, st->stream>>>(a, c, d, R, C);
+}
+
+/* forward: a = out, c = x, d = w; backward: a = dx, b = dw, c = dy, d = x, e = w. */
+static void scale_rows_dispatch(const tm__cuda *st, tm_dtype xdt, tm_dtype wdt, int backward, void *a, void *b,
+                                const void *c, const void *d, const void *e, int64_t R, int64_t C) {
+    if (xdt == TM_BF16) {
+        if (wdt == TM_BF16) scale_rows_launch<tm__bf16, tm__bf16>(st, backward, a, b, c, d, e, R, C);
+        else scale_rows_launch<tm__bf16, float>(st, backward, a, b, c, d, e, R, C);
+    } else {
+        if (wdt == TM_BF16) scale_rows_launch<float, tm__bf16>(st, backward, a, b, c, d, e, R, C);
+        else scale_rows_launch<float, float>(st, backward, a, b, c, d, e, R, C);
+    }
+}
+
+extern "C" tm_status tm__scale_rows_forward_cuda(tm__call *c) {
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(c->ctx, "scale_rows", &st));
+    const tm_tensor *x = c->in[0], *w = c->in[1];
+    const int64_t R = x->shape[0], C = x->shape[1];
+    if (R * C == 0) return TM_OK;
+    scale_rows_dispatch(st, x->dtype, w->dtype, 0, tm__data(c->out[0]), NULL, tm__data(x), tm__data(w), NULL, R, C);
+    TM__CU_LAUNCHED(c->ctx, "scale_rows", "scale_rows_forward_kernel");
+    return TM_OK;
+}
+
+extern "C" tm_status tm__scale_rows_backward_cuda(tm__call *c) {
+    const tm_tensor *x = c->in[0], *w = c->in[1];
+    tm_tensor *dx = c->gin[0], *dw = c->gin[1];
+    const int64_t R = x->shape[0], C = x->shape[1];
+    if ((!dx && !dw) || R * C == 0) return TM_OK; /* C == 0: every dot product is 0 */
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(c->ctx, "scale_rows", &st));
+    scale_rows_dispatch(st, x->dtype, w->dtype, 1, dx ? tm__data(dx) : NULL, dw ? tm__data(dw) : NULL,
+                        tm__data(c->gout[0]), tm__data(x), tm__data(w), R, C);
+    TM__CU_LAUNCHED(c->ctx, "scale_rows", "scale_rows_backward_kernel");
+    return TM_OK;
 }
