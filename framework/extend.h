@@ -91,6 +91,11 @@ tm_status tm__embedding_checked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, 
  * source row into its destination directly instead of sorting the ids (a sort of the ~10^5 rows
  * per call, O(M log^2 M) in ~150 launches, cost each MoE layer's all-to-all path milliseconds). */
 tm_status tm__embedding_unique(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
+/* tm_comm_alltoall for counts every rank derived from one all-gathered table (the MoE layer's
+ * dispatch): the same op without its check's exchange of the counts (a host collective per
+ * call that could only confirm them). */
+tm_status tm__comm_alltoall_consistent(tm_ctx *ctx, tm_tensor *x, tm_tensor *send_counts, tm_tensor *recv_counts,
+                                       tm_comm_group g, tm_tensor **out);
 /* tm_cross_entropy for targets already known to be valid (checked on the device, e.g. by
  * tm_index_check): the same result, but the CUDA forward does not read its bad-target flag
  * back, so it does not synchronise (and the CPU forward counts no synchronisation). A target

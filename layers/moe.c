@@ -387,11 +387,11 @@ static tm_status ep_alltoall_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, 
     TM__TRY(i64_tensor(ctx, idx, Rr, m->dev, 0, &ti));
     TM__TRY(i64_tensor(ctx, inv, Rr, m->dev, 0, &tinv));
     TM__TRY(i64_tensor(ctx, lcount, L, m->dev, 1, &tl));
-    tm_status s = tm_comm_alltoall(ctx, rows, sc, rc, TM_COMM_EP, &recv);      // (Rr, H) source-major
+    tm_status s = tm__comm_alltoall_consistent(ctx, rows, sc, rc, TM_COMM_EP, &recv); // (Rr, H) source-major
     if (!s) s = tm__embedding_unique(ctx, recv, ti, &xe);                       // (Rr, H) expert-major
     if (!s) s = local_experts(m, xe, tl, &eo);
     if (!s) s = tm__embedding_unique(ctx, eo, tinv, &back);                     // (Rr, H) source-major
-    if (!s) s = tm_comm_alltoall(ctx, back, rc, sc, TM_COMM_EP, &ret);          // (R, H) as permuted
+    if (!s) s = tm__comm_alltoall_consistent(ctx, back, rc, sc, TM_COMM_EP, &ret); // (R, H) as permuted
     if (s == TM_ERR_NOMEM) return ep_nomem(m, Rr, tm_tensor_dim(d.permuted, 0), tm_tensor_dim(x, 0));
     if (s) return s;
     return tm_moe_unpermute(ctx, ret, cw, d.row_token, tm_tensor_dim(x, 0), y);

@@ -266,16 +266,23 @@ tm_status tm__comm_alltoall_check(tm__call *c) {
     if (sent != x->shape[0])
         return tm__err(ctx, TM_ERR_SHAPE, "%s: send_counts sum to %lld but x %s has %lld rows", tm__opname(c),
                        (long long)sent, tm__tdesc(ctx, x), (long long)x->shape[0]);
-    /* What each rank sends here must be what this rank expects: one exchange of the counts. */
-    int64_t *cd = tm__meta_alloc(ctx, sizeof(int64_t) * 5 * (size_t)G), *got = cd + 4 * G;
-    if (!cd) return TM_ERR_NOMEM;
-    for (int j = 0; j < G; j++) cd[j] = cd[2 * G + j] = 1, cd[G + j] = cd[3 * G + j] = j;
-    TM__TRY(tm__coll_alltoallv(ctx, g, tm__data(c->in[1]), cd, cd + G, got, cd + 2 * G, cd + 3 * G, TM_I64, tm_cpu()));
-    for (int j = 0; j < G; j++)
-        if (got[j] != tm__idx(c->in[2], j))
-            return tm__err(ctx, TM_ERR_SHAPE, "%s over %s: rank %d of the group sends %lld rows here but recv_counts[%d] "
-                           "= %lld", tm__opname(c), tm__comm_gdesc(ctx->comm, g), j, (long long)got[j], j,
-                           (long long)tm__idx(c->in[2], j));
+    /* What each rank sends here must be what this rank expects: one exchange of the counts,
+     * unless the caller derived both sides from one all-gathered table (iattr[1], the MoE
+     * layer's dispatch: tm__comm_alltoall_consistent), where it would be a second exchange of
+     * the same numbers. */
+    if (!c->iattr[1]) {
+        int64_t *cd = tm__meta_alloc(ctx, sizeof(int64_t) * 5 * (size_t)G), *got = cd + 4 * G;
+        if (!cd) return TM_ERR_NOMEM;
+        for (int j = 0; j < G; j++) cd[j] = cd[2 * G + j] = 1, cd[G + j] = cd[3 * G + j] = j;
+        TM__TRY(tm__coll_alltoallv(ctx, g, tm__data(c->in[1]), cd, cd + G, got, cd + 2 * G, cd + 3 * G, TM_I64,
+                                   tm_cpu()));
+        for (int j = 0; j < G; j++)
+            if (got[j] != tm__idx(c->in[2], j))
+                return tm__err(ctx, TM_ERR_SHAPE,
+                               "%s over %s: rank %d of the group sends %lld rows here but recv_counts[%d] = %lld",
+                               tm__opname(c), tm__comm_gdesc(ctx->comm, g), j, (long long)got[j], j,
+                               (long long)tm__idx(c->in[2], j));
+    }
     int64_t shape[TM_MAX_DIMS];
     for (int d = 0; d < x->ndim; d++) shape[d] = x->shape[d];
     shape[0] = recv;
@@ -320,4 +327,17 @@ tm_status tm_comm_alltoall(tm_ctx *ctx, tm_tensor *x, tm_tensor *send_counts, tm
                            tm_tensor **out) {
     tm_tensor *in[3] = {x, send_counts, recv_counts};
     return public_run(ctx, TM__OP_COMM_ALLTOALL, in, 3, (int)g, out);
+}
+
+tm_status tm__comm_alltoall_consistent(tm_ctx *ctx, tm_tensor *x, tm_tensor *send_counts, tm_tensor *recv_counts,
+                                       tm_comm_group g, tm_tensor **out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    tm__call c = tm__call_init(ctx, TM__OP_COMM_ALLTOALL);
+    c.n_in = 3;
+    c.in[0] = x;
+    c.in[1] = send_counts;
+    c.in[2] = recv_counts;
+    c.iattr[0] = (int)g;
+    c.iattr[1] = 1;
+    return tm__op_run1(&c, out);
 }
