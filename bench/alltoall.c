@@ -15,9 +15,10 @@
  *   CUDA tensors: NCCL's grouped ncclSend / ncclRecv (ncclGroupStart ... ncclGroupEnd, then a
  *                 stream synchronisation), as nccl-tests' alltoall does (not installed there);
  *   CPU tensors:  MPI_Alltoallv.
- * tinymoe's call waits for its collective too (the engines block until it is done, to enforce
- * the timeout), so both columns are wall time per call on rank 0, after warm-up, the best of
- * the repeats after a barrier. Bandwidth = bytes this rank sends to other ranks / time (the
+ * tinymoe's call is followed by tm_ctx_sync (the nccl engine queues its collective on the
+ * stream without waiting; the host engines block), so both columns are wall time per call on
+ * rank 0, after warm-up, the best of the repeats after a barrier. tinymoe copies the rows a rank
+ * keeps with cudaMemcpyAsync, the reference sends them to itself through NCCL. Bandwidth = bytes this rank sends to other ranks / time (the
  * "algorithm bandwidth" of nccl-tests; rows kept on the rank itself are not counted).
  * Ratio = tinymoe / reference (1.0: no overhead beyond the engine).
  */
@@ -149,6 +150,7 @@ int main(int argc, char **argv) {
                 }
                 if (which == 0) {
                     CHECK(tm_comm_alltoall(ctx, x, sc, rc, TM_COMM_EP, &y));
+                    CHECK(tm_ctx_sync(ctx)); /* the collective is queued on the stream: wait, as the reference does */
                     tm_ctx_arena_reset(ctx); /* y: x, the counts are persistent buffers */
                 } else if (cuda) {
 #ifdef TM_HAVE_NCCL

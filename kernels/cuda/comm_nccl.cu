@@ -14,7 +14,8 @@
  *   allgatherv      ncclAllGather when the counts are equal and packed, else one
  *                   ncclBroadcast per rank in an ncclGroupStart/End group
  *   reduce_scatter  ncclReduceScatter (sum; in place when recv = send + rank n)
- *   alltoallv       ncclSend / ncclRecv pairs in one group (the ragged all-to-all)
+ *   alltoallv       ncclSend / ncclRecv pairs in one group (the ragged all-to-all); the
+ *                   rank's rows to itself by cudaMemcpyAsync
  *   bcast           ncclBroadcast; barrier: the mpi engine's
  * Timeout: the calls stay asynchronous (the host never waits for a collective by itself);
  * with timeout_s > 0 the next wait of the host for the stream (a device-to-host copy,
@@ -199,8 +200,26 @@ static tm_status nccl_alltoallv(tm__comm *c, int g, const void *send, const int6
     cudaStream_t s;
     TM__TRY(start(c, "alltoall", g, dt, &t, &s));
     size_t es = tm_dtype_size(dt), sent = 0;
+    int me = c->rank[g];
+    /* This rank's own rows: a device copy on the stream. As an NCCL send/receive to self they
+     * went through NCCL's peer-to-peer path at a fraction of the memory's bandwidth, and under
+     * expert parallelism they are 1/ep_size of all the rows (half of them on 2 GPUs). */
+    if (sc[me] != rc[me])
+        return tm__err(c->ctx, TM_ERR_COMM, "alltoall over %s: this rank sends itself %lld elements but expects %lld",
+                       tm__comm_gdesc(c, g), (long long)sc[me], (long long)rc[me]);
+    if (sc[me]) {
+        cudaError_t e = cudaMemcpyAsync((char *)recv + rd[me] * (int64_t)es, (const char *)send + sd[me] * (int64_t)es,
+                                        (size_t)sc[me] * es, cudaMemcpyDeviceToDevice, s);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            return tm__err(c->ctx, TM_ERR_CUDA, "alltoall over %s: the copy of this rank's own rows failed: %s",
+                           tm__comm_gdesc(c, g), cudaGetErrorString(e));
+        }
+        sent += (size_t)sc[me];
+    }
     NCCL_TRY(c, "alltoall", g, ncclGroupStart());
     for (int j = 0; j < c->size[g]; j++) {
+        if (j == me) continue;
         ncclResult_t r = ncclSuccess;
         if (sc[j]) r = ncclSend((const char *)send + sd[j] * (int64_t)es, (size_t)sc[j], t, j, gcomm(c, g), s);
         if (r == ncclSuccess && rc[j]) r = ncclRecv((char *)recv + rd[j] * (int64_t)es, (size_t)rc[j], t, j, gcomm(c, g), s);
