@@ -91,6 +91,13 @@ tm_status tm__embedding_checked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, 
  * source row into its destination directly instead of sorting the ids (a sort of the ~10^5 rows
  * per call, O(M log^2 M) in ~150 launches, cost each MoE layer's all-to-all path milliseconds). */
 tm_status tm__embedding_unique(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
+/* tm_tensor_init_normal of parameter t under its own name, collective over the ranks that hold
+ * replicas of it (its data-parallel group: every rank for dense parameters, the expert-data-
+ * parallel group for expert shards) when a communicator is attached and no optimizer has made
+ * master weights yet: each rank draws 1/G of the elements and an all-gather fills in the rest,
+ * the same bits as the whole draw. Every rank of the group must call it for the same tensors in
+ * the same order (tm_model_init, tm_moe_init do). Otherwise the same as tm_tensor_init_normal. */
+tm_status tm__param_init_normal_replicated(tm_ctx *ctx, tm_tensor *t, uint64_t seed, double mean, double std);
 /* tm_comm_alltoall for counts every rank derived from one all-gathered table (the MoE layer's
  * dispatch): the same op without its check's exchange of the counts (a host collective per
  * call that could only confirm them). */

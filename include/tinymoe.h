@@ -1002,8 +1002,11 @@ TM_API tm_status tm_moe_new(tm_ctx *ctx, const char *prefix, const tm_moe_config
                      tm_moe **out);
 TM_API void tm_moe_free(tm_moe *moe); /* the parameters stay with the context; NULL: no-op */
 /* Normal(0, std) for every weight, keyed by (seed, parameter name); output projections
- * (experts.wo, shared.wo) use out_std. Errors: TM_ERR_INVALID_ARG (std or out_std < 0 or NaN),
- * TM_ERR_NOMEM, TM_ERR_CUDA. */
+ * (experts.wo, shared.wo) use out_std. With a communicator attached and no optimizer yet, it is
+ * collective: the ranks holding copies of a weight (dense: every rank; an expert shard: its
+ * expert-data-parallel group) each draw a part and all-gather the rest, the same values as one
+ * rank drawing all; call it on every rank. Errors: TM_ERR_INVALID_ARG (std or out_std < 0 or
+ * NaN), TM_ERR_NOMEM, TM_ERR_CUDA, TM_ERR_COMM. */
 TM_API tm_status tm_moe_init(tm_moe *moe, uint64_t seed, double std, double out_std);
 TM_API const tm_moe_config *tm_moe_get_config(const tm_moe *moe);
 /* A parameter or buffer of the block by suffix ("gate.weight", "experts.w0", "expert_bias", ...). */
@@ -1105,7 +1108,9 @@ TM_API tm_status tm_model_new(tm_ctx *ctx, const tm_model_config *cfg, tm_dtype 
  * context). NULL: no-op. */
 TM_API void tm_model_free(tm_model *model);
 /* Initialise every parameter from (seed, name) as described in tm_model_config (norm
- * weights 1). Identical on every backend and layout. Errors: TM_ERR_NOMEM, TM_ERR_CUDA. */
+ * weights 1). Identical on every backend and layout. Collective under a communicator (as
+ * tm_moe_init: each replica draws 1/G of a weight, an all-gather fills in the rest; call it on
+ * every rank). Errors: TM_ERR_NOMEM, TM_ERR_CUDA, TM_ERR_COMM. */
 TM_API tm_status tm_model_init(tm_model *model, uint64_t seed);
 TM_API const tm_model_config *tm_model_get_config(const tm_model *model);
 /* Parameter counts: total, and active per token (routed experts counted topk / E). */

@@ -229,25 +229,25 @@ tm_status tm_model_init(tm_model *m, uint64_t seed) {
     /* GPT-2's residual scaling: each layer adds two projections into the residual stream, so
      * their std shrinks by sqrt(2 n_layers) to keep the stream's variance independent of depth. */
     double std = c->init_std, out_std = c->init_std / sqrt(2.0 * c->n_layers);
-    TM__TRY(tm_tensor_init_normal(ctx, m->embed, seed, NULL, 0, std));
+    TM__TRY(tm__param_init_normal_replicated(ctx, m->embed, seed, 0, std));
     for (int l = 0; l < c->n_layers; l++) {
         tm__layer *L = &m->layers[l];
         TM__TRY(tm_tensor_fill(ctx, L->attn_norm, 1.0));
-        TM__TRY(tm_tensor_init_normal(ctx, L->wq, seed, NULL, 0, std));
-        TM__TRY(tm_tensor_init_normal(ctx, L->wk, seed, NULL, 0, std));
-        TM__TRY(tm_tensor_init_normal(ctx, L->wv, seed, NULL, 0, std));
-        TM__TRY(tm_tensor_init_normal(ctx, L->wo, seed, NULL, 0, out_std));
+        TM__TRY(tm__param_init_normal_replicated(ctx, L->wq, seed, 0, std));
+        TM__TRY(tm__param_init_normal_replicated(ctx, L->wk, seed, 0, std));
+        TM__TRY(tm__param_init_normal_replicated(ctx, L->wv, seed, 0, std));
+        TM__TRY(tm__param_init_normal_replicated(ctx, L->wo, seed, 0, out_std));
         TM__TRY(tm_tensor_fill(ctx, L->ffn_norm, 1.0));
         if (L->moe) {
             TM__TRY(tm_moe_init(L->moe, seed, std, out_std));
         } else {
-            TM__TRY(tm_tensor_init_normal(ctx, L->mlp_w0, seed, NULL, 0, std));
-            TM__TRY(tm_tensor_init_normal(ctx, L->mlp_w1, seed, NULL, 0, std));
-            TM__TRY(tm_tensor_init_normal(ctx, L->mlp_wo, seed, NULL, 0, out_std));
+            TM__TRY(tm__param_init_normal_replicated(ctx, L->mlp_w0, seed, 0, std));
+            TM__TRY(tm__param_init_normal_replicated(ctx, L->mlp_w1, seed, 0, std));
+            TM__TRY(tm__param_init_normal_replicated(ctx, L->mlp_wo, seed, 0, out_std));
         }
     }
     TM__TRY(tm_tensor_fill(ctx, m->norm, 1.0));
-    if (m->lm_head) TM__TRY(tm_tensor_init_normal(ctx, m->lm_head, seed, NULL, 0, std));
+    if (m->lm_head) TM__TRY(tm__param_init_normal_replicated(ctx, m->lm_head, seed, 0, std));
     return TM_OK;
 }
 

@@ -201,9 +201,9 @@ tm_status tm_moe_init(tm_moe *m, uint64_t seed, double std, double out_std) {
     if (!m) return TM_ERR_INVALID_ARG;
     tm_tensor *normal[] = {m->gate, m->w0, m->w1, m->sw0, m->sw1};
     for (size_t i = 0; i < sizeof normal / sizeof *normal; i++)
-        if (normal[i]) TM__TRY(tm_tensor_init_normal(m->ctx, normal[i], seed, NULL, 0, std));
-    TM__TRY(tm_tensor_init_normal(m->ctx, m->wo, seed, NULL, 0, out_std));
-    if (m->swo) TM__TRY(tm_tensor_init_normal(m->ctx, m->swo, seed, NULL, 0, out_std));
+        if (normal[i]) TM__TRY(tm__param_init_normal_replicated(m->ctx, normal[i], seed, 0, std));
+    TM__TRY(tm__param_init_normal_replicated(m->ctx, m->wo, seed, 0, out_std));
+    if (m->swo) TM__TRY(tm__param_init_normal_replicated(m->ctx, m->swo, seed, 0, out_std));
     return TM_OK;
 }
 

@@ -371,6 +371,56 @@ static void check_zero_memory(tm_ctx *unused, int world) {
     }
 }
 
+
+/* tm_model_init under a communicator draws 1/G of each replicated weight per rank and
+ * all-gathers the rest: every parameter must equal, bit for bit, the same model initialised in a
+ * context without a communicator (expert shards: their rows of the logical tensor), for data
+ * parallelism (ep_size 1) and expert parallelism (ep_size 2), f32 and bf16. */
+static void check_replicated_init(int world) {
+    for (int ep = 1; ep <= 2; ep++) {
+        if (world % ep) continue;
+        for (int k = 0; k < 2; k++) {
+            tm_dtype dt = k ? TM_BF16 : TM_F32;
+            tm_ctx_options o = tm_ctx_options_default();
+            o.num_threads = 1;
+            tm_ctx *a = NULL, *b = NULL;
+            if (tm_ctx_new(&a, &o) || tm_ctx_new(&b, &o)) exit(2);
+            tm_comm_options co = tm_comm_options_default();
+            co.ep_size = ep;
+            co.timeout_s = 30;
+            OK(a, tm_comm_init(a, &co));
+            tm_model_config mc = tm_model_config_default();
+            tm_model *ma = NULL, *mb = NULL;
+            OK(a, tm_model_new(a, &mc, dt, tm_cpu(), &ma));
+            OK(b, tm_model_new(b, &mc, dt, tm_cpu(), &mb));
+            OK(a, tm_model_init(ma, 99));
+            OK(b, tm_model_init(mb, 99));
+            int er = tm_comm_rank(a, TM_COMM_EP), checked = 0;
+            for (int i = 0; i < tm_ctx_num_params(a); i++) {
+                tm_tensor *pa = tm_ctx_param(a, i), *pb = tm_ctx_find(b, tm_tensor_name(pa));
+                CHECK(pb, "replicated init: %s missing in the reference", tm_tensor_name(pa));
+                if (!pb) continue;
+                int64_t n = tm_tensor_numel(pa), nb = tm_tensor_numel(pb), off = 0;
+                if (n != nb) off = (int64_t)er * n; /* an expert shard: rows [er E/P, ...) of the logical tensor */
+                double *va = malloc(sizeof(double) * (size_t)n), *vb = malloc(sizeof(double) * (size_t)nb);
+                OK(a, tm_tensor_read(a, pa, TM_F64, va, n));
+                OK(b, tm_tensor_read(b, pb, TM_F64, vb, nb));
+                int64_t bad = -1;
+                for (int64_t j = 0; j < n && bad < 0; j++)
+                    if (memcmp(&va[j], &vb[off + j], sizeof(double))) bad = j;
+                CHECK(bad < 0, "replicated init (ep_size %d, %s): %s element %lld is %.9g, one process draws %.9g", ep,
+                      tm_dtype_name(dt), tm_tensor_name(pa), (long long)bad, bad < 0 ? 0 : va[bad],
+                      bad < 0 ? 0 : vb[off + bad]);
+                checked++;
+                free(va), free(vb);
+            }
+            CHECK(checked > 4, "replicated init: only %d parameters", checked);
+            tm_model_free(ma), tm_model_free(mb);
+            tm_ctx_free(a), tm_ctx_free(b);
+        }
+    }
+}
+
 int main(int argc, char **argv) {
     int world = 1;
     if (tm_mpi_init(&argc, &argv, &world)) return 2;
@@ -400,6 +450,7 @@ int main(int argc, char **argv) {
         check_partial_requires_grad(ctx);
         check_counts(ctx);
         check_zero_memory(ctx, world);
+        check_replicated_init(world);
     } else if (!strcmp(what, "cuda")) {
         check_cuda(world);
     } else if (!strcmp(what, "hang") || !strcmp(what, "die")) {
