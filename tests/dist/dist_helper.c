@@ -421,6 +421,77 @@ static void check_replicated_init(int world) {
     }
 }
 
+
+/* The host round trips (tm_ctx_sync_count) of one training step of a tiny model: forward,
+ * backward, the loss read. comm: attach a communicator with ep_size 2 and this strategy. */
+static uint64_t step_syncs(int comm, tm_ep_strategy strategy, int step) {
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    tm_ctx *ctx = NULL;
+    if (tm_ctx_new(&ctx, &o)) exit(2);
+    if (comm) {
+        tm_comm_options co = tm_comm_options_default();
+        co.ep_size = 2;
+        co.ep_strategy = strategy;
+        co.timeout_s = 30;
+        OK(ctx, tm_comm_init(ctx, &co));
+    }
+    tm_model_config c = tm_model_config_default();
+    c.vocab_size = 31;
+    c.d_model = 16;
+    c.n_layers = 3;
+    c.n_heads = 2;
+    c.n_kv_heads = 1;
+    c.max_seq_len = 12;
+    c.first_k_dense = 1;
+    c.dense_ffn_size = 20;
+    c.moe.ffn_size = 12;
+    c.moe.router.num_experts = 4;
+    c.moe.router.topk = 2;
+    c.moe.aux_loss_coeff = 1e-2;
+    tm_model *m = NULL;
+    OK(ctx, tm_model_new(ctx, &c, TM_F32, tm_cpu(), &m));
+    OK(ctx, tm_model_init(m, 3));
+    enum { B = 2, T = 12 };
+    int32_t tok[B * T + 1];
+    for (int i = 0; i < B * T + 1; i++) tok[i] = (i * 7 + 3 + 5 * g_rank) % 31;
+    int64_t sh[2] = {B, T};
+    uint64_t n = 0;
+    for (int s = 0; s <= step; s++) {
+        tm_tensor *tokens, *targets;
+        OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok, &tokens));
+        OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok + 1, &targets));
+        uint64_t before = tm_ctx_sync_count(ctx);
+        tm_model_out out;
+        OK(ctx, tm_model_forward(m, tokens, targets, &out));
+        OK(ctx, tm_backward(ctx, out.loss));
+        float lv;
+        OK(ctx, tm_tensor_read(ctx, out.loss, TM_F32, &lv, 1));
+        n = tm_ctx_sync_count(ctx) - before;
+        tm_ctx_arena_reset(ctx);
+    }
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+    return n;
+}
+
+/* An expert-parallel step makes no more host round trips than the same step in one process
+ * (there: one per MoE layer whose counts the permute or the grouped GEMM reads, the ids' check,
+ * the loss): the all-to-all's counts are the ones the layer reads anyway, their all-gather is a
+ * host collective, and the collectives themselves never wait on the host. */
+static void check_ep_syncs(int world) {
+    if (world % 2) return;
+    for (int st = 0; st < 2; st++) {
+        tm_ep_strategy strategy = st ? TM_EP_ALLGATHER : TM_EP_ALLTOALL;
+        uint64_t ref = step_syncs(0, strategy, 1), n = step_syncs(1, strategy, 1);
+        CHECK(n <= ref, "ep_size 2 %s: %llu host round trips per step, one process makes %llu",
+              st ? "allgather" : "alltoall", (unsigned long long)n, (unsigned long long)ref);
+        if (g_rank == 0)
+            fprintf(stderr, "ep syncs: %s %llu per step, one process %llu\n", st ? "allgather" : "alltoall",
+                    (unsigned long long)n, (unsigned long long)ref);
+    }
+}
+
 int main(int argc, char **argv) {
     int world = 1;
     if (tm_mpi_init(&argc, &argv, &world)) return 2;
@@ -451,6 +522,7 @@ int main(int argc, char **argv) {
         check_counts(ctx);
         check_zero_memory(ctx, world);
         check_replicated_init(world);
+        check_ep_syncs(world);
     } else if (!strcmp(what, "cuda")) {
         check_cuda(world);
     } else if (!strcmp(what, "hang") || !strcmp(what, "die")) {
