@@ -90,8 +90,7 @@ static size_t align_up(size_t nbytes) {
     return n ? n : TM__ALIGN;
 }
 
-/* The bump arenas: host bookkeeping (meta) and page-locked staging (pinned). */
-static int is_meta(const tm_ctx *ctx, const tm__arena *a) { return a == &ctx->meta || a == &ctx->pinned; }
+static int is_meta(const tm_ctx *ctx, const tm__arena *a) { return a == &ctx->meta; }
 
 /* Add a chunk of `size` bytes from the arena's device; NULL (nothing changed) if the device
  * has none to give. */
@@ -105,14 +104,7 @@ static tm__chunk *chunk_add(tm_ctx *ctx, tm__arena *a, size_t size) {
         a->chunks = nc;
         a->cap = cap;
     }
-    void *mem;
-    if (a == &ctx->pinned) {
-        const tm__backend_ops *be = ctx->be[TM__CUDA];
-        mem = be && be->host_alloc ? be->host_alloc(ctx, size) : NULL;
-        if (mem) ctx->alloc_count++;
-    } else {
-        mem = tm__dev_alloc(ctx, a->dev, size);
-    }
+    void *mem = tm__dev_alloc(ctx, a->dev, size);
     if (!mem) return NULL;
     tm__chunk *c = &a->chunks[a->n++];
     c->mem = mem;
@@ -529,12 +521,7 @@ void tm__arena_reset(tm_ctx *ctx, tm__arena *a) {
 void tm__arena_release(tm_ctx *ctx, tm__arena *a) {
     for (int i = 0; i < a->n; i++) {
         HOST_UNPOISON(a, a->chunks[i].mem, a->chunks[i].size);
-        if (a == &ctx->pinned) {
-            const tm__backend_ops *be = ctx->be[TM__CUDA];
-            if (be && be->host_free) be->host_free(ctx, a->chunks[i].mem);
-        } else {
-            tm__dev_free(ctx, a->dev, a->chunks[i].mem);
-        }
+        tm__dev_free(ctx, a->dev, a->chunks[i].mem);
     }
     tm__host_free(ctx, a->chunks);
     for (int s = 0; s < a->n_slabs; s++) tm__host_free(ctx, a->slabs[s]);
@@ -572,23 +559,6 @@ tm_status tm__arena_alloc_storage(tm_ctx *ctx, tm__storage *st) {
     st->data = data_alloc(ctx, st->device, st->nbytes, &size, st);
     st->arena_bytes = st->data ? size : 0;
     return st->data ? TM_OK : TM_ERR_NOMEM;
-}
-
-void *tm__pinned_alloc(tm_ctx *ctx, size_t nbytes) {
-    const tm__backend_ops *be = ctx->be[TM__CUDA];
-    if (!be || !be->host_alloc) return NULL;
-    tm__arena *a = &ctx->pinned;
-    size_t n = align_up(nbytes);
-    char msg[sizeof ctx->errmsg];
-    memcpy(msg, ctx->errmsg, sizeof msg);
-    void *p = meta_bump(ctx, a, n);
-    if (!p) {
-        memcpy(ctx->errmsg, msg, sizeof msg); /* the caller stages another way */
-        return NULL;
-    }
-    a->used += n;
-    if (a->used > a->peak) a->peak = a->used;
-    return p;
 }
 
 void *tm__meta_alloc(tm_ctx *ctx, size_t nbytes) {

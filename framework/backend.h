@@ -25,8 +25,6 @@
  *    matrices at element strides sa, sb, sc. dtypes: f32, f64 (CPU), bf16 (CUDA, f32 accum).
  *  - fwd / bwd: the op kernels, [TM__NOPS] arrays in op-id order generated from ops.def; NULL
  *    where the op has no kernel on this backend (the dispatcher reports it by name).
- *  - host_alloc / host_free (optional): page-locked host memory for the staging arena
- *    (tm__pinned_alloc): a copy from it to the device does not wait for the stream.
  */
 #ifndef TM_BACKEND_H
 #define TM_BACKEND_H
@@ -51,10 +49,6 @@ typedef struct tm__backend_ops {
                       double alpha, const void *A, int64_t lda, int64_t sa, const void *B, int64_t ldb,
                       int64_t sb, double beta, void *C, int64_t ldc, int64_t sc, int64_t batch);
     const tm__fn *fwd, *bwd;
-    /* page-locked host memory, from which host-to-device copies run asynchronously (NULL: the
-     * backend has none, e.g. the CPU); host_free(NULL) is a no-op */
-    void *(*host_alloc)(tm_ctx *ctx, size_t nbytes);
-    void (*host_free)(tm_ctx *ctx, void *p);
 } tm__backend_ops;
 
 /* The backend registered for TM__CPU / TM__CUDA; NULL when this build has none. */

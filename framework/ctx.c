@@ -92,7 +92,6 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->chunk_bytes = o.arena_chunk_bytes ? o.arena_chunk_bytes : ((size_t)64 << 20);
     ctx->arena[TM__CPU].dev = tm_cpu();
     ctx->meta.dev = tm_cpu();
-    ctx->pinned.dev = tm_cpu();
     ctx->cuda_device = -1;
     ctx->perturb_op = -1;
     ctx->mem_reuse = 1;
@@ -137,7 +136,6 @@ void tm_ctx_free(tm_ctx *ctx) {
         tm__arena_release(ctx, &ctx->arena[b]);
     }
     tm__arena_release(ctx, &ctx->meta);
-    tm__arena_release(ctx, &ctx->pinned);
     tm__buckets_free(ctx);
     for (int i = 0; i < ctx->n_owned; i++) {
         tm__storage *st = ctx->owned[i];
@@ -242,7 +240,6 @@ tm_status tm_ctx_sync(tm_ctx *ctx) {
     if (!ctx->be[TM__CUDA]) tm__count_sync(ctx);
     for (int b = 0; b < TM__NBACKENDS; b++)
         if (ctx->be[b]) TM__TRY(ctx->be[b]->sync(ctx));
-    ctx->h2d_pending = 0;
     return TM_OK;
 }
 
@@ -252,12 +249,8 @@ double tm_ctx_sync_seconds(const tm_ctx *ctx) { return ctx ? ctx->sync_seconds :
 
 void tm_ctx_arena_reset(tm_ctx *ctx) {
     if (!ctx) return;
-    /* uploads still queued from the staging arena must land before it is reused */
-    if (ctx->h2d_pending && ctx->be[TM__CUDA]) (void)ctx->be[TM__CUDA]->sync(ctx);
-    ctx->h2d_pending = 0;
     for (int b = 0; b < TM__NBACKENDS; b++) tm__arena_reset(ctx, &ctx->arena[b]);
     tm__arena_reset(ctx, &ctx->meta);
-    tm__arena_reset(ctx, &ctx->pinned);
     ctx->tape = NULL;
     ctx->scope_n = ctx->scope_depth = 0;
     ctx->mirrors = NULL; /* they lived in the meta arena */

@@ -117,8 +117,6 @@ struct tm_ctx {
 
     tm__arena arena[TM__NBACKENDS]; /* per-step tensor data, per backend */
     tm__arena meta;                 /* per-step host bookkeeping: headers, tape nodes */
-    tm__arena pinned;               /* per-step page-locked staging of uploads (tm__pinned_alloc) */
-    int h2d_pending;                /* uploads from `pinned` queued since the host last waited */
 
     tm__bucket **buckets; /* parameter storage, in order of first use */
     int n_buckets, cap_buckets;

@@ -81,10 +81,6 @@ void *tm__arena_alloc(tm_ctx *ctx, tm_device dev, size_t nbytes);
 /* nbytes of per-step host bookkeeping memory (tensor headers, tape nodes); gone at
  * tm_ctx_arena_reset; NULL on failure. */
 void *tm__meta_alloc(tm_ctx *ctx, size_t nbytes);
-/* nbytes of page-locked host memory until tm_ctx_arena_reset (the staging of uploads to the
- * CUDA device: a copy from it is queued without waiting for the stream); NULL, with the
- * context's message untouched, when the context has no CUDA device or none could be had. */
-void *tm__pinned_alloc(tm_ctx *ctx, size_t nbytes);
 /* tm_embedding for ids already known to be valid (tm_index_check on the device, or read on the
  * host): the same result, but the CUDA forward does not read its bad-index flag back, so it
  * does not synchronise (and the CPU forward counts no synchronisation). An id outside [0, V)

@@ -332,9 +332,7 @@ tm_status tm__memcpy(tm_ctx *ctx, void *dst, tm_device ddev, const void *src, tm
                             b == TM__CUDA ? "CUDA" : "CPU");
     int kind = ddev.type == TM_DEVICE_CPU && sdev.type != TM_DEVICE_CPU ? TM__D2H
              : sdev.type == TM_DEVICE_CPU && ddev.type != TM_DEVICE_CPU ? TM__H2D : TM__D2D;
-    tm_status s = be->memcpy(ctx, dst, src, nbytes, kind);
-    if (s == TM_OK && kind == TM__D2H) ctx->h2d_pending = 0; /* the stream drained: queued uploads landed */
-    return s;
+    return be->memcpy(ctx, dst, src, nbytes, kind);
 }
 
 static tm_status tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count);
@@ -420,26 +418,13 @@ static tm_status tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const 
     }
     size_t nbytes = (size_t)n * tm_dtype_size(t->dtype);
     const void *stage = src;
-    /* Uploads of a step (batches, index tables) stage through page-locked memory that lives
-     * until the arena's reset, so the copy is queued without waiting for the stream (from
-     * pageable memory a large copy waits for everything queued before it); larger writes
-     * (initialisation, checkpoint loads) go as before. */
-    void *pin = nbytes <= ((size_t)64 << 20) ? tm__pinned_alloc(ctx, nbytes) : NULL;
-    if (pin) {
-        if (src_dt != t->dtype)
-            tm__convert_host(pin, t->dtype, src, src_dt, n, ctx->n_threads);
-        else
-            memcpy(pin, src, nbytes);
-        stage = pin;
-    } else if (src_dt != t->dtype) {
+    if (src_dt != t->dtype) {
         void *tmp = tm__arena_alloc(ctx, tm_cpu(), nbytes);
         if (!tmp) return TM_ERR_NOMEM;
         tm__convert_host(tmp, t->dtype, src, src_dt, n, ctx->n_threads);
         stage = tmp;
     }
-    tm_status s = tm__memcpy(ctx, tm__data(t), t->device, stage, tm_cpu(), nbytes);
-    if (s == TM_OK && pin) ctx->h2d_pending = 1;
-    return s;
+    return tm__memcpy(ctx, tm__data(t), t->device, stage, tm_cpu(), nbytes);
 }
 
 tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value) {

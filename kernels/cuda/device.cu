@@ -169,28 +169,6 @@ static tm_status tm__cuda_sync(tm_ctx *ctx) {
 }
 
 
-/* Page-locked host memory (the staging arena, framework/arena.c). A host-to-device copy from
- * pageable memory makes the driver stage it through its own pinned buffers, and past their
- * size the call waits until the stream has reached the copy: a hidden synchronisation per
- * large upload (the expert-parallel index tables, ~1 MB per MoE layer). From here the copy is
- * queued and the call returns. */
-static void *tm__cuda_host_alloc(tm_ctx *ctx, size_t nbytes) {
-    void *p = NULL;
-    cudaError_t e = cudaHostAlloc(&p, nbytes ? nbytes : 1, cudaHostAllocDefault);
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        tm__err(ctx, TM_ERR_NOMEM, "cuda_host_alloc: cudaHostAlloc(%zu bytes) failed: %s", nbytes, cudaGetErrorString(e));
-        return NULL;
-    }
-    return p;
-}
-
-static void tm__cuda_host_free(tm_ctx *ctx, void *p) {
-    if (!p) return;
-    cudaFreeHost(p); /* waits for copies still reading it */
-    (void)cudaGetLastError();
-}
-
 /* ---- the backend table ------------------------------------------------------------------------- */
 
 static tm_status tm__cuda_gemm_entry(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N,
@@ -230,6 +208,4 @@ extern "C" const tm__backend_ops tm__cuda_backend = {
     tm__cuda_gemm_entry,
     tm__cuda_fwd,
     tm__cuda_bwd,
-    tm__cuda_host_alloc,
-    tm__cuda_host_free,
 };
