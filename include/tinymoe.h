@@ -1142,6 +1142,11 @@ typedef struct tm_model_out {
  * on the device too (tm_index_check) and reported from that read: a bad id still lets the
  * forward run (on a replaced id) but fails the call with TM_ERR_INDEX, *out untouched and the
  * MoE layers' running counts unchanged (they grow, with grad mode on, only after the check).
+ * Under data parallelism (a communicator with dp > 1) it is collective over the dp group and
+ * makes two host collectives whatever the depth: an all-gather of the ranks' row counts (where
+ * this rank's rows sit in the global batch, shared by every MoE layer) and an all-reduce of the
+ * loss values read back; the MoE layers' device collectives come on top (tinymoe.h,
+ * "Distributed").
  * Errors: TM_ERR_INVALID_ARG (tokens or out NULL), TM_ERR_DTYPE / TM_ERR_SHAPE
  * (tokens or targets not i32 [B,T] with B, T >= 1; targets' shape not tokens'; T >
  * max_seq_len), TM_ERR_DEVICE (tokens or targets not on the model's device), TM_ERR_INDEX (a

@@ -328,7 +328,7 @@ static tm_status self_attention(tm_model *m, int l, tm_tensor *h, int64_t B, int
  * next norm (norm_after). st (may be NULL) receives the MoE block's statistics; untouched
  * on dense layers. */
 static tm_status block(tm_model *m, int l, tm_tensor *x, tm_tensor *h, int64_t B, int64_t T, tm_kv_cache *kv,
-                       tm_moe_stats *st, tm_tensor **x1, tm_tensor **y) {
+                       const tm__dp_rows *dp, tm_moe_stats *st, tm_tensor **x1, tm_tensor **y) {
     tm_ctx *ctx = m->ctx;
     const tm_model_config *c = &m->cfg;
     const tm__layer *L = &m->layers[l];
@@ -337,7 +337,7 @@ static tm_status block(tm_model *m, int l, tm_tensor *x, tm_tensor *h, int64_t B
     TM__TRY(tm_add_rmsnorm(ctx, x, a, L->ffn_norm, c->norm_eps, x1, &h));
     /* The running counts of the expert-bias update are left to the caller (tm_model_forward
      * adds them once the step's ids are known to be valid; the cached forward never does). */
-    if (L->moe) return tm__moe_forward(L->moe, h, B, y, st, 0);
+    if (L->moe) return tm__moe_forward(L->moe, h, B, y, st, 0, dp);
     return swiglu_mlp(ctx, h, L->mlp_w0, L->mlp_w1, L->mlp_wo, y);
 }
 
@@ -467,9 +467,11 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
         TM__TRY(tm__stat_put(ctx, stats, SLOT_TGT_BAD, tgt_bad));
     }
 
-    /* Tokens of the global batch under data parallelism (one small host collective). */
-    int64_t dp_tokens = B * T;
-    if (tm_comm_size(ctx, TM_COMM_DP) > 1) TM__TRY(tm_comm_allreduce_host(ctx, TM_COMM_DP, TM_I64, &dp_tokens, 1));
+    /* Where this rank's rows sit in the global batch under data parallelism: one small host
+     * collective for the whole forward, shared by every MoE layer (each made its own before). */
+    tm__dp_rows dp;
+    TM__TRY(tm__dp_rows_of(ctx, B * T, &dp));
+    int64_t dp_tokens = dp.Tg;
 
     tm_tensor *x, *h, *x1, *y;
     TM__TRY(embed(m, tok, &x)); // (B*T, H)
@@ -478,7 +480,7 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
     int j = 0;
     for (int l = 0; l < c->n_layers; l++) {
         tm_moe_stats st;
-        TM__TRY(block(m, l, x, h, B, T, NULL, &st, &x1, &y));
+        TM__TRY(block(m, l, x, h, B, T, NULL, &dp, &st, &x1, &y));
         TM__TRY(tm_add_rmsnorm(ctx, x1, y, norm_after(m, l), c->norm_eps, &x, &h)); // x1 + y, its norm
         if (!m->layers[l].moe) continue;
         tm_tensor *parts[3] = {st.aux_loss, st.seq_aux_loss, st.z_loss};
@@ -553,7 +555,7 @@ static tm_status forward_cached(tm_model *m, tm_kv_cache *kv, tm_tensor *tokens,
     /* The MoE statistics are not asked for, and with the tape off tm_moe_forward leaves the
      * expert-bias counts alone. */
     for (int l = 0; l < m->cfg.n_layers; l++) {
-        TM__TRY(block(m, l, x, h, B, T, kv, NULL, &x1, &y));
+        TM__TRY(block(m, l, x, h, B, T, kv, NULL, NULL, &x1, &y));
         TM__TRY(tm_add_rmsnorm(m->ctx, x1, y, norm_after(m, l), m->cfg.norm_eps, &x, &h));
     }
     return head(m, h, B, T, NULL, logits); // (B, T, V)

@@ -30,11 +30,6 @@
 
 #include "moe_internal.h"
 
-typedef struct dp_rows {
-    int G;               /* ranks of the dp group */
-    int64_t T, off, Tg;  /* this rank's rows, where they start, all ranks' rows */
-} dp_rows;
-
 struct tm_moe {
     tm_ctx *ctx;
     tm_moe_config cfg;
@@ -526,9 +521,7 @@ tm_status tm_moe_stats_read(tm_moe *m, tm_moe_stats *stats) {
 
 tm_status tm__moe_accumulate(tm_moe *m, tm_tensor *counts) { return tm_moe_accumulate_counts(m->ctx, m->tpe_sum, counts); }
 
-/* Where this rank's rows sit in the global batch under data parallelism (G ranks of the dp
- * group): rows [off, off + T) of Tg. One small host all-gather of the row counts. */
-static tm_status dp_rows_of(tm_ctx *ctx, int64_t T, dp_rows *out) {
+tm_status tm__dp_rows_of(tm_ctx *ctx, int64_t T, tm__dp_rows *out) {
     out->G = tm_comm_size(ctx, TM_COMM_DP);
     out->T = T;
     out->off = 0;
@@ -547,7 +540,7 @@ static tm_status dp_rows_of(tm_ctx *ctx, int64_t T, dp_rows *out) {
 }
 
 /* A per-token mean of this rank's rows becomes its share of the global batch's mean. */
-static tm_status dp_share(tm_ctx *ctx, const dp_rows *dp, tm_tensor **loss) {
+static tm_status dp_share(tm_ctx *ctx, const tm__dp_rows *dp, tm_tensor **loss) {
     if (dp->G == 1 || !*loss) return TM_OK;
     return tm_scale(ctx, *loss, (double)dp->T / (double)dp->Tg, loss);
 }
@@ -556,11 +549,11 @@ tm_status tm_moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **
     if (!m) return TM_ERR_INVALID_ARG;
     /* Only training forwards (grad mode on) feed the expert-bias update: evaluation and
      * sampling must not move the routing. */
-    return tm__moe_forward(m, x, num_seqs, y, stats, tm__grad_enabled(m->ctx));
+    return tm__moe_forward(m, x, num_seqs, y, stats, tm__grad_enabled(m->ctx), NULL);
 }
 
 tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats,
-                          int accumulate) {
+                          int accumulate, const tm__dp_rows *dp_given) {
     tm_ctx *ctx = m->ctx;
     if (!x || !y) return BAD("tm_moe_forward: %s is NULL", x ? "y" : "x");
     const tm_moe_config *cfg = &m->cfg;
@@ -587,8 +580,11 @@ tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor *
     TM__TRY(tm_moe_router(ctx, logits, m->expert_bias, &cfg->router, &ro));
 
     /* Data parallelism: this rank's T rows are rows [off, off + T) of the global batch of Tg. */
-    dp_rows dp;
-    TM__TRY(dp_rows_of(ctx, T, &dp));
+    tm__dp_rows dp;
+    if (dp_given && dp_given->T == T)
+        dp = *dp_given;
+    else
+        TM__TRY(tm__dp_rows_of(ctx, T, &dp));
     tm_tensor *routed = ro.tokens_per_expert; /* global counts under data parallelism */
     if (dp.G > 1) TM__TRY(tm_comm_allreduce(ctx, routed, TM_COMM_DP, &routed));
 

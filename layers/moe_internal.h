@@ -12,11 +12,22 @@
 /* Slots of tm_moe_stats.packed after the E counts: i64 [E + TM__MOE_STAT_SLOTS]. */
 enum { TM__MOE_STAT_DROPPED = 0, TM__MOE_STAT_AUX, TM__MOE_STAT_SEQ_AUX, TM__MOE_STAT_Z, TM__MOE_STAT_SLOTS };
 
+/* Where this rank's rows sit in the global batch under data parallelism (G ranks of the dp
+ * group): rows [off, off + T) of Tg. */
+typedef struct tm__dp_rows {
+    int G;
+    int64_t T, off, Tg;
+} tm__dp_rows;
+/* The row map of this rank's T rows: one small host all-gather of the ranks' row counts (none
+ * without data parallelism). Every rank of the dp group calls it. */
+tm_status tm__dp_rows_of(tm_ctx *ctx, int64_t T, tm__dp_rows *out);
+
 /* tm_moe_forward with the running count's update chosen by the caller: accumulate = 0 leaves
  * tokens_per_expert_sum alone (tm_model_forward adds the counts itself, once the step's ids are
- * known to be valid, with tm__moe_accumulate). */
+ * known to be valid, with tm__moe_accumulate). dp: the row map of x's rows when the caller has
+ * it (tm_model_forward makes one per forward for all its layers); NULL: the block makes it. */
 tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats,
-                          int accumulate);
+                          int accumulate, const tm__dp_rows *dp);
 /* tokens_per_expert_sum += counts (i64 [E]) on the device (tm_moe_accumulate_counts). */
 tm_status tm__moe_accumulate(tm_moe *m, tm_tensor *counts);
 /* Statistics travel to the host packed into i64 tensors, one 8-byte slot per value: copy the

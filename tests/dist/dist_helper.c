@@ -492,6 +492,55 @@ static void check_ep_syncs(int world) {
     }
 }
 
+/* Data parallelism's row map is made once per model forward and shared by its MoE layers: the
+ * all-gathers of a forward do not grow with the number of MoE layers (each layer made its own
+ * host all-gather of the ranks' row counts before). */
+static int64_t forward_allgathers(int n_layers) {
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    tm_ctx *ctx = NULL;
+    if (tm_ctx_new(&ctx, &o)) exit(2);
+    tm_comm_options co = tm_comm_options_default();
+    co.timeout_s = 30;
+    OK(ctx, tm_comm_init(ctx, &co));
+    tm_model_config c = tm_model_config_default();
+    c.vocab_size = 31;
+    c.d_model = 16;
+    c.n_layers = n_layers;
+    c.n_heads = 2;
+    c.n_kv_heads = 1;
+    c.max_seq_len = 12;
+    c.first_k_dense = 1;
+    c.dense_ffn_size = 20;
+    c.moe.ffn_size = 12;
+    c.moe.router.num_experts = 4;
+    c.moe.router.topk = 2;
+    tm_model *m = NULL;
+    OK(ctx, tm_model_new(ctx, &c, TM_F32, tm_cpu(), &m));
+    OK(ctx, tm_model_init(m, 3));
+    enum { B = 2, T = 12 };
+    int32_t tok[B * T + 1];
+    for (int i = 0; i < B * T + 1; i++) tok[i] = (i * 7 + 3 + 5 * g_rank) % 31;
+    int64_t sh[2] = {B, T};
+    tm_tensor *tokens, *targets;
+    OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok, &tokens));
+    OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok + 1, &targets));
+    tm_comm_stats a, b;
+    OK(ctx, tm_comm_get_stats(ctx, &a));
+    tm_model_out out;
+    OK(ctx, tm_model_forward(m, tokens, targets, &out));
+    OK(ctx, tm_comm_get_stats(ctx, &b));
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+    return b.calls[TM_COMM_ALLGATHER] - a.calls[TM_COMM_ALLGATHER];
+}
+
+static void check_dp_row_map(void) {
+    int64_t two = forward_allgathers(3), four = forward_allgathers(5);
+    CHECK(two == 1 && four == 1, "data-parallel forward: %lld all-gathers with 2 MoE layers, %lld with 4 (want 1)",
+          (long long)two, (long long)four);
+}
+
 int main(int argc, char **argv) {
     int world = 1;
     if (tm_mpi_init(&argc, &argv, &world)) return 2;
@@ -523,6 +572,7 @@ int main(int argc, char **argv) {
         check_zero_memory(ctx, world);
         check_replicated_init(world);
         check_ep_syncs(world);
+        check_dp_row_map();
     } else if (!strcmp(what, "cuda")) {
         check_cuda(world);
     } else if (!strcmp(what, "hang") || !strcmp(what, "die")) {
