@@ -217,6 +217,30 @@ Test(driver, two_quick_signals_leave_a_checkpoint) {
     }
 }
 
+/* A closed terminal or a dropped ssh session sends SIGHUP to the session's process group: the
+ * run used to die with it (exit 129, no checkpoint: everything since the last --save-every
+ * lost). Now it stops like SIGTERM: checkpoint, a message naming the signal, exit 128 + 1. */
+Test(driver, sighup_leaves_a_checkpoint) {
+    TT_WATCHDOG(120);
+    char out[300], metrics[400];
+    snprintf(out, sizeof out, "%s", tt_path("hup"));
+    snprintf(metrics, sizeof metrics, "%s/metrics.jsonl", out);
+    tt_child c = tt_spawn(ARGV(T, LONG_RUN, "--out", out), P("hup.log"), 0);
+    cr_assert(tt_wait_for_text(metrics, "\"train\"", 60), "never trained");
+    kill(-c.pid, SIGHUP);
+    int code = exit_code(tt_wait(&c, 60));
+    char *text = slurp_text(tt_path("hup.log"));
+    cr_assert_eq(code, 128 + SIGHUP, "SIGHUP: exit %d: %s", code, text);
+    cr_assert(strstr(text, "SIGHUP: stopped at step") && strstr(text, "--resume"), "%s", text);
+    free(text);
+    cr_assert_gt(newest_step(out), 0, "a checkpoint");
+    tmd_config kc;
+    tmd_ckpt_state st;
+    char ck[512], err[1024];
+    cr_assert_eq(tmd_ckpt_resolve(out, ck, sizeof ck, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_ckpt_read_meta(ck, &kc, &st, err, sizeof err), 0, "a whole checkpoint: %s", err);
+}
+
 /* `timeout 2 tinymoe train ...`: its TERM (to the child, and to the group) leaves a checkpoint. */
 Test(driver, timeout_leaves_a_checkpoint) {
     TT_WATCHDOG(120);

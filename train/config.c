@@ -182,7 +182,7 @@ static const key KEYS[] = {
     {"exit_interval", T_I64, G_RUN, OFF(exit_interval), NULL, "0", 0, NULL,
      "end the run after a step that is a multiple of this, with a checkpoint, as an interrupt would (exit 0; the schedule still follows steps; 0: never)", 0, 1e12},
     {"save_every", T_INT, G_RUN, OFF(save_every), NULL, "0", 0, NULL,
-     "write <out>/ckpt-<step>.tmck every this many steps (0: only at the end and on SIGINT/SIGTERM)", 0, 2147483647},
+     "write <out>/ckpt-<step>.tmck every this many steps (0: only at the end and on SIGINT/SIGTERM/SIGHUP)", 0, 2147483647},
     {"allow_data_change", T_BOOL, G_RUN, OFF(allow_data_change), NULL, "false", 0, NULL,
      "resume even though the data files differ from those the checkpoint was trained on", 0, 0},
     {"overwrite", T_BOOL, G_RUN, OFF(overwrite), NULL, "false", 0, NULL,

@@ -11,7 +11,7 @@
  *
  * Exit status, every command: 0 success; 1 a runtime failure (I/O, memory, a run that diverged);
  * 2 bad input: usage, configuration, data or checkpoint errors, found before anything is
- * written; 128 + n when signal n stopped a run (130 SIGINT, 143 SIGTERM), after it saved its
+ * written; 128 + n when signal n stopped a run (130 SIGINT, 143 SIGTERM, 129 SIGHUP), after it saved its
  * checkpoint. Messages go to stderr, prefixed "tinymoe: ".
  */
 #include <errno.h>
@@ -69,7 +69,7 @@ static const char USAGE[] =
     "           loss or gradients became NaN or infinite (no checkpoint of it is written)\n"
     "  2        bad input: usage, configuration, data or checkpoint error, found before anything is\n"
     "           written; also an out directory in use by another run\n"
-    "  128+n    signal n stopped a run (130 SIGINT, 143 SIGTERM) after its checkpoint was written\n";
+    "  128+n    signal n stopped a run (130 SIGINT, 143 SIGTERM, 129 SIGHUP) after its checkpoint was written\n";
 
 static const char TRAIN_USAGE[] =
     "usage: tinymoe train [--preset NAME] [--config FILE] [--key value | --key=value ...]\n"

@@ -6,7 +6,7 @@
 
 static volatile sig_atomic_t g_first, g_count;
 
-/* Only async-signal-safe calls here: sigaction and raise. Both stop signals are blocked while
+/* Only async-signal-safe calls here: sigaction and raise. The stop signals are blocked while
  * the handler runs (sa_mask), so the count cannot race with itself. */
 static void on_stop(int sig) {
     if (!g_first) g_first = sig;
@@ -28,6 +28,7 @@ void tmd_stop_catch(tmd_stop_saved *old) {
     sigemptyset(&sa.sa_mask);
     sigaddset(&sa.sa_mask, SIGINT);
     sigaddset(&sa.sa_mask, SIGTERM);
+    sigaddset(&sa.sa_mask, SIGHUP);
     /* SA_RESTART: a write or fsync of the checkpoint that a signal interrupts goes on instead
      * of failing with EINTR; the run looks at the flag at its safe points. */
     sa.sa_flags = SA_RESTART;
@@ -38,6 +39,7 @@ void tmd_stop_catch(tmd_stop_saved *old) {
     g_count = 0;
     sigaction(SIGINT, &sa, &old->intr);
     sigaction(SIGTERM, &sa, &old->term);
+    sigaction(SIGHUP, &sa, &old->hup);
     sigaction(SIGPIPE, &ign, &old->pipe);
     sigaction(SIGXFSZ, &ign, &old->xfsz);
 }
@@ -48,6 +50,7 @@ void tmd_stop_restore(const tmd_stop_saved *old) {
     g_count = 0;
     sigaction(SIGINT, &old->intr, NULL);
     sigaction(SIGTERM, &old->term, NULL);
+    sigaction(SIGHUP, &old->hup, NULL);
     sigaction(SIGPIPE, &old->pipe, NULL);
     sigaction(SIGXFSZ, &old->xfsz, NULL);
 }
@@ -59,6 +62,7 @@ const char *tmd_stop_name(int sig) {
     static char buf[32];
     if (sig == SIGINT) return "SIGINT";
     if (sig == SIGTERM) return "SIGTERM";
+    if (sig == SIGHUP) return "SIGHUP";
     snprintf(buf, sizeof buf, "signal %d", sig);
     return buf;
 }

@@ -1,7 +1,8 @@
 /*
  * stop.h — how signals end a `tinymoe` run without losing it.
  *
- * While a run holds them (tmd_stop_catch ... tmd_stop_restore), SIGINT and SIGTERM are stop
+ * While a run holds them (tmd_stop_catch ... tmd_stop_restore), SIGINT, SIGTERM and SIGHUP (a
+ * closed terminal or a dropped ssh session: the run must not be lost with it) are stop
  * requests: the first is recorded (tmd_stop_signal) and the run stops at its next safe point
  * (after the current training step, between evaluation batches, between sampled tokens),
  * writes its checkpoint and returns 128 + the signal number. A second one is counted but does
@@ -21,7 +22,7 @@
 #include <signal.h>
 
 typedef struct tmd_stop_saved {
-    struct sigaction intr, term, pipe, xfsz;
+    struct sigaction intr, term, hup, pipe, xfsz;
 } tmd_stop_saved;
 
 /* Install the handlers above (clearing any earlier request); restore what was there (and
@@ -33,7 +34,7 @@ void tmd_stop_restore(const tmd_stop_saved *old);
 int tmd_stop_signal(void);
 int tmd_stop_count(void);
 
-/* "SIGINT", "SIGTERM", or "signal N". */
+/* "SIGINT", "SIGTERM", "SIGHUP", or "signal N". */
 const char *tmd_stop_name(int sig);
 
 /* SIGPIPE and SIGXFSZ ignored for the rest of the process (the command-line driver). */
