@@ -572,3 +572,29 @@ Test(resume, exit_interval_stops_with_a_checkpoint_and_resumes_exactly) {
     for (int i = 0; i < 12; i++) cr_assert_str_eq(la[i], lb[i], "loss of step %d", i + 1);
     cr_assert_eq(ra.val_loss, rb.val_loss);
 }
+
+/* A run directory's newest checkpoint is opened under the name it has (issue 24, defect 6): a
+ * file renamed by hand to ckpt-99.tmck was looked up as ckpt-00000099.tmck, which does not
+ * exist. Of two names for one step the canonical one is taken. */
+Test(resume, a_renamed_checkpoint_is_found_under_its_name) {
+    const char *dir = tt_tmpdir_make("tm_rename_");
+    const char *names[] = {"ckpt-00000007.tmck", "ckpt-99.tmck", "notes.txt"};
+    for (int i = 0; i < 3; i++) {
+        FILE *f = fopen(tt_path(names[i]), "w");
+        cr_assert(f);
+        fputs("x", f);
+        fclose(f);
+    }
+    char path[1024], err[1024];
+    cr_assert_eq(tmd_ckpt_resolve(dir, path, sizeof path, err, sizeof err), 0, "%s", err);
+    char want[1024];
+    snprintf(want, sizeof want, "%s/ckpt-99.tmck", dir);
+    cr_assert_str_eq(path, want);
+    FILE *f = fopen(tt_path("ckpt-00000099.tmck"), "w");
+    cr_assert(f);
+    fclose(f);
+    cr_assert_eq(tmd_ckpt_resolve(dir, path, sizeof path, err, sizeof err), 0, "%s", err);
+    snprintf(want, sizeof want, "%s/ckpt-00000099.tmck", dir);
+    cr_assert_str_eq(path, want);
+    tt_tmpdir_remove();
+}

@@ -204,16 +204,28 @@ int tmd_ckpt_resolve(const char *ckpt, char *path, size_t pathlen, char *err, si
             return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "checkpoint path '%s' is too long", ckpt);
         return 0;
     }
-    int64_t *steps;
-    int n, rc = tmd_ckpt_list(ckpt, &steps, &n, err, errlen);
-    if (rc) return rc;
-    if (n == 0) {
-        free(steps);
+    /* The newest by step, opened under the name it has: a file renamed by hand (ckpt-99.tmck)
+     * is found and opened as such, not under the name the run would have written. Of two
+     * names for one step (ckpt-99 and ckpt-00000099) the canonical one wins. */
+    DIR *d = opendir(ckpt);
+    if (!d) return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "cannot read directory '%s': %s", ckpt, strerror(errno));
+    int64_t best = -1;
+    char name[256] = {0}, canon[64];
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        int64_t s = ckpt_name_step(e->d_name);
+        if (s < 0 || s < best || strlen(e->d_name) >= sizeof name) continue;
+        snprintf(canon, sizeof canon, "ckpt-%08" PRId64 TMD_CKPT_EXT, s);
+        if (s == best && strcmp(e->d_name, canon)) continue;
+        best = s;
+        snprintf(name, sizeof name, "%s", e->d_name);
+    }
+    closedir(d);
+    if (best < 0)
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "directory '%s' holds no checkpoint (ckpt-*" TMD_CKPT_EXT ")",
                         ckpt);
-    }
-    tmd_ckpt_path(ckpt, steps[n - 1], path, pathlen);
-    free(steps);
+    if ((size_t)snprintf(path, pathlen, "%s/%s", ckpt, name) >= pathlen)
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "checkpoint path '%s/%s' is too long", ckpt, name);
     return 0;
 }
 
