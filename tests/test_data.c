@@ -146,6 +146,55 @@ Test(data, glob_concatenates_shards_in_sorted_order) {
     tmd_tokens_free(&t);
 }
 
+/* More shards than file descriptors (issue 24, defect 1): every shard used to stay open from
+ * the header check to the read, so 1,100 token files failed under `ulimit -n 1024` with "Too
+ * many open files". Here 300 shards under a limit of 64 descriptors. */
+Test(data, more_shards_than_file_descriptors) {
+    char err[512], name[64];
+    enum { NS = 300 };
+    for (int k = 0; k < NS; k++) {
+        uint32_t tok[3] = {(uint32_t)k, (uint32_t)(k + 1), (uint32_t)(k + 2)};
+        snprintf(name, sizeof name, "s_%04d.bin", k);
+        cr_assert_eq(tmd_tokens_write(tt_path(name), tok, 3, err, sizeof err), 0, "%s", err);
+    }
+    struct rlimit rl;
+    cr_assert_eq(getrlimit(RLIMIT_NOFILE, &rl), 0);
+    struct rlimit low = {64, rl.rlim_max};
+    cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0, "setrlimit: %s", strerror(errno));
+    tmd_tokens t;
+    int rc = tmd_tokens_load(tt_path("s_*.bin"), &t, err, sizeof err);
+    setrlimit(RLIMIT_NOFILE, &rl);
+    cr_assert_eq(rc, 0, "%s", err);
+    cr_assert_eq(t.n, 3 * NS);
+    for (int k = 0; k < NS; k++) cr_assert_eq(t.tok[3 * k + 1], (uint32_t)(k + 1), "shard %d", k);
+    cr_assert_eq(t.n_shards, NS);
+    tmd_tokens_free(&t);
+}
+
+/* A token out of range in one shard of a glob names that shard and the position inside it
+ * (issue 24, defect 2: the message named only the glob); so does the held-out tail of a split. */
+Test(data, bad_token_names_its_shard) {
+    char err[512];
+    const uint32_t a[] = {1, 2, 3, 4}, b[] = {5, 6, 900, 7, 8};
+    cr_assert_eq(tmd_tokens_write(tt_path("p_0.bin"), a, 4, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_tokens_write(tt_path("p_1.bin"), b, 5, err, sizeof err), 0, "%s", err);
+    tmd_tokens t, v;
+    cr_assert_eq(tmd_tokens_load(tt_path("p_*.bin"), &t, err, sizeof err), 0, "%s", err);
+    cr_assert_neq(tmd_tokens_check_vocab(&t, 256, err, sizeof err), 0);
+    char want[256];
+    snprintf(want, sizeof want, "token 900 at position 2 of '%s' (file 2 of 2", tt_path("p_1.bin"));
+    cr_assert(strstr(err, want) && strstr(err, "position 6 of the stream"), "%s", err);
+    /* the last 3 tokens (900, 7, 8) are the validation tail: 900 is its token 0, file position 2 */
+    cr_assert_eq(tmd_tokens_split(&t, 3.0 / 9.0, &v, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(v.tok[0], 900);
+    cr_assert_neq(tmd_tokens_check_vocab(&v, 256, err, sizeof err), 0);
+    snprintf(want, sizeof want, "token 900 at position 2 of '%s' (file 1 of 1", tt_path("p_1.bin"));
+    cr_assert(strstr(err, want) && strstr(err, "position 0 of the stream"), "%s", err);
+    cr_assert_eq(tmd_tokens_check_vocab(&t, 256, err, sizeof err), 0, "the training part is clean: %s", err);
+    tmd_tokens_free(&t);
+    tmd_tokens_free(&v);
+}
+
 /* ------------------------------------------------------------------------------------------
  * Load errors
  * ------------------------------------------------------------------------------------------ */

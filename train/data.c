@@ -47,20 +47,32 @@ static void put_u32le(unsigned char *p, uint32_t v) {
  * Loading
  * ------------------------------------------------------------------------------------------ */
 
-/* One validated shard: its token width and count, positioned just after the header. */
+/* One validated shard: its token width, count and size. Validation opens the file and closes
+ * it again; reading opens it once more (so a corpus of any number of shards holds one file
+ * descriptor at a time, under any `ulimit -n`). */
 typedef struct {
     FILE *f;
     int width; /* bytes per token: 2 (version 1) or 4 (version 7) */
-    int64_t n;
+    int64_t n, size;
 } shard;
 
+static int validate_shard(const char *path, shard *s, char *err, size_t errlen);
+
 static int open_shard(const char *path, shard *s, char *err, size_t errlen) {
+    int rc = validate_shard(path, s, err, errlen);
+    if (s->f) fclose(s->f);
+    s->f = NULL;
+    return rc;
+}
+
+static int validate_shard(const char *path, shard *s, char *err, size_t errlen) {
     s->f = fopen(path, "rb");
     if (!s->f) return tmd_fail(err, errlen, -1, "cannot open '%s': %s", path, strerror(errno));
     struct stat st;
     if (fstat(fileno(s->f), &st) != 0) return tmd_fail(err, errlen, -1, "cannot stat '%s': %s", path, strerror(errno));
     if (!S_ISREG(st.st_mode)) return tmd_fail(err, errlen, -1, "'%s' is not a regular file", path);
     int64_t size = (int64_t)st.st_size;
+    s->size = size;
     if (size < HEADER_BYTES)
         return tmd_fail(err, errlen, -1,
                         "'%s' is %lld bytes, shorter than the %d-byte header of a token file (truncated, or "
@@ -104,8 +116,27 @@ static int open_shard(const char *path, shard *s, char *err, size_t errlen) {
     return 0;
 }
 
-/* Append the n tokens of s at dst, decoding little-endian uint16/uint32. */
+/* Append the n tokens of s at dst, decoding little-endian uint16/uint32: the file is opened
+ * again (it must still be the size validated) and closed before returning. */
+static int read_tokens_open(shard *s, const char *path, uint32_t *dst, unsigned char *buf, char *err, size_t errlen);
 static int read_tokens(shard *s, const char *path, uint32_t *dst, unsigned char *buf, char *err, size_t errlen) {
+    s->f = fopen(path, "rb");
+    if (!s->f) return tmd_fail(err, errlen, -1, "cannot open '%s': %s", path, strerror(errno));
+    struct stat st;
+    int rc;
+    if (fstat(fileno(s->f), &st) != 0 || (int64_t)st.st_size != s->size)
+        rc = tmd_fail(err, errlen, -1, "'%s' changed while the data was being loaded (%lld bytes, then %lld)", path,
+                      (long long)s->size, (long long)st.st_size);
+    else if (fseek(s->f, HEADER_BYTES, SEEK_SET) != 0)
+        rc = tmd_fail(err, errlen, -1, "cannot seek in '%s': %s", path, strerror(errno));
+    else
+        rc = read_tokens_open(s, path, dst, buf, err, errlen);
+    fclose(s->f);
+    s->f = NULL;
+    return rc;
+}
+
+static int read_tokens_open(shard *s, const char *path, uint32_t *dst, unsigned char *buf, char *err, size_t errlen) {
     for (int64_t done = 0; done < s->n;) {
         size_t k = (size_t)(s->n - done < CHUNK_TOKENS ? s->n - done : CHUNK_TOKENS);
         if (fread(buf, (size_t)s->width, k, s->f) != k)
@@ -175,9 +206,20 @@ int tmd_tokens_load(const char *pattern, tmd_tokens *out, char *err, size_t errl
         tmd_fail(err, errlen, -1, "out of memory for the %lld tokens of '%s'", (long long)total, pattern);
         goto done;
     }
+    if (!(out->shards = calloc(npaths, sizeof *out->shards))) {
+        tmd_fail(err, errlen, -1, "out of memory listing the files of '%s'", pattern);
+        goto done;
+    }
     int64_t at = 0;
     for (size_t i = 0; i < npaths; i++) {
         if (read_tokens(&sh[i], paths[i], out->tok + at, buf, err, errlen) != 0) goto done;
+        out->shards[i].start = at;
+        out->shards[i].file_pos = 0;
+        if (!(out->shards[i].path = strdup(paths[i]))) {
+            tmd_fail(err, errlen, -1, "out of memory listing the files of '%s'", pattern);
+            goto done;
+        }
+        out->n_shards = (int)i + 1;
         at += sh[i].n;
     }
     out->n = total;
@@ -201,6 +243,8 @@ done:
 void tmd_tokens_free(tmd_tokens *t) {
     if (!t) return;
     free(t->tok);
+    for (int i = 0; i < t->n_shards; i++) free(t->shards[i].path);
+    free(t->shards);
     memset(t, 0, sizeof *t);
 }
 
@@ -232,6 +276,19 @@ int tmd_tokens_split(tmd_tokens *train, double fraction, tmd_tokens *val, char *
                         train->source);
     memcpy(val->tok, train->tok + n_train, (size_t)n_val * sizeof(uint32_t));
     val->n = n_val;
+    /* the shards the tail comes from, their starts moved into the tail */
+    int first = 0;
+    while (first + 1 < train->n_shards && train->shards[first + 1].start <= n_train) first++;
+    if (train->n_shards && (val->shards = calloc((size_t)(train->n_shards - first), sizeof *val->shards))) {
+        for (int i = first; i < train->n_shards; i++) {
+            tmd_token_shard *d = &val->shards[i - first];
+            const tmd_token_shard *sr = &train->shards[i];
+            d->start = sr->start > n_train ? sr->start - n_train : 0;
+            d->file_pos = sr->file_pos + (sr->start > n_train ? 0 : n_train - sr->start);
+            if (!(d->path = strdup(sr->path))) break;
+            val->n_shards = i - first + 1;
+        }
+    }
     val->max_token = max_of(val->tok, n_val);
     char name[sizeof val->source + 64];
     snprintf(name, sizeof name, "last %g of %s", fraction, train->source);
@@ -259,9 +316,19 @@ int tmd_tokens_check_vocab(const tmd_tokens *t, int vocab_size, char *err, size_
     if (vocab_size < 1) return tmd_fail(err, errlen, -1, "vocab size %d must be >= 1", vocab_size);
     if (t->max_token < (uint32_t)vocab_size) return 0;
     for (int64_t i = 0; i < t->n; i++)
-        if (t->tok[i] >= (uint32_t)vocab_size)
+        if (t->tok[i] >= (uint32_t)vocab_size) {
+            /* name the file it came from and the place in it, not only the pattern */
+            int k = -1;
+            for (int j = 0; j < t->n_shards && t->shards[j].start <= i; j++) k = j;
+            if (k >= 0 && (t->n_shards > 1 || strcmp(t->shards[k].path, t->source)))
+                return tmd_fail(err, errlen, -1,
+                                "token %u at position %lld of '%s' (file %d of %d of '%s', position %lld of the "
+                                "stream) is >= the vocab size %d",
+                                t->tok[i], (long long)(i - t->shards[k].start + t->shards[k].file_pos),
+                                t->shards[k].path, k + 1, t->n_shards, t->source, (long long)i, vocab_size);
             return tmd_fail(err, errlen, -1, "token %u at position %lld of '%s' is >= the vocab size %d", t->tok[i],
                             (long long)i, t->source, vocab_size);
+        }
     return 0; /* unreachable while max_token is kept up to date */
 }
 

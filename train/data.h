@@ -25,16 +25,26 @@
 #define TMD_BYTE_EOT 256
 
 /* A token stream held in memory (uint32). */
+/* Where a stretch of a token stream came from: tokens [start, next start) of the stream are
+ * tokens [file_pos, ...) of the file `path` (messages name the shard and the place in it). */
+typedef struct tmd_token_shard {
+    int64_t start, file_pos;
+    char *path;
+} tmd_token_shard;
+
 typedef struct tmd_tokens {
     uint32_t *tok;
     int64_t n;
     uint32_t max_token; /* largest token id present (for vocab checks) */
     char source[256];   /* file or pattern it came from, for messages */
+    tmd_token_shard *shards; /* by start, ascending; NULL for a stream not read from files */
+    int n_shards;
 } tmd_tokens;
 
 /* Load one file or every file matching a glob pattern (sorted bytewise), validating each
  * header (magic, version, token count vs file size, no trailing bytes) before reading any
- * tokens. A path without * ? [ is opened as is (a missing file reports strerror); a pattern
+ * tokens. Files are opened one at a time (a corpus of thousands of shards needs no more file
+ * descriptors than one). A path without * ? [ is opened as is (a missing file reports strerror); a pattern
  * matching nothing is an error, and so is a source holding no tokens at all. The whole source
  * is held as one uint32 array (4 bytes per token). On error *out is left empty. */
 int tmd_tokens_load(const char *pattern, tmd_tokens *out, char *err, size_t errlen);
