@@ -598,3 +598,43 @@ Test(resume, a_renamed_checkpoint_is_found_under_its_name) {
     cr_assert_str_eq(path, want);
     tt_tmpdir_remove();
 }
+
+/* The same data file by another path (issue 24, defect 5): a run on DIR/tokens.bin resumed with
+ * DIR/./tokens.bin (or through a symbolic link) was refused as "differs from the checkpoint".
+ * The files are now compared by their tokens (count and fingerprint): the resume runs and equals
+ * the run that never stopped; a file with other tokens is still refused, naming the fingerprints. */
+Test(resume, the_same_data_by_another_path) {
+    TT_WATCHDOG(120);
+    char a[256], b[256], other[512], link[512], ck[512], fa[512], fb[512], err[2048];
+    snprintf(a, sizeof a, "%s", tt_path("first"));
+    snprintf(b, sizeof b, "%s", tt_path("second"));
+    const char *data = token_file();
+    tmd_config c;
+    small_run(&c, a, 8);
+    set(&c, "data", data);
+    set(&c, "save_every", "4");
+    run_ok(&c, NULL);
+    snprintf(link, sizeof link, "%s", tt_path("tokens-link.bin"));
+    cr_assert_eq(symlink(data, link), 0, "symlink: %s", strerror(errno));
+    tmd_ckpt_path(a, 4, ck, sizeof ck);
+    tmd_config r;
+    small_run(&r, b, 8);
+    set(&r, "data", link);
+    set(&r, "save_every", "4");
+    snprintf(r.resume, sizeof r.resume, "%s", ck);
+    run_ok(&r, NULL);
+    tmd_ckpt_path(a, 8, fa, sizeof fa);
+    tmd_ckpt_path(b, 8, fb, sizeof fb);
+    assert_same_tensors(fa, fb);
+    /* a file holding other tokens: refused, naming the fingerprints */
+    snprintf(other, sizeof other, "%s", tt_path("other.bin"));
+    uint32_t tok[3000];
+    for (int i = 0; i < 3000; i++) tok[i] = 'a' + (uint32_t)(i % 26);
+    cr_assert_eq(tmd_tokens_write(other, tok, 3000, err, sizeof err), 0, "%s", err);
+    tmd_config q;
+    small_run(&q, tt_path("third"), 8);
+    set(&q, "data", other);
+    snprintf(q.resume, sizeof q.resume, "%s", ck);
+    cr_assert_eq(tmd_train(&q, NULL, NULL, err, sizeof err), TMD_CONFIG_ERROR);
+    cr_assert(strstr(err, "not the data checkpoint") && strstr(err, "fingerprint"), "%s", err);
+}

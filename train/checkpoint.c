@@ -381,6 +381,16 @@ int tmd_ckpt_load_model(const char *ckpt, int device, int threads, tmd_loaded_mo
     return rc;
 }
 
+/* data / val_data given as a file (or pattern) on both sides: a path that may be spelled
+ * differently; the synthetic source or the held-out tail on either side is a different source. */
+static int data_file_respelled(const char *name, const tmd_config *cli, const tmd_config *ck) {
+    const char *x = NULL, *y = NULL;
+    if (!strcmp(name, "data")) x = cli->data, y = ck->data;
+    else if (!strcmp(name, "val_data")) x = cli->val_data, y = ck->val_data;
+    else return 0;
+    return x[0] && y[0] && strcmp(x, "synthetic") && strcmp(y, "synthetic");
+}
+
 int tmd_ckpt_merge_config(const tmd_config *cli, const tmd_config *ck, const char *path, int for_eval,
                           tmd_config *out, char *err, size_t errlen) {
     tmd_config m = *ck;
@@ -399,6 +409,12 @@ int tmd_ckpt_merge_config(const tmd_config *cli, const tmd_config *ck, const cha
         tmd_config_format_exact(ck, i, b, sizeof b);
         const char *name = tmd_config_key_name(i);
         if (tmd_config_key_resumable(i, for_eval)) {
+            if (tmd_config_set(&m, name, a, (tmd_source)cli->source[i], "the command line", e2, sizeof e2))
+                return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "%s", e2);
+        } else if (strcmp(a, b) && data_file_respelled(name, cli, ck)) {
+            /* The same data by another path (relative / absolute, a moved directory, a link):
+             * the files are compared by what they hold, the token count and fingerprint the
+             * checkpoint recorded (tmd_ckpt_check_data, after loading), not by the spelling. */
             if (tmd_config_set(&m, name, a, (tmd_source)cli->source[i], "the command line", e2, sizeof e2))
                 return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "%s", e2);
         } else if (strcmp(a, b)) {
