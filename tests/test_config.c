@@ -340,6 +340,25 @@ Test(config, semantic_errors_name_the_key) {
     }
 }
 
+/* A range error names where the value came from (issue 24, defect 3): a config file's line as
+ * "file:line", a flag, a preset; the key alone said nothing of which of them set it. */
+Test(config, semantic_errors_name_where_the_value_came_from) {
+    char *d = tmpdir(), path[256], err[1024] = "", want[300];
+    snprintf(path, sizeof path, "%s/run.conf", d);
+    write_text(path, "steps = -1\n");
+    cr_assert_eq(check(err, sizeof err, (const char *[]){"--config", path, NULL}), -1);
+    snprintf(want, sizeof want, "%s:1: key 'steps' = -1: must be >= 1", path);
+    cr_assert(!strncmp(err, want, strlen(want)), "expected \"%s\" at the start of: %s", want, err);
+    write_text(path, "# two lines of comments\n\nbatch_size = 0\n");
+    cr_assert_eq(check(err, sizeof err, (const char *[]){"--config", path, NULL}), -1);
+    snprintf(want, sizeof want, "%s:3: key 'batch_size'", path);
+    cr_assert(!strncmp(err, want, strlen(want)), "expected \"%s\" at the start of: %s", want, err);
+    /* the flag wins over the file, and is named */
+    cr_assert_eq(check(err, sizeof err, (const char *[]){"--config", path, "--batch_size", "-2", NULL}), -1);
+    HAS(err, "flag --batch_size: key 'batch_size' = -2");
+    rm_rf(d);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Data errors: found before anything is written                                             */
 

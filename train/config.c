@@ -412,6 +412,18 @@ static int parse_value(tmd_config *cfg, const key *k, const char *v, const char 
     return tmd_fail(err, errlen, -1, "key '%s': unknown type", k->name);
 }
 
+/* Record where key i came from; a long one keeps its end ("...dir/run.conf:3"). */
+static void set_origin(tmd_config *cfg, int i, const char *where) {
+    size_t n = strlen(where), cap = sizeof cfg->origin[i];
+    if (n < cap) {
+        memcpy(cfg->origin[i], where, n + 1);
+        return;
+    }
+    memcpy(cfg->origin[i], "...", 3);
+    memcpy(cfg->origin[i] + 3, where + n - (cap - 4), cap - 4);
+    cfg->origin[i][cap - 1] = 0;
+}
+
 int tmd_config_set(tmd_config *cfg, const char *name, const char *value, tmd_source src, const char *where, char *err,
                    size_t errlen) {
     int i = find_key(name);
@@ -422,6 +434,7 @@ int tmd_config_set(tmd_config *cfg, const char *name, const char *value, tmd_sou
     }
     if (parse_value(cfg, &KEYS[i], value, where, err, errlen)) return -1;
     cfg->source[i] = (unsigned char)src;
+    set_origin(cfg, i, where ? where : "");
     return 0;
 }
 
@@ -619,6 +632,10 @@ static int apply_entries(tmd_config *cfg, const char *path, const entry *e, int 
         char where[TMD_PATH_MAX + 32];
         snprintf(where, sizeof where, "line %d of %s", e[i].line, path);
         if (tmd_config_set(cfg, e[i].key, e[i].value, TMD_SRC_FILE, where, err, errlen)) return -1;
+        int k = find_key(e[i].key);
+        char at[TMD_PATH_MAX + 32];
+        snprintf(at, sizeof at, "%s:%d", path, e[i].line); /* as compilers name a line */
+        if (k >= 0) set_origin(cfg, k, at);
     }
     return 0;
 }
@@ -794,7 +811,29 @@ void tmd_config_explain(const tmd_config *cfg, const char *msg, char *err, size_
         if (!(cond)) return tmd_fail(err, errlen, -1, __VA_ARGS__);                                                    \
     } while (0)
 
+static int validate_keys(const tmd_config *c, char *err, size_t errlen);
+
+/* A range error names the key; this says where its value came from: "run.conf:1: key 'steps' =
+ * -1: must be >= 1" (a config file's line, a flag, a preset, the command line of a resume). */
 int tmd_config_validate(const tmd_config *c, char *err, size_t errlen) {
+    int rc = validate_keys(c, err, errlen);
+    if (!rc || !err || strncmp(err, "key '", 5)) return rc;
+    const char *q = strchr(err + 5, '\'');
+    if (!q || q - (err + 5) >= 64) return rc;
+    char name[64];
+    memcpy(name, err + 5, (size_t)(q - (err + 5)));
+    name[q - (err + 5)] = 0;
+    int k = find_key(name);
+    if (k < 0 || c->source[k] == TMD_SRC_DEFAULT || !c->origin[k][0]) return rc;
+    size_t n = strlen(err), o = strlen(c->origin[k]) + 2;
+    if (n + o + 1 > errlen) return rc;
+    memmove(err + o, err, n + 1);
+    memcpy(err, c->origin[k], o - 2);
+    memcpy(err + o - 2, ": ", 2);
+    return rc;
+}
+
+static int validate_keys(const tmd_config *c, char *err, size_t errlen) {
     /* The driver's own keys. */
     CHECK(c->sched.total_steps >= 1, "key 'steps' = %lld: must be >= 1", (long long)c->sched.total_steps);
     CHECK(c->batch_size >= 1, "key 'batch_size' = %d: must be >= 1", c->batch_size);

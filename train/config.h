@@ -71,6 +71,9 @@ typedef struct tmd_config {
     double comm_timeout;
     int print_layout;
     unsigned char source[TMD_MAX_KEYS]; /* tmd_source of each key, by table index */
+    /* where each key set since its default came from, for messages: "run.conf:3", "flag
+     * --steps", "preset shakespeare", "the command line"; "" for defaults */
+    char origin[TMD_MAX_KEYS][96];
     /* One line per value tmd_config_resolve (or the run's setup) changed from what was asked:
      * a clamp the user should hear about, printed with the resolved config. Not a key. */
     char notes[512];
