@@ -27,6 +27,7 @@
 #include "config.h"
 #include "hf.h"
 #include "status.h"
+#include "train.h"
 
 static void setup(void) { tt_tmpdir_make("tm_test_hf_"); }
 static void teardown(void) { tt_tmpdir_remove(); }
@@ -854,6 +855,22 @@ static int read_edited2(const char *key, const char *json_value, const char *key
 
 static int read_edited(const char *key, const char *json_value, char *err, size_t errlen, tm_model_config *out) {
     return read_edited2(key, json_value, NULL, NULL, err, errlen, out);
+}
+
+/* --init-from an export whose config.json holds a value tinymoe refuses (issue 24, defect 3):
+ * the message names config.json and its own key, not only tinymoe's key. */
+Test(hf, init_from_names_config_json_and_its_key) {
+    char err[2048] = "";
+    cr_assert_eq(read_edited("num_hidden_layers", "20000", err, sizeof err, NULL), 0, "%s", err);
+    tmd_config c;
+    tmd_config_defaults(&c);
+    char e2[512];
+    cr_assert_eq(tmd_config_set(&c, "init_from", tt_path("cfg_edit"), TMD_SRC_FLAG, "test", e2, sizeof e2), 0, "%s", e2);
+    cr_assert_eq(tmd_config_set(&c, "out", "", TMD_SRC_FLAG, "test", e2, sizeof e2), 0, "%s", e2);
+    cr_assert_eq(tmd_train(&c, NULL, NULL, err, sizeof err), TMD_CONFIG_ERROR, "%s", err);
+    char want[700];
+    snprintf(want, sizeof want, "%s/config.json key \"num_hidden_layers\"", tt_path("cfg_edit"));
+    cr_assert(strstr(err, want) && strstr(err, "n_layers"), "%s", err);
 }
 
 Test(hf, read_config_refuses_non_mixtral_values) {

@@ -818,6 +818,22 @@ int tmd_run_resume_config(tmd_run *r, const tmd_config *cli, tmd_config *out, in
     return 0;
 }
 
+/* The config.json field (Hugging Face MixtralConfig) a tinymoe architecture key comes from on
+ * --init-from, or NULL for the keys a Mixtral fixes (its router, no shared experts, ...). */
+static const char *hf_key_of(const char *key) {
+    static const char *const map[][2] = {
+        {"vocab_size", "vocab_size"},          {"d_model", "hidden_size"},
+        {"n_layers", "num_hidden_layers"},     {"n_heads", "num_attention_heads"},
+        {"n_kv_heads", "num_key_value_heads"}, {"rope_theta", "rope_theta"},
+        {"norm_eps", "rms_norm_eps"},          {"tie_embeddings", "tie_word_embeddings"},
+        {"num_experts", "num_local_experts"},  {"topk", "num_experts_per_tok"},
+        {"expert_ffn_size", "intermediate_size"},
+    };
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
+        if (!strcmp(map[i][0], key)) return map[i][1];
+    return NULL;
+}
+
 /* --init_from DIR: the architecture keys come from DIR/config.json; one the user set
  * explicitly to another value is an error naming it. Training keys (aux losses, capacity,
  * optimizer, seq_len, ...) stay the user's. */
@@ -851,7 +867,15 @@ int tmd_run_init_from_config(const tmd_config *cli, tmd_config *out, char *err, 
                             "key '%s' = %s differs from %s/config.json (%s), which init_from takes the model from",
                             ARCH[k], y, cli->init_from, x);
         }
-        if (tmd_config_set(out, ARCH[k], a, TMD_SRC_CKPT, "init_from", e, sizeof e))
+        /* messages about the value name the file and its own key (tmd_config_validate prefixes
+         * a range error with it) */
+        char where[TMD_PATH_MAX + 64];
+        const char *hk = hf_key_of(ARCH[k]);
+        if (hk)
+            snprintf(where, sizeof where, "%s/config.json key \"%s\"", cli->init_from, hk);
+        else
+            snprintf(where, sizeof where, "%s/config.json (a Mixtral's fixed %s)", cli->init_from, ARCH[k]);
+        if (tmd_config_set(out, ARCH[k], a, TMD_SRC_CKPT, where, e, sizeof e))
             return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "init_from '%s': %s", cli->init_from, e);
     }
     int di = tmd_config_key_index("dtype");
