@@ -81,12 +81,13 @@ void *tm__arena_alloc(tm_ctx *ctx, tm_device dev, size_t nbytes);
 /* nbytes of per-step host bookkeeping memory (tensor headers, tape nodes); gone at
  * tm_ctx_arena_reset; NULL on failure. */
 void *tm__meta_alloc(tm_ctx *ctx, size_t nbytes);
-/* tm_embedding for ids already known to be valid (tm_index_check on the device, or read on the
- * host): the same result, but the CUDA forward does not read its bad-index flag back, so it
+/* tm_embedding without the check of its ids, for ids already known to be valid (tm_index_check
+ * on the device, or read on the host): the same result, but the CUDA forward does not read its
+ * bad-index flag back, so it
  * does not synchronise (and the CPU forward counts no synchronisation). An id outside [0, V)
  * then gives a zero row on CUDA (the CPU still reports it). */
-tm_status tm__embedding_checked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
-/* tm__embedding_checked for ids that name each row of weight at most once (a permutation, as
+tm_status tm__embedding_unchecked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out);
+/* tm__embedding_unchecked for ids that name each row of weight at most once (a permutation, as
  * the expert-parallel regrouping's): the same values and gradient; the CUDA backward adds each
  * source row into its destination directly instead of sorting the ids (a sort of the ~10^5 rows
  * per call, O(M log^2 M) in ~150 launches, cost each MoE layer's all-to-all path milliseconds). */
@@ -103,14 +104,14 @@ tm_status tm__param_init_normal_replicated(tm_ctx *ctx, tm_tensor *t, uint64_t s
  * call that could only confirm them). */
 tm_status tm__comm_alltoall_consistent(tm_ctx *ctx, tm_tensor *x, tm_tensor *send_counts, tm_tensor *recv_counts,
                                        tm_comm_group g, tm_tensor **out);
-/* tm_cross_entropy for targets already known to be valid (checked on the device, e.g. by
- * tm_index_check): the same result, but the CUDA forward does not read its bad-target flag
+/* tm_cross_entropy without the check of its targets, for targets already known to be valid
+ * (checked on the device, e.g. by tm_index_check): the same result, but the CUDA forward does not read its bad-target flag
  * back, so it does not synchronise (and the CPU forward counts no synchronisation). A target
  * outside [0, V) that is not ignore_index is then undefined on CUDA (the CPU still reports it).
  * The loss of bf16 logits is f32 (a bf16 loss would keep 3 significant digits), computed from
  * the bf16 logits directly: no f32 copy of the logits, and their gradient is written in bf16,
  * the bits of a cast to f32 followed by the cross-entropy. */
-tm_status tm__cross_entropy_checked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
+tm_status tm__cross_entropy_unchecked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
                                     tm_tensor **out);
 /* Not taped: dst = src (accumulate 0) or dst += alpha * src (accumulate 1) with ANY strides on
  * both sides (dst must not overlap itself); same shape and device; dtypes converted. Used

@@ -275,7 +275,7 @@ void tm__scope_close(tm_ctx *ctx, int mark, tm_tensor *const *keep, int nkeep);
  * buffers and arena blocks calls it. */
 void tm__mem_account(tm_ctx *ctx, tm_device dev, int cat, ptrdiff_t delta);
 
-/* (tm__cross_entropy_checked and tm__embedding_checked: extend.h) */
+/* (tm__cross_entropy_unchecked and tm__embedding_unchecked: extend.h) */
 /* Index range errors of embedding, index_select, gather and scatter_add (framework/ops/
  * indexing.c), shared by their CPU and CUDA kernels so both name a bad index alike: the bound
  * of the call's indices c->in[1] ([0, hi)), and TM_ERR_INDEX for `value` at flat position

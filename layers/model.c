@@ -358,7 +358,7 @@ static tm_status embed(tm_model *m, tm_tensor *tokens, tm_tensor **x) {
     int64_t flat[1] = {tm_tensor_dim(tokens, 0) * tm_tensor_dim(tokens, 1)};
     tm_tensor *ids;
     TM__TRY(tm_reshape(m->ctx, tokens, 1, flat, &ids));
-    return tm__embedding_checked(m->ctx, m->embed, ids, x); // (B*T, H)
+    return tm__embedding_unchecked(m->ctx, m->embed, ids, x); // (B*T, H)
 }
 
 /* lm_head (embed.weight^T when tied) on the final norm h [B*T,H] -> logits [B,T,V]. */
@@ -498,7 +498,7 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
         /* The targets were checked above: the cross-entropy need not read its own flag back.
          * Its loss is f32 for bf16 logits, read from the bf16 logits directly: no f32 copy of
          * the (B*T, V) logits, and the gradient comes back in bf16 (extend.h). */
-        TM__TRY(tm__cross_entropy_checked(ctx, lg, tg, -1, &o.ce_loss));
+        TM__TRY(tm__cross_entropy_unchecked(ctx, lg, tg, -1, &o.ce_loss));
         /* Data parallelism: this rank's share of the global batch's mean (tinymoe.h). */
         if (dp_tokens > B * T) TM__TRY(tm_scale(ctx, o.ce_loss, (double)(B * T) / (double)dp_tokens, &o.ce_loss));
         o.loss = o.ce_loss;

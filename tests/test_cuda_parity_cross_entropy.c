@@ -1,5 +1,5 @@
 /*
- * test_cuda_parity_cross_entropy.c — the model's cross-entropy on CUDA: tm__cross_entropy_checked
+ * test_cuda_parity_cross_entropy.c — the model's cross-entropy on CUDA: tm__cross_entropy_unchecked
  * on bf16 logits gives an f32 loss and a bf16 gradient without any f32 copy of the (N, V)
  * logits (kernels/cuda/cross_entropy.cu, iattr[2]). Against the CPU (the generic bf16 cases of
  * tests/test_cuda_parity.c keep a bf16 loss), and bit for bit against the path it replaced in
@@ -40,7 +40,7 @@ static void ce_run(tm_ctx *ctx, tm_device dev, tm_dtype tdt, int cast, ce_out *o
     TT_OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
     lg = x;
     if (cast) TT_OK(ctx, tm_cast(ctx, x, TM_F32, &lg));
-    TT_OK(ctx, tm__cross_entropy_checked(ctx, lg, tg, -1, &loss));
+    TT_OK(ctx, tm__cross_entropy_unchecked(ctx, lg, tg, -1, &loss));
     cr_assert_eq(tm_tensor_dtype(loss), TM_F32, "the loss of bf16 logits is f32");
     TT_OK(ctx, tm_scale(ctx, loss, 0.37, &l)); /* an upstream gradient other than 1 */
     TT_OK(ctx, tm_backward(ctx, l));

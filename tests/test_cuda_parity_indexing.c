@@ -212,7 +212,7 @@ Test(cuda_parity_indexing, scatter_bitwise_reproducible_bf16) {
 
 /* tm__embedding_unique (the expert-parallel regrouping: ids a permutation of the rows): its CUDA
  * backward scatters without the sort; the gradient must equal, bit for bit, the sorted path's
- * (tm__embedding_checked on CUDA) and the CPU's, including a second lookup adding into the
+ * (tm__embedding_unchecked on CUDA) and the CPU's, including a second lookup adding into the
  * gradient the first one left. */
 static void unique_scatter(tm_dtype dt) {
     tm_ctx *ctx = tt_parity_ctx();
@@ -227,7 +227,7 @@ static void unique_scatter(tm_dtype dt) {
         tm_tensor *a, *b, *g, *g2, *y;
         TT_OK(ctx, tm_tensor_set_requires_grad(ctx, w, 1));
         tm_status (*lookup)(tm_ctx *, tm_tensor *, tm_tensor *, tm_tensor **) =
-            run == 1 ? tm__embedding_checked : tm__embedding_unique;
+            run == 1 ? tm__embedding_unchecked : tm__embedding_unique;
         TT_OK(ctx, lookup(ctx, w, i1, &a));
         TT_OK(ctx, lookup(ctx, w, i2, &b));
         TT_OK(ctx, tm_tensor_from_host(ctx, dt, 2, ws, devs[run], TM_F64, hg, &g));
@@ -390,7 +390,7 @@ static void sync_sequence(tm_ctx *ctx, tm_device d, uint64_t *deltas) {
     uint64_t before = tm_ctx_sync_count(ctx);
 #define STEP(expr) do { TT_OK(ctx, expr); deltas[k++] = tm_ctx_sync_count(ctx) - before; before = tm_ctx_sync_count(ctx); } while (0)
     STEP(tm_embedding(ctx, w, idx, &a));                  /* 1 */
-    STEP(tm__embedding_checked(ctx, w, idx, &b));         /* 0 */
+    STEP(tm__embedding_unchecked(ctx, w, idx, &b));         /* 0 */
     STEP(tm_embedding(ctx, w, empty, &e));                /* 0: no ids */
     STEP(tm_scatter_add(ctx, a, idx, 10, &sa));           /* 1 */
     STEP(tm_add(ctx, sa, w, &s));                         /* 0 */

@@ -78,7 +78,7 @@ Test(sync, data_dependent_sizes_and_error_flags_count_one) {
 }
 
 /* The CUDA forwards of embedding, index_select, gather and scatter_add read their bad-index
- * flag back: one each, also on the CPU, when there are indices; tm__embedding_checked (ids
+ * flag back: one each, also on the CPU, when there are indices; tm__embedding_unchecked (ids
  * validated already, as tm_model_forward's are) and tm_index_check read nothing. */
 Test(sync, index_flags_count_one) {
     tm_ctx *ctx = tt_ctx();
@@ -93,7 +93,7 @@ Test(sync, index_flags_count_one) {
     TT_OK(ctx, tm_gather(ctx, w, tt_from(ctx, TM_I32, 2, ks, cols), &o));
     TT_OK(ctx, tm_scatter_add(ctx, o, tt_from(ctx, TM_I32, 1, ks, rows), 6, &o));
     cr_assert_eq(syncs(ctx) - before, 4, "index_select, gather, scatter_add: one flag each");
-    TT_OK(ctx, tm__embedding_checked(ctx, w, idx, &o));
+    TT_OK(ctx, tm__embedding_unchecked(ctx, w, idx, &o));
     TT_OK(ctx, tm_embedding(ctx, w, none, &o));
     TT_OK(ctx, tm_index_check(ctx, idx, 6, 0, &safe, &fb));
     cr_assert_eq(syncs(ctx) - before, 4, "checked embedding, no ids, index_check: nothing read back");

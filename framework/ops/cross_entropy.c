@@ -40,7 +40,7 @@ tm_status tm_cross_entropy(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, i
     return cross_entropy(ctx, logits, targets, ignore_index, 0, out);
 }
 
-tm_status tm__cross_entropy_checked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
+tm_status tm__cross_entropy_unchecked(tm_ctx *ctx, tm_tensor *logits, tm_tensor *targets, int64_t ignore_index,
                                     tm_tensor **out) {
     return cross_entropy(ctx, logits, targets, ignore_index, 1, out);
 }

@@ -9,7 +9,7 @@
  *
  * Call layout of embedding, index_select, gather, scatter_add: in[0] the float table / source,
  * in[1] the indices; iattr[0] n_rows (scatter_add); iattr[1] 1: the indices are known valid
- * (tm__embedding_checked), so the CUDA forward does not read its bad-index flag back.
+ * (tm__embedding_unchecked), so the CUDA forward does not read its bad-index flag back.
  */
 #include <stdio.h>
 
@@ -128,7 +128,7 @@ tm_status tm_embedding(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor
     return run2(ctx, TM__OP_EMBEDDING, weight, ids, 0, 0, out);
 }
 
-tm_status tm__embedding_checked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out) {
+tm_status tm__embedding_unchecked(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, tm_tensor **out) {
     return run2(ctx, TM__OP_EMBEDDING, weight, ids, 0, 1, out);
 }
 

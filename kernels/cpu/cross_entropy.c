@@ -8,9 +8,9 @@
  *   in[0]     logits   (N, V)
  *   in[1]     targets  (N)     i32 or i64
  *   iattr[0]  ignore_index
- *   iattr[1]  1: the targets are known to be valid (tm__cross_entropy_checked): the CUDA
+ *   iattr[1]  1: the targets are known to be valid (tm__cross_entropy_unchecked): the CUDA
  *             forward skips reading its error flag back
- *   iattr[2]  1: the loss is f32 for bf16 logits (tm__cross_entropy_checked; the dispatcher
+ *   iattr[2]  1: the loss is f32 for bf16 logits (tm__cross_entropy_unchecked; the dispatcher
  *             stages bf16 to f32 on the CPU, so this kernel sees f32 logits and an f32 loss)
  *   out[0]    loss     ()      mean over valid rows of lse[n] - logits[n, targets[n]]; 0 if none;
  *                              the logits' dtype, or f32 (iattr[2])

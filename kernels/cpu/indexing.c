@@ -15,7 +15,7 @@
  *                 caller reads first_bad back when it reads its other results.
  *
  *   iattr[1]      (embedding, index_select, gather, scatter_add) 1: the indices are known valid
- *                 (tm__embedding_checked); the CPU checks them all the same
+ *                 (tm__embedding_unchecked); the CPU checks them all the same
  *
  * Every forward but index_check's checks all indices before it writes anything; the first one out of range
  * (lowest flat position) fails the op with TM_ERR_INDEX, naming its position and value
@@ -43,7 +43,7 @@ static void *scratch(tm_ctx *ctx, size_t nbytes) {
 /* TM_ERR_INDEX unless every entry of c->in[1] lies in [0, tm__index_range_hi(c)); the message
  * (tm__index_range_err) names the first one out of range. Counts the synchronisation that the
  * CUDA forward makes to read its bad-index flag back, unless the indices are known valid
- * (iattr[1], tm__embedding_checked) or there are none. */
+ * (iattr[1], tm__embedding_unchecked) or there are none. */
 static tm_status check_range(tm__call *c) {
     const tm_tensor *idx = c->in[1];
     int64_t n = tm__numel(idx), first = n, hi = tm__index_range_hi(c);

@@ -4,8 +4,8 @@
  *
  * Layout, shared with kernels/cpu/cross_entropy.c:
  *   in[0] logits (N, V) f32/bf16, in[1] targets (N) i32/i64, iattr[0] ignore_index,
- *   iattr[1] 1: targets known valid (tm__cross_entropy_checked), the flag is not read back
- *   iattr[2] 1: the loss is f32 for bf16 logits (tm__cross_entropy_checked)
+ *   iattr[1] 1: targets known valid (tm__cross_entropy_unchecked), the flag is not read back
+ *   iattr[2] 1: the loss is f32 for bf16 logits (tm__cross_entropy_unchecked)
  *   out[0] loss () = mean over valid rows of lse[n] - logits[n, targets[n]]; 0 if none; the
  *          logits' dtype, or f32 (iattr[2])
  *   saved[0] lse (N) f32 (0 for ignored rows), saved[1] n_valid () i64

@@ -7,7 +7,7 @@
  *   index_select  x (N, C), idx (M)          -> out (M, C)      out[m] = x[idx[m]]
  *   gather        x (N, C), idx (N, K)       -> out (N, K)      out[n, k] = x[n, idx[n, k]]
  *   scatter_add   src (M, C), idx (M), iattr[0] n_rows -> out (n_rows, C)  out[idx[m]] += src[m]
- *   iattr[1] 1: the indices are known valid (tm__embedding_checked): no flag is read back.
+ *   iattr[1] 1: the indices are known valid (tm__embedding_unchecked): no flag is read back.
  *   iattr[2] 1: they are also distinct (tm__embedding_unique): the backward scatters without
  *            sorting (ix_scatter_unique_kernel: one writer per destination row, the same f64
  *            addition as the sorted path's run of one source).
@@ -27,7 +27,7 @@
  *     (the CPU kernels count one at the same point). A bad index then fails the op with the
  *     CPU's message (tm__index_range_err);
  *   - index_check writes the same pair into its first_bad output and reads nothing back:
- *     tm_model_forward validates its ids so and then embeds with tm__embedding_checked, which
+ *     tm_model_forward validates its ids so and then embeds with tm__embedding_unchecked, which
  *     skips the read, so the model's forward makes no synchronisation here.
  *
  * Determinism (no float atomics). Row scatter-adds — the backward of embedding and
