@@ -309,8 +309,13 @@ static void assert_same_weights(const char *a, const char *b) {
             n2 += va[j] * va[j];
         }
         double rel = n2 > 0 ? sqrt(d2 / n2) : sqrt(d2);
-        /* AdamW's moments follow the gradients, whose summation order differs: 1e-4 for them. */
-        double tol = strstr(tm_tensor_name(pa), ".adamw_") ? 1e-4 : 1e-5;
+        /* AdamW's moments follow the gradients, whose summation order differs: 1e-4 for them.
+         * The weights: 2e-5. AdamW divides each update by the root of its second moment, which
+         * magnifies the summation order's rounding in elements whose gradients are near zero;
+         * measured on capacity_expert_bias_seq_aux_loss_... (2 ranks, ZeRO-1 against one
+         * process): 2.4e-6 in the -O2 build and 1.59e-5 in the sanitizer build (-O1), the same at
+         * commit 760ebc9 as after it, while the losses agree within 1e-5. */
+        double tol = strstr(tm_tensor_name(pa), ".adamw_") ? 1e-4 : 2e-5;
         cr_assert_leq(rel, tol, "%s: weights of %s and %s differ by %g relative (L2)", tm_tensor_name(pa), a, b, rel);
         cr_assert_leq(md, 2e-4 * scale, "%s: weights of %s and %s differ by %g in one element (largest |w| %g)",
                       tm_tensor_name(pa), a, b, md, scale);
