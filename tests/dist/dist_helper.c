@@ -422,6 +422,24 @@ static void check_replicated_init(int world) {
 }
 
 
+/* The tiny MoE model of the step checks below: n_layers blocks, the first dense, 4 experts top-2. */
+static tm_model_config tiny_config(int n_layers) {
+    tm_model_config c = tm_model_config_default();
+    c.vocab_size = 31;
+    c.d_model = 16;
+    c.n_layers = n_layers;
+    c.n_heads = 2;
+    c.n_kv_heads = 1;
+    c.max_seq_len = 12;
+    c.first_k_dense = 1;
+    c.dense_ffn_size = 20;
+    c.moe.ffn_size = 12;
+    c.moe.router.num_experts = 4;
+    c.moe.router.topk = 2;
+    c.moe.aux_loss_coeff = 1e-2;
+    return c;
+}
+
 /* The host round trips (tm_ctx_sync_count) of one training step of a tiny model: forward,
  * backward, the loss read. comm: attach a communicator with ep_size 2 and this strategy. */
 static uint64_t step_syncs(int comm, tm_ep_strategy strategy, int step) {
@@ -436,19 +454,7 @@ static uint64_t step_syncs(int comm, tm_ep_strategy strategy, int step) {
         co.timeout_s = 30;
         OK(ctx, tm_comm_init(ctx, &co));
     }
-    tm_model_config c = tm_model_config_default();
-    c.vocab_size = 31;
-    c.d_model = 16;
-    c.n_layers = 3;
-    c.n_heads = 2;
-    c.n_kv_heads = 1;
-    c.max_seq_len = 12;
-    c.first_k_dense = 1;
-    c.dense_ffn_size = 20;
-    c.moe.ffn_size = 12;
-    c.moe.router.num_experts = 4;
-    c.moe.router.topk = 2;
-    c.moe.aux_loss_coeff = 1e-2;
+    tm_model_config c = tiny_config(3);
     tm_model *m = NULL;
     OK(ctx, tm_model_new(ctx, &c, TM_F32, tm_cpu(), &m));
     OK(ctx, tm_model_init(m, 3));
@@ -503,18 +509,7 @@ static int64_t forward_allgathers(int n_layers) {
     tm_comm_options co = tm_comm_options_default();
     co.timeout_s = 30;
     OK(ctx, tm_comm_init(ctx, &co));
-    tm_model_config c = tm_model_config_default();
-    c.vocab_size = 31;
-    c.d_model = 16;
-    c.n_layers = n_layers;
-    c.n_heads = 2;
-    c.n_kv_heads = 1;
-    c.max_seq_len = 12;
-    c.first_k_dense = 1;
-    c.dense_ffn_size = 20;
-    c.moe.ffn_size = 12;
-    c.moe.router.num_experts = 4;
-    c.moe.router.topk = 2;
+    tm_model_config c = tiny_config(n_layers);
     tm_model *m = NULL;
     OK(ctx, tm_model_new(ctx, &c, TM_F32, tm_cpu(), &m));
     OK(ctx, tm_model_init(m, 3));
