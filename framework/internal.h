@@ -325,6 +325,10 @@ tm_status tm__grouped_matmul_counts(tm__call *c, const int64_t **cnt);
 /* The same from the host mirror only, never reading back: *cnt = the validated mirror, or NULL
  * when the counts have none (the bf16 CUDA kernel then takes them on the device, unvalidated). */
 tm_status tm__grouped_matmul_counts_mirrored(tm__call *c, const int64_t **cnt);
+/* moe_sort_chunks: split_sizes on the host, checked (non-negative, summing to the rows of x):
+ * the tensor itself on the CPU, its host mirror on a device; *sizes = NULL on a device without a
+ * mirror (its kernels then read the sizes on the device; never a read back). */
+tm_status tm__moe_sort_chunks_sizes(tm__call *c, const int64_t **sizes);
 /* 1 when bf16 grouped_matmul on CUDA schedules its groups on the device: our tensor-core
  * kernel, one launch, no read back (TINYMOE_GMM=device in the environment, read once per
  * context); 0 by default: one cuBLASLt GEMM per group from host counts (a mirror, or one read

@@ -869,6 +869,24 @@ TM_API tm_status tm_moe_permute_topk(tm_ctx *ctx, tm_tensor *x, tm_tensor *routi
 TM_API tm_status tm_moe_unpermute(tm_ctx *ctx, tm_tensor *expert_out, tm_tensor *permuted_probs, tm_tensor *row_token,
                            int64_t num_tokens, tm_tensor **out);
 
+/* Chunk regrouping: x [R, H] holds G * K chunks of consecutive rows in [G, K] order (chunk
+ * i = g * K + k has split_sizes[i] rows, sum R); out [R, H] holds the same chunks in [K, G]
+ * order (chunk (k, g) at position k * G + g), each chunk's rows in their order.
+ * TransformerEngine's moe_sort_chunks_by_index (Megatron-LM's sort_chunks_by_idxs) with the
+ * index of a grid transpose: the expert-parallel dispatch receives rows source-rank major
+ * ([ep ranks, local experts]) and regroups them expert-major for its grouped GEMMs, and back.
+ * split_sizes: i64 [num_groups * K] on x's device (num_groups = G >= 1 divides it). Rows move
+ * bit-exactly (any float dtype). Backward: dx = the inverse regrouping of dy ([K, G] -> [G, K]).
+ * The sizes are checked (non-negative, summing to R) on the CPU and, on a device, where they
+ * have a host copy (a tensor made from host values by the MoE block); otherwise the CUDA
+ * kernels read them on the device, never reading back (no synchronisation), and stay in
+ * bounds whatever they hold (rows no chunk covers come out zero).
+ * Errors: TM_ERR_DTYPE (x not float, split_sizes not i64 1-D), TM_ERR_INVALID_ARG (num_groups
+ * < 1 or not dividing the chunks), TM_ERR_SHAPE (x not 2-D; checked sizes negative or not
+ * summing to R, naming the first bad chunk). */
+TM_API tm_status tm_moe_sort_chunks(tm_ctx *ctx, tm_tensor *x, tm_tensor *split_sizes, int64_t num_groups,
+                                    tm_tensor **out);
+
 /* Grouped (ragged) GEMM: rows of x [R,K] form consecutive groups of counts[g] rows
  * (counts: i64 [G], sum = R); out[rows of g] = x[rows of g] @ w[g], w [G,K,N], out [R,N].
  * Empty groups cost nothing and leave dw[g] untouched (zero).
