@@ -279,22 +279,6 @@ static tm_status weighted_rows(tm_moe *m, const tm_moe_dispatch *d, tm_tensor **
 
 /* ---- expert parallelism (../shared/reference/moe-semantics.md section 7) ------------------ */
 
-/* Host values of a small i64 tensor: its host mirror when it has one (the counts of a permute
- * that read them back or padded to a fixed size), else one read (a synchronisation on a
- * device), then mirrored. */
-static tm_status host_i64(tm_ctx *ctx, tm_tensor *t, const int64_t **out) {
-    const int64_t *v = tm__mirror_find(ctx, t);
-    if (!v) {
-        int64_t n = tm_tensor_numel(t), *h = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(n ? n : 1));
-        if (!h) return TM_ERR_NOMEM;
-        TM__TRY(tm_tensor_read(ctx, t, TM_I64, h, n));
-        TM__TRY(tm__mirror_set(ctx, t, h));
-        v = h;
-    }
-    *out = v;
-    return TM_OK;
-}
-
 /* An i64 [n] tensor on dev from host values, mirrored (the grouped GEMMs read their group
  * sizes from the mirror instead of the device). */
 static tm_status i64_tensor(tm_ctx *ctx, const int64_t *v, int64_t n, tm_device dev, int mirror, tm_tensor **out) {
@@ -331,62 +315,78 @@ static tm_status ep_nomem(tm_moe *m, int64_t received, int64_t sent, int64_t tok
 }
 
 /* All-to-all dispatch (TE's MoE block; Megatron's MoEAlltoAllTokenDispatcher):
- *   permute (all E experts, expert-major) -> all-gather the [P, E] row counts over ep ->
- *   ragged all-to-all of the rows to the ranks owning their experts (they arrive source-rank
- *   major: from rank j, its rows of local expert 0, 1, ...) -> regroup expert-major (a row
- *   gather) -> the L local experts -> the inverse regrouping -> the reverse all-to-all -> the
- *   source's own unpermute with its own combine weights (permuted_probs never travel: the
- *   expert outputs come back to the rows they left, so the weighted sum is the one-rank one).
- *   With apply_topk_weights_early the source scales its permuted rows by their weights before
- *   the first all-to-all (so the weights still stay home) and combines with weight 1.
- * Every step is an op, so the backward mirrors it (the all-to-alls reverse, the gathers
- * scatter-add). Counts include the permute's alignment padding rows, which travel as zero rows. */
+ *   permute (all E experts, expert-major) -> exchange the counts on the device (an all-to-all
+ *   of L counts per rank pair: rank j learns how many rows of each of its local experts every
+ *   rank sends) -> one read of this rank's own E counts and the P x L it receives -> ragged
+ *   all-to-all of the rows to the ranks owning their experts (they arrive source-rank major:
+ *   from rank j, its rows of local expert 0, 1, ...) -> regroup expert-major on the device
+ *   (tm_moe_sort_chunks of the [P, L] grid) -> the L local experts -> the inverse regrouping ->
+ *   the reverse all-to-all -> the source's own unpermute with its own combine weights
+ *   (permuted_probs never travel: the expert outputs come back to the rows they left, so the
+ *   weighted sum is the one-rank one). With apply_topk_weights_early the source scales its
+ *   permuted rows by their weights before the first all-to-all (so the weights still stay
+ *   home) and combines with weight 1.
+ * The one read is what NCCL's ragged send/recv forces: ncclSend / ncclRecv take their counts
+ * on the host, and so do the grouped GEMMs' per-expert cuBLASLt calls. Everything else (the
+ * count exchange, the offsets of the regrouping) stays on the device, and the backward reads
+ * nothing (the counts' host copies serve it). Every step is an op, so the backward mirrors it
+ * (the all-to-alls reverse, the regroupings invert). Counts include the permute's alignment
+ * padding rows, which travel as zero rows. */
 static tm_status ep_alltoall_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor *map, int64_t pad_to,
                                      tm_tensor **y) {
     tm_ctx *ctx = m->ctx;
     int P = m->P, L = m->L, E = P * L;
     tm_moe_dispatch d;
-    TM__TRY(tm_moe_permute(ctx, x, map, probs, m->cfg.align_size, pad_to, &d));
-    const int64_t *cnt;
-    TM__TRY(host_i64(ctx, d.tokens_per_expert, &cnt));
-    int64_t *all = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(P * E + 4 * P + L + 1));
+    /* without dropping or padding every token has topk rows: R is known, nothing is read */
+    int topk = m->cfg.capacity_factor > 0 ? 0 : m->cfg.router.topk;
+    TM__TRY(tm_moe_permute_topk(ctx, x, map, probs, topk, m->cfg.align_size, pad_to, &d));
+    /* [P, L]: row j = this rank's rows for rank j's experts; after the exchange, row j = rank
+     * j's rows for this rank's experts */
+    int64_t grid[2] = {P, L}, both = 2 * (int64_t)E;
+    int64_t *all = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(2 * E + 3 * P + E + L + 1));
     if (!all) return TM_ERR_NOMEM;
-    int64_t *sendc = all + P * E, *recvc = sendc + P, *srcoff = recvc + P, *lcount = srcoff + P;
-    TM__TRY(tm_comm_allgather_host(ctx, TM_COMM_EP, cnt, all, sizeof(int64_t) * (size_t)E));
+    int64_t *ones = all + 2 * E, *sendc = ones + P, *recvc = sendc + P, *sizes_t = recvc + P, *lcount = sizes_t + E;
+    for (int j = 0; j < P; j++) ones[j] = 1;
+    tm_tensor *tpe, *cnt_ones, *rgrid, *rflat, *both_t;
+    TM__TRY(tm_reshape(ctx, d.tokens_per_expert, 2, grid, &tpe));
+    TM__TRY(i64_tensor(ctx, ones, P, tm_cpu(), 0, &cnt_ones));
+    TM__TRY(tm__comm_alltoall_consistent(ctx, tpe, cnt_ones, cnt_ones, TM_COMM_EP, &rgrid));
+    int64_t nE = E;
+    TM__TRY(tm_reshape(ctx, rgrid, 1, &nE, &rflat));
+    /* the one read: own counts and received counts together (own ones alone are on the host
+     * already where the permute read them back: align_size > 1 or capacity) */
+    const int64_t *own = tm__mirror_find(ctx, d.tokens_per_expert), *rcv;
+    if (own) {
+        TM__TRY(tm_tensor_read(ctx, rflat, TM_I64, all + E, E));
+        memcpy(all, own, sizeof(int64_t) * (size_t)E);
+    } else {
+        tm_tensor *pair[2] = {d.tokens_per_expert, rflat};
+        TM__TRY(tm_concat(ctx, 2, pair, 0, &both_t));
+        TM__TRY(tm_tensor_read(ctx, both_t, TM_I64, all, both));
+    }
+    own = all, rcv = all + E;
+    TM__TRY(tm__mirror_set(ctx, rflat, rcv));
     int64_t Rr = 0;
     for (int j = 0; j < P; j++) {
         sendc[j] = recvc[j] = 0;
-        for (int l = 0; l < L; l++) sendc[j] += cnt[j * L + l], recvc[j] += all[(int64_t)j * E + m->e0 + l];
-        srcoff[j] = Rr;
+        for (int l = 0; l < L; l++) sendc[j] += own[j * L + l], recvc[j] += rcv[j * L + l];
         Rr += recvc[j];
     }
-    /* expert-major order of the received rows: for local expert l, source j's rows */
-    int64_t *idx = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(2 * Rr + 1)), *inv = idx + Rr, k = 0;
-    if (!idx) return TM_ERR_NOMEM;
     for (int l = 0; l < L; l++) {
         lcount[l] = 0;
-        for (int j = 0; j < P; j++) {
-            int64_t start = srcoff[j];
-            for (int q = 0; q < l; q++) start += all[(int64_t)j * E + m->e0 + q];
-            for (int64_t r = 0; r < all[(int64_t)j * E + m->e0 + l]; r++) {
-                inv[start + r] = k;
-                idx[k++] = start + r;
-            }
-            lcount[l] += all[(int64_t)j * E + m->e0 + l];
-        }
+        for (int j = 0; j < P; j++) sizes_t[l * P + j] = rcv[j * L + l], lcount[l] += rcv[j * L + l];
     }
-    tm_tensor *sc, *rc, *ti, *tinv, *tl, *rows, *cw, *recv, *xe, *eo, *back, *ret;
+    tm_tensor *sc, *rc, *st, *tl, *rows, *cw, *recv, *xe, *eo, *back, *ret;
     TM__TRY(weighted_rows(m, &d, &rows, &cw));
     TM__TRY(i64_tensor(ctx, sendc, P, tm_cpu(), 0, &sc));
     TM__TRY(i64_tensor(ctx, recvc, P, tm_cpu(), 0, &rc));
-    TM__TRY(i64_tensor(ctx, idx, Rr, m->dev, 0, &ti));
-    TM__TRY(i64_tensor(ctx, inv, Rr, m->dev, 0, &tinv));
+    TM__TRY(i64_tensor(ctx, sizes_t, E, m->dev, 1, &st));
     TM__TRY(i64_tensor(ctx, lcount, L, m->dev, 1, &tl));
     tm_status s = tm__comm_alltoall_consistent(ctx, rows, sc, rc, TM_COMM_EP, &recv); // (Rr, H) source-major
-    if (!s) s = tm__embedding_unique(ctx, recv, ti, &xe);                       // (Rr, H) expert-major
+    if (!s) s = tm_moe_sort_chunks(ctx, recv, rflat, P, &xe);                         // (Rr, H) expert-major
     if (!s) s = local_experts(m, xe, tl, &eo);
-    if (!s) s = tm__embedding_unique(ctx, eo, tinv, &back);                     // (Rr, H) source-major
-    if (!s) s = tm__comm_alltoall_consistent(ctx, back, rc, sc, TM_COMM_EP, &ret); // (R, H) as permuted
+    if (!s) s = tm_moe_sort_chunks(ctx, eo, st, L, &back);                            // (Rr, H) source-major
+    if (!s) s = tm__comm_alltoall_consistent(ctx, back, rc, sc, TM_COMM_EP, &ret);    // (R, H) as permuted
     if (s == TM_ERR_NOMEM) return ep_nomem(m, Rr, tm_tensor_dim(d.permuted, 0), tm_tensor_dim(x, 0));
     if (s) return s;
     return tm_moe_unpermute(ctx, ret, cw, d.row_token, tm_tensor_dim(x, 0), y);
