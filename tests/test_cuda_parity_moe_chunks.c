@@ -124,7 +124,7 @@ Test(cuda_parity_moe_chunks, no_synchronisation) {
     TT_OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
     tm_tensor *sz = sizes_on(ctx, tm_cuda(0), 6, SZ23, 0);
     TT_OK(ctx, tm_ctx_sync(ctx));
-    int64_t before = tm_ctx_sync_count(ctx);
+    uint64_t before = tm_ctx_sync_count(ctx);
     TT_OK(ctx, tm_moe_sort_chunks(ctx, x, sz, 2, &y));
     TT_OK(ctx, tm_backward_with_grad(ctx, y, g));
     cr_assert_eq(tm_ctx_sync_count(ctx), before, "sort_chunks synchronised %lld times",

@@ -15,7 +15,8 @@
  * check, i.e. without a mirror) stay in bounds: rows no chunk covers are zero (forward) or get
  * nothing (backward).
  * Rows move as 16-byte vectors when the row and both bases allow it (H = 1024 bf16: 128 of
- * them per row, 4 per lane), else as elements.
+ * them per row, 4 per lane), else as elements; the backward adds 8 bf16 or 4 f32 per vector
+ * in f32, each rounded once.
  */
 #include "common.cuh"
 
@@ -66,16 +67,40 @@ __global__ void sort_chunks_forward_kernel(V *y, const V *x, const int64_t *S, c
     }
 }
 
+/* a += b for the 16 bytes of a vector: 8 bf16 or 4 f32, added in f32 and rounded once. */
+__device__ __forceinline__ uint4 sc_add(uint4 a, uint4 b, int bf16) {
+    uint4 r;
+    if (bf16) {
+        const tm__bf16 *pa = (const tm__bf16 *)&a, *pb = (const tm__bf16 *)&b;
+        tm__bf16 *pr = (tm__bf16 *)&r;
+#pragma unroll
+        for (int q = 0; q < 8; q++) tm__st(pr + q, tm__ld(pa + q) + tm__ld(pb + q));
+    } else {
+        const float *pa = (const float *)&a, *pb = (const float *)&b;
+        float *pr = (float *)&r;
+#pragma unroll
+        for (int q = 0; q < 4; q++) pr[q] = pa[q] + pb[q];
+    }
+    return r;
+}
+
+/* dx[s] += dy[d(s)]; T the element type, or uint4 (units of 16 bytes, bf16 telling what they
+ * hold) where the rows and both bases allow it. */
 template <typename T>
 __global__ void sort_chunks_backward_kernel(T *dx, const T *dy, const int64_t *S, const int64_t *Di,
-                                            const int64_t *sz, int64_t n, int64_t R, int64_t H) {
+                                            const int64_t *sz, int64_t n, int64_t R, int64_t units, int bf16) {
     const int lane = threadIdx.x & 31;
     const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
     for (int64_t s = warp; s < R; s += nwarps) {
         const int64_t i = sc_last_le(S, n, s), r = s - S[i], d = Di[i] + r;
         if (r >= sz[i] || d >= R) continue;
-        for (int64_t c = lane; c < H; c += 32) tm__st(dx + s * H + c, tm__ld(dx + s * H + c) + tm__ld(dy + d * H + c));
+        T *out = dx + s * units;
+        const T *in = dy + d * units;
+        for (int64_t u = lane; u < units; u += 32) {
+            if constexpr (sizeof(T) == 16) out[u] = sc_add(out[u], in[u], bf16);
+            else tm__st(out + u, tm__ld(out + u) + tm__ld(in + u));
+        }
     }
 }
 
@@ -133,12 +158,18 @@ extern "C" tm_status tm__moe_sort_chunks_backward_cuda(tm__call *c) {
     TM__TRY(sc_offsets(c, st, &S, &D, &Di));
     const int64_t *sz = (const int64_t *)tm__data(c->in[1]);
     const unsigned grid = sc_blocks(st, R);
-    if (dx->dtype == TM_BF16)
+    const size_t row = (size_t)H * tm_dtype_size(dx->dtype);
+    void *gx = tm__data(dx);
+    const void *gy = tm__data(c->gout[0]);
+    if (row % 16 == 0 && (uintptr_t)gx % 16 == 0 && (uintptr_t)gy % 16 == 0)
+        sort_chunks_backward_kernel<uint4><<<grid, SC_WARPS * 32, 0, st->stream>>>(
+            (uint4 *)gx, (const uint4 *)gy, S, Di, sz, n, R, (int64_t)row / 16, dx->dtype == TM_BF16);
+    else if (dx->dtype == TM_BF16)
         sort_chunks_backward_kernel<tm__bf16><<<grid, SC_WARPS * 32, 0, st->stream>>>(
-            (tm__bf16 *)tm__data(dx), (const tm__bf16 *)tm__data(c->gout[0]), S, Di, sz, n, R, H);
+            (tm__bf16 *)gx, (const tm__bf16 *)gy, S, Di, sz, n, R, H, 1);
     else
-        sort_chunks_backward_kernel<float><<<grid, SC_WARPS * 32, 0, st->stream>>>(
-            (float *)tm__data(dx), (const float *)tm__data(c->gout[0]), S, Di, sz, n, R, H);
+        sort_chunks_backward_kernel<float><<<grid, SC_WARPS * 32, 0, st->stream>>>((float *)gx, (const float *)gy, S,
+                                                                                   Di, sz, n, R, H, 0);
     TM__CU_LAUNCHED(c->ctx, what, "sort_chunks_offsets_kernel / sort_chunks_backward_kernel");
     return TM_OK;
 }
