@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # bench/ep_scale.sh — expert parallelism at GPU scale (issue 19): one model on 1, 2 and 4 GPUs
-# with data parallelism (dp), expert parallelism over the ragged all-to-all (alltoall) and over
-# the all-gather (allgather), weak scaling at a fixed number of tokens per GPU, in one run:
+# with data parallelism (dp), expert parallelism over the ragged all-to-all (alltoall), over
+# the all-gather (allgather) and over the deduplicated all-to-all (dedup: alltoall_dedup), weak scaling at a fixed number of tokens per GPU, in one run:
 #
 #   mpirun -np N tinymoe train --preset P --device cuda --dtype bf16 --synthetic_vocab 1024 \
-#       --batch_size $((16 N)) --ep_size N|1 --ep_strategy alltoall|allgather --out ''
+#       --batch_size $((16 N)) --ep_size N|1 --ep_strategy alltoall|allgather|alltoall_dedup --out ''
 #
 #   bench/ep_scale.sh [--preset fine] [--steps 300] [--warmup 20] [--gpus "1 2 4"]
-#                     [--layouts "dp alltoall allgather"] [--bind "none core"] [--smoke]
+#                     [--layouts "dp alltoall allgather dedup"] [--bind "none core"] [--smoke]
 #
 # Per run, one row: ms/step (mean of the steps after --warmup, from rank 0's step table), tokens/s
 # per GPU and its ratio to the 1-GPU run (weak-scaling efficiency), each GPU's peak memory as
@@ -58,6 +58,7 @@ for n in $gpus; do
             ep=1 st=alltoall
             [ "$lay" = alltoall ] && ep=$n
             [ "$lay" = allgather ] && ep=$n st=allgather
+            [ "$lay" = dedup ] && ep=$n st=alltoall_dedup
             args="train $extra --device $device --dtype $dtype --synthetic_vocab 1024 --batch_size $((per_gpu * n))
                   --ep_size $ep --ep_strategy $st --steps $steps --log_every 1 --eval_every 0 --eval_batches 1
                   --sample_tokens 0 --out ''"

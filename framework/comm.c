@@ -292,8 +292,9 @@ tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts) {
                        "(expert weights are sized by the layout)", fn, ctx->n_params);
     if (o.ep_size < 1) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: ep_size = %d must be >= 1", fn, o.ep_size);
     if (o.zero != 0 && o.zero != 1) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: zero = %d must be 0 or 1", fn, o.zero);
-    if (o.ep_strategy != TM_EP_ALLTOALL && o.ep_strategy != TM_EP_ALLGATHER)
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: ep_strategy = %d is neither alltoall (0) nor allgather (1)", fn,
+    if (o.ep_strategy != TM_EP_ALLTOALL && o.ep_strategy != TM_EP_ALLGATHER && o.ep_strategy != TM_EP_ALLTOALL_DEDUP)
+        return tm__err(ctx, TM_ERR_INVALID_ARG,
+                       "%s: ep_strategy = %d is none of alltoall (0), allgather (1), alltoall_dedup (2)", fn,
                        (int)o.ep_strategy);
     if (isnan(o.timeout_s)) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: timeout_s is NaN", fn);
     tm__comm *c = tm__host_alloc(ctx, sizeof *c);
@@ -380,6 +381,11 @@ tm_status tm_comm_get_stats(const tm_ctx *ctx, tm_comm_stats *out) {
 
 void tm_comm_reset_stats(tm_ctx *ctx) {
     if (ctx && ctx->comm) memset(&ctx->comm->stats, 0, sizeof ctx->comm->stats);
+}
+
+const char *tm_ep_strategy_name(tm_ep_strategy s) {
+    static const char *const names[3] = {"alltoall", "allgather", "alltoall_dedup"};
+    return (unsigned)s < 3 ? names[s] : "?";
 }
 
 const char *tm_comm_kind_name(tm_comm_kind k) {

@@ -1507,13 +1507,24 @@ typedef enum tm_comm_group {
 } tm_comm_group;
 
 /* Expert-parallel dispatch (layers/moe.c; ../shared/reference/moe-semantics.md section 7):
- * ALLTOALL (default; TE's MoE block, Megatron's MoEAlltoAllTokenDispatcher): the [P, E]
- * tokens_per_expert matrix is all-gathered over ep, the permuted rows go to the ranks owning
- * their experts by a ragged all-to-all, are regrouped expert-major, run through the local
- * experts and come back the same way (the combine weights stay on the source rank).
+ * ALLTOALL (default; TE's MoE block, Megatron's MoEAlltoAllTokenDispatcher): one row per
+ * (token, expert) pair goes to the rank owning the expert by a ragged all-to-all (the counts
+ * exchanged on the device), is regrouped expert-major, runs through the local experts and comes
+ * back the same way; the combine weights stay on the source rank. One host read per MoE layer
+ * forward (the counts that NCCL's send/recv and the grouped GEMMs take on the host), as one
+ * process makes.
  * ALLGATHER (MaxText's "ring of experts"): tokens and router outputs are all-gathered over ep,
- * each rank runs only its experts on all of them, the outputs are reduce-scattered. */
-typedef enum tm_ep_strategy { TM_EP_ALLTOALL = 0, TM_EP_ALLGATHER = 1 } tm_ep_strategy;
+ * each rank runs only its experts on all of them, the outputs are reduce-scattered.
+ * ALLTOALL_DEDUP (DeepEP's dispatch / combine): one row per (token, rank) pair, with the
+ * token's weights and routing over that rank's experts; the rank combines its experts' outputs
+ * into one partial row per token and sends it back, where the partials are summed. A token
+ * moves min(topk, P)-or-fewer times instead of topk times (2 rows instead of 6 for top-6 on 2
+ * ranks), at the price of two more host reads per MoE layer forward (the rows per rank, and
+ * the counts received) and the weighted sum split by rank (equal to one process to rounding).
+ * It pays where topk is large against ep_size; measured in docs/PERFORMANCE.md. */
+typedef enum tm_ep_strategy { TM_EP_ALLTOALL = 0, TM_EP_ALLGATHER = 1, TM_EP_ALLTOALL_DEDUP = 2 } tm_ep_strategy;
+/* "alltoall", "allgather", "alltoall_dedup"; "?" for other values. */
+TM_API const char *tm_ep_strategy_name(tm_ep_strategy s);
 
 typedef struct tm_comm_options {
     int ep_size;                /* P >= 1, divides the world size; default 1 */

@@ -392,6 +392,100 @@ static tm_status ep_alltoall_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, 
     return tm_moe_unpermute(ctx, ret, cw, d.row_token, tm_tensor_dim(x, 0), y);
 }
 
+/* Deduplicated all-to-all dispatch (DeepEP's dispatch / combine): each token goes once to
+ * every rank that holds any of its experts, with its router weights and routing over that
+ * rank's L experts; the rank permutes the rows it received over its local experts, runs them,
+ * combines them with those weights into one partial output per received token, and sends that
+ * row back; the source sums a token's partial outputs over the ranks in rank order. A token
+ * travels to the ranks it touches (at most min(topk, P)) instead of once per expert: with top-6
+ * of 64 experts on 2 ranks about 2 rows per token instead of 6.
+ *   source: per_rank [T, P] (a token's experts on each rank) -> permute rank-major (rows
+ *   sent, counts read: one synchronisation) -> counts exchanged on the device, read (one) ->
+ *   all-to-all of the rows and, beside them, of [weights | map] over the destination's L
+ *   experts (the [T * P, 2L] table's row t P + j: each sent row names a distinct one, so the
+ *   gather's backward needs no sort) -> receiver: permute over its L experts (counts read: one)
+ *   -> experts -> unpermute with the weights -> all-to-all back -> source: unpermute with
+ *   weight 1 (the sum over ranks).
+ * The row ids t P + j travel through the rank permute as its "probs" (exact in f32 below 2^24).
+ * With apply_topk_weights_early the receiver scales its rows before the experts and combines
+ * with weight 1. The weighted sum is split by rank (partial sums rounded to the rows' dtype):
+ * equal to one process to rounding. */
+static tm_status ep_dedup_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor *map, int64_t pad_to,
+                                  tm_tensor **y) {
+    tm_ctx *ctx = m->ctx;
+    const int P = m->P, L = m->L;
+    const int64_t T = tm_tensor_dim(x, 0);
+    if ((double)T * P >= 16777216.0)
+        return tm__err(ctx, TM_ERR_INVALID_ARG,
+                       "%s: the deduplicated all-to-all numbers the (token, rank) pairs in f32: %lld tokens x ep_size %d "
+                       "is past 2^24; use fewer tokens per micro-batch or ep_strategy alltoall",
+                       m->prefix, (long long)T, P);
+    tm_dtype pdt = tm_tensor_dtype(probs);
+    /* per_rank [T, P] (how many of a token's experts each rank holds; nonzero sends it there)
+     * and the table of what travels with a row, [T * P, 2L]: weights, then the map as 0 / 1 */
+    tm_tensor *mf, *m3, *per_rank, *rank_map, *p3, *tbl;
+    int64_t s3[3] = {T, P, L}, s2[2] = {T * P, 2 * (int64_t)L};
+    TM__TRY(tm_cast(ctx, map, pdt, &mf));
+    TM__TRY(tm_reshape(ctx, mf, 3, s3, &m3));
+    TM__TRY(tm_sum(ctx, m3, 2, 0, &per_rank));
+    TM__TRY(tm_cast(ctx, per_rank, TM_U8, &rank_map));
+    TM__TRY(tm_reshape(ctx, probs, 3, s3, &p3));
+    tm_tensor *cat[2] = {p3, m3};
+    TM__TRY(tm_concat(ctx, 2, cat, 2, &tbl));
+    TM__TRY(tm_reshape(ctx, tbl, 2, s2, &tbl));
+    /* the ids t P + j, carried by the rank permute as its weights */
+    float *idv = tm__meta_alloc(ctx, sizeof(float) * (size_t)(T * P + 1));
+    if (!idv) return TM_ERR_NOMEM;
+    for (int64_t i = 0; i < T * P; i++) idv[i] = (float)i;
+    int64_t sp[2] = {T, P};
+    tm_tensor *ids_tp, *ids, *sent_tbl;
+    TM__TRY(tm_tensor_from_host(ctx, TM_F32, 2, sp, m->dev, TM_F32, idv, &ids_tp));
+    tm_moe_dispatch d;
+    TM__TRY(tm_moe_permute(ctx, x, rank_map, ids_tp, 1, 0, &d)); /* rows rank-major; its counts read */
+    TM__TRY(tm_cast(ctx, d.permuted_probs, TM_I64, &ids));
+    TM__TRY(tm__embedding_unique(ctx, tbl, ids, &sent_tbl)); /* (Rs, 2L) */
+    /* counts: sent per rank (the permute's, on the host), received per rank (exchanged on the
+     * device, read once) */
+    const int64_t *sendc = tm__mirror_find(ctx, d.tokens_per_expert);
+    int64_t *cv = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(4 * P));
+    if (!cv) return TM_ERR_NOMEM;
+    int64_t *ones = cv, *sendv = cv + P, *recvc = cv + 2 * P;
+    if (!sendc) {
+        TM__TRY(tm_tensor_read(ctx, d.tokens_per_expert, TM_I64, sendv, P));
+        sendc = sendv;
+    }
+    for (int j = 0; j < P; j++) ones[j] = 1;
+    int64_t g2[2] = {P, 1};
+    tm_tensor *c2, *rc2, *t_ones, *sc, *rc;
+    TM__TRY(tm_reshape(ctx, d.tokens_per_expert, 2, g2, &c2));
+    TM__TRY(i64_tensor(ctx, ones, P, tm_cpu(), 0, &t_ones));
+    TM__TRY(tm__comm_alltoall_consistent(ctx, c2, t_ones, t_ones, TM_COMM_EP, &rc2));
+    TM__TRY(tm_tensor_read(ctx, rc2, TM_I64, recvc, P));
+    int64_t Rr = 0;
+    for (int j = 0; j < P; j++) Rr += recvc[j];
+    TM__TRY(i64_tensor(ctx, sendc, P, tm_cpu(), 0, &sc));
+    TM__TRY(i64_tensor(ctx, recvc, P, tm_cpu(), 0, &rc));
+    tm_tensor *xr, *tr, *pl, *mlf, *ml, *rows, *cw, *eo, *part, *back;
+    tm_status s = tm__comm_alltoall_consistent(ctx, d.permuted, sc, rc, TM_COMM_EP, &xr); /* (Rr, H) */
+    if (!s) s = tm__comm_alltoall_consistent(ctx, sent_tbl, sc, rc, TM_COMM_EP, &tr);    /* (Rr, 2L) */
+    if (s == TM_ERR_NOMEM) return ep_nomem(m, Rr, d.num_rows, T);
+    TM__TRY(s);
+    TM__TRY(tm_slice(ctx, tr, 1, 0, L, &pl));
+    TM__TRY(tm_contiguous(ctx, pl, &pl));
+    TM__TRY(tm_slice(ctx, tr, 1, L, 2 * (int64_t)L, &mlf));
+    TM__TRY(tm_cast(ctx, mlf, TM_U8, &ml));
+    TM__TRY(tm_contiguous(ctx, ml, &ml));
+    tm_moe_dispatch dl;
+    s = tm_moe_permute(ctx, xr, ml, pl, m->cfg.align_size, pad_to, &dl);
+    if (!s) s = weighted_rows(m, &dl, &rows, &cw);
+    if (!s) s = local_experts(m, rows, dl.tokens_per_expert, &eo);
+    if (!s) s = tm_moe_unpermute(ctx, eo, cw, dl.row_token, Rr, &part);              /* (Rr, H) partial */
+    if (!s) s = tm__comm_alltoall_consistent(ctx, part, rc, sc, TM_COMM_EP, &back);  /* (Rs, H) */
+    if (s == TM_ERR_NOMEM) return ep_nomem(m, Rr, d.num_rows, T);
+    TM__TRY(s);
+    return tm_moe_unpermute(ctx, back, NULL, d.row_token, T, y);
+}
+
 /* All-gather dispatch (MaxText's "ring of experts"): the ep group's tokens and router outputs
  * are all-gathered, each rank runs its L experts on all of them (its columns of probs and the
  * map), and the partial outputs are reduce-scattered back to the ranks the tokens came from.
@@ -431,8 +525,9 @@ static tm_status grouped_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_t
     tm_ctx *ctx = m->ctx;
     if (m->P > 1) {
         int64_t pad_to = m->cfg.pad_to_capacity ? capacity : 0;
-        return m->ep_strategy == TM_EP_ALLGATHER ? ep_allgather_experts(m, x, probs, map, pad_to, y)
-                                                 : ep_alltoall_experts(m, x, probs, map, pad_to, y);
+        if (m->ep_strategy == TM_EP_ALLGATHER) return ep_allgather_experts(m, x, probs, map, pad_to, y);
+        if (m->ep_strategy == TM_EP_ALLTOALL_DEDUP) return ep_dedup_experts(m, x, probs, map, pad_to, y);
+        return ep_alltoall_experts(m, x, probs, map, pad_to, y);
     }
     tm_moe_dispatch d;
     int64_t pad_to = m->cfg.pad_to_capacity ? capacity : 0;

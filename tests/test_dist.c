@@ -366,7 +366,8 @@ Test(dist, data_parallel_1_2_4_ranks_zero_0_1_match_one_process) {
     data_parallel("", lay, 4);
 }
 
-/* Ranks x ep_size x strategy x zero: each cell once where it adds something. */
+/* Ranks x ep_size x strategy (alltoall, allgather, alltoall_dedup) x zero: each cell once where
+ * it adds something. */
 Test(dist, expert_parallel_layouts_match_one_process) {
     const layout lay[] = {
         {2, "--ep_size 2"},
@@ -375,8 +376,11 @@ Test(dist, expert_parallel_layouts_match_one_process) {
         {4, "--ep_size 2 --ep_strategy allgather"},
         {4, "--ep_size 4"},
         {4, "--ep_size 4 --ep_strategy allgather --zero 1"},
+        {2, "--ep_size 2 --ep_strategy alltoall_dedup"},
+        {4, "--ep_size 2 --ep_strategy alltoall_dedup --zero 1"},
+        {4, "--ep_size 4 --ep_strategy alltoall_dedup"},
     };
-    data_parallel("", lay, 6);
+    data_parallel("", lay, 9);
 }
 
 /* Capacity dropping decides over the global batch, the expert-bias update and the sequence aux
@@ -387,14 +391,16 @@ Test(dist, capacity_expert_bias_seq_aux_loss_with_data_and_expert_parallelism) {
         {2, "--zero 1"},
         {2, "--ep_size 2"},
         {4, "--ep_size 4 --ep_strategy allgather --zero 1"},
+        {4, "--ep_size 4 --ep_strategy alltoall_dedup"},
     };
     data_parallel("--capacity_factor 1.0 --expert_bias true --seq_aux_loss_coeff 1e-3 --aux_counts clean "
-                  "--grad_accum 2 --align_size 4", lay, 3);
+                  "--grad_accum 2 --align_size 4", lay, 4);
 }
 
 Test(dist, capacity_padded_to_capacity_with_expert_parallelism) {
-    const layout lay[] = {{2, "--ep_size 2"}, {4, "--ep_size 2 --ep_strategy allgather"}};
-    data_parallel("--capacity_factor 1.25 --pad_to_capacity true --drop_policy position", lay, 2);
+    const layout lay[] = {{2, "--ep_size 2"}, {4, "--ep_size 2 --ep_strategy allgather"},
+                          {2, "--ep_size 2 --ep_strategy alltoall_dedup"}};
+    data_parallel("--capacity_factor 1.25 --pad_to_capacity true --drop_policy position", lay, 3);
 }
 
 /* Early top-k weighting under both expert-parallel dispatches (rows scaled on their source rank
@@ -410,12 +416,14 @@ Test(dist, apply_topk_weights_early_with_expert_parallelism) {
         {2, "--ep_size 2"},
         {2, "--ep_size 2 --ep_strategy allgather"},
         {4, "--ep_size 2 --ep_strategy allgather --zero 1"},
+        {2, "--ep_size 2 --ep_strategy alltoall_dedup"},
     };
-    data_parallel("--apply_topk_weights_early true --optimizer sgd --momentum 0 --lr 0.1 --align_size 4", lay, 3);
-    const layout pad[] = {{2, "--ep_size 2"}, {4, "--ep_size 4 --ep_strategy allgather"}};
+    data_parallel("--apply_topk_weights_early true --optimizer sgd --momentum 0 --lr 0.1 --align_size 4", lay, 4);
+    const layout pad[] = {{2, "--ep_size 2"}, {4, "--ep_size 4 --ep_strategy allgather"},
+                          {4, "--ep_size 4 --ep_strategy alltoall_dedup"}};
     data_parallel("--apply_topk_weights_early true --optimizer sgd --momentum 0 --lr 0.1 --capacity_factor 1.25 "
                   "--pad_to_capacity true",
-                  pad, 2);
+                  pad, 3);
 }
 
 /* Checkpoints hold logical tensors: 5 steps under one layout, 5 more under another, give the

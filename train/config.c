@@ -20,7 +20,9 @@ _Static_assert(TM_AUX_COUNTS_ROUTED == 0 && TM_AUX_COUNTS_CLEAN == 1, "aux_count
 _Static_assert(TM_DROP_PROBS == 0 && TM_DROP_POSITION == 1, "drop_policy order");
 _Static_assert(TM_MOE_GROUPED == 0 && TM_MOE_DENSE == 1, "moe_strategy order");
 _Static_assert(TM_LR_CONSTANT == 0 && TM_LR_COSINE == 1 && TM_LR_LINEAR == 2 && TM_LR_WSD == 3, "lr_schedule order");
-_Static_assert(TM_EP_ALLTOALL == 0 && TM_EP_ALLGATHER == 1 && sizeof(tm_ep_strategy) == sizeof(int), "ep_strategy order");
+_Static_assert(TM_EP_ALLTOALL == 0 && TM_EP_ALLGATHER == 1 && TM_EP_ALLTOALL_DEDUP == 2 &&
+                   sizeof(tm_ep_strategy) == sizeof(int),
+               "ep_strategy order");
 _Static_assert(sizeof(tm_score_function) == sizeof(int) && sizeof(tm_aux_counts) == sizeof(int) &&
                    sizeof(tm_drop_policy) == sizeof(int) && sizeof(tm_moe_strategy) == sizeof(int) &&
                    sizeof(tm_lr_kind) == sizeof(int),
@@ -205,8 +207,9 @@ static const key KEYS[] = {
     /* distributed */
     {"ep_size", T_INT, G_DIST, OFF(ep_size), NULL, "1", 0, NULL,
      "ranks the routed experts are split over (divides the ranks and num_experts)", 1, 65536},
-    {"ep_strategy", T_ENUM, G_DIST, OFF(ep_strategy), "alltoall|allgather", "alltoall", 0, NULL,
-     "expert-parallel dispatch: ragged all-to-all of the routed rows, or all-gather of the tokens", 0, 0},
+    {"ep_strategy", T_ENUM, G_DIST, OFF(ep_strategy), "alltoall|allgather|alltoall_dedup", "alltoall", 0, NULL,
+     "expert-parallel dispatch: ragged all-to-all of a row per (token, expert), all-gather of the tokens, or "
+     "all-to-all of a row per (token, rank) combined on the expert's rank (fewer bytes for large topk)", 0, 0},
     {"zero", T_INT, G_DIST, OFF(zero), NULL, "0", 0, NULL,
      "ZeRO stage: 0, or 1 to shard optimizer state and f32 master weights over the data-parallel ranks", 0, 1},
     {"comm_timeout", T_FLOAT, G_DIST, OFF(comm_timeout), NULL, "60", 0, NULL,

@@ -102,7 +102,7 @@ int tmd_layout_print(tm_ctx *ctx, tm_device dev, int num_experts, FILE *log, con
     }
     if (mine[R_RANK] == 0 && log) {
         fprintf(log, "\nlayout: %d rank%s; dp %d; ep_size %d (%s), %d expert-dp group%s of %d; ZeRO-%d; engine %s\n", W,
-                W > 1 ? "s" : "", W, P, o.ep_strategy == TM_EP_ALLGATHER ? "allgather" : "alltoall", P, P > 1 ? "s" : "",
+                W > 1 ? "s" : "", W, P, tm_ep_strategy_name(o.ep_strategy), P, P > 1 ? "s" : "",
                 W / P, o.zero, tm_comm_engine(ctx, dev));
         fprintf(log, "  %4s %3s %4s %-10s %14s %14s %14s   (bytes on %s)\n", "rank", "ep", "xdp", "experts",
                 "parameters", "gradients", "optimizer", dev.type == TM_DEVICE_CPU ? "cpu" : "the GPU");
@@ -151,8 +151,9 @@ int tmd_layout_print(tm_ctx *ctx, tm_device dev, int num_experts, FILE *log, con
  * them): gradient sync per bucket whose group has > 1 rank: all-reduce of the bucket, or under
  * ZeRO-1 a reduce-scatter of the G blocks; then ZeRO-1's parameter all-gather of the block. The MoE
  * dispatch of expert parallelism per layer and micro-batch, forward and backward, assuming
- * balanced routing: all-to-all of T k (P - 1) / P rows of H each way, or all-gather of T rows of
- * H (+ the router outputs, T E (f32 + u8)) and a reduce-scatter of P T rows. */
+ * balanced routing: all-to-all of T k (P - 1) / P rows of H each way; all-gather of T rows of
+ * H (+ the router outputs, T E (f32 + u8)) and a reduce-scatter of P T rows; or, deduplicated,
+ * all-to-all of a row of H (+ 2L f32) per (token, other rank touched) each way. */
 
 typedef struct pbucket {
     int dtype_size, expert; /* element size; expert group */
@@ -214,10 +215,19 @@ void tmd_plan_compute(const tmd_config *c, int ranks, int ep_size, int zero, int
     int64_t T = (int64_t)c->batch_size / ranks * m->max_seq_len, k = m->moe.router.topk;
     double per_layer = 0;
     if (ep_size > 1) {
-        if (c->ep_strategy == 0)
+        if (c->ep_strategy == TM_EP_ALLTOALL) {
             per_layer = 2.0 * 2.0 * (double)T * (double)k * (ep_size - 1) / ep_size * (double)H * es;
-        else
+        } else if (c->ep_strategy == TM_EP_ALLTOALL_DEDUP) {
+            /* a token goes to each other rank holding one of its k experts (k of E drawn without
+             * replacement: it misses a rank's L experts with probability C(E-L, k) / C(E, k)),
+             * with its L weights and L map values (f32) for that rank; the partial rows come back */
+            double miss = 1;
+            for (int64_t i = 0; i < k; i++) miss *= (double)(E - L - i) / (double)(E - i);
+            double rows = (double)T * (ep_size - 1) * (1 - (miss > 0 ? miss : 0));
+            per_layer = 2.0 * rows * (2.0 * H * es + 2.0 * L * gs);
+        } else {
             per_layer = 2.0 * ((double)T * H * es + (double)T * E * (gs + 1) + (double)ep_size * T * H * es);
+        }
     }
     out->dispatch = (int64_t)(per_layer * n_moe * c->grad_accum);
     out->experts_lo = (rank % ep_size) * L;
@@ -268,7 +278,7 @@ int tmd_plan_main(int argc, char **argv) {
     tmd_plan p, mx;
     memset(&mx, 0, sizeof mx);
     printf("plan: %d ranks, ep_size %d (%s), ZeRO-%d, %s; per rank, bytes (grad_sync and dispatch: per optimizer "
-           "step)\n", ranks, c.ep_size, c.ep_strategy ? "allgather" : "alltoall", c.zero,
+           "step)\n", ranks, c.ep_size, tm_ep_strategy_name((tm_ep_strategy)c.ep_strategy), c.zero,
            c.dtype == TMD_DTYPE_BF16 ? "bf16" : "f32");
     for (int r = 0; r < ranks; r++) {
         tmd_plan_compute(&c, ranks, c.ep_size, c.zero, r, &p);

@@ -382,7 +382,7 @@ void tmd_run_print_header(tmd_run *r, int eval_only) {
     if (r->world > 1)
         fprintf(f, "distributed: %d ranks (mpirun); each takes %d of the %d sequences of a micro-batch; ep_size %d (%s), "
                    "ZeRO-%d; collectives on %s\n\n", r->world, r->Bl, r->B, c->ep_size,
-                c->ep_strategy ? "allgather" : "alltoall", c->zero, tm_comm_engine(r->ctx, r->dev));
+                tm_ep_strategy_name((tm_ep_strategy)c->ep_strategy), c->zero, tm_comm_engine(r->ctx, r->dev));
     fprintf(f, "config (defaults unmarked; '#' says where a value came from):\n");
     tmd_config_print(c, f);
     for (const char *n = c->notes; *n;) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tests/gpu/multi.sh — distributed training on GPUs against one GPU (issue 13's equivalence runs):
 #   mpirun -np N tinymoe train --device cuda, N in {2,4} x ep_size in {1,2,N} x ep_strategy
-#   alltoall|allgather x zero {0,1}, the shakespeare preset in f32: the first 10 steps' losses must
+#   alltoall|allgather|alltoall_dedup x zero {0,1}, the shakespeare preset in f32: the first 10 steps' losses must
 #   equal the single-GPU run's (same global batch) within 1e-5 relative; a few layouts again in bf16
 #   (their drift is reported, not judged); then a rank killed with SIGKILL mid-run: the job must
 #   end within 60 s with a message naming the dead rank.
@@ -39,8 +39,8 @@ compare() { # name, reference, limit (empty: report only)
 for dt in f32 bf16; do train ref_$dt $BIN train $ARGS --dtype $dt; done
 for n in ${NS:-2 4}; do
     for ep in 1 2 $n; do
-        for st in alltoall allgather; do
-            [ $ep = 1 ] && [ $st = allgather ] && continue # ep_size 1: no dispatch collective
+        for st in alltoall allgather alltoall_dedup; do
+            [ $ep = 1 ] && [ $st != alltoall ] && continue # ep_size 1: no dispatch collective
             for z in 0 1; do
                 name=n${n}_ep${ep}_${st}_z$z
                 [ -d "$OUT/$name" ] && continue
