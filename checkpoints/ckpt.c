@@ -1,27 +1,30 @@
 /*
  * ckpt.c — checkpoint files: every parameter and buffer of a context plus an opaque meta blob.
  *
- * The byte layout is specified in docs/checkpoint-format.md; in short (all integers
+ * The byte layout is specified in docs/checkpoint-format.md; in short, version 2 (all integers
  * little-endian):
  *
- *   header   "TMCKPT\0\0" | version u32 | endian u32 0x01020304 | n_tensors u32 |
- *            meta_len u64 | crc32(previous 28 bytes) u32                       (32 bytes)
+ *   header   "TMCKPT\0\0" | version u32 = 2 | endian u32 | n u32 | flags u32 | meta_len u64 |
+ *            index_off u64 | index_len u64 | file_len u64 | reserved u32 | crc32(bytes 0..59)
  *   meta     meta_len bytes | crc32(meta) u32
- *   tensors  n_tensors records, in the context's creation order:
- *            name_len u16 | name | dtype u8 | ndim u8 | shape i64[ndim] | raw_len u64 |
- *            comp_len u64 | crc32(compressed) u32 | zlib stream (comp_len bytes)
- *   end      "TMCKEND\0" | crc32 over the record descriptors (everything but the zlib streams)
+ *   data     each tensor's stored bytes (raw, or one zlib stream), back to back in index order
+ *   index    per tensor: name_len u16 | name | dtype u8 | ndim u8 | encoding u8 | 0 u8 |
+ *            shape i64[ndim] | raw_len u64 | stored_len u64 | offset u64 | crc32(stored) u32
+ *   end      "TMCKEND\0" | crc32(index)
+ * Version 1 (no index, every tensor deflated) is still read: parse_image_v1.
  *
  * Saving never exposes a partial file: it writes "<path>.tmp.XXXXXX" in the same directory,
  * fsyncs it, renames it over `path` and fsyncs the directory. Whatever instant a crash (or
  * kill -9, or a full disk) hits, `path` names either the old complete file or the new one.
+ * The data goes out in 64 MiB batches: thread 0 gathers the next batch to (pinned) host memory
+ * while the other threads checksum and pwrite the current one (write_data).
  *
- * Loading never leaves a half-loaded context: the whole file is read into host memory and
- * checked end to end (structure, every CRC, every name/dtype/shape against the context, every
- * zlib stream actually inflated to its recorded length) before the first tensor is written.
- * The price is one extra inflate per tensor and the compressed file in host memory; a
- * checkpoint is loaded once per run, and the alternative (re-reading the file for a second
- * pass) would reopen the window for a concurrent writer to swap the file in between.
+ * Loading never leaves a half-loaded context: header, meta and index are checked, the entries
+ * matched against the context, then the stored bytes of the tensors the context holds (only
+ * those) are read by all threads and every CRC checked, compressed entries inflated once to
+ * check, before the first tensor is written. Compressed entries are inflated a second time to
+ * be written, so that host memory holds the stored bytes plus one inflated tensor. The file
+ * stays open from the first read to the last, so a concurrent save (a rename) cannot swap it.
  * The one failure that can still strike mid-write is the device copy itself (TM_ERR_CUDA).
  */
 #include <errno.h>
