@@ -303,6 +303,18 @@ $(BENCH_GPU_BIN): $(BUILD)/bench/%: bench/%.c bench/bench.h $(LIBA)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_ALL) -o $@ $< $(LIBA) $(LDLIBS_ALL)
 
+# bench/ckpt_io.c (issue 21): checkpoint save / load GB/s beside raw file I/O of the same bytes;
+# `make bench-ckpt` (bench/ckpt_io.sh; BENCH_ARGS: --preset coarse --device cuda, --dir DIR, ...).
+CKPT_BENCH_BIN := $(BUILD)/bench/ckpt_io
+all: $(CKPT_BENCH_BIN)
+$(CKPT_BENCH_BIN): bench/ckpt_io.c $(LIBA)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_ALL) -o $@ $< $(LIBA) $(LDLIBS_ALL)
+
+.PHONY: bench-ckpt
+bench-ckpt: $(CKPT_BENCH_BIN) $(BIN)
+	bash bench/ckpt_io.sh $(BENCH_ARGS)
+
 .PHONY: bench-gpu
 bench-gpu: $(BENCH_GPU_BIN) $(BIN)
 	bash bench/gpu.sh --no-build $(BENCH_ARGS)

@@ -1,27 +1,30 @@
 /*
  * ckpt.c — checkpoint files: every parameter and buffer of a context plus an opaque meta blob.
  *
- * The byte layout is specified in docs/checkpoint-format.md; in short (all integers
+ * The byte layout is specified in docs/checkpoint-format.md; in short, version 2 (all integers
  * little-endian):
  *
- *   header   "TMCKPT\0\0" | version u32 | endian u32 0x01020304 | n_tensors u32 |
- *            meta_len u64 | crc32(previous 28 bytes) u32                       (32 bytes)
+ *   header   "TMCKPT\0\0" | version u32 = 2 | endian u32 | n u32 | flags u32 | meta_len u64 |
+ *            index_off u64 | index_len u64 | file_len u64 | reserved u32 | crc32(bytes 0..59)
  *   meta     meta_len bytes | crc32(meta) u32
- *   tensors  n_tensors records, in the context's creation order:
- *            name_len u16 | name | dtype u8 | ndim u8 | shape i64[ndim] | raw_len u64 |
- *            comp_len u64 | crc32(compressed) u32 | zlib stream (comp_len bytes)
- *   end      "TMCKEND\0" | crc32 over the record descriptors (everything but the zlib streams)
+ *   data     each tensor's stored bytes (raw, or one zlib stream), back to back in index order
+ *   index    per tensor: name_len u16 | name | dtype u8 | ndim u8 | encoding u8 | 0 u8 |
+ *            shape i64[ndim] | raw_len u64 | stored_len u64 | offset u64 | crc32(stored) u32
+ *   end      "TMCKEND\0" | crc32(index)
+ * Version 1 (no index, every tensor deflated) is still read: parse_image_v1.
  *
  * Saving never exposes a partial file: it writes "<path>.tmp.XXXXXX" in the same directory,
  * fsyncs it, renames it over `path` and fsyncs the directory. Whatever instant a crash (or
  * kill -9, or a full disk) hits, `path` names either the old complete file or the new one.
+ * The data goes out in 64 MiB batches: thread 0 gathers the next batch to (pinned) host memory
+ * while the other threads checksum and pwrite the current one (write_data).
  *
- * Loading never leaves a half-loaded context: the whole file is read into host memory and
- * checked end to end (structure, every CRC, every name/dtype/shape against the context, every
- * zlib stream actually inflated to its recorded length) before the first tensor is written.
- * The price is one extra inflate per tensor and the compressed file in host memory; a
- * checkpoint is loaded once per run, and the alternative (re-reading the file for a second
- * pass) would reopen the window for a concurrent writer to swap the file in between.
+ * Loading never leaves a half-loaded context: header, meta and index are checked, the entries
+ * matched against the context, then the stored bytes of the tensors the context holds (only
+ * those) are read by all threads and every CRC checked, compressed entries inflated once to
+ * check, before the first tensor is written. Compressed entries are inflated a second time to
+ * be written, so that host memory holds the stored bytes plus one inflated tensor. The file
+ * stays open from the first read to the last, so a concurrent save (a rename) cannot swap it.
  * The one failure that can still strike mid-write is the device copy itself (TM_ERR_CUDA).
  */
 #include <errno.h>
@@ -39,7 +42,8 @@
 
 #include "extend.h"
 
-#define CK_VERSION 1u
+#define CK_VERSION 2u    /* what this build writes */
+#define CK_VERSION_V1 1u /* still read */
 #define CK_ENDIAN 0x01020304u
 #define CK_HEADER_BYTES 32
 #define CK_NAME_MAX 127 /* tm_param_new's limit */
@@ -49,7 +53,7 @@ static const unsigned char ck_end[8] = {'T', 'M', 'C', 'K', 'E', 'N', 'D', 0};
 
 /* zlib level 1: parameters are near-incompressible floats, so higher levels gain a few percent
  * of size for several times the time; checkpoints are written often, read once. */
-enum { CK_ZLEVEL = 1, CK_WBUF = 1 << 20 };
+enum { CK_ZLEVEL = 1 };
 
 /* Tensor data is written as the host holds it; the format says little-endian, so a
  * big-endian host would need byte swapping that nobody has asked for yet. */
@@ -156,172 +160,81 @@ static int ck_inflate(tm_ctx *ctx, const unsigned char *src, size_t n, unsigned 
     return zs == Z_OK || zs == Z_BUF_ERROR ? Z_DATA_ERROR : zs;
 }
 
-/* ---- saving --------------------------------------------------------------------------- */
-
-/* Buffered writer over a file descriptor; the first error sticks (errno value in err). */
-typedef struct ck_writer {
-    int fd;
-    unsigned char *buf;
-    size_t n;
-    int err;
-} ck_writer;
-
-static void w_flush(ck_writer *w) {
-    size_t off = 0;
-    while (!w->err && off < w->n) {
-        ssize_t k = write(w->fd, w->buf + off, w->n - off);
-        if (k < 0) {
-            if (errno != EINTR) w->err = errno;
-        } else {
-            off += (size_t)k;
-        }
-    }
-    w->n = 0;
-}
-
-static void w_put(ck_writer *w, const void *p, size_t n) {
-    const unsigned char *b = p;
-    while (!w->err && n > 0) {
-        size_t k = CK_WBUF - w->n < n ? CK_WBUF - w->n : n;
-        memcpy(w->buf + w->n, b, k);
-        w->n += k;
-        b += k;
-        n -= k;
-        if (w->n == CK_WBUF) w_flush(w);
-    }
-}
-
-/* Tensors are compressed in batches of up to CK_BATCH raw bytes (or one larger tensor): the
- * batch is read on the calling thread, compressed in parallel (one z_stream per thread,
- * created beforehand on this thread so that zlib allocates only here, through the allocator
- * hook, which need not be thread-safe), then written in order. Deflate is deterministic, so the
- * file does not depend on the thread count. */
-enum { CK_BATCH = 64 << 20 };
-
-typedef struct ck_stage {
-    unsigned char *raw, *comp;  /* batch buffers */
-    size_t raw_cap, comp_cap;
-    size_t *raw_off, *comp_off, *comp_len; /* per tensor of the batch */
-    int *zs;
-    z_stream *z; /* [nthreads] */
-    int nz;
-} ck_stage;
-
 static size_t ck_bound(size_t raw) { return (size_t)compressBound((uLong)raw); }
 
-/* Sizes of the largest batch, so the buffers are allocated once. */
-static void plan_batches(const tm_ctx *ctx, size_t *raw_cap, size_t *comp_cap, int *max_count) {
-    *raw_cap = 1, *comp_cap = 1, *max_count = 1;
-    for (int k = 0; k < tm_ctx_num_named(ctx);) {
-        size_t raw = 0, comp = 0;
-        int n = 0;
-        do {
-            size_t rb = tensor_bytes(tm_ctx_named(ctx, k));
-            raw += rb, comp += ck_bound(rb), n++, k++;
-        } while (k < tm_ctx_num_named(ctx) && raw + tensor_bytes(tm_ctx_named(ctx, k)) <= CK_BATCH);
-        if (raw > *raw_cap) *raw_cap = raw;
-        if (comp > *comp_cap) *comp_cap = comp;
-        if (n > *max_count) *max_count = n;
+/* ---- saving ---------------------------------------------------------------------------- */
+
+/* Version 2 (docs/checkpoint-format.md): header | meta | tensor data | index | end marker.
+ * The index comes last because the writer learns a compressed tensor's length only after
+ * compressing it; the header (written last, at offset 0) points at it. */
+enum {
+    CK_V2_HEADER = 64,
+    CK_ENC_RAW = 0,
+    CK_ENC_ZLIB = 1,
+    CK_BATCH = 64 << 20, /* staging: tensors are gathered to the host in batches of this many bytes */
+    CK_CHUNK = 8 << 20,  /* one unit of work for a thread: CRC and pwrite (or pread and CRC) */
+};
+
+/* pwrite / pread all n bytes at off, through short transfers and EINTR; 0 or an errno value
+ * (EIO for a read that hits the end of the file early). */
+static int pwrite_all(int fd, const unsigned char *p, size_t n, uint64_t off) {
+    while (n > 0) {
+        size_t k = n > (1u << 30) ? (1u << 30) : n;
+        ssize_t w = pwrite(fd, p, k, (off_t)off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0) return errno;
+        if (w == 0) return EIO;
+        p += w, n -= (size_t)w, off += (uint64_t)w;
     }
+    return 0;
 }
 
-static tm_status write_tensors(tm_ctx *ctx, const char *path, ck_writer *w, ck_stage *st, uint32_t *table_crc,
-                               int *progress) {
-    uint32_t tcrc = 0;
-    for (int k0 = 0; k0 < tm_ctx_num_named(ctx) && !w->err;) {
-        int k1 = k0;
-        size_t raw = 0, comp = 0;
-        do {
-            const tm_tensor *t = tm_ctx_named(ctx, k1);
-            size_t rb = tensor_bytes(t);
-            *progress = k1; /* the gathers of the other ranks pair with these */
-            TM__TRY(tm__named_gather(ctx, t, st->raw + raw));
-            *progress = k1 + 1;
-            st->raw_off[k1 - k0] = raw;
-            st->comp_off[k1 - k0] = comp;
-            raw += rb, comp += ck_bound(rb), k1++;
-        } while (k1 < tm_ctx_num_named(ctx) && raw + tensor_bytes(tm_ctx_named(ctx, k1)) <= CK_BATCH);
-        int n = k1 - k0;
-#pragma omp parallel for num_threads(st->nz) schedule(dynamic) if (n > 1)
-        for (int i = 0; i < n; i++) {
-            const tm_tensor *t = tm_ctx_named(ctx, k0 + i);
-            size_t rb = tensor_bytes(t), cl = ck_bound(rb);
-#ifdef _OPENMP
-            z_stream *z = &st->z[omp_get_thread_num()];
-#else
-            z_stream *z = &st->z[0];
-#endif
-            st->zs[i] = ck_deflate(z, st->raw + st->raw_off[i], rb, st->comp + st->comp_off[i], &cl);
-            st->comp_len[i] = cl;
-        }
-        for (int i = 0; i < n && !w->err; i++) {
-            const tm_tensor *t = tm_ctx_named(ctx, k0 + i);
-            if (st->zs[i] != Z_OK)
-                return tm__err(ctx, st->zs[i] == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL,
-                               "tm_ckpt_save: '%s': compressing tensor '%s' failed (zlib %d)", path, tm_tensor_name(t),
-                               st->zs[i]);
-            size_t name_len = strlen(tm_tensor_name(t)), cl = st->comp_len[i];
-            const unsigned char *data = st->comp + st->comp_off[i];
-            /* descriptor: u16 name_len, name, u8 dtype, u8 ndim, i64 shape[], u64 raw, u64 comp, u32 crc */
-            unsigned char d[2 + CK_NAME_MAX + 2 + 8 * TM_MAX_DIMS + 8 + 8 + 4], *p = d;
-            put_u16(p, (uint16_t)name_len), p += 2;
-            memcpy(p, tm_tensor_name(t), name_len), p += name_len;
-            int lnd;
-            int64_t lshape[TM_MAX_DIMS];
-            logical_shape(t, &lnd, lshape);
-            *p++ = (unsigned char)tm_tensor_dtype(t);
-            *p++ = (unsigned char)lnd;
-            for (int a = 0; a < lnd; a++) put_u64(p, (uint64_t)lshape[a]), p += 8;
-            put_u64(p, (uint64_t)tensor_bytes(t)), p += 8;
-            put_u64(p, (uint64_t)cl), p += 8;
-            put_u32(p, crc_update(0, data, cl)), p += 4;
-            tcrc = crc_update(tcrc, d, (size_t)(p - d));
-            w_put(w, d, (size_t)(p - d));
-            w_put(w, data, cl);
-        }
-        k0 = k1;
+static int pread_all(int fd, unsigned char *p, size_t n, uint64_t off) {
+    while (n > 0) {
+        size_t k = n > (1u << 30) ? (1u << 30) : n;
+        ssize_t r = pread(fd, p, k, (off_t)off);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return errno;
+        if (r == 0) return -1; /* the file ended early */
+        p += r, n -= (size_t)r, off += (uint64_t)r;
     }
-    *table_crc = tcrc;
-    return TM_OK;
+    return 0;
 }
 
-static void stage_free(tm_ctx *ctx, ck_stage *st) {
-    for (int i = 0; i < st->nz; i++) deflateEnd(&st->z[i]);
-    tm__host_free(ctx, st->z);
-    tm__host_free(ctx, st->raw);
-    tm__host_free(ctx, st->comp);
-    tm__host_free(ctx, st->raw_off);
-    tm__host_free(ctx, st->comp_off);
-    tm__host_free(ctx, st->comp_len);
-    tm__host_free(ctx, st->zs);
+/* One tensor being saved. */
+typedef struct ck_out {
+    const tm_tensor *t;
+    size_t raw, stored, boff; /* bytes; boff: offset in its batch's staging buffer */
+    int zip;                  /* stored as a zlib stream */
+    int batch;
+    uint64_t off; /* in the file */
+    uint32_t crc; /* of the stored bytes */
+} ck_out;
+
+/* One unit of work of a batch: CRC (raw tensors) and pwrite of [src, src + len) at off. */
+typedef struct ck_item {
+    int k; /* tensor */
+    int crc_it;
+    const unsigned char *src;
+    size_t len;
+    uint64_t off;
+    uint32_t crc;
+    int err;
+} ck_item;
+
+tm_ckpt_save_options tm_ckpt_save_options_default(void) {
+    tm_ckpt_save_options o = {TM_CKPT_COMPRESS_AUTO, NULL, NULL};
+    return o;
 }
 
-static tm_status stage_init(tm_ctx *ctx, const char *path, ck_stage *st) {
-    memset(st, 0, sizeof *st);
-    int count;
-    plan_batches(ctx, &st->raw_cap, &st->comp_cap, &count);
-    int nth = tm__nthreads(ctx);
-    st->raw = tm__host_alloc(ctx, st->raw_cap);
-    st->comp = tm__host_alloc(ctx, st->comp_cap);
-    st->raw_off = tm__host_alloc(ctx, sizeof *st->raw_off * (size_t)count);
-    st->comp_off = tm__host_alloc(ctx, sizeof *st->comp_off * (size_t)count);
-    st->comp_len = tm__host_alloc(ctx, sizeof *st->comp_len * (size_t)count);
-    st->zs = tm__host_alloc(ctx, sizeof *st->zs * (size_t)count);
-    st->z = tm__host_alloc(ctx, sizeof *st->z * (size_t)nth);
-    if (!st->raw || !st->comp || !st->raw_off || !st->comp_off || !st->comp_len || !st->zs || !st->z) {
-        stage_free(ctx, st);
-        return tm__err(ctx, TM_ERR_NOMEM, "tm_ckpt_save: '%s': cannot allocate %zu bytes of staging memory", path,
-                       st->raw_cap + st->comp_cap);
-    }
-    for (; st->nz < nth; st->nz++) {
-        int zs = ck_deflate_init(ctx, &st->z[st->nz]);
-        if (zs != Z_OK) {
-            stage_free(ctx, st);
-            return tm__err(ctx, zs == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL,
-                           "tm_ckpt_save: '%s': zlib deflateInit failed (%d)", path, zs);
-        }
-    }
-    return TM_OK;
+static int ck_want_zip(const tm_ckpt_save_options *o, const tm_tensor *t) {
+    tm_dtype dt = tm_tensor_dtype(t);
+    if (o->compress_tensor) return o->compress_tensor(tm_tensor_name(t), dt, o->user) != 0;
+    if (o->compress == TM_CKPT_COMPRESS_ALL) return 1;
+    if (o->compress == TM_CKPT_COMPRESS_NONE) return 0;
+    /* AUTO: float weights and optimizer state are near-incompressible (docs/checkpoint-format.md
+     * gives the measurement); integer buffers (counts, step counters) compress well and are small. */
+    return !(dt == TM_F32 || dt == TM_BF16 || dt == TM_F64);
 }
 
 /* Make the rename durable. Best effort: some file systems refuse fsync on a directory, and
@@ -346,7 +259,8 @@ static void sync_dir(const char *path) {
     }
 }
 
-static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes, int *progress);
+static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes,
+                           const tm_ckpt_save_options *opt, int *progress);
 
 /* Take part in the gathers of named tensors [from, n) that the writing rank makes (the ranks
  * other than 0, and rank 0 after a failure, so that nobody waits for a partner). */
@@ -368,13 +282,17 @@ static tm_status drain_gathers(tm_ctx *ctx, int from) {
 
 /* Under a communicator saving is collective: every rank takes part (sharded tensors are
  * gathered to logical ones), world rank 0 writes the file, and every rank returns its status. */
-tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes) {
+tm_status tm_ckpt_save_ex(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes,
+                          const tm_ckpt_save_options *options) {
     if (!ctx) return TM_ERR_INVALID_ARG;
+    tm_ckpt_save_options opt = options ? *options : tm_ckpt_save_options_default();
+    if ((unsigned)opt.compress > TM_CKPT_COMPRESS_ALL)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_ckpt_save: options->compress is %d (0..2)", (int)opt.compress);
     int W = tm_comm_size(ctx, TM_COMM_WORLD), me = tm_comm_rank(ctx, TM_COMM_WORLD), progress = 0;
-    if (W == 1) return save_file(ctx, path, meta, meta_bytes, &progress);
+    if (W == 1) return save_file(ctx, path, meta, meta_bytes, &opt, &progress);
     tm_status st;
     if (me == 0) {
-        st = save_file(ctx, path, meta, meta_bytes, &progress);
+        st = save_file(ctx, path, meta, meta_bytes, &opt, &progress);
         if (st != TM_OK && st != TM_ERR_COMM) {
             char msg[1024]; /* keep the first error's message */
             snprintf(msg, sizeof msg, "%s", tm_ctx_errmsg(ctx));
@@ -393,157 +311,353 @@ tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t m
     return st;
 }
 
-static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes, int *progress) {
+tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes) {
+    return tm_ckpt_save_ex(ctx, path, meta, meta_bytes, NULL);
+}
+
+/* Gather batch b's tensors (logical values, this thread only: it calls into the runtime) into
+ * buf at their batch offsets. */
+static tm_status gather_batch(tm_ctx *ctx, ck_out *o, int n, int b, unsigned char *buf, int *progress) {
+    for (int k = 0; k < n; k++) {
+        if (o[k].batch != b) continue;
+        *progress = k; /* the gathers of the other ranks pair with these */
+        TM__TRY(tm__named_gather(ctx, o[k].t, buf + o[k].boff));
+        *progress = k + 1;
+    }
+    return TM_OK;
+}
+
+/* Everything a save allocates, freed in one place. */
+typedef struct ck_save {
+    ck_out *o;
+    ck_item *items;
+    unsigned char *raw[2], *comp, *index;
+    int pinned[2];
+    z_stream *z;
+    int nz, *zs;
+} ck_save;
+
+static void save_free(tm_ctx *ctx, ck_save *sv) {
+    for (int i = 0; i < sv->nz; i++) deflateEnd(&sv->z[i]);
+    tm__host_free(ctx, sv->z);
+    tm__host_free(ctx, sv->zs);
+    for (int i = 0; i < 2; i++) tm__host_free_pinned(ctx, sv->raw[i], sv->pinned[i]);
+    tm__host_free(ctx, sv->comp);
+    tm__host_free(ctx, sv->index);
+    tm__host_free(ctx, sv->items);
+    tm__host_free(ctx, sv->o);
+}
+
+/* The data of every tensor, batch by batch: while thread 0 gathers batch b + 1 (device to
+ * pinned host memory) into one staging buffer, the other threads checksum and pwrite batch b
+ * from the other, in CK_CHUNK pieces at offsets fixed in advance; thread 0 joins them when its
+ * gather is done. Tensors chosen for compression are deflated (one per thread) before their
+ * batch is written, so that the batch's offsets are known. The file's bytes do not depend on
+ * the thread count. */
+static tm_status write_data(tm_ctx *ctx, const char *path, const char *tmp, int fd, ck_save *sv, int n, int nb,
+                            uint64_t *cursor, int *progress) {
+    const char *fn = "tm_ckpt_save";
+    ck_out *o = sv->o;
+    int nth = tm__nthreads(ctx);
+    tm_status st = n ? gather_batch(ctx, o, n, 0, sv->raw[0], progress) : TM_OK;
+    for (int b = 0; b < nb && st == TM_OK; b++) {
+        unsigned char *cur = sv->raw[b & 1], *nxt = sv->raw[(b + 1) & 1];
+        int k0 = 0;
+        while (o[k0].batch != b) k0++;
+        int k1 = k0;
+        while (k1 < n && o[k1].batch == b) k1++;
+        /* compress the chosen tensors of the batch, one per thread */
+        size_t coff = 0;
+        for (int k = k0; k < k1; k++) {
+            o[k].stored = o[k].zip ? ck_bound(o[k].raw) : o[k].raw;
+            if (o[k].zip) o[k].off = coff, coff += o[k].stored; /* offset in comp for now */
+        }
+#pragma omp parallel for num_threads(sv->nz > 0 ? sv->nz : 1) schedule(dynamic) if (k1 - k0 > 1)
+        for (int k = k0; k < k1; k++) {
+            if (!o[k].zip) continue;
+#ifdef _OPENMP
+            z_stream *z = &sv->z[omp_get_thread_num()];
+#else
+            z_stream *z = &sv->z[0];
+#endif
+            size_t cl = o[k].stored;
+            unsigned char *dst = sv->comp + o[k].off;
+            sv->zs[k - k0] = ck_deflate(z, cur + o[k].boff, o[k].raw, dst, &cl);
+            o[k].stored = cl;
+            o[k].crc = crc_update(0, dst, cl);
+        }
+        int ni = 0;
+        for (int k = k0; k < k1; k++) {
+            if (o[k].zip) {
+                if (sv->zs[k - k0] != Z_OK) {
+                    st = tm__err(ctx, sv->zs[k - k0] == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL,
+                                 "%s: '%s': compressing tensor '%s' failed (zlib %d)", fn, path,
+                                 tm_tensor_name(o[k].t), sv->zs[k - k0]);
+                    break;
+                }
+                sv->items[ni++] = (ck_item){.k = k, .src = sv->comp + o[k].off, .len = o[k].stored, .off = *cursor};
+            } else {
+                for (size_t c = 0; c < o[k].raw || (c == 0 && o[k].raw == 0); c += CK_CHUNK) {
+                    size_t len = o[k].raw - c < CK_CHUNK ? o[k].raw - c : CK_CHUNK;
+                    sv->items[ni++] = (ck_item){.k = k, .crc_it = 1, .src = cur + o[k].boff + c, .len = len,
+                                                .off = *cursor + c};
+                    if (o[k].raw == 0) break;
+                }
+            }
+            o[k].off = *cursor;
+            *cursor += o[k].stored;
+        }
+        if (st != TM_OK) break;
+        tm_status gst = TM_OK;
+        int more = b + 1 < nb;
+#pragma omp parallel num_threads(nth)
+        {
+#ifdef _OPENMP
+            int tid = omp_get_thread_num();
+#else
+            int tid = 0;
+#endif
+            if (tid == 0 && more) gst = gather_batch(ctx, o, n, b + 1, nxt, progress);
+#pragma omp for schedule(dynamic) nowait
+            for (int i = 0; i < ni; i++) {
+                ck_item *it = &sv->items[i];
+                if (it->crc_it) it->crc = crc_update(0, it->src, it->len);
+                it->err = pwrite_all(fd, it->src, it->len, it->off);
+            }
+        }
+        for (int i = 0; i < ni && st == TM_OK; i++)
+            if (sv->items[i].err)
+                st = tm__err(ctx, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp,
+                             strerror(sv->items[i].err));
+        /* each raw tensor's CRC from its chunks' */
+        for (int i = 0; i < ni; i++) {
+            const ck_item *it = &sv->items[i];
+            if (!it->crc_it) continue;
+            ck_out *x = &o[it->k];
+            x->crc = it->off == x->off ? it->crc : (uint32_t)crc32_combine(x->crc, it->crc, (z_off_t)it->len);
+        }
+        if (st == TM_OK) st = gst;
+    }
+    return st;
+}
+
+static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes,
+                           const tm_ckpt_save_options *opt, int *progress) {
     const char *fn = "tm_ckpt_save";
     if (!path || !*path) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path is NULL or empty", fn);
     if (!meta && meta_bytes)
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: meta is NULL but meta_bytes is %zu", fn, meta_bytes);
     if (!host_little_endian())
         return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: big-endian hosts are not supported", fn);
-    if ((uint64_t)tm_ctx_num_named(ctx) > UINT32_MAX)
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: too many tensors (%d)", fn, tm_ctx_num_named(ctx));
-
-    size_t max_raw = 1;
-    for (int k = 0; k < tm_ctx_num_named(ctx); k++) {
-        size_t rb = tensor_bytes(tm_ctx_named(ctx, k));
-        if (rb > max_raw) max_raw = rb;
-    }
-    /* One deflate call per tensor: its length must fit zlib's 32-bit uInt. */
-    if (compressBound((uLong)max_raw) > UINT_MAX || (uLong)max_raw != max_raw)
-        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: a tensor of %zu bytes exceeds zlib's 4 GiB limit", fn, max_raw);
+    int n = tm_ctx_num_named(ctx);
+    if ((uint64_t)n > UINT32_MAX) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: too many tensors (%d)", fn, n);
 
     char tmp[PATH_MAX];
     if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp.XXXXXX", path) >= sizeof tmp)
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path '%s' is too long", fn, path);
 
-    ck_stage stage;
-    TM__TRY(stage_init(ctx, path, &stage));
-    unsigned char *wbuf = tm__host_alloc(ctx, CK_WBUF);
-    tm_status st = TM_OK;
-    int fd = -1;
-    if (!wbuf) {
-        st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %d bytes of staging memory", fn, path, CK_WBUF);
-        goto done;
+    ck_save sv;
+    memset(&sv, 0, sizeof sv);
+    sv.o = tm__host_alloc(ctx, sizeof *sv.o * (size_t)(n ? n : 1));
+    if (!sv.o) return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of host memory", fn, path);
+    /* Batches of up to CK_BATCH bytes (or one larger tensor); the sizes of the largest batch
+     * size the staging buffers, allocated once. */
+    size_t raw_cap = 1, comp_cap = 1, index_len = 0, max_items = 1;
+    int nb = 0, any_zip = 0;
+    for (int k = 0; k < n;) {
+        size_t raw = 0, comp = 0, items = 0;
+        do {
+            ck_out *x = &sv.o[k];
+            x->t = tm_ctx_named(ctx, k);
+            x->raw = tensor_bytes(x->t);
+            x->zip = ck_want_zip(opt, x->t);
+            if (x->zip && (compressBound((uLong)x->raw) > UINT_MAX || (uLong)x->raw != x->raw)) {
+                save_free(ctx, &sv);
+                return tm__err(ctx, TM_ERR_UNSUPPORTED,
+                               "%s: tensor '%s' of %zu bytes exceeds zlib's 4 GiB limit for one deflate call; "
+                               "store it uncompressed (tm_ckpt_save_options)", fn, tm_tensor_name(x->t), x->raw);
+            }
+            any_zip |= x->zip;
+            x->batch = nb;
+            x->boff = raw;
+            int lnd;
+            int64_t lshape[TM_MAX_DIMS];
+            logical_shape(x->t, &lnd, lshape);
+            index_len += 2 + strlen(tm_tensor_name(x->t)) + 4 + 8 * (size_t)lnd + 8 + 8 + 8 + 4;
+            raw += x->raw;
+            if (x->zip) comp += ck_bound(x->raw);
+            items += x->zip ? 1 : (x->raw + CK_CHUNK - 1) / CK_CHUNK + 1;
+            k++;
+        } while (k < n && raw + tensor_bytes(tm_ctx_named(ctx, k)) <= CK_BATCH);
+        if (raw > raw_cap) raw_cap = raw;
+        if (comp > comp_cap) comp_cap = comp;
+        if (items > max_items) max_items = items;
+        nb++;
     }
-    fd = mkstemp(tmp);
+    int nth = tm__nthreads(ctx);
+    for (int i = 0; i < (nb > 1 ? 2 : 1); i++) sv.raw[i] = tm__host_alloc_pinned(ctx, raw_cap, &sv.pinned[i]);
+    sv.items = tm__host_alloc(ctx, sizeof *sv.items * max_items);
+    sv.index = tm__host_alloc(ctx, index_len + 12);
+    sv.zs = tm__host_alloc(ctx, sizeof *sv.zs * (size_t)(n ? n : 1));
+    if (any_zip) {
+        sv.comp = tm__host_alloc(ctx, comp_cap);
+        sv.z = tm__host_alloc(ctx, sizeof *sv.z * (size_t)nth);
+    }
+    if (!sv.raw[0] || (nb > 1 && !sv.raw[1]) || !sv.items || !sv.index || !sv.zs || (any_zip && (!sv.comp || !sv.z))) {
+        save_free(ctx, &sv);
+        return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes of staging memory", fn, path,
+                       2 * raw_cap + (any_zip ? comp_cap : 0));
+    }
+    if (nb <= 1) sv.raw[1] = NULL;
+    for (; any_zip && sv.nz < nth; sv.nz++) {
+        int zs = ck_deflate_init(ctx, &sv.z[sv.nz]); /* zlib allocates here, on this thread only */
+        if (zs != Z_OK) {
+            save_free(ctx, &sv);
+            return tm__err(ctx, zs == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL,
+                           "%s: '%s': zlib deflateInit failed (%d)", fn, path, zs);
+        }
+    }
+
+    tm_status st = TM_OK;
+    int fd = mkstemp(tmp);
     if (fd < 0) {
         st = tm__err(ctx, TM_ERR_IO, "%s: cannot create '%s': %s", fn, tmp, strerror(errno));
-        goto done;
+        save_free(ctx, &sv);
+        return st;
     }
     /* mkstemp creates 0600; a checkpoint is an ordinary file others may read. */
     (void)fchmod(fd, 0644);
 
-    ck_writer w = {.fd = fd, .buf = wbuf};
-    unsigned char h[CK_HEADER_BYTES];
-    memcpy(h, ck_magic, 8);
-    put_u32(h + 8, CK_VERSION);
-    put_u32(h + 12, CK_ENDIAN);
-    put_u32(h + 16, (uint32_t)tm_ctx_num_named(ctx));
-    put_u64(h + 20, (uint64_t)meta_bytes);
-    put_u32(h + 28, crc_update(0, h, 28));
-    w_put(&w, h, sizeof h);
+    int err = 0;
     unsigned char c4[4];
-    if (meta_bytes) w_put(&w, meta, meta_bytes);
+    uint64_t cursor = CK_V2_HEADER;
+    if (meta_bytes) err = pwrite_all(fd, meta, meta_bytes, cursor);
     put_u32(c4, crc_update(0, meta, meta_bytes));
-    w_put(&w, c4, 4);
-
-    uint32_t tcrc = 0;
-    st = write_tensors(ctx, path, &w, &stage, &tcrc, progress);
+    if (!err) err = pwrite_all(fd, c4, 4, cursor + meta_bytes);
+    cursor += (uint64_t)meta_bytes + 4;
+    if (err) st = tm__err(ctx, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp, strerror(err));
+    if (st == TM_OK) st = write_data(ctx, path, tmp, fd, &sv, n, nb, &cursor, progress);
     if (st == TM_OK) {
-        w_put(&w, ck_end, 8);
-        put_u32(c4, tcrc);
-        w_put(&w, c4, 4);
-        w_flush(&w);
-        if (!w.err && fsync(fd) != 0) w.err = errno;
-        if (close(fd) != 0 && !w.err) w.err = errno;
+        /* the index: one entry per tensor, in context creation order */
+        unsigned char *p = sv.index;
+        for (int k = 0; k < n; k++) {
+            const ck_out *x = &sv.o[k];
+            size_t name_len = strlen(tm_tensor_name(x->t));
+            int lnd;
+            int64_t lshape[TM_MAX_DIMS];
+            logical_shape(x->t, &lnd, lshape);
+            put_u16(p, (uint16_t)name_len), p += 2;
+            memcpy(p, tm_tensor_name(x->t), name_len), p += name_len;
+            *p++ = (unsigned char)tm_tensor_dtype(x->t);
+            *p++ = (unsigned char)lnd;
+            *p++ = (unsigned char)(x->zip ? CK_ENC_ZLIB : CK_ENC_RAW);
+            *p++ = 0;
+            for (int a = 0; a < lnd; a++) put_u64(p, (uint64_t)lshape[a]), p += 8;
+            put_u64(p, (uint64_t)x->raw), p += 8;
+            put_u64(p, (uint64_t)x->stored), p += 8;
+            put_u64(p, x->off), p += 8;
+            put_u32(p, x->crc), p += 4;
+        }
+        memcpy(p, ck_end, 8);
+        put_u32(p + 8, crc_update(0, sv.index, index_len));
+        uint64_t index_off = cursor, file_len = cursor + index_len + 12;
+        unsigned char h[CK_V2_HEADER];
+        memset(h, 0, sizeof h);
+        memcpy(h, ck_magic, 8);
+        put_u32(h + 8, CK_VERSION);
+        put_u32(h + 12, CK_ENDIAN);
+        put_u32(h + 16, (uint32_t)n);
+        put_u32(h + 20, 0); /* flags */
+        put_u64(h + 24, (uint64_t)meta_bytes);
+        put_u64(h + 32, index_off);
+        put_u64(h + 40, (uint64_t)index_len);
+        put_u64(h + 48, file_len);
+        put_u32(h + 60, crc_update(0, h, 60));
+        err = pwrite_all(fd, sv.index, index_len + 12, index_off);
+        if (!err) err = pwrite_all(fd, h, sizeof h, 0);
+        if (!err && fsync(fd) != 0) err = errno;
+        if (close(fd) != 0 && !err) err = errno;
         fd = -1;
-        if (w.err) {
-            st = tm__err(ctx, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp,
-                         strerror(w.err));
+        if (err) {
+            st = tm__err(ctx, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp, strerror(err));
         } else if (rename(tmp, path) != 0) {
-            st = tm__err(ctx, TM_ERR_IO, "%s: cannot rename '%s' to '%s': %s", fn, tmp, path,
-                         strerror(errno));
+            st = tm__err(ctx, TM_ERR_IO, "%s: cannot rename '%s' to '%s': %s", fn, tmp, path, strerror(errno));
         } else {
             sync_dir(path);
-            goto done;
         }
     }
-    if (fd >= 0) close(fd);
-    unlink(tmp);
-done:
-    stage_free(ctx, &stage);
-    tm__host_free(ctx, wbuf);
+    if (st != TM_OK) {
+        if (fd >= 0) close(fd);
+        unlink(tmp);
+    }
+    save_free(ctx, &sv);
     return st;
 }
 
 /* ---- loading and inspecting ------------------------------------------------------------ */
 
-/* One record as parsed from the file; points into the file image. */
+/* One record as parsed from the file. */
 typedef struct ck_rec {
     const unsigned char *name;
     size_t name_len;
-    int dtype, ndim;
+    int dtype, ndim, enc;
     int64_t shape[TM_MAX_DIMS];
-    uint64_t raw_len, comp_len;
+    uint64_t raw_len, comp_len; /* comp_len: the stored bytes (= raw_len for raw tensors) */
+    uint64_t off;               /* version 2: the data's offset in the file */
     uint32_t crc;
-    const unsigned char *data;
+    const unsigned char *data; /* the stored bytes in host memory, once read */
+    size_t boff;               /* version 2: offset in the data buffer; SIZE_MAX: not read */
     tm_tensor *t; /* the context's tensor of that name; NULL: skipped (TM_CKPT_SKIP_UNKNOWN) */
 } ck_rec;
 
-/* A parsed file image: header fields, meta and the record table (into img). */
+/* A parsed file: header fields, meta and the record table. Version 1 files are read whole
+ * into img (they have no index); version 2 files keep meta and index in img and read the data
+ * of the records asked for into dbuf. */
 typedef struct ck_image {
     const char *fn, *path;
+    int fd;
     unsigned char *img;
-    size_t len;
+    size_t len; /* the file's size */
     uint32_t version, n;
     const unsigned char *meta;
     uint64_t meta_len;
     ck_rec *rec; /* [n] */
+    unsigned char *dbuf;
 } ck_image;
 
 static void image_free(tm_ctx *ctx, ck_image *im) {
     tm__host_free(ctx, im->rec);
     tm__host_free(ctx, im->img);
+    tm__host_free(ctx, im->dbuf);
+    if (im->fd >= 0) close(im->fd);
     im->rec = NULL;
     im->img = NULL;
+    im->dbuf = NULL;
+    im->fd = -1;
 }
 
-static tm_status read_file(tm_ctx *ctx, ck_image *im) {
+static tm_status open_file(tm_ctx *ctx, ck_image *im) {
     const char *fn = im->fn, *path = im->path;
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) return tm__err(ctx, TM_ERR_IO, "%s: cannot open '%s': %s", fn, path, strerror(errno));
+    im->fd = open(path, O_RDONLY);
+    if (im->fd < 0) return tm__err(ctx, TM_ERR_IO, "%s: cannot open '%s': %s", fn, path, strerror(errno));
     struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        int e = errno;
-        close(fd);
-        return tm__err(ctx, TM_ERR_IO, "%s: cannot stat '%s': %s", fn, path, strerror(e));
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        close(fd);
-        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is not a regular file", fn, path);
-    }
-    size_t n = (size_t)sb.st_size;
+    if (fstat(im->fd, &sb) != 0) return tm__err(ctx, TM_ERR_IO, "%s: cannot stat '%s': %s", fn, path, strerror(errno));
+    if (!S_ISREG(sb.st_mode)) return tm__err(ctx, TM_ERR_IO, "%s: '%s' is not a regular file", fn, path);
+    im->len = (size_t)sb.st_size;
+    return TM_OK;
+}
+
+/* n bytes at off of the open file into a new host block *out. */
+static tm_status read_range(tm_ctx *ctx, ck_image *im, uint64_t off, size_t n, unsigned char **out) {
     unsigned char *b = tm__host_alloc(ctx, n ? n : 1);
-    if (!b) {
-        close(fd);
-        return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes", fn, path, n);
+    if (!b) return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes", im->fn, im->path, n);
+    int e = pread_all(im->fd, b, n, off);
+    if (e) {
+        tm__host_free(ctx, b);
+        return tm__err(ctx, TM_ERR_IO, "%s: cannot read '%s': %s", im->fn, im->path,
+                       e > 0 ? strerror(e) : "file shrank while reading");
     }
-    size_t off = 0;
-    while (off < n) {
-        ssize_t k = read(fd, b + off, n - off);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) {
-            int e = k < 0 ? errno : 0;
-            close(fd);
-            tm__host_free(ctx, b);
-            return tm__err(ctx, TM_ERR_IO, "%s: cannot read '%s': %s", fn, path,
-                           e ? strerror(e) : "file shrank while reading");
-        }
-        off += (size_t)k;
-    }
-    close(fd);
-    im->img = b;
-    im->len = n;
+    *out = b;
     return TM_OK;
 }
 
@@ -582,6 +696,8 @@ static tm_status parse_records(tm_ctx *ctx, ck_image *im, size_t off) {
         tcrc = crc_update(tcrc, img + start, off - start);
         if (r->comp_len > len - off) return truncated(ctx, im, "tensor data");
         r->data = img + off;
+        r->enc = CK_ENC_ZLIB;
+        r->boff = SIZE_MAX;
         r->t = NULL;
         off += (size_t)r->comp_len;
     }
@@ -617,23 +733,16 @@ static tm_status parse_records(tm_ctx *ctx, ck_image *im, size_t off) {
     return TM_OK;
 }
 
-/* Read and structurally validate the whole file: header, meta, records, CRCs. */
-static tm_status parse_image(tm_ctx *ctx, ck_image *im) {
+/* Version 1: the whole file in host memory, validated structurally: header, meta, records,
+ * CRCs. im->version is known; the magic has been checked. */
+static tm_status parse_image_v1(tm_ctx *ctx, ck_image *im) {
     const char *fn = im->fn, *path = im->path;
-    TM__TRY(read_file(ctx, im));
+    if (im->len < CK_HEADER_BYTES) return truncated(ctx, im, "the header");
+    TM__TRY(read_range(ctx, im, 0, im->len, &im->img));
     const unsigned char *img = im->img;
     size_t len = im->len;
-    if (len < CK_HEADER_BYTES) {
-        if (len < 8 || memcmp(img, ck_magic, 8) == 0) return truncated(ctx, im, "the header");
-    }
-    if (memcmp(img, ck_magic, 8) != 0)
-        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is not a tinymoe checkpoint (bad magic)", fn, path);
     if (get_u32(img + 28) != crc_update(0, img, 28))
         return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the header", fn, path);
-    im->version = get_u32(img + 8);
-    if (im->version != CK_VERSION)
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' has format version %u, this build reads version %u",
-                       fn, path, im->version, CK_VERSION);
     uint32_t endian = get_u32(img + 12);
     if (endian != CK_ENDIAN)
         return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: '%s' has endianness marker 0x%08x, expected 0x%08x",
@@ -651,6 +760,189 @@ static tm_status parse_image(tm_ctx *ctx, ck_image *im) {
     im->rec = tm__host_alloc(ctx, (im->n ? im->n : 1) * sizeof *im->rec);
     if (!im->rec) return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory for %u records", fn, path, im->n);
     return parse_records(ctx, im, off);
+}
+
+/* The checks of a record's dtype and shape against its raw length (both versions). */
+static tm_status check_rec_shape(tm_ctx *ctx, const ck_image *im, const ck_rec *r) {
+    if (r->dtype >= TM_NDTYPES)
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%.*s' has dtype code %d", im->fn, im->path,
+                       (int)r->name_len, (const char *)r->name, r->dtype);
+    uint64_t numel = 1;
+    int ok = 1;
+    for (int d = 0; d < r->ndim && ok; d++) {
+        ok = r->shape[d] >= 0 && (r->shape[d] == 0 || numel <= UINT64_MAX / (uint64_t)r->shape[d]);
+        if (ok) numel *= (uint64_t)r->shape[d];
+    }
+    if (!ok || numel > UINT64_MAX / tm_dtype_size((tm_dtype)r->dtype) ||
+        numel * tm_dtype_size((tm_dtype)r->dtype) != r->raw_len)
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%.*s' claims %llu bytes for its shape %s", im->fn,
+                       im->path, (int)r->name_len, (const char *)r->name, (unsigned long long)r->raw_len,
+                       tm__sdesc(ctx, r->ndim, r->shape));
+    return TM_OK;
+}
+
+/* Version 2: header (64 bytes, already in h), meta and index read and validated; the tensor
+ * data is not read here. The index must tile the data area exactly, in order. */
+static tm_status parse_v2(tm_ctx *ctx, ck_image *im, const unsigned char *h) {
+    const char *fn = im->fn, *path = im->path;
+    im->n = get_u32(h + 16);
+    uint32_t flags = get_u32(h + 20), reserved = get_u32(h + 56);
+    im->meta_len = get_u64(h + 24);
+    uint64_t index_off = get_u64(h + 32), index_len = get_u64(h + 40), file_len = get_u64(h + 48);
+    uint32_t endian = get_u32(h + 12);
+    if (endian != CK_ENDIAN)
+        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: '%s' has endianness marker 0x%08x, expected 0x%08x", fn, path,
+                       endian, CK_ENDIAN);
+    if (flags || reserved)
+        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: '%s' sets header flags 0x%08x / 0x%08x this build does not know",
+                       fn, path, flags, reserved);
+    if (file_len > im->len) return truncated(ctx, im, "the tensor data (its header gives a longer file)");
+    if (file_len < im->len)
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: %llu stray bytes after the end marker", fn, path,
+                       (unsigned long long)(im->len - file_len));
+    uint64_t data_start = CK_V2_HEADER + im->meta_len + 4;
+    if (im->meta_len > file_len || data_start > index_off || index_off > file_len || index_len > file_len ||
+        index_off + index_len + 12 != file_len || im->n > index_len / 28)
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: header places meta (%llu bytes) and index (%llu bytes "
+                       "at %llu) outside the file's %llu bytes", fn, path, (unsigned long long)im->meta_len,
+                       (unsigned long long)index_len, (unsigned long long)index_off, (unsigned long long)file_len);
+    /* meta and its CRC, then index and end marker: one block */
+    size_t ml = (size_t)im->meta_len, il = (size_t)index_len;
+    im->img = tm__host_alloc(ctx, ml + 4 + il + 12);
+    if (!im->img) return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes", fn, path, ml + il + 16);
+    int e = pread_all(im->fd, im->img, ml + 4, CK_V2_HEADER);
+    if (!e) e = pread_all(im->fd, im->img + ml + 4, il + 12, index_off);
+    if (e)
+        return tm__err(ctx, TM_ERR_IO, "%s: cannot read '%s': %s", fn, path, e > 0 ? strerror(e) : "file shrank while reading");
+    if (get_u32(im->img + ml) != crc_update(0, im->img, ml))
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the meta blob", fn, path);
+    im->meta = im->img;
+    const unsigned char *x = im->img + ml + 4;
+    if (memcmp(x + il, ck_end, 8) != 0)
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: end marker missing after the index", fn, path);
+    if (get_u32(x + il + 8) != crc_update(0, x, il))
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the tensor index", fn, path);
+    im->rec = tm__host_alloc(ctx, (im->n ? im->n : 1) * sizeof *im->rec);
+    if (!im->rec) return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory for %u records", fn, path, im->n);
+    size_t off = 0;
+    uint64_t cursor = data_start;
+    for (uint32_t i = 0; i < im->n; i++) {
+        ck_rec *r = &im->rec[i];
+        memset(r, 0, sizeof *r);
+        r->boff = SIZE_MAX;
+        if (il - off < 2) goto bad;
+        r->name_len = get_u16(x + off), off += 2;
+        if (r->name_len == 0 || r->name_len > CK_NAME_MAX || il - off < r->name_len + 4) goto bad;
+        r->name = x + off, off += r->name_len;
+        r->dtype = x[off++];
+        r->ndim = x[off++];
+        r->enc = x[off++];
+        int pad = x[off++];
+        if (r->ndim > TM_MAX_DIMS || pad || (r->enc != CK_ENC_RAW && r->enc != CK_ENC_ZLIB) ||
+            il - off < (size_t)r->ndim * 8 + 28)
+            goto bad;
+        for (int d = 0; d < r->ndim; d++) r->shape[d] = (int64_t)get_u64(x + off), off += 8;
+        r->raw_len = get_u64(x + off), off += 8;
+        r->comp_len = get_u64(x + off), off += 8;
+        r->off = get_u64(x + off), off += 8;
+        r->crc = get_u32(x + off), off += 4;
+        if (r->off != cursor || r->comp_len > index_off - cursor || (r->enc == CK_ENC_RAW && r->comp_len != r->raw_len))
+            goto bad;
+        cursor += r->comp_len;
+        TM__TRY(check_rec_shape(ctx, im, r));
+    }
+    if (off != il || cursor != index_off) goto bad;
+    return TM_OK;
+bad:
+    return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: the tensor index does not describe the file's data", fn, path);
+}
+
+/* Open the file and validate what every use needs: version 1, the whole file (structure and
+ * every CRC); version 2, header, meta and index (their CRCs, the index tiling the data). */
+static tm_status parse_file(tm_ctx *ctx, ck_image *im) {
+    const char *fn = im->fn, *path = im->path;
+    TM__TRY(open_file(ctx, im));
+    unsigned char h[CK_V2_HEADER];
+    size_t hn = im->len < sizeof h ? im->len : sizeof h;
+    int e = pread_all(im->fd, h, hn, 0);
+    if (e) return tm__err(ctx, TM_ERR_IO, "%s: cannot read '%s': %s", fn, path, e > 0 ? strerror(e) : "file shrank while reading");
+    if (hn < 8) return truncated(ctx, im, "the header");
+    if (memcmp(h, ck_magic, 8) != 0)
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is not a tinymoe checkpoint (bad magic)", fn, path);
+    if (hn < 12) return truncated(ctx, im, "the header");
+    im->version = get_u32(h + 8);
+    if (im->version == CK_VERSION_V1) return parse_image_v1(ctx, im);
+    if (hn < CK_V2_HEADER) return truncated(ctx, im, "the header");
+    int crc2 = get_u32(h + 60) == crc_update(0, h, 60);
+    if (im->version != CK_VERSION && (crc2 || get_u32(h + 28) == crc_update(0, h, 28)))
+        return tm__err(ctx, TM_ERR_INVALID_ARG,
+                       "%s: '%s' has format version %u; this build reads versions %u and %u (a newer tinymoe wrote it: "
+                       "load it with that build, or save it again there)",
+                       fn, path, im->version, CK_VERSION_V1, CK_VERSION);
+    if (!crc2) return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the header", fn, path);
+    return parse_v2(ctx, im, h);
+}
+
+/* Version 2: read the stored bytes of the records asked for (all, or those with a tensor of
+ * the context) into one host buffer, several threads each reading and checksumming CK_CHUNK
+ * pieces, and check every record's CRC. Version 1 files are in memory and checked already. */
+static tm_status read_records(tm_ctx *ctx, ck_image *im, int all) {
+    if (im->version == CK_VERSION_V1) return TM_OK;
+    const char *fn = im->fn, *path = im->path;
+    size_t total = 0, ni = 0;
+    for (uint32_t i = 0; i < im->n; i++) {
+        ck_rec *r = &im->rec[i];
+        if (!all && !r->t) continue;
+        r->boff = total;
+        total += (size_t)r->comp_len;
+        ni += (size_t)(r->comp_len + CK_CHUNK - 1) / CK_CHUNK;
+    }
+    im->dbuf = tm__host_alloc(ctx, total ? total : 1);
+    ck_item *items = tm__host_alloc(ctx, sizeof *items * (ni ? ni : 1));
+    if (!im->dbuf || !items) {
+        tm__host_free(ctx, items);
+        return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes for the tensor data", fn, path, total);
+    }
+    size_t k = 0;
+    for (uint32_t i = 0; i < im->n; i++) {
+        ck_rec *r = &im->rec[i];
+        if (r->boff == SIZE_MAX) continue;
+        r->data = im->dbuf + r->boff;
+        for (uint64_t c = 0; c < r->comp_len; c += CK_CHUNK) {
+            size_t len = r->comp_len - c < CK_CHUNK ? (size_t)(r->comp_len - c) : CK_CHUNK;
+            items[k++] = (ck_item){.k = (int)i, .src = im->dbuf + r->boff + c, .len = len, .off = r->off + c};
+        }
+    }
+    int fd = im->fd;
+#pragma omp parallel for num_threads(tm__nthreads(ctx)) schedule(dynamic) if (ni > 1)
+    for (size_t j = 0; j < ni; j++) {
+        ck_item *it = &items[j];
+        it->err = pread_all(fd, (unsigned char *)it->src, it->len, it->off);
+        if (!it->err) it->crc = crc_update(0, it->src, it->len);
+    }
+    tm_status st = TM_OK;
+    for (size_t j = 0; j < ni && st == TM_OK; j++)
+        if (items[j].err)
+            st = tm__err(ctx, TM_ERR_IO, "%s: cannot read '%s': %s", fn, path,
+                         items[j].err > 0 ? strerror(items[j].err) : "file shrank while reading");
+    /* each record's CRC from its chunks' */
+    for (size_t j = 0, i0 = 0; j < ni && st == TM_OK; j = i0) {
+        const ck_rec *r = &im->rec[items[j].k];
+        uint32_t crc = items[j].crc;
+        for (i0 = j + 1; i0 < ni && items[i0].k == items[j].k; i0++)
+            crc = (uint32_t)crc32_combine(crc, items[i0].crc, (z_off_t)items[i0].len);
+        if (crc != r->crc)
+            st = tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the data of tensor '%.*s'", fn, path,
+                         (int)r->name_len, (const char *)r->name);
+    }
+    for (uint32_t i = 0; i < im->n && st == TM_OK; i++) { /* empty records have no chunk */
+        const ck_rec *r = &im->rec[i];
+        if (r->boff != SIZE_MAX && r->comp_len == 0 && r->crc != 0)
+            st = tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the data of tensor '%.*s'", fn, path,
+                         (int)r->name_len, (const char *)r->name);
+    }
+    tm__host_free(ctx, items);
+    return st;
 }
 
 /* Every record against the context: name known (or skipped under TM_CKPT_SKIP_UNKNOWN) and
@@ -692,26 +984,47 @@ static tm_status match_records(tm_ctx *ctx, ck_image *im, unsigned flags, unsign
     return TM_OK;
 }
 
-static tm_status inflate_rec(tm_ctx *ctx, const ck_image *im, const ck_rec *r, unsigned char *dst) {
-    size_t out = (size_t)r->raw_len;
+/* A record's raw bytes: the stored ones (raw encoding: *out points at them), or inflated into
+ * scratch (which holds raw_len bytes). */
+static tm_status rec_bytes(tm_ctx *ctx, const ck_image *im, const ck_rec *r, unsigned char *scratch,
+                           const unsigned char **out) {
+    if (r->enc == CK_ENC_RAW) {
+        *out = r->data;
+        return TM_OK;
+    }
+    size_t got = (size_t)r->raw_len;
     int zs = (uInt)r->comp_len != r->comp_len || (uInt)r->raw_len != r->raw_len
                  ? Z_DATA_ERROR
-                 : ck_inflate(ctx, r->data, (size_t)r->comp_len, dst, &out);
+                 : ck_inflate(ctx, r->data, (size_t)r->comp_len, scratch, &got);
     if (zs == Z_MEM_ERROR)
         return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory inflating '%.*s'", im->fn, im->path,
                        (int)r->name_len, (const char *)r->name);
-    if (zs != Z_OK || out != r->raw_len)
+    if (zs != Z_OK || got != r->raw_len)
         return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%.*s' does not inflate to %llu bytes (zlib %d)",
-                       im->fn, im->path, (int)r->name_len, (const char *)r->name, (unsigned long long)r->raw_len,
-                       zs);
+                       im->fn, im->path, (int)r->name_len, (const char *)r->name, (unsigned long long)r->raw_len, zs);
+    *out = scratch;
     return TM_OK;
 }
 
-static size_t max_raw_len(const ck_image *im) {
+/* Scratch for inflating: the largest compressed record's raw length among those read. */
+static size_t max_inflate_len(const ck_image *im) {
     size_t m = 1;
-    for (uint32_t i = 0; i < im->n; i++)
-        if (im->rec[i].raw_len > m) m = (size_t)im->rec[i].raw_len;
+    for (uint32_t i = 0; i < im->n; i++) {
+        const ck_rec *r = &im->rec[i];
+        if (r->enc == CK_ENC_ZLIB && r->data && r->raw_len > m) m = (size_t)r->raw_len;
+    }
     return m;
+}
+
+/* Every compressed record that was read must inflate to its length (a file that does not is
+ * corrupt, skipped tensors of version 1 included). */
+static tm_status check_inflate(tm_ctx *ctx, const ck_image *im, unsigned char *scratch) {
+    for (uint32_t i = 0; i < im->n; i++) {
+        const ck_rec *r = &im->rec[i];
+        const unsigned char *p;
+        if (r->enc == CK_ENC_ZLIB && r->data) TM__TRY(rec_bytes(ctx, im, r, scratch, &p));
+    }
+    return TM_OK;
 }
 
 static tm_status load_checks(tm_ctx *ctx, const char *fn, const char *path) {
@@ -727,9 +1040,9 @@ tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void
     TM__TRY(load_checks(ctx, fn, path));
     if (flags & ~(unsigned)TM_CKPT_SKIP_UNKNOWN)
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: unknown flags 0x%x", fn, flags & ~(unsigned)TM_CKPT_SKIP_UNKNOWN);
-    ck_image im = {.fn = fn, .path = path};
-    unsigned char *seen = NULL, *raw = NULL;
-    tm_status st = parse_image(ctx, &im);
+    ck_image im = {.fn = fn, .path = path, .fd = -1};
+    unsigned char *seen = NULL, *scratch = NULL;
+    tm_status st = parse_file(ctx, &im);
     if (st == TM_OK) {
         size_t n_named = tm_ctx_num_named(ctx) ? (size_t)tm_ctx_num_named(ctx) : 1;
         seen = tm__host_alloc(ctx, n_named);
@@ -740,22 +1053,25 @@ tm_status tm_ckpt_load_flags(tm_ctx *ctx, const char *path, unsigned flags, void
     if (st == TM_OK && meta && im.meta_len > meta_cap)
         st = tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s' has %llu bytes of meta, meta_cap is %zu", fn, path,
                      (unsigned long long)im.meta_len, meta_cap);
-    if (st == TM_OK && !(raw = tm__host_alloc(ctx, max_raw_len(&im))))
-        st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes", fn, path, max_raw_len(&im));
-    /* Inflate everything once to prove it inflates (skipped tensors too: a file that does not
-     * is corrupt), then again to load: see the top comment. */
-    for (uint32_t i = 0; i < im.n && st == TM_OK; i++) st = inflate_rec(ctx, &im, &im.rec[i], raw);
+    /* Only the records of the context's tensors are read (version 2): the index names them. */
+    if (st == TM_OK) st = read_records(ctx, &im, 0);
+    if (st == TM_OK && !(scratch = tm__host_alloc(ctx, max_inflate_len(&im))))
+        st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes", fn, path, max_inflate_len(&im));
+    /* Everything read is checked (CRCs above, inflating here) before the first tensor is
+     * written; compressed records are inflated a second time for that: see the top comment. */
+    if (st == TM_OK) st = check_inflate(ctx, &im, scratch);
     for (uint32_t i = 0; i < im.n && st == TM_OK; i++) {
         const ck_rec *r = &im.rec[i];
+        const unsigned char *src;
         if (!r->t) continue;
-        st = inflate_rec(ctx, &im, r, raw);
-        if (st == TM_OK) st = tm__named_scatter(ctx, r->t, raw); /* this rank's part of the logical tensor */
+        st = rec_bytes(ctx, &im, r, scratch, &src);
+        if (st == TM_OK) st = tm__named_scatter(ctx, r->t, src); /* this rank's part of the logical tensor */
     }
     if (st == TM_OK) {
         if (meta && im.meta_len) memcpy(meta, im.meta, (size_t)im.meta_len);
         if (meta_bytes) *meta_bytes = (size_t)im.meta_len;
     }
-    tm__host_free(ctx, raw);
+    tm__host_free(ctx, scratch);
     tm__host_free(ctx, seen);
     image_free(ctx, &im);
     return st;
@@ -766,19 +1082,24 @@ tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_ca
 }
 
 /* The info and everything it points to live in one allocation: entries, then names, then meta. */
-tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out) {
+tm_status tm_ckpt_inspect_flags(tm_ctx *ctx, const char *path, unsigned flags, tm_ckpt_info **out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     const char *fn = "tm_ckpt_inspect";
     if (!out) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: out is NULL", fn);
     *out = NULL;
     TM__TRY(load_checks(ctx, fn, path));
-    ck_image im = {.fn = fn, .path = path};
-    unsigned char *raw = NULL;
-    tm_status st = parse_image(ctx, &im);
-    if (st == TM_OK && !(raw = tm__host_alloc(ctx, max_raw_len(&im))))
-        st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes", fn, path, max_raw_len(&im));
-    for (uint32_t i = 0; i < im.n && st == TM_OK; i++) st = inflate_rec(ctx, &im, &im.rec[i], raw);
-    tm__host_free(ctx, raw);
+    if (flags & ~(unsigned)TM_CKPT_INDEX_ONLY)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: unknown flags 0x%x", fn, flags & ~(unsigned)TM_CKPT_INDEX_ONLY);
+    ck_image im = {.fn = fn, .path = path, .fd = -1};
+    unsigned char *scratch = NULL;
+    tm_status st = parse_file(ctx, &im);
+    if (st == TM_OK && !(flags & TM_CKPT_INDEX_ONLY)) {
+        st = read_records(ctx, &im, 1);
+        if (st == TM_OK && !(scratch = tm__host_alloc(ctx, max_inflate_len(&im))))
+            st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes", fn, path, max_inflate_len(&im));
+        if (st == TM_OK) st = check_inflate(ctx, &im, scratch);
+        tm__host_free(ctx, scratch);
+    }
     if (st == TM_OK) {
         size_t bytes = sizeof(tm_ckpt_info) + (size_t)im.n * sizeof(tm_ckpt_entry) + (size_t)im.meta_len + 1;
         for (uint32_t i = 0; i < im.n; i++) bytes += im.rec[i].name_len + 1;
@@ -795,11 +1116,13 @@ tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out) {
                 memcpy(names, r->name, r->name_len);
                 names[r->name_len] = '\0';
                 e[i] = (tm_ckpt_entry){.name = names, .dtype = (tm_dtype)r->dtype, .ndim = r->ndim,
-                                       .raw_bytes = r->raw_len, .stored_bytes = r->comp_len};
+                                       .raw_bytes = r->raw_len, .stored_bytes = r->comp_len,
+                                       .offset = im.version == CK_VERSION_V1 ? (uint64_t)(r->data - im.img) : r->off,
+                                       .compressed = r->enc == CK_ENC_ZLIB};
                 memcpy(e[i].shape, r->shape, sizeof r->shape);
                 names += r->name_len + 1;
             }
-            memcpy(names, im.meta, (size_t)im.meta_len);
+            if (im.meta_len) memcpy(names, im.meta, (size_t)im.meta_len);
             names[im.meta_len] = '\0';
             *info = (tm_ckpt_info){.version = im.version, .file_bytes = im.len, .num_entries = (int)im.n,
                                    .entries = e, .meta = names, .meta_bytes = (size_t)im.meta_len};
@@ -808,6 +1131,10 @@ tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out) {
     }
     image_free(ctx, &im);
     return st;
+}
+
+tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out) {
+    return tm_ckpt_inspect_flags(ctx, path, 0, out);
 }
 
 void tm_ckpt_info_free(tm_ckpt_info *info) { free(info); }

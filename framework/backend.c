@@ -46,3 +46,25 @@ double tm__now(void) {
 void tm__add_wait(tm_ctx *ctx, double t0) {
     if (ctx) ctx->sync_seconds += tm__now() - t0;
 }
+
+/* Page-locked staging where a device backend of the context offers it (backend.h), else the
+ * allocator hook's memory. */
+void *tm__host_alloc_pinned(tm_ctx *ctx, size_t nbytes, int *pinned) {
+    *pinned = 0;
+    for (int b = 0; b < TM__NBACKENDS; b++) {
+        const tm__backend_ops *be = ctx->be[b];
+        if (!be || !be->host_alloc_pinned) continue;
+        void *p = be->host_alloc_pinned(ctx, nbytes);
+        if (p) {
+            *pinned = b + 1;
+            return p;
+        }
+    }
+    return tm__host_alloc(ctx, nbytes);
+}
+
+void tm__host_free_pinned(tm_ctx *ctx, void *p, int pinned) {
+    if (!p) return;
+    if (pinned) ctx->be[pinned - 1]->host_free_pinned(ctx, p);
+    else tm__host_free(ctx, p);
+}

@@ -25,6 +25,11 @@
  *    matrices at element strides sa, sb, sc. dtypes: f32, f64 (CPU), bf16 (CUDA, f32 accum).
  *  - fwd / bwd: the op kernels, [TM__NOPS] arrays in op-id order generated from ops.def; NULL
  *    where the op has no kernel on this backend (the dispatcher reports it by name).
+ *  - host_alloc_pinned / host_free_pinned (NULL where the backend has none: the CPU): page-locked
+ *    host memory that memcpy moves at the link's full speed, without the driver's staging
+ *    through its own pinned buffers (cudaHostAlloc / cudaFreeHost). alloc returns NULL, with
+ *    no error set, when the memory cannot be locked; the caller falls back to ordinary memory.
+ *    Not counted in tm_ctx_alloc_count and not through the allocator hook (the driver owns it).
  */
 #ifndef TM_BACKEND_H
 #define TM_BACKEND_H
@@ -49,6 +54,8 @@ typedef struct tm__backend_ops {
                       double alpha, const void *A, int64_t lda, int64_t sa, const void *B, int64_t ldb,
                       int64_t sb, double beta, void *C, int64_t ldc, int64_t sc, int64_t batch);
     const tm__fn *fwd, *bwd;
+    void *(*host_alloc_pinned)(tm_ctx *ctx, size_t nbytes);
+    void (*host_free_pinned)(tm_ctx *ctx, void *p);
 } tm__backend_ops;
 
 /* The backend registered for TM__CPU / TM__CUDA; NULL when this build has none. */

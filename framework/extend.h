@@ -38,6 +38,11 @@ int tm__nthreads(const tm_ctx *ctx);
 /* Host allocation through the context's allocator hook (counted in tm_ctx_alloc_count). */
 void *tm__host_alloc(tm_ctx *ctx, size_t nbytes);
 void tm__host_free(tm_ctx *ctx, void *p);
+/* Host staging memory for device copies: page-locked (cudaHostAlloc) when a device backend of
+ * the context offers it and the driver grants it, else tm__host_alloc's. *pinned says which;
+ * pass it back to tm__host_free_pinned. NULL (no error set) when out of memory. */
+void *tm__host_alloc_pinned(tm_ctx *ctx, size_t nbytes, int *pinned);
+void tm__host_free_pinned(tm_ctx *ctx, void *p, int pinned);
 
 /* Create the f32 master copy of bucket `bucket` (no-op if it exists), initialised from the
  * parameters' current values; from then on tm_tensor_write on a parameter of it also writes

@@ -374,6 +374,10 @@ static tm_status tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, v
     /* Stage through the host arena when the tensor is on a device or strided. */
     if (t->device.type == TM_DEVICE_CPU && tm__is_contiguous(t)) {
         src = tm__data(t);
+    } else if (dst_dt == t->dtype && tm__is_contiguous(t)) {
+        /* A dense device tensor in its own dtype: one copy straight into dst (pinned memory
+         * there makes it a DMA at the link's speed), no staging in the arena. */
+        return tm__memcpy(ctx, dst, tm_cpu(), tm__data(t), t->device, nbytes);
     } else {
         const tm_tensor *dense = t;
         if (!tm__is_contiguous(t)) {

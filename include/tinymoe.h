@@ -1260,7 +1260,9 @@ TM_API tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const 
 /* ------------------------------------------------------------------------------------------ */
 /* Checkpoints                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
-/* Byte layout: docs/checkpoint-format.md (little-endian, zlib-compressed tensors, CRC32s). */
+/* Byte layout: docs/checkpoint-format.md (little-endian; version 2: header, meta, the tensors'
+ * bytes raw or as zlib streams, an index of the tensors with each one's offset and CRC32).
+ * Files of version 1 (tinymoe before issue 21) still load and inspect. */
 
 /* Write every parameter and buffer of ctx (name, dtype, shape and data as full logical
  * tensors, whatever device holds them) plus an opaque meta blob (the caller's config, step,
@@ -1278,6 +1280,34 @@ TM_API tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const 
  * written under one layout loads under any other. */
 TM_API tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes);
 
+/* How tensors are stored: each tensor is either raw bytes or one zlib stream (deflate level 1,
+ * Huffman-only), recorded per tensor in the file. AUTO (the default): integer tensors
+ * compressed, float tensors (weights, optimizer state: near-incompressible, and deflate runs
+ * at ~60 MB/s a thread against GB/s for the disk) raw. NONE / ALL: every tensor raw /
+ * compressed. compress_tensor, when not NULL, decides instead, per tensor: nonzero =
+ * compressed; it is called once per tensor, on the calling thread, with the tensor's name and
+ * dtype and `user`. */
+typedef enum tm_ckpt_compress {
+    TM_CKPT_COMPRESS_AUTO = 0,
+    TM_CKPT_COMPRESS_NONE = 1,
+    TM_CKPT_COMPRESS_ALL = 2
+} tm_ckpt_compress;
+typedef struct tm_ckpt_save_options {
+    tm_ckpt_compress compress;
+    int (*compress_tensor)(const char *name, tm_dtype dtype, void *user);
+    void *user;
+} tm_ckpt_save_options;
+/* {TM_CKPT_COMPRESS_AUTO, NULL, NULL} */
+TM_API tm_ckpt_save_options tm_ckpt_save_options_default(void);
+/* tm_ckpt_save with options (NULL: the defaults, exactly tm_ckpt_save). Same errors, plus
+ * TM_ERR_INVALID_ARG for a compress value out of range, and TM_ERR_UNSUPPORTED for a tensor
+ * over 4 GiB chosen for compression (zlib's limit for one deflate call; raw has no limit).
+ * The tensors are copied to host staging memory (page-locked where the device backend offers
+ * it) in batches of 64 MiB, while the previous batch is checksummed and written by the other
+ * threads of the context. */
+TM_API tm_status tm_ckpt_save_ex(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes,
+                                 const tm_ckpt_save_options *options);
+
 /* Load a checkpoint written by tm_ckpt_save into the tensors of ctx, which must hold exactly
  * the same set of names, each with the same dtype and shape. The whole file is validated
  * first (magic, version, endianness, every CRC, every tensor inflates, names/dtypes/shapes,
@@ -1292,9 +1322,12 @@ TM_API tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, s
 TM_API tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_cap, size_t *meta_bytes);
 
 /* Flags of tm_ckpt_load_flags. TM_CKPT_SKIP_UNKNOWN: tensors of the file that the context does
- * not hold are validated (CRC, structure) and then skipped instead of being an error; use it
- * to load a training checkpoint (with optimizer state) into a model built for inference.
- * Every tensor of the context must still be in the file. */
+ * not hold are skipped instead of being an error; use it to load a training checkpoint (with
+ * optimizer state) into a model built for inference. In a version 2 file their bytes are not
+ * read at all (the index gives each tensor's offset; their index entries are validated with
+ * the index's CRC); in a version 1 file, which has no index, they are read and validated. Every
+ * tensor of the context must still be in the file, and every byte read is validated before the
+ * first tensor is written. */
 enum { TM_CKPT_SKIP_UNKNOWN = 1u };
 /* tm_ckpt_load with flags (0: exactly tm_ckpt_load). Same errors, plus TM_ERR_INVALID_ARG for
  * an unknown flag bit. */
@@ -1310,7 +1343,9 @@ typedef struct tm_ckpt_entry {
     int ndim;
     int64_t shape[TM_MAX_DIMS];
     uint64_t raw_bytes;    /* numel * dtype size */
-    uint64_t stored_bytes; /* compressed */
+    uint64_t stored_bytes; /* in the file: raw_bytes, or the zlib stream's length */
+    uint64_t offset;       /* of the stored bytes, from the file's start */
+    int compressed;        /* 1: a zlib stream; 0: raw bytes (version 1 files: always 1) */
 } tm_ckpt_entry;
 
 typedef struct tm_ckpt_info {
@@ -1328,6 +1363,14 @@ typedef struct tm_ckpt_info {
  * tm_ckpt_info_free. The info is one block from malloc (not the context's allocator: it may
  * outlive ctx). */
 TM_API tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out);
+/* Flags of tm_ckpt_inspect_flags. TM_CKPT_INDEX_ONLY: validate and list the header, meta and
+ * index (their CRCs; the index must tile the file's data exactly) without reading the tensors'
+ * bytes, so it costs a few reads whatever the file's size (version 1 files, without an index,
+ * are still read whole). What a later tm_ckpt_load reads it validates itself. */
+enum { TM_CKPT_INDEX_ONLY = 1u };
+/* tm_ckpt_inspect with flags (0: exactly tm_ckpt_inspect). Same errors, plus
+ * TM_ERR_INVALID_ARG for an unknown flag bit. */
+TM_API tm_status tm_ckpt_inspect_flags(tm_ctx *ctx, const char *path, unsigned flags, tm_ckpt_info **out);
 /* NULL: no-op. */
 TM_API void tm_ckpt_info_free(tm_ckpt_info *info);
 

@@ -204,16 +204,17 @@ Test(ckpt, missing_file_and_bad_magic) {
 /* A well-formed header (valid CRC) of a version this build does not read. */
 Test(ckpt, unsupported_version) {
     tm_ctx *a = make_ctx(0, 1), *b = make_ctx(0, 2);
-    const char *path = tt_path("v2.ckpt");
+    const char *path = tt_path("v3.ckpt");
     TT_OK(a, tm_ckpt_save(a, path, NULL, 0));
     long len;
     unsigned char *img = tt_slurp(path, &len);
-    put32(img + 8, 2);
-    put32(img + 28, (uint32_t)crc32(0, img, 28));
+    put32(img + 8, 3);
+    put32(img + 60, (uint32_t)crc32(0, img, 60));
     spit(path, img, len);
     snap before = snapshot(b);
     cr_assert_eq(tm_ckpt_load(b, path, NULL, 0, NULL), TM_ERR_INVALID_ARG);
-    cr_assert(strstr(tm_ctx_errmsg(b), "version 2"), "%s", tm_ctx_errmsg(b));
+    cr_assert(strstr(tm_ctx_errmsg(b), "version 3"), "%s", tm_ctx_errmsg(b));
+    cr_assert(strstr(tm_ctx_errmsg(b), "versions 1 and 2"), "%s", tm_ctx_errmsg(b));
     cr_assert(strstr(tm_ctx_errmsg(b), path), "%s", tm_ctx_errmsg(b));
     assert_snap_eq(before, snapshot(b), "version");
     free(img);
@@ -340,7 +341,7 @@ Test(ckpt, inspect_lists_tensors) {
     TT_OK(a, tm_ckpt_save(a, path, meta_ref, sizeof meta_ref));
     tm_ckpt_info *info = NULL;
     TT_OK(a, tm_ckpt_inspect(a, path, &info));
-    cr_assert_eq(info->version, 1);
+    cr_assert_eq(info->version, 2);
     long flen;
     unsigned char *img = tt_slurp(path, &flen);
     cr_assert_eq(info->file_bytes, (uint64_t)flen);
@@ -353,7 +354,7 @@ Test(ckpt, inspect_lists_tensors) {
         cr_assert_eq(e->ndim, tm_tensor_ndim(t));
         for (int d = 0; d < e->ndim; d++) cr_assert_eq(e->shape[d], tm_tensor_dim(t, d));
         cr_assert_eq(e->raw_bytes, (uint64_t)tm_tensor_numel(t) * tm_dtype_size(tm_tensor_dtype(t)));
-        cr_assert(e->stored_bytes > 0);
+        cr_assert(e->compressed ? e->stored_bytes > 0 : e->stored_bytes == e->raw_bytes, "%s", e->name);
     }
     cr_assert_eq(info->meta_bytes, sizeof meta_ref);
     cr_assert_eq(memcmp(info->meta, meta_ref, sizeof meta_ref), 0);
@@ -546,4 +547,317 @@ Test(ckpt, file_independent_of_thread_count) {
     free(f3);
     tm_ctx_free(a);
     tm_ctx_free(b);
+}
+
+/* ---- format version 2 (issue 21): per-tensor compression, the index, seeking loads ---------- */
+
+static uint64_t get64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+static void put64(unsigned char *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+/* The stored bytes of every entry, checked against the context's tensors read independently
+ * (tm_tensor_read): raw entries byte for byte at their offset, compressed ones after zlib's own
+ * uncompress. */
+static void assert_entries_hold_tensors(tm_ctx *ctx, const char *path, const tm_ckpt_info *info) {
+    long flen;
+    unsigned char *img = tt_slurp(path, &flen);
+    for (int i = 0; i < info->num_entries; i++) {
+        const tm_ckpt_entry *e = &info->entries[i];
+        tm_tensor *t = tm_ctx_find(ctx, e->name);
+        cr_assert_not_null(t, "%s", e->name);
+        size_t nb = (size_t)tm_tensor_numel(t) * tm_dtype_size(tm_tensor_dtype(t));
+        unsigned char *want = malloc(nb + 1), *got = malloc(nb + 1);
+        TT_OK(ctx, tm_tensor_read(ctx, t, tm_tensor_dtype(t), want, tm_tensor_numel(t)));
+        cr_assert(e->offset + e->stored_bytes <= (uint64_t)flen, "%s", e->name);
+        if (!e->compressed) {
+            cr_assert_eq(e->stored_bytes, (uint64_t)nb, "%s", e->name);
+            cr_assert_eq(memcmp(img + e->offset, want, nb), 0, "%s: raw bytes at its offset", e->name);
+        } else {
+            uLongf out = (uLongf)nb;
+            cr_assert_eq(uncompress(got, &out, img + e->offset, (uLong)e->stored_bytes), Z_OK, "%s", e->name);
+            cr_assert_eq(out, (uLongf)nb, "%s", e->name);
+            cr_assert_eq(memcmp(got, want, nb), 0, "%s: inflated bytes", e->name);
+        }
+        free(want);
+        free(got);
+    }
+    free(img);
+}
+
+static int compress_w_and_idx(const char *name, tm_dtype dt, void *user) {
+    ++*(int *)user;
+    return !strcmp(name, "w") || !strcmp(name, "idx");
+}
+
+/* Each policy stores each tensor as it says (the test's own expectation per dtype / name), the
+ * bytes in the file are the tensor's, and the file loads back bitwise. */
+Test(ckpt, compression_is_a_per_tensor_choice) {
+    tm_ctx *a = make_ctx(0, 1);
+    const char *path = tt_path("z.ckpt");
+    for (int policy = 0; policy < 4; policy++) {
+        tm_ckpt_save_options o = tm_ckpt_save_options_default();
+        int calls = 0;
+        if (policy < 3) o.compress = (tm_ckpt_compress)policy;
+        else o.compress_tensor = compress_w_and_idx, o.user = &calls, o.compress = TM_CKPT_COMPRESS_NONE;
+        TT_OK(a, tm_ckpt_save_ex(a, path, meta_ref, sizeof meta_ref, &o));
+        if (policy == 3) cr_assert_eq(calls, N_BASE, "the callback is asked once per tensor");
+        tm_ckpt_info *info;
+        TT_OK(a, tm_ckpt_inspect(a, path, &info));
+        cr_assert_eq(info->num_entries, N_BASE);
+        for (int k = 0; k < N_BASE; k++) {
+            const tm_ckpt_entry *e = &info->entries[k];
+            int is_float = e->dtype == TM_F32 || e->dtype == TM_BF16 || e->dtype == TM_F64;
+            int want = policy == TM_CKPT_COMPRESS_AUTO ? !is_float
+                       : policy == TM_CKPT_COMPRESS_NONE ? 0
+                       : policy == TM_CKPT_COMPRESS_ALL  ? 1
+                                                         : !strcmp(e->name, "w") || !strcmp(e->name, "idx");
+            cr_assert_eq(e->compressed, want, "policy %d, tensor %s", policy, e->name);
+        }
+        assert_entries_hold_tensors(a, path, info);
+        tm_ckpt_info_free(info);
+        tm_ctx *b = make_ctx(0, 2);
+        char meta[64];
+        size_t ml = 0;
+        TT_OK(b, tm_ckpt_load(b, path, meta, sizeof meta, &ml));
+        cr_assert_eq(ml, sizeof meta_ref);
+        cr_assert_eq(memcmp(meta, meta_ref, ml), 0);
+        assert_snap_eq(snapshot(a), snapshot(b), "policy round trip");
+        tm_ctx_free(b);
+    }
+    tm_ckpt_save_options bad = tm_ckpt_save_options_default();
+    bad.compress = (tm_ckpt_compress)7;
+    cr_assert_eq(tm_ckpt_save_ex(a, path, NULL, 0, &bad), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(a), "compress"), "%s", tm_ctx_errmsg(a));
+    tm_ctx_free(a);
+}
+
+/* A writer of format version 1 as docs/checkpoint-format.md specified it before issue 21
+ * (kept here, independent of the library): header, meta, records with zlib streams, end. */
+static long write_v1(tm_ctx *ctx, const char *path, const void *meta, uint32_t meta_len) {
+    FILE *f = fopen(path, "wb");
+    cr_assert(f);
+    unsigned char h[32] = {'T', 'M', 'C', 'K', 'P', 'T', 0, 0};
+    put32(h + 8, 1);
+    put32(h + 12, 0x01020304u);
+    put32(h + 16, (uint32_t)tm_ctx_num_named(ctx));
+    put64(h + 20, meta_len);
+    put32(h + 28, (uint32_t)crc32(0, h, 28));
+    fwrite(h, 1, 32, f);
+    unsigned char c4[4];
+    fwrite(meta, 1, meta_len, f);
+    put32(c4, (uint32_t)crc32(0, meta, meta_len));
+    fwrite(c4, 1, 4, f);
+    uLong tcrc = 0;
+    for (int k = 0; k < tm_ctx_num_named(ctx); k++) {
+        const tm_tensor *t = tm_ctx_named(ctx, k);
+        size_t nb = (size_t)tm_tensor_numel(t) * tm_dtype_size(tm_tensor_dtype(t));
+        unsigned char *raw = malloc(nb + 1);
+        TT_OK(ctx, tm_tensor_read(ctx, t, tm_tensor_dtype(t), raw, tm_tensor_numel(t)));
+        uLongf cl = compressBound((uLong)nb);
+        unsigned char *comp = malloc(cl);
+        cr_assert_eq(compress2(comp, &cl, raw, (uLong)nb, 6), Z_OK);
+        unsigned char d[2 + 127 + 2 + 32 + 20], *p = d;
+        size_t nl = strlen(tm_tensor_name(t));
+        p[0] = (unsigned char)nl, p[1] = 0, p += 2;
+        memcpy(p, tm_tensor_name(t), nl), p += nl;
+        *p++ = (unsigned char)tm_tensor_dtype(t);
+        *p++ = (unsigned char)tm_tensor_ndim(t);
+        for (int a = 0; a < tm_tensor_ndim(t); a++) put64(p, (uint64_t)tm_tensor_dim(t, a)), p += 8;
+        put64(p, nb), p += 8;
+        put64(p, cl), p += 8;
+        put32(p, (uint32_t)crc32(0, comp, (uInt)cl)), p += 4;
+        tcrc = crc32(tcrc, d, (uInt)(p - d));
+        fwrite(d, 1, (size_t)(p - d), f);
+        fwrite(comp, 1, cl, f);
+        free(raw);
+        free(comp);
+    }
+    fwrite("TMCKEND\0", 1, 8, f);
+    put32(c4, (uint32_t)tcrc);
+    fwrite(c4, 1, 4, f);
+    long len = ftell(f);
+    cr_assert_eq(fclose(f), 0);
+    return len;
+}
+
+/* Checkpoints of format version 1 (every earlier run's) still load, inspect, and load skipping
+ * unknown tensors; a corrupted one is still refused. */
+Test(ckpt, version1_file_still_loads) {
+    tm_ctx *a = make_ctx(0, 1), *b = make_ctx(0, 2);
+    const char *path = tt_path("old.ckpt");
+    long len = write_v1(a, path, meta_ref, sizeof meta_ref);
+    tm_ckpt_info *info;
+    TT_OK(b, tm_ckpt_inspect(b, path, &info));
+    cr_assert_eq(info->version, 1);
+    cr_assert_eq(info->num_entries, N_BASE);
+    cr_assert_eq(info->file_bytes, (uint64_t)len);
+    for (int k = 0; k < N_BASE; k++) cr_assert(info->entries[k].compressed);
+    assert_entries_hold_tensors(a, path, info);
+    tm_ckpt_info_free(info);
+    char meta[64];
+    size_t ml = 0;
+    TT_OK(b, tm_ckpt_load(b, path, meta, sizeof meta, &ml));
+    cr_assert_eq(ml, sizeof meta_ref);
+    cr_assert_eq(memcmp(meta, meta_ref, ml), 0);
+    assert_snap_eq(snapshot(a), snapshot(b), "version 1 load");
+    tm_ctx *c = make_ctx(3, 3); /* holds "extra", which the file lacks */
+    cr_assert_eq(tm_ckpt_load_flags(c, path, TM_CKPT_SKIP_UNKNOWN, NULL, 0, NULL), TM_ERR_INVALID_ARG);
+    tm_ctx_free(c);
+    /* a byte of the last record's data flipped: refused, b untouched */
+    long n;
+    unsigned char *img = tt_slurp(path, &n);
+    img[n - 14] ^= 0x10;
+    spit(path, img, n);
+    tm_ctx *d = make_ctx(0, 4);
+    snap before = snapshot(d);
+    cr_assert_eq(tm_ckpt_load(d, path, NULL, 0, NULL), TM_ERR_IO);
+    cr_assert(strstr(tm_ctx_errmsg(d), path), "%s", tm_ctx_errmsg(d));
+    assert_snap_eq(before, snapshot(d), "corrupt version 1");
+    free(img);
+    tm_ctx_free(d);
+    tm_ctx_free(a);
+    tm_ctx_free(b);
+}
+
+/* A model-only load (TM_CKPT_SKIP_UNKNOWN: what eval, sample and export do) reads the weights
+ * and not the optimizer state: with a byte of an AdamW moment corrupted, the full load is
+ * refused naming that tensor (and leaves the context as it was), the weights-only load
+ * succeeds with the saved weights. */
+Test(ckpt, weights_only_load_does_not_read_optimizer_state) {
+    tm_optimizer *oa, *ob;
+    tm_tensor *wa, *wb;
+    tm_ctx *a = adam_ctx(&oa, &wa), *b = adam_ctx(&ob, &wb);
+    adam_steps(a, oa, wa, 0, 3);
+    const char *path = tt_path("opt.ckpt");
+    TT_OK(a, tm_ckpt_save(a, path, NULL, 0));
+    tm_ckpt_info *info;
+    TT_OK(a, tm_ckpt_inspect_flags(a, path, TM_CKPT_INDEX_ONLY, &info));
+    const tm_ckpt_entry *m = NULL;
+    for (int i = 0; i < info->num_entries; i++)
+        if (!strcmp(info->entries[i].name, "w.adamw_m")) m = &info->entries[i];
+    cr_assert_not_null(m);
+    cr_assert(!m->compressed);
+    assert_entries_hold_tensors(a, path, info); /* the offset is that of the moment's bytes */
+    long n;
+    unsigned char *img = tt_slurp(path, &n);
+    img[m->offset + m->stored_bytes / 2] ^= 0x04;
+    spit(path, img, n);
+    tm_ckpt_info_free(info);
+
+    float wb0[24], mb0[24], wa_v[24], got[24];
+    TT_OK(b, tm_tensor_read(b, wb, TM_F32, wb0, 24));
+    TT_OK(b, tm_tensor_read(b, tm_ctx_find(b, "w.adamw_m"), TM_F32, mb0, 24));
+    cr_assert_eq(tm_ckpt_load(b, path, NULL, 0, NULL), TM_ERR_IO);
+    cr_assert(strstr(tm_ctx_errmsg(b), "w.adamw_m") && strstr(tm_ctx_errmsg(b), "CRC"), "%s", tm_ctx_errmsg(b));
+    TT_OK(b, tm_tensor_read(b, wb, TM_F32, got, 24));
+    cr_assert_eq(memcmp(got, wb0, sizeof got), 0, "weights untouched by the refused load");
+    TT_OK(b, tm_tensor_read(b, tm_ctx_find(b, "w.adamw_m"), TM_F32, got, 24));
+    cr_assert_eq(memcmp(got, mb0, sizeof got), 0, "optimizer state untouched by the refused load");
+
+    tm_ctx *w = tt_ctx(); /* the model alone, as for inference */
+    tm_tensor *ww;
+    int64_t s[2] = {4, 6};
+    TT_OK(w, tm_param_new(w, "w", TM_F32, 2, s, tm_cpu(), &ww));
+    TT_OK(w, tm_ckpt_load_flags(w, path, TM_CKPT_SKIP_UNKNOWN, NULL, 0, NULL));
+    TT_OK(a, tm_tensor_read(a, wa, TM_F32, wa_v, 24));
+    TT_OK(w, tm_tensor_read(w, ww, TM_F32, got, 24));
+    cr_assert_eq(memcmp(got, wa_v, sizeof got), 0, "the saved weights");
+    free(img);
+    tm_ctx_free(w);
+    tm_ctx_free(a);
+    tm_ctx_free(b);
+}
+
+/* The index is checked before anything is read through it: a flipped byte (CRC) and an index
+ * rewritten with a valid CRC whose offsets do not tile the data are both refused, by the load
+ * and by the index-only inspect. */
+Test(ckpt, corrupted_index_refused) {
+    tm_ctx *a = make_ctx(0, 1), *b = make_ctx(0, 2);
+    const char *path = tt_path("a.ckpt"), *bad = tt_path("bad.ckpt");
+    TT_OK(a, tm_ckpt_save(a, path, meta_ref, sizeof meta_ref));
+    long len;
+    unsigned char *img = tt_slurp(path, &len);
+    uint64_t index_off = get64(img + 32), index_len = get64(img + 40);
+    cr_assert_eq(index_off + index_len + 12, (uint64_t)len, "header: index, then the 12-byte end");
+    snap before = snapshot(b);
+    tm_ckpt_info *info;
+    for (uint64_t i = index_off; i < index_off + index_len; i += 7) {
+        img[i] ^= 0x20;
+        spit(bad, img, len);
+        img[i] ^= 0x20;
+        cr_assert_eq(tm_ckpt_load(b, bad, NULL, 0, NULL), TM_ERR_IO, "index byte %llu", (unsigned long long)i);
+        cr_assert(strstr(tm_ctx_errmsg(b), "index"), "%s", tm_ctx_errmsg(b));
+        cr_assert_eq(tm_ckpt_inspect_flags(b, bad, TM_CKPT_INDEX_ONLY, &info), TM_ERR_IO);
+    }
+    /* first entry's data offset moved by one, index CRC made valid again */
+    unsigned char *x = img + index_off;
+    size_t nl = (size_t)(x[0] | x[1] << 8);
+    unsigned char *off = x + 2 + nl + 4 + 8 * (size_t)x[2 + nl + 1] + 16;
+    put64(off, get64(off) + 1);
+    put32(img + index_off + index_len + 8, (uint32_t)crc32(0, x, (uInt)index_len));
+    spit(bad, img, len);
+    cr_assert_eq(tm_ckpt_load(b, bad, NULL, 0, NULL), TM_ERR_IO);
+    cr_assert(strstr(tm_ctx_errmsg(b), "does not describe"), "%s", tm_ctx_errmsg(b));
+    cr_assert_eq(tm_ckpt_inspect_flags(b, bad, TM_CKPT_INDEX_ONLY, &info), TM_ERR_IO);
+    cr_assert_eq(tm_ckpt_inspect_flags(b, bad, 4, &info), TM_ERR_INVALID_ARG);
+    assert_snap_eq(before, snapshot(b), "corrupt index");
+    free(img);
+    tm_ctx_free(a);
+    tm_ctx_free(b);
+}
+
+/* Tensors over one 8 MiB chunk (CRCs combined from chunks written by several threads) and over
+ * one 64 MiB staging batch (gathering overlapped with writing): round trip bitwise, the file
+ * the same with 1 and 2 threads, and a flip in a tensor's second chunk detected. */
+Test(ckpt, large_tensors_in_chunks_and_batches, .timeout = 120) {
+    tm_ctx *c[2];
+    const char *p[2] = {tt_path("l1.ckpt"), tt_path("l2.ckpt")};
+    for (int v = 0; v < 2; v++) {
+        c[v] = tt_ctx_threads(v + 1);
+        for (int i = 0; i < 5; i++) {
+            char name[8];
+            snprintf(name, sizeof name, "big%d", i);
+            int64_t s[2] = {3500, 1000 + i};
+            tm_tensor *t;
+            TT_OK(c[v], tm_param_new(c[v], name, TM_F32, 2, s, tm_cpu(), &t));
+            TT_OK(c[v], tm_tensor_init_normal(c[v], t, 21, NULL, 0.0, 1.0));
+        }
+        TT_OK(c[v], tm_ckpt_save(c[v], p[v], NULL, 0));
+    }
+    long n1, n2;
+    unsigned char *f1 = tt_slurp(p[0], &n1), *f2 = tt_slurp(p[1], &n2);
+    cr_assert_eq(n1, n2);
+    cr_assert_eq(memcmp(f1, f2, (size_t)n1), 0, "1 and 2 threads wrote different files");
+    tm_ckpt_info *info;
+    TT_OK(c[0], tm_ckpt_inspect(c[0], p[0], &info));
+    assert_entries_hold_tensors(c[0], p[0], info);
+    /* zero the tensors of ctx 1, load, compare with ctx 0's */
+    for (int k = 0; k < tm_ctx_num_named(c[1]); k++) TT_OK(c[1], tm_tensor_fill(c[1], tm_ctx_named(c[1], k), 0.0));
+    TT_OK(c[1], tm_ckpt_load(c[1], p[0], NULL, 0, NULL));
+    for (int k = 0; k < tm_ctx_num_named(c[0]); k++) {
+        const tm_tensor *t0 = tm_ctx_named(c[0], k), *t1 = tm_ctx_named(c[1], k);
+        size_t nb = (size_t)tm_tensor_numel(t0) * 4;
+        float *x0 = malloc(nb), *x1 = malloc(nb);
+        TT_OK(c[0], tm_tensor_read(c[0], t0, TM_F32, x0, tm_tensor_numel(t0)));
+        TT_OK(c[1], tm_tensor_read(c[1], t1, TM_F32, x1, tm_tensor_numel(t1)));
+        cr_assert_eq(memcmp(x0, x1, nb), 0, "%s", tm_tensor_name(t0));
+        free(x0);
+        free(x1);
+    }
+    const tm_ckpt_entry *e = &info->entries[4];
+    cr_assert(e->stored_bytes > (9u << 20));
+    f1[e->offset + (9u << 20)] ^= 0x01;
+    spit(p[1], f1, n1);
+    cr_assert_eq(tm_ckpt_load(c[1], p[1], NULL, 0, NULL), TM_ERR_IO);
+    cr_assert(strstr(tm_ctx_errmsg(c[1]), "big4"), "%s", tm_ctx_errmsg(c[1]));
+    tm_ckpt_info_free(info);
+    free(f1);
+    free(f2);
+    tm_ctx_free(c[0]);
+    tm_ctx_free(c[1]);
 }

@@ -67,17 +67,19 @@ static const char *token_file(void) {
     return path;
 }
 
-/* The bytes of a checkpoint's tensor section (everything after the meta blob): equal
- * sections mean bit-identical tensors, whatever the two runs' configs say. */
+/* The bytes of a checkpoint's tensor data (format version 2: from after the meta blob and its
+ * CRC to the index, whose offsets depend on the meta's length): equal sections mean
+ * bit-identical tensors, whatever the two runs' configs say. */
 static unsigned char *tensor_section(const char *path, long *n) {
     long len;
     unsigned char *img = tt_slurp(path, &len);
-    cr_assert(len > 32);
-    uint64_t ml = 0;
-    for (int i = 7; i >= 0; i--) ml = (ml << 8) | img[20 + i];
-    long off = 32 + (long)ml + 4;
-    cr_assert(off < len);
-    *n = len - off;
+    cr_assert(len > 64);
+    uint64_t ml = 0, index_off = 0;
+    for (int i = 7; i >= 0; i--) ml = (ml << 8) | img[24 + i];
+    for (int i = 7; i >= 0; i--) index_off = (index_off << 8) | img[32 + i];
+    long off = 64 + (long)ml + 4;
+    cr_assert(off < (long)index_off && (long)index_off < len);
+    *n = (long)index_off - off;
     unsigned char *s = malloc((size_t)*n);
     memcpy(s, img + off, (size_t)*n);
     free(img);

@@ -304,7 +304,9 @@ int tmd_ckpt_read_meta(const char *path, tmd_config *cfg, tmd_ckpt_state *state,
     o.num_threads = 1;
     if (tm_ctx_new(&ctx, &o)) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "%s", tm_last_create_error());
     tm_ckpt_info *info = NULL;
-    tm_status s = tm_ckpt_inspect(ctx, path, &info);
+    /* The index and meta only (a few reads): the load that follows reads and validates the
+     * tensors it needs, and eval / sample / export never read the optimizer state. */
+    tm_status s = tm_ckpt_inspect_flags(ctx, path, TM_CKPT_INDEX_ONLY, &info);
     int rc;
     if (s)
         rc = tmd_fail(err, errlen, s == TM_ERR_NOMEM ? TMD_RUNTIME_ERROR : TMD_CONFIG_ERROR, "%s", tm_ctx_errmsg(ctx));

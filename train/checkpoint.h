@@ -60,7 +60,8 @@ typedef struct tmd_loaded_model {
 void tmd_ckpt_path(const char *dir, int64_t step, char *path, size_t pathlen);
 /* Steps of the ckpt-*.tmck files in dir, ascending (malloc'ed; *n may be 0). */
 int tmd_ckpt_list(const char *dir, int64_t **steps, int *n, char *err, size_t errlen);
-/* Validate a checkpoint file completely (tm_ckpt_inspect), decode its meta, and check the meta
+/* Validate a checkpoint's header, meta and tensor index (tm_ckpt_inspect_flags with
+ * TM_CKPT_INDEX_ONLY: the tensors' bytes are validated by the load that reads them), decode its meta, and check the meta
  * against the file's tensors before anything is built from it: the layer count, vocab_size,
  * d_model and the expert shapes it claims must be those of the tensors (a meta edited to
  * claim 10^6 layers would otherwise have a model of 10^6 layers built first), and the state

@@ -169,6 +169,27 @@ static tm_status tm__cuda_sync(tm_ctx *ctx) {
 }
 
 
+/* Page-locked host memory (backend.h): D2H / H2D copies to and from it run at the link's speed
+ * and skip the driver's staging through its own small pinned buffers. NULL when the driver
+ * refuses (no device, locked-memory limit): the caller falls back to pageable memory. */
+static void *tm__cuda_host_alloc_pinned(tm_ctx *ctx, size_t nbytes) {
+    tm__cuda *st;
+    if (tm__cu_enter(ctx, "cuda_host_alloc_pinned", &st) != TM_OK) return NULL;
+    void *p = NULL;
+    if (cudaHostAlloc(&p, nbytes ? nbytes : 1, cudaHostAllocDefault) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+static void tm__cuda_host_free_pinned(tm_ctx *ctx, void *p) {
+    (void)ctx;
+    if (!p) return;
+    cudaFreeHost(p); /* synchronises with the device: no copy still uses p */
+    (void)cudaGetLastError();
+}
+
 /* ---- the backend table ------------------------------------------------------------------------- */
 
 static tm_status tm__cuda_gemm_entry(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N,
@@ -208,4 +229,6 @@ extern "C" const tm__backend_ops tm__cuda_backend = {
     tm__cuda_gemm_entry,
     tm__cuda_fwd,
     tm__cuda_bwd,
+    tm__cuda_host_alloc_pinned,
+    tm__cuda_host_free_pinned,
 };

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# ckpt_io.sh — checkpoint save / load GB/s beside raw writes and reads of the same bytes on the
+# same disk, in one run (issue 21). Makes a checkpoint with `tinymoe train --steps 1` (model,
+# AdamW state, meta: what a run saves), then runs build/bench/ckpt_io on it (bench/ckpt_io.c
+# says what each row measures).
+#
+#   bench/ckpt_io.sh [--preset coarse|fine|cpu-large] [--device cpu|cuda] [--dir DIR] [--reps R]
+#
+#   cpu-large (default): d_model 512, 4 layers, 4 experts of F 1536, vocab 8192, f32 on the CPU:
+#                        about 31M parameters, a 377 MB checkpoint with AdamW state.
+#   coarse, fine:        the GPU presets (--device cuda --dtype bf16; synthetic vocab 32768).
+# DIR (default: a fresh directory under $TMPDIR or /tmp) must be on the disk to measure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+preset=cpu-large device=cpu dir="" reps=2 threads=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --preset) preset=$2; shift 2 ;;
+        --device) device=$2; shift 2 ;;
+        --dir) dir=$2; shift 2 ;;
+        --reps) reps=$2; shift 2 ;;
+        --threads) threads=$2; shift 2 ;;
+        -h|--help) sed -n 2,13p "$0"; exit 0 ;;
+        *) echo "ckpt_io.sh: unknown argument '$1'" >&2; exit 2 ;;
+    esac
+done
+make -s -j2 build/tinymoe build/bench/ckpt_io >/dev/null
+[ -n "$dir" ] || dir=$(mktemp -d "${TMPDIR:-/tmp}/ckpt_io.XXXXXX")
+mkdir -p "$dir"
+run="$dir/run"
+rm -rf "$run"
+case "$preset" in
+    cpu-large)
+        ./build/tinymoe train --device "$device" --d_model 512 --n_layers 4 --n_heads 8 --n_kv_heads 8 \
+            --num_experts 4 --topk 2 --expert_ffn_size 1536 --vocab_size 8192 --seq_len 32 --batch_size 2 \
+            --steps 1 --eval_every 0 --sample_tokens 0 --threads "$threads" --out "$run" >/dev/null ;;
+    coarse|fine)
+        ./build/tinymoe train --preset "$preset" --device "$device" --dtype bf16 --steps 1 --eval_every 0 \
+            --sample_tokens 0 --out "$run" >/dev/null ;;
+    *) echo "ckpt_io.sh: unknown preset '$preset' (coarse, fine, cpu-large)" >&2; exit 2 ;;
+esac
+ckpt=$(ls "$run"/ckpt-*.tmck | tail -1)
+echo "machine: $(nproc) cores, $(uname -srm); disk of $dir: $(df -h "$dir" | awk 'NR==2 {print $1, $2}'); $(date -u +%F)"
+./build/bench/ckpt_io "$ckpt" --device "$device" --dir "$dir" --reps "$reps" --threads "$threads"
+rm -rf "$run"
