@@ -4,6 +4,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
+#include <pty.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -84,6 +86,53 @@ tt_child tt_spawn(char *const *argv, const char *out_path, long fsize_limit) {
     if (p[1] >= 0) close(p[1]);
     if (n_live < (int)(sizeof live / sizeof live[0])) live[n_live++] = pid;
     return (tt_child){pid, p[0]};
+}
+
+tt_child tt_spawn_pty(char *const *argv, int cols, int rows) {
+    struct winsize ws = {(unsigned short)rows, (unsigned short)cols, 0, 0};
+    int master = -1;
+    fflush(NULL);
+    pid_t pid = forkpty(&master, NULL, NULL, &ws);
+    cr_assert(pid >= 0, "forkpty: %s", strerror(errno));
+    if (pid == 0) {
+        static const char *const launcher_vars[] = {"OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                                                    "PMIX_RANK", "SLURM_STEP_ID", "SLURM_PROCID"};
+        for (size_t i = 0; i < sizeof launcher_vars / sizeof launcher_vars[0]; i++) unsetenv(launcher_vars[i]);
+        setenv("TERM", "xterm", 1);
+        signal(SIGPIPE, SIG_DFL);
+        signal(SIGINT, SIG_DFL);
+        signal(SIGTERM, SIG_DFL);
+        execvp(argv[0], argv);
+        _exit(121);
+    }
+    if (n_live < (int)(sizeof live / sizeof live[0])) live[n_live++] = pid;
+    return (tt_child){pid, master};
+}
+
+char *tt_capture(tt_child *c, double seconds, int *status) {
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    cr_assert_not_null(buf);
+    double end = tt_now() + seconds;
+    while (c->out_fd >= 0 && tt_now() < end) {
+        struct pollfd pf = {c->out_fd, POLLIN, 0};
+        int r = poll(&pf, 1, 100);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) continue;
+        if (n + 4096 + 1 > cap) {
+            cap *= 2;
+            buf = realloc(buf, cap);
+            cr_assert_not_null(buf);
+        }
+        ssize_t got = read(c->out_fd, buf + n, 4096);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) break; /* EOF on a pipe, EIO on a pseudo-terminal whose child is gone */
+        n += (size_t)got;
+    }
+    buf[n] = 0;
+    int st = tt_wait(c, end - tt_now() > 1 ? end - tt_now() : 1);
+    if (status) *status = st == -1 ? -1 : WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    return buf;
 }
 
 int tt_wait(tt_child *c, double seconds) {

@@ -24,6 +24,17 @@ const char *tt_tinymoe(void);
  * fsize_limit > 0: RLIMIT_FSIZE in bytes. */
 tt_child tt_spawn(char *const *argv, const char *out_path, long fsize_limit);
 
+/* Start argv on a new pseudo-terminal of cols x rows (its stdin, stdout and stderr; the child
+ * leads its own session and process group), with TERM=xterm and none of the variables by which
+ * MPI launchers and Slurm mark their ranks, as a user's terminal has. out_fd: the terminal's
+ * master side. */
+tt_child tt_spawn_pty(char *const *argv, int cols, int rows);
+
+/* Everything the child writes on out_fd until it closes it (EOF, or EIO once a pseudo-
+ * terminal's child is gone), up to `seconds`; then waits for the child. A malloc'd,
+ * NUL-terminated buffer; *status (may be NULL) gets the exit code as tt_run gives it. */
+char *tt_capture(tt_child *c, double seconds, int *status);
+
 /* Wait up to `seconds` for the child: its wait status, or -1 after killing it (SIGKILL to
  * the group) when it did not end in time. */
 int tt_wait(tt_child *c, double seconds);

@@ -179,6 +179,9 @@ static const key KEYS[] = {
     {"eval_batches", T_INT, G_RUN, OFF(eval_batches), NULL, "8", 0, NULL,
      "validation batches of batch_size sequences (0: the whole validation set)", 0, 2147483647},
     {"log_every", T_INT, G_RUN, OFF(log_every), NULL, "10", 0, NULL, "print and record metrics every this many steps", 1, 2147483647},
+    {"progress", T_ENUM, G_RUN, OFF(progress), "auto|bar|lines", "auto", 0, NULL,
+     "a progress bar under the step table (bar), the step table alone (lines), or the bar only on a real terminal "
+     "that no launcher (mpirun, srun) made and whose TERM is not dumb (auto)", 0, 0},
     {"out", T_STR, G_RUN, STR(out), NULL, "out", 0, NULL,
      "directory for checkpoints, metrics.jsonl, loss.svg and experts.svg (empty: write nothing)", 0, 0},
     {"exit_interval", T_I64, G_RUN, OFF(exit_interval), NULL, "0", 0, NULL,

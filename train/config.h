@@ -57,6 +57,7 @@ typedef struct tmd_config {
     double val_fraction;
     int synthetic_vocab, synthetic_k;
     int eval_every, eval_batches, log_every;
+    int progress; /* TMD_PROGRESS_*: how rank 0 shows training (log.h) */
     char out[TMD_PATH_MAX];
     int save_every, keep_last, overwrite, allow_data_change;
     int64_t exit_interval;

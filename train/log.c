@@ -2,9 +2,11 @@
 #include "log.h"
 
 #include <math.h>
-#include <stdlib.h>
 #include <stdarg.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
 
 static void put(tmd_json *j, const char *fmt, ...) {
     if (j->n >= sizeof j->buf) return;
@@ -81,18 +83,56 @@ void tmd_fmt_duration(char *buf, size_t len, double s) {
     else snprintf(buf, len, "%ld:%02ld", t / 60, t % 60);
 }
 
-void tmd_progress(FILE *f, int64_t step, int64_t total, double elapsed, const char *fields) {
-    enum { WIDTH = 20 };
-    double frac = total > 0 ? (double)step / (double)total : 1;
-    int fill = (int)(frac * WIDTH);
-    char bar[WIDTH + 1];
-    for (int i = 0; i < WIDTH; i++) bar[i] = i < fill ? '#' : '.';
-    bar[WIDTH] = 0;
-    char eta[32];
-    tmd_fmt_duration(eta, sizeof eta, step > 0 ? elapsed / (double)step * (double)(total - step) : -1);
-    fprintf(f, "\r\033[K%lld/%lld [%s] %3.0f%% %s ETA %s", (long long)step, (long long)total, bar, 100 * frac, fields,
-            eta);
+int tmd_progress_wanted(int mode, int fd) {
+    if (mode == TMD_PROGRESS_BAR) return 1;
+    if (mode == TMD_PROGRESS_LINES || !isatty(fd)) return 0;
+    static const char *const launchers[] = {"OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMIX_RANK", "SLURM_STEP_ID"};
+    for (size_t i = 0; i < sizeof launchers / sizeof launchers[0]; i++)
+        if (getenv(launchers[i])) return 0;
+    const char *term = getenv("TERM");
+    return !(term && !strcmp(term, "dumb"));
+}
+
+int tmd_term_cols(int fd) {
+    struct winsize ws;
+    if (ioctl(fd, TIOCGWINSZ, &ws) == 0 && ws.ws_col > 0) return ws.ws_col;
+    return 80;
+}
+
+int tmd_progress(FILE *f, const tmd_progress_fields *p, int cols) {
+    /* the fields by priority: what goes first when the line does not fit */
+    enum { F_PCT, F_ETA, F_LOSS, F_BAR, F_TPS, F_LR, F_LOAD, NF };
+    double frac = p->total > 0 ? (double)p->step / (double)p->total : 1;
+    char txt[NF][48], head[48], eta[32];
+    tmd_fmt_duration(eta, sizeof eta, p->step > 0 ? p->elapsed_s / (double)p->step * (double)(p->total - p->step) : -1);
+    snprintf(head, sizeof head, "%lld/%lld", (long long)p->step, (long long)p->total);
+    snprintf(txt[F_PCT], sizeof txt[0], " %3.0f%%", 100 * frac);
+    snprintf(txt[F_ETA], sizeof txt[0], " | ETA %s", eta);
+    snprintf(txt[F_LOSS], sizeof txt[0], " loss %.4f", p->loss);
+    snprintf(txt[F_TPS], sizeof txt[0], " | %.0f tok/s", p->tokens_per_s);
+    snprintf(txt[F_LR], sizeof txt[0], " | lr %.2e", p->lr);
+    snprintf(txt[F_LOAD], sizeof txt[0], " | load %.2f", p->load);
+    int room = cols - 1 - (int)strlen(head), bar = 0, on[NF] = {0};
+    for (int k = 0; k < NF; k++) {
+        int need = k == F_BAR ? 3 + 10 : (int)strlen(txt[k]); /* " [" 10 cells "]" */
+        if (need > room) break;
+        on[k] = 1, room -= need;
+        if (k == F_BAR) bar = 10;
+    }
+    if (on[F_BAR]) bar += room < 10 ? room : 10; /* what is left widens the bar, up to 20 cells */
+    char cells[24];
+    int fill = (int)(frac * bar);
+    for (int i = 0; i < bar; i++) cells[i] = i < fill ? '#' : '.';
+    cells[bar] = 0;
+    char line[256];
+    int n = snprintf(line, sizeof line, "%s", head);
+    if (on[F_BAR]) n += snprintf(line + n, sizeof line - (size_t)n, " [%s]", cells);
+    const int order[] = {F_PCT, F_LOSS, F_LR, F_TPS, F_LOAD, F_ETA};
+    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++)
+        if (on[order[i]]) n += snprintf(line + n, sizeof line - (size_t)n, "%s", txt[order[i]]);
+    fprintf(f, "\r%s\033[K", line);
     fflush(f);
+    return n;
 }
 
 void tmd_progress_clear(FILE *f) {

@@ -76,10 +76,12 @@ static const char TRAIN_USAGE[] =
     "\n"
     "Trains a model and prints the resolved config, parameter counts, a data summary, then per\n"
     "log_every steps: loss (ce + MoE losses), ce, aux and z losses, learning rate, gradient norm,\n"
-    "ms/step, tokens/s and expert load (max tokens per expert / mean, 1 = balanced). A progress\n"
-    "bar with ETA on a terminal, plain lines otherwise. Writes <out>/metrics.jsonl, loss.svg and\n"
-    "experts.svg. Sources, later ones win: defaults, preset, --config file ('key = value' lines,\n"
-    "'#' comments), flags. Flag names may use '-' for '_'; a bool flag alone means true.\n"
+    "ms/step, tokens/s and expert load (max tokens per expert / mean, 1 = balanced). On a terminal\n"
+    "a progress bar with ETA under that table, fitted to its width; no bar into a file or a pipe,\n"
+    "under mpirun or srun, or with TERM=dumb (--progress auto|bar|lines). Writes\n"
+    "<out>/metrics.jsonl, loss.svg and experts.svg. Sources, later ones win: defaults, preset,\n"
+    "--config file ('key = value' lines, '#' comments), flags. Flag names may use '-' for '_'; a\n"
+    "bool flag alone means true.\n"
     "\n";
 
 static const char EVAL_USAGE[] =

@@ -299,7 +299,7 @@ int tmd_run_setup(tmd_run *r, const tmd_config *cfg, FILE *log, int eval_only, c
     /* Only rank 0 prints, writes metrics and plots (checkpoints: every rank takes part, rank 0
      * writes). */
     r->log = r->rank == 0 ? log : NULL;
-    r->tty = r->log && isatty(fileno(r->log));
+    r->tty = r->log && tmd_progress_wanted(r->c.progress, fileno(r->log));
     r->T = r->c.model.max_seq_len;
     r->B = r->c.batch_size;
     r->Bl = r->B / r->world;
@@ -474,7 +474,8 @@ static int log_train(tmd_run *r, int64_t step, double lr, const interval *iv, do
         }
         if (tmd_jsonl_write(r->metrics, &j)) return -1;
     }
-    if (!r->log || r->tty) return 0;
+    if (!r->log) return 0;
+    if (r->tty) tmd_progress_clear(r->log); /* the row goes above the bar, redrawn after it */
     fprintf(r->log, "%7lld %8.4f %8.4f %8.5f %8.5f %9.2e %7.3f %8.1f %9.0f %6.2f", (long long)step, iv->loss / n,
             iv->ce / n, iv->aux / n, iv->z / n, lr, iv->gnorm / n, 1e3 * iv->seconds / n, tps, iv->max_load / n);
     if (r->dev.type == TM_DEVICE_CUDA) fprintf(r->log, " %7.1f", 1e3 * iv->wait_s / n);
@@ -490,11 +491,10 @@ static void draw_progress(tmd_run *r, int64_t step, double lr, const interval *i
     double t = tmd_now_s();
     if (!r->tty || !r->log || iv->n == 0 || (t - *last_draw < 0.1 && step < r->c.sched.total_steps)) return;
     *last_draw = t;
-    double n = iv->n, tps = (double)iv->n * r->c.grad_accum * r->B * r->T / iv->seconds;
-    char fields[256];
-    snprintf(fields, sizeof fields, "loss %.4f | lr %.2e | %.0f tok/s | load %.2f |", iv->loss / n, lr, tps,
-             iv->max_load / n);
-    tmd_progress(r->log, step, r->c.sched.total_steps, elapsed, fields);
+    double n = iv->n;
+    tmd_progress_fields p = {step, r->c.sched.total_steps, elapsed, iv->loss / n, lr,
+                             (double)iv->n * r->c.grad_accum * r->B * r->T / iv->seconds, iv->max_load / n};
+    tmd_progress(r->log, &p, tmd_term_cols(fileno(r->log)));
     tmd_run_log_flush(r);
 }
 
@@ -644,7 +644,7 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
         res->steps = start;
         return 0;
     }
-    if (r->log && !r->tty) {
+    if (r->log) {
         fprintf(r->log, "%7s %8s %8s %8s %8s %9s %7s %8s %9s %6s", "step", "loss", "ce", "aux", "z", "lr", "gnorm",
                 "ms/step", "tokens/s", "load");
         if (r->dev.type == TM_DEVICE_CUDA) fprintf(r->log, " %7s", "wait ms"); /* host blocked on the GPU */
@@ -693,6 +693,7 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
             res->last_loss = iv.loss / iv.n;
             res->last_ce = iv.ce / iv.n;
             iv = (interval){0};
+            last_draw = 0; /* the bar comes back under the new row at the next step */
         }
         if ((c->eval_every && done % c->eval_every == 0) || done == steps) {
             rc = tmd_run_evaluate(r, &val, err, errlen);
