@@ -95,6 +95,45 @@ Test(config, unknown_flag_suggests_closest) {
     HAS(err, "--help");
 }
 
+/* Other trainers' names get tinymoe's key, not a near-miss spelling (block_size is nearer to
+ * batch_size than to seq_len); an unknown flag before another flag is named itself. */
+Test(config, other_tools_names_get_the_key) {
+    static const char *const cases[][3] = {
+        {"--block_size", "64", "nanoGPT's name; tinymoe's key is seq_len"},
+        {"--learning_rate", "1e-3", "nanoGPT's name; tinymoe's key is lr"},
+        {"--max_iters", "10", "tinymoe's key is steps"},
+        {"--n_embd", "64", "tinymoe's key is d_model"},
+        {"--gradient_accumulation_steps", "2", "tinymoe's key is grad_accum"},
+        {"--moe-router-topk", "2", "Megatron-LM's name; tinymoe's key is topk"},
+        {"--moe-aux-loss-coeff", "0.01", "tinymoe's key is aux_loss_coeff"},
+        {"--expert-model-parallel-size", "2", "tinymoe's key is ep_size"},
+        {"--num_experts_per_tok", "2", "Hugging Face's name; tinymoe's key is topk"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        tmd_config c;
+        char err[1024] = "";
+        cr_assert_eq(PARSE(&c, err, cases[i][0], cases[i][1]), -1, "%s was accepted", cases[i][0]);
+        HAS(err, cases[i][2]);
+        cr_assert_null(strstr(err, "did you mean"), "%s", err);
+    }
+    tmd_config c;
+    char err[1024] = "";
+    cr_assert_eq(PARSE(&c, err, "--compile", "--steps", "1"), -1);
+    HAS(err, "unknown key 'compile' (flag --compile)");
+    cr_assert_null(strstr(err, "unexpected argument"), "%s", err);
+}
+
+/* The text presets without their text say what to give. */
+Test(config, a_text_preset_without_data_says_to_give_data) {
+    tmd_config c;
+    char err[1024] = "";
+    cr_assert_eq(PARSE(&c, err, "--preset", "shakespeare"), 0, "%s", err);
+    tmd_config_resolve(&c);
+    cr_assert_neq(tmd_config_validate(&c, err, sizeof err), 0);
+    HAS(err, "preset shakespeare trains on text: give --data");
+    HAS(err, "tinymoe tokenize");
+}
+
 Test(config, malformed_values_name_key_value_and_type) {
     tmd_config c;
     char err[1024] = "";
@@ -404,10 +443,22 @@ Test(config, data_errors_name_the_file_and_write_nothing) {
     snprintf(glob, sizeof glob, "%s/shard_*.bin", d);
     cr_assert_eq(train_args(err, sizeof err, out, (const char *[]){"--data", glob, NULL}), TMD_CONFIG_ERROR);
     HAS(err, "shard_*.bin");
-    /* Wrong magic. */
+    /* Wrong magic: text, the usual first mistake, gets the command that makes a token file of it. */
     write_text(bad, "this is not a token file, just text that is long enough to be read as a header.........");
     cr_assert_eq(train_args(err, sizeof err, out, (const char *[]){"--data", bad, NULL}), TMD_CONFIG_ERROR);
     HAS(err, "bad.bin");
+    HAS(err, "it looks like text");
+    HAS(err, "'tinymoe tokenize ");
+    /* Binary that is no token file: no text hint. */
+    {
+        FILE *f = fopen(bad, "wb");
+        cr_assert_not_null(f);
+        for (int i = 0; i < 2048; i++) fputc(i % 7 == 0 ? 0 : 200 + i % 50, f);
+        fclose(f);
+    }
+    cr_assert_eq(train_args(err, sizeof err, out, (const char *[]){"--data", bad, NULL}), TMD_CONFIG_ERROR);
+    HAS(err, "not a token file");
+    cr_assert_null(strstr(err, "looks like text"), "%s", err);
     /* A token >= vocab_size. */
     write_tokens(bad, 5000, 300);
     cr_assert_eq(train_args(err, sizeof err, out, (const char *[]){"--data", bad, NULL}), TMD_CONFIG_ERROR);

@@ -290,6 +290,85 @@ static int edit_distance(const char *a, const char *b) {
     return row[lb];
 }
 
+/* Other trainers' names for tinymoe's keys (flags with '-' read as '_'), so that a user's habit
+ * gets the key instead of a near-miss spelling: nanoGPT (train.py's config), llm.c, Megatron-LM
+ * (--moe-*, --num-*), torchtitan (section.key, the dot read as '_') and Hugging Face configs. */
+static const struct {
+    const char *theirs, *tool, *ours;
+} ALIASES[] = {
+    {"block_size", "nanoGPT", "seq_len"},
+    {"learning_rate", "nanoGPT", "lr"},
+    {"max_iters", "nanoGPT", "steps"},
+    {"n_embd", "nanoGPT", "d_model"},
+    {"n_layer", "nanoGPT", "n_layers"},
+    {"n_head", "nanoGPT", "n_heads"},
+    {"gradient_accumulation_steps", "nanoGPT", "grad_accum"},
+    {"warmup_iters", "nanoGPT", "warmup_steps"},
+    {"eval_interval", "nanoGPT", "eval_every"},
+    {"eval_iters", "nanoGPT", "eval_batches"},
+    {"log_interval", "nanoGPT", "log_every"},
+    {"out_dir", "nanoGPT", "out"},
+    {"dataset", "nanoGPT", "data"},
+    {"always_save_checkpoint", "nanoGPT", "save_every"},
+    {"num_iterations", "llm.c", "steps"},
+    {"sequence_length", "llm.c", "seq_len"},
+    {"learning_rate_decay_frac", "llm.c", "min_lr"},
+    {"hidden_size", "Megatron-LM / Hugging Face", "d_model"},
+    {"num_layers", "Megatron-LM", "n_layers"},
+    {"num_hidden_layers", "Hugging Face", "n_layers"},
+    {"num_attention_heads", "Megatron-LM / Hugging Face", "n_heads"},
+    {"num_query_groups", "Megatron-LM", "n_kv_heads"},
+    {"num_key_value_heads", "Hugging Face", "n_kv_heads"},
+    {"seq_length", "Megatron-LM", "seq_len"},
+    {"max_position_embeddings", "Megatron-LM / Hugging Face", "seq_len"},
+    {"ffn_hidden_size", "Megatron-LM", "dense_ffn_size"},
+    {"intermediate_size", "Hugging Face", "dense_ffn_size"},
+    {"global_batch_size", "Megatron-LM", "batch_size"},
+    {"micro_batch_size", "Megatron-LM", "batch_size (per micro-batch; grad_accum micro-batches a step)"},
+    {"train_iters", "Megatron-LM", "steps"},
+    {"lr_warmup_iters", "Megatron-LM", "warmup_steps"},
+    {"lr_decay_style", "Megatron-LM", "lr_schedule"},
+    {"clip_grad", "Megatron-LM", "grad_clip"},
+    {"adam_beta1", "Megatron-LM", "beta1"},
+    {"adam_beta2", "Megatron-LM", "beta2"},
+    {"adam_eps", "Megatron-LM", "eps"},
+    {"rotary_base", "Megatron-LM", "rope_theta"},
+    {"norm_epsilon", "Megatron-LM", "norm_eps"},
+    {"rms_norm_eps", "Hugging Face", "norm_eps"},
+    {"untie_embeddings_and_output_weights", "Megatron-LM", "tie_embeddings (false)"},
+    {"num_local_experts", "Hugging Face (Mixtral)", "num_experts"},
+    {"moe_router_topk", "Megatron-LM", "topk"},
+    {"num_experts_per_tok", "Hugging Face", "topk"},
+    {"moe_ffn_hidden_size", "Megatron-LM", "expert_ffn_size"},
+    {"moe_intermediate_size", "Hugging Face", "expert_ffn_size"},
+    {"moe_aux_loss_coeff", "Megatron-LM", "aux_loss_coeff"},
+    {"router_aux_loss_coef", "Hugging Face", "aux_loss_coeff"},
+    {"moe_z_loss_coeff", "Megatron-LM", "z_loss_coeff"},
+    {"moe_router_score_function", "Megatron-LM", "score_function"},
+    {"moe_router_pre_softmax", "Megatron-LM", "pre_softmax"},
+    {"moe_router_num_groups", "Megatron-LM", "num_groups"},
+    {"moe_router_group_topk", "Megatron-LM", "group_topk"},
+    {"moe_router_topk_scaling_factor", "Megatron-LM", "scaling_factor"},
+    {"moe_router_enable_expert_bias", "Megatron-LM", "expert_bias"},
+    {"moe_router_bias_update_rate", "Megatron-LM", "expert_bias_rate"},
+    {"moe_router_load_balancing_type", "Megatron-LM", "aux_loss_coeff / seq_aux_loss_coeff / expert_bias"},
+    {"moe_expert_capacity_factor", "Megatron-LM", "capacity_factor"},
+    {"moe_token_drop_policy", "Megatron-LM", "drop_policy"},
+    {"moe_pad_expert_input_to_capacity", "Megatron-LM", "pad_to_capacity"},
+    {"moe_shared_expert_intermediate_size", "Megatron-LM", "shared_ffn_size"},
+    {"moe_token_dispatcher_type", "Megatron-LM", "ep_strategy"},
+    {"expert_model_parallel_size", "Megatron-LM", "ep_size"},
+    {"use_distributed_optimizer", "Megatron-LM", "zero (1)"},
+    {"training_steps", "torchtitan", "steps"},
+    {"training_seq_len", "torchtitan", "seq_len"},
+    {"training_local_batch_size", "torchtitan", "batch_size (the global one)"},
+    {"optimizer_lr", "torchtitan", "lr"},
+    {"lr_scheduler_warmup_steps", "torchtitan", "warmup_steps"},
+    {"parallelism_expert_parallel_degree", "torchtitan", "ep_size"},
+    {"checkpoint_interval", "torchtitan", "save_every"},
+    {"metrics_log_freq", "torchtitan", "log_every"},
+};
+
 static const char *closest_key(const char *name) {
     int best = -1, bd = 1 << 30;
     for (int i = 0; i < NKEYS; i++) {
@@ -434,6 +513,10 @@ int tmd_config_set(tmd_config *cfg, const char *name, const char *value, tmd_sou
                    size_t errlen) {
     int i = find_key(name);
     if (i < 0) {
+        for (size_t a = 0; a < sizeof ALIASES / sizeof ALIASES[0]; a++)
+            if (!strcmp(name, ALIASES[a].theirs))
+                return tmd_fail(err, errlen, -1, "unknown key '%s' (%s): %s's name; tinymoe's key is %s", name, where,
+                                ALIASES[a].tool, ALIASES[a].ours);
         const char *sugg = closest_key(name);
         if (sugg) return tmd_fail(err, errlen, -1, "unknown key '%s' (%s); did you mean '%s'?", name, where, sugg);
         return tmd_fail(err, errlen, -1, "unknown key '%s' (%s); 'tinymoe train --help' lists the keys", name, where);
@@ -691,6 +774,13 @@ int tmd_config_from_args(tmd_config *cfg, int argc, char **argv, int *help, char
             if (*c == '-') *c = '_';
         snprintf(f->where, sizeof f->where, "flag --%s", f->name);
         int ki = find_key(f->name);
+        /* An unknown flag right before another flag (or last): name it, rather than taking the
+         * next flag as its value and failing on what follows ("--compile --steps 1"). */
+        if (ki < 0 && !eq && strcmp(f->name, "config") && strcmp(f->name, "preset") &&
+            (i + 1 == argc || !strncmp(argv[i + 1], "--", 2))) {
+            tmd_config_set(cfg, f->name, "", TMD_SRC_FLAG, f->where, err, errlen);
+            goto done;
+        }
         if (eq) {
             f->value = eq + 1;
         } else if (ki >= 0 && KEYS[ki].type == T_BOOL && (i + 1 == argc || !strncmp(argv[i + 1], "--", 2))) {
@@ -883,6 +973,12 @@ static int validate_keys(const tmd_config *c, char *err, size_t errlen) {
         CHECK(c->val_fraction > 0 && c->val_fraction < 1,
               "key 'val_fraction' = %g: must be in (0, 1) (or give val_data)", c->val_fraction);
     }
+    /* A text preset without its text: say what to give, not what the sample prompt needs. */
+    if (c->sample_prompt[0] && tmd_config_synthetic(c) && c->source[find_key("sample_prompt")] == TMD_SRC_PRESET)
+        CHECK(0,
+              "preset %s trains on text: give --data TOKENS, a token file made from any text by 'tinymoe tokenize "
+              "input.txt tokens.bin --val-fraction 0.1' (then also --val_data tokens_val.bin)",
+              c->preset);
     if (c->sample_prompt[0])
         CHECK(c->model.vocab_size == 257 && !tmd_config_synthetic(c),
               "key 'sample_prompt' = '%s': sampling text needs a byte-level model (token data from 'tinymoe tokenize', "

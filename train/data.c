@@ -65,6 +65,26 @@ static int open_shard(const char *path, shard *s, char *err, size_t errlen) {
     return rc;
 }
 
+/* The hint for a file that is no token file: text (no NUL, tabs / newlines / printable bytes
+ * or UTF-8 in the first 4 KiB) is what people give first. */
+static const char *not_tokens_hint(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return "";
+    unsigned char b[4096];
+    size_t n = fread(b, 1, sizeof b, f);
+    fclose(f);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        if (b[i] == 0 || (b[i] < 0x20 && b[i] != '\n' && b[i] != '\r' && b[i] != '\t')) bad++;
+    if (n == 0 || bad * 100 > n) return "";
+    static char hint[1200];
+    snprintf(hint, sizeof hint,
+             "; it looks like text: make a token file of it with 'tinymoe tokenize %.900s tokens.bin --val-fraction "
+             "0.1' and give --data tokens.bin --val_data tokens_val.bin",
+             path);
+    return hint;
+}
+
 static int validate_shard(const char *path, shard *s, char *err, size_t errlen) {
     s->f = fopen(path, "rb");
     if (!s->f) return tmd_fail(err, errlen, -1, "cannot open '%s': %s", path, strerror(errno));
@@ -76,8 +96,8 @@ static int validate_shard(const char *path, shard *s, char *err, size_t errlen) 
     if (size < HEADER_BYTES)
         return tmd_fail(err, errlen, -1,
                         "'%s' is %lld bytes, shorter than the %d-byte header of a token file (truncated, or "
-                        "not a token file)",
-                        path, (long long)size, HEADER_BYTES);
+                        "not a token file)%s",
+                        path, (long long)size, HEADER_BYTES, not_tokens_hint(path));
     unsigned char h[HEADER_BYTES];
     if (fread(h, 1, sizeof h, s->f) != sizeof h)
         return tmd_fail(err, errlen, -1, "cannot read the header of '%s': %s", path,
@@ -94,8 +114,8 @@ static int validate_shard(const char *path, shard *s, char *err, size_t errlen) 
     } else {
         return tmd_fail(err, errlen, -1,
                         "'%s' has magic %d, expected %d (llm.c tokens, uint16) or %d (uint32): not a "
-                        "token file",
-                        path, magic, TMD_DATA_MAGIC_V1, TMD_DATA_MAGIC_V7);
+                        "token file%s",
+                        path, magic, TMD_DATA_MAGIC_V1, TMD_DATA_MAGIC_V7, not_tokens_hint(path));
     }
     if (version != want_version)
         return tmd_fail(err, errlen, -1, "'%s' has version %d, but its magic %d means version %d", path, version, magic,
