@@ -540,7 +540,7 @@ static void plan_vs_run(int np, const char *flags) {
                  bindir(), BASE, flags, out);
     char *t = slurp_text(log);
     cr_assert_eq(rc, 0, "%s", t);
-    rc = run(plog, "'%s/tinymoe' plan %s %s --steps 3 --ranks %d", bindir(), BASE, flags, np);
+    rc = run(plog, "'%s/tinymoe' plan %s %s --steps 3 --ranks %d --per-rank", bindir(), BASE, flags, np);
     char *p = slurp_text(plog);
     cr_assert_eq(rc, 0, "%s", p);
     char mpath[1100];

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "log.h"
 #include "markov.h"
 #include "run.h"
 #include "status.h"
@@ -68,19 +69,40 @@ int tmd_run_evaluate(tmd_run *r, double *loss, char *err, size_t errlen) {
     return rc;
 }
 
-static int eval_run(const tmd_config *cfg, const char *ckpt, FILE *log, double *loss, char *err, size_t errlen) {
+static int eval_run(const tmd_config *cfg, const char *ckpt, int format, FILE *log, double *loss, char *err,
+                    size_t errlen) {
     tmd_run *r = calloc(1, sizeof *r);
     if (!r) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
     double v = NAN;
     tmd_config c = *cfg;
     int rc = ckpt ? tmd_run_resume_config(r, cfg, &c, 1, ckpt, err, errlen) : 0;
     if (!rc && !ckpt && cfg->init_from[0]) rc = tmd_run_init_from_config(cfg, &c, err, errlen);
-    if (!rc) rc = tmd_run_setup(r, &c, log, 1, err, errlen);
+    if (!rc) rc = tmd_run_setup(r, &c, format == TMD_EVAL_TEXT ? log : NULL, 1, err, errlen);
     if (!rc) {
         tmd_run_print_header(r, 1);
         double t0 = tmd_now_s();
         rc = tmd_run_evaluate(r, &v, err, errlen);
-        if (!rc && log && r->rank == 0) { /* under mpirun: rank 0 reports */
+        if (!rc && log && r->rank == 0 && format == TMD_EVAL_JSON) {
+            tmd_json j;
+            tmd_json_begin(&j);
+            tmd_json_num(&j, "loss", v);
+            tmd_json_num(&j, "perplexity", exp(v));
+            tmd_json_int(&j, "tokens", (int64_t)r->n_eval * r->T);
+            tmd_json_num(&j, "seconds", tmd_now_s() - t0);
+            if (r->synth) tmd_json_num(&j, "optimum", r->optimum);
+            if (ckpt) {
+                tmd_json_str(&j, "model", r->resume_path);
+                tmd_json_int(&j, "step", r->resume_state.step);
+            } else {
+                tmd_json_str(&j, "model", c.init_from[0] ? c.init_from : "initialised");
+            }
+            fprintf(log, "%s\n", tmd_json_end(&j));
+            fflush(log);
+        } else if (!rc && log && r->rank == 0 && format == TMD_EVAL_QUIET) {
+            fprintf(log, "loss %.6f nats/token, perplexity %.3f, over %lld tokens\n", v, exp(v),
+                    (long long)r->n_eval * r->T);
+            fflush(log);
+        } else if (!rc && log && r->rank == 0) { /* under mpirun: rank 0 reports */
             fprintf(log, "loss %.6f nats/token, perplexity %.3f, over %lld tokens (%.1f s)", v, exp(v),
                     (long long)r->n_eval * r->T, tmd_now_s() - t0);
             if (r->synth) fprintf(log, "; optimum %.4f", r->optimum);
@@ -107,9 +129,14 @@ static int eval_run(const tmd_config *cfg, const char *ckpt, FILE *log, double *
 }
 
 int tmd_eval(const tmd_config *cfg, FILE *log, double *loss, char *err, size_t errlen) {
-    return eval_run(cfg, NULL, log, loss, err, errlen);
+    return eval_run(cfg, NULL, TMD_EVAL_TEXT, log, loss, err, errlen);
 }
 
 int tmd_eval_ckpt(const tmd_config *cfg, const char *ckpt, FILE *log, double *loss, char *err, size_t errlen) {
-    return eval_run(cfg, ckpt, log, loss, err, errlen);
+    return eval_run(cfg, ckpt, TMD_EVAL_TEXT, log, loss, err, errlen);
+}
+
+int tmd_eval_format(const tmd_config *cfg, const char *ckpt, int format, FILE *log, double *loss, char *err,
+                    size_t errlen) {
+    return eval_run(cfg, ckpt, format, log, loss, err, errlen);
 }

@@ -234,6 +234,27 @@ void tmd_plan_compute(const tmd_config *c, int ranks, int ep_size, int zero, int
     out->experts_hi = out->experts_lo + L;
 }
 
+/* Ranks whose figures are equal (all but their experts) print as one class: "ranks 0-3, 8-11". */
+static int same_figures(const tmd_plan *a, const tmd_plan *b) {
+    return a->params == b->params && a->gradients == b->gradients && a->optimizer == b->optimizer &&
+           a->grad_sync == b->grad_sync && a->param_gather == b->param_gather && a->dispatch == b->dispatch;
+}
+
+static void print_ranks(FILE *f, const int *cls, int ranks, int k) {
+    int n = 0, first = 1;
+    for (int r = 0; r < ranks; r++) {
+        if (cls[r] != k) continue;
+        int e = r;
+        while (e + 1 < ranks && cls[e + 1] == k) e++;
+        fprintf(f, "%s%d", first ? "" : ", ", r);
+        if (e > r) fprintf(f, "-%d", e);
+        n += e - r + 1;
+        first = 0;
+        r = e;
+    }
+    fprintf(f, " (%d rank%s)", n, n > 1 ? "s" : "");
+}
+
 static void print_plan_row(FILE *f, int r, const tmd_plan *p) {
     fprintf(f, "  rank %4d  experts [%lld,%lld)  parameters %lld  gradients %lld  optimizer %lld  grad_sync %lld  "
                "param_gather %lld  dispatch %lld\n", r, (long long)p->experts_lo, (long long)p->experts_hi,
@@ -241,11 +262,27 @@ static void print_plan_row(FILE *f, int r, const tmd_plan *p) {
             (long long)p->param_gather, (long long)p->dispatch);
 }
 
+static void print_plan_class(FILE *f, const tmd_plan *p) {
+    char a[32], b[32], o[32], g[32], pg[32], d[32];
+    human((double)p->params, a, sizeof a);
+    human((double)p->gradients, b, sizeof b);
+    human((double)p->optimizer, o, sizeof o);
+    human((double)p->grad_sync, g, sizeof g);
+    human((double)p->param_gather, pg, sizeof pg);
+    human((double)p->dispatch, d, sizeof d);
+    fprintf(f, "    parameters %s, gradients %s, optimizer %s; per step: grad_sync %s, param_gather %s, dispatch %s\n",
+            a, b, o, g, pg, d);
+    fprintf(f, "    bytes: parameters %lld gradients %lld optimizer %lld grad_sync %lld param_gather %lld dispatch %lld\n",
+            (long long)p->params, (long long)p->gradients, (long long)p->optimizer, (long long)p->grad_sync,
+            (long long)p->param_gather, (long long)p->dispatch);
+}
+
 int tmd_plan_main(int argc, char **argv) {
-    int ranks = 0, help = 0, w = 0;
+    int ranks = 0, help = 0, w = 0, per_rank = 0;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "--ranks") && i + 1 < argc) ranks = atoi(argv[++i]);
+        if (!strcmp(a, "--per-rank") || !strcmp(a, "--per_rank")) per_rank = 1;
+        else if (!strcmp(a, "--ranks") && i + 1 < argc) ranks = atoi(argv[++i]);
         else if (!strncmp(a, "--ranks=", 8)) ranks = atoi(a + 8);
         else argv[w++] = argv[i];
     }
@@ -257,11 +294,13 @@ int tmd_plan_main(int argc, char **argv) {
         return TMD_CONFIG_ERROR;
     }
     if (help) {
-        fputs("usage: tinymoe plan --ranks N [--config FILE] [--preset NAME] [--key value ...]\n"
+        fputs("usage: tinymoe plan --ranks N [--per-rank] [--config FILE] [--preset NAME] [--key value ...]\n"
               "Memory per rank (parameters, gradients, optimizer state, in bytes) and the bytes each rank's\n"
               "collectives move per optimizer step, for N ranks and the layout keys ep_size, ep_strategy and\n"
               "zero, computed from the configuration without building anything (any scale: e.g. 256 experts\n"
-              "on 64 ranks). The MoE dispatch assumes balanced routing. docs/layouts.md explains the layouts.\n",
+              "on 64 ranks). Ranks with equal figures print together; --per-rank prints one line per rank\n"
+              "(bytes, with its experts). The MoE dispatch assumes balanced routing. docs/layouts.md\n"
+              "explains the layouts.\n",
               stdout);
         return 0;
     }
@@ -270,26 +309,59 @@ int tmd_plan_main(int argc, char **argv) {
         fprintf(stderr, "tinymoe: plan: %s\n", err);
         return TMD_CONFIG_ERROR;
     }
+    if (ranks == 0) {
+        fprintf(stderr,
+                "tinymoe: plan: give --ranks N, the number of ranks to plan for (a multiple of ep_size = %d that "
+                "divides batch_size = %d), e.g. --ranks %d\n",
+                c.ep_size, c.batch_size, c.ep_size);
+        return TMD_CONFIG_ERROR;
+    }
     if (ranks < 1 || ranks % c.ep_size || c.batch_size % ranks) {
         fprintf(stderr, "tinymoe: plan: --ranks %d must be >= 1, a multiple of ep_size = %d, and divide batch_size = %d\n",
                 ranks, c.ep_size, c.batch_size);
         return TMD_CONFIG_ERROR;
     }
-    tmd_plan p, mx;
-    memset(&mx, 0, sizeof mx);
-    printf("plan: %d ranks, ep_size %d (%s), ZeRO-%d, %s; per rank, bytes (grad_sync and dispatch: per optimizer "
-           "step)\n", ranks, c.ep_size, tm_ep_strategy_name((tm_ep_strategy)c.ep_strategy), c.zero,
-           c.dtype == TMD_DTYPE_BF16 ? "bf16" : "f32");
-    for (int r = 0; r < ranks; r++) {
-        tmd_plan_compute(&c, ranks, c.ep_size, c.zero, r, &p);
-        if (ranks <= 16) print_plan_row(stdout, r, &p);
-        if (p.params + p.gradients + p.optimizer > mx.params + mx.gradients + mx.optimizer) mx = p;
+    tmd_plan *p = calloc((size_t)ranks, sizeof *p);
+    int *cls = calloc((size_t)ranks, sizeof *cls), nc = 0, worst = 0;
+    if (!p || !cls) {
+        free(p), free(cls);
+        fprintf(stderr, "tinymoe: plan: out of memory\n");
+        return TMD_RUNTIME_ERROR;
     }
-    char a[32], b[32], o[32], s[32];
-    human((double)mx.params, a, sizeof a);
-    human((double)mx.gradients, b, sizeof b);
-    human((double)mx.optimizer, o, sizeof o);
-    human((double)mx.grad_sync, s, sizeof s);
-    printf("largest rank: parameters %s, gradients %s, optimizer %s; gradient sync %s per step\n", a, b, o, s);
+    printf("plan: %d ranks, ep_size %d (%s), ZeRO-%d, %s; each rank holds %d of the %d experts of every MoE layer\n",
+           ranks, c.ep_size, tm_ep_strategy_name((tm_ep_strategy)c.ep_strategy), c.zero,
+           c.dtype == TMD_DTYPE_BF16 ? "bf16" : "f32", c.model.moe.router.num_experts / c.ep_size,
+           c.model.moe.router.num_experts);
+    printf("per rank, bytes held, and bytes moved per optimizer step (dispatch: balanced routing)%s:\n",
+           per_rank ? "" : "; ranks with equal figures together");
+    for (int r = 0; r < ranks; r++) {
+        tmd_plan_compute(&c, ranks, c.ep_size, c.zero, r, &p[r]);
+        cls[r] = -1;
+        for (int q = 0; q < r && cls[r] < 0; q++)
+            if (same_figures(&p[q], &p[r])) cls[r] = cls[q];
+        if (cls[r] < 0) cls[r] = nc++;
+        if (p[r].params + p[r].gradients + p[r].optimizer > p[worst].params + p[worst].gradients + p[worst].optimizer)
+            worst = r;
+    }
+    for (int r = 0; per_rank && r < ranks; r++) print_plan_row(stdout, r, &p[r]);
+    for (int k = 0; !per_rank && k < nc; k++) {
+        int first = 0;
+        while (cls[first] != k) first++;
+        printf("  ranks ");
+        print_ranks(stdout, cls, ranks, k);
+        printf(":\n");
+        print_plan_class(stdout, &p[first]);
+    }
+    char a[32], b[32], o[32], s[32], pg[32], d[32];
+    human((double)p[worst].params, a, sizeof a);
+    human((double)p[worst].gradients, b, sizeof b);
+    human((double)p[worst].optimizer, o, sizeof o);
+    human((double)p[worst].grad_sync, s, sizeof s);
+    human((double)p[worst].param_gather, pg, sizeof pg);
+    human((double)p[worst].dispatch, d, sizeof d);
+    printf("largest rank (%d): parameters %s, gradients %s, optimizer %s; per step: gradient sync %s, parameter "
+           "all-gather %s, MoE dispatch %s\n",
+           worst, a, b, o, s, pg, d);
+    free(p), free(cls);
     return 0;
 }

@@ -85,14 +85,16 @@ static const char TRAIN_USAGE[] =
     "\n";
 
 static const char EVAL_USAGE[] =
-    "usage: tinymoe eval --ckpt CKPT --data FILE [--key value ...]\n"
+    "usage: tinymoe eval --ckpt CKPT --data FILE [--json | --quiet] [--key value ...]\n"
     "\n"
     "Prints the mean cross-entropy (nats/token) and perplexity (exp of it) on FILE (all of it,\n"
     "or eval_batches batches when given; or on val_data when given; data=synthetic uses the\n"
     "synthetic validation sequences) of the model in CKPT (a checkpoint file, or a directory:\n"
     "its newest). Model keys come from the checkpoint; data, val_data, eval_batches, batch_size,\n"
     "threads and device may be set. Without --ckpt: a freshly initialised model from the keys and\n"
-    "the seed (a check of the data and the evaluation path). Same keys as 'tinymoe train':\n"
+    "the seed (a check of the data and the evaluation path). --quiet prints the result line alone;\n"
+    "--json one JSON object (loss, perplexity, tokens, seconds, model, step). Same keys as\n"
+    "'tinymoe train':\n"
     "\n";
 
 static int usage_error(const char *msg) {
@@ -100,12 +102,17 @@ static int usage_error(const char *msg) {
     return TMD_CONFIG_ERROR;
 }
 
-/* Take "--ckpt X" / "--ckpt=X" out of argv (eval's only flag that is not a config key). */
-static int take_ckpt_flag(int *argc, char **argv, const char **ckpt) {
+/* Take eval's flags that are not config keys out of argv: "--ckpt X" / "--ckpt=X", --json,
+ * --quiet. */
+static int take_ckpt_flag(int *argc, char **argv, const char **ckpt, int *format) {
     int w = 0;
     for (int i = 0; i < *argc; i++) {
         const char *a = argv[i];
-        if (!strcmp(a, "--ckpt")) {
+        if (!strcmp(a, "--json")) {
+            *format = TMD_EVAL_JSON;
+        } else if (!strcmp(a, "--quiet") || !strcmp(a, "-q")) {
+            if (*format != TMD_EVAL_JSON) *format = TMD_EVAL_QUIET;
+        } else if (!strcmp(a, "--ckpt")) {
             if (i + 1 >= *argc) return -1;
             *ckpt = argv[++i];
         } else if (!strncmp(a, "--ckpt=", 7)) {
@@ -123,7 +130,8 @@ static int cmd_train_or_eval(int eval, int argc, char **argv) {
     int help = 0;
     char err[2048];
     const char *ckpt = NULL;
-    if (eval && take_ckpt_flag(&argc, argv, &ckpt)) return usage_error("eval: --ckpt needs a checkpoint file or directory");
+    int format = TMD_EVAL_TEXT;
+    if (eval && take_ckpt_flag(&argc, argv, &ckpt, &format)) return usage_error("eval: --ckpt needs a checkpoint file or directory");
     if (tmd_config_from_args(&cfg, argc, argv, &help, err, sizeof err)) {
         fprintf(stderr, "tinymoe: %s\n", err);
         return TMD_CONFIG_ERROR;
@@ -143,8 +151,7 @@ static int cmd_train_or_eval(int eval, int argc, char **argv) {
     int rc, uniform = 0;
     if (eval) {
         double loss;
-        rc = ckpt ? tmd_eval_ckpt(&cfg, ckpt, stdout, &loss, err, sizeof err)
-                  : tmd_eval(&cfg, stdout, &loss, err, sizeof err);
+        rc = tmd_eval_format(&cfg, ckpt, format, stdout, &loss, err, sizeof err);
     } else {
         tmd_train_result res;
         rc = tmd_train(&cfg, stdout, &res, err, sizeof err);

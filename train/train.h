@@ -59,4 +59,12 @@ int tmd_eval(const tmd_config *cfg, FILE *log, double *loss, char *err, size_t e
  * explicitly; giving data without val_data evaluates all of data. */
 int tmd_eval_ckpt(const tmd_config *cfg, const char *ckpt, FILE *log, double *loss, char *err, size_t errlen);
 
+/* What `tinymoe eval` prints on `log`: the run's header then the result (TEXT), the result line
+ * alone (QUIET, --quiet), or one JSON object on one line (JSON, --json: loss, perplexity,
+ * tokens, seconds, model, step, and optimum for the synthetic source). */
+enum { TMD_EVAL_TEXT = 0, TMD_EVAL_QUIET = 1, TMD_EVAL_JSON = 2 };
+/* tmd_eval (ckpt NULL) or tmd_eval_ckpt, printing in `format`. */
+int tmd_eval_format(const tmd_config *cfg, const char *ckpt, int format, FILE *log, double *loss, char *err,
+                    size_t errlen);
+
 #endif
