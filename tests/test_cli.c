@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "child.h"
 #include "common.h"
@@ -91,5 +92,23 @@ Test(cli, plan_at_64_ranks_shows_every_rank) {
     int rows = 0;
     for (const char *p = strstr(out, "  rank "); p; p = strstr(p + 1, "  rank ")) rows++;
     cr_assert_eq(rows, 64, "%d per-rank rows:\n%s", rows, out);
+    free(out);
+}
+
+/* Ranks of one node left unbound share its CPUs instead of each taking all of them: under
+ * mpirun -np 2 each rank runs max(1, CPUs / 2) threads by default (bound by Open MPI or not:
+ * a rank bound to one CPU is widened to the same share). */
+Test(cli, ranks_of_a_node_share_its_cpus) {
+    if (system("command -v mpirun >/dev/null 2>&1")) cr_skip_test("mpirun is not installed");
+    long online = sysconf(_SC_NPROCESSORS_ONLN), want = online / 2 > 1 ? online / 2 : 1;
+    char *argv[] = {"mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2", (char *)tt_tinymoe(), "train",
+                    "--preset", "tiny", "--steps", "2", "--eval_every", "0", "--sample_tokens", "0", "--out", "",
+                    NULL};
+    int rc;
+    char *out = run_out(argv, &rc);
+    cr_assert_eq(rc, 0, "exit %d:\n%s", rc, out);
+    char line[64];
+    snprintf(line, sizeof line, "on cpu, %ld CPU thread%s per rank", want, want > 1 ? "s" : "");
+    cr_assert(strstr(out, line), "expected \"%s\" in:\n%s", line, out);
     free(out);
 }

@@ -23,6 +23,7 @@ typedef struct tmd_run {
     int T, B, synth;
     FILE *log; /* NULL once a write to it failed (a closed pipe): the run goes on, silently */
     int tty;
+    int threads; /* CPU threads of the context */
     int log_errno; /* why the log was dropped (0: it was not) */
     /* data */
     tmd_markov src;

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -220,10 +221,32 @@ static int local_gpu(void) {
     return n > 0 ? lr % n : 0;
 }
 
+/* CPUs this process may run on (its affinity mask), or the online CPUs. */
+static int usable_cpus(void) {
+    cpu_set_t have;
+    if (sched_getaffinity(0, sizeof have, &have) == 0 && CPU_COUNT(&have) > 0) return CPU_COUNT(&have);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+/* threads = 0 (the default): every usable CPU, except for one of several ranks of a node left
+ * unbound (mpirun --bind-to none, --oversubscribe), whose mask is the whole node: it takes its
+ * share, usable CPUs / local ranks (at least 1), instead of every rank running one thread per
+ * CPU (4 ranks x 2 threads on the README's 2-core machine). A rank bound to a subset keeps it. */
+static int default_threads(void) {
+    const char *ls = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    if (!ls) ls = getenv("MPI_LOCALNRANKS"); /* MPICH / Hydra */
+    long local = ls ? strtol(ls, NULL, 10) : 1, online = sysconf(_SC_NPROCESSORS_ONLN);
+    int usable = usable_cpus();
+    if (local <= 1 || usable < online) return usable;
+    return usable / local > 1 ? (int)(usable / local) : 1;
+}
+
 static int build(tmd_run *r, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     tm_ctx_options o = tm_ctx_options_default();
-    o.num_threads = c->threads;
+    o.num_threads = c->threads > 0 ? c->threads : default_threads();
+    r->threads = o.num_threads;
     o.cpu_gemm = c->cpu_gemm;
     o.cuda_device = c->device == TMD_DEVICE_CUDA ? local_gpu() : -1;
     tm_status s = tm_ctx_new(&r->ctx, &o);
@@ -393,10 +416,11 @@ void tmd_run_print_header(tmd_run *r, int eval_only) {
     }
     fprintf(f,
             "\nmodel : %lld parameters, %lld active per token; %d layers (%d MoE: %d experts, top-%d), d_model %d, %s "
-            "on %s\n",
+            "on %s, %d CPU thread%s%s\n",
             (long long)r->params, (long long)r->active, c->model.n_layers, r->n_moe, r->E, c->model.moe.router.topk,
             c->model.d_model, c->dtype == TMD_DTYPE_BF16 ? "bf16" : "f32",
-            c->device == TMD_DEVICE_CUDA ? "cuda:0" : "cpu");
+            c->device == TMD_DEVICE_CUDA ? "cuda:0" : "cpu", r->threads, r->threads > 1 ? "s" : "",
+            r->world > 1 ? " per rank" : "");
     if (r->synth) {
         fprintf(
             f,
