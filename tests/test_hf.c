@@ -27,6 +27,7 @@
 #include "config.h"
 #include "hf.h"
 #include "status.h"
+#include "run.h"
 #include "train.h"
 
 static void setup(void) { tt_tmpdir_make("tm_test_hf_"); }
@@ -1252,4 +1253,30 @@ Test(hf, export_command_refuses_apply_topk_weights_early) {
     free(log);
     tm_model_free(m);
     tm_ctx_free(ctx);
+}
+
+/* --init-from keeps the export's context (max_position_embeddings) as seq_len unless the command
+ * gives one (issue 23, item 4), and the config dump labels what came from the export
+ * 'init_from', not 'checkpoint'. */
+Test(hf, init_from_keeps_the_exports_sequence_length) {
+    char err[2048] = "";
+    cr_assert_eq(read_edited("max_position_embeddings", "24", err, sizeof err, NULL), 0, "%s", err);
+    tmd_config c, out;
+    tmd_config_defaults(&c);
+    char e2[512];
+    cr_assert_eq(tmd_config_set(&c, "init_from", tt_path("cfg_edit"), TMD_SRC_FLAG, "test", e2, sizeof e2), 0, "%s", e2);
+    cr_assert_eq(tmd_run_init_from_config(&c, &out, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(out.model.max_seq_len, 24, "seq_len %d, the export's max_position_embeddings is 24",
+                 out.model.max_seq_len);
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    tmd_config_print(&out, f);
+    fclose(f);
+    cr_assert(strstr(buf, "# init_from") && !strstr(buf, "# checkpoint"), "%s", buf);
+    free(buf);
+    /* a length the command gives wins */
+    cr_assert_eq(tmd_config_set(&c, "seq_len", "12", TMD_SRC_FLAG, "test", e2, sizeof e2), 0, "%s", e2);
+    cr_assert_eq(tmd_run_init_from_config(&c, &out, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(out.model.max_seq_len, 12);
 }

@@ -1117,7 +1117,7 @@ static void format_value(const tmd_config *cfg, int i, char *buf, size_t len, in
     }
 }
 
-static const char *const SOURCE_NAME[] = {"", "preset", "config file", "flag", "auto", "checkpoint"};
+static const char *const SOURCE_NAME[] = {"", "preset", "config file", "flag", "auto", "checkpoint", "init_from"};
 
 void tmd_config_print(const tmd_config *cfg, FILE *f) {
     for (int g = 0; g < G_COUNT; g++) {

@@ -32,7 +32,8 @@ typedef enum tmd_device_kind { TMD_DEVICE_CPU = 0, TMD_DEVICE_CUDA = 1 } tmd_dev
 
 /* Where a key's current value came from (printed next to non-defaults). */
 typedef enum tmd_source {
-    TMD_SRC_DEFAULT = 0, TMD_SRC_PRESET, TMD_SRC_FILE, TMD_SRC_FLAG, TMD_SRC_AUTO, TMD_SRC_CKPT
+    TMD_SRC_DEFAULT = 0, TMD_SRC_PRESET, TMD_SRC_FILE, TMD_SRC_FLAG, TMD_SRC_AUTO, TMD_SRC_CKPT,
+    TMD_SRC_INIT_FROM /* an --init-from export's config.json */
 } tmd_source;
 
 #define TMD_MAX_KEYS 96

@@ -877,6 +877,10 @@ int tmd_run_init_from_config(const tmd_config *cli, tmd_config *out, char *err, 
     tmd_config hf = *cli;
     hf.model = mc;
     hf.model.max_seq_len = cli->model.max_seq_len;
+    /* The export's context (max_position_embeddings) is the run's sequence length unless the
+     * command sets one: a fine-tune trains and re-exports at the length the model had. */
+    int si = tmd_config_key_index("seq_len");
+    int take_seq = cli->source[si] == TMD_SRC_DEFAULT;
     hf.dtype = bf16 ? TMD_DTYPE_BF16 : TMD_DTYPE_F32;
     *out = *cli;
     char a[256], b[256];
@@ -900,7 +904,14 @@ int tmd_run_init_from_config(const tmd_config *cli, tmd_config *out, char *err, 
             snprintf(where, sizeof where, "%s/config.json key \"%s\"", cli->init_from, hk);
         else
             snprintf(where, sizeof where, "%s/config.json (a Mixtral's fixed %s)", cli->init_from, ARCH[k]);
-        if (tmd_config_set(out, ARCH[k], a, TMD_SRC_CKPT, where, e, sizeof e))
+        if (tmd_config_set(out, ARCH[k], a, TMD_SRC_INIT_FROM, where, e, sizeof e))
+            return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "init_from '%s': %s", cli->init_from, e);
+    }
+    if (take_seq) {
+        char v[32], where[TMD_PATH_MAX + 64];
+        snprintf(v, sizeof v, "%d", mc.max_seq_len);
+        snprintf(where, sizeof where, "%s/config.json key \"max_position_embeddings\"", cli->init_from);
+        if (tmd_config_set(out, "seq_len", v, TMD_SRC_INIT_FROM, where, e, sizeof e))
             return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "init_from '%s': %s", cli->init_from, e);
     }
     int di = tmd_config_key_index("dtype");
