@@ -147,6 +147,8 @@ TEST_OBJ := $(TEST_SRC:%.c=$(BUILD)/%.o)
 LIBA  := $(BUILD)/libtinymoe.a
 LIBTRAIN := $(BUILD)/libtinymoe_train.a
 LIBSO := $(BUILD)/libtinymoe.so
+TM_VERSION := $(shell sed -n 's/^\#define TM_VERSION_STRING "\(.*\)"/\1/p' include/tinymoe.h)
+SONAME := libtinymoe.so.$(firstword $(subst ., ,$(TM_VERSION)))
 BIN   := $(BUILD)/tinymoe
 TESTBIN := $(BUILD)/tinymoe_tests
 DIST_HELPER := $(BUILD)/tinymoe_dist_helper
@@ -175,8 +177,12 @@ $(LIBA): $(LIB_OBJ)
 # --exclude-libs,ALL: symbols of static archives linked into the .so (a toolchain whose
 # libstdc++ is only an archive, as on the GPU machine) stay local, so the .so still exports
 # nothing but the public tm_ names.
+# The SONAME carries the major version (libtinymoe.so.0): a program linked against it keeps
+# finding a compatible library after a minor upgrade, and refuses an incompatible one. The
+# build tree has the SONAME link beside the library, so programs linked here run from it.
 $(LIBSO): $(LIB_OBJ)
-	$(CC) -shared -Wl,--exclude-libs,ALL -o $@ $^ $(LDLIBS_ALL)
+	$(CC) -shared -Wl,--exclude-libs,ALL -Wl,-soname,$(SONAME) -o $@ $^ $(LDLIBS_ALL)
+	@ln -sf libtinymoe.so $(BUILD)/$(SONAME)
 
 $(LIBTRAIN): $(DRV_OBJ)
 	@rm -f $@
@@ -221,8 +227,9 @@ check-exports: $(LIBSO) $(LIBA)
 check-boundary:
 	scripts/check-boundary.sh
 
-# Every examples/*.c, built the way a user would: against a staged install (its header and its
-# pkg-config file, not the tree's), linked to the shared library through an rpath, and run in
+# Every examples/*.c, built the way a user would, by the line its header comment gives: against a
+# staged install (its header and its pkg-config file, not the tree's), linked to the shared
+# library through an rpath to pkg-config's libdir, checked to need the SONAME, and run in
 # $(BUILD)/examples (where they may write files). Under SAN=1 they are compiled with the same
 # sanitizers, since an instrumented libtinymoe.so needs the ASan runtime loaded first.
 STAGE := $(abspath $(BUILD))/stage
@@ -236,7 +243,9 @@ examples:
 	  echo "example: $$src (against $(STAGE))"; \
 	  $(CC) -std=c11 $(OPT) -Wall -Wextra -Werror $(SANFLAGS) \
 	    $$(PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig pkg-config --cflags tinymoe) $$src -o $$exe \
-	    $$(PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig pkg-config --libs tinymoe) -Wl,-rpath,$(STAGE)/lib; \
+	    $$(PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig pkg-config --libs tinymoe) \
+	    -Wl,-rpath,$$(PKG_CONFIG_PATH=$(STAGE)/lib/pkgconfig pkg-config --variable=libdir tinymoe); \
+	  readelf -d $$exe | grep -q 'NEEDED.*\[$(SONAME)\]' || { echo "$$exe does not need $(SONAME)" >&2; exit 1; }; \
 	  (cd $(BUILD)/examples && $(TEST_ENV) $$exe); \
 	done
 
@@ -254,7 +263,9 @@ install: all $(PC)
 	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin
 	install -m 644 include/tinymoe.h $(DESTDIR)$(PREFIX)/include/
 	install -m 644 $(LIBA) $(DESTDIR)$(PREFIX)/lib/
-	install -m 755 $(LIBSO) $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(LIBSO) $(DESTDIR)$(PREFIX)/lib/libtinymoe.so.$(TM_VERSION)
+	ln -sf libtinymoe.so.$(TM_VERSION) $(DESTDIR)$(PREFIX)/lib/$(SONAME)
+	ln -sf $(SONAME) $(DESTDIR)$(PREFIX)/lib/libtinymoe.so
 	install -m 644 $(PC) $(DESTDIR)$(PREFIX)/lib/pkgconfig/
 	install -m 755 $(BIN) $(DESTDIR)$(PREFIX)/bin/
 

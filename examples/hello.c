@@ -1,6 +1,7 @@
 /* hello.c — tinymoe in one screen: a parameter, two ops, backward, an error.
  *
- *   cc hello.c $(pkg-config --cflags --libs tinymoe) -o hello
+ *   cc hello.c $(pkg-config --cflags --libs tinymoe) \
+ *       -Wl,-rpath,$(pkg-config --variable=libdir tinymoe) -o hello
  */
 #include <math.h>
 #include <stdio.h>

@@ -2,7 +2,8 @@
  * model from a config, train it with a hand-written loop, save a checkpoint, reload it into a
  * fresh inference-only context, check it computes the same loss, and generate with a KV cache.
  *
- *   cc train_and_sample.c $(pkg-config --cflags --libs tinymoe) -o train_and_sample
+ *   cc train_and_sample.c $(pkg-config --cflags --libs tinymoe) \
+ *       -Wl,-rpath,$(pkg-config --variable=libdir tinymoe) -o train_and_sample
  *   ./train_and_sample [checkpoint path, default train_and_sample.ckpt]
  *
  * The data is made here: each sequence counts upwards modulo V with a stride of 1, 2 or 3,
