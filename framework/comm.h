@@ -1,7 +1,8 @@
 /*
  * comm.h — the communicator behind the public "Distributed" functions (include/tinymoe.h):
  * groups, and one table of collective functions per memory kind, the way framework/backend.h
- * has one table of kernels per device. Private to framework/ and comm/.
+ * has one table of kernels per device. Private to framework/ and the engines (framework/comm_mpi.c,
+ * kernels/cuda/comm_nccl.cu).
  *
  *   engine       table                    implementation            moves
  *   self         tm__comm_self_ops        framework/comm.c          any device (one rank)

@@ -1549,7 +1549,7 @@ typedef enum tm_comm_group {
     TM_COMM_NGROUPS = 4
 } tm_comm_group;
 
-/* Expert-parallel dispatch (layers/moe.c; ../shared/reference/moe-semantics.md section 7):
+/* Expert-parallel dispatch (layers/moe.c; docs/layouts.md, "Expert dispatch"):
  * ALLTOALL (default; TE's MoE block, Megatron's MoEAlltoAllTokenDispatcher): one row per
  * (token, expert) pair goes to the rank owning the expert by a ragged all-to-all (the counts
  * exchanged on the device), is regrouped expert-major, runs through the local experts and comes

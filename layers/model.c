@@ -1,5 +1,6 @@
 /*
- * model.c — a Mixtral-style decoder-only language model, built only from public ops:
+ * model.c — a Mixtral-style decoder-only language model, built from the public ops (plus the
+ * internal error and data-parallel helpers of layers/moe_internal.h):
  *
  *   tokens [B,T] --embedding--> x [B*T,H]
  *   n_layers x:  x += wo( attention( rope(rmsnorm(x) wq), rope(rmsnorm(x) wk), rmsnorm(x) wv ) )

@@ -1,5 +1,7 @@
 /*
- * moe.c — the Mixture-of-Experts block, built only from public ops:
+ * moe.c — the Mixture-of-Experts block, built from the public ops (and, for expert parallelism,
+ * a few internal entry points of framework/extend.h: the all-to-all without its count check,
+ * host copies of counts):
  *
  *   x [T,H] --gate (f32 matmul)--> logits [T,E] --router--> probs, routing_map, tokens_per_expert
  *     (aux losses from logits and counts; optional capacity drop)
@@ -277,7 +279,8 @@ static tm_status weighted_rows(tm_moe *m, const tm_moe_dispatch *d, tm_tensor **
     return tm_scale_rows(m->ctx, d->permuted, d->permuted_probs, rows);
 }
 
-/* ---- expert parallelism (../shared/reference/moe-semantics.md section 7) ------------------ */
+/* ---- expert parallelism (TransformerEngine's MoE dispatch, Megatron-LM's token dispatchers,
+ * MaxText's ring of experts, DeepEP's dispatch / combine; docs/layouts.md) ---------------------- */
 
 /* An i64 [n] tensor on dev from host values, mirrored (the grouped GEMMs read their group
  * sizes from the mirror instead of the device). */
