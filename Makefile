@@ -210,6 +210,14 @@ TEST_ENV := ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print
 test: check-exports check-boundary $(TESTBIN) $(BIN)
 	$(TEST_ENV) $(abspath $(TESTBIN)) --jobs 2 $(TEST_ARGS)
 	@$(MAKE) --no-print-directory examples
+	@$(if $(filter 1,$(SAN)),,$(MAKE) --no-print-directory readme)
+
+# The README's shell blocks that need no GPU, run in order in a scratch directory as a new user
+# would (scripts/check-readme.sh says what it skips and the one change: train steps capped).
+# Not under SAN=1: it checks the commands, not the memory, and the plain run covers them.
+.PHONY: readme
+readme: $(BIN)
+	scripts/check-readme.sh $(BUILD)
 
 # The GPU machine's run (see tests/gpu/run.sh): its own build, the suite, then the driver end to end.
 .PHONY: test-cuda
