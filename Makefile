@@ -256,6 +256,10 @@ examples:
 	  readelf -d $$exe | grep -q 'NEEDED.*\[$(SONAME)\]' || { echo "$$exe does not need $(SONAME)" >&2; exit 1; }; \
 	  (cd $(BUILD)/examples && $(TEST_ENV) $$exe); \
 	done
+	@if command -v cmake >/dev/null 2>&1 && [ -z "$(filter 1,$(SAN))" ]; then \
+	  echo "example: examples/hello.c through find_package(tinymoe) (CMake, shared and static)"; \
+	  scripts/check-cmake.sh $(STAGE) $(abspath $(BUILD))/examples/cmake; \
+	else echo "example: CMake package check skipped (no cmake, or SAN=1)"; fi
 
 PC := $(BUILD)/tinymoe.pc
 # Rewritten on every install (only when its text changes), so it always names this PREFIX.
@@ -267,8 +271,13 @@ $(PC): FORCE
 .PHONY: FORCE
 FORCE:
 
+CMAKE_CFG := $(BUILD)/cmake
 install: all $(PC)
-	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin
+	@scripts/cmake-config.sh $(CMAKE_CFG) $(TM_VERSION) '-fopenmp -lm -lpthread -lz $(PC_LIBS_PRIVATE)'
+	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin \
+	  $(DESTDIR)$(PREFIX)/lib/cmake/tinymoe
+	install -m 644 $(CMAKE_CFG)/tinymoeConfig.cmake $(CMAKE_CFG)/tinymoeConfigVersion.cmake \
+	  $(DESTDIR)$(PREFIX)/lib/cmake/tinymoe/
 	install -m 644 include/tinymoe.h $(DESTDIR)$(PREFIX)/include/
 	install -m 644 $(LIBA) $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(LIBSO) $(DESTDIR)$(PREFIX)/lib/libtinymoe.so.$(TM_VERSION)

@@ -5,14 +5,15 @@
 #   libcriterion-dev  the test framework (make test)
 #   libopenblas-openmp-dev  CBLAS GEMM on the CPU, OpenMP build so BLAS and tinymoe's kernels
 #                     share one thread pool (optional: without it a built-in kernel is used)
-#   libopenmpi-dev, openmpi-bin   distributed training (later work)
-#   zlib1g-dev        compressed data files (later work)
+#   libopenmpi-dev, openmpi-bin   several ranks under mpirun (data, expert and ZeRO-1 parallelism)
+#   zlib1g-dev        crc32 of checkpoints, deflate of integer tensors in them
 #   libcjson-dev      cJSON, the JSON reader of the driver (Hugging Face config.json, safetensors headers)
+#   cmake             only for the test that find_package(tinymoe) works on an install (make examples)
 # The CUDA toolkit is not installed here; the Makefile uses it when nvcc is found.
 set -euo pipefail
 
 packages=(build-essential pkg-config libcriterion-dev libopenblas-openmp-dev libopenmpi-dev openmpi-bin zlib1g-dev
-          libcjson-dev)
+          libcjson-dev cmake)
 
 if [ "$(id -u)" -eq 0 ]; then
     as_root=""
