@@ -48,6 +48,9 @@ void tmd_run_log_flush(tmd_run *r) {
 }
 
 void tmd_run_free(tmd_run *r) {
+    /* A background write still running (tmd_rundir_finish not called) ends first: it uses the
+     * snapshot, and the directory stays locked until its file is complete. */
+    if (r->bg.active) pthread_join(r->bg.thread, NULL), r->bg.active = 0;
     tmd_unlock(&r->lock);
     if (r->metrics) fclose(r->metrics);
     tmd_bins_free(&r->loss_bins);
