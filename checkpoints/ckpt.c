@@ -18,6 +18,9 @@
  * kill -9, or a full disk) hits, `path` names either the old complete file or the new one.
  * The data goes out in 64 MiB batches: thread 0 gathers the next batch to (pinned) host memory
  * while the other threads checksum and pwrite the current one (write_data).
+ * An asynchronous save (tm_ckpt_snapshot_*) splits this in two: take gathers every tensor into
+ * one host buffer on the context's thread, write does the rest from there on any thread, the
+ * same file by the same protocol (plan_save and write_file serve both).
  *
  * Loading never leaves a half-loaded context: header, meta and index are checked, the entries
  * matched against the context, then the stored bytes of the tensors the context holds (only
@@ -28,12 +31,14 @@
  * The one failure that can still strike mid-write is the device copy itself (TM_ERR_CUDA).
  */
 #include <errno.h>
+#include <stdarg.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 #include <zlib.h>
 #ifdef _OPENMP
@@ -201,10 +206,16 @@ static int pread_all(int fd, unsigned char *p, size_t n, uint64_t off) {
     return 0;
 }
 
-/* One tensor being saved. */
+/* One tensor being saved. What the index needs (name, dtype, logical shape) is copied here when
+ * the save is planned, so that writing a snapshot reads nothing of the context. */
 typedef struct ck_out {
     const tm_tensor *t;
+    const char *name; /* the context's name (immutable while the tensor lives) */
+    tm_dtype dtype;
+    int ndim;
+    int64_t shape[TM_MAX_DIMS]; /* logical */
     size_t raw, stored, boff; /* bytes; boff: offset in its batch's staging buffer */
+    size_t goff;              /* snapshots: offset in the snapshot's buffer */
     int zip;                  /* stored as a zlib stream */
     int batch;
     uint64_t off; /* in the file */
@@ -259,8 +270,156 @@ static void sync_dir(const char *path) {
     }
 }
 
-static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes,
-                           const tm_ckpt_save_options *opt, int *progress);
+/* A planned save and everything it allocates, freed in one place (save_free). A synchronous
+ * save stages the tensors in batches in raw[0], raw[1]; a snapshot (tm_ckpt_snapshot_new) holds
+ * every tensor in snap, at o[k].goff, and writes from there. Errors of the write go to the
+ * context, or, for a snapshot (written on any thread), to err. */
+typedef struct ck_save {
+    tm_ctx *ctx;
+    int n, nb, nth;
+    ck_out *o;
+    ck_item *items;
+    unsigned char *raw[2], *comp, *index;
+    int pinned[2];
+    size_t index_len;
+    z_stream *z;
+    int nz, *zs;
+    unsigned char *snap; /* snapshots: every tensor's bytes */
+    int snap_pinned;
+    size_t snap_bytes, held; /* held: host bytes of the staging buffers (reported by snapshots) */
+    char *err;               /* NULL: errors to ctx */
+    size_t err_cap;
+} ck_save;
+
+enum { CK_ERR_MAX = PATH_MAX + 1024 };
+
+static tm_status ck_fail(ck_save *sv, tm_status st, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static tm_status ck_fail(ck_save *sv, tm_status st, const char *fmt, ...) {
+    char buf[CK_ERR_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (sv->err) {
+        snprintf(sv->err, sv->err_cap, "%s", buf);
+        return st;
+    }
+    return tm__err(sv->ctx, st, "%s", buf);
+}
+
+static void save_free(tm_ctx *ctx, ck_save *sv) {
+    for (int i = 0; i < sv->nz; i++) deflateEnd(&sv->z[i]);
+    tm__host_free(ctx, sv->z);
+    tm__host_free(ctx, sv->zs);
+    for (int i = 0; i < 2; i++) tm__host_free_pinned(ctx, sv->raw[i], sv->pinned[i]);
+    tm__host_free_pinned(ctx, sv->snap, sv->snap_pinned);
+    tm__host_free(ctx, sv->comp);
+    tm__host_free(ctx, sv->index);
+    tm__host_free(ctx, sv->items);
+    tm__host_free(ctx, sv->o);
+    memset(sv, 0, sizeof *sv);
+}
+
+/* The checks of a save's arguments (fn names the public function). */
+static tm_status save_args(tm_ctx *ctx, const char *fn, const char *path, const void *meta, size_t meta_bytes) {
+    if (!path || !*path) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path is NULL or empty", fn);
+    if (!meta && meta_bytes)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: meta is NULL but meta_bytes is %zu", fn, meta_bytes);
+    if (strlen(path) + 11 >= PATH_MAX)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path '%s' is too long", fn, path);
+    return TM_OK;
+}
+
+/* Plan the save of every named tensor of ctx: batches of up to CK_BATCH bytes (or one larger
+ * tensor), whose largest sizes the staging buffers, allocated here once; for a snapshot, one
+ * buffer for all the tensors instead of the two batch buffers. The deflate streams are made
+ * here, on the context's thread: zlib allocates then (through the context's allocator), and
+ * not while compressing. */
+static tm_status plan_save(tm_ctx *ctx, const char *fn, const tm_ckpt_save_options *opt, int snapshot, ck_save *sv) {
+    memset(sv, 0, sizeof *sv);
+    sv->ctx = ctx;
+    if (!host_little_endian())
+        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: big-endian hosts are not supported", fn);
+    int n = tm_ctx_num_named(ctx);
+    if ((uint64_t)n > UINT32_MAX) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: too many tensors (%d)", fn, n);
+    sv->n = n;
+    sv->nth = tm__nthreads(ctx);
+    sv->o = tm__host_alloc(ctx, sizeof *sv->o * (size_t)(n ? n : 1));
+    if (!sv->o) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+    memset(sv->o, 0, sizeof *sv->o * (size_t)(n ? n : 1));
+    size_t raw_cap = 1, comp_cap = 1, index_len = 0, max_items = 1, goff = 0;
+    int nb = 0, any_zip = 0;
+    for (int k = 0; k < n;) {
+        size_t raw = 0, comp = 0, items = 0;
+        do {
+            ck_out *x = &sv->o[k];
+            x->t = tm_ctx_named(ctx, k);
+            x->name = tm_tensor_name(x->t);
+            x->dtype = tm_tensor_dtype(x->t);
+            logical_shape(x->t, &x->ndim, x->shape);
+            x->raw = tensor_bytes(x->t);
+            x->zip = ck_want_zip(opt, x->t);
+            if (x->zip && (compressBound((uLong)x->raw) > UINT_MAX || (uLong)x->raw != x->raw)) {
+                tm_status st = tm__err(ctx, TM_ERR_UNSUPPORTED,
+                                       "%s: tensor '%s' of %zu bytes exceeds zlib's 4 GiB limit for one deflate call; "
+                                       "store it uncompressed (tm_ckpt_save_options)", fn, x->name, x->raw);
+                save_free(ctx, sv);
+                return st;
+            }
+            any_zip |= x->zip;
+            x->batch = nb;
+            x->boff = raw;
+            x->goff = goff;
+            goff += (x->raw + 63) & ~(size_t)63; /* 64-byte aligned slots */
+            index_len += 2 + strlen(x->name) + 4 + 8 * (size_t)x->ndim + 8 + 8 + 8 + 4;
+            raw += x->raw;
+            if (x->zip) comp += ck_bound(x->raw);
+            items += x->zip ? 1 : (x->raw + CK_CHUNK - 1) / CK_CHUNK + 1;
+            k++;
+        } while (k < n && raw + tensor_bytes(tm_ctx_named(ctx, k)) <= CK_BATCH);
+        if (raw > raw_cap) raw_cap = raw;
+        if (comp > comp_cap) comp_cap = comp;
+        if (items > max_items) max_items = items;
+        nb++;
+    }
+    sv->nb = nb;
+    sv->index_len = index_len;
+    int nth = sv->nth, bad = 0;
+    if (snapshot) {
+        sv->snap_bytes = goff;
+        sv->snap = tm__host_alloc_pinned(ctx, goff ? goff : 1, &sv->snap_pinned);
+        bad = !sv->snap;
+    } else {
+        for (int i = 0; i < (nb > 1 ? 2 : 1); i++) sv->raw[i] = tm__host_alloc_pinned(ctx, raw_cap, &sv->pinned[i]);
+        bad = !sv->raw[0] || (nb > 1 && !sv->raw[1]);
+    }
+    sv->items = tm__host_alloc(ctx, sizeof *sv->items * max_items);
+    sv->index = tm__host_alloc(ctx, index_len + 12);
+    sv->zs = tm__host_alloc(ctx, sizeof *sv->zs * (size_t)(n ? n : 1));
+    if (any_zip) {
+        sv->comp = tm__host_alloc(ctx, comp_cap);
+        sv->z = tm__host_alloc(ctx, sizeof *sv->z * (size_t)nth);
+    }
+    sv->held = (snapshot ? goff : (nb > 1 ? 2 : 1) * raw_cap) + (any_zip ? comp_cap : 0) + index_len + 12;
+    if (bad || !sv->items || !sv->index || !sv->zs || (any_zip && (!sv->comp || !sv->z))) {
+        size_t want = sv->held;
+        save_free(ctx, sv);
+        return tm__err(ctx, TM_ERR_NOMEM, "%s: cannot allocate %zu bytes of staging memory", fn, want);
+    }
+    for (; any_zip && sv->nz < nth; sv->nz++) {
+        int zs = ck_deflate_init(ctx, &sv->z[sv->nz]); /* zlib allocates here, on this thread only */
+        if (zs != Z_OK) {
+            save_free(ctx, sv);
+            return tm__err(ctx, zs == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL, "%s: zlib deflateInit failed (%d)",
+                           fn, zs);
+        }
+    }
+    return TM_OK;
+}
 
 /* Take part in the gathers of named tensors [from, n) that the writing rank makes (the ranks
  * other than 0, and rank 0 after a failure, so that nobody waits for a partner). */
@@ -277,6 +436,215 @@ static tm_status drain_gathers(tm_ctx *ctx, int from) {
         if (st == TM_OK) st = s;
         if (s == TM_ERR_COMM) return s; /* the partners are gone */
     }
+    return st;
+}
+
+/* Gather batch b's tensors (logical values, this thread only: it calls into the runtime) into
+ * buf at their batch offsets. */
+static tm_status gather_batch(tm_ctx *ctx, ck_out *o, int n, int b, unsigned char *buf, int *progress) {
+    for (int k = 0; k < n; k++) {
+        if (o[k].batch != b) continue;
+        *progress = k; /* the gathers of the other ranks pair with these */
+        TM__TRY(tm__named_gather(ctx, o[k].t, buf + o[k].boff));
+        *progress = k + 1;
+    }
+    return TM_OK;
+}
+
+/* The data of every tensor, batch by batch: while thread 0 gathers batch b + 1 (device to
+ * pinned host memory) into one staging buffer, the other threads checksum and pwrite batch b
+ * from the other, in CK_CHUNK pieces at offsets fixed in advance; thread 0 joins them when its
+ * gather is done. Tensors chosen for compression are deflated (one per thread) before their
+ * batch is written, so that the batch's offsets are known. The file's bytes do not depend on
+ * the thread count. A snapshot's tensors are in host memory already: nothing is gathered, and
+ * the context is not used (nth threads, at most sv->nz of them deflating). */
+static tm_status write_data(ck_save *sv, const char *path, const char *tmp, int fd, int nth, uint64_t *cursor,
+                            int *progress) {
+    const char *fn = "tm_ckpt_save";
+    ck_out *o = sv->o;
+    int n = sv->n, nb = sv->nb, nz = sv->nz < nth ? sv->nz : nth;
+    tm_status st = n && !sv->snap ? gather_batch(sv->ctx, o, n, 0, sv->raw[0], progress) : TM_OK;
+    for (int b = 0; b < nb && st == TM_OK; b++) {
+        unsigned char *cur = sv->raw[b & 1], *nxt = sv->raw[(b + 1) & 1];
+        int k0 = 0;
+        while (o[k0].batch != b) k0++;
+        int k1 = k0;
+        while (k1 < n && o[k1].batch == b) k1++;
+        /* compress the chosen tensors of the batch, one per thread */
+        size_t coff = 0;
+        for (int k = k0; k < k1; k++) {
+            o[k].stored = o[k].zip ? ck_bound(o[k].raw) : o[k].raw;
+            if (o[k].zip) o[k].off = coff, coff += o[k].stored; /* offset in comp for now */
+        }
+#pragma omp parallel for num_threads(nz > 0 ? nz : 1) schedule(dynamic) if (k1 - k0 > 1)
+        for (int k = k0; k < k1; k++) {
+            if (!o[k].zip) continue;
+#ifdef _OPENMP
+            z_stream *z = &sv->z[omp_get_thread_num()];
+#else
+            z_stream *z = &sv->z[0];
+#endif
+            size_t cl = o[k].stored;
+            unsigned char *dst = sv->comp + o[k].off;
+            const unsigned char *src = sv->snap ? sv->snap + o[k].goff : cur + o[k].boff;
+            sv->zs[k - k0] = ck_deflate(z, src, o[k].raw, dst, &cl);
+            o[k].stored = cl;
+            o[k].crc = crc_update(0, dst, cl);
+        }
+        int ni = 0;
+        for (int k = k0; k < k1; k++) {
+            if (o[k].zip) {
+                if (sv->zs[k - k0] != Z_OK) {
+                    st = ck_fail(sv, sv->zs[k - k0] == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL,
+                                 "%s: '%s': compressing tensor '%s' failed (zlib %d)", fn, path, o[k].name,
+                                 sv->zs[k - k0]);
+                    break;
+                }
+                sv->items[ni++] = (ck_item){.k = k, .src = sv->comp + o[k].off, .len = o[k].stored, .off = *cursor};
+            } else {
+                const unsigned char *src = sv->snap ? sv->snap + o[k].goff : cur + o[k].boff;
+                for (size_t c = 0; c < o[k].raw || (c == 0 && o[k].raw == 0); c += CK_CHUNK) {
+                    size_t len = o[k].raw - c < CK_CHUNK ? o[k].raw - c : CK_CHUNK;
+                    sv->items[ni++] = (ck_item){.k = k, .crc_it = 1, .src = src + c, .len = len, .off = *cursor + c};
+                    if (o[k].raw == 0) break;
+                }
+            }
+            o[k].off = *cursor;
+            *cursor += o[k].stored;
+        }
+        if (st != TM_OK) break;
+        tm_status gst = TM_OK;
+        int more = !sv->snap && b + 1 < nb;
+#pragma omp parallel num_threads(nth)
+        {
+#ifdef _OPENMP
+            int tid = omp_get_thread_num();
+#else
+            int tid = 0;
+#endif
+            if (tid == 0 && more) gst = gather_batch(sv->ctx, o, n, b + 1, nxt, progress);
+#pragma omp for schedule(dynamic) nowait
+            for (int i = 0; i < ni; i++) {
+                ck_item *it = &sv->items[i];
+                if (it->crc_it) it->crc = crc_update(0, it->src, it->len);
+                it->err = pwrite_all(fd, it->src, it->len, it->off);
+            }
+        }
+        for (int i = 0; i < ni && st == TM_OK; i++)
+            if (sv->items[i].err)
+                st = ck_fail(sv, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp,
+                             strerror(sv->items[i].err));
+        /* each raw tensor's CRC from its chunks' */
+        for (int i = 0; i < ni; i++) {
+            const ck_item *it = &sv->items[i];
+            if (!it->crc_it) continue;
+            ck_out *x = &o[it->k];
+            x->crc = it->off == x->off ? it->crc : (uint32_t)crc32_combine(x->crc, it->crc, (z_off_t)it->len);
+        }
+        if (st == TM_OK) st = gst;
+    }
+    return st;
+}
+
+/* Test hook: TINYMOE_CKPT_TEST_DELAY_MS=N pauses every save for N ms after the tensor data is
+ * written and before the file is completed and renamed, so that tests can interrupt a save
+ * (kill -9, signals) while its temporary file exists. */
+static void test_delay(void) {
+    const char *v = getenv("TINYMOE_CKPT_TEST_DELAY_MS");
+    long ms = v ? strtol(v, NULL, 10) : 0;
+    if (ms <= 0) return;
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+/* Write the planned save to "<path>.tmp.XXXXXX", fsync, rename over path, fsync the directory;
+ * on failure the temporary file is removed. The arguments are checked (save_args). */
+static tm_status write_file(ck_save *sv, const char *path, const void *meta, size_t meta_bytes, int nth,
+                            int *progress) {
+    const char *fn = "tm_ckpt_save";
+    int n = sv->n;
+    char tmp[PATH_MAX];
+    snprintf(tmp, sizeof tmp, "%s.tmp.XXXXXX", path);
+    tm_status st = TM_OK;
+    int fd = mkstemp(tmp);
+    if (fd < 0) return ck_fail(sv, TM_ERR_IO, "%s: cannot create '%s': %s", fn, tmp, strerror(errno));
+    /* mkstemp creates 0600; a checkpoint is an ordinary file others may read. */
+    (void)fchmod(fd, 0644);
+
+    int err = 0;
+    unsigned char c4[4];
+    uint64_t cursor = CK_V2_HEADER;
+    if (meta_bytes) err = pwrite_all(fd, meta, meta_bytes, cursor);
+    put_u32(c4, crc_update(0, meta, meta_bytes));
+    if (!err) err = pwrite_all(fd, c4, 4, cursor + meta_bytes);
+    cursor += (uint64_t)meta_bytes + 4;
+    if (err) st = ck_fail(sv, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp, strerror(err));
+    if (st == TM_OK) st = write_data(sv, path, tmp, fd, nth, &cursor, progress);
+    if (st == TM_OK) {
+        test_delay();
+        /* the index: one entry per tensor, in context creation order */
+        size_t index_len = sv->index_len;
+        unsigned char *p = sv->index;
+        for (int k = 0; k < n; k++) {
+            const ck_out *x = &sv->o[k];
+            size_t name_len = strlen(x->name);
+            put_u16(p, (uint16_t)name_len), p += 2;
+            memcpy(p, x->name, name_len), p += name_len;
+            *p++ = (unsigned char)x->dtype;
+            *p++ = (unsigned char)x->ndim;
+            *p++ = (unsigned char)(x->zip ? CK_ENC_ZLIB : CK_ENC_RAW);
+            *p++ = 0;
+            for (int a = 0; a < x->ndim; a++) put_u64(p, (uint64_t)x->shape[a]), p += 8;
+            put_u64(p, (uint64_t)x->raw), p += 8;
+            put_u64(p, (uint64_t)x->stored), p += 8;
+            put_u64(p, x->off), p += 8;
+            put_u32(p, x->crc), p += 4;
+        }
+        memcpy(p, ck_end, 8);
+        put_u32(p + 8, crc_update(0, sv->index, index_len));
+        uint64_t index_off = cursor, file_len = cursor + index_len + 12;
+        unsigned char h[CK_V2_HEADER];
+        memset(h, 0, sizeof h);
+        memcpy(h, ck_magic, 8);
+        put_u32(h + 8, CK_VERSION);
+        put_u32(h + 12, CK_ENDIAN);
+        put_u32(h + 16, (uint32_t)n);
+        put_u32(h + 20, 0); /* flags */
+        put_u64(h + 24, (uint64_t)meta_bytes);
+        put_u64(h + 32, index_off);
+        put_u64(h + 40, (uint64_t)index_len);
+        put_u64(h + 48, file_len);
+        put_u32(h + 60, crc_update(0, h, 60));
+        err = pwrite_all(fd, sv->index, index_len + 12, index_off);
+        if (!err) err = pwrite_all(fd, h, sizeof h, 0);
+        if (!err && fsync(fd) != 0) err = errno;
+        if (close(fd) != 0 && !err) err = errno;
+        fd = -1;
+        if (err) {
+            st = ck_fail(sv, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp, strerror(err));
+        } else if (rename(tmp, path) != 0) {
+            st = ck_fail(sv, TM_ERR_IO, "%s: cannot rename '%s' to '%s': %s", fn, tmp, path, strerror(errno));
+        } else {
+            sync_dir(path);
+        }
+    }
+    if (st != TM_OK) {
+        if (fd >= 0) close(fd);
+        unlink(tmp);
+    }
+    return st;
+}
+
+static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes,
+                           const tm_ckpt_save_options *opt, int *progress) {
+    const char *fn = "tm_ckpt_save";
+    TM__TRY(save_args(ctx, fn, path, meta, meta_bytes));
+    ck_save sv;
+    tm_status st = plan_save(ctx, fn, opt, 0, &sv);
+    if (st != TM_OK) return st;
+    st = write_file(&sv, path, meta, meta_bytes, sv.nth, progress);
+    save_free(ctx, &sv);
     return st;
 }
 
@@ -315,283 +683,140 @@ tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t m
     return tm_ckpt_save_ex(ctx, path, meta, meta_bytes, NULL);
 }
 
-/* Gather batch b's tensors (logical values, this thread only: it calls into the runtime) into
- * buf at their batch offsets. */
-static tm_status gather_batch(tm_ctx *ctx, ck_out *o, int n, int b, unsigned char *buf, int *progress) {
-    for (int k = 0; k < n; k++) {
-        if (o[k].batch != b) continue;
-        *progress = k; /* the gathers of the other ranks pair with these */
-        TM__TRY(tm__named_gather(ctx, o[k].t, buf + o[k].boff));
+/* ---- snapshots: asynchronous saves ----------------------------------------------------- */
+
+/* A snapshot is a planned save whose tensors all stay in host memory (sv.snap): taking it is
+ * the gather step of a save (device-to-host copies, the collectives of a sharded layout), on
+ * the context's thread; writing it is the rest (CRC, deflate, pwrite, fsync, rename), which
+ * reads nothing of the context, so it may run on another thread while the context trains. */
+struct tm_ckpt_snapshot {
+    ck_save sv;  /* world rank 0 only; elsewhere just ctx and n */
+    int writer;  /* world rank 0: holds the data and writes the file */
+    int taken;   /* a take succeeded */
+    unsigned char *meta;
+    size_t meta_bytes, meta_cap;
+    char err[CK_ERR_MAX];
+};
+
+tm_status tm_ckpt_snapshot_new(tm_ctx *ctx, const tm_ckpt_save_options *options, tm_ckpt_snapshot **out) {
+    const char *fn = "tm_ckpt_snapshot_new";
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!out) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: out is NULL", fn);
+    *out = NULL;
+    tm_ckpt_save_options opt = options ? *options : tm_ckpt_save_options_default();
+    if ((unsigned)opt.compress > TM_CKPT_COMPRESS_ALL)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: options->compress is %d (0..2)", fn, (int)opt.compress);
+    tm_ckpt_snapshot *s = tm__host_alloc(ctx, sizeof *s);
+    if (!s) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+    memset(s, 0, sizeof *s);
+    s->writer = tm_comm_rank(ctx, TM_COMM_WORLD) == 0;
+    tm_status st = TM_OK;
+    if (s->writer) {
+        st = plan_save(ctx, fn, &opt, 1, &s->sv);
+    } else {
+        s->sv.ctx = ctx;
+        s->sv.n = tm_ctx_num_named(ctx);
+    }
+    if (st != TM_OK) {
+        tm__host_free(ctx, s);
+        return st;
+    }
+    s->sv.err = s->err;
+    s->sv.err_cap = sizeof s->err;
+    *out = s;
+    return TM_OK;
+}
+
+uint64_t tm_ckpt_snapshot_bytes(const tm_ckpt_snapshot *s) {
+    return s && s->writer ? (uint64_t)s->sv.held + s->meta_cap : 0;
+}
+
+/* Rank 0's part of a take: every tensor into the snapshot's buffer. */
+static tm_status snapshot_gather(tm_ckpt_snapshot *s, int *progress) {
+    ck_save *sv = &s->sv;
+    for (int k = 0; k < sv->n; k++) {
+        *progress = k;
+        TM__TRY(tm__named_gather(sv->ctx, sv->o[k].t, sv->snap + sv->o[k].goff));
         *progress = k + 1;
     }
     return TM_OK;
 }
 
-/* Everything a save allocates, freed in one place. */
-typedef struct ck_save {
-    ck_out *o;
-    ck_item *items;
-    unsigned char *raw[2], *comp, *index;
-    int pinned[2];
-    z_stream *z;
-    int nz, *zs;
-} ck_save;
-
-static void save_free(tm_ctx *ctx, ck_save *sv) {
-    for (int i = 0; i < sv->nz; i++) deflateEnd(&sv->z[i]);
-    tm__host_free(ctx, sv->z);
-    tm__host_free(ctx, sv->zs);
-    for (int i = 0; i < 2; i++) tm__host_free_pinned(ctx, sv->raw[i], sv->pinned[i]);
-    tm__host_free(ctx, sv->comp);
-    tm__host_free(ctx, sv->index);
-    tm__host_free(ctx, sv->items);
-    tm__host_free(ctx, sv->o);
-}
-
-/* The data of every tensor, batch by batch: while thread 0 gathers batch b + 1 (device to
- * pinned host memory) into one staging buffer, the other threads checksum and pwrite batch b
- * from the other, in CK_CHUNK pieces at offsets fixed in advance; thread 0 joins them when its
- * gather is done. Tensors chosen for compression are deflated (one per thread) before their
- * batch is written, so that the batch's offsets are known. The file's bytes do not depend on
- * the thread count. */
-static tm_status write_data(tm_ctx *ctx, const char *path, const char *tmp, int fd, ck_save *sv, int n, int nb,
-                            uint64_t *cursor, int *progress) {
-    const char *fn = "tm_ckpt_save";
-    ck_out *o = sv->o;
-    int nth = tm__nthreads(ctx);
-    tm_status st = n ? gather_batch(ctx, o, n, 0, sv->raw[0], progress) : TM_OK;
-    for (int b = 0; b < nb && st == TM_OK; b++) {
-        unsigned char *cur = sv->raw[b & 1], *nxt = sv->raw[(b + 1) & 1];
-        int k0 = 0;
-        while (o[k0].batch != b) k0++;
-        int k1 = k0;
-        while (k1 < n && o[k1].batch == b) k1++;
-        /* compress the chosen tensors of the batch, one per thread */
-        size_t coff = 0;
-        for (int k = k0; k < k1; k++) {
-            o[k].stored = o[k].zip ? ck_bound(o[k].raw) : o[k].raw;
-            if (o[k].zip) o[k].off = coff, coff += o[k].stored; /* offset in comp for now */
-        }
-#pragma omp parallel for num_threads(sv->nz > 0 ? sv->nz : 1) schedule(dynamic) if (k1 - k0 > 1)
-        for (int k = k0; k < k1; k++) {
-            if (!o[k].zip) continue;
-#ifdef _OPENMP
-            z_stream *z = &sv->z[omp_get_thread_num()];
-#else
-            z_stream *z = &sv->z[0];
-#endif
-            size_t cl = o[k].stored;
-            unsigned char *dst = sv->comp + o[k].off;
-            sv->zs[k - k0] = ck_deflate(z, cur + o[k].boff, o[k].raw, dst, &cl);
-            o[k].stored = cl;
-            o[k].crc = crc_update(0, dst, cl);
-        }
-        int ni = 0;
-        for (int k = k0; k < k1; k++) {
-            if (o[k].zip) {
-                if (sv->zs[k - k0] != Z_OK) {
-                    st = tm__err(ctx, sv->zs[k - k0] == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL,
-                                 "%s: '%s': compressing tensor '%s' failed (zlib %d)", fn, path,
-                                 tm_tensor_name(o[k].t), sv->zs[k - k0]);
-                    break;
-                }
-                sv->items[ni++] = (ck_item){.k = k, .src = sv->comp + o[k].off, .len = o[k].stored, .off = *cursor};
-            } else {
-                for (size_t c = 0; c < o[k].raw || (c == 0 && o[k].raw == 0); c += CK_CHUNK) {
-                    size_t len = o[k].raw - c < CK_CHUNK ? o[k].raw - c : CK_CHUNK;
-                    sv->items[ni++] = (ck_item){.k = k, .crc_it = 1, .src = cur + o[k].boff + c, .len = len,
-                                                .off = *cursor + c};
-                    if (o[k].raw == 0) break;
-                }
-            }
-            o[k].off = *cursor;
-            *cursor += o[k].stored;
-        }
-        if (st != TM_OK) break;
-        tm_status gst = TM_OK;
-        int more = b + 1 < nb;
-#pragma omp parallel num_threads(nth)
-        {
-#ifdef _OPENMP
-            int tid = omp_get_thread_num();
-#else
-            int tid = 0;
-#endif
-            if (tid == 0 && more) gst = gather_batch(ctx, o, n, b + 1, nxt, progress);
-#pragma omp for schedule(dynamic) nowait
-            for (int i = 0; i < ni; i++) {
-                ck_item *it = &sv->items[i];
-                if (it->crc_it) it->crc = crc_update(0, it->src, it->len);
-                it->err = pwrite_all(fd, it->src, it->len, it->off);
-            }
-        }
-        for (int i = 0; i < ni && st == TM_OK; i++)
-            if (sv->items[i].err)
-                st = tm__err(ctx, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp,
-                             strerror(sv->items[i].err));
-        /* each raw tensor's CRC from its chunks' */
-        for (int i = 0; i < ni; i++) {
-            const ck_item *it = &sv->items[i];
-            if (!it->crc_it) continue;
-            ck_out *x = &o[it->k];
-            x->crc = it->off == x->off ? it->crc : (uint32_t)crc32_combine(x->crc, it->crc, (z_off_t)it->len);
-        }
-        if (st == TM_OK) st = gst;
-    }
-    return st;
-}
-
-static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes,
-                           const tm_ckpt_save_options *opt, int *progress) {
-    const char *fn = "tm_ckpt_save";
-    if (!path || !*path) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path is NULL or empty", fn);
+tm_status tm_ckpt_snapshot_take(tm_ckpt_snapshot *s, const void *meta, size_t meta_bytes) {
+    const char *fn = "tm_ckpt_snapshot_take";
+    if (!s) return TM_ERR_INVALID_ARG;
+    tm_ctx *ctx = s->sv.ctx;
+    s->taken = 0;
     if (!meta && meta_bytes)
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: meta is NULL but meta_bytes is %zu", fn, meta_bytes);
-    if (!host_little_endian())
-        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: big-endian hosts are not supported", fn);
-    int n = tm_ctx_num_named(ctx);
-    if ((uint64_t)n > UINT32_MAX) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: too many tensors (%d)", fn, n);
-
-    char tmp[PATH_MAX];
-    if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp.XXXXXX", path) >= sizeof tmp)
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path '%s' is too long", fn, path);
-
-    ck_save sv;
-    memset(&sv, 0, sizeof sv);
-    sv.o = tm__host_alloc(ctx, sizeof *sv.o * (size_t)(n ? n : 1));
-    if (!sv.o) return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of host memory", fn, path);
-    /* Batches of up to CK_BATCH bytes (or one larger tensor); the sizes of the largest batch
-     * size the staging buffers, allocated once. */
-    size_t raw_cap = 1, comp_cap = 1, index_len = 0, max_items = 1;
-    int nb = 0, any_zip = 0;
-    for (int k = 0; k < n;) {
-        size_t raw = 0, comp = 0, items = 0;
-        do {
-            ck_out *x = &sv.o[k];
-            x->t = tm_ctx_named(ctx, k);
-            x->raw = tensor_bytes(x->t);
-            x->zip = ck_want_zip(opt, x->t);
-            if (x->zip && (compressBound((uLong)x->raw) > UINT_MAX || (uLong)x->raw != x->raw)) {
-                save_free(ctx, &sv);
-                return tm__err(ctx, TM_ERR_UNSUPPORTED,
-                               "%s: tensor '%s' of %zu bytes exceeds zlib's 4 GiB limit for one deflate call; "
-                               "store it uncompressed (tm_ckpt_save_options)", fn, tm_tensor_name(x->t), x->raw);
-            }
-            any_zip |= x->zip;
-            x->batch = nb;
-            x->boff = raw;
-            int lnd;
-            int64_t lshape[TM_MAX_DIMS];
-            logical_shape(x->t, &lnd, lshape);
-            index_len += 2 + strlen(tm_tensor_name(x->t)) + 4 + 8 * (size_t)lnd + 8 + 8 + 8 + 4;
-            raw += x->raw;
-            if (x->zip) comp += ck_bound(x->raw);
-            items += x->zip ? 1 : (x->raw + CK_CHUNK - 1) / CK_CHUNK + 1;
-            k++;
-        } while (k < n && raw + tensor_bytes(tm_ctx_named(ctx, k)) <= CK_BATCH);
-        if (raw > raw_cap) raw_cap = raw;
-        if (comp > comp_cap) comp_cap = comp;
-        if (items > max_items) max_items = items;
-        nb++;
+    int same = tm_ctx_num_named(ctx) == s->sv.n;
+    for (int k = 0; same && s->writer && k < s->sv.n; k++) same = tm_ctx_named(ctx, k) == s->sv.o[k].t;
+    if (!same)
+        return tm__err(ctx, TM_ERR_INVALID_ARG,
+                       "%s: the context's parameters and buffers changed since tm_ckpt_snapshot_new (%d tensors then, "
+                       "%d now): make a new snapshot",
+                       fn, s->sv.n, tm_ctx_num_named(ctx));
+    if (s->writer && meta_bytes > s->meta_cap) {
+        unsigned char *m = tm__host_alloc(ctx, meta_bytes);
+        if (!m) return tm__err(ctx, TM_ERR_NOMEM, "%s: cannot allocate %zu bytes for the meta", fn, meta_bytes);
+        tm__host_free(ctx, s->meta);
+        s->meta = m;
+        s->meta_cap = meta_bytes;
     }
-    int nth = tm__nthreads(ctx);
-    for (int i = 0; i < (nb > 1 ? 2 : 1); i++) sv.raw[i] = tm__host_alloc_pinned(ctx, raw_cap, &sv.pinned[i]);
-    sv.items = tm__host_alloc(ctx, sizeof *sv.items * max_items);
-    sv.index = tm__host_alloc(ctx, index_len + 12);
-    sv.zs = tm__host_alloc(ctx, sizeof *sv.zs * (size_t)(n ? n : 1));
-    if (any_zip) {
-        sv.comp = tm__host_alloc(ctx, comp_cap);
-        sv.z = tm__host_alloc(ctx, sizeof *sv.z * (size_t)nth);
-    }
-    if (!sv.raw[0] || (nb > 1 && !sv.raw[1]) || !sv.items || !sv.index || !sv.zs || (any_zip && (!sv.comp || !sv.z))) {
-        save_free(ctx, &sv);
-        return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %zu bytes of staging memory", fn, path,
-                       2 * raw_cap + (any_zip ? comp_cap : 0));
-    }
-    if (nb <= 1) sv.raw[1] = NULL;
-    for (; any_zip && sv.nz < nth; sv.nz++) {
-        int zs = ck_deflate_init(ctx, &sv.z[sv.nz]); /* zlib allocates here, on this thread only */
-        if (zs != Z_OK) {
-            save_free(ctx, &sv);
-            return tm__err(ctx, zs == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL,
-                           "%s: '%s': zlib deflateInit failed (%d)", fn, path, zs);
+    int W = tm_comm_size(ctx, TM_COMM_WORLD), progress = 0;
+    tm_status st;
+    if (s->writer) {
+        st = snapshot_gather(s, &progress);
+        if (st != TM_OK && st != TM_ERR_COMM && W > 1) {
+            char msg[1024]; /* keep the first error's message */
+            snprintf(msg, sizeof msg, "%s", tm_ctx_errmsg(ctx));
+            drain_gathers(ctx, progress);
+            tm__err(ctx, st, "%s", msg);
         }
+    } else {
+        st = drain_gathers(ctx, 0);
     }
+    if (W > 1) {
+        int64_t v = st;
+        tm_status bs = tm_comm_bcast_host(ctx, TM_COMM_WORLD, 0, &v, sizeof v);
+        if (bs != TM_OK) return bs;
+        if (!s->writer && v != TM_OK)
+            return tm__err(ctx, (tm_status)v, "%s: rank 0 failed to take its snapshot (%s)", fn,
+                           tm_status_str((tm_status)v));
+    }
+    if (st != TM_OK) return st;
+    if (s->writer) {
+        if (meta_bytes) memcpy(s->meta, meta, meta_bytes);
+        s->meta_bytes = meta_bytes;
+    }
+    s->taken = 1;
+    return TM_OK;
+}
 
-    tm_status st = TM_OK;
-    int fd = mkstemp(tmp);
-    if (fd < 0) {
-        st = tm__err(ctx, TM_ERR_IO, "%s: cannot create '%s': %s", fn, tmp, strerror(errno));
-        save_free(ctx, &sv);
-        return st;
-    }
-    /* mkstemp creates 0600; a checkpoint is an ordinary file others may read. */
-    (void)fchmod(fd, 0644);
+tm_status tm_ckpt_snapshot_write(tm_ckpt_snapshot *s, const char *path, int num_threads) {
+    if (!s) return TM_ERR_INVALID_ARG;
+    s->err[0] = '\0';
+    if (!s->writer) return TM_OK;
+    const char *fn = "tm_ckpt_snapshot_write";
+    if (!path || !*path) return ck_fail(&s->sv, TM_ERR_INVALID_ARG, "%s: path is NULL or empty", fn);
+    if (strlen(path) + 11 >= PATH_MAX) return ck_fail(&s->sv, TM_ERR_INVALID_ARG, "%s: path '%s' is too long", fn, path);
+    if (num_threads < 0)
+        return ck_fail(&s->sv, TM_ERR_INVALID_ARG, "%s: num_threads is %d (>= 0; 0: the context's)", fn, num_threads);
+    if (!s->taken)
+        return ck_fail(&s->sv, TM_ERR_INVALID_ARG, "%s: '%s': nothing to write (no successful tm_ckpt_snapshot_take)",
+                       fn, path);
+    int nth = num_threads > 0 ? num_threads : s->sv.nth;
+    return write_file(&s->sv, path, s->meta, s->meta_bytes, nth, NULL);
+}
 
-    int err = 0;
-    unsigned char c4[4];
-    uint64_t cursor = CK_V2_HEADER;
-    if (meta_bytes) err = pwrite_all(fd, meta, meta_bytes, cursor);
-    put_u32(c4, crc_update(0, meta, meta_bytes));
-    if (!err) err = pwrite_all(fd, c4, 4, cursor + meta_bytes);
-    cursor += (uint64_t)meta_bytes + 4;
-    if (err) st = tm__err(ctx, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp, strerror(err));
-    if (st == TM_OK) st = write_data(ctx, path, tmp, fd, &sv, n, nb, &cursor, progress);
-    if (st == TM_OK) {
-        /* the index: one entry per tensor, in context creation order */
-        unsigned char *p = sv.index;
-        for (int k = 0; k < n; k++) {
-            const ck_out *x = &sv.o[k];
-            size_t name_len = strlen(tm_tensor_name(x->t));
-            int lnd;
-            int64_t lshape[TM_MAX_DIMS];
-            logical_shape(x->t, &lnd, lshape);
-            put_u16(p, (uint16_t)name_len), p += 2;
-            memcpy(p, tm_tensor_name(x->t), name_len), p += name_len;
-            *p++ = (unsigned char)tm_tensor_dtype(x->t);
-            *p++ = (unsigned char)lnd;
-            *p++ = (unsigned char)(x->zip ? CK_ENC_ZLIB : CK_ENC_RAW);
-            *p++ = 0;
-            for (int a = 0; a < lnd; a++) put_u64(p, (uint64_t)lshape[a]), p += 8;
-            put_u64(p, (uint64_t)x->raw), p += 8;
-            put_u64(p, (uint64_t)x->stored), p += 8;
-            put_u64(p, x->off), p += 8;
-            put_u32(p, x->crc), p += 4;
-        }
-        memcpy(p, ck_end, 8);
-        put_u32(p + 8, crc_update(0, sv.index, index_len));
-        uint64_t index_off = cursor, file_len = cursor + index_len + 12;
-        unsigned char h[CK_V2_HEADER];
-        memset(h, 0, sizeof h);
-        memcpy(h, ck_magic, 8);
-        put_u32(h + 8, CK_VERSION);
-        put_u32(h + 12, CK_ENDIAN);
-        put_u32(h + 16, (uint32_t)n);
-        put_u32(h + 20, 0); /* flags */
-        put_u64(h + 24, (uint64_t)meta_bytes);
-        put_u64(h + 32, index_off);
-        put_u64(h + 40, (uint64_t)index_len);
-        put_u64(h + 48, file_len);
-        put_u32(h + 60, crc_update(0, h, 60));
-        err = pwrite_all(fd, sv.index, index_len + 12, index_off);
-        if (!err) err = pwrite_all(fd, h, sizeof h, 0);
-        if (!err && fsync(fd) != 0) err = errno;
-        if (close(fd) != 0 && !err) err = errno;
-        fd = -1;
-        if (err) {
-            st = tm__err(ctx, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp, strerror(err));
-        } else if (rename(tmp, path) != 0) {
-            st = tm__err(ctx, TM_ERR_IO, "%s: cannot rename '%s' to '%s': %s", fn, tmp, path, strerror(errno));
-        } else {
-            sync_dir(path);
-        }
-    }
-    if (st != TM_OK) {
-        if (fd >= 0) close(fd);
-        unlink(tmp);
-    }
-    save_free(ctx, &sv);
-    return st;
+const char *tm_ckpt_snapshot_errmsg(const tm_ckpt_snapshot *s) { return s ? s->err : ""; }
+
+void tm_ckpt_snapshot_free(tm_ckpt_snapshot *s) {
+    if (!s) return;
+    tm_ctx *ctx = s->sv.ctx;
+    if (s->writer) save_free(ctx, &s->sv);
+    tm__host_free(ctx, s->meta);
+    tm__host_free(ctx, s);
 }
 
 /* ---- loading and inspecting ------------------------------------------------------------ */

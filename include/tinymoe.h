@@ -1308,6 +1308,67 @@ TM_API tm_ckpt_save_options tm_ckpt_save_options_default(void);
 TM_API tm_status tm_ckpt_save_ex(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes,
                                  const tm_ckpt_save_options *options);
 
+/* Asynchronous saves (torchtitan's asynchronous checkpointing): a save in two steps, so that
+ * training stalls only for the copy of its state to host memory. A snapshot is host memory for
+ * every parameter and buffer of ctx (their logical bytes, page-locked where the device backend
+ * offers it, one 64-byte aligned slot each) plus the meta blob; tm_ckpt_snapshot_take copies
+ * the context's current tensors into it (the "gather to host" step: device-to-host copies and,
+ * under a communicator, the gathers of sharded tensors), and tm_ckpt_snapshot_write writes
+ * them as tm_ckpt_save would: the same file, byte for byte, through the same temporary file,
+ * fsync and rename, so a crash or kill -9 during the write leaves the previous file at path
+ * intact. The write reads nothing of the context (names, shapes and every byte were taken), so
+ * it may run on another thread while the context's thread goes on training:
+ *
+ *     tm_ckpt_snapshot *s;
+ *     tm_ckpt_snapshot_new(ctx, NULL, &s);           once: allocates tm_ckpt_snapshot_bytes(s)
+ *     ...  tm_ckpt_snapshot_take(s, meta, len);      the stall: a copy of the state
+ *          start a thread: tm_ckpt_snapshot_write(s, path, 1), report tm_ckpt_snapshot_errmsg(s)
+ *          ... train; join the thread before the next take (or before tm_ckpt_snapshot_free)
+ *
+ * Threads: new, take and free are calls on the context (its thread, in turn with its other
+ * calls); write may be on any thread. A snapshot must not be taken, written or freed while it
+ * is being written. ctx must outlive the snapshot, and its set of parameters and buffers must
+ * not change between new and take.
+ *
+ * Under a communicator of several ranks, new and take are collective like tm_ckpt_save (every
+ * rank calls them in the same order; take gathers sharded tensors to world rank 0 and returns
+ * rank 0's status on every rank). Only rank 0 holds data (tm_ckpt_snapshot_bytes is 0 elsewhere)
+ * and writes: write on another rank writes nothing and returns TM_OK, and write makes no
+ * collective call on any rank, so it cannot deadlock with the collectives of training. */
+typedef struct tm_ckpt_snapshot tm_ckpt_snapshot;
+
+/* Allocate a snapshot of ctx's parameters and buffers. options as tm_ckpt_save_ex (NULL: the
+ * defaults), applied now: which tensors are compressed is decided here, once (compress_tensor
+ * is called here, once per tensor). The deflate state for compressed tensors is made here too,
+ * for up to the context's thread count of writer threads.
+ * Errors: TM_ERR_INVALID_ARG (out NULL, compress out of range), TM_ERR_UNSUPPORTED (a big-endian
+ * host; a tensor over 4 GiB chosen for compression), TM_ERR_NOMEM (the message gives the bytes).
+ * *out is NULL after a failure. Free with tm_ckpt_snapshot_free. */
+TM_API tm_status tm_ckpt_snapshot_new(tm_ctx *ctx, const tm_ckpt_save_options *options, tm_ckpt_snapshot **out);
+/* Host memory the snapshot holds, in bytes: the tensors' bytes, staging for compressed tensors,
+ * the index and the meta. 0 for NULL and on ranks other than world rank 0. */
+TM_API uint64_t tm_ckpt_snapshot_bytes(const tm_ckpt_snapshot *s);
+/* Copy the current value of every parameter and buffer (full logical tensors) and meta
+ * (meta_bytes bytes; may be NULL when 0) into s, replacing what it held. When it returns, ctx
+ * may change its tensors: the snapshot keeps the values of this call. Errors (the message in
+ * tm_ctx_errmsg of the snapshot's context): TM_ERR_INVALID_ARG (s NULL, meta NULL with
+ * meta_bytes > 0, the context's parameters or buffers differ from those at tm_ckpt_snapshot_new),
+ * TM_ERR_NOMEM, TM_ERR_CUDA, TM_ERR_COMM. After a failure the snapshot holds nothing writable. */
+TM_API tm_status tm_ckpt_snapshot_take(tm_ckpt_snapshot *s, const void *meta, size_t meta_bytes);
+/* Write what the last successful take copied to path, exactly as tm_ckpt_save writes (same
+ * format, same atomic protocol; the temporary file is removed on failure), with num_threads
+ * threads checksumming, compressing and writing (0: the context's thread count; more than it
+ * write but deflate with at most that many). On world ranks other than 0: nothing, TM_OK.
+ * Errors (the message in tm_ckpt_snapshot_errmsg(s), not the context's): TM_ERR_INVALID_ARG
+ * (s NULL, path NULL, empty or too long, num_threads < 0, no successful take), TM_ERR_IO (the
+ * message names the file and the system error), TM_ERR_NOMEM / TM_ERR_INTERNAL (deflate). */
+TM_API tm_status tm_ckpt_snapshot_write(tm_ckpt_snapshot *s, const char *path, int num_threads);
+/* The message of the last tm_ckpt_snapshot_write ("" after a success; "" for NULL). Valid until
+ * the next write or free of s. */
+TM_API const char *tm_ckpt_snapshot_errmsg(const tm_ckpt_snapshot *s);
+/* NULL: no-op. On the context's thread, not during a write. */
+TM_API void tm_ckpt_snapshot_free(tm_ckpt_snapshot *s);
+
 /* Load a checkpoint written by tm_ckpt_save into the tensors of ctx, which must hold exactly
  * the same set of names, each with the same dtype and shape. The whole file is validated
  * first (magic, version, endianness, every CRC, every tensor inflates, names/dtypes/shapes,

@@ -8,6 +8,7 @@
 #include <ftw.h>
 #include <signal.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -864,4 +865,176 @@ Test(ckpt, large_tensors_in_chunks_and_batches, .timeout = 120) {
     free(f2);
     tm_ctx_free(c[0]);
     tm_ctx_free(c[1]);
+}
+
+/* ---- snapshots (asynchronous saves) ----------------------------------------------------- */
+
+/* The kill -9 test's writer thread: NULL on success. */
+static void *bg_write_path(void *arg) {
+    return tm_ckpt_snapshot_write(arg, tt_path("bg.ckpt"), 1) == TM_OK ? NULL : arg;
+}
+
+static void *snapshot_writer(void *arg) {
+    tm_ckpt_snapshot *s = arg;
+    static tm_status st;
+    st = tm_ckpt_snapshot_write(s, tt_path("snap.ckpt"), 2);
+    return &st;
+}
+
+/* A snapshot keeps the values of its take while the context changes them, and its write, on
+ * another thread, makes the very file tm_ckpt_save made of those values (every dtype, the
+ * compressed integer buffer and the empty tensor included); a second take reuses it. */
+Test(ckpt, snapshot_written_on_a_thread_is_the_save_of_its_take) {
+    tm_ctx *ctx = make_ctx(0, 7);
+    const char meta[] = "step=1";
+    TT_OK(ctx, tm_ckpt_save(ctx, tt_path("sync1.ckpt"), meta, sizeof meta));
+    tm_ckpt_snapshot *s = NULL;
+    TT_OK(ctx, tm_ckpt_snapshot_new(ctx, NULL, &s));
+    cr_assert(tm_ckpt_snapshot_bytes(s) > 0);
+    /* a write before any take is refused, with the message on the snapshot */
+    cr_assert_eq(tm_ckpt_snapshot_write(s, tt_path("snap.ckpt"), 0), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ckpt_snapshot_errmsg(s), "tm_ckpt_snapshot_take"), "%s", tm_ckpt_snapshot_errmsg(s));
+    TT_OK(ctx, tm_ckpt_snapshot_take(s, meta, sizeof meta));
+    /* training goes on: every tensor changes while the snapshot is written */
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, snapshot_writer, s), 0);
+    for (int k = 0; k < tm_ctx_num_named(ctx); k++)
+        if (tm_tensor_dtype(tm_ctx_named(ctx, k)) != TM_I64)
+            TT_OK(ctx, tm_tensor_init_normal(ctx, tm_ctx_named(ctx, k), 99, NULL, 0.0, 1.0));
+    void *ret;
+    cr_assert_eq(pthread_join(th, &ret), 0);
+    cr_assert_eq(*(tm_status *)ret, TM_OK, "%s", tm_ckpt_snapshot_errmsg(s));
+    cr_assert_str_eq(tm_ckpt_snapshot_errmsg(s), "");
+    long na, nb;
+    unsigned char *a = tt_slurp(tt_path("sync1.ckpt"), &na), *b = tt_slurp(tt_path("snap.ckpt"), &nb);
+    cr_assert_eq(na, nb);
+    cr_assert_eq(memcmp(a, b, (size_t)na), 0, "the snapshot's file differs from tm_ckpt_save's");
+    free(b);
+    /* the same snapshot again, of the changed values */
+    const char meta2[] = "step=2";
+    TT_OK(ctx, tm_ckpt_save(ctx, tt_path("sync2.ckpt"), meta2, sizeof meta2));
+    TT_OK(ctx, tm_ckpt_snapshot_take(s, meta2, sizeof meta2));
+    cr_assert_eq(tm_ckpt_snapshot_write(s, tt_path("snap2.ckpt"), 0), TM_OK, "%s", tm_ckpt_snapshot_errmsg(s));
+    unsigned char *c = tt_slurp(tt_path("sync2.ckpt"), &na), *d = tt_slurp(tt_path("snap2.ckpt"), &nb);
+    cr_assert_eq(na, nb);
+    cr_assert_eq(memcmp(c, d, (size_t)na), 0, "the second take's file differs from tm_ckpt_save's");
+    cr_assert(memcmp(a, c, (size_t)na) != 0, "the test can fail: the two saves differ");
+    free(a);
+    free(c);
+    free(d);
+    /* a write to an unwritable place fails with the message on the snapshot, and leaves nothing */
+    cr_assert_eq(tm_ckpt_snapshot_write(s, "/nonexistent-dir/x.ckpt", 1), TM_ERR_IO);
+    cr_assert(strstr(tm_ckpt_snapshot_errmsg(s), "/nonexistent-dir/x.ckpt"), "%s", tm_ckpt_snapshot_errmsg(s));
+    tm_ckpt_snapshot_free(s);
+    tm_ctx_free(ctx);
+}
+
+/* The context's tensors must be those of tm_ckpt_snapshot_new; argument errors. */
+Test(ckpt, snapshot_refuses_a_changed_context_and_bad_arguments) {
+    tm_ctx *ctx = make_ctx(0, 7);
+    tm_ckpt_snapshot *s = (tm_ckpt_snapshot *)1;
+    tm_ckpt_save_options o = tm_ckpt_save_options_default();
+    o.compress = (tm_ckpt_compress)9;
+    cr_assert_eq(tm_ckpt_snapshot_new(ctx, &o, &s), TM_ERR_INVALID_ARG);
+    cr_assert_null(s);
+    cr_assert_eq(tm_ckpt_snapshot_new(ctx, NULL, NULL), TM_ERR_INVALID_ARG);
+    TT_OK(ctx, tm_ckpt_snapshot_new(ctx, NULL, &s));
+    cr_assert_eq(tm_ckpt_snapshot_take(s, NULL, 3), TM_ERR_INVALID_ARG);
+    tm_tensor *t;
+    int64_t sh[1] = {4};
+    TT_OK(ctx, tm_buffer_new(ctx, "late", TM_F32, 1, sh, tm_cpu(), &t));
+    cr_assert_eq(tm_ckpt_snapshot_take(s, NULL, 0), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "changed since tm_ckpt_snapshot_new"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_eq(tm_ckpt_snapshot_write(s, tt_path("x.ckpt"), 0), TM_ERR_INVALID_ARG, "no successful take");
+    cr_assert_eq(tm_ckpt_snapshot_write(s, "", 0), TM_ERR_INVALID_ARG);
+    cr_assert_eq(tm_ckpt_snapshot_write(NULL, "x", 0), TM_ERR_INVALID_ARG);
+    cr_assert_eq(tm_ckpt_snapshot_take(NULL, NULL, 0), TM_ERR_INVALID_ARG);
+    cr_assert_eq(tm_ckpt_snapshot_bytes(NULL), 0);
+    tm_ckpt_snapshot_free(s);
+    tm_ckpt_snapshot_free(NULL);
+    tm_ctx_free(ctx);
+}
+
+/* kill -9 while a snapshot is being written on a background thread, as `tinymoe train` writes
+ * with async_save, and while the main thread already changes the tensor for the next
+ * generation: the file at path is always a complete one, whose tensor is the generation its
+ * meta names (the snapshot's, not the context's later value). */
+Test(ckpt, kill9_during_a_background_snapshot_write_keeps_a_loadable_file) {
+    TT_WATCHDOG(120);
+    char path[256];
+    snprintf(path, sizeof path, "%s", tt_path("bg.ckpt"));
+    tm_tensor *t;
+    tm_ctx *ctx = kill_ctx(&t);
+    kill_save_gen(ctx, t, path, 0);
+    long last = 0;
+    int mid_write = 0;
+    unsigned rnd = 777;
+    for (int rep = 0; rep < KILL_REPS; rep++) {
+        fflush(NULL);
+        pid_t pid = fork();
+        cr_assert(pid >= 0, "fork: %s", strerror(errno));
+        if (pid == 0) {
+            /* the write's window kept wide (its temporary file open 20 ms longer), so that most
+             * kills land inside one whatever the machine's load */
+            setenv("TINYMOE_CKPT_TEST_DELAY_MS", "20", 1);
+            tm_tensor *ct;
+            tm_ctx *cctx = kill_ctx(&ct);
+            tm_ckpt_snapshot *s;
+            if (tm_ckpt_snapshot_new(cctx, NULL, &s)) _exit(3);
+            static float host[KILL_NUMEL];
+            for (long gen = 1000L * (rep + 1);; gen++) {
+                uint64_t x = 0x9E3779B97F4A7C15ull ^ (uint64_t)gen;
+                for (int i = 0; i < KILL_NUMEL; i++) {
+                    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                    host[i] = (float)(int32_t)(x >> 32) * 0x1p-31f;
+                }
+                host[0] = (float)gen;
+                char meta[32];
+                int n = snprintf(meta, sizeof meta, "gen=%ld", gen);
+                if (tm_tensor_write(cctx, ct, TM_F32, host, KILL_NUMEL) || tm_ckpt_snapshot_take(s, meta, (size_t)n))
+                    _exit(3);
+                pthread_t th;
+                if (pthread_create(&th, NULL, bg_write_path, s)) _exit(4);
+                /* the next generation's value, while the write runs */
+                host[0] = -1.0f;
+                if (tm_tensor_write(cctx, ct, TM_F32, host, KILL_NUMEL)) _exit(3);
+                void *ret;
+                pthread_join(th, &ret);
+                if (ret) _exit(5);
+            }
+        }
+        rnd = rnd * 1103515245u + 12345u;
+        usleep(20000 + (rnd >> 8) % 200000);
+        cr_assert_eq(kill(pid, SIGKILL), 0);
+        int status;
+        cr_assert_eq(waitpid(pid, &status, 0), pid);
+        cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "child ended by itself (status %d)", status);
+        DIR *d = opendir(g_dir);
+        struct dirent *e;
+        int stray = 0;
+        while ((e = readdir(d)))
+            if (strstr(e->d_name, ".tmp.")) {
+                stray = 1;
+                unlink(tt_path(e->d_name));
+            }
+        closedir(d);
+        mid_write += stray;
+        char meta[32] = {0};
+        size_t ml = 0;
+        cr_assert_eq(tm_ckpt_load(ctx, path, meta, sizeof meta - 1, &ml), TM_OK, "rep %d: %s", rep, tm_ctx_errmsg(ctx));
+        long gen = -1;
+        cr_assert_eq(sscanf(meta, "gen=%ld", &gen), 1, "meta '%s'", meta);
+        tm_tensor *head;
+        float first;
+        TT_OK(ctx, tm_slice(ctx, t, 0, 0, 1, &head));
+        TT_OK(ctx, tm_tensor_read(ctx, head, TM_F32, &first, 1));
+        tm_ctx_arena_reset(ctx);
+        cr_assert_eq((long)first, gen, "rep %d: tensor of generation %ld under meta of %ld", rep, (long)first, gen);
+        cr_assert(gen >= last, "rep %d: went back from generation %ld to %ld", rep, last, gen);
+        last = gen;
+    }
+    cr_assert(mid_write >= KILL_REPS / 2, "only %d of %d kills landed inside a write", mid_write, KILL_REPS);
+    cr_log_info("kill -9 during a background write: %d of %d kills hit a write in progress; every file loaded",
+                mid_write, KILL_REPS);
+    tm_ctx_free(ctx);
 }

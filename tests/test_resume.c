@@ -7,6 +7,7 @@
  * resume; eval of a checkpoint reproduces the validation loss of training; meta text round
  * trip.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <signal.h>
@@ -18,6 +19,7 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "child.h"
 #include "common.h"
 #include "config.h"
 #include "data.h"
@@ -639,4 +641,210 @@ Test(resume, the_same_data_by_another_path) {
     snprintf(q.resume, sizeof q.resume, "%s", ck);
     cr_assert_eq(tmd_train(&q, NULL, NULL, err, sizeof err), TMD_CONFIG_ERROR);
     cr_assert(strstr(err, "not the data checkpoint") && strstr(err, "fingerprint"), "%s", err);
+}
+
+/* ---- asynchronous saves (async_save, the default) --------------------------------------- */
+
+/* Whether dir holds the temporary file of a save of `step` being written. */
+static int writing(const char *dir, int step) {
+    char pre[64];
+    snprintf(pre, sizeof pre, "ckpt-%08d.tmck.tmp.", step);
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    struct dirent *e;
+    int found = 0;
+    while ((e = readdir(d)))
+        if (!strncmp(e->d_name, pre, strlen(pre))) found = 1;
+    closedir(d);
+    return found;
+}
+
+/* The whole file validated (every CRC), and its meta's step. */
+static int64_t complete_checkpoint_step(const char *path) {
+    tm_ctx *ctx = tt_ctx_threads(1);
+    tm_ckpt_info *info = NULL;
+    cr_assert_eq(tm_ckpt_inspect(ctx, path, &info), TM_OK, "%s", tm_ctx_errmsg(ctx));
+    tm_ckpt_info_free(info);
+    tm_ctx_free(ctx);
+    tmd_config kc;
+    tmd_ckpt_state st;
+    char err[512];
+    cr_assert_eq(tmd_ckpt_read_meta(path, &kc, &st, err, sizeof err), 0, "%s", err);
+    return st.step;
+}
+
+/* Training goes on while a checkpoint is written (TINYMOE_CKPT_TEST_DELAY_MS holds each write
+ * open for 400 ms, several steps), yet every checkpoint holds the state of its own step: the
+ * same tensors as the synchronous saves of the same run, and the final ones agree. */
+Test(resume, async_saves_hold_the_state_of_their_step) {
+    TT_WATCHDOG(120);
+    char a[256], b[256], fa[512], fb[512];
+    snprintf(a, sizeof a, "%s", tt_path("async"));
+    snprintf(b, sizeof b, "%s", tt_path("sync"));
+    tmd_config c;
+    small_run(&c, a, 12);
+    set(&c, "save_every", "3");
+    set(&c, "keep_last", "0");
+    tmd_config s = c;
+    set(&s, "out", b);
+    set(&s, "async_save", "false");
+    cr_assert(c.async_save, "async_save is on by default");
+    tmd_train_result ra, rs;
+    setenv("TINYMOE_CKPT_TEST_DELAY_MS", "400", 1);
+    double t0 = tt_now();
+    run_ok(&c, &ra);
+    double ta = tt_now() - t0;
+    unsetenv("TINYMOE_CKPT_TEST_DELAY_MS");
+    run_ok(&s, &rs);
+    /* 4 writes of >= 400 ms each, one at a time, the last one waited for */
+    cr_assert(ta >= 1.6, "the writes were held open (%.2f s)", ta);
+    for (int step = 3; step <= 12; step += 3) {
+        tmd_ckpt_path(a, step, fa, sizeof fa);
+        tmd_ckpt_path(b, step, fb, sizeof fb);
+        cr_assert_eq(complete_checkpoint_step(fa), step);
+        assert_same_tensors(fa, fb);
+    }
+    cr_assert_eq(ra.val_loss, rs.val_loss);
+    cr_assert(!writing(a, 12), "no temporary file left");
+}
+
+/* kill -9 while a background write is in flight (the second save's temporary file exists,
+ * training has gone on): the previous checkpoint is complete, and resuming from it equals a run
+ * that was never interrupted, bit for bit. */
+Test(resume, kill9_during_a_background_save_resumes_exactly) {
+    TT_WATCHDOG(180);
+    char a[256], ref[256], fa[512], fr[512], ck[512];
+    snprintf(a, sizeof a, "%s", tt_path("killed"));
+    snprintf(ref, sizeof ref, "%s", tt_path("straight"));
+    tmd_config c;
+    small_run(&c, a, 9);
+    set(&c, "save_every", "3");
+    fflush(NULL);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        setenv("TINYMOE_CKPT_TEST_DELAY_MS", "60000", 1); /* every write hangs until the kill */
+        char err[2048];
+        int rc = tmd_train(&c, NULL, NULL, err, sizeof err);
+        fprintf(stderr, "child: ended by itself: rc %d: %s\n", rc, err);
+        _exit(rc);
+    }
+    /* First the hook itself: a write held open for a minute is killed inside it, and leaves
+     * no checkpoint at all (only its temporary file). */
+    int ok = 0;
+    for (int i = 0; i < 6000 && !ok; i++) {
+        ok = writing(a, 3);
+        if (!ok) usleep(10000);
+    }
+    cr_assert(ok, "no background write of step 3 seen");
+    cr_assert_eq(kill(pid, SIGKILL), 0);
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "child status %d", status);
+    int64_t *steps;
+    int n;
+    char err[512];
+    cr_assert_eq(tmd_ckpt_list(a, &steps, &n, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(n, 0, "the write held open by the hook never completed");
+    free(steps);
+
+    /* Now let the first write complete and kill the second: step 3 must be whole. */
+    snprintf(a, sizeof a, "%s", tt_path("killed2"));
+    set(&c, "out", a);
+    fflush(NULL);
+    pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        setenv("TINYMOE_CKPT_TEST_DELAY_MS", "1500", 1);
+        char e2[2048];
+        int rc = tmd_train(&c, NULL, NULL, e2, sizeof e2);
+        fprintf(stderr, "child: rc %d: %s\n", rc, e2);
+        _exit(rc);
+    }
+    tmd_ckpt_path(a, 3, ck, sizeof ck);
+    struct stat sb;
+    ok = 0;
+    for (int i = 0; i < 6000 && !ok; i++) {
+        ok = stat(ck, &sb) == 0 && writing(a, 6);
+        if (!ok) usleep(5000);
+    }
+    cr_assert(ok, "never saw step 3 complete with step 6 being written");
+    cr_assert_eq(kill(pid, SIGKILL), 0);
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL, "child status %d", status);
+    cr_assert(writing(a, 6), "the kill landed inside the write of step 6");
+    cr_assert_eq(complete_checkpoint_step(ck), 3);
+    cr_assert_eq(tmd_ckpt_list(a, &steps, &n, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(n, 1);
+    cr_assert_eq(steps[0], 3);
+    free(steps);
+
+    tmd_config r = c;
+    snprintf(r.resume, sizeof r.resume, "%s", a);
+    tmd_train_result rr, rf;
+    run_ok(&r, &rr); /* async saves again */
+    tmd_config f = c;
+    set(&f, "out", ref);
+    set(&f, "async_save", "false");
+    run_ok(&f, &rf);
+    tmd_ckpt_path(a, 9, fa, sizeof fa);
+    tmd_ckpt_path(ref, 9, fr, sizeof fr);
+    assert_same_tensors(fa, fr);
+    cr_assert(!writing(a, 6), "the resumed run swept the killed write's temporary file");
+    cr_assert_eq(rr.val_loss, rf.val_loss);
+    char la[8][40], lf[8][40], ma[512], mf[512];
+    snprintf(ma, sizeof ma, "%s/metrics.jsonl", a);
+    snprintf(mf, sizeof mf, "%s/metrics.jsonl", ref);
+    cr_assert_eq(losses(ma, 3, 9, la), 6);
+    cr_assert_eq(losses(mf, 3, 9, lf), 6);
+    for (int i = 0; i < 6; i++) cr_assert_str_eq(la[i], lf[i], "loss of step %d", 4 + i);
+}
+
+/* SIGTERM while a background write is in flight: the run stops after its step, waits for that
+ * write, saves the step it stopped at, and exits 128 + 15 only once that file is complete. */
+Test(resume, sigterm_during_a_background_save_completes_it) {
+    TT_WATCHDOG(180);
+    char a[256];
+    snprintf(a, sizeof a, "%s", tt_path("term"));
+    tmd_config c;
+    small_run(&c, a, 100000);
+    set(&c, "save_every", "5");
+    set(&c, "keep_last", "0");
+    set(&c, "lr_schedule", "constant");
+    fflush(NULL);
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        setenv("TINYMOE_CKPT_TEST_DELAY_MS", "1000", 1);
+        char err[2048];
+        int rc = tmd_train(&c, NULL, NULL, err, sizeof err);
+        if (rc != 128 + SIGTERM) fprintf(stderr, "child: rc %d: %s\n", rc, err);
+        _exit(rc);
+    }
+    int ok = 0;
+    for (int i = 0; i < 6000 && !ok; i++) {
+        ok = writing(a, 5);
+        if (!ok) usleep(5000);
+    }
+    cr_assert(ok, "no background write of step 5 seen");
+    cr_assert_eq(kill(pid, SIGTERM), 0);
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM, "child status %d", status);
+    char ck[512], p5[512], err[512];
+    tmd_ckpt_path(a, 5, p5, sizeof p5);
+    cr_assert_eq(complete_checkpoint_step(p5), 5, "the write in flight completed");
+    cr_assert_eq(tmd_ckpt_resolve(a, ck, sizeof ck, err, sizeof err), 0, "%s", err);
+    int64_t step = complete_checkpoint_step(ck);
+    /* the step it stopped at: the last one trained (every step is logged) */
+    static char l[2000][40];
+    char m[512];
+    cr_assert(step >= 5 && step < 2000, "stopped at step %lld", (long long)step);
+    snprintf(m, sizeof m, "%s/metrics.jsonl", a);
+    int nl = losses(m, 0, (int)step, l);
+    cr_assert_eq(nl, step, "steps 1..%lld logged", (long long)step);
+    cr_assert_eq(losses(m, (int)step, 100000, l), 0, "no step trained after the checkpoint's");
+    cr_assert(step >= 5, "stopped at step %lld", (long long)step);
+    cr_assert(!writing(a, (int)step) && !writing(a, 5), "no temporary file left");
+    cr_log_info("SIGTERM during the background write of step 5: stopped at step %lld", (long long)step);
 }

@@ -179,10 +179,12 @@ Test(robust, a_save_refuses_nonfinite_weights) {
     tmd_run *r = calloc(1, sizeof *r);
     r->saved_step = -1;
     r->prune_pending = -1;
+    r->prune_proven = -1;
     char err[2048] = "";
     cr_assert_eq(tmd_run_setup(r, &c, NULL, 0, err, sizeof err), 0, "%s", err);
     cr_assert_eq(tmd_rundir_open_outputs(r, 0, err, sizeof err), 0, "%s", err);
     cr_assert_eq(tmd_rundir_save_checkpoint(r, 1, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_rundir_save_wait(r, err, sizeof err), 0, "%s", err); /* written in the background */
     tm_tensor *w = tm_ctx_find(r->ctx, "layers.0.attn.wq");
     cr_assert_not_null(w);
     int64_t n = tm_tensor_numel(w);

@@ -61,6 +61,7 @@ typedef struct tmd_config {
     int progress; /* TMD_PROGRESS_*: how rank 0 shows training (log.h) */
     char out[TMD_PATH_MAX];
     int save_every, keep_last, overwrite, allow_data_change;
+    int async_save; /* checkpoints written by a background thread (rundir.h) */
     int64_t exit_interval;
     char resume[TMD_PATH_MAX], init_from[TMD_PATH_MAX];
     char sample_prompt[TMD_PATH_MAX];

@@ -6,6 +6,8 @@
 #ifndef TMD_RUN_H
 #define TMD_RUN_H
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -17,6 +19,24 @@
 #include "markov.h"
 #include "plot.h"
 #include "tinymoe.h"
+
+/* The background write of an asynchronous save (async_save; rundir.c). The writer thread
+ * touches only this struct's snap, path, threads (read) and status, msg, write_s, done
+ * (written); the loop's thread reads those only after `done` is set or the thread is joined. */
+typedef struct tmd_bgsave {
+    pthread_t thread;
+    int active;       /* a writer thread was started and not joined yet */
+    atomic_int done;  /* the writer has finished (joining it will not block) */
+    tm_ckpt_snapshot *snap;
+    char path[TMD_PATH_MAX + 32];
+    int64_t step;     /* the step the snapshot holds */
+    int threads;      /* tm_ckpt_snapshot_write's num_threads */
+    tm_status status; /* of the write */
+    char msg[TMD_PATH_MAX + 1024];
+    int failed;       /* a joined write failed and has not been reported yet */
+    double stall_s, write_s; /* the snapshot's stall of training; the background write */
+    double wait_s;           /* the save's wait for the previous write, before the snapshot */
+} tmd_bgsave;
 
 typedef struct tmd_run {
     tmd_config c;
@@ -51,6 +71,9 @@ typedef struct tmd_run {
     int64_t resume_ck_steps; /* the checkpoint's own `steps` (a resumed run may change it) */
     int64_t saved_step; /* step of the newest checkpoint written by this run (-1: none) */
     int64_t prune_pending; /* a save whose pruning waits for the next finite loss (-1: none) */
+    int64_t prune_proven;  /* a save whose weights gave a finite loss, pruning once its file is complete (-1) */
+    tm_ckpt_snapshot *snap; /* async_save: host memory for the state, allocated at the first save */
+    tmd_bgsave bg;          /* async_save: the write in flight */
     int64_t skipped;    /* steps skipped for a non-finite loss or gradient norm (skip_nonfinite) */
     tmd_lock lock;      /* out's lock, held from the first write to the end of the run */
     int eval_split;     /* eval: validate on the val_fraction tail of data, as training did */

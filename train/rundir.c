@@ -4,6 +4,9 @@
 #include <dirent.h>
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -127,6 +130,146 @@ static void delete_checkpoints(const char *dir) {
     free(steps);
 }
 
+/* ---- asynchronous saves ---------------------------------------------------------------- */
+
+static void *bg_main(void *arg) {
+    tmd_bgsave *bg = arg;
+    double t0 = tmd_now_s();
+    tm_status s = tm_ckpt_snapshot_write(bg->snap, bg->path, bg->threads);
+    bg->status = s;
+    if (s) snprintf(bg->msg, sizeof bg->msg, "%s", tm_ckpt_snapshot_errmsg(bg->snap));
+    bg->write_s = tmd_now_s() - t0;
+    atomic_store(&bg->done, 1);
+    return NULL;
+}
+
+static void log_saved(tmd_run *r, int64_t step, const char *path, double seconds, const tmd_bgsave *bg) {
+    if (!r->log) return;
+    struct stat sb;
+    double mb = stat(path, &sb) ? 0.0 : (double)sb.st_size / 1e6;
+    char wait[96] = "";
+    if (bg && bg->wait_s >= 0.0005)
+        snprintf(wait, sizeof wait, ", %.3f s of it waiting for the previous write", bg->wait_s);
+    if (r->tty) tmd_progress_clear(r->log);
+    if (bg)
+        fprintf(r->log,
+                "step %lld: saved %s (%.1f MB; training stalled %.3f s for the snapshot, %.1f MB of host memory%s; "
+                "written in the background in %.2f s)\n",
+                (long long)step, path, mb, bg->stall_s + bg->wait_s, (double)tm_ckpt_snapshot_bytes(r->snap) / 1e6,
+                wait, bg->write_s);
+    else
+        fprintf(r->log, "step %lld: saved %s (%.1f MB, %.2f s)\n", (long long)step, path, mb, seconds);
+    tmd_run_log_flush(r);
+}
+
+/* Join the writer (rank 0; it has finished or is about to), report a success in the log and do
+ * the pruning that waited for the file; a failure waits in bg->failed for tmd_rundir_save_wait. */
+static void bg_join(tmd_run *r) {
+    tmd_bgsave *bg = &r->bg;
+    if (!bg->active) return;
+    pthread_join(bg->thread, NULL);
+    bg->active = 0;
+    if (bg->status == TM_OK) {
+        log_saved(r, bg->step, bg->path, 0, bg);
+        if (r->prune_proven == bg->step) {
+            prune_checkpoints(r, bg->step);
+            r->prune_proven = -1;
+        }
+    } else {
+        bg->failed = 1;
+        /* The file was not written: nothing is pruned for it. */
+        if (r->prune_pending == bg->step) r->prune_pending = -1;
+        if (r->prune_proven == bg->step) r->prune_proven = -1;
+    }
+}
+
+int tmd_rundir_save_wait(tmd_run *r, char *err, size_t errlen) {
+    tmd_bgsave *bg = &r->bg;
+    bg_join(r);
+    int64_t v = bg->failed ? (int64_t)bg->status : 0;
+    if (r->world > 1 && r->c.async_save && r->c.out[0]) {
+        /* Every rank waits here at the same point (before a save, at the end of the run), so
+         * the others learn rank 0's result; the writer thread itself makes no collective call. */
+        tm_status s = tm_comm_bcast_host(r->ctx, TM_COMM_WORLD, 0, &v, sizeof v);
+        if (s) return tmd_run_lib_fail(r, err, errlen, "agreeing on a background save", s);
+    }
+    if (!v) return 0;
+    bg->failed = 0;
+    if (r->rank != 0)
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "rank 0 failed to write the checkpoint of step %lld (%s)",
+                        (long long)bg->step, tm_status_str((tm_status)v));
+    return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "writing the checkpoint of step %lld in the background: %s",
+                    (long long)bg->step, bg->msg);
+}
+
+int tmd_rundir_finish(tmd_run *r, int rc, char *err, size_t errlen) {
+    bg_join(r);
+    if (!r->bg.failed) return rc;
+    r->bg.failed = 0;
+    if (!rc)
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "writing the checkpoint of step %lld in the background: %s",
+                        (long long)r->bg.step, r->bg.msg);
+    FILE *f = r->log ? r->log : stderr;
+    fprintf(f, "also: writing the checkpoint of step %lld in the background: %s\n", (long long)r->bg.step, r->bg.msg);
+    fflush(f);
+    return rc;
+}
+
+/* Snapshot the state at step `done` (the stall) and start its write on a thread. */
+static int save_async(tmd_run *r, int64_t done, const char *path, const char *meta, size_t len, char *err,
+                      size_t errlen) {
+    tmd_bgsave *bg = &r->bg;
+    double tw = tmd_now_s();
+    int rc = tmd_rundir_save_wait(r, err, errlen); /* one snapshot at a time: the previous write ends first */
+    if (rc) return rc;
+    double t0 = tmd_now_s();
+    bg->wait_s = t0 - tw;
+    tm_status s = TM_OK;
+    if (!r->snap) {
+        s = tm_ckpt_snapshot_new(r->ctx, NULL, &r->snap);
+        if (s == TM_ERR_NOMEM)
+            return tmd_fail(err, errlen, TMD_RUNTIME_ERROR,
+                            "async_save: no host memory for a snapshot of the training state (%s); run with "
+                            "--async_save false to save without one",
+                            tm_ctx_errmsg(r->ctx));
+        if (s) return tmd_run_lib_fail(r, err, errlen, "allocating a checkpoint snapshot", s);
+    }
+    s = tm_ckpt_snapshot_take(r->snap, meta, len);
+    if (s) return tmd_run_lib_fail(r, err, errlen, "taking a checkpoint snapshot", s);
+    bg->stall_s = tmd_now_s() - t0;
+    bg->snap = r->snap;
+    bg->step = done;
+    snprintf(bg->path, sizeof bg->path, "%s", path);
+    /* The writer thread does only file I/O: one thread on the CPU, where training has the cores;
+     * with a GPU training the host is idle, and every thread of the context checksums and writes. */
+    bg->threads = r->dev.type == TM_DEVICE_CUDA ? 0 : 1;
+    bg->status = TM_OK;
+    bg->msg[0] = 0;
+    bg->write_s = 0;
+    atomic_store(&bg->done, 0);
+    if (r->rank != 0) return 0; /* only rank 0 writes; there is nothing to wait for here */
+    /* The stop signals go to the loop's thread (stop.h): blocked in the writer, which inherits
+     * the mask in force when it is created. */
+    sigset_t stop, old;
+    sigemptyset(&stop);
+    sigaddset(&stop, SIGINT);
+    sigaddset(&stop, SIGTERM);
+    sigaddset(&stop, SIGHUP);
+    pthread_sigmask(SIG_BLOCK, &stop, &old);
+    int e = pthread_create(&bg->thread, NULL, bg_main, bg);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (e) {
+        /* No thread: write it here, synchronously. */
+        bg_main(bg);
+        if (bg->status)
+            return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "saving a checkpoint: %s", bg->msg);
+        log_saved(r, done, path, 0, bg);
+        return 0;
+    }
+    bg->active = 1;
+    return 0;
+}
+
 int tmd_rundir_save_checkpoint(tmd_run *r, int64_t done, char *err, size_t errlen) {
     if (!r->c.out[0] || r->saved_step == done) return 0;
     /* The last line of defence against a diverged run passing for progress: the update of the
@@ -159,28 +302,35 @@ int tmd_rundir_save_checkpoint(tmd_run *r, int64_t done, char *err, size_t errle
     char path[TMD_PATH_MAX + 32];
     tmd_ckpt_path(r->c.out, done, path, sizeof path);
     double t0 = tmd_now_s();
-    tm_status s = tm_ckpt_save(r->ctx, path, meta, len);
-    free(meta);
-    if (s) return tmd_run_lib_fail(r, err, errlen, "saving a checkpoint", s);
+    if (r->c.async_save) {
+        int rc = save_async(r, done, path, meta, len, err, errlen);
+        free(meta);
+        if (rc) return rc;
+    } else {
+        tm_status s = tm_ckpt_save(r->ctx, path, meta, len);
+        free(meta);
+        if (s) return tmd_run_lib_fail(r, err, errlen, "saving a checkpoint", s);
+        log_saved(r, done, path, tmd_now_s() - t0, NULL);
+    }
     r->saved_step = done;
     /* Not pruned yet: finite weights may still be garbage, and only the next step's loss says
      * so. The older checkpoints go once that loss is finite (tmd_rundir_prune), or the run ends
-     * another way; a run that diverges right after this save keeps them all. */
+     * another way; a run that diverges right after this save keeps them all. An asynchronous
+     * save prunes only once its file is complete as well. */
     r->prune_pending = done;
-    if (r->log) {
-        struct stat sb;
-        if (r->tty) tmd_progress_clear(r->log);
-        fprintf(r->log, "step %lld: saved %s (%.1f MB, %.2f s)\n", (long long)done, path,
-                stat(path, &sb) ? 0.0 : (double)sb.st_size / 1e6, tmd_now_s() - t0);
-        tmd_run_log_flush(r);
-    }
     return 0;
 }
 
 void tmd_rundir_prune(tmd_run *r) {
-    if (r->prune_pending < 0) return;
-    if (r->rank == 0) prune_checkpoints(r, r->prune_pending);
-    r->prune_pending = -1;
+    if (r->prune_pending >= 0) {
+        r->prune_proven = r->prune_pending;
+        r->prune_pending = -1;
+    }
+    if (r->bg.active && atomic_load(&r->bg.done)) bg_join(r); /* may prune */
+    if (r->prune_proven < 0) return;
+    if (r->bg.active && r->bg.step == r->prune_proven) return; /* once the file is complete (bg_join) */
+    if (r->rank == 0) prune_checkpoints(r, r->prune_proven);
+    r->prune_proven = -1;
 }
 
 /* The text after `"key":` in a metrics line (tmd_json writes `"key": value`), or NULL. */

@@ -32,12 +32,31 @@ int tmd_rundir_claim(tmd_run *r, const tmd_config *c, char *err, size_t errlen);
 int tmd_rundir_open_outputs(tmd_run *r, int64_t start, char *err, size_t errlen);
 /* Write <out>/ckpt-<done>.tmck (unless out is empty or this run already saved step `done`).
  * A model holding a non-finite weight is not saved: TMD_RUNTIME_ERROR naming the tensor. The
- * pruning this save calls for waits (r->prune_pending) for tmd_rundir_prune. */
+ * pruning this save calls for waits (r->prune_pending) for tmd_rundir_prune.
+ *
+ * With async_save (the default) the save first waits for the previous one's background write
+ * (tmd_rundir_save_wait: its failure is this call's error), then copies the state to host
+ * memory (tm_ckpt_snapshot_take into r->snap, allocated at the first save and kept: host
+ * memory for one checkpoint, whatever the number of saves), which is all the loop waits for,
+ * and starts a thread that writes the file (tm_ckpt_snapshot_write: the same temporary file,
+ * fsync and rename, so a crash during it leaves the previous checkpoint). The log line of the
+ * save comes when the write is complete: its size, the stall, the snapshot's host memory and
+ * the write's time. Only rank 0 writes; the thread makes no collective call. */
 int tmd_rundir_save_checkpoint(tmd_run *r, int64_t done, char *err, size_t errlen);
+/* Wait for the background write of the last save, if any: 0, or TMD_RUNTIME_ERROR with its
+ * error (every rank: rank 0's status is broadcast, so every rank must call it at the same
+ * point; a save calls it, and the loop before it reports the end of the run or a stop). */
+int tmd_rundir_save_wait(tmd_run *r, char *err, size_t errlen);
+/* At the end of tmd_train whatever happened: join a writer still running (after an error), so
+ * that the process exits only with its file complete or removed. Returns rc, or, when rc is 0,
+ * the writer's error; a writer's error after another one is printed to the log. No
+ * collective call. */
+int tmd_rundir_finish(tmd_run *r, int rc, char *err, size_t errlen);
 /* Keep the newest keep_last checkpoints up to the last save, if its pruning is pending. The
  * loop calls this once the weights of that save have given a finite loss (the next step), or
  * when the run ends without diverging: a divergence seen right after a save thus prunes
- * nothing, and the older checkpoints, whose weights are known to work, stay. */
+ * nothing, and the older checkpoints, whose weights are known to work, stay. A save being
+ * written in the background is pruned for only once its file is complete. */
 void tmd_rundir_prune(tmd_run *r);
 
 #endif

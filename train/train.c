@@ -49,6 +49,9 @@ void tmd_run_log_flush(tmd_run *r) {
 }
 
 void tmd_run_free(tmd_run *r) {
+    /* A background write still running (tmd_rundir_finish not called) ends first: it uses the
+     * snapshot, and the directory stays locked until its file is complete. */
+    if (r->bg.active) pthread_join(r->bg.thread, NULL), r->bg.active = 0;
     tmd_unlock(&r->lock);
     if (r->metrics) fclose(r->metrics);
     tmd_bins_free(&r->loss_bins);
@@ -61,6 +64,7 @@ void tmd_run_free(tmd_run *r) {
     tmd_markov_free(&r->src);
     tmd_tokens_free(&r->train);
     tmd_tokens_free(&r->val);
+    tm_ckpt_snapshot_free(r->snap); /* its writer was joined (tmd_rundir_finish) */
     tm_optimizer_free(r->opt);
     tm_model_free(r->model);
     tm_ctx_free(r->ctx);
@@ -624,8 +628,10 @@ static int stop_run(tmd_run *r, tmd_train_result *res, int64_t done, const char 
     const tmd_config *c = &r->c;
     int sig = tmd_stop_signal(), rc;
     if ((rc = tmd_rundir_save_checkpoint(r, done, err, errlen))) return rc;
-    tmd_rundir_prune(r);
     if ((rc = write_plots(r, err, errlen))) return rc;
+    /* The process exits only with the checkpoint complete (a background write included). */
+    if ((rc = tmd_rundir_save_wait(r, err, errlen))) return rc;
+    tmd_rundir_prune(r);
     res->steps = done;
     res->stopped_by_signal = sig;
     /* Where the reader went away with the terminal (| tee ended by the same Ctrl-C), stderr
@@ -739,6 +745,8 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
                 (rc = tmd_rundir_save_checkpoint(r, done, err, errlen)))
                 return rc;
             if ((rc = write_plots(r, err, errlen))) return rc;
+            if ((rc = tmd_rundir_save_wait(r, err, errlen))) return rc;
+            tmd_rundir_prune(r);
             if (r->log) {
                 if (r->tty) tmd_progress_clear(r->log);
                 fprintf(r->log, "stopped at step %lld (exit_interval %lld)%s%s%s\n", (long long)done,
@@ -760,6 +768,8 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
         }
         if (sig) return stop_run(r, res, done, "", err, errlen);
     }
+    /* The end-of-run checkpoint is complete before the summary names it. */
+    if ((rc = tmd_rundir_save_wait(r, err, errlen))) return rc;
     tmd_rundir_prune(r);
     if (r->tty && r->log) tmd_progress_clear(r->log);
     res->steps = steps;
@@ -928,6 +938,7 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
     if (!r) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
     r->saved_step = -1;
     r->prune_pending = -1;
+    r->prune_proven = -1;
     tmd_config c = *cfg;
     int rc = 0;
     if (cfg->resume[0] && cfg->init_from[0])
@@ -956,6 +967,8 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
             tmd_run_log_flush(r);
         }
         if (!rc) rc = train_loop(r, res, err, errlen);
+        /* A background write still running after an error ends before the run does. */
+        rc = tmd_rundir_finish(r, rc, err, errlen);
         tmd_stop_restore(&old);
         if (rc && r->log && r->tty) tmd_progress_clear(r->log);
     }
