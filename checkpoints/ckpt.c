@@ -234,7 +234,7 @@ typedef struct ck_item {
 } ck_item;
 
 tm_ckpt_save_options tm_ckpt_save_options_default(void) {
-    tm_ckpt_save_options o = {TM_CKPT_COMPRESS_AUTO, NULL, NULL};
+    tm_ckpt_save_options o = {TM_CKPT_COMPRESS_AUTO, NULL, NULL, NULL};
     return o;
 }
 
@@ -289,6 +289,8 @@ typedef struct ck_save {
     size_t snap_bytes, held; /* held: host bytes of the staging buffers (reported by snapshots) */
     char *err;               /* NULL: errors to ctx */
     size_t err_cap;
+    void (*before_commit)(const char *tmp_path, void *user); /* tm_ckpt_save_options */
+    void *user;
 } ck_save;
 
 enum { CK_ERR_MAX = PATH_MAX + 1024 };
@@ -342,6 +344,7 @@ static tm_status save_args(tm_ctx *ctx, const char *fn, const char *path, const 
 static tm_status plan_save(tm_ctx *ctx, const char *fn, const tm_ckpt_save_options *opt, int snapshot, ck_save *sv) {
     memset(sv, 0, sizeof *sv);
     sv->ctx = ctx;
+    if (opt) sv->before_commit = opt->before_commit, sv->user = opt->user;
     if (!host_little_endian())
         return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: big-endian hosts are not supported", fn);
     int n = tm_ctx_num_named(ctx);
@@ -546,18 +549,6 @@ static tm_status write_data(ck_save *sv, const char *path, const char *tmp, int 
     return st;
 }
 
-/* Test hook: TINYMOE_CKPT_TEST_DELAY_MS=N pauses every save for N ms after the tensor data is
- * written and before the file is completed and renamed, so that tests can interrupt a save
- * (kill -9, signals) while its temporary file exists. */
-static void test_delay(void) {
-    const char *v = getenv("TINYMOE_CKPT_TEST_DELAY_MS");
-    long ms = v ? strtol(v, NULL, 10) : 0;
-    if (ms <= 0) return;
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-    }
-}
-
 /* Write the planned save to "<path>.tmp.XXXXXX", fsync, rename over path, fsync the directory;
  * on failure the temporary file is removed. The arguments are checked (save_args). */
 static tm_status write_file(ck_save *sv, const char *path, const void *meta, size_t meta_bytes, int nth,
@@ -582,7 +573,7 @@ static tm_status write_file(ck_save *sv, const char *path, const void *meta, siz
     if (err) st = ck_fail(sv, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp, strerror(err));
     if (st == TM_OK) st = write_data(sv, path, tmp, fd, nth, &cursor, progress);
     if (st == TM_OK) {
-        test_delay();
+        if (sv->before_commit) sv->before_commit(tmp, sv->user);
         /* the index: one entry per tensor, in context creation order */
         size_t index_len = sv->index_len;
         unsigned char *p = sv->index;

@@ -1296,8 +1296,14 @@ typedef struct tm_ckpt_save_options {
     tm_ckpt_compress compress;
     int (*compress_tensor)(const char *name, tm_dtype dtype, void *user);
     void *user;
+    /* Called (when not NULL) once the tensor data is in the temporary file "<path>.tmp.XXXXXX"
+     * (tmp_path) and before its index is written, it is fsynced and renamed over path: a hook to
+     * observe or delay a save at the moment a crash would leave only the temporary file (the
+     * driver's tests hold saves open there to land signals and kills inside them). Runs on the
+     * thread that writes (a snapshot's writer thread). */
+    void (*before_commit)(const char *tmp_path, void *user);
 } tm_ckpt_save_options;
-/* {TM_CKPT_COMPRESS_AUTO, NULL, NULL} */
+/* {TM_CKPT_COMPRESS_AUTO, NULL, NULL, NULL} */
 TM_API tm_ckpt_save_options tm_ckpt_save_options_default(void);
 /* tm_ckpt_save with options (NULL: the defaults, exactly tm_ckpt_save). Same errors, plus
  * TM_ERR_INVALID_ARG for a compress value out of range, and TM_ERR_UNSUPPORTED for a tensor

@@ -7,9 +7,11 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "atomic.h"
@@ -216,6 +218,25 @@ int tmd_rundir_finish(tmd_run *r, int rc, char *err, size_t errlen) {
 }
 
 /* Snapshot the state at step `done` (the stall) and start its write on a thread. */
+/* The driver's test hook: TINYMOE_CKPT_TEST_DELAY_MS=N holds every save's temporary file open
+ * N ms longer (tm_ckpt_save_options.before_commit), so that tests land kills and signals inside
+ * a save whatever the machine's speed. Unset (always, outside the tests): no hook. */
+static void hold_save_open(const char *tmp_path, void *user) {
+    (void)tmp_path;
+    long ms = (long)(intptr_t)user;
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+static tm_ckpt_save_options save_options(void) {
+    tm_ckpt_save_options o = tm_ckpt_save_options_default();
+    const char *v = getenv("TINYMOE_CKPT_TEST_DELAY_MS");
+    long ms = v ? strtol(v, NULL, 10) : 0;
+    if (ms > 0) o.before_commit = hold_save_open, o.user = (void *)(intptr_t)ms;
+    return o;
+}
+
 static int save_async(tmd_run *r, int64_t done, const char *path, const char *meta, size_t len, char *err,
                       size_t errlen) {
     tmd_bgsave *bg = &r->bg;
@@ -226,7 +247,8 @@ static int save_async(tmd_run *r, int64_t done, const char *path, const char *me
     bg->wait_s = t0 - tw;
     tm_status s = TM_OK;
     if (!r->snap) {
-        s = tm_ckpt_snapshot_new(r->ctx, NULL, &r->snap);
+        tm_ckpt_save_options so = save_options();
+        s = tm_ckpt_snapshot_new(r->ctx, &so, &r->snap);
         if (s == TM_ERR_NOMEM)
             return tmd_fail(err, errlen, TMD_RUNTIME_ERROR,
                             "async_save: no host memory for a snapshot of the training state (%s); run with "
@@ -307,7 +329,8 @@ int tmd_rundir_save_checkpoint(tmd_run *r, int64_t done, char *err, size_t errle
         free(meta);
         if (rc) return rc;
     } else {
-        tm_status s = tm_ckpt_save(r->ctx, path, meta, len);
+        tm_ckpt_save_options so = save_options();
+        tm_status s = tm_ckpt_save_ex(r->ctx, path, meta, len, &so);
         free(meta);
         if (s) return tmd_run_lib_fail(r, err, errlen, "saving a checkpoint", s);
         log_saved(r, done, path, tmd_now_s() - t0, NULL);
