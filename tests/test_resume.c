@@ -848,3 +848,69 @@ Test(resume, sigterm_during_a_background_save_completes_it) {
     cr_assert(!writing(a, (int)step) && !writing(a, 5), "no temporary file left");
     cr_log_info("SIGTERM during the background write of step 5: stopped at step %lld", (long long)step);
 }
+
+/* Plots and the clock after a resume (issue 23, item 5): a run of 20 steps resumed to 40 draws
+ * loss.svg with as many points and experts.svg with as many cells as a straight run of 40 (the
+ * restored history is per step, the per-expert loads come back from metrics.jsonl's "experts"
+ * records), and elapsed_s goes on from where the first process stopped. */
+static int count_of(const char *text, const char *what) {
+    int n = 0;
+    for (const char *p = strstr(text, what); p; p = strstr(p + 1, what)) n++;
+    return n;
+}
+
+static int first_polyline_points(const char *svg) {
+    const char *p = strstr(svg, "<polyline");
+    cr_assert_not_null(p, "no polyline in loss.svg");
+    p = strstr(p, "points=\"");
+    cr_assert_not_null(p);
+    p += 8;
+    int n = 0;
+    for (; *p && *p != '"'; p++)
+        if (*p == ',') n++;
+    return n;
+}
+
+Test(resume, plots_and_clock_are_whole_after_a_resume) {
+    tt_tmpdir_make("tinymoe_resume_plots_");
+    char a[256], b[256];
+    snprintf(a, sizeof a, "%s", tt_path("straight"));
+    snprintf(b, sizeof b, "%s", tt_path("split"));
+    char *straight[] = {(char *)tt_tinymoe(), "train", "--preset", "tiny", "--steps", "40", "--log_every", "10",
+                        "--sample_tokens", "0", "--out", a, NULL};
+    char *first[] = {(char *)tt_tinymoe(), "train", "--preset", "tiny", "--steps", "20", "--log_every", "10",
+                     "--sample_tokens", "0", "--out", b, NULL};
+    char *second[] = {(char *)tt_tinymoe(), "train", "--resume", b, "--steps", "40", NULL};
+    char log[300];
+    snprintf(log, sizeof log, "%s", tt_path("log"));
+    cr_assert_eq(tt_run(straight, log, 120, NULL), 0);
+    cr_assert_eq(tt_run(first, log, 120, NULL), 0);
+    cr_assert_eq(tt_run(second, log, 120, NULL), 0);
+    char pa[300], pb[300];
+    long len;
+    snprintf(pa, sizeof pa, "%s/loss.svg", a);
+    snprintf(pb, sizeof pb, "%s/loss.svg", b);
+    char *la = (char *)tt_slurp(pa, &len), *lb = (char *)tt_slurp(pb, &len);
+    cr_assert_eq(first_polyline_points(lb), first_polyline_points(la), "loss.svg: %d points after a resume, %d straight",
+                 first_polyline_points(lb), first_polyline_points(la));
+    free(la), free(lb);
+    snprintf(pa, sizeof pa, "%s/experts.svg", a);
+    snprintf(pb, sizeof pb, "%s/experts.svg", b);
+    char *ea = (char *)tt_slurp(pa, &len), *eb = (char *)tt_slurp(pb, &len);
+    cr_assert_eq(count_of(eb, "<rect x="), count_of(ea, "<rect x="), "experts.svg: %d cells after a resume, %d straight",
+                 count_of(eb, "<rect x="), count_of(ea, "<rect x="));
+    free(ea), free(eb);
+    snprintf(pb, sizeof pb, "%s/metrics.jsonl", b);
+    char *m = (char *)tt_slurp(pb, &len);
+    cr_assert_eq(count_of(m, "\"type\": \"experts\""), 4, "experts records:\n%s", m);
+    double last = -1;
+    int seen = 0;
+    for (const char *p = strstr(m, "\"elapsed_s\": "); p; p = strstr(p + 1, "\"elapsed_s\": ")) {
+        double e = strtod(p + 13, NULL);
+        cr_assert(e >= last, "elapsed_s went back from %g to %g:\n%s", last, e, m);
+        last = e, seen++;
+    }
+    cr_assert_eq(seen, 4, "%s", m);
+    free(m);
+    tt_tmpdir_remove();
+}

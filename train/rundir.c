@@ -404,20 +404,43 @@ static int restore_metrics(tmd_run *r, int64_t upto, char *err, size_t errlen) {
     char *line = NULL;
     size_t cap = 0;
     ssize_t n;
+    /* A train record is the mean of its interval: each of the interval's steps gets it, so the
+     * plot's bins see as many points before the resume as after (not one per log_every steps);
+     * likewise an experts record's loads. The clock goes on from the last record kept. */
+    int64_t last_train = 0, last_experts = 0, nl = r->iv_load ? (int64_t)r->n_moe * r->E : 0;
+    double *load = nl ? malloc(sizeof *load * (size_t)nl) : NULL;
     while ((n = getline(&line, &cap, in)) > 0) {
         if (line[n - 1] != '\n' || n < 3 || line[0] != '{' || line[n - 2] != '}') continue;
         double step = json_field(line, "step");
         if (!(step <= (double)upto)) continue;
         fputs(line, out.f);
         if (json_type_is(line, "train")) {
-            double loss = json_field(line, "loss");
-            if (isfinite(loss)) tmd_bins_add(&r->loss_bins, (int64_t)step - 1, &loss);
+            double loss = json_field(line, "loss"), el = json_field(line, "elapsed_s");
+            if (isfinite(loss))
+                for (int64_t s = last_train + 1; s <= (int64_t)step; s++) tmd_bins_add(&r->loss_bins, s - 1, &loss);
+            if (isfinite(el) && el >= 0) r->elapsed0 = el;
+            last_train = (int64_t)step;
+        } else if (json_type_is(line, "experts") && load) {
+            const char *p = json_value(line, "load");
+            int64_t k = 0;
+            if (p && *p == '[') {
+                p++;
+                for (char *end; k < nl; k++, p = end) {
+                    while (*p == ' ' || *p == ',') p++;
+                    load[k] = strtod(p, &end);
+                    if (end == p) break;
+                }
+            }
+            if (k == nl) /* a record of another model (resumed into a new layout) is skipped */
+                for (int64_t s = last_experts + 1; s <= (int64_t)step; s++) tmd_bins_add(&r->load_bins, s - 1, load);
+            last_experts = (int64_t)step;
         } else if (json_type_is(line, "eval")) {
             double v = json_field(line, "val_loss");
             if (isfinite(v)) tmd_bins_add(&r->val_bins, (int64_t)step - 1, &v);
         }
     }
     free(line);
+    free(load);
     fclose(in);
     return tmd_atomic_commit(&out, err, errlen) ? TMD_RUNTIME_ERROR : 0;
 }

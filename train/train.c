@@ -58,6 +58,7 @@ void tmd_run_free(tmd_run *r) {
     tmd_bins_free(&r->val_bins);
     tmd_bins_free(&r->load_bins);
     free(r->step_load);
+    free(r->iv_load);
     free(r->moe_layer);
     free(r->inp);
     free(r->seq);
@@ -282,7 +283,8 @@ static int build(tmd_run *r, char *err, size_t errlen) {
     if (r->n_moe > 0) {
         r->moe_layer = malloc(sizeof *r->moe_layer * (size_t)r->n_moe);
         r->step_load = calloc((size_t)r->n_moe * (size_t)r->E, sizeof *r->step_load);
-        if (!r->moe_layer || !r->step_load) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
+        r->iv_load = calloc((size_t)r->n_moe * (size_t)r->E, sizeof *r->iv_load);
+        if (!r->moe_layer || !r->step_load || !r->iv_load) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
         for (int i = 0; i < r->n_moe; i++) r->moe_layer[i] = c->model.first_k_dense + i;
     }
     /* inputs and targets: the two halves of one block, uploaded in one copy (tmd_run_forward) */
@@ -489,7 +491,7 @@ static int log_train(tmd_run *r, int64_t step, double lr, const interval *iv, do
         tmd_json_num(&j, "tokens_per_s", tps);
         tmd_json_num(&j, "max_load", iv->max_load / n);
         tmd_json_int(&j, "dropped", iv->dropped);
-        tmd_json_num(&j, "elapsed_s", elapsed);
+        tmd_json_num(&j, "elapsed_s", r->elapsed0 + elapsed); /* a resumed run continues its clock */
         /* The host's time blocked on the device per step: ms_per_step minus this is the
          * host's own work; near 0 on a GPU, the step is bound by the host's launches. */
         if (r->dev.type == TM_DEVICE_CUDA) tmd_json_num(&j, "wait_ms", 1e3 * iv->wait_s / n);
@@ -501,7 +503,17 @@ static int log_train(tmd_run *r, int64_t step, double lr, const interval *iv, do
             tmd_json_num(&j, "grad_sync_ms", 1e3 * iv->sync_s / n);
         }
         if (tmd_jsonl_write(r->metrics, &j)) return -1;
+        /* the interval's mean tokens per expert of every MoE layer, [layer][expert]: what
+         * experts.svg draws, so that a resumed run redraws its whole history */
+        if (r->iv_load) {
+            fprintf(r->metrics, "{\"type\": \"experts\", \"step\": %lld, \"steps\": %d, \"load\": [", (long long)step,
+                    iv->n);
+            for (int i = 0; i < r->n_moe * r->E; i++) fprintf(r->metrics, "%s%.6g", i ? ", " : "", r->iv_load[i] / n);
+            fprintf(r->metrics, "]}\n");
+            if (fflush(r->metrics) || ferror(r->metrics)) return -1;
+        }
     }
+    if (r->iv_load) memset(r->iv_load, 0, sizeof *r->iv_load * (size_t)r->n_moe * (size_t)r->E);
     if (!r->log) return 0;
     if (r->tty) tmd_progress_clear(r->log); /* the row goes above the bar, redrawn after it */
     fprintf(r->log, "%7lld %8.4f %8.4f %8.5f %8.5f %9.2e %7.3f %8.1f %9.0f %6.2f", (long long)step, iv->loss / n,
@@ -712,7 +724,10 @@ static int train_loop(tmd_run *r, tmd_train_result *res, char *err, size_t errle
             iv.wait_s += st.wait_s;
             iv.n++;
             tmd_bins_add(&r->loss_bins, step, &st.loss);
-            if (r->step_load) tmd_bins_add(&r->load_bins, step, r->step_load);
+            if (r->step_load) {
+                tmd_bins_add(&r->load_bins, step, r->step_load);
+                for (int i = 0; i < r->n_moe * r->E; i++) r->iv_load[i] += r->step_load[i];
+            }
         }
         draw_progress(r, done, lr, &iv, t_train, &last_draw);
         /* An interval of skipped steps only has no means to record. */
