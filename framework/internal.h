@@ -330,14 +330,14 @@ tm_status tm__grouped_matmul_counts_mirrored(tm__call *c, const int64_t **cnt);
  * mirror (its kernels then read the sizes on the device; never a read back). */
 tm_status tm__moe_sort_chunks_sizes(tm__call *c, const int64_t **sizes);
 /* 1 when bf16 grouped_matmul on CUDA schedules its groups on the device: our tensor-core
- * kernel, one launch, no read back (TINYMOE_GMM=device in the environment, read once per
- * context); 0 by default: one cuBLASLt GEMM per group from host counts (a mirror, or one read
+ * kernel, one launch, no read back (tm_ctx_options.grouped_gemm = TM_GROUPED_GEMM_DEVICE);
+ * 0 by default: one cuBLASLt GEMM per group from host counts (a mirror, or one read
  * back), as f32. Measured on an H100 (docs/PERFORMANCE.md): cuBLASLt is 2.4x faster per GEMM
  * at the MoE benchmark's shapes, and once its plans are shared per size bucket (gemm.cu) a
  * training step is faster with it too (coarse 114 -> 87 ms, fine 107 -> 99 ms per step) in
  * spite of one wait per MoE layer; the device schedule is the one without any wait (what a
  * CUDA graph capture of the step needs). The CPU counts its synchronisations by the same rule.
- * tm__set_gmm_device_schedule overrides the environment for a context (tests: both paths). */
+ * tm__set_gmm_device_schedule overrides the option for a context (tests: both paths). */
 int tm__gmm_device_schedule(tm_ctx *ctx);
 void tm__set_gmm_device_schedule(tm_ctx *ctx, int on);
 

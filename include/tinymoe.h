@@ -130,15 +130,22 @@ typedef struct tm_ctx_options {
     int cpu_gemm;                  /* TM_CPU_GEMM_AUTO (0): CBLAS when the build has it;
                                     * TM_CPU_GEMM_BUILTIN: always the built-in blocked kernel, so
                                     * results do not depend on whether the build found OpenBLAS */
+    int grouped_gemm;              /* bf16 tm_grouped_matmul on CUDA (see there):
+                                    * TM_GROUPED_GEMM_CUBLASLT (0): one cuBLASLt GEMM per group
+                                    * from host group sizes (one wait per call without a host copy);
+                                    * TM_GROUPED_GEMM_DEVICE: one tensor-core kernel over all groups,
+                                    * sizes taken on the device, never a wait (slower per GEMM) */
 } tm_ctx_options;
 
 enum { TM_CPU_GEMM_AUTO = 0, TM_CPU_GEMM_BUILTIN = 1 };
+enum { TM_GROUPED_GEMM_CUBLASLT = 0, TM_GROUPED_GEMM_DEVICE = 1 };
 
-/* Defaults: no allocator hook, all threads, CPU only, 64 MiB chunks, CPU GEMM auto. */
+/* Defaults: no allocator hook, all threads, CPU only, 64 MiB chunks, CPU GEMM auto, grouped
+ * GEMM cuBLASLt. */
 TM_API tm_ctx_options tm_ctx_options_default(void);
 
 /* Make a context. opts may be NULL (defaults). Errors: TM_ERR_INVALID_ARG (out NULL; an
- * allocator whose alloc or free is NULL; cpu_gemm not one of TM_CPU_GEMM_*), TM_ERR_NOMEM (host memory; the cuBLASLt workspace),
+ * allocator whose alloc or free is NULL; cpu_gemm not one of TM_CPU_GEMM_*; grouped_gemm not one of TM_GROUPED_GEMM_*), TM_ERR_NOMEM (host memory; the cuBLASLt workspace),
  * TM_ERR_DEVICE (cuda_device >= 0 but CUDA absent from the build or no such device; the
  * message says which), TM_ERR_CUDA (selecting the device, creating its stream or the cuBLASLt
  * handle failed). On failure *out is NULL (unless out is NULL) and, since no context exists to
@@ -187,7 +194,7 @@ TM_API uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
  * bad-target flag of tm_cross_entropy's CUDA forward, when there are rows; the bad-index flag
  * of the CUDA forwards of tm_embedding, tm_index_select, tm_gather and tm_scatter_add, when
  * there are indices); one per f32 tm_grouped_matmul (forward or backward) whose counts have no
- * host mirror (see there; so does bf16, except under TINYMOE_GMM=device, which reads nothing back). tm_index_check reads nothing back, and tm_model_forward, which
+ * host mirror (see there; so does bf16, except under tm_ctx_options.grouped_gemm = TM_GROUPED_GEMM_DEVICE, which reads nothing back). tm_index_check reads nothing back, and tm_model_forward, which
  * checks its ids with it, embeds them without the flag read. tm_moe_unpermute reads nothing
  * back either (its CUDA kernels skip bad rows instead of reading row_token back). Nothing is
  * counted twice (a CUDA tensor's read counts its copy only). Never decreases; wraps only after
@@ -899,8 +906,8 @@ TM_API tm_status tm_moe_sort_chunks(tm_ctx *ctx, tm_tensor *x, tm_tensor *split_
  * (tm_tensor_write, tm_tensor_fill, an in-place op) discards that host copy. The counts are
  * validated from it, on every device alike.
  * bf16 on CUDA: as f32 (one cuBLASLt GEMM per group, bf16 in and out, f32 accumulation),
- * unless the environment variable TINYMOE_GMM=device, read when a context first runs a bf16
- * grouped GEMM, selects one tensor-core kernel over all groups, which takes the group sizes
+ * unless the context was created with tm_ctx_options.grouped_gemm = TM_GROUPED_GEMM_DEVICE,
+ * which selects one tensor-core kernel over all groups, which takes the group sizes
  * on the device: no synchronisation, whatever the counts (none counted on the CPU either).
  * Counts with a host copy (a permute's) are validated from it as above; others are not
  * validated on that path but clamped (a negative count as 0, a count cut at the rows left;
@@ -1579,9 +1586,16 @@ typedef struct tm_comm_options {
                                  * forever; default 60 */
     const void *mpi_comm;       /* NULL: MPI_COMM_WORLD (or one rank when MPI is not initialised);
                                  * else a pointer to the MPI_Comm to use as the world (duplicated) */
+    int nccl;                   /* the engine of CUDA tensors' collectives: TM_NCCL_AUTO (0): NCCL
+                                 * when every rank of several has its own GPU, else host-staged MPI
+                                 * (one rank: copies); TM_NCCL_OFF: host-staged MPI even where NCCL
+                                 * could serve; TM_NCCL_ALWAYS: NCCL also for one rank (a check of
+                                 * that engine on one GPU). Builds without NCCL: ignored */
 } tm_comm_options;
 
-/* ep_size 1, alltoall, zero 0, timeout 60 s, MPI_COMM_WORLD. */
+enum { TM_NCCL_AUTO = 0, TM_NCCL_OFF = 1, TM_NCCL_ALWAYS = 2 };
+
+/* ep_size 1, alltoall, zero 0, timeout 60 s, MPI_COMM_WORLD, NCCL auto. */
 TM_API tm_comm_options tm_comm_options_default(void);
 
 /* MPI is process-wide state, so these three are the only functions of tinymoe that touch the
@@ -1608,7 +1622,7 @@ TM_API int tm_mpi_world_size(void);
  * with the same options). The world is opts->mpi_comm or MPI_COMM_WORLD under an initialised
  * MPI, else one rank. Call it before creating parameters: tm_moe_new sizes its expert weights
  * by the layout. Errors: TM_ERR_INVALID_ARG (ep_size < 1 or not dividing the world size, zero
- * not 0 or 1, ep_strategy not a tm_ep_strategy, timeout NaN), TM_ERR_STATE (ctx has a
+ * not 0 or 1, ep_strategy not a tm_ep_strategy, timeout NaN, nccl not one of TM_NCCL_*), TM_ERR_STATE (ctx has a
  * communicator already, or parameters), TM_ERR_COMM (an MPI call failed). */
 TM_API tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts);
 /* This process's rank in group g and the group's size: 0 and 1 without a communicator (or for

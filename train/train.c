@@ -142,6 +142,7 @@ static tm_comm_options layout_of(const tmd_config *c) {
     co.ep_strategy = (tm_ep_strategy)c->ep_strategy;
     co.zero = c->zero;
     co.timeout_s = c->comm_timeout;
+    co.nccl = c->nccl;
     return co;
 }
 
@@ -225,6 +226,7 @@ static int build(tmd_run *r, char *err, size_t errlen) {
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = c->threads;
     o.cpu_gemm = c->cpu_gemm;
+    o.grouped_gemm = c->grouped_gemm;
     o.cuda_device = c->device == TMD_DEVICE_CUDA ? local_gpu() : -1;
     tm_status s = tm_ctx_new(&r->ctx, &o);
     if (s)
