@@ -6,7 +6,7 @@
  *
  *   backend  table                     implementation
  *   CPU      tm__cpu_backend           kernels/cpu/backend.c (+ copy.c, gemm.c, the op kernels)
- *   CUDA     tm__cuda_backend          kernels/cuda/device.cu (+ copy.cu, reduce.cu, gemm.cu, ...)
+ *   CUDA     tm__cuda_backend          kernels/cuda/device.cu (+ copy.cu, fixed_order_reduce.cu, gemm.cu, ...)
  *
  * Contracts (every function reports failures through tm__err and returns its status):
  *  - device_count: devices of this kind visible (0 when the driver or device is missing).
@@ -83,23 +83,23 @@ void tm__add_wait(tm_ctx *ctx, double t0);
 #define TM__FWD_CPU_CPU_CUDA(n) tm__##n##_forward_cpu
 #define TM__FWD_CPU_CPU(n) tm__##n##_forward_cpu
 #define TM__FWD_CPU_GENERIC(n) tm__##n##_forward
-#define TM__FWD_CPU_UPDATE_CPU(n) tm__##n##_forward_cpu
-#define TM__FWD_CPU_UPDATE_CPU_CUDA(n) tm__##n##_forward_cpu
+#define TM__FWD_CPU_NONDIFF_CPU(n) tm__##n##_forward_cpu
+#define TM__FWD_CPU_NONDIFF_CPU_CUDA(n) tm__##n##_forward_cpu
 #define TM__BWD_CPU_CPU_CUDA(n) tm__##n##_backward_cpu
 #define TM__BWD_CPU_CPU(n) tm__##n##_backward_cpu
 #define TM__BWD_CPU_GENERIC(n) tm__##n##_backward
-#define TM__BWD_CPU_UPDATE_CPU(n) NULL
-#define TM__BWD_CPU_UPDATE_CPU_CUDA(n) NULL
+#define TM__BWD_CPU_NONDIFF_CPU(n) NULL
+#define TM__BWD_CPU_NONDIFF_CPU_CUDA(n) NULL
 #define TM__FWD_CUDA_CPU_CUDA(n) tm__##n##_forward_cuda
 #define TM__FWD_CUDA_CPU(n) NULL
 #define TM__FWD_CUDA_GENERIC(n) tm__##n##_forward
-#define TM__FWD_CUDA_UPDATE_CPU(n) NULL
-#define TM__FWD_CUDA_UPDATE_CPU_CUDA(n) tm__##n##_forward_cuda
+#define TM__FWD_CUDA_NONDIFF_CPU(n) NULL
+#define TM__FWD_CUDA_NONDIFF_CPU_CUDA(n) tm__##n##_forward_cuda
 #define TM__BWD_CUDA_CPU_CUDA(n) tm__##n##_backward_cuda
 #define TM__BWD_CUDA_CPU(n) NULL
 #define TM__BWD_CUDA_GENERIC(n) tm__##n##_backward
-#define TM__BWD_CUDA_UPDATE_CPU(n) NULL
-#define TM__BWD_CUDA_UPDATE_CPU_CUDA(n) NULL
+#define TM__BWD_CUDA_NONDIFF_CPU(n) NULL
+#define TM__BWD_CUDA_NONDIFF_CPU_CUDA(n) NULL
 #define TM__FWD_CPU_COMM(n) tm__##n##_forward
 #define TM__BWD_CPU_COMM(n) tm__##n##_backward
 #define TM__FWD_CUDA_COMM(n) tm__##n##_forward

@@ -129,8 +129,8 @@ enum {
 #define TM__KMASK_CPU_CUDA (TM__K_CPU_FWD | TM__K_CPU_BWD | TM__K_CUDA_FWD | TM__K_CUDA_BWD)
 #define TM__KMASK_CPU (TM__K_CPU_FWD | TM__K_CPU_BWD)
 #define TM__KMASK_GENERIC TM__KMASK_CPU_CUDA
-#define TM__KMASK_UPDATE_CPU TM__K_CPU_FWD
-#define TM__KMASK_UPDATE_CPU_CUDA (TM__K_CPU_FWD | TM__K_CUDA_FWD)
+#define TM__KMASK_NONDIFF_CPU TM__K_CPU_FWD
+#define TM__KMASK_NONDIFF_CPU_CUDA (TM__K_CPU_FWD | TM__K_CUDA_FWD)
 #define TM__KMASK_COMM TM__KMASK_CPU_CUDA
 
 /* One row of the op table (op_table.c, generated from ops.def). The kernels themselves live
@@ -390,11 +390,11 @@ void tm__gemm_cpu(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M,
     TM__DECL_CHECK(name)                        \
     tm_status tm__##name##_forward(tm__call *c); \
     tm_status tm__##name##_backward(tm__call *c);
-#define TM__DECL_UPDATE_CPU(name) \
+#define TM__DECL_NONDIFF_CPU(name) \
     TM__DECL_CHECK(name)          \
     tm_status tm__##name##_forward_cpu(tm__call *c);
-#define TM__DECL_UPDATE_CPU_CUDA(name) \
-    TM__DECL_UPDATE_CPU(name)          \
+#define TM__DECL_NONDIFF_CPU_CUDA(name) \
+    TM__DECL_NONDIFF_CPU(name)          \
     tm_status tm__##name##_forward_cuda(tm__call *c);
 #define TM__DECL_COMM(name) TM__DECL_GENERIC(name)
 #define TM__OP(ID, name, n_in, n_out, flags, kernels) TM__DECL_##kernels(name)

@@ -1061,8 +1061,8 @@ typedef struct tm_moe_stats {
  * sequence-level aux loss (rows are split evenly; 1 if unused). stats may be NULL; otherwise
  * it receives the statistics as device tensors (see tm_moe_stats; tm_moe_stats_read brings
  * them to the host). With grad mode on, tokens_per_expert is also added to the block's running
- * sum for tm_moe_step, on the device (evaluation and sampling forwards do not move the expert
- * bias). Host round trips (tm_ctx_sync_count), forward + backward: with the grouped strategy
+ * sum for tm_moe_update_expert_bias, on the device (evaluation and sampling forwards do not
+ * move the expert bias). Host round trips (tm_ctx_sync_count), forward + backward: with the grouped strategy
  * at most one: the permute's row count where it depends on the data (dropless with
  * align_size > 1, or a capacity without pad_to_capacity); dropless with align_size 1 the permute
  * reads nothing (R = T * topk) and a grouped GEMM that needs the group sizes on the host reads
@@ -1081,9 +1081,10 @@ TM_API tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_
  * a forward of this block), TM_ERR_NOMEM, TM_ERR_CUDA. */
 TM_API tm_status tm_moe_stats_read(tm_moe *moe, tm_moe_stats *stats);
 /* Once per optimizer step: apply the expert-bias update (if use_expert_bias and the rate is
- * > 0) from the counts summed since the last call, then clear the sum.
+ * > 0) from the counts summed since the last call, then clear the sum (named tm_moe_step
+ * before 2026-11).
  * Errors: those of tm_moe_expert_bias_update, TM_ERR_CUDA (clearing a CUDA sum). */
-TM_API tm_status tm_moe_step(tm_moe *moe);
+TM_API tm_status tm_moe_update_expert_bias(tm_moe *moe);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Mixtral-style decoder-only language model                                                   */
@@ -1180,8 +1181,8 @@ typedef struct tm_model_out {
  * TM_ERR_UNSUPPORTED (an op without a kernel on the model's device, named), TM_ERR_NOMEM,
  * TM_ERR_CUDA. */
 TM_API tm_status tm_model_forward(tm_model *model, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out);
-/* Once per optimizer step: tm_moe_step on every MoE layer (expert-bias updates). Errors: those
- * of tm_moe_step. */
+/* Once per optimizer step: tm_moe_update_expert_bias on every MoE layer. Errors: those of
+ * tm_moe_update_expert_bias. */
 TM_API tm_status tm_model_step(tm_model *model);
 
 /* ------------------------------------------------------------------------------------------ */
