@@ -73,12 +73,25 @@ static inline int bench_parse(int argc, char **argv, const char *prog, const cha
     return 1;
 }
 
-/* The context for --device cpu|cuda. On a machine or build without CUDA, --device cuda is
+/* The value of a program's --gmm option (default | device: tm_ctx_options.grouped_gemm),
+ * which bench_ctx applies and the RESULT lines report. */
+static inline const char **bench_gmm_slot(void) {
+    static const char *gmm = "default";
+    return &gmm;
+}
+static inline const char *bench_gmm(void) { return *bench_gmm_slot(); }
+
+/* The context for --device cpu|cuda (and --gmm). On a machine or build without CUDA, --device cuda is
  * refused with a message saying so (exit status 3 from the programs): the benchmarks are
  * built everywhere (CI compiles them) and run where a GPU is. */
 static inline int bench_ctx(const char *prog, const char *device, long threads, tm_ctx **ctx, tm_device *dev) {
     tm_ctx_options co = tm_ctx_options_default();
     co.num_threads = (int)threads;
+    if (!strcmp(bench_gmm(), "device")) co.grouped_gemm = TM_GROUPED_GEMM_DEVICE;
+    else if (strcmp(bench_gmm(), "default")) {
+        fprintf(stderr, "%s: --gmm must be default or device, got '%s'\n", prog, bench_gmm());
+        return 2;
+    }
     if (!strcmp(device, "cuda")) {
         if (tm_cuda_device_count() < 1) {
             fprintf(stderr,
@@ -128,11 +141,5 @@ static inline uint64_t bench_rand(uint64_t *s) {
     return z ^ (z >> 31);
 }
 static inline double bench_u01(uint64_t *s) { return (double)(bench_rand(s) >> 11) * (1.0 / 9007199254740992.0); }
-
-/* The value of TINYMOE_GMM as the RESULT lines report it ("default" when unset or empty). */
-static inline const char *bench_gmm_env(void) {
-    const char *v = getenv("TINYMOE_GMM");
-    return v && *v ? v : "default";
-}
 
 #endif

@@ -8,7 +8,7 @@
 #   moe        the MoE layer fwd and fwd+bwd, bf16, T=16384 H=2048 F=1408 E=64 k=6:
 #              bench/moe_layer.c vs bench/moe_layer_torch.py (eager, torch.compile)
 #   kernels    grouped GEMM TFLOP/s vs one dense GEMM of the same FLOPs (the default, a
-#              cuBLASLt GEMM per group, and TINYMOE_GMM=device, the device-scheduled
+#              cuBLASLt GEMM per group, and --gmm device, the device-scheduled
 #              tensor-core kernel); permute / unpermute
 #              GB/s vs a device-to-device copy: bench/kernels.c
 #   attention  causal GQA attention fwd and fwd+bwd, B=16 S=1024 Hq=12 Hkv=4, D=64 and D=128:
@@ -169,12 +169,12 @@ if has "$only" kernels; then
     echo "== kernels ($((SECONDS - T_START)) s)"
     # shellcheck disable=SC2086
     run kernels build/bench/kernels --device $DEV $KER $KER_IT
-    # The device-scheduled kernel (no host group sizes), when this library reads TINYMOE_GMM.
+    # The device-scheduled kernel (no host group sizes), when this build of the program has --gmm.
     variant=0
-    if grep -aq TINYMOE_GMM build/libtinymoe.a 2>/dev/null; then
+    if build/bench/kernels --help 2>/dev/null | grep -q -- --gmm; then
         variant=1
         # shellcheck disable=SC2086
-        TINYMOE_GMM=device run kernels_gmm_device build/bench/kernels --device $DEV $KER $KER_IT --what gemm
+        run kernels_gmm_device build/bench/kernels --device $DEV $KER $KER_IT --what gemm --gmm device
     fi
     echo "grouped GEMM: TFLOP/s (2 R K N fwd, 6 R K N fwd+bwd) and % of the dense GEMM of the same FLOPs (target >= 75%)"
     printf '%-8s %-9s %8s %8s %14s' gemm routing "dense" "dense" "grouped"
@@ -201,7 +201,7 @@ if has "$only" kernels; then
             printf '   (max load %s)\n' "$(field max_load "${g:-$c}")"
         done
     done
-    [ $variant = 1 ] || echo "(TINYMOE_GMM=device: this build of the library does not read TINYMOE_GMM; skipped)"
+    [ $variant = 1 ] || echo "(--gmm device: this build of bench/kernels has no --gmm; skipped)"
     c=$(pick bench=copy)
     echo
     echo "permute / unpermute: GB/s of the bytes each must move (docs/PERFORMANCE.md) and % of a D2D copy (target >= 80%)"

@@ -12,8 +12,8 @@
  *    FLOPs) and forward + backward (dx and dw too: 6 R K N). The counts are a persistent i64
  *    buffer: the library reads a device tensor's counts back at most once per arena lifetime
  *    (tinymoe.h, tm_grouped_matmul), so the timed loops reset the arena every --block calls;
- *    the syncs per call are printed. TINYMOE_GMM (when the library reads it: bench/gpu.sh runs
- *    this program with and without TINYMOE_GMM=device) is echoed in the RESULT lines.
+ *    the syncs per call are printed. --gmm (bench/gpu.sh runs this program with and without
+ *    --gmm device) is echoed in the RESULT lines.
  *
  * 2. Permute / unpermute (tm_moe_permute, tm_moe_unpermute) against a device-to-device copy
  *    (cudaMemcpy, straight from the CUDA runtime: the public API has no plain copy; memcpy on
@@ -262,6 +262,8 @@ int main(int argc, char **argv) {
         {"--block", &block, NULL, 1, "calls between arena resets"},
         {"--seed", &seed, NULL, 0, "seed of the data and routings"},
         {"--threads", &threads, NULL, 0, "CPU threads (0: all)"},
+        {"--gmm", NULL, bench_gmm_slot(), 0,
+         "bf16 grouped GEMMs on CUDA: default (cuBLASLt per group) or device (tm_ctx_options.grouped_gemm)"},
     };
     int n = (int)(sizeof opts / sizeof opts[0]);
     int pr = bench_parse(argc, argv, BENCH_PROG, "grouped GEMM vs dense GEMM; permute/unpermute vs a copy (bench/kernels.c)",
@@ -285,8 +287,8 @@ int main(int argc, char **argv) {
     float *row_w = NULL;
     if (!counts) goto oom;
     printf("tinymoe %s kernels on %s: T=%ld k=%ld E=%ld H=%ld F=%ld (R = %ld rows), bf16; %ld warm-up + %ld timed "
-           "calls, arena reset every %ld; TINYMOE_GMM=%s\n",
-           tm_version(), device, T, k, E, H, F, R, warmup, iters, block, bench_gmm_env());
+           "calls, arena reset every %ld; --gmm %s\n",
+           tm_version(), device, T, k, E, H, F, R, warmup, iters, block, bench_gmm());
 
     if (has_word(what, "gemm")) {
         const struct { const char *name; long K, N; } shapes[2] = {{"gate_up", H, 2 * F}, {"down", F, H}};
@@ -321,7 +323,7 @@ int main(int argc, char **argv) {
             printf("RESULT bench=gemm op=%s kind=dense routing=- device=%s R=%ld K=%ld N=%ld G=1 ms_fwd=%.4f "
                    "ms_fwdbwd=%.4f tflops_fwd=%.2f tflops_fwdbwd=%.2f gmm=%s\n",
                    shapes[s].name, device, R, K, N, 1e3 * dense_f, 1e3 * dense_fb, fl / dense_f / 1e12,
-                   3 * fl / dense_fb / 1e12, bench_gmm_env());
+                   3 * fl / dense_fb / 1e12, bench_gmm());
             for (int m = 0; m < 3; m++) {
                 if (!has_word(routings, modes[m])) continue;
                 if (make_routing(modes[m], T, k, E, (uint64_t)seed + 17, NULL, NULL, counts)) goto oom;
@@ -340,7 +342,7 @@ int main(int argc, char **argv) {
                        "syncs_fwd=%.2f syncs_fwdbwd=%.2f max_load=%.3f gmm=%s\n",
                        shapes[s].name, modes[m], device, R, K, N, E, 1e3 * gf, 1e3 * gfb, fl / gf / 1e12,
                        3 * fl / gfb / 1e12, 100 * dense_f / gf, 100 * dense_fb / gfb, sf, sfb, load_ratio(counts, E),
-                       bench_gmm_env());
+                       bench_gmm());
             }
         }
     }

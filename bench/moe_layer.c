@@ -69,6 +69,8 @@ int main(int argc, char **argv) {
         {"--iters", &iters, NULL, 1, "timed iterations"},
         {"--seed", &seed, NULL, 0, "initialisation seed"},
         {"--threads", &threads, NULL, 0, "CPU threads (0: all)"},
+        {"--gmm", NULL, bench_gmm_slot(), 0,
+         "bf16 grouped GEMMs on CUDA: default (cuBLASLt per group) or device (tm_ctx_options.grouped_gemm)"},
     };
     int n = (int)(sizeof opts / sizeof opts[0]);
     int pr = bench_parse(argc, argv, BENCH_PROG, "MoE layer forward and forward+backward, bf16 (bench/moe_layer.c)", opts, n);
@@ -139,7 +141,7 @@ int main(int argc, char **argv) {
            "tflops_fwd=%.2f tflops_fwdbwd=%.2f syncs_fwd=%.2f syncs_fwdbwd=%.2f allocs_timed=%llu max_load=%.3f "
            "gmm=%s iters=%ld\n",
            device, T, H, F, E, k, 1e3 * fwd, 1e3 * fb, fl_f / fwd / 1e12, fl_fb / fb / 1e12, sync_f, sync_fb,
-           (unsigned long long)(alloc_f + alloc_fb), st.max_load_ratio, bench_gmm_env(), iters);
+           (unsigned long long)(alloc_f + alloc_fb), st.max_load_ratio, bench_gmm(), iters);
     rc = 0;
 fail:
     tm_moe_free(moe);

@@ -6,7 +6,7 @@
  *
  *   backend  table                     implementation
  *   CPU      tm__cpu_backend           kernels/cpu/backend.c (+ copy.c, gemm.c, the op kernels)
- *   CUDA     tm__cuda_backend          kernels/cuda/device.cu (+ copy.cu, reduce.cu, gemm.cu, ...)
+ *   CUDA     tm__cuda_backend          kernels/cuda/device.cu (+ copy.cu, fixed_order_reduce.cu, gemm.cu, ...)
  *
  * Contracts (every function reports failures through tm__err and returns its status):
  *  - device_count: devices of this kind visible (0 when the driver or device is missing).
@@ -54,12 +54,21 @@ typedef struct tm__backend_ops {
                       double alpha, const void *A, int64_t lda, int64_t sa, const void *B, int64_t ldb,
                       int64_t sb, double beta, void *C, int64_t ldc, int64_t sc, int64_t batch);
     const tm__fn *fwd, *bwd;
+    /* Host memory, the CPU backend's only (NULL elsewhere): n contiguous elements converted
+     * between dtypes (float -> bf16 rounds to nearest even), and a strided CPU tensor gathered
+     * into dense memory of its dtype. Framework code (tensor reads and writes, the MPI engine's
+     * bf16 staging, initialisation) reaches the CPU kernels through these, as through the rest
+     * of the table: tm__host_ops()->convert(...). */
+    void (*convert)(void *dst, tm_dtype ddt, const void *src, tm_dtype sdt, int64_t n, int nthreads);
+    void (*gather_strided)(const tm_tensor *t, void *dst);
     void *(*host_alloc_pinned)(tm_ctx *ctx, size_t nbytes);
     void (*host_free_pinned)(tm_ctx *ctx, void *p);
 } tm__backend_ops;
 
 /* The backend registered for TM__CPU / TM__CUDA; NULL when this build has none. */
 const tm__backend_ops *tm__backend_get(int b);
+/* The CPU backend's table, for host-memory work (convert, gather_strided). */
+static inline const tm__backend_ops *tm__host_ops(void) { return tm__backend_get(TM__CPU); }
 /* The backend of a context for a device (NULL if the context does not have that device). */
 const tm__backend_ops *tm__ctx_backend(const tm_ctx *ctx, tm_device dev);
 /* The GEMM of the device's backend (batched contract above). */
@@ -83,29 +92,30 @@ void tm__add_wait(tm_ctx *ctx, double t0);
 #define TM__FWD_CPU_CPU_CUDA(n) tm__##n##_forward_cpu
 #define TM__FWD_CPU_CPU(n) tm__##n##_forward_cpu
 #define TM__FWD_CPU_GENERIC(n) tm__##n##_forward
-#define TM__FWD_CPU_UPDATE_CPU(n) tm__##n##_forward_cpu
-#define TM__FWD_CPU_UPDATE_CPU_CUDA(n) tm__##n##_forward_cpu
+#define TM__FWD_CPU_NONDIFF_CPU(n) tm__##n##_forward_cpu
+#define TM__FWD_CPU_NONDIFF_CPU_CUDA(n) tm__##n##_forward_cpu
 #define TM__BWD_CPU_CPU_CUDA(n) tm__##n##_backward_cpu
 #define TM__BWD_CPU_CPU(n) tm__##n##_backward_cpu
 #define TM__BWD_CPU_GENERIC(n) tm__##n##_backward
-#define TM__BWD_CPU_UPDATE_CPU(n) NULL
-#define TM__BWD_CPU_UPDATE_CPU_CUDA(n) NULL
+#define TM__BWD_CPU_NONDIFF_CPU(n) NULL
+#define TM__BWD_CPU_NONDIFF_CPU_CUDA(n) NULL
 #define TM__FWD_CUDA_CPU_CUDA(n) tm__##n##_forward_cuda
 #define TM__FWD_CUDA_CPU(n) NULL
 #define TM__FWD_CUDA_GENERIC(n) tm__##n##_forward
-#define TM__FWD_CUDA_UPDATE_CPU(n) NULL
-#define TM__FWD_CUDA_UPDATE_CPU_CUDA(n) tm__##n##_forward_cuda
+#define TM__FWD_CUDA_NONDIFF_CPU(n) NULL
+#define TM__FWD_CUDA_NONDIFF_CPU_CUDA(n) tm__##n##_forward_cuda
 #define TM__BWD_CUDA_CPU_CUDA(n) tm__##n##_backward_cuda
 #define TM__BWD_CUDA_CPU(n) NULL
 #define TM__BWD_CUDA_GENERIC(n) tm__##n##_backward
-#define TM__BWD_CUDA_UPDATE_CPU(n) NULL
-#define TM__BWD_CUDA_UPDATE_CPU_CUDA(n) NULL
+#define TM__BWD_CUDA_NONDIFF_CPU(n) NULL
+#define TM__BWD_CUDA_NONDIFF_CPU_CUDA(n) NULL
 #define TM__FWD_CPU_COMM(n) tm__##n##_forward
 #define TM__BWD_CPU_COMM(n) tm__##n##_backward
 #define TM__FWD_CUDA_COMM(n) tm__##n##_forward
 #define TM__BWD_CUDA_COMM(n) tm__##n##_backward
 
-/* The CPU backend's primitives (kernels/cpu/copy.c), also used by host-side code. */
+/* The CPU backend's primitives (kernels/cpu/copy.c), for kernels; framework code calls them
+ * through the CPU table (tm__host_ops). */
 double tm__load_f64(const void *p, tm_dtype dt, int64_t i);
 void tm__store_f64(void *p, tm_dtype dt, int64_t i, double v);
 /* Convert n contiguous host elements between dtypes (float -> bf16 rounds to nearest even). */

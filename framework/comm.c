@@ -23,6 +23,7 @@ tm_comm_options tm_comm_options_default(void) {
     o.zero = 0;
     o.timeout_s = 60.0;
     o.mpi_comm = NULL;
+    o.nccl = TM_NCCL_AUTO;
     return o;
 }
 
@@ -297,6 +298,9 @@ tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts) {
                        "%s: ep_strategy = %d is none of alltoall (0), allgather (1), alltoall_dedup (2)", fn,
                        (int)o.ep_strategy);
     if (isnan(o.timeout_s)) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: timeout_s is NaN", fn);
+    if (o.nccl != TM_NCCL_AUTO && o.nccl != TM_NCCL_OFF && o.nccl != TM_NCCL_ALWAYS)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: nccl = %d is none of TM_NCCL_AUTO (0), TM_NCCL_OFF (1), TM_NCCL_ALWAYS (2)",
+                       fn, o.nccl);
     tm__comm *c = tm__host_alloc(ctx, sizeof *c);
     if (!c) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
     memset(c, 0, sizeof *c);
@@ -328,11 +332,10 @@ tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts) {
     if (s == TM_OK && ctx->cuda_device >= 0) {
         c->device = c->world_size == 1 ? &tm__comm_self_ops : &tm__comm_staged_ops;
 #ifdef TM_HAVE_NCCL
-        /* NCCL unless ranks share a GPU (TM_ERR_UNSUPPORTED: host staging) or TINYMOE_NCCL=0;
-         * TINYMOE_NCCL=1 uses it for one rank too (the GPU machine's one-GPU check of the
-         * NCCL path). */
-        const char *want = getenv("TINYMOE_NCCL");
-        int force = want && !strcmp(want, "1"), off = want && !strcmp(want, "0");
+        /* NCCL unless ranks share a GPU (TM_ERR_UNSUPPORTED: host staging) or opts.nccl is
+         * TM_NCCL_OFF; TM_NCCL_ALWAYS uses it for one rank too (the GPU machine's one-GPU check
+         * of the NCCL path). */
+        int force = o.nccl == TM_NCCL_ALWAYS, off = o.nccl == TM_NCCL_OFF;
         if (((c->world_size > 1 && c->host == &tm__comm_mpi_ops) || force) && !off) {
             tm_status ns = tm__nccl_comm_create(c);
             if (ns == TM_OK) c->device = &tm__comm_nccl_ops;

@@ -203,7 +203,7 @@ static void *scratch(tm__comm *c, size_t nbytes) { return tm__arena_alloc(c->ctx
 static tm_status bf16_widen(tm__comm *c, const void *src, int64_t n, float **out) {
     float *f = scratch(c, sizeof(float) * (size_t)n);
     if (!f) return tm__err(c->ctx, TM_ERR_NOMEM, "collective: out of host memory staging bf16 as f32");
-    tm__convert_host(f, TM_F32, src, TM_BF16, n, 1);
+    tm__host_ops()->convert(f, TM_F32, src, TM_BF16, n, 1);
     *out = f;
     return TM_OK;
 }
@@ -216,7 +216,7 @@ static tm_status mpi_allreduce(tm__comm *c, int g, const void *send, void *recv,
         float *f;
         tm_status s = bf16_widen(c, send, n, &f);
         if (!s) s = mpi_allreduce(c, g, f, f, n, TM_F32, dev);
-        if (!s) tm__convert_host(recv, TM_BF16, f, TM_F32, n, 1);
+        if (!s) tm__host_ops()->convert(recv, TM_BF16, f, TM_F32, n, 1);
         tm__scope_close(c->ctx, mark, NULL, 0);
         return s;
     }
@@ -254,7 +254,7 @@ static tm_status mpi_reduce_scatter(tm__comm *c, int g, const void *send, void *
         float *f;
         st = bf16_widen(c, send, n * G, &f);
         if (!st) st = mpi_reduce_scatter(c, g, f, f + n * c->rank[g], n, TM_F32, dev);
-        if (!st) tm__convert_host(recv, TM_BF16, f + n * c->rank[g], TM_F32, n, 1);
+        if (!st) tm__host_ops()->convert(recv, TM_BF16, f + n * c->rank[g], TM_F32, n, 1);
         tm__scope_close(c->ctx, mark, NULL, 0);
         return st;
     }

@@ -70,6 +70,12 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
                  "tm_ctx_new: cpu_gemm = %d is neither TM_CPU_GEMM_AUTO (0) nor TM_CPU_GEMM_BUILTIN (1)", o.cpu_gemm);
         return TM_ERR_INVALID_ARG;
     }
+    if (o.grouped_gemm != TM_GROUPED_GEMM_CUBLASLT && o.grouped_gemm != TM_GROUPED_GEMM_DEVICE) {
+        snprintf(create_error, sizeof create_error,
+                 "tm_ctx_new: grouped_gemm = %d is neither TM_GROUPED_GEMM_CUBLASLT (0) nor TM_GROUPED_GEMM_DEVICE (1)",
+                 o.grouped_gemm);
+        return TM_ERR_INVALID_ARG;
+    }
     tm_ctx tmp;
     memset(&tmp, 0, sizeof tmp);
     if (o.allocator) {
@@ -88,7 +94,7 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->n_threads = o.num_threads > 0 ? o.num_threads : omp_get_max_threads();
     ctx->grad_enabled = 1;
     ctx->cpu_gemm_builtin = o.cpu_gemm == TM_CPU_GEMM_BUILTIN;
-    ctx->gmm_device = -1;
+    ctx->gmm_device = o.grouped_gemm == TM_GROUPED_GEMM_DEVICE;
     ctx->chunk_bytes = o.arena_chunk_bytes ? o.arena_chunk_bytes : ((size_t)64 << 20);
     ctx->arena[TM__CPU].dev = tm_cpu();
     ctx->meta.dev = tm_cpu();
@@ -312,10 +318,4 @@ void tm__set_gmm_device_schedule(tm_ctx *ctx, int on) {
     if (ctx) ctx->gmm_device = on ? 1 : 0;
 }
 
-int tm__gmm_device_schedule(tm_ctx *ctx) {
-    if (ctx->gmm_device < 0) {
-        const char *e = getenv("TINYMOE_GMM");
-        ctx->gmm_device = e && !strcmp(e, "device");
-    }
-    return ctx->gmm_device;
-}
+int tm__gmm_device_schedule(tm_ctx *ctx) { return ctx->gmm_device; }

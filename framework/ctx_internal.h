@@ -108,7 +108,7 @@ struct tm_ctx {
     int n_threads;
     int grad_enabled;
     int cpu_gemm_builtin; /* tm_ctx_options.cpu_gemm == TM_CPU_GEMM_BUILTIN */
-    int gmm_device;       /* tm__gmm_device_schedule: -1 until read, then 0 or 1 */
+    int gmm_device;       /* tm__gmm_device_schedule: tm_ctx_options.grouped_gemm == TM_GROUPED_GEMM_DEVICE */
     uint64_t alloc_count;
     size_t chunk_bytes;
     char errmsg[1024];

@@ -189,7 +189,8 @@ enum { TM__SEGS_ADAMW = 1, TM__SEGS_GRADS = 2 };
 tm_status tm__segs_new(tm_ctx *ctx, const char *fn, tm_device dev, int cap, tm__segs **out);
 /* NULL: no-op. */
 void tm__segs_free(tm_ctx *ctx, tm__segs *l);
-/* The context's own list for dev (tm_ctx_clip_grad_norm's), made on first use (for cap ranges),
+/* The context's own list for dev (tm_ctx_clip_grad_norm's, and the one range of
+ * tm_adamw_update / tm_grad_sumsq / tm_grad_scale), made on first use (for cap ranges),
  * freed with the context. Errors: as tm__segs_new. */
 tm_status tm__ctx_segs(tm_ctx *ctx, tm_device dev, int cap, tm__segs **out);
 /* Empty the list to describe up to cap ranges of kind TM__SEGS_ADAMW or TM__SEGS_GRADS. */
@@ -205,8 +206,8 @@ tm_status tm__segs_add_adamw(tm_ctx *ctx, tm__segs *l, tm_tensor *P, tm_tensor *
                              tm_tensor *master, int64_t a, int64_t e, int64_t off, double wd);
 /* Gradient range [a, e) of the flat gradients G. Errors: as tm__segs_add_adamw. */
 tm_status tm__segs_add_grad(tm_ctx *ctx, tm__segs *l, tm_tensor *G, int64_t a, int64_t e);
-/* tm_adamw_update over every range of l (TM__SEGS_ADAMW) in one op, with each range's weight
- * decay; bit for bit what one tm_adamw_update per range gives. Errors: as tm_adamw_update. */
+/* AdamW over every range of l (TM__SEGS_ADAMW) in one op, with each range's weight decay
+ * (tm_adamw_update is this over one range). Errors: as tm_adamw_update. */
 tm_status tm__adamw_update_multi(tm_ctx *ctx, tm__segs *l, const tm_adamw_config *cfg, double lr, int64_t step);
 /* The clip's two ops over l (TM__SEGS_GRADS, at least one range). grad_sumsq_multi: *partials
  * [count] = tm_grad_sumsq of each range (f64 on the CPU, f32 on CUDA, the same values), and
@@ -216,5 +217,8 @@ tm_status tm__adamw_update_multi(tm_ctx *ctx, tm__segs *l, const tm_adamw_config
  * for f32 and bf16 gradients), nothing when factor is 1, without a host read. */
 tm_status tm__grad_sumsq_multi(tm_ctx *ctx, tm__segs *l, double max_norm, tm_tensor **partials, tm_tensor **factor);
 tm_status tm__grad_scale_multi(tm_ctx *ctx, tm__segs *l, tm_tensor *factor);
+/* A factor for tm__grad_scale_multi computed on the host: scale as a 0-d tensor on dev (f64 on
+ * the CPU, f32 on CUDA; a step temporary). Errors: TM_ERR_NOMEM, TM_ERR_CUDA. */
+tm_status tm__clip_factor(tm_ctx *ctx, tm_device dev, double scale, tm_tensor **out);
 
 #endif

@@ -129,8 +129,8 @@ enum {
 #define TM__KMASK_CPU_CUDA (TM__K_CPU_FWD | TM__K_CPU_BWD | TM__K_CUDA_FWD | TM__K_CUDA_BWD)
 #define TM__KMASK_CPU (TM__K_CPU_FWD | TM__K_CPU_BWD)
 #define TM__KMASK_GENERIC TM__KMASK_CPU_CUDA
-#define TM__KMASK_UPDATE_CPU TM__K_CPU_FWD
-#define TM__KMASK_UPDATE_CPU_CUDA (TM__K_CPU_FWD | TM__K_CUDA_FWD)
+#define TM__KMASK_NONDIFF_CPU TM__K_CPU_FWD
+#define TM__KMASK_NONDIFF_CPU_CUDA (TM__K_CPU_FWD | TM__K_CUDA_FWD)
 #define TM__KMASK_COMM TM__KMASK_CPU_CUDA
 
 /* One row of the op table (op_table.c, generated from ops.def). The kernels themselves live
@@ -330,14 +330,14 @@ tm_status tm__grouped_matmul_counts_mirrored(tm__call *c, const int64_t **cnt);
  * mirror (its kernels then read the sizes on the device; never a read back). */
 tm_status tm__moe_sort_chunks_sizes(tm__call *c, const int64_t **sizes);
 /* 1 when bf16 grouped_matmul on CUDA schedules its groups on the device: our tensor-core
- * kernel, one launch, no read back (TINYMOE_GMM=device in the environment, read once per
- * context); 0 by default: one cuBLASLt GEMM per group from host counts (a mirror, or one read
+ * kernel, one launch, no read back (tm_ctx_options.grouped_gemm = TM_GROUPED_GEMM_DEVICE);
+ * 0 by default: one cuBLASLt GEMM per group from host counts (a mirror, or one read
  * back), as f32. Measured on an H100 (docs/PERFORMANCE.md): cuBLASLt is 2.4x faster per GEMM
  * at the MoE benchmark's shapes, and once its plans are shared per size bucket (gemm.cu) a
  * training step is faster with it too (coarse 114 -> 87 ms, fine 107 -> 99 ms per step) in
  * spite of one wait per MoE layer; the device schedule is the one without any wait (what a
  * CUDA graph capture of the step needs). The CPU counts its synchronisations by the same rule.
- * tm__set_gmm_device_schedule overrides the environment for a context (tests: both paths). */
+ * tm__set_gmm_device_schedule overrides the option for a context (tests: both paths). */
 int tm__gmm_device_schedule(tm_ctx *ctx);
 void tm__set_gmm_device_schedule(tm_ctx *ctx, int on);
 
@@ -390,11 +390,11 @@ void tm__gemm_cpu(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M,
     TM__DECL_CHECK(name)                        \
     tm_status tm__##name##_forward(tm__call *c); \
     tm_status tm__##name##_backward(tm__call *c);
-#define TM__DECL_UPDATE_CPU(name) \
+#define TM__DECL_NONDIFF_CPU(name) \
     TM__DECL_CHECK(name)          \
     tm_status tm__##name##_forward_cpu(tm__call *c);
-#define TM__DECL_UPDATE_CPU_CUDA(name) \
-    TM__DECL_UPDATE_CPU(name)          \
+#define TM__DECL_NONDIFF_CPU_CUDA(name) \
+    TM__DECL_NONDIFF_CPU(name)          \
     tm_status tm__##name##_forward_cuda(tm__call *c);
 #define TM__DECL_COMM(name) TM__DECL_GENERIC(name)
 #define TM__OP(ID, name, n_in, n_out, flags, kernels) TM__DECL_##kernels(name)

@@ -125,7 +125,7 @@ static tm_status init_replicated(tm_ctx *ctx, tm_tensor *t, int g, int G, int me
         cd[G + j] = a;
     }
     draw(ctx, t, h, seed, normal, p0, p1, lo, hi, vals);
-    tm__convert_host(conv, t->dtype, vals, TM_F64, hi - lo, ctx->n_threads);
+    tm__host_ops()->convert(conv, t->dtype, vals, TM_F64, hi - lo, ctx->n_threads);
     tm__mirror_drop(ctx, t);
     char *data = tm__data(t);
     TM__TRY(tm__memcpy(ctx, data + (size_t)lo * es, t->device, conv, tm_cpu(), (size_t)(hi - lo) * es));

@@ -384,7 +384,7 @@ static tm_status tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, v
             if (t->device.type == TM_DEVICE_CPU) {
                 void *tmp = tm__arena_alloc(ctx, tm_cpu(), nbytes);
                 if (!tmp) return TM_ERR_NOMEM;
-                tm__gather_strided_host(t, tmp);
+                tm__host_ops()->gather_strided(t, tmp);
                 src = tmp;
                 goto convert;
             }
@@ -398,7 +398,7 @@ static tm_status tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, v
         src = tmp;
     }
 convert:
-    tm__convert_host(dst, dst_dt, src, t->dtype, n, ctx->n_threads);
+    tm__host_ops()->convert(dst, dst_dt, src, t->dtype, n, ctx->n_threads);
     return TM_OK;
 }
 
@@ -417,7 +417,7 @@ static tm_status tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const 
     if (master) TM__TRY(tm_tensor_write(ctx, master, src_dt, src, count)); /* f32 master weights follow */
     if (t->pm) TM__TRY(tm__param_master_write(ctx, t, src_dt, src));   /* (sharded over the ranks) */
     if (t->device.type == TM_DEVICE_CPU) {
-        tm__convert_host(tm__data(t), t->dtype, src, src_dt, n, ctx->n_threads);
+        tm__host_ops()->convert(tm__data(t), t->dtype, src, src_dt, n, ctx->n_threads);
         return TM_OK;
     }
     size_t nbytes = (size_t)n * tm_dtype_size(t->dtype);
@@ -425,7 +425,7 @@ static tm_status tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const 
     if (src_dt != t->dtype) {
         void *tmp = tm__arena_alloc(ctx, tm_cpu(), nbytes);
         if (!tmp) return TM_ERR_NOMEM;
-        tm__convert_host(tmp, t->dtype, src, src_dt, n, ctx->n_threads);
+        tm__host_ops()->convert(tmp, t->dtype, src, src_dt, n, ctx->n_threads);
         stage = tmp;
     }
     return tm__memcpy(ctx, tm__data(t), t->device, stage, tm_cpu(), nbytes);

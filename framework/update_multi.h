@@ -1,7 +1,9 @@
 /*
- * update_multi.h — the segment table of the fused update ops adamw_update_multi,
+ * update_multi.h — the segment table of the update ops adamw_update_multi,
  * grad_sumsq_multi and grad_scale_multi (front ends and the table's owner, tm__segs:
- * framework/ops/update.c; kernels: kernels/cpu/update.c, kernels/cuda/update.cu).
+ * framework/ops/update.c; kernels: kernels/cpu/update.c, kernels/cuda/update.cu). They are
+ * the only AdamW, sum-of-squares and scaling ops: the public single-tensor functions pass a
+ * table of one range.
  *
  * A segment is one contiguous range of a bucket on the table's device: for AdamW a decay run of
  * the parameters with the matching gradients, moments and master weights; for the clip a
@@ -41,6 +43,20 @@ enum {
     TM__SEG_CHUNK = 4096,        /* elements per block of the elementwise kernels */
     TM__SUMSQ_MAX_CHUNKS = 256,  /* the sum of squares' chunking (grad_sumsq too) */
     TM__SUMSQ_MIN_CHUNK = 4096
+};
+
+/* adamw_update_multi's fattr[] slots (each range carries its own weight decay, tm__seg.wd).
+ * 1 - beta and the bias corrections bc = 1 - beta^step are computed in f64 by the front end. */
+enum {
+    TM__ADAMW_LR = 0,
+    TM__ADAMW_BETA1,
+    TM__ADAMW_OMB1, /* 1 - beta1 */
+    TM__ADAMW_BETA2,
+    TM__ADAMW_OMB2, /* 1 - beta2 */
+    TM__ADAMW_EPS,
+    TM__ADAMW_BC1,
+    TM__ADAMW_BC2,
+    TM__ADAMW_NATTR
 };
 
 /* Elements per chunk of the sum of squares of n elements (n >= 1): a function of n alone. */

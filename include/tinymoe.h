@@ -130,15 +130,22 @@ typedef struct tm_ctx_options {
     int cpu_gemm;                  /* TM_CPU_GEMM_AUTO (0): CBLAS when the build has it;
                                     * TM_CPU_GEMM_BUILTIN: always the built-in blocked kernel, so
                                     * results do not depend on whether the build found OpenBLAS */
+    int grouped_gemm;              /* bf16 tm_grouped_matmul on CUDA (see there):
+                                    * TM_GROUPED_GEMM_CUBLASLT (0): one cuBLASLt GEMM per group
+                                    * from host group sizes (one wait per call without a host copy);
+                                    * TM_GROUPED_GEMM_DEVICE: one tensor-core kernel over all groups,
+                                    * sizes taken on the device, never a wait (slower per GEMM) */
 } tm_ctx_options;
 
 enum { TM_CPU_GEMM_AUTO = 0, TM_CPU_GEMM_BUILTIN = 1 };
+enum { TM_GROUPED_GEMM_CUBLASLT = 0, TM_GROUPED_GEMM_DEVICE = 1 };
 
-/* Defaults: no allocator hook, all threads, CPU only, 64 MiB chunks, CPU GEMM auto. */
+/* Defaults: no allocator hook, all threads, CPU only, 64 MiB chunks, CPU GEMM auto, grouped
+ * GEMM cuBLASLt. */
 TM_API tm_ctx_options tm_ctx_options_default(void);
 
 /* Make a context. opts may be NULL (defaults). Errors: TM_ERR_INVALID_ARG (out NULL; an
- * allocator whose alloc or free is NULL; cpu_gemm not one of TM_CPU_GEMM_*), TM_ERR_NOMEM (host memory; the cuBLASLt workspace),
+ * allocator whose alloc or free is NULL; cpu_gemm not one of TM_CPU_GEMM_*; grouped_gemm not one of TM_GROUPED_GEMM_*), TM_ERR_NOMEM (host memory; the cuBLASLt workspace),
  * TM_ERR_DEVICE (cuda_device >= 0 but CUDA absent from the build or no such device; the
  * message says which), TM_ERR_CUDA (selecting the device, creating its stream or the cuBLASLt
  * handle failed). On failure *out is NULL (unless out is NULL) and, since no context exists to
@@ -187,7 +194,7 @@ TM_API uint64_t tm_ctx_alloc_count(const tm_ctx *ctx);
  * bad-target flag of tm_cross_entropy's CUDA forward, when there are rows; the bad-index flag
  * of the CUDA forwards of tm_embedding, tm_index_select, tm_gather and tm_scatter_add, when
  * there are indices); one per f32 tm_grouped_matmul (forward or backward) whose counts have no
- * host mirror (see there; so does bf16, except under TINYMOE_GMM=device, which reads nothing back). tm_index_check reads nothing back, and tm_model_forward, which
+ * host mirror (see there; so does bf16, except under tm_ctx_options.grouped_gemm = TM_GROUPED_GEMM_DEVICE, which reads nothing back). tm_index_check reads nothing back, and tm_model_forward, which
  * checks its ids with it, embeds them without the flag read. tm_moe_unpermute reads nothing
  * back either (its CUDA kernels skip bad rows instead of reading row_token back). Nothing is
  * counted twice (a CUDA tensor's read counts its copy only). Never decreases; wraps only after
@@ -899,8 +906,8 @@ TM_API tm_status tm_moe_sort_chunks(tm_ctx *ctx, tm_tensor *x, tm_tensor *split_
  * (tm_tensor_write, tm_tensor_fill, an in-place op) discards that host copy. The counts are
  * validated from it, on every device alike.
  * bf16 on CUDA: as f32 (one cuBLASLt GEMM per group, bf16 in and out, f32 accumulation),
- * unless the environment variable TINYMOE_GMM=device, read when a context first runs a bf16
- * grouped GEMM, selects one tensor-core kernel over all groups, which takes the group sizes
+ * unless the context was created with tm_ctx_options.grouped_gemm = TM_GROUPED_GEMM_DEVICE,
+ * which selects one tensor-core kernel over all groups, which takes the group sizes
  * on the device: no synchronisation, whatever the counts (none counted on the CPU either).
  * Counts with a host copy (a permute's) are validated from it as above; others are not
  * validated on that path but clamped (a negative count as 0, a count cut at the rows left;
@@ -1054,8 +1061,8 @@ typedef struct tm_moe_stats {
  * sequence-level aux loss (rows are split evenly; 1 if unused). stats may be NULL; otherwise
  * it receives the statistics as device tensors (see tm_moe_stats; tm_moe_stats_read brings
  * them to the host). With grad mode on, tokens_per_expert is also added to the block's running
- * sum for tm_moe_step, on the device (evaluation and sampling forwards do not move the expert
- * bias). Host round trips (tm_ctx_sync_count), forward + backward: with the grouped strategy
+ * sum for tm_moe_update_expert_bias, on the device (evaluation and sampling forwards do not
+ * move the expert bias). Host round trips (tm_ctx_sync_count), forward + backward: with the grouped strategy
  * at most one: the permute's row count where it depends on the data (dropless with
  * align_size > 1, or a capacity without pad_to_capacity); dropless with align_size 1 the permute
  * reads nothing (R = T * topk) and a grouped GEMM that needs the group sizes on the host reads
@@ -1074,9 +1081,10 @@ TM_API tm_status tm_moe_forward(tm_moe *moe, tm_tensor *x, int64_t num_seqs, tm_
  * a forward of this block), TM_ERR_NOMEM, TM_ERR_CUDA. */
 TM_API tm_status tm_moe_stats_read(tm_moe *moe, tm_moe_stats *stats);
 /* Once per optimizer step: apply the expert-bias update (if use_expert_bias and the rate is
- * > 0) from the counts summed since the last call, then clear the sum.
+ * > 0) from the counts summed since the last call, then clear the sum (named tm_moe_step
+ * before 2026-11).
  * Errors: those of tm_moe_expert_bias_update, TM_ERR_CUDA (clearing a CUDA sum). */
-TM_API tm_status tm_moe_step(tm_moe *moe);
+TM_API tm_status tm_moe_update_expert_bias(tm_moe *moe);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Mixtral-style decoder-only language model                                                   */
@@ -1173,8 +1181,8 @@ typedef struct tm_model_out {
  * TM_ERR_UNSUPPORTED (an op without a kernel on the model's device, named), TM_ERR_NOMEM,
  * TM_ERR_CUDA. */
 TM_API tm_status tm_model_forward(tm_model *model, tm_tensor *tokens, tm_tensor *targets, tm_model_out *out);
-/* Once per optimizer step: tm_moe_step on every MoE layer (expert-bias updates). Errors: those
- * of tm_moe_step. */
+/* Once per optimizer step: tm_moe_update_expert_bias on every MoE layer. Errors: those of
+ * tm_moe_update_expert_bias. */
 TM_API tm_status tm_model_step(tm_model *model);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -1646,9 +1654,16 @@ typedef struct tm_comm_options {
                                  * forever; default 60 */
     const void *mpi_comm;       /* NULL: MPI_COMM_WORLD (or one rank when MPI is not initialised);
                                  * else a pointer to the MPI_Comm to use as the world (duplicated) */
+    int nccl;                   /* the engine of CUDA tensors' collectives: TM_NCCL_AUTO (0): NCCL
+                                 * when every rank of several has its own GPU, else host-staged MPI
+                                 * (one rank: copies); TM_NCCL_OFF: host-staged MPI even where NCCL
+                                 * could serve; TM_NCCL_ALWAYS: NCCL also for one rank (a check of
+                                 * that engine on one GPU). Builds without NCCL: ignored */
 } tm_comm_options;
 
-/* ep_size 1, alltoall, zero 0, timeout 60 s, MPI_COMM_WORLD. */
+enum { TM_NCCL_AUTO = 0, TM_NCCL_OFF = 1, TM_NCCL_ALWAYS = 2 };
+
+/* ep_size 1, alltoall, zero 0, timeout 60 s, MPI_COMM_WORLD, NCCL auto. */
 TM_API tm_comm_options tm_comm_options_default(void);
 
 /* MPI is process-wide state, so these three are the only functions of tinymoe that touch the
@@ -1675,7 +1690,7 @@ TM_API int tm_mpi_world_size(void);
  * with the same options). The world is opts->mpi_comm or MPI_COMM_WORLD under an initialised
  * MPI, else one rank. Call it before creating parameters: tm_moe_new sizes its expert weights
  * by the layout. Errors: TM_ERR_INVALID_ARG (ep_size < 1 or not dividing the world size, zero
- * not 0 or 1, ep_strategy not a tm_ep_strategy, timeout NaN), TM_ERR_STATE (ctx has a
+ * not 0 or 1, ep_strategy not a tm_ep_strategy, timeout NaN, nccl not one of TM_NCCL_*), TM_ERR_STATE (ctx has a
  * communicator already, or parameters), TM_ERR_COMM (an MPI call failed). */
 TM_API tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts);
 /* This process's rank in group g and the group's size: 0 and 1 without a communicator (or for

@@ -590,6 +590,6 @@ tm_status tm_model_forward_cached(tm_model *m, tm_kv_cache *kv, tm_tensor *token
 tm_status tm_model_step(tm_model *m) {
     if (!m) return TM_ERR_INVALID_ARG;
     for (int l = 0; l < m->cfg.n_layers; l++)
-        if (m->layers[l].moe) TM__TRY(tm_moe_step(m->layers[l].moe));
+        if (m->layers[l].moe) TM__TRY(tm_moe_update_expert_bias(m->layers[l].moe));
     return TM_OK;
 }

@@ -757,7 +757,7 @@ tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor *
     return TM_OK;
 }
 
-tm_status tm_moe_step(tm_moe *m) {
+tm_status tm_moe_update_expert_bias(tm_moe *m) {
     if (!m) return TM_ERR_INVALID_ARG;
     if (m->cfg.use_expert_bias && m->cfg.expert_bias_update_rate > 0)
         TM__TRY(tm_moe_expert_bias_update(m->ctx, m->expert_bias, m->tpe_sum, m->cfg.expert_bias_update_rate));

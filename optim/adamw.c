@@ -1,7 +1,7 @@
 /*
- * adamw.c — the AdamW optimizer: tm_adamw_new, and its update of one bucket run through the
- * adamw_update op (kernels/cpu/update.c). tm_optimizer_step (optimizer.c) updates every run of
- * a device at once with adamw_update_multi, the same arithmetic per element.
+ * adamw.c — the AdamW optimizer: tm_adamw_new. tm_optimizer_step (optimizer.c) updates every
+ * run of a device at once with the adamw_update_multi op (kernels/cpu/update.c,
+ * kernels/cuda/update.cu).
  *
  * Update of one parameter p with gradient g at step t (Loshchilov & Hutter 2019, Alg. 2; bias
  * correction of Kingma & Ba 2015), exactly as documented in tinymoe.h:
@@ -53,15 +53,9 @@ tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimizer **o
     TM__TRY(tm__optimizer_create(ctx, "tm_adamw_new", 2, suffix, "optim.adamw.steps", &opt));
     opt->kind = TM__OPT_ADAMW;
     opt->name = "AdamW";
-    opt->op = "adamw_update";
+    opt->op = "adamw_update_multi";
     opt->cfg.adamw = c;
     opt->lr = c.lr;
     *out = opt;
     return TM_OK;
-}
-
-tm_status tm__adamw_run(const tm_optimizer *opt, tm_tensor *p, tm_tensor *g, tm_tensor **state, tm_tensor *master,
-                        int decay, double lr, int64_t t) {
-    const tm_adamw_config *c = &opt->cfg.adamw;
-    return tm_adamw_update(opt->ctx, p, g, state[0], state[1], master, c, lr, decay ? c->weight_decay : 0.0, t);
 }

@@ -208,28 +208,11 @@ static tm_status adamw_step(tm_optimizer *opt, double lr, int64_t t) {
     return TM_OK;
 }
 
-tm_status tm_optimizer_step(tm_optimizer *opt, double lr) {
-    if (!opt) return TM_ERR_INVALID_ARG;
+/* SGD: one sgd_update per run of parameters that share the weight-decay setting (slices of
+ * the flat bucket tensors). */
+static tm_status sgd_step(tm_optimizer *opt, double lr, int64_t t) {
     tm_ctx *ctx = opt->ctx;
-    if (lr < 0.0) lr = opt->lr;
-    if (!isfinite(lr)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_optimizer_step: lr must be finite, got %g", lr);
-    /* Refuse before touching anything, so a failed step leaves every parameter as it was. */
     for (int k = 0; k < opt->n_buckets; k++) {
-        tm_bucket_info bi;
-        TM__TRY(tm_ctx_bucket_info(ctx, opt->b[k].bucket, &bi));
-        const char *op = opt->kind == TM__OPT_ADAMW ? "adamw_update_multi" : opt->op;
-        if (!tm__op_available(ctx, opt->op, bi.device) || !tm__op_available(ctx, op, bi.device))
-            return tm__err(ctx, TM_ERR_UNSUPPORTED,
-                           "tm_optimizer_step: %s has no %s kernel on %s yet (bucket %d: %s parameters such as "
-                           "\"%s\"); nothing was changed", opt->name, op,
-                           bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU", k, tm_dtype_name(bi.dtype),
-                           tm__bucket_first_param(ctx, opt->b[k].bucket));
-    }
-    int64_t t = 0;
-    TM__TRY(tm_tensor_read(ctx, opt->counter, TM_I64, &t, 1));
-    t += 1;
-    if (opt->kind == TM__OPT_ADAMW) TM__TRY(adamw_step(opt, lr, t));
-    for (int k = 0; opt->kind != TM__OPT_ADAMW && k < opt->n_buckets; k++) {
         const tm__opt_bucket *ob = &opt->b[k];
         tm_tensor *P = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_PARAMS);
         tm_tensor *G = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_GRADS);
@@ -245,12 +228,33 @@ tm_status tm_optimizer_step(tm_optimizer *opt, double lr) {
             /* (the master, like the state, holds [lo, hi) only under ZeRO-1) */
             if (M) TM__TRY(range(ctx, M, a - ob->lo, e - ob->lo, &m));
             for (int j = 0; j < opt->n_state; j++) TM__TRY(range(ctx, ob->state[j], a - ob->lo, e - ob->lo, &st[j]));
-            switch (opt->kind) {
-            case TM__OPT_ADAMW: TM__TRY(tm__adamw_run(opt, p, g, st, m, run->decay, lr, t)); break;
-            case TM__OPT_SGD: TM__TRY(tm__sgd_run(opt, p, g, st, m, run->decay, lr, t)); break;
-            }
+            TM__TRY(tm__sgd_run(opt, p, g, st, m, run->decay, lr, t));
         }
     }
+    return TM_OK;
+}
+
+tm_status tm_optimizer_step(tm_optimizer *opt, double lr) {
+    if (!opt) return TM_ERR_INVALID_ARG;
+    tm_ctx *ctx = opt->ctx;
+    if (lr < 0.0) lr = opt->lr;
+    if (!isfinite(lr)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_optimizer_step: lr must be finite, got %g", lr);
+    /* Refuse before touching anything, so a failed step leaves every parameter as it was. */
+    for (int k = 0; k < opt->n_buckets; k++) {
+        tm_bucket_info bi;
+        TM__TRY(tm_ctx_bucket_info(ctx, opt->b[k].bucket, &bi));
+        if (!tm__op_available(ctx, opt->op, bi.device))
+            return tm__err(ctx, TM_ERR_UNSUPPORTED,
+                           "tm_optimizer_step: %s has no %s kernel on %s yet (bucket %d: %s parameters such as "
+                           "\"%s\"); nothing was changed", opt->name, opt->op,
+                           bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU", k, tm_dtype_name(bi.dtype),
+                           tm__bucket_first_param(ctx, opt->b[k].bucket));
+    }
+    int64_t t = 0;
+    TM__TRY(tm_tensor_read(ctx, opt->counter, TM_I64, &t, 1));
+    t += 1;
+    if (opt->kind == TM__OPT_ADAMW) TM__TRY(adamw_step(opt, lr, t));
+    else TM__TRY(sgd_step(opt, lr, t));
     /* ZeRO-1: every rank updated its blocks; every rank needs every parameter. */
     TM__TRY(tm__zero_gather_params(ctx));
     return tm_tensor_write(ctx, opt->counter, TM_I64, &t, 1);

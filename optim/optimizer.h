@@ -42,7 +42,7 @@ struct tm_optimizer {
     tm_ctx *ctx;
     tm__opt_kind kind;
     const char *name; /* "AdamW", "SGD": for messages */
-    const char *op;   /* its update op: "adamw_update", "sgd_update" */
+    const char *op;   /* its update op: "adamw_update_multi", "sgd_update" */
     union {
         tm_adamw_config adamw;
         tm_sgd_config sgd;
@@ -67,10 +67,9 @@ struct tm_optimizer {
 tm_status tm__optimizer_create(tm_ctx *ctx, const char *fn, int n_state, const char *const *suffix,
                                const char *counter, tm_optimizer **out);
 
-/* One run's update with learning rate lr at step t (1-based): p, g, state, master are the
- * run's slices (master NULL when the bucket has none). */
-tm_status tm__adamw_run(const tm_optimizer *opt, tm_tensor *p, tm_tensor *g, tm_tensor **state, tm_tensor *master,
-                        int decay, double lr, int64_t t);
+/* SGD's update of one run with learning rate lr at step t (1-based): p, g, state, master are
+ * the run's slices (master NULL when the bucket has none). AdamW updates every run of a device
+ * in one op (optimizer.c, adamw_step). */
 tm_status tm__sgd_run(const tm_optimizer *opt, tm_tensor *p, tm_tensor *g, tm_tensor **state, tm_tensor *master,
                       int decay, double lr, int64_t t);
 

@@ -220,6 +220,26 @@ Test(config, file_syntax_and_flags_override_file) {
     rm_rf(d);
 }
 
+/* The engine switches the library takes as options (no environment variables): keys that land
+ * in tm_ctx_options.grouped_gemm and tm_comm_options.nccl. */
+Test(config, engine_switches_are_keys) {
+    char err[1024] = "";
+    tmd_config c;
+    cr_assert_eq(PARSE(&c, err, "--steps", "1"), 0, "%s", err);
+    cr_assert_eq(c.grouped_gemm, TM_GROUPED_GEMM_CUBLASLT);
+    cr_assert_eq(c.nccl, TM_NCCL_AUTO);
+    cr_assert_eq(PARSE(&c, err, "--grouped_gemm", "device", "--nccl", "always"), 0, "%s", err);
+    cr_assert_eq(c.grouped_gemm, TM_GROUPED_GEMM_DEVICE);
+    cr_assert_eq(c.nccl, TM_NCCL_ALWAYS);
+    cr_assert_eq(PARSE(&c, err, "--nccl", "off"), 0, "%s", err);
+    cr_assert_eq(c.nccl, TM_NCCL_OFF);
+    cr_assert_neq(PARSE(&c, err, "--nccl", "1"), 0);
+    HAS(err, "nccl");
+    /* Neither changes the trained state: both may change on resume. */
+    cr_assert(tmd_config_key_resumable(tmd_config_key_index("grouped_gemm"), 0));
+    cr_assert(tmd_config_key_resumable(tmd_config_key_index("nccl"), 0));
+}
+
 Test(config, presets_apply_before_file_and_flags) {
     tmd_config c;
     char err[1024] = "";

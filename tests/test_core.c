@@ -35,6 +35,27 @@ Test(core, ctx_new_bad_args) {
     cr_assert_eq(tm_ctx_new(&ctx, &o), TM_ERR_INVALID_ARG);
     cr_assert_null(ctx);
     cr_assert(strstr(tm_last_create_error(), "allocator"));
+    o = tm_ctx_options_default();
+    o.cpu_gemm = 2;
+    cr_assert_eq(tm_ctx_new(&ctx, &o), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_last_create_error(), "cpu_gemm = 2"), "%s", tm_last_create_error());
+    o = tm_ctx_options_default();
+    o.grouped_gemm = 2;
+    cr_assert_eq(tm_ctx_new(&ctx, &o), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_last_create_error(), "grouped_gemm = 2"), "%s", tm_last_create_error());
+}
+
+/* The grouped GEMM schedule is an option of the context (the library reads no environment). */
+Test(core, grouped_gemm_option_sets_the_schedule) {
+    tm_ctx_options o = tm_ctx_options_default();
+    cr_assert_eq(o.grouped_gemm, TM_GROUPED_GEMM_CUBLASLT);
+    for (int dev = 0; dev < 2; dev++) {
+        o.grouped_gemm = dev ? TM_GROUPED_GEMM_DEVICE : TM_GROUPED_GEMM_CUBLASLT;
+        tm_ctx *ctx = NULL;
+        cr_assert_eq(tm_ctx_new(&ctx, &o), TM_OK);
+        cr_assert_eq(tm__gmm_device_schedule(ctx), dev);
+        tm_ctx_free(ctx);
+    }
 }
 
 Test(core, cuda_device_unavailable) {

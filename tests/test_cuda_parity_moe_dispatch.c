@@ -12,7 +12,7 @@
  * a permute's tokens_per_expert that the host has (read back, or pad_to each: their host
  * mirror) and one on other counts (a topk permute's, or any others: read back once, then
  * mirrored), unpermute none. bf16 grouped_matmul has two paths, each tested in a context set
- * to it (tm__set_gmm_device_schedule), whatever TINYMOE_GMM says: cuBLASLt per group (the
+ * to it (tm__set_gmm_device_schedule), whatever tm_ctx_options.grouped_gemm says: cuBLASLt per group (the
  * default), whose synchronisations are f32's; and the tensor-core kernel with its schedule on
  * the device: no synchronisation at all, both code paths (cp.async for K, N multiples of 8;
  * element-wise loads otherwise) on ragged, empty and sub-tile groups, bitwise reproducible;

@@ -66,6 +66,11 @@ Test(dist, one_rank_defaults_and_refusals) {
     o.zero = 2;
     cr_assert_eq(tm_comm_init(ctx, &o), TM_ERR_INVALID_ARG);
     o.zero = 1;
+    cr_assert_eq(o.nccl, TM_NCCL_AUTO);
+    o.nccl = 3;
+    cr_assert_eq(tm_comm_init(ctx, &o), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "nccl = 3"), "%s", tm_ctx_errmsg(ctx));
+    o.nccl = TM_NCCL_ALWAYS; /* CPU context: no CUDA engine to choose, accepted */
     TT_OK(ctx, tm_comm_init(ctx, &o));
     cr_assert_eq(tm_comm_init(ctx, &o), TM_ERR_STATE);
     cr_assert_eq(tm_comm_get_options(ctx).zero, 1);

@@ -276,7 +276,7 @@ Test(moe_layer, stats_capacity_and_bias_step) {
     cr_assert_leq(st.min_load_ratio, 1.0);
     /* Two micro-batches, then one step: bias moves by rate * sign(mean - count) of the sum. */
     TT_OK(ctx, tm_moe_forward(m, x, 1, &y, &st));
-    TT_OK(ctx, tm_moe_step(m));
+    TT_OK(ctx, tm_moe_update_expert_bias(m));
     double bias[4], mean = (double)sum * 2 / 4;
     TT_OK(ctx, tm_tensor_read(ctx, tm_moe_tensor(m, "expert_bias"), TM_F64, bias, 4));
     for (int e = 0; e < 4; e++) {
@@ -379,7 +379,7 @@ Test(moe_layer, stats_read_bad_arguments) {
     tm_ctx_free(ctx);
 }
 
-/* An f64 block keeps expert_bias in f64 (its gate dtype); tm_moe_step updates it there. */
+/* An f64 block keeps expert_bias in f64 (its gate dtype); tm_moe_update_expert_bias updates it there. */
 Test(moe_layer, f64_block_bias_step) {
     tm_ctx *ctx = tt_ctx();
     tm_moe_config c = small_cfg(4, 2);
@@ -392,7 +392,7 @@ Test(moe_layer, f64_block_bias_step) {
     tm_moe_stats st;
     TT_OK(ctx, tm_moe_forward(m, tt_randn(ctx, TM_F64, 2, xs, 4), 1, &y, &st));
     TT_OK(ctx, tm_tensor_read(ctx, st.tokens_per_expert, TM_I64, counts, 4));
-    TT_OK(ctx, tm_moe_step(m));
+    TT_OK(ctx, tm_moe_update_expert_bias(m));
     double bias[4], mean = (double)T * 2 / 4;
     TT_OK(ctx, tm_tensor_read(ctx, tm_moe_tensor(m, "expert_bias"), TM_F64, bias, 4));
     for (int e = 0; e < 4; e++) {

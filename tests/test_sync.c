@@ -205,7 +205,7 @@ static void moe_layer_bound(double capacity_factor, int with_seq_aux) {
         uint64_t n = syncs(ctx) - before;
         cr_assert_leq(n, 1, "MoE forward + backward (capacity_factor %g, seq aux %d): %llu synchronisations, at "
                       "most 1 (the permute's row count)", capacity_factor, with_seq_aux, (unsigned long long)n);
-        TT_OK(ctx, tm_moe_step(m));
+        TT_OK(ctx, tm_moe_update_expert_bias(m));
         TT_OK(ctx, tm_ctx_zero_grad(ctx));
         tm_ctx_arena_reset(ctx);
     }
@@ -264,7 +264,7 @@ static void moe_layer_exact_opt(tm_device dev, double capacity_factor, int pad_t
                      "apply_topk_weights_early %d): %llu synchronisations, want %llu",
                      dev.type == TM_DEVICE_CPU ? "the CPU" : "CUDA", capacity_factor, pad_to_capacity, (long long)align,
                      early, (unsigned long long)n, (unsigned long long)want);
-        TT_OK(ctx, tm_moe_step(m));
+        TT_OK(ctx, tm_moe_update_expert_bias(m));
         TT_OK(ctx, tm_ctx_zero_grad(ctx));
         tm_ctx_arena_reset(ctx);
     }

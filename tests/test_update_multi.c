@@ -5,7 +5,8 @@
  * list, with per-range weight decay and state offsets), grad_sumsq_multi the partials of
  * tm_grad_sumsq per range and the factor of tm_ctx_clip_grad_norm's rule, grad_scale_multi what
  * tm_grad_scale gives (and nothing at factor 1); a list whose ranges move is uploaded again; bad
- * ranges are refused; the clip waits for the device only when asked for the norm. The CUDA
+ * ranges are refused; the clip waits for the device only when asked for the norm; the public
+ * tm_grad_sumsq, tm_grad_scale and tm_adamw_update, which run these ops over one range. The CUDA
  * kernels' parity: tests/test_cuda_parity_update.c.
  */
 #include <math.h>
@@ -290,5 +291,74 @@ Test(update_multi, clip_waits_only_for_the_norm) {
     TT_OK(ctx, tm_ctx_clip_grad_norm(ctx, 1.0, &norm));
     cr_assert_eq(tm_ctx_sync_count(ctx) - before, 1, "one read for the norm");
     cr_assert(fabs(norm - 1.0 / (sqrt(37.0 * 29.0) + 1e-6) * sqrt(37.0 * 29.0)) < 1e-6, "norm after clipping %g", norm);
+    tm_ctx_free(ctx);
+}
+
+/* ---- the public single-tensor functions: one range of the same ops -------------------------- */
+
+static tm_tensor *vec(tm_ctx *ctx, tm_dtype dt, int64_t n, const double *v) {
+    tm_tensor *t;
+    TT_OK(ctx, tm_tensor_from_host(ctx, dt, 1, &n, tm_cpu(), TM_F64, v, &t));
+    return t;
+}
+
+/* tm_grad_sumsq, tm_grad_scale and tm_adamw_update run the table ops over one range: their
+ * values, empty tensors, and the checks their front ends make (the ops themselves only check
+ * the table). */
+Test(update_multi, single_tensor_functions_are_one_range) {
+    tm_ctx *ctx = tt_ctx();
+    const double x5[5] = {1, 2, 3, 4, 5};
+    tm_tensor *g = vec(ctx, TM_F32, 5, x5), *s;
+    TT_OK(ctx, tm_grad_sumsq(ctx, g, &s));
+    double v = 0, got[5];
+    cr_assert_eq(tm_tensor_ndim(s), 0);
+    cr_assert_eq(tm_tensor_dtype(s), TM_F64);
+    TT_OK(ctx, tm_tensor_read(ctx, s, TM_F64, &v, 1));
+    cr_assert(v == 55.0, "sum of squares %g", v);
+    TT_OK(ctx, tm_grad_scale(ctx, g, 0.5));
+    TT_OK(ctx, tm_tensor_read(ctx, g, TM_F64, got, 5));
+    for (int i = 0; i < 5; i++) cr_assert(got[i] == 0.5 * x5[i], "scaled[%d] = %g", i, got[i]);
+    TT_OK(ctx, tm_grad_scale(ctx, g, 1.0));
+    TT_OK(ctx, tm_tensor_read(ctx, g, TM_F64, got, 5));
+    cr_assert(got[4] == 2.5, "scale 1 changes nothing");
+    /* empty */
+    tm_tensor *e = vec(ctx, TM_F32, 0, x5);
+    TT_OK(ctx, tm_grad_sumsq(ctx, e, &s));
+    TT_OK(ctx, tm_tensor_read(ctx, s, TM_F64, &v, 1));
+    cr_assert(v == 0.0);
+    TT_OK(ctx, tm_grad_scale(ctx, e, 3.0));
+    /* AdamW, first step from zero state: m = (1 - b1) g, v = (1 - b2) g^2, so the bias-corrected
+     * step is g / (|g| + eps) = 1 (to eps) and p moves by lr. */
+    const double one[1] = {1}, two[1] = {2}, zero[1] = {0};
+    tm_tensor *p = vec(ctx, TM_F32, 1, one), *gr = vec(ctx, TM_F32, 1, two), *m = vec(ctx, TM_F32, 1, zero),
+              *vv = vec(ctx, TM_F32, 1, zero);
+    tm_adamw_config cfg = tm_adamw_config_default();
+    TT_OK(ctx, tm_adamw_update(ctx, p, gr, m, vv, NULL, &cfg, 0.1, 0.0, 1));
+    TT_OK(ctx, tm_tensor_read(ctx, p, TM_F64, &v, 1));
+    cr_assert(fabs(v - 0.9) < 1e-6, "p = %.9g", v);
+    TT_OK(ctx, tm_tensor_read(ctx, m, TM_F64, &v, 1));
+    cr_assert(fabs(v - 0.2) < 1e-7, "m = %.9g", v);
+    /* the checks */
+    cr_assert_eq(tm_grad_sumsq(ctx, NULL, &s), TM_ERR_INVALID_ARG);
+    cr_assert_eq(tm_grad_sumsq(ctx, g, NULL), TM_ERR_INVALID_ARG);
+    int64_t two_n = 2;
+    tm_tensor *ints;
+    TT_OK(ctx, tm_tensor_zeros(ctx, TM_I64, 1, &two_n, tm_cpu(), &ints));
+    cr_assert_eq(tm_grad_sumsq(ctx, ints, &s), TM_ERR_DTYPE);
+    cr_assert_eq(tm_grad_scale(ctx, ints, 2.0), TM_ERR_DTYPE);
+    cr_assert_eq(tm_grad_scale(ctx, g, NAN), TM_ERR_INVALID_ARG);
+    tm_tensor *m2 = vec(ctx, TM_F32, 2, x5), *m64 = vec(ctx, TM_F64, 1, zero);
+    cr_assert_eq(tm_adamw_update(ctx, p, gr, m2, vv, NULL, &cfg, 0.1, 0.0, 2), TM_ERR_SHAPE);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "adamw_update: m"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_eq(tm_adamw_update(ctx, p, gr, m64, vv, NULL, &cfg, 0.1, 0.0, 2), TM_ERR_DTYPE);
+    cr_assert_eq(tm_adamw_update(ctx, p, gr, m, vv, NULL, &cfg, 0.1, 0.0, 0), TM_ERR_INVALID_ARG);
+    cr_assert_eq(tm_adamw_update(ctx, p, NULL, m, vv, NULL, &cfg, 0.1, 0.0, 2), TM_ERR_INVALID_ARG);
+    /* a strided view is refused (updates write in place) */
+    tm_tensor *g2, *gt;
+    int64_t sh[2] = {2, 2};
+    const double x4[4] = {1, 2, 3, 4};
+    TT_OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, sh, tm_cpu(), TM_F64, x4, &g2));
+    TT_OK(ctx, tm_transpose(ctx, g2, 0, 1, &gt));
+    cr_assert_eq(tm_grad_scale(ctx, gt, 2.0), TM_ERR_INVALID_ARG);
     tm_ctx_free(ctx);
 }

@@ -23,6 +23,9 @@ _Static_assert(TM_LR_CONSTANT == 0 && TM_LR_COSINE == 1 && TM_LR_LINEAR == 2 && 
 _Static_assert(TM_EP_ALLTOALL == 0 && TM_EP_ALLGATHER == 1 && TM_EP_ALLTOALL_DEDUP == 2 &&
                    sizeof(tm_ep_strategy) == sizeof(int),
                "ep_strategy order");
+_Static_assert(TM_CPU_GEMM_AUTO == 0 && TM_CPU_GEMM_BUILTIN == 1, "cpu_gemm order");
+_Static_assert(TM_GROUPED_GEMM_CUBLASLT == 0 && TM_GROUPED_GEMM_DEVICE == 1, "grouped_gemm order");
+_Static_assert(TM_NCCL_AUTO == 0 && TM_NCCL_OFF == 1 && TM_NCCL_ALWAYS == 2, "nccl order");
 _Static_assert(sizeof(tm_score_function) == sizeof(int) && sizeof(tm_aux_counts) == sizeof(int) &&
                    sizeof(tm_drop_policy) == sizeof(int) && sizeof(tm_moe_strategy) == sizeof(int) &&
                    sizeof(tm_lr_kind) == sizeof(int),
@@ -162,6 +165,9 @@ static const key KEYS[] = {
     {"threads", T_INT, G_TRAIN, OFF(threads), NULL, "0", 0, NULL, "CPU threads (0: all available)", 0, 1024},
     {"cpu_gemm", T_ENUM, G_TRAIN, OFF(cpu_gemm), "auto|builtin", "auto", 0, NULL,
      "CPU matrix products: OpenBLAS when built with it, or always the built-in kernel (the same results on every build)", 0, 0},
+    {"grouped_gemm", T_ENUM, G_TRAIN, OFF(grouped_gemm), "cublaslt|device", "cublaslt", 0, NULL,
+     "bf16 expert GEMMs on CUDA: one cuBLASLt GEMM per expert (faster; one wait per MoE layer), or one kernel taking "
+     "the group sizes on the device (no wait)", 0, 0},
     {"device", T_ENUM, G_TRAIN, OFF(device), "cpu|cuda", "cpu", 0, NULL, "where the model runs (cuda: device 0)", 0, 0},
     {"dtype", T_ENUM, G_TRAIN, OFF(dtype), "f32|bf16", "f32", 0, NULL, "parameter dtype", 0, 0},
     /* data */
@@ -221,6 +227,9 @@ static const key KEYS[] = {
      "ZeRO stage: 0, or 1 to shard optimizer state and f32 master weights over the data-parallel ranks", 0, 1},
     {"comm_timeout", T_FLOAT, G_DIST, OFF(comm_timeout), NULL, "60", 0, NULL,
      "seconds a collective may wait before the run fails (a rank died or stopped answering); 0: forever", 0, 1e9},
+    {"nccl", T_ENUM, G_DIST, OFF(nccl), "auto|off|always", "auto", 0, NULL,
+     "CUDA collectives: NCCL when every rank has its own GPU, host-staged MPI always (off), or NCCL even for one "
+     "rank (always: a check of that engine on one GPU)", 0, 0},
     {"print_layout", T_BOOL, G_DIST, OFF(print_layout), NULL, "false", 0, NULL,
      "print which rank holds which parameters and experts, and its bytes; draw <out>/layout.svg", 0, 0},
 };
@@ -1067,11 +1076,11 @@ int tmd_config_key_layout(int i) { return i >= 0 && i < NKEYS && KEYS[i].group =
 int tmd_config_key_resumable(int i, int for_eval) {
     if (i < 0 || i >= NKEYS) return 0;
     if (for_eval && (KEYS[i].group == G_DATA || !strcmp(KEYS[i].name, "batch_size"))) return 1;
-    /* Run settings, the thread count, the CPU GEMM and the device change nothing of the trained state;
+    /* Run settings, the thread count, the CPU and grouped GEMMs and the device change nothing of the trained state;
      * steps may grow (train longer: a decaying schedule then decays over the new total). */
     /* The parallel layout too: checkpoints hold logical tensors. */
     return KEYS[i].group == G_RUN || KEYS[i].group == G_DIST || !strcmp(KEYS[i].name, "threads") ||
-           !strcmp(KEYS[i].name, "cpu_gemm") || !strcmp(KEYS[i].name, "device") || !strcmp(KEYS[i].name, "steps") ||
+           !strcmp(KEYS[i].name, "cpu_gemm") || !strcmp(KEYS[i].name, "grouped_gemm") || !strcmp(KEYS[i].name, "device") || !strcmp(KEYS[i].name, "steps") ||
            !strcmp(KEYS[i].name, "skip_nonfinite");
 }
 

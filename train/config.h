@@ -52,6 +52,7 @@ typedef struct tmd_config {
     int64_t seed;
     int threads;
     int cpu_gemm; /* TM_CPU_GEMM_AUTO / TM_CPU_GEMM_BUILTIN */
+    int grouped_gemm; /* TM_GROUPED_GEMM_CUBLASLT / TM_GROUPED_GEMM_DEVICE */
     int device; /* tmd_device_kind */
     int dtype;  /* tmd_dtype_kind */
     char data[TMD_PATH_MAX], val_data[TMD_PATH_MAX];
@@ -71,6 +72,7 @@ typedef struct tmd_config {
     double top_p;
     char preset[32];
     int ep_size, ep_strategy, zero; /* the parallel layout (tm_comm_options) */
+    int nccl; /* TM_NCCL_AUTO / _OFF / _ALWAYS (tm_comm_options.nccl) */
     double comm_timeout;
     int print_layout;
     unsigned char source[TMD_MAX_KEYS]; /* tmd_source of each key, by table index */

@@ -148,6 +148,7 @@ static tm_comm_options layout_of(const tmd_config *c) {
     co.ep_strategy = (tm_ep_strategy)c->ep_strategy;
     co.zero = c->zero;
     co.timeout_s = c->comm_timeout;
+    co.nccl = c->nccl;
     return co;
 }
 
@@ -253,6 +254,7 @@ static int build(tmd_run *r, char *err, size_t errlen) {
     o.num_threads = c->threads > 0 ? c->threads : default_threads();
     r->threads = o.num_threads;
     o.cpu_gemm = c->cpu_gemm;
+    o.grouped_gemm = c->grouped_gemm;
     o.cuda_device = c->device == TMD_DEVICE_CUDA ? local_gpu() : -1;
     tm_status s = tm_ctx_new(&r->ctx, &o);
     if (s)

@@ -6,14 +6,13 @@
  * and tm_ctx_clip_grad_norm from them over bucket ranges, so the optimizer has no device code.
  *
  * Attributes (kernels read them by these indices):
- *   adamw_update  in: param, grad, m, v [, master]   iattr[0] has_master
- *                 fattr: 0 lr, 1 beta1, 2 1-beta1, 3 beta2, 4 1-beta2, 5 eps, 6 wd, 7 bc1, 8 bc2
  *   sgd_update    in: param, grad [, b] [, master]   iattr[0] has_b, iattr[1] has_master
  *                 fattr: 0 lr, 1 momentum, 2 wd; iattr[2] nesterov
- *   grad_sumsq    in: grad -> out 0-d on grad's device: f64 on the CPU, f32 on CUDA
- *   grad_scale    in: grad; fattr[0] scale
  *   moe_expert_bias_update  in: expert_bias, counts; fattr[0] rate
  *   adamw_update_multi, grad_sumsq_multi, grad_scale_multi: see "fused updates" below
+ * AdamW, the gradient sum of squares and gradient scaling have one op each, over a table of
+ * ranges: the public tm_adamw_update, tm_grad_sumsq and tm_grad_scale are that op over one
+ * range (a table of one row in the context's segment list of the tensor's device).
  */
 #include <math.h>
 
@@ -42,14 +41,26 @@ static tm_status check_param_grad(tm__call *c) {
     return tm__check_same_dtype(c, 0, 1);
 }
 
-tm_status tm__adamw_update_check(tm__call *c) {
-    if (c->n_in != 4 + (int)c->iattr[0])
-        return tm__err(c->ctx, TM_ERR_INTERNAL, "adamw_update: %d inputs", c->n_in);
-    TM__TRY(check_param_grad(c));
-    int64_t n = tm__numel(c->in[0]);
-    TM__TRY(check_flat(c, 2, "m", n, 1));
-    TM__TRY(check_flat(c, 3, "v", n, 1));
-    if (c->iattr[0]) TM__TRY(check_flat(c, 4, "master", n, 1));
+/* The checks of an op over one range, made by its front end before the range goes into a
+ * segment table: the argument t (what) of op `op` is non-NULL, of ctx, on the device of ref
+ * (when given), contiguous, with n elements (n < 0: any), float, or f32 when want_f32. */
+static tm_status range_arg(tm_ctx *ctx, const char *op, const char *what, const tm_tensor *t, const tm_tensor *ref,
+                           int64_t n, int want_f32) {
+    if (!t) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: %s is NULL", op, what);
+    if (t->ctx != ctx) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: %s belongs to another context", op, what);
+    if (ref && !tm__same_device(t->device, ref->device))
+        return tm__err(ctx, TM_ERR_DEVICE, "%s: %s %s is not on the device of %s", op, what, tm__tdesc(ctx, t),
+                       tm__tdesc(ctx, ref));
+    if (!tm__is_contiguous(t))
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: %s %s must be contiguous (updates write in place)", op, what,
+                       tm__tdesc(ctx, t));
+    if (n >= 0 && tm__numel(t) != n)
+        return tm__err(ctx, TM_ERR_SHAPE, "%s: %s %s must have %lld elements like the parameter %s", op, what,
+                       tm__tdesc(ctx, t), (long long)n, tm__tdesc(ctx, ref));
+    if (want_f32 && t->dtype != TM_F32)
+        return tm__err(ctx, TM_ERR_DTYPE, "%s: %s must be f32, got %s", op, what, tm__tdesc(ctx, t));
+    if (!want_f32 && !tm__is_float(t->dtype))
+        return tm__err(ctx, TM_ERR_DTYPE, "%s: %s must be float, got %s", op, what, tm__tdesc(ctx, t));
     return TM_OK;
 }
 
@@ -62,21 +73,6 @@ tm_status tm__sgd_update_check(tm__call *c) {
     if (c->iattr[0]) TM__TRY(check_flat(c, k++, "momentum buffer b", n, 1));
     if (c->iattr[1]) TM__TRY(check_flat(c, k++, "master", n, 1));
     return TM_OK;
-}
-
-tm_status tm__grad_sumsq_check(tm__call *c) {
-    TM__TRY(tm__check_float(c, 0));
-    TM__TRY(check_flat(c, 0, "grad", tm__numel(c->in[0]), 0));
-    int64_t none[1] = {0};
-    /* f64 cannot live on CUDA: there the f64 sum is stored rounded to f32 (still one value per
-     * bucket on the device, so the clip reads all of them in one copy). */
-    tm_dtype dt = c->in[0]->device.type == TM_DEVICE_CUDA ? TM_F32 : TM_F64;
-    return tm__tensor_new(c->ctx, dt, 0, none, c->in[0]->device, &c->out[0]);
-}
-
-tm_status tm__grad_scale_check(tm__call *c) {
-    TM__TRY(tm__check_float(c, 0));
-    return check_flat(c, 0, "grad", tm__numel(c->in[0]), 0);
 }
 
 tm_status tm__moe_expert_bias_update_check(tm__call *c) {
@@ -100,35 +96,52 @@ tm_status tm__moe_expert_bias_update_check(tm__call *c) {
 
 /* ---- public functions -------------------------------------------------------------------- */
 
-/* AdamW's fattr[0..8] (adamw_update and adamw_update_multi alike, so that both round the same
- * f64 values to f32). 1 - beta and the bias corrections in f64: 1 - 0.999f in f32 is
- * 0.00099998713, which would leave (1 - beta2) / bc2 != 1 at step 1 (a 1e-5 error on every
- * early update). */
-static void adamw_attrs(double *f, const tm_adamw_config *cfg, double lr, double weight_decay, int64_t step) {
-    f[0] = lr;
-    f[1] = cfg->beta1;
-    f[2] = 1.0 - cfg->beta1;
-    f[3] = cfg->beta2;
-    f[4] = 1.0 - cfg->beta2;
-    f[5] = cfg->eps;
-    f[6] = weight_decay;
-    f[7] = 1.0 - pow(cfg->beta1, (double)step);
-    f[8] = 1.0 - pow(cfg->beta2, (double)step);
+/* adamw_update_multi's fattr[TM__ADAMW_*] (framework/update_multi.h). 1 - beta and the bias
+ * corrections in f64: 1 - 0.999f in f32 is 0.00099998713, which would leave (1 - beta2) / bc2
+ * != 1 at step 1 (a 1e-5 error on every early update). */
+static void adamw_attrs(double *f, const tm_adamw_config *cfg, double lr, int64_t step) {
+    f[TM__ADAMW_LR] = lr;
+    f[TM__ADAMW_BETA1] = cfg->beta1;
+    f[TM__ADAMW_OMB1] = 1.0 - cfg->beta1;
+    f[TM__ADAMW_BETA2] = cfg->beta2;
+    f[TM__ADAMW_OMB2] = 1.0 - cfg->beta2;
+    f[TM__ADAMW_EPS] = cfg->eps;
+    f[TM__ADAMW_BC1] = 1.0 - pow(cfg->beta1, (double)step);
+    f[TM__ADAMW_BC2] = 1.0 - pow(cfg->beta2, (double)step);
+}
+_Static_assert(TM__ADAMW_NATTR <= TM__MAX_ATTR, "AdamW's attributes fit a call");
+
+/* The context's segment list of dev, emptied for one range of kind (the public single-tensor
+ * updates: one row, uploaded when it differs from the table the device holds). */
+static tm_status one_range(tm_ctx *ctx, tm_device dev, int kind, tm__segs **l) {
+    TM__TRY(tm__ctx_segs(ctx, dev, 1, l));
+    return tm__segs_begin(ctx, *l, kind, 1);
 }
 
 tm_status tm_adamw_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_tensor *m, tm_tensor *v,
                           tm_tensor *master, const tm_adamw_config *cfg, double lr, double weight_decay, int64_t step) {
+    static const char op[] = "adamw_update";
     if (!ctx) return TM_ERR_INVALID_ARG;
-    if (!cfg) return tm__err(ctx, TM_ERR_INVALID_ARG, "adamw_update: cfg is NULL");
-    if (step < 1) return tm__err(ctx, TM_ERR_INVALID_ARG, "adamw_update: step must be >= 1, got %lld", (long long)step);
+    if (!cfg) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: cfg is NULL", op);
+    if (step < 1) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: step must be >= 1, got %lld", op, (long long)step);
     if (!isfinite(lr) || !isfinite(weight_decay))
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "adamw_update: lr %g and weight_decay %g must be finite", lr, weight_decay);
-    tm__call c = tm__call_init(ctx, TM__OP_ADAMW_UPDATE);
-    c.in[0] = param, c.in[1] = grad, c.in[2] = m, c.in[3] = v, c.in[4] = master;
-    c.n_in = master ? 5 : 4;
-    c.iattr[0] = master != NULL;
-    adamw_attrs(c.fattr, cfg, lr, weight_decay, step);
-    return tm__op_run(&c);
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: lr %g and weight_decay %g must be finite", op, lr, weight_decay);
+    TM__TRY(range_arg(ctx, op, "param", param, NULL, -1, 0));
+    int64_t n = tm__numel(param);
+    TM__TRY(range_arg(ctx, op, "grad", grad, param, n, 0));
+    if (grad->dtype != param->dtype)
+        return tm__err(ctx, TM_ERR_DTYPE, "%s: grad %s must have the dtype of param %s", op, tm__tdesc(ctx, grad),
+                       tm__tdesc(ctx, param));
+    TM__TRY(range_arg(ctx, op, "m", m, param, n, 1));
+    TM__TRY(range_arg(ctx, op, "v", v, param, n, 1));
+    if (master) TM__TRY(range_arg(ctx, op, "master", master, param, n, 1));
+    if (!tm__op_available(ctx, "adamw_update_multi", param->device))
+        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: no kernel for %s", op, tm__tdesc(ctx, param));
+    if (n == 0) return TM_OK;
+    tm__segs *l;
+    TM__TRY(one_range(ctx, param->device, TM__SEGS_ADAMW, &l));
+    TM__TRY(tm__segs_add_adamw(ctx, l, param, grad, m, v, master, 0, n, 0, weight_decay));
+    return tm__adamw_update_multi(ctx, l, cfg, lr, step);
 }
 
 tm_status tm_sgd_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_tensor *b, tm_tensor *master,
@@ -155,19 +168,45 @@ tm_status tm_sgd_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_tenso
     return tm__op_run(&c);
 }
 
+/* The dtype of the sums of squares and the clip factor: f64 cannot live on CUDA. */
+static tm_dtype clip_dtype(tm_device dev) { return dev.type == TM_DEVICE_CUDA ? TM_F32 : TM_F64; }
+
 tm_status tm_grad_sumsq(tm_ctx *ctx, tm_tensor *grad, tm_tensor **out) {
-    tm__call c = tm__call_init(ctx, TM__OP_GRAD_SUMSQ);
-    c.in[0] = grad;
-    return tm__op_run1(&c, out);
+    static const char op[] = "grad_sumsq";
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!out) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: out is NULL", op);
+    TM__TRY(range_arg(ctx, op, "grad", grad, NULL, -1, 0));
+    if (!tm__op_available(ctx, "grad_sumsq_multi", grad->device))
+        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: no kernel for %s", op, tm__tdesc(ctx, grad));
+    int64_t none[1] = {0};
+    if (tm__numel(grad) == 0) return tm_tensor_zeros(ctx, clip_dtype(grad->device), 0, none, grad->device, out);
+    tm__segs *l;
+    TM__TRY(one_range(ctx, grad->device, TM__SEGS_GRADS, &l));
+    TM__TRY(tm__segs_add_grad(ctx, l, grad, 0, tm__numel(grad)));
+    tm_tensor *partials, *factor;
+    TM__TRY(tm__grad_sumsq_multi(ctx, l, 0.0, &partials, &factor));
+    return tm_reshape(ctx, partials, 0, none, out);
 }
 
 tm_status tm_grad_scale(tm_ctx *ctx, tm_tensor *grad, double scale) {
+    static const char op[] = "grad_scale";
     if (!ctx) return TM_ERR_INVALID_ARG;
-    if (!isfinite(scale)) return tm__err(ctx, TM_ERR_INVALID_ARG, "grad_scale: scale must be finite, got %g", scale);
-    tm__call c = tm__call_init(ctx, TM__OP_GRAD_SCALE);
-    c.in[0] = grad;
-    c.fattr[0] = scale;
-    return tm__op_run(&c);
+    if (!isfinite(scale)) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: scale must be finite, got %g", op, scale);
+    TM__TRY(range_arg(ctx, op, "grad", grad, NULL, -1, 0));
+    if (!tm__op_available(ctx, "grad_scale_multi", grad->device))
+        return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: no kernel for %s", op, tm__tdesc(ctx, grad));
+    if (tm__numel(grad) == 0) return TM_OK;
+    tm_tensor *factor;
+    TM__TRY(tm__clip_factor(ctx, grad->device, scale, &factor));
+    tm__segs *l;
+    TM__TRY(one_range(ctx, grad->device, TM__SEGS_GRADS, &l));
+    TM__TRY(tm__segs_add_grad(ctx, l, grad, 0, tm__numel(grad)));
+    return tm__grad_scale_multi(ctx, l, factor);
+}
+
+tm_status tm__clip_factor(tm_ctx *ctx, tm_device dev, double scale, tm_tensor **out) {
+    int64_t none[1] = {0};
+    return tm_tensor_from_host(ctx, clip_dtype(dev), 0, none, dev, TM_F64, &scale, out);
 }
 
 tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tensor *counts, double rate) {
@@ -189,7 +228,7 @@ tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tens
  *
  * Attributes (in[0] is the table, i64 [capacity, TM__SEG_WORDS] on the device):
  *   adamw_update_multi  iattr[0] ranges, iattr[1] blocks (the sum of the ranges' `first`
- *                       blocks); fattr[0..8] as adamw_update (fattr[6] unused: each range has
+ *                       blocks); fattr[TM__ADAMW_*] (framework/update_multi.h; each range has
  *                       its own weight decay)
  *   grad_sumsq_multi    in[1] ticket: i64 [1], zero before and after (CUDA: the count of
  *                       finished blocks, reset by the last one); iattr[0] ranges, iattr[1]
@@ -378,8 +417,6 @@ static tm_status check_table(tm__call *c) {
     return TM_OK;
 }
 
-/* The dtype of the clip's partials and factor: f64 cannot live on CUDA. */
-static tm_dtype clip_dtype(tm_device dev) { return dev.type == TM_DEVICE_CUDA ? TM_F32 : TM_F64; }
 
 tm_status tm__adamw_update_multi_check(tm__call *c) { return check_table(c); }
 
@@ -414,7 +451,7 @@ tm_status tm__adamw_update_multi(tm_ctx *ctx, tm__segs *l, const tm_adamw_config
     c.in[0] = l->table;
     c.iattr[0] = l->n;
     c.iattr[1] = l->blocks;
-    adamw_attrs(c.fattr, cfg, lr, 0.0, step);
+    adamw_attrs(c.fattr, cfg, lr, step);
     return tm__op_run(&c);
 }
 

@@ -70,6 +70,8 @@ const tm__backend_ops tm__cpu_backend = {
     .gemm = cpu_gemm,
     .fwd = cpu_fwd,
     .bwd = cpu_bwd,
+    .convert = tm__convert_host,
+    .gather_strided = tm__gather_strided_host,
     .host_alloc_pinned = NULL, /* host memory is what the CPU computes on: nothing to pin */
     .host_free_pinned = NULL,
 };

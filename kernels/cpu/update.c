@@ -3,10 +3,10 @@
  *
  * Layout: every tensor is a contiguous 1-D range of n elements with the same element offsets
  * (a parameter, or a bucket range of parameters / gradients / f32 state / f32 master). The
- * loops are elementwise, so any thread split gives the same bits; only grad_sumsq reduces, in a
- * fixed chunk order that depends on n alone. The fused ops (adamw_update_multi,
- * grad_sumsq_multi, grad_scale_multi) do the same per range of a segment table
- * (framework/update_multi.h: raw pointers to (n) ranges of one device's buckets):
+ * loops are elementwise, so any thread split gives the same bits; only the sum of squares
+ * reduces, in a fixed chunk order that depends on n alone. AdamW, the sum of squares and the
+ * scaling work over the ranges of a segment table (framework/update_multi.h: raw pointers to
+ * (n) ranges of one device's buckets; tm_adamw_update, tm_grad_sumsq and tm_grad_scale pass one):
  *   grad_sumsq_multi  -> partials (ranges) f64 = grad_sumsq of each range, factor () f64
  *   grad_scale_multi  in: factor () f64; every range *= factor unless factor == 1
  *
@@ -52,31 +52,29 @@ ADAMW_KERNEL(f32, float, float, sqrtf, ID, ID)
 ADAMW_KERNEL(f64, double, double, sqrt, ID, ID)
 ADAMW_KERNEL(bf16, uint16_t, float, sqrtf, tm__bf16_to_f32, tm__f32_to_bf16)
 
-/* AdamW over n elements of dtype dt with the attributes f[] of adamw_update and weight decay wd
- * (adamw_update's f[6], or a range's own in adamw_update_multi). */
+/* AdamW over n elements of dtype dt with the attributes f[TM__ADAMW_*] of adamw_update_multi
+ * and the range's weight decay wd. */
 static tm_status adamw_any(tm_ctx *ctx, const char *op, tm_dtype dt, void *p, const void *g, float *m, float *v,
                            float *master, int64_t n, const double *f, double wd) {
     int nth = tm__nthreads(ctx);
     switch (dt) {
     case TM_F32:
-        adamw_f32(p, g, m, v, master, n, (float)f[0], (float)f[1], (float)f[2], (float)f[3], (float)f[4], (float)f[5],
-                  (float)wd, (float)f[7], (float)f[8], nth);
+        adamw_f32(p, g, m, v, master, n, (float)f[TM__ADAMW_LR], (float)f[TM__ADAMW_BETA1], (float)f[TM__ADAMW_OMB1],
+                  (float)f[TM__ADAMW_BETA2], (float)f[TM__ADAMW_OMB2], (float)f[TM__ADAMW_EPS], (float)wd,
+                  (float)f[TM__ADAMW_BC1], (float)f[TM__ADAMW_BC2], nth);
         break;
     case TM_BF16:
-        adamw_bf16(p, g, m, v, master, n, (float)f[0], (float)f[1], (float)f[2], (float)f[3], (float)f[4], (float)f[5],
-                   (float)wd, (float)f[7], (float)f[8], nth);
+        adamw_bf16(p, g, m, v, master, n, (float)f[TM__ADAMW_LR], (float)f[TM__ADAMW_BETA1], (float)f[TM__ADAMW_OMB1],
+                   (float)f[TM__ADAMW_BETA2], (float)f[TM__ADAMW_OMB2], (float)f[TM__ADAMW_EPS], (float)wd,
+                   (float)f[TM__ADAMW_BC1], (float)f[TM__ADAMW_BC2], nth);
         break;
-    case TM_F64: adamw_f64(p, g, m, v, master, n, f[0], f[1], f[2], f[3], f[4], f[5], wd, f[7], f[8], nth); break;
+    case TM_F64:
+        adamw_f64(p, g, m, v, master, n, f[TM__ADAMW_LR], f[TM__ADAMW_BETA1], f[TM__ADAMW_OMB1], f[TM__ADAMW_BETA2],
+                  f[TM__ADAMW_OMB2], f[TM__ADAMW_EPS], wd, f[TM__ADAMW_BC1], f[TM__ADAMW_BC2], nth);
+        break;
     default: return tm__err(ctx, TM_ERR_INTERNAL, "%s: dtype %s", op, tm_dtype_name(dt));
     }
     return TM_OK;
-}
-
-tm_status tm__adamw_update_forward_cpu(tm__call *c) {
-    tm_tensor *p = c->in[0];
-    float *m = tm__data(c->in[2]), *v = tm__data(c->in[3]), *master = c->iattr[0] ? tm__data(c->in[4]) : NULL;
-    return adamw_any(c->ctx, "adamw_update", p->dtype, tm__data(p), tm__data(c->in[1]), m, v, master, tm__numel(p),
-                     c->fattr, c->fattr[6]);
 }
 
 /* b NULL: plain SGD (momentum 0). The update uses the unrounded b, as AdamW uses the
@@ -162,12 +160,6 @@ static double sumsq_chunked(const void *x, tm_dtype dt, int64_t n, int nth) {
     return acc;
 }
 
-tm_status tm__grad_sumsq_forward_cpu(tm__call *c) {
-    const tm_tensor *g = c->in[0];
-    *(double *)tm__data(c->out[0]) = sumsq_chunked(tm__data(g), g->dtype, tm__numel(g), tm__nthreads(c->ctx));
-    return TM_OK;
-}
-
 /* x[0..n) *= s, in x's dtype (s rounded to f32 for f32 and bf16). */
 static void scale_any(void *px, tm_dtype dt, int64_t n, double s, int nth) {
     if (dt == TM_F32) {
@@ -186,18 +178,12 @@ static void scale_any(void *px, tm_dtype dt, int64_t n, double s, int nth) {
     }
 }
 
-tm_status tm__grad_scale_forward_cpu(tm__call *c) {
-    tm_tensor *g = c->in[0];
-    scale_any(tm__data(g), g->dtype, tm__numel(g), c->fattr[0], tm__nthreads(c->ctx));
-    return TM_OK;
-}
-
 /* ---- fused updates over a segment table (framework/update_multi.h) ------------------------- */
-/* Each range gets exactly what the single-range op gives it (the same functions), so the fused
- * ops change no bit: AdamW per range with its weight decay; the clip's partial of a range is
- * tm_grad_sumsq's, the norm sqrt of the partials added in range order, as tm_ctx_clip_grad_norm
- * computes it on the host from grad_sumsq's outputs, and the factor is exactly 1 (no scaling at
- * all) unless max_norm > 0 and norm > max_norm. */
+/* Each range gets what it would get alone (a table of one range: tm_adamw_update,
+ * tm_grad_sumsq, tm_grad_scale): AdamW per range with its weight decay; the partial of a range
+ * is its sum of squares, the norm sqrt of the partials added in range order, as
+ * tm_ctx_clip_grad_norm computes it on the host under a communicator, and the factor is
+ * exactly 1 (no scaling at all) unless max_norm > 0 and norm > max_norm. */
 
 tm_status tm__adamw_update_multi_forward_cpu(tm__call *c) {
     const tm__seg *sg = tm__data(c->in[0]);

@@ -301,9 +301,8 @@ extern "C" tm_status tm__nccl_comm_create(tm__comm *c) {
     memset(st, 0, sizeof *st);
     c->nccl = st;
     /* groups of one rank need no communicator, unless NCCL was asked for one rank (a check of
-     * this engine on a single GPU: TINYMOE_NCCL=1) */
-    const char *want = getenv("TINYMOE_NCCL");
-    int force = want && !strcmp(want, "1");
+     * this engine on a single GPU: tm_comm_options.nccl = TM_NCCL_ALWAYS) */
+    int force = c->opts.nccl == TM_NCCL_ALWAYS;
     for (int g = 0; g < TM_COMM_NGROUPS; g++) {
         if (c->size[g] < 2 && !force) continue;
         ncclUniqueId id;

@@ -229,6 +229,8 @@ extern "C" const tm__backend_ops tm__cuda_backend = {
     tm__cuda_gemm_entry,
     tm__cuda_fwd,
     tm__cuda_bwd,
+    NULL, /* convert: host memory, the CPU backend's */
+    NULL, /* gather_strided */
     tm__cuda_host_alloc_pinned,
     tm__cuda_host_free_pinned,
 };

@@ -21,7 +21,7 @@
  *   host mirror (framework/internal.h; a tm_moe_permute's tokens_per_expert have one) or reads
  *   them back once (one synchronisation, counted) and mirrors them. Validated on the host.
  *
- * bf16 with TINYMOE_GMM=device (tm__gmm_device_schedule): our tensor-core kernel with the group offsets
+ * bf16 with grouped_gemm = TM_GROUPED_GEMM_DEVICE (tm__gmm_device_schedule): our tensor-core kernel with the group offsets
  *   computed ON THE DEVICE, in one launch per direction: nothing is read
  *   back, no synchronisation, forward or backward. Counts with a host mirror are validated from
  *   it (as for f32: the same errors); counts without one are not validated (that would need a
@@ -91,7 +91,7 @@
  *   iterations keeps memory flat; tm_backward_with_grad on y for the backward kernels) and
  *   bracket the loop with tm_ctx_sync; flops = 2 R K N forward, 4 R K N backward. By default
  *   (cuBLASLt per group) counts without a host mirror are read back once per arena lifetime;
- *   in a context created with TINYMOE_GMM=device set (the device-scheduled kernel)
+ *   in a context created with grouped_gemm = TM_GROUPED_GEMM_DEVICE (the device-scheduled kernel)
  *   tm_ctx_sync_count stays put inside the loop.
  */
 #include "common.cuh"
@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(GMM_THREADS, 2) gmm_kernel(gmm_args a) {
 
 static const char *const GMM_WHAT = "grouped_matmul";
 
-/* 1: bf16 goes to cuBLASLt per group (the default; TINYMOE_GMM=device: our kernel). */
+/* 1: bf16 goes to cuBLASLt per group (the default; TM_GROUPED_GEMM_DEVICE: our kernel). */
 static int gmm_use_cublaslt(tm__call *c) { return !tm__gmm_device_schedule(c->ctx); }
 
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }

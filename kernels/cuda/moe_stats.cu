@@ -2,7 +2,7 @@
  * moe_stats.cu — CUDA kernels of the MoE block's device-side statistics: tm_moe_accumulate_counts
  * and tm_moe_expert_bias_update (the aux-loss-free balancing update, whose CPU kernel lives in
  * kernels/cpu/update.c). Both are in-place, non-differentiable rows of the op table
- * (UPDATE_CPU_CUDA); neither reads anything back to the host.
+ * (NONDIFF_CPU_CUDA); neither reads anything back to the host.
  *
  * moe_accumulate_counts (kernels/cpu/moe_stats.c):
  *   in[0] sum (E) i64, contiguous, updated in place: sum[e] += counts[e]

@@ -4,14 +4,14 @@
  *
  * Layout: every tensor is a contiguous 1-D range of n elements with the same element offsets
  * (a parameter, or a bucket range of parameters / gradients / f32 state / f32 master):
- *   adamw_update  in: p (n) f32|bf16, g (n) like p, m (n) f32, v (n) f32 [, master (n) f32]
  *   sgd_update    in: p (n), g (n) [, b (n) f32] [, master (n) f32]
- *   grad_sumsq    in: g (n) -> out () f32: sum_i g_i^2 accumulated in f64, rounded once
- *   grad_scale    in: g (n), written in place: g *= scale
- *   adamw_update_multi, grad_sumsq_multi, grad_scale_multi: the same over every range (n_s) of
- *                 a segment table of this device (framework/update_multi.h); grad_sumsq_multi
- *                 -> partials (ranges) f32, factor () f32; grad_scale_multi reads factor ()
- *                 (see "fused updates" at the end of this file, with the launch counts)
+ *   adamw_update_multi, grad_sumsq_multi, grad_scale_multi: over every range (n_s) of a segment
+ *                 table of this device (framework/update_multi.h; tm_adamw_update,
+ *                 tm_grad_sumsq and tm_grad_scale pass one range): AdamW on p (n_s) f32|bf16,
+ *                 g like p, m, v [, master] f32; grad_sumsq_multi -> partials (ranges) f32
+ *                 (sum_i g_i^2 accumulated in f64, rounded once), factor () f32;
+ *                 grad_scale_multi: g *= factor () (see "fused updates" at the end of this
+ *                 file, with the launch counts)
  * No saved tensors (nothing is on the tape).
  *
  * AdamW: m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
@@ -25,7 +25,7 @@
  * and stored rounded to nearest even; with an f32 master the master is read and written and
  * the parameter is the master rounded, exactly as on the CPU.
  *
- * grad_sumsq: f64 tensors cannot live on CUDA, so its output is a 0-d f32 (the CPU's is f64).
+ * The sum of squares: f64 tensors cannot live on CUDA, so its partials are f32 (the CPU's f64).
  * The f64 sum is deterministic and depends on n only: the CPU's chunking (at most 256 chunks of
  * at least 4096 elements), one block per chunk reducing its chunk in a fixed tree, then the
  * chunk partials added in chunk order by one thread. The order inside a chunk differs from
@@ -52,31 +52,6 @@ __device__ __forceinline__ void adamw_elem(T *p, const T *g, float *m, float *v,
     pi = __fsub_rn(pi, __fmul_rn(lr, __fadd_rn(step, __fmul_rn(wd, pi))));
     if (master) master[i] = pi;
     tm__st(p + i, pi);
-}
-
-template <typename T>
-__global__ void adamw_kernel(void *p_, const void *g_, float *m, float *v, float *master, int64_t n, float lr, float b1,
-                             float omb1, float b2, float omb2, float eps, float wd, float bc1, float bc2) {
-    TM__CU_GRID_STRIDE(i, n)
-    adamw_elem<T>((T *)p_, (const T *)g_, m, v, master, i, lr, b1, omb1, b2, omb2, eps, wd, bc1, bc2);
-}
-
-extern "C" tm_status tm__adamw_update_forward_cuda(tm__call *c) {
-    tm_tensor *p = c->in[0];
-    int64_t n = tm__numel(p);
-    if (p->dtype != TM_F32 && p->dtype != TM_BF16)
-        return tm__err(c->ctx, TM_ERR_INTERNAL, "adamw_update: dtype %s on CUDA", tm_dtype_name(p->dtype));
-    tm__cuda *st;
-    TM__TRY(tm__cu_enter(c->ctx, "adamw_update", &st));
-    if (n == 0) return TM_OK;
-    const double *f = c->fattr;
-    float *m = (float *)tm__data(c->in[2]), *v = (float *)tm__data(c->in[3]);
-    float *master = c->iattr[0] ? (float *)tm__data(c->in[4]) : NULL;
-    TM__CU_LAUNCH_FLOAT(p->dtype, adamw_kernel, tm__cu_blocks(st, n), TM__CU_THREADS, 0, st->stream, tm__data(p),
-                        tm__data(c->in[1]), m, v, master, n, (float)f[0], (float)f[1], (float)f[2], (float)f[3],
-                        (float)f[4], (float)f[5], (float)f[6], (float)f[7], (float)f[8]);
-    TM__CU_LAUNCHED(c->ctx, "adamw_update", "adamw_kernel");
-    return TM_OK;
 }
 
 /* ---- SGD ------------------------------------------------------------------------------------- */
@@ -120,7 +95,7 @@ extern "C" tm_status tm__sgd_update_forward_cuda(tm__call *c) {
     return TM_OK;
 }
 
-/* ---- grad_sumsq ------------------------------------------------------------------------------ */
+/* ---- the sum of squares ---------------------------------------------------------------------- */
 
 /* The CPU kernel's chunking (tm__sumsq_chunk, framework/update_multi.h), so both split n alike. */
 enum { SUMSQ_THREADS = 256 };
@@ -136,8 +111,6 @@ __device__ __forceinline__ double sumsq_block_sum(double v, double *sh) {
     return v;
 }
 
-/* Block k sums chunk k: [k chunk, min(n, (k+1) chunk)). With one chunk, out gets the f32 result
- * directly; otherwise part[k] gets the f64 partial. */
 /* This thread's share of the sum of squares of g[lo, hi), in a fixed order (both sum-of-squares
  * kernels use it, so their chunk sums agree bit for bit): the range is a head up to the first
  * 16-byte boundary, whole 16-byte vectors (8 bf16 or 4 f32, kernels/cuda/vec.cuh), and a tail;
@@ -170,75 +143,11 @@ __device__ __forceinline__ double sumsq_thread(const void *g_, int64_t lo, int64
     return acc;
 }
 
-template <typename T>
-__global__ void sumsq_chunk_kernel(const void *g_, int64_t n, int64_t chunk, double *part, float *out) {
-    __shared__ double sh[32];
-    int64_t lo = (int64_t)blockIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
-    double acc = sumsq_thread<T>(g_, lo, hi);
-    acc = sumsq_block_sum(acc, sh);
-    if (threadIdx.x == 0) {
-        if (out) *out = (float)acc;
-        else part[blockIdx.x] = acc;
-    }
-}
-
-/* The partials in chunk order, as the CPU adds its chunk sums. */
-__global__ void sumsq_final_kernel(const double *part, int nc, float *out) {
-    double acc = 0.0;
-    for (int k = 0; k < nc; k++) acc += part[k];
-    *out = (float)acc;
-}
-
-extern "C" tm_status tm__grad_sumsq_forward_cuda(tm__call *c) {
-    const tm_tensor *g = c->in[0];
-    int64_t n = tm__numel(g);
-    if (g->dtype != TM_F32 && g->dtype != TM_BF16)
-        return tm__err(c->ctx, TM_ERR_INTERNAL, "grad_sumsq: dtype %s on CUDA", tm_dtype_name(g->dtype));
-    tm__cuda *st;
-    TM__TRY(tm__cu_enter(c->ctx, "grad_sumsq", &st));
-    float *out = (float *)tm__data(c->out[0]);
-    if (n == 0) {
-        TM__TRY(tm__cuda_memset0(c->ctx, out, sizeof(float)));
-        return TM_OK;
-    }
-    int64_t chunk = tm__sumsq_chunk(n);
-    int nc = (int)((n + chunk - 1) / chunk); /* 1..256 */
-    double *part = NULL;
-    if (nc > 1) TM__TRY(tm__cu_scratch(c->ctx, st, (size_t)nc * sizeof(double), (void **)&part));
-    TM__CU_LAUNCH_FLOAT(g->dtype, sumsq_chunk_kernel, (unsigned)nc, SUMSQ_THREADS, 0, st->stream, tm__data(g), n, chunk,
-                        part, nc > 1 ? (float *)NULL : out);
-    TM__CU_LAUNCHED(c->ctx, "grad_sumsq", "sumsq_chunk_kernel");
-    if (nc > 1) {
-        sumsq_final_kernel<<<1, 1, 0, st->stream>>>(part, nc, out);
-        TM__CU_LAUNCHED(c->ctx, "grad_sumsq", "sumsq_final_kernel");
-    }
-    return TM_OK;
-}
-
-/* ---- grad_scale ------------------------------------------------------------------------------ */
+/* ---- scaling --------------------------------------------------------------------------------- */
 
 template <typename T>
 __device__ __forceinline__ void scale_elem(T *g, int64_t i, float s) {
     tm__st(g + i, __fmul_rn(tm__ld(g + i), s));
-}
-
-template <typename T>
-__global__ void scale_kernel(void *g_, int64_t n, float s) {
-    TM__CU_GRID_STRIDE(i, n) scale_elem<T>((T *)g_, i, s);
-}
-
-extern "C" tm_status tm__grad_scale_forward_cuda(tm__call *c) {
-    tm_tensor *g = c->in[0];
-    int64_t n = tm__numel(g);
-    if (g->dtype != TM_F32 && g->dtype != TM_BF16)
-        return tm__err(c->ctx, TM_ERR_INTERNAL, "grad_scale: dtype %s on CUDA", tm_dtype_name(g->dtype));
-    tm__cuda *st;
-    TM__TRY(tm__cu_enter(c->ctx, "grad_scale", &st));
-    if (n == 0) return TM_OK;
-    TM__CU_LAUNCH_FLOAT(g->dtype, scale_kernel, tm__cu_blocks(st, n), TM__CU_THREADS, 0, st->stream, tm__data(g), n,
-                        (float)c->fattr[0]);
-    TM__CU_LAUNCHED(c->ctx, "grad_scale", "scale_kernel");
-    return TM_OK;
 }
 
 /* ---- fused updates over a segment table ------------------------------------------------------ */
@@ -247,16 +156,16 @@ extern "C" tm_status tm__grad_scale_forward_cuda(tm__call *c) {
  * s owns the blocks [first, first + ceil(n / chunk)) (sfirst / schunk for the sum of squares),
  * and a block finds its segment by binary search over `first` (every thread of a block does the
  * same search on the same few cached words; no shared memory, no barrier). Each element gets
- * the arithmetic of the single-range kernels above (adamw_elem, sumsq_thread, scale_elem), so
- * the fused ops are bit for bit the ops they replace.
+ * the arithmetic of the helpers above (adamw_elem, sumsq_thread, scale_elem), whichever
+ * range and block carry it.
  *
  * grad_sumsq_multi in one launch: every block sums its chunk as sumsq_chunk_kernel does and
  * stores the f64 partial; the last block to finish (an integer atomic ticket: the only atomic,
  * it decides who adds, not the order) adds each segment's chunk partials in chunk order
- * (sumsq_final_kernel's order), rounds the segment's sum to f32 (grad_sumsq's output), adds
+ * (the CPU's order), rounds the segment's sum to f32 (the segment's partial), adds
  * those in segment order in f64 from 0 (tm_ctx_clip_grad_norm's host sum), and computes the
  * norm and the factor in f64 (IEEE sqrt and division: the host's values) rounded to f32
- * (grad_scale's (float)scale). The order never depends on which block finishes last.
+ * (tm_grad_scale's (float)scale). The order never depends on which block finishes last.
  * grad_scale_multi reads that factor on the device and returns at once when it is 1 (no
  * clipping), so no host read sits between the two launches.
  *
@@ -391,9 +300,10 @@ extern "C" tm_status tm__adamw_update_multi_forward_cuda(tm__call *c) {
     TM__TRY(multi_begin(c, what, &st, &nseg, &blocks));
     if (nseg == 0 || blocks == 0) return TM_OK;
     const double *f = c->fattr;
-    adamw_multi_kernel<<<blocks, TM__CU_THREADS, 0, st->stream>>>((const tm__seg *)tm__data(c->in[0]), nseg, (float)f[0],
-                                                                   (float)f[1], (float)f[2], (float)f[3], (float)f[4],
-                                                                   (float)f[5], (float)f[7], (float)f[8]);
+    adamw_multi_kernel<<<blocks, TM__CU_THREADS, 0, st->stream>>>(
+        (const tm__seg *)tm__data(c->in[0]), nseg, (float)f[TM__ADAMW_LR], (float)f[TM__ADAMW_BETA1],
+        (float)f[TM__ADAMW_OMB1], (float)f[TM__ADAMW_BETA2], (float)f[TM__ADAMW_OMB2], (float)f[TM__ADAMW_EPS],
+        (float)f[TM__ADAMW_BC1], (float)f[TM__ADAMW_BC2]);
     TM__CU_LAUNCHED(c->ctx, what, "adamw_multi_kernel");
     return TM_OK;
 }

@@ -281,8 +281,9 @@ static void run_on(tm_ctx *ctx, const op_case *oc, tm_device dev, double **y, in
 
 /* The GPU machine's check of the CUDA engines (nccl, or mpi-staged when ranks share a GPU):
  * every collective op on CUDA tensors equals the same op on CPU tensors (mpi engine), forward
- * and backward. Skipped (exit 0) without a CUDA device. */
-static void check_cuda(int world) {
+ * and backward. Skipped (exit 0) without a CUDA device. nccl: tm_comm_options.nccl (the
+ * helper's second argument, auto | off | always; always makes a one-rank NCCL world). */
+static void check_cuda(int world, int nccl) {
     if (tm_cuda_device_count() == 0) {
         if (g_rank == 0) printf("cuda: no CUDA device, skipped\n");
         return;
@@ -295,6 +296,7 @@ static void check_cuda(int world) {
     tm_comm_options co = tm_comm_options_default();
     co.ep_size = world % 2 == 0 ? 2 : 1;
     co.timeout_s = 60;
+    co.nccl = nccl;
     OK(ctx, tm_comm_init(ctx, &co));
     if (g_rank == 0) printf("cuda: engine %s for CUDA tensors\n", tm_comm_engine(ctx, tm_cuda(o.cuda_device)));
     const op_case cases[] = {
@@ -573,7 +575,8 @@ int main(int argc, char **argv) {
         check_ep_syncs(world);
         check_dp_row_map();
     } else if (!strcmp(what, "cuda")) {
-        check_cuda(world);
+        const char *nccl = argc > 2 ? argv[2] : "auto";
+        check_cuda(world, !strcmp(nccl, "always") ? TM_NCCL_ALWAYS : !strcmp(nccl, "off") ? TM_NCCL_OFF : TM_NCCL_AUTO);
     } else if (!strcmp(what, "hang") || !strcmp(what, "die")) {
         /* Failure modes: rank 1 stops answering (sleeps past the timeout) or dies (exits without
          * MPI_Finalize) while rank 0 waits in an all-reduce; rank 0 must not hang. */

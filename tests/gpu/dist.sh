@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tests/gpu/dist.sh — the CUDA engines of distributed training on a machine with one GPU:
 #   1. the CPU, one process (the reference);
-#   2. CUDA, one rank through the NCCL engine (TINYMOE_NCCL=1 makes a one-rank NCCL world);
+#   2. CUDA, one rank through the NCCL engine (--nccl always makes a one-rank NCCL world);
 #   3. CUDA, 2 ranks sharing the GPU (host-staged MPI engine), data parallel, ZeRO-1;
 #   4. CUDA, 4 ranks sharing the GPU, ep_size 2 (alltoall), ZeRO-1.
 # Each run trains 10 steps of the same tiny model on the same global batches; the losses must
@@ -36,7 +36,7 @@ compare() { # name
 # the collective ops on CUDA tensors against CPU tensors, 1 rank (NCCL) and 2 ranks (host-staged)
 for np in 1 2; do
     echo "== collectives on CUDA tensors, $np rank(s)"
-    if ! TINYMOE_NCCL=$([ $np = 1 ] && echo 1 || echo auto) timeout 300 $MPIRUN -np $np ./build/tinymoe_dist_helper cuda \
+    if ! timeout 300 $MPIRUN -np $np ./build/tinymoe_dist_helper cuda $([ $np = 1 ] && echo always || echo auto) \
             >"$OUT/cuda$np.log" 2>&1; then
         echo "   FAILED; tail of $OUT/cuda$np.log:"; tail -20 "$OUT/cuda$np.log"; fail=1
     else
@@ -44,7 +44,7 @@ for np in 1 2; do
     fi
 done
 run cpu $BIN train $ARGS
-run nccl1 env TINYMOE_NCCL=1 $BIN train $ARGS --device cuda && compare nccl1
+run nccl1 $BIN train $ARGS --device cuda --nccl always && compare nccl1
 run staged2 $MPIRUN -np 2 $BIN train $ARGS --device cuda --zero 1 && compare staged2
 run staged4 $MPIRUN -np 4 $BIN train $ARGS --device cuda --ep_size 2 --zero 1 && compare staged4
 [ $fail = 0 ] && echo "dist.sh: all passed" || echo "dist.sh: FAILED"

@@ -1,5 +1,5 @@
 /*
- * reducer.cu — the deterministic reducer (tm__cu_reduce) that every CUDA sum, mean, norm and
+ * fixed_order_reduce.cu — the deterministic reducer (tm__cu_reduce) that every CUDA sum, mean, norm and
  * bias-gradient goes through, and axpy (tm__cu_axpy). No float atomics: partial sums are
  * combined in a fixed order that depends only on the shape and the SM count, so results are
  * bitwise reproducible run to run.
