@@ -825,7 +825,7 @@ Test(ckpt, large_tensors_in_chunks_and_batches, .timeout = 120) {
     for (int v = 0; v < 2; v++) {
         c[v] = tt_ctx_threads(v + 1);
         for (int i = 0; i < 5; i++) {
-            char name[8];
+            char name[16];
             snprintf(name, sizeof name, "big%d", i);
             int64_t s[2] = {3500, 1000 + i};
             tm_tensor *t;
