@@ -1,7 +1,9 @@
 /*
- * run.h — the state of one `tinymoe train` or `tinymoe eval` run, shared by the three files
- * that make up those commands: train.c (the setup of a run, and the training loop), eval.c
- * (the validation loss, `tinymoe eval`) and rundir.c (the run directory). Not used elsewhere.
+ * run.h — the state of one `tinymoe train` or `tinymoe eval` run, shared by the files that make
+ * up those commands, each calling only those below it: train.c (the training loop) calls step.c
+ * (one optimizer step), eval.c (the validation loss, `tinymoe eval`) and rundir.c (the run
+ * directory); all four call run.c (the setup of a run, its forward pass, header, errors and
+ * end), which calls none of them. Not used elsewhere.
  */
 #ifndef TMD_RUN_H
 #define TMD_RUN_H
@@ -85,7 +87,7 @@ typedef struct tmd_run {
     int uniform_error; /* the failure happened where every rank fails alike (config checks) */
 } tmd_run;
 
-/* ---- train.c ---------------------------------------------------------------------------- */
+/* ---- run.c ------------------------------------------------------------------------------ */
 
 /* A library call failed: TMD_RUNTIME_ERROR with the context's message, prefixed by `what`. */
 int tmd_run_lib_fail(tmd_run *r, char *err, size_t errlen, const char *what, tm_status s);
