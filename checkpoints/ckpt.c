@@ -881,6 +881,25 @@ static tm_status truncated(tm_ctx *ctx, const ck_image *im, const char *what) {
     return tm__err(ctx, TM_ERR_IO, "%s: '%s' is truncated (%zu bytes) in %s", im->fn, im->path, im->len, what);
 }
 
+/* The checks of a record's dtype and shape against its raw length (both versions). */
+static tm_status check_rec_shape(tm_ctx *ctx, const ck_image *im, const ck_rec *r) {
+    if (r->dtype >= TM_NDTYPES)
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%.*s' has dtype code %d", im->fn, im->path,
+                       (int)r->name_len, (const char *)r->name, r->dtype);
+    uint64_t numel = 1;
+    int ok = 1;
+    for (int d = 0; d < r->ndim && ok; d++) {
+        ok = r->shape[d] >= 0 && (r->shape[d] == 0 || numel <= UINT64_MAX / (uint64_t)r->shape[d]);
+        if (ok) numel *= (uint64_t)r->shape[d];
+    }
+    if (!ok || numel > UINT64_MAX / tm_dtype_size((tm_dtype)r->dtype) ||
+        numel * tm_dtype_size((tm_dtype)r->dtype) != r->raw_len)
+        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%.*s' claims %llu bytes for its shape %s", im->fn,
+                       im->path, (int)r->name_len, (const char *)r->name, (unsigned long long)r->raw_len,
+                       tm__sdesc(ctx, r->ndim, r->shape));
+    return TM_OK;
+}
+
 /* Walk the records: bounds, the end marker, the table CRC, every data CRC. Purely structural,
  * so that a corrupted descriptor is reported as corruption, not as the unknown name it may
  * spell. */
@@ -931,20 +950,7 @@ static tm_status parse_records(tm_ctx *ctx, ck_image *im, size_t off) {
         if (crc_update(0, r->data, (size_t)r->comp_len) != r->crc)
             return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the data of tensor '%.*s'",
                            fn, path, (int)r->name_len, (const char *)r->name);
-        if (r->dtype >= TM_NDTYPES)
-            return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%.*s' has dtype code %d", fn, path,
-                           (int)r->name_len, (const char *)r->name, r->dtype);
-        uint64_t numel = 1;
-        int ok = 1;
-        for (int d = 0; d < r->ndim && ok; d++) {
-            ok = r->shape[d] >= 0 && (r->shape[d] == 0 || numel <= UINT64_MAX / (uint64_t)r->shape[d]);
-            if (ok) numel *= (uint64_t)r->shape[d];
-        }
-        if (!ok || numel > UINT64_MAX / tm_dtype_size((tm_dtype)r->dtype) ||
-            numel * tm_dtype_size((tm_dtype)r->dtype) != r->raw_len)
-            return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%.*s' claims %llu bytes for its shape %s",
-                           fn, path, (int)r->name_len, (const char *)r->name, (unsigned long long)r->raw_len,
-                           tm__sdesc(ctx, r->ndim, r->shape));
+        TM__TRY(check_rec_shape(ctx, im, r));
     }
     return TM_OK;
 }
@@ -978,24 +984,6 @@ static tm_status parse_image_v1(tm_ctx *ctx, ck_image *im) {
     return parse_records(ctx, im, off);
 }
 
-/* The checks of a record's dtype and shape against its raw length (both versions). */
-static tm_status check_rec_shape(tm_ctx *ctx, const ck_image *im, const ck_rec *r) {
-    if (r->dtype >= TM_NDTYPES)
-        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%.*s' has dtype code %d", im->fn, im->path,
-                       (int)r->name_len, (const char *)r->name, r->dtype);
-    uint64_t numel = 1;
-    int ok = 1;
-    for (int d = 0; d < r->ndim && ok; d++) {
-        ok = r->shape[d] >= 0 && (r->shape[d] == 0 || numel <= UINT64_MAX / (uint64_t)r->shape[d]);
-        if (ok) numel *= (uint64_t)r->shape[d];
-    }
-    if (!ok || numel > UINT64_MAX / tm_dtype_size((tm_dtype)r->dtype) ||
-        numel * tm_dtype_size((tm_dtype)r->dtype) != r->raw_len)
-        return tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: tensor '%.*s' claims %llu bytes for its shape %s", im->fn,
-                       im->path, (int)r->name_len, (const char *)r->name, (unsigned long long)r->raw_len,
-                       tm__sdesc(ctx, r->ndim, r->shape));
-    return TM_OK;
-}
 
 /* Version 2: header (64 bytes, already in h), meta and index read and validated; the tensor
  * data is not read here. The index must tile the data area exactly, in order. */
