@@ -9,11 +9,12 @@
 #   zlib1g-dev        crc32 of checkpoints, deflate of integer tensors in them
 #   libcjson-dev      cJSON, the JSON reader of the driver (Hugging Face config.json, safetensors headers)
 #   cmake             only for the test that find_package(tinymoe) works on an install (make examples)
+#   python3-venv      the virtual environment of the tests' Python oracles (scripts/install-pydeps.sh)
 # The CUDA toolkit is not installed here; the Makefile uses it when nvcc is found.
 set -euo pipefail
 
 packages=(build-essential pkg-config libcriterion-dev libopenblas-openmp-dev libopenmpi-dev openmpi-bin zlib1g-dev
-          libcjson-dev cmake)
+          libcjson-dev cmake python3-venv)
 
 if [ "$(id -u)" -eq 0 ]; then
     as_root=""

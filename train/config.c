@@ -190,6 +190,9 @@ static const key KEYS[] = {
      "that no launcher (mpirun, srun) made and whose TERM is not dumb (auto)", 0, 0},
     {"out", T_STR, G_RUN, STR(out), NULL, "out", 0, NULL,
      "directory for checkpoints, metrics.jsonl, loss.svg and experts.svg (empty: write nothing)", 0, 0},
+    {"tensorboard", T_STR, G_RUN, STR(tensorboard), NULL, "", 0, NULL,
+     "directory for TensorBoard event files of the metrics (loss, lr, gradient norm, aux and z losses, tokens/s, "
+     "each MoE layer's max load, validation loss; empty: none)", 0, 0},
     {"exit_interval", T_I64, G_RUN, OFF(exit_interval), NULL, "0", 0, NULL,
      "end the run after a step that is a multiple of this, with a checkpoint, as an interrupt would (exit 0; the schedule still follows steps; 0: never)", 0, 1e12},
     {"save_every", T_INT, G_RUN, OFF(save_every), NULL, "0", 0, NULL,

@@ -61,6 +61,7 @@ typedef struct tmd_config {
     int eval_every, eval_batches, log_every;
     int progress; /* TMD_PROGRESS_*: how rank 0 shows training (log.h) */
     char out[TMD_PATH_MAX];
+    char tensorboard[TMD_PATH_MAX]; /* TensorBoard event files go here (empty: none) */
     int save_every, keep_last, overwrite, allow_data_change;
     int async_save; /* checkpoints written by a background thread (rundir.h) */
     int64_t exit_interval;

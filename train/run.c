@@ -52,11 +52,13 @@ void tmd_run_free(tmd_run *r) {
     if (r->bg.active) pthread_join(r->bg.thread, NULL), r->bg.active = 0;
     tmd_unlock(&r->lock);
     if (r->metrics) fclose(r->metrics);
+    tmd_tb_close(&r->tb);
     tmd_bins_free(&r->loss_bins);
     tmd_bins_free(&r->val_bins);
     tmd_bins_free(&r->load_bins);
     free(r->step_load);
     free(r->iv_load);
+    free(r->iv_layer_load);
     free(r->moe_layer);
     free(r->inp);
     free(r->seq);
@@ -284,7 +286,8 @@ static int build(tmd_run *r, char *err, size_t errlen) {
         r->moe_layer = malloc(sizeof *r->moe_layer * (size_t)r->n_moe);
         r->step_load = calloc((size_t)r->n_moe * (size_t)r->E, sizeof *r->step_load);
         r->iv_load = calloc((size_t)r->n_moe * (size_t)r->E, sizeof *r->iv_load);
-        if (!r->moe_layer || !r->step_load || !r->iv_load) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
+        r->iv_layer_load = calloc((size_t)r->n_moe, sizeof *r->iv_layer_load);
+        if (!r->moe_layer || !r->step_load || !r->iv_load || !r->iv_layer_load) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
         for (int i = 0; i < r->n_moe; i++) r->moe_layer[i] = c->model.first_k_dense + i;
     }
     /* inputs and targets: the two halves of one block, uploaded in one copy (tmd_run_forward) */

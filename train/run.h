@@ -20,6 +20,7 @@
 #include "lock.h"
 #include "markov.h"
 #include "plot.h"
+#include "tensorboard.h"
 #include "tinymoe.h"
 
 /* The background write of an asynchronous save (async_save; rundir.c). The writer thread
@@ -66,8 +67,10 @@ typedef struct tmd_run {
     tmd_bins loss_bins, val_bins, load_bins;
     double *step_load; /* [n_moe * E] tokens per expert of the current step */
     double *iv_load;   /* [n_moe * E] their sum over the current log interval (metrics "experts") */
+    double *iv_layer_load; /* [n_moe] sum over the interval of each step's max / mean tokens per expert */
     double elapsed0;   /* training seconds before this process (a resumed run's, from metrics.jsonl) */
     FILE *metrics;
+    tmd_tb tb; /* key tensorboard: rank 0's event file (tb.f NULL: none) */
     char metrics_path[TMD_PATH_MAX + 32];
     /* checkpoints */
     char resume_path[TMD_PATH_MAX]; /* the checkpoint resumed from ("" for a fresh run) */

@@ -446,7 +446,9 @@ static int restore_metrics(tmd_run *r, int64_t upto, char *err, size_t errlen) {
 }
 
 int tmd_rundir_open_outputs(tmd_run *r, int64_t start, char *err, size_t errlen) {
-    if (!r->c.out[0] || r->rank != 0) return 0; /* rank 0 owns the run directory */
+    if (r->rank != 0) return 0; /* rank 0 owns the run directory */
+    if (r->c.tensorboard[0] && tmd_tb_open(&r->tb, r->c.tensorboard, start, err, errlen)) return TMD_RUNTIME_ERROR;
+    if (!r->c.out[0]) return 0;
     char e[TMD_PATH_MAX + 256];
     if (tmd_mkdirs(r->c.out, e, sizeof e)) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "key 'out': %s", e);
     int rc;

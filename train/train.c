@@ -42,6 +42,39 @@ typedef struct interval {
     double wait_s; /* host blocked on the device (tm_ctx_sync_seconds) */
 } interval;
 
+/* A failed TensorBoard write stops TensorBoard logging with one message; training goes on
+ * (metrics.jsonl holds the same figures). */
+static void tb_check(tmd_run *r, int rc) {
+    if (!rc && !tmd_tb_flush(&r->tb)) return;
+    fprintf(stderr, "tinymoe: cannot write '%s': %s; TensorBoard logging stops (metrics.jsonl goes on)\n", r->tb.path,
+            strerror(errno ? errno : EIO));
+    tmd_tb_close(&r->tb);
+}
+
+/* The interval's scalars as TensorBoard events, tagged as torchtitan / Megatron name them. */
+static void tb_train(tmd_run *r, int64_t step, double lr, const interval *iv, double tps) {
+    if (!r->tb.f) return;
+    double n = iv->n;
+    int rc = tmd_tb_scalar(&r->tb, "loss/train", step, iv->loss / n);
+    rc |= tmd_tb_scalar(&r->tb, "loss/cross_entropy", step, iv->ce / n);
+    rc |= tmd_tb_scalar(&r->tb, "moe/aux_loss", step, iv->aux / n);
+    rc |= tmd_tb_scalar(&r->tb, "moe/z_loss", step, iv->z / n);
+    rc |= tmd_tb_scalar(&r->tb, "optim/lr", step, lr);
+    rc |= tmd_tb_scalar(&r->tb, "optim/grad_norm", step, iv->gnorm / n);
+    rc |= tmd_tb_scalar(&r->tb, "perf/tokens_per_s", step, tps);
+    rc |= tmd_tb_scalar(&r->tb, "perf/ms_per_step", step, 1e3 * iv->seconds / n);
+    rc |= tmd_tb_scalar(&r->tb, "moe/max_load", step, iv->max_load / n);
+    if (iv->dropped) rc |= tmd_tb_scalar(&r->tb, "moe/dropped", step, (double)iv->dropped);
+    /* each MoE layer's max load (its busiest expert's tokens over the mean, per step), averaged
+     * over the interval like max_load */
+    for (int l = 0; r->iv_layer_load && l < r->n_moe; l++) {
+        char tag[64];
+        snprintf(tag, sizeof tag, "moe/max_load/layer_%02d", r->moe_layer[l]);
+        rc |= tmd_tb_scalar(&r->tb, tag, step, r->iv_layer_load[l] / n);
+    }
+    tb_check(r, rc);
+}
+
 /* Returns -1 when the metrics file cannot be written. */
 static int log_train(tmd_run *r, int64_t step, double lr, const interval *iv, double elapsed) {
     double n = iv->n, tps = (double)iv->n * r->c.grad_accum * r->B * r->T / iv->seconds;
@@ -82,7 +115,9 @@ static int log_train(tmd_run *r, int64_t step, double lr, const interval *iv, do
             if (fflush(r->metrics) || ferror(r->metrics)) return -1;
         }
     }
+    tb_train(r, step, lr, iv, tps);
     if (r->iv_load) memset(r->iv_load, 0, sizeof *r->iv_load * (size_t)r->n_moe * (size_t)r->E);
+    if (r->iv_layer_load) memset(r->iv_layer_load, 0, sizeof *r->iv_layer_load * (size_t)r->n_moe);
     if (!r->log) return 0;
     if (r->tty) tmd_progress_clear(r->log); /* the row goes above the bar, redrawn after it */
     fprintf(r->log, "%7lld %8.4f %8.4f %8.5f %8.5f %9.2e %7.3f %8.1f %9.0f %6.2f", (long long)step, iv->loss / n,
@@ -117,6 +152,7 @@ static int log_eval(tmd_run *r, int64_t step, double val) {
         if (r->synth) tmd_json_num(&j, "optimum", r->optimum);
         if (tmd_jsonl_write(r->metrics, &j)) return -1;
     }
+    if (r->tb.f) tb_check(r, tmd_tb_scalar(&r->tb, "loss/validation", step, val));
     if (!r->log) return 0;
     if (r->tty) tmd_progress_clear(r->log);
     if (r->synth)
@@ -268,6 +304,12 @@ static void interval_add(tmd_run *r, interval *iv, int64_t step, const tmd_step 
     if (r->step_load) {
         tmd_bins_add(&r->load_bins, step, r->step_load);
         for (int i = 0; i < r->n_moe * r->E; i++) r->iv_load[i] += r->step_load[i];
+        for (int l = 0; l < r->n_moe; l++) {
+            const double *ld = r->step_load + (size_t)l * r->E;
+            double mx = 0, sum = 0;
+            for (int e = 0; e < r->E; e++) sum += ld[e], mx = ld[e] > mx ? ld[e] : mx;
+            r->iv_layer_load[l] += sum > 0 ? mx * r->E / sum : 0;
+        }
     }
 }
 
