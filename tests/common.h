@@ -70,6 +70,11 @@ void tt_tmpdir_remove(void);
 const char *tt_path(const char *name);
 /* Whole file into malloc'd memory (*len bytes); entries of a directory without . and ..*/
 unsigned char *tt_slurp(const char *path, long *len);
+
+/* A Python interpreter that imports `module` (a test oracle): $TM_PYTHON, then the project's
+ * .pyenv/bin/python (scripts/install-pydeps.sh), then python3; NULL when none does, which the
+ * caller turns into a skip. With TM_REQUIRE_PYDEPS=1 (CI) a missing module fails the test here. */
+const char *tt_python_with(const char *module);
 int tt_dir_entries(const char *dir);
 
 typedef tm_status (*tt_fn)(tm_ctx *ctx, tm_tensor **inputs, void *user, tm_tensor **out);

@@ -189,23 +189,6 @@ Test(tensorboard, records_decode_to_what_was_written) {
     tt_tmpdir_remove();
 }
 
-/* A Python that imports tensorboard: $TM_PYTHON, the project's .pyenv (scripts/install-pydeps.sh),
- * then python3. NULL when none does. */
-static const char *python_with(const char *module) {
-    static char found[1024];
-    const char *cands[] = {getenv("TM_PYTHON"), ".pyenv/bin/python", "python3"};
-    for (int i = 0; i < 3; i++) {
-        if (!cands[i] || !cands[i][0]) continue;
-        char cmd[1200];
-        snprintf(cmd, sizeof cmd, "'%s' -c 'import %s' >/dev/null 2>&1", cands[i], module);
-        if (system(cmd) == 0) {
-            snprintf(found, sizeof found, "%s", cands[i]);
-            return found;
-        }
-    }
-    return NULL;
-}
-
 static void check_with_tensorboard(const char *py, const char *tbdir, const char *metrics) {
     char *argv[] = {(char *)py, "tests/tensorboard_check.py", (char *)tbdir, (char *)metrics, "2", NULL};
     int rc = tt_run(argv, tt_path("check.log"), 120, NULL);
@@ -217,13 +200,8 @@ static void check_with_tensorboard(const char *py, const char *tbdir, const char
 }
 
 Test(tensorboard, the_tensorboard_package_reads_a_run_and_its_resume, .timeout = 240) {
-    const char *py = python_with("tensorboard");
-    if (!py) {
-        const char *req = getenv("TM_REQUIRE_PYDEPS");
-        cr_assert(!(req && !strcmp(req, "1")), "TM_REQUIRE_PYDEPS=1 but no Python imports tensorboard "
-                                              "(run scripts/install-pydeps.sh)");
-        cr_skip_test("no Python with the tensorboard package (scripts/install-pydeps.sh installs one)");
-    }
+    const char *py = tt_python_with("tensorboard");
+    if (!py) cr_skip_test("no Python with the tensorboard package (scripts/install-pydeps.sh installs one)");
     tt_tmpdir_make("tm_tbrun_");
     char tb[1024], out[1024];
     snprintf(tb, sizeof tb, "%s", tt_path("tb"));

@@ -375,6 +375,8 @@ int tmd_hf_export(tm_ctx *ctx, tm_model *model, const char *dir, char *err, size
     if ((rc = plan_build(ctx, model, &p, err, errlen))) return rc;
     if (!(rc = tmd_mkdirs(dir, err, errlen)) && !(rc = write_weights(ctx, &p, dir, err, errlen)))
         rc = write_config(dir, c, dt, err, errlen);
+    /* The byte tokenizer's vocabulary (as write_config's eos): its tokenizer goes beside. */
+    if (!rc && c->vocab_size == 257) rc = tmd_hf_write_byte_tokenizer(dir, c->max_seq_len, err, errlen);
     plan_free(&p);
     return rc;
 }
@@ -827,8 +829,11 @@ int tmd_export_main(int argc, char **argv) {
         fprintf(stderr, "tinymoe: export: %s\n", err);
     } else {
         int64_t active, total = tm_model_num_params(lm.model, &active);
-        printf("exported %s (step %lld, %lld parameters, %lld active per token) to %s/%s and %s/%s\n", lm.path,
-               (long long)lm.state.step, (long long)total, (long long)active, out, TMD_HF_CONFIG_FILE, out, TMD_HF_WEIGHTS_FILE);
+        printf("exported %s (step %lld, %lld parameters, %lld active per token) to %s/%s and %s/%s%s\n", lm.path,
+               (long long)lm.state.step, (long long)total, (long long)active, out, TMD_HF_CONFIG_FILE, out, TMD_HF_WEIGHTS_FILE,
+               tm_model_get_config(lm.model)->vocab_size == 257
+                   ? ", with the byte tokenizer (tokenizer.json, tokenizer_config.json, generation_config.json)"
+                   : "");
     }
     tmd_loaded_model_free(&lm);
     return rc;

@@ -41,6 +41,14 @@
 
 #define TMD_HF_CONFIG_FILE "config.json"
 #define TMD_HF_WEIGHTS_FILE "model.safetensors"
+#define TMD_HF_TOKENIZER_FILE "tokenizer.json"
+
+/* The tokenizer of a byte-level model (vocab_size 257: `tinymoe tokenize`'s bytes plus
+ * end-of-text 256) as Hugging Face files in dir: tokenizer.json (the `tokenizers` library's
+ * form of it; hf_tokenizer.c says how), tokenizer_config.json (PreTrainedTokenizerFast, eos
+ * "<|endoftext|>", model_max_length) and generation_config.json (eos and pad 256), each written
+ * atomically (dir is created if missing). tmd_hf_export calls it for vocab_size 257. Returns 0 or a TMD_* code with err. */
+int tmd_hf_write_byte_tokenizer(const char *dir, int model_max_length, char *err, size_t errlen);
 
 /* Whether Mixtral expresses the model config: 0, or TMD_CONFIG_ERROR with a message naming the
  * first blocking option by its driver key (score_function, pre_softmax / norm_topk_prob,
