@@ -6,6 +6,8 @@
 #
 #   bench/ckpt_io.sh [--preset coarse|fine|cpu-large] [--device cpu|cuda] [--dir DIR] [--reps R]
 #
+# Then times `tinymoe export` (Hugging Face safetensors) of it beside a raw write of as many bytes.
+#
 #   cpu-large (default): d_model 512, 4 layers, 4 experts of F 1536, vocab 8192, f32 on the CPU:
 #                        about 31M parameters, a 377 MB checkpoint with AdamW state.
 #   coarse, fine:        the GPU presets (--device cuda --dtype bf16; synthetic vocab 32768).
@@ -42,4 +44,23 @@ esac
 ckpt=$(ls "$run"/ckpt-*.tmck | tail -1)
 echo "machine: $(nproc) cores, $(uname -srm); disk of $dir: $(df -h "$dir" | awk 'NR==2 {print $1, $2}'); $(date -u +%F)"
 ./build/bench/ckpt_io "$ckpt" --device "$device" --dir "$dir" --reps "$reps" --threads "$threads"
-rm -rf "$run"
+
+# The Hugging Face export of the same checkpoint: the whole `tinymoe export` command (reading the
+# weights, writing model.safetensors with fsync), beside a raw write of as many bytes (dd, 8 MiB
+# blocks, fsync) to the same disk. Page cache dropped first where allowed, as ckpt_io does.
+sync; (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null || true
+t0=$(date +%s.%N)
+./build/tinymoe export --ckpt "$ckpt" --out "$dir/hf" >/dev/null
+t1=$(date +%s.%N)
+st_bytes=$(stat -c %s "$dir/hf/model.safetensors")
+dd if=/dev/urandom of="$dir/hf_raw" bs=8M count=$(( (st_bytes + 8388607) / 8388608 )) iflag=fullblock status=none
+t3=$(date +%s.%N)
+dd if="$dir/hf_raw" of="$dir/hf_raw2" bs=8M conv=fsync status=none
+t4=$(date +%s.%N)
+awk -v b="$st_bytes" -v t0="$t0" -v t1="$t1" -v t3="$t3" -v t4="$t4" 'BEGIN {
+    e = t1 - t0; r = t4 - t3;
+    printf "  %-34s %10.1f %10.3f %8.3f\n", "export (HF safetensors, command)", b / 1e6, e, b / 1e9 / e;
+    printf "  %-34s %10.1f %10.3f %8.3f\n", "raw write, same bytes (dd, fsync)", b / 1e6, r, b / 1e9 / r;
+    printf "  export / raw write: %.2fx the time\n", e / r;
+    printf "RESULT export_bytes=%d export_s=%.3f export_raw_write_s=%.3f\n", b, e, r }'
+rm -rf "$dir/hf" "$dir/hf_raw" "$dir/hf_raw2" "$run"
