@@ -127,7 +127,8 @@ static void ref_gemm(int mode, const bf16 *A, const bf16 *B, bf16 *C, const std:
 
 static void ours(int mode, const bf16 *A, const bf16 *B, bf16 *C, const int64_t *dcnt, int64_t G, int64_t R, int64_t K,
                  int64_t N) {
-    tm__gmm90_args a = {mode, A, B, C, dcnt, G, R, K, N};
+    static const int bn = getenv("GMM90_BN") ? atoi(getenv("GMM90_BN")) : 0;
+    tm__gmm90_args a = {mode, A, B, C, dcnt, G, R, K, N, bn};
     char why[512];
     int rc = tm__gmm90_run(&a, 0, why, sizeof why);
     if (rc) {

@@ -66,16 +66,25 @@
 #define GMM90_BM 128
 #define GMM90_BK 64
 #define GMM90_THREADS 384
-#define GMM90_SMEM_TILES (192 * 1024) /* the stage buffers' budget */
+#ifndef GMM90_STAGED
+#define GMM90_STAGED 1 /* epilogue through shared memory and TMA stores (0: st.global from the fragments) */
+#endif
+/* 227 KiB per CTA less the 1024 alignment bytes, the mbarriers and the schedule at 1024 groups */
+#define GMM90_SMEM_BUDGET (232448 - 1024 - 128 - 2 * (TM__GMM90_MAX_G + 2) * 4)
 
 template <int BN> struct gmm90_cfg {
     static constexpr int A_BYTES = GMM90_BM * GMM90_BK * 2;
     static constexpr int B_BYTES = BN * GMM90_BK * 2;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-    static constexpr int STAGES = GMM90_SMEM_TILES / STAGE_BYTES > 6 ? 6 : GMM90_SMEM_TILES / STAGE_BYTES;
-    /* tiles, 2 STAGES mbarriers, the schedule (2 (G + 2) i32), 1024 bytes to align the tiles */
+    /* the epilogue's staging tile: per consumer warpgroup 64 rows x BN, as BN / 64 swizzled boxes */
+    static constexpr int STG_WG = 64 * BN * 2;
+    static constexpr int STG_BYTES = GMM90_STAGED ? 2 * STG_WG : 0;
+    static constexpr int FIT = (GMM90_SMEM_BUDGET - STG_BYTES) / STAGE_BYTES;
+    static constexpr int STAGES = FIT > 6 ? 6 : FIT;
+    static_assert(STAGES >= 3, "too little shared memory for the pipeline");
+    /* tiles, staging, 2 STAGES mbarriers, the schedule (2 (G + 2) i32), 1024 bytes to align the tiles */
     static size_t smem(int64_t G) {
-        return 1024 + (size_t)STAGES * STAGE_BYTES + 2 * STAGES * 8 + 2 * (size_t)(G + 2) * 4;
+        return 1024 + (size_t)STAGES * STAGE_BYTES + STG_BYTES + 2 * STAGES * 8 + 2 * (size_t)(G + 2) * 4;
     }
 };
 
@@ -129,6 +138,25 @@ __device__ __forceinline__ void gmm90_tma3(uint32_t dst, const CUtensorMap *map,
                  "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
                  : "memory");
 }
+__device__ __forceinline__ void gmm90_tma_store2(const CUtensorMap *map, uint32_t src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"((uint64_t)map),
+                 "r"(src), "r"(c0), "r"(c1)
+                 : "memory");
+}
+__device__ __forceinline__ void gmm90_tma_store3(const CUtensorMap *map, uint32_t src, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"((uint64_t)map),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+__device__ __forceinline__ void gmm90_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void gmm90_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void gmm90_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+/* 16 bytes global -> shared (bytes 0: zeros, nothing read) */
+__device__ __forceinline__ void gmm90_cp16(uint32_t dst, const void *src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void gmm90_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void gmm90_cp_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 __device__ __forceinline__ void gmm90_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void gmm90_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void gmm90_wgmma_wait() {
@@ -179,7 +207,8 @@ struct gmm90_tile {
 
 template <int MODE, int BN>
 __global__ void __launch_bounds__(GMM90_THREADS, 1)
-    gmm90_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, gmm90_params p) {
+    gmm90_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                 const __grid_constant__ CUtensorMap tmC, gmm90_params p) {
 #ifdef GMM90_DEVICE
     typedef gmm90_cfg<BN> CF;
     constexpr int STAGES = CF::STAGES;
@@ -187,7 +216,8 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
     extern __shared__ unsigned char gmm90_raw[];
     unsigned char *sm = (unsigned char *)(((uintptr_t)gmm90_raw + 1023) & ~(uintptr_t)1023);
     unsigned char *sA = sm, *sB = sm + STAGES * CF::A_BYTES;
-    uint64_t *full = (uint64_t *)(sB + STAGES * CF::B_BYTES), *empty = full + STAGES;
+    unsigned char *sStg = sB + STAGES * CF::B_BYTES; /* the epilogue's staging (GMM90_STAGED) */
+    uint64_t *full = (uint64_t *)(sStg + CF::STG_BYTES), *empty = full + STAGES;
     int *s_off = (int *)(empty + STAGES), *s_ts = s_off + (p.G + 2);
     const int tid = threadIdx.x, G = p.G, R = p.R;
 
@@ -312,8 +342,24 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
     constexpr int TB = MODE == TM__GMM90_DX ? 0 : 1; /* B N-major */
     float acc[BN / 2];
     int s = 0, ph = 0;
+    /* This warpgroup's staging tile: BN / 64 boxes of 64 rows x 128 bytes, 128-byte swizzle (the
+     * TMA store's layout): element (r, c) at box c / 64, line r, 16-byte chunk (c % 64 / 8) ^ (r % 8). */
+    unsigned char *stg = sStg + w * CF::STG_WG;
+    const uint32_t stg_a = gmm90_smem(stg);
+    const int wbar = 2 + w; /* named barrier of this warpgroup's 128 threads */
+    auto stg_off = [](int r, int c8) { return (c8 >> 3) * 8192 + r * 128 + (((c8 & 7) ^ (r & 7)) << 4); };
+    /* the staging tile is free: the last TMA store from it has read it, every thread is past it */
+    auto stg_acquire = [&]() {
+        if (wl == 0) gmm90_bulk_wait_read();
+        gmm90_bar(wbar, 128);
+    };
+    (void)stg_a, (void)stg_off, (void)stg_acquire, (void)wbar;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         const gmm90_tile tl = decode(t);
+        /* this warpgroup's rows of C: [wrow, wrow + 64), stored below wlim */
+        const int wrow = (MG ? tl.r0 : tl.m0) + 64 * w, wlim = MG ? tl.r1 : p.M;
+        __nv_bfloat16 *Cg = MG ? p.C : p.C + (long long)tl.g * p.c_gstride;
+        (void)wrow, (void)wlim, (void)Cg;
         if (MG && tl.g == G) {
             /* rows past the groups (bad counts only): FWD writes y = 0 there, DX adds nothing */
             if (MODE == TM__GMM90_FWD) {
@@ -364,6 +410,21 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                     else gmm90_wgmma_n128<TA, TB>(acc, da, db, sc);
                 }
                 gmm90_wgmma_commit();
+#if GMM90_STAGED
+                if (ACCUM && kt == (tl.nk > 1 ? 1 : 0)) {
+                    /* beta = 1: the old C tile into the staging tile while the tensor cores work
+                     * (by the second slab the last tile's store has long read the staging) */
+                    stg_acquire();
+                    for (int idx = wl; idx < 64 * (BN / 8); idx += 128) {
+                        const int r = idx / (BN / 8), c8 = idx - r * (BN / 8);
+                        const int row = wrow + r, col = tl.n0 + 8 * c8;
+                        const bool ok = row < wlim && col < p.Nout;
+                        gmm90_cp16(stg_a + stg_off(r, c8), ok ? (const void *)(Cg + (long long)row * p.ldc + col) : p.C,
+                                   ok ? 16 : 0);
+                    }
+                    gmm90_cp_commit();
+                }
+#endif
 #pragma unroll
                 for (int i = 0; i < BN / 2; i++) gmm90_reg_fence(acc[i]);
                 gmm90_wgmma_wait<1>();
@@ -378,6 +439,51 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
         }
 
         /* -- epilogue -- */
+#if GMM90_STAGED
+        /* fragments (+ the old C in f32, rounded once) -> staging as bf16 -> TMA store of the
+         * warpgroup's 64 rows (TMA clips at R, K, N); a warpgroup whose rows cross the group's end
+         * copies its rows below it with 16-byte stores instead */
+        if (ACCUM) {
+            gmm90_cp_wait_all();
+            gmm90_bar(wbar, 128);
+        } else {
+            stg_acquire();
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = 16 * warp + (lane >> 2) + 8 * h;
+#pragma unroll
+            for (int i = 0; i < BN / 8; i++) {
+                __nv_bfloat162 *q = (__nv_bfloat162 *)(stg + stg_off(r, i) + 4 * (lane & 3));
+                float v0 = acc[4 * i + 2 * h], v1 = acc[4 * i + 2 * h + 1];
+                if (ACCUM) {
+                    const float2 o = __bfloat1622float2(*q);
+                    v0 += o.x, v1 += o.y;
+                }
+                *q = __floats2bfloat162_rn(v0, v1);
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        gmm90_bar(wbar, 128);
+        if (!MG || wrow + 64 <= wlim) {
+            if (wl == 0) {
+#pragma unroll
+                for (int j = 0; j < BN / 64; j++) {
+                    if (tl.n0 + 64 * j >= p.Nout) break;
+                    if (MG) gmm90_tma_store2(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
+                    else gmm90_tma_store3(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow, tl.g);
+                }
+                gmm90_bulk_commit();
+            }
+        } else {
+            for (int idx = wl; idx < 64 * (BN / 8); idx += 128) {
+                const int r = idx / (BN / 8), c8 = idx - r * (BN / 8);
+                const int row = wrow + r, col = tl.n0 + 8 * c8;
+                if (row < wlim && col < p.Nout)
+                    *(uint4 *)(Cg + (long long)row * p.ldc + col) = *(const uint4 *)(stg + stg_off(r, c8));
+            }
+        }
+#else
         int rbase, rlim;
         __nv_bfloat16 *C = p.C;
         if (MG) rbase = tl.r0 + 64 * w + 16 * warp + (lane >> 2), rlim = tl.r1;
@@ -388,20 +494,35 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
             const int row = rbase + 8 * h;
             if (row >= rlim) continue;
             __nv_bfloat16 *crow = C + (long long)row * p.ldc;
+            /* beta = 1: every old value of the row first, then the stores (interleaved, the
+             * compiler cannot move a load above a store that may alias it: one memory latency
+             * per pair instead of one per row); chunks of 16 bound the registers */
 #pragma unroll
-            for (int i = 0; i < BN / 8; i++) {
-                const int col = cbase + 8 * i;
-                if (col >= p.Nout) continue; /* Nout is a multiple of 8: the pair is inside */
-                float v0 = acc[4 * i + 2 * h], v1 = acc[4 * i + 2 * h + 1];
-                __nv_bfloat162 *q = (__nv_bfloat162 *)(crow + col);
+            for (int i0 = 0; i0 < BN / 8; i0 += 16) {
+                float2 old[16];
                 if (ACCUM) {
-                    const float2 o = __bfloat1622float2(*q);
-                    v0 += o.x, v1 += o.y;
+#pragma unroll
+                    for (int i = 0; i < 16 && i0 + i < BN / 8; i++) {
+                        const int col = cbase + 8 * (i0 + i);
+                        old[i] = col < p.Nout ? __bfloat1622float2(*(const __nv_bfloat162 *)(crow + col))
+                                              : make_float2(0.0f, 0.0f);
+                    }
                 }
-                *q = __floats2bfloat162_rn(v0, v1);
+#pragma unroll
+                for (int i = 0; i < 16 && i0 + i < BN / 8; i++) {
+                    const int col = cbase + 8 * (i0 + i);
+                    if (col >= p.Nout) continue; /* Nout is a multiple of 8: the pair is inside */
+                    float v0 = acc[4 * (i0 + i) + 2 * h], v1 = acc[4 * (i0 + i) + 2 * h + 1];
+                    if (ACCUM) v0 += old[i].x, v1 += old[i].y;
+                    *(__nv_bfloat162 *)(crow + col) = __floats2bfloat162_rn(v0, v1);
+                }
             }
         }
+#endif
     }
+#if GMM90_STAGED
+    if (wl == 0) gmm90_bulk_wait(); /* the stores have read the staging before the CTA's memory goes */
+#endif
 #endif
 }
 
@@ -492,7 +613,8 @@ static int gmm90_probe(int dev, cudaError_t e, char *why, size_t n) {
 }
 
 template <int MODE, int BN>
-static int gmm90_launch(const tm__gmm90_args *a, const CUtensorMap &ma, const CUtensorMap &mb, gmm90_params p,
+static int gmm90_launch(const tm__gmm90_args *a, const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
+                        gmm90_params p,
                         long long tiles_bound, cudaStream_t st, char *why, size_t n) {
     const size_t smem = gmm90_cfg<BN>::smem(a->G);
     cudaError_t e = cudaFuncSetAttribute(gmm90_kernel<MODE, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -505,7 +627,7 @@ static int gmm90_launch(const tm__gmm90_args *a, const CUtensorMap &ma, const CU
     }
     const long long grid = tiles_bound < sms ? tiles_bound : sms;
     if (grid <= 0) return 0;
-    gmm90_kernel<MODE, BN><<<(unsigned)grid, GMM90_THREADS, smem, st>>>(ma, mb, p);
+    gmm90_kernel<MODE, BN><<<(unsigned)grid, GMM90_THREADS, smem, st>>>(ma, mb, mc, p);
     e = cudaGetLastError();
     if (e != cudaSuccess) {
         snprintf(why, n, "grouped_matmul sm90: launching gmm90_kernel<%d, %d> (%lld CTAs, %zu bytes of shared memory): %s",
@@ -542,12 +664,15 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
     const uint64_t b2 = 2;
     const int Nout = a->mode == TM__GMM90_DX ? (int)K : (int)N;
     /* BN: 256 unless 128 covers the columns with fewer padded ones (1408 = 11 x 128) */
-    const int bn = ((Nout + 255) / 256) * 256 <= ((Nout + 127) / 128) * 128 ? 256 : 128;
+    const int bn = a->bn == 128 || a->bn == 256                                       ? a->bn
+                   : ((Nout + 255) / 256) * 256 <= ((Nout + 127) / 128) * 128 ? 256
+                                                                                 : 128;
     gmm90_params p;
     memset(&p, 0, sizeof p);
     p.C = (__nv_bfloat16 *)a->c, p.counts = a->counts, p.G = (int)G, p.R = (int)R;
     p.Nout = Nout, p.tiles_n = (Nout + bn - 1) / bn;
-    CUtensorMap ma, mb;
+    CUtensorMap ma, mb, mc;
+    const uint32_t cbox[3] = {64, 64, 1};
     const uint64_t w3[3] = {(uint64_t)N, (uint64_t)K, (uint64_t)G}, w3s[2] = {(uint64_t)N * b2, (uint64_t)(K * N) * b2};
     long long bound;
     if (a->mode == TM__GMM90_FWD || a->mode == TM__GMM90_DX) {
@@ -558,6 +683,8 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
         if (gmm90_map(enc, &ma, a->a, 2, da, sa, ba, fwd ? "x" : "dy", why, n)) return -1;
         const uint32_t bb[3] = {64, fwd ? 64u : (uint32_t)bn, 1};
         if (gmm90_map(enc, &mb, a->b, 3, w3, w3s, bb, "w", why, n)) return -1;
+        const uint64_t dc[2] = {(uint64_t)Nout, (uint64_t)R}, sc[1] = {(uint64_t)Nout * b2};
+        if (gmm90_map(enc, &mc, a->c, 2, dc, sc, cbox, fwd ? "y" : "dx", why, n)) return -1;
         p.Kred = (int)red, p.ldc = Nout;
         bound = ((R + 127) / 128 + G + 1) * (long long)p.tiles_n;
     } else if (a->mode == TM__GMM90_DW) {
@@ -566,6 +693,7 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
         const uint32_t box[2] = {64, 64};
         if (gmm90_map(enc, &ma, a->a, 2, dx, sx, box, "x", why, n)) return -1;
         if (gmm90_map(enc, &mb, a->b, 2, dd, sd, box, "dy", why, n)) return -1;
+        if (gmm90_map(enc, &mc, a->c, 3, w3, w3s, cbox, "dw", why, n)) return -1;
         p.M = (int)K, p.tiles_m = (int)((K + 127) / 128), p.ldc = N, p.c_gstride = K * N;
         bound = G * (long long)p.tiles_m * p.tiles_n;
     } else {
@@ -577,11 +705,11 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
         return 1;
     }
     switch (a->mode * 2 + (bn == 256)) {
-    case 0: return gmm90_launch<TM__GMM90_FWD, 128>(a, ma, mb, p, bound, st, why, n);
-    case 1: return gmm90_launch<TM__GMM90_FWD, 256>(a, ma, mb, p, bound, st, why, n);
-    case 2: return gmm90_launch<TM__GMM90_DX, 128>(a, ma, mb, p, bound, st, why, n);
-    case 3: return gmm90_launch<TM__GMM90_DX, 256>(a, ma, mb, p, bound, st, why, n);
-    case 4: return gmm90_launch<TM__GMM90_DW, 128>(a, ma, mb, p, bound, st, why, n);
-    default: return gmm90_launch<TM__GMM90_DW, 256>(a, ma, mb, p, bound, st, why, n);
+    case 0: return gmm90_launch<TM__GMM90_FWD, 128>(a, ma, mb, mc, p, bound, st, why, n);
+    case 1: return gmm90_launch<TM__GMM90_FWD, 256>(a, ma, mb, mc, p, bound, st, why, n);
+    case 2: return gmm90_launch<TM__GMM90_DX, 128>(a, ma, mb, mc, p, bound, st, why, n);
+    case 3: return gmm90_launch<TM__GMM90_DX, 256>(a, ma, mb, mc, p, bound, st, why, n);
+    case 4: return gmm90_launch<TM__GMM90_DW, 128>(a, ma, mb, mc, p, bound, st, why, n);
+    default: return gmm90_launch<TM__GMM90_DW, 256>(a, ma, mb, mc, p, bound, st, why, n);
     }
 }
