@@ -66,6 +66,9 @@
 #define GMM90_BM 128
 #define GMM90_BK 64
 #define GMM90_THREADS 384
+#ifndef GMM90_STMATRIX
+#define GMM90_STMATRIX 1 /* staging written (and beta's old C read) by stmatrix / ldmatrix x4 */
+#endif
 #ifndef GMM90_STAGED
 #define GMM90_STAGED 1 /* epilogue through shared memory and TMA stores (0: st.global from the fragments) */
 #endif
@@ -147,6 +150,23 @@ __device__ __forceinline__ void gmm90_tma_store3(const CUtensorMap *map, uint32_
     asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"((uint64_t)map),
                  "r"(src), "r"(c0), "r"(c1), "r"(c2)
                  : "memory");
+}
+/* Four 8x8 b16 matrices, lane l addressing row l % 8 of matrix l / 8; register j of lane l holds
+ * row l / 4, columns 2 (l % 4), + 1 of matrix j (the mma accumulator fragment's layout). */
+__device__ __forceinline__ void gmm90_stsm4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
+                 : "memory");
+}
+__device__ __forceinline__ void gmm90_ldsm4(uint32_t addr, uint32_t *r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ uint32_t gmm90_pack(float a, float b) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *(uint32_t *)&v;
 }
 __device__ __forceinline__ void gmm90_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void gmm90_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
@@ -449,6 +469,31 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
         } else {
             stg_acquire();
         }
+#if GMM90_STMATRIX
+        /* matrices (rows 8 h of the warp's 16, columns 8 i): m = lane / 8 -> h = m & 1, i + (m >> 1) */
+        {
+            const int m = lane >> 3, r = 16 * warp + 8 * (m & 1) + (lane & 7);
+#pragma unroll
+            for (int i = 0; i < BN / 8; i += 2) {
+                const uint32_t addr = stg_a + stg_off(r, i + (m >> 1));
+                float v[8];
+#pragma unroll
+                for (int j = 0; j < 4; j++) /* matrix j: h = j & 1, column block i + (j >> 1) */
+                    v[2 * j] = acc[4 * (i + (j >> 1)) + 2 * (j & 1)], v[2 * j + 1] = acc[4 * (i + (j >> 1)) + 2 * (j & 1) + 1];
+                if (ACCUM) {
+                    uint32_t o[4];
+                    gmm90_ldsm4(addr, o);
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)&o[j]);
+                        v[2 * j] += f.x, v[2 * j + 1] += f.y;
+                    }
+                }
+                gmm90_stsm4(addr, gmm90_pack(v[0], v[1]), gmm90_pack(v[2], v[3]), gmm90_pack(v[4], v[5]),
+                            gmm90_pack(v[6], v[7]));
+            }
+        }
+#else
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int r = 16 * warp + (lane >> 2) + 8 * h;
@@ -463,6 +508,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                 *q = __floats2bfloat162_rn(v0, v1);
             }
         }
+#endif
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         gmm90_bar(wbar, 128);
         if (!MG || wrow + 64 <= wlim) {
