@@ -4,7 +4,8 @@
  *
  *   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Ikernels/cuda \
  *        bench/gmm_sm90_harness.cu kernels/cuda/grouped_matmul_sm90.cu -lcublas -o gmm_sm90_harness
- *   ./gmm_sm90_harness [--check] [--time] [--T 16384 --k 6 --E 64 --H 2048 --F 1408] [--iters 20]
+ *   (or make CUDA=1 gmm-sm90-harness: build/bench/gmm_sm90_harness)
+ *   ./gmm_sm90_harness [--check] [--small] [--time] [--T 16384 --k 6 --E 64 --H 2048 --F 1408] [--iters 20]
  *
  * --check: FWD, DX and DW against cuBLAS per group (cublasGemmEx, bf16 in and out, f32 compute:
  *   the per-group path tm_grouped_matmul takes today) on ragged groups with empty ones, one-row
