@@ -15,7 +15,8 @@
 #   BLAS=0|1      pkg-config openblas found                   -> CPU GEMM through CBLAS
 #   MPI=0|1       mpicc found                                 -> distributed training (framework/comm_mpi.c)
 #   NCCL=0|1      CUDA, MPI and nccl.h + libnccl.so found     -> NCCL for CUDA tensors (kernels/cuda/comm_nccl.cu)
-#   CUDA_ARCH     nvcc -gencode list (default sm_80, sm_90, PTX compute_90)
+#   CUDA_ARCH     nvcc -gencode list (default sm_80, sm_90, PTX compute_90); CUDA_ARCH_SM90A the
+#                 list of kernels/cuda/grouped_matmul_sm90.cu (default sm_80, sm_90a)
 
 CC       ?= cc
 PREFIX   ?= /usr/local
@@ -170,6 +171,13 @@ $(BUILD)/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
 
+# The Hopper grouped GEMM (wgmma, TMA, setmaxnreg) needs the sm_90a feature set, and an sm_90 or
+# PTX image of it beside would leave the driver a choice of an empty kernel: this file gets
+# sm_80 (any other GPU: its host code says no and grouped_matmul.cu keeps its own kernels) and
+# sm_90a instead of CUDA_ARCH.
+CUDA_ARCH_SM90A ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a
+$(BUILD)/kernels/cuda/grouped_matmul_sm90.cu.o: NVCCFLAGS := $(subst $(CUDA_ARCH),$(CUDA_ARCH_SM90A),$(NVCCFLAGS))
+
 $(LIBA): $(LIB_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
@@ -314,6 +322,14 @@ $(BUILD)/libcudatrace.so: bench/cudatrace.c
 	$(CC) -std=c11 -O2 -g $(WARN) -fPIC -shared -I$(CUDA_HOME)/include -o $@ $< -ldl
 bench-tools: $(BUILD)/libcudatrace.so
 all: $(BUILD)/libcudatrace.so
+# bench/gmm_sm90_harness.cu: the Hopper grouped GEMM alone (no library), checked against cuBLAS per
+# group and timed against a dense GEMM; one nvcc command, run on an sm_90 GPU (make gmm-sm90-harness).
+$(BUILD)/bench/gmm_sm90_harness: bench/gmm_sm90_harness.cu kernels/cuda/grouped_matmul_sm90.cu kernels/cuda/grouped_matmul_sm90.h
+	@mkdir -p $(dir $@)
+	$(NVCC) -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Ikernels/cuda bench/gmm_sm90_harness.cu \
+	    kernels/cuda/grouped_matmul_sm90.cu -L$(CUDA_LIBDIR) -Xlinker -rpath,$(CUDA_LIBDIR) -lcublas -o $@
+gmm-sm90-harness: $(BUILD)/bench/gmm_sm90_harness
+.PHONY: gmm-sm90-harness
 endif
 .PHONY: bench-tools
 

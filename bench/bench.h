@@ -73,7 +73,7 @@ static inline int bench_parse(int argc, char **argv, const char *prog, const cha
     return 1;
 }
 
-/* The value of a program's --gmm option (default | device: tm_ctx_options.grouped_gemm),
+/* The value of a program's --gmm option (default | device | hopper: tm_ctx_options.grouped_gemm),
  * which bench_ctx applies and the RESULT lines report. */
 static inline const char **bench_gmm_slot(void) {
     static const char *gmm = "default";
@@ -88,8 +88,9 @@ static inline int bench_ctx(const char *prog, const char *device, long threads, 
     tm_ctx_options co = tm_ctx_options_default();
     co.num_threads = (int)threads;
     if (!strcmp(bench_gmm(), "device")) co.grouped_gemm = TM_GROUPED_GEMM_DEVICE;
+    else if (!strcmp(bench_gmm(), "hopper")) co.grouped_gemm = TM_GROUPED_GEMM_HOPPER;
     else if (strcmp(bench_gmm(), "default")) {
-        fprintf(stderr, "%s: --gmm must be default or device, got '%s'\n", prog, bench_gmm());
+        fprintf(stderr, "%s: --gmm must be default, device or hopper, got '%s'\n", prog, bench_gmm());
         return 2;
     }
     if (!strcmp(device, "cuda")) {

@@ -8,8 +8,8 @@
 #   moe        the MoE layer fwd and fwd+bwd, bf16, T=16384 H=2048 F=1408 E=64 k=6:
 #              bench/moe_layer.c vs bench/moe_layer_torch.py (eager, torch.compile)
 #   kernels    grouped GEMM TFLOP/s vs one dense GEMM of the same FLOPs (the default, a
-#              cuBLASLt GEMM per group, and --gmm device, the device-scheduled
-#              tensor-core kernel); permute / unpermute
+#              cuBLASLt GEMM per group; --gmm device, the device-scheduled tensor-core
+#              kernel; --gmm hopper, its sm_90a wgmma + TMA version); permute / unpermute
 #              GB/s vs a device-to-device copy: bench/kernels.c
 #   attention  causal GQA attention fwd and fwd+bwd, B=16 S=1024 Hq=12 Hkv=4, D=64 and D=128:
 #              bench/attention.c vs bench/attention_torch.py (SDPA)
@@ -169,39 +169,41 @@ if has "$only" kernels; then
     echo "== kernels ($((SECONDS - T_START)) s)"
     # shellcheck disable=SC2086
     run kernels build/bench/kernels --device $DEV $KER $KER_IT
-    # The device-scheduled kernel (no host group sizes), when this build of the program has --gmm.
-    variant=0
-    if build/bench/kernels --help 2>/dev/null | grep -q -- --gmm; then
-        variant=1
-        # shellcheck disable=SC2086
-        run kernels_gmm_device build/bench/kernels --device $DEV $KER $KER_IT --what gemm --gmm device
-    fi
+    # The device-scheduled kernels (no host group sizes): each --gmm value this build of the
+    # program knows (device; hopper: the sm_90a kernel, which falls back to device elsewhere).
+    variants=""
+    for v in device hopper; do
+        if build/bench/kernels --help 2>/dev/null | grep -q -- "--gmm.*$v"; then
+            variants="$variants $v"
+            # shellcheck disable=SC2086
+            run kernels_gmm_$v build/bench/kernels --device $DEV $KER $KER_IT --what gemm --gmm $v
+        fi
+    done
     echo "grouped GEMM: TFLOP/s (2 R K N fwd, 6 R K N fwd+bwd) and % of the dense GEMM of the same FLOPs (target >= 75%)"
     printf '%-8s %-9s %8s %8s %14s' gemm routing "dense" "dense" "grouped"
-    [ $variant = 1 ] && printf ' %14s' "grouped"
+    for v in $variants; do printf ' %14s' "grouped"; done
     printf ' %14s' "grouped"
-    [ $variant = 1 ] && printf ' %14s' "grouped"
+    for v in $variants; do printf ' %14s' "grouped"; done
     printf '\n%-8s %-9s %8s %8s %14s' "" "" "fwd" "fwd+bwd" "fwd"
-    [ $variant = 1 ] && printf ' %14s' "fwd device"
+    for v in $variants; do printf ' %14s' "fwd $v"; done
     printf ' %14s' "fwd+bwd"
-    [ $variant = 1 ] && printf ' %14s' "f+b device"
+    for v in $variants; do printf ' %14s' "f+b $v"; done
     printf '\n'
     cell() { [ -n "$1" ] && printf ' %7.1f %5.1f%%' "$(field "tflops_$2" "$1")" "$(field "pct_dense_$2" "$1")" || printf ' %14s' "-"; }
     for op in gate_up down; do
         d=$(pick bench=gemm op=$op kind=dense gmm=default)
         for routing in balanced random skewed; do
             g=$(pick bench=gemm op=$op kind=grouped routing=$routing gmm=default)
-            c=$(pick bench=gemm op=$op kind=grouped routing=$routing gmm=device)
-            [ -n "$g$c" ] || continue
+            [ -n "$g" ] || continue
             printf '%-8s %-9s %8.1f %8.1f' "$op" "$routing" "$(field tflops_fwd "$d")" "$(field tflops_fwdbwd "$d")"
-            cell "$g" fwd
-            [ $variant = 1 ] && cell "$c" fwd
-            cell "$g" fwdbwd
-            [ $variant = 1 ] && cell "$c" fwdbwd
-            printf '   (max load %s)\n' "$(field max_load "${g:-$c}")"
+            for part in fwd fwdbwd; do
+                cell "$g" $part
+                for v in $variants; do cell "$(pick bench=gemm op=$op kind=grouped routing=$routing gmm=$v)" $part; done
+            done
+            printf '   (max load %s)\n' "$(field max_load "$g")"
         done
     done
-    [ $variant = 1 ] || echo "(--gmm device: this build of bench/kernels has no --gmm; skipped)"
+    [ -n "$variants" ] || echo "(--gmm device / hopper: this build of bench/kernels has no --gmm; skipped)"
     c=$(pick bench=copy)
     echo
     echo "permute / unpermute: GB/s of the bytes each must move (docs/PERFORMANCE.md) and % of a D2D copy (target >= 80%)"

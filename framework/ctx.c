@@ -70,9 +70,11 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
                  "tm_ctx_new: cpu_gemm = %d is neither TM_CPU_GEMM_AUTO (0) nor TM_CPU_GEMM_BUILTIN (1)", o.cpu_gemm);
         return TM_ERR_INVALID_ARG;
     }
-    if (o.grouped_gemm != TM_GROUPED_GEMM_CUBLASLT && o.grouped_gemm != TM_GROUPED_GEMM_DEVICE) {
+    if (o.grouped_gemm != TM_GROUPED_GEMM_CUBLASLT && o.grouped_gemm != TM_GROUPED_GEMM_DEVICE &&
+        o.grouped_gemm != TM_GROUPED_GEMM_HOPPER) {
         snprintf(create_error, sizeof create_error,
-                 "tm_ctx_new: grouped_gemm = %d is neither TM_GROUPED_GEMM_CUBLASLT (0) nor TM_GROUPED_GEMM_DEVICE (1)",
+                 "tm_ctx_new: grouped_gemm = %d is none of TM_GROUPED_GEMM_CUBLASLT (0), TM_GROUPED_GEMM_DEVICE (1), "
+                 "TM_GROUPED_GEMM_HOPPER (2)",
                  o.grouped_gemm);
         return TM_ERR_INVALID_ARG;
     }
@@ -94,7 +96,7 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->n_threads = o.num_threads > 0 ? o.num_threads : omp_get_max_threads();
     ctx->grad_enabled = 1;
     ctx->cpu_gemm_builtin = o.cpu_gemm == TM_CPU_GEMM_BUILTIN;
-    ctx->gmm_device = o.grouped_gemm == TM_GROUPED_GEMM_DEVICE;
+    ctx->gmm_device = o.grouped_gemm;
     ctx->chunk_bytes = o.arena_chunk_bytes ? o.arena_chunk_bytes : ((size_t)64 << 20);
     ctx->arena[TM__CPU].dev = tm_cpu();
     ctx->meta.dev = tm_cpu();
@@ -314,8 +316,14 @@ void tm_ctx_memory_reset_peak(tm_ctx *ctx) {
     }
 }
 
-void tm__set_gmm_device_schedule(tm_ctx *ctx, int on) {
-    if (ctx) ctx->gmm_device = on ? 1 : 0;
+void tm__set_gmm_device_schedule(tm_ctx *ctx, int mode) {
+    if (ctx) ctx->gmm_device = mode == TM_GROUPED_GEMM_HOPPER ? mode : mode ? TM_GROUPED_GEMM_DEVICE : 0;
 }
 
-int tm__gmm_device_schedule(tm_ctx *ctx) { return ctx->gmm_device; }
+int tm__gmm_device_schedule(tm_ctx *ctx) { return ctx->gmm_device != TM_GROUPED_GEMM_CUBLASLT; }
+
+int tm__gmm_mode(tm_ctx *ctx) { return ctx->gmm_device; }
+
+const char *tm__gmm_note(tm_ctx *ctx) { return ctx->gmm_note; }
+
+void tm__gmm_set_note(tm_ctx *ctx, const char *why) { snprintf(ctx->gmm_note, sizeof ctx->gmm_note, "%s", why); }

@@ -337,9 +337,16 @@ tm_status tm__moe_sort_chunks_sizes(tm__call *c, const int64_t **sizes);
  * training step is faster with it too (coarse 114 -> 87 ms, fine 107 -> 99 ms per step) in
  * spite of one wait per MoE layer; the device schedule is the one without any wait (what a
  * CUDA graph capture of the step needs). The CPU counts its synchronisations by the same rule.
- * tm__set_gmm_device_schedule overrides the option for a context (tests: both paths). */
+ * TM_GROUPED_GEMM_HOPPER schedules on the device too (the sm_90a kernel, or the one above where
+ * it cannot run). tm__set_gmm_device_schedule overrides the option for a context (tests: every
+ * path): mode 0 cuBLASLt, TM_GROUPED_GEMM_HOPPER, any other non-zero TM_GROUPED_GEMM_DEVICE.
+ * tm__gmm_mode: the context's TM_GROUPED_GEMM_*. tm__gmm_note: under TM_GROUPED_GEMM_HOPPER, why
+ * the last bf16 grouped GEMM fell back to the sm_80 kernel ("" when the Hopper kernel ran). */
 int tm__gmm_device_schedule(tm_ctx *ctx);
-void tm__set_gmm_device_schedule(tm_ctx *ctx, int on);
+void tm__set_gmm_device_schedule(tm_ctx *ctx, int mode);
+int tm__gmm_mode(tm_ctx *ctx);
+const char *tm__gmm_note(tm_ctx *ctx);
+void tm__gmm_set_note(tm_ctx *ctx, const char *why);
 
 /* ---- context internals used by kernels --------------------------------------------------- */
 

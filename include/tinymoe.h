@@ -134,11 +134,15 @@ typedef struct tm_ctx_options {
                                     * TM_GROUPED_GEMM_CUBLASLT (0): one cuBLASLt GEMM per group
                                     * from host group sizes (one wait per call without a host copy);
                                     * TM_GROUPED_GEMM_DEVICE: one tensor-core kernel over all groups,
-                                    * sizes taken on the device, never a wait (slower per GEMM) */
+                                    * sizes taken on the device, never a wait (slower per GEMM);
+                                    * TM_GROUPED_GEMM_HOPPER: the same contract (never a wait) on a
+                                    * Hopper (sm_90) wgmma + TMA kernel; on other GPUs, shapes (K or
+                                    * N not a multiple of 8, more than 1024 groups) or unaligned
+                                    * data it takes TM_GROUPED_GEMM_DEVICE's kernel instead */
 } tm_ctx_options;
 
 enum { TM_CPU_GEMM_AUTO = 0, TM_CPU_GEMM_BUILTIN = 1 };
-enum { TM_GROUPED_GEMM_CUBLASLT = 0, TM_GROUPED_GEMM_DEVICE = 1 };
+enum { TM_GROUPED_GEMM_CUBLASLT = 0, TM_GROUPED_GEMM_DEVICE = 1, TM_GROUPED_GEMM_HOPPER = 2 };
 
 /* Defaults: no allocator hook, all threads, CPU only, 64 MiB chunks, CPU GEMM auto, grouped
  * GEMM cuBLASLt. */
@@ -911,9 +915,14 @@ TM_API tm_status tm_moe_sort_chunks(tm_ctx *ctx, tm_tensor *x, tm_tensor *split_
  * on the device: no synchronisation, whatever the counts (none counted on the CPU either).
  * Counts with a host copy (a permute's) are validated from it as above; others are not
  * validated on that path but clamped (a negative count as 0, a count cut at the rows left;
- * rows past the last group get out = 0 and no gradient). cuBLASLt is the default because it
- * is faster, per GEMM and per training step (docs/PERFORMANCE.md); the device kernel never
- * makes the host wait.
+ * rows past the last group get out = 0 and no gradient). TM_GROUPED_GEMM_HOPPER: the same
+ * contract on an sm_90a kernel (wgmma, TMA; kernels/cuda/grouped_matmul_sm90.cu), one launch
+ * per direction; where it cannot run (not an sm_90 device, K or N not a multiple of 8, more than
+ * 1024 groups, data not 16-byte aligned) the TM_GROUPED_GEMM_DEVICE kernel runs instead, with
+ * the reason kept for tests (tm__gmm_note). Results differ from cuBLASLt's by f32 summation
+ * order only. cuBLASLt is the default: the device kernel is slower per GEMM and per training
+ * step (docs/PERFORMANCE.md) but never makes the host wait; the Hopper kernel never waits
+ * either and on an H100 is faster than cuBLASLt per group (docs/PERFORMANCE.md, section 2).
  * Errors: TM_ERR_DTYPE (x or w not float, or of different dtypes; counts not i64),
  * TM_ERR_SHAPE (x not 2-D, w not 3-D, counts not [G], K differs, counts running past R or not
  * summing to R), TM_ERR_INVALID_ARG (a negative count; on CUDA, shapes too large for one

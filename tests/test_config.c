@@ -231,6 +231,10 @@ Test(config, engine_switches_are_keys) {
     cr_assert_eq(PARSE(&c, err, "--grouped_gemm", "device", "--nccl", "always"), 0, "%s", err);
     cr_assert_eq(c.grouped_gemm, TM_GROUPED_GEMM_DEVICE);
     cr_assert_eq(c.nccl, TM_NCCL_ALWAYS);
+    cr_assert_eq(PARSE(&c, err, "--grouped_gemm", "hopper"), 0, "%s", err);
+    cr_assert_eq(c.grouped_gemm, TM_GROUPED_GEMM_HOPPER);
+    cr_assert_neq(PARSE(&c, err, "--grouped_gemm", "sm90"), 0);
+    HAS(err, "grouped_gemm");
     cr_assert_eq(PARSE(&c, err, "--nccl", "off"), 0, "%s", err);
     cr_assert_eq(c.nccl, TM_NCCL_OFF);
     cr_assert_neq(PARSE(&c, err, "--nccl", "1"), 0);

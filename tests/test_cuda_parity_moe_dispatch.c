@@ -16,7 +16,10 @@
  * default), whose synchronisations are f32's; and the tensor-core kernel with its schedule on
  * the device: no synchronisation at all, both code paths (cp.async for K, N multiples of 8;
  * element-wise loads otherwise) on ragged, empty and sub-tile groups, bitwise reproducible;
- * mirrored counts validated, others clamped.
+ * mirrored counts validated, others clamped. TM_GROUPED_GEMM_HOPPER (the sm_90a wgmma + TMA kernel,
+ * kernels/cuda/grouped_matmul_sm90.cu): the same cases and an odd group count, shapes off its
+ * 128 x 256 x 64 tiles; on an sm_90 device the test asserts that the Hopper kernel ran (tm__gmm_note
+ * empty) wherever K and N are multiples of 8, elsewhere that it fell back with the reason.
  *
  * Tolerances (|cuda - cpu| <= atol + rtol |cpu|):
  *   permute's outputs, exact: both sides move bits (bf16 included) and place rows alike.
@@ -407,8 +410,8 @@ Test(cuda_parity_moe, unpermute_skips_rows_outside_the_tokens) {
 
 /* ---- grouped_matmul ---------------------------------------------------------------------- */
 
-/* A context whose bf16 grouped GEMMs take the device-scheduled kernel (1) or cuBLASLt per
- * group (0). */
+/* A context whose bf16 grouped GEMMs take the device-scheduled kernel (1), its Hopper version
+ * (TM_GROUPED_GEMM_HOPPER) or cuBLASLt per group (0). */
 static tm_ctx *gmm_ctx(int device_schedule) {
     tm_ctx *ctx = tt_parity_ctx();
     tm__set_gmm_device_schedule(ctx, device_schedule);
@@ -855,5 +858,58 @@ Test(cuda_parity_moe, bitwise_reproducible) {
         }
     }
     free(hx), free(hp), free(hw), free(hg), free(hm);
+    tm_ctx_free(ctx);
+}
+
+/* The Hopper kernel: the device-scheduled contract (no synchronisation, clamped counts, empty
+ * groups' dw untouched) on shapes off its tiles: K 72 / N 40 (one partial slab, BN 128), K 136 /
+ * N 264 (K past a 64 multiple: TMA zero fill), 128-row groups ending mid-tile, the dw reduction of
+ * 423 rows ending mid-slab (the next group's rows zeroed in shared memory), 9 groups (odd), one
+ * group; then K 13 (not a multiple of 8), which must fall back with its reason. Where the device
+ * is an sm_90, tm__gmm_note must be empty after each call that K and N allow: the Hopper kernel ran. */
+static void grouped_case_hopper(int64_t G, int64_t K, int64_t N, const int64_t *counts, int must_run) {
+    tm_ctx *ctx = gmm_ctx(TM_GROUPED_GEMM_HOPPER);
+    grouped_case_in(ctx, TM_BF16, G, K, N, counts, 1e-2, 1e-2);
+    const char *note = tm__gmm_note(ctx);
+    int64_t R = 0;
+    for (int64_t g = 0; g < G; g++) R += counts[g];
+    if (must_run && R > 0 && !strstr(note, "needs sm_90"))
+        cr_assert(note[0] == 0, "grouped_matmul bf16 G %lld K %lld N %lld: the Hopper kernel did not run: %s",
+                  (long long)G, (long long)K, (long long)N, note);
+    if (!must_run && R > 0) cr_assert(note[0] != 0, "K %lld, N %lld: expected a fallback and its reason", (long long)K, (long long)N);
+    tm_ctx_free(ctx);
+}
+
+Test(cuda_parity_moe, grouped_matmul_bf16_hopper) {
+    TT_SKIP_WITHOUT_CUDA();
+    const int64_t ragged[E7] = {5, 0, 130, 1, 0, 200, 3}, first_last_empty[E7] = {0, 4, 129, 17, 2, 8, 0},
+                  big[E7] = {140, 0, 301, 7, 129, 0, 423}, none[E7] = {0, 0, 0, 0, 0, 0, 0},
+                  nine[9] = {128, 0, 1, 255, 64, 0, 77, 300, 2};
+    grouped_case_hopper(E7, 72, 40, ragged, 1);
+    grouped_case_hopper(E7, 72, 40, first_last_empty, 1);
+    grouped_case_hopper(E7, 40, 72, ragged, 1);
+    grouped_case_hopper(E7, 256, 192, big, 1);
+    grouped_case_hopper(E7, 136, 264, big, 1);
+    grouped_case_hopper(9, 64, 320, nine, 1);
+    grouped_case_hopper(E7, 72, 40, none, 1); /* R = 0 */
+    const int64_t single[1] = {37};
+    grouped_case_hopper(1, 8, 8, single, 1);
+    grouped_case_hopper(E7, 13, 11, ragged, 0);
+}
+
+/* Bit for bit the same result on a second call (each element one thread's sum in a fixed order). */
+Test(cuda_parity_moe, grouped_matmul_bf16_hopper_reproducible) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = gmm_ctx(TM_GROUPED_GEMM_HOPPER);
+    const int64_t counts[E7] = {140, 0, 301, 7, 129, 0, 423};
+    int64_t R = 1000, G = E7, K = 256, N = 192, xs[2] = {R, K}, ws[3] = {G, K, N};
+    double *hx = tt_parity_uniform(R * K, 77), *hw = tt_parity_uniform(G * K * N, 78), hc[E7];
+    for (int g = 0; g < E7; g++) hc[g] = (double)counts[g];
+    tm_tensor *x = from(ctx, TM_BF16, 2, xs, tm_cuda(0), hx, 0), *w = from(ctx, TM_BF16, 3, ws, tm_cuda(0), hw, 0);
+    tm_tensor *cnt = from(ctx, TM_I64, 1, &G, tm_cuda(0), hc, 0), *y0, *y1;
+    TT_OK(ctx, tm_grouped_matmul(ctx, x, w, cnt, &y0));
+    TT_OK(ctx, tm_grouped_matmul(ctx, x, w, cnt, &y1));
+    tt_assert_close(ctx, y1, y0, 0, 0);
+    free(hx), free(hw);
     tm_ctx_free(ctx);
 }

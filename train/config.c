@@ -24,7 +24,8 @@ _Static_assert(TM_EP_ALLTOALL == 0 && TM_EP_ALLGATHER == 1 && TM_EP_ALLTOALL_DED
                    sizeof(tm_ep_strategy) == sizeof(int),
                "ep_strategy order");
 _Static_assert(TM_CPU_GEMM_AUTO == 0 && TM_CPU_GEMM_BUILTIN == 1, "cpu_gemm order");
-_Static_assert(TM_GROUPED_GEMM_CUBLASLT == 0 && TM_GROUPED_GEMM_DEVICE == 1, "grouped_gemm order");
+_Static_assert(TM_GROUPED_GEMM_CUBLASLT == 0 && TM_GROUPED_GEMM_DEVICE == 1 && TM_GROUPED_GEMM_HOPPER == 2,
+               "grouped_gemm order");
 _Static_assert(TM_NCCL_AUTO == 0 && TM_NCCL_OFF == 1 && TM_NCCL_ALWAYS == 2, "nccl order");
 _Static_assert(sizeof(tm_score_function) == sizeof(int) && sizeof(tm_aux_counts) == sizeof(int) &&
                    sizeof(tm_drop_policy) == sizeof(int) && sizeof(tm_moe_strategy) == sizeof(int) &&
@@ -165,9 +166,10 @@ static const key KEYS[] = {
     {"threads", T_INT, G_TRAIN, OFF(threads), NULL, "0", 0, NULL, "CPU threads (0: all available)", 0, 1024},
     {"cpu_gemm", T_ENUM, G_TRAIN, OFF(cpu_gemm), "auto|builtin", "auto", 0, NULL,
      "CPU matrix products: OpenBLAS when built with it, or always the built-in kernel (the same results on every build)", 0, 0},
-    {"grouped_gemm", T_ENUM, G_TRAIN, OFF(grouped_gemm), "cublaslt|device", "cublaslt", 0, NULL,
-     "bf16 expert GEMMs on CUDA: one cuBLASLt GEMM per expert (faster; one wait per MoE layer), or one kernel taking "
-     "the group sizes on the device (no wait)", 0, 0},
+    {"grouped_gemm", T_ENUM, G_TRAIN, OFF(grouped_gemm), "cublaslt|device|hopper", "cublaslt", 0, NULL,
+     "bf16 expert GEMMs on CUDA: one cuBLASLt GEMM per expert (one wait per MoE layer), one kernel taking "
+     "the group sizes on the device (no wait), or its Hopper wgmma + TMA version (no wait; sm_90 only, else device)",
+     0, 0},
     {"device", T_ENUM, G_TRAIN, OFF(device), "cpu|cuda", "cpu", 0, NULL, "where the model runs (cuda: device 0)", 0, 0},
     {"dtype", T_ENUM, G_TRAIN, OFF(dtype), "f32|bf16", "f32", 0, NULL, "parameter dtype", 0, 0},
     /* data */

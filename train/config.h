@@ -52,7 +52,7 @@ typedef struct tmd_config {
     int64_t seed;
     int threads;
     int cpu_gemm; /* TM_CPU_GEMM_AUTO / TM_CPU_GEMM_BUILTIN */
-    int grouped_gemm; /* TM_GROUPED_GEMM_CUBLASLT / TM_GROUPED_GEMM_DEVICE */
+    int grouped_gemm; /* TM_GROUPED_GEMM_CUBLASLT / _DEVICE / _HOPPER */
     int device; /* tmd_device_kind */
     int dtype;  /* tmd_dtype_kind */
     char data[TMD_PATH_MAX], val_data[TMD_PATH_MAX];

@@ -11,7 +11,7 @@
  *   dw[g] += x_g^T @ dy_g     (K, N); an empty group leaves dw[g] untouched (not even rewritten)
  * Nothing is saved: the backward reads x, w and counts again.
  *
- * Two implementations:
+ * Three implementations:
  *
  * f32, and bf16 by default: one cuBLASLt GEMM per non-empty group (tm__gemm_cuda_ragged, f32
  *   compute, no TF32; bf16 in and out. A plan per power-of-two bucket of the group's size, so
@@ -34,6 +34,12 @@
  *   87 ms, fine 107 against 99 ms per step with cuBLASLt); what it has is a step without a
  *   single wait for the device (a CUDA graph capture needs that), and one launch instead of
  *   one cuBLASLt call per expert and direction (a slow host would feel those).
+ *
+ * bf16 with grouped_gemm = TM_GROUPED_GEMM_HOPPER: grouped_matmul_sm90.cu (sm_90a: wgmma, TMA,
+ *   a persistent warp-specialised kernel, its own layout comment), the same device-side contract
+ *   (clamped counts, rows past the groups 0, empty groups' dw untouched, no synchronisation);
+ *   gmm_try_sm90 hands it each direction and falls back to the kernel below, per direction,
+ *   where it says no (device, shape, alignment, group count), recording why (tm__gmm_note).
  *
  * The bf16 kernel, step by step:
  *
@@ -95,6 +101,7 @@
  *   tm_ctx_sync_count stays put inside the loop.
  */
 #include "common.cuh"
+#include "grouped_matmul_sm90.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -539,16 +546,44 @@ static tm_status gmm_launch(tm__call *c, tm__cuda *st, const gmm_args &a, int64_
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/* Under TM_GROUPED_GEMM_HOPPER: the sm_90a kernel (grouped_matmul_sm90.cu) for one direction.
+ * 1: done (*s TM_OK) or failed (*s the error); 0: it cannot take this call (the reason goes to
+ * tm__gmm_note) and the caller runs the kernel of this file. */
+static int gmm_try_sm90(tm__call *c, tm__cuda *st, int mode, const void *A, const void *B, void *C, tm_status *s) {
+    *s = TM_OK;
+    if (tm__gmm_mode(c->ctx) != TM_GROUPED_GEMM_HOPPER) return 0;
+    const tm_tensor *x = c->in[0], *w = c->in[1];
+    tm__gmm90_args a;
+    a.mode = mode, a.a = A, a.b = B, a.c = C, a.counts = (const int64_t *)tm__data(c->in[2]);
+    a.G = w->shape[0], a.R = x->shape[0], a.K = w->shape[1], a.N = w->shape[2];
+    a.bn = 0;
+    char why[256];
+    const int rc = tm__gmm90_run(&a, st->stream, why, sizeof why);
+    if (rc == 0) {
+        tm__gmm_set_note(c->ctx, "");
+        return 1;
+    }
+    if (rc > 0) {
+        tm__gmm_set_note(c->ctx, why);
+        return 0;
+    }
+    *s = tm__err(c->ctx, TM_ERR_CUDA, "grouped_matmul: x %s, w %s, %s on the sm90 kernel: %s", tm__tdesc(c->ctx, x),
+                 tm__tdesc(c->ctx, w), mode == TM__GMM90_FWD ? "forward" : mode == TM__GMM90_DX ? "dx" : "dw", why);
+    return 1;
+}
+
 static tm_status gmm_forward_bf16(tm__call *c, tm__cuda *st) {
     const tm_tensor *x = c->in[0], *w = c->in[1];
     const int64_t R = x->shape[0], G = w->shape[0], K = w->shape[1], N = w->shape[2];
     const int64_t *cnt;
     TM__TRY(tm__grouped_matmul_counts_mirrored(c, &cnt)); /* validates a mirror; reads nothing back */
     if (R == 0 || N == 0) return TM_OK;
+    void *y = tm__data(c->out[0]);
+    tm_status rs;
+    if (gmm_try_sm90(c, st, TM__GMM90_FWD, tm__data(x), tm__data(w), y, &rs)) return rs;
     gmm_sched s;
     int64_t MT;
     TM__TRY(gmm_schedule(c, st, R, G, &s, &MT));
-    void *y = tm__data(c->out[0]);
     gmm_args a;
     memset(&a, 0, sizeof a);
     a.A = (const tm__bf16 *)tm__data(x), a.lda = K;
@@ -567,10 +602,20 @@ static tm_status gmm_backward_bf16(tm__call *c, tm__cuda *st) {
     const int64_t *cnt;
     TM__TRY(tm__grouped_matmul_counts_mirrored(c, &cnt)); /* counts may have been rewritten since the forward */
     if (R == 0 || K == 0 || N == 0) return TM_OK; /* nothing to add */
+    const void *X = tm__data(x), *W = tm__data(w), *DY = tm__data(c->gout[0]);
+    tm_status rs;
+    if (gx && gmm_try_sm90(c, st, TM__GMM90_DX, DY, W, tm__data(gx), &rs)) {
+        TM__TRY(rs);
+        gx = NULL; /* done */
+    }
+    if (gw && gmm_try_sm90(c, st, TM__GMM90_DW, X, DY, tm__data(gw), &rs)) {
+        TM__TRY(rs);
+        gw = NULL;
+    }
+    if (!gx && !gw) return TM_OK;
     gmm_sched s;
     int64_t MT;
     TM__TRY(gmm_schedule(c, st, R, G, &s, &MT));
-    const void *X = tm__data(x), *W = tm__data(w), *DY = tm__data(c->gout[0]);
     const bool vec = K % 8 == 0 && N % 8 == 0 && aligned16(X) && aligned16(W) && aligned16(DY) &&
                      (!gx || aligned16(tm__data(gx))) && (!gw || aligned16(tm__data(gw)));
     if (gx) { // (n_g, N) @ (K, N)^T -> (n_g, K)

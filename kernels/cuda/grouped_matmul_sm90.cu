@@ -1,0 +1,705 @@
+/*
+ * grouped_matmul_sm90.cu — the Hopper grouped GEMM of tm_grouped_matmul (bf16 in and out, f32
+ * accumulation), one launch per GEMM, group offsets computed on the device (no host read of the
+ * counts). Compiled for sm_90a (wgmma, TMA, setmaxnreg need the "a" feature set); on any other
+ * target the kernel body is empty and tm__gmm90_supported says no, so the callers keep their
+ * sm_80 paths (grouped_matmul.cu).
+ *
+ * Uses (R rows of tokens in groups, G groups, w (G, K, N)):
+ *   FWD  y_g  = x_g @ w[g]       M-grouped: C rows = the group's rows, reduction K, C cols N
+ *   DX   dx_g += dy_g @ w[g]^T   M-grouped: reduction N, C cols K
+ *   DW   dw[g] += x_g^T @ dy_g   K-grouped: C (K, N) per group, reduction over the group's rows
+ *
+ * Operands as wgmma sees them (A: M x red, B: red x Nc), each 64-element reduction slab in shared
+ * memory, 128-byte swizzle, loaded by TMA (cp.async.bulk.tensor with mbarrier complete_tx):
+ *   mode  A (smem)                                 B (smem)
+ *   FWD   x rows, K-major: 1 box {64 K, 128 rows}   w[g], N-major: BN/64 boxes {64 N, 64 K}, 3-D map
+ *   DX    dy rows, K-major: 1 box {64 N, 128 rows}  w[g] as (K, N): K-major: 1 box {64 N, BN K rows}
+ *   DW    x_g^T, M-major: 2 boxes {64 K, 64 rows}   dy_g, N-major: BN/64 boxes {64 N, 64 rows}
+ * A K-major tile is rows of 128 bytes; 8 rows make a 1024-byte swizzle atom (descriptor SBO 1024),
+ * the k16 steps advance the start address by 32 bytes inside the row. An MN-major box is 64
+ * reduction rows of 64 M/N elements (128 bytes); atoms of 8 rows (SBO 1024), the 64-wide blocks one
+ * box apart (LBO 8192); the k16 steps advance by 16 rows = 2048 bytes. (PTX ISA, "matrix descriptor";
+ * CUTLASS's canonical GMMA layouts state the same strides.) w is a 3-D map (N, K, G) so that a
+ * reduction slab past K reads zeros, never w[g + 1].
+ *
+ * CTA: 3 warpgroups, 384 threads, persistent (one CTA per SM, tiles t = blockIdx.x, + gridDim.x):
+ *   warpgroup 0   producer: one thread issues the TMA loads; setmaxnreg 40
+ *   warpgroups 1-2 consumers: rows [64 (wg - 1), + 64) of the 128 x BN tile, m64nBNk16 wgmma,
+ *                 BN / 2 f32 accumulators per thread; setmaxnreg 232
+ * BN: 256, or 128 where that pads fewer columns (Nout 1408 = 11 x 128).
+ * Pipeline: STAGES (3 at BN 256, 5 at BN 128: what 227 KiB leave beside the epilogue's staging)
+ * buffers of A (16 KiB) + B (BN x 128 bytes), a full and an empty mbarrier each. The producer waits empty[s], arms full[s] with the stage's bytes
+ * (TMA counts the zero-filled bytes too) and issues the boxes; a consumer waits full[s], issues
+ * the 4 k16 wgmmas, commits, and after wgmma.wait_group 1 (the previous slab's wgmmas are done)
+ * each of its warps arrives on that slab's empty barrier (8 arrivals). The producer runs up to
+ * STAGES slabs ahead, across tile boundaries, so the next tile's loads overlap this one's epilogue.
+ *
+ * Schedule (each CTA at its start, in shared memory, from counts on the device):
+ *   c_g = min(max(counts[g], 0), R), off_g = min(sum_{h<g} c_h, R) (the clamped exclusive scan)
+ *   M-grouped: ts_g = sum_{h<g} ceil(n_h / 128) m-tiles, plus a pseudo-group G of the rows past the
+ *     last group (FWD writes them 0, DX skips them; only bad counts make any); tile t is m-tile
+ *     t / tiles_n (group: binary search of ts), n-tile t % tiles_n: the n-tiles of one m-tile run on
+ *     neighbouring CTAs at once and share its rows in L2; a group's tiles share w[g].
+ *   K-grouped: ts_g = sum over non-empty h < g of tiles_m * tiles_n; tile -> (group, m, n), n fastest.
+ *   Empty groups own no tile: they cost nothing, and dw[g] of an empty group is not written.
+ * M-grouped tiles start at off_g + 128 i: a tile crossing the group's end loads the next group's
+ * rows (or zeros past R) and computes them, but stores only rows < off_{g+1}.
+ * K-grouped: the last slab of a group can reach into the next group's rows; TMA zero-fills only
+ * past R, so the consumers zero those rows in shared memory before the wgmma, in A and in B (so
+ * that even a non-finite value of the next group contributes exactly 0): with the 128-byte swizzle
+ * an MN-major box keeps each reduction row in its own 128-byte line (the swizzle permutes only the
+ * line's 16-byte chunks), so zeroing lines [valid, 64) of each box is exact. Then
+ * fence.proxy.async (generic writes -> the async proxy that wgmma reads through) and a barrier of
+ * the 256 consumer threads.
+ * Epilogue, per consumer warpgroup (its 64 rows): the accumulator fragments go to a staging tile in
+ * shared memory (64 x BN bf16 as BN / 64 boxes with the TMA's 128-byte swizzle) by stmatrix.x4 (one
+ * instruction per four 8x8 fragments, conflict-free: the 8 rows of a matrix land in 8 different
+ * 16-byte chunk columns), then one thread issues TMA stores of the boxes (cp.async.bulk.tensor,
+ * clipped at R, K, N) and the warpgroup goes on to its next tile without waiting for them; before
+ * the staging is written again, that thread waits for the stores' reads (bulk wait_group.read). A
+ * warpgroup whose rows cross its group's end copies its rows below it with 16-byte stores instead
+ * (TMA cannot stop at a group's end). DX and DW (beta = 1): the old C tile comes into the staging
+ * by cp.async while the second slab's wgmmas run, is read back by ldmatrix.x4 in the fragment
+ * layout, added in f32 and rounded once, as cuBLASLt does with beta = 1.
+ * Measured on an H100 (bench/gmm_sm90_harness.cu, R 98304, E 64, H 2048, F 1408; % of a dense
+ * cuBLAS GEMM of the same FLOPs, two runs): fwd 84-93%, dx 75-85%, dw 70-87%, fwd + bwd 78-87%. The same
+ * epilogue with st.global from the fragments ran at 33-35% (beta's loads serialised behind
+ * stores) and with st.shared instead of stmatrix at 75-83%; BN 128 everywhere 61-72%; a consumer
+ * warpgroup started 1-3 slabs behind the other (epilogues apart) gained nothing beyond the noise.
+ * Determinism: each C element is one thread's sum in a fixed order (slabs ascending, the wgmma's
+ * internal order), whatever the grid: no atomics, bit-identical run to run.
+ */
+#include "grouped_matmul_sm90.h"
+
+#include <cuda.h> /* CUtensorMap and the encode function's types only: no link to libcuda */
+#include <cuda_bf16.h>
+#include <stdio.h>
+#include <string.h>
+
+#define GMM90_BM 128
+#define GMM90_BK 64
+#define GMM90_THREADS 384
+/* 227 KiB per CTA less the 1024 alignment bytes, the mbarriers and the schedule at 1024 groups */
+#define GMM90_SMEM_BUDGET (232448 - 1024 - 128 - 2 * (TM__GMM90_MAX_G + 2) * 4)
+
+template <int BN> struct gmm90_cfg {
+    static constexpr int A_BYTES = GMM90_BM * GMM90_BK * 2;
+    static constexpr int B_BYTES = BN * GMM90_BK * 2;
+    static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+    /* the epilogue's staging tile: per consumer warpgroup 64 rows x BN, as BN / 64 swizzled boxes */
+    static constexpr int STG_WG = 64 * BN * 2;
+    static constexpr int STG_BYTES = 2 * STG_WG;
+    static constexpr int FIT = (GMM90_SMEM_BUDGET - STG_BYTES) / STAGE_BYTES;
+    static constexpr int STAGES = FIT > 6 ? 6 : FIT;
+    static_assert(STAGES >= 3, "too little shared memory for the pipeline");
+    /* tiles, staging, 2 STAGES mbarriers, the schedule (2 (G + 2) i32), 1024 bytes to align the tiles */
+    static size_t smem(int64_t G) {
+        return 1024 + (size_t)STAGES * STAGE_BYTES + STG_BYTES + 2 * STAGES * 8 + 2 * (size_t)(G + 2) * 4;
+    }
+};
+
+struct gmm90_params {
+    __nv_bfloat16 *C;
+    const int64_t *counts;
+    int G, R;
+    int Kred;      /* M-grouped: reduction length (FWD K, DX N) */
+    int Nout;      /* columns of C (FWD N, DX K, DW N) */
+    int M;         /* DW: rows of dw[g] (K) */
+    int tiles_m;   /* DW: ceil(K / BM) */
+    int tiles_n;   /* ceil(Nout / BN) */
+    long long ldc; /* row stride of C */
+    long long c_gstride; /* DW: elements from dw[g] to dw[g + 1] */
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GMM90_DEVICE 1
+#endif
+
+/* ---- PTX wrappers (sm_90a) ---- */
+#ifdef GMM90_DEVICE
+__device__ __forceinline__ uint32_t gmm90_smem(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void gmm90_mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void gmm90_mbar_expect_tx(uint32_t bar, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void gmm90_mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void gmm90_mbar_wait(uint32_t bar, int parity) {
+    asm volatile("{\n"
+                 ".reg .pred done;\n"
+                 "WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT_%=;\n"
+                 "}\n" ::"r"(bar),
+                 "r"(parity)
+                 : "memory");
+}
+__device__ __forceinline__ void gmm90_tma2(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void gmm90_tma3(uint32_t dst, const CUtensorMap *map, int c0, int c1, int c2, uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void gmm90_tma_store2(const CUtensorMap *map, uint32_t src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"((uint64_t)map),
+                 "r"(src), "r"(c0), "r"(c1)
+                 : "memory");
+}
+__device__ __forceinline__ void gmm90_tma_store3(const CUtensorMap *map, uint32_t src, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"((uint64_t)map),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+/* Four 8x8 b16 matrices, lane l addressing row l % 8 of matrix l / 8; register j of lane l holds
+ * row l / 4, columns 2 (l % 4), + 1 of matrix j (the mma accumulator fragment's layout). */
+__device__ __forceinline__ void gmm90_stsm4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
+                 : "memory");
+}
+__device__ __forceinline__ void gmm90_ldsm4(uint32_t addr, uint32_t *r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ uint32_t gmm90_pack(float a, float b) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *(uint32_t *)&v;
+}
+__device__ __forceinline__ void gmm90_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void gmm90_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void gmm90_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+/* 16 bytes global -> shared (bytes 0: zeros, nothing read) */
+__device__ __forceinline__ void gmm90_cp16(uint32_t dst, const void *src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void gmm90_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void gmm90_cp_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void gmm90_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void gmm90_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void gmm90_wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* Ties the accumulators to this point: no read or write of them moves across it. */
+__device__ __forceinline__ void gmm90_reg_fence(float &r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void gmm90_bar(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+
+/* Shared-memory matrix descriptor, 128-byte swizzle (layout type 1 in bits 62-63). */
+__device__ __forceinline__ uint64_t gmm90_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) | (1ull << 62);
+}
+/* d (64 x N f32, the warpgroup's fragments) (+)= A (64 x 16) @ B (16 x N), both from shared memory
+ * through descriptors; TA / TB: A M-major / B N-major (else K-major); scale_d 0: d = A B. The
+ * operand lists were written out by a script (N / 2 accumulator registers each). */
+template <int TA, int TB>
+__device__ __forceinline__ void gmm90_wgmma_n128(float *d, uint64_t da, uint64_t db, int scale_d) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+
+template <int TA, int TB>
+__device__ __forceinline__ void gmm90_wgmma_n256(float *d, uint64_t da, uint64_t db, int scale_d) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
+}
+#endif
+
+/* ---- the kernel ---- */
+
+struct gmm90_tile {
+    int g;          /* group; M-grouped g = G: the rows past the last group */
+    int r0, r1;     /* M-grouped: rows [r0, r1) of C, r1 the group's end (the tile stores < r1) */
+    int m0, n0;     /* DW: first row (of K) of dw[g]; first column of C */
+    int red0, nk;   /* first reduction index (DW: the group's first row), slabs of 64 */
+    int red1;       /* DW: the group's end row */
+};
+
+template <int MODE, int BN>
+__global__ void __launch_bounds__(GMM90_THREADS, 1)
+    gmm90_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                 const __grid_constant__ CUtensorMap tmC, gmm90_params p) {
+#ifdef GMM90_DEVICE
+    typedef gmm90_cfg<BN> CF;
+    constexpr int STAGES = CF::STAGES;
+    constexpr bool MG = MODE != TM__GMM90_DW; /* M-grouped */
+    extern __shared__ unsigned char gmm90_raw[];
+    unsigned char *sm = (unsigned char *)(((uintptr_t)gmm90_raw + 1023) & ~(uintptr_t)1023);
+    unsigned char *sA = sm, *sB = sm + STAGES * CF::A_BYTES;
+    unsigned char *sStg = sB + STAGES * CF::B_BYTES; /* the epilogue's staging */
+    uint64_t *full = (uint64_t *)(sStg + CF::STG_BYTES), *empty = full + STAGES;
+    int *s_off = (int *)(empty + STAGES), *s_ts = s_off + (p.G + 2);
+    const int tid = threadIdx.x, G = p.G, R = p.R;
+
+    /* -- the schedule -- */
+    for (int g = tid; g < G; g += GMM90_THREADS) {
+        long long c = p.counts[g];
+        s_off[g] = (int)(c < 0 ? 0 : (c > R ? R : c));
+    }
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            gmm90_mbar_init(gmm90_smem(&full[s]), 1);
+            gmm90_mbar_init(gmm90_smem(&empty[s]), 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (tid < 32) {
+        const int lane = tid;
+        long long rows = 0, tiles = 0;
+        for (int base = 0; base < G; base += 32) {
+            const int g = base + lane;
+            const long long c = g < G ? s_off[g] : 0;
+            long long x = c;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const long long y = __shfl_up_sync(0xffffffffu, x, o);
+                if (lane >= o) x += y;
+            }
+            const long long S = rows + x - c;
+            const long long lo = S < R ? S : R, hi = S + c < R ? S + c : R;
+            long long t;
+            if (MG) t = (hi - lo + GMM90_BM - 1) / GMM90_BM;
+            else t = hi > lo ? (long long)p.tiles_m * p.tiles_n : 0;
+            long long xt = t;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const long long y = __shfl_up_sync(0xffffffffu, xt, o);
+                if (lane >= o) xt += y;
+            }
+            __syncwarp();
+            if (g < G) s_off[g] = (int)lo, s_ts[g] = (int)(tiles + xt - t);
+            rows += __shfl_sync(0xffffffffu, x, 31);
+            tiles += __shfl_sync(0xffffffffu, xt, 31);
+        }
+        if (lane == 0) {
+            const int end = (int)(rows < R ? rows : R);
+            s_off[G] = end, s_ts[G] = (int)tiles;
+            s_off[G + 1] = R;
+            s_ts[G + 1] = (int)tiles + (MODE == TM__GMM90_FWD ? (R - end + GMM90_BM - 1) / GMM90_BM : 0);
+        }
+    }
+    __syncthreads();
+    const int total = MG ? s_ts[G + 1] * p.tiles_n : s_ts[G];
+    const int gmax = MG ? G : G - 1;
+
+    auto decode = [&](int t) {
+        gmm90_tile tl;
+        int x, nt;
+        if (MG) x = t / p.tiles_n, nt = t - x * p.tiles_n;
+        else x = t;
+        int lo = 0, hi = gmax; /* the last g with ts[g] <= x: a group with tiles */
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_ts[mid] <= x) lo = mid;
+            else hi = mid - 1;
+        }
+        tl.g = lo;
+        if (MG) {
+            tl.r0 = s_off[lo] + (x - s_ts[lo]) * GMM90_BM;
+            tl.r1 = s_off[lo + 1];
+            tl.m0 = 0, tl.n0 = nt * BN;
+            tl.red0 = 0, tl.red1 = p.Kred, tl.nk = (p.Kred + GMM90_BK - 1) / GMM90_BK;
+        } else {
+            const int loc = x - s_ts[lo], mt = loc / p.tiles_n;
+            tl.m0 = mt * GMM90_BM, tl.n0 = (loc - mt * p.tiles_n) * BN;
+            tl.r0 = tl.r1 = 0;
+            tl.red0 = s_off[lo], tl.red1 = s_off[lo + 1];
+            tl.nk = (tl.red1 - tl.red0 + GMM90_BK - 1) / GMM90_BK;
+        }
+        return tl;
+    };
+
+    const int wg = tid / 128;
+    if (wg == 0) {
+        /* ---- producer ---- */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (tid != 0) return;
+        int s = 0, ph = 0;
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            const gmm90_tile tl = decode(t);
+            if (MG && tl.g == G) continue; /* rows past the groups: nothing to load */
+            for (int kt = 0; kt < tl.nk; kt++) {
+                gmm90_mbar_wait(gmm90_smem(&empty[s]), ph ^ 1);
+                const uint32_t fb = gmm90_smem(&full[s]);
+                gmm90_mbar_expect_tx(fb, CF::STAGE_BYTES);
+                const uint32_t a = gmm90_smem(sA + s * CF::A_BYTES), b = gmm90_smem(sB + s * CF::B_BYTES);
+                const int k0 = tl.red0 + kt * GMM90_BK;
+                if (MODE == TM__GMM90_FWD) {
+                    gmm90_tma2(a, &tmA, k0, tl.r0, fb);
+#pragma unroll
+                    for (int j = 0; j < BN / 64; j++) gmm90_tma3(b + j * 8192, &tmB, tl.n0 + 64 * j, k0, tl.g, fb);
+                } else if (MODE == TM__GMM90_DX) {
+                    gmm90_tma2(a, &tmA, k0, tl.r0, fb);
+                    gmm90_tma3(b, &tmB, k0, tl.n0, tl.g, fb);
+                } else {
+                    gmm90_tma2(a, &tmA, tl.m0, k0, fb);
+                    gmm90_tma2(a + 8192, &tmA, tl.m0 + 64, k0, fb);
+#pragma unroll
+                    for (int j = 0; j < BN / 64; j++) gmm90_tma2(b + j * 8192, &tmB, tl.n0 + 64 * j, k0, fb);
+                }
+                if (++s == STAGES) s = 0, ph ^= 1;
+            }
+        }
+        return;
+    }
+
+    /* ---- consumers ---- */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int w = wg - 1, wl = tid - 128 * wg, warp = wl >> 5, lane = wl & 31;
+    constexpr bool ACCUM = MODE != TM__GMM90_FWD;
+    constexpr int TA = MODE == TM__GMM90_DW ? 1 : 0; /* A M-major */
+    constexpr int TB = MODE == TM__GMM90_DX ? 0 : 1; /* B N-major */
+    float acc[BN / 2];
+    int s = 0, ph = 0;
+    /* This warpgroup's staging tile: BN / 64 boxes of 64 rows x 128 bytes, 128-byte swizzle (the
+     * TMA store's layout): element (r, c) at box c / 64, line r, 16-byte chunk (c % 64 / 8) ^ (r % 8). */
+    unsigned char *stg = sStg + w * CF::STG_WG;
+    const uint32_t stg_a = gmm90_smem(stg);
+    const int wbar = 2 + w; /* named barrier of this warpgroup's 128 threads */
+    auto stg_off = [](int r, int c8) { return (c8 >> 3) * 8192 + r * 128 + (((c8 & 7) ^ (r & 7)) << 4); };
+    /* the staging tile is free: the last TMA store from it has read it, every thread is past it */
+    auto stg_acquire = [&]() {
+        if (wl == 0) gmm90_bulk_wait_read();
+        gmm90_bar(wbar, 128);
+    };
+    (void)stg_a, (void)stg_off, (void)stg_acquire, (void)wbar;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        const gmm90_tile tl = decode(t);
+        /* this warpgroup's rows of C: [wrow, wrow + 64), stored below wlim */
+        const int wrow = (MG ? tl.r0 : tl.m0) + 64 * w, wlim = MG ? tl.r1 : p.M;
+        __nv_bfloat16 *Cg = MG ? p.C : p.C + (long long)tl.g * p.c_gstride;
+        (void)wrow, (void)wlim, (void)Cg;
+        if (MG && tl.g == G) {
+            /* rows past the groups (bad counts only): FWD writes y = 0 there, DX adds nothing */
+            if (MODE == TM__GMM90_FWD) {
+                const __nv_bfloat162 z = __floats2bfloat162_rn(0.0f, 0.0f);
+                for (int r = tl.r0 + wl / 8 + 16 * w; r < tl.r0 + GMM90_BM && r < tl.r1; r += 32)
+                    for (int col = tl.n0 + 2 * (wl & 7); col < tl.n0 + BN && col < p.Nout; col += 16)
+                        *(__nv_bfloat162 *)(p.C + (long long)r * p.ldc + col) = z;
+            }
+            continue;
+        }
+        {
+            int prev = -1;
+            for (int kt = 0; kt < tl.nk; kt++) {
+                gmm90_mbar_wait(gmm90_smem(&full[s]), ph);
+                unsigned char *a = sA + s * CF::A_BYTES, *b = sB + s * CF::B_BYTES;
+                if (!MG) {
+                    const int valid = tl.red1 - (tl.red0 + kt * GMM90_BK);
+                    if (valid < GMM90_BK) {
+                        /* rows [valid, 64) belong to the next group: zero them in A (this
+                         * warpgroup's box) and in B (boxes w, w + 2, ...) */
+                        const uint4 z = make_uint4(0, 0, 0, 0);
+                        for (int idx = wl; idx < GMM90_BK * 8; idx += 128) {
+                            const int row = idx >> 3;
+                            if (row < valid) continue;
+                            const int off = row * 128 + (idx & 7) * 16;
+                            *(uint4 *)(a + w * 8192 + off) = z;
+#pragma unroll
+                            for (int j = w; j < BN / 64; j += 2) *(uint4 *)(b + j * 8192 + off) = z;
+                        }
+                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                        gmm90_bar(1, 256);
+                    }
+                }
+                const uint32_t aa = gmm90_smem(a), ba = gmm90_smem(b);
+#pragma unroll
+                for (int i = 0; i < BN / 2; i++) gmm90_reg_fence(acc[i]);
+                gmm90_wgmma_fence();
+#pragma unroll
+                for (int j = 0; j < GMM90_BK / 16; j++) {
+                    uint64_t da, db;
+                    if (TA) da = gmm90_desc(aa + w * 8192 + j * 2048, 8192, 1024);
+                    else da = gmm90_desc(aa + w * 8192 + j * 32, 16, 1024);
+                    if (TB) db = gmm90_desc(ba + j * 2048, 8192, 1024);
+                    else db = gmm90_desc(ba + j * 32, 16, 1024);
+                    const int sc = (kt > 0 || j > 0) ? 1 : 0;
+                    if (BN == 256) gmm90_wgmma_n256<TA, TB>(acc, da, db, sc);
+                    else gmm90_wgmma_n128<TA, TB>(acc, da, db, sc);
+                }
+                gmm90_wgmma_commit();
+                if (ACCUM && kt == (tl.nk > 1 ? 1 : 0)) {
+                    /* beta = 1: the old C tile into the staging tile while the tensor cores work
+                     * (by the second slab the last tile's store has long read the staging) */
+                    stg_acquire();
+                    for (int idx = wl; idx < 64 * (BN / 8); idx += 128) {
+                        const int r = idx / (BN / 8), c8 = idx - r * (BN / 8);
+                        const int row = wrow + r, col = tl.n0 + 8 * c8;
+                        const bool ok = row < wlim && col < p.Nout;
+                        gmm90_cp16(stg_a + stg_off(r, c8), ok ? (const void *)(Cg + (long long)row * p.ldc + col) : p.C,
+                                   ok ? 16 : 0);
+                    }
+                    gmm90_cp_commit();
+                }
+#pragma unroll
+                for (int i = 0; i < BN / 2; i++) gmm90_reg_fence(acc[i]);
+                gmm90_wgmma_wait<1>();
+                if (prev >= 0 && lane == 0) gmm90_mbar_arrive(gmm90_smem(&empty[prev]));
+                prev = s;
+                if (++s == STAGES) s = 0, ph ^= 1;
+            }
+            gmm90_wgmma_wait<0>();
+#pragma unroll
+            for (int i = 0; i < BN / 2; i++) gmm90_reg_fence(acc[i]);
+            if (prev >= 0 && lane == 0) gmm90_mbar_arrive(gmm90_smem(&empty[prev]));
+        }
+
+        /* -- epilogue -- */
+        /* fragments (+ the old C in f32, rounded once) -> staging as bf16 -> TMA store of the
+         * warpgroup's 64 rows (TMA clips at R, K, N); a warpgroup whose rows cross the group's end
+         * copies its rows below it with 16-byte stores instead */
+        if (ACCUM) {
+            gmm90_cp_wait_all();
+            gmm90_bar(wbar, 128);
+        } else {
+            stg_acquire();
+        }
+        /* matrices (rows 8 h of the warp's 16, columns 8 i): m = lane / 8 -> h = m & 1, i + (m >> 1) */
+        {
+            const int m = lane >> 3, r = 16 * warp + 8 * (m & 1) + (lane & 7);
+#pragma unroll
+            for (int i = 0; i < BN / 8; i += 2) {
+                const uint32_t addr = stg_a + stg_off(r, i + (m >> 1));
+                float v[8];
+#pragma unroll
+                for (int j = 0; j < 4; j++) /* matrix j: h = j & 1, column block i + (j >> 1) */
+                    v[2 * j] = acc[4 * (i + (j >> 1)) + 2 * (j & 1)], v[2 * j + 1] = acc[4 * (i + (j >> 1)) + 2 * (j & 1) + 1];
+                if (ACCUM) {
+                    uint32_t o[4];
+                    gmm90_ldsm4(addr, o);
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        const float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)&o[j]);
+                        v[2 * j] += f.x, v[2 * j + 1] += f.y;
+                    }
+                }
+                gmm90_stsm4(addr, gmm90_pack(v[0], v[1]), gmm90_pack(v[2], v[3]), gmm90_pack(v[4], v[5]),
+                            gmm90_pack(v[6], v[7]));
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        gmm90_bar(wbar, 128);
+        if (!MG || wrow + 64 <= wlim) {
+            if (wl == 0) {
+#pragma unroll
+                for (int j = 0; j < BN / 64; j++) {
+                    if (tl.n0 + 64 * j >= p.Nout) break;
+                    if (MG) gmm90_tma_store2(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
+                    else gmm90_tma_store3(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow, tl.g);
+                }
+                gmm90_bulk_commit();
+            }
+        } else {
+            for (int idx = wl; idx < 64 * (BN / 8); idx += 128) {
+                const int r = idx / (BN / 8), c8 = idx - r * (BN / 8);
+                const int row = wrow + r, col = tl.n0 + 8 * c8;
+                if (row < wlim && col < p.Nout)
+                    *(uint4 *)(Cg + (long long)row * p.ldc + col) = *(const uint4 *)(stg + stg_off(r, c8));
+            }
+        }
+    }
+    if (wl == 0) gmm90_bulk_wait(); /* the stores have read the staging before the CTA's memory goes */
+#endif
+}
+
+/* ---- host side ---- */
+
+typedef CUresult (*gmm90_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                    const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                    CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point: no link to libcuda. */
+static gmm90_encode_fn gmm90_encoder(char *why, size_t n) {
+    static gmm90_encode_fn fn = NULL;
+    if (fn) return fn;
+    void *f = NULL;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !f) {
+        snprintf(why, n, "cuTensorMapEncodeTiled not found through cudaGetDriverEntryPointByVersion (%s, query %d)",
+                 cudaGetErrorString(e), (int)q);
+        return NULL;
+    }
+    fn = (gmm90_encode_fn)f;
+    return fn;
+}
+
+/* A bf16 tensor map of rank 2 or 3: dims[0] contiguous, strides (bytes) of dims 1.., 128-byte
+ * swizzle, zero fill out of bounds. */
+static int gmm90_map(gmm90_encode_fn enc, CUtensorMap *m, const void *base, int rank, const uint64_t *dims,
+                     const uint64_t *strides, const uint32_t *box, const char *what, char *why, size_t n) {
+    cuuint64_t d[3], s[2];
+    cuuint32_t b[3], es[3] = {1, 1, 1};
+    for (int i = 0; i < rank; i++) d[i] = dims[i], b[i] = box[i];
+    for (int i = 0; i < rank - 1; i++) s[i] = strides[i];
+    CUresult r = enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, d, s, b, es,
+                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        snprintf(why, n, "cuTensorMapEncodeTiled failed (CUresult %d) for %s: dims %llu x %llu x %llu", (int)r, what,
+                 (unsigned long long)d[0], (unsigned long long)d[1], (unsigned long long)(rank > 2 ? d[2] : 1));
+        return -1;
+    }
+    return 0;
+}
+
+static int gmm90_probe(int dev, cudaError_t e, char *why, size_t n);
+
+extern "C" int tm__gmm90_supported(char *why, size_t n) {
+    /* per device: 0 unknown, 1 yes, 2 no (with its reason) */
+    static int known[64];
+    static char reason[64][200];
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess && dev >= 0 && dev < 64 && known[dev]) {
+        if (known[dev] == 2) snprintf(why, n, "%s", reason[dev]);
+        return known[dev] == 1;
+    }
+    const int r = gmm90_probe(dev, e, why, n);
+    if (e == cudaSuccess && dev >= 0 && dev < 64) {
+        if (!r) snprintf(reason[dev], sizeof reason[dev], "%s", why);
+        known[dev] = r ? 1 : 2;
+    }
+    return r;
+}
+
+static int gmm90_probe(int dev, cudaError_t e, char *why, size_t n) {
+    int maj = 0, min = 0;
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&maj, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&min, cudaDevAttrComputeCapabilityMinor, dev);
+    if (e != cudaSuccess) {
+        snprintf(why, n, "no CUDA device (%s)", cudaGetErrorString(e));
+        return 0;
+    }
+    if (maj != 9 || min != 0) {
+        snprintf(why, n, "device %d is sm_%d%d: the wgmma / TMA kernel needs sm_90 (Hopper)", dev, maj, min);
+        return 0;
+    }
+    /* The build must hold an sm_90a image of this file (the Makefile's -gencode arch=compute_90a):
+     * an sm_90 or PTX-only image would run the empty body. */
+    cudaFuncAttributes fa;
+    e = cudaFuncGetAttributes(&fa, gmm90_kernel<TM__GMM90_FWD, 256>);
+    if (e != cudaSuccess) (void)cudaGetLastError(); /* not sticky: leave no error for the next launch check */
+    if (e != cudaSuccess || fa.numRegs < 64) { /* the real body holds 168; an empty one a handful */
+        snprintf(why, n, "this build has no sm_90a image of grouped_matmul_sm90.cu (%s, binary version %d)",
+                 cudaGetErrorString(e), e == cudaSuccess ? fa.binaryVersion : 0);
+        return 0;
+    }
+    return 1;
+}
+
+template <int MODE, int BN>
+static int gmm90_launch(const tm__gmm90_args *a, const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
+                        gmm90_params p,
+                        long long tiles_bound, cudaStream_t st, char *why, size_t n) {
+    const size_t smem = gmm90_cfg<BN>::smem(a->G);
+    cudaError_t e = cudaFuncSetAttribute(gmm90_kernel<MODE, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    int dev = 0, sms = 0;
+    if (e == cudaSuccess) e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) {
+        snprintf(why, n, "grouped_matmul sm90: setting up the kernel: %s", cudaGetErrorString(e));
+        return -1;
+    }
+    const long long grid = tiles_bound < sms ? tiles_bound : sms;
+    if (grid <= 0) return 0;
+    gmm90_kernel<MODE, BN><<<(unsigned)grid, GMM90_THREADS, smem, st>>>(ma, mb, mc, p);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) {
+        snprintf(why, n, "grouped_matmul sm90: launching gmm90_kernel<%d, %d> (%lld CTAs, %zu bytes of shared memory): %s",
+                 MODE, BN, grid, smem, cudaGetErrorString(e));
+        return -1;
+    }
+    return 0;
+}
+
+extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why, size_t n) {
+    const int64_t G = a->G, R = a->R, K = a->K, N = a->N;
+    if (!tm__gmm90_supported(why, n)) return 1;
+    if (G < 1 || G > TM__GMM90_MAX_G) {
+        snprintf(why, n, "%lld groups: the sm90 kernel takes 1 to %d", (long long)G, TM__GMM90_MAX_G);
+        return 1;
+    }
+    if (K < 8 || N < 8 || K % 8 || N % 8 || K > (1 << 24) || N > (1 << 24)) {
+        snprintf(why, n, "K %lld, N %lld: the sm90 kernel needs multiples of 8 (16-byte TMA strides), 8 to 2^24",
+                 (long long)K, (long long)N);
+        return 1;
+    }
+    if (R < 0 || R > INT32_MAX - 512 || G * K * N > ((int64_t)1 << 40)) {
+        snprintf(why, n, "R %lld rows: the sm90 kernel takes fewer than 2^31 - 512", (long long)R);
+        return 1;
+    }
+    if ((((uintptr_t)a->a | (uintptr_t)a->b | (uintptr_t)a->c) & 15u) != 0) {
+        snprintf(why, n, "an operand is not 16-byte aligned (TMA needs it)");
+        return 1;
+    }
+    if (R == 0) return 0; /* FWD: y is empty; DX, DW: nothing to add */
+    gmm90_encode_fn enc = gmm90_encoder(why, n);
+    if (!enc) return -1;
+
+    const uint64_t b2 = 2;
+    const int Nout = a->mode == TM__GMM90_DX ? (int)K : (int)N;
+    /* BN: 256 unless 128 covers the columns with fewer padded ones (1408 = 11 x 128) */
+    const int bn = a->bn == 128 || a->bn == 256                                       ? a->bn
+                   : ((Nout + 255) / 256) * 256 <= ((Nout + 127) / 128) * 128 ? 256
+                                                                                 : 128;
+    gmm90_params p;
+    memset(&p, 0, sizeof p);
+    p.C = (__nv_bfloat16 *)a->c, p.counts = a->counts, p.G = (int)G, p.R = (int)R;
+    p.Nout = Nout, p.tiles_n = (Nout + bn - 1) / bn;
+    CUtensorMap ma, mb, mc;
+    const uint32_t cbox[3] = {64, 64, 1};
+    const uint64_t w3[3] = {(uint64_t)N, (uint64_t)K, (uint64_t)G}, w3s[2] = {(uint64_t)N * b2, (uint64_t)(K * N) * b2};
+    long long bound;
+    if (a->mode == TM__GMM90_FWD || a->mode == TM__GMM90_DX) {
+        const int fwd = a->mode == TM__GMM90_FWD;
+        const int64_t red = fwd ? K : N;
+        const uint64_t da[2] = {(uint64_t)red, (uint64_t)R}, sa[1] = {(uint64_t)red * b2};
+        const uint32_t ba[2] = {64, 128};
+        if (gmm90_map(enc, &ma, a->a, 2, da, sa, ba, fwd ? "x" : "dy", why, n)) return -1;
+        const uint32_t bb[3] = {64, fwd ? 64u : (uint32_t)bn, 1};
+        if (gmm90_map(enc, &mb, a->b, 3, w3, w3s, bb, "w", why, n)) return -1;
+        const uint64_t dc[2] = {(uint64_t)Nout, (uint64_t)R}, sc[1] = {(uint64_t)Nout * b2};
+        if (gmm90_map(enc, &mc, a->c, 2, dc, sc, cbox, fwd ? "y" : "dx", why, n)) return -1;
+        p.Kred = (int)red, p.ldc = Nout;
+        bound = ((R + 127) / 128 + G + 1) * (long long)p.tiles_n;
+    } else if (a->mode == TM__GMM90_DW) {
+        const uint64_t dx[2] = {(uint64_t)K, (uint64_t)R}, sx[1] = {(uint64_t)K * b2};
+        const uint64_t dd[2] = {(uint64_t)N, (uint64_t)R}, sd[1] = {(uint64_t)N * b2};
+        const uint32_t box[2] = {64, 64};
+        if (gmm90_map(enc, &ma, a->a, 2, dx, sx, box, "x", why, n)) return -1;
+        if (gmm90_map(enc, &mb, a->b, 2, dd, sd, box, "dy", why, n)) return -1;
+        if (gmm90_map(enc, &mc, a->c, 3, w3, w3s, cbox, "dw", why, n)) return -1;
+        p.M = (int)K, p.tiles_m = (int)((K + 127) / 128), p.ldc = N, p.c_gstride = K * N;
+        bound = G * (long long)p.tiles_m * p.tiles_n;
+    } else {
+        snprintf(why, n, "mode %d is none of FWD, DX, DW", a->mode);
+        return -1;
+    }
+    if (bound > INT32_MAX) {
+        snprintf(why, n, "%lld tiles: more than the sm90 kernel's int32 tile index", bound);
+        return 1;
+    }
+    switch (a->mode * 2 + (bn == 256)) {
+    case 0: return gmm90_launch<TM__GMM90_FWD, 128>(a, ma, mb, mc, p, bound, st, why, n);
+    case 1: return gmm90_launch<TM__GMM90_FWD, 256>(a, ma, mb, mc, p, bound, st, why, n);
+    case 2: return gmm90_launch<TM__GMM90_DX, 128>(a, ma, mb, mc, p, bound, st, why, n);
+    case 3: return gmm90_launch<TM__GMM90_DX, 256>(a, ma, mb, mc, p, bound, st, why, n);
+    case 4: return gmm90_launch<TM__GMM90_DW, 128>(a, ma, mb, mc, p, bound, st, why, n);
+    default: return gmm90_launch<TM__GMM90_DW, 256>(a, ma, mb, mc, p, bound, st, why, n);
+    }
+}

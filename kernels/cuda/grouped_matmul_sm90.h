@@ -1,0 +1,54 @@
+/*
+ * grouped_matmul_sm90.h — the Hopper (sm_90a) grouped GEMM of tm_grouped_matmul, behind a plain C
+ * interface so that grouped_matmul.cu and the standalone harness (bench/gmm_sm90_harness.cu) call
+ * it alike. Layout, tiles, pipeline and limits: the top of grouped_matmul_sm90.cu.
+ */
+#ifndef TM_GROUPED_MATMUL_SM90_H
+#define TM_GROUPED_MATMUL_SM90_H
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { TM__GMM90_FWD = 0, TM__GMM90_DX = 1, TM__GMM90_DW = 2 };
+
+/* One grouped GEMM, bf16 in and out, f32 accumulation. Group g owns rows
+ * [off_g, off_g + counts[g]) of the (R, .) operands, off_g = sum_{h<g} counts[h], counts (G) i64
+ * on the device (never read by the host; clamped on the device as grouped_matmul.cu's device
+ * kernel does: a count is min(max(counts[g], 0), rows left)).
+ *   FWD: y  (R, N)     = x_g @ w[g]             a = x (R, K), b = w (G, K, N), c = y; rows past the
+ *                                               last group get y = 0
+ *   DX:  dx (R, K)    += dy_g @ w[g]^T          a = dy (R, N), b = w (G, K, N), c = dx
+ *   DW:  dw[g] (K, N) += x_g^T @ dy_g           a = x (R, K), b = dy (R, N), c = dw (G, K, N); an
+ *                                               empty group leaves dw[g] untouched
+ * All pointers 16-byte aligned, K and N multiples of 8 (TMA strides), 1 <= G <= TM__GMM90_MAX_G,
+ * R < 2^31 - 256. */
+typedef struct tm__gmm90_args {
+    int mode;
+    const void *a, *b;
+    void *c;
+    const int64_t *counts;
+    int64_t G, R, K, N;
+    int bn; /* columns per tile: 0 picks (256, or 128 when that pads fewer columns); 128 or 256 */
+} tm__gmm90_args;
+
+#define TM__GMM90_MAX_G 1024
+
+/* 1 when the current device can run the kernel (compute capability 9.0 and an sm_90a image in
+ * this build); otherwise 0 with the reason in why. */
+int tm__gmm90_supported(char *why, size_t why_len);
+
+/* 0: launched on stream (one kernel, no host synchronisation, nothing read back).
+ * 1: this shape / alignment / device is not for it (why says which; the caller takes another path).
+ * -1: a CUDA or driver error (why says which). */
+int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t stream, char *why, size_t why_len);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
