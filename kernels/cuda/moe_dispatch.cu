@@ -58,10 +58,11 @@
  *   The sort's result (order, lo, hi: 4 R + 8 T bytes) is saved for the backward.
  *   Backward, token-major, a warp per token t and each of its rows r (the saved map):
  *   d expert_out[r] += dy[t] p[r]; d p[r] += <expert_out[r], dy[t]>: each lane sums its
- *   elements in order, then a fixed shuffle tree (lane 0 gets the sum). dy[t] is loaded once
- *   per chunk for all of t's rows (the row-major kernel it replaced read it once per row: k
- *   times); each lane loads 4 of its vectors of each operand before computing with them. Per
- *   row the arithmetic and its order are the row-major kernel's, so the same bits.
+ *   elements in order, then a fixed shuffle tree (lane 0 gets the sum). t's rows follow each
+ *   other on one warp, so dy[t] comes from memory once and from the cache for the other rows
+ *   (the row-major kernel it replaced, a warp per row in row order, fetched it once per row:
+ *   k times); each lane loads 4 of its vectors of each operand before computing with them.
+ *   Per row the arithmetic and its order are the row-major kernel's, so the same bits.
  *   row_token outside [-1, num_tokens): the CPU reports TM_ERR_INDEX; validating on the device
  *   would need a read back (a synchronisation per layer), so the CUDA kernels treat such rows
  *   as padding instead: skipped in the forward, no gradient in the backward.
@@ -96,7 +97,6 @@
 #define PR_VECS 8        /* vectors per lane permute_tokens_kernel loads before storing them */
 static_assert(DX_MAXROWS >= 32, "permute_tokens_kernel lists a batch of 32 experts' rows at once");
 #define UNP_BATCH 4      /* vectors per lane whose loads unpermute's backward issues at once */
-#define UNB_ROWS 8       /* rows of a token unpermute_backward_tokens_kernel takes at once */
 #define FULL 0xffffffffu
 
 /* Blocks of DISPATCH_WARPS warps for a loop of one warp per item, capped to fill the GPU. */
@@ -666,12 +666,15 @@ unpermute_forward_kernel(void *y_, const void *eo_, const void *w_, const int32_
 }
 
 /* Token-major, a warp per token t over its rows (sorted positions [lo[t], hi[t]) of order,
- * the forward's token -> rows map): for each row r, deo[r] += dy[t] w[r] and
- * dw[r] += <eo[r], dy[t]>, exactly as the row-major kernel it replaced computed them (the same
- * lane -> element split, the same order of the sums, the same shuffle tree), but dy[t] is
- * loaded once per chunk for all of the token's rows instead of once per row: k reads of dy
- * become one. Rows are taken UNB_ROWS at a time (their ids and weights one per lane,
- * broadcast by shuffles; a token with more rows reloads its dy chunk per batch). */
+ * the forward's token -> rows map), one row after the other: for each row r,
+ * deo[r] += dy[t] w[r] and dw[r] += <eo[r], dy[t]>, each lane summing its elements in order,
+ * then a fixed shuffle tree (lane 0 gets the sum), exactly as the row-major kernel it replaced
+ * (the same lane -> element split, the same order, the same tree: the same bits). A lane
+ * issues the loads of UNP_BATCH of its vectors of each operand before computing with any, so
+ * a row costs a memory latency per batch, not per vector. The warp's rows share dy[t]: the
+ * first row brings it into the cache and the others read it there, so dy comes from memory
+ * once instead of once per row (k times), which is the bandwidth the row-major order spent.
+ * Row ids and weights are fetched 32 at a time, one per lane, and broadcast by shuffles. */
 template <typename T_, typename W, int N>
 __global__ void __launch_bounds__(DISPATCH_THREADS)
 unpermute_backward_tokens_kernel(void *deo_, void *dw_, const void *dy_, const void *eo_, const void *w_,
@@ -688,36 +691,27 @@ unpermute_backward_tokens_kernel(void *deo_, void *dw_, const void *dy_, const v
     for (int64_t t = warp_id(); t < T; t += warp_count()) {
         const int64_t j0 = lo[t], j1 = hi[t];
         const T_ *dyr = dy + t * H;
-        for (int64_t jb = j0; jb < j1; jb += UNB_ROWS) {
-            const int nb = j1 - jb < UNB_ROWS ? (int)(j1 - jb) : UNB_ROWS;
+        for (int64_t jb = j0; jb < j1; jb += 32) {
+            const int nb = j1 - jb < 32 ? (int)(j1 - jb) : 32;
             int rl = 0;
             float wl = 1.0f;
             if (lane < nb) {
                 rl = order[jb + lane];
                 if (w) wl = tm__ld(w + rl);
             }
-            float s[UNB_ROWS];
-#pragma unroll
-            for (int jj = 0; jj < UNB_ROWS; jj++) s[jj] = 0.0f;
-            for (int64_t base = 0; base < nv; base += 32 * UNP_BATCH) {
-                raw gq[UNP_BATCH];
-#pragma unroll
-                for (int u = 0; u < UNP_BATCH; u++) {
-                    const int64_t v = base + u * 32 + lane;
-                    if (v < nv) gq[u] = tm__vldraw<N>(dyr + v * N);
-                }
-#pragma unroll
-                for (int jj = 0; jj < UNB_ROWS; jj++) {
-                    if (jj >= nb) break;
-                    const int64_t r = __shfl_sync(FULL, rl, jj);
-                    const float wr = __shfl_sync(FULL, wl, jj);
-                    T_ *deor = deo ? deo + r * H : NULL;
-                    const T_ *eor = eo + r * H;
-                    raw oq[UNP_BATCH], eq[UNP_BATCH];
+            for (int jj = 0; jj < nb; jj++) {
+                const int64_t r = __shfl_sync(FULL, rl, jj);
+                const float wr = __shfl_sync(FULL, wl, jj);
+                T_ *deor = deo ? deo + r * H : NULL;
+                const T_ *eor = eo + r * H;
+                float s = 0.0f;
+                for (int64_t base = 0; base < nv; base += 32 * UNP_BATCH) {
+                    raw gq[UNP_BATCH], oq[UNP_BATCH], eq[UNP_BATCH];
 #pragma unroll
                     for (int u = 0; u < UNP_BATCH; u++) {
                         const int64_t v = base + u * 32 + lane;
                         if (v < nv) {
+                            gq[u] = tm__vldraw<N>(dyr + v * N);
                             if (deo) oq[u] = tm__vldraw<N>(deor + v * N);
                             if (dw) eq[u] = tm__vldraw<N>(eor + v * N);
                         }
@@ -739,20 +733,14 @@ unpermute_backward_tokens_kernel(void *deo_, void *dw_, const void *dy_, const v
                                 float e[N];
                                 tm__vwiden<N, T_>(eq[u], e);
 #pragma unroll
-                                for (int i = 0; i < N; i++) s[jj] += e[i] * g[i];
+                                for (int i = 0; i < N; i++) s += e[i] * g[i];
                             }
                         }
                     }
                 }
-            }
-            if (dw) {
-#pragma unroll
-                for (int jj = 0; jj < UNB_ROWS; jj++) {
-                    if (jj >= nb) break;
-                    float sj = s[jj];
-                    for (int o = 16; o > 0; o >>= 1) sj += __shfl_down_sync(FULL, sj, o);
-                    const int r = __shfl_sync(FULL, rl, jj);
-                    if (lane == 0) tm__st(dw + r, tm__ld(dw + r) + sj);
+                if (dw) {
+                    for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(FULL, s, o);
+                    if (lane == 0) tm__st(dw + r, tm__ld(dw + r) + s);
                 }
             }
         }
