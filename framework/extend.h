@@ -207,8 +207,13 @@ tm_status tm__segs_add_adamw(tm_ctx *ctx, tm__segs *l, tm_tensor *P, tm_tensor *
 /* Gradient range [a, e) of the flat gradients G. Errors: as tm__segs_add_adamw. */
 tm_status tm__segs_add_grad(tm_ctx *ctx, tm__segs *l, tm_tensor *G, int64_t a, int64_t e);
 /* AdamW over every range of l (TM__SEGS_ADAMW) in one op, with each range's weight decay
- * (tm_adamw_update is this over one range). Errors: as tm_adamw_update. */
-tm_status tm__adamw_update_multi(tm_ctx *ctx, tm__segs *l, const tm_adamw_config *cfg, double lr, int64_t step);
+ * (tm_adamw_update is this over one range). factor: NULL, or the clip's factor (the *factor
+ * of tm__grad_sumsq_multi, 0-d on l's device): the update then reads every gradient as
+ * tm__grad_scale_multi would have left it (bit for bit) without writing the gradients, so a
+ * clip followed by the update makes one pass over them instead of two. Errors: as
+ * tm_adamw_update; TM_ERR_INVALID_ARG for a factor of another device, shape or dtype. */
+tm_status tm__adamw_update_multi(tm_ctx *ctx, tm__segs *l, const tm_adamw_config *cfg, double lr, int64_t step,
+                                 tm_tensor *factor);
 /* The clip's two ops over l (TM__SEGS_GRADS, at least one range). grad_sumsq_multi: *partials
  * [count] = tm_grad_sumsq of each range (f64 on the CPU, f32 on CUDA, the same values), and
  * *factor (0-d, f64 / f32) = max_norm / (norm + 1e-6) when max_norm > 0 and norm > max_norm,

@@ -1498,6 +1498,19 @@ TM_API tm_status tm_adamw_new(tm_ctx *ctx, const tm_adamw_config *cfg, tm_optimi
  * Errors: TM_ERR_INVALID_ARG (lr NaN or +inf; -inf is < 0, the configured lr),
  * TM_ERR_UNSUPPORTED (a device without the update kernel; nothing is changed), TM_ERR_CUDA. */
 TM_API tm_status tm_optimizer_step(tm_optimizer *opt, double lr);
+/* tm_optimizer_step on the gradients multiplied by grad_scale, the factor that
+ * tm_ctx_clip_grad_norm_deferred handed back (NULL: exactly tm_optimizer_step). The result
+ * (parameters, master weights, moments) is bit for bit that of tm_ctx_clip_grad_norm followed
+ * by tm_optimizer_step: each gradient is scaled as tm_grad_scale stores it (the product
+ * rounded to the gradient's dtype) before the update uses it. AdamW does it inside its update
+ * kernel, reading the factor on the device: the gradients are read once and never written, and
+ * nothing waits for the host. SGD scales the gradients in place first (one pass, as the clip
+ * would have). The gradients are left unscaled by AdamW and scaled by SGD: read them before the
+ * step if you need them, and zero them after it (tm_ctx_zero_grad) as usual.
+ * Errors: those of tm_optimizer_step; TM_ERR_INVALID_ARG (grad_scale not a 0-d f32 tensor on
+ * CUDA / f64 on the CPU), TM_ERR_DEVICE (a bucket on another device than grad_scale; nothing
+ * is changed). */
+TM_API tm_status tm_optimizer_step_scaled(tm_optimizer *opt, double lr, tm_tensor *grad_scale);
 /* Number of steps taken. */
 TM_API int64_t tm_optimizer_steps(const tm_optimizer *opt);
 /* Free the optimizer (its state buffers stay with the context until tm_ctx_free). NULL: no-op. */
@@ -1590,6 +1603,19 @@ TM_API tm_status tm_grad_scale(tm_ctx *ctx, tm_tensor *grad, double scale);
  * holding parameters, and the host decides the scaling. Errors: TM_ERR_INVALID_ARG (max_norm
  * NaN), TM_ERR_UNSUPPORTED (a device without the kernels; nothing is changed), TM_ERR_CUDA. */
 TM_API tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out);
+/* The clip of tm_ctx_clip_grad_norm with its scaling left to the optimizer: the same norm
+ * (*norm_out, may be NULL) and the same factor, but when every bucket is on one device and
+ * there is no communicator the gradients are NOT scaled: *grad_scale gets the factor as a 0-d
+ * tensor on that device (f32 on CUDA, f64 on the CPU; exactly 1 when not clipping), computed
+ * there and never read back, valid until the next tm_ctx_arena_reset. Pass it to
+ * tm_optimizer_step_scaled, which applies it while it reads the gradients: the pair gives the
+ * bits of tm_ctx_clip_grad_norm + tm_optimizer_step, with one pass over the gradients fewer
+ * (the scale's read and write) and no host read in between. Otherwise (buckets on several
+ * devices, or a communicator: the host computes the factor) the gradients are scaled here as
+ * tm_ctx_clip_grad_norm does and *grad_scale is NULL (nothing left to apply; the step's
+ * NULL is tm_optimizer_step). Synchronisations: as tm_ctx_clip_grad_norm. Errors: those of
+ * tm_ctx_clip_grad_norm; TM_ERR_INVALID_ARG (grad_scale NULL). */
+TM_API tm_status tm_ctx_clip_grad_norm_deferred(tm_ctx *ctx, double max_norm, double *norm_out, tm_tensor **grad_scale);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Distributed                                                                                 */

@@ -20,6 +20,15 @@
  * Otherwise (buckets on the CPU and a GPU, or a communicator) the host decides: the partials of
  * each device are read (one copy per device), added over the world, and the scale factor, when
  * clipping, goes to each device as a 0-d tensor for its grad_scale_multi.
+ *
+ * tm_ctx_clip_grad_norm_deferred is the same clip without the grad_scale_multi of the one-device
+ * case: the factor goes back to the caller as a device tensor, for tm_optimizer_step_scaled,
+ * whose AdamW kernel multiplies each gradient by it as it reads it (adamw_update_multi's
+ * factor: the bits the scaled gradient would have had). The clip's second pass over every
+ * gradient (a read and a write) disappears and nothing is read back for it, so the step stays
+ * free of host waits. The gradients keep their unscaled values; that is the contract's price,
+ * and why tm_ctx_clip_grad_norm, which leaves them scaled, stays the default. In the host-decided
+ * case the deferred clip scales in place as before and hands back NULL (nothing left to apply).
  */
 #include <math.h>
 
@@ -64,8 +73,11 @@ static tm_status grad_ranges(tm_ctx *ctx, int cuda, int owned_only, tm__segs **o
     return TM_OK;
 }
 
-/* The clip over scratch arrays of nb entries (see the top). */
-static tm_status clip(tm_ctx *ctx, double max_norm, double *norm_out, double *part, double *vals, int *idx) {
+/* The clip over scratch arrays of nb entries (see the top). factor_out NULL: the gradients are
+ * scaled here; otherwise, when the factor is computed on the device, the scaling is left to
+ * the update that reads *factor_out (NULL when the gradients were scaled here after all). */
+static tm_status clip(tm_ctx *ctx, double max_norm, double *norm_out, tm_tensor **factor_out, double *part,
+                      double *vals, int *idx) {
     int nb = tm_ctx_num_buckets(ctx);
     int world = tm_comm_size(ctx, TM_COMM_WORLD) > 1;
     /* One device and one rank: the factor is computed and applied on the device. */
@@ -87,7 +99,8 @@ static tm_status clip(tm_ctx *ctx, double max_norm, double *norm_out, double *pa
         if (m == 0) continue;
         tm_tensor *partials, *factor;
         TM__TRY(tm__grad_sumsq_multi(ctx, l, on_device ? max_norm : 0.0, &partials, &factor));
-        if (on_device && max_norm > 0.0) TM__TRY(tm__grad_scale_multi(ctx, l, factor));
+        if (on_device && factor_out) *factor_out = factor; /* 1 when not clipping */
+        else if (on_device && max_norm > 0.0) TM__TRY(tm__grad_scale_multi(ctx, l, factor));
         if (!need_norm) continue;
         TM__TRY(tm_tensor_read(ctx, partials, TM_F64, vals, m));
         for (int j = 0; j < m; j++) part[idx[j]] = vals[j];
@@ -116,9 +129,10 @@ static tm_status clip(tm_ctx *ctx, double max_norm, double *norm_out, double *pa
     return TM_OK;
 }
 
-tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) {
+/* Both public entry points: fn names the caller in messages. */
+static tm_status clip_entry(tm_ctx *ctx, const char *fn, double max_norm, double *norm_out, tm_tensor **factor_out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
-    if (isnan(max_norm)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_ctx_clip_grad_norm: max_norm is NaN");
+    if (isnan(max_norm)) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: max_norm is NaN", fn);
     int nb = tm_ctx_num_buckets(ctx);
     /* Refuse before touching anything. */
     for (int k = 0; k < nb; k++) {
@@ -126,8 +140,8 @@ tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) 
         TM__TRY(tm_ctx_bucket_info(ctx, k, &bi));
         if (!tm__op_available(ctx, "grad_sumsq_multi", bi.device) || !tm__op_available(ctx, "grad_scale_multi", bi.device))
             return tm__err(ctx, TM_ERR_UNSUPPORTED,
-                           "tm_ctx_clip_grad_norm: no grad_sumsq_multi / grad_scale_multi kernel on %s yet (bucket %d: "
-                           "%s gradients of parameters such as \"%s\"); nothing was changed",
+                           "%s: no grad_sumsq_multi / grad_scale_multi kernel on %s yet (bucket %d: "
+                           "%s gradients of parameters such as \"%s\"); nothing was changed", fn,
                            bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU", k, tm_dtype_name(bi.dtype),
                            tm__bucket_first_param(ctx, k));
     }
@@ -141,11 +155,22 @@ tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) 
         part = tm__host_alloc(ctx, sizeof *part * (size_t)nb);
         vals = tm__host_alloc(ctx, sizeof *vals * (size_t)nb);
         idx = tm__host_alloc(ctx, sizeof *idx * (size_t)nb);
-        if (!part || !vals || !idx) s = tm__err(ctx, TM_ERR_NOMEM, "tm_ctx_clip_grad_norm: out of host memory");
+        if (!part || !vals || !idx) s = tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
     }
-    if (s == TM_OK) s = clip(ctx, max_norm, norm_out, part, vals, idx);
+    if (s == TM_OK) s = clip(ctx, max_norm, norm_out, factor_out, part, vals, idx);
     if (part != part_s) tm__host_free(ctx, part);
     if (vals != vals_s) tm__host_free(ctx, vals);
     if (idx != idx_s) tm__host_free(ctx, idx);
     return s;
+}
+
+tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *norm_out) {
+    return clip_entry(ctx, "tm_ctx_clip_grad_norm", max_norm, norm_out, NULL);
+}
+
+tm_status tm_ctx_clip_grad_norm_deferred(tm_ctx *ctx, double max_norm, double *norm_out, tm_tensor **grad_scale) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!grad_scale) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_ctx_clip_grad_norm_deferred: grad_scale is NULL");
+    *grad_scale = NULL;
+    return clip_entry(ctx, "tm_ctx_clip_grad_norm_deferred", max_norm, norm_out, grad_scale);
 }

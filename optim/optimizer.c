@@ -169,7 +169,7 @@ static void run_part(const tm__opt_bucket *ob, const tm__opt_run *run, int64_t *
  * weight decay: the same bits as one adamw_update per run, in one CUDA launch. The ranges are
  * described afresh each step (no slices: offsets into the flat bucket tensors), and their table
  * goes to the device only when it changed (the first step, a bucket that moved). */
-static tm_status adamw_step(tm_optimizer *opt, double lr, int64_t t) {
+static tm_status adamw_step(tm_optimizer *opt, double lr, int64_t t, tm_tensor *grad_scale) {
     tm_ctx *ctx = opt->ctx;
     const tm_adamw_config *c = &opt->cfg.adamw;
     for (int d = 0; d < 2; d++) {
@@ -203,7 +203,7 @@ static tm_status adamw_step(tm_optimizer *opt, double lr, int64_t t) {
                                            ob->runs[r].decay ? c->weight_decay : 0.0));
             }
         }
-        TM__TRY(tm__adamw_update_multi(ctx, l, c, lr, t));
+        TM__TRY(tm__adamw_update_multi(ctx, l, c, lr, t, grad_scale));
     }
     return TM_OK;
 }
@@ -234,27 +234,68 @@ static tm_status sgd_step(tm_optimizer *opt, double lr, int64_t t) {
     return TM_OK;
 }
 
-tm_status tm_optimizer_step(tm_optimizer *opt, double lr) {
+/* SGD reads its gradients once per run, op by op: the clip's factor is applied beforehand
+ * by one grad_scale_multi over the buckets' ranges [lo, hi) (the pass tm_ctx_clip_grad_norm
+ * would have made; no fused SGD kernel yet). */
+static tm_status sgd_prescale(tm_optimizer *opt, tm_tensor *grad_scale) {
+    tm_ctx *ctx = opt->ctx;
+    tm__segs *l;
+    TM__TRY(tm__ctx_segs(ctx, tm_tensor_device(grad_scale), opt->n_buckets, &l));
+    TM__TRY(tm__segs_begin(ctx, l, TM__SEGS_GRADS, opt->n_buckets));
+    for (int k = 0; k < opt->n_buckets; k++) {
+        const tm__opt_bucket *ob = &opt->b[k];
+        if (ob->hi > ob->lo)
+            TM__TRY(tm__segs_add_grad(ctx, l, tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_GRADS), ob->lo, ob->hi));
+    }
+    return tm__grad_scale_multi(ctx, l, grad_scale);
+}
+
+tm_status tm_optimizer_step(tm_optimizer *opt, double lr) { return tm_optimizer_step_scaled(opt, lr, NULL); }
+
+tm_status tm_optimizer_step_scaled(tm_optimizer *opt, double lr, tm_tensor *grad_scale) {
     if (!opt) return TM_ERR_INVALID_ARG;
     tm_ctx *ctx = opt->ctx;
+    const char *fn = grad_scale ? "tm_optimizer_step_scaled" : "tm_optimizer_step";
     if (lr < 0.0) lr = opt->lr;
-    if (!isfinite(lr)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_optimizer_step: lr must be finite, got %g", lr);
+    if (!isfinite(lr)) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: lr must be finite, got %g", fn, lr);
+    if (grad_scale) {
+        tm_device gd = tm_tensor_device(grad_scale);
+        tm_dtype want = gd.type == TM_DEVICE_CUDA ? TM_F32 : TM_F64;
+        if (tm_tensor_ndim(grad_scale) != 0 || tm_tensor_dtype(grad_scale) != want)
+            return tm__err(ctx, TM_ERR_INVALID_ARG,
+                           "%s: grad_scale must be the 0-d %s factor of tm_ctx_clip_grad_norm_deferred, got %s %dd", fn,
+                           tm_dtype_name(want), tm_dtype_name(tm_tensor_dtype(grad_scale)), tm_tensor_ndim(grad_scale));
+        for (int k = 0; k < opt->n_buckets; k++) {
+            tm_bucket_info bi;
+            TM__TRY(tm_ctx_bucket_info(ctx, opt->b[k].bucket, &bi));
+            if (bi.device.type != gd.type || bi.device.index != gd.index)
+                return tm__err(ctx, TM_ERR_DEVICE,
+                               "%s: grad_scale is on %s %d but bucket %d (parameters such as \"%s\") is on %s %d; "
+                               "nothing was changed", fn, gd.type == TM_DEVICE_CUDA ? "CUDA" : "CPU", gd.index, k,
+                               tm__bucket_first_param(ctx, opt->b[k].bucket),
+                               bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "CPU", bi.device.index);
+        }
+    }
     /* Refuse before touching anything, so a failed step leaves every parameter as it was. */
     for (int k = 0; k < opt->n_buckets; k++) {
         tm_bucket_info bi;
         TM__TRY(tm_ctx_bucket_info(ctx, opt->b[k].bucket, &bi));
         if (!tm__op_available(ctx, opt->op, bi.device))
             return tm__err(ctx, TM_ERR_UNSUPPORTED,
-                           "tm_optimizer_step: %s has no %s kernel on %s yet (bucket %d: %s parameters such as "
-                           "\"%s\"); nothing was changed", opt->name, opt->op,
+                           "%s: %s has no %s kernel on %s yet (bucket %d: %s parameters such as "
+                           "\"%s\"); nothing was changed", fn, opt->name, opt->op,
                            bi.device.type == TM_DEVICE_CUDA ? "CUDA" : "the CPU", k, tm_dtype_name(bi.dtype),
                            tm__bucket_first_param(ctx, opt->b[k].bucket));
     }
     int64_t t = 0;
     TM__TRY(tm_tensor_read(ctx, opt->counter, TM_I64, &t, 1));
     t += 1;
-    if (opt->kind == TM__OPT_ADAMW) TM__TRY(adamw_step(opt, lr, t));
-    else TM__TRY(sgd_step(opt, lr, t));
+    if (opt->kind == TM__OPT_ADAMW) {
+        TM__TRY(adamw_step(opt, lr, t, grad_scale));
+    } else {
+        if (grad_scale) TM__TRY(sgd_prescale(opt, grad_scale));
+        TM__TRY(sgd_step(opt, lr, t));
+    }
     /* ZeRO-1: every rank updated its blocks; every rank needs every parameter. */
     TM__TRY(tm__zero_gather_params(ctx));
     return tm_tensor_write(ctx, opt->counter, TM_I64, &t, 1);

@@ -273,4 +273,102 @@ const char *tt_python_with(const char *module) {
     cr_assert(!(req && !strcmp(req, "1")), "TM_REQUIRE_PYDEPS=1 but no Python imports %s (run scripts/install-pydeps.sh)",
               module);
     return NULL;
+/* ---- tt_check_clip_deferred ---------------------------------------------------------------- */
+
+enum { CD_PARAMS = 3, CD_STEPS = 4 };
+static const int CD_NDIM[CD_PARAMS] = {2, 1, 2};
+static const int64_t CD_SHAPE[CD_PARAMS][2] = {{37, 29}, {301, 1}, {5, 3000}}; /* the last spans chunks */
+
+static tm_ctx *cd_ctx(tm_device dev, tm_dtype dt, int sgd, tm_tensor **p, tm_optimizer **opt) {
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 2;
+    o.arena_chunk_bytes = 4 << 20;
+    if (dev.type == TM_DEVICE_CUDA) o.cuda_device = dev.index;
+    tm_ctx *ctx = NULL;
+    cr_assert_eq(tm_ctx_new(&ctx, &o), TM_OK, "tm_ctx_new: %s", tm_last_create_error());
+    for (int i = 0; i < CD_PARAMS; i++) {
+        char nm[2] = {(char)('a' + i), 0};
+        TT_OK(ctx, tm_param_new(ctx, nm, dt, CD_NDIM[i], CD_SHAPE[i], dev, &p[i]));
+        TT_OK(ctx, tm_tensor_init_normal(ctx, p[i], 3 + (uint64_t)i, NULL, 0.0, 1.0));
+    }
+    if (sgd) {
+        tm_sgd_config c = tm_sgd_config_default();
+        c.lr = 0.05, c.momentum = 0.9, c.weight_decay = 0.01;
+        TT_OK(ctx, tm_sgd_new(ctx, &c, opt));
+    } else {
+        tm_adamw_config c = tm_adamw_config_default();
+        c.lr = 1e-2, c.beta2 = 0.95, c.weight_decay = 0.1;
+        TT_OK(ctx, tm_adamw_new(ctx, &c, opt));
+    }
+    return ctx;
+}
+
+/* t of ctx a and the tensor of the same name in b hold the same bits (both read as f64, which
+ * every f32 / bf16 / f64 value converts to exactly). */
+static void cd_same(tm_ctx *a, tm_ctx *b, const char *name, int step) {
+    tm_tensor *ta = tm_ctx_find(a, name), *tb = tm_ctx_find(b, name);
+    cr_assert(ta && tb, "step %d: \"%s\" missing", step, name);
+    int64_t n = tm_tensor_numel(ta);
+    double *x = tt_read(a, ta), *y = tt_read(b, tb);
+    for (int64_t k = 0; k < n; k++)
+        cr_assert(memcmp(&x[k], &y[k], sizeof x[k]) == 0, "step %d: %s[%lld] %.17g (clip + step) vs %.17g (deferred)",
+                  step, name, (long long)k, x[k], y[k]);
+    free(x);
+    free(y);
+}
+
+void tt_check_clip_deferred(tm_device dev, tm_dtype dt, int sgd) {
+    tm_tensor *pa[CD_PARAMS], *pb[CD_PARAMS];
+    tm_optimizer *oa, *ob;
+    tm_ctx *a = cd_ctx(dev, dt, sgd, pa, &oa), *b = cd_ctx(dev, dt, sgd, pb, &ob);
+    for (int step = 0; step < CD_STEPS; step++) {
+        /* Norms near 140: clipping at 1 scales; step 2 does not clip (factor exactly 1). */
+        double max_norm = step == 2 ? 1e9 : 1.0, na = -1, nb = -2;
+        double *g[CD_PARAMS];
+        for (int i = 0; i < CD_PARAMS; i++) {
+            tm_tensor *r = tt_randn(a, dt, CD_NDIM[i], CD_SHAPE[i], 100 + 10 * (uint64_t)step + (uint64_t)i);
+            g[i] = tt_read(a, r);
+            TT_OK(a, tm_tensor_write(a, tm_tensor_grad(pa[i]), TM_F64, g[i], tm_tensor_numel(pa[i])));
+            TT_OK(b, tm_tensor_write(b, tm_tensor_grad(pb[i]), TM_F64, g[i], tm_tensor_numel(pb[i])));
+        }
+        TT_OK(a, tm_ctx_clip_grad_norm(a, max_norm, &na));
+        TT_OK(a, tm_optimizer_step(oa, -1.0));
+        tm_tensor *gs = NULL;
+        TT_OK(b, tm_ctx_clip_grad_norm_deferred(b, max_norm, &nb, &gs));
+        cr_assert_eq(na, nb, "step %d: norm %.17g (clip) vs %.17g (deferred)", step, na, nb);
+        cr_assert(gs && tm_tensor_ndim(gs) == 0, "step %d: one device, no communicator: a 0-d factor", step);
+        cr_assert_eq(tm_tensor_dtype(gs), dev.type == TM_DEVICE_CUDA ? TM_F32 : TM_F64);
+        double f = 0;
+        TT_OK(b, tm_tensor_read(b, gs, TM_F64, &f, 1));
+        double want = max_norm > nb ? 1.0 : max_norm / (nb + 1e-6);
+        cr_assert(fabs(f - want) <= 1e-6 * want, "step %d: factor %.17g, want %.17g", step, f, want);
+        TT_OK(b, tm_optimizer_step_scaled(ob, -1.0, gs));
+        for (int i = 0; i < CD_PARAMS; i++) {
+            /* AdamW applied the factor as it read the gradients, which it leaves unscaled. */
+            if (!sgd) {
+                double *after = tt_read(b, tm_tensor_grad(pb[i]));
+                cr_assert(memcmp(after, g[i], sizeof *after * (size_t)tm_tensor_numel(pb[i])) == 0,
+                          "step %d: AdamW wrote the gradients of %s", step, tm_tensor_name(pb[i]));
+                free(after);
+            }
+            free(g[i]);
+            char nm[32];
+            const char *base = tm_tensor_name(pa[i]);
+            cd_same(a, b, base, step);
+            const char *sfx[3] = {sgd ? ".sgd_b" : ".adamw_m", sgd ? NULL : ".adamw_v", dt == TM_BF16 ? ".master" : NULL};
+            for (int j = 0; j < 3; j++) {
+                if (!sfx[j]) continue;
+                snprintf(nm, sizeof nm, "%s%s", base, sfx[j]);
+                cd_same(a, b, nm, step);
+            }
+        }
+        TT_OK(a, tm_ctx_zero_grad(a));
+        TT_OK(b, tm_ctx_zero_grad(b));
+        tm_ctx_arena_reset(a);
+        tm_ctx_arena_reset(b);
+    }
+    tm_optimizer_free(oa);
+    tm_optimizer_free(ob);
+    tm_ctx_free(a);
+    tm_ctx_free(b);
 }

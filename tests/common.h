@@ -101,5 +101,11 @@ typedef tm_optimizer *(*tt_make_optimizer)(tm_ctx *ctx, double lr, double weight
 /* With zero gradients one step multiplies parameters of 2+ dims by 1 - lr wd and leaves 1-D
  * and 0-D parameters alone (AdamW: the Adam term is exactly 0; SGD: b = wd p). */
 void tt_check_decay_only_on_matrices(tt_make_optimizer make);
+/* tm_ctx_clip_grad_norm_deferred + tm_optimizer_step_scaled against tm_ctx_clip_grad_norm +
+ * tm_optimizer_step, in two contexts fed the same gradients over four steps (clipping, and one
+ * step that does not clip): the same norm, the factor of the documented formula, and the same
+ * bits in every parameter, moment and master weight; AdamW leaves the gradients as they were.
+ * Parameters of dtype dt on dev; AdamW, or SGD with momentum when sgd. */
+void tt_check_clip_deferred(tm_device dev, tm_dtype dt, int sgd);
 
 #endif

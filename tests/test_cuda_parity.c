@@ -185,6 +185,10 @@ static const tt_pcase CASES[] = {
     {"rmsnorm", "rmsnorm", f_rmsnorm, 2, {3, 1}, {{3, 4, 37}, {37}}, {0}, {0}, {0}, 1, 0},
     {"rmsnorm", "rmsnorm many rows (split dw)", f_rmsnorm, 2, {2, 1}, {{1501, 9}, {9}}, {0}, {0}, {0}, 100, 0},
     {"rmsnorm", "rmsnorm wide row", f_rmsnorm, 2, {2, 1}, {{3, 1100}, {1100}}, {0}, {0}, {0}, 1, 0},
+    /* N > 2048: the backward's blocks take 2 rows each and sum dw in registers, the last
+     * block one row (kernels/cuda/rmsnorm.cu) */
+    {"rmsnorm", "rmsnorm, dw summed over row ranges", f_rmsnorm, 2, {2, 1}, {{2049, 40}, {40}}, {0}, {0}, {0}, 100, 0},
+    {"rmsnorm", "rmsnorm, dw over row ranges, odd C", f_rmsnorm, 2, {2, 1}, {{4101, 13}, {13}}, {0}, {0}, {0}, 100, 0},
     {"rmsnorm", "rmsnorm, rows of whole 16-byte groups", f_rmsnorm, 2, {2, 1}, {{6, 96}, {96}}, {0}, {0}, {0}, 1, 0},
     {"softmax", "softmax", f_softmax, 1, {2}, {{6, 17}}, {0}, {0}, {0}, 1, 0},
     {"softmax", "softmax wide row", f_softmax, 1, {2}, {{3, 1100}}, {0}, {0}, {0}, 1, 0},

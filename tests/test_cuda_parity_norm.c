@@ -65,7 +65,9 @@ static void compare(double **a, double **b, int64_t N, int64_t C, double tol, do
 }
 
 static void check(tm_dtype dt, double tol, double dw_atol) {
-    const int64_t shapes[][2] = {{37, 129}, {5, 2048}, {3, 7}, {64, 33}};
+    /* N > 2048: blocks of 2 (2501) and 3 rows (4099, C with a tail) summing dw in registers,
+     * the last block shorter (kernels/cuda/rmsnorm.cu) */
+    const int64_t shapes[][2] = {{37, 129}, {5, 2048}, {3, 7}, {64, 33}, {2501, 72}, {4099, 37}};
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
         int64_t N = shapes[i][0], C = shapes[i][1];
         tm_ctx *ctx = tt_parity_ctx();

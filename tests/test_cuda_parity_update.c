@@ -417,7 +417,7 @@ static void mg_adamw_fused(tm_ctx *ctx, tm__segs *l, mgroup *g, const tm_adamw_c
         mgroup *x = &g[q->group];
         TT_OK(ctx, tm__segs_add_adamw(ctx, l, x->P, x->G, x->m, x->v, x->master, q->a, q->e, MG_OFF[q->group], q->wd));
     }
-    TT_OK(ctx, tm__adamw_update_multi(ctx, l, cfg, lr, t));
+    TT_OK(ctx, tm__adamw_update_multi(ctx, l, cfg, lr, t, NULL));
 }
 
 /* The same bits (both tensors on CUDA, read in their dtype). */
@@ -591,5 +591,45 @@ Test(cuda_parity_update, clip_without_norm_does_not_wait) {
     /* 5 up to the rounding of the scaled gradient of the bf16 parameter "half" (2^-9 relative
      * per element): the H100 gave 4.9999869 */
     cr_assert(fabs(norm - 5.0) <= 1e-4 * 5.0, "norm after clipping to 5: %.17g", norm);
+    tm_ctx_free(ctx);
+}
+
+/* ---- the clip's factor applied by the update on the device (tm_ctx_clip_grad_norm_deferred) -- */
+/* The same bits as the clip's scale pass followed by the update (tests/common.c), on CUDA
+ * buckets: adamw_multi_kernel scales each gradient as scale_multi_kernel stores it. */
+Test(cuda_parity_update, clip_deferred_adamw_f32) {
+    TT_SKIP_WITHOUT_CUDA();
+    tt_check_clip_deferred(tm_cuda(0), TM_F32, 0);
+}
+Test(cuda_parity_update, clip_deferred_adamw_bf16) {
+    TT_SKIP_WITHOUT_CUDA();
+    tt_check_clip_deferred(tm_cuda(0), TM_BF16, 0);
+}
+Test(cuda_parity_update, clip_deferred_sgd_bf16) {
+    TT_SKIP_WITHOUT_CUDA();
+    tt_check_clip_deferred(tm_cuda(0), TM_BF16, 1);
+}
+
+/* Deferred clip + scaled AdamW step without the norm: no device wait at all (the step's
+ * counter is a host buffer). */
+Test(cuda_parity_update, clip_deferred_does_not_wait) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = tt_parity_ctx();
+    model_params mp;
+    make_params(ctx, tm_cuda(0), &mp);
+    set_grads(ctx, &mp, 0);
+    tm_optimizer *opt = NULL;
+    TT_OK(ctx, tm_adamw_new(ctx, NULL, &opt));
+    TT_OK(ctx, tm_optimizer_step(opt, -1.0)); /* the first step uploads the range table */
+    uint64_t before = tm_ctx_sync_count(ctx);
+    tm_tensor *gs = NULL;
+    TT_OK(ctx, tm_ctx_clip_grad_norm_deferred(ctx, 5.0, NULL, &gs));
+    cr_assert(gs != NULL);
+    TT_OK(ctx, tm_optimizer_step_scaled(opt, -1.0, gs));
+    uint64_t step_reads = tm_ctx_sync_count(ctx) - before;
+    before = tm_ctx_sync_count(ctx);
+    TT_OK(ctx, tm_optimizer_step(opt, -1.0));
+    cr_assert_eq(step_reads, tm_ctx_sync_count(ctx) - before, "the deferred clip added a wait to the step");
+    tm_optimizer_free(opt);
     tm_ctx_free(ctx);
 }

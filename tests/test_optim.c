@@ -388,3 +388,46 @@ Test(optim, clip_norm_bitwise_across_thread_counts) {
     cr_assert_eq(norms[0], norms[1], "%.17g vs %.17g", norms[0], norms[1]);
     cr_assert_eq(norms[0], norms[2], "%.17g vs %.17g", norms[0], norms[2]);
 }
+
+/* ---- the clip's factor applied by the update (tm_ctx_clip_grad_norm_deferred) ------------- */
+
+Test(optim, clip_deferred_adamw_f32) { tt_check_clip_deferred(tm_cpu(), TM_F32, 0); }
+Test(optim, clip_deferred_adamw_bf16) { tt_check_clip_deferred(tm_cpu(), TM_BF16, 0); }
+Test(optim, clip_deferred_adamw_f64) { tt_check_clip_deferred(tm_cpu(), TM_F64, 0); }
+Test(optim, clip_deferred_sgd_f32) { tt_check_clip_deferred(tm_cpu(), TM_F32, 1); }
+Test(optim, clip_deferred_sgd_bf16) { tt_check_clip_deferred(tm_cpu(), TM_BF16, 1); }
+
+Test(optim, clip_deferred_bad_args) {
+    tm_tensor *a, *b, *gs = NULL;
+    tm_ctx *ctx = two_scalar_grads(TM_F32, TM_F32, 3.0, -4.0, &a, &b);
+    tm_optimizer *opt = NULL;
+    TT_OK(ctx, tm_adamw_new(ctx, NULL, &opt));
+    double norm = 0;
+    cr_assert_eq(tm_ctx_clip_grad_norm_deferred(ctx, 1.0, &norm, NULL), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "grad_scale"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_eq(tm_ctx_clip_grad_norm_deferred(ctx, NAN, &norm, &gs), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "tm_ctx_clip_grad_norm_deferred"), "%s", tm_ctx_errmsg(ctx));
+    /* A factor must be the clip's: 0-d, f64 on the CPU; nothing is changed otherwise. */
+    int64_t one[1] = {1};
+    tm_tensor *vec = NULL, *f32 = NULL;
+    double v = 0.5;
+    TT_OK(ctx, tm_tensor_from_host(ctx, TM_F64, 1, one, tm_cpu(), TM_F64, &v, &vec));
+    TT_OK(ctx, tm_tensor_from_host(ctx, TM_F32, 0, one, tm_cpu(), TM_F64, &v, &f32));
+    cr_assert_eq(tm_optimizer_step_scaled(opt, -1.0, vec), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "tm_optimizer_step_scaled"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_eq(tm_optimizer_step_scaled(opt, -1.0, f32), TM_ERR_INVALID_ARG);
+    cr_assert_eq(tm_optimizer_steps(opt), 0);
+    double w = 0;
+    TT_OK(ctx, tm_tensor_read(ctx, a, TM_F64, &w, 1));
+    cr_assert_eq(w, 0.0, "a failed step changed a parameter");
+    /* max_norm 1 on norm 5: the gradients stay 3, -4 and the factor is 1 / (5 + 1e-6). */
+    TT_OK(ctx, tm_ctx_clip_grad_norm_deferred(ctx, 1.0, &norm, &gs));
+    double f = 0, g = 0;
+    TT_OK(ctx, tm_tensor_read(ctx, gs, TM_F64, &f, 1));
+    TT_OK(ctx, tm_tensor_read(ctx, tm_tensor_grad(a), TM_F64, &g, 1));
+    cr_assert(fabs(f - 1.0 / (5.0 + 1e-6)) <= 1e-15 && g == 3.0, "factor %.17g, grad %g", f, g);
+    TT_OK(ctx, tm_optimizer_step_scaled(opt, -1.0, gs));
+    cr_assert_eq(tm_optimizer_steps(opt), 1);
+    tm_optimizer_free(opt);
+    tm_ctx_free(ctx);
+}

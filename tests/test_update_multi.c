@@ -124,7 +124,7 @@ static void adamw_fused(tm_ctx *ctx, tm__segs *l, side *sd, const tm_adamw_confi
         TT_OK(ctx, tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, g->master, q->a, q->e, g->off, q->wd));
     }
     cr_assert_eq(tm__segs_count(l), N_RANGES - 1, "the empty range is left out");
-    TT_OK(ctx, tm__adamw_update_multi(ctx, l, cfg, lr, t));
+    TT_OK(ctx, tm__adamw_update_multi(ctx, l, cfg, lr, t, NULL));
 }
 
 /* Bitwise equality of two tensors' bytes (read in their own dtype). */

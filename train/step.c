@@ -140,12 +140,15 @@ int tmd_run_step(tmd_run *r, int64_t step, double lr, tmd_step *out, char *err, 
     }
     /* The clip's one device read (the norm; without &gnorm the clip would not wait at all):
      * needed every step, since the guard below must see a non-finite norm before the update,
-     * and the norm is logged. */
-    if ((s = tm_ctx_clip_grad_norm(r->ctx, c->grad_clip, &gnorm)))
+     * and the norm is logged. The clip's factor goes to the update, which scales each gradient
+     * as it reads it (one pass over the gradients fewer than scaling them here). */
+    tm_tensor *grad_scale = NULL;
+    if ((s = tm_ctx_clip_grad_norm_deferred(r->ctx, c->grad_clip, &gnorm, &grad_scale)))
         return tmd_run_lib_fail(r, err, errlen, "gradient clipping", s);
     if (!isfinite(gnorm)) return nonfinite(r, step, out->loss, gnorm, out, err, errlen);
     out->gnorm = gnorm;
-    if ((s = tm_optimizer_step(r->opt, lr))) return tmd_run_lib_fail(r, err, errlen, "optimizer step", s);
+    if ((s = tm_optimizer_step_scaled(r->opt, lr, grad_scale)))
+        return tmd_run_lib_fail(r, err, errlen, "optimizer step", s);
     if ((s = tm_model_step(r->model))) return tmd_run_lib_fail(r, err, errlen, "expert-bias update", s);
     if ((s = tm_ctx_zero_grad(r->ctx))) return tmd_run_lib_fail(r, err, errlen, "zeroing gradients", s);
     tm_ctx_arena_reset(r->ctx);

@@ -141,7 +141,7 @@ tm_status tm_adamw_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_ten
     tm__segs *l;
     TM__TRY(one_range(ctx, param->device, TM__SEGS_ADAMW, &l));
     TM__TRY(tm__segs_add_adamw(ctx, l, param, grad, m, v, master, 0, n, 0, weight_decay));
-    return tm__adamw_update_multi(ctx, l, cfg, lr, step);
+    return tm__adamw_update_multi(ctx, l, cfg, lr, step, NULL);
 }
 
 tm_status tm_sgd_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_tensor *b, tm_tensor *master,
@@ -228,8 +228,11 @@ tm_status tm_moe_expert_bias_update(tm_ctx *ctx, tm_tensor *expert_bias, tm_tens
  *
  * Attributes (in[0] is the table, i64 [capacity, TM__SEG_WORDS] on the device):
  *   adamw_update_multi  iattr[0] ranges, iattr[1] blocks (the sum of the ranges' `first`
- *                       blocks); fattr[TM__ADAMW_*] (framework/update_multi.h; each range has
- *                       its own weight decay)
+ *                       blocks), iattr[2] has_factor: in[1] the clip's factor (out[1] of
+ *                       grad_sumsq_multi), every gradient read as grad_scale_multi would have
+ *                       left it (g * factor rounded to g's dtype; nothing when it is 1), the
+ *                       gradients themselves untouched; fattr[TM__ADAMW_*]
+ *                       (framework/update_multi.h; each range has its own weight decay)
  *   grad_sumsq_multi    in[1] ticket: i64 [1], zero before and after (CUDA: the count of
  *                       finished blocks, reset by the last one); iattr[0] ranges, iattr[1]
  *                       sum-of-squares blocks; fattr[0] max_norm -> out[0] partials [ranges],
@@ -418,7 +421,19 @@ static tm_status check_table(tm__call *c) {
 }
 
 
-tm_status tm__adamw_update_multi_check(tm__call *c) { return check_table(c); }
+tm_status tm__adamw_update_multi_check(tm__call *c) {
+    TM__TRY(check_table(c));
+    if (c->iattr[2] != 0 && c->iattr[2] != 1)
+        return tm__err(c->ctx, TM_ERR_INTERNAL, "adamw_update_multi: has_factor %lld", (long long)c->iattr[2]);
+    if (c->n_in != 1 + (int)c->iattr[2])
+        return tm__err(c->ctx, TM_ERR_INTERNAL, "adamw_update_multi: %d inputs", c->n_in);
+    if (c->iattr[2]) {
+        const tm_tensor *f = c->in[1];
+        if (f->dtype != clip_dtype(f->device) || f->ndim != 0)
+            return tm__err(c->ctx, TM_ERR_INTERNAL, "adamw_update_multi: factor %s", tm__tdesc(c->ctx, f));
+    }
+    return TM_OK;
+}
 
 tm_status tm__grad_sumsq_multi_check(tm__call *c) {
     TM__TRY(check_table(c));
@@ -439,18 +454,26 @@ tm_status tm__grad_scale_multi_check(tm__call *c) {
     return TM_OK;
 }
 
-tm_status tm__adamw_update_multi(tm_ctx *ctx, tm__segs *l, const tm_adamw_config *cfg, double lr, int64_t step) {
+tm_status tm__adamw_update_multi(tm_ctx *ctx, tm__segs *l, const tm_adamw_config *cfg, double lr, int64_t step,
+                                 tm_tensor *factor) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!l || !cfg) return tm__err(ctx, TM_ERR_INVALID_ARG, "adamw_update_multi: %s is NULL", l ? "cfg" : "list");
     if (l->kind != TM__SEGS_ADAMW) return tm__err(ctx, TM_ERR_INVALID_ARG, "adamw_update_multi: not an AdamW list");
     if (step < 1) return tm__err(ctx, TM_ERR_INVALID_ARG, "adamw_update_multi: step must be >= 1, got %lld", (long long)step);
     if (!isfinite(lr)) return tm__err(ctx, TM_ERR_INVALID_ARG, "adamw_update_multi: lr %g must be finite", lr);
     if (l->n == 0) return TM_OK;
+    if (factor && (factor->ctx != ctx || !tm__same_device(factor->device, l->dev) || factor->ndim != 0 ||
+                   factor->dtype != clip_dtype(l->dev)))
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "adamw_update_multi: grad_scale %s must be a 0-d %s tensor of this "
+                       "context on the parameters' device", tm__tdesc(ctx, factor), tm_dtype_name(clip_dtype(l->dev)));
     TM__TRY(segs_commit(ctx, l));
     tm__call c = tm__call_init(ctx, TM__OP_ADAMW_UPDATE_MULTI);
     c.in[0] = l->table;
+    c.n_in = 1;
+    if (factor) c.in[c.n_in++] = factor;
     c.iattr[0] = l->n;
     c.iattr[1] = l->blocks;
+    c.iattr[2] = factor != NULL;
     adamw_attrs(c.fattr, cfg, lr, step);
     return tm__op_run(&c);
 }

@@ -33,12 +33,14 @@ enum { PAR_MIN = 1 << 14 };
 
 /* PT: parameter storage type; T: compute type; MT: the type the current value is read from
  * and written to (the parameter itself, or the f32 master). */
+/* gs: the clip's factor (1: none), applied as scale_any would have stored it (the product
+ * rounded to PT), so the update is the one that reads gradients scaled by grad_scale_multi. */
 #define ADAMW_KERNEL(SFX, PT, T, SQRT, LOAD, STORE)                                                      \
     static void adamw_##SFX(PT *p, const PT *g, float *m, float *v, float *master, int64_t n, T lr, T b1, \
-                            T omb1, T b2, T omb2, T eps, T wd, T bc1, T bc2, int nth) {                  \
+                            T omb1, T b2, T omb2, T eps, T wd, T bc1, T bc2, T gs, int nth) {            \
         _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")                  \
         for (int64_t i = 0; i < n; i++) {                                                                \
-            T gi = LOAD(g[i]), pi = master ? (T)master[i] : LOAD(p[i]);                                  \
+            T gi = gs == (T)1 ? LOAD(g[i]) : LOAD(STORE(LOAD(g[i]) * gs)), pi = master ? (T)master[i] : LOAD(p[i]); \
             T mi = b1 * (T)m[i] + omb1 * gi;                                                             \
             T vi = b2 * (T)v[i] + omb2 * gi * gi;                                                        \
             m[i] = (float)mi;                                                                            \
@@ -55,22 +57,22 @@ ADAMW_KERNEL(bf16, uint16_t, float, sqrtf, tm__bf16_to_f32, tm__f32_to_bf16)
 /* AdamW over n elements of dtype dt with the attributes f[TM__ADAMW_*] of adamw_update_multi
  * and the range's weight decay wd. */
 static tm_status adamw_any(tm_ctx *ctx, const char *op, tm_dtype dt, void *p, const void *g, float *m, float *v,
-                           float *master, int64_t n, const double *f, double wd) {
+                           float *master, int64_t n, const double *f, double wd, double gs) {
     int nth = tm__nthreads(ctx);
     switch (dt) {
     case TM_F32:
         adamw_f32(p, g, m, v, master, n, (float)f[TM__ADAMW_LR], (float)f[TM__ADAMW_BETA1], (float)f[TM__ADAMW_OMB1],
                   (float)f[TM__ADAMW_BETA2], (float)f[TM__ADAMW_OMB2], (float)f[TM__ADAMW_EPS], (float)wd,
-                  (float)f[TM__ADAMW_BC1], (float)f[TM__ADAMW_BC2], nth);
+                  (float)f[TM__ADAMW_BC1], (float)f[TM__ADAMW_BC2], (float)gs, nth);
         break;
     case TM_BF16:
         adamw_bf16(p, g, m, v, master, n, (float)f[TM__ADAMW_LR], (float)f[TM__ADAMW_BETA1], (float)f[TM__ADAMW_OMB1],
                    (float)f[TM__ADAMW_BETA2], (float)f[TM__ADAMW_OMB2], (float)f[TM__ADAMW_EPS], (float)wd,
-                   (float)f[TM__ADAMW_BC1], (float)f[TM__ADAMW_BC2], nth);
+                   (float)f[TM__ADAMW_BC1], (float)f[TM__ADAMW_BC2], (float)gs, nth);
         break;
     case TM_F64:
         adamw_f64(p, g, m, v, master, n, f[TM__ADAMW_LR], f[TM__ADAMW_BETA1], f[TM__ADAMW_OMB1], f[TM__ADAMW_BETA2],
-                  f[TM__ADAMW_OMB2], f[TM__ADAMW_EPS], wd, f[TM__ADAMW_BC1], f[TM__ADAMW_BC2], nth);
+                  f[TM__ADAMW_OMB2], f[TM__ADAMW_EPS], wd, f[TM__ADAMW_BC1], f[TM__ADAMW_BC2], gs, nth);
         break;
     default: return tm__err(ctx, TM_ERR_INTERNAL, "%s: dtype %s", op, tm_dtype_name(dt));
     }
@@ -187,9 +189,10 @@ static void scale_any(void *px, tm_dtype dt, int64_t n, double s, int nth) {
 
 tm_status tm__adamw_update_multi_forward_cpu(tm__call *c) {
     const tm__seg *sg = tm__data(c->in[0]);
+    double gs = c->iattr[2] ? *(const double *)tm__data(c->in[1]) : 1.0; /* the clip's factor */
     for (int64_t k = 0; k < c->iattr[0]; k++)
         TM__TRY(adamw_any(c->ctx, "adamw_update_multi", (tm_dtype)sg[k].dtype, sg[k].p, sg[k].g, sg[k].m, sg[k].v,
-                          sg[k].master, sg[k].n, c->fattr, sg[k].wd));
+                          sg[k].master, sg[k].n, c->fattr, sg[k].wd, gs));
     return TM_OK;
 }
 

@@ -21,8 +21,10 @@
  *   3. permute_scatter_kernel, a warp per (tile, e): rank = the tile's first rank + routed
  *      lanes below (popc of the ballot); writes row_of, row_token and permuted_probs (bits).
  *      Rows nobody claims are padding (row_token -1, prob 0: memsets beforehand).
- *   4. permute_rows_kernel, a warp per row: permuted[r] = x[row_token[r]] or zeros, as raw
- *      16-byte vectors when the row length and both pointers allow, else 8, 4 or 2 bytes.
+ *   4. permute_tokens_kernel, a warp per token: x[t] read once (8 vectors a lane in flight)
+ *      and stored to each of its rows (row_of), then the padding rows (row_token -1) zeroed; as
+ *      raw 16-byte vectors when the row length and both pointers allow, else 8, 4 or 2 bytes.
+ *      (The row-major gather it replaced read each token's row k times.)
  *   Synchronisation rule (tm__moe_permute_fixed_rows, shared with the CPU's counting): when R
  *   is known without the data (pad_to > 0: R = E * pad_to; topk > 0 with align_size 1:
  *   R = T * topk) nothing is read back. With pad_to the host also knows tokens_per_expert
@@ -53,10 +55,14 @@
  *   puts every token's rows together in ascending order; unpermute_bounds_kernel marks where
  *   each token's run starts and ends; unpermute_forward_kernel, a warp per token, sums its
  *   run (row ids and weights fetched 32 at a time, one per lane, and broadcast by shuffles).
- *   Backward, a warp per row r of token t: d expert_out[r] += dy[t] p[r];
- *   d p[r] += <expert_out[r], dy[t]>: each lane sums its elements in order, then a fixed
- *   shuffle tree (lane 0 gets the sum). Each lane loads 4 of its vectors of each operand
- *   before computing with them (loads in flight, the order of the arithmetic unchanged).
+ *   The sort's result (order, lo, hi: 4 R + 8 T bytes) is saved for the backward.
+ *   Backward, token-major, a warp per token t and each of its rows r (the saved map):
+ *   d expert_out[r] += dy[t] p[r]; d p[r] += <expert_out[r], dy[t]>: each lane sums its
+ *   elements in order, then a fixed shuffle tree (lane 0 gets the sum). t's rows follow each
+ *   other on one warp, so dy[t] comes from memory once and from the cache for the other rows
+ *   (the row-major kernel it replaced, a warp per row in row order, fetched it once per row:
+ *   k times); each lane loads 4 of its vectors of each operand before computing with them.
+ *   Per row the arithmetic and its order are the row-major kernel's, so the same bits.
  *   row_token outside [-1, num_tokens): the CPU reports TM_ERR_INDEX; validating on the device
  *   would need a read back (a synchronisation per layer), so the CUDA kernels treat such rows
  *   as padding instead: skipped in the forward, no gradient in the backward.
@@ -88,7 +94,9 @@
 #define VECS 2           /* 16-byte vectors per lane held at once by the summing kernels */
 #define DX_MAXROWS 32    /* routed rows of a token listed at once by permute_dx_kernel */
 #define DX_GROUP 8       /* rows whose loads permute_dx_kernel issues before summing them */
-#define UNP_BATCH 4      /* vectors per lane whose loads unpermute_backward_kernel issues at once */
+#define PR_VECS 8        /* vectors per lane permute_tokens_kernel loads before storing them */
+static_assert(DX_MAXROWS >= 32, "permute_tokens_kernel lists a batch of 32 experts' rows at once");
+#define UNP_BATCH 4      /* vectors per lane whose loads unpermute's backward issues at once */
 #define FULL 0xffffffffu
 
 /* Blocks of DISPATCH_WARPS warps for a loop of one warp per item, capped to fill the GPU. */
@@ -214,37 +222,91 @@ permute_scatter_kernel(int64_t *__restrict__ row_of, int64_t *__restrict__ row_t
     }
 }
 
-/* A warp per row: permuted[r] = x[row_token[r]], zeros on padding. V: a raw vector of 16, 8,
- * 4 or 2 bytes, nv of them per row; four loads in flight per lane before their stores. */
+/* x's row s (nv vectors V) into the rows listed by the warp: per chunk of PR_VECS vectors a
+ * lane, every load is issued before the chunk is stored to each row, so the row is read once
+ * and the warp waits on memory once per chunk. row(j) gives the j-th of the n rows. */
+template <typename V, typename RowFn>
+__device__ __forceinline__ void permute_copy_token(V *__restrict__ dst, const V *__restrict__ s, int64_t nv, int n,
+                                                   int lane, RowFn row) {
+    for (int64_t base = 0; base < nv; base += 32 * PR_VECS) {
+        V q[PR_VECS];
+#pragma unroll
+        for (int u = 0; u < PR_VECS; u++) {
+            const int64_t v = base + u * 32 + lane;
+            if (v < nv) q[u] = s[v];
+        }
+        for (int j = 0; j < n; j++) {
+            V *d = dst + row(j) * nv;
+#pragma unroll
+            for (int u = 0; u < PR_VECS; u++) {
+                const int64_t v = base + u * 32 + lane;
+                if (v < nv) d[v] = q[u];
+            }
+        }
+    }
+}
+
+/* Token-major: a warp per token t copies x[t] to each of its rows (row_of[t, e] >= 0), reading
+ * it once; then the rows nobody claims (row_token -1: padding) are zeroed, a warp per 32
+ * rows. The token's rows are listed first (a ballot per 32 experts, into shared memory, as
+ * permute_dx_kernel does); a token routed to more than DX_MAXROWS experts is copied per batch
+ * of 32 experts instead (x[t] read once per batch). The rows are disjoint, so the order of
+ * the stores does not matter: the output is the gather's, bit for bit. V: a raw vector of 16,
+ * 8, 4 or 2 bytes, nv of them per row. */
 template <typename V>
 __global__ void __launch_bounds__(DISPATCH_THREADS)
-permute_rows_kernel(V *__restrict__ dst, const V *__restrict__ x, const int64_t *__restrict__ row_token, int64_t R,
-                    int64_t nv) {
+permute_tokens_kernel(V *__restrict__ dst, const V *__restrict__ x, const int64_t *__restrict__ row_of,
+                      const int64_t *__restrict__ row_token, int64_t T, int64_t E, int64_t R, int64_t nv) {
+    __shared__ int64_t rows_sh[DISPATCH_WARPS][DX_MAXROWS];
     const int lane = threadIdx.x & 31;
-    V zero;
-    memset(&zero, 0, sizeof zero);
-    for (int64_t r = warp_id(); r < R; r += warp_count()) {
-        const int64_t t = row_token[r];
-        V *d = dst + r * nv;
-        if (t < 0) {
-            for (int64_t v = lane; v < nv; v += 32) d[v] = zero;
+    const unsigned below = (1u << lane) - 1u;
+    int64_t *rows = rows_sh[threadIdx.x >> 5];
+    for (int64_t t = warp_id(); t < T; t += warp_count()) {
+        const int64_t *ro = row_of + t * E;
+        __syncwarp(); /* every lane is done reading the previous token's list */
+        int64_t n = 0;
+        for (int64_t eb = 0; eb < E; eb += 32) {
+            const int64_t rl = eb + lane < E ? ro[eb + lane] : -1;
+            const unsigned bal = __ballot_sync(FULL, rl >= 0);
+            const int64_t pos = n + __popc(bal & below);
+            if (rl >= 0 && pos < DX_MAXROWS) rows[pos] = rl;
+            n += __popc(bal);
+        }
+        __syncwarp(); /* the list is visible to every lane */
+        const V *s = x + t * nv;
+        if (n <= DX_MAXROWS) {
+            permute_copy_token(dst, s, nv, (int)n, lane, [&](int j) { return rows[j]; });
             continue;
         }
-        const V *s = x + t * nv;
-        int64_t v = lane;
-        for (; v + 96 < nv; v += 128) {
-            const V a = s[v], b = s[v + 32], c = s[v + 64], q = s[v + 96];
-            d[v] = a, d[v + 32] = b, d[v + 64] = c, d[v + 96] = q;
+        for (int64_t eb = 0; eb < E; eb += 32) { /* the list holds one batch at a time */
+            const int64_t rl = eb + lane < E ? ro[eb + lane] : -1;
+            const unsigned bal = __ballot_sync(FULL, rl >= 0);
+            __syncwarp(); /* the previous batch's list is read */
+            if (rl >= 0) rows[__popc(bal & below)] = rl;
+            __syncwarp();
+            permute_copy_token(dst, s, nv, __popc(bal), lane, [&](int j) { return rows[j]; });
         }
-        for (; v < nv; v += 32) d[v] = s[v];
+    }
+    V zero;
+    memset(&zero, 0, sizeof zero);
+    for (int64_t base = warp_id() * 32; base < R; base += warp_count() * 32) {
+        const int64_t r = base + lane;
+        unsigned bal = __ballot_sync(FULL, r < R && row_token[r] < 0);
+        while (bal) {
+            const int j = __ffs(bal) - 1;
+            bal &= bal - 1u;
+            V *d = dst + (base + j) * nv;
+            for (int64_t v = lane; v < nv; v += 32) d[v] = zero;
+        }
     }
 }
 
 template <typename V>
-static void permute_rows_launch(const tm__cuda *st, void *dst, const void *x, const int64_t *row_token, int64_t R,
-                                int64_t row_bytes) {
-    permute_rows_kernel<V><<<warp_blocks(st, R), DISPATCH_THREADS, 0, st->stream>>>(
-        (V *)dst, (const V *)x, row_token, R, row_bytes / (int64_t)sizeof(V));
+static void permute_tokens_launch(const tm__cuda *st, void *dst, const void *x, const int64_t *row_of,
+                                  const int64_t *row_token, int64_t T, int64_t E, int64_t R, int64_t row_bytes) {
+    const int64_t items = T > (R + 31) / 32 ? T : (R + 31) / 32;
+    permute_tokens_kernel<V><<<warp_blocks(st, items), DISPATCH_THREADS, 0, st->stream>>>(
+        (V *)dst, (const V *)x, row_of, row_token, T, E, R, row_bytes / (int64_t)sizeof(V));
 }
 
 /* The old per-chunk scan, for a token with more than DX_MAXROWS routed rows (a map routing a
@@ -485,17 +547,17 @@ extern "C" tm_status tm__moe_permute_forward_cuda(tm__call *c) {
         TM__CU_LAUNCHED(ctx, what, "permute_scatter_kernel");
     }
 
-    /* 4: the row copy, as wide as the row length and both pointers allow. */
+    /* 4: the row copy, token-major, as wide as the row length and both pointers allow. */
     if (R * H > 0) {
         void *dst = tm__data(c->out[0]);
         const void *src = tm__data(x);
         const int64_t rb = H * (int64_t)tm_dtype_size(x->dtype);
         const uintptr_t a = (uintptr_t)dst | (uintptr_t)src | (uintptr_t)rb;
-        if ((a & 15u) == 0) permute_rows_launch<uint4>(st, dst, src, row_token, R, rb);
-        else if ((a & 7u) == 0) permute_rows_launch<uint2>(st, dst, src, row_token, R, rb);
-        else if ((a & 3u) == 0) permute_rows_launch<uint32_t>(st, dst, src, row_token, R, rb);
-        else permute_rows_launch<uint16_t>(st, dst, src, row_token, R, rb);
-        TM__CU_LAUNCHED(ctx, what, "permute_rows_kernel");
+        if ((a & 15u) == 0) permute_tokens_launch<uint4>(st, dst, src, row_of, row_token, T, E, R, rb);
+        else if ((a & 7u) == 0) permute_tokens_launch<uint2>(st, dst, src, row_of, row_token, T, E, R, rb);
+        else if ((a & 3u) == 0) permute_tokens_launch<uint32_t>(st, dst, src, row_of, row_token, T, E, R, rb);
+        else permute_tokens_launch<uint16_t>(st, dst, src, row_of, row_token, T, E, R, rb);
+        TM__CU_LAUNCHED(ctx, what, "permute_tokens_kernel");
     }
     return TM_OK;
 }
@@ -603,16 +665,21 @@ unpermute_forward_kernel(void *y_, const void *eo_, const void *w_, const int32_
     }
 }
 
-/* A warp per row r whose token t is in [0, T): deo[r] += dy[t] w[r]; dw[r] += <eo[r], dy[t]>,
- * each lane summing its elements in order, then a fixed shuffle tree. The skip is the same
- * for the whole warp, so every lane reaches the shuffles. A lane issues the loads of
- * UNP_BATCH of its vectors (dy, deo, eo) before computing with any, so a row costs a memory
- * latency per batch rather than per vector; the arithmetic and its order (vectors v
- * ascending, elements i ascending) are the one-at-a-time loop's, so the same bits. */
-template <typename T_, typename W, typename I, int N>
+/* Token-major, a warp per token t over its rows (sorted positions [lo[t], hi[t]) of order,
+ * the forward's token -> rows map), one row after the other: for each row r,
+ * deo[r] += dy[t] w[r] and dw[r] += <eo[r], dy[t]>, each lane summing its elements in order,
+ * then a fixed shuffle tree (lane 0 gets the sum), exactly as the row-major kernel it replaced
+ * (the same lane -> element split, the same order, the same tree: the same bits). A lane
+ * issues the loads of UNP_BATCH of its vectors of each operand before computing with any, so
+ * a row costs a memory latency per batch, not per vector. The warp's rows share dy[t]: the
+ * first row brings it into the cache and the others read it there, so dy comes from memory
+ * once instead of once per row (k times), which is the bandwidth the row-major order spent.
+ * Row ids and weights are fetched 32 at a time, one per lane, and broadcast by shuffles. */
+template <typename T_, typename W, int N>
 __global__ void __launch_bounds__(DISPATCH_THREADS)
-unpermute_backward_kernel(void *deo_, void *dw_, const void *dy_, const void *eo_, const void *w_,
-                          const I *__restrict__ rt, int64_t R, int64_t T, int64_t H) {
+unpermute_backward_tokens_kernel(void *deo_, void *dw_, const void *dy_, const void *eo_, const void *w_,
+                                 const int32_t *__restrict__ order, const int32_t *__restrict__ lo,
+                                 const int32_t *__restrict__ hi, int64_t T, int64_t H) {
     using raw = typename tm__vraw<T_, N>::type;
     T_ *__restrict__ deo = (T_ *)deo_;
     W *__restrict__ dw = (W *)dw_;
@@ -621,52 +688,85 @@ unpermute_backward_kernel(void *deo_, void *dw_, const void *dy_, const void *eo
     const W *__restrict__ w = (const W *)w_;
     const int lane = threadIdx.x & 31;
     const int64_t nv = H / N;
-    for (int64_t r = warp_id(); r < R; r += warp_count()) {
-        const int64_t t = (int64_t)rt[r];
-        if (t < 0 || t >= T) continue;
+    for (int64_t t = warp_id(); t < T; t += warp_count()) {
+        const int64_t j0 = lo[t], j1 = hi[t];
         const T_ *dyr = dy + t * H;
-        T_ *deor = deo ? deo + r * H : NULL;
-        const T_ *eor = eo + r * H;
-        const float wr = w ? tm__ld(w + r) : 1.0f;
-        float s = 0.0f;
-        for (int64_t base = 0; base < nv; base += 32 * UNP_BATCH) {
-            raw gq[UNP_BATCH], oq[UNP_BATCH], eq[UNP_BATCH];
+        for (int64_t jb = j0; jb < j1; jb += 32) {
+            const int nb = j1 - jb < 32 ? (int)(j1 - jb) : 32;
+            int rl = 0;
+            float wl = 1.0f;
+            if (lane < nb) {
+                rl = order[jb + lane];
+                if (w) wl = tm__ld(w + rl);
+            }
+            for (int jj = 0; jj < nb; jj++) {
+                const int64_t r = __shfl_sync(FULL, rl, jj);
+                const float wr = __shfl_sync(FULL, wl, jj);
+                T_ *deor = deo ? deo + r * H : NULL;
+                const T_ *eor = eo + r * H;
+                float s = 0.0f;
+                for (int64_t base = 0; base < nv; base += 32 * UNP_BATCH) {
+                    raw gq[UNP_BATCH], oq[UNP_BATCH], eq[UNP_BATCH];
 #pragma unroll
-            for (int u = 0; u < UNP_BATCH; u++) {
-                const int64_t v = base + u * 32 + lane;
-                if (v < nv) {
-                    gq[u] = tm__vldraw<N>(dyr + v * N);
-                    if (deo) oq[u] = tm__vldraw<N>(deor + v * N);
-                    if (dw) eq[u] = tm__vldraw<N>(eor + v * N);
+                    for (int u = 0; u < UNP_BATCH; u++) {
+                        const int64_t v = base + u * 32 + lane;
+                        if (v < nv) {
+                            gq[u] = tm__vldraw<N>(dyr + v * N);
+                            if (deo) oq[u] = tm__vldraw<N>(deor + v * N);
+                            if (dw) eq[u] = tm__vldraw<N>(eor + v * N);
+                        }
+                    }
+#pragma unroll
+                    for (int u = 0; u < UNP_BATCH; u++) {
+                        const int64_t v = base + u * 32 + lane;
+                        if (v < nv) {
+                            float g[N];
+                            tm__vwiden<N, T_>(gq[u], g);
+                            if (deo) {
+                                float o[N];
+                                tm__vwiden<N, T_>(oq[u], o);
+#pragma unroll
+                                for (int i = 0; i < N; i++) o[i] = o[i] + g[i] * wr;
+                                tm__vst<N>(deor + v * N, o);
+                            }
+                            if (dw) {
+                                float e[N];
+                                tm__vwiden<N, T_>(eq[u], e);
+#pragma unroll
+                                for (int i = 0; i < N; i++) s += e[i] * g[i];
+                            }
+                        }
+                    }
+                }
+                if (dw) {
+                    for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(FULL, s, o);
+                    if (lane == 0) tm__st(dw + r, tm__ld(dw + r) + s);
                 }
             }
-#pragma unroll
-            for (int u = 0; u < UNP_BATCH; u++) {
-                const int64_t v = base + u * 32 + lane;
-                if (v < nv) {
-                    float g[N];
-                    tm__vwiden<N, T_>(gq[u], g);
-                    if (deo) {
-                        float o[N];
-                        tm__vwiden<N, T_>(oq[u], o);
-#pragma unroll
-                        for (int i = 0; i < N; i++) o[i] = o[i] + g[i] * wr;
-                        tm__vst<N>(deor + v * N, o);
-                    }
-                    if (dw) {
-                        float e[N];
-                        tm__vwiden<N, T_>(eq[u], e);
-#pragma unroll
-                        for (int i = 0; i < N; i++) s += e[i] * g[i];
-                    }
-                }
-            }
-        }
-        if (dw) {
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(FULL, s, o);
-            if (lane == 0) tm__st(dw + r, tm__ld(dw + r) + s);
         }
     }
+}
+
+template <typename T_, typename W>
+static void unpermute_backward_tokens_launch_w(const tm__cuda *st, int vec, void *deo, void *dw, const void *dy,
+                                               const void *eo, const void *w, const int32_t *order, const int32_t *lo,
+                                               const int32_t *hi, int64_t T, int64_t H) {
+    const unsigned grid = warp_blocks(st, T);
+    if (vec)
+        unpermute_backward_tokens_kernel<T_, W, tm__vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(
+            deo, dw, dy, eo, w, order, lo, hi, T, H);
+    else
+        unpermute_backward_tokens_kernel<T_, W, 1><<<grid, DISPATCH_THREADS, 0, st->stream>>>(deo, dw, dy, eo, w, order,
+                                                                                             lo, hi, T, H);
+}
+
+template <typename T_>
+static void unpermute_backward_tokens_launch(const tm__cuda *st, tm_dtype wdt, int vec, void *deo, void *dw,
+                                             const void *dy, const void *eo, const void *w, const int32_t *order,
+                                             const int32_t *lo, const int32_t *hi, int64_t T, int64_t H) {
+    if (w && wdt == TM_BF16)
+        unpermute_backward_tokens_launch_w<T_, tm__bf16>(st, vec, deo, dw, dy, eo, w, order, lo, hi, T, H);
+    else unpermute_backward_tokens_launch_w<T_, float>(st, vec, deo, dw, dy, eo, w, order, lo, hi, T, H);
 }
 
 template <typename T_, typename W>
@@ -684,33 +784,6 @@ static void unpermute_forward_launch(const tm__cuda *st, tm_dtype wdt, int vec, 
                                      const int32_t *order, const int32_t *lo, const int32_t *hi, int64_t T, int64_t H) {
     if (w && wdt == TM_BF16) unpermute_forward_launch_w<T_, tm__bf16>(st, vec, y, eo, w, order, lo, hi, T, H);
     else unpermute_forward_launch_w<T_, float>(st, vec, y, eo, w, order, lo, hi, T, H);
-}
-
-template <typename T_, typename W, typename I>
-static void unpermute_backward_launch_i(const tm__cuda *st, int vec, void *deo, void *dw, const void *dy, const void *eo,
-                                        const void *w, const void *rt, int64_t R, int64_t T, int64_t H) {
-    const unsigned grid = warp_blocks(st, R);
-    if (vec)
-        unpermute_backward_kernel<T_, W, I, tm__vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(
-            deo, dw, dy, eo, w, (const I *)rt, R, T, H);
-    else
-        unpermute_backward_kernel<T_, W, I, 1><<<grid, DISPATCH_THREADS, 0, st->stream>>>(deo, dw, dy, eo, w, (const I *)rt,
-                                                                                         R, T, H);
-}
-
-template <typename T_, typename W>
-static void unpermute_backward_launch_w(const tm__cuda *st, tm_dtype idt, int vec, void *deo, void *dw, const void *dy,
-                                        const void *eo, const void *w, const void *rt, int64_t R, int64_t T, int64_t H) {
-    if (idt == TM_I32) unpermute_backward_launch_i<T_, W, int32_t>(st, vec, deo, dw, dy, eo, w, rt, R, T, H);
-    else unpermute_backward_launch_i<T_, W, int64_t>(st, vec, deo, dw, dy, eo, w, rt, R, T, H);
-}
-
-template <typename T_>
-static void unpermute_backward_launch(const tm__cuda *st, tm_dtype wdt, tm_dtype idt, int vec, void *deo, void *dw,
-                                      const void *dy, const void *eo, const void *w, const void *rt, int64_t R, int64_t T,
-                                      int64_t H) {
-    if (w && wdt == TM_BF16) unpermute_backward_launch_w<T_, tm__bf16>(st, idt, vec, deo, dw, dy, eo, w, rt, R, T, H);
-    else unpermute_backward_launch_w<T_, float>(st, idt, vec, deo, dw, dy, eo, w, rt, R, T, H);
 }
 
 extern "C" tm_status tm__moe_unpermute_forward_cuda(tm__call *c) {
@@ -734,9 +807,14 @@ extern "C" tm_status tm__moe_unpermute_forward_cuda(tm__call *c) {
     TM__TRY(tm__cu_scratch(ctx, st, (size_t)R * sizeof *key_in, (void **)&key_in));
     TM__TRY(tm__cu_scratch(ctx, st, (size_t)R * sizeof *key_out, (void **)&key_out));
     TM__TRY(tm__cu_scratch(ctx, st, (size_t)R * sizeof *val_in, (void **)&val_in));
-    TM__TRY(tm__cu_scratch(ctx, st, (size_t)R * sizeof *order, (void **)&order));
-    TM__TRY(tm__cu_scratch(ctx, st, (size_t)T * sizeof *lo, (void **)&lo));
-    TM__TRY(tm__cu_scratch(ctx, st, (size_t)T * sizeof *hi, (void **)&hi));
+    /* order, lo, hi: saved for the backward's token-major pass */
+    tm_tensor *sv[3];
+    TM__TRY(tm__saved_new(c, TM_I32, 1, &R, &sv[0]));
+    TM__TRY(tm__saved_new(c, TM_I32, 1, &T, &sv[1]));
+    TM__TRY(tm__saved_new(c, TM_I32, 1, &T, &sv[2]));
+    order = (int32_t *)tm__data(sv[0]);
+    lo = (int32_t *)tm__data(sv[1]);
+    hi = (int32_t *)tm__data(sv[2]);
     unsigned g = tm__cu_blocks(st, R);
     if (rt->dtype == TM_I32)
         unpermute_keys_kernel<int32_t><<<g, TM__CU_THREADS, 0, st->stream>>>(key_in, val_in, (const int32_t *)tm__data(rt), R, T);
@@ -770,13 +848,16 @@ extern "C" tm_status tm__moe_unpermute_forward_cuda(tm__call *c) {
 }
 
 extern "C" tm_status tm__moe_unpermute_backward_cuda(tm__call *c) {
-    const tm_tensor *eo = c->in[0], *rt = c->in[1], *w = c->n_in == 3 ? c->in[2] : NULL;
+    const tm_tensor *eo = c->in[0], *w = c->n_in == 3 ? c->in[2] : NULL;
     tm_tensor *deo = c->gin[0], *dw = w ? c->gin[2] : NULL;
     if (!deo && !dw) return TM_OK;
     const int64_t R = eo->shape[0], H = eo->shape[1], T = c->iattr[0];
-    if (R == 0 || H == 0) return TM_OK; /* H == 0: every dot product is 0 */
+    if (R == 0 || H == 0 || T == 0) return TM_OK; /* H == 0: every dot product is 0; T == 0: every row padding */
     tm_ctx *ctx = c->ctx;
     const char *what = "moe_unpermute";
+    if (c->n_saved != 3)
+        return tm__err(ctx, TM_ERR_INTERNAL, "moe_unpermute: backward without the forward's token map (%d saved)",
+                       c->n_saved);
     tm__cuda *st;
     TM__TRY(tm__cu_enter(ctx, what, &st));
     const void *wd = w ? tm__data(w) : NULL, *eod = tm__data(eo), *dyd = tm__data(c->gout[0]);
@@ -784,10 +865,12 @@ extern "C" tm_status tm__moe_unpermute_backward_cuda(tm__call *c) {
     void *deo_d = deo ? tm__data(deo) : NULL, *dw_d = dw ? tm__data(dw) : NULL;
     const int64_t n = eo->dtype == TM_BF16 ? tm__vec_n<tm__bf16>::n : tm__vec_n<float>::n;
     const int vec = H % n == 0 && aligned16(deo_d) && aligned16(eod) && aligned16(dyd); /* NULL is aligned */
+    /* the forward's token -> rows map (saved by every forward with T, R, H > 0) */
+    const int32_t *order = (const int32_t *)tm__data(c->saved[0]), *lo = (const int32_t *)tm__data(c->saved[1]),
+                  *hi = (const int32_t *)tm__data(c->saved[2]);
     if (eo->dtype == TM_BF16)
-        unpermute_backward_launch<tm__bf16>(st, wdt, rt->dtype, vec, deo_d, dw_d, dyd, eod, wd, tm__data(rt), R, T, H);
-    else
-        unpermute_backward_launch<float>(st, wdt, rt->dtype, vec, deo_d, dw_d, dyd, eod, wd, tm__data(rt), R, T, H);
-    TM__CU_LAUNCHED(ctx, what, "unpermute_backward_kernel");
+        unpermute_backward_tokens_launch<tm__bf16>(st, wdt, vec, deo_d, dw_d, dyd, eod, wd, order, lo, hi, T, H);
+    else unpermute_backward_tokens_launch<float>(st, wdt, vec, deo_d, dw_d, dyd, eod, wd, order, lo, hi, T, H);
+    TM__CU_LAUNCHED(ctx, what, "unpermute_backward_tokens_kernel");
     return TM_OK;
 }

@@ -12,12 +12,24 @@
  * the same order otherwise; both kernels of a direction (rmsnorm and add_rmsnorm) read alike.
  * Backward, per row with r = rstd[n], g = w * dy:
  *   dx = r * g - x * (r^3 / C) * sum_c(g * x)
- *   dw = sum_n dy * x * r    (per-element products in f32 scratch, then tm__cu_reduce over rows)
+ *   dw = sum_n dy * x * r
+ * dw without an (N, C) scratch: the backward's block b takes the rows [b rows, (b + 1) rows)
+ * (rows = ceil(N / RN_DW_BLOCKS), a function of N alone) one after the other, each thread
+ * adding its groups' products dy * x * r into registers in row order, and stores the block's
+ * partial sums as row b of an f32 (P, C) scratch, P = ceil(N / rows); tm__cu_reduce then adds
+ * the P rows in its fixed order. No atomics: the sums depend on N, C and the GPU's SM count
+ * (tm__cu_reduce's split), as before. The scratch shrinks from N C to P C floats (2048 C at
+ * most: 6 MB for C = 768 against 50 MB at N = 16384), which removes the products' write and
+ * their read back, two of the backward's passes over (N, C) in f32. Rows too wide for the
+ * registers (C / RN_G > RN_DW_MAXG threads) and small N (rows = 1) store the products
+ * themselves, one scratch row per row, as before.
  */
 #include "common.cuh"
 #include "vec.cuh"
 
 #define RN_G 8
+#define RN_DW_BLOCKS 2048 /* the most dw partial rows (blocks) of a backward: about one wave of an H100 */
+#define RN_DW_MAXG 4      /* groups per thread whose dw sums live in registers */
 
 /* A block per row needs one thread per group. */
 static inline int rn_threads(int64_t C) { return tm__cu_row_threads((C + RN_G - 1) / RN_G); }
@@ -82,6 +94,53 @@ __device__ __forceinline__ void rn_prod(float *prod, const T *a, const T *b, flo
     tm__vst_group<RN_G>(prod + j * RN_G, u, vec && rn_aligned((uintptr_t)prod));
 }
 
+/* dw's running sums of one thread: its groups j = threadIdx.x + q blockDim.x (q < RN_DW_MAXG)
+ * and its element past the last whole group (threadIdx.x < C % RN_G). */
+struct rn_dw_acc {
+    float g[RN_DW_MAXG][RN_G];
+    float tail;
+};
+
+__device__ __forceinline__ void rn_dw_zero(rn_dw_acc &a) {
+#pragma unroll
+    for (int q = 0; q < RN_DW_MAXG; q++)
+#pragma unroll
+        for (int k = 0; k < RN_G; k++) a.g[q][k] = 0.0f;
+    a.tail = 0.0f;
+}
+
+/* a += the products a_row * b_row * r of this thread's elements of one row. */
+template <typename T>
+__device__ __forceinline__ void rn_dw_add(rn_dw_acc &acc, const T *a, const T *b, float r, int64_t C, bool vec) {
+    const int64_t ng = C / RN_G, c0 = ng * RN_G;
+#pragma unroll
+    for (int q = 0; q < RN_DW_MAXG; q++) {
+        const int64_t j = threadIdx.x + (int64_t)q * blockDim.x;
+        if (j < ng) {
+            float u[RN_G], v[RN_G];
+            tm__vld_group<RN_G>(a + j * RN_G, u, vec);
+            tm__vld_group<RN_G>(b + j * RN_G, v, vec);
+#pragma unroll
+            for (int k = 0; k < RN_G; k++) acc.g[q][k] += u[k] * v[k] * r;
+        }
+    }
+    const int64_t i = c0 + threadIdx.x;
+    if (i < C) acc.tail += tm__ld(a + i) * tm__ld(b + i) * r;
+}
+
+/* part[0, C) = this block's sums (every element has one owner thread). */
+__device__ __forceinline__ void rn_dw_store(float *part, const rn_dw_acc &acc, int64_t C) {
+    const int64_t ng = C / RN_G, c0 = ng * RN_G;
+    const bool vec = rn_aligned((uintptr_t)part);
+#pragma unroll
+    for (int q = 0; q < RN_DW_MAXG; q++) {
+        const int64_t j = threadIdx.x + (int64_t)q * blockDim.x;
+        if (j < ng) tm__vst_group<RN_G>(part + j * RN_G, acc.g[q], vec);
+    }
+    const int64_t i = c0 + threadIdx.x;
+    if (i < C) part[i] = acc.tail;
+}
+
 /* sum over the row of w * a * b, in the groups' order, reduced over the block. */
 template <typename T>
 __device__ __forceinline__ float rn_dot(const T *w, const T *a, const T *b, int64_t C, bool vec, float *sh) {
@@ -99,36 +158,56 @@ __device__ __forceinline__ float rn_dot(const T *w, const T *a, const T *b, int6
     return tm__block_sum(dot, sh);
 }
 
-/* dx may be NULL; prod (N, C) f32 receives dy * x * r when not NULL. */
+/* The rows [blockIdx.x rows, + rows) of N in order; dx may be NULL; part (P, C) f32, when not
+ * NULL, gets row blockIdx.x = sum over the block's rows of dy * x * r (rows == 1: the
+ * products, stored group by group; otherwise register sums, RN_DW_MAXG groups per thread at
+ * most: the launch checks). */
 template <typename T>
-__global__ void rmsnorm_backward_kernel(void *dx_, float *prod, const void *dy_, const void *x_, const void *w_,
-                                        const float *rstd, int64_t C) {
+__global__ void rmsnorm_backward_kernel(void *dx_, float *part, const void *dy_, const void *x_, const void *w_,
+                                        const float *rstd, int64_t N, int64_t C, int64_t rows) {
     __shared__ float sh[32];
-    int64_t off = (int64_t)blockIdx.x * C;
-    const T *x = (const T *)x_ + off, *dy = (const T *)dy_ + off, *w = (const T *)w_;
-    T *dx = dx_ ? (T *)dx_ + off : NULL;
-    const bool vec = rn_aligned((uintptr_t)x | (uintptr_t)dy | (uintptr_t)w | (uintptr_t)dx);
-    const int64_t ng = C / RN_G, c0 = ng * RN_G;
-    float r = rstd[blockIdx.x];
-    if (prod) {
-        for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) rn_prod(prod + off, dy, x, r, j, vec);
-        for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) prod[off + i] = tm__ld(dy + i) * tm__ld(x + i) * r;
-    }
-    if (!dx) return;
-    float dot = rn_dot(w, dy, x, C, vec, sh);
-    float coef = r * r * r * dot / (float)C;
-    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
-        float d[RN_G], p[RN_G], g[RN_G], v[RN_G];
-        tm__vld_group<RN_G>(dx + j * RN_G, d, vec);
-        tm__vld_group<RN_G>(w + j * RN_G, p, vec);
-        tm__vld_group<RN_G>(dy + j * RN_G, g, vec);
-        tm__vld_group<RN_G>(x + j * RN_G, v, vec);
+    rn_dw_acc acc;
+    rn_dw_zero(acc);
+    const int64_t n0 = (int64_t)blockIdx.x * rows, n1 = n0 + rows < N ? n0 + rows : N;
+    for (int64_t n = n0; n < n1; n++) {
+        int64_t off = n * C;
+        const T *x = (const T *)x_ + off, *dy = (const T *)dy_ + off, *w = (const T *)w_;
+        T *dx = dx_ ? (T *)dx_ + off : NULL;
+        const bool vec = rn_aligned((uintptr_t)x | (uintptr_t)dy | (uintptr_t)w | (uintptr_t)dx);
+        const int64_t ng = C / RN_G, c0 = ng * RN_G;
+        float r = rstd[n];
+        if (part && rows == 1) {
+            for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) rn_prod(part + off, dy, x, r, j, vec);
+            for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) part[off + i] = tm__ld(dy + i) * tm__ld(x + i) * r;
+        } else if (part) {
+            rn_dw_add(acc, dy, x, r, C, vec);
+        }
+        if (!dx) continue;
+        float dot = rn_dot(w, dy, x, C, vec, sh);
+        float coef = r * r * r * dot / (float)C;
+        for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
+            float d[RN_G], p[RN_G], g[RN_G], v[RN_G];
+            tm__vld_group<RN_G>(dx + j * RN_G, d, vec);
+            tm__vld_group<RN_G>(w + j * RN_G, p, vec);
+            tm__vld_group<RN_G>(dy + j * RN_G, g, vec);
+            tm__vld_group<RN_G>(x + j * RN_G, v, vec);
 #pragma unroll
-        for (int k = 0; k < RN_G; k++) d[k] = d[k] + r * p[k] * g[k] - coef * v[k];
-        tm__vst_group<RN_G>(dx + j * RN_G, d, vec);
+            for (int k = 0; k < RN_G; k++) d[k] = d[k] + r * p[k] * g[k] - coef * v[k];
+            tm__vst_group<RN_G>(dx + j * RN_G, d, vec);
+        }
+        for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x)
+            tm__st(dx + i, tm__ld(dx + i) + r * tm__ld(w + i) * tm__ld(dy + i) - coef * tm__ld(x + i));
     }
-    for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x)
-        tm__st(dx + i, tm__ld(dx + i) + r * tm__ld(w + i) * tm__ld(dy + i) - coef * tm__ld(x + i));
+    if (part && rows > 1) rn_dw_store(part + (int64_t)blockIdx.x * C, acc, C);
+}
+
+/* Rows per block of a backward computing dw (see the top): 1 when C is too wide for the
+ * register sums. *blocks: the grid, = the partial rows. */
+static int64_t rn_dw_rows(int64_t N, int64_t C, int threads, int64_t *blocks) {
+    int64_t rows = (N + RN_DW_BLOCKS - 1) / RN_DW_BLOCKS;
+    if (rows < 1 || C / RN_G > (int64_t)RN_DW_MAXG * threads) rows = 1;
+    *blocks = (N + rows - 1) / rows;
+    return rows;
 }
 
 extern "C" tm_status tm__rmsnorm_forward_cuda(tm__call *c) {
@@ -152,13 +231,15 @@ extern "C" tm_status tm__rmsnorm_backward_cuda(tm__call *c) {
     if (N == 0 || (!dx && !dw)) return TM_OK;
     tm__cuda *st;
     TM__TRY(tm__cu_enter(c->ctx, "rmsnorm", &st));
-    float *prod = NULL;
-    if (dw) TM__TRY(tm__cu_scratch(c->ctx, st, (size_t)(N * C) * sizeof(float), (void **)&prod));
-    TM__CU_LAUNCH_FLOAT(x->dtype, rmsnorm_backward_kernel, (unsigned)N, rn_threads(C), 0, st->stream,
-                        dx ? tm__data(dx) : NULL, prod, tm__data(dy), tm__data(x), tm__data(w),
-                        (const float *)tm__data(rstd), C);
+    const int threads = rn_threads(C);
+    int64_t P = N, rows = dw ? rn_dw_rows(N, C, threads, &P) : 1;
+    float *part = NULL;
+    if (dw) TM__TRY(tm__cu_scratch(c->ctx, st, (size_t)(P * C) * sizeof(float), (void **)&part));
+    TM__CU_LAUNCH_FLOAT(x->dtype, rmsnorm_backward_kernel, (unsigned)P, threads, 0, st->stream,
+                        dx ? tm__data(dx) : NULL, part, tm__data(dy), tm__data(x), tm__data(w),
+                        (const float *)tm__data(rstd), N, C, rows);
     TM__CU_LAUNCHED(c->ctx, "rmsnorm", "rmsnorm_backward_kernel");
-    if (dw) TM__TRY(tm__cu_reduce(c->ctx, "rmsnorm", TM_F32, prod, dw->dtype, tm__data(dw), 1, N, C, 1.0f, 1));
+    if (dw) TM__TRY(tm__cu_reduce(c->ctx, "rmsnorm", TM_F32, part, dw->dtype, tm__data(dw), 1, P, C, 1.0f, 1));
     return TM_OK;
 }
 
@@ -176,7 +257,8 @@ extern "C" tm_status tm__rmsnorm_backward_cuda(tm__call *c) {
  * forward 2 -> 1 (ew_forward_kernel + rmsnorm_forward_kernel); backward 3 + R -> 1 + R
  * (rmsnorm_backward_kernel + two ew_grad_full_kernel + rmsnorm's dw reduction, R = 1 or 2
  * tm__cu_reduce launches). Memory passes over (N, C), in units of the activation dtype, bf16:
- * forward 5 -> 4, backward about 14 -> 11 (the f32 dw products, 4 of them, remain).
+ * forward 5 -> 4, backward about 14 -> 11 -> 7 (the f32 dw products, 4 of them, became
+ * register sums: see the top).
  */
 template <typename T>
 __global__ void add_rmsnorm_forward_kernel(void *s_, void *h_, float *rstd, const void *x_, const void *y_,
@@ -212,53 +294,62 @@ __global__ void add_rmsnorm_forward_kernel(void *s_, void *h_, float *rstd, cons
     rn_scale_row(h, s, w, r, C, vec);
 }
 
-/* dx, dy may be NULL (and may be one tensor); prod (N, C) f32 receives dh * s * r when not NULL. */
+/* dx, dy may be NULL (and may be one tensor); part as rmsnorm_backward_kernel's, of dh * s * r. */
 template <typename T>
-__global__ void add_rmsnorm_backward_kernel(void *dx_, void *dy_, float *prod, const void *ds_, const void *dh_,
-                                            const void *s_, const void *w_, const float *rstd, int64_t C) {
+__global__ void add_rmsnorm_backward_kernel(void *dx_, void *dy_, float *part, const void *ds_, const void *dh_,
+                                            const void *s_, const void *w_, const float *rstd, int64_t N, int64_t C,
+                                            int64_t rows) {
     __shared__ float sh[32];
-    int64_t off = (int64_t)blockIdx.x * C;
-    const T *s = (const T *)s_ + off, *dh = (const T *)dh_ + off, *ds = (const T *)ds_ + off, *w = (const T *)w_;
-    T *dx = dx_ ? (T *)dx_ + off : NULL, *dy = dy_ ? (T *)dy_ + off : NULL;
-    const bool vec = rn_aligned((uintptr_t)s | (uintptr_t)dh | (uintptr_t)ds | (uintptr_t)w | (uintptr_t)dx |
-                                (uintptr_t)dy);
-    const int64_t ng = C / RN_G, c0 = ng * RN_G;
-    float r = rstd[blockIdx.x];
-    if (prod) {
-        for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) rn_prod(prod + off, dh, s, r, j, vec);
-        for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) prod[off + i] = tm__ld(dh + i) * tm__ld(s + i) * r;
-    }
-    if (!dx && !dy) return;
-    float dot = rn_dot(w, dh, s, C, vec, sh);
-    float coef = r * r * r * dot / (float)C;
-    for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
-        float t[RN_G], p[RN_G], g[RN_G], v[RN_G], a[RN_G];
-        tm__vld_group<RN_G>(ds + j * RN_G, t, vec);
-        tm__vld_group<RN_G>(w + j * RN_G, p, vec);
-        tm__vld_group<RN_G>(dh + j * RN_G, g, vec);
-        tm__vld_group<RN_G>(s + j * RN_G, v, vec);
-#pragma unroll
-        for (int k = 0; k < RN_G; k++) t[k] = rn_round<T>(t[k] + r * p[k] * g[k] - coef * v[k]); /* s's gradient as stored */
-        if (dx) {
-            tm__vld_group<RN_G>(dx + j * RN_G, a, vec);
-#pragma unroll
-            for (int k = 0; k < RN_G; k++) a[k] = a[k] + t[k];
-            tm__vst_group<RN_G>(dx + j * RN_G, a, vec);
+    rn_dw_acc acc;
+    rn_dw_zero(acc);
+    const int64_t n0 = (int64_t)blockIdx.x * rows, n1 = n0 + rows < N ? n0 + rows : N;
+    for (int64_t n = n0; n < n1; n++) {
+        int64_t off = n * C;
+        const T *s = (const T *)s_ + off, *dh = (const T *)dh_ + off, *ds = (const T *)ds_ + off, *w = (const T *)w_;
+        T *dx = dx_ ? (T *)dx_ + off : NULL, *dy = dy_ ? (T *)dy_ + off : NULL;
+        const bool vec = rn_aligned((uintptr_t)s | (uintptr_t)dh | (uintptr_t)ds | (uintptr_t)w | (uintptr_t)dx |
+                                    (uintptr_t)dy);
+        const int64_t ng = C / RN_G, c0 = ng * RN_G;
+        float r = rstd[n];
+        if (part && rows == 1) {
+            for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) rn_prod(part + off, dh, s, r, j, vec);
+            for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) part[off + i] = tm__ld(dh + i) * tm__ld(s + i) * r;
+        } else if (part) {
+            rn_dw_add(acc, dh, s, r, C, vec);
         }
-        if (dy) { /* after dx's store: dx and dy may be one tensor */
-            tm__vld_group<RN_G>(dy + j * RN_G, a, vec);
+        if (!dx && !dy) continue;
+        float dot = rn_dot(w, dh, s, C, vec, sh);
+        float coef = r * r * r * dot / (float)C;
+        for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
+            float t[RN_G], p[RN_G], g[RN_G], v[RN_G], a[RN_G];
+            tm__vld_group<RN_G>(ds + j * RN_G, t, vec);
+            tm__vld_group<RN_G>(w + j * RN_G, p, vec);
+            tm__vld_group<RN_G>(dh + j * RN_G, g, vec);
+            tm__vld_group<RN_G>(s + j * RN_G, v, vec);
 #pragma unroll
-            for (int k = 0; k < RN_G; k++) a[k] = a[k] + t[k];
-            tm__vst_group<RN_G>(dy + j * RN_G, a, vec);
+            for (int k = 0; k < RN_G; k++) t[k] = rn_round<T>(t[k] + r * p[k] * g[k] - coef * v[k]); /* s's gradient as stored */
+            if (dx) {
+                tm__vld_group<RN_G>(dx + j * RN_G, a, vec);
+#pragma unroll
+                for (int k = 0; k < RN_G; k++) a[k] = a[k] + t[k];
+                tm__vst_group<RN_G>(dx + j * RN_G, a, vec);
+            }
+            if (dy) { /* after dx's store: dx and dy may be one tensor */
+                tm__vld_group<RN_G>(dy + j * RN_G, a, vec);
+#pragma unroll
+                for (int k = 0; k < RN_G; k++) a[k] = a[k] + t[k];
+                tm__vst_group<RN_G>(dy + j * RN_G, a, vec);
+            }
+        }
+        for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) {
+            T t; /* s's gradient as the unfused rmsnorm backward stores it */
+            tm__st(&t, tm__ld(ds + i) + r * tm__ld(w + i) * tm__ld(dh + i) - coef * tm__ld(s + i));
+            float tv = tm__ld(&t);
+            if (dx) tm__st(dx + i, tm__ld(dx + i) + tv);
+            if (dy) tm__st(dy + i, tm__ld(dy + i) + tv);
         }
     }
-    for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x) {
-        T t; /* s's gradient as the unfused rmsnorm backward stores it */
-        tm__st(&t, tm__ld(ds + i) + r * tm__ld(w + i) * tm__ld(dh + i) - coef * tm__ld(s + i));
-        float tv = tm__ld(&t);
-        if (dx) tm__st(dx + i, tm__ld(dx + i) + tv);
-        if (dy) tm__st(dy + i, tm__ld(dy + i) + tv);
-    }
+    if (part && rows > 1) rn_dw_store(part + (int64_t)blockIdx.x * C, acc, C);
 }
 
 extern "C" tm_status tm__add_rmsnorm_forward_cuda(tm__call *c) {
@@ -284,12 +375,14 @@ extern "C" tm_status tm__add_rmsnorm_backward_cuda(tm__call *c) {
     if (N == 0 || (!dx && !dy && !dw)) return TM_OK;
     tm__cuda *st;
     TM__TRY(tm__cu_enter(c->ctx, "add_rmsnorm", &st));
-    float *prod = NULL;
-    if (dw) TM__TRY(tm__cu_scratch(c->ctx, st, (size_t)(N * C) * sizeof(float), (void **)&prod));
-    TM__CU_LAUNCH_FLOAT(s->dtype, add_rmsnorm_backward_kernel, (unsigned)N, rn_threads(C), 0, st->stream,
-                        dx ? tm__data(dx) : NULL, dy ? tm__data(dy) : NULL, prod, tm__data(ds), tm__data(dh),
-                        tm__data(s), tm__data(w), (const float *)tm__data(rstd), C);
+    const int threads = rn_threads(C);
+    int64_t P = N, rows = dw ? rn_dw_rows(N, C, threads, &P) : 1;
+    float *part = NULL;
+    if (dw) TM__TRY(tm__cu_scratch(c->ctx, st, (size_t)(P * C) * sizeof(float), (void **)&part));
+    TM__CU_LAUNCH_FLOAT(s->dtype, add_rmsnorm_backward_kernel, (unsigned)P, threads, 0, st->stream,
+                        dx ? tm__data(dx) : NULL, dy ? tm__data(dy) : NULL, part, tm__data(ds), tm__data(dh),
+                        tm__data(s), tm__data(w), (const float *)tm__data(rstd), N, C, rows);
     TM__CU_LAUNCHED(c->ctx, "add_rmsnorm", "add_rmsnorm_backward_kernel");
-    if (dw) TM__TRY(tm__cu_reduce(c->ctx, "add_rmsnorm", TM_F32, prod, dw->dtype, tm__data(dw), 1, N, C, 1.0f, 1));
+    if (dw) TM__TRY(tm__cu_reduce(c->ctx, "add_rmsnorm", TM_F32, part, dw->dtype, tm__data(dw), 1, P, C, 1.0f, 1));
     return TM_OK;
 }

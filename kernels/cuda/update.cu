@@ -38,12 +38,23 @@
 
 /* ---- AdamW ----------------------------------------------------------------------------------- */
 
-/* Element i: the one AdamW update of both kernels below, in the CPU kernel's order. */
+/* v rounded to T, as a store to T and a load back give it. */
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+    T t;
+    tm__st(&t, v);
+    return tm__ld(&t);
+}
+
+/* Element i: the one AdamW update, in the CPU kernel's order. gs: the clip's factor (1: none);
+ * the gradient is scaled as scale_elem would have stored it (the product rounded to T), so
+ * the update is bit for bit the one that reads a gradient scaled by grad_scale_multi. */
 template <typename T>
 __device__ __forceinline__ void adamw_elem(T *p, const T *g, float *m, float *v, float *master, int64_t i, float lr,
                                            float b1, float omb1, float b2, float omb2, float eps, float wd, float bc1,
-                                           float bc2) {
+                                           float bc2, float gs) {
     float gi = tm__ld(g + i), pi = master ? master[i] : tm__ld(p + i);
+    if (gs != 1.0f) gi = round_to<T>(__fmul_rn(gi, gs));
     float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(omb1, gi));
     float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(__fmul_rn(omb2, gi), gi));
     m[i] = mi;
@@ -178,6 +189,10 @@ __device__ __forceinline__ void scale_elem(T *g, int64_t i, float s) {
  *           (none when max_norm <= 0), and 1 read only when the caller asks for the norm (the
  *           driver does, every step: its non-finite guard precedes the update), plus one table
  *           upload on the first step or after a bucket moved, none in steady state
+ *   deferred (tm_ctx_clip_grad_norm_deferred + tm_optimizer_step_scaled, what the driver
+ *           runs): no scale_multi_kernel; adamw_multi_kernel reads the factor and scales each
+ *           gradient as it loads it (adamw_elem), so the gradients are read twice per step
+ *           (sum of squares, update) instead of three times and written never instead of once
  * E.g. an f32 MoE model of L = 12 layers: its dense bucket alternates decay (matrices) and no
  * decay (norm gains): embed | attn_norm | wq..wo | ffn_norm | gate | ... | norm | lm_head,
  * R = 4L + 3 = 51 runs, its expert bucket 1 run: before 52 + 4 + 2 + 2 = 60 launches and 1 read
@@ -199,21 +214,23 @@ __device__ __forceinline__ int seg_find(const tm__seg *segs, int nseg, int64_t b
 
 template <typename T>
 __device__ __forceinline__ void adamw_range(const tm__seg *sg, int64_t lo, int64_t hi, float lr, float b1, float omb1,
-                                            float b2, float omb2, float eps, float bc1, float bc2) {
+                                            float b2, float omb2, float eps, float bc1, float bc2, float gs) {
     T *p = (T *)sg->p;
     const T *g = (const T *)sg->g;
     float wd = (float)sg->wd;
     for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
-        adamw_elem<T>(p, g, sg->m, sg->v, sg->master, i, lr, b1, omb1, b2, omb2, eps, wd, bc1, bc2);
+        adamw_elem<T>(p, g, sg->m, sg->v, sg->master, i, lr, b1, omb1, b2, omb2, eps, wd, bc1, bc2, gs);
 }
 
+/* factor: the clip's factor (grad_sumsq_multi's out[1], read on the device), or NULL. */
 __global__ void adamw_multi_kernel(const tm__seg *segs, int nseg, float lr, float b1, float omb1, float b2, float omb2,
-                                   float eps, float bc1, float bc2) {
+                                   float eps, float bc1, float bc2, const float *factor) {
     int64_t b = blockIdx.x;
+    const float gs = factor ? *factor : 1.0f;
     const tm__seg *sg = segs + seg_find(segs, nseg, b, 0);
     int64_t lo = (b - sg->first) * sg->chunk, hi = lo + sg->chunk < sg->n ? lo + sg->chunk : sg->n;
-    if (sg->dtype == TM_BF16) adamw_range<tm__bf16>(sg, lo, hi, lr, b1, omb1, b2, omb2, eps, bc1, bc2);
-    else adamw_range<float>(sg, lo, hi, lr, b1, omb1, b2, omb2, eps, bc1, bc2);
+    if (sg->dtype == TM_BF16) adamw_range<tm__bf16>(sg, lo, hi, lr, b1, omb1, b2, omb2, eps, bc1, bc2, gs);
+    else adamw_range<float>(sg, lo, hi, lr, b1, omb1, b2, omb2, eps, bc1, bc2, gs);
 }
 
 /* part: one f64 per block; ticket: 0 at launch, 0 again when the kernel ends. */
@@ -303,7 +320,7 @@ extern "C" tm_status tm__adamw_update_multi_forward_cuda(tm__call *c) {
     adamw_multi_kernel<<<blocks, TM__CU_THREADS, 0, st->stream>>>(
         (const tm__seg *)tm__data(c->in[0]), nseg, (float)f[TM__ADAMW_LR], (float)f[TM__ADAMW_BETA1],
         (float)f[TM__ADAMW_OMB1], (float)f[TM__ADAMW_BETA2], (float)f[TM__ADAMW_OMB2], (float)f[TM__ADAMW_EPS],
-        (float)f[TM__ADAMW_BC1], (float)f[TM__ADAMW_BC2]);
+        (float)f[TM__ADAMW_BC1], (float)f[TM__ADAMW_BC2], c->iattr[2] ? (const float *)tm__data(c->in[1]) : NULL);
     TM__CU_LAUNCHED(c->ctx, what, "adamw_multi_kernel");
     return TM_OK;
 }
