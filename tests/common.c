@@ -273,6 +273,8 @@ const char *tt_python_with(const char *module) {
     cr_assert(!(req && !strcmp(req, "1")), "TM_REQUIRE_PYDEPS=1 but no Python imports %s (run scripts/install-pydeps.sh)",
               module);
     return NULL;
+}
+
 /* ---- tt_check_clip_deferred ---------------------------------------------------------------- */
 
 enum { CD_PARAMS = 3, CD_STEPS = 4 };
