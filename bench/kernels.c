@@ -263,7 +263,7 @@ int main(int argc, char **argv) {
         {"--seed", &seed, NULL, 0, "seed of the data and routings"},
         {"--threads", &threads, NULL, 0, "CPU threads (0: all)"},
         {"--gmm", NULL, bench_gmm_slot(), 0,
-         "bf16 grouped GEMMs on CUDA: default (cuBLASLt per group), device or hopper (tm_ctx_options.grouped_gemm)"},
+         "bf16 grouped GEMMs on CUDA: default (cuBLASLt per group), device, hopper or auto (tm_ctx_options.grouped_gemm)"},
     };
     int n = (int)(sizeof opts / sizeof opts[0]);
     int pr = bench_parse(argc, argv, BENCH_PROG, "grouped GEMM vs dense GEMM; permute/unpermute vs a copy (bench/kernels.c)",

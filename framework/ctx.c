@@ -41,6 +41,7 @@ tm_ctx_options tm_ctx_options_default(void) {
     tm_ctx_options o;
     memset(&o, 0, sizeof o);
     o.cuda_device = -1;
+    o.grouped_gemm = TM_GROUPED_GEMM_AUTO;
     return o;
 }
 
@@ -71,10 +72,10 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
         return TM_ERR_INVALID_ARG;
     }
     if (o.grouped_gemm != TM_GROUPED_GEMM_CUBLASLT && o.grouped_gemm != TM_GROUPED_GEMM_DEVICE &&
-        o.grouped_gemm != TM_GROUPED_GEMM_HOPPER) {
+        o.grouped_gemm != TM_GROUPED_GEMM_HOPPER && o.grouped_gemm != TM_GROUPED_GEMM_AUTO) {
         snprintf(create_error, sizeof create_error,
                  "tm_ctx_new: grouped_gemm = %d is none of TM_GROUPED_GEMM_CUBLASLT (0), TM_GROUPED_GEMM_DEVICE (1), "
-                 "TM_GROUPED_GEMM_HOPPER (2)",
+                 "TM_GROUPED_GEMM_HOPPER (2), TM_GROUPED_GEMM_AUTO (3)",
                  o.grouped_gemm);
         return TM_ERR_INVALID_ARG;
     }
@@ -96,7 +97,9 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->n_threads = o.num_threads > 0 ? o.num_threads : omp_get_max_threads();
     ctx->grad_enabled = 1;
     ctx->cpu_gemm_builtin = o.cpu_gemm == TM_CPU_GEMM_BUILTIN;
-    ctx->gmm_device = o.grouped_gemm;
+    /* AUTO is cuBLASLt until the CUDA backend's init, which knows the device, says otherwise */
+    ctx->gmm_auto = o.grouped_gemm == TM_GROUPED_GEMM_AUTO;
+    ctx->gmm_device = ctx->gmm_auto ? TM_GROUPED_GEMM_CUBLASLT : o.grouped_gemm;
     ctx->chunk_bytes = o.arena_chunk_bytes ? o.arena_chunk_bytes : ((size_t)64 << 20);
     ctx->arena[TM__CPU].dev = tm_cpu();
     ctx->meta.dev = tm_cpu();
@@ -323,6 +326,8 @@ void tm__set_gmm_device_schedule(tm_ctx *ctx, int mode) {
 int tm__gmm_device_schedule(tm_ctx *ctx) { return ctx->gmm_device != TM_GROUPED_GEMM_CUBLASLT; }
 
 int tm__gmm_mode(tm_ctx *ctx) { return ctx->gmm_device; }
+
+int tm__gmm_auto(const tm_ctx *ctx) { return ctx->gmm_auto; }
 
 const char *tm__gmm_note(tm_ctx *ctx) { return ctx->gmm_note; }
 

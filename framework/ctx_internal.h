@@ -108,6 +108,7 @@ struct tm_ctx {
     int n_threads;
     int grad_enabled;
     int cpu_gemm_builtin; /* tm_ctx_options.cpu_gemm == TM_CPU_GEMM_BUILTIN */
+    int gmm_auto;         /* tm_ctx_options.grouped_gemm was TM_GROUPED_GEMM_AUTO (resolved into gmm_device) */
     int gmm_device;       /* tm_ctx_options.grouped_gemm (TM_GROUPED_GEMM_*); tm__gmm_device_schedule: not cuBLASLt */
     char gmm_note[256];   /* tm__gmm_note: why the last bf16 grouped GEMM under TM_GROUPED_GEMM_HOPPER did not
                            * take the Hopper kernel ("" when it did) */

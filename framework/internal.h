@@ -345,6 +345,9 @@ tm_status tm__moe_sort_chunks_sizes(tm__call *c, const int64_t **sizes);
 int tm__gmm_device_schedule(tm_ctx *ctx);
 void tm__set_gmm_device_schedule(tm_ctx *ctx, int mode);
 int tm__gmm_mode(tm_ctx *ctx);
+/* 1 when the options asked for TM_GROUPED_GEMM_AUTO: the CUDA backend's init then sets the mode
+ * (HOPPER where the sm_90a kernel runs, else CUBLASLT; until then CUBLASLT). */
+int tm__gmm_auto(const tm_ctx *ctx);
 const char *tm__gmm_note(tm_ctx *ctx);
 void tm__gmm_set_note(tm_ctx *ctx, const char *why);
 

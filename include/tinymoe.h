@@ -138,11 +138,16 @@ typedef struct tm_ctx_options {
                                     * TM_GROUPED_GEMM_HOPPER: the same contract (never a wait) on a
                                     * Hopper (sm_90) wgmma + TMA kernel; on other GPUs, shapes (K or
                                     * N not a multiple of 8, more than 1024 groups) or unaligned
-                                    * data it takes TM_GROUPED_GEMM_DEVICE's kernel instead */
+                                    * data it takes TM_GROUPED_GEMM_DEVICE's kernel instead;
+                                    * TM_GROUPED_GEMM_AUTO (tm_ctx_options_default): HOPPER when the
+                                    * context's CUDA device is sm_90 and this build holds the sm_90a
+                                    * kernel, CUBLASLT otherwise (decided once, at tm_ctx_new; on an
+                                    * H100 the fine preset's step: 82.9 -> 70.3 ms, coarse 73.3 -> 72.8,
+                                    * docs/PERFORMANCE.md) */
 } tm_ctx_options;
 
 enum { TM_CPU_GEMM_AUTO = 0, TM_CPU_GEMM_BUILTIN = 1 };
-enum { TM_GROUPED_GEMM_CUBLASLT = 0, TM_GROUPED_GEMM_DEVICE = 1, TM_GROUPED_GEMM_HOPPER = 2 };
+enum { TM_GROUPED_GEMM_CUBLASLT = 0, TM_GROUPED_GEMM_DEVICE = 1, TM_GROUPED_GEMM_HOPPER = 2, TM_GROUPED_GEMM_AUTO = 3 };
 
 /* Defaults: no allocator hook, all threads, CPU only, 64 MiB chunks, CPU GEMM auto, grouped
  * GEMM cuBLASLt. */

@@ -226,8 +226,10 @@ Test(config, engine_switches_are_keys) {
     char err[1024] = "";
     tmd_config c;
     cr_assert_eq(PARSE(&c, err, "--steps", "1"), 0, "%s", err);
-    cr_assert_eq(c.grouped_gemm, TM_GROUPED_GEMM_CUBLASLT);
+    cr_assert_eq(c.grouped_gemm, TM_GROUPED_GEMM_AUTO);
     cr_assert_eq(c.nccl, TM_NCCL_AUTO);
+    cr_assert_eq(PARSE(&c, err, "--grouped_gemm", "cublaslt"), 0, "%s", err);
+    cr_assert_eq(c.grouped_gemm, TM_GROUPED_GEMM_CUBLASLT);
     cr_assert_eq(PARSE(&c, err, "--grouped_gemm", "device", "--nccl", "always"), 0, "%s", err);
     cr_assert_eq(c.grouped_gemm, TM_GROUPED_GEMM_DEVICE);
     cr_assert_eq(c.nccl, TM_NCCL_ALWAYS);

@@ -40,15 +40,22 @@ Test(core, ctx_new_bad_args) {
     cr_assert_eq(tm_ctx_new(&ctx, &o), TM_ERR_INVALID_ARG);
     cr_assert(strstr(tm_last_create_error(), "cpu_gemm = 2"), "%s", tm_last_create_error());
     o = tm_ctx_options_default();
-    o.grouped_gemm = 3;
+    o.grouped_gemm = 4;
     cr_assert_eq(tm_ctx_new(&ctx, &o), TM_ERR_INVALID_ARG);
-    cr_assert(strstr(tm_last_create_error(), "grouped_gemm = 3"), "%s", tm_last_create_error());
+    cr_assert(strstr(tm_last_create_error(), "grouped_gemm = 4"), "%s", tm_last_create_error());
 }
 
 /* The grouped GEMM schedule is an option of the context (the library reads no environment). */
 Test(core, grouped_gemm_option_sets_the_schedule) {
     tm_ctx_options o = tm_ctx_options_default();
-    cr_assert_eq(o.grouped_gemm, TM_GROUPED_GEMM_CUBLASLT);
+    cr_assert_eq(o.grouped_gemm, TM_GROUPED_GEMM_AUTO);
+    {   /* a context without a CUDA device: AUTO is cuBLASLt's schedule (host counts), the CPU's rule */
+        tm_ctx *ctx = NULL;
+        cr_assert_eq(tm_ctx_new(&ctx, &o), TM_OK);
+        cr_assert_eq(tm__gmm_mode(ctx), TM_GROUPED_GEMM_CUBLASLT);
+        cr_assert_eq(tm__gmm_device_schedule(ctx), 0);
+        tm_ctx_free(ctx);
+    }
     const int modes[3] = {TM_GROUPED_GEMM_CUBLASLT, TM_GROUPED_GEMM_DEVICE, TM_GROUPED_GEMM_HOPPER};
     for (int i = 0; i < 3; i++) {
         o.grouped_gemm = modes[i];

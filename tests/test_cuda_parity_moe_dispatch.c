@@ -897,6 +897,23 @@ Test(cuda_parity_moe, grouped_matmul_bf16_hopper) {
     grouped_case_hopper(E7, 13, 11, ragged, 0);
 }
 
+/* TM_GROUPED_GEMM_AUTO (tm_ctx_options_default, so tt_parity_ctx's): the Hopper kernel exactly
+ * where it runs (learnt here by running it: its note stays empty), cuBLASLt per group elsewhere;
+ * either way the parity of grouped_case_in holds. */
+Test(cuda_parity_moe, grouped_gemm_auto_is_hopper_where_it_runs) {
+    TT_SKIP_WITHOUT_CUDA();
+    const int64_t ragged[E7] = {5, 0, 130, 1, 0, 200, 3};
+    tm_ctx *h = gmm_ctx(TM_GROUPED_GEMM_HOPPER);
+    grouped_case_in(h, TM_BF16, E7, 72, 40, ragged, 1e-2, 1e-2);
+    int hopper_runs = tm__gmm_note(h)[0] == 0;
+    tm_ctx_free(h);
+    tm_ctx *a = tt_parity_ctx();
+    cr_assert_eq(tm__gmm_mode(a), hopper_runs ? TM_GROUPED_GEMM_HOPPER : TM_GROUPED_GEMM_CUBLASLT,
+                 "auto chose mode %d where the Hopper kernel %s", tm__gmm_mode(a), hopper_runs ? "runs" : "does not run");
+    grouped_case_in(a, TM_BF16, E7, 72, 40, ragged, 1e-2, 1e-2);
+    tm_ctx_free(a);
+}
+
 /* Bit for bit the same result on a second call (each element one thread's sum in a fixed order). */
 Test(cuda_parity_moe, grouped_matmul_bf16_hopper_reproducible) {
     TT_SKIP_WITHOUT_CUDA();

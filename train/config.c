@@ -166,9 +166,10 @@ static const key KEYS[] = {
     {"threads", T_INT, G_TRAIN, OFF(threads), NULL, "0", 0, NULL, "CPU threads (0: all available)", 0, 1024},
     {"cpu_gemm", T_ENUM, G_TRAIN, OFF(cpu_gemm), "auto|builtin", "auto", 0, NULL,
      "CPU matrix products: OpenBLAS when built with it, or always the built-in kernel (the same results on every build)", 0, 0},
-    {"grouped_gemm", T_ENUM, G_TRAIN, OFF(grouped_gemm), "cublaslt|device|hopper", "cublaslt", 0, NULL,
+    {"grouped_gemm", T_ENUM, G_TRAIN, OFF(grouped_gemm), "cublaslt|device|hopper|auto", "auto", 0, NULL,
      "bf16 expert GEMMs on CUDA: one cuBLASLt GEMM per expert (one wait per MoE layer), one kernel taking "
-     "the group sizes on the device (no wait), or its Hopper wgmma + TMA version (no wait; sm_90 only, else device)",
+     "the group sizes on the device (no wait), its Hopper wgmma + TMA version (no wait; sm_90 only, else device), or "
+     "auto: hopper on an sm_90 GPU, cublaslt on others",
      0, 0},
     {"device", T_ENUM, G_TRAIN, OFF(device), "cpu|cuda", "cpu", 0, NULL, "where the model runs (cuda: device 0)", 0, 0},
     {"dtype", T_ENUM, G_TRAIN, OFF(dtype), "f32|bf16", "f32", 0, NULL, "parameter dtype", 0, 0},

@@ -11,6 +11,7 @@
  * time.
  */
 #include "common.cuh"
+#include "grouped_matmul_sm90.h"
 
 #include <stdio.h>
 
@@ -71,6 +72,14 @@ static tm_status tm__cuda_init(tm_ctx *ctx, int device, void **state) {
     if (s != TM_OK) {
         tm__cuda_shutdown(ctx, st);
         return s;
+    }
+    /* TM_GROUPED_GEMM_AUTO: the Hopper grouped GEMM where it runs (faster than cuBLASLt per group at
+     * every benchmark shape, and never a wait), cuBLASLt per group elsewhere (the sm_80 device
+     * kernel is slower than it). Decided here, once, with the device current. */
+    if (tm__gmm_auto(ctx)) {
+        char why[256];
+        tm__set_gmm_device_schedule(ctx, tm__gmm90_supported(why, sizeof why) ? TM_GROUPED_GEMM_HOPPER
+                                                                              : TM_GROUPED_GEMM_CUBLASLT);
     }
     *state = st;
     return TM_OK;
