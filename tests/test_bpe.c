@@ -36,8 +36,7 @@ TestSuite(bpe, .init = setup, .fini = teardown);
 
 /* Skip (or fail under CI) when the reference cannot run: no python3 (127), no package (3). */
 static void run_oracle(const char *dir) {
-    char log[4200];
-    snprintf(log, sizeof log, "%s/oracle.log", dir);
+    const char *log = tt_path("oracle.log");
     char repo[4096];
     if (!getcwd(repo, sizeof repo)) cr_assert_fail("getcwd");
     const char *shakespeare = "../shared/data/tinyshakespeare.txt";
