@@ -34,7 +34,8 @@ TestSuite(bpe, .init = setup, .fini = teardown);
 
 /* ---- the reference ids -------------------------------------------------------------------- */
 
-/* Skip (or fail under CI) when the reference cannot run: no python3 (127), no package (3). */
+/* Skip (or fail under CI) when the reference cannot run: no python3 (tt_run: 121, exec failed), no
+ * package (the script exits 3). */
 static void run_oracle(const char *dir) {
     const char *log = tt_path("oracle.log");
     char repo[4096];
@@ -49,7 +50,7 @@ static void run_oracle(const char *dir) {
     int rc = tt_run(argv, log, 600, NULL);
     long n;
     unsigned char *out = tt_slurp(log, &n);
-    const char *why = rc == 127 ? "python3 is not installed" : rc == 3 ? (const char *)out : NULL;
+    const char *why = rc == 121 ? "python3 is not installed (not found on PATH)" : rc == 3 ? (const char *)out : NULL;
     if (why) {
         if (getenv("CI")) cr_assert_fail("CI must run the tokenizer oracle (scripts/install-test-deps.sh): %s", why);
         cr_skip_test("no reference tokenizer (install with scripts/install-test-deps.sh): %s", why);
