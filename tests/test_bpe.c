@@ -13,6 +13,7 @@
  * (scripts/install-test-deps.sh).
  */
 #include <cJSON.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -352,4 +353,111 @@ Test(bpe, tokenize_writes_uint32_tokens_above_65535) {
     cr_assert_eq(t.n, 7);
     for (int i = 0; i < 7; i++) cr_assert_eq(t.tok[i], want[i], "token %d: %u, want %u", i, t.tok[i], want[i]);
     tmd_tokens_free(&t);
+}
+
+/* ---- the driver, end to end --------------------------------------------------------------- */
+
+/* Run the tinymoe binary with args (NULL-terminated, after argv[0]); its exit code, and its
+ * output in *out (malloc'ed). */
+static int tinymoe(char **out, const char *log, ...) {
+    char *argv[64];
+    int n = 0;
+    argv[n++] = (char *)tt_tinymoe();
+    va_list ap;
+    va_start(ap, log);
+    for (char *a; (a = va_arg(ap, char *)) && n < 63;) argv[n++] = a;
+    va_end(ap);
+    argv[n] = NULL;
+    int rc = tt_run(argv, tt_path(log), 300, NULL);
+    long len;
+    *out = (char *)tt_slurp(tt_path(log), &len);
+    return rc;
+}
+
+/* tokenize -> train -> sample -> export through a tokenizer whose merges make "he" and "ll"
+ * (ids 256, 257) and whose <|endoftext|> is 258. The model learns "hello hello ...", so its
+ * greedy continuation is made of ids >= 256: before subword tokenizers, sample dropped every
+ * one of them and printed "o o o". */
+Test(bpe, tokenize_train_sample_export_through_the_run_tokenizer) {
+    TT_WATCHDOG(600);
+    cJSON *j = small_tokenizer(258);
+    char tok[4096], txt[4096]; /* tt_path's buffers rotate */
+    snprintf(tok, sizeof tok, "%s", write_json(j, "tokenizer.json"));
+    cJSON_Delete(j);
+    snprintf(txt, sizeof txt, "%s", tt_path("hello.txt"));
+    FILE *f = fopen(txt, "w");
+    for (int i = 0; i < 3000; i++) fputs("hello ", f);
+    fclose(f);
+    char *out;
+    cr_assert_eq(tinymoe(&out, "tok.log", "tokenize", "--tokenizer", tok, txt, tt_path("hello.bin"), "--val-fraction",
+                         "0.1", NULL),
+                 0, "%s", out);
+    cr_assert(strstr(out, "end-of-text 258 appended"), "%s", out);
+    free(out);
+    int rc = tinymoe(&out, "train.log", "train", "--preset", "tiny", "--data", tt_path("hello.bin"), "--val_data",
+                     tt_path("hello_val.bin"), "--tokenizer", tok, "--steps", "40", "--lr", "0.02", "--threads", "2",
+                     "--out", tt_path("run"), "--sample_prompt", "hello", "--sample_tokens", "6", "--temperature", "0",
+                     "--progress", "lines", NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert(strstr(out, "vocab_size") && strstr(out, "259"), "vocab_size does not follow the tokenizer:\n%s", out);
+    free(out);
+    /* the run's copy of the tokenizer, byte for byte */
+    long la, lb;
+    unsigned char *a = tt_slurp(tok, &la), *b = tt_slurp(tt_path("run/tokenizer.json"), &lb);
+    cr_assert(b && la == lb && !memcmp(a, b, (size_t)la), "run/tokenizer.json is not the tokenizer");
+    free(b);
+    /* sample reads it from the run directory even once the original is gone */
+    cr_assert_eq(rename(tok, tt_path("moved.json")), 0);
+    rc = tinymoe(&out, "sample.log", "sample", "--ckpt", tt_path("run"), "--prompt", "hello", "--tokens", "12",
+                 "--temperature", "0", NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert(strstr(out, "hello hello hello"), "the continuation lost its subword tokens:\n%s", out);
+    cr_assert(strstr(out, "tokenizer ") && strstr(out, "run/tokenizer.json"), "%s", out);
+    free(out);
+    /* export ships it; eval needs none */
+    rc = tinymoe(&out, "export.log", "export", "--ckpt", tt_path("run"), "--out", tt_path("hf"), NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    free(out);
+    b = tt_slurp(tt_path("hf/tokenizer.json"), &lb);
+    cr_assert(b && la == lb && !memcmp(a, b, (size_t)la), "hf/tokenizer.json is not the tokenizer");
+    free(a);
+    free(b);
+    rc = tinymoe(&out, "eval.log", "eval", "--ckpt", tt_path("run"), "--data", tt_path("hello_val.bin"), "--quiet",
+                 NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    free(out);
+    /* without the run directory's copy nor the recorded file: a clear refusal, then --tokenizer */
+    cr_assert_eq(mkdir(tt_path("bare"), 0755), 0);
+    char ck[4096];
+    snprintf(ck, sizeof ck, "%s", tt_path("bare/ckpt-00000040.tmck"));
+    cr_assert_eq(rename(tt_path("run/ckpt-00000040.tmck"), ck), 0);
+    rc = tinymoe(&out, "bare.log", "sample", "--ckpt", ck, "--prompt", "hello", "--tokens", "4", NULL);
+    cr_assert_eq(rc, TMD_CONFIG_ERROR, "%s", out);
+    cr_assert(strstr(out, "vocab_size 259 but no tokenizer") && strstr(out, "--tokenizer"), "%s", out);
+    free(out);
+    rc = tinymoe(&out, "bare2.log", "sample", "--ckpt", ck, "--prompt", "hello", "--tokens", "12", "--temperature",
+                 "0", "--tokenizer", tt_path("moved.json"), NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert(strstr(out, "hello hello hello"), "%s", out);
+    free(out);
+}
+
+/* vocab_size set below the tokenizer's ids is refused before anything is built. */
+Test(bpe, vocab_size_smaller_than_the_tokenizer_is_refused) {
+    cJSON *j = small_tokenizer(258);
+    char tok[4096], txt[4096];
+    snprintf(tok, sizeof tok, "%s", write_json(j, "tokenizer.json"));
+    cJSON_Delete(j);
+    snprintf(txt, sizeof txt, "%s", tt_path("t.txt"));
+    FILE *f = fopen(txt, "w");
+    for (int i = 0; i < 500; i++) fputs("hello ", f);
+    fclose(f);
+    char *out;
+    cr_assert_eq(tinymoe(&out, "tok.log", "tokenize", "--tokenizer", tok, txt, tt_path("t.bin"), NULL), 0, "%s", out);
+    free(out);
+    int rc = tinymoe(&out, "train.log", "train", "--preset", "tiny", "--data", tt_path("t.bin"), "--tokenizer", tok,
+                     "--vocab_size", "257", "--out", "", NULL);
+    cr_assert_eq(rc, TMD_CONFIG_ERROR, "%s", out);
+    cr_assert(strstr(out, "key 'vocab_size' = 257: smaller than the 259 ids of key 'tokenizer'"), "%s", out);
+    free(out);
 }
