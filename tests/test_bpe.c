@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "bpe.h"
 #include "bpe_split.h"
@@ -236,6 +237,13 @@ Test(bpe, small_tokenizer_encodes_by_hand) {
     cr_assert_eq(n, 7, "%lld ids", (long long)n);
     for (int i = 0; i < 7; i++) cr_assert_eq(ids[i], want[i], "id %d: %u, want %u", i, ids[i], want[i]);
     free(ids);
+    /* decoding: merges to their bytes, the special token to its text, padded ids to nothing */
+    const unsigned char *b;
+    cr_assert(tmd_bpe_token_bytes(t, 256, &b) == 2 && !memcmp(b, "ll", 2));
+    cr_assert(tmd_bpe_token_bytes(t, 258, &b) == 13 && !memcmp(b, "<|endoftext|>", 13));
+    cr_assert(tmd_bpe_token_bytes(t, ' ', &b) == 1 && b[0] == ' ');
+    cr_assert_eq(tmd_bpe_token_bytes(t, 259, &b), -1);
+    cr_assert_eq(tmd_bpe_token_bytes(t, -1, &b), -1);
     tmd_bpe_free(t);
 }
 
@@ -459,5 +467,29 @@ Test(bpe, vocab_size_smaller_than_the_tokenizer_is_refused) {
                      "--vocab_size", "257", "--out", "", NULL);
     cr_assert_eq(rc, TMD_CONFIG_ERROR, "%s", out);
     cr_assert(strstr(out, "key 'vocab_size' = 257: smaller than the 259 ids of key 'tokenizer'"), "%s", out);
+    free(out);
+}
+
+/* A resumed run whose tokenizer file is gone takes the copy in its run directory. */
+Test(bpe, resume_takes_the_run_copy_when_the_tokenizer_is_gone) {
+    cJSON *j = small_tokenizer(258);
+    char tok[4096], txt[4096];
+    snprintf(tok, sizeof tok, "%s", write_json(j, "tokenizer.json"));
+    cJSON_Delete(j);
+    snprintf(txt, sizeof txt, "%s", tt_path("t.txt"));
+    FILE *f = fopen(txt, "w");
+    for (int i = 0; i < 500; i++) fputs("hello ", f);
+    fclose(f);
+    char *out;
+    cr_assert_eq(tinymoe(&out, "tok.log", "tokenize", "--tokenizer", tok, txt, tt_path("t.bin"), NULL), 0, "%s", out);
+    free(out);
+    int rc = tinymoe(&out, "a.log", "train", "--preset", "tiny", "--data", tt_path("t.bin"), "--tokenizer", tok,
+                     "--steps", "4", "--eval_every", "0", "--out", tt_path("run"), "--progress", "lines", NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    free(out);
+    cr_assert_eq(unlink(tok), 0);
+    rc = tinymoe(&out, "b.log", "train", "--resume", tt_path("run"), "--steps", "6", "--progress", "lines", NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert(strstr(out, "is gone: the run's copy") && strstr(out, "run/tokenizer.json is used"), "%s", out);
     free(out);
 }

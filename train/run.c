@@ -322,7 +322,9 @@ int tmd_run_setup(tmd_run *r, const tmd_config *cfg, FILE *log, int eval_only, c
     /* From here on every rank holds one configuration: its checks fail alike everywhere. */
     r->uniform_error = 1;
     /* Before the checks: vocab_size may follow the tokenizer. eval reads token files alone. */
-    if (!eval_only && (rc = tmd_tokenizer_for_run(&r->c, &r->bpe, err, errlen))) return rc;
+    if (!eval_only && (rc = tmd_tokenizer_for_run(&r->c, r->resume_path[0] ? r->resume_path : NULL, &r->bpe,
+                                                  r->tokenizer_path, sizeof r->tokenizer_path, err, errlen)))
+        return rc;
     if (tmd_config_validate(&r->c, err, errlen)) return TMD_CONFIG_ERROR;
     if (r->world % r->c.ep_size)
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'ep_size' = %d: does not divide the %d ranks", r->c.ep_size,

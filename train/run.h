@@ -54,6 +54,7 @@ typedef struct tmd_run {
     double optimum;
     tmd_tokens train, val;
     tmd_bpe *bpe; /* key 'tokenizer' (NULL: bytes); training runs only, eval reads token files alone */
+    char tokenizer_path[TMD_PATH_MAX + 32]; /* the file bpe was read from */
     tmd_data_id data_id; /* what the run trains on, recorded in its checkpoints (checkpoint.h) */
     tmd_batcher bt;
     int64_t n_eval;           /* validation windows */

@@ -13,11 +13,23 @@
 #include "status.h"
 #include "util.h"
 
-int tmd_tokenizer_for_run(tmd_config *c, tmd_bpe **out, char *err, size_t errlen) {
+static int readable(const char *path);
+
+int tmd_tokenizer_for_run(tmd_config *c, const char *resume_ckpt, tmd_bpe **out, char *used, size_t used_len,
+                          char *err, size_t errlen) {
     *out = NULL;
+    if (used_len) used[0] = 0;
     if (!c->tokenizer[0]) return 0;
+    char path[TMD_PATH_MAX + 32];
+    snprintf(path, sizeof path, "%s", c->tokenizer);
+    if (resume_ckpt && !readable(path)) {
+        tmd_tokenizer_file_of_ckpt(resume_ckpt, c, path, sizeof path);
+        if (!path[0]) snprintf(path, sizeof path, "%s", c->tokenizer); /* its own message, below */
+        else tmd_config_note(c, "key 'tokenizer' = '%s' is gone: the run's copy %s is used", c->tokenizer, path);
+    }
+    snprintf(used, used_len, "%s", path);
     char e[2048];
-    int rc = tmd_bpe_load(c->tokenizer, out, e, sizeof e);
+    int rc = tmd_bpe_load(path, out, e, sizeof e);
     if (rc) return tmd_fail(err, errlen, rc, "key 'tokenizer': %s", e);
     int need = tmd_bpe_vocab_size(*out), vi = tmd_config_key_index("vocab_size");
     if (c->source[vi] == TMD_SRC_AUTO) {

@@ -21,10 +21,13 @@
 
 #define TMD_TOKENIZER_FILE "tokenizer.json"
 
-/* Load key 'tokenizer' of c (nothing when empty: *out NULL). vocab_size set automatically
- * (source TMD_SRC_AUTO) becomes the tokenizer's size; one set explicitly must hold every id of
- * the tokenizer (a larger one, such as llm.c's 50304 for GPT-2's 50257, is fine). */
-int tmd_tokenizer_for_run(tmd_config *c, tmd_bpe **out, char *err, size_t errlen);
+/* Load key 'tokenizer' of c (nothing when empty: *out NULL). A resumed run (resume_ckpt: the
+ * checkpoint file, or NULL) whose file is gone takes the copy beside the checkpoint. The path
+ * read goes to used (used_len bytes). vocab_size set automatically (source TMD_SRC_AUTO) becomes
+ * the tokenizer's size; one set explicitly must hold every id of the tokenizer (a larger one,
+ * such as llm.c's 50304 for GPT-2's 50257, is fine). */
+int tmd_tokenizer_for_run(tmd_config *c, const char *resume_ckpt, tmd_bpe **out, char *used, size_t used_len,
+                          char *err, size_t errlen);
 
 /* Copy the file src to <dir>/tokenizer.json atomically (nothing when it is that file already). */
 int tmd_tokenizer_copy(const char *src, const char *dir, char *err, size_t errlen);
