@@ -12,7 +12,9 @@
  *            pieces; Qwen2's is Llama-3's with \p{N} for \p{N}{1,3}: max_digits 1)
  *
  * Each call returns the piece that the leftmost-first regex match at the start of the text
- * would (the patterns cover every character, so pieces tile the text). \s is Unicode's
+ * would (the patterns cover every character, so pieces tile the text). \p{L} and \p{N} are
+ * Unicode 14.0's (unicode_tab.c, generated from Python 3.11's unicodedata; the references' own
+ * tables are newer, which matters only for code points assigned since). \s is Unicode's
  * White_Space (U+0009-000D, 0020, 0085, 00A0, 1680, 2000-200A, 2028, 2029, 202F, 205F, 3000),
  * which is Oniguruma's and Rust regex's \s. A byte that does not start valid UTF-8 (a stray
  * continuation byte, an overlong or surrogate form) is one character of none of these classes;
