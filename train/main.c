@@ -61,7 +61,8 @@ static const char USAGE[] =
     "  tinymoe train --preset shakespeare --data input.bin --val_data input_val.bin\n"
     "with subword tokens (a Hugging Face tokenizer.json; sample and export then use it too):\n"
     "  tinymoe tokenize --tokenizer tokenizer.json input.txt input.bin --val-fraction 0.1\n"
-    "  tinymoe train --preset shakespeare --data input.bin --val_data input_val.bin --tokenizer tokenizer.json\n"
+    "  tinymoe train --preset shakespeare --data input.bin --val_data input_val.bin \\\n"
+    "                --tokenizer tokenizer.json\n"
     "\n"
     "distributed: mpirun -np N tinymoe train [--ep_size P] [--ep_strategy alltoall|allgather] [--zero 1]\n"
     "             [--print-layout] ...: one process per rank (docs/layouts.md)\n"
@@ -186,10 +187,10 @@ static const char TOKENIZE_USAGE[] =
     "OUT_val.bin (OUT.bin -> OUT_val.bin).\n"
     "\n"
     "  --tokenizer PATH  a Hugging Face tokenizer.json of a byte-level BPE (GPT-2, Llama-3, Qwen2 or one\n"
-    "                    trained like them): its ids, as tokenizers' encode(text, add_special_tokens=False),\n"
-    "                    special tokens such as <|endoftext|> in the text included. Train with\n"
-    "                    'tinymoe train --data OUT.bin --tokenizer PATH' (vocab_size follows it), so that\n"
-    "                    sample and export use it too.\n"
+    "                    trained like them): its ids, as the tokenizers package's encode(text,\n"
+    "                    add_special_tokens=False), special tokens such as <|endoftext|> in the text\n"
+    "                    included. Train with 'tinymoe train --data OUT.bin --tokenizer PATH'\n"
+    "                    (vocab_size follows it), so that sample and export use it too.\n"
     "  (none)            bytes: ids 0..255, 256 end-of-text (vocab_size 257)\n";
 
 static int cmd_tokenize(int argc, char **argv) {
