@@ -493,3 +493,56 @@ Test(bpe, resume_takes_the_run_copy_when_the_tokenizer_is_gone) {
     cr_assert(strstr(out, "is gone: the run's copy") && strstr(out, "run/tokenizer.json is used"), "%s", out);
     free(out);
 }
+
+/* Any bytes, invalid UTF-8 and NULs included, encode and decode back to themselves, under
+ * either split (a byte-level tokenizer has a token for every byte). */
+Test(bpe, any_bytes_round_trip) {
+    for (int split = 0; split < 2; split++) {
+        cJSON *j = small_tokenizer(258);
+        if (split) {
+            cJSON *pt = cJSON_CreateObject(), *seq = cJSON_AddArrayToObject(pt, "pretokenizers"), *sp = cJSON_CreateObject();
+            cJSON_AddStringToObject(pt, "type", "Sequence");
+            cJSON_AddStringToObject(sp, "type", "Split");
+            cJSON_AddStringToObject(cJSON_AddObjectToObject(sp, "pattern"), "Regex",
+                                    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
+                                    "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+");
+            cJSON_AddStringToObject(sp, "behavior", "Isolated");
+            cJSON_AddItemToArray(seq, sp);
+            cJSON *bl = cJSON_CreateObject();
+            cJSON_AddStringToObject(bl, "type", "ByteLevel");
+            cJSON_AddFalseToObject(bl, "use_regex");
+            cJSON_AddItemToArray(seq, bl);
+            cJSON_ReplaceItemInObject(j, "pre_tokenizer", pt);
+        }
+        const char *p = write_json(j, "rt.json");
+        cJSON_Delete(j);
+        tmd_bpe *t;
+        char err[1024];
+        cr_assert_eq(tmd_bpe_load(p, &t, err, sizeof err), 0, "%s", err);
+        enum { N = 200000 };
+        unsigned char *text = malloc(N), *back = malloc(N);
+        uint64_t s = 12345 + (uint64_t)split;
+        for (int i = 0; i < N; i++) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            unsigned r = (unsigned)(s >> 33);
+            /* mostly text-like, with runs of high bytes (valid and broken UTF-8) and controls */
+            text[i] = r % 4 ? (unsigned char)" helo\n\t'sX9<|"[r % 14] : (unsigned char)(r >> 8);
+        }
+        uint32_t *ids = NULL;
+        int64_t n = 0, cap = 0;
+        cr_assert_eq(tmd_bpe_encode(t, (const char *)text, N, &ids, &n, &cap, err, sizeof err), 0);
+        size_t nb = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const unsigned char *b;
+            int bl = tmd_bpe_token_bytes(t, ids[i], &b);
+            cr_assert(bl > 0 && nb + (size_t)bl <= N, "id %u at %lld", ids[i], (long long)i);
+            memcpy(back + nb, b, (size_t)bl);
+            nb += (size_t)bl;
+        }
+        cr_assert(nb == N && !memcmp(back, text, N), "split %d: %zu bytes back of %d", split, nb, N);
+        free(ids);
+        free(text);
+        free(back);
+        tmd_bpe_free(t);
+    }
+}
