@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """tests/bpe_oracle.py — reference token ids for tests/test_bpe.c, from Hugging Face
-`tokenizers` and OpenAI's `tiktoken` (scripts/install-test-deps.sh installs both).
+`tokenizers` and OpenAI's `tiktoken` (scripts/install-pydeps.sh installs both into .pyenv/).
 
     python3 tests/bpe_oracle.py DIR [--repo ROOT] [--extra NAME=FILE ...]
 
@@ -21,7 +21,7 @@ Writes into DIR:
   manifest.txt          one line per case: KIND NAME (KIND tiktoken is read with tok_cl100k.json)
 
 Each tokenizer is also checked here to decode its ids back to the text. Exit status 0; 3 when
-tokenizers or tiktoken cannot be imported (the C test skips, or fails under CI); 1 otherwise.
+tokenizers or tiktoken cannot be imported; 1 otherwise.
 """
 import json
 import os
