@@ -11,7 +11,10 @@
 # input.txt is English text (the repository's own docs, since any text file works). One change
 # to the commands as written, to bound CI's time: every 'tinymoe train' gets
 # '--steps 30 --eval_every 15 --sample_tokens 40' appended (flags win over presets), so a
-# preset's 1000 steps become 30; resuming such a run continues it.
+# preset's 1000 steps become 30; resuming such a run continues it. The lines that name
+# tokenizer.json get one trained on input.txt with the README's own Python block, by a Python
+# that has tokenizers ($TM_PYTHON, .pyenv/bin/python of scripts/install-pydeps.sh, or python3);
+# without one they are skipped, saying so.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=$(cd "${1:-$root/build}" && pwd)
@@ -24,6 +27,17 @@ cap='--steps 30 --eval_every 15 --sample_tokens 40'
 # CI runs as root; Open MPI refuses root unless told (a user's own account needs nothing)
 [ "$(id -u)" = 0 ] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 n=0 ran=0
+# The README's python block trains tokenizer.json on input.txt (2048 tokens: 3 s here).
+awk '/^```python$/ {f = 1; next} /^```/ {f = 0} f' "$root/README.md" > "$work/train_tokenizer.py"
+py=""
+for c in "${TM_PYTHON:-}" "$root/.pyenv/bin/python" python3; do
+    [ -n "$c" ] && "$c" -c 'import tokenizers' 2>/dev/null && { py=$c; break; }
+done
+if [ -n "$py" ] && (cd "$work" && "$py" train_tokenizer.py) > "$work/tok.log" 2>&1; then
+    echo "made  tokenizer.json with the README's python block ($py)"
+else
+    echo "no tokenizer.json (a Python with tokenizers: scripts/install-pydeps.sh): $(tail -1 "$work/tok.log" 2>/dev/null)"
+fi
 # The blocks, one command per line (comments and blank lines dropped), with their line numbers.
 awk '/^```sh$/ {f = 1; b++; next} /^```/ {f = 0} f {print b "\t" NR "\t" $0}' "$root/README.md" > "$work/blocks"
 while IFS=$'\t' read -r block line cmd; do
@@ -47,6 +61,8 @@ while IFS=$'\t' read -r block line cmd; do
             echo "skip  README.md:$line (needs a GPU)"; continue ;;
         *mpirun*)
             command -v mpirun >/dev/null 2>&1 || { echo "skip  README.md:$line (no mpirun)"; continue; } ;;
+        *tokenizer.json*|*subwords*)
+            [ -f "$work/tokenizer.json" ] || { echo "skip  README.md:$line (no tokenizer.json)"; continue; } ;;
     esac
     run=$cmd
     case "$cmd" in

@@ -180,6 +180,10 @@ static const key KEYS[] = {
      "validation token file or glob (empty: the last val_fraction of data)", 0, 0},
     {"val_fraction", T_FLOAT, G_DATA, OFF(val_fraction), NULL, "0.1", 0, NULL,
      "fraction of data held out for validation when val_data is empty", 0, 1},
+    {"tokenizer", T_STR, G_DATA, STR(tokenizer), NULL, "", 0, NULL,
+     "a Hugging Face tokenizer.json (byte-level BPE: GPT-2, Llama-3, Qwen2) the token files were made with "
+     "('tinymoe tokenize --tokenizer'): vocab_size defaults to its size, it is copied to out/tokenizer.json, and "
+     "sample_prompt, 'tinymoe sample' and 'tinymoe export' use it (empty: bytes)", 0, 0},
     {"synthetic_vocab", T_INT, G_DATA, OFF(synthetic_vocab), NULL, "16", 0, NULL, "synthetic source: vocabulary size", 2, 1024},
     {"synthetic_k", T_INT, G_DATA, OFF(synthetic_k), NULL, "3", 0, NULL,
      "synthetic source: allowed next tokens per two-token context", 1, 1024},
@@ -215,7 +219,7 @@ static const key KEYS[] = {
     {"init_from", T_STR, G_RUN, STR(init_from), NULL, "", 0, NULL,
      "start from the weights of a Hugging Face Mixtral export (config.json + model.safetensors) in this directory", 0, 0},
     {"sample_prompt", T_STR, G_RUN, STR(sample_prompt), NULL, "", 0, NULL,
-     "after training, continue this text (byte-level models; empty: no sample)", 0, 0},
+     "after training, continue this text (byte-level models, or through key 'tokenizer'; empty: no sample)", 0, 0},
     {"sample_tokens", T_INT, G_RUN, OFF(sample_tokens), NULL, "256", 0, NULL, "tokens to generate", 0, 1000000},
     {"temperature", T_FLOAT, G_RUN, OFF(temperature), NULL, "0.8", 0, NULL, "sampling temperature (0: greedy)", 0, 1e6},
     {"top_k", T_INT, G_RUN, OFF(top_k), NULL, "0", 0, NULL, "sample among the k most likely tokens (0: all)", 0, 16777216},
@@ -999,10 +1003,12 @@ static int validate_keys(const tmd_config *c, char *err, size_t errlen) {
               "input.txt tokens.bin --val-fraction 0.1' (then also --val_data tokens_val.bin)",
               c->preset);
     if (c->sample_prompt[0])
-        CHECK(c->model.vocab_size == 257 && !tmd_config_synthetic(c),
+        CHECK((c->model.vocab_size == 257 || c->tokenizer[0]) && !tmd_config_synthetic(c),
               "key 'sample_prompt' = '%s': sampling text needs a byte-level model (token data from 'tinymoe tokenize', "
-              "vocab_size 257)",
+              "vocab_size 257) or key 'tokenizer'",
               c->sample_prompt);
+    CHECK(!c->tokenizer[0] || !tmd_config_synthetic(c),
+          "key 'tokenizer' = '%s': synthetic data has no text; give --data, token files made with it", c->tokenizer);
     CHECK(c->top_k <= c->model.vocab_size, "key 'top_k' = %d: larger than vocab_size = %d", c->top_k,
           c->model.vocab_size);
     /* Every number within its key's range (after the checks above, whose messages say more). */

@@ -67,6 +67,7 @@ typedef struct tmd_config {
     int64_t exit_interval;
     char resume[TMD_PATH_MAX], init_from[TMD_PATH_MAX];
     char sample_prompt[TMD_PATH_MAX];
+    char tokenizer[TMD_PATH_MAX]; /* a Hugging Face tokenizer.json ("": bytes) */
     int sample_tokens;
     double temperature;
     int top_k;

@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 
 #include "atomic.h"
+#include "bpe.h"
 #include "status.h"
 #include "tinymoe.h"
 #include "util.h"
@@ -429,6 +430,36 @@ static int same_file(const char *path, const struct stat *in) {
  * for the text corpora a byte-level model trains on. */
 int tmd_tokenize_file(const char *in_path, const char *out_path, double val_fraction, char *val_path_out,
                       size_t val_path_len, char *err, size_t errlen) {
+    return tmd_tokenize_file_bpe(in_path, out_path, val_fraction, NULL, val_path_out, val_path_len, err, errlen);
+}
+
+/* Bytes, or BPE ids of the text, then the end-of-text token: *tok (malloc'ed), *n. */
+static int encode_text(const unsigned char *text, int64_t nbytes, tmd_bpe *bpe, const char *in_path, uint32_t **tok,
+                       int64_t *n, char *err, size_t errlen) {
+    if (!bpe) {
+        if (!(*tok = malloc((size_t)(nbytes + 1) * sizeof **tok)))
+            return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the %lld bytes of '%s'",
+                            (long long)nbytes, in_path);
+        for (int64_t i = 0; i < nbytes; i++) (*tok)[i] = text[i];
+        (*tok)[nbytes] = TMD_BYTE_EOT;
+        *n = nbytes + 1;
+        return 0;
+    }
+    int64_t cap = nbytes / 3 + 16;
+    *n = 0;
+    if (!(*tok = malloc((size_t)cap * sizeof **tok)))
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for the tokens of '%s'", in_path);
+    int rc = tmd_bpe_encode(bpe, (const char *)text, (size_t)nbytes, tok, n, &cap, err, errlen);
+    int eot = tmd_bpe_eot(bpe);
+    if (!rc && eot >= 0) {
+        uint32_t e = (uint32_t)eot;
+        rc = tmd_bpe_encode_append(tok, n, &cap, &e, 1) ? tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory") : 0;
+    }
+    return rc;
+}
+
+int tmd_tokenize_file_bpe(const char *in_path, const char *out_path, double val_fraction, tmd_bpe *bpe,
+                          char *val_path_out, size_t val_path_len, char *err, size_t errlen) {
     const int BAD = TMD_CONFIG_ERROR, IO = TMD_RUNTIME_ERROR;
     if (val_path_out && val_path_len) val_path_out[0] = '\0';
     if (!(val_fraction >= 0.0 && val_fraction < 1.0))
@@ -462,17 +493,17 @@ int tmd_tokenize_file(const char *in_path, const char *out_path, double val_frac
         fclose(f);
         return tmd_fail(err, errlen, BAD, "'%s' is empty: nothing to tokenize", in_path);
     }
-    int64_t nbytes = (int64_t)st.st_size, n = nbytes + 1;
-    if (n > INT32_MAX) {
+    int64_t nbytes = (int64_t)st.st_size, n = 0;
+    if (nbytes + 1 > INT32_MAX && !bpe) {
         fclose(f);
         return tmd_fail(err, errlen, BAD, "'%s' has %lld bytes, more tokens than a token file can hold", in_path,
                         (long long)nbytes);
     }
     unsigned char *text = malloc((size_t)nbytes);
-    uint32_t *tok = malloc((size_t)n * sizeof *tok);
+    uint32_t *tok = NULL;
     int rc = IO;
     tmd_atomic a_train = {0}, a_val = {0}; /* zeroed: tmd_atomic_abort does nothing */
-    if (!text || !tok) {
+    if (!text) {
         tmd_fail(err, errlen, IO, "out of memory for the %lld bytes of '%s'", (long long)nbytes, in_path);
         goto done;
     }
@@ -481,8 +512,12 @@ int tmd_tokenize_file(const char *in_path, const char *out_path, double val_frac
                  ferror(f) ? strerror(errno) : "file shrank while being read");
         goto done;
     }
-    for (int64_t i = 0; i < nbytes; i++) tok[i] = text[i];
-    tok[nbytes] = TMD_BYTE_EOT;
+    if ((rc = encode_text(text, nbytes, bpe, in_path, &tok, &n, err, errlen))) goto done;
+    rc = IO;
+    if (n > INT32_MAX) {
+        rc = tmd_fail(err, errlen, BAD, "'%s' makes %lld tokens, more than a token file can hold", in_path, (long long)n);
+        goto done;
+    }
 
     int64_t n_train = n;
     if (val_fraction > 0.0) {

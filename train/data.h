@@ -77,6 +77,12 @@ int tmd_tokens_write(const char *path, const uint32_t *tok, int64_t n, char *err
  * fraction out of range or leaving too few tokens), TMD_RUNTIME_ERROR for I/O and memory. */
 int tmd_tokenize_file(const char *in_path, const char *out_path, double val_fraction, char *val_path_out,
                       size_t val_path_len, char *err, size_t errlen);
+/* The same with a byte-level BPE tokenizer (bpe.h; NULL: bytes): the text's ids, then the
+ * tokenizer's end-of-text token when it has one. Token files are uint16 while every id fits,
+ * else uint32 (llm.c's version 7: Llama-3's 128256 tokens). */
+struct tmd_bpe;
+int tmd_tokenize_file_bpe(const char *in_path, const char *out_path, double val_fraction, struct tmd_bpe *bpe,
+                          char *val_path_out, size_t val_path_len, char *err, size_t errlen);
 
 /* Deterministic batching: row b of the batch at position p is the window of T+1 tokens at an
  * offset in [0, n - T - 1] drawn from Philox4x32-10 with key = seed and counter = (p, b,

@@ -44,9 +44,19 @@ static void append(window *w, tm_kv_cache *cache, int S, int keep, int32_t token
     w->pending++;
 }
 
+/* The text of one token: its bytes through the tokenizer, or the byte itself. */
+static int put_token(const tmd_bpe *bpe, int id, FILE *out) {
+    const unsigned char *b;
+    int n = bpe ? tmd_bpe_token_bytes(bpe, id, &b) : id < 256 ? 1 : 0;
+    unsigned char one = (unsigned char)id;
+    if (!bpe) b = &one;
+    if (n > 0 && fwrite(b, 1, (size_t)n, out) != (size_t)n) return EOF;
+    return fflush(out);
+}
+
 int tmd_generate(tm_ctx *ctx, tm_model *model, const int32_t *prompt, int n_prompt, int max_new_tokens,
-                 const tm_sampler_config *sc, int eot_token, FILE *out, int64_t *n_generated, char *err,
-                 size_t errlen) {
+                 const tm_sampler_config *sc, int eot_token, const tmd_bpe *bpe, FILE *out, int64_t *n_generated,
+                 char *err, size_t errlen) {
     if (n_generated) *n_generated = 0;
     if (!ctx || !model || !sc || !out)
         return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "generate: %s is NULL",
@@ -96,7 +106,7 @@ int tmd_generate(tm_ctx *ctx, tm_model *model, const int32_t *prompt, int n_prom
             rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "generate: token %lld: %s", (long long)g, tm_ctx_errmsg(ctx));
         tm_ctx_arena_reset(ctx);
         if (rc || next == eot_token) break;
-        if (next < 256 && (fputc(next, out) == EOF || fflush(out) == EOF)) {
+        if (put_token(bpe, next, out) == EOF) {
             rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "generate: cannot write the sample: %s", strerror(errno));
             break;
         }

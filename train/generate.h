@@ -16,9 +16,10 @@
  * had been the prompt (a sliding window recomputed in halves, so the cost of re-prefilling is
  * paid once per max_seq_len / 2 tokens).
  *
- * Output: every generated token below 256 is a byte, written to `out` and flushed as soon as
- * it is drawn (the prompt is not printed: the caller does that). Tokens >= 256 other than
- * eot_token are not printed. Generation stops after max_new_tokens tokens or when eot_token is
+ * Output: each generated token is written to `out` and flushed as soon as it is drawn (the
+ * prompt is not printed: the caller does that): through bpe (bpe.h: its bytes; an id the
+ * tokenizer lacks, as in a vocabulary padded to a multiple of 64, prints nothing), or, with
+ * bpe NULL, a token below 256 as that byte and any other not at all. Generation stops after max_new_tokens tokens or when eot_token is
  * drawn (not printed, not counted; eot_token < 0: never), and early, returning 0, once a stop
  * signal has been caught (stop.h: Ctrl-C during the sample at the end of training).
  *
@@ -34,10 +35,11 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "bpe.h"
 #include "tinymoe.h"
 
 int tmd_generate(tm_ctx *ctx, tm_model *model, const int32_t *prompt, int n_prompt, int max_new_tokens,
-                 const tm_sampler_config *sc, int eot_token, FILE *out, int64_t *n_generated, char *err,
-                 size_t errlen);
+                 const tm_sampler_config *sc, int eot_token, const tmd_bpe *bpe, FILE *out, int64_t *n_generated,
+                 char *err, size_t errlen);
 
 #endif

@@ -27,6 +27,7 @@
 #include "safetensors.h"
 #include "status.h"
 #include "strbuf.h"
+#include "tokenizer.h"
 #include "util.h"
 
 #define HF_NAME_MAX 112
@@ -771,7 +772,9 @@ static const char EXPORT_USAGE[] =
     "\n"
     "Writes the model of a checkpoint (PATH: a .tmck file, or a run directory: its newest\n"
     "checkpoint) as a Hugging Face MixtralForCausalLM: DIR/config.json and DIR/model.safetensors,\n"
-    "loadable with transformers' from_pretrained(DIR) and with 'tinymoe train --init-from DIR'.\n"
+    "loadable with transformers' from_pretrained(DIR) and with 'tinymoe train --init-from DIR';\n"
+    "and DIR/tokenizer.json when the run has a tokenizer (tokenizer.json beside the checkpoint, or\n"
+    "the file its key 'tokenizer' names).\n"
     "Only Mixtral-expressible models export: softmax router with top-k weights summing to 1,\n"
     "no groups, expert bias, shared experts or dense layers, scaling 1, dropless, weights on\n"
     "the expert outputs (not apply_topk_weights_early); f32 or bf16.\n"
@@ -825,15 +828,22 @@ int tmd_export_main(int argc, char **argv) {
     /* On the CPU whatever the checkpoint trained on: export only reads the weights. */
     int rc = tmd_ckpt_load_model(ckpt, TMD_DEVICE_CPU, 0, &lm, err, sizeof err);
     if (!rc) rc = tmd_hf_export(lm.ctx, lm.model, out, err, sizeof err);
+    /* The run's subword tokenizer goes beside the model, as on the Hub (a byte-level model's
+     * was written by tmd_hf_export). */
+    char tok[TMD_PATH_MAX + 32] = "";
+    if (!rc) tmd_tokenizer_file_of_ckpt(lm.path, &lm.cfg, tok, sizeof tok);
+    if (!rc && tok[0]) rc = tmd_tokenizer_copy(tok, out, err, sizeof err);
     if (rc) {
         fprintf(stderr, "tinymoe: export: %s\n", err);
     } else {
         int64_t active, total = tm_model_num_params(lm.model, &active);
-        printf("exported %s (step %lld, %lld parameters, %lld active per token) to %s/%s and %s/%s%s\n", lm.path,
+        printf("exported %s (step %lld, %lld parameters, %lld active per token) to %s/%s and %s/%s%s", lm.path,
                (long long)lm.state.step, (long long)total, (long long)active, out, TMD_HF_CONFIG_FILE, out, TMD_HF_WEIGHTS_FILE,
                tm_model_get_config(lm.model)->vocab_size == 257
                    ? ", with the byte tokenizer (tokenizer.json, tokenizer_config.json, generation_config.json)"
                    : "");
+        if (tok[0]) printf(", and %s as %s/%s", tok, out, TMD_TOKENIZER_FILE);
+        printf("\n");
     }
     tmd_loaded_model_free(&lm);
     return rc;

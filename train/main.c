@@ -3,7 +3,7 @@
  *
  *   tinymoe train [--preset NAME] [--config FILE] [--key value ...] [--resume CKPT]
  *   tinymoe eval [--ckpt CKPT] --data FILE [--key value ...]
- *   tinymoe tokenize IN.txt OUT.bin [--val-fraction F]
+ *   tinymoe tokenize [--tokenizer tokenizer.json] IN.txt OUT.bin [--val-fraction F]
  *   tinymoe sample --ckpt CKPT --prompt TEXT [--tokens N ...]
  *   tinymoe inspect CKPT
  *   tinymoe export --ckpt CKPT --format hf --out DIR
@@ -21,6 +21,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "bpe.h"
 #include "checkpoint.h"
 #include "config.h"
 #include "data.h"
@@ -31,6 +32,7 @@
 #include "stop.h"
 #include "tinymoe.h"
 #include "train.h"
+#include "util.h"
 
 static const char USAGE[] =
     "usage: tinymoe <command> [flags]\n"
@@ -45,8 +47,9 @@ static const char USAGE[] =
     "  export     --ckpt CKPT --format hf --out DIR: a Hugging Face Mixtral model directory\n"
     "  plan       --ranks N [--key value ...]: memory per rank and communication per step of a parallel\n"
     "             layout (ep_size, zero), computed without running\n"
-    "  tokenize   IN.txt OUT.bin [--val-fraction F]: byte-level tokens (256 bytes + end-of-text)\n"
-    "             in llm.c's token file format; with F > 0 the last F of the text goes to OUT_val.bin\n"
+    "  tokenize   [--tokenizer tokenizer.json] IN.txt OUT.bin [--val-fraction F]: llm.c token files\n"
+    "             of bytes (256 + end-of-text), or of a Hugging Face byte-level BPE (GPT-2, Llama-3,\n"
+    "             Qwen2); with F > 0 the last F of the text goes to OUT_val.bin\n"
     "\n"
     "CKPT is a checkpoint file (out/ckpt-00000600.tmck) or a directory (its newest checkpoint).\n"
     "\n"
@@ -56,6 +59,10 @@ static const char USAGE[] =
     "train on any text file:\n"
     "  tinymoe tokenize input.txt input.bin --val-fraction 0.1\n"
     "  tinymoe train --preset shakespeare --data input.bin --val_data input_val.bin\n"
+    "with subword tokens (a Hugging Face tokenizer.json; sample and export then use it too):\n"
+    "  tinymoe tokenize --tokenizer tokenizer.json input.txt input.bin --val-fraction 0.1\n"
+    "  tinymoe train --preset shakespeare --data input.bin --val_data input_val.bin \\\n"
+    "                --tokenizer tokenizer.json\n"
     "\n"
     "distributed: mpirun -np N tinymoe train [--ep_size P] [--ep_strategy alltoall|allgather] [--zero 1]\n"
     "             [--print-layout] ...: one process per rank (docs/layouts.md)\n"
@@ -172,19 +179,36 @@ static int cmd_train_or_eval(int eval, int argc, char **argv) {
     return rc;
 }
 
+static const char TOKENIZE_USAGE[] =
+    "usage: tinymoe tokenize [--tokenizer tokenizer.json] IN.txt OUT.bin [--val-fraction F]\n"
+    "\n"
+    "Writes the tokens of IN.txt in llm.c's token file format (uint16, or uint32 when an id is above\n"
+    "65535), the end-of-text token appended. With F in (0, 1) the last F of the tokens goes to\n"
+    "OUT_val.bin (OUT.bin -> OUT_val.bin).\n"
+    "\n"
+    "  --tokenizer PATH  a Hugging Face tokenizer.json of a byte-level BPE (GPT-2, Llama-3, Qwen2 or one\n"
+    "                    trained like them): its ids, as the tokenizers package's encode(text,\n"
+    "                    add_special_tokens=False), special tokens such as <|endoftext|> in the text\n"
+    "                    included. Train with 'tinymoe train --data OUT.bin --tokenizer PATH'\n"
+    "                    (vocab_size follows it), so that sample and export use it too.\n"
+    "  (none)            bytes: ids 0..255, 256 end-of-text (vocab_size 257)\n";
+
 static int cmd_tokenize(int argc, char **argv) {
-    const char *in = NULL, *out = NULL;
+    const char *in = NULL, *out = NULL, *tokenizer = NULL;
     double frac = 0;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            fputs("usage: tinymoe tokenize IN.txt OUT.bin [--val-fraction F]\n"
-                  "byte-level tokens (0..255 the bytes, 256 end-of-text, appended) in llm.c's token file format;\n"
-                  "with F in (0, 1) the last F of the tokens goes to OUT_val.bin (OUT.bin -> OUT_val.bin)\n",
-                  stdout);
+            fputs(TOKENIZE_USAGE, stdout);
             return 0;
         }
-        if (!strncmp(a, "--val-fraction", 14) || !strncmp(a, "--val_fraction", 14)) {
+        if (!strncmp(a, "--tokenizer", 11) && (a[11] == 0 || a[11] == '=')) {
+            tokenizer = a[11] == '=' ? a + 12 : i + 1 < argc ? argv[++i] : NULL;
+            if (!tokenizer || !*tokenizer) {
+                fprintf(stderr, "tinymoe: tokenize: --tokenizer needs a tokenizer.json\n");
+                return TMD_CONFIG_ERROR;
+            }
+        } else if (!strncmp(a, "--val-fraction", 14) || !strncmp(a, "--val_fraction", 14)) {
             const char *v = a[14] == '=' ? a + 15 : a[14] ? NULL : i + 1 < argc ? argv[++i] : NULL;
             char *end;
             errno = 0;
@@ -209,11 +233,23 @@ static int cmd_tokenize(int argc, char **argv) {
     if (!in || !out) return usage_error("tokenize needs IN.txt and OUT.bin");
     char err[1024], val_path[TMD_PATH_MAX];
     val_path[0] = 0;
-    int rc = tmd_tokenize_file(in, out, frac, val_path, sizeof val_path, err, sizeof err);
+    tmd_bpe *bpe = NULL;
+    int rc = tokenizer ? tmd_bpe_load(tokenizer, &bpe, err, sizeof err) : 0;
+    double t0 = tmd_now_s();
+    if (!rc) rc = tmd_tokenize_file_bpe(in, out, frac, bpe, val_path, sizeof val_path, err, sizeof err);
+    double dt = tmd_now_s() - t0;
     if (rc) {
         fprintf(stderr, "tinymoe: tokenize: %s\n", err);
+        tmd_bpe_free(bpe);
         return rc;
     }
+    if (bpe) {
+        printf("%s; end-of-text ", tmd_bpe_describe(bpe));
+        if (tmd_bpe_eot(bpe) >= 0) printf("%d appended", tmd_bpe_eot(bpe));
+        else printf("none (the tokenizer has no <|endoftext|>, <|end_of_text|>, </s> or <eos>)");
+        printf("; %.2f s\n", dt);
+    }
+    tmd_bpe_free(bpe);
     tmd_tokens t;
     if (!tmd_tokens_load(out, &t, err, sizeof err)) {
         printf("wrote %s (%lld tokens)", out, (long long)t.n);

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "tokenizer.h"
 #include "data.h"
 #include "finite.h"
 #include "generate.h"
@@ -65,6 +66,7 @@ void tmd_run_free(tmd_run *r) {
     tmd_markov_free(&r->src);
     tmd_tokens_free(&r->train);
     tmd_tokens_free(&r->val);
+    tmd_bpe_free(r->bpe);
     tm_ckpt_snapshot_free(r->snap); /* its writer was joined (tmd_rundir_finish) */
     tm_optimizer_free(r->opt);
     tm_model_free(r->model);
@@ -319,6 +321,10 @@ int tmd_run_setup(tmd_run *r, const tmd_config *cfg, FILE *log, int eval_only, c
     if (r->world > 1 && (rc = check_same_config(r, err, errlen))) return rc;
     /* From here on every rank holds one configuration: its checks fail alike everywhere. */
     r->uniform_error = 1;
+    /* Before the checks: vocab_size may follow the tokenizer. eval reads token files alone. */
+    if (!eval_only && (rc = tmd_tokenizer_for_run(&r->c, r->resume_path[0] ? r->resume_path : NULL, &r->bpe,
+                                                  r->tokenizer_path, sizeof r->tokenizer_path, err, errlen)))
+        return rc;
     if (tmd_config_validate(&r->c, err, errlen)) return TMD_CONFIG_ERROR;
     if (r->world % r->c.ep_size)
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "key 'ep_size' = %d: does not divide the %d ranks", r->c.ep_size,

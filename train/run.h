@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "bpe.h"
 #include "checkpoint.h"
 #include "config.h"
 #include "data.h"
@@ -52,6 +53,8 @@ typedef struct tmd_run {
     tmd_markov src;
     double optimum;
     tmd_tokens train, val;
+    tmd_bpe *bpe; /* key 'tokenizer' (NULL: bytes); training runs only, eval reads token files alone */
+    char tokenizer_path[TMD_PATH_MAX + 32]; /* the file bpe was read from */
     tmd_data_id data_id; /* what the run trains on, recorded in its checkpoints (checkpoint.h) */
     tmd_batcher bt;
     int64_t n_eval;           /* validation windows */

@@ -22,6 +22,7 @@
 #include "plot.h"
 #include "status.h"
 #include "tinymoe.h"
+#include "tokenizer.h"
 #include "util.h"
 
 /* Temporary files of writes that a crash or kill -9 interrupted: checkpoint saves
@@ -457,6 +458,8 @@ int tmd_rundir_open_outputs(tmd_run *r, int64_t start, char *err, size_t errlen)
     if ((rc = tmd_lock_dir(&r->lock, r->c.out, err, errlen))) return rc;
     remove_stale_temporaries(r->c.out);
     if (start == 0 && r->c.overwrite) delete_checkpoints(r->c.out);
+    /* The run's tokenizer goes with its checkpoints: sample and export find it there. */
+    if (r->bpe && (rc = tmd_tokenizer_copy(r->tokenizer_path, r->c.out, err, errlen))) return rc;
     snprintf(r->metrics_path, sizeof r->metrics_path, "%s/metrics.jsonl", r->c.out);
     if (start > 0 && (rc = restore_metrics(r, start, err, errlen))) return rc;
     r->metrics = fopen(r->metrics_path, start > 0 ? "a" : "w");

@@ -1,5 +1,5 @@
 /*
- * sample.c — `tinymoe sample` (sample.h): flags, loading the checkpoint, the prompt as bytes,
+ * sample.c — `tinymoe sample` (sample.h): flags, loading the checkpoint and its tokenizer,
  * and tmd_generate (generate.h) streaming to stdout.
  */
 #include "sample.h"
@@ -13,19 +13,22 @@
 
 #include "checkpoint.h"
 #include "config.h"
+#include "data.h"
 #include "generate.h"
 #include "status.h"
+#include "tokenizer.h"
 #include "util.h"
 
-#define EOT_TOKEN 256 /* the byte tokenizer's end-of-text (train/data.h) */
 
 static const char USAGE[] =
     "usage: tinymoe sample --ckpt CKPT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K]\n"
-    "                      [--top-p P] [--seed S] [--device cpu|cuda] [--threads N]\n"
+    "                      [--top-p P] [--seed S] [--device cpu|cuda] [--threads N] [--tokenizer PATH]\n"
     "\n"
     "Continues TEXT with a trained model: prints TEXT, then the generated text as it is produced,\n"
-    "then a newline; a summary line (tokens, tokens/s) goes to stderr. Text is bytes (tokens\n"
-    "0..255; 256 is end-of-text, where generation stops).\n"
+    "then a newline; a summary line (tokens, tokens/s) goes to stderr. Text goes through the run's\n"
+    "tokenizer (tokenizer.json beside the checkpoint, written by 'tinymoe train --tokenizer'), or is\n"
+    "bytes for a byte-level model (tokens 0..255; 256 is end-of-text). Generation stops at the\n"
+    "end-of-text token.\n"
     "\n"
     "  --ckpt CKPT       a checkpoint file, or a run directory (its newest ckpt-*.tmck); required\n"
     "  --prompt TEXT     the text to continue (default: a newline); an empty TEXT starts from the\n"
@@ -38,6 +41,8 @@ static const char USAGE[] =
     "  --seed S          the same seed, prompt and checkpoint give the same text (default 0)\n"
     "  --device D        cpu or cuda (default: the checkpoint's)\n"
     "  --threads N       CPU threads; 0 = all (default 0)\n"
+    "  --tokenizer PATH  a Hugging Face tokenizer.json to use instead of the checkpoint's (a model\n"
+    "                    trained on token files made elsewhere: llm.c's GPT-2 shards take GPT-2's)\n"
     "\n"
     "Flags take '--flag value' or '--flag=value'; '-' and '_' are interchangeable (--top_k).\n"
     "The model sees at most its max_seq_len (seq_len) tokens: a longer prompt is cut to its end,\n"
@@ -94,7 +99,7 @@ int tmd_sample_parse(int argc, char **argv, tmd_sample_opts *o, int *help, char 
         for (size_t k = 0; k < n; k++) name[k] = a[2 + k] == '-' ? '_' : a[2 + k];
         name[n] = 0;
         static const char *const known[] = {"ckpt", "prompt", "tokens", "temperature", "top_k",
-                                            "top_p", "seed", "device", "threads"};
+                                            "top_p", "seed", "device", "threads", "tokenizer"};
         int which = -1;
         for (int k = 0; k < (int)(sizeof known / sizeof *known); k++)
             if (!strcmp(name, known[k])) which = k;
@@ -156,48 +161,16 @@ int tmd_sample_parse(int argc, char **argv, tmd_sample_opts *o, int *help, char 
             if (parse_int(flag, v, 0, 1024, &x, err, errlen)) return TMD_CONFIG_ERROR;
             o->threads = (int)x;
             break;
+        case 9:
+            if (!*v) return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "sample: %s needs a tokenizer.json, got ''", flag);
+            o->tokenizer = v;
+            break;
         }
     }
     if (!o->ckpt)
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
                         "sample: --ckpt CKPT is required (a checkpoint file, or a run directory for its newest "
                         "checkpoint)");
-    return 0;
-}
-
-/* The prompt as tokens: its bytes, or the end-of-text token alone for an empty prompt. */
-static int prompt_tokens(const char *text, int V, int32_t **out, int *n, char *err, size_t errlen) {
-    size_t len = strlen(text);
-    if (len > INT_MAX - 1)
-        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "sample: --prompt is too long (%zu bytes)", len);
-    int32_t *t = malloc(sizeof *t * (len ? len : 1));
-    if (!t) {
-        snprintf(err, errlen, "sample: out of memory for the prompt");
-        return TMD_RUNTIME_ERROR;
-    }
-    if (!len) {
-        if (V <= EOT_TOKEN) {
-            free(t);
-            return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
-                            "sample: an empty --prompt starts from the end-of-text token %d, which this model's "
-                            "vocabulary (vocab_size = %d) lacks; give a prompt",
-                            EOT_TOKEN, V);
-        }
-        t[0] = EOT_TOKEN;
-        len = 1;
-    }
-    for (size_t i = 0; text[i]; i++) {
-        t[i] = (unsigned char)text[i];
-        if (t[i] >= V) {
-            free(t);
-            return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
-                            "sample: --prompt byte %zu is 0x%02x, outside this model's vocabulary (vocab_size = "
-                            "%d: not a byte-level model?)",
-                            i, (unsigned char)text[i], V);
-        }
-    }
-    *out = t;
-    *n = (int)len;
     return 0;
 }
 
@@ -222,17 +195,22 @@ int tmd_sample_main(int argc, char **argv) {
     }
     int V = tm_model_get_config(lm.model)->vocab_size, n_prompt = 0;
     int32_t *prompt = NULL;
-    rc = prompt_tokens(o.prompt, V, &prompt, &n_prompt, err, sizeof err);
+    tmd_bpe *bpe = NULL;
+    char tok_path[TMD_PATH_MAX + 32];
+    rc = tmd_tokenizer_for_ckpt(lm.path, &lm.cfg, o.tokenizer, &bpe, tok_path, sizeof tok_path, err, sizeof err);
+    if (!rc) rc = tmd_prompt_tokens(bpe, o.prompt, V, "--prompt", &prompt, &n_prompt, err, sizeof err);
     if (!rc) {
         fputs(o.prompt, stdout);
         fflush(stdout);
         int64_t n_gen = 0;
         double t0 = tmd_now_s();
-        rc = tmd_generate(lm.ctx, lm.model, prompt, n_prompt, o.tokens, &o.sampler, V > EOT_TOKEN ? EOT_TOKEN : -1,
-                          stdout, &n_gen, err, sizeof err);
+        int eot = bpe ? tmd_bpe_eot(bpe) : V > TMD_BYTE_EOT ? TMD_BYTE_EOT : -1;
+        rc = tmd_generate(lm.ctx, lm.model, prompt, n_prompt, o.tokens, &o.sampler, eot, bpe, stdout, &n_gen, err,
+                          sizeof err);
         /* The reader went away (| head): there is no one left to print for, which is the end
          * of the job, not a failure (SIGPIPE is ignored, so this is where it shows). */
         if (rc && errno == EPIPE) {
+            tmd_bpe_free(bpe);
             tmd_loaded_model_free(&lm);
             free(prompt);
             return 0;
@@ -242,11 +220,12 @@ int tmd_sample_main(int argc, char **argv) {
         fflush(stdout);
         if (!rc)
             fprintf(stderr, "sampled %lld tokens in %.2f s (%.1f tokens/s, the %d-token prompt's prefill included) from %s "
-                    "(step %lld)\n", (long long)n_gen, dt, dt > 0 ? (double)n_gen / dt : 0.0, n_prompt, lm.path,
-                    (long long)lm.state.step);
+                    "(step %lld)%s%s\n", (long long)n_gen, dt, dt > 0 ? (double)n_gen / dt : 0.0, n_prompt, lm.path,
+                    (long long)lm.state.step, bpe ? ", tokenizer " : "", bpe ? tok_path : "");
     }
     if (rc) fprintf(stderr, "tinymoe: %s%s\n", strncmp(err, "sample: ", 8) ? "sample: " : "", err);
     free(prompt);
+    tmd_bpe_free(bpe);
     tmd_loaded_model_free(&lm);
     return rc;
 }

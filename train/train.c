@@ -27,6 +27,7 @@
 #include "status.h"
 #include "stop.h"
 #include "tinymoe.h"
+#include "tokenizer.h"
 #include "util.h"
 
 /* Plot resolution: steps of the loss curve, columns of the heatmap. */
@@ -170,20 +171,10 @@ static int log_eval(tmd_run *r, int64_t step, double val) {
  * bytes as they come. An empty prompt starts from the end-of-text token. */
 static int sample(tmd_run *r, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
-    size_t plen = strlen(c->sample_prompt);
-    int32_t *prompt = malloc(sizeof *prompt * (plen ? plen : 1));
-    if (!prompt) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory for sampling");
-    int n = 0;
-    for (size_t i = 0; i < plen; i++) prompt[n++] = (unsigned char)c->sample_prompt[i];
-    if (!n) prompt[n++] = TMD_BYTE_EOT;
-    for (int i = 0; i < n; i++)
-        if (prompt[i] >= c->model.vocab_size) {
-            int byte = prompt[i];
-            free(prompt);
-            return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
-                            "key 'sample_prompt': byte %d is outside the vocabulary (vocab_size = %d)", byte,
-                            c->model.vocab_size);
-        }
+    int32_t *prompt = NULL;
+    int n = 0, rc = tmd_prompt_tokens(r->bpe, c->sample_prompt, c->model.vocab_size, "key 'sample_prompt'", &prompt,
+                                      &n, err, errlen);
+    if (rc) return rc;
     FILE *f = r->log;
     fprintf(f, "\nsample (temperature %g, top_k %d, top_p %g):\n%s", c->temperature, c->top_k, c->top_p,
             c->sample_prompt);
@@ -193,8 +184,9 @@ static int sample(tmd_run *r, char *err, size_t errlen) {
     sc.top_k = c->top_k;
     sc.top_p = c->top_p;
     sc.seed = (uint64_t)c->seed;
-    int rc = r->log ? tmd_generate(r->ctx, r->model, prompt, n, c->sample_tokens, &sc, TMD_BYTE_EOT, f, NULL, err, errlen)
-                    : 0;
+    int eot = r->bpe ? tmd_bpe_eot(r->bpe) : TMD_BYTE_EOT;
+    rc = r->log ? tmd_generate(r->ctx, r->model, prompt, n, c->sample_tokens, &sc, eot, r->bpe, f, NULL, err, errlen)
+                : 0;
     free(prompt);
     if (!r->log) return 0;
     fprintf(f, "\n");

@@ -1,0 +1,544 @@
+/*
+ * test_bpe.c — byte-level BPE tokenizers (train/bpe.c, train/bpe_split.c) against the
+ * references, and their refusals.
+ *
+ * bpe/oracle_*: tests/bpe_oracle.py trains byte-level BPE tokenizers with Hugging Face
+ * `tokenizers` (GPT-2's split, Llama-3's with ignore_merges, tiktoken's cl100k spelling, Qwen2's
+ * single digits, add_prefix_space, merges as "a b" strings) on generated English-like text, a
+ * multilingual / emoji / odd-whitespace sample, whitespace runs, text around special tokens and
+ * this repository's sources (plus tinyshakespeare when ../shared has it), and writes the ids
+ * that `tokenizers` and `tiktoken` give. Every id must be the same here, and every sequence
+ * must decode back to its text byte for byte. Without a Python that has both packages the test
+ * skips with the reason, except with TM_REQUIRE_PYDEPS=1 (CI), where it fails (tt_python_with;
+ * scripts/install-pydeps.sh installs them into .pyenv/).
+ */
+#include <cJSON.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "bpe.h"
+#include "bpe_split.h"
+#include "child.h"
+#include "common.h"
+#include "data.h"
+#include "status.h"
+
+static void setup(void) { tt_tmpdir_make("tm_test_bpe_"); }
+static void teardown(void) {
+    tt_kill_children();
+    tt_tmpdir_remove();
+}
+TestSuite(bpe, .init = setup, .fini = teardown);
+
+/* ---- the reference ids -------------------------------------------------------------------- */
+
+/* Skip (or fail under TM_REQUIRE_PYDEPS=1) when the reference cannot run. */
+static void run_oracle(const char *dir) {
+    const char *py = tt_python_with("tokenizers, tiktoken");
+    if (!py) cr_skip_test("no Python with the tokenizers and tiktoken packages (scripts/install-pydeps.sh installs them)");
+    const char *log = tt_path("oracle.log");
+    char repo[4096];
+    if (!getcwd(repo, sizeof repo)) cr_assert_fail("getcwd");
+    const char *shakespeare = "../shared/data/tinyshakespeare.txt";
+    char extra[4200];
+    snprintf(extra, sizeof extra, "shakespeare=%s", shakespeare);
+    struct stat st;
+    int have_sh = stat(shakespeare, &st) == 0;
+    char *argv[] = {(char *)py, "tests/bpe_oracle.py", (char *)dir, "--repo", repo,
+                    have_sh ? "--extra" : NULL, extra, NULL};
+    int rc = tt_run(argv, log, 600, NULL);
+    long n;
+    unsigned char *out = tt_slurp(log, &n);
+    cr_assert_eq(rc, 0, "tests/bpe_oracle.py failed (exit %d):\n%s", rc, out ? (char *)out : "");
+    cr_log_info("%s", out ? (char *)out : "");
+    free(out);
+}
+
+static uint32_t *read_u32(const char *path, int64_t *n) {
+    long len;
+    unsigned char *b = tt_slurp(path, &len);
+    cr_assert(b, "cannot read %s", path);
+    *n = len / 4;
+    uint32_t *v = malloc(sizeof *v * (size_t)(*n + 1));
+    for (int64_t i = 0; i < *n; i++)
+        v[i] = (uint32_t)b[4 * i] | (uint32_t)b[4 * i + 1] << 8 | (uint32_t)b[4 * i + 2] << 16 |
+               (uint32_t)b[4 * i + 3] << 24;
+    free(b);
+    return v;
+}
+
+/* The pieces around the first difference, for the message. */
+static void show_diff(const tmd_bpe *t, const uint32_t *got, int64_t ng, const uint32_t *want, int64_t nw,
+                      char *buf, size_t len) {
+    int64_t i = 0;
+    while (i < ng && i < nw && got[i] == want[i]) i++;
+    size_t w = (size_t)snprintf(buf, len, "first difference at id %lld of %lld (reference) / %lld (here):\n", (long long)i,
+                                (long long)nw, (long long)ng);
+    for (int side = 0; side < 2 && w < len; side++) {
+        const uint32_t *v = side ? got : want;
+        int64_t n = side ? ng : nw;
+        w += (size_t)snprintf(buf + w, len - w, "  %s:", side ? "here     " : "reference");
+        for (int64_t k = i > 4 ? i - 4 : 0; k < n && k < i + 6 && w < len; k++) {
+            const unsigned char *b;
+            int bl = tmd_bpe_token_bytes(t, v[k], &b);
+            w += (size_t)snprintf(buf + w, len - w, " %u'%.*s'", v[k], bl > 0 ? bl : 0, bl > 0 ? (const char *)b : "");
+        }
+        if (w < len) w += (size_t)snprintf(buf + w, len - w, "\n");
+    }
+}
+
+Test(bpe, oracle_tokenizers_and_tiktoken_ids_and_round_trips) {
+    TT_WATCHDOG(900);
+    const char *dir = tt_path("oracle");
+    run_oracle(dir);
+    char path[4400], kind[64], name[64];
+    snprintf(path, sizeof path, "%s/manifest.txt", dir);
+    FILE *man = fopen(path, "r");
+    cr_assert(man);
+    int cases = 0, failed = 0;
+    static char msg[1 << 16];
+    msg[0] = 0;
+    while (fscanf(man, "%63s %63s", kind, name) == 2) {
+        snprintf(path, sizeof path, "%s/tok_%s.json", dir, strcmp(kind, "tiktoken") ? kind : "cl100k");
+        tmd_bpe *t;
+        char err[2048];
+        cr_assert_eq(tmd_bpe_load(path, &t, err, sizeof err), 0, "%s", err);
+        snprintf(path, sizeof path, "%s/corpus_%s.txt", dir, name);
+        long len;
+        unsigned char *text = tt_slurp(path, &len);
+        snprintf(path, sizeof path, "%s/ids_%s_%s.u32", dir, kind, name);
+        int64_t nw, ng = 0, cap = 0;
+        uint32_t *want = read_u32(path, &nw), *got = NULL;
+        cr_assert_eq(tmd_bpe_encode(t, (const char *)text, (size_t)len, &got, &ng, &cap, err, sizeof err), 0, "%s", err);
+        int same = ng == nw && !memcmp(got, want, sizeof *got * (size_t)ng);
+        if (!same) {
+            size_t w = strlen(msg);
+            snprintf(msg + w, sizeof msg - w, "%s on %s: ", kind, name);
+            w = strlen(msg);
+            show_diff(t, got, ng, want, nw, msg + w, sizeof msg - w);
+            failed++;
+        }
+        /* Decoding gives back the text (add_prefix_space: with its space in front). */
+        size_t cap_b = (size_t)len + 16, nb = 0;
+        unsigned char *back = malloc(cap_b + 64);
+        int ok = 1;
+        for (int64_t i = 0; i < ng && ok; i++) {
+            const unsigned char *b;
+            int bl = tmd_bpe_token_bytes(t, got[i], &b);
+            ok = bl >= 0 && nb + (size_t)bl <= cap_b;
+            if (ok) memcpy(back + nb, b, (size_t)bl), nb += (size_t)bl;
+        }
+        int prefixed = !strcmp(kind, "prefix");
+        if (prefixed) {
+            /* a space before the text and after every special token that is not followed by one */
+            ok = ok && nb >= (size_t)len;
+        } else if (!(ok && nb == (size_t)len && !memcmp(back, text, nb))) {
+            size_t w = strlen(msg);
+            snprintf(msg + w, sizeof msg - w, "%s on %s: decoding does not give the text back (%zu bytes, want %ld)\n",
+                     kind, name, nb, len);
+            failed++;
+        }
+        free(back);
+        free(text);
+        free(want);
+        free(got);
+        tmd_bpe_free(t);
+        cases++;
+    }
+    fclose(man);
+    cr_assert_gt(cases, 30, "only %d cases in the manifest", cases);
+    cr_assert_eq(failed, 0, "%d of %d cases differ:\n%s", failed, cases, msg);
+}
+
+/* ---- a hand-made tokenizer for the refusals and the token files --------------------------- */
+
+/* GPT-2's bytes_to_unicode, written here again from its definition. */
+static void put_byte_char(char *dst, int b) {
+    int n = 0, cp = -1;
+    for (int x = 0; x < 256; x++) {
+        int self = (x >= 33 && x <= 126) || (x >= 161 && x <= 172) || (x >= 174 && x <= 255);
+        int c = self ? x : 256 + n++;
+        if (x == b) cp = c;
+    }
+    if (cp < 0x80) dst[0] = (char)cp, dst[1] = 0;
+    else dst[0] = (char)(0xC0 | cp >> 6), dst[1] = (char)(0x80 | (cp & 0x3F)), dst[2] = 0;
+}
+
+/* Byte b is id b; merges "l l" -> 256 (rank 0) and "h e" -> 257 (rank 1); <|endoftext|> is
+ * eot_id. */
+static cJSON *small_tokenizer(int eot_id) {
+    cJSON *j = cJSON_CreateObject(), *m = cJSON_AddObjectToObject(j, "model"), *v = cJSON_AddObjectToObject(m, "vocab");
+    cJSON_AddStringToObject(m, "type", "BPE");
+    cJSON_AddNullToObject(m, "dropout");
+    cJSON_AddFalseToObject(m, "byte_fallback");
+    char s[8];
+    for (int b = 0; b < 256; b++) {
+        put_byte_char(s, b);
+        cJSON_AddNumberToObject(v, s, b);
+    }
+    cJSON_AddNumberToObject(v, "ll", 256);
+    cJSON_AddNumberToObject(v, "he", 257);
+    cJSON *mg = cJSON_AddArrayToObject(m, "merges");
+    cJSON_AddItemToArray(mg, cJSON_CreateString("l l"));
+    cJSON_AddItemToArray(mg, cJSON_CreateString("h e"));
+    cJSON *pt = cJSON_AddObjectToObject(j, "pre_tokenizer");
+    cJSON_AddStringToObject(pt, "type", "ByteLevel");
+    cJSON_AddFalseToObject(pt, "add_prefix_space");
+    cJSON_AddTrueToObject(pt, "use_regex");
+    cJSON_AddObjectToObject(j, "decoder");
+    cJSON_AddStringToObject(cJSON_GetObjectItem(j, "decoder"), "type", "ByteLevel");
+    cJSON_AddNullToObject(j, "normalizer");
+    cJSON *at = cJSON_AddArrayToObject(j, "added_tokens"), *e = cJSON_CreateObject();
+    cJSON_AddNumberToObject(e, "id", eot_id);
+    cJSON_AddStringToObject(e, "content", "<|endoftext|>");
+    cJSON_AddFalseToObject(e, "lstrip");
+    cJSON_AddFalseToObject(e, "normalized");
+    cJSON_AddTrueToObject(e, "special");
+    cJSON_AddItemToArray(at, e);
+    return j;
+}
+
+static const char *write_json(const cJSON *j, const char *name) {
+    const char *p = tt_path(name);
+    char *s = cJSON_PrintUnformatted(j);
+    FILE *f = fopen(p, "w");
+    cr_assert(f);
+    fputs(s, f);
+    fclose(f);
+    free(s);
+    return p;
+}
+
+Test(bpe, small_tokenizer_encodes_by_hand) {
+    cJSON *j = small_tokenizer(258);
+    const char *p = write_json(j, "t.json");
+    cJSON_Delete(j);
+    tmd_bpe *t;
+    char err[1024];
+    cr_assert_eq(tmd_bpe_load(p, &t, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_bpe_vocab_size(t), 259);
+    cr_assert_eq(tmd_bpe_eot(t), 258);
+    /* "hello" -> he l l o -> "he" merged after "ll" (lower rank first): he, ll, o */
+    const char *text = "hello<|endoftext|> hell";
+    uint32_t *ids = NULL;
+    int64_t n = 0, cap = 0;
+    cr_assert_eq(tmd_bpe_encode(t, text, strlen(text), &ids, &n, &cap, err, sizeof err), 0);
+    /* "hello": (l,l) has rank 0, (h,e) rank 1 -> he ll o; the special token; " hell" is one
+     * GPT-2 piece -> ' ' he ll */
+    uint32_t want[] = {257, 256, 'o', 258, ' ', 257, 256};
+    cr_assert_eq(n, 7, "%lld ids", (long long)n);
+    for (int i = 0; i < 7; i++) cr_assert_eq(ids[i], want[i], "id %d: %u, want %u", i, ids[i], want[i]);
+    free(ids);
+    /* decoding: merges to their bytes, the special token to its text, padded ids to nothing */
+    const unsigned char *b;
+    cr_assert(tmd_bpe_token_bytes(t, 256, &b) == 2 && !memcmp(b, "ll", 2));
+    cr_assert(tmd_bpe_token_bytes(t, 258, &b) == 13 && !memcmp(b, "<|endoftext|>", 13));
+    cr_assert(tmd_bpe_token_bytes(t, ' ', &b) == 1 && b[0] == ' ');
+    cr_assert_eq(tmd_bpe_token_bytes(t, 259, &b), -1);
+    cr_assert_eq(tmd_bpe_token_bytes(t, -1, &b), -1);
+    tmd_bpe_free(t);
+}
+
+/* Each broken tokenizer.json is refused with the file and the field named. */
+Test(bpe, malformed_tokenizer_json_names_file_and_field) {
+    struct {
+        const char *what, *field;
+        void (*edit)(cJSON *);
+    } cases[] = {
+        {"WordPiece model", "model.type", NULL},          {"byte fallback", "model.byte_fallback", NULL},
+        {"NFC normalizer", "normalizer", NULL},           {"unknown split pattern", "pattern.Regex", NULL},
+        {"bad merge", "model.merges[1]", NULL},           {"a missing byte", "model.vocab", NULL},
+        {"lstrip", "added_tokens[0].lstrip", NULL},        {"no decoder", "decoder.type", NULL},
+        {"a merge of unknown tokens", "model.merges[0]", NULL}, {"a negative id", "model.vocab[", NULL},
+        {"Metaspace", "pre_tokenizer.type", NULL},
+    };
+    int n = (int)(sizeof cases / sizeof *cases);
+    for (int i = 0; i < n; i++) {
+        cJSON *j = small_tokenizer(258), *m = cJSON_GetObjectItem(j, "model");
+        switch (i) {
+        case 0: cJSON_ReplaceItemInObject(m, "type", cJSON_CreateString("WordPiece")); break;
+        case 1: cJSON_ReplaceItemInObject(m, "byte_fallback", cJSON_CreateTrue()); break;
+        case 2: {
+            cJSON *nz = cJSON_CreateObject();
+            cJSON_AddStringToObject(nz, "type", "NFC");
+            cJSON_ReplaceItemInObject(j, "normalizer", nz);
+            break;
+        }
+        case 3: {
+            cJSON *pt = cJSON_CreateObject(), *seq = cJSON_AddArrayToObject(pt, "pretokenizers"), *sp = cJSON_CreateObject();
+            cJSON_AddStringToObject(pt, "type", "Sequence");
+            cJSON_AddStringToObject(sp, "type", "Split");
+            cJSON_AddStringToObject(cJSON_AddObjectToObject(sp, "pattern"), "Regex", "\\p{L}+|[0-9]");
+            cJSON_AddStringToObject(sp, "behavior", "Isolated");
+            cJSON_AddItemToArray(seq, sp);
+            cJSON *bl = cJSON_CreateObject();
+            cJSON_AddStringToObject(bl, "type", "ByteLevel");
+            cJSON_AddFalseToObject(bl, "use_regex");
+            cJSON_AddItemToArray(seq, bl);
+            cJSON_ReplaceItemInObject(j, "pre_tokenizer", pt);
+            break;
+        }
+        case 4: cJSON_ReplaceItemInArray(cJSON_GetObjectItem(m, "merges"), 1, cJSON_CreateString("h e x")); break;
+        case 5: cJSON_DeleteItemFromObject(cJSON_GetObjectItem(m, "vocab"), "A"); break;
+        case 6: cJSON_ReplaceItemInObject(cJSON_GetArrayItem(cJSON_GetObjectItem(j, "added_tokens"), 0), "lstrip",
+                                          cJSON_CreateTrue());
+            break;
+        case 7: cJSON_DeleteItemFromObject(j, "decoder"); break;
+        case 8: cJSON_ReplaceItemInArray(cJSON_GetObjectItem(m, "merges"), 0, cJSON_CreateString("zz q")); break;
+        case 9: cJSON_ReplaceItemInObject(cJSON_GetObjectItem(m, "vocab"), "ll", cJSON_CreateNumber(-3)); break;
+        case 10:
+            cJSON_ReplaceItemInObject(cJSON_GetObjectItem(j, "pre_tokenizer"), "type", cJSON_CreateString("Metaspace"));
+            break;
+        }
+        char name[32];
+        snprintf(name, sizeof name, "bad%d.json", i);
+        const char *p = write_json(j, name);
+        cJSON_Delete(j);
+        tmd_bpe *t = NULL;
+        char err[2048] = "";
+        int rc = tmd_bpe_load(p, &t, err, sizeof err);
+        cr_assert_eq(rc, TMD_CONFIG_ERROR, "%s: rc %d (%s)", cases[i].what, rc, err);
+        cr_assert_null(t);
+        cr_assert(strstr(err, p), "%s: the message does not name the file: %s", cases[i].what, err);
+        cr_assert(strstr(err, cases[i].field), "%s: the message does not name '%s': %s", cases[i].what, cases[i].field,
+                  err);
+    }
+    /* not JSON at all, and a missing file */
+    FILE *f = fopen(tt_path("notjson.json"), "w");
+    fputs("{\"model\": {\"vocab\": {\"a\": 1,,}}", f);
+    fclose(f);
+    tmd_bpe *t = NULL;
+    char err[2048];
+    cr_assert_eq(tmd_bpe_load(tt_path("notjson.json"), &t, err, sizeof err), TMD_CONFIG_ERROR);
+    cr_assert(strstr(err, "notjson.json") && strstr(err, "not valid JSON"), "%s", err);
+    cr_assert_eq(tmd_bpe_load(tt_path("missing.json"), &t, err, sizeof err), TMD_CONFIG_ERROR);
+    cr_assert(strstr(err, "missing.json"), "%s", err);
+}
+
+/* Code points of known class (Unicode's own data: Lo, Nd in Arabic-Indic, No, Nl, Zs, So). */
+Test(bpe, unicode_classes) {
+    struct {
+        uint32_t cp;
+        int cls;
+    } c[] = {{'a', 'L'}, {'Z', 'L'}, {0xE9, 'L'},  {0x4E2D, 'L'},  {0x05D0, 'L'}, {0x0663, 'N'},  {0xBD, 'N'},
+             {0x216B, 'N'}, {0xB2, 'N'}, {'7', 'N'},  {0x3000, 'S'}, {0x85, 'S'},  {0xA0, 'S'},    {0x1C, 'O'},
+             {0x1F600, 'O'}, {'_', 'O'}, {0x301, 'O'}, {0x200B, 'O'},  {0x2028, 'S'}, {0x1D41A, 'L'}, {0x20000, 'L'}};
+    for (int i = 0; i < (int)(sizeof c / sizeof *c); i++)
+        cr_assert_eq(tmd_unicode_class(c[i].cp), c[i].cls, "U+%04X: class %c, want %c", c[i].cp,
+                     tmd_unicode_class(c[i].cp), c[i].cls);
+}
+
+/* An id above 65535 makes the token file uint32 (llm.c's version 7), read back as written. */
+Test(bpe, tokenize_writes_uint32_tokens_above_65535) {
+    cJSON *j = small_tokenizer(70000);
+    const char *tok = write_json(j, "big.json");
+    cJSON_Delete(j);
+    const char *in = tt_path("in.txt"), *out = tt_path("out.bin");
+    FILE *f = fopen(in, "w");
+    fputs("hello<|endoftext|>ab", f);
+    fclose(f);
+    char *argv[] = {(char *)tt_tinymoe(), "tokenize", "--tokenizer", (char *)tok, (char *)in, (char *)out, NULL};
+    int rc = tt_run(argv, tt_path("log"), 60, NULL);
+    long n;
+    unsigned char *log = tt_slurp(tt_path("log"), &n);
+    cr_assert_eq(rc, 0, "%s", log);
+    free(log);
+    unsigned char *b = tt_slurp(out, &n);
+    cr_assert_eq(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, TMD_DATA_MAGIC_V7);
+    free(b);
+    tmd_tokens t;
+    char err[1024];
+    cr_assert_eq(tmd_tokens_load(out, &t, err, sizeof err), 0, "%s", err);
+    uint32_t want[] = {257, 256, 'o', 70000, 'a', 'b', 70000}; /* the end-of-text appended */
+    cr_assert_eq(t.n, 7);
+    for (int i = 0; i < 7; i++) cr_assert_eq(t.tok[i], want[i], "token %d: %u, want %u", i, t.tok[i], want[i]);
+    tmd_tokens_free(&t);
+}
+
+/* ---- the driver, end to end --------------------------------------------------------------- */
+
+/* Run the tinymoe binary with args (NULL-terminated, after argv[0]); its exit code, and its
+ * output in *out (malloc'ed). */
+static int tinymoe(char **out, const char *log, ...) {
+    char *argv[64];
+    int n = 0;
+    argv[n++] = (char *)tt_tinymoe();
+    va_list ap;
+    va_start(ap, log);
+    for (char *a; (a = va_arg(ap, char *)) && n < 63;) argv[n++] = a;
+    va_end(ap);
+    argv[n] = NULL;
+    int rc = tt_run(argv, tt_path(log), 300, NULL);
+    long len;
+    *out = (char *)tt_slurp(tt_path(log), &len);
+    return rc;
+}
+
+/* tokenize -> train -> sample -> export through a tokenizer whose merges make "he" and "ll"
+ * (ids 256, 257) and whose <|endoftext|> is 258. The model learns "hello hello ...", so its
+ * greedy continuation is made of ids >= 256: before subword tokenizers, sample dropped every
+ * one of them and printed "o o o". */
+Test(bpe, tokenize_train_sample_export_through_the_run_tokenizer) {
+    TT_WATCHDOG(600);
+    cJSON *j = small_tokenizer(258);
+    char tok[4096], txt[4096]; /* tt_path's buffers rotate */
+    snprintf(tok, sizeof tok, "%s", write_json(j, "tokenizer.json"));
+    cJSON_Delete(j);
+    snprintf(txt, sizeof txt, "%s", tt_path("hello.txt"));
+    FILE *f = fopen(txt, "w");
+    for (int i = 0; i < 3000; i++) fputs("hello ", f);
+    fclose(f);
+    char *out;
+    cr_assert_eq(tinymoe(&out, "tok.log", "tokenize", "--tokenizer", tok, txt, tt_path("hello.bin"), "--val-fraction",
+                         "0.1", NULL),
+                 0, "%s", out);
+    cr_assert(strstr(out, "end-of-text 258 appended"), "%s", out);
+    free(out);
+    int rc = tinymoe(&out, "train.log", "train", "--preset", "tiny", "--data", tt_path("hello.bin"), "--val_data",
+                     tt_path("hello_val.bin"), "--tokenizer", tok, "--steps", "40", "--lr", "0.02", "--threads", "2",
+                     "--out", tt_path("run"), "--sample_prompt", "hello", "--sample_tokens", "6", "--temperature", "0",
+                     "--progress", "lines", NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert(strstr(out, "vocab_size") && strstr(out, "259"), "vocab_size does not follow the tokenizer:\n%s", out);
+    free(out);
+    /* the run's copy of the tokenizer, byte for byte */
+    long la, lb;
+    unsigned char *a = tt_slurp(tok, &la), *b = tt_slurp(tt_path("run/tokenizer.json"), &lb);
+    cr_assert(b && la == lb && !memcmp(a, b, (size_t)la), "run/tokenizer.json is not the tokenizer");
+    free(b);
+    /* sample reads it from the run directory even once the original is gone */
+    cr_assert_eq(rename(tok, tt_path("moved.json")), 0);
+    rc = tinymoe(&out, "sample.log", "sample", "--ckpt", tt_path("run"), "--prompt", "hello", "--tokens", "12",
+                 "--temperature", "0", NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert(strstr(out, "hello hello hello"), "the continuation lost its subword tokens:\n%s", out);
+    cr_assert(strstr(out, "tokenizer ") && strstr(out, "run/tokenizer.json"), "%s", out);
+    free(out);
+    /* export ships it; eval needs none */
+    rc = tinymoe(&out, "export.log", "export", "--ckpt", tt_path("run"), "--out", tt_path("hf"), NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    free(out);
+    b = tt_slurp(tt_path("hf/tokenizer.json"), &lb);
+    cr_assert(b && la == lb && !memcmp(a, b, (size_t)la), "hf/tokenizer.json is not the tokenizer");
+    free(a);
+    free(b);
+    rc = tinymoe(&out, "eval.log", "eval", "--ckpt", tt_path("run"), "--data", tt_path("hello_val.bin"), "--quiet",
+                 NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    free(out);
+    /* without the run directory's copy nor the recorded file: a clear refusal, then --tokenizer */
+    cr_assert_eq(mkdir(tt_path("bare"), 0755), 0);
+    char ck[4096];
+    snprintf(ck, sizeof ck, "%s", tt_path("bare/ckpt-00000040.tmck"));
+    cr_assert_eq(rename(tt_path("run/ckpt-00000040.tmck"), ck), 0);
+    rc = tinymoe(&out, "bare.log", "sample", "--ckpt", ck, "--prompt", "hello", "--tokens", "4", NULL);
+    cr_assert_eq(rc, TMD_CONFIG_ERROR, "%s", out);
+    cr_assert(strstr(out, "vocab_size 259 but no tokenizer") && strstr(out, "--tokenizer"), "%s", out);
+    free(out);
+    rc = tinymoe(&out, "bare2.log", "sample", "--ckpt", ck, "--prompt", "hello", "--tokens", "12", "--temperature",
+                 "0", "--tokenizer", tt_path("moved.json"), NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert(strstr(out, "hello hello hello"), "%s", out);
+    free(out);
+}
+
+/* vocab_size set below the tokenizer's ids is refused before anything is built. */
+Test(bpe, vocab_size_smaller_than_the_tokenizer_is_refused) {
+    cJSON *j = small_tokenizer(258);
+    char tok[4096], txt[4096];
+    snprintf(tok, sizeof tok, "%s", write_json(j, "tokenizer.json"));
+    cJSON_Delete(j);
+    snprintf(txt, sizeof txt, "%s", tt_path("t.txt"));
+    FILE *f = fopen(txt, "w");
+    for (int i = 0; i < 500; i++) fputs("hello ", f);
+    fclose(f);
+    char *out;
+    cr_assert_eq(tinymoe(&out, "tok.log", "tokenize", "--tokenizer", tok, txt, tt_path("t.bin"), NULL), 0, "%s", out);
+    free(out);
+    int rc = tinymoe(&out, "train.log", "train", "--preset", "tiny", "--data", tt_path("t.bin"), "--tokenizer", tok,
+                     "--vocab_size", "257", "--out", "", NULL);
+    cr_assert_eq(rc, TMD_CONFIG_ERROR, "%s", out);
+    cr_assert(strstr(out, "key 'vocab_size' = 257: smaller than the 259 ids of key 'tokenizer'"), "%s", out);
+    free(out);
+}
+
+/* A resumed run whose tokenizer file is gone takes the copy in its run directory. */
+Test(bpe, resume_takes_the_run_copy_when_the_tokenizer_is_gone) {
+    cJSON *j = small_tokenizer(258);
+    char tok[4096], txt[4096];
+    snprintf(tok, sizeof tok, "%s", write_json(j, "tokenizer.json"));
+    cJSON_Delete(j);
+    snprintf(txt, sizeof txt, "%s", tt_path("t.txt"));
+    FILE *f = fopen(txt, "w");
+    for (int i = 0; i < 500; i++) fputs("hello ", f);
+    fclose(f);
+    char *out;
+    cr_assert_eq(tinymoe(&out, "tok.log", "tokenize", "--tokenizer", tok, txt, tt_path("t.bin"), NULL), 0, "%s", out);
+    free(out);
+    int rc = tinymoe(&out, "a.log", "train", "--preset", "tiny", "--data", tt_path("t.bin"), "--tokenizer", tok,
+                     "--steps", "4", "--eval_every", "0", "--out", tt_path("run"), "--progress", "lines", NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    free(out);
+    cr_assert_eq(unlink(tok), 0);
+    rc = tinymoe(&out, "b.log", "train", "--resume", tt_path("run"), "--steps", "6", "--progress", "lines", NULL);
+    cr_assert_eq(rc, 0, "%s", out);
+    cr_assert(strstr(out, "is gone: the run's copy") && strstr(out, "run/tokenizer.json is used"), "%s", out);
+    free(out);
+}
+
+/* Any bytes, invalid UTF-8 and NULs included, encode and decode back to themselves, under
+ * either split (a byte-level tokenizer has a token for every byte). */
+Test(bpe, any_bytes_round_trip) {
+    for (int split = 0; split < 2; split++) {
+        cJSON *j = small_tokenizer(258);
+        if (split) {
+            cJSON *pt = cJSON_CreateObject(), *seq = cJSON_AddArrayToObject(pt, "pretokenizers"), *sp = cJSON_CreateObject();
+            cJSON_AddStringToObject(pt, "type", "Sequence");
+            cJSON_AddStringToObject(sp, "type", "Split");
+            cJSON_AddStringToObject(cJSON_AddObjectToObject(sp, "pattern"), "Regex",
+                                    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
+                                    "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+");
+            cJSON_AddStringToObject(sp, "behavior", "Isolated");
+            cJSON_AddItemToArray(seq, sp);
+            cJSON *bl = cJSON_CreateObject();
+            cJSON_AddStringToObject(bl, "type", "ByteLevel");
+            cJSON_AddFalseToObject(bl, "use_regex");
+            cJSON_AddItemToArray(seq, bl);
+            cJSON_ReplaceItemInObject(j, "pre_tokenizer", pt);
+        }
+        const char *p = write_json(j, "rt.json");
+        cJSON_Delete(j);
+        tmd_bpe *t;
+        char err[1024];
+        cr_assert_eq(tmd_bpe_load(p, &t, err, sizeof err), 0, "%s", err);
+        enum { N = 200000 };
+        unsigned char *text = malloc(N), *back = malloc(N);
+        uint64_t s = 12345 + (uint64_t)split;
+        for (int i = 0; i < N; i++) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            unsigned r = (unsigned)(s >> 33);
+            /* mostly text-like, with runs of high bytes (valid and broken UTF-8) and controls */
+            text[i] = r % 4 ? (unsigned char)" helo\n\t'sX9<|"[r % 14] : (unsigned char)(r >> 8);
+        }
+        uint32_t *ids = NULL;
+        int64_t n = 0, cap = 0;
+        cr_assert_eq(tmd_bpe_encode(t, (const char *)text, N, &ids, &n, &cap, err, sizeof err), 0);
+        size_t nb = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const unsigned char *b;
+            int bl = tmd_bpe_token_bytes(t, ids[i], &b);
+            cr_assert(bl > 0 && nb + (size_t)bl <= N, "id %u at %lld", ids[i], (long long)i);
+            memcpy(back + nb, b, (size_t)bl);
+            nb += (size_t)bl;
+        }
+        cr_assert(nb == N && !memcmp(back, text, N), "split %d: %zu bytes back of %d", split, nb, N);
+        free(ids);
+        free(text);
+        free(back);
+        tmd_bpe_free(t);
+    }
+}

@@ -1,0 +1,857 @@
+/*
+ * bpe.c — byte-level BPE from a Hugging Face tokenizer.json (bpe.h): loading and checking the
+ * JSON (cJSON), the byte-to-unicode map, ranked merges through a priority queue, added tokens,
+ * a cache of pieces, decoding.
+ *
+ * The reference is tokenizers' own code (tokenizers/src/models/bpe/{model,word}.rs,
+ * pre_tokenizers/byte_level.rs, tokenizer/added_vocabulary.rs); where it has a choice to make
+ * (ties between equal ranks, a merge listed twice, two kinds of added tokens) this file makes
+ * the same one, said where it happens.
+ */
+#include "bpe.h"
+
+#include <cJSON.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bpe_split.h"
+#include "status.h"
+#include "util.h"
+
+#define MAX_TOKENIZER_BYTES (512u << 20) /* Llama-3's is 9 MB, Qwen2's 7 MB */
+#define MAX_ID (1 << 24)                 /* ids beyond are a broken file, not a vocabulary */
+#define CACHE_SLOTS (1u << 16)           /* the piece cache is cleared when half full */
+#define CACHE_POOL_MAX (16u << 20)
+
+typedef struct added {
+    unsigned char *s;
+    int len, id;
+} added;
+
+/* A set of added tokens, sorted by first byte then longest first: the first that matches at a
+ * position is the longest there. */
+typedef struct added_set {
+    added *tok;
+    int n;
+    int start[257]; /* tokens starting with byte b: [start[b], start[b + 1]) */
+} added_set;
+
+typedef struct cache_slot {
+    uint64_t hash;
+    uint32_t key_off, key_len, ids_off, ids_n; /* key_len 0: empty */
+} cache_slot;
+
+struct tmd_bpe {
+    char path[1024], desc[1200];
+    tmd_split_kind split;
+    int max_digits;
+    int prefix_space;  /* ByteLevel add_prefix_space */
+    int ignore_merges; /* a piece that is a token is that token */
+    int vocab_size, eot;
+    /* per id: what it decodes to (dec_len -1: no token); mappable ids are also in tab */
+    uint32_t *dec_off;
+    int32_t *dec_len;
+    unsigned char *pool;
+    size_t pool_n, pool_cap;
+    int32_t *tab; /* bytes -> id, open addressing, -1 empty */
+    size_t tab_mask;
+    int32_t byte_id[256];
+    uint64_t *mkey; /* (left id << 32 | right id) -> rank, new id; UINT64_MAX empty */
+    int32_t *mrank, *mnew;
+    size_t m_mask;
+    added_set special, normal; /* normalized: false (matched first) and true */
+    /* scratch of one piece */
+    int32_t *sym, *prev, *next;
+    struct heap_ent {
+        int32_t rank, pos, new_id;
+    } *heap;
+    size_t scratch_cap, heap_cap;
+    /* the piece cache */
+    cache_slot *cache;
+    size_t cache_used;
+    unsigned char *ckeys;
+    uint32_t *cids;
+    size_t ckeys_n, ckeys_cap, cids_n, cids_cap;
+};
+
+/* ---- errors ------------------------------------------------------------------------------ */
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 5, 6)))
+#endif
+static int jfail(char *err, size_t errlen, const char *path, const char *field, const char *fmt, ...) {
+    char msg[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "tokenizer '%s': field '%s': %s", path, field, msg);
+}
+
+static int nomem(char *err, size_t errlen, const char *path) {
+    return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "tokenizer '%s': out of memory", path);
+}
+
+/* A JSON value shown in a message. */
+static const char *show(const cJSON *v, char *b, size_t len) {
+    if (!v) snprintf(b, len, "missing");
+    else if (cJSON_IsString(v)) snprintf(b, len, "\"%.60s\"", v->valuestring);
+    else if (cJSON_IsNumber(v)) snprintf(b, len, "%.17g", v->valuedouble);
+    else if (cJSON_IsBool(v)) snprintf(b, len, "%s", cJSON_IsTrue(v) ? "true" : "false");
+    else if (cJSON_IsNull(v)) snprintf(b, len, "null");
+    else snprintf(b, len, "%s", cJSON_IsArray(v) ? "an array" : "an object");
+    return b;
+}
+
+static const cJSON *get(const cJSON *o, const char *k) { return cJSON_GetObjectItemCaseSensitive(o, k); }
+static int is_true(const cJSON *o, const char *k) { return cJSON_IsTrue(get(o, k)); }
+static const char *type_of(const cJSON *o) {
+    const cJSON *t = get(o, "type");
+    return cJSON_IsString(t) ? t->valuestring : NULL;
+}
+
+/* ---- the byte-to-unicode map (GPT-2's bytes_to_unicode) ----------------------------------- */
+
+/* Printable Latin-1 bytes ('!'..'~', '¡'..'¬', '®'..'ÿ') are their own character; the other 68
+ * take U+0100 upwards in byte order, so that no token string holds a space or a control. */
+static void byte_map(uint32_t b2u[256], int16_t u2b[324]) {
+    uint32_t next = 256;
+    for (int i = 0; i < 324; i++) u2b[i] = -1;
+    for (int b = 0; b < 256; b++) {
+        int self = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+        b2u[b] = self ? (uint32_t)b : next++;
+        u2b[b2u[b]] = (int16_t)b;
+    }
+}
+
+/* A token string's bytes through the reverse map, into dst (room for strlen(s) bytes): the
+ * count, or -1 if a character is not a byte character (or the string is not UTF-8). */
+static int string_bytes(const char *s, const int16_t u2b[324], unsigned char *dst) {
+    size_t n = strlen(s), i = 0;
+    int k = 0;
+    while (i < n) {
+        size_t len;
+        uint32_t cp = tmd_utf8_next((const unsigned char *)s + i, n - i, &len);
+        if (cp >= 324 || u2b[cp] < 0) return -1;
+        dst[k++] = (unsigned char)u2b[cp];
+        i += len;
+    }
+    return k;
+}
+
+/* ---- hashing ------------------------------------------------------------------------------ */
+
+static uint64_t hash_bytes(const unsigned char *s, size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ s[i]) * 1099511628211ull;
+    return h ^ (h >> 29);
+}
+static uint64_t hash_pair(uint64_t k) {
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdull;
+    return k ^ (k >> 33);
+}
+
+static size_t pow2_at_least(size_t n) {
+    size_t c = 16;
+    while (c < n) c <<= 1;
+    return c;
+}
+
+static int pool_add(tmd_bpe *t, const unsigned char *s, size_t n, uint32_t *off) {
+    if (t->pool_n + n > t->pool_cap) {
+        size_t cap = t->pool_cap ? t->pool_cap : 1 << 16;
+        while (cap < t->pool_n + n) cap *= 2;
+        unsigned char *p = realloc(t->pool, cap);
+        if (!p) return -1;
+        t->pool = p;
+        t->pool_cap = cap;
+    }
+    if (n) memcpy(t->pool + t->pool_n, s, n);
+    *off = (uint32_t)t->pool_n;
+    t->pool_n += n;
+    return 0;
+}
+
+/* The vocabulary id whose bytes are s[0, n), or -1. */
+static int32_t lookup(const tmd_bpe *t, const unsigned char *s, size_t n) {
+    for (size_t i = hash_bytes(s, n) & t->tab_mask;; i = (i + 1) & t->tab_mask) {
+        int32_t id = t->tab[i];
+        if (id < 0) return -1;
+        if ((size_t)t->dec_len[id] == n && !memcmp(t->pool + t->dec_off[id], s, n)) return id;
+    }
+}
+
+/* Returns the id already holding these bytes, or -1 once inserted. */
+static int32_t tab_insert(tmd_bpe *t, int32_t id) {
+    const unsigned char *s = t->pool + t->dec_off[id];
+    size_t n = (size_t)t->dec_len[id];
+    for (size_t i = hash_bytes(s, n) & t->tab_mask;; i = (i + 1) & t->tab_mask) {
+        int32_t o = t->tab[i];
+        if (o < 0) {
+            t->tab[i] = id;
+            return -1;
+        }
+        if ((size_t)t->dec_len[o] == n && !memcmp(t->pool + t->dec_off[o], s, n)) return o;
+    }
+}
+
+static size_t merge_slot(const tmd_bpe *t, uint64_t key) {
+    size_t i = hash_pair(key) & t->m_mask;
+    while (t->mkey[i] != UINT64_MAX && t->mkey[i] != key) i = (i + 1) & t->m_mask;
+    return i;
+}
+
+/* ---- loading ------------------------------------------------------------------------------ */
+
+/* The split patterns this file implements, exactly as tokenizer.json spells them. */
+static const struct {
+    const char *re;
+    tmd_split_kind kind;
+    int max_digits;
+    const char *name;
+} PATTERNS[] = {
+    {"'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+", TMD_SPLIT_GPT2, 0, "GPT-2"},
+    {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+     "\\s+(?!\\S)|\\s+",
+     TMD_SPLIT_LLAMA3, 3, "Llama-3"},
+    {"'(?i:[sdmt]|ll|ve|re)|[^\\r\\n\\p{L}\\p{N}]?+\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]++[\\r\\n]*|\\s*[\\r\\n]|"
+     "\\s+(?!\\S)|\\s+",
+     TMD_SPLIT_LLAMA3, 3, "cl100k"},
+    {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+     "\\s+(?!\\S)|\\s+",
+     TMD_SPLIT_LLAMA3, 1, "Qwen2"},
+};
+
+static int read_byte_level(tmd_bpe *t, const cJSON *bl, const char *field, int want_regex, char *err, size_t errlen) {
+    char f[96], b[96];
+    const cJSON *ur = get(bl, "use_regex"), *aps = get(bl, "add_prefix_space");
+    int use_regex = ur ? cJSON_IsTrue(ur) : 1; /* tokenizers' default */
+    if (ur && !cJSON_IsBool(ur)) {
+        snprintf(f, sizeof f, "%s.use_regex", field);
+        return jfail(err, errlen, t->path, f, "%s, expected true or false", show(ur, b, sizeof b));
+    }
+    if (aps && !cJSON_IsBool(aps)) {
+        snprintf(f, sizeof f, "%s.add_prefix_space", field);
+        return jfail(err, errlen, t->path, f, "%s, expected true or false", show(aps, b, sizeof b));
+    }
+    if (want_regex >= 0 && use_regex != want_regex) {
+        snprintf(f, sizeof f, "%s.use_regex", field);
+        return jfail(err, errlen, t->path, f, "true after a Split: a second split of its pieces is not supported");
+    }
+    if (want_regex < 0) t->split = use_regex ? TMD_SPLIT_GPT2 : TMD_SPLIT_NONE;
+    t->prefix_space = cJSON_IsTrue(aps);
+    return 0;
+}
+
+static int read_pre_tokenizer(tmd_bpe *t, const cJSON *root, char *err, size_t errlen) {
+    const cJSON *pt = get(root, "pre_tokenizer");
+    char b[96];
+    const char *ty = type_of(pt);
+    if (ty && !strcmp(ty, "ByteLevel")) return read_byte_level(t, pt, "pre_tokenizer", -1, err, errlen);
+    if (!ty || strcmp(ty, "Sequence"))
+        return jfail(err, errlen, t->path, "pre_tokenizer.type", "%s: byte-level BPE needs ByteLevel, or a Sequence of "
+                     "Split and ByteLevel", ty ? ty : show(pt, b, sizeof b));
+    const cJSON *seq = get(pt, "pretokenizers");
+    const char *t0 = cJSON_IsArray(seq) && cJSON_GetArraySize(seq) == 2 ? type_of(cJSON_GetArrayItem(seq, 0)) : NULL,
+               *t1 = t0 ? type_of(cJSON_GetArrayItem(seq, 1)) : NULL;
+    if (!t0 || !t1 || strcmp(t0, "Split") || strcmp(t1, "ByteLevel"))
+        return jfail(err, errlen, t->path, "pre_tokenizer.pretokenizers",
+                     "supported: [Split (GPT-2, Llama-3, cl100k or Qwen2 pattern), ByteLevel]; other sequences are not");
+    const cJSON *sp = cJSON_GetArrayItem(seq, 0), *pat = get(get(sp, "pattern"), "Regex");
+    if (!cJSON_IsString(pat))
+        return jfail(err, errlen, t->path, "pre_tokenizer.pretokenizers[0].pattern.Regex", "%s, expected a string",
+                     show(pat, b, sizeof b));
+    int k = -1;
+    for (int i = 0; i < (int)(sizeof PATTERNS / sizeof *PATTERNS); i++)
+        if (!strcmp(pat->valuestring, PATTERNS[i].re)) k = i;
+    if (k < 0)
+        return jfail(err, errlen, t->path, "pre_tokenizer.pretokenizers[0].pattern.Regex",
+                     "\"%.120s\" is not one of the patterns implemented here (GPT-2, Llama-3, cl100k, Qwen2)",
+                     pat->valuestring);
+    const cJSON *beh = get(sp, "behavior");
+    if (!cJSON_IsString(beh) || strcmp(beh->valuestring, "Isolated"))
+        return jfail(err, errlen, t->path, "pre_tokenizer.pretokenizers[0].behavior", "%s, only \"Isolated\" is supported",
+                     show(beh, b, sizeof b));
+    if (is_true(sp, "invert"))
+        return jfail(err, errlen, t->path, "pre_tokenizer.pretokenizers[0].invert", "true is not supported");
+    t->split = PATTERNS[k].kind;
+    t->max_digits = PATTERNS[k].max_digits;
+    return read_byte_level(t, cJSON_GetArrayItem(seq, 1), "pre_tokenizer.pretokenizers[1]", 0, err, errlen);
+}
+
+/* The fields around the model: normalizer, decoder; the post-processor is not applied. */
+static int read_pipeline(tmd_bpe *t, const cJSON *root, char *err, size_t errlen) {
+    char b[96];
+    const cJSON *nz = get(root, "normalizer");
+    if (nz && !cJSON_IsNull(nz))
+        return jfail(err, errlen, t->path, "normalizer", "%s: normalizers are not supported (byte-level BPE has none)",
+                     type_of(nz) ? type_of(nz) : show(nz, b, sizeof b));
+    const cJSON *dec = get(root, "decoder");
+    if (!type_of(dec) || strcmp(type_of(dec), "ByteLevel"))
+        return jfail(err, errlen, t->path, "decoder.type", "%s, expected ByteLevel",
+                     type_of(dec) ? type_of(dec) : show(dec, b, sizeof b));
+    return read_pre_tokenizer(t, root, err, errlen);
+}
+
+static int check_model(tmd_bpe *t, const cJSON *m, char *err, size_t errlen) {
+    char b[96];
+    if (!cJSON_IsObject(m)) return jfail(err, errlen, t->path, "model", "%s, expected an object", show(m, b, sizeof b));
+    const char *ty = type_of(m);
+    if (ty && strcmp(ty, "BPE"))
+        return jfail(err, errlen, t->path, "model.type", "\"%s\": only BPE is supported", ty);
+    if (is_true(m, "byte_fallback"))
+        return jfail(err, errlen, t->path, "model.byte_fallback",
+                     "true: a SentencePiece-style BPE (Mistral, Mixtral, Llama 1-2) is not supported, only byte-level BPE");
+    const cJSON *d = get(m, "dropout");
+    if (d && !cJSON_IsNull(d) && !(cJSON_IsNumber(d) && d->valuedouble == 0))
+        return jfail(err, errlen, t->path, "model.dropout", "%s: BPE dropout is not supported", show(d, b, sizeof b));
+    static const char *const affix[] = {"continuing_subword_prefix", "end_of_word_suffix"};
+    for (int i = 0; i < 2; i++) {
+        const cJSON *v = get(m, affix[i]);
+        if (v && !cJSON_IsNull(v) && !(cJSON_IsString(v) && !v->valuestring[0])) {
+            char f[64];
+            snprintf(f, sizeof f, "model.%s", affix[i]);
+            return jfail(err, errlen, t->path, f, "%s is not supported", show(v, b, sizeof b));
+        }
+    }
+    const cJSON *im = get(m, "ignore_merges");
+    if (im && !cJSON_IsBool(im))
+        return jfail(err, errlen, t->path, "model.ignore_merges", "%s, expected true or false", show(im, b, sizeof b));
+    t->ignore_merges = cJSON_IsTrue(im);
+    return 0;
+}
+
+static int grow_ids(tmd_bpe *t, int n) {
+    int32_t *dl = realloc(t->dec_len, sizeof *dl * (size_t)n);
+    if (dl) t->dec_len = dl;
+    uint32_t *dof = realloc(t->dec_off, sizeof *dof * (size_t)n);
+    if (dof) t->dec_off = dof;
+    if (!dl || !dof) return -1;
+    for (int i = t->vocab_size; i < n; i++) t->dec_len[i] = -1, t->dec_off[i] = 0;
+    t->vocab_size = n;
+    return 0;
+}
+
+static int id_of(const cJSON *v) {
+    if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble >= MAX_ID || v->valuedouble != (int)v->valuedouble)
+        return -1;
+    return (int)v->valuedouble;
+}
+
+static int read_vocab(tmd_bpe *t, const cJSON *m, const uint32_t b2u[256], const int16_t u2b[324], char *err,
+                      size_t errlen) {
+    char b[96], f[160];
+    const cJSON *voc = get(m, "vocab");
+    if (!cJSON_IsObject(voc))
+        return jfail(err, errlen, t->path, "model.vocab", "%s, expected an object of token: id", show(voc, b, sizeof b));
+    int maxid = -1, count = 0;
+    for (const cJSON *e = voc->child; e; e = e->next, count++) {
+        int id = id_of(e);
+        if (id < 0) {
+            snprintf(f, sizeof f, "model.vocab[\"%.60s\"]", e->string);
+            return jfail(err, errlen, t->path, f, "%s, expected an integer id in [0, %d)", show(e, b, sizeof b), MAX_ID);
+        }
+        maxid = id > maxid ? id : maxid;
+    }
+    if (grow_ids(t, maxid + 1)) return nomem(err, errlen, t->path);
+    t->tab_mask = pow2_at_least((size_t)count * 2 + 2) - 1;
+    if (!(t->tab = malloc(sizeof *t->tab * (t->tab_mask + 1)))) return nomem(err, errlen, t->path);
+    memset(t->tab, 0xFF, sizeof *t->tab * (t->tab_mask + 1));
+    unsigned char *buf = NULL;
+    size_t bufcap = 0;
+    int rc = 0;
+    for (const cJSON *e = voc->child; e && !rc; e = e->next) {
+        int id = id_of(e);
+        snprintf(f, sizeof f, "model.vocab[\"%.60s\"]", e->string);
+        if (t->dec_len[id] >= 0) {
+            rc = jfail(err, errlen, t->path, f, "id %d is also another token's", id);
+            break;
+        }
+        size_t sl = strlen(e->string);
+        if (sl + 1 > bufcap) {
+            unsigned char *nb = realloc(buf, (bufcap = sl + 64));
+            if (!nb) {
+                rc = nomem(err, errlen, t->path);
+                break;
+            }
+            buf = nb;
+        }
+        /* A string of byte characters decodes to its bytes and can come out of merges; any
+         * other (none in GPT-2's or Llama-3's vocabularies) decodes to its UTF-8 text. */
+        int k = string_bytes(e->string, u2b, buf);
+        int mappable = k >= 0 && sl > 0;
+        if (!mappable) memcpy(buf, e->string, (size_t)(k = (int)sl));
+        if (pool_add(t, buf, (size_t)k, &t->dec_off[id])) {
+            rc = nomem(err, errlen, t->path);
+            break;
+        }
+        t->dec_len[id] = k;
+        if (mappable && tab_insert(t, id) >= 0)
+            rc = jfail(err, errlen, t->path, f, "the same bytes as another token");
+    }
+    free(buf);
+    if (rc) return rc;
+    for (int by = 0; by < 256; by++) {
+        unsigned char c = (unsigned char)by;
+        if ((t->byte_id[by] = lookup(t, &c, 1)) < 0)
+            return jfail(err, errlen, t->path, "model.vocab",
+                         "no token for byte 0x%02x (character U+%04X): a byte-level vocabulary holds all 256 bytes", by,
+                         (unsigned)b2u[by]);
+    }
+    return 0;
+}
+
+/* One side of a merge: its id, or a message. */
+static int side_id(tmd_bpe *t, const char *s, const int16_t u2b[324], unsigned char *buf, int *len) {
+    int k = string_bytes(s, u2b, buf);
+    *len = k;
+    return k > 0 ? lookup(t, buf, (size_t)k) : -1;
+}
+
+static int read_merges(tmd_bpe *t, const cJSON *m, const int16_t u2b[324], char *err, size_t errlen) {
+    char b[96], f[64];
+    const cJSON *mg = get(m, "merges");
+    if (!cJSON_IsArray(mg))
+        return jfail(err, errlen, t->path, "model.merges", "%s, expected an array", show(mg, b, sizeof b));
+    int n = cJSON_GetArraySize(mg);
+    t->m_mask = pow2_at_least((size_t)n * 2 + 2) - 1;
+    t->mkey = malloc(sizeof *t->mkey * (t->m_mask + 1));
+    t->mrank = malloc(sizeof *t->mrank * (t->m_mask + 1));
+    t->mnew = malloc(sizeof *t->mnew * (t->m_mask + 1));
+    if (!t->mkey || !t->mrank || !t->mnew) return nomem(err, errlen, t->path);
+    memset(t->mkey, 0xFF, sizeof *t->mkey * (t->m_mask + 1));
+    int rank = 0, rc = 0;
+    unsigned char *buf = NULL;
+    size_t bufcap = 0;
+    for (const cJSON *e = mg->child; e && !rc; e = e->next, rank++) {
+        snprintf(f, sizeof f, "model.merges[%d]", rank);
+        /* "a b" (tokenizers before 0.20) or ["a", "b"] */
+        char *l = NULL, *r = NULL, *dup = NULL;
+        if (cJSON_IsString(e)) {
+            dup = strdup(e->valuestring);
+            char *sp = dup ? strchr(dup, ' ') : NULL;
+            if (sp && !strchr(sp + 1, ' ')) *sp = 0, l = dup, r = sp + 1;
+        } else if (cJSON_IsArray(e) && cJSON_GetArraySize(e) == 2 && cJSON_IsString(e->child) &&
+                   cJSON_IsString(e->child->next)) {
+            l = e->child->valuestring;
+            r = e->child->next->valuestring;
+        }
+        if (!l) {
+            free(dup);
+            rc = jfail(err, errlen, t->path, f, "%s, expected \"left right\" or [\"left\", \"right\"]", show(e, b, sizeof b));
+            break;
+        }
+        size_t need = strlen(l) + strlen(r) + 1;
+        if (need > bufcap) {
+            unsigned char *nb = realloc(buf, (bufcap = need + 64));
+            if (!nb) {
+                free(dup);
+                rc = nomem(err, errlen, t->path);
+                break;
+            }
+            buf = nb;
+        }
+        int ll, rl, a = side_id(t, l, u2b, buf, &ll), c = side_id(t, r, u2b, buf + (ll > 0 ? ll : 0), &rl);
+        int nw = a >= 0 && c >= 0 ? lookup(t, buf, (size_t)(ll + rl)) : -1;
+        if (a < 0 || c < 0 || nw < 0)
+            rc = jfail(err, errlen, t->path, f, "\"%.40s\" + \"%.40s\": %s\"%.80s%s\" is not a byte-level token of model.vocab",
+                       l, r, a < 0 ? "" : c < 0 ? "" : "the merged ", a < 0 ? l : c < 0 ? r : l, a < 0 || c < 0 ? "" : r);
+        free(dup);
+        if (rc) break;
+        /* A pair listed twice keeps its last rank: tokenizers collects the list into a map. */
+        uint64_t key = (uint64_t)(uint32_t)a << 32 | (uint32_t)c;
+        size_t s = merge_slot(t, key);
+        t->mkey[s] = key;
+        t->mrank[s] = rank;
+        t->mnew[s] = nw;
+    }
+    free(buf);
+    return rc;
+}
+
+static int cmp_added(const void *pa, const void *pb) {
+    const added *a = pa, *b = pb;
+    if (a->s[0] != b->s[0]) return (int)a->s[0] - (int)b->s[0];
+    return b->len - a->len;
+}
+
+static int set_finish(added_set *s) {
+    if (s->n) qsort(s->tok, (size_t)s->n, sizeof *s->tok, cmp_added);
+    for (int b = 0, i = 0; b <= 256; b++) {
+        while (i < s->n && s->tok[i].s[0] < b) i++;
+        s->start[b] = i;
+    }
+    return 0;
+}
+
+static int read_added(tmd_bpe *t, const cJSON *root, const int16_t u2b[324], char *err, size_t errlen) {
+    char b[96], f[96];
+    const cJSON *at = get(root, "added_tokens");
+    if (at && !cJSON_IsNull(at) && !cJSON_IsArray(at))
+        return jfail(err, errlen, t->path, "added_tokens", "%s, expected an array", show(at, b, sizeof b));
+    int n = at ? cJSON_GetArraySize(at) : 0;
+    t->special.tok = calloc((size_t)n + 1, sizeof(added));
+    t->normal.tok = calloc((size_t)n + 1, sizeof(added));
+    if (!t->special.tok || !t->normal.tok) return nomem(err, errlen, t->path);
+    static const char *const eot_names[] = {"<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"};
+    int eot_rank = 99, i = 0;
+    for (const cJSON *e = at ? at->child : NULL; e; e = e->next, i++) {
+        const cJSON *content = get(e, "content");
+        int id = id_of(get(e, "id"));
+        if (id < 0) {
+            snprintf(f, sizeof f, "added_tokens[%d].id", i);
+            return jfail(err, errlen, t->path, f, "%s, expected an integer in [0, %d)", show(get(e, "id"), b, sizeof b),
+                         MAX_ID);
+        }
+        if (!cJSON_IsString(content) || !content->valuestring[0]) {
+            snprintf(f, sizeof f, "added_tokens[%d].content", i);
+            return jfail(err, errlen, t->path, f, "%s, expected a non-empty string", show(content, b, sizeof b));
+        }
+        static const char *const unsupported[] = {"lstrip", "rstrip", "single_word"};
+        for (int k = 0; k < 3; k++)
+            if (is_true(e, unsupported[k])) {
+                snprintf(f, sizeof f, "added_tokens[%d].%s", i, unsupported[k]);
+                return jfail(err, errlen, t->path, f, "true (token \"%.40s\") is not supported", content->valuestring);
+            }
+        if (id >= t->vocab_size && grow_ids(t, id + 1)) return nomem(err, errlen, t->path);
+        /* What it decodes to is ByteLevel's rule (bpe.h), whether or not the vocabulary has it. */
+        size_t sl = strlen(content->valuestring);
+        unsigned char *tmp = malloc(sl + 1);
+        if (!tmp) return nomem(err, errlen, t->path);
+        int k = string_bytes(content->valuestring, u2b, tmp);
+        int rc = k >= 0 ? pool_add(t, tmp, (size_t)k, &t->dec_off[id])
+                        : pool_add(t, (const unsigned char *)content->valuestring, sl, &t->dec_off[id]);
+        free(tmp);
+        if (rc) return nomem(err, errlen, t->path);
+        t->dec_len[id] = k >= 0 ? k : (int)sl;
+        /* Tokens not normalized are split off first, then the normalized ones in what is left
+         * (tokenizers' AddedVocabulary; "special" tokens are not normalized by default). */
+        const cJSON *norm = get(e, "normalized");
+        added_set *s = cJSON_IsTrue(norm) ? &t->normal : &t->special;
+        added *a = &s->tok[s->n++];
+        if (!(a->s = (unsigned char *)strdup(content->valuestring))) return nomem(err, errlen, t->path);
+        a->len = (int)sl;
+        a->id = id;
+        for (int r = 0; r < 4; r++)
+            if (r < eot_rank && !strcmp(content->valuestring, eot_names[r])) eot_rank = r, t->eot = id;
+    }
+    set_finish(&t->special);
+    set_finish(&t->normal);
+    return 0;
+}
+
+int tmd_bpe_load(const char *path, tmd_bpe **out, char *err, size_t errlen) {
+    *out = NULL;
+    unsigned char *data = NULL;
+    size_t len = 0;
+    int rc = tmd_read_file(path, MAX_TOKENIZER_BYTES, &data, &len, err, errlen);
+    if (rc) return rc;
+    tmd_bpe *t = calloc(1, sizeof *t);
+    if (!t) {
+        free(data);
+        return nomem(err, errlen, path);
+    }
+    snprintf(t->path, sizeof t->path, "%s", path);
+    t->eot = -1;
+    cJSON *root = cJSON_ParseWithLength((const char *)data, len);
+    if (!root) {
+        const char *at = cJSON_GetErrorPtr();
+        long off = at && at >= (const char *)data && at <= (const char *)data + len ? (long)(at - (const char *)data) : -1;
+        rc = tmd_fail(err, errlen, TMD_CONFIG_ERROR, "tokenizer '%s': not valid JSON (error near byte %ld of %zu)", path,
+                      off, len);
+    }
+    free(data);
+    if (!root) goto fail;
+    uint32_t b2u[256];
+    int16_t u2b[324];
+    byte_map(b2u, u2b);
+    const cJSON *m = get(root, "model");
+    if ((rc = check_model(t, m, err, errlen)) || (rc = read_pipeline(t, root, err, errlen)) ||
+        (rc = read_vocab(t, m, b2u, u2b, err, errlen)) || (rc = read_merges(t, m, u2b, err, errlen)) ||
+        (rc = read_added(t, root, u2b, err, errlen)))
+        goto fail;
+    cJSON_Delete(root);
+    root = NULL;
+    static const char *const names[] = {"no split", "GPT-2 split", "Llama-3 split"};
+    snprintf(t->desc, sizeof t->desc, "byte-level BPE, %s%s, %d tokens (%s)", names[t->split],
+             t->split == TMD_SPLIT_LLAMA3 && t->max_digits == 1 ? " with single digits" : "", t->vocab_size, path);
+    *out = t;
+    return 0;
+fail:
+    cJSON_Delete(root);
+    tmd_bpe_free(t);
+    return rc;
+}
+
+void tmd_bpe_free(tmd_bpe *t) {
+    if (!t) return;
+    added_set *sets[2] = {&t->special, &t->normal};
+    for (int k = 0; k < 2; k++) {
+        for (int i = 0; i < sets[k]->n; i++) free(sets[k]->tok[i].s);
+        free(sets[k]->tok);
+    }
+    free(t->dec_off), free(t->dec_len), free(t->pool), free(t->tab);
+    free(t->mkey), free(t->mrank), free(t->mnew);
+    free(t->sym), free(t->prev), free(t->next), free(t->heap);
+    free(t->cache), free(t->ckeys), free(t->cids);
+    free(t);
+}
+
+int tmd_bpe_vocab_size(const tmd_bpe *t) { return t->vocab_size; }
+int tmd_bpe_eot(const tmd_bpe *t) { return t->eot; }
+const char *tmd_bpe_describe(const tmd_bpe *t) { return t->desc; }
+
+int tmd_bpe_token_bytes(const tmd_bpe *t, int64_t id, const unsigned char **bytes) {
+    if (id < 0 || id >= t->vocab_size || t->dec_len[id] < 0) return -1;
+    *bytes = t->pool + t->dec_off[id];
+    return t->dec_len[id];
+}
+
+/* ---- encoding ----------------------------------------------------------------------------- */
+
+typedef struct vec {
+    uint32_t **v;
+    int64_t *n, *cap;
+} vec;
+
+static int push(vec *o, uint32_t id) {
+    if (*o->n == *o->cap) {
+        int64_t cap = *o->cap ? *o->cap * 2 : 1024;
+        uint32_t *p = realloc(*o->v, sizeof *p * (size_t)cap);
+        if (!p) return -1;
+        *o->v = p;
+        *o->cap = cap;
+    }
+    (*o->v)[(*o->n)++] = id;
+    return 0;
+}
+
+/* The min-heap of candidate merges: lowest rank, then leftmost (tokenizers' Merge ordering). */
+static int heap_less(const struct heap_ent *a, const struct heap_ent *b) {
+    return a->rank != b->rank ? a->rank < b->rank : a->pos < b->pos;
+}
+static void heap_push(tmd_bpe *t, size_t *hn, struct heap_ent e) {
+    size_t i = (*hn)++;
+    while (i > 0 && heap_less(&e, &t->heap[(i - 1) / 2])) {
+        t->heap[i] = t->heap[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    t->heap[i] = e;
+}
+static struct heap_ent heap_pop(tmd_bpe *t, size_t *hn) {
+    struct heap_ent top = t->heap[0], last = t->heap[--*hn];
+    size_t i = 0, n = *hn;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && heap_less(&t->heap[c + 1], &t->heap[c])) c++;
+        if (!heap_less(&t->heap[c], &last)) break;
+        t->heap[i] = t->heap[c];
+        i = c;
+    }
+    if (n) t->heap[i] = last;
+    return top;
+}
+
+/* The pair (sym[i], sym[next[i]]) as a candidate, if it is a merge. */
+static void candidate(tmd_bpe *t, size_t *hn, int i) {
+    int j = t->next[i];
+    if (j < 0) return;
+    uint64_t key = (uint64_t)(uint32_t)t->sym[i] << 32 | (uint32_t)t->sym[j];
+    size_t s = merge_slot(t, key);
+    if (t->mkey[s] == key) heap_push(t, hn, (struct heap_ent){t->mrank[s], i, t->mnew[s]});
+}
+
+static int scratch(tmd_bpe *t, size_t m) {
+    if (m <= t->scratch_cap) return 0;
+    size_t cap = m * 2;
+    int32_t *a = realloc(t->sym, sizeof *a * cap), *b = a ? realloc(t->prev, sizeof *b * cap) : NULL;
+    if (a) t->sym = a;
+    if (b) t->prev = b;
+    int32_t *c = b ? realloc(t->next, sizeof *c * cap) : NULL;
+    if (c) t->next = c;
+    struct heap_ent *h = c ? realloc(t->heap, sizeof *h * cap * 3) : NULL;
+    if (h) t->heap = h;
+    if (!h) return -1;
+    t->scratch_cap = cap;
+    return 0;
+}
+
+/* The merges of one piece of m >= 2 bytes: the surviving symbols, in order, pushed to o. */
+static int merge_piece(tmd_bpe *t, const unsigned char *s, size_t m, vec *o) {
+    if (scratch(t, m)) return -1;
+    for (size_t i = 0; i < m; i++) {
+        t->sym[i] = t->byte_id[s[i]];
+        t->prev[i] = (int32_t)i - 1;
+        t->next[i] = i + 1 < m ? (int32_t)i + 1 : -1;
+    }
+    size_t hn = 0;
+    for (size_t i = 0; i + 1 < m; i++) candidate(t, &hn, (int)i);
+    while (hn) {
+        struct heap_ent e = heap_pop(t, &hn);
+        int i = e.pos, j = t->next[i];
+        /* stale: the left symbol was merged away (sym -1), or the pair is no longer this merge */
+        if (t->sym[i] < 0 || j < 0) continue;
+        uint64_t key = (uint64_t)(uint32_t)t->sym[i] << 32 | (uint32_t)t->sym[j];
+        size_t sl = merge_slot(t, key);
+        if (t->mkey[sl] != key || t->mnew[sl] != e.new_id) continue;
+        t->sym[i] = e.new_id;
+        t->sym[j] = -1;
+        t->next[i] = t->next[j];
+        if (t->next[j] >= 0) t->prev[t->next[j]] = i;
+        if (t->prev[i] >= 0) candidate(t, &hn, t->prev[i]);
+        candidate(t, &hn, i);
+    }
+    for (int i = 0; i >= 0; i = t->next[i])
+        if (push(o, (uint32_t)t->sym[i])) return -1;
+    return 0;
+}
+
+static void cache_clear(tmd_bpe *t) {
+    memset(t->cache, 0, sizeof *t->cache * CACHE_SLOTS);
+    t->cache_used = t->ckeys_n = t->cids_n = 0;
+}
+
+/* Append what the cache holds for this piece: 1, or 0 when it has nothing. */
+static int cache_get(tmd_bpe *t, const unsigned char *s, size_t m, uint64_t h, vec *o, int *rc) {
+    if (!t->cache) return 0;
+    for (size_t i = h & (CACHE_SLOTS - 1);; i = (i + 1) & (CACHE_SLOTS - 1)) {
+        cache_slot *c = &t->cache[i];
+        if (!c->key_len) return 0;
+        if (c->hash == h && c->key_len == m && !memcmp(t->ckeys + c->key_off, s, m)) {
+            for (uint32_t k = 0; k < c->ids_n; k++)
+                if (push(o, t->cids[c->ids_off + k])) {
+                    *rc = -1;
+                    break;
+                }
+            return 1;
+        }
+    }
+}
+
+static void cache_put(tmd_bpe *t, const unsigned char *s, size_t m, uint64_t h, const uint32_t *ids, size_t k) {
+    if (!t->cache && !(t->cache = calloc(CACHE_SLOTS, sizeof *t->cache))) return;
+    if (t->cache_used >= CACHE_SLOTS / 2 || t->ckeys_n + m > CACHE_POOL_MAX || (t->cids_n + k) * 4 > CACHE_POOL_MAX)
+        cache_clear(t);
+    if (t->ckeys_n + m > t->ckeys_cap) {
+        size_t cap = t->ckeys_cap ? t->ckeys_cap * 2 : 1 << 16;
+        while (cap < t->ckeys_n + m) cap *= 2;
+        unsigned char *p = realloc(t->ckeys, cap);
+        if (!p) return;
+        t->ckeys = p, t->ckeys_cap = cap;
+    }
+    if (t->cids_n + k > t->cids_cap) {
+        size_t cap = t->cids_cap ? t->cids_cap * 2 : 1 << 14;
+        while (cap < t->cids_n + k) cap *= 2;
+        uint32_t *p = realloc(t->cids, cap * sizeof *p);
+        if (!p) return;
+        t->cids = p, t->cids_cap = cap;
+    }
+    size_t i = h & (CACHE_SLOTS - 1);
+    while (t->cache[i].key_len) i = (i + 1) & (CACHE_SLOTS - 1);
+    t->cache[i] = (cache_slot){h, (uint32_t)t->ckeys_n, (uint32_t)m, (uint32_t)t->cids_n, (uint32_t)k};
+    memcpy(t->ckeys + t->ckeys_n, s, m);
+    memcpy(t->cids + t->cids_n, ids, k * sizeof *ids);
+    t->ckeys_n += m;
+    t->cids_n += k;
+    t->cache_used++;
+}
+
+#define CACHE_MAX_PIECE 256 /* longer pieces (runs of spaces, long words) are rarely repeated */
+
+static int encode_piece(tmd_bpe *t, const unsigned char *s, size_t m, vec *o) {
+    if (!m) return 0;
+    if (m == 1) return push(o, (uint32_t)t->byte_id[s[0]]);
+    int32_t whole = t->ignore_merges ? lookup(t, s, m) : -1;
+    if (whole >= 0) return push(o, (uint32_t)whole);
+    uint64_t h = hash_bytes(s, m);
+    int rc = 0;
+    if (m <= CACHE_MAX_PIECE && cache_get(t, s, m, h, o, &rc)) return rc;
+    int64_t before = *o->n;
+    if (merge_piece(t, s, m, o)) return -1;
+    if (m <= CACHE_MAX_PIECE) cache_put(t, s, m, h, *o->v + before, (size_t)(*o->n - before));
+    return 0;
+}
+
+/* A segment between added tokens: the pre-tokenizer's pieces, each through the merges.
+ * add_prefix_space puts a space before the segment (ByteLevel's own split) or before each
+ * piece of a Split, whichever reaches ByteLevel, when it does not start with one. */
+static int encode_segment(tmd_bpe *t, const unsigned char *s, size_t n, vec *o) {
+    unsigned char *tmp = NULL;
+    if (t->prefix_space && n && s[0] != ' ' && t->split != TMD_SPLIT_LLAMA3) {
+        if (!(tmp = malloc(n + 1))) return -1;
+        tmp[0] = ' ';
+        memcpy(tmp + 1, s, n);
+        s = tmp, n++;
+    }
+    int rc = 0;
+    for (size_t i = 0; i < n && !rc;) {
+        size_t k = tmd_split_next(t->split, t->max_digits, s + i, n - i);
+        if (t->prefix_space && t->split == TMD_SPLIT_LLAMA3 && s[i] != ' ') {
+            unsigned char *p = malloc(k + 1);
+            if (!p) rc = -1;
+            else {
+                p[0] = ' ';
+                memcpy(p + 1, s + i, k);
+                rc = encode_piece(t, p, k + 1, o);
+                free(p);
+            }
+        } else {
+            rc = encode_piece(t, s + i, k, o);
+        }
+        i += k;
+    }
+    free(tmp);
+    return rc;
+}
+
+/* The leftmost, then longest, token of set at or after s[from] within s[0, n): its start, or n. */
+static size_t find_added(const added_set *set, const unsigned char *s, size_t n, size_t from, const added **hit) {
+    if (!set->n) return n;
+    for (size_t p = from; p < n; p++) {
+        int b = s[p];
+        for (int k = set->start[b]; k < set->start[b + 1]; k++) {
+            const added *a = &set->tok[k];
+            if ((size_t)a->len <= n - p && !memcmp(s + p, a->s, (size_t)a->len)) {
+                *hit = a;
+                return p;
+            }
+        }
+    }
+    return n;
+}
+
+/* Split s on the tokens of `set`, encoding what lies between with `inner` (the next set, then
+ * the pre-tokenizer). */
+static int encode_added(tmd_bpe *t, const added_set *set, const unsigned char *s, size_t n, vec *o) {
+    size_t pos = 0;
+    while (pos < n) {
+        const added *hit = NULL;
+        size_t p = find_added(set, s, n, pos, &hit);
+        int rc = set == &t->special ? encode_added(t, &t->normal, s + pos, p - pos, o)
+                                    : encode_segment(t, s + pos, p - pos, o);
+        if (rc) return rc;
+        if (p == n) break;
+        if (push(o, (uint32_t)hit->id)) return -1;
+        pos = p + (size_t)hit->len;
+    }
+    return 0;
+}
+
+int tmd_bpe_encode(tmd_bpe *t, const char *text, size_t len, uint32_t **ids, int64_t *n, int64_t *cap, char *err,
+                   size_t errlen) {
+    vec o = {ids, n, cap};
+    if (encode_added(t, &t->special, (const unsigned char *)text, len, &o))
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "tokenizer '%s': out of memory encoding %zu bytes", t->path, len);
+    return 0;
+}
+
+int tmd_bpe_encode_append(uint32_t **ids, int64_t *n, int64_t *cap, const uint32_t *add, int64_t k) {
+    vec o = {ids, n, cap};
+    for (int64_t i = 0; i < k; i++)
+        if (push(&o, add[i])) return -1;
+    return 0;
+}
