@@ -106,6 +106,8 @@ tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad) {
     if (!tm__same_device(grad->device, out->device))
         return tm__err(ctx, TM_ERR_DEVICE, "tm_backward: gradient %s is not on the output's device (%s)",
                        tm__tdesc(ctx, grad), tm__tdesc(ctx, out));
+    /* ZeRO-2: the parameters' full gradient buffers exist from a step's first backward on */
+    TM__TRY(tm__bucket_grads_materialize(ctx));
     if (out->grad) {
         TM__TRY(tm__accumulate(ctx, out->grad, grad, 1.0));
     } else {

@@ -95,6 +95,17 @@ typedef struct tm__bucket {
     int master_sharded;
     int64_t master_lo, master_hi;
     tm_tensor flat[3]; /* 1-D views of the used range: params, grads, master (TM_BUCKET_*) */
+    /* ZeRO-2 (tm__zero_level >= 2 when the bucket was made): the full gradient buffer `grads`
+     * is transient: its layout (grads.used) is kept, its memory exists only from the first
+     * backward of a step (tm__bucket_grads_materialize, G blocks of the ZeRO block, zeroed) to
+     * the reduce-scatter of tm_comm_sync_grads or tm_ctx_zero_grad, which give it back. What
+     * persists is `gshard`: the reduced gradients of this rank's block (the ZeRO block's
+     * elements; the view `flat_gshard` covers bucket elements [gshard_lo, gshard_hi)). */
+    int grads_transient;
+    size_t grads_acct; /* bytes of the materialized full buffer, as accounted */
+    tm__pool gshard;
+    int64_t gshard_lo, gshard_hi;
+    tm_tensor flat_gshard;
 } tm__bucket;
 
 typedef struct tm__node {
@@ -189,6 +200,12 @@ void tm__release_call(tm__call *c);
  * this rank holds follows (param.c; a no-op for other parameters). */
 tm_status tm__param_master_write(tm_ctx *ctx, const tm_tensor *p, tm_dtype src_dt, const void *src);
 tm_status tm__param_master_fill(tm_ctx *ctx, const tm_tensor *p, double value);
+/* ZeRO-2 (param.c): give every bucket with a transient gradient buffer that has none its full
+ * buffer, zeroed (tm_backward_with_grad, before the tape runs). Errors: TM_ERR_NOMEM,
+ * TM_ERR_CUDA. And give bucket bi's full buffer back (after its reduce-scatter, or
+ * tm_ctx_zero_grad); no-op when it has none. */
+tm_status tm__bucket_grads_materialize(tm_ctx *ctx);
+void tm__bucket_grads_release(tm_ctx *ctx, int bi);
 /* Free the context's communicator (tm_ctx_free). */
 void tm__comm_destroy(tm_ctx *ctx);
 

@@ -365,6 +365,10 @@ static tm_status tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, v
         return tm__err(ctx, TM_ERR_STATE, "tm_tensor_read: \"%s\" is split over the ranks (ZeRO-1); this rank holds "
                        "part of it (checkpoints gather it)", t->name);
     if (n == 0) return TM_OK;
+    if (t->storage && !t->storage->data)
+        return tm__err(ctx, TM_ERR_STATE, "tm_tensor_read: %s has no memory now: a parameter gradient under ZeRO-2 "
+                       "exists from a step's first backward to tm_comm_sync_grads, which keeps this rank's reduced "
+                       "block only", tm__tdesc(ctx, t));
     /* A CPU tensor stands for device memory here: reading it back is where a CUDA run would
      * wait for its stream, so it counts as one synchronisation (tm_ctx_sync_count). A device
      * tensor's D2H copy below counts itself. */
@@ -412,6 +416,9 @@ static tm_status tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const 
         return tm__err(ctx, TM_ERR_STATE, "tm_tensor_write: \"%s\" is split over the ranks (ZeRO-1); this rank holds "
                        "part of it", t->name);
     if (n == 0) return TM_OK;
+    if (t->storage && !t->storage->data)
+        return tm__err(ctx, TM_ERR_STATE, "tm_tensor_write: %s has no memory now (a parameter gradient under ZeRO-2 "
+                       "outside a step's backward)", tm__tdesc(ctx, t));
     tm__mirror_drop(ctx, t);
     tm_tensor *master = t->pm ? t->pm->master : NULL;
     if (master) TM__TRY(tm_tensor_write(ctx, master, src_dt, src, count)); /* f32 master weights follow */
