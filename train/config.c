@@ -232,7 +232,8 @@ static const key KEYS[] = {
      "CUDA collectives: NCCL when every rank has its own GPU, host-staged MPI always (off), or NCCL even for one "
      "rank (always: a check of that engine on one GPU)", 0, 0},
     {"print_layout", T_BOOL, G_DIST, OFF(print_layout), NULL, "false", 0, NULL,
-     "print which rank holds which parameters and experts, and its bytes; draw <out>/layout.svg", 0, 0},
+     "print which rank holds which parameters and experts, and its bytes (and, after the run, its peaks and ZeRO-2's "
+     "transient gradient bytes); draw <out>/layout.svg", 0, 0},
 };
 
 // clang-format on

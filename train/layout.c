@@ -34,8 +34,9 @@ static void write_svg(FILE *f, const int64_t *rows, int W, int E, int P, int zer
                "font-size=\"11\">\n", width, height);
     fprintf(f, "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
     fprintf(f, "<text x=\"%d\" y=\"16\" font-size=\"13\">%d ranks, ep_size %d%s: parameters held (dense | "
-               "experts)%s</text>\n", left, W, P, zero ? ", ZeRO-1" : "",
-            zero ? "; dark band: this rank's optimizer-state block" : "");
+               "experts)%s</text>\n", left, W, P, zero == 2 ? ", ZeRO-2" : zero ? ", ZeRO-1" : "",
+            zero == 2 ? "; dark band: this rank's optimizer-state and gradient block"
+            : zero ? "; dark band: this rank's optimizer-state block" : "");
     fprintf(f, "<text x=\"%d\" y=\"%d\">dense</text>\n", left, top - 6);
     for (int e = 0; e < E; e++)
         fprintf(f, "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">e%d</text>\n", left + dw + 10 + e * cw + cw / 2,
@@ -62,8 +63,10 @@ static void write_svg(FILE *f, const int64_t *rows, int W, int E, int P, int zer
     char pb[32], ob[32];
     human((double)rows[R_PARAMS], pb, sizeof pb);
     human((double)rows[R_OPTIM], ob, sizeof ob);
-    fprintf(f, "<text x=\"%d\" y=\"%d\">rank 0: parameters %s, gradients the same, optimizer state %s</text>\n", left,
-            top + W * rh + 22, pb, ob);
+    char gb[32];
+    human((double)rows[R_GRADS], gb, sizeof gb);
+    fprintf(f, "<text x=\"%d\" y=\"%d\">rank 0: parameters %s, gradients %s, optimizer state %s</text>\n", left,
+            top + W * rh + 22, pb, gb, ob);
     fprintf(f, "</svg>\n");
 }
 
@@ -136,20 +139,60 @@ int tmd_layout_print(tm_ctx *ctx, tm_device dev, int num_experts, FILE *log, con
     return rc;
 }
 
+/* After the run: each rank's high-water marks. The gradients' peak less what they hold now is
+ * the transient part: ZeRO-2's full gradient buffer, which exists from a step's first backward
+ * to its gradient synchronisation (0 at the other levels, whose buffer is always there). */
+int tmd_layout_print_peaks(tm_ctx *ctx, tm_device dev, FILE *log, char *err, size_t errlen) {
+    int W = tm_comm_size(ctx, TM_COMM_WORLD);
+    enum { K_RANK, K_PARAMS, K_GRADS, K_OPTIM, K_TRANSIENT, K_N };
+    int64_t mine[K_N] = {0};
+    mine[K_RANK] = tm_comm_rank(ctx, TM_COMM_WORLD);
+    tm_memory_report mr;
+    if (tm_ctx_memory_report(ctx, dev, &mr) == TM_OK) {
+        mine[K_PARAMS] = (int64_t)mr.peak[TM_MEM_PARAMETERS];
+        mine[K_GRADS] = (int64_t)mr.peak[TM_MEM_GRADIENTS];
+        mine[K_OPTIM] = (int64_t)mr.peak[TM_MEM_OPTIMIZER];
+        mine[K_TRANSIENT] = (int64_t)(mr.peak[TM_MEM_GRADIENTS] - mr.current[TM_MEM_GRADIENTS]);
+    }
+    int64_t *rows = malloc(sizeof(int64_t) * K_N * (size_t)W);
+    if (!rows) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
+    tm_status s = tm_comm_allgather_host(ctx, TM_COMM_WORLD, mine, rows, sizeof mine);
+    if (s) {
+        free(rows);
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "gathering the memory peaks: %s", tm_ctx_errmsg(ctx));
+    }
+    if (mine[K_RANK] == 0 && log) {
+        fprintf(log, "\nlayout after the run, peaks: ZeRO-%d\n", tm_comm_get_options(ctx).zero);
+        fprintf(log, "  %4s %14s %14s %14s %14s   (bytes on %s)\n", "rank", "parameters", "gradients", "optimizer",
+                "transient", dev.type == TM_DEVICE_CPU ? "cpu" : "the GPU");
+        for (int r = 0; r < W; r++) {
+            const int64_t *q = rows + (size_t)r * K_N;
+            fprintf(log, "  %4lld %14lld %14lld %14lld %14lld\n", (long long)q[K_RANK], (long long)q[K_PARAMS],
+                    (long long)q[K_GRADS], (long long)q[K_OPTIM], (long long)q[K_TRANSIENT]);
+        }
+        fflush(log);
+    }
+    free(rows);
+    return 0;
+}
+
 /* ---- planned: tinymoe plan ---------------------------------------------------------------- */
 /* The formulas of the library, for a model that is not built:
  *  - a bucket per (dtype, group): the model's dtype for dense weights, f32 for the MoE gates
  *    (f64 for f64 models), the model's dtype for the experts (framework/param.c);
  *  - every parameter padded to 64 bytes in its bucket; gradients the same layout;
  *  - expert parallelism: each rank holds E / P experts of every routed-expert tensor;
- *  - ZeRO-1: a bucket of n elements over a group of G ranks in blocks of ceil(n / G) rounded up
- *    to 64 elements (framework/comm.c tm__zero_block); rank j's block [j blk, (j+1) blk) clipped
- *    to n; AdamW keeps 2 f32 buffers of its block (at least one element each), a bf16 bucket an
- *    f32 master of its block;
+ *  - ZeRO-1 and 2: a bucket of n elements over a group of G ranks in blocks of ceil(n / G)
+ *    rounded up to 64 elements (framework/comm.c tm__zero_block); rank j's block [j blk, (j+1) blk)
+ *    clipped to n; AdamW keeps 2 f32 buffers of its block (at least one element each), a bf16
+ *    bucket an f32 master of its block;
+ *  - ZeRO-2: the gradients a rank keeps are a shard of blk elements per bucket (a group of one
+ *    rank too: blk is then n rounded up to 64), and the full buffer of G blk elements exists
+ *    from a step's first backward to its synchronisation (the transient bytes);
  *  - the optimizer's step counter: an i64 host buffer.
  * Communication of a step (bytes this rank hands to the collectives, as tm_comm_get_stats counts
  * them): gradient sync per bucket whose group has > 1 rank: all-reduce of the bucket, or under
- * ZeRO-1 a reduce-scatter of the G blocks; then ZeRO-1's parameter all-gather of the block. The MoE
+ * ZeRO-1 and 2 a reduce-scatter of the G blocks; then their parameter all-gather of the block. The MoE
  * dispatch of expert parallelism per layer and micro-batch, forward and backward, assuming
  * balanced routing: all-to-all of T k (P - 1) / P rows of H each way; all-gather of T rows of
  * H (+ the router outputs, T E (f32 + u8)) and a reduce-scatter of P T rows; or, deduplicated,
@@ -204,12 +247,17 @@ void tmd_plan_compute(const tmd_config *c, int ranks, int ep_size, int zero, int
         }
         int64_t own = hi - lo;
         out->optimizer += 2 * 4 * (own ? own : 1) + (b->dtype_size == 2 ? 4 * own : 0);
+        if (zero >= 2) {
+            out->gradients += blk * b->dtype_size;
+            out->transient += (int64_t)G * blk * b->dtype_size;
+        } else {
+            out->gradients += b->numel * b->dtype_size;
+        }
         if (G > 1) {
             out->grad_sync += zero ? (int64_t)G * blk * b->dtype_size : b->numel * b->dtype_size;
             if (zero) out->param_gather += blk * b->dtype_size;
         }
     }
-    out->gradients = out->params;
     out->optimizer += 64; /* the step counter: an i64 buffer, 64-byte aligned */
     /* the MoE dispatch (balanced routing), per micro-batch: forward + backward */
     int64_t T = (int64_t)c->batch_size / ranks * m->max_seq_len, k = m->moe.router.topk;
@@ -237,7 +285,8 @@ void tmd_plan_compute(const tmd_config *c, int ranks, int ep_size, int zero, int
 /* Ranks whose figures are equal (all but their experts) print as one class: "ranks 0-3, 8-11". */
 static int same_figures(const tmd_plan *a, const tmd_plan *b) {
     return a->params == b->params && a->gradients == b->gradients && a->optimizer == b->optimizer &&
-           a->grad_sync == b->grad_sync && a->param_gather == b->param_gather && a->dispatch == b->dispatch;
+           a->grad_sync == b->grad_sync && a->param_gather == b->param_gather && a->dispatch == b->dispatch &&
+           a->transient == b->transient;
 }
 
 static void print_ranks(FILE *f, const int *cls, int ranks, int k) {
@@ -257,24 +306,25 @@ static void print_ranks(FILE *f, const int *cls, int ranks, int k) {
 
 static void print_plan_row(FILE *f, int r, const tmd_plan *p) {
     fprintf(f, "  rank %4d  experts [%lld,%lld)  parameters %lld  gradients %lld  optimizer %lld  grad_sync %lld  "
-               "param_gather %lld  dispatch %lld\n", r, (long long)p->experts_lo, (long long)p->experts_hi,
+               "param_gather %lld  dispatch %lld  transient %lld\n", r, (long long)p->experts_lo, (long long)p->experts_hi,
             (long long)p->params, (long long)p->gradients, (long long)p->optimizer, (long long)p->grad_sync,
-            (long long)p->param_gather, (long long)p->dispatch);
+            (long long)p->param_gather, (long long)p->dispatch, (long long)p->transient);
 }
 
 static void print_plan_class(FILE *f, const tmd_plan *p) {
-    char a[32], b[32], o[32], g[32], pg[32], d[32];
+    char a[32], b[32], o[32], g[32], pg[32], d[32], tr[32];
+    human((double)p->transient, tr, sizeof tr);
     human((double)p->params, a, sizeof a);
     human((double)p->gradients, b, sizeof b);
     human((double)p->optimizer, o, sizeof o);
     human((double)p->grad_sync, g, sizeof g);
     human((double)p->param_gather, pg, sizeof pg);
     human((double)p->dispatch, d, sizeof d);
-    fprintf(f, "    parameters %s, gradients %s, optimizer %s; per step: grad_sync %s, param_gather %s, dispatch %s\n",
-            a, b, o, g, pg, d);
-    fprintf(f, "    bytes: parameters %lld gradients %lld optimizer %lld grad_sync %lld param_gather %lld dispatch %lld\n",
-            (long long)p->params, (long long)p->gradients, (long long)p->optimizer, (long long)p->grad_sync,
-            (long long)p->param_gather, (long long)p->dispatch);
+    fprintf(f, "    parameters %s, gradients %s, optimizer %s, transient %s; per step: grad_sync %s, param_gather %s, "
+               "dispatch %s\n", a, b, o, tr, g, pg, d);
+    fprintf(f, "    bytes: parameters %lld gradients %lld optimizer %lld transient %lld grad_sync %lld param_gather %lld "
+               "dispatch %lld\n", (long long)p->params, (long long)p->gradients, (long long)p->optimizer,
+            (long long)p->transient, (long long)p->grad_sync, (long long)p->param_gather, (long long)p->dispatch);
 }
 
 int tmd_plan_main(int argc, char **argv) {
@@ -340,7 +390,8 @@ int tmd_plan_main(int argc, char **argv) {
         for (int q = 0; q < r && cls[r] < 0; q++)
             if (same_figures(&p[q], &p[r])) cls[r] = cls[q];
         if (cls[r] < 0) cls[r] = nc++;
-        if (p[r].params + p[r].gradients + p[r].optimizer > p[worst].params + p[worst].gradients + p[worst].optimizer)
+        if (p[r].params + p[r].gradients + p[r].optimizer + p[r].transient >
+            p[worst].params + p[worst].gradients + p[worst].optimizer + p[worst].transient)
             worst = r;
     }
     for (int r = 0; per_rank && r < ranks; r++) print_plan_row(stdout, r, &p[r]);
@@ -352,16 +403,17 @@ int tmd_plan_main(int argc, char **argv) {
         printf(":\n");
         print_plan_class(stdout, &p[first]);
     }
-    char a[32], b[32], o[32], s[32], pg[32], d[32];
+    char a[32], b[32], o[32], s[32], pg[32], d[32], tr[32];
+    human((double)p[worst].transient, tr, sizeof tr);
     human((double)p[worst].params, a, sizeof a);
     human((double)p[worst].gradients, b, sizeof b);
     human((double)p[worst].optimizer, o, sizeof o);
     human((double)p[worst].grad_sync, s, sizeof s);
     human((double)p[worst].param_gather, pg, sizeof pg);
     human((double)p[worst].dispatch, d, sizeof d);
-    printf("largest rank (%d): parameters %s, gradients %s, optimizer %s; per step: gradient sync %s, parameter "
-           "all-gather %s, MoE dispatch %s\n",
-           worst, a, b, o, s, pg, d);
+    printf("largest rank (%d): parameters %s, gradients %s, optimizer %s, transient %s; per step: gradient sync %s, "
+           "parameter all-gather %s, MoE dispatch %s\n",
+           worst, a, b, o, tr, s, pg, d);
     free(p), free(cls);
     return 0;
 }
