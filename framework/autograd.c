@@ -82,9 +82,19 @@ static tm_status run_tape(tm_ctx *ctx) {
             needed = 1;
         }
         if (needed || collective) { /* a collective's backward runs on every rank */
+            /* ZeRO-3: a gathered weight given back after its layer's forward is gathered again
+             * for the backward that reads it (fsdp.c) */
+            for (int i = 0; i < c->n_in; i++)
+                if (c->in[i]->storage && c->in[i]->storage->fsdp) TM__TRY(tm__fsdp_regather(ctx, c->in[i]->storage));
+            for (int i = 0; i < c->n_saved; i++)
+                if (c->saved[i] && c->saved[i]->storage && c->saved[i]->storage->fsdp)
+                    TM__TRY(tm__fsdp_regather(ctx, c->saved[i]->storage));
             tm_status st = tm__run_kernel(c, 1);
             if (st != TM_OK) return st;
         }
+        /* its producer is done: every reader of a gathered weight came later on the tape */
+        for (int i = 0; i < c->n_out; i++)
+            if (c->out[i]->storage && c->out[i]->storage->fsdp) tm__param_done(ctx, c->out[i]);
         release_node(ctx, n);
     }
     return TM_OK;

@@ -293,8 +293,8 @@ tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts) {
         return tm__err(ctx, TM_ERR_STATE, "%s: the context has %d parameters already; attach the communicator first "
                        "(expert weights are sized by the layout)", fn, ctx->n_params);
     if (o.ep_size < 1) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: ep_size = %d must be >= 1", fn, o.ep_size);
-    if (o.zero < 0 || o.zero > 2)
-        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: zero = %d must be 0, 1 or 2", fn, o.zero);
+    if (o.zero < 0 || o.zero > 3)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: zero = %d must be 0, 1, 2 or 3", fn, o.zero);
     if (o.ep_strategy != TM_EP_ALLTOALL && o.ep_strategy != TM_EP_ALLGATHER && o.ep_strategy != TM_EP_ALLTOALL_DEDUP)
         return tm__err(ctx, TM_ERR_INVALID_ARG,
                        "%s: ep_strategy = %d is none of alltoall (0), allgather (1), alltoall_dedup (2)", fn,
@@ -520,6 +520,7 @@ tm_status tm_comm_sync_grads(tm_ctx *ctx) {
     if (!ctx->comm) return TM_OK;
     for (int i = 0; i < ctx->n_buckets; i++) {
         tm__bucket *b = ctx->buckets[i];
+        if (b->params_sharded) continue; /* ZeRO-3: the gathers' backward reduce-scattered already */
         if (tm__zero_level(ctx) >= 2) {
             TM__TRY(sync_into_shard(ctx, i));
             continue;
@@ -547,7 +548,7 @@ tm_status tm__zero_gather_params(tm_ctx *ctx) {
     for (int i = 0; i < ctx->n_buckets; i++) {
         tm__bucket *b = ctx->buckets[i];
         int g = tm__bucket_comm_group(ctx, i), G = ctx->comm->size[g];
-        if (G == 1 || b->info.numel == 0) continue;
+        if (G == 1 || b->info.numel == 0 || b->params_sharded) continue; /* ZeRO-3 keeps the block */
         int64_t blk = tm__zero_block(ctx, i);
         TM__TRY(tm__bucket_reserve(ctx, i, blk * G));
         int64_t *cd = tm__meta_alloc(ctx, sizeof(int64_t) * 2 * (size_t)G);

@@ -106,6 +106,12 @@ typedef struct tm__bucket {
     tm__pool gshard;
     int64_t gshard_lo, gshard_hi;
     tm_tensor flat_gshard;
+    /* ZeRO-3 (framework/fsdp.c, once the optimizer is made): `params` holds this rank's block
+     * [params_lo, params_hi) only, its storage flagged `sharded` so that no op reads it as the
+     * parameters; the flat view and the pieces reach it through `params_alias`. */
+    int params_sharded;
+    int64_t params_lo, params_hi;
+    tm__storage params_alias;
 } tm__bucket;
 
 typedef struct tm__node {
@@ -206,6 +212,11 @@ tm_status tm__param_master_fill(tm_ctx *ctx, const tm_tensor *p, double value);
  * tm_ctx_zero_grad); no-op when it has none. */
 tm_status tm__bucket_grads_materialize(tm_ctx *ctx);
 void tm__bucket_grads_release(tm_ctx *ctx, int bi);
+/* Rebuild bucket bi's flat views (param.c), after its buffers changed. */
+void tm__bucket_refresh_views(tm_ctx *ctx, int bi);
+/* ZeRO-3: fill a gathered weight's storage again (st->fsdp set, st->data NULL): the all-gather
+ * of its parameter's pieces, not taped (autograd.c, before a node that reads it). */
+tm_status tm__fsdp_regather(tm_ctx *ctx, tm__storage *st);
 /* Free the context's communicator (tm_ctx_free). */
 void tm__comm_destroy(tm_ctx *ctx);
 

@@ -62,6 +62,10 @@ static void flat_set(tm_tensor *t, tm_ctx *ctx, tm__pool *p, tm_dtype dt, int64_
 
 static void bucket_refresh_views(tm_ctx *ctx, tm__bucket *b) {
     flat_set(&b->flat[TM_BUCKET_PARAMS], ctx, &b->params, b->info.dtype, b->info.numel);
+    if (b->params_sharded) { /* ZeRO-3: the block, through the unflagged alias */
+        b->flat[TM_BUCKET_PARAMS].shape[0] = b->params_hi - b->params_lo;
+        b->flat[TM_BUCKET_PARAMS].storage = &b->params_alias;
+    }
     flat_set(&b->flat[TM_BUCKET_GRADS], ctx, &b->grads, b->info.dtype, b->info.numel);
     if (b->has_master)
         flat_set(&b->flat[TM_BUCKET_MASTER], ctx, &b->master, TM_F32,
@@ -215,10 +219,17 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     return TM_OK;
 }
 
+void tm__bucket_refresh_views(tm_ctx *ctx, int bi) { bucket_refresh_views(ctx, ctx->buckets[bi]); }
+
+int64_t tm__bucket_params_offset(const tm_ctx *ctx, int bi) {
+    const tm__bucket *b = ctx->buckets[bi];
+    return b->params_sharded ? b->params_lo : 0;
+}
+
 tm_status tm__bucket_reserve(tm_ctx *ctx, int bi, int64_t n) {
     tm__bucket *b = ctx->buckets[bi];
     size_t es = tm_dtype_size(b->info.dtype), want = (size_t)n * es;
-    if (want > b->params.used) TM__TRY(pool_reserve(ctx, &b->params, want - b->params.used));
+    if (!b->params_sharded && want > b->params.used) TM__TRY(pool_reserve(ctx, &b->params, want - b->params.used));
     if (!b->grads_transient && want > b->grads.used) TM__TRY(pool_reserve(ctx, &b->grads, want - b->grads.used));
     size_t mwant = (size_t)n * sizeof(float);
     if (b->has_master && mwant > b->master.used) TM__TRY(pool_reserve(ctx, &b->master, mwant - b->master.used));
@@ -295,7 +306,8 @@ tm_status tm_ctx_zero_grad(tm_ctx *ctx) {
 tm_status tm__bucket_grads_materialize(tm_ctx *ctx) {
     for (int i = 0; i < ctx->n_buckets; i++) {
         tm__bucket *b = ctx->buckets[i];
-        if (!b->grads_transient || b->grads.st.data || !b->grads.used) continue;
+        /* (ZeRO-3: the gathers' backward adds into the shard; no full buffer at all) */
+        if (!b->grads_transient || b->params_sharded || b->grads.st.data || !b->grads.used) continue;
         size_t es = tm_dtype_size(b->info.dtype);
         /* G whole blocks: the reduce-scatter reads them all (the bytes past the parameters
          * stay zero) */
@@ -471,6 +483,7 @@ tm_status tm__state_alloc_n(tm_ctx *ctx, const char *fn, int bi, int64_t numel, 
         tm_tensor t;
     } *f = tm__host_alloc(ctx, sizeof *f);
     if (!f) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+    memset(f, 0, sizeof *f);
     size_t nbytes = (size_t)(numel ? numel : 1) * sizeof(float);
     f->st.device = b->info.device;
     f->st.nbytes = nbytes;

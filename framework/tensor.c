@@ -72,6 +72,7 @@ tm_status tm__tensor_new(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shap
     tm_tensor *t = header_new(ctx, dt, ndim, shape, dev);
     tm__storage *st = tm__meta_alloc(ctx, sizeof *st);
     if (!t || !st) return TM_ERR_NOMEM;
+    memset(st, 0, sizeof *st);
     st->nbytes = (size_t)tm__numel_of(ndim, shape) * tm_dtype_size(dt);
     st->device = dev;
     TM__TRY(tm__arena_alloc_storage(ctx, st));
@@ -245,10 +246,10 @@ static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dty
             tm__host_free(ctx, nm);
             return s != TM_OK ? s : tm__err(ctx, TM_ERR_NOMEM, "%s: out of memory for \"%s\" (%zu bytes)", fn, name, nbytes);
         }
+        memset(st, 0, sizeof *st);
         st->data = mem;
         st->nbytes = padded;
         st->device = dev;
-        st->arena_bytes = 0;
         ctx->owned[ctx->n_owned++] = st;
         t->storage = st;
         tm__mem_account(ctx, dev, buffer_category(name), (ptrdiff_t)padded);

@@ -115,6 +115,8 @@ tm_status tm__optimizer_create(tm_ctx *ctx, const char *fn, int n_state, const c
             s = tm__state_alloc_n(ctx, fn, k, b[k].hi - b[k].lo, &b[k].state[j]);
         if (s == TM_OK) s = make_runs(ctx, fn, &b[k]);
     }
+    /* ZeRO-3: from here on this rank keeps its block of the parameters only (fsdp.c) */
+    if (s == TM_OK) s = tm__zero3_shard_params(ctx);
     /* per-parameter names, in parameter order */
     for (int i = 0; s == TM_OK && i < n; i++) {
         tm_tensor *p = tm_ctx_param(ctx, i), *v;
@@ -203,7 +205,7 @@ static tm_status adamw_step(tm_optimizer *opt, double lr, int64_t t) {
             TM__TRY(tm_ctx_bucket_info(ctx, ob->bucket, &bi));
             if ((bi.device.type == TM_DEVICE_CUDA) != d) continue;
             tm_tensor *P = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_PARAMS);
-            int64_t goff;
+            int64_t goff, poff = tm__bucket_params_offset(ctx, ob->bucket);
             tm_tensor *G;
             TM__TRY(reduced_grads(ctx, ob->bucket, &G, &goff));
             tm_tensor *M = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_MASTER);
@@ -213,7 +215,7 @@ static tm_status adamw_step(tm_optimizer *opt, double lr, int64_t t) {
                 if (a >= e) continue;
                 /* (the state and the master hold [lo, hi) only under ZeRO-1 and 2, and so do
                  * the gradients under ZeRO-2) */
-                TM__TRY(tm__segs_add_adamw(ctx, l, P, G, ob->state[0], ob->state[1], M, a, e, ob->lo, goff,
+                TM__TRY(tm__segs_add_adamw(ctx, l, P, G, ob->state[0], ob->state[1], M, a, e, ob->lo, goff, poff,
                                            ob->runs[r].decay ? c->weight_decay : 0.0));
             }
         }
@@ -229,7 +231,7 @@ static tm_status sgd_step(tm_optimizer *opt, double lr, int64_t t) {
     for (int k = 0; k < opt->n_buckets; k++) {
         const tm__opt_bucket *ob = &opt->b[k];
         tm_tensor *P = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_PARAMS);
-        int64_t goff;
+        int64_t goff, poff = tm__bucket_params_offset(ctx, ob->bucket);
         tm_tensor *G;
         TM__TRY(reduced_grads(ctx, ob->bucket, &G, &goff));
         tm_tensor *M = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_MASTER);
@@ -239,7 +241,7 @@ static tm_status sgd_step(tm_optimizer *opt, double lr, int64_t t) {
             run_part(ob, run, &a, &e);
             if (a >= e) continue;
             tm_tensor *p, *g, *m = NULL, *st[TM__OPT_MAX_STATE] = {NULL, NULL};
-            TM__TRY(range(ctx, P, a, e, &p));
+            TM__TRY(range(ctx, P, a - poff, e - poff, &p));
             TM__TRY(range(ctx, G, a - goff, e - goff, &g));
             /* (the master, like the state, holds [lo, hi) only under ZeRO-1) */
             if (M) TM__TRY(range(ctx, M, a - ob->lo, e - ob->lo, &m));

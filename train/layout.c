@@ -152,7 +152,10 @@ int tmd_layout_print_peaks(tm_ctx *ctx, tm_device dev, FILE *log, char *err, siz
         mine[K_PARAMS] = (int64_t)mr.peak[TM_MEM_PARAMETERS];
         mine[K_GRADS] = (int64_t)mr.peak[TM_MEM_GRADIENTS];
         mine[K_OPTIM] = (int64_t)mr.peak[TM_MEM_OPTIMIZER];
-        mine[K_TRANSIENT] = (int64_t)(mr.peak[TM_MEM_GRADIENTS] - mr.current[TM_MEM_GRADIENTS]);
+        /* ZeRO-2's full gradient buffer, ZeRO-3's all-gathered weights (counted as parameters
+         * while they are held; the library restarts that peak when it shards the parameters) */
+        mine[K_TRANSIENT] = (int64_t)(mr.peak[TM_MEM_GRADIENTS] - mr.current[TM_MEM_GRADIENTS]) +
+                            (int64_t)(mr.peak[TM_MEM_PARAMETERS] - mr.current[TM_MEM_PARAMETERS]);
     }
     int64_t *rows = malloc(sizeof(int64_t) * K_N * (size_t)W);
     if (!rows) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory");
@@ -203,18 +206,40 @@ typedef struct pbucket {
     int64_t numel;          /* padded elements */
 } pbucket;
 
+/* ZeRO-3's traffic needs each parameter's place in its bucket: the parameters of the plan in
+ * creation order. */
+typedef struct pparam {
+    pbucket *b;
+    int64_t off, numel;
+} pparam;
+enum { PLAN_MAX_PARAMS = 1 << 14 };
+static pparam plan_params[PLAN_MAX_PARAMS];
+static int plan_n;
+
 static int64_t padded(int64_t numel, int es) { return (numel * es + 63) / 64 * 64 / es; }
 
-static void add(pbucket *b, int64_t numel) { b->numel += padded(numel, b->dtype_size); }
+static void add(pbucket *b, int64_t numel) {
+    if (plan_n < PLAN_MAX_PARAMS) plan_params[plan_n++] = (pparam){b, b->numel, numel};
+    b->numel += padded(numel, b->dtype_size);
+}
+
+/* Elements of [off, off + n) in group rank j's ZeRO block of a bucket of `size` elements. */
+static int64_t piece_of(int64_t off, int64_t n, int64_t blk, int64_t size, int j) {
+    int64_t a = j * blk < size ? j * blk : size, e = (j + 1) * blk < size ? (j + 1) * blk : size;
+    int64_t s = off > a ? off : a, t = off + n < e ? off + n : e;
+    return t > s ? t - s : 0;
+}
 
 void tmd_plan_compute(const tmd_config *c, int ranks, int ep_size, int zero, int rank, tmd_plan *out) {
     memset(out, 0, sizeof *out);
+    out->zero = zero;
     const tm_model_config *m = &c->model;
     int es = c->dtype == TMD_DTYPE_BF16 ? 2 : 4, gs = 4;
     int64_t H = m->d_model, V = m->vocab_size, D = H / m->n_heads, Hq = (int64_t)m->n_heads * D,
             Hkv = (int64_t)m->n_kv_heads * D, Fd = m->dense_ffn_size ? m->dense_ffn_size : 4 * H,
             E = m->moe.router.num_experts, F = m->moe.ffn_size, Fs = m->moe.shared_ffn_size, L = E / ep_size;
     pbucket dense = {es, 0, 0}, gate = {gs, 0, 0}, expert = {es, 1, 0};
+    plan_n = 0;
     add(&dense, V * H);
     int n_moe = 0;
     for (int l = 0; l < m->n_layers; l++) {
@@ -259,6 +284,39 @@ void tmd_plan_compute(const tmd_config *c, int ranks, int ep_size, int zero, int
         }
     }
     out->optimizer += 64; /* the step counter: an i64 buffer, 64-byte aligned */
+    if (zero >= 3) {
+        /* ZeRO-3 (framework/fsdp.c): the parameters are the blocks; no full gradient buffer, and
+         * no synchronisation or all-gather after the step: each use of a parameter all-gathers
+         * its pieces in the forward and again in the backward, whose reduce goes straight into
+         * the shards (a reduce-scatter when every rank's piece is equal, else an all-reduce of
+         * the parameter's gradient, this rank keeping its piece). */
+        out->params = out->gradients;
+        out->grad_sync = out->param_gather = 0;
+        for (int i = 0; i < plan_n; i++) {
+            const pparam *q = &plan_params[i];
+            int G = q->b->expert ? xdp : dp, gr = q->b->expert ? rank / ep_size : rank;
+            int64_t blk = ((q->b->numel + G - 1) / G + 63) / 64 * 64, mine = piece_of(q->off, q->numel, blk, q->b->numel, gr);
+            int equal = 1;
+            for (int j = 1; j < G; j++)
+                equal &= piece_of(q->off, q->numel, blk, q->b->numel, j) == piece_of(q->off, q->numel, blk, q->b->numel, 0);
+            int uses = (i == 0 && m->tie_embeddings) ? 2 : 1; /* a tied embedding is its lm_head too */
+            out->param_gather += (int64_t)uses * 2 * mine * q->b->dtype_size * c->grad_accum;
+            out->bwd_reduce += (int64_t)uses * (equal ? (int64_t)G * mine : q->numel) * q->b->dtype_size * c->grad_accum;
+        }
+        /* transient: the most gathered at once: a layer's weights with its MoE block's during
+         * its forward (the backward holds the MoE block's, then the layer's own), or the
+         * embedding or lm_head alone; unpadded (a gathered weight is its numel elements) */
+        int64_t most = V * H * es;
+        int at = 1; /* plan_params[0] is the embedding */
+        for (int l = 0; l < m->n_layers; l++) {
+            int64_t layer = 0;
+            int n_own = l < m->first_k_dense ? 9 : 6 + 4 + (Fs ? 3 : 0);
+            for (int j = 0; j < n_own && at < plan_n; j++, at++)
+                layer += plan_params[at].numel * plan_params[at].b->dtype_size;
+            if (layer > most) most = layer;
+        }
+        out->transient = most;
+    }
     /* the MoE dispatch (balanced routing), per micro-batch: forward + backward */
     int64_t T = (int64_t)c->batch_size / ranks * m->max_seq_len, k = m->moe.router.topk;
     double per_layer = 0;
@@ -286,7 +344,7 @@ void tmd_plan_compute(const tmd_config *c, int ranks, int ep_size, int zero, int
 static int same_figures(const tmd_plan *a, const tmd_plan *b) {
     return a->params == b->params && a->gradients == b->gradients && a->optimizer == b->optimizer &&
            a->grad_sync == b->grad_sync && a->param_gather == b->param_gather && a->dispatch == b->dispatch &&
-           a->transient == b->transient;
+           a->transient == b->transient && a->bwd_reduce == b->bwd_reduce;
 }
 
 static void print_ranks(FILE *f, const int *cls, int ranks, int k) {
@@ -306,25 +364,34 @@ static void print_ranks(FILE *f, const int *cls, int ranks, int k) {
 
 static void print_plan_row(FILE *f, int r, const tmd_plan *p) {
     fprintf(f, "  rank %4d  experts [%lld,%lld)  parameters %lld  gradients %lld  optimizer %lld  grad_sync %lld  "
-               "param_gather %lld  dispatch %lld  transient %lld\n", r, (long long)p->experts_lo, (long long)p->experts_hi,
-            (long long)p->params, (long long)p->gradients, (long long)p->optimizer, (long long)p->grad_sync,
-            (long long)p->param_gather, (long long)p->dispatch, (long long)p->transient);
+               "param_gather %lld  dispatch %lld  transient %lld  bwd_reduce %lld\n", r, (long long)p->experts_lo,
+            (long long)p->experts_hi, (long long)p->params, (long long)p->gradients, (long long)p->optimizer,
+            (long long)p->grad_sync, (long long)p->param_gather, (long long)p->dispatch, (long long)p->transient,
+            (long long)p->bwd_reduce);
 }
 
 static void print_plan_class(FILE *f, const tmd_plan *p) {
-    char a[32], b[32], o[32], g[32], pg[32], d[32], tr[32];
+    char a[32], b[32], o[32], g[32], pg[32], d[32], tr[32], br[32];
     human((double)p->transient, tr, sizeof tr);
+    human((double)p->bwd_reduce, br, sizeof br);
     human((double)p->params, a, sizeof a);
     human((double)p->gradients, b, sizeof b);
     human((double)p->optimizer, o, sizeof o);
     human((double)p->grad_sync, g, sizeof g);
     human((double)p->param_gather, pg, sizeof pg);
     human((double)p->dispatch, d, sizeof d);
-    fprintf(f, "    parameters %s, gradients %s, optimizer %s, transient %s; per step: grad_sync %s, param_gather %s, "
-               "dispatch %s\n", a, b, o, tr, g, pg, d);
+    if (p->zero >= 3)
+        fprintf(f, "    parameters %s, gradients %s, optimizer %s, transient %s (all-gathered weights); per step: "
+                   "param_gather %s (all-gathers, forward and backward), bwd_reduce %s (reduce-scatter / all-reduce in "
+                   "the backward), dispatch %s\n", a, b, o, tr, pg, br, d);
+    else
+        fprintf(f, "    parameters %s, gradients %s, optimizer %s, transient %s; per step: grad_sync %s (%s), "
+                   "param_gather %s (all-gather), dispatch %s\n", a, b, o, tr, g, p->zero ? "reduce-scatter" : "all-reduce",
+                pg, d);
     fprintf(f, "    bytes: parameters %lld gradients %lld optimizer %lld transient %lld grad_sync %lld param_gather %lld "
-               "dispatch %lld\n", (long long)p->params, (long long)p->gradients, (long long)p->optimizer,
-            (long long)p->transient, (long long)p->grad_sync, (long long)p->param_gather, (long long)p->dispatch);
+               "dispatch %lld bwd_reduce %lld\n", (long long)p->params, (long long)p->gradients, (long long)p->optimizer,
+            (long long)p->transient, (long long)p->grad_sync, (long long)p->param_gather, (long long)p->dispatch,
+            (long long)p->bwd_reduce);
 }
 
 int tmd_plan_main(int argc, char **argv) {
@@ -411,9 +478,10 @@ int tmd_plan_main(int argc, char **argv) {
     human((double)p[worst].grad_sync, s, sizeof s);
     human((double)p[worst].param_gather, pg, sizeof pg);
     human((double)p[worst].dispatch, d, sizeof d);
-    printf("largest rank (%d): parameters %s, gradients %s, optimizer %s, transient %s; per step: gradient sync %s, "
+    if (c.zero >= 3) human((double)p[worst].bwd_reduce, s, sizeof s);
+    printf("largest rank (%d): parameters %s, gradients %s, optimizer %s, transient %s; per step: gradient %s %s, "
            "parameter all-gather %s, MoE dispatch %s\n",
-           worst, a, b, o, tr, s, pg, d);
+           worst, a, b, o, tr, c.zero >= 3 ? "reduce in the backward" : c.zero ? "reduce-scatter" : "all-reduce", s, pg, d);
     free(p), free(cls);
     return 0;
 }

@@ -34,8 +34,12 @@ typedef struct tmd_plan {
     int64_t param_gather;                 /* ZeRO-1 and 2: bytes of the parameter all-gather per step */
     int64_t dispatch;                     /* MoE dispatch bytes per step (balanced routing) */
     int64_t transient;                    /* ZeRO-2: bytes of the full gradient buffer, held from a
-                                           * step's first backward to its gradient sync */
+                                           * step's first backward to its gradient sync; ZeRO-3:
+                                           * the most all-gathered weight bytes held at once */
+    int64_t bwd_reduce;                   /* ZeRO-3: bytes of the backward's reduce of the
+                                           * gathered weights' gradients into the shards */
     int64_t experts_lo, experts_hi;
+    int zero;                             /* the ZeRO stage planned for */
 } tmd_plan;
 
 /* c resolved and valid; ranks divisible by ep_size; rank in [0, ranks). */
