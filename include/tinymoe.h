@@ -216,10 +216,14 @@ TM_API size_t tm_ctx_arena_used(const tm_ctx *ctx, tm_device dev);
 TM_API size_t tm_ctx_arena_peak(const tm_ctx *ctx, tm_device dev);
 
 /* Memory of a context on one device, by category, in bytes:
- *   TM_MEM_PARAMETERS   the parameter buffer's bytes in use (each parameter padded to 64 bytes)
+ *   TM_MEM_PARAMETERS   the parameter buffer's bytes in use (each parameter padded to 64 bytes);
+ *                       under ZeRO-3 (tm_comm_options.zero) the parameter blocks, and each
+ *                       all-gathered weight while it is held, so peak[] less current[] is the
+ *                       most gathered at once (this peak restarts when the optimizer shards the
+ *                       parameters)
  *   TM_MEM_GRADIENTS    the parameter-gradient buffer's bytes in use (same layout); under ZeRO-2
- *                       (tm_comm_options.zero) the gradient shard of each bucket (its ZeRO block)
- *                       always, and the full buffer (G ZeRO blocks) only from a step's first
+ *                       and 3 the gradient shard of each bucket (its ZeRO block) always, and
+ *                       (ZeRO-2 only) the full buffer (G ZeRO blocks) from a step's first
  *                       backward to tm_comm_sync_grads, so current[] between steps is the shards
  *                       and peak[] the shards plus the full buffer
  *   TM_MEM_OPTIMIZER    optimizer state (AdamW moments, SGD momentum, step counters) and the f32
@@ -1622,7 +1626,8 @@ TM_API tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *nor
  * Determinism: every collective runs a fixed algorithm for a given layout and message size, so
  * a run repeats bit for bit; different layouts sum in different orders (results agree to
  * rounding). Sources: Megatron-LM (parallel_state.py groups, distributed optimizer), PyTorch
- * DDP (bucketed gradient all-reduce), ZeRO (Rajbhandari et al. 2020, stages 1 and 2). */
+ * DDP (bucketed gradient all-reduce), ZeRO (Rajbhandari et al. 2020, stages 1 to 3), PyTorch
+ * FSDP (Zhao et al. 2023: parameters all-gathered around each unit's forward and backward). */
 
 typedef enum tm_comm_group {
     TM_COMM_WORLD = 0,
@@ -1660,7 +1665,15 @@ typedef struct tm_comm_options {
                                  * data-parallel group; 2: the gradients too: tm_comm_sync_grads
                                  * reduce-scatters each bucket into this rank's block and gives
                                  * the full gradient buffer back (the next backward makes it
-                                 * again, zeroed) */
+                                 * again, zeroed); 3 (FSDP): the parameters too, from when the
+                                 * optimizer is made: each rank keeps its block of every bucket,
+                                 * the model all-gathers each layer's weights for its forward and
+                                 * again for its backward, and their backward reduces the
+                                 * gradients straight into the shards (no full gradient buffer,
+                                 * tm_comm_sync_grads has nothing left to do). A parameter is then
+                                 * readable only through checkpoints (tm_tensor_read / _write and
+                                 * ops refuse it with TM_ERR_STATE); tm_ctx_bucket_tensor's
+                                 * parameter view holds this rank's block */
     double timeout_s;           /* a collective still waiting after this many seconds fails with
                                  * TM_ERR_COMM (a rank died or stopped answering); <= 0: wait
                                  * forever; default 60 */
@@ -1702,7 +1715,7 @@ TM_API int tm_mpi_world_size(void);
  * with the same options). The world is opts->mpi_comm or MPI_COMM_WORLD under an initialised
  * MPI, else one rank. Call it before creating parameters: tm_moe_new sizes its expert weights
  * by the layout. Errors: TM_ERR_INVALID_ARG (ep_size < 1 or not dividing the world size, zero
- * not 0, 1 or 2, ep_strategy not a tm_ep_strategy, timeout NaN, nccl not one of TM_NCCL_*), TM_ERR_STATE (ctx has a
+ * not 0 to 3, ep_strategy not a tm_ep_strategy, timeout NaN, nccl not one of TM_NCCL_*), TM_ERR_STATE (ctx has a
  * communicator already, or parameters), TM_ERR_COMM (an MPI call failed). */
 TM_API tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts);
 /* This process's rank in group g and the group's size: 0 and 1 without a communicator (or for
@@ -1763,7 +1776,8 @@ TM_API tm_status tm_comm_barrier(tm_ctx *ctx, tm_comm_group g);
  * tm_ctx_clip_grad_norm and tm_optimizer_step then work on what each rank holds (the norm is the
  * root of the ranks' sums of squares of their blocks, added over the world). No-op without a
  * communicator, or (zero 0 and 1) on groups of one rank. Errors: TM_ERR_COMM, TM_ERR_NOMEM,
- * TM_ERR_STATE (zero = 2 and no backward since the last synchronisation or tm_ctx_zero_grad). */
+ * TM_ERR_STATE (zero = 2 and no backward since the last synchronisation or tm_ctx_zero_grad).
+ * With zero = 3 there is nothing to synchronise (the backward reduced into the shards). */
 TM_API tm_status tm_comm_sync_grads(tm_ctx *ctx);
 /* The element range [lo, hi) of bucket i that this rank owns under ZeRO-1 or 2 (the whole bucket
  * otherwise): the bucket's elements padded to a multiple of its group's size G, in G equal

@@ -57,7 +57,7 @@ static const char USAGE[] =
     "  tinymoe tokenize input.txt input.bin --val-fraction 0.1\n"
     "  tinymoe train --preset shakespeare --data input.bin --val_data input_val.bin\n"
     "\n"
-    "distributed: mpirun -np N tinymoe train [--ep_size P] [--ep_strategy alltoall|allgather] [--zero 1|2]\n"
+    "distributed: mpirun -np N tinymoe train [--ep_size P] [--ep_strategy alltoall|allgather] [--zero 1|2|3]\n"
     "             [--print-layout] ...: one process per rank (docs/layouts.md)\n"
     "\n"
     "out directory: a run holds <out>/tinymoe.lock for its whole life; a second run into the same\n"
