@@ -92,9 +92,10 @@ static tm_status run_tape(tm_ctx *ctx) {
             tm_status st = tm__run_kernel(c, 1);
             if (st != TM_OK) return st;
         }
-        /* its producer is done: every reader of a gathered weight came later on the tape */
-        for (int i = 0; i < c->n_out; i++)
-            if (c->out[i]->storage && c->out[i]->storage->fsdp) tm__param_done(ctx, c->out[i]);
+        /* the all-gather of a weight is done: every reader of it (views included) came later
+         * on the tape, so its memory can go (ZeRO-3) */
+        if (c->op == TM__OP_COMM_ALLGATHER && c->out[0]->storage && c->out[0]->storage->fsdp)
+            tm__param_done(ctx, c->out[0]);
         release_node(ctx, n);
     }
     return TM_OK;

@@ -329,17 +329,18 @@ static tm_status self_attention(tm_model *m, int l, const tm__layer *L, tm_tenso
  * on dense layers. */
 /* ZeRO-3: a copy of layer L whose weights are all-gathered (tm__param_use: L's own tensors
  * otherwise), and their memory given back after the layer's forward (the backward gathers them
- * again). The MoE block gathers its own. */
+ * again). The MoE block gathers its own; attn_norm is not the block's (the norm before it is
+ * fused with the previous residual add: first_norm, add_norm_after). */
 static tm_status layer_use(tm_ctx *ctx, const tm__layer *L, tm__layer *W) {
     *W = *L;
-    tm_tensor **f[] = {&W->attn_norm, &W->wq, &W->wk, &W->wv, &W->wo, &W->ffn_norm, &W->mlp_w0, &W->mlp_w1, &W->mlp_wo};
+    tm_tensor **f[] = {&W->wq, &W->wk, &W->wv, &W->wo, &W->ffn_norm, &W->mlp_w0, &W->mlp_w1, &W->mlp_wo};
     for (size_t i = 0; i < sizeof f / sizeof *f; i++)
         if (*f[i]) TM__TRY(tm__param_use(ctx, *f[i], f[i]));
     return TM_OK;
 }
 
 static void layer_done(tm_ctx *ctx, tm__layer *W) {
-    tm_tensor *f[] = {W->attn_norm, W->wq, W->wk, W->wv, W->wo, W->ffn_norm, W->mlp_w0, W->mlp_w1, W->mlp_wo};
+    tm_tensor *f[] = {W->wq, W->wk, W->wv, W->wo, W->ffn_norm, W->mlp_w0, W->mlp_w1, W->mlp_wo};
     for (size_t i = 0; i < sizeof f / sizeof *f; i++) tm__param_done(ctx, f[i]);
 }
 
@@ -363,8 +364,8 @@ static tm_status block(tm_model *m, int l, tm_tensor *x, tm_tensor *h, int64_t B
     /* the hook where the next layer's all-gathers would start (a no-op on the CPU) */
     if (l + 1 < m->cfg.n_layers) {
         const tm__layer *N = &m->layers[l + 1];
-        tm_tensor *next[] = {N->attn_norm, N->wq, N->wk, N->wv, N->wo};
-        TM__TRY(tm__param_prefetch(m->ctx, next, 5));
+        tm_tensor *next[] = {N->wq, N->wk, N->wv, N->wo};
+        TM__TRY(tm__param_prefetch(m->ctx, next, 4));
     }
     tm_status s = block_of(m, l, &W, x, h, B, T, kv, dp, st, x1, y);
     layer_done(m->ctx, &W);

@@ -139,13 +139,19 @@ int tmd_layout_print(tm_ctx *ctx, tm_device dev, int num_experts, FILE *log, con
     return rc;
 }
 
-/* After the run: each rank's high-water marks. The gradients' peak less what they hold now is
- * the transient part: ZeRO-2's full gradient buffer, which exists from a step's first backward
- * to its gradient synchronisation (0 at the other levels, whose buffer is always there). */
-int tmd_layout_print_peaks(tm_ctx *ctx, tm_device dev, FILE *log, char *err, size_t errlen) {
+/* After the run: each rank's high-water marks, and the bytes its collectives moved in the last
+ * training step by kind. The peaks less what is held now are the transient part: ZeRO-2's full
+ * gradient buffer (from a step's first backward to its gradient synchronisation), ZeRO-3's
+ * all-gathered weights; 0 at the other levels. */
+int tmd_layout_print_peaks(tm_ctx *ctx, tm_device dev, const tm_comm_stats *last, FILE *log, char *err,
+                           size_t errlen) {
     int W = tm_comm_size(ctx, TM_COMM_WORLD);
-    enum { K_RANK, K_PARAMS, K_GRADS, K_OPTIM, K_TRANSIENT, K_N };
+    enum { K_RANK, K_PARAMS, K_GRADS, K_OPTIM, K_TRANSIENT, K_AR, K_AG, K_RS, K_A2A, K_N };
     int64_t mine[K_N] = {0};
+    mine[K_AR] = last->bytes[TM_COMM_ALLREDUCE];
+    mine[K_AG] = last->bytes[TM_COMM_ALLGATHER];
+    mine[K_RS] = last->bytes[TM_COMM_REDUCE_SCATTER];
+    mine[K_A2A] = last->bytes[TM_COMM_ALLTOALL];
     mine[K_RANK] = tm_comm_rank(ctx, TM_COMM_WORLD);
     tm_memory_report mr;
     if (tm_ctx_memory_report(ctx, dev, &mr) == TM_OK) {
@@ -172,6 +178,15 @@ int tmd_layout_print_peaks(tm_ctx *ctx, tm_device dev, FILE *log, char *err, siz
             const int64_t *q = rows + (size_t)r * K_N;
             fprintf(log, "  %4lld %14lld %14lld %14lld %14lld\n", (long long)q[K_RANK], (long long)q[K_PARAMS],
                     (long long)q[K_GRADS], (long long)q[K_OPTIM], (long long)q[K_TRANSIENT]);
+        }
+        /* (all of them: the gradients' and weights' collectives, and the MoE layers' and the
+         * loss's own, which `tinymoe plan` counts under dispatch or not at all) */
+        fprintf(log, "  the last step's collectives, bytes each rank handed to them:\n  %4s %14s %14s %14s %14s\n",
+                "rank", "all-reduce", "all-gather", "reduce-scatter", "all-to-all");
+        for (int r = 0; r < W; r++) {
+            const int64_t *q = rows + (size_t)r * K_N;
+            fprintf(log, "  %4lld %14lld %14lld %14lld %14lld\n", (long long)q[K_RANK], (long long)q[K_AR],
+                    (long long)q[K_AG], (long long)q[K_RS], (long long)q[K_A2A]);
         }
         fflush(log);
     }
@@ -311,8 +326,9 @@ void tmd_plan_compute(const tmd_config *c, int ranks, int ep_size, int zero, int
         for (int l = 0; l < m->n_layers; l++) {
             int64_t layer = 0;
             int n_own = l < m->first_k_dense ? 9 : 6 + 4 + (Fs ? 3 : 0);
+            /* (its attn_norm is gathered on its own, with the residual add before the layer) */
             for (int j = 0; j < n_own && at < plan_n; j++, at++)
-                layer += plan_params[at].numel * plan_params[at].b->dtype_size;
+                if (j > 0) layer += plan_params[at].numel * plan_params[at].b->dtype_size;
             if (layer > most) most = layer;
         }
         out->transient = most;

@@ -25,7 +25,8 @@ int tmd_layout_print(tm_ctx *ctx, tm_device dev, int num_experts, FILE *log, con
 
 /* After the run (collective): rank 0 prints each rank's peak parameter, gradient and optimizer
  * bytes and the transient gradient bytes (peak less current). Returns 0 or TMD_RUNTIME_ERROR. */
-int tmd_layout_print_peaks(tm_ctx *ctx, tm_device dev, FILE *log, char *err, size_t errlen);
+int tmd_layout_print_peaks(tm_ctx *ctx, tm_device dev, const tm_comm_stats *last, FILE *log, char *err,
+                           size_t errlen);
 
 typedef struct tmd_plan {
     int64_t params, gradients, optimizer; /* bytes held by the rank */
