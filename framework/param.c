@@ -163,14 +163,15 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     size_t nbytes = (size_t)tm__numel(t) * esz;
     size_t padded = (nbytes + TM__ALIGN - 1) / TM__ALIGN * TM__ALIGN;
     size_t mpadded = padded / esz * sizeof(float); /* same element count in f32 */
-    tm_tensor *g = tm__host_alloc(ctx, sizeof *g);
-    tm__param_meta *pm = tm__host_alloc(ctx, sizeof *pm);
+    /* (refusals before any allocation: nothing to give back) */
     if (b->has_master && b->master_sharded)
         return tm__err(ctx, TM_ERR_STATE, "%s: \"%s\": its bucket's master weights are split over the ranks (ZeRO-1) "
                        "already; create every parameter before the optimizer", fn, t->name);
     if (b->grads_transient && (b->gshard.st.data || b->grads.st.data))
         return tm__err(ctx, TM_ERR_STATE, "%s: \"%s\": its bucket's gradients are split over the ranks (ZeRO-2) "
                        "already; create every parameter before the optimizer and the first backward", fn, t->name);
+    tm_tensor *g = tm__host_alloc(ctx, sizeof *g);
+    tm__param_meta *pm = tm__host_alloc(ctx, sizeof *pm);
     tm_tensor *mt = b->has_master ? tm__host_alloc(ctx, sizeof *mt) : NULL;
     tm_status s = (!g || !pm || (b->has_master && !mt)) ? tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn) : TM_OK;
     if (s == TM_OK) s = pool_reserve(ctx, &b->params, padded);
