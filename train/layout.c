@@ -34,9 +34,10 @@ static void write_svg(FILE *f, const int64_t *rows, int W, int E, int P, int zer
                "font-size=\"11\">\n", width, height);
     fprintf(f, "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
     fprintf(f, "<text x=\"%d\" y=\"16\" font-size=\"13\">%d ranks, ep_size %d%s: parameters held (dense | "
-               "experts)%s</text>\n", left, W, P, zero == 2 ? ", ZeRO-2" : zero ? ", ZeRO-1" : "",
-            zero == 2 ? "; dark band: this rank's optimizer-state and gradient block"
-            : zero ? "; dark band: this rank's optimizer-state block" : "");
+               "experts)%s</text>\n", left, W, P, zero == 3 ? ", ZeRO-3" : zero == 2 ? ", ZeRO-2" : zero ? ", ZeRO-1" : "",
+            zero == 3   ? "; dark band: this rank's block (weights, gradients, optimizer state)"
+            : zero == 2 ? "; dark band: this rank's optimizer-state and gradient block"
+            : zero      ? "; dark band: this rank's optimizer-state block" : "");
     fprintf(f, "<text x=\"%d\" y=\"%d\">dense</text>\n", left, top - 6);
     for (int e = 0; e < E; e++)
         fprintf(f, "<text x=\"%d\" y=\"%d\" text-anchor=\"middle\">e%d</text>\n", left + dw + 10 + e * cw + cw / 2,
