@@ -82,9 +82,20 @@ static tm_status run_tape(tm_ctx *ctx) {
             needed = 1;
         }
         if (needed || collective) { /* a collective's backward runs on every rank */
+            /* ZeRO-3: a gathered weight given back after its layer's forward is gathered again
+             * for the backward that reads it (fsdp.c) */
+            for (int i = 0; i < c->n_in; i++)
+                if (c->in[i]->storage && c->in[i]->storage->fsdp) TM__TRY(tm__fsdp_regather(ctx, c->in[i]->storage));
+            for (int i = 0; i < c->n_saved; i++)
+                if (c->saved[i] && c->saved[i]->storage && c->saved[i]->storage->fsdp)
+                    TM__TRY(tm__fsdp_regather(ctx, c->saved[i]->storage));
             tm_status st = tm__run_kernel(c, 1);
             if (st != TM_OK) return st;
         }
+        /* the all-gather of a weight is done: every reader of it (views included) came later
+         * on the tape, so its memory can go (ZeRO-3) */
+        if (c->op == TM__OP_COMM_ALLGATHER && c->out[0]->storage && c->out[0]->storage->fsdp)
+            tm__param_done(ctx, c->out[0]);
         release_node(ctx, n);
     }
     return TM_OK;
@@ -106,6 +117,8 @@ tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad) {
     if (!tm__same_device(grad->device, out->device))
         return tm__err(ctx, TM_ERR_DEVICE, "tm_backward: gradient %s is not on the output's device (%s)",
                        tm__tdesc(ctx, grad), tm__tdesc(ctx, out));
+    /* ZeRO-2: the parameters' full gradient buffers exist from a step's first backward on */
+    TM__TRY(tm__bucket_grads_materialize(ctx));
     if (out->grad) {
         TM__TRY(tm__accumulate(ctx, out->grad, grad, 1.0));
     } else {

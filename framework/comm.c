@@ -2,8 +2,9 @@
  * comm.c — the communicator of a context (include/tinymoe.h, "Distributed"; framework/comm.h):
  * creation and groups, the engine tables that need no library (self: one rank; mpi-staged: CUDA
  * memory through host buffers and the mpi table), traffic accounting, the host-memory
- * collectives of drivers, and the per-bucket gradient synchronisation (all-reduce, or ZeRO-1's
- * reduce-scatter and parameter all-gather).
+ * collectives of drivers, and the per-bucket gradient synchronisation (all-reduce, or ZeRO's
+ * reduce-scatter and parameter all-gather: in place for ZeRO-1, into the rank's gradient shard
+ * for ZeRO-2, whose full gradient buffer is then given back).
  *
  * The one place in framework/ that knows whether the build has MPI or NCCL is the engine
  * registration in tm_comm_init, as backend.c is for CUDA.
@@ -292,7 +293,8 @@ tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts) {
         return tm__err(ctx, TM_ERR_STATE, "%s: the context has %d parameters already; attach the communicator first "
                        "(expert weights are sized by the layout)", fn, ctx->n_params);
     if (o.ep_size < 1) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: ep_size = %d must be >= 1", fn, o.ep_size);
-    if (o.zero != 0 && o.zero != 1) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: zero = %d must be 0 or 1", fn, o.zero);
+    if (o.zero < 0 || o.zero > 3)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: zero = %d must be 0, 1, 2 or 3", fn, o.zero);
     if (o.ep_strategy != TM_EP_ALLTOALL && o.ep_strategy != TM_EP_ALLGATHER && o.ep_strategy != TM_EP_ALLTOALL_DEDUP)
         return tm__err(ctx, TM_ERR_INVALID_ARG,
                        "%s: ep_strategy = %d is none of alltoall (0), allgather (1), alltoall_dedup (2)", fn,
@@ -454,15 +456,17 @@ tm_status tm_comm_barrier(tm_ctx *ctx, tm_comm_group g) {
     return s;
 }
 
-/* ---- gradient synchronisation and ZeRO-1 ranges ------------------------------------------- */
+/* ---- gradient synchronisation and ZeRO ranges ----------------------------------------------- */
 
 int tm__bucket_comm_group(const tm_ctx *ctx, int bi) {
     return ctx->buckets[bi]->info.group == TM_PARAM_EXPERT ? TM_COMM_EXPERT_DP : TM_COMM_DP;
 }
 
-int tm__zero_enabled(const tm_ctx *ctx) { return ctx && ctx->comm && ctx->comm->opts.zero == 1; }
+int tm__zero_level(const tm_ctx *ctx) { return ctx && ctx->comm ? ctx->comm->opts.zero : 0; }
 
-/* Elements per rank of a bucket under ZeRO-1: the bucket split in G equal blocks, each a
+int tm__zero_enabled(const tm_ctx *ctx) { return tm__zero_level(ctx) >= 1; }
+
+/* Elements per rank of a bucket under ZeRO: the bucket split in G equal blocks, each a
  * multiple of 64 elements (so every block starts 64-byte aligned for any dtype). */
 int64_t tm__zero_block(const tm_ctx *ctx, int bi) {
     int G = tm_comm_size(ctx, tm__bucket_comm_group(ctx, bi));
@@ -489,11 +493,38 @@ tm_status tm_ctx_grad_shard(const tm_ctx *ctx, int i, int64_t *lo, int64_t *hi) 
     return TM_OK;
 }
 
+/* ZeRO-2: the bucket's full gradients (G blocks) reduce-scattered into this rank's shard, then
+ * the full buffer given back (param.c: it is made again, zeroed, by the next backward). A group
+ * of one rank copies its block. */
+static tm_status sync_into_shard(tm_ctx *ctx, int i) {
+    tm__bucket *b = ctx->buckets[i];
+    TM__TRY(tm__bucket_grad_shard_ensure(ctx, i));
+    if (b->info.numel == 0) return TM_OK;
+    if (!b->grads.st.data)
+        return tm__err(ctx, TM_ERR_STATE, "tm_comm_sync_grads: bucket %d (\"%s\", ...) has no gradients to reduce "
+                       "(ZeRO-2 gives its full gradient buffer back after each synchronisation; run a backward first)",
+                       i, tm__bucket_first_param(ctx, i));
+    int g = tm__bucket_comm_group(ctx, i), G = ctx->comm->size[g];
+    int64_t blk = tm__zero_block(ctx, i);
+    TM__TRY(tm__bucket_reserve(ctx, i, blk * G)); /* the parameters' all-gather after the step */
+    tm_dtype dt = b->info.dtype;
+    tm_device dev = b->info.device;
+    if (G == 1) TM__TRY(tm__memcpy(ctx, b->gshard.st.data, dev, b->grads.st.data, dev, (size_t)blk * tm_dtype_size(dt)));
+    else TM__TRY(tm__coll_reduce_scatter(ctx, g, b->grads.st.data, b->gshard.st.data, blk, dt, dev));
+    tm__bucket_grads_release(ctx, i);
+    return TM_OK;
+}
+
 tm_status tm_comm_sync_grads(tm_ctx *ctx) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!ctx->comm) return TM_OK;
     for (int i = 0; i < ctx->n_buckets; i++) {
         tm__bucket *b = ctx->buckets[i];
+        if (b->params_sharded) continue; /* ZeRO-3: the gathers' backward reduce-scattered already */
+        if (tm__zero_level(ctx) >= 2) {
+            TM__TRY(sync_into_shard(ctx, i));
+            continue;
+        }
         int g = tm__bucket_comm_group(ctx, i);
         if (ctx->comm->size[g] == 1 || b->info.numel == 0) continue;
         tm_dtype dt = b->info.dtype;
@@ -517,7 +548,7 @@ tm_status tm__zero_gather_params(tm_ctx *ctx) {
     for (int i = 0; i < ctx->n_buckets; i++) {
         tm__bucket *b = ctx->buckets[i];
         int g = tm__bucket_comm_group(ctx, i), G = ctx->comm->size[g];
-        if (G == 1 || b->info.numel == 0) continue;
+        if (G == 1 || b->info.numel == 0 || b->params_sharded) continue; /* ZeRO-3 keeps the block */
         int64_t blk = tm__zero_block(ctx, i);
         TM__TRY(tm__bucket_reserve(ctx, i, blk * G));
         int64_t *cd = tm__meta_alloc(ctx, sizeof(int64_t) * 2 * (size_t)G);

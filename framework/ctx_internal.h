@@ -95,6 +95,23 @@ typedef struct tm__bucket {
     int master_sharded;
     int64_t master_lo, master_hi;
     tm_tensor flat[3]; /* 1-D views of the used range: params, grads, master (TM_BUCKET_*) */
+    /* ZeRO-2 (tm__zero_level >= 2 when the bucket was made): the full gradient buffer `grads`
+     * is transient: its layout (grads.used) is kept, its memory exists only from the first
+     * backward of a step (tm__bucket_grads_materialize, G blocks of the ZeRO block, zeroed) to
+     * the reduce-scatter of tm_comm_sync_grads or tm_ctx_zero_grad, which give it back. What
+     * persists is `gshard`: the reduced gradients of this rank's block (the ZeRO block's
+     * elements; the view `flat_gshard` covers bucket elements [gshard_lo, gshard_hi)). */
+    int grads_transient;
+    size_t grads_acct; /* bytes of the materialized full buffer, as accounted */
+    tm__pool gshard;
+    int64_t gshard_lo, gshard_hi;
+    tm_tensor flat_gshard;
+    /* ZeRO-3 (framework/fsdp.c, once the optimizer is made): `params` holds this rank's block
+     * [params_lo, params_hi) only, its storage flagged `sharded` so that no op reads it as the
+     * parameters; the flat view and the pieces reach it through `params_alias`. */
+    int params_sharded;
+    int64_t params_lo, params_hi;
+    tm__storage params_alias;
 } tm__bucket;
 
 typedef struct tm__node {
@@ -192,6 +209,17 @@ void tm__release_call(tm__call *c);
  * this rank holds follows (param.c; a no-op for other parameters). */
 tm_status tm__param_master_write(tm_ctx *ctx, const tm_tensor *p, tm_dtype src_dt, const void *src);
 tm_status tm__param_master_fill(tm_ctx *ctx, const tm_tensor *p, double value);
+/* ZeRO-2 (param.c): give every bucket with a transient gradient buffer that has none its full
+ * buffer, zeroed (tm_backward_with_grad, before the tape runs). Errors: TM_ERR_NOMEM,
+ * TM_ERR_CUDA. And give bucket bi's full buffer back (after its reduce-scatter, or
+ * tm_ctx_zero_grad); no-op when it has none. */
+tm_status tm__bucket_grads_materialize(tm_ctx *ctx);
+void tm__bucket_grads_release(tm_ctx *ctx, int bi);
+/* Rebuild bucket bi's flat views (param.c), after its buffers changed. */
+void tm__bucket_refresh_views(tm_ctx *ctx, int bi);
+/* ZeRO-3: fill a gathered weight's storage again (st->fsdp set, st->data NULL): the all-gather
+ * of its parameter's pieces, not taped (autograd.c, before a node that reads it). */
+tm_status tm__fsdp_regather(tm_ctx *ctx, tm__storage *st);
 /* Free the context's communicator (tm_ctx_free). */
 void tm__comm_destroy(tm_ctx *ctx);
 

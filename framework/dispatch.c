@@ -180,6 +180,11 @@ tm_status tm__op_run(tm__call *c) {
             return tm__err(ctx, TM_ERR_DEVICE, "%s: inputs on different devices: input 0 is %s, input %d is %s",
                            op->name, tm__tdesc(ctx, c->in[0]), i, tm__tdesc(ctx, c->in[i]));
     }
+    for (int i = 0; i < c->n_in; i++)
+        if (c->in[i]->storage && c->in[i]->storage->sharded)
+            return tm__err(ctx, TM_ERR_STATE, "%s: input %d %s is a parameter (or a view of one) that this rank holds a "
+                           "ZeRO-3 block of only: compute with its all-gather (tm__param_use)", op->name, i,
+                           tm__tdesc(ctx, c->in[i]));
     for (int i = 0; i < c->n_in; i++) c->src[i] = c->in[i];
     for (int i = 0; i < TM__MAX_OUT; i++) c->out[i] = NULL;
     c->n_saved = 0;

@@ -139,7 +139,7 @@ void tm__persistent_free(tm_ctx *ctx, tm_tensor *t);
 /* The group a bucket's gradients are summed over: TM_COMM_EXPERT_DP for expert buckets,
  * TM_COMM_DP otherwise. */
 int tm__bucket_comm_group(const tm_ctx *ctx, int bucket);
-/* 1 when the context's communicator shards optimizer state (ZeRO-1). */
+/* 1 when the context's communicator shards optimizer state (ZeRO-1 or 2). */
 int tm__zero_enabled(const tm_ctx *ctx);
 /* Elements of each rank's block of a bucket under ZeRO-1 (tm_ctx_grad_shard's ranges are
  * [r blk, (r + 1) blk) clipped to the bucket). */
@@ -147,6 +147,33 @@ int64_t tm__zero_block(const tm_ctx *ctx, int bucket);
 /* Make the parameter, gradient (and master) buffers of a bucket hold at least n elements, the
  * bytes past its parameters zero (collectives over G equal blocks read and write them). */
 tm_status tm__bucket_reserve(tm_ctx *ctx, int bucket, int64_t n);
+/* The ZeRO stage of the context's communicator: 0 (none, or no communicator), 1, 2 or 3. */
+int tm__zero_level(const tm_ctx *ctx);
+/* ZeRO-2: make bucket `bucket`'s persistent gradient shard (the reduced gradients of this
+ * rank's block; no-op below ZeRO-2 or when made). Errors: TM_ERR_NOMEM, TM_ERR_CUDA. */
+tm_status tm__bucket_grad_shard_ensure(tm_ctx *ctx, int bucket);
+/* The gradients the clip and the optimizer read after tm_comm_sync_grads: the flat full
+ * gradients (*off = 0), or under ZeRO-2 the shard, whose element i is bucket element *off + i
+ * (NULL before tm__bucket_grad_shard_ensure). */
+tm_tensor *tm__bucket_grads_reduced(tm_ctx *ctx, int bucket, int64_t *off);
+/* ZeRO-3 (framework/fsdp.c). tm__zero3_shard_params: keep only this rank's block of every
+ * bucket's parameters (made with the optimizer, after its master weights); no-op below ZeRO-3
+ * or when done. Errors: TM_ERR_NOMEM, TM_ERR_CUDA.
+ * tm__param_use: the weight to compute with: p itself, or under ZeRO-3 its all-gather over
+ * p's group (a taped collective whose backward reduce-scatters the gradient into this rank's
+ * shard), shaped as p. Every rank of the group calls it for the same parameters in the same
+ * order. tm__param_done: give the gathered weight's memory back (no-op for p itself); the
+ * backward gathers it again when it needs it. tm__param_prefetch: where the next layer's
+ * all-gathers would be started on a communication stream; a no-op on the CPU ranks.
+ * tm__param_sharded: 1 for a parameter whose data this rank holds a block of only. */
+tm_status tm__zero3_shard_params(tm_ctx *ctx);
+tm_status tm__param_use(tm_ctx *ctx, tm_tensor *p, tm_tensor **w);
+void tm__param_done(tm_ctx *ctx, tm_tensor *w);
+tm_status tm__param_prefetch(tm_ctx *ctx, tm_tensor *const *params, int n);
+int tm__param_sharded(const tm_tensor *p);
+/* The element of bucket `bucket` that its flat parameter view starts at: 0, or under ZeRO-3
+ * this rank's block start (the view holds the block only). */
+int64_t tm__bucket_params_offset(const tm_ctx *ctx, int bucket);
 /* ZeRO-1: all-gather every bucket's parameters from the ranks that updated their blocks. */
 tm_status tm__zero_gather_params(tm_ctx *ctx);
 
@@ -197,13 +224,16 @@ tm_status tm__ctx_segs(tm_ctx *ctx, tm_device dev, int cap, tm__segs **out);
 tm_status tm__segs_begin(tm_ctx *ctx, tm__segs *l, int kind, int cap);
 /* Ranges left in the list (empty ones are not). */
 int tm__segs_count(const tm__segs *l);
-/* AdamW range [a, e) of a bucket: elements [a, e) of the flat params P and grads G (one float
- * dtype), elements [a - off, e - off) of the flat f32 moments m, v and master weights (NULL:
+/* AdamW range [a, e) of a bucket: elements [a, e) of the flat params P, [a - goff, e - goff) of
+ * the grads G (P's float dtype; goff > 0: a ZeRO-2 gradient shard starting at bucket element
+ * goff; P likewise from poff > 0: a ZeRO-3 parameter block), elements [a - off, e - off) of the
+ * flat f32 moments m, v and master weights (NULL:
  * none; bf16 parameters then round each step), with weight decay wd. Errors (nothing is added):
  * TM_ERR_INVALID_ARG (NULL, not contiguous, a range outside a tensor, the list full or of
  * another kind), TM_ERR_DTYPE, TM_ERR_DEVICE. */
 tm_status tm__segs_add_adamw(tm_ctx *ctx, tm__segs *l, tm_tensor *P, tm_tensor *G, tm_tensor *m, tm_tensor *v,
-                             tm_tensor *master, int64_t a, int64_t e, int64_t off, double wd);
+                             tm_tensor *master, int64_t a, int64_t e, int64_t off, int64_t goff, int64_t poff,
+                             double wd);
 /* Gradient range [a, e) of the flat gradients G. Errors: as tm__segs_add_adamw. */
 tm_status tm__segs_add_grad(tm_ctx *ctx, tm__segs *l, tm_tensor *G, int64_t a, int64_t e);
 /* AdamW over every range of l (TM__SEGS_ADAMW) in one op, with each range's weight decay

@@ -48,6 +48,10 @@ typedef struct tm__storage {
     size_t nbytes;
     tm_device device;
     size_t arena_bytes;  /* size of the per-step arena block holding data; 0: not an arena block */
+    int sharded;         /* ZeRO-3: a bucket's parameter block, which ops must not read as the
+                          * parameters it is the storage of (framework/fsdp.c) */
+    struct tm__fsdp_src *fsdp; /* ZeRO-3: a gathered weight's storage, and how to gather it again
+                                * (framework/fsdp.c); NULL otherwise */
 } tm__storage;
 
 struct tm__node;
@@ -90,6 +94,8 @@ typedef struct tm__param_meta {
     int bucket;                  /* index in ctx->buckets */
     int64_t bucket_offset;       /* element offset of the parameter in its bucket */
     tm_tensor *master;           /* f32 master copy (bf16 parameters once an optimizer made it) */
+    tm_tensor *piece;            /* ZeRO-3: this rank's part of the parameter, a view of its bucket's
+                                  * block whose gradient is part of the gradient shard (fsdp.c) */
 } tm__param_meta;
 
 /* One op invocation; the tape stores copies of these. */

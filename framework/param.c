@@ -62,6 +62,10 @@ static void flat_set(tm_tensor *t, tm_ctx *ctx, tm__pool *p, tm_dtype dt, int64_
 
 static void bucket_refresh_views(tm_ctx *ctx, tm__bucket *b) {
     flat_set(&b->flat[TM_BUCKET_PARAMS], ctx, &b->params, b->info.dtype, b->info.numel);
+    if (b->params_sharded) { /* ZeRO-3: the block, through the unflagged alias */
+        b->flat[TM_BUCKET_PARAMS].shape[0] = b->params_hi - b->params_lo;
+        b->flat[TM_BUCKET_PARAMS].storage = &b->params_alias;
+    }
     flat_set(&b->flat[TM_BUCKET_GRADS], ctx, &b->grads, b->info.dtype, b->info.numel);
     if (b->has_master)
         flat_set(&b->flat[TM_BUCKET_MASTER], ctx, &b->master, TM_F32,
@@ -141,7 +145,8 @@ static tm_status bucket_new(tm_ctx *ctx, const char *fn, tm_device dev, tm_dtype
     b->info.group = o->group;
     b->info.expert_lo = o->expert_lo;
     b->info.expert_hi = o->expert_hi;
-    b->params.st.device = b->grads.st.device = b->master.st.device = dev;
+    b->params.st.device = b->grads.st.device = b->master.st.device = b->gshard.st.device = dev;
+    b->grads_transient = tm__zero_level(ctx) >= 2;
     bucket_refresh_views(ctx, b);
     *idx = ctx->n_buckets;
     ctx->buckets[ctx->n_buckets++] = b;
@@ -158,15 +163,20 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     size_t nbytes = (size_t)tm__numel(t) * esz;
     size_t padded = (nbytes + TM__ALIGN - 1) / TM__ALIGN * TM__ALIGN;
     size_t mpadded = padded / esz * sizeof(float); /* same element count in f32 */
-    tm_tensor *g = tm__host_alloc(ctx, sizeof *g);
-    tm__param_meta *pm = tm__host_alloc(ctx, sizeof *pm);
+    /* (refusals before any allocation: nothing to give back) */
     if (b->has_master && b->master_sharded)
         return tm__err(ctx, TM_ERR_STATE, "%s: \"%s\": its bucket's master weights are split over the ranks (ZeRO-1) "
                        "already; create every parameter before the optimizer", fn, t->name);
+    if (b->grads_transient && (b->gshard.st.data || b->grads.st.data))
+        return tm__err(ctx, TM_ERR_STATE, "%s: \"%s\": its bucket's gradients are split over the ranks (ZeRO-2) "
+                       "already; create every parameter before the optimizer and the first backward", fn, t->name);
+    tm_tensor *g = tm__host_alloc(ctx, sizeof *g);
+    tm__param_meta *pm = tm__host_alloc(ctx, sizeof *pm);
     tm_tensor *mt = b->has_master ? tm__host_alloc(ctx, sizeof *mt) : NULL;
     tm_status s = (!g || !pm || (b->has_master && !mt)) ? tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn) : TM_OK;
     if (s == TM_OK) s = pool_reserve(ctx, &b->params, padded);
-    if (s == TM_OK) s = pool_reserve(ctx, &b->grads, padded);
+    /* ZeRO-2: the gradient layout only; the memory comes with the first backward */
+    if (s == TM_OK && !b->grads_transient) s = pool_reserve(ctx, &b->grads, padded);
     if (s == TM_OK && b->has_master) s = pool_reserve(ctx, &b->master, mpadded);
     if (s != TM_OK) {
         tm__host_free(ctx, g);
@@ -182,7 +192,7 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     t->offset = pm->bucket_offset;
     b->params.used += padded;
     tm__mem_account(ctx, t->device, TM_MEM_PARAMETERS, (ptrdiff_t)padded);
-    tm__mem_account(ctx, t->device, TM_MEM_GRADIENTS, (ptrdiff_t)padded);
+    if (!b->grads_transient) tm__mem_account(ctx, t->device, TM_MEM_GRADIENTS, (ptrdiff_t)padded);
     *g = *t;
     g->name = "";
     g->is_param = 0;
@@ -210,11 +220,18 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     return TM_OK;
 }
 
+void tm__bucket_refresh_views(tm_ctx *ctx, int bi) { bucket_refresh_views(ctx, ctx->buckets[bi]); }
+
+int64_t tm__bucket_params_offset(const tm_ctx *ctx, int bi) {
+    const tm__bucket *b = ctx->buckets[bi];
+    return b->params_sharded ? b->params_lo : 0;
+}
+
 tm_status tm__bucket_reserve(tm_ctx *ctx, int bi, int64_t n) {
     tm__bucket *b = ctx->buckets[bi];
     size_t es = tm_dtype_size(b->info.dtype), want = (size_t)n * es;
-    if (want > b->params.used) TM__TRY(pool_reserve(ctx, &b->params, want - b->params.used));
-    if (want > b->grads.used) TM__TRY(pool_reserve(ctx, &b->grads, want - b->grads.used));
+    if (!b->params_sharded && want > b->params.used) TM__TRY(pool_reserve(ctx, &b->params, want - b->params.used));
+    if (!b->grads_transient && want > b->grads.used) TM__TRY(pool_reserve(ctx, &b->grads, want - b->grads.used));
     size_t mwant = (size_t)n * sizeof(float);
     if (b->has_master && mwant > b->master.used) TM__TRY(pool_reserve(ctx, &b->master, mwant - b->master.used));
     return TM_OK;
@@ -223,8 +240,8 @@ tm_status tm__bucket_reserve(tm_ctx *ctx, int bi, int64_t n) {
 void tm__buckets_free(tm_ctx *ctx) {
     for (int i = 0; i < ctx->n_buckets; i++) {
         tm__bucket *b = ctx->buckets[i];
-        tm__pool *pools[3] = {&b->params, &b->grads, &b->master};
-        for (int k = 0; k < 3; k++)
+        tm__pool *pools[4] = {&b->params, &b->grads, &b->master, &b->gshard};
+        for (int k = 0; k < 4; k++)
             if (pools[k]->st.data) tm__dev_free(ctx, pools[k]->st.device, pools[k]->st.data);
         tm__host_free(ctx, b);
     }
@@ -273,9 +290,92 @@ tm_status tm_ctx_zero_grad(tm_ctx *ctx) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     for (int i = 0; i < ctx->n_buckets; i++) {
         tm__bucket *b = ctx->buckets[i];
+        if (b->grads_transient) {
+            /* ZeRO-2: zero gradients are no full buffer (the next backward makes one, zeroed)
+             * and a zero shard */
+            tm__bucket_grads_release(ctx, i);
+            if (b->gshard.used) TM__TRY(tm__dev_memset0(ctx, b->gshard.st.device, b->gshard.st.data, b->gshard.used));
+            continue;
+        }
         if (b->grads.used) TM__TRY(tm__dev_memset0(ctx, b->grads.st.device, b->grads.st.data, b->grads.used));
     }
     return TM_OK;
+}
+
+/* ---- ZeRO-2 gradients: a transient full buffer and a persistent shard ---------------------- */
+
+tm_status tm__bucket_grads_materialize(tm_ctx *ctx) {
+    for (int i = 0; i < ctx->n_buckets; i++) {
+        tm__bucket *b = ctx->buckets[i];
+        /* (ZeRO-3: the gathers' backward adds into the shard; no full buffer at all) */
+        if (!b->grads_transient || b->params_sharded || b->grads.st.data || !b->grads.used) continue;
+        size_t es = tm_dtype_size(b->info.dtype);
+        /* G whole blocks: the reduce-scatter reads them all (the bytes past the parameters
+         * stay zero) */
+        int G = tm_comm_size(ctx, (tm_comm_group)tm__bucket_comm_group(ctx, i));
+        size_t nbytes = (size_t)tm__zero_block(ctx, i) * (size_t)G * es;
+        if (nbytes < b->grads.used) nbytes = b->grads.used;
+        void *mem = tm__dev_alloc(ctx, b->info.device, nbytes);
+        if (!mem)
+            return tm__err(ctx, TM_ERR_NOMEM, "backward: out of %s memory for the %zu bytes of bucket %d's full gradient "
+                           "buffer (ZeRO-2 makes it for each step's backward)",
+                           b->info.device.type == TM_DEVICE_CPU ? "host" : "device", nbytes, i);
+        tm_status s = tm__dev_memset0(ctx, b->info.device, mem, nbytes);
+        if (s != TM_OK) {
+            tm__dev_free(ctx, b->info.device, mem);
+            return s;
+        }
+        b->grads.st.data = mem;
+        b->grads.st.nbytes = nbytes;
+        b->grads_acct = nbytes;
+        tm__mem_account(ctx, b->info.device, TM_MEM_GRADIENTS, (ptrdiff_t)nbytes);
+    }
+    return TM_OK;
+}
+
+void tm__bucket_grads_release(tm_ctx *ctx, int bi) {
+    tm__bucket *b = ctx->buckets[bi];
+    if (!b->grads_transient || !b->grads.st.data) return;
+    tm__dev_free(ctx, b->info.device, b->grads.st.data);
+    b->grads.st.data = NULL;
+    b->grads.st.nbytes = 0;
+    tm__mem_account(ctx, b->info.device, TM_MEM_GRADIENTS, -(ptrdiff_t)b->grads_acct);
+    b->grads_acct = 0;
+}
+
+tm_status tm__bucket_grad_shard_ensure(tm_ctx *ctx, int bi) {
+    tm__bucket *b = ctx->buckets[bi];
+    if (!b->grads_transient || b->gshard.st.data) return TM_OK;
+    int64_t lo, hi, blk = tm__zero_block(ctx, bi);
+    TM__TRY(tm_ctx_grad_shard(ctx, bi, &lo, &hi));
+    size_t nbytes = (size_t)blk * tm_dtype_size(b->info.dtype);
+    void *mem = tm__dev_alloc(ctx, b->info.device, nbytes ? nbytes : 1);
+    if (!mem)
+        return tm__err(ctx, TM_ERR_NOMEM, "ZeRO-2: out of %s memory for the %zu bytes of bucket %d's gradient shard",
+                       b->info.device.type == TM_DEVICE_CPU ? "host" : "device", nbytes, bi);
+    tm_status s = tm__dev_memset0(ctx, b->info.device, mem, nbytes ? nbytes : 1);
+    if (s != TM_OK) {
+        tm__dev_free(ctx, b->info.device, mem);
+        return s;
+    }
+    b->gshard.st.data = mem;
+    b->gshard.st.nbytes = nbytes ? nbytes : 1;
+    b->gshard.used = nbytes;
+    b->gshard_lo = lo;
+    b->gshard_hi = hi;
+    tm__mem_account(ctx, b->info.device, TM_MEM_GRADIENTS, (ptrdiff_t)nbytes);
+    flat_set(&b->flat_gshard, ctx, &b->gshard, b->info.dtype, hi - lo);
+    return TM_OK;
+}
+
+tm_tensor *tm__bucket_grads_reduced(tm_ctx *ctx, int bi, int64_t *off) {
+    tm__bucket *b = ctx->buckets[bi];
+    if (!b->grads_transient) {
+        *off = 0;
+        return &b->flat[TM_BUCKET_GRADS];
+    }
+    *off = b->gshard_lo;
+    return b->gshard.st.data ? &b->flat_gshard : NULL;
 }
 
 /* ---- master weights and optimizer state (extend.h) ------------------------------------------ */
@@ -384,6 +484,7 @@ tm_status tm__state_alloc_n(tm_ctx *ctx, const char *fn, int bi, int64_t numel, 
         tm_tensor t;
     } *f = tm__host_alloc(ctx, sizeof *f);
     if (!f) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+    memset(f, 0, sizeof *f);
     size_t nbytes = (size_t)(numel ? numel : 1) * sizeof(float);
     f->st.device = b->info.device;
     f->st.nbytes = nbytes;

@@ -72,6 +72,7 @@ tm_status tm__tensor_new(tm_ctx *ctx, tm_dtype dt, int ndim, const int64_t *shap
     tm_tensor *t = header_new(ctx, dt, ndim, shape, dev);
     tm__storage *st = tm__meta_alloc(ctx, sizeof *st);
     if (!t || !st) return TM_ERR_NOMEM;
+    memset(st, 0, sizeof *st);
     st->nbytes = (size_t)tm__numel_of(ndim, shape) * tm_dtype_size(dt);
     st->device = dev;
     TM__TRY(tm__arena_alloc_storage(ctx, st));
@@ -245,10 +246,10 @@ static tm_status named_new(tm_ctx *ctx, const char *fn, const char *name, tm_dty
             tm__host_free(ctx, nm);
             return s != TM_OK ? s : tm__err(ctx, TM_ERR_NOMEM, "%s: out of memory for \"%s\" (%zu bytes)", fn, name, nbytes);
         }
+        memset(st, 0, sizeof *st);
         st->data = mem;
         st->nbytes = padded;
         st->device = dev;
-        st->arena_bytes = 0;
         ctx->owned[ctx->n_owned++] = st;
         t->storage = st;
         tm__mem_account(ctx, dev, buffer_category(name), (ptrdiff_t)padded);
@@ -365,6 +366,10 @@ static tm_status tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, v
         return tm__err(ctx, TM_ERR_STATE, "tm_tensor_read: \"%s\" is split over the ranks (ZeRO-1); this rank holds "
                        "part of it (checkpoints gather it)", t->name);
     if (n == 0) return TM_OK;
+    if (t->storage && !t->storage->data)
+        return tm__err(ctx, TM_ERR_STATE, "tm_tensor_read: %s has no memory now: a parameter gradient under ZeRO-2 "
+                       "exists from a step's first backward to tm_comm_sync_grads, which keeps this rank's reduced "
+                       "block only", tm__tdesc(ctx, t));
     /* A CPU tensor stands for device memory here: reading it back is where a CUDA run would
      * wait for its stream, so it counts as one synchronisation (tm_ctx_sync_count). A device
      * tensor's D2H copy below counts itself. */
@@ -412,6 +417,9 @@ static tm_status tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const 
         return tm__err(ctx, TM_ERR_STATE, "tm_tensor_write: \"%s\" is split over the ranks (ZeRO-1); this rank holds "
                        "part of it", t->name);
     if (n == 0) return TM_OK;
+    if (t->storage && !t->storage->data)
+        return tm__err(ctx, TM_ERR_STATE, "tm_tensor_write: %s has no memory now (a parameter gradient under ZeRO-2 "
+                       "outside a step's backward)", tm__tdesc(ctx, t));
     tm__mirror_drop(ctx, t);
     tm_tensor *master = t->pm ? t->pm->master : NULL;
     if (master) TM__TRY(tm_tensor_write(ctx, master, src_dt, src, count)); /* f32 master weights follow */

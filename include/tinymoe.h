@@ -225,8 +225,16 @@ TM_API size_t tm_ctx_arena_used(const tm_ctx *ctx, tm_device dev);
 TM_API size_t tm_ctx_arena_peak(const tm_ctx *ctx, tm_device dev);
 
 /* Memory of a context on one device, by category, in bytes:
- *   TM_MEM_PARAMETERS   the parameter buffer's bytes in use (each parameter padded to 64 bytes)
- *   TM_MEM_GRADIENTS    the parameter-gradient buffer's bytes in use (same layout)
+ *   TM_MEM_PARAMETERS   the parameter buffer's bytes in use (each parameter padded to 64 bytes);
+ *                       under ZeRO-3 (tm_comm_options.zero) the parameter blocks, and each
+ *                       all-gathered weight while it is held, so peak[] less current[] is the
+ *                       most gathered at once (this peak restarts when the optimizer shards the
+ *                       parameters)
+ *   TM_MEM_GRADIENTS    the parameter-gradient buffer's bytes in use (same layout); under ZeRO-2
+ *                       and 3 the gradient shard of each bucket (its ZeRO block) always, and
+ *                       (ZeRO-2 only) the full buffer (G ZeRO blocks) from a step's first
+ *                       backward to tm_comm_sync_grads, so current[] between steps is the shards
+ *                       and peak[] the shards plus the full buffer
  *   TM_MEM_OPTIMIZER    optimizer state (AdamW moments, SGD momentum, step counters) and the f32
  *                       master weights of bf16 buckets
  *   TM_MEM_BUFFERS      every other persistent buffer (tm_buffer_new: expert_bias, counters)
@@ -367,8 +375,10 @@ typedef enum tm_bucket_part { TM_BUCKET_PARAMS = 0, TM_BUCKET_GRADS = 1, TM_BUCK
 /* A 1-D persistent view [numel] of bucket i's parameters, gradients or f32 master weights,
  * valid until a parameter is added to that bucket or the context is freed (writes through it
  * change the parameters; they are not recorded on the tape). NULL for a bad index, or for the
- * master of a bucket without one. Under ZeRO-1 (tm_comm_options.zero) the master view holds
- * only this rank's block [lo, hi) of the bucket (tm_ctx_grad_shard): [hi - lo] elements. */
+ * master of a bucket without one. Under ZeRO-1 and 2 (tm_comm_options.zero) the master view holds
+ * only this rank's block [lo, hi) of the bucket (tm_ctx_grad_shard): [hi - lo] elements. Under
+ * ZeRO-2 the gradient view has memory only from a step's first backward to tm_comm_sync_grads
+ * (its data is NULL otherwise; tm_tensor_read on it fails with TM_ERR_STATE). */
 TM_API tm_tensor *tm_ctx_bucket_tensor(const tm_ctx *ctx, int i, tm_bucket_part part);
 
 /* Persistent tensor without gradient (optimizer state, expert_bias, data). Zero-filled; any
@@ -386,7 +396,9 @@ TM_API tm_tensor *tm_ctx_named(const tm_ctx *ctx, int i);
 /* Find a parameter or buffer by name; NULL if none. */
 TM_API tm_tensor *tm_ctx_find(const tm_ctx *ctx, const char *name);
 
-/* Set every parameter gradient to zero (one memset per bucket). Errors: TM_ERR_CUDA. */
+/* Set every parameter gradient to zero (one memset per bucket; under ZeRO-2 the full gradient
+ * buffers are given back, as zero gradients need none, and the shards zeroed). Errors:
+ * TM_ERR_CUDA. */
 TM_API tm_status tm_ctx_zero_grad(tm_ctx *ctx);
 
 /* Introspection. Functions taking a tensor return 0 / NULL for t == NULL. */
@@ -1654,7 +1666,8 @@ TM_API tm_status tm_ctx_clip_grad_norm_deferred(tm_ctx *ctx, double max_norm, do
  * Determinism: every collective runs a fixed algorithm for a given layout and message size, so
  * a run repeats bit for bit; different layouts sum in different orders (results agree to
  * rounding). Sources: Megatron-LM (parallel_state.py groups, distributed optimizer), PyTorch
- * DDP (bucketed gradient all-reduce), ZeRO (Rajbhandari et al. 2020, stage 1). */
+ * DDP (bucketed gradient all-reduce), ZeRO (Rajbhandari et al. 2020, stages 1 to 3), PyTorch
+ * FSDP (Zhao et al. 2023: parameters all-gathered around each unit's forward and backward). */
 
 typedef enum tm_comm_group {
     TM_COMM_WORLD = 0,
@@ -1687,8 +1700,20 @@ TM_API const char *tm_ep_strategy_name(tm_ep_strategy s);
 typedef struct tm_comm_options {
     int ep_size;                /* P >= 1, divides the world size; default 1 */
     tm_ep_strategy ep_strategy; /* default TM_EP_ALLTOALL */
-    int zero;                   /* ZeRO stage 0 (default) or 1: optimizer state and f32 master
-                                 * weights sharded over each bucket's data-parallel group */
+    int zero;                   /* ZeRO stage (Rajbhandari et al. 2020): 0 (default); 1: optimizer
+                                 * state and f32 master weights sharded over each bucket's
+                                 * data-parallel group; 2: the gradients too: tm_comm_sync_grads
+                                 * reduce-scatters each bucket into this rank's block and gives
+                                 * the full gradient buffer back (the next backward makes it
+                                 * again, zeroed); 3 (FSDP): the parameters too, from when the
+                                 * optimizer is made: each rank keeps its block of every bucket,
+                                 * the model all-gathers each layer's weights for its forward and
+                                 * again for its backward, and their backward reduces the
+                                 * gradients straight into the shards (no full gradient buffer,
+                                 * tm_comm_sync_grads has nothing left to do). A parameter is then
+                                 * readable only through checkpoints (tm_tensor_read / _write and
+                                 * ops refuse it with TM_ERR_STATE); tm_ctx_bucket_tensor's
+                                 * parameter view holds this rank's block */
     double timeout_s;           /* a collective still waiting after this many seconds fails with
                                  * TM_ERR_COMM (a rank died or stopped answering); <= 0: wait
                                  * forever; default 60 */
@@ -1730,7 +1755,7 @@ TM_API int tm_mpi_world_size(void);
  * with the same options). The world is opts->mpi_comm or MPI_COMM_WORLD under an initialised
  * MPI, else one rank. Call it before creating parameters: tm_moe_new sizes its expert weights
  * by the layout. Errors: TM_ERR_INVALID_ARG (ep_size < 1 or not dividing the world size, zero
- * not 0 or 1, ep_strategy not a tm_ep_strategy, timeout NaN, nccl not one of TM_NCCL_*), TM_ERR_STATE (ctx has a
+ * not 0 to 3, ep_strategy not a tm_ep_strategy, timeout NaN, nccl not one of TM_NCCL_*), TM_ERR_STATE (ctx has a
  * communicator already, or parameters), TM_ERR_COMM (an MPI call failed). */
 TM_API tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts);
 /* This process's rank in group g and the group's size: 0 and 1 without a communicator (or for
@@ -1785,11 +1810,16 @@ TM_API tm_status tm_comm_barrier(tm_ctx *ctx, tm_comm_group g);
 /* Gradient synchronisation, once per optimizer step after the last backward: every bucket's
  * gradients summed over its group (dense buckets: dp; expert buckets: expert_dp), one
  * collective per bucket: an all-reduce, or with zero = 1 a reduce-scatter after which this rank
- * holds the sums of its range [lo, hi) only (tm_ctx_grad_shard). tm_ctx_clip_grad_norm and
- * tm_optimizer_step then work on what each rank holds. No-op without a communicator or on
- * groups of one rank. Errors: TM_ERR_COMM, TM_ERR_NOMEM. */
+ * holds the sums of its range [lo, hi) only (tm_ctx_grad_shard). With zero = 2 the reduce-scatter
+ * writes into the bucket's gradient shard (a group of one rank copies) and the full gradient
+ * buffer is given back: the parameters' gradients have no memory until the next backward.
+ * tm_ctx_clip_grad_norm and tm_optimizer_step then work on what each rank holds (the norm is the
+ * root of the ranks' sums of squares of their blocks, added over the world). No-op without a
+ * communicator, or (zero 0 and 1) on groups of one rank. Errors: TM_ERR_COMM, TM_ERR_NOMEM,
+ * TM_ERR_STATE (zero = 2 and no backward since the last synchronisation or tm_ctx_zero_grad).
+ * With zero = 3 there is nothing to synchronise (the backward reduced into the shards). */
 TM_API tm_status tm_comm_sync_grads(tm_ctx *ctx);
-/* The element range [lo, hi) of bucket i that this rank owns under ZeRO-1 (the whole bucket
+/* The element range [lo, hi) of bucket i that this rank owns under ZeRO-1 or 2 (the whole bucket
  * otherwise): the bucket's elements padded to a multiple of its group's size G, in G equal
  * blocks in group-rank order. Errors: TM_ERR_INVALID_ARG (NULL, i out of range). */
 TM_API tm_status tm_ctx_grad_shard(const tm_ctx *ctx, int i, int64_t *lo, int64_t *hi);

@@ -300,11 +300,10 @@ static tm_status swiglu_mlp(tm_ctx *ctx, tm_tensor *x, tm_tensor *w0, tm_tensor 
  * cache the T rows are whole sequences (positions 0..T-1). With one they are positions
  * [len, len + T): their keys and values join the cache first, and the queries attend to all
  * len + T cached positions (tm_attention lets query i see keys j <= i + len). */
-static tm_status self_attention(tm_model *m, int l, tm_tensor *h, int64_t B, int64_t T, tm_kv_cache *kv,
-                                tm_tensor **out) {
+static tm_status self_attention(tm_model *m, int l, const tm__layer *L, tm_tensor *h, int64_t B, int64_t T,
+                                tm_kv_cache *kv, tm_tensor **out) {
     tm_ctx *ctx = m->ctx;
     const tm_model_config *c = &m->cfg;
-    const tm__layer *L = &m->layers[l];
     int64_t D = c->d_model / c->n_heads, pos = kv ? kv->len : 0;
     int64_t sq[4] = {B, T, c->n_heads, D}, skv[4] = {B, T, c->n_kv_heads, D}, s2[2] = {B * T, c->n_heads * D};
     tm_tensor *q, *k, *v, *a;
@@ -328,13 +327,29 @@ static tm_status self_attention(tm_model *m, int l, tm_tensor *h, int64_t B, int
  * last add: *x1 = x + attn(h) and *y = ffn(ffn_norm(*x1)), whose sum the caller fuses with the
  * next norm (norm_after). st (may be NULL) receives the MoE block's statistics; untouched
  * on dense layers. */
-static tm_status block(tm_model *m, int l, tm_tensor *x, tm_tensor *h, int64_t B, int64_t T, tm_kv_cache *kv,
-                       const tm__dp_rows *dp, tm_moe_stats *st, tm_tensor **x1, tm_tensor **y) {
+/* ZeRO-3: a copy of layer L whose weights are all-gathered (tm__param_use: L's own tensors
+ * otherwise), and their memory given back after the layer's forward (the backward gathers them
+ * again). The MoE block gathers its own; attn_norm is not the block's (the norm before it is
+ * fused with the previous residual add: first_norm, add_norm_after). */
+static tm_status layer_use(tm_ctx *ctx, const tm__layer *L, tm__layer *W) {
+    *W = *L;
+    tm_tensor **f[] = {&W->wq, &W->wk, &W->wv, &W->wo, &W->ffn_norm, &W->mlp_w0, &W->mlp_w1, &W->mlp_wo};
+    for (size_t i = 0; i < sizeof f / sizeof *f; i++)
+        if (*f[i]) TM__TRY(tm__param_use(ctx, *f[i], f[i]));
+    return TM_OK;
+}
+
+static void layer_done(tm_ctx *ctx, tm__layer *W) {
+    tm_tensor *f[] = {W->wq, W->wk, W->wv, W->wo, W->ffn_norm, W->mlp_w0, W->mlp_w1, W->mlp_wo};
+    for (size_t i = 0; i < sizeof f / sizeof *f; i++) tm__param_done(ctx, f[i]);
+}
+
+static tm_status block_of(tm_model *m, int l, const tm__layer *L, tm_tensor *x, tm_tensor *h, int64_t B, int64_t T,
+                          tm_kv_cache *kv, const tm__dp_rows *dp, tm_moe_stats *st, tm_tensor **x1, tm_tensor **y) {
     tm_ctx *ctx = m->ctx;
     const tm_model_config *c = &m->cfg;
-    const tm__layer *L = &m->layers[l];
     tm_tensor *a;
-    TM__TRY(self_attention(m, l, h, B, T, kv, &a));
+    TM__TRY(self_attention(m, l, L, h, B, T, kv, &a));
     TM__TRY(tm_add_rmsnorm(ctx, x, a, L->ffn_norm, c->norm_eps, x1, &h));
     /* The running counts of the expert-bias update are left to the caller (tm_model_forward
      * adds them once the step's ids are known to be valid; the cached forward never does). */
@@ -342,14 +357,44 @@ static tm_status block(tm_model *m, int l, tm_tensor *x, tm_tensor *h, int64_t B
     return swiglu_mlp(ctx, h, L->mlp_w0, L->mlp_w1, L->mlp_wo, y);
 }
 
+static tm_status block(tm_model *m, int l, tm_tensor *x, tm_tensor *h, int64_t B, int64_t T, tm_kv_cache *kv,
+                       const tm__dp_rows *dp, tm_moe_stats *st, tm_tensor **x1, tm_tensor **y) {
+    tm__layer W;
+    TM__TRY(layer_use(m->ctx, &m->layers[l], &W));
+    /* the hook where the next layer's all-gathers would start (a no-op on the CPU) */
+    if (l + 1 < m->cfg.n_layers) {
+        const tm__layer *N = &m->layers[l + 1];
+        tm_tensor *next[] = {N->wq, N->wk, N->wv, N->wo};
+        TM__TRY(tm__param_prefetch(m->ctx, next, 4));
+    }
+    tm_status s = block_of(m, l, &W, x, h, B, T, kv, dp, st, x1, y);
+    layer_done(m->ctx, &W);
+    return s;
+}
+
+/* x1 + y and its norm with the norm weight after layer l (gathered for the call under ZeRO-3). */
+static tm_status add_norm_after(tm_model *m, int l, tm_tensor *x1, tm_tensor *y, tm_tensor **x, tm_tensor **h);
+
 /* The norm after layer l: the next layer's attention norm, or the final norm. */
 static tm_tensor *norm_after(const tm_model *m, int l) {
     return l + 1 < m->cfg.n_layers ? m->layers[l + 1].attn_norm : m->norm;
 }
 
+static tm_status add_norm_after(tm_model *m, int l, tm_tensor *x1, tm_tensor *y, tm_tensor **x, tm_tensor **h) {
+    tm_tensor *w;
+    TM__TRY(tm__param_use(m->ctx, norm_after(m, l), &w));
+    tm_status s = tm_add_rmsnorm(m->ctx, x1, y, w, m->cfg.norm_eps, x, h);
+    tm__param_done(m->ctx, w);
+    return s;
+}
+
 /* h = attn_norm(x) of layer 0, the one norm not fused with a residual add (n_layers >= 1). */
 static tm_status first_norm(tm_model *m, tm_tensor *x, tm_tensor **h) {
-    return tm_rmsnorm(m->ctx, x, m->layers[0].attn_norm, m->cfg.norm_eps, h);
+    tm_tensor *w;
+    TM__TRY(tm__param_use(m->ctx, m->layers[0].attn_norm, &w));
+    tm_status s = tm_rmsnorm(m->ctx, x, w, m->cfg.norm_eps, h);
+    tm__param_done(m->ctx, w);
+    return s;
 }
 
 /* tokens i32 [B,T] -> the residual stream [B*T,H]. The tokens are valid already (checked on the
@@ -359,16 +404,22 @@ static tm_status embed(tm_model *m, tm_tensor *tokens, tm_tensor **x) {
     int64_t flat[1] = {tm_tensor_dim(tokens, 0) * tm_tensor_dim(tokens, 1)};
     tm_tensor *ids;
     TM__TRY(tm_reshape(m->ctx, tokens, 1, flat, &ids));
-    return tm__embedding_unchecked(m->ctx, m->embed, ids, x); // (B*T, H)
+    tm_tensor *w;
+    TM__TRY(tm__param_use(m->ctx, m->embed, &w));
+    tm_status s = tm__embedding_unchecked(m->ctx, w, ids, x); // (B*T, H)
+    tm__param_done(m->ctx, w);
+    return s;
 }
 
 /* lm_head (embed.weight^T when tied) on the final norm h [B*T,H] -> logits [B,T,V]. */
 static tm_status head(tm_model *m, tm_tensor *h, int64_t B, int64_t T, tm_tensor **logits_2d, tm_tensor **logits) {
     tm_ctx *ctx = m->ctx;
     int64_t s3[3] = {B, T, m->cfg.vocab_size};
-    tm_tensor *lg;
-    if (m->lm_head) TM__TRY(tm_matmul(ctx, h, m->lm_head, 0, 0, &lg)); // (B*T, V)
-    else TM__TRY(tm_matmul(ctx, h, m->embed, 0, 1, &lg));
+    tm_tensor *lg, *w;
+    TM__TRY(tm__param_use(ctx, m->lm_head ? m->lm_head : m->embed, &w));
+    tm_status s = tm_matmul(ctx, h, w, 0, m->lm_head ? 0 : 1, &lg); // (B*T, V)
+    tm__param_done(ctx, w);
+    TM__TRY(s);
     if (logits_2d) *logits_2d = lg;
     return tm_reshape(ctx, lg, 3, s3, logits); // (B, T, V)
 }
@@ -482,7 +533,7 @@ tm_status tm_model_forward(tm_model *m, tm_tensor *tokens, tm_tensor *targets, t
     for (int l = 0; l < c->n_layers; l++) {
         tm_moe_stats st;
         TM__TRY(block(m, l, x, h, B, T, NULL, &dp, &st, &x1, &y));
-        TM__TRY(tm_add_rmsnorm(ctx, x1, y, norm_after(m, l), c->norm_eps, &x, &h)); // x1 + y, its norm
+        TM__TRY(add_norm_after(m, l, x1, y, &x, &h)); // x1 + y, its norm
         if (!m->layers[l].moe) continue;
         tm_tensor *parts[3] = {st.aux_loss, st.seq_aux_loss, st.z_loss};
         for (int p = 0; p < 3; p++) TM__TRY(add_loss(ctx, moe_loss[p], parts[p], &moe_loss[p]));
@@ -557,7 +608,7 @@ static tm_status forward_cached(tm_model *m, tm_kv_cache *kv, tm_tensor *tokens,
      * expert-bias counts alone. */
     for (int l = 0; l < m->cfg.n_layers; l++) {
         TM__TRY(block(m, l, x, h, B, T, kv, NULL, NULL, &x1, &y));
-        TM__TRY(tm_add_rmsnorm(m->ctx, x1, y, norm_after(m, l), m->cfg.norm_eps, &x, &h));
+        TM__TRY(add_norm_after(m, l, x1, y, &x, &h));
     }
     return head(m, h, B, T, NULL, logits); // (B, T, V)
 }

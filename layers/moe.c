@@ -668,11 +668,19 @@ tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor *
         return BAD("tm_moe_forward: %lld tokens do not split into num_seqs = %lld sequences", (long long)T, (long long)num_seqs);
     tm_tensor *x2, *xg, *logits;
     TM__TRY(tm_reshape(ctx, x, 2, shape2, &x2));
+    /* ZeRO-3: the block's weights all-gathered for this forward (fsdp.c; the block itself
+     * otherwise), given back at its end; the backward gathers them again. */
+    tm_moe gathered = *m;
+    tm_tensor **wts[] = {&gathered.gate, &gathered.w0, &gathered.w1, &gathered.wo,
+                         &gathered.sw0, &gathered.sw1, &gathered.swo};
+    for (size_t i = 0; i < sizeof wts / sizeof *wts; i++)
+        if (*wts[i]) TM__TRY(tm__param_use(ctx, *wts[i], wts[i]));
+    tm_moe *const W = &gathered;
 
     /* Gate in f32 whatever the activation dtype (router precision matters for selection). */
     xg = x2;
     if (tm_tensor_dtype(x2) != m->gate_dtype) TM__TRY(tm_cast(ctx, x2, m->gate_dtype, &xg));
-    TM__TRY(tm_matmul(ctx, xg, m->gate, 0, 0, &logits));
+    TM__TRY(tm_matmul(ctx, xg, W->gate, 0, 0, &logits));
 
     tm_router_out ro;
     TM__TRY(tm_moe_router(ctx, logits, m->expert_bias, &cfg->router, &ro));
@@ -737,13 +745,14 @@ tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor *
     }
 
     tm_tensor *out;
-    if (cfg->strategy == TM_MOE_DENSE) TM__TRY(dense_experts(m, x2, probs, &out));
-    else TM__TRY(grouped_experts(m, x2, probs, map, capacity, &out));
+    if (cfg->strategy == TM_MOE_DENSE) TM__TRY(dense_experts(W, x2, probs, &out));
+    else TM__TRY(grouped_experts(W, x2, probs, map, capacity, &out));
     if (cfg->shared_ffn_size) {
         tm_tensor *sh;
-        TM__TRY(swiglu_ffn(ctx, x2, m->sw0, m->sw1, m->swo, &sh));
+        TM__TRY(swiglu_ffn(ctx, x2, W->sw0, W->sw1, W->swo, &sh));
         TM__TRY(tm_add(ctx, out, sh, &out));
     }
+    for (size_t i = 0; i < sizeof wts / sizeof *wts; i++) tm__param_done(ctx, *wts[i]);
     int64_t xshape[TM_MAX_DIMS];
     for (int i = 0; i < nd; i++) xshape[i] = tm_tensor_dim(x, i);
     TM__TRY(tm_reshape(ctx, out, nd, xshape, y));

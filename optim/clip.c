@@ -35,8 +35,8 @@
 #include "extend.h"
 
 /* The gradient ranges of the buckets on CUDA (cuda = 1) or the CPU (0) into the context's
- * segment list of that device: each bucket's local range (tm_ctx_grad_shard: its ZeRO-1 block,
- * or the whole bucket), skipping those this rank does not measure when owned_only (a bucket
+ * segment list of that device: each bucket's local range (tm_ctx_grad_shard: its ZeRO block,
+ * or the whole bucket; under ZeRO-2 the shard that holds that block's sums), skipping those this rank does not measure when owned_only (a bucket
  * replicated over its group is counted by one replica, group rank 0). idx[j] = the bucket of
  * range j; *m = the ranges (0: no list); *devp = the list's device. */
 static tm_status grad_ranges(tm_ctx *ctx, int cuda, int owned_only, tm__segs **out, tm_device *devp, int *idx,
@@ -65,7 +65,12 @@ static tm_status grad_ranges(tm_ctx *ctx, int cuda, int owned_only, tm__segs **o
         if (owned_only && !tm__zero_enabled(ctx) &&
             tm_comm_rank(ctx, (tm_comm_group)tm__bucket_comm_group(ctx, k)) != 0)
             continue;
-        TM__TRY(tm__segs_add_grad(ctx, l, tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_GRADS), lo, hi));
+        int64_t goff;
+        tm_tensor *G = tm__bucket_grads_reduced(ctx, k, &goff);
+        if (!G)
+            return tm__err(ctx, TM_ERR_STATE, "tm_ctx_clip_grad_norm: bucket %d (\"%s\", ...) has no reduced gradients: "
+                           "under ZeRO-2 call tm_comm_sync_grads after the backward", k, tm__bucket_first_param(ctx, k));
+        TM__TRY(tm__segs_add_grad(ctx, l, G, lo - goff, hi - goff));
         idx[(*m)++] = k;
     }
     *out = l;

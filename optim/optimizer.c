@@ -110,10 +110,13 @@ tm_status tm__optimizer_create(tm_ctx *ctx, const char *fn, int n_state, const c
         b[k].numel = bi.numel;
         if (s == TM_OK) s = tm_ctx_grad_shard(ctx, k, &b[k].lo, &b[k].hi);
         if (s == TM_OK && bi.dtype == TM_BF16) s = tm__bucket_master_ensure(ctx, k);
+        if (s == TM_OK) s = tm__bucket_grad_shard_ensure(ctx, k); /* ZeRO-2 */
         for (int j = 0; s == TM_OK && j < n_state; j++)
             s = tm__state_alloc_n(ctx, fn, k, b[k].hi - b[k].lo, &b[k].state[j]);
         if (s == TM_OK) s = make_runs(ctx, fn, &b[k]);
     }
+    /* ZeRO-3: from here on this rank keeps its block of the parameters only (fsdp.c) */
+    if (s == TM_OK) s = tm__zero3_shard_params(ctx);
     /* per-parameter names, in parameter order */
     for (int i = 0; s == TM_OK && i < n; i++) {
         tm_tensor *p = tm_ctx_param(ctx, i), *v;
@@ -165,6 +168,16 @@ static void run_part(const tm__opt_bucket *ob, const tm__opt_run *run, int64_t *
     *e = run->hi < ob->hi ? run->hi : ob->hi;
 }
 
+/* The gradients a step reads: the bucket's, or under ZeRO-2 this rank's reduced shard (element
+ * i = bucket element *goff + i), which exists once tm_comm_sync_grads made it. */
+static tm_status reduced_grads(tm_ctx *ctx, int bucket, tm_tensor **G, int64_t *goff) {
+    *G = tm__bucket_grads_reduced(ctx, bucket, goff);
+    if (!*G)
+        return tm__err(ctx, TM_ERR_STATE, "tm_optimizer_step: bucket %d (\"%s\", ...) has no reduced gradients: under "
+                       "ZeRO-2 call tm_comm_sync_grads after the backward", bucket, tm__bucket_first_param(ctx, bucket));
+    return TM_OK;
+}
+
 /* AdamW: one adamw_update_multi per device over every run of its buckets, each run with its
  * weight decay: the same bits as one adamw_update per run, in one CUDA launch. The ranges are
  * described afresh each step (no slices: offsets into the flat bucket tensors), and their table
@@ -192,14 +205,17 @@ static tm_status adamw_step(tm_optimizer *opt, double lr, int64_t t, tm_tensor *
             TM__TRY(tm_ctx_bucket_info(ctx, ob->bucket, &bi));
             if ((bi.device.type == TM_DEVICE_CUDA) != d) continue;
             tm_tensor *P = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_PARAMS);
-            tm_tensor *G = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_GRADS);
+            int64_t goff, poff = tm__bucket_params_offset(ctx, ob->bucket);
+            tm_tensor *G;
+            TM__TRY(reduced_grads(ctx, ob->bucket, &G, &goff));
             tm_tensor *M = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_MASTER);
             for (int r = 0; r < ob->n_runs; r++) {
                 int64_t a, e;
                 run_part(ob, &ob->runs[r], &a, &e);
                 if (a >= e) continue;
-                /* (the state and the master hold [lo, hi) only under ZeRO-1) */
-                TM__TRY(tm__segs_add_adamw(ctx, l, P, G, ob->state[0], ob->state[1], M, a, e, ob->lo,
+                /* (the state and the master hold [lo, hi) only under ZeRO-1 and 2, and so do
+                 * the gradients under ZeRO-2) */
+                TM__TRY(tm__segs_add_adamw(ctx, l, P, G, ob->state[0], ob->state[1], M, a, e, ob->lo, goff, poff,
                                            ob->runs[r].decay ? c->weight_decay : 0.0));
             }
         }
@@ -215,7 +231,9 @@ static tm_status sgd_step(tm_optimizer *opt, double lr, int64_t t) {
     for (int k = 0; k < opt->n_buckets; k++) {
         const tm__opt_bucket *ob = &opt->b[k];
         tm_tensor *P = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_PARAMS);
-        tm_tensor *G = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_GRADS);
+        int64_t goff, poff = tm__bucket_params_offset(ctx, ob->bucket);
+        tm_tensor *G;
+        TM__TRY(reduced_grads(ctx, ob->bucket, &G, &goff));
         tm_tensor *M = tm_ctx_bucket_tensor(ctx, ob->bucket, TM_BUCKET_MASTER);
         for (int r = 0; r < ob->n_runs; r++) {
             const tm__opt_run *run = &ob->runs[r];
@@ -223,8 +241,8 @@ static tm_status sgd_step(tm_optimizer *opt, double lr, int64_t t) {
             run_part(ob, run, &a, &e);
             if (a >= e) continue;
             tm_tensor *p, *g, *m = NULL, *st[TM__OPT_MAX_STATE] = {NULL, NULL};
-            TM__TRY(range(ctx, P, a, e, &p));
-            TM__TRY(range(ctx, G, a, e, &g));
+            TM__TRY(range(ctx, P, a - poff, e - poff, &p));
+            TM__TRY(range(ctx, G, a - goff, e - goff, &g));
             /* (the master, like the state, holds [lo, hi) only under ZeRO-1) */
             if (M) TM__TRY(range(ctx, M, a - ob->lo, e - ob->lo, &m));
             for (int j = 0; j < opt->n_state; j++) TM__TRY(range(ctx, ob->state[j], a - ob->lo, e - ob->lo, &st[j]));

@@ -415,7 +415,7 @@ static void mg_adamw_fused(tm_ctx *ctx, tm__segs *l, mgroup *g, const tm_adamw_c
     for (int r = 0; r < N_MR; r++) {
         const mrange *q = &MR[r];
         mgroup *x = &g[q->group];
-        TT_OK(ctx, tm__segs_add_adamw(ctx, l, x->P, x->G, x->m, x->v, x->master, q->a, q->e, MG_OFF[q->group], q->wd));
+        TT_OK(ctx, tm__segs_add_adamw(ctx, l, x->P, x->G, x->m, x->v, x->master, q->a, q->e, MG_OFF[q->group], 0, 0, q->wd));
     }
     TT_OK(ctx, tm__adamw_update_multi(ctx, l, cfg, lr, t, NULL));
 }

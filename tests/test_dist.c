@@ -63,8 +63,9 @@ Test(dist, one_rank_defaults_and_refusals) {
     cr_assert_eq(tm_comm_init(ctx, &o), TM_ERR_INVALID_ARG);
     cr_assert(strstr(tm_ctx_errmsg(ctx), "ep_size = 2 does not divide the world size 1"), "%s", tm_ctx_errmsg(ctx));
     o.ep_size = 1;
-    o.zero = 2;
+    o.zero = 4;
     cr_assert_eq(tm_comm_init(ctx, &o), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "zero = 4 must be 0, 1, 2 or 3"), "%s", tm_ctx_errmsg(ctx));
     o.zero = 1;
     cr_assert_eq(o.nccl, TM_NCCL_AUTO);
     o.nccl = 3;
@@ -90,6 +91,124 @@ Test(dist, one_rank_defaults_and_refusals) {
     TT_OK(ctx, tm_param_new(ctx, "w", TM_F32, 1, &n, tm_cpu(), &p));
     cr_assert_eq(tm_comm_init(ctx, NULL), TM_ERR_STATE);
     tm_ctx_free(ctx);
+}
+
+/* ZeRO-2 in a world of one: the gradients' memory follows the step (made by the backward, given
+ * back by the synchronisation, which leaves the shard), and the update from the shard equals
+ * the one from the full buffer of a context without ZeRO (same bits: a group of one copies). */
+static tm_ctx *zero2_ctx(int zero, tm_tensor **w, tm_tensor **b, tm_optimizer **opt) {
+    tm_ctx *ctx = tt_ctx();
+    tm_comm_options o = tm_comm_options_default();
+    o.zero = zero;
+    TT_OK(ctx, tm_comm_init(ctx, &o));
+    int64_t sw[2] = {5, 7}, sb = 3;
+    TT_OK(ctx, tm_param_new(ctx, "w", TM_F32, 2, sw, tm_cpu(), w));
+    TT_OK(ctx, tm_param_new(ctx, "b", TM_F32, 1, &sb, tm_cpu(), b));
+    TT_OK(ctx, tm_tensor_init_normal(ctx, *w, 1, NULL, 0.0, 1.0));
+    TT_OK(ctx, tm_tensor_init_normal(ctx, *b, 1, NULL, 0.0, 1.0));
+    tm_adamw_config c = tm_adamw_config_default();
+    TT_OK(ctx, tm_adamw_new(ctx, &c, opt));
+    return ctx;
+}
+
+static void zero2_step(tm_ctx *ctx, tm_tensor *w, tm_tensor *b, tm_optimizer *opt, double *norm) {
+    tm_tensor *y, *l;
+    TT_OK(ctx, tm_sum(ctx, w, 1, 0, &y));                 /* [5] */
+    TT_OK(ctx, tm_mul(ctx, y, y, &y));
+    TT_OK(ctx, tm_sum_all(ctx, y, &l));
+    tm_tensor *l2;
+    TT_OK(ctx, tm_mul(ctx, b, b, &y));
+    TT_OK(ctx, tm_sum_all(ctx, y, &l2));
+    TT_OK(ctx, tm_add(ctx, l, l2, &l));
+    TT_OK(ctx, tm_backward(ctx, l));
+    TT_OK(ctx, tm_comm_sync_grads(ctx));
+    TT_OK(ctx, tm_ctx_clip_grad_norm(ctx, 1.0, norm));
+    TT_OK(ctx, tm_optimizer_step(opt, 1e-2));
+    TT_OK(ctx, tm_ctx_zero_grad(ctx));
+    tm_ctx_arena_reset(ctx);
+}
+
+Test(dist, one_rank_zero2_gradient_memory_and_update) {
+    tm_tensor *w0, *b0, *w2, *b2;
+    tm_optimizer *o0, *o2;
+    tm_ctx *c0 = zero2_ctx(0, &w0, &b0, &o0), *c2 = zero2_ctx(2, &w2, &b2, &o2);
+    tm_memory_report m0, m2;
+    TT_OK(c0, tm_ctx_memory_report(c0, tm_cpu(), &m0));
+    TT_OK(c2, tm_ctx_memory_report(c2, tm_cpu(), &m2));
+    /* w: 35 f32 padded to 48 elements, b: 3 to 16: a bucket of 64 elements. Without ZeRO the
+     * full buffer (256 bytes); under ZeRO-2 the shard, one block of 64 elements (256 bytes) */
+    cr_assert_eq(m0.current[TM_MEM_GRADIENTS], 256);
+    cr_assert_eq(m2.current[TM_MEM_GRADIENTS], 256);
+    float buf[35];
+    cr_assert_eq(tm_tensor_read(c2, tm_tensor_grad(w2), TM_F32, buf, 35), TM_ERR_STATE);
+    cr_assert(strstr(tm_ctx_errmsg(c2), "ZeRO-2"), "%s", tm_ctx_errmsg(c2));
+    cr_assert_eq(tm_comm_sync_grads(c2), TM_ERR_STATE, "a synchronisation without a backward");
+    cr_assert(strstr(tm_ctx_errmsg(c2), "run a backward first"), "%s", tm_ctx_errmsg(c2));
+    for (int k = 0; k < 3; k++) {
+        double n0, n2;
+        zero2_step(c0, w0, b0, o0, &n0);
+        zero2_step(c2, w2, b2, o2, &n2);
+        cr_assert(n0 == n2, "step %d: norm %.17g without ZeRO, %.17g with ZeRO-2", k, n0, n2);
+    }
+    float a[35], z[35];
+    TT_OK(c0, tm_tensor_read(c0, w0, TM_F32, a, 35));
+    TT_OK(c2, tm_tensor_read(c2, w2, TM_F32, z, 35));
+    cr_assert(memcmp(a, z, sizeof a) == 0, "weights after 3 steps differ");
+    TT_OK(c2, tm_ctx_memory_report(c2, tm_cpu(), &m2));
+    /* the full buffer came and went: the shard plus it at the peak, the shard now */
+    cr_assert_eq(m2.current[TM_MEM_GRADIENTS], 256);
+    cr_assert_eq(m2.peak[TM_MEM_GRADIENTS], 512);
+    /* a parameter made after the shards is refused (its gradients would have no shard) */
+    int64_t n = 4;
+    tm_tensor *late;
+    cr_assert_eq(tm_param_new(c2, "late", TM_F32, 1, &n, tm_cpu(), &late), TM_ERR_STATE);
+    cr_assert(strstr(tm_ctx_errmsg(c2), "ZeRO-2"), "%s", tm_ctx_errmsg(c2));
+    tm_optimizer_free(o0);
+    tm_optimizer_free(o2);
+    tm_ctx_free(c0);
+    tm_ctx_free(c2);
+}
+
+/* ZeRO-3 in a world of one: after the optimizer shards the parameters, ops refuse them (a layer
+ * must compute with their all-gather), tm_tensor_read refuses them, and steps computed through
+ * tm__param_use (a copy for a group of one; its backward adds into the shard) give the bits of
+ * the same steps without ZeRO. */
+static void zero3_step(tm_ctx *ctx, tm_tensor *w, tm_tensor *b, tm_optimizer *opt, double *norm) {
+    tm_tensor *gw, *gb;
+    TT_OK(ctx, tm__param_use(ctx, w, &gw));
+    TT_OK(ctx, tm__param_use(ctx, b, &gb));
+    zero2_step(ctx, gw, gb, opt, norm);
+}
+
+Test(dist, one_rank_zero3_refusals_and_update) {
+    tm_tensor *w0, *b0, *w3, *b3;
+    tm_optimizer *o0, *o3;
+    tm_ctx *c0 = zero2_ctx(0, &w0, &b0, &o0), *c3 = zero2_ctx(3, &w3, &b3, &o3);
+    tm_tensor *y;
+    cr_assert_eq(tm_mul(c3, w3, w3, &y), TM_ERR_STATE);
+    cr_assert(strstr(tm_ctx_errmsg(c3), "ZeRO-3") && strstr(tm_ctx_errmsg(c3), "tm__param_use"), "%s", tm_ctx_errmsg(c3));
+    float buf[35];
+    cr_assert_eq(tm_tensor_read(c3, w3, TM_F32, buf, 35), TM_ERR_STATE);
+    for (int k = 0; k < 3; k++) {
+        double n0, n3;
+        zero2_step(c0, w0, b0, o0, &n0);
+        zero3_step(c3, w3, b3, o3, &n3);
+        cr_assert(n0 == n3, "step %d: norm %.17g without ZeRO, %.17g with ZeRO-3", k, n0, n3);
+    }
+    /* the weights, gathered from the blocks as a checkpoint would */
+    float a[35], z[35];
+    TT_OK(c0, tm_tensor_read(c0, w0, TM_F32, a, 35));
+    TT_OK(c3, tm__named_gather(c3, w3, z));
+    cr_assert(memcmp(a, z, sizeof a) == 0, "weights after 3 steps differ");
+    tm_memory_report m3;
+    TT_OK(c3, tm_ctx_memory_report(c3, tm_cpu(), &m3));
+    /* the bucket's one block (64 elements) held; at most w and b gathered at once (38 floats) */
+    cr_assert_eq(m3.current[TM_MEM_PARAMETERS], 256);
+    cr_assert_eq(m3.peak[TM_MEM_PARAMETERS], 256 + 38 * 4);
+    tm_optimizer_free(o0);
+    tm_optimizer_free(o3);
+    tm_ctx_free(c0);
+    tm_ctx_free(c3);
 }
 
 /* Collective ops over a world of one: identities, with their backward rules in place (the
@@ -290,7 +409,7 @@ static tm_optimizer *optimizer_of(tmd_loaded_model *m) {
     return o;
 }
 
-static void assert_same_weights(const char *a, const char *b) {
+static void weights_compare(const char *a, const char *b, int exact) {
     tmd_loaded_model ma, mb;
     char err[2048];
     cr_assert_eq(tmd_ckpt_load_model(a, -1, 1, &ma, err, sizeof err), 0, "%s", err);
@@ -321,6 +440,11 @@ static void assert_same_weights(const char *a, const char *b) {
          * process): 2.4e-6 in the -O2 build and 1.59e-5 in the sanitizer build (-O1), the same at
          * commit 760ebc9 as after it, while the losses agree within 1e-5. */
         double tol = strstr(tm_tensor_name(pa), ".adamw_") ? 1e-4 : 2e-5;
+        if (exact) {
+            for (int64_t j = 0; j < k; j++)
+                cr_assert(va[j] == vb[j], "%s[%lld]: %.9g (%s) vs %.9g (%s), expected the same bits", tm_tensor_name(pa),
+                          (long long)j, va[j], a, vb[j], b);
+        }
         cr_assert_leq(rel, tol, "%s: weights of %s and %s differ by %g relative (L2)", tm_tensor_name(pa), a, b, rel);
         cr_assert_leq(md, 2e-4 * scale, "%s: weights of %s and %s differ by %g in one element (largest |w| %g)",
                       tm_tensor_name(pa), a, b, md, scale);
@@ -331,6 +455,9 @@ static void assert_same_weights(const char *a, const char *b) {
     tmd_loaded_model_free(&ma);
     tmd_loaded_model_free(&mb);
 }
+
+static void assert_same_weights(const char *a, const char *b) { weights_compare(a, b, 0); }
+static void assert_bitwise_weights(const char *a, const char *b) { weights_compare(a, b, 1); }
 
 static void train_ok(const char *out, int np, const char *extra) {
     int rc = train(out, np, extra);
@@ -388,6 +515,56 @@ Test(dist, expert_parallel_layouts_match_one_process) {
     data_parallel("", lay, 9);
 }
 
+/* ZeRO-2 (gradients reduce-scattered into shards, the full buffer given back each step): every
+ * dispatch, ep_size 1, 2 and 4, on 2 and 4 ranks. */
+Test(dist, zero2_layouts_match_one_process) {
+    const layout lay[] = {
+        {2, "--zero 2"},
+        {4, "--zero 2"},
+        {2, "--ep_size 2 --zero 2"},
+        {4, "--ep_size 2 --zero 2"},
+        {2, "--ep_size 2 --ep_strategy allgather --zero 2"},
+        {4, "--ep_size 4 --ep_strategy allgather --zero 2"},
+        {2, "--ep_size 2 --ep_strategy alltoall_dedup --zero 2"},
+        {4, "--ep_size 2 --ep_strategy alltoall_dedup --zero 2"},
+        {4, "--ep_size 4 --zero 2"},
+    };
+    data_parallel("", lay, 9);
+}
+
+/* ZeRO-3 (the weights sharded too, all-gathered around each layer's forward and backward,
+ * the gradients reduced into the shards by the all-gathers' backward): the same layouts. */
+Test(dist, zero3_layouts_match_one_process) {
+    const layout lay[] = {
+        {2, "--zero 3"},
+        {4, "--zero 3"},
+        {2, "--ep_size 2 --zero 3"},
+        {4, "--ep_size 2 --zero 3"},
+        {2, "--ep_size 2 --ep_strategy allgather --zero 3"},
+        {4, "--ep_size 4 --ep_strategy allgather --zero 3"},
+        {2, "--ep_size 2 --ep_strategy alltoall_dedup --zero 3"},
+        {4, "--ep_size 2 --ep_strategy alltoall_dedup --zero 3"},
+        {4, "--ep_size 4 --zero 3"},
+    };
+    data_parallel("", lay, 9);
+}
+
+/* bf16: ZeRO-3 all-gathers the bf16 compute weights (the f32 masters stay sharded), so on the
+ * same ranks and ep_size it trains as ZeRO-1 does (whose bf16 weights are the same bits); one
+ * process against 4 ranks differs by bf16 rounding of another summation order (~4e-3 here),
+ * which is why the comparison is across zero levels on one layout. */
+Test(dist, zero3_bf16_matches_zero1_on_the_same_layout) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    char a[1024], b[1024];
+    snprintf(a, sizeof a, "%s", tt_path("b1"));
+    snprintf(b, sizeof b, "%s", tt_path("b3"));
+    train_ok(a, 4, "--dtype bf16 --ep_size 2 --zero 1");
+    train_ok(b, 4, "--dtype bf16 --ep_size 2 --zero 3");
+    assert_same_losses(a, b, 10);
+    tt_tmpdir_remove();
+}
+
 /* Capacity dropping decides over the global batch, the expert-bias update and the sequence aux
  * loss use global counts, with gradient accumulation, alignment padding and expert parallelism
  * (padded to capacity too). */
@@ -397,9 +574,15 @@ Test(dist, capacity_expert_bias_seq_aux_loss_with_data_and_expert_parallelism) {
         {2, "--ep_size 2"},
         {4, "--ep_size 4 --ep_strategy allgather --zero 1"},
         {4, "--ep_size 4 --ep_strategy alltoall_dedup"},
+        {2, "--zero 2"},
+        {4, "--ep_size 2 --ep_strategy alltoall_dedup --zero 2"},
+        {2, "--zero 3"},
+        {4, "--ep_size 2 --ep_strategy allgather --zero 3"},
     };
+    /* (grad_accum 2: ZeRO-2's full buffer lives across both backwards of a step; ZeRO-3's
+     * shards add both micro-batches' reduces) */
     data_parallel("--capacity_factor 1.0 --expert_bias true --seq_aux_loss_coeff 1e-3 --aux_counts clean "
-                  "--grad_accum 2 --align_size 4", lay, 4);
+                  "--grad_accum 2 --align_size 4", lay, 8);
 }
 
 Test(dist, capacity_padded_to_capacity_with_expert_parallelism) {
@@ -465,6 +648,87 @@ Test(dist, resume_across_layouts) {
         cr_assert_leq(fabs(lr[5 + i] - lb[nb - 5 + i]), 1e-5 * fabs(lr[5 + i]), "step %d: %.9g vs %.9g", i + 6,
                       lr[5 + i], lb[nb - 5 + i]);
     assert_same_weights(ref, b);
+    tt_tmpdir_remove();
+}
+
+/* A run resumed from `ck` under other layout flags into `out`; its last `n` losses into v. */
+static int resume_into(const char *out, int np, const char *ck, const char *flags, double *v, int n) {
+    char f[4096];
+    snprintf(f, sizeof f, "--resume '%s' %s", ck, flags);
+    train_ok(out, np, f);
+    double all[32];
+    int k = losses(out, all, 32);
+    cr_assert_geq(k, n, "%s: %d records", out, k);
+    for (int i = 0; i < n; i++) v[i] = all[k - n + i];
+    return k;
+}
+
+/* Resume across ZeRO levels: the checkpoint holds logical tensors, so a run saved under one
+ * level continues under another. Bit-exact where the arithmetic is the same: one process under
+ * ZeRO-0 and ZeRO-2 (a group of one rank: the shard is a copy of the full buffer, the clip sums
+ * the same ranges), and ZeRO-1 against ZeRO-2 on the same ranks and ep_size (the same
+ * reduce-scatter of the same blocks, the same per-bucket partial norms, the same AdamW per
+ * element). From 2 to 4 ranks the gradients are summed in another order: 1e-5 as elsewhere. */
+Test(dist, resume_across_zero_levels) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    char z0[1024], z1[1024], z2[1024], o[1024], ck[1100];
+    double ref[16], v[8];
+    snprintf(z0, sizeof z0, "%s", tt_path("z0"));
+    snprintf(z1, sizeof z1, "%s", tt_path("z1"));
+    snprintf(z2, sizeof z2, "%s", tt_path("z2"));
+    /* 0 -> 2, one process */
+    train_ok(z0, 1, "--save_every 5 --keep_last 2");
+    cr_assert_eq(losses(z0, ref, 16), 10);
+    snprintf(ck, sizeof ck, "%s/ckpt-00000005.tmck", z0);
+    snprintf(o, sizeof o, "%s", tt_path("z0to2"));
+    resume_into(o, 1, ck, "--zero 2", v, 5);
+    for (int i = 0; i < 5; i++) cr_assert(v[i] == ref[5 + i], "0 -> 2, step %d: %.17g vs %.17g", i + 6, v[i], ref[5 + i]);
+    assert_bitwise_weights(z0, o);
+    /* 0 -> 3, one process: the all-gather of a group of one is a copy, its backward adds the
+     * gradient into the shard as the backward adds into the buffer */
+    snprintf(o, sizeof o, "%s", tt_path("z0to3"));
+    resume_into(o, 1, ck, "--zero 3", v, 5);
+    for (int i = 0; i < 5; i++) cr_assert(v[i] == ref[5 + i], "0 -> 3, step %d: %.17g vs %.17g", i + 6, v[i], ref[5 + i]);
+    assert_bitwise_weights(z0, o);
+    /* 2 -> 1 on 2 ranks, ep_size 2, against straight ZeRO-1 and ZeRO-2 runs (equal bit for bit) */
+    train_ok(z1, 2, "--ep_size 2 --zero 1");
+    train_ok(z2, 2, "--ep_size 2 --zero 2 --save_every 5 --keep_last 2");
+    double l1[16], l2[16];
+    cr_assert_eq(losses(z1, l1, 16), 10);
+    cr_assert_eq(losses(z2, l2, 16), 10);
+    for (int i = 0; i < 10; i++) cr_assert(l1[i] == l2[i], "ZeRO-1 and ZeRO-2, step %d: %.17g vs %.17g", i + 1, l1[i], l2[i]);
+    assert_bitwise_weights(z1, z2);
+    snprintf(ck, sizeof ck, "%s/ckpt-00000005.tmck", z2);
+    snprintf(o, sizeof o, "%s", tt_path("z2to1"));
+    resume_into(o, 2, ck, "--ep_size 2 --zero 1", v, 5);
+    for (int i = 0; i < 5; i++) cr_assert(v[i] == l1[5 + i], "2 -> 1, step %d: %.17g vs %.17g", i + 6, v[i], l1[5 + i]);
+    assert_bitwise_weights(z1, o);
+    /* ZeRO-2 on 2 ranks -> ZeRO-2 on 4 ranks (ep_size 2: the expert-dp groups grow from 1 to 2) */
+    snprintf(o, sizeof o, "%s", tt_path("z2to4"));
+    resume_into(o, 4, ck, "--ep_size 2 --zero 2", v, 5);
+    for (int i = 0; i < 5; i++)
+        cr_assert_leq(fabs(v[i] - l2[5 + i]), 1e-5 * fabs(l2[5 + i]), "2 -> 4 ranks, step %d: %.9g vs %.9g", i + 6, v[i],
+                      l2[5 + i]);
+    assert_same_weights(z2, o);
+    /* ZeRO-2 on 2 ranks -> ZeRO-3 on 4 ranks, and a ZeRO-3 checkpoint (its parameters gathered
+     * from the blocks) continued under ZeRO-1 on 2 ranks */
+    snprintf(o, sizeof o, "%s", tt_path("z2to3"));
+    resume_into(o, 4, ck, "--ep_size 2 --zero 3", v, 5);
+    for (int i = 0; i < 5; i++)
+        cr_assert_leq(fabs(v[i] - l2[5 + i]), 1e-5 * fabs(l2[5 + i]), "2 -> 3, step %d: %.9g vs %.9g", i + 6, v[i],
+                      l2[5 + i]);
+    assert_same_weights(z2, o);
+    char z3[1024];
+    snprintf(z3, sizeof z3, "%s", tt_path("z3"));
+    train_ok(z3, 4, "--ep_size 2 --zero 3 --save_every 5 --keep_last 2");
+    snprintf(ck, sizeof ck, "%s/ckpt-00000005.tmck", z3);
+    snprintf(o, sizeof o, "%s", tt_path("z3to1"));
+    resume_into(o, 2, ck, "--zero 1", v, 5);
+    for (int i = 0; i < 5; i++)
+        cr_assert_leq(fabs(v[i] - ref[5 + i]), 1e-5 * fabs(ref[5 + i]), "3 -> 1, step %d: %.9g vs %.9g", i + 6, v[i],
+                      ref[5 + i]);
+    assert_same_weights(z0, o);
     tt_tmpdir_remove();
 }
 
@@ -557,7 +821,7 @@ static void plan_vs_run(int np, const char *flags) {
     cr_assert(row, "%s", t);
     for (int r = 0; r < np; r++) {
         row = strchr(row, '\n') + 1;
-        long long rk, ep, xdp, mp, mg, mo, pp, pg, po, ps;
+        long long rk, ep, xdp, mp, mg, mo, pp, pg, po, ps, pt;
         char ex[32], want[64];
         cr_assert_eq(sscanf(row, "%lld %lld %lld %31s %lld %lld %lld", &rk, &ep, &xdp, ex, &mp, &mg, &mo), 7, "%s", row);
         snprintf(want, sizeof want, "  rank %4d  experts ", r);
@@ -565,11 +829,25 @@ static void plan_vs_run(int np, const char *flags) {
         cr_assert(pr, "%s", p);
         cr_assert_eq(sscanf(pr, "  rank %*d  experts %*s  parameters %lld  gradients %lld  optimizer %lld  grad_sync %lld",
                             &pp, &pg, &po, &ps), 4, "%s", pr);
+        const char *tr = strstr(pr, "transient ");
+        cr_assert(tr && sscanf(tr, "transient %lld", &pt) == 1, "%s", pr);
         cr_assert_eq(mp, pp, "rank %d parameters: measured %lld, planned %lld", r, mp, pp);
         cr_assert_eq(mg, pg, "rank %d gradients: measured %lld, planned %lld", r, mg, pg);
         cr_assert_eq(mo, po, "rank %d optimizer: measured %lld, planned %lld", r, mo, po);
         if (r == 0) cr_assert_eq(sync, ps, "gradient sync per step: measured %lld, planned %lld", sync, ps);
         cr_assert(strstr(pr, ex) == strstr(pr, "experts ") + 8, "rank %d experts %s\n%s", r, ex, pr);
+        /* after the run: the peaks, whose gradient part beyond what is held now is ZeRO-2's full
+         * buffer of a step's backward (none at the other levels) */
+        const char *pk = strstr(t, "layout after the run, peaks");
+        cr_assert(pk, "%s", t);
+        pk = strstr(pk, "(bytes on cpu)");
+        for (int j = 0; j <= r; j++) pk = strchr(pk, '\n') + 1;
+        long long kr, kp, kg, ko, kt;
+        cr_assert_eq(sscanf(pk, "%lld %lld %lld %lld %lld", &kr, &kp, &kg, &ko, &kt), 5, "%s", pk);
+        cr_assert_eq(kr, r);
+        cr_assert_eq(kt, pt, "rank %d transient bytes: measured %lld, planned %lld", r, kt, pt);
+        cr_assert_eq(kp + kg, pp + pg + pt, "rank %d peak parameters + gradients: measured %lld + %lld, planned %lld + "
+                     "%lld + %lld", r, kp, kg, pp, pg, pt);
     }
     char svg[1100];
     snprintf(svg, sizeof svg, "%s/layout.svg", out);
@@ -584,5 +862,53 @@ Test(dist, plan_equals_what_a_run_measures) {
     plan_vs_run(4, "--ep_size 2 --zero 1");
     plan_vs_run(2, "--dtype bf16 --zero 1 --shared_ffn_size 16");
     plan_vs_run(2, "--ep_size 2");
+    plan_vs_run(4, "--ep_size 2 --zero 2");
+    plan_vs_run(2, "--dtype bf16 --zero 2 --shared_ffn_size 16");
+    plan_vs_run(4, "--ep_size 4 --zero 2"); /* expert-dp groups of one rank: the shard is the bucket */
+    plan_vs_run(4, "--ep_size 2 --zero 3");
+    plan_vs_run(2, "--dtype bf16 --zero 3 --shared_ffn_size 16");
+    plan_vs_run(4, "--ep_size 4 --zero 3");
+    tt_tmpdir_remove();
+}
+
+/* ZeRO-3 holds 1/N of the model per rank: the parameter, gradient and optimizer bytes that
+ * --print-layout measures on N = 1, 2, 4 ranks (no expert parallelism), N times over, are the
+ * one rank's bytes plus at most the blocks' padding (each of the model's 2 buckets padded to
+ * N blocks of 64 elements: < 64 N elements per bucket, 3 buffers of 4 bytes and the 2 AdamW
+ * moments); and they are what `tinymoe plan` says (plan_vs_run). */
+static long long held_bytes(int np) {
+    char out[1024], log[1100];
+    snprintf(out, sizeof out, "%s", tt_path(np == 1 ? "m1" : np == 2 ? "m2" : "m4"));
+    snprintf(log, sizeof log, "%s.log", out);
+    int rc = np == 1 ? run(log, "'%s/tinymoe' train %s --zero 3 --steps 2 --print-layout --out '%s'", bindir(), BASE, out)
+                     : run(log, MPIRUN " -np %d '%s/tinymoe' train %s --zero 3 --steps 2 --print-layout --out '%s'", np,
+                           bindir(), BASE, out);
+    char *t = slurp_text(log);
+    cr_assert_eq(rc, 0, "%s", t);
+    const char *row = strstr(t, "(bytes on cpu)");
+    cr_assert(row, "%s", t);
+    long long most = 0;
+    for (int r = 0; r < np; r++) {
+        row = strchr(row, '\n') + 1;
+        long long rk, ep, xdp, mp, mg, mo;
+        char ex[32];
+        cr_assert_eq(sscanf(row, "%lld %lld %lld %31s %lld %lld %lld", &rk, &ep, &xdp, ex, &mp, &mg, &mo), 7, "%s", row);
+        if (mp + mg + mo > most) most = mp + mg + mo;
+    }
+    free(t);
+    return most;
+}
+
+Test(dist, zero3_memory_per_rank_falls_as_1_over_n) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    long long one = held_bytes(1);
+    for (int np = 2; np <= 4; np *= 2) {
+        long long each = held_bytes(np);
+        long long slack = 2LL * 64 * np * (4 + 4 + 8) + 64LL * np; /* padding; a step counter per rank */
+        cr_assert(each * np >= one - 64 && each * np <= one + slack,
+                  "%d ranks: %lld bytes per rank, x %d = %lld, against %lld on one rank (slack %lld)", np, each, np,
+                  each * np, one, slack);
+    }
     tt_tmpdir_remove();
 }

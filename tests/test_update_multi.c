@@ -121,7 +121,7 @@ static void adamw_fused(tm_ctx *ctx, tm__segs *l, side *sd, const tm_adamw_confi
     for (int r = 0; r < N_RANGES; r++) {
         const range *q = &RANGES[r];
         group *g = &sd->g[q->group];
-        TT_OK(ctx, tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, g->master, q->a, q->e, g->off, q->wd));
+        TT_OK(ctx, tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, g->master, q->a, q->e, g->off, 0, 0, q->wd));
     }
     cr_assert_eq(tm__segs_count(l), N_RANGES - 1, "the empty range is left out");
     TT_OK(ctx, tm__adamw_update_multi(ctx, l, cfg, lr, t, NULL));
@@ -261,14 +261,18 @@ Test(update_multi, bad_ranges_are_refused) {
     tm__segs *l = NULL;
     TT_OK(ctx, tm__segs_new(ctx, "test", tm_cpu(), 2, &l));
     TT_OK(ctx, tm__segs_begin(ctx, l, TM__SEGS_ADAMW, 1));
-    cr_assert_eq(tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, NULL, 0, N0 + 1, 0, 0.0), TM_ERR_INVALID_ARG);
+    cr_assert_eq(tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, NULL, 0, N0 + 1, 0, 0, 0, 0.0), TM_ERR_INVALID_ARG);
     cr_assert(strstr(tm_ctx_errmsg(ctx), "outside"), "%s", tm_ctx_errmsg(ctx));
-    cr_assert_eq(tm__segs_add_adamw(ctx, l, g->P, sd.g[1].G, g->m, g->v, NULL, 0, 10, 0, 0.0), TM_ERR_DTYPE);
-    cr_assert_eq(tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, NULL, 10, 5, 0, 0.0), TM_ERR_INVALID_ARG);
-    cr_assert_eq(tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, NULL, 5, 10, 6, 0.0), TM_ERR_INVALID_ARG);
+    cr_assert_eq(tm__segs_add_adamw(ctx, l, g->P, sd.g[1].G, g->m, g->v, NULL, 0, 10, 0, 0, 0, 0.0), TM_ERR_DTYPE);
+    cr_assert_eq(tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, NULL, 10, 5, 0, 0, 0, 0.0), TM_ERR_INVALID_ARG);
+    cr_assert_eq(tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, NULL, 5, 10, 6, 0, 0, 0.0), TM_ERR_INVALID_ARG);
+    cr_assert_eq(tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, NULL, 5, 10, 0, 6, 0, 0.0), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "gradient offset 6"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_eq(tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, NULL, 5, 10, 0, 0, 6, 0.0), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "parameter offset 6"), "%s", tm_ctx_errmsg(ctx));
     cr_assert_eq(tm__segs_add_grad(ctx, l, g->G, 0, 10), TM_ERR_INVALID_ARG, "a gradient range in an AdamW list");
-    TT_OK(ctx, tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, NULL, 0, 10, 0, 0.0));
-    cr_assert_eq(tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, NULL, 10, 20, 0, 0.0), TM_ERR_INVALID_ARG,
+    TT_OK(ctx, tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, NULL, 0, 10, 0, 0, 0, 0.0));
+    cr_assert_eq(tm__segs_add_adamw(ctx, l, g->P, g->G, g->m, g->v, NULL, 10, 20, 0, 0, 0, 0.0), TM_ERR_INVALID_ARG,
                  "more ranges than announced");
     cr_assert_eq(tm__segs_count(l), 1, "nothing was added by the refused calls");
     tm_tensor *part, *factor;

@@ -234,14 +234,17 @@ static const key KEYS[] = {
      "expert-parallel dispatch: ragged all-to-all of a row per (token, expert), all-gather of the tokens, or "
      "all-to-all of a row per (token, rank) combined on the expert's rank (fewer bytes for large topk)", 0, 0},
     {"zero", T_INT, G_DIST, OFF(zero), NULL, "0", 0, NULL,
-     "ZeRO stage: 0, or 1 to shard optimizer state and f32 master weights over the data-parallel ranks", 0, 1},
+     "ZeRO stage: 0; 1 to shard optimizer state and f32 master weights over the data-parallel ranks; 2 to "
+     "shard the gradients too (reduce-scattered, no full gradient buffer between steps); 3 to shard the weights "
+     "too (all-gathered layer by layer for the forward and again for the backward)", 0, 3},
     {"comm_timeout", T_FLOAT, G_DIST, OFF(comm_timeout), NULL, "60", 0, NULL,
      "seconds a collective may wait before the run fails (a rank died or stopped answering); 0: forever", 0, 1e9},
     {"nccl", T_ENUM, G_DIST, OFF(nccl), "auto|off|always", "auto", 0, NULL,
      "CUDA collectives: NCCL when every rank has its own GPU, host-staged MPI always (off), or NCCL even for one "
      "rank (always: a check of that engine on one GPU)", 0, 0},
     {"print_layout", T_BOOL, G_DIST, OFF(print_layout), NULL, "false", 0, NULL,
-     "print which rank holds which parameters and experts, and its bytes; draw <out>/layout.svg", 0, 0},
+     "print which rank holds which parameters and experts, and its bytes (and, after the run, its peaks and ZeRO-2's "
+     "transient gradient bytes); draw <out>/layout.svg", 0, 0},
 };
 
 // clang-format on
@@ -978,7 +981,7 @@ static int validate_keys(const tmd_config *c, char *err, size_t errlen) {
     CHECK(c->model.moe.router.num_experts % c->ep_size == 0,
           "key 'ep_size' = %d: does not divide num_experts = %d (each rank holds num_experts / ep_size experts)",
           c->ep_size, c->model.moe.router.num_experts);
-    CHECK(c->zero == 0 || c->zero == 1, "key 'zero' = %d: must be 0 or 1", c->zero);
+    CHECK(c->zero >= 0 && c->zero <= 3, "key 'zero' = %d: must be 0, 1, 2 or 3", c->zero);
     CHECK(c->comm_timeout >= 0, "key 'comm_timeout' = %g: must be >= 0 (0: wait forever)", c->comm_timeout);
     if (tmd_config_synthetic(c)) {
         CHECK(c->synthetic_vocab >= 2 && c->synthetic_vocab <= 1024, "key 'synthetic_vocab' = %d: must be in [2, 1024]",

@@ -11,7 +11,44 @@
 /* Elements read per tm_tensor_read: bounds the staging buffer (4 MiB) whatever the tensor. */
 enum { CHUNK = 1 << 20 };
 
+/* ZeRO-3: each rank holds a block of every bucket's parameters (the flat bucket view); each
+ * scans its blocks, names the parameter of the first bad element, and the ranks agree on
+ * whether any found one (a collective: every rank calls it). */
+static int find_in_blocks(tm_ctx *ctx, tmd_nonfinite *bad, char *err, size_t errlen) {
+    int64_t found = 0;
+    for (int k = 0; k < tm_ctx_num_buckets(ctx) && !found; k++) {
+        tm_tensor *P = tm_ctx_bucket_tensor(ctx, k, TM_BUCKET_PARAMS);
+        int64_t lo, hi, n = P ? tm_tensor_numel(P) : 0;
+        if (!n || tm_ctx_grad_shard(ctx, k, &lo, &hi)) continue;
+        float *v = malloc(sizeof *v * (size_t)n);
+        if (!v) return tmd_fail(err, errlen, -1, "out of memory checking the weights");
+        if (tm_tensor_read(ctx, P, TM_F32, v, n)) {
+            free(v);
+            return tmd_fail(err, errlen, -1, "reading the parameters of bucket %d: %s", k, tm_ctx_errmsg(ctx));
+        }
+        for (int64_t j = 0; j < n && !found; j++) {
+            if (isfinite(v[j])) continue;
+            found = 1;
+            *bad = (tmd_nonfinite){"?", lo + j, v[j]};
+            for (int i = 0; i < tm_ctx_num_params(ctx); i++) {
+                tm_param_info pi;
+                tm_tensor *p = tm_ctx_param(ctx, i);
+                if (tm_param_get_info(p, &pi) || pi.bucket != k) continue;
+                if (lo + j >= pi.bucket_offset && lo + j < pi.bucket_offset + tm_tensor_numel(p))
+                    *bad = (tmd_nonfinite){tm_tensor_name(p), lo + j - pi.bucket_offset, v[j]};
+            }
+        }
+        free(v);
+    }
+    int64_t any = found;
+    if (tm_comm_allreduce_host(ctx, TM_COMM_WORLD, TM_I64, &any, 1))
+        return tmd_fail(err, errlen, -1, "checking the weights: %s", tm_ctx_errmsg(ctx));
+    if (any && !found) *bad = (tmd_nonfinite){"(a parameter block of another rank)", 0, NAN};
+    return any ? 1 : 0;
+}
+
 int tmd_find_nonfinite(tm_ctx *ctx, int grads, tmd_nonfinite *bad, char *err, size_t errlen) {
+    if (!grads && tm_comm_get_options(ctx).zero == 3) return find_in_blocks(ctx, bad, err, errlen);
     float *buf = NULL;
     int rc = 0;
     /* The chunk views below must not land on the tape. */

@@ -23,12 +23,24 @@
 int tmd_layout_print(tm_ctx *ctx, tm_device dev, int num_experts, FILE *log, const char *out_dir, char *err,
                      size_t errlen);
 
+/* After the run (collective): rank 0 prints each rank's peak parameter, gradient and optimizer
+ * bytes and the transient gradient bytes (peak less current). Returns 0 or TMD_RUNTIME_ERROR. */
+int tmd_layout_print_peaks(tm_ctx *ctx, tm_device dev, const tm_comm_stats *last, FILE *log, char *err,
+                           size_t errlen);
+
 typedef struct tmd_plan {
     int64_t params, gradients, optimizer; /* bytes held by the rank */
-    int64_t grad_sync;                    /* bytes handed to the gradient collectives per step */
-    int64_t param_gather;                 /* ZeRO-1: bytes of the parameter all-gather per step */
+    int64_t grad_sync;                    /* bytes handed to the gradient collectives per step (an
+                                           * all-reduce; ZeRO-1 and 2: a reduce-scatter) */
+    int64_t param_gather;                 /* ZeRO-1 and 2: bytes of the parameter all-gather per step */
     int64_t dispatch;                     /* MoE dispatch bytes per step (balanced routing) */
+    int64_t transient;                    /* ZeRO-2: bytes of the full gradient buffer, held from a
+                                           * step's first backward to its gradient sync; ZeRO-3:
+                                           * the most all-gathered weight bytes held at once */
+    int64_t bwd_reduce;                   /* ZeRO-3: bytes of the backward's reduce of the
+                                           * gathered weights' gradients into the shards */
     int64_t experts_lo, experts_hi;
+    int zero;                             /* the ZeRO stage planned for */
 } tmd_plan;
 
 /* c resolved and valid; ranks divisible by ep_size; rank in [0, ranks). */

@@ -64,7 +64,7 @@ static const char USAGE[] =
     "  tinymoe train --preset shakespeare --data input.bin --val_data input_val.bin \\\n"
     "                --tokenizer tokenizer.json\n"
     "\n"
-    "distributed: mpirun -np N tinymoe train [--ep_size P] [--ep_strategy alltoall|allgather] [--zero 1]\n"
+    "distributed: mpirun -np N tinymoe train [--ep_size P] [--ep_strategy alltoall|allgather] [--zero 1|2|3]\n"
     "             [--print-layout] ...: one process per rank (docs/layouts.md)\n"
     "\n"
     "out directory: a run holds <out>/tinymoe.lock for its whole life; a second run into the same\n"

@@ -69,6 +69,7 @@ typedef struct tmd_run {
     /* records */
     tmd_bins loss_bins, val_bins, load_bins;
     double *step_load; /* [n_moe * E] tokens per expert of the current step */
+    tm_comm_stats last_comm; /* the collectives of the last training step, by kind (--print-layout) */
     double *iv_load;   /* [n_moe * E] their sum over the current log interval (metrics "experts") */
     double *iv_layer_load; /* [n_moe] sum over the interval of each step's max / mean tokens per expert */
     double elapsed0;   /* training seconds before this process (a resumed run's, from metrics.jsonl) */

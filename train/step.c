@@ -155,6 +155,7 @@ int tmd_run_step(tmd_run *r, int64_t step, double lr, tmd_step *out, char *err, 
     tm_comm_stats cs;
     tm_comm_get_stats(r->ctx, &cs);
     for (int k = 0; k < TM_COMM_NKINDS; k++) out->comm_bytes += (double)cs.bytes[k], out->comm_s += cs.seconds[k];
+    r->last_comm = cs;
     out->wait_s = tm_ctx_sync_seconds(r->ctx) - wait0;
     return 0;
 }

@@ -515,6 +515,7 @@ int tmd_train(const tmd_config *cfg, FILE *log, tmd_train_result *res, char *err
             tmd_run_log_flush(r);
         }
         if (!rc) rc = train_loop(r, res, err, errlen);
+        if (!rc && c.print_layout) rc = tmd_layout_print_peaks(r->ctx, r->dev, &r->last_comm, r->log, err, errlen);
         /* A background write still running after an error ends before the run does. */
         rc = tmd_rundir_finish(r, rc, err, errlen);
         tmd_stop_restore(&old);

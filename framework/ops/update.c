@@ -140,7 +140,7 @@ tm_status tm_adamw_update(tm_ctx *ctx, tm_tensor *param, tm_tensor *grad, tm_ten
     if (n == 0) return TM_OK;
     tm__segs *l;
     TM__TRY(one_range(ctx, param->device, TM__SEGS_ADAMW, &l));
-    TM__TRY(tm__segs_add_adamw(ctx, l, param, grad, m, v, master, 0, n, 0, weight_decay));
+    TM__TRY(tm__segs_add_adamw(ctx, l, param, grad, m, v, master, 0, n, 0, 0, 0, weight_decay));
     return tm__adamw_update_multi(ctx, l, cfg, lr, step, NULL);
 }
 
@@ -351,12 +351,15 @@ static void seg_push(tm__segs *l, tm__seg *sg) {
 static void *elem(const tm_tensor *t, int64_t i) { return (char *)tm__data(t) + i * (int64_t)tm_dtype_size(t->dtype); }
 
 tm_status tm__segs_add_adamw(tm_ctx *ctx, tm__segs *l, tm_tensor *P, tm_tensor *G, tm_tensor *m, tm_tensor *v,
-                             tm_tensor *master, int64_t a, int64_t e, int64_t off, double wd) {
+                             tm_tensor *master, int64_t a, int64_t e, int64_t off, int64_t goff, int64_t poff,
+                             double wd) {
     static const char op[] = "adamw_update_multi";
     TM__TRY(seg_room(ctx, l, op, TM__SEGS_ADAMW, a, e));
     if (off < 0 || off > a) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: state offset %lld past the range start %lld", op, (long long)off, (long long)a);
-    TM__TRY(seg_tensor(ctx, l, op, "param", P, e));
-    TM__TRY(seg_tensor(ctx, l, op, "grad", G, e));
+    if (goff < 0 || goff > a) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: gradient offset %lld past the range start %lld", op, (long long)goff, (long long)a);
+    if (poff < 0 || poff > a) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: parameter offset %lld past the range start %lld", op, (long long)poff, (long long)a);
+    TM__TRY(seg_tensor(ctx, l, op, "param", P, e - poff));
+    TM__TRY(seg_tensor(ctx, l, op, "grad", G, e - goff));
     TM__TRY(seg_tensor(ctx, l, op, "m", m, e - off));
     TM__TRY(seg_tensor(ctx, l, op, "v", v, e - off));
     if (master) TM__TRY(seg_tensor(ctx, l, op, "master", master, e - off));
@@ -370,8 +373,8 @@ tm_status tm__segs_add_adamw(tm_ctx *ctx, tm__segs *l, tm_tensor *P, tm_tensor *
     if (e == a) return TM_OK;
     tm__seg sg;
     memset(&sg, 0, sizeof sg);
-    sg.p = elem(P, a);
-    sg.g = elem(G, a);
+    sg.p = elem(P, a - poff);
+    sg.g = elem(G, a - goff);
     sg.m = elem(m, a - off);
     sg.v = elem(v, a - off);
     sg.master = master ? elem(master, a - off) : NULL;

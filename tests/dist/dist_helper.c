@@ -5,7 +5,8 @@
  * uses only the public header.
  *
  *   tinymoe_dist_helper collectives   forward values and gradient checks of comm_allreduce,
- *                                     comm_allgather (equal and ragged), comm_reduce_scatter,
+ *                                     comm_allgather (equal and ragged, and the pieces of
+ *                                     ZeRO-3's parameter all-gather: ranks with no row), comm_reduce_scatter,
  *                                     comm_alltoall, over the world, ep and expert_dp groups
  *                                     (ep_size 2 when N is even); ZeRO-1's optimizer memory per
  *                                     rank (f32 state, bf16 master weights)
@@ -68,6 +69,10 @@ typedef struct op_case {
 static int64_t rows_two(int gr, int G) { return 2; }
 static int64_t rows_ragged(int gr, int G) { return 1 + gr % 2; }
 static int64_t rows_rs(int gr, int G) { return 2 * G; }
+/* ZeRO-3's all-gather of a parameter's pieces (framework/fsdp.c): a parameter inside one rank's
+ * block (the others hold no row of it), and one across two blocks */
+static int64_t rows_one_owner(int gr, int G) { return gr == G - 1 ? 3 : 0; }
+static int64_t rows_two_owners(int gr, int G) { return gr == 0 ? 2 : gr == 1 ? 5 : 0; }
 /* alltoall: group rank a sends (a + 2 b) % 3 rows to group rank b */
 static int64_t a2a_count(int a, int b) { return (a + 2 * b) % 3; }
 static int64_t rows_a2a(int gr, int G) {
@@ -562,6 +567,8 @@ int main(int argc, char **argv) {
             {"allgather world", TM_COMM_WORLD, rows_two, 2, 1},
             {"allgather ragged", TM_COMM_WORLD, rows_ragged, 3, 1},
             {"allgather expert_dp", TM_COMM_EXPERT_DP, rows_ragged, 2, 1},
+            {"allgather ZeRO-3 pieces, one owner", TM_COMM_WORLD, rows_one_owner, 3, 1},
+            {"allgather ZeRO-3 pieces, two owners", TM_COMM_WORLD, rows_two_owners, 1, 1},
             {"reduce_scatter world", TM_COMM_WORLD, rows_rs, 2, 2},
             {"reduce_scatter ep", TM_COMM_EP, rows_rs, 2, 2},
             {"alltoall world", TM_COMM_WORLD, rows_a2a, 2, 3},
