@@ -303,6 +303,32 @@ typedef struct export_src {
     const tm_tensor *loaded;
 } export_src;
 
+/* dst [rows, cols] = the transpose of src [cols, rows] (row-major, es-byte elements), in 32 x 32
+ * tiles so that both sides stay in cache, tile rows over the threads. An element-by-element copy
+ * through memcpy took most of an export's time (coarse: 10.3 s for 1 GB against 0.8 s of writing). */
+#define TR_TILE 32
+#define TR_BODY(T)                                                                                      \
+    do {                                                                                                \
+        const T *s = src;                                                                               \
+        T *d = dst;                                                                                     \
+        _Pragma("omp parallel for schedule(static)") for (int64_t r0 = 0; r0 < rows; r0 += TR_TILE)       \
+            for (int64_t c0 = 0; c0 < cols; c0 += TR_TILE) {                                            \
+                int64_t r1 = r0 + TR_TILE < rows ? r0 + TR_TILE : rows;                                 \
+                int64_t c1 = c0 + TR_TILE < cols ? c0 + TR_TILE : cols;                                 \
+                for (int64_t r = r0; r < r1; r++)                                                       \
+                    for (int64_t c = c0; c < c1; c++) d[r * cols + c] = s[c * rows + r];                \
+            }                                                                                           \
+    } while (0)
+static void transpose_into(void *dst, const void *src, int64_t rows, int64_t cols, size_t es) {
+    if (es == 2) TR_BODY(uint16_t);
+    else if (es == 4) TR_BODY(uint32_t);
+    else
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < cols; c++)
+                memcpy((char *)dst + (size_t)(r * cols + c) * es, (const char *)src + (size_t)(c * rows + r) * es, es);
+}
+#undef TR_BODY
+
 static int export_bytes(void *user, int i, const void **data, char *err, size_t errlen) {
     export_src *x = user;
     const hf_entry *e = &x->p->e[i];
@@ -315,11 +341,8 @@ static int export_bytes(void *user, int i, const void **data, char *err, size_t 
         x->loaded = e->t;
     }
     *data = x->param + (size_t)tm_index(e, 0, 0) * es;
-    if (e->transpose) {
-        int64_t rows = e->shape[0], cols = e->shape[1];
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t c = 0; c < cols; c++)
-                memcpy(x->piece + (size_t)(r * cols + c) * es, x->param + (size_t)tm_index(e, r, c) * es, es);
+    if (e->transpose) { /* HF (r, c) is the parameter's (c, r): tm_index */
+        transpose_into(x->piece, *data, e->shape[0], e->shape[1], es);
         *data = x->piece;
     }
     return 0;
