@@ -191,14 +191,20 @@ static cJSON *small_tokenizer(int eot_id) {
     cJSON *pt = cJSON_AddObjectToObject(j, "pre_tokenizer");
     cJSON_AddStringToObject(pt, "type", "ByteLevel");
     cJSON_AddFalseToObject(pt, "add_prefix_space");
+    cJSON_AddTrueToObject(pt, "trim_offsets"); /* not read here; the `tokenizers` library needs it */
     cJSON_AddTrueToObject(pt, "use_regex");
-    cJSON_AddObjectToObject(j, "decoder");
-    cJSON_AddStringToObject(cJSON_GetObjectItem(j, "decoder"), "type", "ByteLevel");
+    cJSON *dec = cJSON_AddObjectToObject(j, "decoder");
+    cJSON_AddStringToObject(dec, "type", "ByteLevel");
+    cJSON_AddFalseToObject(dec, "add_prefix_space");
+    cJSON_AddTrueToObject(dec, "trim_offsets");
+    cJSON_AddTrueToObject(dec, "use_regex");
     cJSON_AddNullToObject(j, "normalizer");
     cJSON *at = cJSON_AddArrayToObject(j, "added_tokens"), *e = cJSON_CreateObject();
     cJSON_AddNumberToObject(e, "id", eot_id);
     cJSON_AddStringToObject(e, "content", "<|endoftext|>");
+    cJSON_AddFalseToObject(e, "single_word");
     cJSON_AddFalseToObject(e, "lstrip");
+    cJSON_AddFalseToObject(e, "rstrip");
     cJSON_AddFalseToObject(e, "normalized");
     cJSON_AddTrueToObject(e, "special");
     cJSON_AddItemToArray(at, e);
@@ -481,6 +487,32 @@ Test(bpe, tokenize_train_sample_export_through_the_run_tokenizer) {
     cr_assert(b && la == lb && !memcmp(a, b, (size_t)la), "hf/tokenizer.json is not the tokenizer");
     free(a);
     free(b);
+    /* tokenizer_config.json and generation_config.json name the end-of-text token (258 here, by
+     * construction of small_tokenizer) as the `tokenizers` library reads it from tokenizer.json,
+     * and model_max_length is config.json's max_position_embeddings */
+    const char *py = tt_python_with("tokenizers");
+    if (py) {
+        static const char check[] =
+            "import json, os, sys\n"
+            "from tokenizers import Tokenizer\n"
+            "d = sys.argv[1]\n"
+            "tok = Tokenizer.from_file(os.path.join(d, 'tokenizer.json'))\n"
+            "tc = json.load(open(os.path.join(d, 'tokenizer_config.json')))\n"
+            "gc = json.load(open(os.path.join(d, 'generation_config.json')))\n"
+            "mc = json.load(open(os.path.join(d, 'config.json')))\n"
+            "eos = tok.token_to_id(tc['eos_token'])\n"
+            "assert tc['tokenizer_class'] == 'PreTrainedTokenizerFast', tc\n"
+            "assert eos == 258 and gc['eos_token_id'] == eos and gc['pad_token_id'] == eos, (eos, gc)\n"
+            "assert tc['model_max_length'] == mc['max_position_embeddings'], (tc, mc)\n"
+            "assert tok.encode('hello' + tc['eos_token']).ids[-1] == eos\n"
+            "print('ok', eos)\n";
+        char *pargv[] = {(char *)py, "-c", (char *)check, (char *)tt_path("hf"), NULL};
+        int prc = tt_run(pargv, tt_path("check.log"), 120, NULL);
+        long pl;
+        char *plog = (char *)tt_slurp(tt_path("check.log"), &pl);
+        cr_assert_eq(prc, 0, "the export's tokenizer files, through tokenizers:\n%s", plog ? plog : "");
+        free(plog);
+    }
     rc = tinymoe(&out, "eval.log", "eval", "--ckpt", tt_path("run"), "--data", tt_path("hello_val.bin"), "--quiet",
                  NULL);
     cr_assert_eq(rc, 0, "%s", out);
