@@ -191,6 +191,11 @@ int tmd_split_new(const char *pattern, int literal, tmd_split_behavior behavior,
     }
     if (!(sp->mctx = pcre2_match_context_create(NULL))) goto nomem;
     if (sp->jit_stack) pcre2_jit_stack_assign(sp->mctx, NULL, sp->jit_stack);
+    /* Llama-3's \s*[\r\n]+ backtracks once per character of a whitespace run that ends in no
+     * newline: PCRE2's default limit (10 million) stops it at a 10 MB run, as Oniguruma's retry
+     * limit of the same size makes tokenizers panic there. Such runs are linear work, so the
+     * limit goes to its maximum and the file is encoded. */
+    pcre2_set_match_limit(sp->mctx, UINT32_MAX);
     if (!(sp->md = pcre2_match_data_create_from_pattern(sp->code, NULL))) goto nomem;
     *out = sp;
     return 0;
