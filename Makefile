@@ -84,6 +84,15 @@ endif
 ifeq ($(origin CJSON_CFLAGS),undefined)
   CJSON_CFLAGS := $(shell pkg-config --cflags libcjson 2>/dev/null)
 endif
+# PCRE2 (Debian libpcre2-dev, its 8-bit library) runs the regex pre-tokenizers of subword
+# tokenizers for the driver (train/bpe_pretok.c) and its tests; libtinymoe does not use it.
+# Override PCRE2_CFLAGS / PCRE2_LIBS where pkg-config cannot find it.
+ifeq ($(origin PCRE2_LIBS),undefined)
+  PCRE2_LIBS := $(shell pkg-config --libs libpcre2-8 2>/dev/null)
+endif
+ifeq ($(origin PCRE2_CFLAGS),undefined)
+  PCRE2_CFLAGS := $(shell pkg-config --cflags libpcre2-8 2>/dev/null)
+endif
 
 CUDA_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
              -gencode arch=compute_90,code=compute_90
@@ -154,14 +163,17 @@ BIN   := $(BUILD)/tinymoe
 TESTBIN := $(BUILD)/tinymoe_tests
 DIST_HELPER := $(BUILD)/tinymoe_dist_helper
 
-.PHONY: all test install clean config cjson-check
+.PHONY: all test install clean config cjson-check pcre2-check
 all: $(LIBA) $(LIBSO) $(BIN)
 
 config:
-	@echo "CUDA=$(CUDA) BLAS=$(BLAS) ($(BLAS_PKG) openblas) MPI=$(MPI) NCCL=$(NCCL) SAN=$(SAN) BUILD=$(BUILD) NVCC=$(NVCC) CJSON_LIBS=$(CJSON_LIBS)"
+	@echo "CUDA=$(CUDA) BLAS=$(BLAS) ($(BLAS_PKG) openblas) MPI=$(MPI) NCCL=$(NCCL) SAN=$(SAN) BUILD=$(BUILD) NVCC=$(NVCC) CJSON_LIBS=$(CJSON_LIBS) PCRE2_LIBS=$(PCRE2_LIBS)"
 
 cjson-check:
 	@test -n "$(strip $(CJSON_LIBS))" || { echo "Makefile: cJSON not found (pkg-config libcjson): install libcjson-dev (scripts/install-deps.sh), or set CJSON_CFLAGS and CJSON_LIBS" >&2; exit 1; }
+
+pcre2-check:
+	@test -n "$(strip $(PCRE2_LIBS))" || { echo "Makefile: PCRE2 not found (pkg-config libpcre2-8): install libpcre2-dev (scripts/install-deps.sh), or set PCRE2_CFLAGS and PCRE2_LIBS" >&2; exit 1; }
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -196,16 +208,16 @@ $(LIBTRAIN): $(DRV_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/train/%.o: CFLAGS_ALL += $(CJSON_CFLAGS)
-$(DRV_OBJ) $(DRV_MAIN): | cjson-check
+$(BUILD)/train/%.o: CFLAGS_ALL += $(CJSON_CFLAGS) $(PCRE2_CFLAGS)
+$(DRV_OBJ) $(DRV_MAIN): | cjson-check pcre2-check
 $(BIN): $(DRV_MAIN) $(LIBTRAIN) $(LIBA)
-	$(CC) -o $@ $(DRV_MAIN) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS)
+	$(CC) -o $@ $(DRV_MAIN) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(PCRE2_LIBS)
 
 $(BUILD)/tests/%.o: CFLAGS_ALL += $(shell pkg-config --cflags criterion 2>/dev/null) -Itests
 $(BUILD)/tests/%.o: CFLAGS_ALL += -Iframework -Itrain $(CJSON_CFLAGS)
-$(TEST_OBJ): | cjson-check
+$(TEST_OBJ): | cjson-check pcre2-check
 $(TESTBIN): $(TEST_OBJ) $(LIBTRAIN) $(LIBA) | $(DIST_HELPER) $(BIN)
-	$(CC) -o $@ $(TEST_OBJ) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(shell pkg-config --libs criterion 2>/dev/null || echo -lcriterion)
+	$(CC) -o $@ $(TEST_OBJ) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(PCRE2_LIBS) $(shell pkg-config --libs criterion 2>/dev/null || echo -lcriterion)
 
 # The SPMD program that tests/test_dist.c runs under mpirun (next to the test binary), and the
 # driver those tests train with.

@@ -106,8 +106,9 @@ BINS="build/tinymoe build/bench/moe_layer build/bench/kernels build/bench/attent
 if [ "$build" = 1 ]; then
     MAKE="make"
     if [ "$DEV" = cuda ]; then
-        # As tests/gpu/run.sh: make and cJSON from the .debs in .deps/ when the machine lacks them.
-        if { ! command -v make >/dev/null 2>&1 || ! pkg-config --exists libcjson 2>/dev/null; } && [ -d .deps ]; then
+        # As tests/gpu/run.sh: make, cJSON and PCRE2 from the .debs in .deps/ when the machine lacks them.
+        if { ! command -v make >/dev/null 2>&1 || ! pkg-config --exists libcjson 2>/dev/null ||
+             ! pkg-config --exists libpcre2-8 2>/dev/null; } && [ -d .deps ]; then
             P=/tmp/tinymoe-bench-deps
             rm -rf "$P" && mkdir -p "$P"
             for f in .deps/*.deb; do dpkg -x "$f" "$P"; done
@@ -125,6 +126,7 @@ if [ "$build" = 1 ]; then
             export LD_LIBRARY_PATH="$P/usr/lib/x86_64-linux-gnu:$P/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
             command -v make >/dev/null 2>&1 || MAKE="$P/usr/bin/make"
             pkg-config --exists libcjson 2>/dev/null || export CJSON_CFLAGS="-I$P/usr/include/cjson" CJSON_LIBS="-lcjson"
+            pkg-config --exists libpcre2-8 2>/dev/null || export PCRE2_CFLAGS="" PCRE2_LIBS="-lpcre2-8"
         fi
         FLAGS="CUDA=1 BLAS=0"
     else

@@ -1,10 +1,11 @@
 /*
- * test_bpe.c — byte-level BPE tokenizers (train/bpe.c, train/bpe_split.c) against the
+ * test_bpe.c — byte-level BPE tokenizers (train/bpe.c, train/bpe_pretok.c) against the
  * references, and their refusals.
  *
  * bpe/oracle_*: tests/bpe_oracle.py trains byte-level BPE tokenizers with Hugging Face
  * `tokenizers` (GPT-2's split, Llama-3's with ignore_merges, tiktoken's cl100k spelling, Qwen2's
- * single digits, add_prefix_space, merges as "a b" strings) on generated English-like text, a
+ * single digits, add_prefix_space, merges as "a b" strings, and pre-tokenizers of made-up patterns
+ * and every Split behavior that the old hand-written splits refused) on generated English-like text, a
  * multilingual / emoji / odd-whitespace sample, whitespace runs, text around special tokens and
  * this repository's sources (plus tinyshakespeare when ../shared has it), and writes the ids
  * that `tokenizers` and `tiktoken` give. Every id must be the same here, and every sequence
@@ -21,7 +22,7 @@
 #include <unistd.h>
 
 #include "bpe.h"
-#include "bpe_split.h"
+#include "bpe_pretok.h"
 #include "child.h"
 #include "common.h"
 #include "data.h"
@@ -132,7 +133,9 @@ Test(bpe, oracle_tokenizers_and_tiktoken_ids_and_round_trips) {
             ok = bl >= 0 && nb + (size_t)bl <= cap_b;
             if (ok) memcpy(back + nb, b, (size_t)bl), nb += (size_t)bl;
         }
-        int prefixed = !strcmp(kind, "prefix");
+        /* prefix: a space before the text and after every special token that is not followed by
+         * one; lossy*: a Removed behavior drops text */
+        int prefixed = !strcmp(kind, "prefix") || !strncmp(kind, "lossy", 5);
         if (prefixed) {
             /* a space before the text and after every special token that is not followed by one */
             ok = ok && nb >= (size_t)len;
@@ -188,14 +191,20 @@ static cJSON *small_tokenizer(int eot_id) {
     cJSON *pt = cJSON_AddObjectToObject(j, "pre_tokenizer");
     cJSON_AddStringToObject(pt, "type", "ByteLevel");
     cJSON_AddFalseToObject(pt, "add_prefix_space");
+    cJSON_AddTrueToObject(pt, "trim_offsets"); /* not read here; the `tokenizers` library needs it */
     cJSON_AddTrueToObject(pt, "use_regex");
-    cJSON_AddObjectToObject(j, "decoder");
-    cJSON_AddStringToObject(cJSON_GetObjectItem(j, "decoder"), "type", "ByteLevel");
+    cJSON *dec = cJSON_AddObjectToObject(j, "decoder");
+    cJSON_AddStringToObject(dec, "type", "ByteLevel");
+    cJSON_AddFalseToObject(dec, "add_prefix_space");
+    cJSON_AddTrueToObject(dec, "trim_offsets");
+    cJSON_AddTrueToObject(dec, "use_regex");
     cJSON_AddNullToObject(j, "normalizer");
     cJSON *at = cJSON_AddArrayToObject(j, "added_tokens"), *e = cJSON_CreateObject();
     cJSON_AddNumberToObject(e, "id", eot_id);
     cJSON_AddStringToObject(e, "content", "<|endoftext|>");
+    cJSON_AddFalseToObject(e, "single_word");
     cJSON_AddFalseToObject(e, "lstrip");
+    cJSON_AddFalseToObject(e, "rstrip");
     cJSON_AddFalseToObject(e, "normalized");
     cJSON_AddTrueToObject(e, "special");
     cJSON_AddItemToArray(at, e);
@@ -250,11 +259,13 @@ Test(bpe, malformed_tokenizer_json_names_file_and_field) {
         void (*edit)(cJSON *);
     } cases[] = {
         {"WordPiece model", "model.type", NULL},          {"byte fallback", "model.byte_fallback", NULL},
-        {"NFC normalizer", "normalizer", NULL},           {"unknown split pattern", "pattern.Regex", NULL},
+        {"NFC normalizer", "normalizer", NULL},           {"a pattern PCRE2 cannot compile", "pretokenizers[0].pattern.Regex", NULL},
         {"bad merge", "model.merges[1]", NULL},           {"a missing byte", "model.vocab", NULL},
         {"lstrip", "added_tokens[0].lstrip", NULL},        {"no decoder", "decoder.type", NULL},
         {"a merge of unknown tokens", "model.merges[0]", NULL}, {"a negative id", "model.vocab[", NULL},
         {"Metaspace", "pre_tokenizer.type", NULL},
+        {"\\w, which Oniguruma and PCRE2 read differently", "pretokenizers[0].pattern.Regex", NULL},
+        {"an unknown behavior", "pretokenizers[0].behavior", NULL},
     };
     int n = (int)(sizeof cases / sizeof *cases);
     for (int i = 0; i < n; i++) {
@@ -268,12 +279,15 @@ Test(bpe, malformed_tokenizer_json_names_file_and_field) {
             cJSON_ReplaceItemInObject(j, "normalizer", nz);
             break;
         }
-        case 3: {
+        case 3:
+        case 11:
+        case 12: {
             cJSON *pt = cJSON_CreateObject(), *seq = cJSON_AddArrayToObject(pt, "pretokenizers"), *sp = cJSON_CreateObject();
             cJSON_AddStringToObject(pt, "type", "Sequence");
             cJSON_AddStringToObject(sp, "type", "Split");
-            cJSON_AddStringToObject(cJSON_AddObjectToObject(sp, "pattern"), "Regex", "\\p{L}+|[0-9]");
-            cJSON_AddStringToObject(sp, "behavior", "Isolated");
+            cJSON_AddStringToObject(cJSON_AddObjectToObject(sp, "pattern"), "Regex",
+                                    i == 3 ? "\\p{L}+|(\\p{N}" : i == 11 ? "\\w+|\\s+" : "\\p{L}+");
+            cJSON_AddStringToObject(sp, "behavior", i == 12 ? "Glued" : "Isolated");
             cJSON_AddItemToArray(seq, sp);
             cJSON *bl = cJSON_CreateObject();
             cJSON_AddStringToObject(bl, "type", "ByteLevel");
@@ -306,6 +320,9 @@ Test(bpe, malformed_tokenizer_json_names_file_and_field) {
         cr_assert(strstr(err, p), "%s: the message does not name the file: %s", cases[i].what, err);
         cr_assert(strstr(err, cases[i].field), "%s: the message does not name '%s': %s", cases[i].what, cases[i].field,
                   err);
+        /* PCRE2's own words and where in the pattern */
+        if (i == 3) cr_assert(strstr(err, "missing closing parenthesis") && strstr(err, "offset 13"), "%s", err);
+        if (i == 11) cr_assert(strstr(err, "\\w at offset 0") && strstr(err, "Oniguruma"), "%s", err);
     }
     /* not JSON at all, and a missing file */
     FILE *f = fopen(tt_path("notjson.json"), "w");
@@ -319,17 +336,61 @@ Test(bpe, malformed_tokenizer_json_names_file_and_field) {
     cr_assert(strstr(err, "missing.json"), "%s", err);
 }
 
-/* Code points of known class (Unicode's own data: Lo, Nd in Arabic-Indic, No, Nl, Zs, So). */
-Test(bpe, unicode_classes) {
-    struct {
-        uint32_t cp;
-        int cls;
-    } c[] = {{'a', 'L'}, {'Z', 'L'}, {0xE9, 'L'},  {0x4E2D, 'L'},  {0x05D0, 'L'}, {0x0663, 'N'},  {0xBD, 'N'},
-             {0x216B, 'N'}, {0xB2, 'N'}, {'7', 'N'},  {0x3000, 'S'}, {0x85, 'S'},  {0xA0, 'S'},    {0x1C, 'O'},
-             {0x1F600, 'O'}, {'_', 'O'}, {0x301, 'O'}, {0x200B, 'O'},  {0x2028, 'S'}, {0x1D41A, 'L'}, {0x20000, 'L'}};
-    for (int i = 0; i < (int)(sizeof c / sizeof *c); i++)
-        cr_assert_eq(tmd_unicode_class(c[i].cp), c[i].cls, "U+%04X: class %c, want %c", c[i].cp,
-                     tmd_unicode_class(c[i].cp), c[i].cls);
+typedef struct piece_acc {
+    char *out;
+    size_t len;
+} piece_acc;
+
+static int join_piece(void *ctx, const unsigned char *p, size_t n) {
+    piece_acc *a = ctx;
+    size_t w = strlen(a->out);
+    snprintf(a->out + w, a->len - w, "%s%.*s", w ? "|" : "", (int)n, (const char *)p);
+    return 0;
+}
+
+/* The pieces of one Split, joined with '|'. */
+static void pieces_of(const char *pattern, int literal, tmd_split_behavior beh, int invert, const char *text, char *out,
+                      size_t len) {
+    tmd_split *sp;
+    char msg[512];
+    cr_assert_eq(tmd_split_new(pattern, literal, beh, invert, &sp, msg, sizeof msg), 0, "%s: %s", pattern, msg);
+    out[0] = 0;
+    piece_acc a = {out, len};
+    cr_assert_eq(tmd_split_pieces(sp, (const unsigned char *)text, strlen(text), join_piece, &a, msg, sizeof msg), 0,
+                 "%s", msg);
+    tmd_split_free(sp);
+}
+
+/* Every behavior, with and without invert, on the examples that tokenizers documents for them
+ * (src/tokenizer/normalizer.rs, the doc of `split`; src/pre_tokenizers/split.rs, test `basic`),
+ * and the places where Oniguruma and PCRE2 part (bpe_pretok.h), with what tokenizers 0.22.1
+ * gives there: U+180E is no \s, {,2} is {0,2} (its empty matches are no pieces). */
+Test(bpe, split_behaviors_as_tokenizers_documents_them) {
+    static const struct {
+        tmd_split_behavior b;
+        const char *dash, *words;
+    } want[] = {
+        {TMD_SPLIT_REMOVED, "the|final|countdown", "How|are|you|doing|?"},
+        {TMD_SPLIT_ISOLATED, "the|-|final|-|-|countdown", "How| |are| |you| |doing|?"},
+        {TMD_SPLIT_MERGED_WITH_PREVIOUS, "the-|final-|-|countdown", "How |are |you |doing|?"},
+        {TMD_SPLIT_MERGED_WITH_NEXT, "the|-final|-|-countdown", "How| are| you| doing|?"},
+        {TMD_SPLIT_CONTIGUOUS, "the|-|final|--|countdown", "How| |are| |you| |doing?"},
+    };
+    char got[512];
+    for (int i = 0; i < 5; i++) {
+        pieces_of("-", 1, want[i].b, 0, "the-final--countdown", got, sizeof got);
+        cr_assert_str_eq(got, want[i].dash, "behavior %d", (int)want[i].b);
+        /* split.rs's \w+|[^\w\s]+ with invert, in the \p{L} spelling (\w is refused) */
+        pieces_of("\\p{L}+|[^\\p{L}\\s]+", 0, want[i].b, 1, "How are you doing?", got, sizeof got);
+        cr_assert_str_eq(got, want[i].words, "behavior %d, inverted", (int)want[i].b);
+    }
+    pieces_of("\\s", 0, TMD_SPLIT_ISOLATED, 0, "a\xe1\xa0\x8e" "b c", got, sizeof got);
+    cr_assert_str_eq(got, "a\xe1\xa0\x8e" "b| |c");
+    pieces_of("\\p{N}{,2}", 0, TMD_SPLIT_ISOLATED, 0, "ab12345c", got, sizeof got);
+    cr_assert_str_eq(got, "a|b|12|34|5|c");
+    /* a literal String pattern is no regex */
+    pieces_of("a.c", 1, TMD_SPLIT_ISOLATED, 0, "abca.c", got, sizeof got);
+    cr_assert_str_eq(got, "abc|a.c");
 }
 
 /* An id above 65535 makes the token file uint32 (llm.c's version 7), read back as written. */
@@ -426,6 +487,32 @@ Test(bpe, tokenize_train_sample_export_through_the_run_tokenizer) {
     cr_assert(b && la == lb && !memcmp(a, b, (size_t)la), "hf/tokenizer.json is not the tokenizer");
     free(a);
     free(b);
+    /* tokenizer_config.json and generation_config.json name the end-of-text token (258 here, by
+     * construction of small_tokenizer) as the `tokenizers` library reads it from tokenizer.json,
+     * and model_max_length is config.json's max_position_embeddings */
+    const char *py = tt_python_with("tokenizers");
+    if (py) {
+        static const char check[] =
+            "import json, os, sys\n"
+            "from tokenizers import Tokenizer\n"
+            "d = sys.argv[1]\n"
+            "tok = Tokenizer.from_file(os.path.join(d, 'tokenizer.json'))\n"
+            "tc = json.load(open(os.path.join(d, 'tokenizer_config.json')))\n"
+            "gc = json.load(open(os.path.join(d, 'generation_config.json')))\n"
+            "mc = json.load(open(os.path.join(d, 'config.json')))\n"
+            "eos = tok.token_to_id(tc['eos_token'])\n"
+            "assert tc['tokenizer_class'] == 'PreTrainedTokenizerFast', tc\n"
+            "assert eos == 258 and gc['eos_token_id'] == eos and gc['pad_token_id'] == eos, (eos, gc)\n"
+            "assert tc['model_max_length'] == mc['max_position_embeddings'], (tc, mc)\n"
+            "assert tok.encode('hello' + tc['eos_token']).ids[-1] == eos\n"
+            "print('ok', eos)\n";
+        char *pargv[] = {(char *)py, "-c", (char *)check, (char *)tt_path("hf"), NULL};
+        int prc = tt_run(pargv, tt_path("check.log"), 120, NULL);
+        long pl;
+        char *plog = (char *)tt_slurp(tt_path("check.log"), &pl);
+        cr_assert_eq(prc, 0, "the export's tokenizer files, through tokenizers:\n%s", plog ? plog : "");
+        free(plog);
+    }
     rc = tinymoe(&out, "eval.log", "eval", "--ckpt", tt_path("run"), "--data", tt_path("hello_val.bin"), "--quiet",
                  NULL);
     cr_assert_eq(rc, 0, "%s", out);

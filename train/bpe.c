@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bpe_split.h"
+#include "bpe_pretok.h"
 #include "status.h"
 #include "util.h"
 
@@ -43,11 +43,18 @@ typedef struct cache_slot {
     uint32_t key_off, key_len, ids_off, ids_n; /* key_len 0: empty */
 } cache_slot;
 
+#define MAX_SPLITS 8 /* Split pre-tokenizers in the Sequence before ByteLevel (DeepSeek-V3 has 3) */
+
 struct tmd_bpe {
     char path[1024], desc[1200];
-    tmd_split_kind split;
-    int max_digits;
+    /* the pre-tokenizer: splits[0..nsplit) in order, then ByteLevel: its space, then its own
+     * GPT-2 split when use_regex (bl_split) */
+    tmd_split *splits[MAX_SPLITS], *bl_split;
+    int nsplit;
     int prefix_space;  /* ByteLevel add_prefix_space */
+    unsigned char *pbuf; /* a piece with add_prefix_space's space */
+    size_t pbuf_cap;
+    char msg[512]; /* a matcher error while encoding */
     int ignore_merges; /* a piece that is a token is that token */
     int vocab_size, eot;
     /* per id: what it decodes to (dec_len -1: no token); mappable ids are also in tab */
@@ -126,6 +133,28 @@ static void byte_map(uint32_t b2u[256], int16_t u2b[324]) {
     }
 }
 
+/* One UTF-8 character at s (n >= 1 bytes): its code point and byte length; a byte that does not
+ * start a valid character gives 0xFFFFFFFF and length 1. */
+static uint32_t utf8_next(const unsigned char *s, size_t n, size_t *len) {
+    unsigned c = s[0];
+    *len = 1;
+    if (c < 0x80) return c;
+    int k;
+    uint32_t cp, min;
+    if (c >= 0xC2 && c <= 0xDF) k = 1, cp = c & 0x1F, min = 0x80;
+    else if (c >= 0xE0 && c <= 0xEF) k = 2, cp = c & 0x0F, min = 0x800;
+    else if (c >= 0xF0 && c <= 0xF4) k = 3, cp = c & 0x07, min = 0x10000;
+    else return 0xFFFFFFFFu;
+    if ((size_t)k >= n) return 0xFFFFFFFFu;
+    for (int i = 1; i <= k; i++) {
+        if ((s[i] & 0xC0) != 0x80) return 0xFFFFFFFFu;
+        cp = cp << 6 | (s[i] & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0xFFFFFFFFu;
+    *len = (size_t)k + 1;
+    return cp;
+}
+
 /* A token string's bytes through the reverse map, into dst (room for strlen(s) bytes): the
  * count, or -1 if a character is not a byte character (or the string is not UTF-8). */
 static int string_bytes(const char *s, const int16_t u2b[324], unsigned char *dst) {
@@ -133,7 +162,7 @@ static int string_bytes(const char *s, const int16_t u2b[324], unsigned char *ds
     int k = 0;
     while (i < n) {
         size_t len;
-        uint32_t cp = tmd_utf8_next((const unsigned char *)s + i, n - i, &len);
+        uint32_t cp = utf8_next((const unsigned char *)s + i, n - i, &len);
         if (cp >= 324 || u2b[cp] < 0) return -1;
         dst[k++] = (unsigned char)u2b[cp];
         i += len;
@@ -206,29 +235,21 @@ static size_t merge_slot(const tmd_bpe *t, uint64_t key) {
 
 /* ---- loading ------------------------------------------------------------------------------ */
 
-/* The split patterns this file implements, exactly as tokenizer.json spells them. */
-static const struct {
-    const char *re;
-    tmd_split_kind kind;
-    int max_digits;
-    const char *name;
-} PATTERNS[] = {
-    {"'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+", TMD_SPLIT_GPT2, 0, "GPT-2"},
-    {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
-     "\\s+(?!\\S)|\\s+",
-     TMD_SPLIT_LLAMA3, 3, "Llama-3"},
-    {"'(?i:[sdmt]|ll|ve|re)|[^\\r\\n\\p{L}\\p{N}]?+\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]++[\\r\\n]*|\\s*[\\r\\n]|"
-     "\\s+(?!\\S)|\\s+",
-     TMD_SPLIT_LLAMA3, 3, "cl100k"},
-    {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
-     "\\s+(?!\\S)|\\s+",
-     TMD_SPLIT_LLAMA3, 1, "Qwen2"},
-};
+/* A split for field `f`: 0, or the message with the file and field. */
+static int new_split(tmd_bpe *t, const char *pattern, int literal, tmd_split_behavior beh, int invert, const char *f,
+                     tmd_split **out, char *err, size_t errlen) {
+    char msg[512];
+    int rc = tmd_split_new(pattern, literal, beh, invert, out, msg, sizeof msg);
+    if (rc == -2) return nomem(err, errlen, t->path);
+    if (rc) return jfail(err, errlen, t->path, f, "\"%.200s\": %s", pattern, msg);
+    return 0;
+}
 
-static int read_byte_level(tmd_bpe *t, const cJSON *bl, const char *field, int want_regex, char *err, size_t errlen) {
+/* ByteLevel (tokenizers' pre_tokenizers/byte_level.rs): add_prefix_space, then GPT-2's split
+ * unless use_regex is false (its default is true). */
+static int read_byte_level(tmd_bpe *t, const cJSON *bl, const char *field, char *err, size_t errlen) {
     char f[96], b[96];
     const cJSON *ur = get(bl, "use_regex"), *aps = get(bl, "add_prefix_space");
-    int use_regex = ur ? cJSON_IsTrue(ur) : 1; /* tokenizers' default */
     if (ur && !cJSON_IsBool(ur)) {
         snprintf(f, sizeof f, "%s.use_regex", field);
         return jfail(err, errlen, t->path, f, "%s, expected true or false", show(ur, b, sizeof b));
@@ -237,49 +258,69 @@ static int read_byte_level(tmd_bpe *t, const cJSON *bl, const char *field, int w
         snprintf(f, sizeof f, "%s.add_prefix_space", field);
         return jfail(err, errlen, t->path, f, "%s, expected true or false", show(aps, b, sizeof b));
     }
-    if (want_regex >= 0 && use_regex != want_regex) {
-        snprintf(f, sizeof f, "%s.use_regex", field);
-        return jfail(err, errlen, t->path, f, "true after a Split: a second split of its pieces is not supported");
-    }
-    if (want_regex < 0) t->split = use_regex ? TMD_SPLIT_GPT2 : TMD_SPLIT_NONE;
     t->prefix_space = cJSON_IsTrue(aps);
-    return 0;
+    if (ur && !cJSON_IsTrue(ur)) return 0;
+    return new_split(t, tmd_gpt2_pattern, 0, TMD_SPLIT_ISOLATED, 0, field, &t->bl_split, err, errlen);
 }
 
+/* Split (tokenizers' pre_tokenizers/split.rs): pattern {"Regex": ...} or {"String": ...},
+ * behavior, invert. */
+static int read_split(tmd_bpe *t, const cJSON *sp, const char *field, tmd_split **out, char *err, size_t errlen) {
+    static const char *const behaviors[] = {"Removed", "Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous"};
+    char f[128], b[96];
+    const cJSON *pat = get(sp, "pattern"), *re = get(pat, "Regex"), *str = get(pat, "String");
+    const cJSON *p = re ? re : str;
+    snprintf(f, sizeof f, "%s.pattern.%s", field, re ? "Regex" : str ? "String" : "Regex");
+    if (!cJSON_IsString(p))
+        return jfail(err, errlen, t->path, f, "%s, expected a string", show(p, b, sizeof b));
+    const cJSON *beh = get(sp, "behavior"), *inv = get(sp, "invert");
+    int k = -1;
+    for (int i = 0; i < 5 && cJSON_IsString(beh); i++)
+        if (!strcmp(beh->valuestring, behaviors[i])) k = i;
+    if (k < 0) {
+        snprintf(f, sizeof f, "%s.behavior", field);
+        return jfail(err, errlen, t->path, f, "%s, expected Removed, Isolated, MergedWithPrevious, MergedWithNext or "
+                     "Contiguous", show(beh, b, sizeof b));
+    }
+    if (inv && !cJSON_IsBool(inv)) {
+        snprintf(f, sizeof f, "%s.invert", field);
+        return jfail(err, errlen, t->path, f, "%s, expected true or false", show(inv, b, sizeof b));
+    }
+    static const tmd_split_behavior map[] = {TMD_SPLIT_REMOVED, TMD_SPLIT_ISOLATED, TMD_SPLIT_MERGED_WITH_PREVIOUS,
+                                             TMD_SPLIT_MERGED_WITH_NEXT, TMD_SPLIT_CONTIGUOUS};
+    snprintf(f, sizeof f, "%s.pattern.%s", field, re ? "Regex" : "String");
+    return new_split(t, p->valuestring, !re, map[k], cJSON_IsTrue(inv), f, out, err, errlen);
+}
+
+/* ByteLevel alone, or a Sequence of Splits ending with ByteLevel. */
 static int read_pre_tokenizer(tmd_bpe *t, const cJSON *root, char *err, size_t errlen) {
     const cJSON *pt = get(root, "pre_tokenizer");
-    char b[96];
+    char b[96], f[96];
     const char *ty = type_of(pt);
-    if (ty && !strcmp(ty, "ByteLevel")) return read_byte_level(t, pt, "pre_tokenizer", -1, err, errlen);
+    if (ty && !strcmp(ty, "ByteLevel")) return read_byte_level(t, pt, "pre_tokenizer", err, errlen);
     if (!ty || strcmp(ty, "Sequence"))
         return jfail(err, errlen, t->path, "pre_tokenizer.type", "%s: byte-level BPE needs ByteLevel, or a Sequence of "
-                     "Split and ByteLevel", ty ? ty : show(pt, b, sizeof b));
+                     "Splits and ByteLevel", ty ? ty : show(pt, b, sizeof b));
     const cJSON *seq = get(pt, "pretokenizers");
-    const char *t0 = cJSON_IsArray(seq) && cJSON_GetArraySize(seq) == 2 ? type_of(cJSON_GetArrayItem(seq, 0)) : NULL,
-               *t1 = t0 ? type_of(cJSON_GetArrayItem(seq, 1)) : NULL;
-    if (!t0 || !t1 || strcmp(t0, "Split") || strcmp(t1, "ByteLevel"))
+    int n = cJSON_IsArray(seq) ? cJSON_GetArraySize(seq) : 0;
+    const char *last = n ? type_of(cJSON_GetArrayItem(seq, n - 1)) : NULL;
+    if (n < 1 || n > MAX_SPLITS + 1 || !last || strcmp(last, "ByteLevel"))
         return jfail(err, errlen, t->path, "pre_tokenizer.pretokenizers",
-                     "supported: [Split (GPT-2, Llama-3, cl100k or Qwen2 pattern), ByteLevel]; other sequences are not");
-    const cJSON *sp = cJSON_GetArrayItem(seq, 0), *pat = get(get(sp, "pattern"), "Regex");
-    if (!cJSON_IsString(pat))
-        return jfail(err, errlen, t->path, "pre_tokenizer.pretokenizers[0].pattern.Regex", "%s, expected a string",
-                     show(pat, b, sizeof b));
-    int k = -1;
-    for (int i = 0; i < (int)(sizeof PATTERNS / sizeof *PATTERNS); i++)
-        if (!strcmp(pat->valuestring, PATTERNS[i].re)) k = i;
-    if (k < 0)
-        return jfail(err, errlen, t->path, "pre_tokenizer.pretokenizers[0].pattern.Regex",
-                     "\"%.120s\" is not one of the patterns implemented here (GPT-2, Llama-3, cl100k, Qwen2)",
-                     pat->valuestring);
-    const cJSON *beh = get(sp, "behavior");
-    if (!cJSON_IsString(beh) || strcmp(beh->valuestring, "Isolated"))
-        return jfail(err, errlen, t->path, "pre_tokenizer.pretokenizers[0].behavior", "%s, only \"Isolated\" is supported",
-                     show(beh, b, sizeof b));
-    if (is_true(sp, "invert"))
-        return jfail(err, errlen, t->path, "pre_tokenizer.pretokenizers[0].invert", "true is not supported");
-    t->split = PATTERNS[k].kind;
-    t->max_digits = PATTERNS[k].max_digits;
-    return read_byte_level(t, cJSON_GetArrayItem(seq, 1), "pre_tokenizer.pretokenizers[1]", 0, err, errlen);
+                     "supported: up to %d Splits, then ByteLevel (the byte-to-unicode map ends the sequence)", MAX_SPLITS);
+    for (int i = 0; i < n - 1; i++) {
+        const cJSON *sp = cJSON_GetArrayItem(seq, i);
+        snprintf(f, sizeof f, "pre_tokenizer.pretokenizers[%d]", i);
+        if (!type_of(sp) || strcmp(type_of(sp), "Split")) {
+            snprintf(f + strlen(f), sizeof f - strlen(f), ".type");
+            return jfail(err, errlen, t->path, f, "%s: only Split can come before ByteLevel",
+                         type_of(sp) ? type_of(sp) : show(sp, b, sizeof b));
+        }
+        int rc = read_split(t, sp, f, &t->splits[i], err, errlen);
+        if (rc) return rc;
+        t->nsplit = i + 1;
+    }
+    snprintf(f, sizeof f, "pre_tokenizer.pretokenizers[%d]", n - 1);
+    return read_byte_level(t, cJSON_GetArrayItem(seq, n - 1), f, err, errlen);
 }
 
 /* The fields around the model: normalizer, decoder; the post-processor is not applied. */
@@ -575,9 +616,8 @@ int tmd_bpe_load(const char *path, tmd_bpe **out, char *err, size_t errlen) {
         goto fail;
     cJSON_Delete(root);
     root = NULL;
-    static const char *const names[] = {"no split", "GPT-2 split", "Llama-3 split"};
-    snprintf(t->desc, sizeof t->desc, "byte-level BPE, %s%s, %d tokens (%s)", names[t->split],
-             t->split == TMD_SPLIT_LLAMA3 && t->max_digits == 1 ? " with single digits" : "", t->vocab_size, path);
+    snprintf(t->desc, sizeof t->desc, "byte-level BPE, %d Split pattern%s%s, %d tokens (%s)", t->nsplit,
+             t->nsplit == 1 ? "" : "s", t->bl_split ? " + ByteLevel's GPT-2 split" : "", t->vocab_size, path);
     *out = t;
     return 0;
 fail:
@@ -597,6 +637,9 @@ void tmd_bpe_free(tmd_bpe *t) {
     free(t->mkey), free(t->mrank), free(t->mnew);
     free(t->sym), free(t->prev), free(t->next), free(t->heap);
     free(t->cache), free(t->ckeys), free(t->cids);
+    for (int i = 0; i < t->nsplit; i++) tmd_split_free(t->splits[i]);
+    tmd_split_free(t->bl_split);
+    free(t->pbuf);
     free(t);
 }
 
@@ -776,36 +819,53 @@ static int encode_piece(tmd_bpe *t, const unsigned char *s, size_t m, vec *o) {
     return 0;
 }
 
-/* A segment between added tokens: the pre-tokenizer's pieces, each through the merges.
- * add_prefix_space puts a space before the segment (ByteLevel's own split) or before each
- * piece of a Split, whichever reaches ByteLevel, when it does not start with one. */
-static int encode_segment(tmd_bpe *t, const unsigned char *s, size_t n, vec *o) {
-    unsigned char *tmp = NULL;
-    if (t->prefix_space && n && s[0] != ' ' && t->split != TMD_SPLIT_LLAMA3) {
-        if (!(tmp = malloc(n + 1))) return -1;
-        tmp[0] = ' ';
-        memcpy(tmp + 1, s, n);
-        s = tmp, n++;
-    }
-    int rc = 0;
-    for (size_t i = 0; i < n && !rc;) {
-        size_t k = tmd_split_next(t->split, t->max_digits, s + i, n - i);
-        if (t->prefix_space && t->split == TMD_SPLIT_LLAMA3 && s[i] != ' ') {
-            unsigned char *p = malloc(k + 1);
-            if (!p) rc = -1;
-            else {
-                p[0] = ' ';
-                memcpy(p + 1, s + i, k);
-                rc = encode_piece(t, p, k + 1, o);
-                free(p);
-            }
-        } else {
-            rc = encode_piece(t, s + i, k, o);
+/* The pre-tokenizer's stages: each piece of Split i goes to Split i + 1, the last ones to
+ * ByteLevel (tokenizers' Sequence applies each pre-tokenizer to every piece of the one before). */
+typedef struct stage_ctx {
+    tmd_bpe *t;
+    vec *o;
+    int i; /* the next Split; nsplit: ByteLevel */
+} stage_ctx;
+
+static int stage(void *ctx, const unsigned char *s, size_t n);
+
+static int bpe_piece(void *ctx, const unsigned char *s, size_t n) {
+    stage_ctx *c = ctx;
+    return encode_piece(c->t, s, n, c->o) ? -2 : 0;
+}
+
+/* ByteLevel: add_prefix_space puts a space before a piece that does not start with one, then
+ * its GPT-2 split, when it has one, cuts the piece. */
+static int byte_level(stage_ctx *c, const unsigned char *s, size_t n) {
+    tmd_bpe *t = c->t;
+    if (t->prefix_space && s[0] != ' ') {
+        if (n + 1 > t->pbuf_cap) {
+            size_t cap = (n + 1) * 2;
+            unsigned char *p = realloc(t->pbuf, cap);
+            if (!p) return -2;
+            t->pbuf = p, t->pbuf_cap = cap;
         }
-        i += k;
+        memcpy(t->pbuf + 1, s, n);
+        t->pbuf[0] = ' ';
+        s = t->pbuf, n++;
     }
-    free(tmp);
-    return rc;
+    if (!t->bl_split) return bpe_piece(c, s, n);
+    return tmd_split_pieces(t->bl_split, s, n, bpe_piece, c, t->msg, sizeof t->msg);
+}
+
+static int stage(void *ctx, const unsigned char *s, size_t n) {
+    stage_ctx *c = ctx;
+    if (c->i == c->t->nsplit) return byte_level(c, s, n);
+    stage_ctx next = {c->t, c->o, c->i + 1};
+    return tmd_split_pieces(c->t->splits[c->i], s, n, stage, &next, c->t->msg, sizeof c->t->msg);
+}
+
+/* A segment between added tokens: the pre-tokenizer's pieces, each through the merges. Returns
+ * 0, -1 (t->msg says why) or -2 (memory). */
+static int encode_segment(tmd_bpe *t, const unsigned char *s, size_t n, vec *o) {
+    if (!n) return 0;
+    stage_ctx c = {t, o, 0};
+    return stage(&c, s, n);
 }
 
 /* The leftmost, then longest, token of set at or after s[from] within s[0, n): its start, or n. */
@@ -844,7 +904,11 @@ static int encode_added(tmd_bpe *t, const added_set *set, const unsigned char *s
 int tmd_bpe_encode(tmd_bpe *t, const char *text, size_t len, uint32_t **ids, int64_t *n, int64_t *cap, char *err,
                    size_t errlen) {
     vec o = {ids, n, cap};
-    if (encode_added(t, &t->special, (const unsigned char *)text, len, &o))
+    t->msg[0] = 0;
+    int rc = encode_added(t, &t->special, (const unsigned char *)text, len, &o);
+    if (rc == -1 && t->msg[0])
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "tokenizer '%s': encoding %zu bytes: %s", t->path, len, t->msg);
+    if (rc)
         return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "tokenizer '%s': out of memory encoding %zu bytes", t->path, len);
     return 0;
 }

@@ -7,9 +7,11 @@
  * Encoding, as tokenizers' Tokenizer.encode(text, add_special_tokens=False):
  *   1. added tokens (added_tokens: <|endoftext|> and the like) are matched first, leftmost and
  *      then longest, anywhere in the text; the text between them is encoded separately;
- *   2. the pre-tokenizer splits each such segment into pieces (bpe_split.h: GPT-2's regex,
- *      Llama-3's, or none), with ByteLevel's add_prefix_space (a space before every segment,
- *      or before every piece of a Split, that does not start with one);
+ *   2. the pre-tokenizer splits each such segment into pieces: each Split of the file's
+ *      Sequence, in order, cuts every piece of the one before with its own regex pattern run by
+ *      PCRE2 and its behavior (bpe_pretok.h); then ByteLevel puts add_prefix_space's space
+ *      before every piece that does not start with one, and cuts it with GPT-2's pattern unless
+ *      its use_regex is false;
  *   3. each piece's bytes become their GPT-2 byte-to-unicode characters, one symbol each, and
  *      the merges are applied lowest rank first (leftmost first among equal ranks), the
  *      standard algorithm of Sennrich et al. (2016) as tokenizers implements it: a priority
@@ -26,8 +28,10 @@
  * Refused, with a message naming the file and the field: normalizers, other models than BPE,
  * BPE with byte_fallback (SentencePiece-style: Mistral / Mixtral, Llama 1-2), dropout,
  * continuing_subword_prefix or end_of_word_suffix, pre-tokenizers other than ByteLevel or
- * Split(one of the known patterns) + ByteLevel, decoders other than ByteLevel, added tokens
- * with lstrip / rstrip / single_word, a vocabulary without the 256 byte characters.
+ * Splits + ByteLevel, a pattern PCRE2 cannot compile (PCRE2's message and offset) or with a
+ * construct that PCRE2 and tokenizers' Oniguruma read differently (bpe_pretok.h), decoders other
+ * than ByteLevel, added tokens with lstrip / rstrip / single_word, a vocabulary without the 256
+ * byte characters.
  */
 #ifndef TMD_BPE_H
 #define TMD_BPE_H
@@ -48,12 +52,13 @@ int tmd_bpe_vocab_size(const tmd_bpe *t);
 /* The end-of-text token: the first added token among <|endoftext|>, <|end_of_text|>, </s>,
  * <eos>; -1 when there is none. */
 int tmd_bpe_eot(const tmd_bpe *t);
-/* A short description for messages: "GPT-2 split, 50257 tokens (path)". */
+/* A short description for messages: "byte-level BPE, 1 Split pattern, 128256 tokens (path)". */
 const char *tmd_bpe_describe(const tmd_bpe *t);
 
 /* Append the ids of text[0, len) to *ids (a malloc'ed array of *cap entries holding *n; grown
  * with realloc as needed; *ids may start NULL with *n = *cap = 0). Not thread-safe (the piece
- * cache is shared). Returns 0 or TMD_RUNTIME_ERROR (memory). */
+ * cache is shared). Returns 0 or TMD_RUNTIME_ERROR (memory, or PCRE2's matcher failing: its
+ * message). */
 int tmd_bpe_encode(tmd_bpe *t, const char *text, size_t len, uint32_t **ids, int64_t *n, int64_t *cap, char *err,
                    size_t errlen);
 

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "atomic.h"
+#include "bpe.h"
 #include "checkpoint.h"
 #include "safetensors.h"
 #include "status.h"
@@ -797,7 +798,8 @@ static const char EXPORT_USAGE[] =
     "checkpoint) as a Hugging Face MixtralForCausalLM: DIR/config.json and DIR/model.safetensors,\n"
     "loadable with transformers' from_pretrained(DIR) and with 'tinymoe train --init-from DIR';\n"
     "and DIR/tokenizer.json when the run has a tokenizer (tokenizer.json beside the checkpoint, or\n"
-    "the file its key 'tokenizer' names).\n"
+    "the file its key 'tokenizer' names) with tokenizer_config.json and generation_config.json\n"
+    "(eos: the tokenizer's end-of-text token), for transformers' AutoTokenizer and pipelines.\n"
     "Only Mixtral-expressible models export: softmax router with top-k weights summing to 1,\n"
     "no groups, expert bias, shared experts or dense layers, scaling 1, dropless, weights on\n"
     "the expert outputs (not apply_topk_weights_early); f32 or bf16.\n"
@@ -856,6 +858,20 @@ int tmd_export_main(int argc, char **argv) {
     char tok[TMD_PATH_MAX + 32] = "";
     if (!rc) tmd_tokenizer_file_of_ckpt(lm.path, &lm.cfg, tok, sizeof tok);
     if (!rc && tok[0]) rc = tmd_tokenizer_copy(tok, out, err, sizeof err);
+    /* and its tokenizer_config.json / generation_config.json, eos from its end-of-text token */
+    int eos = -1;
+    if (!rc && tok[0]) {
+        tmd_bpe *bpe = NULL;
+        rc = tmd_bpe_load(tok, &bpe, err, sizeof err);
+        const unsigned char *eb = NULL;
+        int el = rc ? -1 : (eos = tmd_bpe_eot(bpe)) >= 0 ? tmd_bpe_token_bytes(bpe, eos, &eb) : -1;
+        char eos_text[64] = "";
+        if (el > 0 && el < (int)sizeof eos_text) memcpy(eos_text, eb, (size_t)el);
+        if (!rc)
+            rc = tmd_hf_write_token_configs(out, el > 0 ? eos_text : NULL, eos, tm_model_get_config(lm.model)->max_seq_len,
+                                            err, sizeof err);
+        tmd_bpe_free(bpe);
+    }
     if (rc) {
         fprintf(stderr, "tinymoe: export: %s\n", err);
     } else {
@@ -865,7 +881,12 @@ int tmd_export_main(int argc, char **argv) {
                tm_model_get_config(lm.model)->vocab_size == 257
                    ? ", with the byte tokenizer (tokenizer.json, tokenizer_config.json, generation_config.json)"
                    : "");
-        if (tok[0]) printf(", and %s as %s/%s", tok, out, TMD_TOKENIZER_FILE);
+        if (tok[0]) {
+            printf(", and %s as %s/%s with tokenizer_config.json and generation_config.json (eos ", tok, out,
+                   TMD_TOKENIZER_FILE);
+            if (eos >= 0) printf("%d)", eos);
+            else printf("none: the tokenizer has no end-of-text token)");
+        }
         printf("\n");
     }
     tmd_loaded_model_free(&lm);

@@ -50,6 +50,15 @@
  * atomically (dir is created if missing). tmd_hf_export calls it for vocab_size 257. Returns 0 or a TMD_* code with err. */
 int tmd_hf_write_byte_tokenizer(const char *dir, int model_max_length, char *err, size_t errlen);
 
+/* tokenizer_config.json (PreTrainedTokenizerFast, eos_token, model_max_length) and
+ * generation_config.json (eos_token_id, pad_token_id = eos) in dir, for the tokenizer.json
+ * beside them, so that transformers' AutoTokenizer and a text-generation pipeline know where a
+ * text ends. eos_text NULL (eos_id ignored): the tokenizer has no end-of-text token, and both
+ * files say null. tmd_hf_write_byte_tokenizer writes them for the byte tokenizer, `export` for a
+ * run's subword tokenizer (eos: tmd_bpe_eot). Returns 0 or a TMD_* code with err. */
+int tmd_hf_write_token_configs(const char *dir, const char *eos_text, int eos_id, int model_max_length, char *err,
+                               size_t errlen);
+
 /* Whether Mixtral expresses the model config: 0, or TMD_CONFIG_ERROR with a message naming the
  * first blocking option by its driver key (score_function, pre_softmax / norm_topk_prob,
  * num_groups, expert_bias, shared_ffn_size, first_k_dense, scaling_factor, capacity_factor). */

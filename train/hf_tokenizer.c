@@ -85,19 +85,38 @@ int tmd_hf_write_byte_tokenizer(const char *dir, int model_max_length, char *err
     free(b.p);
     if (rc) return rc;
 
+    return tmd_hf_write_token_configs(dir, "<|endoftext|>", TMD_BYTE_EOT, model_max_length, err, errlen);
+}
+
+int tmd_hf_write_token_configs(const char *dir, const char *eos_text, int eos_id, int model_max_length, char *err,
+                               size_t errlen) {
+    if (tmd_mkdirs(dir, err, errlen)) return TMD_RUNTIME_ERROR;
     tmd_sbuf c = {0};
+    tmd_sb_printf(&c, "{\n  \"tokenizer_class\": \"PreTrainedTokenizerFast\",\n  \"eos_token\": ");
+    if (eos_text) {
+        /* a JSON string: the end-of-text names of bpe.h are printable ASCII, escaped anyway */
+        tmd_sb_printf(&c, "\"");
+        for (const unsigned char *p = (const unsigned char *)eos_text; *p; p++) {
+            if (*p == '"' || *p == '\\') tmd_sb_printf(&c, "\\%c", *p);
+            else if (*p < 0x20) tmd_sb_printf(&c, "\\u%04x", *p);
+            else tmd_sb_printf(&c, "%c", *p);
+        }
+        tmd_sb_printf(&c, "\"");
+    } else {
+        tmd_sb_printf(&c, "null");
+    }
     tmd_sb_printf(&c,
-                  "{\n  \"tokenizer_class\": \"PreTrainedTokenizerFast\",\n  \"eos_token\": \"<|endoftext|>\",\n"
-                  "  \"bos_token\": null,\n  \"unk_token\": null,\n  \"pad_token\": null,\n"
+                  ",\n  \"bos_token\": null,\n  \"unk_token\": null,\n  \"pad_token\": null,\n"
                   "  \"model_max_length\": %d,\n  \"clean_up_tokenization_spaces\": false\n}\n",
                   model_max_length);
-    rc = write_file(dir, "tokenizer_config.json", &c, err, errlen);
+    int rc = write_file(dir, "tokenizer_config.json", &c, err, errlen);
     free(c.p);
     if (rc) return rc;
 
+    char id[16] = "null";
+    if (eos_text) snprintf(id, sizeof id, "%d", eos_id);
     tmd_sbuf g = {0};
-    tmd_sb_printf(&g, "{\n  \"bos_token_id\": null,\n  \"eos_token_id\": %d,\n  \"pad_token_id\": %d\n}\n",
-                  TMD_BYTE_EOT, TMD_BYTE_EOT);
+    tmd_sb_printf(&g, "{\n  \"bos_token_id\": null,\n  \"eos_token_id\": %s,\n  \"pad_token_id\": %s\n}\n", id, id);
     rc = write_file(dir, "generation_config.json", &g, err, errlen);
     free(g.p);
     return rc;

@@ -44,6 +44,11 @@ command -v make >/dev/null 2>&1 || MAKE="$PREFIX/usr/bin/make"
 if ! pkg-config --exists libcjson 2>/dev/null; then
     export CJSON_CFLAGS="-I$PREFIX/usr/include/cjson" CJSON_LIBS="-lcjson"
 fi
+# PCRE2 likewise (libpcre2-dev: pcre2.h and libpcre2-8.so; the machine's own libpcre2-8.so.0,
+# which most systems carry, wins at run time as above).
+if ! pkg-config --exists libpcre2-8 2>/dev/null; then
+    export PCRE2_CFLAGS="" PCRE2_LIBS="-lpcre2-8"
+fi
 
 {
     echo "== machine"
@@ -99,5 +104,5 @@ exit $rc
 #   mkdir -p .deps && cd .deps && apt-get download libcriterion3 libcriterion-dev libnanomsg5 \
 #     libgit2-1.5 libffi8 libhttp-parser2.9 libmbedcrypto7 libmbedtls14 libmbedx509-1 libssh2-1 \
 #     libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libkeyutils1 libcom-err2 make zlib1g-dev \
-#     libcjson1 libcjson-dev
+#     libcjson1 libcjson-dev libpcre2-8-0 libpcre2-dev
 # (about 2.5 MiB; /.deps/ is in .git/info/exclude; pass carry: [".deps"] to the device tool).
