@@ -48,6 +48,10 @@
  * form of it; hf_tokenizer.c says how), tokenizer_config.json (PreTrainedTokenizerFast, eos
  * "<|endoftext|>", model_max_length) and generation_config.json (eos and pad 256), each written
  * atomically (dir is created if missing). tmd_hf_export calls it for vocab_size 257. Returns 0 or a TMD_* code with err. */
+/* The code point GPT-2's byte-to-unicode alphabet gives byte b (0..255): Radford et al. 2019,
+ * encoder.py bytes_to_unicode() (hf_tokenizer.c). */
+unsigned tmd_byte_to_unicode(unsigned b);
+
 int tmd_hf_write_byte_tokenizer(const char *dir, int model_max_length, char *err, size_t errlen);
 
 /* tokenizer_config.json (PreTrainedTokenizerFast, eos_token, model_max_length) and

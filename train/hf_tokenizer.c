@@ -27,7 +27,7 @@
 #include "util.h"
 
 /* The code point GPT-2's byte-level alphabet gives byte b. */
-static unsigned byte_to_unicode(unsigned b) {
+unsigned tmd_byte_to_unicode(unsigned b) {
     unsigned n = 0;
     for (unsigned c = 0; c < 256; c++) {
         int printable = (c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || (c >= 0xAE && c <= 0xFF);
@@ -77,7 +77,7 @@ int tmd_hf_write_byte_tokenizer(const char *dir, int model_max_length, char *err
                   TMD_BYTE_EOT);
     for (unsigned i = 0; i < 256; i++) {
         tmd_sb_printf(&b, "%s", i ? ", " : "");
-        json_codepoint(&b, byte_to_unicode(i));
+        json_codepoint(&b, tmd_byte_to_unicode(i));
         tmd_sb_printf(&b, ": %u", i);
     }
     tmd_sb_printf(&b, "},\n    \"merges\": []\n  }\n}\n");

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "bpe.h"
+#include "bpe_train.h"
 #include "checkpoint.h"
 #include "config.h"
 #include "data.h"
@@ -47,9 +48,10 @@ static const char USAGE[] =
     "  export     --ckpt CKPT --format hf --out DIR: a Hugging Face Mixtral model directory\n"
     "  plan       --ranks N [--key value ...]: memory per rank and communication per step of a parallel\n"
     "             layout (ep_size, zero), computed without running\n"
-    "  tokenize   [--tokenizer tokenizer.json] IN.txt OUT.bin [--val-fraction F]: llm.c token files\n"
-    "             of bytes (256 + end-of-text), or of a Hugging Face byte-level BPE (GPT-2, Llama-3,\n"
-    "             Qwen2); with F > 0 the last F of the text goes to OUT_val.bin\n"
+    "  tokenize   [--tokenizer tokenizer.json] [--bpe N] IN.txt OUT.bin [--val-fraction F]:\n"
+    "             llm.c token files of bytes (256 + end-of-text), or of a Hugging Face byte-level BPE\n"
+    "             (GPT-2, Llama-3, Qwen2; --bpe N trains one of N tokens on IN.txt first); with F > 0\n"
+    "             the last F of the text goes to OUT_val.bin\n"
     "\n"
     "CKPT is a checkpoint file (out/ckpt-00000600.tmck) or a directory (its newest checkpoint).\n"
     "\n"
@@ -180,7 +182,7 @@ static int cmd_train_or_eval(int eval, int argc, char **argv) {
 }
 
 static const char TOKENIZE_USAGE[] =
-    "usage: tinymoe tokenize [--tokenizer tokenizer.json] IN.txt OUT.bin [--val-fraction F]\n"
+    "usage: tinymoe tokenize [--tokenizer tokenizer.json] [--bpe N] IN.txt OUT.bin [--val-fraction F]\n"
     "\n"
     "Writes the tokens of IN.txt in llm.c's token file format (uint16, or uint32 when an id is above\n"
     "65535), the end-of-text token appended. With F in (0, 1) the last F of the tokens goes to\n"
@@ -191,11 +193,16 @@ static const char TOKENIZE_USAGE[] =
     "                    add_special_tokens=False), special tokens such as <|endoftext|> in the text\n"
     "                    included. Train with 'tinymoe train --data OUT.bin --tokenizer PATH'\n"
     "                    (vocab_size follows it), so that sample and export use it too.\n"
+    "  --bpe N           first train a byte-level BPE of N tokens on IN.txt (the 256 bytes, N - 257\n"
+    "                    merges of the most frequent adjacent pairs within GPT-2's pre-tokenizer pieces,\n"
+    "                    <|endoftext|> last), write it to --tokenizer PATH (default: tokenizer.json beside\n"
+    "                    OUT.bin), then tokenize with it; the tokenizers package loads it and encodes alike\n"
     "  (none)            bytes: ids 0..255, 256 end-of-text (vocab_size 257)\n";
 
 static int cmd_tokenize(int argc, char **argv) {
     const char *in = NULL, *out = NULL, *tokenizer = NULL;
     double frac = 0;
+    long bpe_n = 0;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -206,6 +213,16 @@ static int cmd_tokenize(int argc, char **argv) {
             tokenizer = a[11] == '=' ? a + 12 : i + 1 < argc ? argv[++i] : NULL;
             if (!tokenizer || !*tokenizer) {
                 fprintf(stderr, "tinymoe: tokenize: --tokenizer needs a tokenizer.json\n");
+                return TMD_CONFIG_ERROR;
+            }
+        } else if (!strncmp(a, "--bpe", 5) && (a[5] == 0 || a[5] == '=')) {
+            const char *v = a[5] == '=' ? a + 6 : i + 1 < argc ? argv[++i] : NULL;
+            char *end;
+            errno = 0;
+            bpe_n = v ? strtol(v, &end, 10) : 0;
+            if (!v || !*v || *end || errno || bpe_n < 258 || bpe_n > (1L << 20)) {
+                fprintf(stderr, "tinymoe: tokenize: --bpe needs a vocabulary size in [258, %ld], got '%s'\n", 1L << 20,
+                        v ? v : "");
                 return TMD_CONFIG_ERROR;
             }
         } else if (!strncmp(a, "--val-fraction", 14) || !strncmp(a, "--val_fraction", 14)) {
@@ -234,7 +251,23 @@ static int cmd_tokenize(int argc, char **argv) {
     char err[1024], val_path[TMD_PATH_MAX];
     val_path[0] = 0;
     tmd_bpe *bpe = NULL;
-    int rc = tokenizer ? tmd_bpe_load(tokenizer, &bpe, err, sizeof err) : 0;
+    char trained[TMD_PATH_MAX + 32];
+    int rc = 0;
+    if (bpe_n) { /* train first; the file then serves as --tokenizer */
+        if (tokenizer) {
+            snprintf(trained, sizeof trained, "%s", tokenizer);
+        } else {
+            const char *slash = strrchr(out, '/');
+            snprintf(trained, sizeof trained, "%.*s%stokenizer.json", slash ? (int)(slash - out) : 0, out, slash ? "/" : "");
+        }
+        int merges = 0;
+        double tb = tmd_now_s();
+        rc = tmd_bpe_train_file(in, (int)bpe_n, trained, &merges, err, sizeof err);
+        if (!rc) printf("trained a byte-level BPE of %ld tokens on %s (%d merges) in %.2f s: %s\n", bpe_n, in, merges,
+                        tmd_now_s() - tb, trained);
+        tokenizer = trained;
+    }
+    if (!rc && tokenizer) rc = tmd_bpe_load(tokenizer, &bpe, err, sizeof err);
     double t0 = tmd_now_s();
     if (!rc) rc = tmd_tokenize_file_bpe(in, out, frac, bpe, val_path, sizeof val_path, err, sizeof err);
     double dt = tmd_now_s() - t0;

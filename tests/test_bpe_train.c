@@ -1,0 +1,150 @@
+/*
+ * test_bpe_train.c — `tinymoe tokenize --bpe N` (issue 23): the trainer's merges on a corpus
+ * whose pair counts are known by hand, the vocabulary bound, a round trip through our own
+ * encoder, refusals, and (tests/bpe_train_check.py, with the `tokenizers` package; skipped
+ * without it unless TM_REQUIRE_PYDEPS=1) that the library loads the trained file and encodes a
+ * Unicode-rich text to the ids tinymoe wrote.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cJSON.h>
+
+#include "../train/bpe.h"
+#include "../train/bpe_train.h"
+#include "child.h"
+#include "common.h"
+
+static void write_text(const char *path, const char *s) {
+    FILE *f = fopen(path, "wb");
+    cr_assert(f);
+    fputs(s, f);
+    fclose(f);
+}
+
+static cJSON *merges_of(const char *path) {
+    long len;
+    char *s = (char *)tt_slurp(path, &len);
+    cr_assert(s, "cannot read %s", path);
+    cJSON *j = cJSON_ParseWithLength(s, (size_t)len);
+    free(s);
+    cr_assert(j, "%s is not JSON", path);
+    return j;
+}
+
+/* "ab ab ab ab cd cd" under GPT-2's split: "ab" once, " ab" three times, " cd" twice. Pairs:
+ * (a,b) 4, (' ',a) 3, (' ',c) 2, (c,d) 2: a+b first; then (' ',ab) 3; then (' ',c) and (c,d)
+ * tie at 2 and the smaller ids go first: ' ' (32) + 'c'. */
+Test(bpe_train, merges_follow_the_pair_counts) {
+    tt_tmpdir_make("tm_bpetr_");
+    write_text(tt_path("in.txt"), "ab ab ab ab cd cd");
+    char err[512];
+    int merges = -1;
+    cr_assert_eq(tmd_bpe_train_file(tt_path("in.txt"), 300, tt_path("tok.json"), &merges, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(merges, 4, "merges %d", merges); /* a b, Ġ ab, Ġ c, Ġc d: then every word is one token */
+    cJSON *j = merges_of(tt_path("tok.json"));
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(j, "model"), "merges");
+    const char *want[4][2] = {{"a", "b"}, {"\xc4\xa0", "ab"}, {"\xc4\xa0", "c"}, {"\xc4\xa0" "c", "d"}};
+    cr_assert_eq(cJSON_GetArraySize(m), 4);
+    for (int i = 0; i < 4; i++) {
+        const cJSON *p = cJSON_GetArrayItem(m, i);
+        cr_assert_str_eq(cJSON_GetArrayItem(p, 0)->valuestring, want[i][0], "merge %d", i);
+        cr_assert_str_eq(cJSON_GetArrayItem(p, 1)->valuestring, want[i][1], "merge %d", i);
+    }
+    cJSON_Delete(j);
+    /* our encoder: " ab" is one token, id 257; end-of-text is the last id (260) */
+    tmd_bpe *t = NULL;
+    cr_assert_eq(tmd_bpe_load(tt_path("tok.json"), &t, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_bpe_vocab_size(t), 261);
+    cr_assert_eq(tmd_bpe_eot(t), 260);
+    uint32_t *ids = NULL;
+    int64_t n = 0, cap = 0;
+    cr_assert_eq(tmd_bpe_encode(t, " ab cd", 6, &ids, &n, &cap, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(n, 2);
+    cr_assert_eq(ids[0], 257);
+    cr_assert_eq(ids[1], 259);
+    free(ids);
+    tmd_bpe_free(t);
+    tt_tmpdir_remove();
+}
+
+/* A real text: at most N ids, and encoding then decoding gives every byte back. */
+Test(bpe_train, vocabulary_bound_and_round_trip) {
+    tt_tmpdir_make("tm_bpetr2_");
+    FILE *f = fopen(tt_path("in.txt"), "wb");
+    for (int i = 0; i < 300; i++)
+        fprintf(f, "Line %d: naïve café — 日本語 😀 the quick brown fox jumps over the lazy dog %d\n\t  x\n", i, i * 7);
+    fclose(f);
+    char err[512];
+    int merges = 0;
+    cr_assert_eq(tmd_bpe_train_file(tt_path("in.txt"), 400, tt_path("tok.json"), &merges, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(merges, 400 - 257, "a text this varied has pairs left for every merge (%d)", merges);
+    tmd_bpe *t = NULL;
+    cr_assert_eq(tmd_bpe_load(tt_path("tok.json"), &t, err, sizeof err), 0, "%s", err);
+    cr_assert_leq(tmd_bpe_vocab_size(t), 400);
+    long len;
+    unsigned char *text = tt_slurp(tt_path("in.txt"), &len);
+    uint32_t *ids = NULL;
+    int64_t n = 0, cap = 0;
+    cr_assert_eq(tmd_bpe_encode(t, (const char *)text, (size_t)len, &ids, &n, &cap, err, sizeof err), 0, "%s", err);
+    cr_assert_lt(n, len / 2, "%lld ids for %ld bytes: the merges compress", (long long)n, len);
+    long at = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const unsigned char *b;
+        int k = tmd_bpe_token_bytes(t, ids[i], &b);
+        cr_assert_geq(k, 1);
+        cr_assert(at + k <= len && !memcmp(text + at, b, (size_t)k), "id %lld decodes to other bytes", (long long)i);
+        at += k;
+    }
+    cr_assert_eq(at, len);
+    free(ids);
+    free(text);
+    tmd_bpe_free(t);
+    tt_tmpdir_remove();
+}
+
+Test(bpe_train, refusals_name_the_flag_and_file) {
+    tt_tmpdir_make("tm_bpetr3_");
+    char err[512];
+    cr_assert_neq(tmd_bpe_train_file(tt_path("in.txt"), 257, tt_path("tok.json"), NULL, err, sizeof err), 0);
+    cr_assert(strstr(err, "--bpe 257"), "%s", err);
+    cr_assert_neq(tmd_bpe_train_file(tt_path("missing.txt"), 300, tt_path("tok.json"), NULL, err, sizeof err), 0);
+    cr_assert(strstr(err, "missing.txt"), "%s", err);
+    char *argv[] = {(char *)tt_tinymoe(), "tokenize", "--bpe", "12", (char *)tt_path("in.txt"), (char *)tt_path("o.bin"), NULL};
+    cr_assert_eq(tt_run(argv, tt_path("log"), 30, NULL), 2);
+    long len;
+    char *log = (char *)tt_slurp(tt_path("log"), &len);
+    cr_assert(strstr(log, "--bpe"), "%s", log);
+    free(log);
+    tt_tmpdir_remove();
+}
+
+Test(bpe_train, tokenizers_library_encodes_like_tinymoe, .timeout = 120) {
+    const char *py = tt_python_with("tokenizers");
+    if (!py) cr_skip_test("no Python with the tokenizers package (scripts/install-pydeps.sh installs one)");
+    tt_tmpdir_make("tm_bpetr4_");
+    FILE *f = fopen(tt_path("in.txt"), "wb");
+    for (int i = 0; i < 200; i++)
+        fprintf(f, "First Citizen %d:\nBefore we proceed — naïve café, Ελληνικά, 日本語 😀👩‍👩‍👧 {x[%d] >> 2}\n\n  \t end  \n",
+                i, i);
+    fclose(f);
+    char tokp[1100];
+    snprintf(tokp, sizeof tokp, "%s", tt_path("tokenizer.json"));
+    char *argv[] = {(char *)tt_tinymoe(), "tokenize", "--bpe", "600", (char *)tt_path("in.txt"), (char *)tt_path("in.bin"),
+                    NULL};
+    int rc = tt_run(argv, tt_path("tok.log"), 60, NULL);
+    long len;
+    char *log = (char *)tt_slurp(tt_path("tok.log"), &len);
+    cr_assert_eq(rc, 0, "tokenize --bpe exit %d:\n%s", rc, log);
+    cr_assert(strstr(log, "trained a byte-level BPE of 600 tokens"), "%s", log);
+    free(log);
+    char *check[] = {(char *)py, "tests/bpe_train_check.py", tokp, (char *)tt_path("in.txt"), (char *)tt_path("in.bin"),
+                     NULL};
+    rc = tt_run(check, tt_path("check.log"), 90, NULL);
+    log = (char *)tt_slurp(tt_path("check.log"), &len);
+    cr_assert_eq(rc, 0, "the tokenizers library disagrees (exit %d):\n%s", rc, log ? log : "");
+    cr_log_info("%s", log);
+    free(log);
+    tt_tmpdir_remove();
+}
