@@ -190,8 +190,10 @@ int tmd_bpe_train_file(const char *in_path, int n_tokens, const char *out_json, 
         tok[b][0] = (unsigned char)b, toklen[b] = 1;
     }
     while (n_merges < max_merges && ntok < n_tokens - 1) {
-        memset(pc.key, 0, pc.cap * sizeof *pc.key);
-        memset(pc.count, 0, pc.cap * sizeof *pc.count);
+        if (pc.cap) { /* the table is made by the first pairs_add */
+            memset(pc.key, 0, pc.cap * sizeof *pc.key);
+            memset(pc.count, 0, pc.cap * sizeof *pc.count);
+        }
         pc.n = 0;
         for (size_t i = 0; i < t.nw; i++)
             for (int j = 0; j + 1 < t.w[i].nsym; j++)
