@@ -185,6 +185,11 @@ void tm__named_set_like(tm_tensor *t, const tm_tensor *param);
  * elements over group `group`; this rank holds bucket elements [lo, hi), t's storage starting at
  * element lo. Errors: TM_ERR_NOMEM. */
 tm_status tm__named_set_zero(tm_ctx *ctx, tm_tensor *t, int group, int64_t off, int64_t blk, int64_t lo, int64_t hi);
+struct tm__zshard;
+/* The same with a shard record z already allocated (tm__host_alloc; t takes it over): ZeRO-3
+ * allocates every record of a bucket first, so that attaching them cannot fail half-way. */
+void tm__named_attach_zero(tm_ctx *ctx, tm_tensor *t, struct tm__zshard *z, int group, int64_t off, int64_t blk, int64_t lo,
+                           int64_t hi);
 /* 1 when reading t's logical value needs the other ranks (a collective: every rank must call
  * tm__named_gather for it, in the same order). */
 int tm__named_sharded(const tm_ctx *ctx, const tm_tensor *t);

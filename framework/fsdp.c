@@ -136,14 +136,7 @@ tm_status tm__zero3_shard_params(tm_ctx *ctx) {
             pg->storage = &b->gshard.st;
             pc->grad = pg;
             p->pm->piece = pc;
-            tm__zshard *z = zs[j];
-            z->group = g;
-            z->off = off;
-            z->blk = blk;
-            z->lo = lo;
-            z->hi = hi;
-            tm__host_free(ctx, p->zs);
-            p->zs = z;
+            tm__named_attach_zero(ctx, p, zs[j], g, off, blk, lo, hi);
             p->offset = 0; /* shard.c: element e of the bucket sits at storage + (e - lo) */
             j++;
         }

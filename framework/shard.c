@@ -22,9 +22,8 @@ void tm__named_set_like(tm_tensor *t, const tm_tensor *param) {
     if (t) t->like = param;
 }
 
-tm_status tm__named_set_zero(tm_ctx *ctx, tm_tensor *t, int group, int64_t off, int64_t blk, int64_t lo, int64_t hi) {
-    tm__zshard *z = tm__host_alloc(ctx, sizeof *z);
-    if (!z) return tm__err(ctx, TM_ERR_NOMEM, "ZeRO-1 shard of \"%s\": out of host memory", t->name);
+void tm__named_attach_zero(tm_ctx *ctx, tm_tensor *t, struct tm__zshard *z, int group, int64_t off, int64_t blk, int64_t lo,
+                           int64_t hi) {
     z->group = group;
     z->off = off;
     z->blk = blk;
@@ -32,6 +31,12 @@ tm_status tm__named_set_zero(tm_ctx *ctx, tm_tensor *t, int group, int64_t off, 
     z->hi = hi;
     tm__host_free(ctx, t->zs);
     t->zs = z;
+}
+
+tm_status tm__named_set_zero(tm_ctx *ctx, tm_tensor *t, int group, int64_t off, int64_t blk, int64_t lo, int64_t hi) {
+    tm__zshard *z = tm__host_alloc(ctx, sizeof *z);
+    if (!z) return tm__err(ctx, TM_ERR_NOMEM, "ZeRO-1 shard of \"%s\": out of host memory", t->name);
+    tm__named_attach_zero(ctx, t, z, group, off, blk, lo, hi);
     return TM_OK;
 }
 

@@ -116,18 +116,6 @@ static int pairs_add(pairs *p, uint64_t k, int64_t c) {
     return 0;
 }
 
-/* A token's bytes as a JSON string of GPT-2 byte-to-unicode characters. */
-static void json_token(tmd_sbuf *b, const unsigned char *s, size_t n) {
-    tmd_sb_printf(b, "\"");
-    for (size_t i = 0; i < n; i++) {
-        unsigned cp = tmd_byte_to_unicode(s[i]);
-        if (cp == '"' || cp == '\\') tmd_sb_printf(b, "\\%c", (int)cp);
-        else if (cp < 0x80) tmd_sb_printf(b, "%c", (int)cp);
-        else tmd_sb_printf(b, "%c%c", (int)(0xC0 | cp >> 6), (int)(0x80 | (cp & 0x3F)));
-    }
-    tmd_sb_printf(b, "\"");
-}
-
 int tmd_bpe_train_file(const char *in_path, int n_tokens, const char *out_json, int *merges_out, char *err,
                        size_t errlen) {
     if (n_tokens < 258 || n_tokens > 1 << 20)
@@ -248,15 +236,15 @@ int tmd_bpe_train_file(const char *in_path, int n_tokens, const char *out_json, 
                       ntok);
         for (int q = 0; q < ntok; q++) {
             tmd_sb_printf(&b, q ? ", " : "");
-            json_token(&b, tok[q], toklen[q]);
+            tmd_json_byte_token(&b, tok[q], toklen[q]);
             tmd_sb_printf(&b, ": %d", q);
         }
         tmd_sb_printf(&b, "},\n    \"merges\": [");
         for (int q = 0; q < n_merges; q++) {
             tmd_sb_printf(&b, q ? ", [" : "[");
-            json_token(&b, tok[merge[q][0]], toklen[merge[q][0]]);
+            tmd_json_byte_token(&b, tok[merge[q][0]], toklen[merge[q][0]]);
             tmd_sb_printf(&b, ", ");
-            json_token(&b, tok[merge[q][1]], toklen[merge[q][1]]);
+            tmd_json_byte_token(&b, tok[merge[q][1]], toklen[merge[q][1]]);
             tmd_sb_printf(&b, "]");
         }
         tmd_sb_printf(&b, "]\n  }\n}\n");

@@ -52,6 +52,11 @@
  * encoder.py bytes_to_unicode() (hf_tokenizer.c). */
 unsigned tmd_byte_to_unicode(unsigned b);
 
+/* Append to b the JSON string of a token's bytes s[0, n) in that alphabet (UTF-8, '"' and '\\'
+ * escaped): its key in a byte-level tokenizer.json's vocabulary and merges. */
+struct tmd_sbuf;
+void tmd_json_byte_token(struct tmd_sbuf *b, const unsigned char *s, size_t n);
+
 int tmd_hf_write_byte_tokenizer(const char *dir, int model_max_length, char *err, size_t errlen);
 
 /* tokenizer_config.json (PreTrainedTokenizerFast, eos_token, model_max_length) and

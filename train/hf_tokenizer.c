@@ -37,12 +37,15 @@ unsigned tmd_byte_to_unicode(unsigned b) {
     return 0;
 }
 
-/* A JSON string of one code point (UTF-8; '"' and '\\' escaped). */
-static void json_codepoint(tmd_sbuf *b, unsigned cp) {
-    if (cp == '"' || cp == '\\') tmd_sb_printf(b, "\"\\%c\"", (int)cp);
-    else if (cp < 0x80) tmd_sb_printf(b, "\"%c\"", (int)cp);
-    else if (cp < 0x800) tmd_sb_printf(b, "\"%c%c\"", (int)(0xC0 | cp >> 6), (int)(0x80 | (cp & 0x3F)));
-    else tmd_sb_printf(b, "\"%c%c%c\"", (int)(0xE0 | cp >> 12), (int)(0x80 | (cp >> 6 & 0x3F)), (int)(0x80 | (cp & 0x3F)));
+void tmd_json_byte_token(tmd_sbuf *b, const unsigned char *s, size_t n) {
+    tmd_sb_printf(b, "\"");
+    for (size_t i = 0; i < n; i++) {
+        unsigned cp = tmd_byte_to_unicode(s[i]); /* < 0x144: one or two UTF-8 bytes */
+        if (cp == '"' || cp == '\\') tmd_sb_printf(b, "\\%c", (int)cp);
+        else if (cp < 0x80) tmd_sb_printf(b, "%c", (int)cp);
+        else tmd_sb_printf(b, "%c%c", (int)(0xC0 | cp >> 6), (int)(0x80 | (cp & 0x3F)));
+    }
+    tmd_sb_printf(b, "\"");
 }
 
 static int write_file(const char *dir, const char *name, tmd_sbuf *b, char *err, size_t errlen) {
@@ -77,7 +80,8 @@ int tmd_hf_write_byte_tokenizer(const char *dir, int model_max_length, char *err
                   TMD_BYTE_EOT);
     for (unsigned i = 0; i < 256; i++) {
         tmd_sb_printf(&b, "%s", i ? ", " : "");
-        json_codepoint(&b, tmd_byte_to_unicode(i));
+        unsigned char byte = (unsigned char)i;
+        tmd_json_byte_token(&b, &byte, 1);
         tmd_sb_printf(&b, ": %u", i);
     }
     tmd_sb_printf(&b, "},\n    \"merges\": []\n  }\n}\n");
