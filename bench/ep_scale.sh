@@ -9,6 +9,10 @@
 #   bench/ep_scale.sh [--preset fine] [--steps 300] [--warmup 20] [--gpus "1 2 4"]
 #                     [--layouts "dp alltoall allgather dedup"] [--bind "none core"] [--smoke]
 #
+# A layout may end in :zN, the ZeRO level of the run (--zero N; default 0): "dp:z3" is data
+# parallelism with fully sharded weights (FSDP), "dedup:z1" the deduplicated all-to-all with
+# sharded optimizer state. The 1-GPU baseline is always "dp" at ZeRO 0.
+#
 # Per run, one row: ms/step (mean of the steps after --warmup, from rank 0's step table), tokens/s
 # per GPU and its ratio to the 1-GPU run (weak-scaling efficiency), each GPU's peak memory as
 # nvidia-smi saw it (sampled every 0.2 s: what the process holds, CUDA context and NCCL
@@ -53,14 +57,15 @@ for n in $gpus; do
     for lay in $lays; do
         for b in $bind; do
             [ "$n" = 1 ] && [ "$b" != "${bind%% *}" ] && continue
-            name=n${n}_${lay}_bind-$b
+            name=n${n}_${lay/:/-}_bind-$b
             log=$OUT/$name.log
-            ep=1 st=alltoall
-            [ "$lay" = alltoall ] && ep=$n
-            [ "$lay" = allgather ] && ep=$n st=allgather
-            [ "$lay" = dedup ] && ep=$n st=alltoall_dedup
+            ep=1 st=alltoall zero=0 base=${lay%%:*}
+            case "$lay" in *:z[0-3]) zero=${lay##*:z} ;; *:*) echo "ep_scale.sh: bad layout '$lay'" >&2; exit 2 ;; esac
+            [ "$base" = alltoall ] && ep=$n
+            [ "$base" = allgather ] && ep=$n st=allgather
+            [ "$base" = dedup ] && ep=$n st=alltoall_dedup
             args="train $extra --device $device --dtype $dtype --synthetic_vocab 1024 --batch_size $((per_gpu * n))
-                  --ep_size $ep --ep_strategy $st --steps $steps --log_every 1 --eval_every 0 --eval_batches 1
+                  --ep_size $ep --ep_strategy $st --zero $zero --steps $steps --log_every 1 --eval_every 0 --eval_batches 1
                   --sample_tokens 0 --out ''"
             args=$(echo $args) # one line: it goes through eval and bash -c
             smi=""

@@ -178,8 +178,11 @@ const tm__comm_ops tm__comm_staged_ops = {
 
 /* ---- accounted entry points ---------------------------------------------------------------- */
 
-static tm_status need_ops(tm_ctx *ctx, tm__comm *c, tm_device dev, const tm__comm_ops **ops) {
-    *ops = tm__comm_ops_for(c, dev);
+/* A group of one rank is the self engine's whatever the communicator's engine: NCCL makes no
+ * communicator for such a group (ZeRO-3 with ep_size = world size gathers expert weights over
+ * expert-data-parallel groups of one). */
+static tm_status need_ops(tm_ctx *ctx, tm__comm *c, int g, tm_device dev, const tm__comm_ops **ops) {
+    *ops = c->size[g] == 1 ? &tm__comm_self_ops : tm__comm_ops_for(c, dev);
     if (!*ops)
         return tm__err(ctx, TM_ERR_DEVICE, "collective on %s memory: the communicator has no engine for it",
                        dev.type == TM_DEVICE_CUDA ? "CUDA" : "CPU");
@@ -201,7 +204,7 @@ static tm__comm *comm_or_self(tm_ctx *ctx, tm__comm *tmp) {
 tm_status tm__coll_allreduce(tm_ctx *ctx, int g, const void *send, void *recv, int64_t n, tm_dtype dt, tm_device dev) {
     tm__comm tmp, *c = comm_or_self(ctx, &tmp);
     const tm__comm_ops *ops;
-    TM__TRY(need_ops(ctx, c, dev, &ops));
+    TM__TRY(need_ops(ctx, c, g, dev, &ops));
     double t0 = tm__now();
     tm_status s = ops->allreduce(c, g, send, recv, n, dt, dev);
     tm__comm_account(ctx->comm, TM_COMM_ALLREDUCE, (size_t)n * tm_dtype_size(dt), tm__now() - t0);
@@ -212,7 +215,7 @@ tm_status tm__coll_allgatherv(tm_ctx *ctx, int g, const void *send, void *recv, 
                               const int64_t *displs, tm_dtype dt, tm_device dev) {
     tm__comm tmp, *c = comm_or_self(ctx, &tmp);
     const tm__comm_ops *ops;
-    TM__TRY(need_ops(ctx, c, dev, &ops));
+    TM__TRY(need_ops(ctx, c, g, dev, &ops));
     double t0 = tm__now();
     tm_status s = ops->allgatherv(c, g, send, recv, counts, displs, dt, dev);
     tm__comm_account(ctx->comm, TM_COMM_ALLGATHER, (size_t)counts[c->rank[g]] * tm_dtype_size(dt), tm__now() - t0);
@@ -223,7 +226,7 @@ tm_status tm__coll_reduce_scatter(tm_ctx *ctx, int g, const void *send, void *re
                                   tm_device dev) {
     tm__comm tmp, *c = comm_or_self(ctx, &tmp);
     const tm__comm_ops *ops;
-    TM__TRY(need_ops(ctx, c, dev, &ops));
+    TM__TRY(need_ops(ctx, c, g, dev, &ops));
     double t0 = tm__now();
     tm_status s = ops->reduce_scatter(c, g, send, recv, n, dt, dev);
     tm__comm_account(ctx->comm, TM_COMM_REDUCE_SCATTER, (size_t)n * (size_t)c->size[g] * tm_dtype_size(dt),
@@ -235,7 +238,7 @@ tm_status tm__coll_alltoallv(tm_ctx *ctx, int g, const void *send, const int64_t
                              const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev) {
     tm__comm tmp, *c = comm_or_self(ctx, &tmp);
     const tm__comm_ops *ops;
-    TM__TRY(need_ops(ctx, c, dev, &ops));
+    TM__TRY(need_ops(ctx, c, g, dev, &ops));
     int64_t sent = 0;
     for (int j = 0; j < c->size[g]; j++)
         if (j != c->rank[g]) sent += sc[j];

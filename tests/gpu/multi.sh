@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tests/gpu/multi.sh — distributed training on GPUs against one GPU (issue 13's equivalence runs):
 #   mpirun -np N tinymoe train --device cuda, N in {2,4} x ep_size in {1,2,N} x ep_strategy
-#   alltoall|allgather|alltoall_dedup x zero {0,1}, the shakespeare preset in f32: the first 10 steps' losses must
+#   alltoall|allgather|alltoall_dedup x zero {0,1,2,3}, the shakespeare preset in f32: the first 10 steps' losses must
 #   equal the single-GPU run's (same global batch) within 1e-5 relative (2e-5 for data parallel
 #   without ZeRO on 4 ranks: the all-reduce's summation order, measured below); a few layouts again in bf16
 #   (their drift is reported, not judged); then a rank killed with SIGKILL mid-run: the job must
@@ -11,6 +11,7 @@
 #   bash tests/gpu/multi.sh TEXT_FILE      (from the repository root; logs in $OUT, default /tmp/tinymoe-gpu-multi)
 #   DEVICE=cpu bash tests/gpu/multi.sh TEXT_FILE   (the same on CPU ranks: a check of the script itself)
 #   NS=2 bash tests/gpu/multi.sh TEXT_FILE         (only the 2-rank layouts, e.g. on a 2-GPU machine)
+#   ZS="0 1 2 3" bash tests/gpu/multi.sh TEXT_FILE  (the ZeRO levels to run; default all four)
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 TEXT=${1:?usage: tests/gpu/multi.sh TEXT_FILE (e.g. tinyshakespeare.txt)}
@@ -42,7 +43,7 @@ for n in ${NS:-2 4}; do
     for ep in 1 2 $n; do
         for st in alltoall allgather alltoall_dedup; do
             [ $ep = 1 ] && [ $st != alltoall ] && continue # ep_size 1: no dispatch collective
-            for z in 0 1; do
+            for z in ${ZS:-0 1 2 3}; do
                 name=n${n}_ep${ep}_${st}_z$z
                 [ -d "$OUT/$name" ] && continue
                 # Data parallel without ZeRO on 4 GPUs sums the gradients of 4 ranks by all-reduce
