@@ -19,6 +19,9 @@
  *  - allgatherv: rank r's n = counts[r] elements of send land at recv + displs[r].
  *  - reduce_scatter: send holds G blocks of n elements; recv (n) = sum over the group of block
  *    `rank`. recv may be send + rank * n (in place).
+ *  - reduce_scatterv: the ragged reduce-scatter: send holds G consecutive blocks of counts[j]
+ *    elements (block j starts at counts[0] + ... + counts[j - 1]); recv (counts[rank]) = sum
+ *    over the group of block `rank`. recv does not overlap send. (MPI_Reduce_scatter.)
  *  - alltoallv: sc[j] elements from send + sd[j] go to rank j; rc[j] from rank j land at
  *    recv + rd[j].
  *  - bcast: n elements of buf from group rank root. barrier: every rank of the group arrives.
@@ -38,6 +41,8 @@ typedef struct tm__comm_ops {
     tm_status (*allgatherv)(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts,
                             const int64_t *displs, tm_dtype dt, tm_device dev);
     tm_status (*reduce_scatter)(tm__comm *c, int g, const void *send, void *recv, int64_t n, tm_dtype dt, tm_device dev);
+    tm_status (*reduce_scatterv)(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts, tm_dtype dt,
+                                 tm_device dev);
     tm_status (*alltoallv)(tm__comm *c, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
                            const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev);
     tm_status (*bcast)(tm__comm *c, int g, void *buf, int64_t n, tm_dtype dt, int root, tm_device dev);
@@ -54,6 +59,9 @@ struct tm__comm {
     const tm__comm_ops *device; /* CUDA memory: nccl, mpi-staged or self (NULL: no CUDA device) */
     void *mpi;                  /* the mpi engine's state (framework/comm_mpi.c) */
     void *nccl;                 /* the nccl engine's state (kernels/cuda/comm_nccl.cu) */
+    int device_async;           /* the device engine enqueues on a stream and has the side
+                                 * stream's communicators (nccl under overlap and ZeRO-3): a
+                                 * collective can run beside the work (tm__coll_side_begin) */
     tm_comm_stats stats;
 };
 
@@ -86,7 +94,23 @@ tm_status tm__coll_allgatherv(tm_ctx *ctx, int g, const void *send, void *recv, 
                               const int64_t *displs, tm_dtype dt, tm_device dev);
 tm_status tm__coll_reduce_scatter(tm_ctx *ctx, int g, const void *send, void *recv, int64_t n, tm_dtype dt,
                                   tm_device dev);
+tm_status tm__coll_reduce_scatterv(tm_ctx *ctx, int g, const void *send, void *recv, const int64_t *counts,
+                                   tm_dtype dt, tm_device dev);
 tm_status tm__coll_alltoallv(tm_ctx *ctx, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
                              const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev);
+
+/* Collectives beside the work (the backend's side stream, backend.h). Between side_begin and
+ * side_end every collective on dev's memory is enqueued on the side stream, after the work
+ * queued so far; side_end gives an event after them. Nothing waits on the host: whoever reads
+ * the results first calls event_wait (the work stream waits; the event is freed), and memory
+ * the side collectives read or write must not be given back before that. tm__coll_side_on is
+ * 1 where it is worth it: a communicator with tm_comm_options.overlap whose engine for dev
+ * enqueues on a stream (NCCL); elsewhere the collectives run in place and the event is NULL
+ * (event_wait / event_done of NULL: nothing to wait for). */
+int tm__coll_side_on(const tm_ctx *ctx, tm_device dev);
+tm_status tm__coll_side_begin(tm_ctx *ctx, tm_device dev);
+tm_status tm__coll_side_end(tm_ctx *ctx, tm_device dev, void **event);
+tm_status tm__coll_event_wait(tm_ctx *ctx, tm_device dev, void *event);
+int tm__coll_event_done(tm_ctx *ctx, tm_device dev, void *event);
 
 #endif
