@@ -71,8 +71,8 @@ typedef struct fsdp_pf {
     void *ev;
 } fsdp_pf;
 
-/* A gradient reduce-scatter in flight: t (the piece's sums) into gx when ev has happened; go
- * (the full gradient it reads) kept until then. */
+/* A gradient reduce-scatter in flight: t (the piece's sums, a view of this rank's block of go)
+ * into gx when ev has happened; go (the full gradient, reduced in place) kept until then. */
 typedef struct fsdp_red {
     void *ev;
     tm_device dev;
@@ -389,8 +389,7 @@ static tm_status finish_red(tm_ctx *ctx) {
     fsdp_red r = f->red[0];
     memmove(f->red, f->red + 1, sizeof *f->red * (size_t)--f->n_red);
     tm_status s = tm__coll_event_wait(ctx, r.dev, r.ev);
-    if (s == TM_OK && r.gx) s = tm__accumulate(ctx, r.gx, r.t, 1.0);
-    tm__tensor_release(ctx, r.t);
+    if (s == TM_OK && r.gx) s = tm__accumulate(ctx, r.gx, r.t, 1.0); /* r.t: a view into r.go */
     tm__tensor_release(ctx, r.go);
     return s;
 }
@@ -406,7 +405,24 @@ tm_status tm__fsdp_gather_backward(tm__call *c) {
      * FSDP_MAX_RED stay in flight */
     while (f->n_red && (f->n_red >= FSDP_MAX_RED || tm__coll_event_done(ctx, f->red[0].dev, f->red[0].ev)))
         TM__TRY(finish_red(ctx));
-    TM__TRY(tm__tensor_new(ctx, go->dtype, x->ndim, x->shape, go->device, &t));
+    /* The sums land in go itself, at this rank's block (an in-place reduce-scatter): a buffer
+     * taken here would be inside the kernel's scope (dispatch.c), given back when the kernel
+     * returns while the side stream still writes it, its data NULL when the sums are added.
+     * (Session 8's illegal memory access on 2 H100s: found by reading, not yet rerun.) */
+    const int64_t *cnt = tm__data(c->saved[0]);
+    int G = (int)c->saved[0]->shape[0], me = tm_comm_rank(ctx, (tm_comm_group)g);
+    int64_t before = 0;
+    for (int j = 0; j < me; j++) before += cnt[j];
+    if (!(t = tm__meta_alloc(ctx, sizeof *t))) return TM_ERR_NOMEM;
+    *t = *go;
+    t->ndim = 1;
+    t->shape[0] = cnt[me];
+    t->stride[0] = 1;
+    t->offset = go->offset + before;
+    t->grad = NULL;
+    t->node = NULL;
+    t->requires_grad = 0;
+    (void)x, (void)G;
     int side = tm__coll_side_on(ctx, go->device);
     if (side) TM__TRY(tm__coll_side_begin(ctx, go->device));
     tm_status s = tm__coll_reduce_scatterv(ctx, g, tm__data(go), tm__data(t), tm__data(c->saved[0]), go->dtype,
@@ -420,11 +436,7 @@ tm_status tm__fsdp_gather_backward(tm__call *c) {
         if (ev) (void)tm__coll_event_wait(ctx, go->device, ev);
         return s;
     }
-    if (!ev) {
-        if (c->gin[0]) s = tm__accumulate(ctx, c->gin[0], t, 1.0);
-        tm__tensor_release(ctx, t);
-        return s;
-    }
+    if (!ev) return c->gin[0] ? tm__accumulate(ctx, c->gin[0], t, 1.0) : TM_OK;
     TM__TRY(grow(ctx, (void **)&f->red, &f->cap_red, f->n_red + 1, sizeof *f->red));
     f->red[f->n_red++] = (fsdp_red){ev, go->device, t, c->gin[0], go};
     /* go is read beside the work until ev: the tape must not give it back (autograd.c's
