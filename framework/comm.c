@@ -268,8 +268,10 @@ tm_status tm__coll_reduce_scatterv(tm_ctx *ctx, int g, const void *send, void *r
 
 int tm__coll_side_on(const tm_ctx *ctx, tm_device dev) {
     const tm__backend_ops *be = tm__ctx_backend(ctx, dev);
-    return ctx->comm && ctx->comm->opts.overlap && ctx->comm->device_async && dev.type == TM_DEVICE_CUDA && be &&
-           be->side_begin;
+    /* host memory: its collectives block, the CPU backend's side stream is the work itself
+     * (kernels/cpu/backend.c), and the bookkeeping runs as on a GPU */
+    return ctx->comm && ctx->comm->opts.overlap && be && be->side_begin &&
+           (dev.type == TM_DEVICE_CPU || ctx->comm->device_async);
 }
 
 tm_status tm__coll_side_begin(tm_ctx *ctx, tm_device dev) {
