@@ -482,11 +482,14 @@ void tm__fsdp_free(tm_ctx *ctx) {
     ctx->fsdp = NULL;
 }
 
-/* Fill a gathered storage again (memory from the arena on the work stream's order). */
+/* Fill a gathered storage again (memory from the arena on the work stream's order). Its bytes
+ * count as parameters from when it is used (here when in place; at the wait when gathered
+ * ahead), as the forward's prefetches count from their adoption: the transient parameter
+ * bytes are the weights in use, whatever is on its way beside them. */
 static tm_status regather(tm_ctx *ctx, tm__storage *st, int side) {
     struct tm__fsdp_src *src = st->fsdp;
     TM__TRY(tm__arena_alloc_storage(ctx, st));
-    count(ctx, st, 1);
+    if (!side) count(ctx, st, 1);
     return gather_into(ctx, src->piece, src->group, src->G, src->cd, st->data, side, &src->ev);
 }
 
@@ -519,6 +522,7 @@ tm_status tm__fsdp_regather(tm_ctx *ctx, tm__storage *st) {
         void *ev = src->ev;
         src->ev = NULL;
         TM__TRY(tm__coll_event_wait(ctx, st->device, ev));
+        count(ctx, st, 1);
     } else if (!st->data) {
         TM__TRY(regather(ctx, st, 0));
     } else {
