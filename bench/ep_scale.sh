@@ -8,6 +8,7 @@
 #
 #   bench/ep_scale.sh [--preset fine] [--steps 300] [--warmup 20] [--gpus "1 2 4"]
 #                     [--layouts "dp alltoall allgather dedup"] [--bind "none core"] [--smoke]
+#                     [--extra "FLAGS"]   (more train flags for every run, e.g. "--comm_overlap false")
 #
 # A layout may end in :zN, the ZeRO level of the run (--zero N; default 0): "dp:z3" is data
 # parallelism with fully sharded weights (FSDP), "dedup:z1" the deduplicated all-to-all with
@@ -25,13 +26,14 @@
 # --smoke: CPU ranks and a toy model (a check of this script, no GPU).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
-preset=fine steps=300 warmup=20 gpus="1 2 4" layouts="dp alltoall allgather" bind="none" smoke=0
+preset=fine steps=300 warmup=20 gpus="1 2 4" layouts="dp alltoall allgather" bind="none" smoke=0 extra_flags=""
 while [ $# -gt 0 ]; do
     case "$1" in
     --preset|--steps|--warmup|--gpus|--layouts|--bind)
         [ $# -ge 2 ] || { echo "ep_scale.sh: $1 needs a value" >&2; exit 2; }
         eval "${1#--}=\$2"; shift 2 ;;
     --smoke) smoke=1; shift ;;
+    --extra) [ $# -ge 2 ] || { echo "ep_scale.sh: --extra needs a value" >&2; exit 2; }; extra_flags=$2; shift 2 ;;
     -h|--help) sed -n '2,25s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "ep_scale.sh: unknown option '$1'" >&2; exit 2 ;;
     esac
@@ -66,7 +68,7 @@ for n in $gpus; do
             [ "$base" = dedup ] && ep=$n st=alltoall_dedup
             args="train $extra --device $device --dtype $dtype --synthetic_vocab 1024 --batch_size $((per_gpu * n))
                   --ep_size $ep --ep_strategy $st --zero $zero --steps $steps --log_every 1 --eval_every 0 --eval_batches 1
-                  --sample_tokens 0 --out ''"
+                  --sample_tokens 0 --out '' $extra_flags"
             args=$(echo $args) # one line: it goes through eval and bash -c
             smi=""
             if [ "$device" = cuda ]; then

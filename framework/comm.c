@@ -72,6 +72,10 @@ static tm_status self_reduce_scatter(tm__comm *c, int g, const void *send, void 
                                      tm_device dev) {
     return self_copy(c, recv, send, n, dt, dev);
 }
+static tm_status self_reduce_scatterv(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts,
+                                      tm_dtype dt, tm_device dev) {
+    return self_copy(c, recv, send, counts[0], dt, dev);
+}
 static tm_status self_alltoallv(tm__comm *c, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
                                 const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev) {
     size_t es = tm_dtype_size(dt);
@@ -86,7 +90,8 @@ static tm_status self_bcast(tm__comm *c, int g, void *buf, int64_t n, tm_dtype d
 static tm_status self_barrier(tm__comm *c, int g) { return TM_OK; }
 
 const tm__comm_ops tm__comm_self_ops = {
-    "self", self_allreduce, self_allgatherv, self_reduce_scatter, self_alltoallv, self_bcast, self_barrier, NULL,
+    "self", self_allreduce, self_allgatherv, self_reduce_scatter, self_reduce_scatterv, self_alltoallv, self_bcast,
+    self_barrier, NULL,
 };
 
 /* ---- mpi-staged: CUDA memory through host buffers and the host table ----------------------- */
@@ -153,6 +158,15 @@ static tm_status staged_reduce_scatter(tm__comm *c, int g, const void *send, voi
     return staged_end(c, &st, c->host->reduce_scatter(c, g, st.in, st.out, n, dt, tm_cpu()), recv, nout, dev);
 }
 
+static tm_status staged_reduce_scatterv(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts,
+                                        tm_dtype dt, tm_device dev) {
+    size_t es = tm_dtype_size(dt), nin = 0, nout = (size_t)counts[c->rank[g]] * es;
+    for (int j = 0; j < c->size[g]; j++) nin += (size_t)counts[j] * es;
+    staged st;
+    TM__TRY(staged_begin(c, &st, send, nin, nout, 0, dev));
+    return staged_end(c, &st, c->host->reduce_scatterv(c, g, st.in, st.out, counts, dt, tm_cpu()), recv, nout, dev);
+}
+
 static tm_status staged_alltoallv(tm__comm *c, int g, const void *send, const int64_t *sc, const int64_t *sd,
                                   void *recv, const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev) {
     size_t es = tm_dtype_size(dt);
@@ -172,7 +186,8 @@ static tm_status staged_bcast(tm__comm *c, int g, void *buf, int64_t n, tm_dtype
 static tm_status staged_barrier(tm__comm *c, int g) { return c->host->barrier(c, g); }
 
 const tm__comm_ops tm__comm_staged_ops = {
-    "mpi-staged", staged_allreduce, staged_allgatherv, staged_reduce_scatter, staged_alltoallv, staged_bcast,
+    "mpi-staged", staged_allreduce, staged_allgatherv, staged_reduce_scatter, staged_reduce_scatterv, staged_alltoallv,
+    staged_bcast,
     staged_barrier, NULL,
 };
 
@@ -180,9 +195,10 @@ const tm__comm_ops tm__comm_staged_ops = {
 
 /* A group of one rank is the self engine's whatever the communicator's engine: NCCL makes no
  * communicator for such a group (ZeRO-3 with ep_size = world size gathers expert weights over
- * expert-data-parallel groups of one). */
+ * expert-data-parallel groups of one), unless asked to check itself on one rank (nccl always). */
 static tm_status need_ops(tm_ctx *ctx, tm__comm *c, int g, tm_device dev, const tm__comm_ops **ops) {
-    *ops = c->size[g] == 1 ? &tm__comm_self_ops : tm__comm_ops_for(c, dev);
+    int self = c->size[g] == 1 && c->opts.nccl != TM_NCCL_ALWAYS;
+    *ops = self ? &tm__comm_self_ops : tm__comm_ops_for(c, dev);
     if (!*ops)
         return tm__err(ctx, TM_ERR_DEVICE, "collective on %s memory: the communicator has no engine for it",
                        dev.type == TM_DEVICE_CUDA ? "CUDA" : "CPU");
@@ -231,6 +247,19 @@ tm_status tm__coll_reduce_scatter(tm_ctx *ctx, int g, const void *send, void *re
     tm_status s = ops->reduce_scatter(c, g, send, recv, n, dt, dev);
     tm__comm_account(ctx->comm, TM_COMM_REDUCE_SCATTER, (size_t)n * (size_t)c->size[g] * tm_dtype_size(dt),
                      tm__now() - t0);
+    return s;
+}
+
+tm_status tm__coll_reduce_scatterv(tm_ctx *ctx, int g, const void *send, void *recv, const int64_t *counts,
+                                   tm_dtype dt, tm_device dev) {
+    tm__comm tmp, *c = comm_or_self(ctx, &tmp);
+    const tm__comm_ops *ops;
+    TM__TRY(need_ops(ctx, c, g, dev, &ops));
+    size_t n = 0;
+    for (int j = 0; j < c->size[g]; j++) n += (size_t)counts[j];
+    double t0 = tm__now();
+    tm_status s = ops->reduce_scatterv(c, g, send, recv, counts, dt, dev);
+    tm__comm_account(ctx->comm, TM_COMM_REDUCE_SCATTER, n * tm_dtype_size(dt), tm__now() - t0);
     return s;
 }
 

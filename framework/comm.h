@@ -19,6 +19,9 @@
  *  - allgatherv: rank r's n = counts[r] elements of send land at recv + displs[r].
  *  - reduce_scatter: send holds G blocks of n elements; recv (n) = sum over the group of block
  *    `rank`. recv may be send + rank * n (in place).
+ *  - reduce_scatterv: the ragged reduce-scatter: send holds G consecutive blocks of counts[j]
+ *    elements (block j starts at counts[0] + ... + counts[j - 1]); recv (counts[rank]) = sum
+ *    over the group of block `rank`. recv does not overlap send. (MPI_Reduce_scatter.)
  *  - alltoallv: sc[j] elements from send + sd[j] go to rank j; rc[j] from rank j land at
  *    recv + rd[j].
  *  - bcast: n elements of buf from group rank root. barrier: every rank of the group arrives.
@@ -38,6 +41,8 @@ typedef struct tm__comm_ops {
     tm_status (*allgatherv)(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts,
                             const int64_t *displs, tm_dtype dt, tm_device dev);
     tm_status (*reduce_scatter)(tm__comm *c, int g, const void *send, void *recv, int64_t n, tm_dtype dt, tm_device dev);
+    tm_status (*reduce_scatterv)(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts, tm_dtype dt,
+                                 tm_device dev);
     tm_status (*alltoallv)(tm__comm *c, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
                            const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev);
     tm_status (*bcast)(tm__comm *c, int g, void *buf, int64_t n, tm_dtype dt, int root, tm_device dev);
@@ -86,6 +91,8 @@ tm_status tm__coll_allgatherv(tm_ctx *ctx, int g, const void *send, void *recv, 
                               const int64_t *displs, tm_dtype dt, tm_device dev);
 tm_status tm__coll_reduce_scatter(tm_ctx *ctx, int g, const void *send, void *recv, int64_t n, tm_dtype dt,
                                   tm_device dev);
+tm_status tm__coll_reduce_scatterv(tm_ctx *ctx, int g, const void *send, void *recv, const int64_t *counts,
+                                   tm_dtype dt, tm_device dev);
 tm_status tm__coll_alltoallv(tm_ctx *ctx, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
                              const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev);
 

@@ -273,6 +273,43 @@ static tm_status mpi_reduce_scatter(tm__comm *c, int g, const void *send, void *
     return st;
 }
 
+static tm_status mpi_reduce_scatterv(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts,
+                                     tm_dtype dt, tm_device dev) {
+    int G = c->size[g], me = c->rank[g];
+    int64_t total = 0, before = 0;
+    for (int j = 0; j < G; j++) {
+        if (!fits_int(counts[j])) return too_big(c, "reduce_scatter", counts[j]);
+        if (j < me) before += counts[j];
+        total += counts[j];
+    }
+    if (!fits_int(total)) return too_big(c, "reduce_scatter", total);
+    int mark = tm__scope_open(c->ctx);
+    tm_status st = TM_OK;
+    if (dt == TM_BF16) {
+        float *f;
+        st = bf16_widen(c, send, total, &f);
+        if (!st) st = mpi_reduce_scatterv(c, g, f, f + before, counts, TM_F32, dev);
+        if (!st) tm__host_ops()->convert(recv, TM_BF16, f + before, TM_F32, counts[me], 1);
+        tm__scope_close(c->ctx, mark, NULL, 0);
+        return st;
+    }
+    /* (the bf16 path above reduces into its own widened copy: received into scratch here) */
+    size_t es = tm_dtype_size(dt);
+    const char *sb = send, *rb = recv;
+    int inside = rb >= sb && rb < sb + (size_t)total * es;
+    int *rc = tm__meta_alloc(c->ctx, sizeof(int) * (size_t)G);
+    void *tmp = inside ? scratch(c, (size_t)counts[me] * es + 1) : recv;
+    if (!rc || !tmp) st = tm__err(c->ctx, TM_ERR_NOMEM, "reduce_scatter: out of host memory");
+    for (int j = 0; !st && j < G; j++) rc[j] = (int)counts[j];
+    MPI_Request req;
+    int r = st ? MPI_SUCCESS : MPI_Ireduce_scatter(send, tmp, rc, mpi_type(dt), MPI_SUM, gcomm(c, g), &req);
+    if (!st) st = r != MPI_SUCCESS ? mpi_fail(c, "reduce_scatter", g, r)
+                                   : wait_for(c, &req, "reduce_scatter", g, (size_t)total * es);
+    if (inside && !st) memcpy(recv, tmp, (size_t)counts[me] * es);
+    tm__scope_close(c->ctx, mark, NULL, 0);
+    return st;
+}
+
 static tm_status mpi_alltoallv(tm__comm *c, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
                                const int64_t *rc_, const int64_t *rd, tm_dtype dt, tm_device dev) {
     int G = c->size[g];
@@ -307,5 +344,6 @@ static tm_status mpi_barrier(tm__comm *c, int g) {
 }
 
 const tm__comm_ops tm__comm_mpi_ops = {
-    "mpi", mpi_allreduce, mpi_allgatherv, mpi_reduce_scatter, mpi_alltoallv, mpi_bcast, mpi_barrier, mpi_state_free,
+    "mpi", mpi_allreduce, mpi_allgatherv, mpi_reduce_scatter, mpi_reduce_scatterv, mpi_alltoallv, mpi_bcast, mpi_barrier,
+    mpi_state_free,
 };

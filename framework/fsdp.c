@@ -25,9 +25,17 @@
  * weights live while its forward runs and again while its backward runs. Every rank runs the
  * same tape in the same order, so the repeated all-gathers meet.
  *
+ * The all-gather is tm_comm_allgather's op in its parameter form (iattr[1] = 1, iattr[2] the
+ * parameter's place in ctx->named; ops/comm.c hands it to tm__fsdp_gather_*): its counts come
+ * from the layout every rank computes alike, so its check exchanges nothing (the general op
+ * all-gathers the shapes over the host first), and its backward is a ragged reduce-scatter
+ * straight to each piece's rank (the bytes of a reduce-scatter, where an all-reduce of the
+ * whole gradient would move twice as many).
+ *
  * Overlap: tm__param_prefetch is where the next layer's all-gathers would be started on a
- * communication stream (the GPU's part). On the CPU ranks the collectives are blocking host
- * calls, nothing overlaps, and the hook does nothing.
+ * communication stream (the GPU's part, not done: every collective here runs in place on the
+ * work stream). On the CPU ranks the collectives are blocking host calls and nothing could
+ * overlap.
  */
 #include "comm.h"
 
@@ -172,11 +180,18 @@ tm_status tm__param_use(tm_ctx *ctx, tm_tensor *p, tm_tensor **w) {
         *w = p;
         return TM_OK;
     }
-    int g = p->zs->group, G = tm_comm_size(ctx, (tm_comm_group)g);
+    int g = p->zs->group, G = tm_comm_size(ctx, (tm_comm_group)g), k = tm__names_find(ctx, p->name);
+    if (k < 0) return tm__err(ctx, TM_ERR_INTERNAL, "ZeRO-3: \"%s\" is not a named tensor", p->name);
     int64_t *cd = NULL;
     TM__TRY(piece_counts(ctx, p, G, &cd));
+    tm__call c = tm__call_init(ctx, TM__OP_COMM_ALLGATHER);
+    c.n_in = 1;
+    c.in[0] = p->pm->piece;
+    c.iattr[0] = g;
+    c.iattr[1] = 1; /* the parameter form (top of this file) */
+    c.iattr[2] = k;
     tm_tensor *flat;
-    TM__TRY(tm_comm_allgather(ctx, p->pm->piece, (tm_comm_group)g, &flat));
+    TM__TRY(tm__op_run1(&c, &flat));
     struct tm__fsdp_src *src = tm__meta_alloc(ctx, sizeof *src);
     if (!src) return TM_ERR_NOMEM;
     src->piece = p->pm->piece;
@@ -195,6 +210,65 @@ void tm__param_done(tm_ctx *ctx, tm_tensor *w) {
     if (!w || !w->storage || !w->storage->fsdp || !w->storage->data || w->persistent || !ctx->mem_reuse) return;
     count(ctx, w->storage, 0);
     tm__tensor_release(ctx, w);
+}
+
+/* ---- the all-gather op's parameter form (ops/comm.c) -------------------------------------- */
+
+static const tm_tensor *form_param(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    int64_t k = c->iattr[2];
+    if (k < 0 || k >= ctx->n_named || !tm__param_sharded(ctx->named[k]) || ctx->named[k]->pm->piece != c->src[0])
+        return NULL;
+    return ctx->named[k];
+}
+
+tm_status tm__fsdp_gather_check(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    const tm_tensor *p = form_param(c);
+    if (!p)
+        return tm__err(ctx, TM_ERR_INTERNAL, "%s: the parameter form's input is no ZeRO-3 piece of parameter %lld",
+                       tm__opname(c), (long long)c->iattr[2]);
+    int G = tm_comm_size(ctx, (tm_comm_group)c->iattr[0]);
+    int64_t *cd, gl = G, numel = tm__numel(p);
+    TM__TRY(piece_counts(ctx, p, G, &cd));
+    tm_tensor *counts; /* the saved row counts of the general form (pieces are 1-D: elements) */
+    TM__TRY(tm__tensor_new(ctx, TM_I64, 1, &gl, tm_cpu(), &counts));
+    memcpy(tm__data(counts), cd, sizeof(int64_t) * (size_t)G);
+    c->saved[c->n_saved++] = counts;
+    return tm__out_new(c, 0, p->dtype, 1, &numel);
+}
+
+/* Counts [G] and displacements [G] of the saved piece sizes. */
+static tm_status saved_counts(tm__call *c, int64_t **out) {
+    int G = (int)c->saved[0]->shape[0];
+    const int64_t *n = tm__data(c->saved[0]);
+    int64_t *cd = tm__meta_alloc(c->ctx, sizeof(int64_t) * 2 * (size_t)G), acc = 0;
+    if (!cd) return TM_ERR_NOMEM;
+    for (int j = 0; j < G; j++) cd[j] = n[j], cd[G + j] = acc, acc += n[j];
+    *out = cd;
+    return TM_OK;
+}
+
+tm_status tm__fsdp_gather_forward(tm__call *c) {
+    const tm_tensor *x = c->in[0];
+    int64_t *cd;
+    TM__TRY(saved_counts(c, &cd));
+    int G = (int)c->saved[0]->shape[0];
+    return tm__coll_allgatherv(c->ctx, (int)c->iattr[0], tm__data(x), tm__data(c->out[0]), cd, cd + G, x->dtype,
+                               x->device);
+}
+
+tm_status tm__fsdp_gather_backward(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    const tm_tensor *x = c->in[0];
+    tm_tensor *go = c->gout[0], *t;
+    int64_t *cd;
+    TM__TRY(saved_counts(c, &cd));
+    TM__TRY(tm__tensor_new(ctx, go->dtype, x->ndim, x->shape, go->device, &t));
+    TM__TRY(tm__coll_reduce_scatterv(ctx, (int)c->iattr[0], tm__data(go), tm__data(t), cd, go->dtype, go->device));
+    tm_status s = c->gin[0] ? tm__accumulate(ctx, c->gin[0], t, 1.0) : TM_OK;
+    tm__tensor_release(ctx, t);
+    return s;
 }
 
 tm_status tm__param_prefetch(tm_ctx *ctx, tm_tensor *const *params, int n) {

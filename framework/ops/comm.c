@@ -16,14 +16,17 @@
  *
  * Attributes: iattr[0] the group. allgather saves the row count of every rank (i64 [G], CPU),
  * exchanged by its check together with the dtype and trailing shape, so a rank whose tensor
- * does not fit is an error naming it rather than a corrupt transfer.
+ * does not fit is an error naming it rather than a corrupt transfer. allgather's parameter form
+ * (iattr[1] = 1, iattr[2] the parameter's place among the named tensors) is ZeRO-3's gather of
+ * a sharded weight: framework/fsdp.c checks and runs it (counts from the layout, nothing
+ * exchanged; started ahead beside the work where it can). Ragged all-gathers are adjoint to
+ * ragged reduce-scatters (tm__coll_reduce_scatterv).
  */
 #include <stdio.h>
 
 #include "comm.h"
 
 static int group_size(const tm_ctx *ctx, int g) { return tm_comm_size(ctx, (tm_comm_group)g); }
-static int group_rank(const tm_ctx *ctx, int g) { return tm_comm_rank(ctx, (tm_comm_group)g); }
 
 static tm_status check_group_attr(tm__call *c) {
     if ((uint64_t)c->iattr[0] >= TM_COMM_NGROUPS)
@@ -104,6 +107,7 @@ enum { META = 6 };
 tm_status tm__comm_allgather_check(tm__call *c) {
     tm_ctx *ctx = c->ctx;
     TM__TRY(check_group_attr(c));
+    if (c->iattr[1]) return tm__fsdp_gather_check(c); /* ZeRO-3's form: framework/fsdp.c */
     const tm_tensor *x = c->in[0];
     if (x->ndim < 1)
         return tm__err(ctx, TM_ERR_SHAPE, "%s: x %s must have a dim 0 to concatenate along", tm__opname(c),
@@ -154,6 +158,7 @@ static tm_status elem_counts(tm__call *c, const tm_tensor *rows, int64_t per_row
 
 tm_status tm__comm_allgather_forward(tm__call *c) {
     const tm_tensor *x = c->in[0];
+    if (c->iattr[1]) return tm__fsdp_gather_forward(c);
     int G = (int)c->saved[0]->shape[0];
     int64_t *cd;
     TM__TRY(elem_counts(c, c->saved[0], row_elems(x), &cd));
@@ -163,7 +168,8 @@ tm_status tm__comm_allgather_forward(tm__call *c) {
 
 tm_status tm__comm_allgather_backward(tm__call *c) {
     tm_ctx *ctx = c->ctx;
-    int g = (int)c->iattr[0], G = (int)c->saved[0]->shape[0], me = group_rank(ctx, g);
+    if (c->iattr[1]) return tm__fsdp_gather_backward(c);
+    int g = (int)c->iattr[0], G = (int)c->saved[0]->shape[0];
     tm_tensor *go = c->gout[0], *gx;
     TM__TRY(gin_or_scratch(c, 0, &gx));
     int64_t *cd;
@@ -172,16 +178,10 @@ tm_status tm__comm_allgather_backward(tm__call *c) {
     for (int j = 1; j < G; j++) equal &= cd[j] == cd[0];
     tm_tensor *t;
     TM__TRY(tm__tensor_new(ctx, go->dtype, gx->ndim, gx->shape, go->device, &t));
-    if (equal) {
+    if (equal)
         TM__TRY(tm__coll_reduce_scatter(ctx, g, tm__data(go), tm__data(t), cd[0], go->dtype, go->device));
-    } else {
-        /* Ragged blocks: sum everything, keep this rank's rows. */
-        tm_tensor *all;
-        TM__TRY(tm__tensor_new(ctx, go->dtype, go->ndim, go->shape, go->device, &all));
-        TM__TRY(tm__coll_allreduce(ctx, g, tm__data(go), tm__data(all), tm__numel(go), go->dtype, go->device));
-        TM__TRY(tm__memcpy(ctx, tm__data(t), t->device, (char *)tm__data(all) + cd[G + me] * (int64_t)tm_dtype_size(go->dtype),
-                           all->device, (size_t)cd[me] * tm_dtype_size(go->dtype)));
-    }
+    else
+        TM__TRY(tm__coll_reduce_scatterv(ctx, g, tm__data(go), tm__data(t), cd, go->dtype, go->device));
     return add_into(c, gx, t);
 }
 

@@ -14,6 +14,8 @@
  *   allgatherv      ncclAllGather when the counts are equal and packed, else one
  *                   ncclBroadcast per rank in an ncclGroupStart/End group
  *   reduce_scatter  ncclReduceScatter (sum; in place when recv = send + rank n)
+ *   reduce_scatterv ncclReduceScatter when the counts are equal, else one ncclReduce to each
+ *                   block's rank in a group
  *   alltoallv       ncclSend / ncclRecv pairs in one group (the ragged all-to-all); the
  *                   rank's rows to itself by cudaMemcpyAsync
  *   bcast           ncclBroadcast; barrier: the mpi engine's
@@ -194,6 +196,37 @@ static tm_status nccl_reduce_scatter(tm__comm *c, int g, const void *send, void 
     return finish(c, "reduce_scatter", g, s, (size_t)n * (size_t)c->size[g] * tm_dtype_size(dt));
 }
 
+static tm_status nccl_reduce_scatterv(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts,
+                                      tm_dtype dt, tm_device dev) {
+    ncclDataType_t t;
+    cudaStream_t s;
+    TM__TRY(start(c, "reduce_scatter", g, dt, &t, &s));
+    int G = c->size[g], me = c->rank[g], equal = 1;
+    size_t es = tm_dtype_size(dt), total = 0;
+    for (int j = 0; j < G; j++) equal &= counts[j] == counts[0], total += (size_t)counts[j];
+    if (equal) {
+        NCCL_TRY(c, "reduce_scatter", g, ncclReduceScatter(send, recv, (size_t)counts[0], t, ncclSum, gcomm(c, g), s));
+        return finish(c, "reduce_scatter", g, s, total * es);
+    }
+    /* Ragged blocks: one reduce to each block's rank (the bytes of a reduce-scatter, where an
+     * all-reduce of everything would move twice as many). */
+    NCCL_TRY(c, "reduce_scatter", g, ncclGroupStart());
+    size_t off = 0;
+    for (int j = 0; j < G; j++) {
+        if (counts[j]) {
+            ncclResult_t r = ncclReduce((const char *)send + off * es, j == me ? recv : NULL, (size_t)counts[j], t,
+                                        ncclSum, j, gcomm(c, g), s);
+            if (r != ncclSuccess) {
+                ncclGroupEnd();
+                return nccl_fail(c, "reduce_scatter", g, r);
+            }
+        }
+        off += (size_t)counts[j];
+    }
+    NCCL_TRY(c, "reduce_scatter", g, ncclGroupEnd());
+    return finish(c, "reduce_scatter", g, s, total * es);
+}
+
 static tm_status nccl_alltoallv(tm__comm *c, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
                                 const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev) {
     ncclDataType_t t;
@@ -258,7 +291,8 @@ static void nccl_free(tm__comm *c) {
 }
 
 extern "C" const tm__comm_ops tm__comm_nccl_ops = {
-    "nccl", nccl_allreduce, nccl_allgatherv, nccl_reduce_scatter, nccl_alltoallv, nccl_bcast, nccl_barrier, nccl_free,
+    "nccl", nccl_allreduce, nccl_allgatherv, nccl_reduce_scatter, nccl_reduce_scatterv, nccl_alltoallv, nccl_bcast,
+    nccl_barrier, nccl_free,
 };
 
 /* FNV-1a of the host name: which ranks share a machine. */
