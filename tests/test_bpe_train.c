@@ -3,7 +3,9 @@
  * whose pair counts are known by hand, the vocabulary bound, a round trip through our own
  * encoder, refusals, and (tests/bpe_train_check.py, with the `tokenizers` package; skipped
  * without it unless TM_REQUIRE_PYDEPS=1) that the library loads the trained file and encodes a
- * Unicode-rich text to the ids tinymoe wrote.
+ * Unicode-rich text to the ids tinymoe wrote; the incremental merge learner against the
+ * recount-everything reference (tests/bpe_train_naive.c) on several corpora; and transformers'
+ * AutoTokenizer on the export of a model trained with such a tokenizer.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -248,4 +250,54 @@ Test(bpe_train, incremental_merges_equal_the_full_recount, .timeout = 240) {
         same_merges("tinyshakespeare (400 kB)", &b, (const int[]){1000}, 1);
     }
     free(b.p);
+}
+
+/* tokenize --bpe -> train -> export: transformers' AutoTokenizer on the export directory encodes
+ * the training text and an unseen one (code, scripts, emoji, whitespace runs, the literal
+ * <|endoftext|>) to the ids tinymoe wrote, decodes them back, and has tinymoe's end-of-text as
+ * eos (tests/bpe_export_check.py). Skipped without transformers unless TM_REQUIRE_PYDEPS=1. */
+Test(bpe_train, export_autotokenizer_encodes_like_tinymoe, .timeout = 300) {
+    const char *py = tt_python_with("transformers");
+    if (!py) cr_skip_test("no Python with transformers (scripts/install-pydeps.sh installs it)");
+    tt_tmpdir_make("tm_bpetr5_");
+    FILE *f = fopen(tt_path("in.txt"), "wb");
+    for (int i = 0; i < 300; i++)
+        fprintf(f, "First Citizen %d:\nBefore we proceed any further — naïve café, Ελληνικά, 日本語 😀 {x[%d] >> 2}\n\n",
+                i, i * 3);
+    fclose(f);
+    f = fopen(tt_path("other.txt"), "wb");
+    fputs("int main(void) { return a[i] << 2 | b ^ ~c; }  // \"quoted\"\n\n\n    indented\t\ttabs  \r\n"
+          "Привет, мир! 한국어 🚀👩‍👩‍👧 3.14159 -42 <|endoftext|> after the special token   ",
+          f);
+    fclose(f);
+    char in[1100], in_bin[1100], other[1100], other_bin[1100], tok[1100], run[1100], hf[1100];
+    snprintf(in, sizeof in, "%s", tt_path("in.txt"));
+    snprintf(in_bin, sizeof in_bin, "%s", tt_path("in.bin"));
+    snprintf(other, sizeof other, "%s", tt_path("other.txt"));
+    snprintf(other_bin, sizeof other_bin, "%s", tt_path("other.bin"));
+    snprintf(tok, sizeof tok, "%s", tt_path("tokenizer.json"));
+    snprintf(run, sizeof run, "%s", tt_path("run"));
+    snprintf(hf, sizeof hf, "%s", tt_path("hf"));
+    char *steps[][20] = {
+        {(char *)tt_tinymoe(), "tokenize", "--bpe", "700", in, in_bin, NULL},
+        {(char *)tt_tinymoe(), "tokenize", "--tokenizer", tok, other, other_bin, NULL},
+        {(char *)tt_tinymoe(), "train", "--data", in_bin, "--tokenizer", tok, "--steps", "2", "--eval_every", "0",
+         "--sample_tokens", "0", "--threads", "2", "--out", run, NULL},
+        {(char *)tt_tinymoe(), "export", "--ckpt", run, "--out", hf, NULL},
+    };
+    for (int s = 0; s < 4; s++) {
+        int rc = tt_run(steps[s], tt_path("step.log"), 120, NULL);
+        long len;
+        char *log = (char *)tt_slurp(tt_path("step.log"), &len);
+        cr_assert_eq(rc, 0, "tinymoe %s: exit %d\n%s", steps[s][1], rc, log ? log : "");
+        free(log);
+    }
+    char *check[] = {(char *)py, "tests/bpe_export_check.py", hf, in, in_bin, other, other_bin, NULL};
+    int rc = tt_run(check, tt_path("check.log"), 240, NULL);
+    long len;
+    char *log = (char *)tt_slurp(tt_path("check.log"), &len);
+    cr_assert_eq(rc, 0, "transformers' AutoTokenizer disagrees (exit %d):\n%s", rc, log ? log : "");
+    cr_log_info("%s", log);
+    free(log);
+    tt_tmpdir_remove();
 }
