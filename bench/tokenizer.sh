@@ -104,5 +104,5 @@ for tk in "tinymoe --bpe $vocab (mixed)|$dir/tinymoe_$vocab.json" "tokenizers Bp
     enc_row "${tk%%|*}" "${tk#*|}" "$ts_name" "$ts"
     enc_row "${tk%%|*}" "${tk#*|}" "mixed (generated)" "$mixed"
 done
-echo "(same ids: encode/batch/tiktoken against tinymoe's; batch may differ where a line starts with spaces)"
+echo "(same ids: encode/batch/tiktoken against tinymoe's; batch may differ where spaces meet a line end)"
 echo "files: $dir"

@@ -10,7 +10,7 @@ build/bench/tokenizer (bench/tokenizer.c) times, and the generated corpora.
         one thread, the best of REPS, each on a line "NAME SECONDS IDS SAME":
           encode    Tokenizer.encode(text, add_special_tokens=False) of the whole text;
           batch     Tokenizer.encode_batch of its lines (keepends): how tokenizers is mostly
-                    fed; the ids at line starts after spaces may differ (the split sees less);
+                    fed; the ids where spaces meet a line end may differ (the split sees one line);
           tiktoken  (when importable) tiktoken.Encoding with GPT-2's pattern and the file's
                     vocabulary as ranks (id order), encode_ordinary of the whole text.
         SAME: whether the ids equal tinymoe's (IDS.u32), '-' without it.
