@@ -123,7 +123,8 @@ Test(bpe_train, refusals_name_the_flag_and_file) {
     tt_tmpdir_remove();
 }
 
-Test(bpe_train, tokenizers_library_encodes_like_tinymoe, .timeout = 120) {
+Test(bpe_train, tokenizers_library_encodes_like_tinymoe) {
+    TT_WATCHDOG(120);
     const char *py = tt_python_with("tokenizers");
     if (!py) cr_skip_test("no Python with the tokenizers package (scripts/install-pydeps.sh installs one)");
     tt_tmpdir_make("tm_bpetr4_");
@@ -202,7 +203,8 @@ static void same_merges(const char *what, const text_buf *text, const int *sizes
     tmd_bpe_words_free(w, nw);
 }
 
-Test(bpe_train, incremental_merges_equal_the_full_recount, .timeout = 240) {
+Test(bpe_train, incremental_merges_equal_the_full_recount) {
+    TT_WATCHDOG(240);
     const int sizes[] = {300, 1000, 2500};
     text_buf b = {0};
     /* prose with Unicode and emoji, repeated with varying numbers: many tied counts */
@@ -256,7 +258,8 @@ Test(bpe_train, incremental_merges_equal_the_full_recount, .timeout = 240) {
  * the training text and an unseen one (code, scripts, emoji, whitespace runs, the literal
  * <|endoftext|>) to the ids tinymoe wrote, decodes them back, and has tinymoe's end-of-text as
  * eos (tests/bpe_export_check.py). Skipped without transformers unless TM_REQUIRE_PYDEPS=1. */
-Test(bpe_train, export_autotokenizer_encodes_like_tinymoe, .timeout = 300) {
+Test(bpe_train, export_autotokenizer_encodes_like_tinymoe) {
+    TT_WATCHDOG(300);
     const char *py = tt_python_with("transformers");
     if (!py) cr_skip_test("no Python with transformers (scripts/install-pydeps.sh installs it)");
     tt_tmpdir_make("tm_bpetr5_");
