@@ -319,7 +319,8 @@ tm_status tm__index_range_err(tm__call *c, int64_t pos, int64_t value);
  * for an expert above pad_to or rows that overflow. */
 tm_status tm__moe_permute_rows(tm__call *c, const int64_t *count, int64_t *rows, int64_t *R);
 /* moe_permute: *known = 1 when R does not depend on routing_map's values, with R: pad_to > 0
- * (E * pad_to) or topk > 0 with align_size 1 (T * topk). Then no kernel reads anything back
+ * (E * pad_to) or topk > 0 with align_size 1 (T * topk), or when the caller gave it
+ * (iattr[3] = R + 1: tm__moe_permute_counted, whose counts the CPU kernel checks). Then no kernel reads anything back
  * and the CPU counts no synchronisation. TM_ERR_INVALID_ARG when R * H would overflow. */
 tm_status tm__moe_permute_fixed_rows(tm__call *c, int *known, int64_t *R);
 /* grouped_matmul: the group sizes of c->in[2] on the host, checked against the rows of x
