@@ -301,7 +301,8 @@ tm_status tm__index_range_err(tm__call *c, int64_t pos, int64_t value);
  * there is none. So a MoE layer's forward + backward waits at most once.
  *
  * Invariant: a mirror equals the tensor's data. Mirrors are kept per context, keyed by
- * (storage, element offset, numel), so views of the same elements share them; they live in
+ * (storage, element offset, numel), so views of the same elements share them, and disjoint
+ * views of one storage may each have one (setting a mirror replaces those it overlaps); they live in
  * the host meta arena and are forgotten by tm_ctx_arena_reset, together with the headers they
  * describe. Every framework path that writes into existing tensor data drops the mirrors of
  * that storage first: tm_tensor_write, tm__fill (tm_tensor_fill), tm__copy_into,

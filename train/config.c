@@ -237,7 +237,7 @@ static const key KEYS[] = {
      "with ep_size > 1 and ep_strategy alltoall or alltoall_dedup: each MoE layer moves its tokens in this many "
      "chunks, one chunk's all-to-all running while another's experts compute (Megatron-LM's EP all-to-all overlap, "
      "MaxText PR #3981); routing and losses stay over the whole layer; 1: off; ignored by allgather and ep_size 1; "
-     "at most the tokens per rank and micro-batch", 1, 4096},
+     "at most seq_len (a chunk needs a token)", 1, 4096},
     {"zero", T_INT, G_DIST, OFF(zero), NULL, "0", 0, NULL,
      "ZeRO stage: 0; 1 to shard optimizer state and f32 master weights over the data-parallel ranks; 2 to "
      "shard the gradients too (reduce-scattered, no full gradient buffer between steps); 3 to shard the weights "
