@@ -513,13 +513,16 @@ static tm_status ep_dedup_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_
  *     forward:  D0 D1 X0 D2 X1 K0 D3 X2 K1 ... X(C-1) K(C-2) K(C-1) U
  * so D(c + 1) runs while X(c) computes and K(c) while X(c + 2) does. The backward replays the
  * tape in reverse:
- *     backward: U' K(C-1)' K(C-2)' X(C-1)' K(C-3)' D(C-1)' X(C-2)' ... K0' D2' X1' D1' X0' D0'
+ *     backward: U' K(C-1)' K(C-2)' X(C-1)' K(C-3)' X(C-2)' D(C-1)' ... K0' X1' D2' X0' D1' D0'
  * i.e. the combine-backward all-to-all of chunk c - 1 is issued before the experts-backward of
- * chunk c, and the dispatch-backward of chunk c + 1 right after the experts-backward of chunk c
- * (so it runs during the experts-backward of chunk c - 1). Without the lag (K(c) right after
- * X(c): COMBINE_LAG 0) the forward would overlap one more combine, but its reverse issues each
- * K(c - 1)' after X(c)', so with a communication stream that waits for the compute issued before
- * it, the backward (twice the forward's compute) would overlap nothing. */
+ * chunk c (it runs while that computes), and the dispatch-backward of chunk c + 1 right after
+ * the experts-backward of chunk c (it runs during that of chunk c - 1); K(C-1)', D1' and D0' are
+ * the exposed ones. (Seen with a tracing build, C = 3, alltoall: forward D0 D1 X0 D2 X1 K0 X2 K1
+ * K2, backward K2' K1' X2' K0' X1' D2' X0' D1' D0'; alltoall_dedup the same, each D with its
+ * table's all-to-all.) Without the lag (K(c) right after X(c): COMBINE_LAG 0) the forward would
+ * overlap one more combine, but its reverse issues each K(c - 1)' after X(c)', so with a
+ * communication stream that waits for the compute issued before it, the backward (twice the
+ * forward's compute) would overlap nothing. */
 enum { COMBINE_LAG = 1 };
 enum { STAGE_DISPATCH, STAGE_EXPERTS, STAGE_COMBINE };
 typedef tm_status (*chunk_stage_fn)(void *state, int stage, int c);
