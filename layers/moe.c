@@ -778,7 +778,7 @@ static tm_status ep_alltoall_chunked(tm_moe *m, tm_tensor *x, tm_tensor *probs, 
 static tm_status ep_dedup_chunked(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor *map, int64_t pad_to, int C,
                                   tm_tensor **y) {
     tm_ctx *ctx = m->ctx;
-    const int P = m->P, L = m->L, E = P * L;
+    const int P = m->P, L = m->L;
     const int64_t T = tm_tensor_dim(x, 0), CP = (int64_t)C * P;
     if ((double)T * P >= 16777216.0)
         return tm__err(ctx, TM_ERR_INVALID_ARG,
@@ -808,7 +808,7 @@ static tm_status ep_dedup_chunked(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_
         for (int64_t t = chunk_lo(T, C, c); t < chunk_lo(T, C, c + 1); t++)
             for (int j = 0; j < P; j++) idv[t * CP + (int64_t)c * P + j] = (float)(t * P + j);
     int64_t sp[2] = {T, CP};
-    tm_tensor *ids_tp, *ids, *cw;
+    tm_tensor *ids_tp, *ids;
     TM__TRY(tm_tensor_from_host(ctx, TM_F32, 2, sp, m->dev, TM_F32, idv, &ids_tp));
     tm_moe_dispatch d;
     TM__TRY(tm_moe_permute(ctx, x, rank_map, ids_tp, 1, 0, &d)); /* (chunk, rank)-major; its counts read */
@@ -854,10 +854,8 @@ static tm_status ep_dedup_chunked(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_
         TM__TRY(i64_tensor(ctx, sendc, P, tm_cpu(), 0, &k.sc[c]));
         TM__TRY(i64_tensor(ctx, recvc, P, tm_cpu(), 0, &k.rc[c]));
     }
-    (void)E;
     k.rows = d.permuted;
-    cw = NULL;
-    return chunked_finish(&k, cw, d.row_token, T, y);
+    return chunked_finish(&k, NULL, d.row_token, T, y); /* the partial sums add with weight 1 */
 }
 
 /* All-gather dispatch (MaxText's "ring of experts"): the ep group's tokens and router outputs
