@@ -992,7 +992,10 @@ typedef struct tm_moe_config {
  * reverse, issues the combine-backward of chunk c before the experts-backward of chunk c + 1;
  * layers/moe.c gives both orders). Source: Megatron-LM's expert-parallel all-to-all overlap
  * (--overlap-moe-expert-parallel-comm), and MaxText PR #3981, which splits route, dispatch,
- * experts and combine per chunk.
+ * experts and combine per chunk. Today every collective of the context runs on its one CUDA
+ * stream (the NCCL engine enqueues on the work stream), so nothing overlaps yet and chunks
+ * only add launches: the order is what a communication stream will need (not measured on a
+ * GPU).
  * What is not chunked: the router, top-k, the aux / seq aux / z losses, the expert-bias
  * statistics and capacity dropping are computed over all T tokens exactly as with C = 1 (the
  * chunks take rows of the routing that was decided for the whole layer), so the losses are the

@@ -235,9 +235,9 @@ static const key KEYS[] = {
      "all-to-all of a row per (token, rank) combined on the expert's rank (fewer bytes for large topk)", 0, 0},
     {"overlap_chunks", T_INT, G_DIST, OFF(model.moe.overlap_chunks), NULL, "1", 0, "overlap_chunks",
      "with ep_size > 1 and ep_strategy alltoall or alltoall_dedup: each MoE layer moves its tokens in this many "
-     "chunks, one chunk's all-to-all running while another's experts compute (Megatron-LM's EP all-to-all overlap, "
-     "MaxText PR #3981); routing and losses stay over the whole layer; 1: off; ignored by allgather and ep_size 1; "
-     "at most seq_len (a chunk needs a token)", 1, 4096},
+     "chunks, issued so that one chunk's all-to-all can run while another's experts compute (Megatron-LM's EP "
+     "all-to-all overlap, MaxText PR #3981; no overlap yet: the collectives still run on the compute stream); routing "
+     "and losses stay over the whole layer; 1: off; ignored by allgather and ep_size 1; at most seq_len", 1, 4096},
     {"zero", T_INT, G_DIST, OFF(zero), NULL, "0", 0, NULL,
      "ZeRO stage: 0; 1 to shard optimizer state and f32 master weights over the data-parallel ranks; 2 to "
      "shard the gradients too (reduce-scattered, no full gradient buffer between steps); 3 to shard the weights "
