@@ -349,6 +349,13 @@ endif
 bench: $(BENCH_BIN)
 	TM_BENCH_BIN=$(BENCH_BIN) bench/run.sh $(BENCH_ARGS)
 
+# bench/tokenizer.sh (issue 23): the driver's BPE encoder and trainer (build/bench/tokenizer,
+# bench/tokenizer.c) against the `tokenizers` package on the same files.
+$(BUILD)/bench/tokenizer: bench/tokenizer.c $(LIBTRAIN) $(LIBA)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_ALL) -Itrain $(CJSON_CFLAGS) -o $@ $< $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(PCRE2_LIBS)
+all: $(BUILD)/bench/tokenizer
+
 # The GPU benchmarks of issue 12 (bench/gpu.sh, docs/PERFORMANCE.md): built by `make` on every
 # machine, so that CI compiles them; without a CUDA device they refuse --device cuda with a
 # message (exit 3) and run only as CPU smoke tests (--device cpu, bench/gpu.sh --smoke).

@@ -104,6 +104,16 @@ tm_status tm__embedding_unique(tm_ctx *ctx, tm_tensor *weight, tm_tensor *ids, t
  * the same bits as the whole draw. Every rank of the group must call it for the same tensors in
  * the same order (tm_model_init, tm_moe_init do). Otherwise the same as tm_tensor_init_normal. */
 tm_status tm__param_init_normal_replicated(tm_ctx *ctx, tm_tensor *t, uint64_t seed, double mean, double std);
+/* tm_moe_permute (align_size, pad_to as there) for a caller that already has the padded rows
+ * per expert on the host (rows: E values, as tokens_per_expert will hold them; the chunked
+ * expert-parallel dispatch gets them from its one exchange of counts): R = their sum is not
+ * read back (no synchronisation), and tokens_per_expert is mirrored with rows, so the grouped
+ * GEMMs on it read nothing either. The CPU checks the promise (TM_ERR_INVALID_ARG naming the
+ * expert whose rows differ); CUDA cannot without a read back and trusts it (a map that breaks
+ * it places no row at or past R). Errors: those of tm_moe_permute; TM_ERR_INVALID_ARG (rows
+ * NULL, negative or overflowing). */
+tm_status tm__moe_permute_counted(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs,
+                                  int64_t align_size, int64_t pad_to, const int64_t *rows, tm_moe_dispatch *out);
 /* tm_comm_alltoall for counts every rank derived from one all-gathered table (the MoE layer's
  * dispatch): the same op without its check's exchange of the counts (a host collective per
  * call that could only confirm them). */

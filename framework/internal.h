@@ -301,7 +301,8 @@ tm_status tm__index_range_err(tm__call *c, int64_t pos, int64_t value);
  * there is none. So a MoE layer's forward + backward waits at most once.
  *
  * Invariant: a mirror equals the tensor's data. Mirrors are kept per context, keyed by
- * (storage, element offset, numel), so views of the same elements share them; they live in
+ * (storage, element offset, numel), so views of the same elements share them, and disjoint
+ * views of one storage may each have one (setting a mirror replaces those it overlaps); they live in
  * the host meta arena and are forgotten by tm_ctx_arena_reset, together with the headers they
  * describe. Every framework path that writes into existing tensor data drops the mirrors of
  * that storage first: tm_tensor_write, tm__fill (tm_tensor_fill), tm__copy_into,
@@ -319,7 +320,8 @@ tm_status tm__index_range_err(tm__call *c, int64_t pos, int64_t value);
  * for an expert above pad_to or rows that overflow. */
 tm_status tm__moe_permute_rows(tm__call *c, const int64_t *count, int64_t *rows, int64_t *R);
 /* moe_permute: *known = 1 when R does not depend on routing_map's values, with R: pad_to > 0
- * (E * pad_to) or topk > 0 with align_size 1 (T * topk). Then no kernel reads anything back
+ * (E * pad_to) or topk > 0 with align_size 1 (T * topk), or when the caller gave it
+ * (iattr[3] = R + 1: tm__moe_permute_counted, whose counts the CPU kernel checks). Then no kernel reads anything back
  * and the CPU counts no synchronisation. TM_ERR_INVALID_ARG when R * H would overflow. */
 tm_status tm__moe_permute_fixed_rows(tm__call *c, int *known, int64_t *R);
 /* grouped_matmul: the group sizes of c->in[2] on the host, checked against the rows of x

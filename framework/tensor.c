@@ -573,7 +573,13 @@ tm_status tm__mirror_set(tm_ctx *ctx, const tm_tensor *t, const int64_t *vals) {
     if (n == 0) return TM_OK; /* nothing a reader could need */
     if (t->dtype != TM_I64 || !tm__is_contiguous(t) || !t->storage || !t->storage->data)
         return tm__err(ctx, TM_ERR_INTERNAL, "mirror of %s: not a live contiguous i64 tensor", tm__tdesc(ctx, t));
-    tm__mirror_drop(ctx, t); /* at most one mirror per storage */
+    /* Mirrors of this storage whose elements overlap t's are replaced; disjoint views keep
+     * theirs (the chunked expert-parallel dispatch mirrors each chunk's slice of one upload). */
+    for (tm__mirror **pm = &ctx->mirrors; *pm;) {
+        const tm__mirror *o = *pm;
+        if (o->st == t->storage && o->offset < t->offset + n && t->offset < o->offset + o->n) *pm = o->next;
+        else pm = &(*pm)->next;
+    }
     tm__mirror *m = tm__meta_alloc(ctx, sizeof *m);
     int64_t *v = tm__meta_alloc(ctx, (size_t)n * sizeof *v);
     if (!m || !v) return TM_ERR_NOMEM;

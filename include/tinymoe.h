@@ -978,7 +978,37 @@ typedef struct tm_moe_config {
     int shared_ffn_size;        /* 0: none; else a dense SwiGLU of this F on every token, added */
     tm_moe_strategy strategy;
     int apply_topk_weights_early; /* 0 (default) or 1: router weights on the experts' input, below */
+    int overlap_chunks;   /* 1 (default; 0 too): off; C > 1: expert-parallel work in C token chunks, below */
 } tm_moe_config;
+
+/* overlap_chunks (C). With expert parallelism (ep_size > 1) and ep_strategy alltoall or
+ * alltoall_dedup, the permute -> dispatch all-to-all -> experts -> combine all-to-all ->
+ * unpermute part of the block runs on C chunks of the layer's tokens (rows [c T / C,
+ * (c + 1) T / C) of this rank's T, so chunk sizes differ by at most one: a C that does not
+ * divide T is fine), software-pipelined so that one chunk's all-to-all can run on a
+ * communication stream while another chunk's experts compute: in program order the dispatch of
+ * chunk c + 1 is issued before the experts of chunk c, and the combine of chunk c before the
+ * experts of chunk c + 2 (one chunk of lag, so that the backward, which replays the tape in
+ * reverse, issues the combine-backward of chunk c before the experts-backward of chunk c + 1;
+ * layers/moe.c gives both orders). Source: Megatron-LM's expert-parallel all-to-all overlap
+ * (--overlap-moe-expert-parallel-comm), and MaxText PR #3981, which splits route, dispatch,
+ * experts and combine per chunk. Today every collective of the context runs on its one CUDA
+ * stream (the NCCL engine enqueues on the work stream), so nothing overlaps yet and chunks
+ * only add launches: the order is what a communication stream will need (not measured on a
+ * GPU).
+ * What is not chunked: the router, top-k, the aux / seq aux / z losses, the expert-bias
+ * statistics and capacity dropping are computed over all T tokens exactly as with C = 1 (the
+ * chunks take rows of the routing that was decided for the whole layer), so the losses are the
+ * same up to the order of float sums; C = 1 is the unchunked code, bit for bit. Host reads:
+ * all chunks' counts are exchanged on the device and read together, once per layer forward,
+ * before the first chunk's rows move (layers/moe.c lists the reads). With pad_to_capacity
+ * every chunk pads each expert to the layer's capacity (C times the padding rows; the results
+ * are the same).
+ * Ignored (the block computes as with C = 1) for ep_size 1 (no collective to overlap) and for
+ * ep_strategy allgather (its collectives are one all-gather of every token before the experts
+ * and one reduce-scatter after them, not per-chunk traffic; chunking them is another pipeline).
+ * Errors (tm_moe_config_check): overlap_chunks < 0; (tm_moe_forward, every rank alike when
+ * the ranks have the same T) C > T on a block that chunks. */
 
 /* apply_topk_weights_early. Off (0), each routed (t,e)'s router weight p[t,e] (the probs after
  * drops: its row's permuted_probs) weights the expert's output in the combine:

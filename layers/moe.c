@@ -57,6 +57,7 @@ tm_moe_config tm_moe_config_default(void) {
     c.align_size = 1;
     c.drop_policy = TM_DROP_PROBS;
     c.strategy = TM_MOE_GROUPED;
+    c.overlap_chunks = 1;
     return c;
 }
 
@@ -104,6 +105,9 @@ tm_status tm_moe_config_check(tm_ctx *ctx, const tm_moe_config *c) {
         return BAD("moe config: strategy = %d is neither grouped (0) nor dense (1)", (int)c->strategy);
     if (c->apply_topk_weights_early != 0 && c->apply_topk_weights_early != 1)
         return BAD("moe config: apply_topk_weights_early = %d must be 0 or 1", c->apply_topk_weights_early);
+    if (c->overlap_chunks < 0)
+        return BAD("moe config: overlap_chunks = %d must be >= 1 (1: the layer's tokens in one piece; 0 is taken as 1)",
+                   c->overlap_chunks);
     return TM_OK;
 }
 
@@ -489,6 +493,371 @@ static tm_status ep_dedup_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_
     return tm_moe_unpermute(ctx, back, NULL, d.row_token, T, y);
 }
 
+/* ---- overlap: the expert-parallel dispatch in token chunks (tm_moe_config.overlap_chunks) ----
+ *
+ * Megatron-LM's EP all-to-all overlap / MaxText PR #3981: the layer's T tokens are cut into C
+ * chunks (rows [c T / C, (c + 1) T / C)); the routing was decided for all of them before (router,
+ * losses, statistics, capacity: tm__moe_forward), only the rows move per chunk.
+ * One permute serves every chunk: the routing map and probs are laid out block-diagonally,
+ * [T, C K] with chunk c's rows in columns [c K, (c + 1) K) (chunk_diag), so the permuted rows come
+ * chunk-major, then as one chunk's own permute would order them, and tokens_per_expert [C K]
+ * holds each chunk's counts. Every chunk's counts are exchanged by one device all-to-all and read
+ * in the one host read of the layer, before any row moves; after it nothing reads the host
+ * until the layer's end (the chunks' tables are uploaded once, with host mirrors).
+ *
+ * Program order (what a communication stream that waits for the compute issued before each
+ * collective sees): D(c) = chunk c's dispatch all-to-all(s), X(c) = its experts (the regrouping,
+ * the grouped GEMMs), K(c) = its combine all-to-all; U = the unpermute of all chunks at the end
+ * (reading K(c) earlier would make the compute wait for it). With one chunk of lag on the
+ * combine (COMBINE_LAG):
+ *     forward:  D0 D1 X0 D2 X1 K0 D3 X2 K1 ... X(C-1) K(C-2) K(C-1) U
+ * so D(c + 1) runs while X(c) computes and K(c) while X(c + 2) does. The backward replays the
+ * tape in reverse:
+ *     backward: U' K(C-1)' K(C-2)' X(C-1)' K(C-3)' X(C-2)' D(C-1)' ... K0' X1' D2' X0' D1' D0'
+ * i.e. the combine-backward all-to-all of chunk c - 1 is issued before the experts-backward of
+ * chunk c (it runs while that computes), and the dispatch-backward of chunk c + 1 right after
+ * the experts-backward of chunk c (it runs during that of chunk c - 1); K(C-1)', D1' and D0' are
+ * the exposed ones. (Seen with a tracing build, C = 3, alltoall: forward D0 D1 X0 D2 X1 K0 X2 K1
+ * K2, backward K2' K1' X2' K0' X1' D2' X0' D1' D0'; alltoall_dedup the same, each D with its
+ * table's all-to-all.) Without the lag (K(c) right after X(c): COMBINE_LAG 0) the forward would
+ * overlap one more combine, but its reverse issues each K(c - 1)' after X(c)', so with a
+ * communication stream that waits for the compute issued before it, the backward (twice the
+ * forward's compute) would overlap nothing. */
+enum { COMBINE_LAG = 1 };
+enum { STAGE_DISPATCH, STAGE_EXPERTS, STAGE_COMBINE };
+typedef tm_status (*chunk_stage_fn)(void *state, int stage, int c);
+
+static tm_status run_chunk_pipeline(int C, chunk_stage_fn f, void *st) {
+    TM__TRY(f(st, STAGE_DISPATCH, 0));
+    for (int k = 0; k < C; k++) {
+        if (k + 1 < C) TM__TRY(f(st, STAGE_DISPATCH, k + 1));
+        TM__TRY(f(st, STAGE_EXPERTS, k));
+        if (k >= COMBINE_LAG) TM__TRY(f(st, STAGE_COMBINE, k - COMBINE_LAG));
+    }
+    for (int k = C - COMBINE_LAG; k < C; k++)
+        if (k >= 0) TM__TRY(f(st, STAGE_COMBINE, k));
+    return TM_OK;
+}
+
+/* Chunk c of T tokens starts at row c T / C: sizes differ by at most one. */
+static int64_t chunk_lo(int64_t T, int C, int c) { return (int64_t)c * T / C; }
+
+/* tm_concat of n >= 1 tensors along axis, 8 at a time (its limit); xs is overwritten. */
+static tm_status concat_many(tm_ctx *ctx, int n, tm_tensor **xs, int axis, tm_tensor **out) {
+    while (n > 1) {
+        int k = 0;
+        for (int i = 0; i < n; i += 8) {
+            int g = n - i < 8 ? n - i : 8;
+            if (g == 1) xs[k++] = xs[i];
+            else TM__TRY(tm_concat(ctx, g, xs + i, axis, &xs[k++]));
+        }
+        n = k;
+    }
+    *out = xs[0];
+    return TM_OK;
+}
+
+/* x [T, K] (any dtype) laid out for the chunked permute: [T, C K], chunk c's rows of x in
+ * columns [c K, (c + 1) K), zeros elsewhere. Differentiable in x (slices and concats). */
+static tm_status chunk_diag(tm_ctx *ctx, tm_tensor *x, int C, tm_tensor **out) {
+    const int64_t T = tm_tensor_dim(x, 0), K = tm_tensor_dim(x, 1);
+    tm_tensor **blk = tm__meta_alloc(ctx, sizeof *blk * (size_t)C);
+    if (!blk) return TM_ERR_NOMEM;
+    for (int c = 0; c < C; c++) {
+        const int64_t lo = chunk_lo(T, C, c), hi = chunk_lo(T, C, c + 1);
+        int64_t zl[2] = {hi - lo, (int64_t)c * K}, zr[2] = {hi - lo, (int64_t)(C - 1 - c) * K};
+        tm_tensor *parts[3];
+        int n = 0;
+        if (c > 0) TM__TRY(tm_tensor_zeros(ctx, tm_tensor_dtype(x), 2, zl, tm_tensor_device(x), &parts[n++]));
+        TM__TRY(tm_slice(ctx, x, 0, lo, hi, &parts[n++]));
+        if (c < C - 1) TM__TRY(tm_tensor_zeros(ctx, tm_tensor_dtype(x), 2, zr, tm_tensor_device(x), &parts[n++]));
+        TM__TRY(tm_concat(ctx, n, parts, 1, &blk[c]));
+    }
+    return concat_many(ctx, C, blk, 0, out);
+}
+
+/* Rows [lo, hi) of x as a dense tensor (a view: row slices of a dense tensor are dense). */
+static tm_status rows_of(tm_ctx *ctx, tm_tensor *x, int64_t lo, int64_t hi, tm_tensor **out) {
+    TM__TRY(tm_slice(ctx, x, 0, lo, hi, out));
+    return tm_contiguous(ctx, *out, out);
+}
+
+/* An all-to-all of the counts grid g [C, P, K] (i64 on the device; this rank's K numbers per
+ * chunk for each rank j) so that rank j gets every chunk's row j: one exchange for all chunks,
+ * its result [P, C, K] (source-major) flattened. */
+static tm_status exchange_chunk_counts(tm_moe *m, tm_tensor *g, int C, int64_t K, tm_tensor **out) {
+    tm_ctx *ctx = m->ctx;
+    const int P = m->P;
+    int64_t s2[2] = {P, (int64_t)C * K}, n = (int64_t)P * C * K;
+    int64_t *ones = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)P);
+    if (!ones) return TM_ERR_NOMEM;
+    for (int j = 0; j < P; j++) ones[j] = 1;
+    tm_tensor *t, *one, *r;
+    TM__TRY(tm_transpose(ctx, g, 0, 1, &t)); /* [P, C, K] */
+    TM__TRY(tm_contiguous(ctx, t, &t));
+    TM__TRY(tm_reshape(ctx, t, 2, s2, &t));
+    TM__TRY(i64_tensor(ctx, ones, P, tm_cpu(), 0, &one));
+    TM__TRY(tm__comm_alltoall_consistent(ctx, t, one, one, TM_COMM_EP, &r));
+    return tm_reshape(ctx, r, 1, &n, out);
+}
+
+/* What a chunk's stages share: the per-chunk counts and tensors, filled as the stages run. */
+typedef struct chunked {
+    tm_moe *m;
+    int C, dedup;
+    int64_t *off;         /* [C + 1]: chunk c's sent rows are rows [off[c], off[c + 1]) */
+    int64_t *rrows;       /* [C]: rows received per chunk */
+    int64_t *lrows;       /* dedup [C L]: the receiver's padded rows per local expert */
+    tm_tensor *rows, *tbl; /* sent rows [R, H] (and, dedup, their table [R, 2L]) */
+    tm_tensor **sc, **rc;  /* [C] send / receive counts per rank (CPU) */
+    tm_tensor **rgrid, **rgrid_t, **lcount; /* alltoall [C]: the regroupings' sizes, the GEMMs' counts */
+    tm_tensor **recv, **recv_tbl, **out, **ret; /* [C] */
+    int64_t pad_to;
+} chunked;
+
+static tm_status chunk_stage(void *state, int stage, int c) {
+    chunked *k = state;
+    tm_moe *m = k->m;
+    tm_ctx *ctx = m->ctx;
+    const int64_t L = m->L;
+    tm_tensor *part;
+    switch (stage) {
+    case STAGE_DISPATCH:
+        TM__TRY(rows_of(ctx, k->rows, k->off[c], k->off[c + 1], &part));
+        TM__TRY(tm__comm_alltoall_consistent(ctx, part, k->sc[c], k->rc[c], TM_COMM_EP, &k->recv[c]));
+        if (!k->dedup) return TM_OK;
+        TM__TRY(rows_of(ctx, k->tbl, k->off[c], k->off[c + 1], &part));
+        return tm__comm_alltoall_consistent(ctx, part, k->sc[c], k->rc[c], TM_COMM_EP, &k->recv_tbl[c]);
+    case STAGE_EXPERTS:
+        if (!k->dedup) {
+            tm_tensor *xe, *eo;
+            TM__TRY(tm_moe_sort_chunks(ctx, k->recv[c], k->rgrid[c], m->P, &xe)); /* expert-major */
+            TM__TRY(local_experts(m, xe, k->lcount[c], &eo));
+            return tm_moe_sort_chunks(ctx, eo, k->rgrid_t[c], L, &k->out[c]);   /* source-major */
+        } else {
+            tm_tensor *pl, *mlf, *ml, *rows, *cw, *eo;
+            tm_moe_dispatch dl;
+            TM__TRY(tm_slice(ctx, k->recv_tbl[c], 1, 0, L, &pl));
+            TM__TRY(tm_contiguous(ctx, pl, &pl));
+            TM__TRY(tm_slice(ctx, k->recv_tbl[c], 1, L, 2 * L, &mlf));
+            TM__TRY(tm_cast(ctx, mlf, TM_U8, &ml));
+            TM__TRY(tm_contiguous(ctx, ml, &ml));
+            /* its rows per expert came with the counts: no read back here */
+            TM__TRY(tm__moe_permute_counted(ctx, k->recv[c], ml, pl, m->cfg.align_size, k->pad_to, k->lrows + c * L,
+                                            &dl));
+            TM__TRY(weighted_rows(m, &dl, &rows, &cw));
+            TM__TRY(local_experts(m, rows, dl.tokens_per_expert, &eo));
+            return tm_moe_unpermute(ctx, eo, cw, dl.row_token, k->rrows[c], &k->out[c]); /* partial sums */
+        }
+    default:
+        return tm__comm_alltoall_consistent(ctx, k->out[c], k->rc[c], k->sc[c], TM_COMM_EP, &k->ret[c]);
+    }
+}
+
+/* The pipeline and the end of the layer: every chunk's returned rows, in the order they left
+ * (chunk-major), combined by the one unpermute of the source. */
+static tm_status chunked_finish(chunked *k, tm_tensor *combine_w, tm_tensor *row_token, int64_t T, tm_tensor **y) {
+    tm_moe *m = k->m;
+    tm_status s = run_chunk_pipeline(k->C, chunk_stage, k);
+    if (s == TM_ERR_NOMEM) {
+        int64_t rr = 0;
+        for (int c = 0; c < k->C; c++) rr += k->rrows[c];
+        return ep_nomem(m, rr, k->off[k->C], T);
+    }
+    TM__TRY(s);
+    tm_tensor *back;
+    TM__TRY(concat_many(m->ctx, k->C, k->ret, 0, &back));
+    return tm_moe_unpermute(m->ctx, back, combine_w, row_token, T, y);
+}
+
+static tm_status chunked_alloc(tm_moe *m, int C, int dedup, chunked *k) {
+    tm_ctx *ctx = m->ctx;
+    memset(k, 0, sizeof *k);
+    k->m = m;
+    k->C = C;
+    k->dedup = dedup;
+    const size_t nt = (size_t)C * 9, ni = (size_t)C * (3 + (size_t)m->L) + 1;
+    tm_tensor **t = tm__meta_alloc(ctx, sizeof *t * nt);
+    int64_t *v = tm__meta_alloc(ctx, sizeof *v * ni);
+    if (!t || !v) return TM_ERR_NOMEM;
+    memset(t, 0, sizeof *t * nt);
+    k->sc = t, k->rc = t + C, k->rgrid = t + 2 * C, k->rgrid_t = t + 3 * C, k->lcount = t + 4 * C;
+    k->recv = t + 5 * C, k->recv_tbl = t + 6 * C, k->out = t + 7 * C, k->ret = t + 8 * C;
+    k->off = v, k->rrows = v + C + 1, k->lrows = v + 2 * C + 1;
+    return TM_OK;
+}
+
+/* The per-(token, expert) all-to-all (ep_alltoall_experts) in C chunks. Host reads: the
+ * permute's (only where R depends on the data: align_size > 1, capacity without
+ * pad_to_capacity; as with C = 1) and the one read of every chunk's own and received counts,
+ * which ncclSend / ncclRecv need on the host to size each chunk's transfers; both before the
+ * first row moves. The backward reads nothing. */
+static tm_status ep_alltoall_chunked(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor *map, int64_t pad_to, int C,
+                                     tm_tensor **y) {
+    tm_ctx *ctx = m->ctx;
+    const int P = m->P, L = m->L, E = P * L;
+    const int64_t T = tm_tensor_dim(x, 0), CE = (int64_t)C * E;
+    chunked k;
+    TM__TRY(chunked_alloc(m, C, 0, &k));
+    k.pad_to = pad_to;
+    tm_tensor *mapc, *probc, *g3, *rflat, *both_t, *cw;
+    TM__TRY(chunk_diag(ctx, map, C, &mapc));
+    TM__TRY(chunk_diag(ctx, probs, C, &probc));
+    tm_moe_dispatch d;
+    int topk = m->cfg.capacity_factor > 0 ? 0 : m->cfg.router.topk;
+    TM__TRY(tm_moe_permute_topk(ctx, x, mapc, probc, topk, m->cfg.align_size, pad_to, &d)); /* chunk-major */
+    int64_t s3[3] = {C, P, L};
+    TM__TRY(tm_reshape(ctx, d.tokens_per_expert, 3, s3, &g3));
+    TM__TRY(exchange_chunk_counts(m, g3, C, L, &rflat)); /* [P, C, L]: from rank j, chunk c, expert l */
+    /* the one read: own [C, P, L] and received [P, C, L] counts together */
+    int64_t *all = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(2 * CE));
+    if (!all) return TM_ERR_NOMEM;
+    const int64_t *own = tm__mirror_find(ctx, d.tokens_per_expert);
+    if (own) {
+        TM__TRY(tm_tensor_read(ctx, rflat, TM_I64, all + CE, CE));
+        memcpy(all, own, sizeof(int64_t) * (size_t)CE);
+    } else {
+        tm_tensor *pair[2] = {d.tokens_per_expert, rflat};
+        TM__TRY(tm_concat(ctx, 2, pair, 0, &both_t));
+        TM__TRY(tm_tensor_read(ctx, both_t, TM_I64, all, 2 * CE));
+    }
+    own = all;
+    const int64_t *rcv = all + CE;
+    /* per chunk, uploaded in one piece (with host mirrors, so the regroupings and the grouped
+     * GEMMs read nothing back): the received grid [P, L] (source-major), its transpose [L, P],
+     * and the rows of each local expert [L] */
+    const int64_t W = 2 * (int64_t)E + L, CW = C * W;
+    int64_t *tab = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(CW + 2 * P));
+    if (!tab) return TM_ERR_NOMEM;
+    int64_t *sendc = tab + CW, *recvc = sendc + P;
+    k.off[0] = 0;
+    for (int c = 0; c < C; c++) {
+        int64_t *tc = tab + c * W, sent = 0;
+        k.rrows[c] = 0;
+        for (int l = 0; l < L; l++) tc[2 * E + l] = 0;
+        for (int j = 0; j < P; j++) {
+            sendc[j] = recvc[j] = 0;
+            for (int l = 0; l < L; l++) {
+                const int64_t o = own[((int64_t)c * P + j) * L + l], r = rcv[((int64_t)j * C + c) * L + l];
+                sendc[j] += o;
+                recvc[j] += r;
+                tc[j * L + l] = r;
+                tc[E + l * P + j] = r;
+                tc[2 * E + l] += r;
+            }
+            sent += sendc[j];
+            k.rrows[c] += recvc[j];
+        }
+        k.off[c + 1] = k.off[c] + sent;
+        TM__TRY(i64_tensor(ctx, sendc, P, tm_cpu(), 0, &k.sc[c]));
+        TM__TRY(i64_tensor(ctx, recvc, P, tm_cpu(), 0, &k.rc[c]));
+    }
+    tm_tensor *tabt;
+    TM__TRY(i64_tensor(ctx, tab, CW, m->dev, 0, &tabt));
+    for (int c = 0; c < C; c++) {
+        const int64_t b = c * W;
+        TM__TRY(tm_slice(ctx, tabt, 0, b, b + E, &k.rgrid[c]));
+        TM__TRY(tm_slice(ctx, tabt, 0, b + E, b + 2 * E, &k.rgrid_t[c]));
+        TM__TRY(tm_slice(ctx, tabt, 0, b + 2 * E, b + W, &k.lcount[c]));
+        TM__TRY(tm__mirror_set(ctx, k.rgrid[c], tab + b));
+        TM__TRY(tm__mirror_set(ctx, k.rgrid_t[c], tab + b + E));
+        TM__TRY(tm__mirror_set(ctx, k.lcount[c], tab + b + 2 * E));
+    }
+    TM__TRY(weighted_rows(m, &d, &k.rows, &cw));
+    return chunked_finish(&k, cw, d.row_token, T, y);
+}
+
+/* The deduplicated all-to-all (ep_dedup_experts) in C chunks. The rank permute covers every
+ * chunk (rows (chunk, rank)-major); beside the rows sent per (chunk, rank), each rank sends
+ * the routed count of every chunk for each of the receiver's experts (the column sums of the
+ * chunked routing map), in the same one exchange; so each chunk's receiver permute knows its
+ * rows per expert (tm__moe_permute_counted) and reads nothing. Host reads: the rank permute's
+ * row count (R depends on the data) and the one read of every chunk's exchanged counts, both
+ * before the first row moves: one per layer fewer than with C = 1, whose receiver permute
+ * reads its counts after the rows arrived. The backward reads nothing. */
+static tm_status ep_dedup_chunked(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_tensor *map, int64_t pad_to, int C,
+                                  tm_tensor **y) {
+    tm_ctx *ctx = m->ctx;
+    const int P = m->P, L = m->L;
+    const int64_t T = tm_tensor_dim(x, 0), CP = (int64_t)C * P;
+    if ((double)T * P >= 16777216.0)
+        return tm__err(ctx, TM_ERR_INVALID_ARG,
+                       "%s: the deduplicated all-to-all numbers the (token, rank) pairs in f32: %lld tokens x ep_size %d "
+                       "is past 2^24; use fewer tokens per micro-batch or ep_strategy alltoall",
+                       m->prefix, (long long)T, P);
+    chunked k;
+    TM__TRY(chunked_alloc(m, C, 1, &k));
+    k.pad_to = pad_to;
+    tm_dtype pdt = tm_tensor_dtype(probs);
+    tm_tensor *mf, *m3, *per_rank, *rank_map, *p3, *tbl, *mfc, *ecnt;
+    int64_t s3[3] = {T, P, L}, s2[2] = {T * P, 2 * (int64_t)L};
+    TM__TRY(tm_cast(ctx, map, pdt, &mf));
+    TM__TRY(tm_reshape(ctx, mf, 3, s3, &m3));
+    TM__TRY(tm_sum(ctx, m3, 2, 0, &per_rank));
+    TM__TRY(tm_cast(ctx, per_rank, TM_U8, &rank_map));
+    TM__TRY(chunk_diag(ctx, rank_map, C, &rank_map)); /* [T, C P] */
+    TM__TRY(tm_reshape(ctx, probs, 3, s3, &p3));
+    tm_tensor *cat[2] = {p3, m3};
+    TM__TRY(tm_concat(ctx, 2, cat, 2, &tbl));
+    TM__TRY(tm_reshape(ctx, tbl, 2, s2, &tbl));
+    /* the ids t P + j in the chunked layout, carried by the rank permute as its weights */
+    float *idv = tm__meta_alloc(ctx, sizeof(float) * (size_t)(T * CP + 1));
+    if (!idv) return TM_ERR_NOMEM;
+    memset(idv, 0, sizeof(float) * (size_t)(T * CP));
+    for (int c = 0; c < C; c++)
+        for (int64_t t = chunk_lo(T, C, c); t < chunk_lo(T, C, c + 1); t++)
+            for (int j = 0; j < P; j++) idv[t * CP + (int64_t)c * P + j] = (float)(t * P + j);
+    int64_t sp[2] = {T, CP};
+    tm_tensor *ids_tp, *ids;
+    TM__TRY(tm_tensor_from_host(ctx, TM_F32, 2, sp, m->dev, TM_F32, idv, &ids_tp));
+    tm_moe_dispatch d;
+    TM__TRY(tm_moe_permute(ctx, x, rank_map, ids_tp, 1, 0, &d)); /* (chunk, rank)-major; its counts read */
+    TM__TRY(tm_cast(ctx, d.permuted_probs, TM_I64, &ids));
+    TM__TRY(tm__embedding_unique(ctx, tbl, ids, &k.tbl)); /* (Rs, 2L) */
+    /* counts per (chunk, rank): [rows sent, routed count of each of the rank's L experts] */
+    tm_tensor *g, *rflat, *parts[2];
+    int64_t c1[3] = {C, P, 1}, cl[3] = {C, P, L};
+    TM__TRY(chunk_diag(ctx, mf, C, &mfc));
+    TM__TRY(tm_sum(ctx, mfc, 0, 0, &ecnt));          /* [C E], exact below 2^24 */
+    TM__TRY(tm_cast(ctx, ecnt, TM_I64, &ecnt));
+    TM__TRY(tm_reshape(ctx, d.tokens_per_expert, 3, c1, &parts[0]));
+    TM__TRY(tm_reshape(ctx, ecnt, 3, cl, &parts[1]));
+    TM__TRY(tm_concat(ctx, 2, parts, 2, &g)); /* [C, P, 1 + L] */
+    TM__TRY(exchange_chunk_counts(m, g, C, 1 + L, &rflat));
+    const int64_t K = 1 + L, nr = (int64_t)P * C * K;
+    int64_t *rv = tm__meta_alloc(ctx, sizeof(int64_t) * (size_t)(nr + CP + 2 * P));
+    if (!rv) return TM_ERR_NOMEM;
+    int64_t *sendv = rv + nr, *sendc = sendv + CP, *recvc = sendc + P;
+    const int64_t *own = tm__mirror_find(ctx, d.tokens_per_expert);
+    if (!own) { /* not where the permute read them (it does); one read more, never wrong */
+        TM__TRY(tm_tensor_read(ctx, d.tokens_per_expert, TM_I64, sendv, CP));
+        own = sendv;
+    }
+    TM__TRY(tm_tensor_read(ctx, rflat, TM_I64, rv, nr)); /* the one read of every chunk's counts */
+    const int64_t a = m->cfg.align_size;
+    k.off[0] = 0;
+    for (int c = 0; c < C; c++) {
+        int64_t sent = 0, *lr = k.lrows + (int64_t)c * L;
+        k.rrows[c] = 0;
+        for (int l = 0; l < L; l++) lr[l] = 0;
+        for (int j = 0; j < P; j++) {
+            const int64_t *r = rv + ((int64_t)j * C + c) * K;
+            sendc[j] = own[(int64_t)c * P + j];
+            recvc[j] = r[0];
+            sent += sendc[j];
+            k.rrows[c] += r[0];
+            for (int l = 0; l < L; l++) lr[l] += r[1 + l];
+        }
+        for (int l = 0; l < L; l++) /* tm__moe_permute_rows' padding */
+            lr[l] = pad_to > 0 ? pad_to : lr[l] % a ? lr[l] + a - lr[l] % a : lr[l];
+        k.off[c + 1] = k.off[c] + sent;
+        TM__TRY(i64_tensor(ctx, sendc, P, tm_cpu(), 0, &k.sc[c]));
+        TM__TRY(i64_tensor(ctx, recvc, P, tm_cpu(), 0, &k.rc[c]));
+    }
+    k.rows = d.permuted;
+    return chunked_finish(&k, NULL, d.row_token, T, y); /* the partial sums add with weight 1 */
+}
+
 /* All-gather dispatch (MaxText's "ring of experts"): the ep group's tokens and router outputs
  * are all-gathered, each rank runs its L experts on all of them (its columns of probs and the
  * map), and the partial outputs are reduce-scattered back to the ranks the tokens came from.
@@ -529,6 +898,16 @@ static tm_status grouped_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_t
     if (m->P > 1) {
         int64_t pad_to = m->cfg.pad_to_capacity ? capacity : 0;
         if (m->ep_strategy == TM_EP_ALLGATHER) return ep_allgather_experts(m, x, probs, map, pad_to, y);
+        const int C = m->cfg.overlap_chunks;
+        if (C > 1) {
+            const int64_t T = tm_tensor_dim(x, 0);
+            if (C > T)
+                return BAD("%s: overlap_chunks = %d is more than the %lld tokens this rank's MoE layer gets (ep rank "
+                           "%d of %d): lower overlap_chunks to at most the tokens per rank and micro-batch",
+                           m->prefix, C, (long long)T, m->ep_rank, m->P);
+            if (m->ep_strategy == TM_EP_ALLTOALL_DEDUP) return ep_dedup_chunked(m, x, probs, map, pad_to, C, y);
+            return ep_alltoall_chunked(m, x, probs, map, pad_to, C, y);
+        }
         if (m->ep_strategy == TM_EP_ALLTOALL_DEDUP) return ep_dedup_experts(m, x, probs, map, pad_to, y);
         return ep_alltoall_experts(m, x, probs, map, pad_to, y);
     }

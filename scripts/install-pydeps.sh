@@ -15,4 +15,4 @@ if [ ! -x "$env_dir/bin/python" ]; then
     }
 fi
 "$env_dir/bin/python" -m pip install --quiet --disable-pip-version-check -r scripts/requirements-test.txt
-"$env_dir/bin/python" -c 'import tensorboard, tokenizers, tiktoken; print("scripts/install-pydeps.sh: tensorboard", tensorboard.__version__, "tokenizers", tokenizers.__version__, "tiktoken", tiktoken.__version__)'
+"$env_dir/bin/python" -c 'import tensorboard, tokenizers, tiktoken, transformers; print("scripts/install-pydeps.sh: tensorboard", tensorboard.__version__, "tokenizers", tokenizers.__version__, "tiktoken", tiktoken.__version__, "transformers", transformers.__version__)'

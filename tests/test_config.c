@@ -388,6 +388,8 @@ Test(config, semantic_errors_name_the_key) {
         {{"--sample_tokens", "-1"}, "sample_tokens"},
         {{"--temperature", "-1"}, "temperature"},
         {{"--top_k", "-1"}, "top_k"},
+        {{"--overlap_chunks", "0"}, "overlap_chunks"},
+        {{"--overlap_chunks", "33", "--seq_len", "32"}, "overlap_chunks"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char err[1024] = "", want[64];

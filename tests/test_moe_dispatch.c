@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "extend.h"
 
 double tt_gradcase_moe_drop_tokens(tm_ctx *ctx);
 double tt_gradcase_moe_permute(tm_ctx *ctx);
@@ -639,6 +640,79 @@ Test(moe_dispatch, bad_permute_topk) {
                "topk = 4", "E = 3");
     /* Where R depends on the data anyway (align padding), the count is not compared. */
     TT_OK(ctx, tm_moe_permute_topk(ctx, x, map, probs, 1, 4, 0, &d));
+    tm_ctx_free(ctx);
+}
+
+/* tm__moe_permute_counted (the chunked expert-parallel dispatch's receiver permute): given the
+ * padded rows per expert, the same outputs and gradients as tm_moe_permute without its
+ * synchronisation, tokens_per_expert mirrored with those rows; counts that differ from the
+ * map's are refused on the CPU, naming the expert. */
+Test(moe_dispatch, permute_counted_matches_permute_without_a_read) {
+    tm_ctx *ctx = tt_ctx();
+    const int64_t T = 40, E = 6, H = 5, k = 2;
+    double *hm = malloc(sizeof(double) * (size_t)(T * E)), *hp = malloc(sizeof(double) * (size_t)(T * E));
+    random_routing(hm, hp, T, E, k, 5, 23); /* one expert empty */
+    int64_t ms[2] = {T, E}, xs[2] = {T, H};
+    tm_tensor *map = tt_from(ctx, TM_U8, 2, ms, hm);
+    const int64_t cfg[3][2] = {{1, 0}, {4, 0}, {1, 30}};
+    for (int i = 0; i < 3; i++) {
+        int64_t rows[8];
+        for (int64_t e = 0; e < E; e++) {
+            int64_t n = 0;
+            for (int64_t t = 0; t < T; t++) n += hm[t * E + e] != 0;
+            rows[e] = cfg[i][1] > 0 ? cfg[i][1] : (n + cfg[i][0] - 1) / cfg[i][0] * cfg[i][0];
+        }
+        tm_tensor *x[2], *p[2];
+        tm_moe_dispatch d[2];
+        uint64_t syncs[2];
+        for (int j = 0; j < 2; j++) {
+            x[j] = tt_randn(ctx, TM_F64, 2, xs, 3);
+            p[j] = tt_from(ctx, TM_F64, 2, ms, hp);
+            TT_OK(ctx, tm_tensor_set_requires_grad(ctx, x[j], 1));
+            TT_OK(ctx, tm_tensor_set_requires_grad(ctx, p[j], 1));
+            uint64_t before = tm_ctx_sync_count(ctx);
+            if (j) TT_OK(ctx, tm__moe_permute_counted(ctx, x[j], map, p[j], cfg[i][0], cfg[i][1], rows, &d[j]));
+            else TT_OK(ctx, tm_moe_permute(ctx, x[j], map, p[j], cfg[i][0], cfg[i][1], &d[j]));
+            syncs[j] = tm_ctx_sync_count(ctx) - before;
+            tm_tensor *a, *b, *l;
+            TT_OK(ctx, tm_mul(ctx, d[j].permuted, d[j].permuted, &a));
+            TT_OK(ctx, tm_sum_all(ctx, a, &a));
+            TT_OK(ctx, tm_mul(ctx, d[j].permuted_probs, d[j].permuted_probs, &b));
+            TT_OK(ctx, tm_sum_all(ctx, b, &b));
+            TT_OK(ctx, tm_add(ctx, a, b, &l));
+            TT_OK(ctx, tm_backward(ctx, l));
+        }
+        cr_assert_eq(syncs[1], 0, "config %d: the counted permute synchronised %llu times", i, (unsigned long long)syncs[1]);
+        cr_assert_eq(syncs[0], cfg[i][1] > 0 ? 0 : 1, "config %d: tm_moe_permute %llu", i, (unsigned long long)syncs[0]);
+        const int64_t *mir = tm__mirror_find(ctx, d[1].tokens_per_expert);
+        cr_assert(mir, "config %d: tokens_per_expert not mirrored", i);
+        for (int64_t e = 0; e < E; e++) cr_assert_eq(mir[e], rows[e]);
+        cr_assert_eq(d[1].num_rows, d[0].num_rows);
+        const tm_tensor *pairs[6][2] = {{d[1].permuted, d[0].permuted}, {d[1].permuted_probs, d[0].permuted_probs},
+                                        {d[1].row_token, d[0].row_token}, {d[1].tokens_per_expert, d[0].tokens_per_expert},
+                                        {tm_tensor_grad(x[1]), tm_tensor_grad(x[0])}, {tm_tensor_grad(p[1]), tm_tensor_grad(p[0])}};
+        for (int q = 0; q < 6; q++) {
+            int64_t n = tm_tensor_numel(pairs[q][1]);
+            cr_assert_eq(tm_tensor_numel(pairs[q][0]), n);
+            double *a = tt_read(ctx, pairs[q][0]), *b = tt_read(ctx, pairs[q][1]);
+            for (int64_t e = 0; e < n; e++) cr_assert(a[e] == b[e], "config %d, output %d [%lld]: %g vs %g", i, q, (long long)e, a[e], b[e]);
+            free(a), free(b);
+        }
+        /* a wrong count: one row moved from the last expert to the first (the same R) */
+        if (cfg[i][1] == 0) {
+            int64_t bad[8];
+            memcpy(bad, rows, sizeof bad);
+            bad[0] += cfg[i][0], bad[E - 1] -= cfg[i][0];
+            tm_moe_dispatch dd;
+            if (bad[E - 1] >= 0)
+                assert_err(ctx, tm__moe_permute_counted(ctx, x[0], map, p[0], cfg[i][0], 0, bad, &dd), TM_ERR_INVALID_ARG,
+                           "moe_permute (counted)", "expert 0", NULL);
+            bad[E - 1] += 2 * cfg[i][0]; /* R off by align */
+            assert_err(ctx, tm__moe_permute_counted(ctx, x[0], map, p[0], cfg[i][0], 0, bad, &dd), TM_ERR_INVALID_ARG,
+                       "moe_permute", "caller's counts", NULL);
+        }
+    }
+    free(hm), free(hp);
     tm_ctx_free(ctx);
 }
 

@@ -233,6 +233,11 @@ static const key KEYS[] = {
     {"ep_strategy", T_ENUM, G_DIST, OFF(ep_strategy), "alltoall|allgather|alltoall_dedup", "alltoall", 0, NULL,
      "expert-parallel dispatch: ragged all-to-all of a row per (token, expert), all-gather of the tokens, or "
      "all-to-all of a row per (token, rank) combined on the expert's rank (fewer bytes for large topk)", 0, 0},
+    {"overlap_chunks", T_INT, G_DIST, OFF(model.moe.overlap_chunks), NULL, "1", 0, "overlap_chunks",
+     "with ep_size > 1 and ep_strategy alltoall or alltoall_dedup: each MoE layer moves its tokens in this many "
+     "chunks, issued so that one chunk's all-to-all can run while another's experts compute (Megatron-LM's EP "
+     "all-to-all overlap, MaxText PR #3981; no overlap yet: the collectives still run on the compute stream); routing "
+     "and losses stay over the whole layer; 1: off; ignored by allgather and ep_size 1; at most seq_len", 1, 4096},
     {"zero", T_INT, G_DIST, OFF(zero), NULL, "0", 0, NULL,
      "ZeRO stage: 0; 1 to shard optimizer state and f32 master weights over the data-parallel ranks; 2 to "
      "shard the gradients too (reduce-scattered, no full gradient buffer between steps); 3 to shard the weights "
@@ -986,6 +991,11 @@ static int validate_keys(const tmd_config *c, char *err, size_t errlen) {
           c->ep_size, c->model.moe.router.num_experts);
     CHECK(c->zero >= 0 && c->zero <= 3, "key 'zero' = %d: must be 0, 1, 2 or 3", c->zero);
     CHECK(c->comm_timeout >= 0, "key 'comm_timeout' = %g: must be >= 0 (0: wait forever)", c->comm_timeout);
+    /* A rank's MoE layer gets at least one sequence per forward (a last, short evaluation batch may
+     * give it only that), and every chunk needs a token of it (tm_moe_forward refuses C > T). */
+    CHECK(c->model.moe.overlap_chunks <= c->model.max_seq_len,
+          "key 'overlap_chunks' = %d: more than seq_len = %d tokens; each chunk needs a token, and a rank's MoE layer "
+          "may get a single sequence (the last evaluation batch)", c->model.moe.overlap_chunks, c->model.max_seq_len);
     if (tmd_config_synthetic(c)) {
         CHECK(c->synthetic_vocab >= 2 && c->synthetic_vocab <= 1024, "key 'synthetic_vocab' = %d: must be in [2, 1024]",
               c->synthetic_vocab);

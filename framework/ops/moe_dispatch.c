@@ -152,6 +152,10 @@ tm_status tm__moe_permute_fixed_rows(tm__call *c, int *known, int64_t *R_out) {
                            (long long)T, (long long)topk, (long long)H);
         *R_out = T * topk;
         *known = 1;
+    } else if (c->iattr[3] > 0) {
+        /* tm__moe_permute_counted: the caller knows the counts (R + 1 here). */
+        *R_out = c->iattr[3] - 1;
+        *known = 1;
     }
     return TM_OK;
 }
@@ -185,6 +189,48 @@ tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_t
 tm_status tm_moe_permute_topk(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int topk,
                               int64_t align_size, int64_t pad_to, tm_moe_dispatch *out) {
     return permute_run(ctx, x, routing_map, probs, topk, align_size, pad_to, out);
+}
+
+tm_status tm__moe_permute_counted(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs,
+                                  int64_t align_size, int64_t pad_to, const int64_t *rows, tm_moe_dispatch *out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!out || !rows || !routing_map || routing_map->ndim != 2)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_permute (counted): %s", !out ? "out is NULL" : !rows ? "rows is NULL"
+                                                                           : "routing_map must be [T, E]");
+    const int64_t E = routing_map->shape[1];
+    int64_t R = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (rows[e] < 0 || rows[e] > INT64_MAX - 1 - R)
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_permute (counted): rows[%lld] = %lld is negative or overflows R",
+                           (long long)e, (long long)rows[e]);
+        R += rows[e];
+    }
+    tm__call c = tm__call_init(ctx, TM__OP_MOE_PERMUTE);
+    c.n_in = 3;
+    c.in[0] = x;
+    c.in[1] = routing_map;
+    c.in[2] = probs;
+    c.iattr[0] = align_size;
+    c.iattr[1] = pad_to;
+    c.iattr[3] = R + 1;
+    TM__TRY(tm__op_run(&c));
+    const tm_tensor *tpe = c.out[3];
+    /* The CPU holds the counts it computed: they must be the caller's (the mirror's invariant). */
+    if (tpe->device.type == TM_DEVICE_CPU)
+        for (int64_t e = 0; e < E; e++)
+            if (tm__idx(tpe, e) != rows[e])
+                return tm__err(ctx, TM_ERR_INVALID_ARG,
+                               "moe_permute (counted): expert %lld has %lld rows (padded to align_size = %lld / pad_to = "
+                               "%lld), the caller's counts say %lld (routing_map %s)",
+                               (long long)e, (long long)tm__idx(tpe, e), (long long)align_size, (long long)pad_to,
+                               (long long)rows[e], tm__tdesc(ctx, routing_map));
+    TM__TRY(tm__mirror_set(ctx, tpe, rows));
+    out->permuted = c.out[0];
+    out->permuted_probs = c.out[1];
+    out->row_token = c.out[2];
+    out->tokens_per_expert = c.out[3];
+    out->num_rows = c.out[0]->shape[0];
+    return TM_OK;
 }
 
 /* ---- moe_unpermute --------------------------------------------------------------------- */

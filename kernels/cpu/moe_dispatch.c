@@ -231,6 +231,10 @@ tm_status tm__moe_permute_forward_cpu(tm__call *c) {
      * back here, so this is one synchronisation (tm_ctx_sync_count), counted on the CPU too. */
     if (!known) tm__count_sync(ctx);
     TM__TRY(tm__moe_permute_rows(c, count, rows, &R));
+    if (known && R != R_fixed && c->iattr[3] > 0) /* tm__moe_permute_counted: the caller's counts */
+        return tm__err(ctx, TM_ERR_INVALID_ARG,
+                       "moe_permute: routing_map %s gives %lld rows (align_size %lld), the caller's counts say %lld",
+                       tm__tdesc(ctx, m), (long long)R, (long long)c->iattr[0], (long long)R_fixed);
     if (known && R != R_fixed) /* topk promised T * topk routed pairs (pad_to cannot differ) */
         return tm__err(ctx, TM_ERR_INVALID_ARG,
                        "moe_permute: routing_map routes %lld (token, expert) pairs, not T * topk = %lld * %lld "

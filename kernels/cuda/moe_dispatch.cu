@@ -5,7 +5,8 @@
  *
  * moe_permute
  *   in[0] x (T, H), in[1] routing_map (T, E) u8, in[2] probs (T, E);
- *   iattr align_size, pad_to, topk (0: not known)
+ *   iattr align_size, pad_to, topk (0: not known), R + 1 given by the caller (0: not given;
+ *   tm__moe_permute_counted)
  *   out[0] permuted (R, H) x's dtype, out[1] permuted_probs (R) probs' dtype,
  *   out[2] row_token (R) i64 (-1 on padding), out[3] tokens_per_expert (E) i64 (with padding)
  *   saved[0] row_of (T, E) i64: the row of routed (t,e), -1 elsewhere

@@ -9,7 +9,9 @@
  *                                     ZeRO-3's parameter all-gather: ranks with no row), comm_reduce_scatter,
  *                                     comm_alltoall, over the world, ep and expert_dp groups
  *                                     (ep_size 2 when N is even); ZeRO-1's optimizer memory per
- *                                     rank (f32 state, bf16 master weights)
+ *                                     rank (f32 state, bf16 master weights); the host round
+ *                                     trips of an expert-parallel step (chunked too) and a
+ *                                     chunked MoE layer (overlap_chunks) against an unchunked one
  *   tinymoe_dist_helper cuda           (GPU machine) every collective op on CUDA tensors against
  *                                     the same op on CPU tensors, forward and backward
  *   tinymoe_dist_helper hang | die    rank 1 stops answering / exits while rank 0 waits in an
@@ -449,7 +451,7 @@ static tm_model_config tiny_config(int n_layers) {
 
 /* The host round trips (tm_ctx_sync_count) of one training step of a tiny model: forward,
  * backward, the loss read. comm: attach a communicator with ep_size 2 and this strategy. */
-static uint64_t step_syncs(int comm, tm_ep_strategy strategy, int step) {
+static uint64_t step_syncs(int comm, tm_ep_strategy strategy, int chunks, int step) {
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = 1;
     tm_ctx *ctx = NULL;
@@ -462,6 +464,7 @@ static uint64_t step_syncs(int comm, tm_ep_strategy strategy, int step) {
         OK(ctx, tm_comm_init(ctx, &co));
     }
     tm_model_config c = tiny_config(3);
+    c.moe.overlap_chunks = chunks;
     tm_model *m = NULL;
     OK(ctx, tm_model_new(ctx, &c, TM_F32, tm_cpu(), &m));
     OK(ctx, tm_model_init(m, 3));
@@ -499,13 +502,171 @@ static void check_ep_syncs(int world) {
     if (world % 2) return;
     for (int st = 0; st < 3; st++) {
         const tm_ep_strategy strategy = (tm_ep_strategy)st;
-        uint64_t ref = step_syncs(0, strategy, 1), n = step_syncs(1, strategy, 1);
+        uint64_t ref = step_syncs(0, strategy, 1, 1), n = step_syncs(1, strategy, 1, 1);
         uint64_t want = ref + (strategy == TM_EP_ALLTOALL_DEDUP ? 2 * 2 : 0);
         CHECK(n == want, "ep_size 2 %s: %llu host round trips per step, want %llu (one process makes %llu)",
               tm_ep_strategy_name(strategy), (unsigned long long)n, (unsigned long long)want, (unsigned long long)ref);
         if (g_rank == 0)
             fprintf(stderr, "ep syncs: %s %llu per step, one process %llu\n", tm_ep_strategy_name(strategy),
                     (unsigned long long)n, (unsigned long long)ref);
+        /* overlap_chunks (3 dividing the 24 tokens, 5 not): the chunks' counts are read
+         * together, so no more round trips than unchunked; alltoall_dedup one fewer per MoE
+         * layer (each chunk's receiver knows its rows per expert from the exchange, where the
+         * unchunked receiver permute reads them); allgather ignores the option. */
+        for (int chunks = 3; chunks <= 5; chunks += 2) {
+            uint64_t nc = step_syncs(1, strategy, chunks, 1);
+            uint64_t wc = ref + (strategy == TM_EP_ALLTOALL_DEDUP ? 1 * 2 : 0);
+            CHECK(nc == wc, "ep_size 2 %s, overlap_chunks %d: %llu host round trips per step, want %llu (unchunked %llu)",
+                  tm_ep_strategy_name(strategy), chunks, (unsigned long long)nc, (unsigned long long)wc,
+                  (unsigned long long)n);
+            if (g_rank == 0)
+                fprintf(stderr, "ep syncs: %s overlap_chunks %d: %llu per step\n", tm_ep_strategy_name(strategy), chunks,
+                        (unsigned long long)nc);
+        }
+    }
+}
+
+/* ---- overlap_chunks: the chunked expert-parallel dispatch ----------------------------------- */
+
+/* One MoE layer under ep_size 2 with ep_strategy st and overlap_chunks C: forward of this rank's
+ * T tokens (rank-dependent values), backward of <g, y> (g fixed per rank). *v: y, dx and the
+ * gradients of the gate and the three expert weights, concatenated; *a2a: the all-to-all calls
+ * of the forward. variant 0: dropless, align 1, aux + z losses; 1: align_size 4, capacity 1.25,
+ * the expert bias, early top-k weights; 2: capacity 1.0 padded to capacity. Returns the
+ * forward's status (its message in msg). */
+static tm_status chunked_layer(tm_ep_strategy st, int C, int64_t T, int variant, double **v, int64_t *n, int64_t *a2a,
+                               char *msg, size_t msglen) {
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    tm_ctx *ctx = NULL;
+    if (tm_ctx_new(&ctx, &o)) exit(2);
+    tm_comm_options co = tm_comm_options_default();
+    co.ep_size = 2;
+    co.ep_strategy = st;
+    co.timeout_s = 30;
+    OK(ctx, tm_comm_init(ctx, &co));
+    tm_moe_config c = tm_moe_config_default();
+    c.hidden_size = 8;
+    c.ffn_size = 12;
+    c.router.num_experts = 4;
+    c.router.topk = 2;
+    c.aux_loss_coeff = 1e-2;
+    c.z_loss_coeff = 1e-3;
+    c.overlap_chunks = C;
+    if (variant == 1) {
+        c.align_size = 4;
+        c.capacity_factor = 1.25;
+        c.use_expert_bias = 1;
+        c.apply_topk_weights_early = 1;
+    } else if (variant == 2) {
+        c.capacity_factor = 1.0;
+        c.pad_to_capacity = 1;
+        c.drop_policy = TM_DROP_POSITION;
+    }
+    tm_moe *m = NULL;
+    OK(ctx, tm_moe_new(ctx, "moe", &c, TM_F32, tm_cpu(), &m));
+    OK(ctx, tm_moe_init(m, 5, 0.3, 0.3));
+    const int64_t H = c.hidden_size, nx = T * H;
+    float *xv = malloc(sizeof(float) * (size_t)(2 * nx + 1));
+    for (int64_t i = 0; i < nx; i++) xv[i] = (float)val(40, g_rank, i), xv[nx + i] = (float)val(41, g_rank, i);
+    int64_t sh[2] = {T, H};
+    tm_tensor *x, *g, *y;
+    OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, sh, tm_cpu(), TM_F32, xv, &x));
+    OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, sh, tm_cpu(), TM_F32, xv + nx, &g));
+    OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
+    free(xv);
+    tm_comm_stats s0, s1;
+    OK(ctx, tm_comm_get_stats(ctx, &s0));
+    tm_moe_stats stats;
+    tm_status s = tm_moe_forward(m, x, 1, &y, &stats);
+    snprintf(msg, msglen, "%s", s ? tm_ctx_errmsg(ctx) : "");
+    *v = NULL;
+    *n = 0;
+    if (!s) {
+        OK(ctx, tm_comm_get_stats(ctx, &s1));
+        *a2a = s1.calls[TM_COMM_ALLTOALL] - s0.calls[TM_COMM_ALLTOALL];
+        OK(ctx, tm_backward_with_grad(ctx, y, g));
+        const char *names[] = {"gate.weight", "experts.w0", "experts.w1", "experts.wo"};
+        tm_tensor *parts[6] = {y, tm_tensor_grad(x)};
+        for (int i = 0; i < 4; i++) parts[2 + i] = tm_tensor_grad(tm_moe_tensor(m, names[i]));
+        for (int i = 0; i < 6; i++) *n += tm_tensor_numel(parts[i]);
+        *v = malloc(sizeof(double) * (size_t)*n);
+        int64_t k = 0;
+        for (int i = 0; i < 6; i++) {
+            OK(ctx, tm_tensor_read(ctx, parts[i], TM_F64, *v + k, tm_tensor_numel(parts[i])));
+            k += tm_tensor_numel(parts[i]);
+        }
+        /* the losses and statistics are the whole layer's: compared too */
+        OK(ctx, tm_moe_stats_read(m, &stats));
+        double extra[4] = {stats.aux_loss_value, stats.z_loss_value, stats.max_load_ratio, (double)stats.dropped_tokens};
+        *v = realloc(*v, sizeof(double) * (size_t)(*n + 4));
+        memcpy(*v + *n, extra, sizeof extra);
+        *n += 4;
+    }
+    tm_moe_free(m);
+    tm_ctx_free(ctx);
+    return s;
+}
+
+/* Chunked against unchunked, on the same rank: the same y, dx, gradients, losses and statistics
+ * up to the order of float sums (f32: within 2e-6 of each block's largest magnitude), for C
+ * dividing T and not (ragged chunks), C = T (one token each), with the all-to-alls the chunking
+ * promises (forward: one count exchange, then per chunk 2 (alltoall: rows there and back) or 3
+ * (alltoall_dedup: rows and their table there, partial sums back)); C > T refused on every rank
+ * by name. */
+static void check_chunked_layer(int world) {
+    if (world % 2) return;
+    const int64_t T = 12;
+    for (int st = 0; st < 3; st += 2) {
+        const tm_ep_strategy strategy = (tm_ep_strategy)st;
+        for (int variant = 0; variant < 3; variant++) {
+            double *ref, *got;
+            int64_t nref, ngot, a2a_ref, a2a;
+            char msg[1024];
+            if (chunked_layer(strategy, 1, T, variant, &ref, &nref, &a2a_ref, msg, sizeof msg)) {
+                CHECK(0, "%s variant %d unchunked: %s", tm_ep_strategy_name(strategy), variant, msg);
+                continue;
+            }
+            const int Cs[] = {2, 5, 12};
+            for (int ci = 0; ci < 3; ci++) {
+                const int C = Cs[ci];
+                tm_status s = chunked_layer(strategy, C, T, variant, &got, &ngot, &a2a, msg, sizeof msg);
+                CHECK(!s, "%s variant %d C %d: %s", tm_ep_strategy_name(strategy), variant, C, msg);
+                if (s) continue;
+                CHECK(ngot == nref, "%s C %d: %lld values, %lld unchunked", tm_ep_strategy_name(strategy), C,
+                      (long long)ngot, (long long)nref);
+                /* blocks: y, dx (T H each), the gate and expert gradients, 4 statistics */
+                double worst = 0;
+                int64_t lo = 0, sizes[7] = {T * 8, T * 8, 8 * 4, 4 * 8 * 12 / 2, 4 * 8 * 12 / 2, 4 * 12 * 8 / 2, 4};
+                for (int b = 0; b < 7 && ngot == nref; b++) {
+                    double scale = 0, md = 0;
+                    for (int64_t i = lo; i < lo + sizes[b] && i < nref; i++) {
+                        scale = fmax(scale, fabs(ref[i]));
+                        md = fmax(md, fabs(got[i] - ref[i]));
+                    }
+                    lo += sizes[b];
+                    double rel = scale > 0 ? md / scale : md;
+                    worst = fmax(worst, rel);
+                    CHECK(rel <= 2e-6, "%s variant %d C %d: block %d differs by %g of its largest magnitude %g",
+                          tm_ep_strategy_name(strategy), variant, C, b, rel, scale);
+                }
+                CHECK(lo == nref, "block sizes %lld, values %lld", (long long)lo, (long long)nref);
+                const int64_t want = 1 + (strategy == TM_EP_ALLTOALL_DEDUP ? 3 : 2) * (int64_t)C;
+                CHECK(a2a == want, "%s C %d: %lld all-to-alls in the forward, want %lld (%lld unchunked)",
+                      tm_ep_strategy_name(strategy), C, (long long)a2a, (long long)want, (long long)a2a_ref);
+                if (g_rank == 0)
+                    fprintf(stderr, "chunked layer: %s variant %d C %d: worst %.3g, %lld all-to-alls (unchunked %lld)\n",
+                            tm_ep_strategy_name(strategy), variant, C, worst, (long long)a2a, (long long)a2a_ref);
+                free(got);
+            }
+            free(ref);
+        }
+        double *none;
+        int64_t nn, a2a;
+        char msg[1024];
+        tm_status s = chunked_layer(strategy, 13, T, 0, &none, &nn, &a2a, msg, sizeof msg);
+        CHECK(s == TM_ERR_INVALID_ARG && strstr(msg, "overlap_chunks = 13") && strstr(msg, "12 tokens"),
+              "%s: 13 chunks of 12 tokens: %s: %s", tm_ep_strategy_name(strategy), tm_status_str(s), msg);
     }
 }
 
@@ -580,6 +741,7 @@ int main(int argc, char **argv) {
         check_zero_memory(ctx, world);
         check_replicated_init(world);
         check_ep_syncs(world);
+        check_chunked_layer(world);
         check_dp_row_map();
     } else if (!strcmp(what, "cuda")) {
         const char *nccl = argc > 2 ? argv[2] : "auto";
