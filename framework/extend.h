@@ -65,6 +65,8 @@ tm_status tm__named_alias(tm_ctx *ctx, const char *fn, const char *name, const t
 int tm__names_find(const tm_ctx *ctx, const char *name);
 /* The name of the first parameter of bucket `bucket` (for messages); "?" if none. */
 const char *tm__bucket_first_param(const tm_ctx *ctx, int bucket);
+/* tm_ctx_options.no_grad_buffers of the context: its parameters have no gradients (param.c). */
+int tm__ctx_no_grad_buffers(const tm_ctx *ctx);
 /* 1 when op `name` (as in framework/ops.def) has a forward kernel for tensors on dev in this
  * context. */
 int tm__op_available(const tm_ctx *ctx, const char *name, tm_device dev);

@@ -412,8 +412,8 @@ static tm_optimizer *optimizer_of(tmd_loaded_model *m) {
 static void weights_compare(const char *a, const char *b, int exact) {
     tmd_loaded_model ma, mb;
     char err[2048];
-    cr_assert_eq(tmd_ckpt_load_model(a, -1, 1, &ma, err, sizeof err), 0, "%s", err);
-    cr_assert_eq(tmd_ckpt_load_model(b, -1, 1, &mb, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_ckpt_load_model_ex(a, -1, 1, 1, &ma, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_ckpt_load_model_ex(b, -1, 1, 1, &mb, err, sizeof err), 0, "%s", err);
     tm_optimizer *oa = optimizer_of(&ma), *ob = optimizer_of(&mb);
     TT_OK(ma.ctx, tm_ckpt_load(ma.ctx, ma.path, NULL, 0, NULL));
     TT_OK(mb.ctx, tm_ckpt_load(mb.ctx, mb.path, NULL, 0, NULL));
