@@ -1340,11 +1340,17 @@ TM_API tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const 
  * with meta_bytes > 0), TM_ERR_IO (the message names the file and the system error),
  * TM_ERR_UNSUPPORTED (a big-endian host; a tensor over 4 GiB, zlib's limit for one deflate
  * call), TM_ERR_NOMEM, TM_ERR_CUDA (reading a device tensor). */
-/* Under a communicator of several ranks saving is collective: every rank calls it, tensors
- * spread over the ranks (expert shards, ZeRO-1 blocks) are gathered to logical ones, world rank
- * 0 writes the file, and every rank returns rank 0's status (TM_ERR_COMM if a gather failed).
- * Loading needs no communication: each rank reads the file and keeps its part, so a checkpoint
- * written under one layout loads under any other. */
+/* Under a communicator of several ranks saving is collective: every rank calls it (with the
+ * same path; the ranks must share its directory) and the ranks write one file of logical
+ * tensors together: each tensor spread over the ranks (expert shards, ZeRO blocks of optimizer
+ * state, master weights, ZeRO-3 parameters) is written in place by the ranks that hold it, its
+ * ranges at offsets every rank computes from the logical shapes, nothing gathered; world rank
+ * 0 writes the meta, the tensors every rank holds whole and the compressed ones, then (once
+ * every rank reported its writes and their CRCs) the index, and renames the file into place
+ * (docs/checkpoint-format.md, "Written by every rank"). Every rank returns the same status: an
+ * error on any rank fails the save on all (the message names the rank), TM_ERR_COMM if a
+ * collective failed. Loading needs no communication: each rank reads the file and keeps its
+ * part, so a checkpoint written under one layout loads under any other. */
 TM_API tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes);
 
 /* How tensors are stored: each tensor is either raw bytes or one zlib stream (deflate level 1,
