@@ -760,7 +760,8 @@ static void sh_ok(const char *log, const char *what, const char *fmt, const char
 /* 4 ranks, ep_size 2, ZeRO-3: a synchronous save (--async_save false) has every rank write the
  * ranges it holds (expert shards, ZeRO blocks of parameters, master weights and AdamW moments)
  * into one file; the asynchronous save of the same run gathers everything to rank 0. Both files
- * hold the same logical tensors bit for bit (and their Hugging Face exports are the same bytes);
+ * hold the same logical tensors bit for bit (also under ZeRO-0, 1, 2 and ep_size 4), and their
+ * Hugging Face exports are the same bytes;
  * the rank-written file is resumed bit-exactly on the same layout and within the summation
  * order's 1e-5 on one process and on 2 ranks (ep_size 2, ZeRO-1), and inspect, eval and export
  * read it. */
@@ -796,6 +797,22 @@ Test(dist, rank_written_checkpoint_is_logical_and_resumes_anywhere) {
             reordered |= strcmp(na[i], nb[i]) != 0;
         }
         cr_assert(any_zip && reordered, "the gathered file interleaves its deflated counters; the ranks' does not");
+    }
+    /* the other ZeRO levels, with expert shards replicated over the expert-dp ranks (ZeRO-0:
+     * the lowest of them writes) or split in ZeRO blocks (1, 2) */
+    static const char *const zl[] = {"--ep_size 2 --zero 0", "--ep_size 2 --zero 1", "--ep_size 2 --zero 2",
+                                     "--ep_size 4 --zero 0"};
+    for (int j = 0; j < 4; j++) {
+        char ra[1024], ga[1024], ca[1100], cg[1100];
+        snprintf(ra, sizeof ra, "%s", tt_path(j == 0 ? "r0" : j == 1 ? "r1" : j == 2 ? "r2" : "r3"));
+        snprintf(ga, sizeof ga, "%s", tt_path(j == 0 ? "g0" : j == 1 ? "g1" : j == 2 ? "g2" : "g3"));
+        snprintf(f, sizeof f, "%s --steps 3 --async_save false", zl[j]);
+        train_ok(ra, 4, f);
+        snprintf(f, sizeof f, "%s --steps 3 --async_save true", zl[j]);
+        train_ok(ga, 4, f);
+        snprintf(ca, sizeof ca, "%s/ckpt-00000003.tmck", ra);
+        snprintf(cg, sizeof cg, "%s/ckpt-00000003.tmck", ga);
+        weights_compare(ca, cg, 1);
     }
     /* inspect, eval and export read it; the export equals the gathered file's byte for byte */
     snprintf(log, sizeof log, "%s.inspect.log", ranks);
