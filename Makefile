@@ -93,6 +93,15 @@ endif
 ifeq ($(origin PCRE2_CFLAGS),undefined)
   PCRE2_CFLAGS := $(shell pkg-config --cflags libpcre2-8 2>/dev/null)
 endif
+# utf8proc (Debian libutf8proc-dev) normalizes text to NFC for the subword tokenizers whose
+# tokenizer.json asks for it (Qwen2's; train/bpe_norm.c) in the driver and its tests; libtinymoe
+# does not use it. Override UTF8PROC_CFLAGS / UTF8PROC_LIBS where pkg-config cannot find it.
+ifeq ($(origin UTF8PROC_LIBS),undefined)
+  UTF8PROC_LIBS := $(shell pkg-config --libs libutf8proc 2>/dev/null)
+endif
+ifeq ($(origin UTF8PROC_CFLAGS),undefined)
+  UTF8PROC_CFLAGS := $(shell pkg-config --cflags libutf8proc 2>/dev/null)
+endif
 
 CUDA_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
              -gencode arch=compute_90,code=compute_90
@@ -163,17 +172,20 @@ BIN   := $(BUILD)/tinymoe
 TESTBIN := $(BUILD)/tinymoe_tests
 DIST_HELPER := $(BUILD)/tinymoe_dist_helper
 
-.PHONY: all test install clean config cjson-check pcre2-check
+.PHONY: all test install clean config cjson-check pcre2-check utf8proc-check
 all: $(LIBA) $(LIBSO) $(BIN)
 
 config:
-	@echo "CUDA=$(CUDA) BLAS=$(BLAS) ($(BLAS_PKG) openblas) MPI=$(MPI) NCCL=$(NCCL) SAN=$(SAN) BUILD=$(BUILD) NVCC=$(NVCC) CJSON_LIBS=$(CJSON_LIBS) PCRE2_LIBS=$(PCRE2_LIBS)"
+	@echo "CUDA=$(CUDA) BLAS=$(BLAS) ($(BLAS_PKG) openblas) MPI=$(MPI) NCCL=$(NCCL) SAN=$(SAN) BUILD=$(BUILD) NVCC=$(NVCC) CJSON_LIBS=$(CJSON_LIBS) PCRE2_LIBS=$(PCRE2_LIBS) UTF8PROC_LIBS=$(UTF8PROC_LIBS)"
 
 cjson-check:
 	@test -n "$(strip $(CJSON_LIBS))" || { echo "Makefile: cJSON not found (pkg-config libcjson): install libcjson-dev (scripts/install-deps.sh), or set CJSON_CFLAGS and CJSON_LIBS" >&2; exit 1; }
 
 pcre2-check:
 	@test -n "$(strip $(PCRE2_LIBS))" || { echo "Makefile: PCRE2 not found (pkg-config libpcre2-8): install libpcre2-dev (scripts/install-deps.sh), or set PCRE2_CFLAGS and PCRE2_LIBS" >&2; exit 1; }
+
+utf8proc-check:
+	@test -n "$(strip $(UTF8PROC_LIBS))" || { echo "Makefile: utf8proc not found (pkg-config libutf8proc): install libutf8proc-dev (scripts/install-deps.sh), or set UTF8PROC_CFLAGS and UTF8PROC_LIBS" >&2; exit 1; }
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -208,16 +220,16 @@ $(LIBTRAIN): $(DRV_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/train/%.o: CFLAGS_ALL += $(CJSON_CFLAGS) $(PCRE2_CFLAGS)
-$(DRV_OBJ) $(DRV_MAIN): | cjson-check pcre2-check
+$(BUILD)/train/%.o: CFLAGS_ALL += $(CJSON_CFLAGS) $(PCRE2_CFLAGS) $(UTF8PROC_CFLAGS)
+$(DRV_OBJ) $(DRV_MAIN): | cjson-check pcre2-check utf8proc-check
 $(BIN): $(DRV_MAIN) $(LIBTRAIN) $(LIBA)
-	$(CC) -o $@ $(DRV_MAIN) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(PCRE2_LIBS)
+	$(CC) -o $@ $(DRV_MAIN) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(PCRE2_LIBS) $(UTF8PROC_LIBS)
 
 $(BUILD)/tests/%.o: CFLAGS_ALL += $(shell pkg-config --cflags criterion 2>/dev/null) -Itests
 $(BUILD)/tests/%.o: CFLAGS_ALL += -Iframework -Itrain $(CJSON_CFLAGS)
-$(TEST_OBJ): | cjson-check pcre2-check
+$(TEST_OBJ): | cjson-check pcre2-check utf8proc-check
 $(TESTBIN): $(TEST_OBJ) $(LIBTRAIN) $(LIBA) | $(DIST_HELPER) $(BIN)
-	$(CC) -o $@ $(TEST_OBJ) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(PCRE2_LIBS) $(shell pkg-config --libs criterion 2>/dev/null || echo -lcriterion)
+	$(CC) -o $@ $(TEST_OBJ) $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(PCRE2_LIBS) $(UTF8PROC_LIBS) $(shell pkg-config --libs criterion 2>/dev/null || echo -lcriterion)
 
 # The SPMD program that tests/test_dist.c runs under mpirun (next to the test binary), and the
 # driver those tests train with.
@@ -353,7 +365,7 @@ bench: $(BENCH_BIN)
 # bench/tokenizer.c) against the `tokenizers` package on the same files.
 $(BUILD)/bench/tokenizer: bench/tokenizer.c $(LIBTRAIN) $(LIBA)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_ALL) -Itrain $(CJSON_CFLAGS) -o $@ $< $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(PCRE2_LIBS)
+	$(CC) $(CFLAGS_ALL) -Itrain $(CJSON_CFLAGS) -o $@ $< $(LIBTRAIN) $(LIBA) $(LDLIBS_ALL) $(CJSON_LIBS) $(PCRE2_LIBS) $(UTF8PROC_LIBS)
 all: $(BUILD)/bench/tokenizer
 
 # The GPU benchmarks of issue 12 (bench/gpu.sh, docs/PERFORMANCE.md): built by `make` on every

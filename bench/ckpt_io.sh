@@ -7,6 +7,8 @@
 #   bench/ckpt_io.sh [--preset coarse|fine|cpu-large] [--device cpu|cuda] [--dir DIR] [--reps R]
 #
 # Then times `tinymoe export` (Hugging Face safetensors) of it beside a raw write of as many bytes.
+# TINYMOE=path runs that driver binary instead of build/tinymoe for the train and export steps
+# (a before / after comparison of the export in one session: keep a copy of the old binary).
 #
 #   cpu-large (default): d_model 512, 4 layers, 4 experts of F 1536, vocab 8192, f32 on the CPU:
 #                        about 31M parameters, a 377 MB checkpoint with AdamW state.
@@ -22,22 +24,23 @@ while [ $# -gt 0 ]; do
         --dir) dir=$2; shift 2 ;;
         --reps) reps=$2; shift 2 ;;
         --threads) threads=$2; shift 2 ;;
-        -h|--help) sed -n 2,13p "$0"; exit 0 ;;
+        -h|--help) sed -n 2,15p "$0"; exit 0 ;;
         *) echo "ckpt_io.sh: unknown argument '$1'" >&2; exit 2 ;;
     esac
 done
 make -s -j2 build/tinymoe build/bench/ckpt_io >/dev/null
+tinymoe=${TINYMOE:-./build/tinymoe}
 [ -n "$dir" ] || dir=$(mktemp -d "${TMPDIR:-/tmp}/ckpt_io.XXXXXX")
 mkdir -p "$dir"
 run="$dir/run"
 rm -rf "$run"
 case "$preset" in
     cpu-large)
-        ./build/tinymoe train --device "$device" --d_model 512 --n_layers 4 --n_heads 8 --n_kv_heads 8 \
+        "$tinymoe" train --device "$device" --d_model 512 --n_layers 4 --n_heads 8 --n_kv_heads 8 \
             --num_experts 4 --topk 2 --expert_ffn_size 1536 --vocab_size 8192 --seq_len 32 --batch_size 2 \
             --steps 1 --eval_every 0 --sample_tokens 0 --threads "$threads" --out "$run" >/dev/null ;;
     coarse|fine)
-        ./build/tinymoe train --preset "$preset" --device "$device" --dtype bf16 --steps 1 --eval_every 0 \
+        "$tinymoe" train --preset "$preset" --device "$device" --dtype bf16 --steps 1 --eval_every 0 \
             --sample_tokens 0 --out "$run" >/dev/null ;;
     *) echo "ckpt_io.sh: unknown preset '$preset' (coarse, fine, cpu-large)" >&2; exit 2 ;;
 esac
@@ -50,7 +53,7 @@ echo "machine: $(nproc) cores, $(uname -srm); disk of $dir: $(df -h "$dir" | awk
 # blocks, fsync) to the same disk. Page cache dropped first where allowed, as ckpt_io does.
 sync; (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null || true
 t0=$(date +%s.%N)
-./build/tinymoe export --ckpt "$ckpt" --out "$dir/hf" >/dev/null
+"$tinymoe" export --ckpt "$ckpt" --out "$dir/hf" >/dev/null
 t1=$(date +%s.%N)
 st_bytes=$(stat -c %s "$dir/hf/model.safetensors")
 dd if=/dev/urandom of="$dir/hf_raw" bs=8M count=$(( (st_bytes + 8388607) / 8388608 )) iflag=fullblock status=none

@@ -106,9 +106,11 @@ BINS="build/tinymoe build/bench/moe_layer build/bench/kernels build/bench/attent
 if [ "$build" = 1 ]; then
     MAKE="make"
     if [ "$DEV" = cuda ]; then
-        # As tests/gpu/run.sh: make, cJSON and PCRE2 from the .debs in .deps/ when the machine lacks them.
+        # As tests/gpu/run.sh: make, cJSON, PCRE2 and utf8proc from the .debs in .deps/ when the
+        # machine lacks them.
         if { ! command -v make >/dev/null 2>&1 || ! pkg-config --exists libcjson 2>/dev/null ||
-             ! pkg-config --exists libpcre2-8 2>/dev/null; } && [ -d .deps ]; then
+             ! pkg-config --exists libpcre2-8 2>/dev/null || ! pkg-config --exists libutf8proc 2>/dev/null; } &&
+           [ -d .deps ]; then
             P=/tmp/tinymoe-bench-deps
             rm -rf "$P" && mkdir -p "$P"
             for f in .deps/*.deb; do dpkg -x "$f" "$P"; done
@@ -127,6 +129,7 @@ if [ "$build" = 1 ]; then
             command -v make >/dev/null 2>&1 || MAKE="$P/usr/bin/make"
             pkg-config --exists libcjson 2>/dev/null || export CJSON_CFLAGS="-I$P/usr/include/cjson" CJSON_LIBS="-lcjson"
             pkg-config --exists libpcre2-8 2>/dev/null || export PCRE2_CFLAGS="" PCRE2_LIBS="-lpcre2-8"
+            pkg-config --exists libutf8proc 2>/dev/null || export UTF8PROC_CFLAGS="" UTF8PROC_LIBS="-lutf8proc"
         fi
         FLAGS="CUDA=1 BLAS=0"
     else

@@ -639,8 +639,389 @@ static tm_status save_file(tm_ctx *ctx, const char *path, const void *meta, size
     return st;
 }
 
-/* Under a communicator saving is collective: every rank takes part (sharded tensors are
- * gathered to logical ones), world rank 0 writes the file, and every rank returns its status. */
+/* ---- distributed saves: every rank writes what it holds ------------------------------------ */
+
+/* Under a communicator of W > 1 ranks, a tensor spread over the ranks (expert shards, ZeRO
+ * blocks of optimizer state, master weights and, under ZeRO-3, parameters: tm__named_sharded)
+ * is written by the ranks that hold it, each its own logical range (tm__named_local_range) at
+ * an offset that every rank computes alike from the logical shapes, all ranks at once and
+ * nothing gathered; of replicas (an expert shard on every expert-dp rank) the lowest rank
+ * writes. World rank 0 writes what every rank holds whole (replicated weights, counters: its
+ * own value, as a single-rank save would) and the tensors chosen for deflate, gathered (small
+ * integer buffers under TM_CKPT_COMPRESS_AUTO); their stored length is known only after
+ * deflating, so they follow the raw tensors in the file and in the index (a load matches the
+ * index by name, so its order is free). The file is an ordinary version-2 checkpoint of
+ * logical tensors: any layout, and any reader of today's files, reads it.
+ * Protocol: rank 0 creates "<path>.tmp.XXXXXX" and broadcasts its name; every rank pwrites
+ * its ranges, fsyncs and closes; the statuses and each range's CRC are all-gathered; rank 0
+ * combines the CRCs (crc32_combine, in offset order), writes the index and the header, fsyncs,
+ * renames over path and syncs the directory, then broadcasts the outcome. Until the rename,
+ * path names the previous file, whatever instant a crash or kill -9 strikes on any rank. */
+
+enum { CKD_RANK0 = 0, CKD_RANKS = 1 };
+
+typedef struct ckd_tensor {
+    const tm_tensor *t;
+    int cls;        /* CKD_RANK0 or CKD_RANKS */
+    int zip;
+    size_t raw, stored;
+    uint64_t off;
+    uint32_t crc;
+    int64_t lo, cnt; /* this rank's logical range (CKD_RANKS) */
+    int writer;      /* this rank writes its range */
+} ckd_tensor;
+
+/* CRC and pwrite of n bytes at off in CK_CHUNK pieces on nth threads, *crc extended over them;
+ * 0 or an errno value. */
+static int crc_pwrite(int fd, const unsigned char *p, size_t n, uint64_t off, int nth, uint32_t *crc) {
+    enum { MAXC = CK_BATCH / CK_CHUNK };
+    uint32_t c[MAXC];
+    int e[MAXC];
+    for (size_t b = 0; b < n; b += CK_BATCH) {
+        size_t bn = n - b < CK_BATCH ? n - b : CK_BATCH;
+        int nc = (int)((bn + CK_CHUNK - 1) / CK_CHUNK);
+#pragma omp parallel for num_threads(nth) schedule(dynamic) if (nc > 1)
+        for (int i = 0; i < nc; i++) {
+            size_t a = b + (size_t)i * CK_CHUNK, len = n - a < CK_CHUNK ? n - a : CK_CHUNK;
+            c[i] = crc_update(0, p + a, len);
+            e[i] = pwrite_all(fd, p + a, len, off + a);
+        }
+        for (int i = 0; i < nc; i++) {
+            if (e[i]) return e[i];
+            size_t a = b + (size_t)i * CK_CHUNK, len = n - a < CK_CHUNK ? n - a : CK_CHUNK;
+            *crc = (uint32_t)crc32_combine(*crc, c[i], (z_off_t)len);
+        }
+    }
+    return 0;
+}
+
+/* Whether the ranks' ranges of tensor k (rg: [W][n][2] lo, count) tile its numel elements,
+ * each range held by one rank or by replicas with the same range. */
+static int ckd_tiles(const int64_t *rg, int W, int n, int k, int64_t numel) {
+    int64_t covered = 0;
+    for (int r = 0; r < W; r++) {
+        int64_t lo = rg[((size_t)r * n + k) * 2], cnt = rg[((size_t)r * n + k) * 2 + 1];
+        if (cnt < 0 || lo < 0 || lo + cnt > numel) return 0;
+        if (!cnt) continue;
+        int dup = 0;
+        for (int q = 0; q < W && !dup; q++) {
+            if (q == r) continue;
+            int64_t l2 = rg[((size_t)q * n + k) * 2], c2 = rg[((size_t)q * n + k) * 2 + 1];
+            if (!c2) continue;
+            if (l2 == lo && c2 == cnt) dup = q < r;
+            else if (l2 < lo + cnt && lo < l2 + c2) return 0; /* a partial overlap */
+        }
+        if (!dup) covered += cnt;
+    }
+    return covered == numel;
+}
+
+static int ckd_is_writer(const int64_t *rg, int n, int k, int r) {
+    int64_t lo = rg[((size_t)r * n + k) * 2], cnt = rg[((size_t)r * n + k) * 2 + 1];
+    if (cnt <= 0) return 0;
+    for (int q = 0; q < r; q++)
+        if (rg[((size_t)q * n + k) * 2] == lo && rg[((size_t)q * n + k) * 2 + 1] == cnt) return 0;
+    return 1;
+}
+
+/* Rank 0's end of a distributed save: each spread tensor's CRC from its writers' (in offset
+ * order), the index in file order (raw tensors, then deflated ones), the header, fsync, rename,
+ * directory sync. fd is closed here; the caller removes tmp on failure. */
+static tm_status ckd_commit(ck_save *sv, ckd_tensor *x, int n, int W, const int64_t *rg, const int64_t *res,
+                            const char *path, const char *tmp, int fd, uint64_t meta_bytes, uint64_t end) {
+    tm_ctx *ctx = sv->ctx;
+    const char *fn = "tm_ckpt_save";
+    size_t index_len = 0;
+    for (int k = 0; k < n; k++) {
+        ckd_tensor *c = &x[k];
+        int nd;
+        int64_t shape[TM_MAX_DIMS];
+        logical_shape(c->t, &nd, shape);
+        index_len += 2 + strlen(tm_tensor_name(c->t)) + 4 + 8 * (size_t)nd + 8 + 8 + 8 + 4;
+        if (c->cls != CKD_RANKS) continue;
+        size_t es = tm_dtype_size(tm_tensor_dtype(c->t));
+        c->crc = 0;
+        int64_t at = 0; /* the writers' ranges tile the tensor: take them in order */
+        for (;;) {
+            int r = 0;
+            while (r < W && !(ckd_is_writer(rg, n, k, r) && rg[((size_t)r * n + k) * 2] == at)) r++;
+            if (r == W) break;
+            int64_t cnt = rg[((size_t)r * n + k) * 2 + 1];
+            c->crc = (uint32_t)crc32_combine(c->crc, (uint32_t)res[(size_t)r * (n + 1) + 1 + k], (z_off_t)((size_t)cnt * es));
+            at += cnt;
+        }
+        if ((size_t)at * es != c->raw) {
+            close(fd);
+            return tm__err(ctx, TM_ERR_INTERNAL, "%s: '%s': the ranks' parts of '%s' cover %lld of its %zu bytes", fn,
+                           path, tm_tensor_name(c->t), (long long)at * (long long)es, c->raw);
+        }
+    }
+    unsigned char *index = tm__host_alloc(ctx, index_len + 12);
+    if (!index) {
+        close(fd);
+        return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory for the index of '%s'", fn, path);
+    }
+    unsigned char *p = index;
+    for (int pass = 0; pass < 2; pass++)
+        for (int k = 0; k < n; k++) {
+            const ckd_tensor *c = &x[k];
+            if (c->zip != pass) continue;
+            const char *name = tm_tensor_name(c->t);
+            size_t name_len = strlen(name);
+            int nd;
+            int64_t shape[TM_MAX_DIMS];
+            logical_shape(c->t, &nd, shape);
+            put_u16(p, (uint16_t)name_len), p += 2;
+            memcpy(p, name, name_len), p += name_len;
+            *p++ = (unsigned char)tm_tensor_dtype(c->t);
+            *p++ = (unsigned char)nd;
+            *p++ = (unsigned char)(c->zip ? CK_ENC_ZLIB : CK_ENC_RAW);
+            *p++ = 0;
+            for (int a = 0; a < nd; a++) put_u64(p, (uint64_t)shape[a]), p += 8;
+            put_u64(p, (uint64_t)c->raw), p += 8;
+            put_u64(p, (uint64_t)c->stored), p += 8;
+            put_u64(p, c->off), p += 8;
+            put_u32(p, c->crc), p += 4;
+        }
+    memcpy(p, ck_end, 8);
+    put_u32(p + 8, crc_update(0, index, index_len));
+    unsigned char h[CK_V2_HEADER];
+    memset(h, 0, sizeof h);
+    memcpy(h, ck_magic, 8);
+    put_u32(h + 8, CK_VERSION);
+    put_u32(h + 12, CK_ENDIAN);
+    put_u32(h + 16, (uint32_t)n);
+    put_u32(h + 20, 0);
+    put_u64(h + 24, meta_bytes);
+    put_u64(h + 32, end);
+    put_u64(h + 40, (uint64_t)index_len);
+    put_u64(h + 48, end + index_len + 12);
+    put_u32(h + 60, crc_update(0, h, 60));
+    if (sv->before_commit) sv->before_commit(tmp, sv->user);
+    int err = pwrite_all(fd, index, index_len + 12, end);
+    tm__host_free(ctx, index);
+    if (!err) err = pwrite_all(fd, h, sizeof h, 0);
+    if (!err && fsync(fd) != 0) err = errno;
+    if (close(fd) != 0 && !err) err = errno;
+    if (err) return tm__err(ctx, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp, strerror(err));
+    if (rename(tmp, path) != 0)
+        return tm__err(ctx, TM_ERR_IO, "%s: cannot rename '%s' to '%s': %s", fn, tmp, path, strerror(errno));
+    sync_dir(path);
+    return TM_OK;
+}
+
+/* The first failure wins: remember its status and message (the context's message buffer is
+ * rewritten by every later error). */
+static void ckd_note(tm_ctx *ctx, tm_status *st, char *msg, size_t cap, tm_status s) {
+    if (s == TM_OK || *st != TM_OK) return;
+    *st = s;
+    snprintf(msg, cap, "%s", tm_ctx_errmsg(ctx));
+}
+
+static tm_status save_ranks(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes,
+                            const tm_ckpt_save_options *opt) {
+    const char *fn = "tm_ckpt_save";
+    int W = tm_comm_size(ctx, TM_COMM_WORLD), me = tm_comm_rank(ctx, TM_COMM_WORLD), n = tm_ctx_num_named(ctx);
+    int nth = tm__nthreads(ctx);
+    tm_status st = TM_OK, s;
+    char msg[CK_ERR_MAX] = "";
+    ckd_tensor *x = tm__host_alloc(ctx, sizeof *x * (size_t)(n ? n : 1));
+    int64_t *mine = tm__host_alloc(ctx, sizeof(int64_t) * 2 * (size_t)(n ? n : 1));
+    int64_t *rg = tm__host_alloc(ctx, sizeof(int64_t) * 2 * (size_t)(n ? n : 1) * (size_t)W);
+    int64_t *res = tm__host_alloc(ctx, sizeof(int64_t) * (size_t)(n + 1) * (size_t)W);
+    int64_t *snd = tm__host_alloc(ctx, sizeof(int64_t) * (size_t)(n + 1));
+    unsigned char *buf = tm__host_alloc(ctx, CK_BATCH);
+    if (!x || !mine || !rg || !res || !snd || !buf) {
+        /* (small allocations: the other ranks would wait in the first collective) */
+        tm__host_free(ctx, x), tm__host_free(ctx, mine), tm__host_free(ctx, rg), tm__host_free(ctx, res);
+        tm__host_free(ctx, snd), tm__host_free(ctx, buf);
+        return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory planning a save of %d tensors", fn, n);
+    }
+    memset(x, 0, sizeof *x * (size_t)(n ? n : 1));
+    /* A: every rank's range of every tensor spread over the ranks */
+    for (int k = 0; k < n; k++) {
+        ckd_tensor *c = &x[k];
+        c->t = tm_ctx_named(ctx, k);
+        c->raw = tensor_bytes(c->t);
+        c->zip = ck_want_zip(opt, c->t);
+        mine[2 * k] = mine[2 * k + 1] = -1;
+        if (!c->zip && tm__named_sharded(ctx, c->t)) tm__named_local_range(ctx, c->t, &mine[2 * k], &mine[2 * k + 1]);
+    }
+    s = tm_comm_allgather_host(ctx, TM_COMM_WORLD, mine, rg, sizeof(int64_t) * 2 * (size_t)n);
+    if (s != TM_OK) goto out;
+    uint64_t data_start = CK_V2_HEADER + (uint64_t)meta_bytes + 4, cursor;
+    {
+        /* B: the temporary file (rank 0) and the layout of the data, the same on every rank */
+        struct {
+            int64_t st, meta_bytes;
+            char tmp[PATH_MAX];
+        } b;
+        memset(&b, 0, sizeof b);
+        int fd = -1;
+        if (me == 0) {
+            snprintf(b.tmp, sizeof b.tmp, "%s.tmp.XXXXXX", path);
+            fd = mkstemp(b.tmp);
+            if (fd < 0) {
+                b.st = tm__err(ctx, TM_ERR_IO, "%s: cannot create '%s': %s", fn, b.tmp, strerror(errno));
+                ckd_note(ctx, &st, msg, sizeof msg, (tm_status)b.st);
+            } else {
+                (void)fchmod(fd, 0644);
+            }
+            b.meta_bytes = (int64_t)meta_bytes;
+        }
+        s = tm_comm_bcast_host(ctx, TM_COMM_WORLD, 0, &b, sizeof b);
+        if (s != TM_OK) {
+            if (fd >= 0) close(fd), unlink(b.tmp);
+            goto out;
+        }
+        if (b.st != TM_OK) {
+            if (me != 0) st = tm__err(ctx, (tm_status)b.st, "%s: rank 0 failed to create the file for '%s' (%s)", fn, path,
+                                      tm_status_str((tm_status)b.st));
+            s = st; /* (rank 0's message is the context's already) */
+            goto out;
+        }
+        data_start = CK_V2_HEADER + (uint64_t)b.meta_bytes + 4;
+        cursor = data_start;
+        for (int k = 0; k < n; k++) {
+            ckd_tensor *c = &x[k];
+            int64_t numel = (int64_t)(c->raw / tm_dtype_size(tm_tensor_dtype(c->t)));
+            c->cls = rg[2 * k + 1] >= 0 && ckd_tiles(rg, W, n, k, numel) ? CKD_RANKS : CKD_RANK0;
+            if (c->cls == CKD_RANKS) {
+                c->lo = rg[((size_t)me * n + k) * 2];
+                c->cnt = rg[((size_t)me * n + k) * 2 + 1];
+                c->writer = ckd_is_writer(rg, n, k, me);
+            }
+            if (!c->zip) c->off = cursor, c->stored = c->raw, cursor += c->raw;
+        }
+        uint64_t zcursor = cursor; /* deflated tensors after the raw ones */
+        if (me != 0 && st == TM_OK) {
+            fd = open(b.tmp, O_WRONLY);
+            if (fd < 0)
+                ckd_note(ctx, &st, msg, sizeof msg,
+                         tm__err(ctx, TM_ERR_IO, "%s: rank %d cannot open '%s' (rank 0's temporary file for '%s'; the "
+                                 "ranks must share the directory): %s", fn, me, b.tmp, path, strerror(errno)));
+        }
+        if (me == 0 && st == TM_OK) {
+            int e = meta_bytes ? pwrite_all(fd, meta, meta_bytes, CK_V2_HEADER) : 0;
+            unsigned char c4[4];
+            put_u32(c4, crc_update(0, meta, meta_bytes));
+            if (!e) e = pwrite_all(fd, c4, 4, CK_V2_HEADER + meta_bytes);
+            if (e) ckd_note(ctx, &st, msg, sizeof msg,
+                            tm__err(ctx, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, b.tmp, strerror(e)));
+        }
+        /* C: rank 0's tensors, in creation order (the gathers of spread ones are collective) */
+        z_stream z;
+        int zok = 0;
+        unsigned char *comp = NULL;
+        for (int k = 0; k < n; k++) {
+            ckd_tensor *c = &x[k];
+            if (c->cls != CKD_RANK0) continue;
+            int coll = tm__named_sharded(ctx, c->t);
+            if (me != 0 && !coll) continue;
+            unsigned char *v = tm__host_alloc(ctx, c->raw ? c->raw : 1);
+            s = v ? tm__named_gather(ctx, c->t, v)
+                  : tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory for '%s' (%zu bytes)", fn, tm_tensor_name(c->t),
+                            c->raw);
+            if (s == TM_ERR_COMM) {
+                tm__host_free(ctx, v);
+                if (fd >= 0) close(fd);
+                if (me == 0) unlink(b.tmp);
+                if (zok) deflateEnd(&z);
+                tm__host_free(ctx, comp);
+                goto out;
+            }
+            ckd_note(ctx, &st, msg, sizeof msg, s);
+            if (me == 0 && st == TM_OK && !c->zip) {
+                int e = crc_pwrite(fd, v, c->raw, c->off, nth, &c->crc);
+                if (e) ckd_note(ctx, &st, msg, sizeof msg, tm__err(ctx, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s",
+                                                                   fn, path, b.tmp, strerror(e)));
+            } else if (me == 0 && st == TM_OK) {
+                size_t cl = ck_bound(c->raw);
+                if (!zok) zok = ck_deflate_init(ctx, &z) == Z_OK;
+                tm__host_free(ctx, comp);
+                comp = zok && (uLong)c->raw == c->raw && cl <= UINT_MAX ? tm__host_alloc(ctx, cl) : NULL;
+                int zs = comp ? ck_deflate(&z, v, c->raw, comp, &cl) : Z_MEM_ERROR;
+                int e = zs == Z_OK ? pwrite_all(fd, comp, cl, zcursor) : 0;
+                if (zs != Z_OK)
+                    ckd_note(ctx, &st, msg, sizeof msg, tm__err(ctx, zs == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL,
+                                                                "%s: '%s': compressing tensor '%s' failed (zlib %d)", fn,
+                                                                path, tm_tensor_name(c->t), zs));
+                else if (e)
+                    ckd_note(ctx, &st, msg, sizeof msg, tm__err(ctx, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s",
+                                                                fn, path, b.tmp, strerror(e)));
+                c->off = zcursor, c->stored = cl, c->crc = crc_update(0, comp, cl);
+                zcursor += cl;
+            }
+            tm__host_free(ctx, v);
+        }
+        if (zok) deflateEnd(&z);
+        tm__host_free(ctx, comp);
+        /* D: this rank's ranges, staged through buf (device to host), CRC and pwrite */
+        for (int k = 0; k < n && st == TM_OK; k++) {
+            ckd_tensor *c = &x[k];
+            if (c->cls != CKD_RANKS || !c->writer) continue;
+            size_t es = tm_dtype_size(tm_tensor_dtype(c->t));
+            int64_t per = CK_BATCH / (int64_t)es;
+            for (int64_t a = 0; a < c->cnt && st == TM_OK; a += per) {
+                int64_t m = c->cnt - a < per ? c->cnt - a : per;
+                s = tm__named_read_local(ctx, c->t, a, m, buf);
+                ckd_note(ctx, &st, msg, sizeof msg, s);
+                int e = s == TM_OK ? crc_pwrite(fd, buf, (size_t)m * es, c->off + (uint64_t)(c->lo + a) * es, nth, &c->crc) : 0;
+                if (e) ckd_note(ctx, &st, msg, sizeof msg, tm__err(ctx, TM_ERR_IO, "%s: rank %d cannot write its part of "
+                                                                   "'%s' (via '%s'): %s", fn, me, path, b.tmp, strerror(e)));
+            }
+        }
+        if (fd >= 0 && me != 0) {
+            if (st == TM_OK && fsync(fd) != 0)
+                ckd_note(ctx, &st, msg, sizeof msg, tm__err(ctx, TM_ERR_IO, "%s: rank %d cannot fsync its part of '%s' "
+                                                            "(via '%s'): %s", fn, me, path, b.tmp, strerror(errno)));
+            close(fd);
+            fd = -1;
+        }
+        /* E: every rank's status and the CRC of each of its ranges */
+        snd[0] = st;
+        for (int k = 0; k < n; k++) snd[k + 1] = x[k].cls == CKD_RANKS && x[k].writer ? (int64_t)x[k].crc : 0;
+        s = tm_comm_allgather_host(ctx, TM_COMM_WORLD, snd, res, sizeof(int64_t) * (size_t)(n + 1));
+        if (s != TM_OK) {
+            if (fd >= 0) close(fd);
+            if (me == 0) unlink(b.tmp);
+            goto out;
+        }
+        /* F: rank 0 commits, or removes the file */
+        int64_t v = st;
+        if (me == 0) {
+            for (int r = 1; r < W && v == TM_OK; r++)
+                if (res[(size_t)r * (n + 1)] != TM_OK) {
+                    v = res[(size_t)r * (n + 1)];
+                    st = tm__err(ctx, (tm_status)v, "%s: rank %d failed to write its part of '%s' (%s)", fn, r, path,
+                                 tm_status_str((tm_status)v));
+                    snprintf(msg, sizeof msg, "%s", tm_ctx_errmsg(ctx));
+                }
+            if (v == TM_OK) {
+                ck_save sv = {.ctx = ctx, .before_commit = opt->before_commit, .user = opt->user};
+                v = st = ckd_commit(&sv, x, n, W, rg, res, path, b.tmp, fd, (uint64_t)meta_bytes, zcursor);
+                fd = -1;
+                if (st != TM_OK) snprintf(msg, sizeof msg, "%s", tm_ctx_errmsg(ctx));
+            }
+            if (fd >= 0) close(fd);
+            if (v != TM_OK) unlink(b.tmp);
+        }
+        s = tm_comm_bcast_host(ctx, TM_COMM_WORLD, 0, &v, sizeof v);
+        if (s != TM_OK) goto out;
+        if (me != 0 && st == TM_OK && v != TM_OK)
+            st = tm__err(ctx, (tm_status)v, "%s: rank 0 failed to write '%s' (%s)", fn, path, tm_status_str((tm_status)v)),
+            snprintf(msg, sizeof msg, "%s", tm_ctx_errmsg(ctx));
+    }
+    s = st;
+    if (st != TM_OK) tm__err(ctx, st, "%s", msg); /* the first failure's message */
+out:
+    tm__host_free(ctx, x), tm__host_free(ctx, mine), tm__host_free(ctx, rg), tm__host_free(ctx, res);
+    tm__host_free(ctx, snd), tm__host_free(ctx, buf);
+    return s;
+}
+
+/* Under a communicator saving is collective: every rank takes part and returns the same status;
+ * each rank writes the parts of spread tensors it holds, world rank 0 the rest (save_ranks). */
 tm_status tm_ckpt_save_ex(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes,
                           const tm_ckpt_save_options *options) {
     if (!ctx) return TM_ERR_INVALID_ARG;
@@ -649,7 +1030,10 @@ tm_status tm_ckpt_save_ex(tm_ctx *ctx, const char *path, const void *meta, size_
         return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_ckpt_save: options->compress is %d (0..2)", (int)opt.compress);
     int W = tm_comm_size(ctx, TM_COMM_WORLD), me = tm_comm_rank(ctx, TM_COMM_WORLD), progress = 0;
     if (W == 1) return save_file(ctx, path, meta, meta_bytes, &opt, &progress);
-    tm_status st;
+    tm_status st = save_args(ctx, "tm_ckpt_save", path, meta, meta_bytes);
+    if (st == TM_OK && host_little_endian()) return save_ranks(ctx, path, meta, meta_bytes, &opt);
+    /* (every rank refuses the same arguments alike; a big-endian host takes the gathered path,
+     * which refuses it on rank 0 with the reason) */
     if (me == 0) {
         st = save_file(ctx, path, meta, meta_bytes, &opt, &progress);
         if (st != TM_OK && st != TM_ERR_COMM) {

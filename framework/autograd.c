@@ -105,6 +105,10 @@ static tm_status run_tape(tm_ctx *ctx) {
 tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!out || !grad) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_backward: %s is NULL", out ? "grad" : "output");
+    if (ctx->no_grad_buffers)
+        return tm__err(ctx, TM_ERR_STATE, "tm_backward: %s: this context was made with tm_ctx_options.no_grad_buffers "
+                       "= 1 (forwards only: its parameters have no gradient buffers); make the context without it to "
+                       "train", tm__tdesc(ctx, out));
     if (!out->requires_grad)
         return tm__err(ctx, TM_ERR_STATE, "tm_backward: %s does not require grad (no parameter or requires_grad "
                        "input reached it, or grad mode was off)", tm__tdesc(ctx, out));

@@ -79,6 +79,11 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
                  o.grouped_gemm);
         return TM_ERR_INVALID_ARG;
     }
+    if (o.no_grad_buffers != 0 && o.no_grad_buffers != 1) {
+        snprintf(create_error, sizeof create_error, "tm_ctx_new: no_grad_buffers = %d is neither 0 nor 1",
+                 o.no_grad_buffers);
+        return TM_ERR_INVALID_ARG;
+    }
     tm_ctx tmp;
     memset(&tmp, 0, sizeof tmp);
     if (o.allocator) {
@@ -96,6 +101,7 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->alloc_count = 1;
     ctx->n_threads = o.num_threads > 0 ? o.num_threads : omp_get_max_threads();
     ctx->grad_enabled = 1;
+    ctx->no_grad_buffers = o.no_grad_buffers;
     ctx->cpu_gemm_builtin = o.cpu_gemm == TM_CPU_GEMM_BUILTIN;
     /* AUTO is cuBLASLt until the CUDA backend's init, which knows the device, says otherwise */
     ctx->gmm_auto = o.grouped_gemm == TM_GROUPED_GEMM_AUTO;

@@ -79,6 +79,7 @@ typedef struct tm__mem_stats {
 typedef struct tm__pool {
     tm__storage st; /* st.nbytes is the capacity */
     size_t used;
+    size_t want;    /* capacity asked for while tm_ctx_defer_params is in force (param.c) */
 } tm__pool;
 
 /* A bucket: the parameters of one (device, dtype, group) in one contiguous buffer, their
@@ -124,6 +125,8 @@ struct tm_ctx {
     int has_alloc;
     int n_threads;
     int grad_enabled;
+    int no_grad_buffers;  /* tm_ctx_options.no_grad_buffers: parameters have no gradient (param.c) */
+    int params_deferred;  /* between tm_ctx_defer_params and tm_ctx_materialize_params */
     int cpu_gemm_builtin; /* tm_ctx_options.cpu_gemm == TM_CPU_GEMM_BUILTIN */
     int gmm_auto;         /* tm_ctx_options.grouped_gemm was TM_GROUPED_GEMM_AUTO (resolved into gmm_device) */
     int gmm_device;       /* tm_ctx_options.grouped_gemm (TM_GROUPED_GEMM_*); tm__gmm_device_schedule: not cuBLASLt */

@@ -180,6 +180,11 @@ tm_status tm__op_run(tm__call *c) {
             return tm__err(ctx, TM_ERR_DEVICE, "%s: inputs on different devices: input 0 is %s, input %d is %s",
                            op->name, tm__tdesc(ctx, c->in[0]), i, tm__tdesc(ctx, c->in[i]));
     }
+    for (int i = 0; i < c->n_in && ctx->params_deferred; i++)
+        if (c->in[i]->is_param && c->in[i]->storage && !c->in[i]->storage->data)
+            return tm__err(ctx, TM_ERR_STATE, "%s: input %d is parameter \"%s\", which has no memory yet: it was made "
+                           "after tm_ctx_defer_params; call tm_ctx_materialize_params first", op->name, i,
+                           c->in[i]->name);
     for (int i = 0; i < c->n_in; i++)
         if (c->in[i]->storage && c->in[i]->storage->sharded)
             return tm__err(ctx, TM_ERR_STATE, "%s: input %d %s is a parameter (or a view of one) that this rank holds a "

@@ -65,6 +65,8 @@ tm_status tm__named_alias(tm_ctx *ctx, const char *fn, const char *name, const t
 int tm__names_find(const tm_ctx *ctx, const char *name);
 /* The name of the first parameter of bucket `bucket` (for messages); "?" if none. */
 const char *tm__bucket_first_param(const tm_ctx *ctx, int bucket);
+/* tm_ctx_options.no_grad_buffers of the context: its parameters have no gradients (param.c). */
+int tm__ctx_no_grad_buffers(const tm_ctx *ctx);
 /* 1 when op `name` (as in framework/ops.def) has a forward kernel for tensors on dev in this
  * context. */
 int tm__op_available(const tm_ctx *ctx, const char *name, tm_device dev);
@@ -211,6 +213,14 @@ void tm__named_logical(const tm_tensor *t, int *ndim, int64_t *shape);
 tm_status tm__named_gather(tm_ctx *ctx, const tm_tensor *t, void *dst);
 /* Take this rank's part of the logical elements src (t's dtype) into t. No communication. */
 tm_status tm__named_scatter(tm_ctx *ctx, tm_tensor *t, const void *src);
+/* The logical elements [*lo, *lo + *n) of t (row-major) that this rank holds (a checkpoint's
+ * per-rank write: checkpoints/ckpt.c): the whole tensor when it is not spread over the ranks,
+ * the expert shard, or the expert shard's part in this rank's ZeRO block (*n may be 0). Ranks
+ * holding replicas report the same range. No communication. */
+void tm__named_local_range(const tm_ctx *ctx, const tm_tensor *t, int64_t *lo, int64_t *n);
+/* Elements [from, from + count) of that range into host memory dst (t's dtype). Errors:
+ * TM_ERR_INTERNAL (outside the range), TM_ERR_CUDA. */
+tm_status tm__named_read_local(tm_ctx *ctx, const tm_tensor *t, int64_t from, int64_t count, void *dst);
 
 /* Host mirrors of small i64 tensors (the invariant: framework/internal.h, "host mirrors"). */
 /* Mirror t (contiguous i64) with numel(t) values copied from vals (any host memory). */

@@ -9,7 +9,11 @@
  *   state   one flat f32 buffer per optimizer moment, same element offsets (tm__state_alloc)
  * Padding is zero everywhere and never written by backward, so a kernel may run over a whole
  * bucket or any [lo, hi) range of it. Buffers grow by doubling (the data moves; tensors keep
- * (storage, offset)).
+ * (storage, offset)), except between tm_ctx_defer_params and tm_ctx_materialize_params (what
+ * tm_model_new does): there a parameter only takes its offset, and materializing allocates each
+ * buffer once at its exact size. Growth by doubling copied a model of N bytes about log2(N / 1 MiB)
+ * times and could hold 2N; under tm_ctx_options.no_grad_buffers the gradient buffers are never
+ * made at all (a context that only runs forwards: eval, sampling, export).
  */
 #include "extend.h"
 #include "ctx_internal.h"
@@ -26,17 +30,17 @@ tm_param_options tm_param_options_default(void) {
 
 /* ---- growable buffers ---------------------------------------------------------------------- */
 
-static tm_status pool_reserve(tm_ctx *ctx, tm__pool *p, size_t need) {
-    if (p->used + need <= p->st.nbytes) return TM_OK;
-    size_t cap = p->st.nbytes ? p->st.nbytes : ((size_t)1 << 20);
-    while (cap < p->used + need) cap *= 2;
+/* Grow p to exactly cap bytes (cap > its capacity): the bytes in use move, the rest is zero. */
+static tm_status pool_grow(tm_ctx *ctx, tm__pool *p, size_t cap) {
     void *mem = tm__dev_alloc(ctx, p->st.device, cap);
     if (!mem)
         return tm__err(ctx, TM_ERR_NOMEM, "out of %s memory growing a parameter buffer to %zu bytes",
                        p->st.device.type == TM_DEVICE_CPU ? "host" : "device", cap);
+    /* (after a deferral `used` may exceed the old capacity: what lies past it is zero) */
+    size_t keep = p->used < p->st.nbytes ? p->used : p->st.nbytes;
     tm_status s = TM_OK;
-    if (p->used) s = tm__memcpy(ctx, mem, p->st.device, p->st.data, p->st.device, p->used);
-    if (s == TM_OK) s = tm__dev_memset0(ctx, p->st.device, (char *)mem + p->used, cap - p->used);
+    if (keep) s = tm__memcpy(ctx, mem, p->st.device, p->st.data, p->st.device, keep);
+    if (s == TM_OK) s = tm__dev_memset0(ctx, p->st.device, (char *)mem + keep, cap - keep);
     if (s != TM_OK) {
         tm__dev_free(ctx, p->st.device, mem);
         return s;
@@ -45,6 +49,18 @@ static tm_status pool_reserve(tm_ctx *ctx, tm__pool *p, size_t need) {
     p->st.data = mem;
     p->st.nbytes = cap;
     return TM_OK;
+}
+
+static tm_status pool_reserve(tm_ctx *ctx, tm__pool *p, size_t need) {
+    if (p->used + need <= p->st.nbytes) return TM_OK;
+    /* deferred: the caller's `used` grows, the memory comes at tm_ctx_materialize_params */
+    if (ctx->params_deferred) {
+        if (p->used + need > p->want) p->want = p->used + need;
+        return TM_OK;
+    }
+    size_t cap = p->st.nbytes ? p->st.nbytes : ((size_t)1 << 20);
+    while (cap < p->used + need) cap *= 2;
+    return pool_grow(ctx, p, cap);
 }
 
 static void flat_set(tm_tensor *t, tm_ctx *ctx, tm__pool *p, tm_dtype dt, int64_t numel) {
@@ -170,13 +186,14 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     if (b->grads_transient && (b->gshard.st.data || b->grads.st.data))
         return tm__err(ctx, TM_ERR_STATE, "%s: \"%s\": its bucket's gradients are split over the ranks (ZeRO-2) "
                        "already; create every parameter before the optimizer and the first backward", fn, t->name);
-    tm_tensor *g = tm__host_alloc(ctx, sizeof *g);
+    int grads = !ctx->no_grad_buffers; /* tm_ctx_options.no_grad_buffers: no gradient at all */
+    tm_tensor *g = grads ? tm__host_alloc(ctx, sizeof *g) : NULL;
     tm__param_meta *pm = tm__host_alloc(ctx, sizeof *pm);
     tm_tensor *mt = b->has_master ? tm__host_alloc(ctx, sizeof *mt) : NULL;
-    tm_status s = (!g || !pm || (b->has_master && !mt)) ? tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn) : TM_OK;
+    tm_status s = ((grads && !g) || !pm || (b->has_master && !mt)) ? tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn) : TM_OK;
     if (s == TM_OK) s = pool_reserve(ctx, &b->params, padded);
     /* ZeRO-2: the gradient layout only; the memory comes with the first backward */
-    if (s == TM_OK && !b->grads_transient) s = pool_reserve(ctx, &b->grads, padded);
+    if (s == TM_OK && grads && !b->grads_transient) s = pool_reserve(ctx, &b->grads, padded);
     if (s == TM_OK && b->has_master) s = pool_reserve(ctx, &b->master, mpadded);
     if (s != TM_OK) {
         tm__host_free(ctx, g);
@@ -192,14 +209,16 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     t->offset = pm->bucket_offset;
     b->params.used += padded;
     tm__mem_account(ctx, t->device, TM_MEM_PARAMETERS, (ptrdiff_t)padded);
-    if (!b->grads_transient) tm__mem_account(ctx, t->device, TM_MEM_GRADIENTS, (ptrdiff_t)padded);
-    *g = *t;
-    g->name = "";
-    g->is_param = 0;
-    g->requires_grad = 0;
-    g->storage = &b->grads.st;
-    g->offset = (int64_t)(b->grads.used / esz);
-    b->grads.used += padded;
+    if (g) {
+        if (!b->grads_transient) tm__mem_account(ctx, t->device, TM_MEM_GRADIENTS, (ptrdiff_t)padded);
+        *g = *t;
+        g->name = "";
+        g->is_param = 0;
+        g->requires_grad = 0;
+        g->storage = &b->grads.st;
+        g->offset = (int64_t)(b->grads.used / esz);
+        b->grads.used += padded;
+    }
     if (mt) { /* the master of a new (zero) parameter is zero: the pool's fresh bytes are */
         *mt = *t;
         mt->dtype = TM_F32;
@@ -220,6 +239,51 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     return TM_OK;
 }
 
+/* ---- deferred placement ----------------------------------------------------------------- */
+
+tm_status tm_ctx_defer_params(tm_ctx *ctx) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (ctx->params_deferred)
+        return tm__err(ctx, TM_ERR_STATE, "tm_ctx_defer_params: parameters are deferred already (call "
+                       "tm_ctx_materialize_params first)");
+    ctx->params_deferred = 1;
+    return TM_OK;
+}
+
+int tm_ctx_params_deferred(const tm_ctx *ctx) { return ctx ? ctx->params_deferred : 0; }
+int tm__ctx_no_grad_buffers(const tm_ctx *ctx) { return ctx->no_grad_buffers; }
+
+/* Each buffer that parameters outgrew while deferred gets one allocation of exactly what they
+ * use (the bytes it held before the deferral move; the rest is zero). A bucket whose buffer
+ * cannot be had keeps the deferral, so the call can be repeated; buckets done stay done. */
+tm_status tm_ctx_materialize_params(tm_ctx *ctx) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!ctx->params_deferred)
+        return tm__err(ctx, TM_ERR_STATE, "tm_ctx_materialize_params: no tm_ctx_defer_params in force");
+    for (int i = 0; i < ctx->n_buckets; i++) {
+        tm__bucket *b = ctx->buckets[i];
+        tm__pool *pools[3] = {&b->params, b->grads_transient ? NULL : &b->grads, b->has_master ? &b->master : NULL};
+        for (int k = 0; k < 3; k++) {
+            tm__pool *p = pools[k];
+            if (!p) continue;
+            size_t cap = p->used > p->want ? p->used : p->want;
+            if (cap > p->st.nbytes) {
+                tm_status s = pool_grow(ctx, p, cap);
+                if (s != TM_OK) {
+                    char msg[512]; /* tm__err writes where tm_ctx_errmsg points */
+                    snprintf(msg, sizeof msg, "%s", tm_ctx_errmsg(ctx));
+                    return tm__err(ctx, s, "tm_ctx_materialize_params: bucket %d (\"%s\" ...): %s", i,
+                                   tm__bucket_first_param(ctx, i), msg);
+                }
+            }
+            p->want = 0;
+        }
+        bucket_refresh_views(ctx, b);
+    }
+    ctx->params_deferred = 0;
+    return TM_OK;
+}
+
 void tm__bucket_refresh_views(tm_ctx *ctx, int bi) { bucket_refresh_views(ctx, ctx->buckets[bi]); }
 
 int64_t tm__bucket_params_offset(const tm_ctx *ctx, int bi) {
@@ -231,7 +295,8 @@ tm_status tm__bucket_reserve(tm_ctx *ctx, int bi, int64_t n) {
     tm__bucket *b = ctx->buckets[bi];
     size_t es = tm_dtype_size(b->info.dtype), want = (size_t)n * es;
     if (!b->params_sharded && want > b->params.used) TM__TRY(pool_reserve(ctx, &b->params, want - b->params.used));
-    if (!b->grads_transient && want > b->grads.used) TM__TRY(pool_reserve(ctx, &b->grads, want - b->grads.used));
+    if (!ctx->no_grad_buffers && !b->grads_transient && want > b->grads.used)
+        TM__TRY(pool_reserve(ctx, &b->grads, want - b->grads.used));
     size_t mwant = (size_t)n * sizeof(float);
     if (b->has_master && mwant > b->master.used) TM__TRY(pool_reserve(ctx, &b->master, mwant - b->master.used));
     return TM_OK;
@@ -277,6 +342,7 @@ tm_tensor *tm_ctx_bucket_tensor(const tm_ctx *ctx, int i, tm_bucket_part part) {
     if (!ctx || i < 0 || i >= ctx->n_buckets || (unsigned)part > TM_BUCKET_MASTER) return NULL;
     tm__bucket *b = ctx->buckets[i];
     if (part == TM_BUCKET_MASTER && !b->has_master) return NULL;
+    if (part == TM_BUCKET_GRADS && ctx->no_grad_buffers) return NULL;
     return &b->flat[part];
 }
 
@@ -297,7 +363,8 @@ tm_status tm_ctx_zero_grad(tm_ctx *ctx) {
             if (b->gshard.used) TM__TRY(tm__dev_memset0(ctx, b->gshard.st.device, b->gshard.st.data, b->gshard.used));
             continue;
         }
-        if (b->grads.used) TM__TRY(tm__dev_memset0(ctx, b->grads.st.device, b->grads.st.data, b->grads.used));
+        if (b->grads.used && b->grads.st.data)
+            TM__TRY(tm__dev_memset0(ctx, b->grads.st.device, b->grads.st.data, b->grads.used));
     }
     return TM_OK;
 }

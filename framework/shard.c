@@ -136,3 +136,38 @@ tm_status tm__named_scatter(tm_ctx *ctx, tm_tensor *t, const void *src) {
     return tm__memcpy(ctx, (char *)t->storage->data + (t->offset + start - z->lo) * (int64_t)es, t->device,
                       local + (start - z->off) * (int64_t)es, tm_cpu(), (size_t)mine * es);
 }
+
+/* Where this rank's part of t lies: its logical element range [lo, lo + n) and its first
+ * element in memory (the elements are contiguous there: a parameter, a ZeRO block's overlap,
+ * optimizer state). Not sharded: the whole tensor. */
+static void local_part(const tm_ctx *ctx, const tm_tensor *t, int64_t *lo, int64_t *n, int64_t *mem_off) {
+    int64_t numel = tm__numel(t), base = 0;
+    if (expert_sharded(t) && tm_comm_size(ctx, TM_COMM_EP) > 1)
+        base = shard_opts(t)->shard_offset * (numel / (t->shape[0] ? t->shape[0] : 1));
+    if (!t->zs) {
+        *lo = base, *n = numel, *mem_off = t->offset;
+        return;
+    }
+    const tm__zshard *z = t->zs;
+    int64_t start, mine = overlap(z, numel, tm_comm_rank(ctx, (tm_comm_group)z->group), &start);
+    *lo = base + (mine ? start - z->off : 0);
+    *n = mine;
+    *mem_off = t->offset + start - z->lo;
+}
+
+void tm__named_local_range(const tm_ctx *ctx, const tm_tensor *t, int64_t *lo, int64_t *n) {
+    int64_t off;
+    local_part(ctx, t, lo, n, &off);
+}
+
+tm_status tm__named_read_local(tm_ctx *ctx, const tm_tensor *t, int64_t from, int64_t count, void *dst) {
+    int64_t lo, n, off;
+    local_part(ctx, t, &lo, &n, &off);
+    if (from < 0 || count < 0 || from + count > n)
+        return tm__err(ctx, TM_ERR_INTERNAL, "\"%s\": elements [%lld, %lld) of this rank's %lld", t->name,
+                       (long long)from, (long long)(from + count), (long long)n);
+    if (!count) return TM_OK;
+    size_t es = tm_dtype_size(t->dtype);
+    return tm__memcpy(ctx, dst, tm_cpu(), (const char *)t->storage->data + (off + from) * (int64_t)es, t->device,
+                      (size_t)count * es);
+}

@@ -366,6 +366,9 @@ static tm_status tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, v
         return tm__err(ctx, TM_ERR_STATE, "tm_tensor_read: \"%s\" is split over the ranks (ZeRO-1); this rank holds "
                        "part of it (checkpoints gather it)", t->name);
     if (n == 0) return TM_OK;
+    if (t->storage && !t->storage->data && ctx->params_deferred && t->is_param)
+        return tm__err(ctx, TM_ERR_STATE, "tm_tensor_read: parameter \"%s\" has no memory yet: it was made after "
+                       "tm_ctx_defer_params; call tm_ctx_materialize_params first", t->name);
     if (t->storage && !t->storage->data)
         return tm__err(ctx, TM_ERR_STATE, "tm_tensor_read: %s has no memory now: a parameter gradient under ZeRO-2 "
                        "exists from a step's first backward to tm_comm_sync_grads, which keeps this rank's reduced "
@@ -417,6 +420,9 @@ static tm_status tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const 
         return tm__err(ctx, TM_ERR_STATE, "tm_tensor_write: \"%s\" is split over the ranks (ZeRO-1); this rank holds "
                        "part of it", t->name);
     if (n == 0) return TM_OK;
+    if (t->storage && !t->storage->data && ctx->params_deferred && t->is_param)
+        return tm__err(ctx, TM_ERR_STATE, "tm_tensor_write: parameter \"%s\" has no memory yet: it was made after "
+                       "tm_ctx_defer_params; call tm_ctx_materialize_params first", t->name);
     if (t->storage && !t->storage->data)
         return tm__err(ctx, TM_ERR_STATE, "tm_tensor_write: %s has no memory now (a parameter gradient under ZeRO-2 "
                        "outside a step's backward)", tm__tdesc(ctx, t));
@@ -443,6 +449,9 @@ tm_status tm_tensor_fill(tm_ctx *ctx, tm_tensor *t, double value) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!t) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_fill: tensor is NULL");
     if (!tm__is_contiguous(t)) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_tensor_fill: %s is a strided view", tm__tdesc(ctx, t));
+    if (t->storage && !t->storage->data && ctx->params_deferred && t->is_param)
+        return tm__err(ctx, TM_ERR_STATE, "tm_tensor_fill: parameter \"%s\" has no memory yet: it was made after "
+                       "tm_ctx_defer_params; call tm_ctx_materialize_params first", t->name);
     if (t->pm && t->pm->master) TM__TRY(tm__fill(ctx, t->pm->master, value)); /* f32 master weights follow */
     if (t->pm) TM__TRY(tm__param_master_fill(ctx, t, value));
     return tm__fill(ctx, t, value);

@@ -144,13 +144,21 @@ typedef struct tm_ctx_options {
                                     * kernel, CUBLASLT otherwise (decided once, at tm_ctx_new; on an
                                     * H100 the fine preset's step: 82.9 -> 70.3 ms, coarse 73.3 -> 72.8,
                                     * docs/PERFORMANCE.md) */
+    int no_grad_buffers;           /* 1: a context that only runs forwards (evaluation, sampling,
+                                    * export): its parameters get no gradient buffer, which halves
+                                    * the memory of an f32 model's parameters + gradients and the
+                                    * time to make them; tm_tensor_grad of a parameter is NULL,
+                                    * tm_ctx_bucket_tensor(.., TM_BUCKET_GRADS) is NULL, and
+                                    * tm_backward / tm_backward_with_grad and making an optimizer
+                                    * fail with TM_ERR_STATE naming this option. 0 (default):
+                                    * parameters have gradients */
 } tm_ctx_options;
 
 enum { TM_CPU_GEMM_AUTO = 0, TM_CPU_GEMM_BUILTIN = 1 };
 enum { TM_GROUPED_GEMM_CUBLASLT = 0, TM_GROUPED_GEMM_DEVICE = 1, TM_GROUPED_GEMM_HOPPER = 2, TM_GROUPED_GEMM_AUTO = 3 };
 
 /* Defaults: no allocator hook, all threads, CPU only, 64 MiB chunks, CPU GEMM auto, grouped
- * GEMM cuBLASLt. */
+ * GEMM auto, gradient buffers. */
 TM_API tm_ctx_options tm_ctx_options_default(void);
 
 /* Make a context. opts may be NULL (defaults). Errors: TM_ERR_INVALID_ARG (out NULL; an
@@ -303,8 +311,9 @@ TM_API tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const i
                               tm_device dev, tm_dtype src_dt, const void *src, tm_tensor **out);
 
 /* Persistent trainable parameter of the dense group (tm_param_new_ex below): allocated in its
- * bucket's contiguous parameter buffer, with its gradient (zeroed) in the bucket's gradient
- * buffer. A bf16 parameter written with tm_tensor_write (or initialised) after an optimizer
+ * bucket's contiguous parameter buffer (or placed there without memory until
+ * tm_ctx_materialize_params, below), with its gradient (zeroed) in the bucket's gradient
+ * buffer (none under tm_ctx_options.no_grad_buffers). A bf16 parameter written with tm_tensor_write (or initialised) after an optimizer
  * made its f32 master copy has the master rewritten from the same values.
  * `name` (<= 127 bytes, unique in the context) keys the counter-based RNG and checkpoints.
  * Contents are zero until initialised (tm_tensor_init_normal / tm_tensor_write).
@@ -313,6 +322,29 @@ TM_API tm_status tm_tensor_from_host(tm_ctx *ctx, tm_dtype dt, int ndim, const i
  * dtype), TM_ERR_CUDA (growing the CUDA parameter buffer copies it). */
 TM_API tm_status tm_param_new(tm_ctx *ctx, const char *name, tm_dtype dt, int ndim, const int64_t *shape,
                        tm_device dev, tm_tensor **out);
+/* Deferred placement: the parameters made between tm_ctx_defer_params and
+ * tm_ctx_materialize_params (tm_param_new, tm_param_new_ex, tm_moe_new, tm_model_new) take
+ * their place in their bucket but no memory; tm_ctx_materialize_params then allocates each
+ * bucket's parameter (and gradient) buffer once, at exactly the size its parameters use, and
+ * zeroes it. Without it a bucket grows by doubling as parameters are added, each growth a
+ * copy of the bucket (a model of N bytes is copied about log2(N / 1 MiB) times and may hold
+ * up to 2N). Like PyTorch's "meta" device followed by to_empty() (torch.nn.Module.to_empty),
+ * except that the parameters keep their handles. tm_model_new does this itself when no
+ * deferral is in force (a caller's deferral around it covers it: one allocation per bucket
+ * for everything made inside).
+ * While deferred, a parameter made since has no data: tm_tensor_read / _write / _fill and
+ * every op given it fail with TM_ERR_STATE naming it and tm_ctx_materialize_params, and its
+ * bucket's flat views (tm_ctx_bucket_tensor) are not to be used. Buffers (tm_buffer_new) are
+ * allocated as usual.
+ * tm_ctx_defer_params errors: TM_ERR_INVALID_ARG (ctx NULL), TM_ERR_STATE (already deferred).
+ * tm_ctx_materialize_params errors: TM_ERR_INVALID_ARG (ctx NULL), TM_ERR_STATE (no deferral in
+ * force), TM_ERR_NOMEM naming the bucket (the deferral stays in force for the buckets not yet
+ * allocated; the call may be repeated), TM_ERR_CUDA. tm_ctx_params_deferred: 1 while deferred,
+ * else 0 (also for NULL). */
+TM_API tm_status tm_ctx_defer_params(tm_ctx *ctx);
+TM_API tm_status tm_ctx_materialize_params(tm_ctx *ctx);
+TM_API int tm_ctx_params_deferred(const tm_ctx *ctx);
+
 /* Parameter groups and buckets.
  * Every parameter belongs to a group: dense (replicated over the data-parallel ranks: attention,
  * norms, router, embeddings) or expert (the weights of routed experts [expert_lo, expert_hi),
@@ -1180,8 +1212,9 @@ TM_API tm_status tm_model_config_check(tm_ctx *ctx, const tm_model_config *cfg);
 typedef struct tm_model tm_model;
 
 /* Build the parameters named above (zero until tm_model_init) on dev in dtype (f32, bf16, or
- * f64 on the CPU; the MoE gates are f32, f64 for f64). One model per context: the names are
- * fixed. Errors: TM_ERR_INVALID_ARG (out NULL, cfg as tm_model_config_check, a parameter name
+ * f64 on the CPU; the MoE gates are f32, f64 for f64), each bucket allocated once at its exact
+ * size (tm_ctx_defer_params; under a caller's deferral, at the caller's
+ * tm_ctx_materialize_params). One model per context: the names are fixed. Errors: TM_ERR_INVALID_ARG (out NULL, cfg as tm_model_config_check, a parameter name
  * already in the context), TM_ERR_DTYPE (dtype not float; f64 on CUDA), TM_ERR_DEVICE (dev not
  * available), TM_ERR_NOMEM, TM_ERR_CUDA. A failure may leave the parameters made before it in
  * the context. */
@@ -1337,11 +1370,17 @@ TM_API tm_status tm_sample_token(tm_ctx *ctx, const float *logits, int V, const 
  * with meta_bytes > 0), TM_ERR_IO (the message names the file and the system error),
  * TM_ERR_UNSUPPORTED (a big-endian host; a tensor over 4 GiB, zlib's limit for one deflate
  * call), TM_ERR_NOMEM, TM_ERR_CUDA (reading a device tensor). */
-/* Under a communicator of several ranks saving is collective: every rank calls it, tensors
- * spread over the ranks (expert shards, ZeRO-1 blocks) are gathered to logical ones, world rank
- * 0 writes the file, and every rank returns rank 0's status (TM_ERR_COMM if a gather failed).
- * Loading needs no communication: each rank reads the file and keeps its part, so a checkpoint
- * written under one layout loads under any other. */
+/* Under a communicator of several ranks saving is collective: every rank calls it (with the
+ * same path; the ranks must share its directory) and the ranks write one file of logical
+ * tensors together: each tensor spread over the ranks (expert shards, ZeRO blocks of optimizer
+ * state, master weights, ZeRO-3 parameters) is written in place by the ranks that hold it, its
+ * ranges at offsets every rank computes from the logical shapes, nothing gathered; world rank
+ * 0 writes the meta, the tensors every rank holds whole and the compressed ones, then (once
+ * every rank reported its writes and their CRCs) the index, and renames the file into place
+ * (docs/checkpoint-format.md, "Written by every rank"). Every rank returns the same status: an
+ * error on any rank fails the save on all (the message names the rank), TM_ERR_COMM if a
+ * collective failed. Loading needs no communication: each rank reads the file and keeps its
+ * part, so a checkpoint written under one layout loads under any other. */
 TM_API tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t meta_bytes);
 
 /* How tensors are stored: each tensor is either raw bytes or one zlib stream (deflate level 1,

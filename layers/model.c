@@ -202,7 +202,19 @@ tm_status tm_model_new(tm_ctx *ctx, const tm_model_config *cfg, tm_dtype dtype, 
     m->layers = (tm__layer *)(mem + layers_off);
     m->n_moe = n_moe;
     m->tokens_per_expert = (int64_t *)(mem + tpe_off);
-    tm_status s = build(m);
+    /* Every parameter placed first, then each bucket allocated once at its exact size (rather
+     * than grown by doubling as the parameters come: tinymoe.h, "Deferred placement"). */
+    int defer = !tm_ctx_params_deferred(ctx);
+    tm_status s = defer ? tm_ctx_defer_params(ctx) : TM_OK;
+    if (s == TM_OK) s = build(m);
+    if (defer && tm_ctx_params_deferred(ctx)) {
+        /* also after a failed build: the parameters made stay usable */
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", tm_ctx_errmsg(ctx));
+        tm_status ms = tm_ctx_materialize_params(ctx);
+        if (s != TM_OK && ms == TM_OK) tm__err(ctx, s, "%s", msg); /* the build's message stays */
+        if (s == TM_OK) s = ms;
+    }
     if (s != TM_OK) {
         /* Parameters already made stay with the context (there is no way to remove one). */
         tm_model_free(m);

@@ -68,6 +68,9 @@ tm_status tm__optimizer_create(tm_ctx *ctx, const char *fn, int n_state, const c
                                const char *counter, tm_optimizer **out) {
     int n = tm_ctx_num_params(ctx);
     if (n == 0) return tm__err(ctx, TM_ERR_STATE, "%s: the context has no parameters (tm_param_new)", fn);
+    if (tm__ctx_no_grad_buffers(ctx))
+        return tm__err(ctx, TM_ERR_STATE, "%s: this context was made with tm_ctx_options.no_grad_buffers = 1 (forwards "
+                       "only: its parameters have no gradients to step on); make the context without it to train", fn);
     if (n_state < 0 || n_state > TM__OPT_MAX_STATE)
         return tm__err(ctx, TM_ERR_INTERNAL, "%s: %d state buffers per parameter", fn, n_state);
     int nb = tm_ctx_num_buckets(ctx);

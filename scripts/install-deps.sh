@@ -10,13 +10,15 @@
 #   libcjson-dev      cJSON, the JSON reader of the driver (Hugging Face config.json, safetensors headers)
 #   libpcre2-dev      PCRE2, the regex engine of the driver's subword tokenizers: the Split patterns of a
 #                     tokenizer.json (\p{L}, lookahead, ...) are run by it, not by code of our own
+#   libutf8proc-dev   utf8proc, the Unicode NFC normalization that Qwen2's tokenizer.json asks for
+#                     ("normalizer": {"type": "NFC"}): Unicode's own tables, kept up to date by others
 #   cmake             only for the test that find_package(tinymoe) works on an install (make examples)
 #   python3-venv      the virtual environment of the tests' Python oracles (scripts/install-pydeps.sh)
 # The CUDA toolkit is not installed here; the Makefile uses it when nvcc is found.
 set -euo pipefail
 
 packages=(build-essential pkg-config libcriterion-dev libopenblas-openmp-dev libopenmpi-dev openmpi-bin zlib1g-dev
-          libcjson-dev libpcre2-dev cmake python3-venv)
+          libcjson-dev libpcre2-dev libutf8proc-dev cmake python3-venv)
 
 if [ "$(id -u)" -eq 0 ]; then
     as_root=""

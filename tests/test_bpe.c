@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "bpe.h"
+#include "bpe_norm.h"
 #include "bpe_pretok.h"
 #include "child.h"
 #include "common.h"
@@ -259,7 +260,7 @@ Test(bpe, malformed_tokenizer_json_names_file_and_field) {
         void (*edit)(cJSON *);
     } cases[] = {
         {"WordPiece model", "model.type", NULL},          {"byte fallback", "model.byte_fallback", NULL},
-        {"NFC normalizer", "normalizer", NULL},           {"a pattern PCRE2 cannot compile", "pretokenizers[0].pattern.Regex", NULL},
+        {"NFKC normalizer", "normalizer.type", NULL},           {"a pattern PCRE2 cannot compile", "pretokenizers[0].pattern.Regex", NULL},
         {"bad merge", "model.merges[1]", NULL},           {"a missing byte", "model.vocab", NULL},
         {"lstrip", "added_tokens[0].lstrip", NULL},        {"no decoder", "decoder.type", NULL},
         {"a merge of unknown tokens", "model.merges[0]", NULL}, {"a negative id", "model.vocab[", NULL},
@@ -275,7 +276,7 @@ Test(bpe, malformed_tokenizer_json_names_file_and_field) {
         case 1: cJSON_ReplaceItemInObject(m, "byte_fallback", cJSON_CreateTrue()); break;
         case 2: {
             cJSON *nz = cJSON_CreateObject();
-            cJSON_AddStringToObject(nz, "type", "NFC");
+            cJSON_AddStringToObject(nz, "type", "NFKC");
             cJSON_ReplaceItemInObject(j, "normalizer", nz);
             break;
         }
@@ -627,5 +628,175 @@ Test(bpe, any_bytes_round_trip) {
         free(text);
         free(back);
         tmd_bpe_free(t);
+    }
+}
+
+/* ---- the NFC normalizer (train/bpe_norm.c) ------------------------------------------------ */
+
+/* tests/bpe_nfc_oracle.py's tokenizers with an NFC normalizer (GPT-2's split, Qwen2's layout, a
+ * Sequence of NFC) give the same ids here on accents written both ways, Vietnamese, Hangul
+ * jamo, marks out of order, singletons, marks after special tokens and a normalized added token
+ * written decomposed, over 64 KiB with and without ASCII; what the ids decode to is tokenizers'
+ * decode (the NFC of the text). Without the normalizer the ids differ (the script checks that NFC
+ * changes every corpus). */
+Test(bpe, nfc_oracle_ids_and_decoding) {
+    TT_WATCHDOG(600);
+    const char *py = tt_python_with("tokenizers");
+    if (!py) cr_skip_test("no Python with the tokenizers package (scripts/install-pydeps.sh installs it)");
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", tt_path("nfc"));
+    char *argv[] = {(char *)py, "tests/bpe_nfc_oracle.py", dir, NULL};
+    int rc = tt_run(argv, tt_path("nfc.log"), 300, NULL);
+    long ln;
+    unsigned char *log = tt_slurp(tt_path("nfc.log"), &ln);
+    cr_assert_eq(rc, 0, "tests/bpe_nfc_oracle.py failed (exit %d):\n%s", rc, log ? (char *)log : "");
+    cr_log_info("%s", log ? (char *)log : "");
+    free(log);
+    char path[4400], kind[64], name[64];
+    snprintf(path, sizeof path, "%s/manifest.txt", dir);
+    FILE *man = fopen(path, "r");
+    cr_assert(man);
+    int cases = 0, failed = 0;
+    static char msg[1 << 15];
+    msg[0] = 0;
+    while (fscanf(man, "%63s %63s", kind, name) == 2) {
+        snprintf(path, sizeof path, "%s/tok_%s.json", dir, kind);
+        tmd_bpe *t;
+        char err[2048];
+        cr_assert_eq(tmd_bpe_load(path, &t, err, sizeof err), 0, "%s", err);
+        cr_assert(strstr(tmd_bpe_describe(t), "with NFC"), "%s", tmd_bpe_describe(t));
+        snprintf(path, sizeof path, "%s/corpus_%s.txt", dir, name);
+        long len, dl;
+        unsigned char *text = tt_slurp(path, &len);
+        snprintf(path, sizeof path, "%s/dec_%s_%s.txt", dir, kind, name);
+        unsigned char *dec = tt_slurp(path, &dl);
+        snprintf(path, sizeof path, "%s/ids_%s_%s.u32", dir, kind, name);
+        int64_t nw, ng = 0, cap = 0;
+        uint32_t *want = read_u32(path, &nw), *got = NULL;
+        cr_assert_eq(tmd_bpe_encode(t, (const char *)text, (size_t)len, &got, &ng, &cap, err, sizeof err), 0, "%s", err);
+        int bad = 0;
+        if (!(ng == nw && !memcmp(got, want, sizeof *got * (size_t)ng))) {
+            size_t w = strlen(msg);
+            snprintf(msg + w, sizeof msg - w, "%s on %s: ", kind, name);
+            w = strlen(msg);
+            show_diff(t, got, ng, want, nw, msg + w, sizeof msg - w);
+            bad = 1;
+        }
+        size_t nb = 0, cap_b = (size_t)len * 2 + 64;
+        unsigned char *back = malloc(cap_b);
+        int ok = 1;
+        for (int64_t i = 0; i < ng && ok; i++) {
+            const unsigned char *b;
+            int bl = tmd_bpe_token_bytes(t, got[i], &b);
+            ok = bl >= 0 && nb + (size_t)bl <= cap_b;
+            if (ok) memcpy(back + nb, b, (size_t)bl), nb += (size_t)bl;
+        }
+        if (!(ok && nb == (size_t)dl && !memcmp(back, dec, nb))) {
+            size_t w = strlen(msg);
+            snprintf(msg + w, sizeof msg - w, "%s on %s: decoding is not tokenizers' (%zu bytes, want %ld)\n", kind,
+                     name, nb, dl);
+            bad = 1;
+        }
+        failed += bad;
+        free(back), free(dec), free(text), free(want), free(got);
+        tmd_bpe_free(t);
+        cases++;
+    }
+    fclose(man);
+    cr_assert_eq(cases, 12, "%d cases in the manifest", cases);
+    cr_assert_eq(failed, 0, "%d of %d cases differ:\n%s", failed, cases, msg);
+}
+
+/* tmd_nfc by hand: precomposition, canonical order, Hangul, bytes that are not UTF-8 kept where
+ * they are with the text around them normalized, and a text past the 64 KiB chunk whose result
+ * is known from its one repeated unit. */
+Test(bpe, nfc_by_hand_invalid_bytes_and_chunks) {
+    static const struct {
+        const char *in, *want;
+    } cases[] = {
+        {"cafe\xcc\x81", "caf\xc3\xa9"},                         /* e + U+0301 -> U+00E9 */
+        {"a\xcc\x96\xcc\x81", "\xc3\xa1\xcc\x96"},               /* a U+0316 U+0301 -> U+00E1 U+0316 */
+        {"\xe1\x84\x80\xe1\x85\xa1\xe1\x86\xa8", "\xea\xb0\x81"}, /* jamo G A G -> U+AC01 */
+        {"\xe2\x84\xab", "\xc3\x85"},                             /* U+212B ANGSTROM SIGN -> U+00C5 */
+        {"e\xcc\x81\xff" "e\xcc\x81", "\xc3\xa9\xff\xc3\xa9"},   /* 0xFF stays, both sides composed */
+        {"\xcc\x81\x80x\xed\xa0\x80" "a\xcc\x8a", "\xcc\x81\x80x\xed\xa0\x80\xc3\xa5"}, /* a lone mark, a
+                                                                 continuation byte, a surrogate */
+        {"plain ascii \xc3\xa9t\xc3\xa9", NULL},                 /* below U+0300: given back as is */
+    };
+    unsigned char *buf = NULL;
+    size_t cap = 0;
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        const unsigned char *in = (const unsigned char *)cases[i].in, *out;
+        size_t n;
+        cr_assert_eq(tmd_nfc(in, strlen(cases[i].in), &buf, &cap, &out, &n), 0);
+        const char *want = cases[i].want ? cases[i].want : cases[i].in;
+        cr_assert(n == strlen(want) && !memcmp(out, want, n), "case %zu: %zu bytes '%.*s'", i, n, (int)n, out);
+        if (!cases[i].want) cr_assert_eq(out, in, "case %zu: copied", i);
+    }
+    /* 100000 units of "e U+0301 U+0327 " (ASCII between, so chunks end inside) and, with no ASCII,
+     * of "U+1100 U+1161 U+3000": each unit normalizes alone */
+    for (int k = 0; k < 2; k++) {
+        const char *unit = k ? "\xe1\x84\x80\xe1\x85\xa1\xe3\x80\x80" : "e\xcc\x81\xcc\xa7 ";
+        const char *nfc = k ? "\xea\xb0\x80\xe3\x80\x80" : "\xc8\xa9\xcc\x81 "; /* U+AC00; U+0229 U+0301 */
+        size_t ul = strlen(unit), nl = strlen(nfc), N = 100000;
+        unsigned char *big = malloc(ul * N);
+        for (size_t i = 0; i < N; i++) memcpy(big + i * ul, unit, ul);
+        const unsigned char *out;
+        size_t n;
+        cr_assert_eq(tmd_nfc(big, ul * N, &buf, &cap, &out, &n), 0);
+        cr_assert_eq(n, nl * N, "unit %d: %zu bytes", k, n);
+        for (size_t i = 0; i < N; i++) cr_assert(!memcmp(out + i * nl, nfc, nl), "unit %d, copy %zu", k, i);
+        free(big);
+    }
+    free(buf);
+    cr_log_info("%s", tmd_nfc_version());
+}
+
+/* Normalizers other than NFC are refused naming their type and where it is; a Sequence is taken
+ * only when each of its members is NFC. */
+Test(bpe, normalizers_other_than_nfc_are_refused) {
+    static const struct {
+        const char *json, *field, *type; /* type NULL: taken */
+    } cases[] = {
+        {"{\"type\": \"NFC\"}", NULL, NULL},
+        {"{\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"NFC\"}]}", NULL, NULL},
+        {"{\"type\": \"Sequence\", \"normalizers\": []}", NULL, NULL},
+        {"{\"type\": \"NFKC\"}", "normalizer.type", "NFKC"},
+        {"{\"type\": \"NFD\"}", "normalizer.type", "NFD"},
+        {"{\"type\": \"Lowercase\"}", "normalizer.type", "Lowercase"},
+        {"{\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, \"content\": \"_\"}", "normalizer.type", "Replace"},
+        {"{\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"NFC\"}, {\"type\": \"Lowercase\"}]}",
+         "normalizer.normalizers[1].type", "Lowercase"},
+        {"{\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"NFKD\"}]}]}",
+         "normalizer.normalizers[0].normalizers[0].type", "NFKD"},
+        {"{\"type\": \"Sequence\"}", "normalizer.normalizers", "missing"},
+        {"\"NFC\"", "normalizer.type", "\"NFC\""},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        cJSON *j = small_tokenizer(258), *nz = cJSON_Parse(cases[i].json);
+        cr_assert(nz, "case %zu", i);
+        cJSON_ReplaceItemInObject(j, "normalizer", nz);
+        const char *p = write_json(j, "nz.json");
+        cJSON_Delete(j);
+        tmd_bpe *t = NULL;
+        char err[2048] = "";
+        int rc = tmd_bpe_load(p, &t, err, sizeof err);
+        if (!cases[i].type) {
+            cr_assert_eq(rc, 0, "%s: %s", cases[i].json, err);
+            /* "hello" has nothing NFC changes: the ids of small_tokenizer_encodes_by_hand */
+            uint32_t *ids = NULL;
+            int64_t n = 0, ncap = 0;
+            cr_assert_eq(tmd_bpe_encode(t, "hello", 5, &ids, &n, &ncap, err, sizeof err), 0);
+            cr_assert(n == 3 && ids[0] == 257 && ids[1] == 256 && ids[2] == 'o');
+            free(ids);
+            tmd_bpe_free(t);
+            continue;
+        }
+        cr_assert_eq(rc, TMD_CONFIG_ERROR, "%s: rc %d (%s)", cases[i].json, rc, err);
+        cr_assert_null(t);
+        char field[128];
+        snprintf(field, sizeof field, "field '%s': %s", cases[i].field, cases[i].type);
+        cr_assert(strstr(err, p) && strstr(err, field), "%s: want the file and \"%s\" in: %s", cases[i].json, field, err);
+        if (strcmp(cases[i].type, "missing")) cr_assert(strstr(err, "only NFC"), "%s", err);
     }
 }

@@ -774,6 +774,8 @@ Test(ckpt, weights_only_load_does_not_read_optimizer_state) {
     cr_assert_eq(memcmp(got, wa_v, sizeof got), 0, "the saved weights");
     free(img);
     tm_ctx_free(w);
+    tm_optimizer_free(oa);
+    tm_optimizer_free(ob);
     tm_ctx_free(a);
     tm_ctx_free(b);
 }

@@ -32,6 +32,7 @@
 #include <string.h>
 #include <dirent.h>
 #include <errno.h>
+#include <signal.h>
 #include <sys/prctl.h>
 #include <fcntl.h>
 #include <sys/wait.h>
@@ -412,8 +413,8 @@ static tm_optimizer *optimizer_of(tmd_loaded_model *m) {
 static void weights_compare(const char *a, const char *b, int exact) {
     tmd_loaded_model ma, mb;
     char err[2048];
-    cr_assert_eq(tmd_ckpt_load_model(a, -1, 1, &ma, err, sizeof err), 0, "%s", err);
-    cr_assert_eq(tmd_ckpt_load_model(b, -1, 1, &mb, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_ckpt_load_model_ex(a, -1, 1, 1, &ma, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tmd_ckpt_load_model_ex(b, -1, 1, 1, &mb, err, sizeof err), 0, "%s", err);
     tm_optimizer *oa = optimizer_of(&ma), *ob = optimizer_of(&mb);
     TT_OK(ma.ctx, tm_ckpt_load(ma.ctx, ma.path, NULL, 0, NULL));
     TT_OK(mb.ctx, tm_ckpt_load(mb.ctx, mb.path, NULL, 0, NULL));
@@ -778,6 +779,206 @@ Test(dist, resume_across_zero_levels) {
         cr_assert_leq(fabs(v[i] - ref[5 + i]), 1e-5 * fabs(ref[5 + i]), "3 -> 1, step %d: %.9g vs %.9g", i + 6, v[i],
                       ref[5 + i]);
     assert_same_weights(z0, o);
+    tt_tmpdir_remove();
+}
+
+/* ---- checkpoints written by every rank (issue 21, item 5) ----------------------------------- */
+
+/* The names of a checkpoint's tensors in file order, and whether each is deflated. */
+static int file_order(const char *path, char names[][128], int *zip, int max) {
+    tm_ctx *ctx = tt_ctx();
+    tm_ckpt_info *info = NULL;
+    TT_OK(ctx, tm_ckpt_inspect(ctx, path, &info)); /* every CRC checked */
+    int n = info->num_entries < max ? info->num_entries : max;
+    for (int i = 0; i < n; i++) {
+        snprintf(names[i], 128, "%s", info->entries[i].name);
+        zip[i] = info->entries[i].compressed;
+    }
+    tm_ckpt_info_free(info);
+    tm_ctx_free(ctx);
+    return n;
+}
+
+static void sh_ok(const char *log, const char *what, const char *fmt, const char *a, const char *b, const char *c) {
+    int rc = run(log, fmt, a, b, c);
+    char *t = slurp_text(log);
+    cr_assert_eq(rc, 0, "%s: exit %d\n%s", what, rc, t);
+    free(t);
+}
+
+/* 4 ranks, ep_size 2, ZeRO-3: a synchronous save (--async_save false) has every rank write the
+ * ranges it holds (expert shards, ZeRO blocks of parameters, master weights and AdamW moments)
+ * into one file; the asynchronous save of the same run gathers everything to rank 0. Both files
+ * hold the same logical tensors bit for bit (also under ZeRO-0, 1, 2 and ep_size 4), and their
+ * Hugging Face exports are the same bytes;
+ * the rank-written file is resumed bit-exactly on the same layout and within the summation
+ * order's 1e-5 on one process and on 2 ranks (ep_size 2, ZeRO-1), and inspect, eval and export
+ * read it. */
+Test(dist, rank_written_checkpoint_is_logical_and_resumes_anywhere) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    char ranks[1024], gath[1024], o[1024], ck[1100], ckg[1100], log[1100];
+    snprintf(ranks, sizeof ranks, "%s", tt_path("ranks"));
+    snprintf(gath, sizeof gath, "%s", tt_path("gathered"));
+    const char *lay = "--ep_size 2 --zero 3 --save_every 5 --keep_last 2";
+    char f[512];
+    snprintf(f, sizeof f, "%s --async_save false", lay);
+    train_ok(ranks, 4, f);
+    snprintf(f, sizeof f, "%s --async_save true", lay);
+    train_ok(gath, 4, f);
+    double straight[16], v[8];
+    cr_assert_eq(losses(ranks, straight, 16), 10);
+    for (int step = 5; step <= 10; step += 5) {
+        snprintf(ck, sizeof ck, "%s/ckpt-%08d.tmck", ranks, step);
+        snprintf(ckg, sizeof ckg, "%s/ckpt-%08d.tmck", gath, step);
+        weights_compare(ck, ckg, 1);
+        /* the rank-written file puts the deflated tensors (counters) after the raw ones: the
+         * index order tells which path wrote it */
+        static char na[256][128], nb[256][128];
+        int za[256], zb[256];
+        int n = file_order(ck, na, za, 256), m = file_order(ckg, nb, zb, 256);
+        cr_assert_eq(n, m);
+        int seen_zip = 0, any_zip = 0, reordered = 0;
+        for (int i = 0; i < n; i++) {
+            cr_assert(!(seen_zip && !za[i]), "%s: raw tensor '%s' after a deflated one", ck, na[i]);
+            seen_zip |= za[i];
+            any_zip |= zb[i];
+            reordered |= strcmp(na[i], nb[i]) != 0;
+        }
+        cr_assert(any_zip && reordered, "the gathered file interleaves its deflated counters; the ranks' does not");
+    }
+    /* the other ZeRO levels, with expert shards replicated over the expert-dp ranks (ZeRO-0:
+     * the lowest of them writes) or split in ZeRO blocks (1, 2) */
+    static const char *const zl[] = {"--ep_size 2 --zero 0", "--ep_size 2 --zero 1", "--ep_size 2 --zero 2",
+                                     "--ep_size 4 --zero 0"};
+    for (int j = 0; j < 4; j++) {
+        char ra[1024], ga[1024], ca[1100], cg[1100];
+        snprintf(ra, sizeof ra, "%s", tt_path(j == 0 ? "r0" : j == 1 ? "r1" : j == 2 ? "r2" : "r3"));
+        snprintf(ga, sizeof ga, "%s", tt_path(j == 0 ? "g0" : j == 1 ? "g1" : j == 2 ? "g2" : "g3"));
+        snprintf(f, sizeof f, "%s --steps 3 --async_save false", zl[j]);
+        train_ok(ra, 4, f);
+        snprintf(f, sizeof f, "%s --steps 3 --async_save true", zl[j]);
+        train_ok(ga, 4, f);
+        snprintf(ca, sizeof ca, "%s/ckpt-00000003.tmck", ra);
+        snprintf(cg, sizeof cg, "%s/ckpt-00000003.tmck", ga);
+        weights_compare(ca, cg, 1);
+    }
+    /* inspect, eval and export read it; the export equals the gathered file's byte for byte */
+    snprintf(log, sizeof log, "%s.inspect.log", ranks);
+    sh_ok(log, "inspect", "'%s/tinymoe' inspect '%s' %s", bindir(), ck, "");
+    char *t = slurp_text(log);
+    cr_assert(strstr(t, "every CRC verified"), "%s", t);
+    free(t);
+    snprintf(log, sizeof log, "%s.eval.log", ranks);
+    sh_ok(log, "eval", "'%s/tinymoe' eval --ckpt '%s' --threads 1 --eval_batches 1 %s", bindir(), ck, "");
+    char ha[1100], hb[1100];
+    snprintf(ha, sizeof ha, "%s.hf", ranks);
+    snprintf(hb, sizeof hb, "%s.hf", gath);
+    snprintf(log, sizeof log, "%s.export.log", ranks);
+    sh_ok(log, "export", "'%s/tinymoe' export --ckpt '%s' --out '%s'", bindir(), ck, ha);
+    sh_ok(log, "export", "'%s/tinymoe' export --ckpt '%s' --out '%s'", bindir(), ckg, hb);
+    snprintf(log, sizeof log, "%s.cmp.log", ranks);
+    sh_ok(log, "cmp", "cmp '%s/model.safetensors' '%s/model.safetensors' %s", ha, hb, "");
+    /* resumed from step 5: the same layout bit for bit, others within 1e-5 */
+    snprintf(ck, sizeof ck, "%s/ckpt-00000005.tmck", ranks);
+    snprintf(o, sizeof o, "%s", tt_path("same"));
+    resume_into(o, 4, ck, "--ep_size 2 --zero 3 --async_save false", v, 5);
+    for (int i = 0; i < 5; i++)
+        cr_assert(v[i] == straight[5 + i], "same layout, step %d: %.17g vs %.17g", i + 6, v[i], straight[5 + i]);
+    assert_bitwise_weights(ranks, o);
+    static const struct {
+        int np;
+        const char *flags;
+    } other[] = {{1, ""}, {2, "--ep_size 2 --zero 1"}};
+    for (int j = 0; j < 2; j++) {
+        snprintf(o, sizeof o, "%s", tt_path(j ? "two" : "one"));
+        resume_into(o, other[j].np, ck, other[j].flags, v, 5);
+        for (int i = 0; i < 5; i++)
+            cr_assert_leq(fabs(v[i] - straight[5 + i]), 1e-5 * fabs(straight[5 + i]), "%d ranks %s, step %d: %.9g vs %.9g",
+                          other[j].np, other[j].flags, i + 6, v[i], straight[5 + i]);
+        assert_same_weights(ranks, o);
+    }
+    tt_tmpdir_remove();
+}
+
+/* SIGKILL to every process of a 4-rank run while it is inside a distributed save (the ranks'
+ * parts written, rank 0 held before the index by TINYMOE_CKPT_TEST_DELAY_MS): the previous
+ * checkpoint stays complete and loadable, the interrupted one never appears, and the run
+ * resumes from the previous one. */
+static int pids_with(const char *needle, pid_t *out, int max) {
+    DIR *d = opendir("/proc");
+    struct dirent *e;
+    int n = 0;
+    while (d && (e = readdir(d)) && n < max) {
+        pid_t pid = (pid_t)atoi(e->d_name);
+        if (pid <= 0 || pid == getpid()) continue;
+        char p[64], buf[8192];
+        snprintf(p, sizeof p, "/proc/%d/cmdline", (int)pid);
+        FILE *f = fopen(p, "rb");
+        if (!f) continue;
+        size_t k = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        for (size_t i = 0; i < k; i++)
+            if (!buf[i]) buf[i] = ' ';
+        buf[k] = 0;
+        if (strstr(buf, needle)) out[n++] = pid;
+    }
+    if (d) closedir(d);
+    return n;
+}
+
+Test(dist, kill9_during_a_rank_written_save_keeps_the_previous_checkpoint) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    char out[1024], cmd[8192], ck2[1100], ck4[1100];
+    snprintf(out, sizeof out, "%s", tt_path("killed"));
+    snprintf(ck2, sizeof ck2, "%s/ckpt-00000002.tmck", out);
+    snprintf(ck4, sizeof ck4, "%s/ckpt-00000004.tmck", out);
+    no_inherited_fds();
+    become_subreaper();
+    snprintf(cmd, sizeof cmd, "TINYMOE_CKPT_TEST_DELAY_MS=4000 OMP_WAIT_POLICY=passive " MPIRUN
+             " -np 4 '%s/tinymoe' train %s --ep_size 2 --zero 3 --async_save false --save_every 2 --keep_last 3 "
+             "--steps 4 --out '%s' > '%s.log' 2>&1",
+             bindir(), BASE, out, out);
+    pid_t sh = fork();
+    cr_assert_geq(sh, 0);
+    if (sh == 0) {
+        setsid();
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    /* wait for step 4's temporary file, with step 2's checkpoint complete beside it */
+    int found = 0;
+    for (int i = 0; i < 1200 && !found; i++) {
+        usleep(100000);
+        DIR *d = opendir(out);
+        struct dirent *e;
+        while (d && (e = readdir(d)))
+            if (!strncmp(e->d_name, "ckpt-00000004.tmck.tmp.", 23)) found = 1;
+        if (d) closedir(d);
+        if (waitpid(sh, NULL, WNOHANG) == sh) break;
+    }
+    char *t = slurp_text(tt_path("killed.log"));
+    cr_assert(found, "no temporary file of step 4 appeared\n%s", t);
+    free(t);
+    usleep(1000000); /* inside the 4 s hold: the ranks' parts are written, the index is not */
+    pid_t pids[64];
+    int np = pids_with(out, pids, 64);
+    cr_assert_geq(np, 4, "the ranks (and mpirun) of the run: %d processes", np);
+    for (int i = 0; i < np; i++) kill(pids[i], SIGKILL);
+    kill(-sh, SIGKILL);
+    waitpid(sh, NULL, 0);
+    reap_orphans();
+    cr_assert(access(ck4, F_OK) != 0, "the interrupted checkpoint %s exists", ck4);
+    tm_ctx *ctx = tt_ctx();
+    tm_ckpt_info *info = NULL;
+    TT_OK(ctx, tm_ckpt_inspect(ctx, ck2, &info)); /* complete: every CRC */
+    tm_ckpt_info_free(info);
+    tm_ctx_free(ctx);
+    char o[1024];
+    double v[4];
+    snprintf(o, sizeof o, "%s", tt_path("resumed"));
+    resume_into(o, 2, ck2, "--ep_size 2 --zero 1 --steps 4 --async_save false", v, 2);
     tt_tmpdir_remove();
 }
 

@@ -3,6 +3,7 @@
  * bucket-wide update equals the per-parameter updates bit for bit; bf16 master weights keep
  * updates that bf16 alone would lose; bad group and shard descriptions are refused by field. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -229,4 +230,138 @@ Test(param, named_tensors_cover_parameters_buffers_and_state) {
     cr_assert_eq(masters, 1, "the bf16 parameter's f32 master is named w.master");
     tm_optimizer_free(opt);
     tm_ctx_free(ctx);
+}
+
+/* ---- deferred placement and contexts without gradient buffers ------------------------------ */
+
+#include "ctx_internal.h"
+
+/* Parameters of two buckets (dense f32, expert f32) big enough to outgrow the first 1 MiB a
+ * bucket starts with, made with or without a deferral around them, initialised by name. */
+static void make_params(tm_ctx *ctx, int defer) {
+    if (defer) TT_OK(ctx, tm_ctx_defer_params(ctx));
+    for (int i = 0; i < 6; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "w%d", i);
+        int64_t shape[2] = {300 + i, 257};
+        tm_tensor *t;
+        TT_OK(ctx, tm_param_new(ctx, name, TM_F32, 2, shape, tm_cpu(), &t));
+        tm_param_options o = tm_param_options_default();
+        o.group = TM_PARAM_EXPERT;
+        int64_t es[3] = {2, 100 + i, 129};
+        snprintf(name, sizeof name, "e%d", i);
+        TT_OK(ctx, tm_param_new_ex(ctx, name, TM_F32, 3, es, tm_cpu(), &o, &t));
+        if (defer) {
+            /* no memory yet: every use is refused, naming the parameter and the remedy */
+            int64_t n = tm_tensor_numel(t);
+            double *v = calloc((size_t)n, sizeof *v);
+            cr_assert_eq(tm_tensor_write(ctx, t, TM_F64, v, n), TM_ERR_STATE);
+            cr_assert(strstr(tm_ctx_errmsg(ctx), "tm_ctx_materialize_params") && strstr(tm_ctx_errmsg(ctx), name),
+                      "%s", tm_ctx_errmsg(ctx));
+            cr_assert_eq(tm_tensor_read(ctx, t, TM_F64, v, n), TM_ERR_STATE);
+            cr_assert_eq(tm_tensor_fill(ctx, t, 1.0), TM_ERR_STATE);
+            tm_tensor *y = NULL;
+            cr_assert_eq(tm_scale(ctx, t, 2.0, &y), TM_ERR_STATE, "an op given it");
+            cr_assert(strstr(tm_ctx_errmsg(ctx), "tm_ctx_materialize_params"), "%s", tm_ctx_errmsg(ctx));
+            free(v);
+        }
+    }
+    if (defer) {
+        cr_assert(tm_ctx_params_deferred(ctx));
+        TT_OK(ctx, tm_ctx_materialize_params(ctx));
+        cr_assert(!tm_ctx_params_deferred(ctx));
+        cr_assert_eq(tm_ctx_materialize_params(ctx), TM_ERR_STATE, "no deferral in force");
+    }
+    for (int i = 0; i < tm_ctx_num_params(ctx); i++) {
+        tm_tensor *p = tm_ctx_param(ctx, i);
+        TT_OK(ctx, tm_tensor_init_normal(ctx, p, 7, tm_tensor_name(p), 0.0, 1.0));
+    }
+}
+
+Test(param, deferred_placement_allocates_exactly_and_keeps_values) {
+    tm_ctx *a = tt_ctx(), *b = tt_ctx();
+    make_params(a, 0);
+    make_params(b, 1);
+    cr_assert_eq(tm_ctx_num_buckets(a), tm_ctx_num_buckets(b));
+    for (int i = 0; i < tm_ctx_num_buckets(b); i++) {
+        tm__bucket *ba = a->buckets[i], *bb = b->buckets[i];
+        cr_assert_eq(ba->params.used, bb->params.used, "bucket %d: the same layout", i);
+        /* grown by doubling: capacity a power of two MiB above the use; deferred: exactly the use */
+        cr_assert_gt(ba->params.st.nbytes, ba->params.used, "bucket %d grew past its use by doubling", i);
+        cr_assert_eq(bb->params.st.nbytes, bb->params.used, "bucket %d: one allocation of its exact size", i);
+        cr_assert_eq(bb->grads.st.nbytes, bb->grads.used, "bucket %d: gradients likewise", i);
+    }
+    for (int i = 0; i < tm_ctx_num_params(a); i++) {
+        tm_tensor *pa = tm_ctx_param(a, i), *pb = tm_ctx_param(b, i);
+        tm_param_info ia, ib;
+        TT_OK(a, tm_param_get_info(pa, &ia));
+        TT_OK(b, tm_param_get_info(pb, &ib));
+        cr_assert_eq(ia.bucket_offset, ib.bucket_offset, "%s", tm_tensor_name(pa));
+        double *va = tt_read(a, pa), *vb = tt_read(b, pb);
+        cr_assert_eq(memcmp(va, vb, sizeof(double) * (size_t)tm_tensor_numel(pa)), 0, "%s", tm_tensor_name(pa));
+        free(va);
+        free(vb);
+    }
+    cr_assert_eq(tm_ctx_defer_params(b), TM_OK);
+    cr_assert_eq(tm_ctx_defer_params(b), TM_ERR_STATE, "twice");
+    TT_OK(b, tm_ctx_materialize_params(b)); /* nothing was made: nothing changes */
+    tm_ctx_free(a);
+    tm_ctx_free(b);
+}
+
+Test(param, model_new_buckets_are_exact) {
+    tm_ctx *ctx = tt_ctx();
+    tm_model *m = small_model(ctx, TM_BF16);
+    for (int i = 0; i < tm_ctx_num_buckets(ctx); i++)
+        cr_assert_eq(ctx->buckets[i]->params.st.nbytes, ctx->buckets[i]->params.used, "bucket %d", i);
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+}
+
+/* A forwards-only context computes what a training one does, holds no gradient memory, and
+ * refuses backward and optimizers by the option's name. */
+Test(param, no_grad_buffers_forward_only) {
+    tm_ctx *ctx[2];
+    tm_model *m[2];
+    double loss[2];
+    tm_memory_report rep[2];
+    for (int k = 0; k < 2; k++) {
+        tm_ctx_options o = tm_ctx_options_default();
+        o.num_threads = 2;
+        o.no_grad_buffers = k;
+        TT_OK(NULL, tm_ctx_new(&ctx[k], &o));
+        m[k] = small_model(ctx[k], TM_F32);
+        int64_t shape[2] = {2, 8};
+        tm_tensor *tok = tt_randint(ctx[k], TM_I32, 2, shape, 5, 17), *tgt = tt_randint(ctx[k], TM_I32, 2, shape, 6, 17);
+        tm_model_out out;
+        TT_OK(ctx[k], tm_model_forward(m[k], tok, tgt, &out));
+        loss[k] = out.loss_value;
+        TT_OK(ctx[k], tm_ctx_memory_report(ctx[k], tm_cpu(), &rep[k]));
+        if (k == 1) {
+            cr_assert_eq(tm_backward(ctx[k], out.loss), TM_ERR_STATE);
+            cr_assert(strstr(tm_ctx_errmsg(ctx[k]), "no_grad_buffers"), "%s", tm_ctx_errmsg(ctx[k]));
+            tm_adamw_config ac = tm_adamw_config_default();
+            tm_optimizer *opt = NULL;
+            cr_assert_eq(tm_adamw_new(ctx[k], &ac, &opt), TM_ERR_STATE);
+            cr_assert(strstr(tm_ctx_errmsg(ctx[k]), "no_grad_buffers"), "%s", tm_ctx_errmsg(ctx[k]));
+            cr_assert_null(tm_tensor_grad(tm_ctx_param(ctx[k], 0)));
+            cr_assert_null(tm_ctx_bucket_tensor(ctx[k], 0, TM_BUCKET_GRADS));
+            TT_OK(ctx[k], tm_ctx_zero_grad(ctx[k]));
+        } else {
+            TT_OK(ctx[k], tm_backward(ctx[k], out.loss));
+        }
+    }
+    cr_assert_eq(loss[0], loss[1], "same loss bits: %.17g vs %.17g", loss[0], loss[1]);
+    cr_assert_gt(rep[0].current[TM_MEM_GRADIENTS], 0);
+    cr_assert_eq(rep[1].current[TM_MEM_GRADIENTS], 0);
+    cr_assert_eq(rep[0].current[TM_MEM_PARAMETERS], rep[1].current[TM_MEM_PARAMETERS]);
+    tm_ctx_options bad = tm_ctx_options_default();
+    bad.no_grad_buffers = 2;
+    tm_ctx *none = NULL;
+    cr_assert_eq(tm_ctx_new(&none, &bad), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_last_create_error(), "no_grad_buffers"));
+    for (int k = 0; k < 2; k++) {
+        tm_model_free(m[k]);
+        tm_ctx_free(ctx[k]);
+    }
 }

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bpe_norm.h"
 #include "bpe_pretok.h"
 #include "status.h"
 #include "util.h"
@@ -56,6 +57,9 @@ struct tmd_bpe {
     size_t pbuf_cap;
     char msg[512]; /* a matcher error while encoding */
     int ignore_merges; /* a piece that is a token is that token */
+    int nfc;           /* the normalizer is NFC (bpe_norm.h) */
+    unsigned char *nbuf; /* the NFC of a segment */
+    size_t nbuf_cap;
     int vocab_size, eot;
     /* per id: what it decodes to (dec_len -1: no token); mappable ids are also in tab */
     uint32_t *dec_off;
@@ -323,13 +327,42 @@ static int read_pre_tokenizer(tmd_bpe *t, const cJSON *root, char *err, size_t e
     return read_byte_level(t, cJSON_GetArrayItem(seq, n - 1), f, err, errlen);
 }
 
+/* One normalizer: NFC sets t->nfc; a Sequence (tokenizers' normalizers.Sequence: each member in
+ * order) is taken when all its members are. NFC twice is NFC once. */
+static int read_normalizer(tmd_bpe *t, const cJSON *nz, const char *field, int depth, char *err, size_t errlen) {
+    char b[96], f[160];
+    const char *ty = type_of(nz);
+    if (ty && !strcmp(ty, "NFC")) {
+        t->nfc = 1;
+        return 0;
+    }
+    if (ty && !strcmp(ty, "Sequence") && depth < 4) {
+        const cJSON *seq = get(nz, "normalizers");
+        snprintf(f, sizeof f, "%s.normalizers", field);
+        if (!cJSON_IsArray(seq)) return jfail(err, errlen, t->path, f, "%s, expected an array", show(seq, b, sizeof b));
+        int i = 0;
+        for (const cJSON *e = seq->child; e; e = e->next, i++) {
+            snprintf(f, sizeof f, "%s.normalizers[%d]", field, i);
+            int rc = read_normalizer(t, e, f, depth + 1, err, errlen);
+            if (rc) return rc;
+        }
+        return 0;
+    }
+    snprintf(f, sizeof f, "%s.type", field);
+    return jfail(err, errlen, t->path, f,
+                 "%s: only NFC (Qwen2's), or a Sequence of NFC, is supported; other normalizers (NFKC, NFD, "
+                 "Lowercase, Replace, Prepend, ...) are not",
+                 ty ? ty : show(nz, b, sizeof b));
+}
+
 /* The fields around the model: normalizer, decoder; the post-processor is not applied. */
 static int read_pipeline(tmd_bpe *t, const cJSON *root, char *err, size_t errlen) {
     char b[96];
     const cJSON *nz = get(root, "normalizer");
-    if (nz && !cJSON_IsNull(nz))
-        return jfail(err, errlen, t->path, "normalizer", "%s: normalizers are not supported (byte-level BPE has none)",
-                     type_of(nz) ? type_of(nz) : show(nz, b, sizeof b));
+    if (nz && !cJSON_IsNull(nz)) {
+        int rc = read_normalizer(t, nz, "normalizer", 0, err, errlen);
+        if (rc) return rc;
+    }
     const cJSON *dec = get(root, "decoder");
     if (!type_of(dec) || strcmp(type_of(dec), "ByteLevel"))
         return jfail(err, errlen, t->path, "decoder.type", "%s, expected ByteLevel",
@@ -576,6 +609,22 @@ static int read_added(tmd_bpe *t, const cJSON *root, const int16_t u2b[324], cha
         if (!(a->s = (unsigned char *)strdup(content->valuestring))) return nomem(err, errlen, t->path);
         a->len = (int)sl;
         a->id = id;
+        /* A normalized token is looked for in the normalized text, as its normalized content
+         * (AddedVocabulary::refresh_added_tokens); it still decodes to its content. */
+        if (s == &t->normal && t->nfc) {
+            const unsigned char *nc;
+            size_t nl;
+            if (tmd_nfc(a->s, sl, &t->nbuf, &t->nbuf_cap, &nc, &nl)) return nomem(err, errlen, t->path);
+            if (nc != a->s) {
+                unsigned char *c = malloc(nl + 1);
+                if (!c) return nomem(err, errlen, t->path);
+                memcpy(c, nc, nl);
+                c[nl] = 0;
+                free(a->s);
+                a->s = c;
+                a->len = (int)nl;
+            }
+        }
         for (int r = 0; r < 4; r++)
             if (r < eot_rank && !strcmp(content->valuestring, eot_names[r])) eot_rank = r, t->eot = id;
     }
@@ -616,8 +665,9 @@ int tmd_bpe_load(const char *path, tmd_bpe **out, char *err, size_t errlen) {
         goto fail;
     cJSON_Delete(root);
     root = NULL;
-    snprintf(t->desc, sizeof t->desc, "byte-level BPE, %d Split pattern%s%s, %d tokens (%s)", t->nsplit,
-             t->nsplit == 1 ? "" : "s", t->bl_split ? " + ByteLevel's GPT-2 split" : "", t->vocab_size, path);
+    snprintf(t->desc, sizeof t->desc, "byte-level BPE%s, %d Split pattern%s%s, %d tokens (%s)",
+             t->nfc ? " with NFC" : "", t->nsplit, t->nsplit == 1 ? "" : "s",
+             t->bl_split ? " + ByteLevel's GPT-2 split" : "", t->vocab_size, path);
     *out = t;
     return 0;
 fail:
@@ -640,6 +690,7 @@ void tmd_bpe_free(tmd_bpe *t) {
     for (int i = 0; i < t->nsplit; i++) tmd_split_free(t->splits[i]);
     tmd_split_free(t->bl_split);
     free(t->pbuf);
+    free(t->nbuf);
     free(t);
 }
 
@@ -884,15 +935,26 @@ static size_t find_added(const added_set *set, const unsigned char *s, size_t n,
     return n;
 }
 
-/* Split s on the tokens of `set`, encoding what lies between with `inner` (the next set, then
- * the pre-tokenizer). */
+static int encode_added(tmd_bpe *t, const added_set *set, const unsigned char *s, size_t n, vec *o);
+
+/* The text between two tokens that are not normalized: normalized (NFC: each such stretch on its
+ * own, as tokenizers does, so "<|endoftext|>" + U+0338 keeps its token instead of composing
+ * ">" + U+0338 into U+226F), then split on the normalized added tokens. */
+static int encode_between(tmd_bpe *t, const unsigned char *s, size_t n, vec *o) {
+    if (t->nfc && n) {
+        if (tmd_nfc(s, n, &t->nbuf, &t->nbuf_cap, &s, &n)) return -2;
+    }
+    return encode_added(t, &t->normal, s, n, o);
+}
+
+/* Split s on the tokens of `set`, encoding what lies between with the next set (through the
+ * normalizer) or the pre-tokenizer. */
 static int encode_added(tmd_bpe *t, const added_set *set, const unsigned char *s, size_t n, vec *o) {
     size_t pos = 0;
     while (pos < n) {
         const added *hit = NULL;
         size_t p = find_added(set, s, n, pos, &hit);
-        int rc = set == &t->special ? encode_added(t, &t->normal, s + pos, p - pos, o)
-                                    : encode_segment(t, s + pos, p - pos, o);
+        int rc = set == &t->special ? encode_between(t, s + pos, p - pos, o) : encode_segment(t, s + pos, p - pos, o);
         if (rc) return rc;
         if (p == n) break;
         if (push(o, (uint32_t)hit->id)) return -1;

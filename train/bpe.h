@@ -6,7 +6,9 @@
  *
  * Encoding, as tokenizers' Tokenizer.encode(text, add_special_tokens=False):
  *   1. added tokens (added_tokens: <|endoftext|> and the like) are matched first, leftmost and
- *      then longest, anywhere in the text; the text between them is encoded separately;
+ *      then longest, anywhere in the text; the text between them is encoded separately: with
+ *      an NFC normalizer (Qwen2's) it is first normalized (bpe_norm.h), then the added tokens
+ *      marked "normalized" are matched in it, as their NFC;
  *   2. the pre-tokenizer splits each such segment into pieces: each Split of the file's
  *      Sequence, in order, cuts every piece of the one before with its own regex pattern run by
  *      PCRE2 and its behavior (bpe_pretok.h); then ByteLevel puts add_prefix_space's space
@@ -25,7 +27,8 @@
  * its UTF-8 text; the concatenation is the text (bytes: a sequence cut inside a character is
  * not valid UTF-8 until the rest comes).
  *
- * Refused, with a message naming the file and the field: normalizers, other models than BPE,
+ * Refused, with a message naming the file and the field: normalizers other than NFC (and
+ * Sequences of them: a Sequence is taken when every member is NFC), other models than BPE,
  * BPE with byte_fallback (SentencePiece-style: Mistral / Mixtral, Llama 1-2), dropout,
  * continuing_subword_prefix or end_of_word_suffix, pre-tokenizers other than ByteLevel or
  * Splits + ByteLevel, a pattern PCRE2 cannot compile (PCRE2's message and offset) or with a
@@ -52,7 +55,8 @@ int tmd_bpe_vocab_size(const tmd_bpe *t);
 /* The end-of-text token: the first added token among <|endoftext|>, <|end_of_text|>, </s>,
  * <eos>; -1 when there is none. */
 int tmd_bpe_eot(const tmd_bpe *t);
-/* A short description for messages: "byte-level BPE, 1 Split pattern, 128256 tokens (path)". */
+/* A short description for messages: "byte-level BPE, 1 Split pattern, 128256 tokens (path)",
+ * "byte-level BPE with NFC, ..." when the text is normalized. */
 const char *tmd_bpe_describe(const tmd_bpe *t);
 
 /* Append the ids of text[0, len) to *ids (a malloc'ed array of *cap entries holding *n; grown

@@ -348,6 +348,11 @@ void tmd_loaded_model_free(tmd_loaded_model *m) {
 }
 
 int tmd_ckpt_load_model(const char *ckpt, int device, int threads, tmd_loaded_model *out, char *err, size_t errlen) {
+    return tmd_ckpt_load_model_ex(ckpt, device, threads, 0, out, err, errlen);
+}
+
+int tmd_ckpt_load_model_ex(const char *ckpt, int device, int threads, int with_grads, tmd_loaded_model *out, char *err,
+                           size_t errlen) {
     memset(out, 0, sizeof *out);
     int rc = tmd_ckpt_resolve(ckpt, out->path, sizeof out->path, err, errlen);
     if (!rc) rc = tmd_ckpt_read_meta(out->path, &out->cfg, &out->state, err, errlen);
@@ -367,6 +372,7 @@ int tmd_ckpt_load_model(const char *ckpt, int device, int threads, tmd_loaded_mo
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = threads;
     o.cuda_device = c->device == TMD_DEVICE_CUDA ? 0 : -1;
+    o.no_grad_buffers = !with_grads; /* eval, sample and export run forwards only */
     if (tm_ctx_new(&out->ctx, &o)) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "%s", tm_last_create_error());
     tm_device dev = {c->device == TMD_DEVICE_CUDA ? TM_DEVICE_CUDA : TM_DEVICE_CPU, 0};
     tm_status s = tm_model_new(out->ctx, &c->model, c->dtype == TMD_DTYPE_BF16 ? TM_BF16 : TM_F32, dev, &out->model);

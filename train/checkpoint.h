@@ -86,6 +86,12 @@ int tmd_ckpt_resolve(const char *ckpt, char *path, size_t pathlen, char *err, si
  * TMD_RUNTIME_ERROR (status.h) with a message naming the file. On success free with
  * tmd_loaded_model_free. */
 int tmd_ckpt_load_model(const char *ckpt, int device, int threads, tmd_loaded_model *out, char *err, size_t errlen);
+/* The model's context has no gradient buffers (tm_ctx_options.no_grad_buffers: eval, sample and
+ * export only run forwards, and the model is built and loaded in about half the memory and
+ * time); tmd_ckpt_load_model_ex with with_grads = 1 makes an ordinary one, on which an
+ * optimizer can be made (and its state loaded from the same file, tm_ckpt_load). */
+int tmd_ckpt_load_model_ex(const char *ckpt, int device, int threads, int with_grads, tmd_loaded_model *out, char *err,
+                           size_t errlen);
 /* NULL or zeroed: no-op. */
 void tmd_loaded_model_free(tmd_loaded_model *m);
 

@@ -251,9 +251,10 @@ static int default_threads(void) {
     return usable / local > 1 ? (int)(usable / local) : 1;
 }
 
-static int build(tmd_run *r, char *err, size_t errlen) {
+static int build(tmd_run *r, int eval_only, char *err, size_t errlen) {
     const tmd_config *c = &r->c;
     tm_ctx_options o = tm_ctx_options_default();
+    o.no_grad_buffers = eval_only; /* nothing calls backward: no gradient buffers */
     o.num_threads = c->threads > 0 ? c->threads : default_threads();
     r->threads = o.num_threads;
     o.cpu_gemm = c->cpu_gemm;
@@ -345,7 +346,7 @@ int tmd_run_setup(tmd_run *r, const tmd_config *cfg, FILE *log, int eval_only, c
     r->b0 = r->rank * r->Bl;
     r->synth = tmd_config_synthetic(&r->c);
     if ((rc = load_data(r, eval_only, err, errlen))) return rc;
-    if ((rc = build(r, err, errlen))) return rc;
+    if ((rc = build(r, eval_only, err, errlen))) return rc;
     if (r->c.init_from[0]) {
         char e[2048], what[TMD_PATH_MAX + 32];
         if ((rc = tmd_hf_import(r->ctx, r->model, r->c.init_from, e, sizeof e)))

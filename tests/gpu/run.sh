@@ -49,6 +49,11 @@ fi
 if ! pkg-config --exists libpcre2-8 2>/dev/null; then
     export PCRE2_CFLAGS="" PCRE2_LIBS="-lpcre2-8"
 fi
+# utf8proc likewise (libutf8proc-dev: utf8proc.h and libutf8proc.so; libutf8proc2's
+# libutf8proc.so.2 is kept from .deps where the machine has none).
+if ! pkg-config --exists libutf8proc 2>/dev/null; then
+    export UTF8PROC_CFLAGS="" UTF8PROC_LIBS="-lutf8proc"
+fi
 
 {
     echo "== machine"
@@ -104,5 +109,5 @@ exit $rc
 #   mkdir -p .deps && cd .deps && apt-get download libcriterion3 libcriterion-dev libnanomsg5 \
 #     libgit2-1.5 libffi8 libhttp-parser2.9 libmbedcrypto7 libmbedtls14 libmbedx509-1 libssh2-1 \
 #     libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libkeyutils1 libcom-err2 make zlib1g-dev \
-#     libcjson1 libcjson-dev libpcre2-8-0 libpcre2-dev
-# (about 2.5 MiB; /.deps/ is in .git/info/exclude; pass carry: [".deps"] to the device tool).
+#     libcjson1 libcjson-dev libpcre2-8-0 libpcre2-dev libutf8proc2 libutf8proc-dev
+# (about 2.6 MiB; /.deps/ is in .git/info/exclude; pass carry: [".deps"] to the device tool).
