@@ -223,10 +223,10 @@ void tm__bucket_refresh_views(tm_ctx *ctx, int bi);
 /* ZeRO-3: fill a gathered weight's storage again (st->fsdp set, st->data NULL): the all-gather
  * of its parameter's pieces, not taped (autograd.c, before a node that reads it). */
 tm_status tm__fsdp_regather(tm_ctx *ctx, tm__storage *st);
-/* ZeRO-3's all-gather op in its parameter form (ops/comm.c, iattr[1] = 1; fsdp.c). */
+/* The check of ZeRO-3's all-gather op in its parameter form (ops/comm.c, iattr[1] = 1; fsdp.c):
+ * it saves the pieces' counts as the general check saves the row counts, so the op's forward
+ * and backward serve both forms. */
 tm_status tm__fsdp_gather_check(tm__call *c);
-tm_status tm__fsdp_gather_forward(tm__call *c);
-tm_status tm__fsdp_gather_backward(tm__call *c);
 /* Free the context's communicator (tm_ctx_free). */
 void tm__comm_destroy(tm_ctx *ctx);
 

@@ -13,8 +13,8 @@
  *
  * Use (tm__param_use, for layers/): w = reshape(allgather(piece of p over p's group)). The
  * all-gather is the collective op tm_comm_allgather (ragged counts: the pieces), so it is on the
- * tape and its backward, a reduce-scatter of w's gradient (ragged: an all-reduce of it, this
- * rank keeping its piece), adds each rank's sums into its piece's gradient, the shard. No full
+ * tape and its backward, a reduce-scatter of w's gradient (ragged, as the pieces are), adds
+ * each rank's sums into its piece's gradient, the shard. No full
  * gradient buffer exists at this level.
  *
  * Memory of the gathered weights. The caller gives them back once its layer's forward is done
@@ -26,7 +26,7 @@
  * same tape in the same order, so the repeated all-gathers meet.
  *
  * The all-gather is tm_comm_allgather's op in its parameter form (iattr[1] = 1, iattr[2] the
- * parameter's place in ctx->named; ops/comm.c hands it to tm__fsdp_gather_*): its counts come
+ * parameter's place in ctx->named; ops/comm.c hands its check to tm__fsdp_gather_check): its counts come
  * from the layout every rank computes alike, so its check exchanges nothing (the general op
  * all-gathers the shapes over the host first), and its backward is a ragged reduce-scatter
  * straight to each piece's rank (the bytes of a reduce-scatter, where an all-reduce of the
@@ -236,39 +236,6 @@ tm_status tm__fsdp_gather_check(tm__call *c) {
     memcpy(tm__data(counts), cd, sizeof(int64_t) * (size_t)G);
     c->saved[c->n_saved++] = counts;
     return tm__out_new(c, 0, p->dtype, 1, &numel);
-}
-
-/* Counts [G] and displacements [G] of the saved piece sizes. */
-static tm_status saved_counts(tm__call *c, int64_t **out) {
-    int G = (int)c->saved[0]->shape[0];
-    const int64_t *n = tm__data(c->saved[0]);
-    int64_t *cd = tm__meta_alloc(c->ctx, sizeof(int64_t) * 2 * (size_t)G), acc = 0;
-    if (!cd) return TM_ERR_NOMEM;
-    for (int j = 0; j < G; j++) cd[j] = n[j], cd[G + j] = acc, acc += n[j];
-    *out = cd;
-    return TM_OK;
-}
-
-tm_status tm__fsdp_gather_forward(tm__call *c) {
-    const tm_tensor *x = c->in[0];
-    int64_t *cd;
-    TM__TRY(saved_counts(c, &cd));
-    int G = (int)c->saved[0]->shape[0];
-    return tm__coll_allgatherv(c->ctx, (int)c->iattr[0], tm__data(x), tm__data(c->out[0]), cd, cd + G, x->dtype,
-                               x->device);
-}
-
-tm_status tm__fsdp_gather_backward(tm__call *c) {
-    tm_ctx *ctx = c->ctx;
-    const tm_tensor *x = c->in[0];
-    tm_tensor *go = c->gout[0], *t;
-    int64_t *cd;
-    TM__TRY(saved_counts(c, &cd));
-    TM__TRY(tm__tensor_new(ctx, go->dtype, x->ndim, x->shape, go->device, &t));
-    TM__TRY(tm__coll_reduce_scatterv(ctx, (int)c->iattr[0], tm__data(go), tm__data(t), cd, go->dtype, go->device));
-    tm_status s = c->gin[0] ? tm__accumulate(ctx, c->gin[0], t, 1.0) : TM_OK;
-    tm__tensor_release(ctx, t);
-    return s;
 }
 
 tm_status tm__param_prefetch(tm_ctx *ctx, tm_tensor *const *params, int n) {
