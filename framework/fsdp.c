@@ -13,9 +13,9 @@
  *
  * Use (tm__param_use, for layers/): w = reshape(allgather(piece of p over p's group)). The
  * all-gather is the collective op tm_comm_allgather (ragged counts: the pieces), so it is on the
- * tape and its backward, a reduce-scatter of w's gradient (ragged: an all-reduce of it, this
- * rank keeping its piece), adds each rank's sums into its piece's gradient, the shard. No full
- * gradient buffer exists at this level.
+ * tape and its backward, a reduce-scatter of w's gradient (ragged, as the pieces are), adds
+ * each rank's sums into its piece's gradient, the shard. No full gradient buffer exists at this
+ * level.
  *
  * Memory of the gathered weights. The caller gives them back once its layer's forward is done
  * (tm__param_done: the storage's arena block is freed). The backward needs them again: before
