@@ -98,7 +98,8 @@ static tm_status run_tape(tm_ctx *ctx) {
             tm__param_done(ctx, c->out[0]);
         release_node(ctx, n);
     }
-    return TM_OK;
+    /* ZeRO-3's gradient reduce-scatters still running beside the work end here (fsdp.c) */
+    return tm__fsdp_backward_done(ctx);
 }
 
 tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad) {

@@ -30,6 +30,14 @@
  *    through its own pinned buffers (cudaHostAlloc / cudaFreeHost). alloc returns NULL, with
  *    no error set, when the memory cannot be locked; the caller falls back to ordinary memory.
  *    Not counted in tm_ctx_alloc_count and not through the allocator hook (the driver owns it).
+ *  - side_begin / side_end / event_wait / event_query / event_free (NULL where the backend has
+ *    no streams: the CPU, whose collectives block): a second stream for collectives that run
+ *    beside the work (framework/comm.c, tm__coll_side_*). side_begin makes the side stream wait
+ *    for the work queued so far and sends the device engine's next calls to it; side_end sends
+ *    them back to the work stream and records an event after the side work; event_wait makes
+ *    the work stream wait for an event (the host does not wait); event_query is 1 once the
+ *    event has happened (a host poll: no synchronisation is counted); event_free releases one
+ *    (queued waits for it stay valid).
  */
 #ifndef TM_BACKEND_H
 #define TM_BACKEND_H
@@ -63,6 +71,11 @@ typedef struct tm__backend_ops {
     void (*gather_strided)(const tm_tensor *t, void *dst);
     void *(*host_alloc_pinned)(tm_ctx *ctx, size_t nbytes);
     void (*host_free_pinned)(tm_ctx *ctx, void *p);
+    tm_status (*side_begin)(tm_ctx *ctx);
+    tm_status (*side_end)(tm_ctx *ctx, void **event);
+    tm_status (*event_wait)(tm_ctx *ctx, void *event);
+    int (*event_query)(tm_ctx *ctx, void *event);
+    void (*event_free)(tm_ctx *ctx, void *event);
 } tm__backend_ops;
 
 /* The backend registered for TM__CPU / TM__CUDA; NULL when this build has none. */

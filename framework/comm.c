@@ -25,6 +25,7 @@ tm_comm_options tm_comm_options_default(void) {
     o.timeout_s = 60.0;
     o.mpi_comm = NULL;
     o.nccl = TM_NCCL_AUTO;
+    o.overlap = 1;
     return o;
 }
 
@@ -261,6 +262,39 @@ tm_status tm__coll_reduce_scatterv(tm_ctx *ctx, int g, const void *send, void *r
     tm_status s = ops->reduce_scatterv(c, g, send, recv, counts, dt, dev);
     tm__comm_account(ctx->comm, TM_COMM_REDUCE_SCATTER, n * tm_dtype_size(dt), tm__now() - t0);
     return s;
+}
+
+/* ---- collectives beside the work (comm.h) ---------------------------------------------------- */
+
+int tm__coll_side_on(const tm_ctx *ctx, tm_device dev) {
+    const tm__backend_ops *be = tm__ctx_backend(ctx, dev);
+    /* host memory: its collectives block, the CPU backend's side stream is the work itself
+     * (kernels/cpu/backend.c), and the bookkeeping runs as on a GPU */
+    return ctx->comm && ctx->comm->opts.overlap && be && be->side_begin &&
+           (dev.type == TM_DEVICE_CPU || ctx->comm->device_async);
+}
+
+tm_status tm__coll_side_begin(tm_ctx *ctx, tm_device dev) {
+    if (!tm__coll_side_on(ctx, dev)) return TM_OK;
+    return tm__ctx_backend(ctx, dev)->side_begin(ctx);
+}
+
+tm_status tm__coll_side_end(tm_ctx *ctx, tm_device dev, void **event) {
+    *event = NULL;
+    if (!tm__coll_side_on(ctx, dev)) return TM_OK;
+    return tm__ctx_backend(ctx, dev)->side_end(ctx, event);
+}
+
+tm_status tm__coll_event_wait(tm_ctx *ctx, tm_device dev, void *event) {
+    if (!event) return TM_OK;
+    const tm__backend_ops *be = tm__ctx_backend(ctx, dev);
+    tm_status s = be->event_wait(ctx, event);
+    be->event_free(ctx, event);
+    return s;
+}
+
+int tm__coll_event_done(tm_ctx *ctx, tm_device dev, void *event) {
+    return !event || tm__ctx_backend(ctx, dev)->event_query(ctx, event);
 }
 
 tm_status tm__coll_alltoallv(tm_ctx *ctx, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,

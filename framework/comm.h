@@ -59,6 +59,9 @@ struct tm__comm {
     const tm__comm_ops *device; /* CUDA memory: nccl, mpi-staged or self (NULL: no CUDA device) */
     void *mpi;                  /* the mpi engine's state (framework/comm_mpi.c) */
     void *nccl;                 /* the nccl engine's state (kernels/cuda/comm_nccl.cu) */
+    int device_async;           /* the device engine enqueues on a stream and has the side
+                                 * stream's communicators (nccl under overlap and ZeRO-3): a
+                                 * collective can run beside the work (tm__coll_side_begin) */
     tm_comm_stats stats;
 };
 
@@ -95,5 +98,19 @@ tm_status tm__coll_reduce_scatterv(tm_ctx *ctx, int g, const void *send, void *r
                                    tm_dtype dt, tm_device dev);
 tm_status tm__coll_alltoallv(tm_ctx *ctx, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
                              const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev);
+
+/* Collectives beside the work (the backend's side stream, backend.h). Between side_begin and
+ * side_end every collective on dev's memory is enqueued on the side stream, after the work
+ * queued so far; side_end gives an event after them. Nothing waits on the host: whoever reads
+ * the results first calls event_wait (the work stream waits; the event is freed), and memory
+ * the side collectives read or write must not be given back before that. tm__coll_side_on is
+ * 1 where it is worth it: a communicator with tm_comm_options.overlap whose engine for dev
+ * enqueues on a stream (NCCL); elsewhere the collectives run in place and the event is NULL
+ * (event_wait / event_done of NULL: nothing to wait for). */
+int tm__coll_side_on(const tm_ctx *ctx, tm_device dev);
+tm_status tm__coll_side_begin(tm_ctx *ctx, tm_device dev);
+tm_status tm__coll_side_end(tm_ctx *ctx, tm_device dev, void **event);
+tm_status tm__coll_event_wait(tm_ctx *ctx, tm_device dev, void *event);
+int tm__coll_event_done(tm_ctx *ctx, tm_device dev, void *event);
 
 #endif

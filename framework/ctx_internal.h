@@ -173,6 +173,7 @@ struct tm_ctx {
 
     struct tm__mirror *mirrors; /* host mirrors (internal.h), newest first, meta memory; reset with the arena */
     struct tm__comm *comm; /* tm_comm_init (framework/comm.h); NULL: one rank */
+    struct tm__fsdp *fsdp; /* ZeRO-3's prefetches and reduce-scatters in flight (framework/fsdp.c) */
     struct tm__segs *segs[TM__NBACKENDS]; /* tm__ctx_segs: the clip's segment list per backend */
 };
 
@@ -223,10 +224,15 @@ void tm__bucket_refresh_views(tm_ctx *ctx, int bi);
 /* ZeRO-3: fill a gathered weight's storage again (st->fsdp set, st->data NULL): the all-gather
  * of its parameter's pieces, not taped (autograd.c, before a node that reads it). */
 tm_status tm__fsdp_regather(tm_ctx *ctx, tm__storage *st);
-/* The check of ZeRO-3's all-gather op in its parameter form (ops/comm.c, iattr[1] = 1; fsdp.c):
- * it saves the pieces' counts as the general check saves the row counts, so the op's forward
- * and backward serve both forms. */
+/* ZeRO-3's all-gather op in its parameter form (ops/comm.c, iattr[1] = 1), the end of a
+ * backward (autograd.c: the reduce-scatters still in flight are finished), and the state's
+ * reset (tm_ctx_arena_reset: everything started beside the work waited for) and free. */
 tm_status tm__fsdp_gather_check(tm__call *c);
+tm_status tm__fsdp_gather_forward(tm__call *c);
+tm_status tm__fsdp_gather_backward(tm__call *c);
+tm_status tm__fsdp_backward_done(tm_ctx *ctx);
+void tm__fsdp_reset(tm_ctx *ctx);
+void tm__fsdp_free(tm_ctx *ctx);
 /* Free the context's communicator (tm_ctx_free). */
 void tm__comm_destroy(tm_ctx *ctx);
 

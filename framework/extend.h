@@ -175,8 +175,9 @@ tm_tensor *tm__bucket_grads_reduced(tm_ctx *ctx, int bucket, int64_t *off);
  * p's group (a taped collective whose backward reduce-scatters the gradient into this rank's
  * shard), shaped as p. Every rank of the group calls it for the same parameters in the same
  * order. tm__param_done: give the gathered weight's memory back (no-op for p itself); the
- * backward gathers it again when it needs it. tm__param_prefetch: where the next layer's
- * all-gathers would be started on a communication stream; a no-op on the CPU ranks.
+ * backward gathers it again when it needs it. tm__param_prefetch: start the all-gathers of
+ * the parameters the forward will use next (the next layer's) beside the work, for their
+ * tm__param_use to take up (tm_comm_options.overlap with NCCL; a no-op on the CPU ranks).
  * tm__param_sharded: 1 for a parameter whose data this rank holds a block of only. */
 tm_status tm__zero3_shard_params(tm_ctx *ctx);
 tm_status tm__param_use(tm_ctx *ctx, tm_tensor *p, tm_tensor **w);

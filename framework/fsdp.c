@@ -14,8 +14,8 @@
  * Use (tm__param_use, for layers/): w = reshape(allgather(piece of p over p's group)). The
  * all-gather is the collective op tm_comm_allgather (ragged counts: the pieces), so it is on the
  * tape and its backward, a reduce-scatter of w's gradient (ragged, as the pieces are), adds
- * each rank's sums into its piece's gradient, the shard. No full
- * gradient buffer exists at this level.
+ * each rank's sums into its piece's gradient, the shard. No full gradient buffer exists at this
+ * level.
  *
  * Memory of the gathered weights. The caller gives them back once its layer's forward is done
  * (tm__param_done: the storage's arena block is freed). The backward needs them again: before
@@ -26,16 +26,30 @@
  * same tape in the same order, so the repeated all-gathers meet.
  *
  * The all-gather is tm_comm_allgather's op in its parameter form (iattr[1] = 1, iattr[2] the
- * parameter's place in ctx->named; ops/comm.c hands its check to tm__fsdp_gather_check): its counts come
- * from the layout every rank computes alike, so its check exchanges nothing (the general op
- * all-gathers the shapes over the host first), and its backward is a ragged reduce-scatter
- * straight to each piece's rank (the bytes of a reduce-scatter, where an all-reduce of the
- * whole gradient would move twice as many).
+ * parameter's place in ctx->named; ops/comm.c hands it to tm__fsdp_gather_*): its counts come
+ * from the layout every rank computes alike, so its check exchanges nothing, and its backward
+ * is a ragged reduce-scatter straight to each piece's rank (the bytes of a reduce-scatter,
+ * where an all-reduce of the whole gradient would move twice as many).
  *
- * Overlap: tm__param_prefetch is where the next layer's all-gathers would be started on a
- * communication stream (the GPU's part, not done: every collective here runs in place on the
- * work stream). On the CPU ranks the collectives are blocking host calls and nothing could
- * overlap.
+ * Overlap (tm_comm_options.overlap, where the engine enqueues on a stream: NCCL; comm.h,
+ * tm__coll_side_*). The collectives then run on a second stream beside the work, in PyTorch
+ * FSDP's manner:
+ *  - forward: tm__param_prefetch (layers/model.c: the next layer's weights, as a layer starts)
+ *    all-gathers into fresh buffers on the side stream; the all-gather op of a parameter adopts
+ *    its buffer and makes the work stream wait for it, so the gather ran during the previous
+ *    layer's compute.
+ *  - backward: the storages gathered in the forward are listed in their order of use
+ *    (`order`); when the backward gathers one again (tm__fsdp_regather), it starts the gathers
+ *    of the ones before it on the side stream, as many bytes ahead as the largest forward
+ *    prefetch (one layer: `window`).
+ *  - the gradients' reduce-scatters are started on the side stream and finished later (`red`):
+ *    the work stream waits for one and adds its result into the gradient shard only when it is
+ *    done (polled at each new one), when eight are in flight, and at the end of the backward;
+ *    the full gradient it reads is kept until then.
+ * Memory given to a side collective is taken from the arena on the work stream's order before
+ * the side stream is told to wait for that stream, and is read by the work only after waiting
+ * for the collective's event: the ordering that makes arena reuse safe. Without overlap (the
+ * CPU: blocking host collectives) everything runs in place and the values are the same.
  */
 #include "comm.h"
 
@@ -47,7 +61,61 @@ struct tm__fsdp_src {
     int group, G;
     int64_t *cd; /* counts [G], displacements [G] in elements (meta arena) */
     int counted; /* its bytes are counted as TM_MEM_PARAMETERS now (see `count`) */
+    void *ev;    /* a gather again started beside the work, not yet waited for (NULL: none) */
 };
+
+/* A forward prefetch: p's all-gather started into `flat`, done at `ev`. */
+typedef struct fsdp_pf {
+    const tm_tensor *p;
+    tm_tensor *flat;
+    void *ev;
+} fsdp_pf;
+
+/* A gradient reduce-scatter in flight: t (the piece's sums, a view of this rank's block of go)
+ * into gx when ev has happened; go (the full gradient, reduced in place) kept until then. */
+typedef struct fsdp_red {
+    void *ev;
+    tm_device dev;
+    tm_tensor *t, *gx, *go;
+} fsdp_red;
+
+struct tm__fsdp {
+    fsdp_pf *pf;
+    int n_pf, cap_pf;
+    tm__storage **order; /* storages gathered by this forward, in order of use */
+    int n_order, cap_order, cursor;
+    fsdp_red *red; /* oldest first */
+    int n_red, cap_red;
+    size_t window; /* bytes the backward gathers ahead: the largest forward prefetch */
+};
+
+enum { FSDP_MAX_RED = 8 };
+
+static tm_status fsdp_state(tm_ctx *ctx, struct tm__fsdp **out) {
+    if (!ctx->fsdp) {
+        ctx->fsdp = tm__host_alloc(ctx, sizeof *ctx->fsdp);
+        if (!ctx->fsdp) return tm__err(ctx, TM_ERR_NOMEM, "ZeRO-3: out of host memory");
+        memset(ctx->fsdp, 0, sizeof *ctx->fsdp);
+    }
+    *out = ctx->fsdp;
+    return TM_OK;
+}
+
+/* Room for `need` elements of size es in *arr (host memory, doubled as it grows). */
+static tm_status grow(tm_ctx *ctx, void **arr, int *cap, int need, size_t es) {
+    if (need <= *cap) return TM_OK;
+    int nc = *cap ? 2 * *cap : 16;
+    while (nc < need) nc *= 2;
+    void *n = tm__host_alloc(ctx, es * (size_t)nc);
+    if (!n) return tm__err(ctx, TM_ERR_NOMEM, "ZeRO-3: out of host memory");
+    if (*arr) {
+        memcpy(n, *arr, es * (size_t)*cap);
+        tm__host_free(ctx, *arr);
+    }
+    *arr = n;
+    *cap = nc;
+    return TM_OK;
+}
 
 /* A gathered weight's bytes count as parameters while it holds memory, not as temporaries, so
  * that the memory report (and --print-layout's peaks) show the all-gathers' transient bytes:
@@ -175,6 +243,35 @@ static tm_status piece_counts(tm_ctx *ctx, const tm_tensor *p, int G, int64_t **
 
 int tm__param_sharded(const tm_tensor *p) { return p && p->is_param && p->pm && p->pm->piece; }
 
+/* All-gather a piece over its group into dst, beside the work when `side` (then *ev is the
+ * event to wait for, NULL where the collective ran in place). */
+static tm_status gather_into(tm_ctx *ctx, const tm_tensor *piece, int g, int G, const int64_t *cd, void *dst,
+                             int side, void **ev) {
+    *ev = NULL;
+    if (side) TM__TRY(tm__coll_side_begin(ctx, piece->device));
+    tm_status s = tm__coll_allgatherv(ctx, g, tm__data(piece), dst, cd, cd + G, piece->dtype, piece->device);
+    if (side) {
+        void *e = NULL;
+        tm_status se = tm__coll_side_end(ctx, piece->device, &e);
+        if (s == TM_OK) s = se;
+        if (s == TM_OK) *ev = e;
+        else if (e) (void)tm__coll_event_wait(ctx, piece->device, e);
+    }
+    return s;
+}
+
+static fsdp_pf *find_pf(tm_ctx *ctx, const tm_tensor *p) {
+    struct tm__fsdp *f = ctx->fsdp;
+    for (int i = 0; f && i < f->n_pf; i++)
+        if (f->pf[i].p == p) return &f->pf[i];
+    return NULL;
+}
+
+static void drop_pf(tm_ctx *ctx, fsdp_pf *e) {
+    struct tm__fsdp *f = ctx->fsdp;
+    *e = f->pf[--f->n_pf];
+}
+
 tm_status tm__param_use(tm_ctx *ctx, tm_tensor *p, tm_tensor **w) {
     if (!tm__param_sharded(p)) {
         *w = p;
@@ -199,8 +296,16 @@ tm_status tm__param_use(tm_ctx *ctx, tm_tensor *p, tm_tensor **w) {
     src->G = G;
     src->cd = cd;
     src->counted = 0;
+    src->ev = NULL;
     flat->storage->fsdp = src;
     count(ctx, flat->storage, 1);
+    if (ctx->grad_enabled) {
+        struct tm__fsdp *f;
+        TM__TRY(fsdp_state(ctx, &f));
+        if (!ctx->tape) f->n_order = f->cursor = 0; /* a new forward: the last backward is done */
+        TM__TRY(grow(ctx, (void **)&f->order, &f->cap_order, f->n_order + 1, sizeof *f->order));
+        f->order[f->n_order++] = flat->storage;
+    }
     int64_t shape[TM_MAX_DIMS];
     for (int d = 0; d < p->ndim; d++) shape[d] = p->shape[d];
     return tm_reshape(ctx, flat, p->ndim, shape, w);
@@ -212,43 +317,216 @@ void tm__param_done(tm_ctx *ctx, tm_tensor *w) {
     tm__tensor_release(ctx, w);
 }
 
-/* ---- the all-gather op's parameter form (ops/comm.c) -------------------------------------- */
-
-static const tm_tensor *form_param(tm__call *c) {
-    tm_ctx *ctx = c->ctx;
-    int64_t k = c->iattr[2];
-    if (k < 0 || k >= ctx->n_named || !tm__param_sharded(ctx->named[k]) || ctx->named[k]->pm->piece != c->src[0])
-        return NULL;
-    return ctx->named[k];
+tm_status tm__param_prefetch(tm_ctx *ctx, tm_tensor *const *params, int n) {
+    size_t bytes = 0;
+    for (int i = 0; i < n; i++) {
+        tm_tensor *p = params[i];
+        /* CPU ranks (blocking host collectives) and overlap off: nothing to start early */
+        if (!tm__param_sharded(p) || !tm__coll_side_on(ctx, p->device) || find_pf(ctx, p)) continue;
+        int g = p->zs->group, G = tm_comm_size(ctx, (tm_comm_group)g);
+        int64_t *cd = NULL, numel = tm__numel(p);
+        TM__TRY(piece_counts(ctx, p, G, &cd));
+        struct tm__fsdp *f;
+        TM__TRY(fsdp_state(ctx, &f));
+        TM__TRY(grow(ctx, (void **)&f->pf, &f->cap_pf, f->n_pf + 1, sizeof *f->pf));
+        tm_tensor *flat;
+        TM__TRY(tm__tensor_new(ctx, p->dtype, 1, &numel, p->device, &flat));
+        void *ev;
+        TM__TRY(gather_into(ctx, p->pm->piece, g, G, cd, tm__data(flat), 1, &ev));
+        f->pf[f->n_pf++] = (fsdp_pf){p, flat, ev};
+        bytes += (size_t)numel * tm_dtype_size(p->dtype);
+    }
+    if (bytes && ctx->fsdp && bytes > ctx->fsdp->window) ctx->fsdp->window = bytes;
+    return TM_OK;
 }
+
+/* ---- the all-gather op's parameter form (ops/comm.c) -------------------------------------- */
 
 tm_status tm__fsdp_gather_check(tm__call *c) {
     tm_ctx *ctx = c->ctx;
-    const tm_tensor *p = form_param(c);
-    if (!p)
+    if (c->iattr[2] < 0 || c->iattr[2] >= ctx->n_named || !tm__param_sharded(ctx->named[c->iattr[2]]) ||
+        ctx->named[c->iattr[2]]->pm->piece != c->src[0])
         return tm__err(ctx, TM_ERR_INTERNAL, "%s: the parameter form's input is no ZeRO-3 piece of parameter %lld",
                        tm__opname(c), (long long)c->iattr[2]);
+    const tm_tensor *p = ctx->named[c->iattr[2]];
     int G = tm_comm_size(ctx, (tm_comm_group)c->iattr[0]);
     int64_t *cd, gl = G, numel = tm__numel(p);
     TM__TRY(piece_counts(ctx, p, G, &cd));
-    tm_tensor *counts; /* the saved row counts of the general form (pieces are 1-D: elements) */
+    tm_tensor *counts;
     TM__TRY(tm__tensor_new(ctx, TM_I64, 1, &gl, tm_cpu(), &counts));
     memcpy(tm__data(counts), cd, sizeof(int64_t) * (size_t)G);
     c->saved[c->n_saved++] = counts;
+    fsdp_pf *e = find_pf(ctx, p);
+    if (e) {
+        c->out[0] = e->flat; /* filled beside the work: the forward waits for it */
+        return TM_OK;
+    }
     return tm__out_new(c, 0, p->dtype, 1, &numel);
 }
 
-tm_status tm__param_prefetch(tm_ctx *ctx, tm_tensor *const *params, int n) {
-    /* CPU ranks: blocking host collectives, nothing to start early (see the top). */
-    (void)ctx, (void)params, (void)n;
+tm_status tm__fsdp_gather_forward(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    const tm_tensor *p = ctx->named[c->iattr[2]], *x = c->in[0];
+    fsdp_pf *e = find_pf(ctx, p);
+    if (e && e->flat == c->out[0]) {
+        void *ev = e->ev;
+        drop_pf(ctx, e);
+        return tm__coll_event_wait(ctx, x->device, ev);
+    }
+    int g = (int)c->iattr[0], G = (int)c->saved[0]->shape[0];
+    const int64_t *n = tm__data(c->saved[0]);
+    int64_t *cd = tm__meta_alloc(ctx, sizeof(int64_t) * 2 * (size_t)G), acc = 0;
+    if (!cd) return TM_ERR_NOMEM;
+    for (int j = 0; j < G; j++) cd[j] = n[j], cd[G + j] = acc, acc += n[j];
+    void *ev;
+    return gather_into(ctx, x, g, G, cd, tm__data(c->out[0]), 0, &ev);
+}
+
+/* Finish the oldest reduce-scatter in flight: the work stream waits for it, its sums go into
+ * the gradient shard, its buffers go back. */
+static tm_status finish_red(tm_ctx *ctx) {
+    struct tm__fsdp *f = ctx->fsdp;
+    fsdp_red r = f->red[0];
+    memmove(f->red, f->red + 1, sizeof *f->red * (size_t)--f->n_red);
+    tm_status s = tm__coll_event_wait(ctx, r.dev, r.ev);
+    if (s == TM_OK && r.gx) s = tm__accumulate(ctx, r.gx, r.t, 1.0); /* r.t: a view into r.go */
+    tm__tensor_release(ctx, r.go);
+    return s;
+}
+
+tm_status tm__fsdp_gather_backward(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    const tm_tensor *x = c->in[0];
+    tm_tensor *go = c->gout[0], *t;
+    int g = (int)c->iattr[0];
+    struct tm__fsdp *f;
+    TM__TRY(fsdp_state(ctx, &f));
+    /* the reduce-scatters that are done by now are finished first (no wait), and at most
+     * FSDP_MAX_RED stay in flight */
+    while (f->n_red && (f->n_red >= FSDP_MAX_RED || tm__coll_event_done(ctx, f->red[0].dev, f->red[0].ev)))
+        TM__TRY(finish_red(ctx));
+    /* The sums land in go itself, at this rank's block (an in-place reduce-scatter): a buffer
+     * taken here would be inside the kernel's scope (dispatch.c), given back when the kernel
+     * returns while the side stream still writes it, its data NULL when the sums are added.
+     * (Session 8's illegal memory access on 2 H100s: found by reading, not yet rerun.) */
+    const int64_t *cnt = tm__data(c->saved[0]);
+    int G = (int)c->saved[0]->shape[0], me = tm_comm_rank(ctx, (tm_comm_group)g);
+    int64_t before = 0;
+    for (int j = 0; j < me; j++) before += cnt[j];
+    if (!(t = tm__meta_alloc(ctx, sizeof *t))) return TM_ERR_NOMEM;
+    *t = *go;
+    t->ndim = 1;
+    t->shape[0] = cnt[me];
+    t->stride[0] = 1;
+    t->offset = go->offset + before;
+    t->grad = NULL;
+    t->node = NULL;
+    t->requires_grad = 0;
+    (void)x, (void)G;
+    int side = tm__coll_side_on(ctx, go->device);
+    if (side) TM__TRY(tm__coll_side_begin(ctx, go->device));
+    tm_status s = tm__coll_reduce_scatterv(ctx, g, tm__data(go), tm__data(t), tm__data(c->saved[0]), go->dtype,
+                                           go->device);
+    void *ev = NULL;
+    if (side) {
+        tm_status se = tm__coll_side_end(ctx, go->device, &ev);
+        if (s == TM_OK) s = se;
+    }
+    if (s != TM_OK) {
+        if (ev) (void)tm__coll_event_wait(ctx, go->device, ev);
+        return s;
+    }
+    if (!ev) return c->gin[0] ? tm__accumulate(ctx, c->gin[0], t, 1.0) : TM_OK;
+    TM__TRY(grow(ctx, (void **)&f->red, &f->cap_red, f->n_red + 1, sizeof *f->red));
+    f->red[f->n_red++] = (fsdp_red){ev, go->device, t, c->gin[0], go};
+    /* go is read beside the work until ev: the tape must not give it back (autograd.c's
+     * release_node frees the gradients it still sees) */
+    c->gout[0] = NULL;
+    if (c->out[0]->grad == go) c->out[0]->grad = NULL;
+    return TM_OK;
+}
+
+tm_status tm__fsdp_backward_done(tm_ctx *ctx) {
+    struct tm__fsdp *f = ctx->fsdp;
+    tm_status s = TM_OK;
+    while (f && f->n_red) {
+        tm_status r = finish_red(ctx);
+        if (s == TM_OK) s = r;
+    }
+    return s;
+}
+
+/* Everything started beside the work is waited for and forgotten (tm_ctx_arena_reset: the
+ * memory it used goes back; a failed step may have left some). */
+void tm__fsdp_reset(tm_ctx *ctx) {
+    struct tm__fsdp *f = ctx->fsdp;
+    if (!f) return;
+    (void)tm__fsdp_backward_done(ctx);
+    for (int i = 0; i < f->n_pf; i++) (void)tm__coll_event_wait(ctx, f->pf[i].flat->device, f->pf[i].ev);
+    for (int i = 0; i < f->n_order; i++)
+        if (f->order[i]->fsdp && f->order[i]->fsdp->ev) {
+            (void)tm__coll_event_wait(ctx, f->order[i]->device, f->order[i]->fsdp->ev);
+            f->order[i]->fsdp->ev = NULL;
+        }
+    f->n_pf = f->n_order = f->cursor = 0;
+}
+
+void tm__fsdp_free(tm_ctx *ctx) {
+    struct tm__fsdp *f = ctx->fsdp;
+    if (!f) return;
+    tm__fsdp_reset(ctx);
+    tm__host_free(ctx, f->pf);
+    tm__host_free(ctx, f->order);
+    tm__host_free(ctx, f->red);
+    tm__host_free(ctx, f);
+    ctx->fsdp = NULL;
+}
+
+/* Fill a gathered storage again (memory from the arena on the work stream's order). Its bytes
+ * count as parameters from when it is used (here when in place; at the wait when gathered
+ * ahead), as the forward's prefetches count from their adoption: the transient parameter
+ * bytes are the weights in use, whatever is on its way beside them. */
+static tm_status regather(tm_ctx *ctx, tm__storage *st, int side) {
+    struct tm__fsdp_src *src = st->fsdp;
+    TM__TRY(tm__arena_alloc_storage(ctx, st));
+    if (!side) count(ctx, st, 1);
+    return gather_into(ctx, src->piece, src->group, src->G, src->cd, st->data, side, &src->ev);
+}
+
+/* The backward reached st: start the gathers of the storages used before it in the forward
+ * (the backward's next ones), up to the window's bytes ahead. */
+static tm_status gather_ahead(tm_ctx *ctx, tm__storage *st) {
+    struct tm__fsdp *f = ctx->fsdp;
+    if (!f || !f->window || !tm__coll_side_on(ctx, st->device)) return TM_OK;
+    /* the backward meets them in about the reverse order: search down from the last one found */
+    int i = f->cursor < f->n_order ? f->cursor : f->n_order - 1;
+    while (i >= 0 && f->order[i] != st) i--;
+    if (i < 0) i = f->n_order - 1;
+    while (i >= 0 && f->order[i] != st) i--;
+    if (i < 0) return TM_OK;
+    f->cursor = i;
+    size_t ahead = 0;
+    for (int j = i - 1; j >= 0 && ahead < f->window; j--) {
+        tm__storage *o = f->order[j];
+        ahead += o->nbytes;
+        if (o->data || !o->fsdp) continue; /* gathered already (or on its way) */
+        TM__TRY(regather(ctx, o, 1));
+    }
     return TM_OK;
 }
 
 tm_status tm__fsdp_regather(tm_ctx *ctx, tm__storage *st) {
     struct tm__fsdp_src *src = st->fsdp;
-    if (!src || st->data) return TM_OK;
-    TM__TRY(tm__arena_alloc_storage(ctx, st));
-    count(ctx, st, 1);
-    const tm_tensor *pc = src->piece;
-    return tm__coll_allgatherv(ctx, src->group, tm__data(pc), st->data, src->cd, src->cd + src->G, pc->dtype, pc->device);
+    if (!src) return TM_OK;
+    if (src->ev) {
+        void *ev = src->ev;
+        src->ev = NULL;
+        TM__TRY(tm__coll_event_wait(ctx, st->device, ev));
+        count(ctx, st, 1);
+    } else if (!st->data) {
+        TM__TRY(regather(ctx, st, 0));
+    } else {
+        return TM_OK;
+    }
+    return gather_ahead(ctx, st);
 }

@@ -1793,11 +1793,19 @@ typedef struct tm_comm_options {
                                  * (one rank: copies); TM_NCCL_OFF: host-staged MPI even where NCCL
                                  * could serve; TM_NCCL_ALWAYS: NCCL also for one rank (a check of
                                  * that engine on one GPU). Builds without NCCL: ignored */
+    int overlap;                /* 1 (default): where the engine runs on a device stream (NCCL),
+                                 * ZeRO-3's all-gathers are started ahead of their use (the next
+                                 * layer's during this one's forward; in the backward the weights
+                                 * of the layers about to be reached) and its gradient
+                                 * reduce-scatters run while the backward goes on, on a second
+                                 * stream beside the work (PyTorch FSDP's prefetch and
+                                 * asynchronous reduce-scatter); 0: each collective in place, on
+                                 * the work stream, when its result is needed (the same values) */
 } tm_comm_options;
 
 enum { TM_NCCL_AUTO = 0, TM_NCCL_OFF = 1, TM_NCCL_ALWAYS = 2 };
 
-/* ep_size 1, alltoall, zero 0, timeout 60 s, MPI_COMM_WORLD, NCCL auto. */
+/* ep_size 1, alltoall, zero 0, timeout 60 s, MPI_COMM_WORLD, NCCL auto, overlap on. */
 TM_API tm_comm_options tm_comm_options_default(void);
 
 /* MPI is process-wide state, so these three are the only functions of tinymoe that touch the

@@ -373,11 +373,17 @@ static tm_status block(tm_model *m, int l, tm_tensor *x, tm_tensor *h, int64_t B
                        const tm__dp_rows *dp, tm_moe_stats *st, tm_tensor **x1, tm_tensor **y) {
     tm__layer W;
     TM__TRY(layer_use(m->ctx, &m->layers[l], &W));
-    /* the hook where the next layer's all-gathers would start (a no-op on the CPU) */
+    /* ZeRO-3: the next layer's all-gathers start beside this one's compute (fsdp.c; nothing
+     * to start on CPU ranks or with overlap off) */
     if (l + 1 < m->cfg.n_layers) {
         const tm__layer *N = &m->layers[l + 1];
-        tm_tensor *next[] = {N->wq, N->wk, N->wv, N->wo};
-        TM__TRY(tm__param_prefetch(m->ctx, next, 4));
+        tm_tensor *next[16];
+        int n = 0;
+        tm_tensor *const dense[] = {N->attn_norm, N->wq, N->wk, N->wv, N->wo, N->ffn_norm, N->mlp_w0, N->mlp_w1, N->mlp_wo};
+        for (size_t i = 0; i < sizeof dense / sizeof *dense; i++)
+            if (dense[i]) next[n++] = dense[i];
+        if (N->moe) n += tm__moe_weights(N->moe, next + n);
+        TM__TRY(tm__param_prefetch(m->ctx, next, n));
     }
     tm_status s = block_of(m, l, &W, x, h, B, T, kv, dp, st, x1, y);
     layer_done(m->ctx, &W);

@@ -1029,6 +1029,14 @@ tm_status tm_moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **
     return tm__moe_forward(m, x, num_seqs, y, stats, tm__grad_enabled(m->ctx), NULL);
 }
 
+int tm__moe_weights(const tm_moe *m, tm_tensor **out) {
+    tm_tensor *const w[] = {m->gate, m->w0, m->w1, m->wo, m->sw0, m->sw1, m->swo};
+    int n = 0;
+    for (size_t i = 0; i < sizeof w / sizeof *w; i++)
+        if (w[i]) out[n++] = w[i];
+    return n;
+}
+
 tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats,
                           int accumulate, const tm__dp_rows *dp_given) {
     tm_ctx *ctx = m->ctx;

@@ -247,6 +247,9 @@ static const key KEYS[] = {
     {"nccl", T_ENUM, G_DIST, OFF(nccl), "auto|off|always", "auto", 0, NULL,
      "CUDA collectives: NCCL when every rank has its own GPU, host-staged MPI always (off), or NCCL even for one "
      "rank (always: a check of that engine on one GPU)", 0, 0},
+    {"comm_overlap", T_BOOL, G_DIST, OFF(comm_overlap), NULL, "true", 0, NULL,
+     "with NCCL, run ZeRO-3's all-gathers ahead of their use and its gradient reduce-scatters during the backward, on "
+     "a second stream beside the compute (false: each in place when needed; the same values)", 0, 0},
     {"print_layout", T_BOOL, G_DIST, OFF(print_layout), NULL, "false", 0, NULL,
      "print which rank holds which parameters and experts, and its bytes (and, after the run, its peaks and ZeRO-2's "
      "transient gradient bytes); draw <out>/layout.svg", 0, 0},

@@ -151,6 +151,7 @@ static tm_comm_options layout_of(const tmd_config *c) {
     co.zero = c->zero;
     co.timeout_s = c->comm_timeout;
     co.nccl = c->nccl;
+    co.overlap = c->comm_overlap;
     return co;
 }
 

@@ -18,8 +18,8 @@
  * exchanged by its check together with the dtype and trailing shape, so a rank whose tensor
  * does not fit is an error naming it rather than a corrupt transfer. allgather's parameter form
  * (iattr[1] = 1, iattr[2] the parameter's place among the named tensors) is ZeRO-3's gather of
- * a sharded weight: framework/fsdp.c checks it (counts from the layout, nothing exchanged);
- * its saved counts then serve the forward and backward below unchanged. Ragged all-gathers are adjoint to
+ * a sharded weight: framework/fsdp.c checks and runs it (counts from the layout, nothing
+ * exchanged; started ahead beside the work where it can). Ragged all-gathers are adjoint to
  * ragged reduce-scatters (tm__coll_reduce_scatterv).
  */
 #include <stdio.h>
@@ -158,6 +158,7 @@ static tm_status elem_counts(tm__call *c, const tm_tensor *rows, int64_t per_row
 
 tm_status tm__comm_allgather_forward(tm__call *c) {
     const tm_tensor *x = c->in[0];
+    if (c->iattr[1]) return tm__fsdp_gather_forward(c);
     int G = (int)c->saved[0]->shape[0];
     int64_t *cd;
     TM__TRY(elem_counts(c, c->saved[0], row_elems(x), &cd));
@@ -167,6 +168,7 @@ tm_status tm__comm_allgather_forward(tm__call *c) {
 
 tm_status tm__comm_allgather_backward(tm__call *c) {
     tm_ctx *ctx = c->ctx;
+    if (c->iattr[1]) return tm__fsdp_gather_backward(c);
     int g = (int)c->iattr[0], G = (int)c->saved[0]->shape[0];
     tm_tensor *go = c->gout[0], *gx;
     TM__TRY(gin_or_scratch(c, 0, &gx));

@@ -53,6 +53,20 @@ static const tm__fn cpu_bwd[TM__NOPS] = {
 #undef TM__OP
 };
 
+/* The side stream (backend.h) of host memory: its collectives block until done, so what runs
+ * "beside" the work has finished when side_end returns, and its event has happened. With
+ * these the overlap bookkeeping of ZeRO-3 (framework/fsdp.c: prefetches, gathers ahead,
+ * reduce-scatters finished later) runs on CPU ranks too, where the tests reach it. */
+static const char cpu_event = 0;
+static tm_status cpu_side_begin(tm_ctx *ctx) { return TM_OK; }
+static tm_status cpu_side_end(tm_ctx *ctx, void **event) {
+    *event = (void *)&cpu_event;
+    return TM_OK;
+}
+static tm_status cpu_event_wait(tm_ctx *ctx, void *event) { return TM_OK; }
+static int cpu_event_query(tm_ctx *ctx, void *event) { return 1; }
+static void cpu_event_free(tm_ctx *ctx, void *event) {}
+
 const tm__backend_ops tm__cpu_backend = {
     .name = "cpu",
     .device_count = cpu_device_count,
@@ -74,4 +88,9 @@ const tm__backend_ops tm__cpu_backend = {
     .gather_strided = tm__gather_strided_host,
     .host_alloc_pinned = NULL, /* host memory is what the CPU computes on: nothing to pin */
     .host_free_pinned = NULL,
+    .side_begin = cpu_side_begin,
+    .side_end = cpu_side_end,
+    .event_wait = cpu_event_wait,
+    .event_query = cpu_event_query,
+    .event_free = cpu_event_free,
 };

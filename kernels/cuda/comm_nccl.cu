@@ -19,6 +19,10 @@
  *   alltoallv       ncclSend / ncclRecv pairs in one group (the ragged all-to-all); the
  *                   rank's rows to itself by cudaMemcpyAsync
  *   bcast           ncclBroadcast; barrier: the mpi engine's
+ * Side stream (backend.h, side_begin; framework/comm.h): while it is on, the calls go to the
+ * context's side stream through a second communicator per group (made at creation when the
+ * options will use it: overlap under ZeRO-3; c->device_async), so collectives beside the work
+ * never share a communicator with those on the work stream.
  * Timeout: the calls stay asynchronous (the host never waits for a collective by itself);
  * with timeout_s > 0 the next wait of the host for the stream (a device-to-host copy,
  * tm_ctx_sync) polls it and NCCL's error state, and past the timeout or on an asynchronous
@@ -41,6 +45,11 @@ extern "C" {
 
 typedef struct nccl_state {
     ncclComm_t comm[TM_COMM_NGROUPS]; /* NULL for groups of one rank */
+    /* The same groups for collectives on the side stream (backend.h, side_begin), made with
+     * `comm` when the options use the side stream (overlap under ZeRO-3): two streams never
+     * share a communicator, so a side collective and one on the work stream cannot wait for
+     * each other's kernels. */
+    ncclComm_t side[TM_COMM_NGROUPS];
     const char *last_what;            /* the last collective enqueued, for a timeout's message */
     int last_group;
     size_t last_bytes;
@@ -69,13 +78,21 @@ static int nccl_type(tm_dtype dt, ncclDataType_t *t) {
     }
 }
 
-static ncclComm_t gcomm(tm__comm *c, int g) { return ((nccl_state *)c->nccl)->comm[g]; }
+static int side_on(tm__comm *c) {
+    tm__cuda *cu = (tm__cuda *)tm__cuda_state(c->ctx);
+    return cu && cu->side_on;
+}
 
-/* Enter the context's device; the stream of its work. */
+static ncclComm_t gcomm(tm__comm *c, int g) {
+    nccl_state *ns = (nccl_state *)c->nccl;
+    return side_on(c) ? ns->side[g] : ns->comm[g];
+}
+
+/* Enter the context's device; the stream of its work, or the side stream while it is on. */
 static tm_status enter(tm__comm *c, const char *what, cudaStream_t *stream) {
     tm__cuda *st;
     TM__TRY(tm__cu_enter(c->ctx, what, &st));
-    *stream = st->stream;
+    *stream = st->side_on ? st->side : st->stream;
     return TM_OK;
 }
 
@@ -103,17 +120,17 @@ static tm_status pending_wait(tm_ctx *ctx, const char *what) {
         ncclResult_t async = ncclSuccess;
         int bad = -1;
         for (int g = 0; g < TM_COMM_NGROUPS && bad < 0; g++) {
-            if (!ns->comm[g]) continue;
-            ncclCommGetAsyncError(ns->comm[g], &async);
+            if (ns->comm[g]) ncclCommGetAsyncError(ns->comm[g], &async);
+            if (async == ncclSuccess && ns->side[g]) ncclCommGetAsyncError(ns->side[g], &async);
             if (async != ncclSuccess) bad = g;
         }
         double waited = tm__now() - t0;
         if (bad >= 0 || waited > timeout) {
-            for (int g = 0; g < TM_COMM_NGROUPS; g++)
-                if (ns->comm[g]) {
-                    ncclCommAbort(ns->comm[g]);
-                    ns->comm[g] = NULL;
-                }
+            for (int g = 0; g < TM_COMM_NGROUPS; g++) {
+                if (ns->comm[g]) ncclCommAbort(ns->comm[g]);
+                if (ns->side[g]) ncclCommAbort(ns->side[g]);
+                ns->comm[g] = ns->side[g] = NULL;
+            }
             if (bad >= 0)
                 return tm__err(ctx, TM_ERR_COMM, "%s: NCCL failed over %s: %s (%d); the communicators were aborted",
                                what, tm__comm_gdesc(c, bad), ncclGetErrorString(async), (int)async);
@@ -284,8 +301,10 @@ static void nccl_free(tm__comm *c) {
         (void)pending_wait(c->ctx, "tm_comm_free"); /* bounded by the timeout; aborts on expiry */
         cu->comm_wait = NULL;
     }
-    for (int g = 0; g < TM_COMM_NGROUPS; g++)
+    for (int g = 0; g < TM_COMM_NGROUPS; g++) {
+        if (st->side[g]) ncclCommDestroy(st->side[g]);
         if (st->comm[g]) ncclCommDestroy(st->comm[g]);
+    }
     tm__host_free(c->ctx, st);
     c->nccl = NULL;
 }
@@ -336,24 +355,27 @@ extern "C" tm_status tm__nccl_comm_create(tm__comm *c) {
     c->nccl = st;
     /* groups of one rank need no communicator, unless NCCL was asked for one rank (a check of
      * this engine on a single GPU: tm_comm_options.nccl = TM_NCCL_ALWAYS) */
-    int force = c->opts.nccl == TM_NCCL_ALWAYS;
-    for (int g = 0; g < TM_COMM_NGROUPS; g++) {
-        if (c->size[g] < 2 && !force) continue;
-        ncclUniqueId id;
-        memset(&id, 0, sizeof id);
-        if (c->rank[g] == 0) {
-            ncclResult_t r = ncclGetUniqueId(&id);
-            if (r != ncclSuccess) s = nccl_fail(c, "ncclGetUniqueId", g, r);
+    int force = c->opts.nccl == TM_NCCL_ALWAYS, side = c->opts.overlap && c->opts.zero >= 3;
+    for (int k = 0; k < 1 + side && s == TM_OK; k++)
+        for (int g = 0; g < TM_COMM_NGROUPS; g++) {
+            if (c->size[g] < 2 && !force) continue;
+            ncclUniqueId id;
+            memset(&id, 0, sizeof id);
+            if (c->rank[g] == 0) {
+                ncclResult_t r = ncclGetUniqueId(&id);
+                if (r != ncclSuccess) s = nccl_fail(c, "ncclGetUniqueId", g, r);
+            }
+            /* every rank takes part in the broadcast, even after a failure above, so none waits */
+            tm_status bs = c->host->bcast(c, g, &id, (int64_t)sizeof id, TM_U8, 0, tm_cpu());
+            if (s == TM_OK) s = bs;
+            if (s == TM_OK) {
+                ncclComm_t *dst = k ? &st->side[g] : &st->comm[g];
+                ncclResult_t r = ncclCommInitRank(dst, c->size[g], id, c->rank[g]);
+                if (r != ncclSuccess) s = nccl_fail(c, "ncclCommInitRank", g, r);
+            }
+            if (s != TM_OK) break;
         }
-        /* every rank takes part in the broadcast, even after a failure above, so none waits */
-        tm_status bs = c->host->bcast(c, g, &id, (int64_t)sizeof id, TM_U8, 0, tm_cpu());
-        if (s == TM_OK) s = bs;
-        if (s == TM_OK) {
-            ncclResult_t r = ncclCommInitRank(&st->comm[g], c->size[g], id, c->rank[g]);
-            if (r != ncclSuccess) s = nccl_fail(c, "ncclCommInitRank", g, r);
-        }
-        if (s != TM_OK) break;
-    }
+    c->device_async = s == TM_OK && side;
     if (s != TM_OK) nccl_free(c);
     return s;
 }

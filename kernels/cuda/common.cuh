@@ -51,6 +51,10 @@ typedef struct tm__cuda {
     int device;
     int num_sms;
     cudaStream_t stream;                 /* every kernel and copy of the context goes here */
+    /* Collectives that run beside the work (backend.h, side_begin): their stream, made at the
+     * first use, and whether the engine's calls go there now. */
+    cudaStream_t side;
+    int side_on;
     cublasLtHandle_t lt;
     void *workspace;                     /* cuBLASLt workspace, allocated once */
     size_t workspace_bytes;

@@ -33,10 +33,12 @@ static void tm__cuda_shutdown(tm_ctx *ctx, void *state) {
     /* Teardown must go on whatever fails: errors are ignored here on purpose. */
     cudaSetDevice(st->device);
     if (st->stream) cudaStreamSynchronize(st->stream);
+    if (st->side) cudaStreamSynchronize(st->side);
     tm__gemm_plans_destroy(st);
     if (st->workspace) cudaFree(st->workspace);
     if (st->lt) cublasLtDestroy(st->lt);
     if (st->stream) cudaStreamDestroy(st->stream);
+    if (st->side) cudaStreamDestroy(st->side);
     (void)cudaGetLastError();
     tm__host_free(ctx, st);
 }
@@ -171,6 +173,8 @@ static tm_status tm__cuda_sync(tm_ctx *ctx) {
     double t0 = tm__now();
     tm_status ws = comm_wait(ctx, st, "cuda_sync");
     cudaError_t e = ws == TM_OK ? cudaStreamSynchronize(st->stream) : cudaSuccess;
+    /* side work nothing waited for yet (backend.h): a sync means all of the context's work */
+    if (e == cudaSuccess && ws == TM_OK && st->side) e = cudaStreamSynchronize(st->side);
     tm__add_wait(ctx, t0);
     TM__TRY(ws);
     TM__CU_CHECK(ctx, "cuda_sync", e);
@@ -197,6 +201,67 @@ static void tm__cuda_host_free_pinned(tm_ctx *ctx, void *p) {
     if (!p) return;
     cudaFreeHost(p); /* synchronises with the device: no copy still uses p */
     (void)cudaGetLastError();
+}
+
+/* ---- the side stream (backend.h): collectives beside the work ------------------------------- */
+
+/* An event recorded on `from`, waited for by `to` (the event can go at once: the wait is
+ * queued). */
+static tm_status stream_after(tm_ctx *ctx, const char *what, cudaStream_t to, cudaStream_t from) {
+    cudaEvent_t e;
+    TM__CU_CHECK(ctx, what, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    cudaError_t r = cudaEventRecord(e, from);
+    if (r == cudaSuccess) r = cudaStreamWaitEvent(to, e, 0);
+    cudaEventDestroy(e);
+    TM__CU_CHECK(ctx, what, r);
+    return TM_OK;
+}
+
+static tm_status tm__cuda_side_begin(tm_ctx *ctx) {
+    tm__cuda *st;
+    const char *what = "cuda_side_begin";
+    TM__TRY(tm__cu_enter(ctx, what, &st));
+    if (st->side_on) return tm__err(ctx, TM_ERR_INTERNAL, "%s: the side stream is already on", what);
+    if (!st->side) TM__CU_CHECK(ctx, what, cudaStreamCreateWithFlags(&st->side, cudaStreamNonBlocking));
+    TM__TRY(stream_after(ctx, what, st->side, st->stream));
+    st->side_on = 1;
+    return TM_OK;
+}
+
+static tm_status tm__cuda_side_end(tm_ctx *ctx, void **event) {
+    tm__cuda *st;
+    const char *what = "cuda_side_end";
+    *event = NULL;
+    TM__TRY(tm__cu_enter(ctx, what, &st));
+    st->side_on = 0;
+    cudaEvent_t e;
+    TM__CU_CHECK(ctx, what, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    cudaError_t r = cudaEventRecord(e, st->side);
+    if (r != cudaSuccess) cudaEventDestroy(e);
+    TM__CU_CHECK(ctx, what, r);
+    *event = (void *)e;
+    return TM_OK;
+}
+
+static tm_status tm__cuda_event_wait(tm_ctx *ctx, void *event) {
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(ctx, "cuda_event_wait", &st));
+    if (event) TM__CU_CHECK(ctx, "cuda_event_wait", cudaStreamWaitEvent(st->stream, (cudaEvent_t)event, 0));
+    return TM_OK;
+}
+
+static int tm__cuda_event_query(tm_ctx *ctx, void *event) {
+    (void)ctx;
+    if (!event) return 1;
+    cudaError_t r = cudaEventQuery((cudaEvent_t)event);
+    if (r == cudaErrorNotReady) return 0;
+    (void)cudaGetLastError(); /* a failure shows at the next wait of the work stream */
+    return 1;
+}
+
+static void tm__cuda_event_free(tm_ctx *ctx, void *event) {
+    (void)ctx;
+    if (event) cudaEventDestroy((cudaEvent_t)event);
 }
 
 /* ---- the backend table ------------------------------------------------------------------------- */
@@ -242,4 +307,9 @@ extern "C" const tm__backend_ops tm__cuda_backend = {
     NULL, /* gather_strided */
     tm__cuda_host_alloc_pinned,
     tm__cuda_host_free_pinned,
+    tm__cuda_side_begin,
+    tm__cuda_side_end,
+    tm__cuda_event_wait,
+    tm__cuda_event_query,
+    tm__cuda_event_free,
 };
