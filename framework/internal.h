@@ -353,6 +353,9 @@ tm_status tm__moe_sort_chunks_sizes(tm__call *c, const int64_t **sizes);
 int tm__gmm_device_schedule(tm_ctx *ctx);
 void tm__set_gmm_device_schedule(tm_ctx *ctx, int mode);
 int tm__gmm_mode(tm_ctx *ctx);
+/* SMs that kernels sizing their grid to the GPU leave free for collectives beside the work
+ * (tm_comm_options.comm_sms where the engine has side communicators, framework/comm.c); 0: none. */
+int tm__coll_spare_sms(const tm_ctx *ctx);
 /* 1 when the options asked for TM_GROUPED_GEMM_AUTO: the CUDA backend's init then sets the mode
  * (HOPPER where the sm_90a kernel runs, else CUBLASLT; until then CUBLASLT). */
 int tm__gmm_auto(const tm_ctx *ctx);

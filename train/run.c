@@ -152,6 +152,7 @@ static tm_comm_options layout_of(const tmd_config *c) {
     co.timeout_s = c->comm_timeout;
     co.nccl = c->nccl;
     co.overlap = c->comm_overlap;
+    co.comm_sms = c->comm_sms;
     return co;
 }
 
