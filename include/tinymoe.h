@@ -1803,19 +1803,17 @@ typedef struct tm_comm_options {
                                  * the work stream, when its result is needed (the same values) */
     int comm_sms;               /* with overlap on NCCL: streaming multiprocessors left to the
                                  * collectives beside the work. Their communicators run at most
-                                 * this many CTAs (ncclConfig_t.maxCTAs), and the kernels that
-                                 * fill the GPU themselves leave that many SMs free: the
-                                 * persistent Hopper grouped GEMM launches num_sms - comm_sms
-                                 * CTAs, cuBLASLt is told to target as many
-                                 * (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET). Why: a persistent
+                                 * this many CTAs (ncclConfig_t.maxCTAs), and the persistent
+                                 * Hopper grouped GEMM launches num_sms - comm_sms CTAs. Why: a
                                  * kernel with a CTA per SM and a static tile schedule waits for
                                  * every SM a collective holds, so the CTAs placed there start
-                                 * late and the kernel's tail grows by their whole share
-                                 * (DeepGEMM and DeepEP split the SMs the same way). 0: no
-                                 * reservation (NCCL picks its CTAs; kernels take every SM).
-                                 * Values are unchanged (the grouped GEMM's sums do not depend on
-                                 * its grid; cuBLASLt may pick another algorithm: f32 rounding).
-                                 * Default 16; must be in [0, 64] */
+                                 * late and its tail grows by their whole share (DeepGEMM and
+                                 * DeepEP split the SMs the same way). 0: no reservation (NCCL
+                                 * picks its CTAs; the kernel takes every SM). Values are
+                                 * unchanged: the grouped GEMM's sums do not depend on its grid.
+                                 * (cuBLASLt is left to its heuristic: an SM count target there
+                                 * changed its algorithms, and so the f32 rounding, against one
+                                 * GPU.) Default 16; must be in [0, 64] */
 } tm_comm_options;
 
 enum { TM_NCCL_AUTO = 0, TM_NCCL_OFF = 1, TM_NCCL_ALWAYS = 2 };
