@@ -534,6 +534,11 @@ static void check_ep_syncs(int world) {
  * of the forward. variant 0: dropless, align 1, aux + z losses; 1: align_size 4, capacity 1.25,
  * the expert bias, early top-k weights; 2: capacity 1.0 padded to capacity. Returns the
  * forward's status (its message in msg). */
+/* tm_comm_options.overlap of the next chunked_layer (default on), and what its forward and
+ * backward ran beside the work: all-to-alls, and early waits (memory given back first). */
+static int g_overlap = 1;
+static int64_t g_beside, g_early;
+
 static tm_status chunked_layer(tm_ep_strategy st, int C, int64_t T, int variant, double **v, int64_t *n, int64_t *a2a,
                                char *msg, size_t msglen) {
     tm_ctx_options o = tm_ctx_options_default();
@@ -544,6 +549,7 @@ static tm_status chunked_layer(tm_ep_strategy st, int C, int64_t T, int variant,
     co.ep_size = 2;
     co.ep_strategy = st;
     co.timeout_s = 30;
+    co.overlap = g_overlap;
     OK(ctx, tm_comm_init(ctx, &co));
     tm_moe_config c = tm_moe_config_default();
     c.hidden_size = 8;
@@ -586,6 +592,10 @@ static tm_status chunked_layer(tm_ep_strategy st, int C, int64_t T, int variant,
         OK(ctx, tm_comm_get_stats(ctx, &s1));
         *a2a = s1.calls[TM_COMM_ALLTOALL] - s0.calls[TM_COMM_ALLTOALL];
         OK(ctx, tm_backward_with_grad(ctx, y, g));
+        tm_comm_stats s2;
+        OK(ctx, tm_comm_get_stats(ctx, &s2));
+        g_beside = s2.beside[TM_COMM_ALLTOALL] - s0.beside[TM_COMM_ALLTOALL];
+        g_early = s2.beside_early - s0.beside_early;
         const char *names[] = {"gate.weight", "experts.w0", "experts.w1", "experts.wo"};
         tm_tensor *parts[6] = {y, tm_tensor_grad(x)};
         for (int i = 0; i < 4; i++) parts[2 + i] = tm_tensor_grad(tm_moe_tensor(m, names[i]));
@@ -657,6 +667,31 @@ static void check_chunked_layer(int world) {
                 if (g_rank == 0)
                     fprintf(stderr, "chunked layer: %s variant %d C %d: worst %.3g, %lld all-to-alls (unchunked %lld)\n",
                             tm_ep_strategy_name(strategy), variant, C, worst, (long long)a2a, (long long)a2a_ref);
+                /* Beside the work (overlap on, the default): every chunk's all-to-alls, forward
+                 * and backward (the count exchange stays in place: its counts are read at once),
+                 * none waited for early; and the values of overlap off, bit for bit. */
+                const int64_t beside_want = 2 * (want - 1), beside_got = g_beside, early = g_early;
+                CHECK(beside_got == beside_want && early == 0,
+                      "%s variant %d C %d: %lld all-to-alls beside the work (want %lld), %lld waited for early (want 0)",
+                      tm_ep_strategy_name(strategy), variant, C, (long long)beside_got, (long long)beside_want,
+                      (long long)early);
+                double *off;
+                int64_t noff, a2a_off;
+                g_overlap = 0;
+                s = chunked_layer(strategy, C, T, variant, &off, &noff, &a2a_off, msg, sizeof msg);
+                g_overlap = 1;
+                CHECK(!s, "%s variant %d C %d, overlap off: %s", tm_ep_strategy_name(strategy), variant, C, msg);
+                if (!s) {
+                    int64_t diff = noff == ngot ? 0 : -1;
+                    for (int64_t i = 0; i < ngot && diff == 0; i++)
+                        if (off[i] != got[i]) diff = i + 1;
+                    CHECK(diff == 0 && g_beside == 0,
+                          "%s variant %d C %d: overlap on and off differ (%lld values, first at %lld: %.17g vs %.17g); "
+                          "%lld beside the work with overlap off",
+                          tm_ep_strategy_name(strategy), variant, C, (long long)noff, (long long)diff - 1,
+                          diff > 0 ? got[diff - 1] : 0.0, diff > 0 ? off[diff - 1] : 0.0, (long long)g_beside);
+                    free(off);
+                }
                 free(got);
             }
             free(ref);
