@@ -604,11 +604,23 @@ void tm__scope_close(tm_ctx *ctx, int mark, tm_tensor *const *keep, int nkeep) {
                 if (ctx->scope_depth > 0) ctx->scope_log[w++] = e; /* the enclosing scope decides */
                 continue;
             }
+            tm__side_release(ctx, e.st);
             e.st->data = NULL;
         }
         tm__arena_free(ctx, ctx->arena[e.backend].dev, e.p, e.size);
     }
     ctx->scope_n = w;
+}
+
+void tm__scope_forget(tm_ctx *ctx, const tm_tensor *t) {
+    if (!t || !t->storage || ctx->scope_depth <= 0) return;
+    for (int i = ctx->scope_n - 1; i >= 0; i--)
+        if (ctx->scope_log[i].st == t->storage) {
+            /* in order: the entries above each open scope's mark stay its own */
+            memmove(ctx->scope_log + i, ctx->scope_log + i + 1, sizeof *ctx->scope_log * (size_t)(ctx->scope_n - i - 1));
+            ctx->scope_n--;
+            return;
+        }
 }
 
 /* ---- accounting ------------------------------------------------------------------------------ */

@@ -88,6 +88,17 @@ static tm_status run_tape(tm_ctx *ctx) {
             c->gin[i] = s->grad;
             needed = 1;
         }
+        if ((needed || collective) && tm__side_pending(ctx)) {
+            /* a gradient (or input) still being written by a collective beside the work, e.g.
+             * the chunked MoE layer's all-to-all backward (side.c): the work waits for it here,
+             * at its first reader, not when the collective was started */
+            for (int i = 0; i < c->n_out; i++) TM__TRY(tm__side_wait(ctx, c->gout[i]));
+            for (int i = 0; i < c->n_in; i++) {
+                TM__TRY(tm__side_wait(ctx, c->gin[i]));
+                TM__TRY(tm__side_wait(ctx, c->in[i]));
+            }
+            for (int i = 0; i < c->n_saved; i++) TM__TRY(tm__side_wait(ctx, c->saved[i]));
+        }
         if (needed || collective) { /* a collective's backward runs on every rank */
             /* ZeRO-3: a gathered weight given back after its layer's forward is gathered again
              * for the backward that reads it (fsdp.c) */
@@ -105,8 +116,11 @@ static tm_status run_tape(tm_ctx *ctx) {
             tm__param_done(ctx, c->out[0]);
         release_node(ctx, n);
     }
-    /* ZeRO-3's gradient reduce-scatters still running beside the work end here (fsdp.c) */
-    return tm__fsdp_backward_done(ctx);
+    /* collectives still running beside the work end here: gradients of leaves written by
+     * them (side.c), ZeRO-3's gradient reduce-scatters (fsdp.c) */
+    tm_status s = tm__side_finish_all(ctx);
+    tm_status f = tm__fsdp_backward_done(ctx);
+    return s != TM_OK ? s : f;
 }
 
 tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad) {

@@ -35,6 +35,7 @@ tm__comm *tm__ctx_comm(const tm_ctx *ctx) { return ctx ? ctx->comm : NULL; }
 void tm__comm_account(tm__comm *c, tm_comm_kind k, size_t bytes, double seconds) {
     if (!c || (unsigned)k >= TM_COMM_NKINDS) return;
     c->stats.calls[k]++;
+    if (c->side_active) c->stats.beside[k]++;
     c->stats.bytes[k] += (int64_t)bytes;
     c->stats.seconds[k] += seconds;
 }
@@ -93,7 +94,7 @@ static tm_status self_barrier(tm__comm *c, int g) { return TM_OK; }
 
 const tm__comm_ops tm__comm_self_ops = {
     "self", self_allreduce, self_allgatherv, self_reduce_scatter, self_reduce_scatterv, self_alltoallv, self_bcast,
-    self_barrier, NULL,
+    self_barrier, NULL, NULL,
 };
 
 /* ---- mpi-staged: CUDA memory through host buffers and the host table ----------------------- */
@@ -190,7 +191,7 @@ static tm_status staged_barrier(tm__comm *c, int g) { return c->host->barrier(c,
 const tm__comm_ops tm__comm_staged_ops = {
     "mpi-staged", staged_allreduce, staged_allgatherv, staged_reduce_scatter, staged_reduce_scatterv, staged_alltoallv,
     staged_bcast,
-    staged_barrier, NULL,
+    staged_barrier, NULL, NULL,
 };
 
 /* ---- accounted entry points ---------------------------------------------------------------- */
@@ -279,14 +280,42 @@ int tm__coll_spare_sms(const tm_ctx *ctx) {
     return ctx->comm && ctx->comm->opts.overlap && ctx->comm->device_async ? ctx->comm->opts.comm_sms : 0;
 }
 
+int tm__coll_side_group(const tm_ctx *ctx, int g, tm_device dev) {
+    if (!tm__coll_side_on(ctx, dev) || (unsigned)g >= TM_COMM_NGROUPS) return 0;
+    const tm__comm *c = ctx->comm;
+    /* host memory needs no communicator of its own; a device engine needs the group's second
+     * one (two streams never share a communicator) */
+    return dev.type == TM_DEVICE_CPU || c->size[g] < 2 || (c->side_groups >> g & 1u);
+}
+
+tm_status tm__coll_side_prepare(tm_ctx *ctx, int g, tm_device dev) {
+    tm__comm *c = ctx ? ctx->comm : NULL;
+    if (!c || !c->opts.overlap || dev.type == TM_DEVICE_CPU || (unsigned)g >= TM_COMM_NGROUPS || c->size[g] < 2 ||
+        (c->side_groups >> g & 1u))
+        return TM_OK;
+    const tm__comm_ops *ops = tm__comm_ops_for(c, dev);
+    if (!ops || !ops->side_group) return TM_OK; /* an engine that blocks: the collectives run in place */
+    TM__TRY(ops->side_group(c, g));
+    c->side_groups |= 1u << g;
+    c->device_async = 1;
+    return TM_OK;
+}
+
+tm_status tm__comm_side_prepare(tm_ctx *ctx, tm_comm_group g, tm_device dev) {
+    return tm__coll_side_prepare(ctx, (int)g, dev);
+}
+
 tm_status tm__coll_side_begin(tm_ctx *ctx, tm_device dev) {
     if (!tm__coll_side_on(ctx, dev)) return TM_OK;
-    return tm__ctx_backend(ctx, dev)->side_begin(ctx);
+    TM__TRY(tm__ctx_backend(ctx, dev)->side_begin(ctx));
+    ctx->comm->side_active = 1;
+    return TM_OK;
 }
 
 tm_status tm__coll_side_end(tm_ctx *ctx, tm_device dev, void **event) {
     *event = NULL;
     if (!tm__coll_side_on(ctx, dev)) return TM_OK;
+    ctx->comm->side_active = 0;
     return tm__ctx_backend(ctx, dev)->side_end(ctx, event);
 }
 

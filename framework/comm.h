@@ -48,6 +48,10 @@ typedef struct tm__comm_ops {
     tm_status (*bcast)(tm__comm *c, int g, void *buf, int64_t n, tm_dtype dt, int root, tm_device dev);
     tm_status (*barrier)(tm__comm *c, int g);
     void (*free)(tm__comm *c); /* the engine's state (may be NULL) */
+    /* Make group g's communicator for the side stream (NULL: an engine that blocks, whose
+     * collectives run in place). Collective over the group: every rank calls it at the same
+     * point (tm__coll_side_prepare). */
+    tm_status (*side_group)(tm__comm *c, int g);
 } tm__comm_ops;
 
 struct tm__comm {
@@ -60,8 +64,11 @@ struct tm__comm {
     void *mpi;                  /* the mpi engine's state (framework/comm_mpi.c) */
     void *nccl;                 /* the nccl engine's state (kernels/cuda/comm_nccl.cu) */
     int device_async;           /* the device engine enqueues on a stream and has the side
-                                 * stream's communicators (nccl under overlap and ZeRO-3): a
-                                 * collective can run beside the work (tm__coll_side_begin) */
+                                 * stream's communicators (nccl under overlap and ZeRO-3, or
+                                 * the groups tm__coll_side_prepare made): a collective can run
+                                 * beside the work (tm__coll_side_begin) */
+    unsigned side_groups;       /* bit g: the device engine has group g's side communicator */
+    int side_active;            /* between tm__coll_side_begin and _end: calls count as beside */
     tm_comm_stats stats;
 };
 
@@ -108,6 +115,13 @@ tm_status tm__coll_alltoallv(tm_ctx *ctx, int g, const void *send, const int64_t
  * enqueues on a stream (NCCL); elsewhere the collectives run in place and the event is NULL
  * (event_wait / event_done of NULL: nothing to wait for). */
 int tm__coll_side_on(const tm_ctx *ctx, tm_device dev);
+/* tm__coll_side_on for collectives over group g: also 0 where the device engine has no side
+ * communicator of g. tm__coll_side_prepare makes it where the engine can (NCCL, overlap on, a
+ * group of several ranks): collective over g, so every rank of the group calls it at the same
+ * point (the MoE layer's creation: layers/moe.c); elsewhere it does nothing. Errors: the
+ * engine's (TM_ERR_COMM). */
+int tm__coll_side_group(const tm_ctx *ctx, int g, tm_device dev);
+tm_status tm__coll_side_prepare(tm_ctx *ctx, int g, tm_device dev);
 tm_status tm__coll_side_begin(tm_ctx *ctx, tm_device dev);
 tm_status tm__coll_side_end(tm_ctx *ctx, tm_device dev, void **event);
 tm_status tm__coll_event_wait(tm_ctx *ctx, tm_device dev, void *event);

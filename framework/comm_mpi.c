@@ -345,5 +345,5 @@ static tm_status mpi_barrier(tm__comm *c, int g) {
 
 const tm__comm_ops tm__comm_mpi_ops = {
     "mpi", mpi_allreduce, mpi_allgatherv, mpi_reduce_scatter, mpi_reduce_scatterv, mpi_alltoallv, mpi_bcast, mpi_barrier,
-    mpi_state_free,
+    mpi_state_free, NULL,
 };

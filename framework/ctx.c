@@ -147,6 +147,7 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
 
 void tm_ctx_free(tm_ctx *ctx) {
     if (!ctx) return;
+    tm__side_free(ctx);
     tm__fsdp_free(ctx);
     tm__comm_destroy(ctx);
     for (int b = 0; b < TM__NBACKENDS; b++) tm__segs_free(ctx, ctx->segs[b]);
@@ -271,7 +272,10 @@ double tm_ctx_sync_seconds(const tm_ctx *ctx) { return ctx ? ctx->sync_seconds :
 
 void tm_ctx_arena_reset(tm_ctx *ctx) {
     if (!ctx) return;
-    tm__fsdp_reset(ctx); /* nothing beside the work may still use the arena's memory */
+    /* nothing beside the work may still use the arena's memory (a failed step may have left
+     * collectives unwaited) */
+    (void)tm__side_finish_all(ctx);
+    tm__fsdp_reset(ctx);
     for (int b = 0; b < TM__NBACKENDS; b++) tm__arena_reset(ctx, &ctx->arena[b]);
     tm__arena_reset(ctx, &ctx->meta);
     ctx->tape = NULL;

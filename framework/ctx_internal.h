@@ -174,6 +174,7 @@ struct tm_ctx {
     struct tm__mirror *mirrors; /* host mirrors (internal.h), newest first, meta memory; reset with the arena */
     struct tm__comm *comm; /* tm_comm_init (framework/comm.h); NULL: one rank */
     struct tm__fsdp *fsdp; /* ZeRO-3's prefetches and reduce-scatters in flight (framework/fsdp.c) */
+    struct tm__side *side; /* other collectives started beside the work, not yet waited for (side.c) */
     struct tm__segs *segs[TM__NBACKENDS]; /* tm__ctx_segs: the clip's segment list per backend */
 };
 
@@ -233,6 +234,24 @@ tm_status tm__fsdp_gather_backward(tm__call *c);
 tm_status tm__fsdp_backward_done(tm_ctx *ctx);
 void tm__fsdp_reset(tm_ctx *ctx);
 void tm__fsdp_free(tm_ctx *ctx);
+/* Collectives started beside the work by ops (framework/side.c, whose top comment gives the
+ * rules). tm__side_add: the collective behind event ev (tm__coll_side_end; may be NULL: it ran
+ * in place) writes `result` (may be NULL) and moves the memory of use[0..n_use) (at most 2);
+ * own[0..n_own) (at most 2) are given back once it is done. On failure the event has been
+ * waited for. tm__side_wait (extend.h): the work stream waits for the collectives writing t's
+ * storage (call before reading t). tm__side_release: the collectives using st are waited for first
+ * (tm__tensor_release, the kernel scope's close: st is about to be given back).
+ * tm__side_pending: entries not yet finished. tm__side_finish_all: everything waited for (the
+ * end of a backward, tm_ctx_arena_reset). tm__side_free: the same, and the list freed. */
+tm_status tm__side_add(tm_ctx *ctx, tm_device dev, void *ev, tm_tensor *result, tm_tensor *const *use, int n_use,
+                       tm_tensor *const *own, int n_own);
+void tm__side_release(tm_ctx *ctx, const tm__storage *st);
+int tm__side_pending(const tm_ctx *ctx);
+tm_status tm__side_finish_all(tm_ctx *ctx);
+void tm__side_free(tm_ctx *ctx);
+/* Take t's block out of the open kernel scope's log (arena.c): the scope's close will not give
+ * it back; whoever called this does (a buffer a side collective still uses, side.c). */
+void tm__scope_forget(tm_ctx *ctx, const tm_tensor *t);
 /* Free the context's communicator (tm_ctx_free). */
 void tm__comm_destroy(tm_ctx *ctx);
 

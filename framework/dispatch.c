@@ -190,6 +190,8 @@ tm_status tm__op_run(tm__call *c) {
             return tm__err(ctx, TM_ERR_STATE, "%s: input %d %s is a parameter (or a view of one) that this rank holds a "
                            "ZeRO-3 block of only: compute with its all-gather (tm__param_use)", op->name, i,
                            tm__tdesc(ctx, c->in[i]));
+    /* an input a collective beside the work still writes: the work waits for it first */
+    for (int i = 0; i < c->n_in && tm__side_pending(ctx); i++) TM__TRY(tm__side_wait(ctx, c->in[i]));
     for (int i = 0; i < c->n_in; i++) c->src[i] = c->in[i];
     for (int i = 0; i < TM__MAX_OUT; i++) c->out[i] = NULL;
     c->n_saved = 0;

@@ -121,6 +121,24 @@ tm_status tm__moe_permute_counted(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_
  * call that could only confirm them). */
 tm_status tm__comm_alltoall_consistent(tm_ctx *ctx, tm_tensor *x, tm_tensor *send_counts, tm_tensor *recv_counts,
                                        tm_comm_group g, tm_tensor **out);
+/* tm__comm_alltoall_consistent beside the work (tm_comm_options.overlap, where the engine can
+ * run it on its side stream over g: NCCL with the group's side communicator, made by
+ * tm__comm_side_prepare; CPU ranks, whose collectives block, run the same bookkeeping). The
+ * forward returns once the transfer is enqueued: *out is written beside the work, and the first
+ * op that reads it (or tm__side_wait) makes the work wait for it; x's memory is held until
+ * then. The backward likewise sends the gradient back beside the work and *writes* it into x's
+ * gradient, which its first reader waits for: x must have no reader but this op (the chunked
+ * MoE layer's rows of one chunk). Elsewhere exactly tm__comm_alltoall_consistent. */
+tm_status tm__comm_alltoall_beside(tm_ctx *ctx, tm_tensor *x, tm_tensor *send_counts, tm_tensor *recv_counts,
+                                   tm_comm_group g, tm_tensor **out);
+/* Ready group g for collectives beside the work on dev (its side communicator, where the
+ * engine needs one: NCCL; tm_comm_options.overlap on). Collective over g: every rank of the
+ * group calls it at the same point (the MoE layer's creation). Nothing where overlap is off,
+ * the group has one rank or the engine blocks (CPU ranks, host-staged MPI). Errors: TM_ERR_COMM. */
+tm_status tm__comm_side_prepare(tm_ctx *ctx, tm_comm_group g, tm_device dev);
+/* The work waits for the collectives beside the work that write t's storage (none: nothing);
+ * call before reading t by other than an op (ops wait by themselves). framework/side.c. */
+tm_status tm__side_wait(tm_ctx *ctx, const tm_tensor *t);
 /* tm_cross_entropy without the check of its targets, for targets already known to be valid
  * (checked on the device, e.g. by tm_index_check): the same result, but the CUDA forward does not read its bad-target flag
  * back, so it does not synchronise (and the CPU forward counts no synchronisation). A target

@@ -114,6 +114,7 @@ void tm__tensor_release(tm_ctx *ctx, tm_tensor *t) {
     if (!ctx || !t || t->persistent || !ctx->mem_reuse) return;
     tm__storage *st = t->storage;
     if (!st || !st->data || !st->arena_bytes) return;
+    tm__side_release(ctx, st); /* a collective beside the work still using it is waited for */
     tm__mirror_drop(ctx, t);
     tm__arena_free(ctx, st->device, st->data, st->arena_bytes);
     st->data = NULL;

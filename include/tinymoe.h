@@ -1024,10 +1024,18 @@ typedef struct tm_moe_config {
  * reverse, issues the combine-backward of chunk c before the experts-backward of chunk c + 1;
  * layers/moe.c gives both orders). Source: Megatron-LM's expert-parallel all-to-all overlap
  * (--overlap-moe-expert-parallel-comm), and MaxText PR #3981, which splits route, dispatch,
- * experts and combine per chunk. Today every collective of the context runs on its one CUDA
- * stream (the NCCL engine enqueues on the work stream), so nothing overlaps yet and chunks
- * only add launches: the order is what a communication stream will need (not measured on a
- * GPU).
+ * experts and combine per chunk. What overlaps: with tm_comm_options.overlap (the default) and
+ * the NCCL engine, every chunk's dispatch all-to-all(s) and its combine all-to-all run on a
+ * second CUDA stream (tm_moe_new makes the ep group's second NCCL communicator, collectively:
+ * every rank of the group makes its layers in the same order), forward and backward: chunk c's
+ * experts wait for its dispatch only (the forward D(c + 1), and in the backward the dispatch
+ * gradient of chunk c + 1, run while chunk c's experts compute), the combines are waited for
+ * once, by the unpermute (its gradient likewise, by each chunk's experts backward). The count
+ * exchange stays on the compute stream (its counts are read at once). The buffers a transfer
+ * moves are held until the compute stream has waited for it (framework/side.c). With overlap
+ * off, host-staged MPI, or on CPU ranks (whose collectives block: the same bookkeeping runs,
+ * its waits at once) the values are the same bit for bit; tm_comm_stats.beside counts what ran
+ * beside the work. Speed against overlap off: not yet measured on a GPU.
  * What is not chunked: the router, top-k, the aux / seq aux / z losses, the expert-bias
  * statistics and capacity dropping are computed over all T tokens exactly as with C = 1 (the
  * chunks take rows of the routing that was decided for the whole layer), so the losses are the
@@ -1799,8 +1807,10 @@ typedef struct tm_comm_options {
                                  * of the layers about to be reached) and its gradient
                                  * reduce-scatters run while the backward goes on, on a second
                                  * stream beside the work (PyTorch FSDP's prefetch and
-                                 * asynchronous reduce-scatter); 0: each collective in place, on
-                                 * the work stream, when its result is needed (the same values) */
+                                 * asynchronous reduce-scatter), and so do the all-to-alls of
+                                 * MoE layers with overlap_chunks > 1 (tm_moe_config); 0: each
+                                 * collective in place, on the work stream, when its result is
+                                 * needed (the same values) */
     int comm_sms;               /* with overlap on NCCL: streaming multiprocessors left to the
                                  * collectives beside the work. Their communicators run at most
                                  * this many CTAs (ncclConfig_t.maxCTAs), and the persistent
@@ -1931,6 +1941,13 @@ typedef struct tm_comm_stats {
     int64_t calls[TM_COMM_NKINDS];
     int64_t bytes[TM_COMM_NKINDS];
     double seconds[TM_COMM_NKINDS];
+    /* Of calls, those that ran beside the work (tm_comm_options.overlap: ZeRO-3's gathers and
+     * reduce-scatters, the chunked MoE layer's all-to-alls; on CPU ranks the same calls, whose
+     * "side stream" is the host itself), and the times the work had to wait for such a
+     * collective earlier than planned because memory it used was being given back (correct,
+     * but that overlap was lost; 0 when the bookkeeping works as designed). */
+    int64_t beside[TM_COMM_NKINDS];
+    int64_t beside_early;
 } tm_comm_stats;
 /* Zeros without a communicator. Errors: TM_ERR_INVALID_ARG (out NULL). */
 TM_API tm_status tm_comm_get_stats(const tm_ctx *ctx, tm_comm_stats *out);

@@ -168,7 +168,13 @@ tm_status tm_moe_new(tm_ctx *ctx, const char *prefix, const tm_moe_config *cfg, 
         tm__host_free(ctx, m);
         return bad;
     }
-    tm_status s = mk(m, "gate.weight", 1, m->gate_dtype, 2, H, E, 0, &m->gate);
+    /* The chunked dispatch's all-to-alls run beside the work (chunk pipeline below): the ep
+     * group's side communicator is made here, where every rank of the group makes its layers
+     * in the same order (its making is collective over the group). */
+    tm_status s = TM_OK;
+    if (cfg->overlap_chunks > 1 && m->P > 1 && m->ep_strategy != TM_EP_ALLGATHER)
+        s = tm__comm_side_prepare(ctx, TM_COMM_EP, dev);
+    if (!s) s = mk(m, "gate.weight", 1, m->gate_dtype, 2, H, E, 0, &m->gate);
     if (!s) s = mk(m, "experts.w0", 1, dtype, 3, E, H, F, &m->w0);
     if (!s) s = mk(m, "experts.w1", 1, dtype, 3, E, H, F, &m->w1);
     if (!s) s = mk(m, "experts.wo", 1, dtype, 3, E, F, H, &m->wo);
@@ -522,7 +528,16 @@ static tm_status ep_dedup_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_
  * table's all-to-all.) Without the lag (K(c) right after X(c): COMBINE_LAG 0) the forward would
  * overlap one more combine, but its reverse issues each K(c - 1)' after X(c)', so with a
  * communication stream that waits for the compute issued before it, the backward (twice the
- * forward's compute) would overlap nothing. */
+ * forward's compute) would overlap nothing.
+ * The stream (tm_comm_options.overlap, NCCL: tm__comm_alltoall_beside, framework/side.c): each
+ * D(c) and K(c) is enqueued on the side stream after the compute issued so far; X(c) waits for
+ * D(c) alone, U for every K(c). In the backward each all-to-all's reverse is enqueued there when
+ * its tape node runs and waited for by the first reader of the gradient it writes: K(c)'s by
+ * X(c)'s backward; D(c)'s by the backward of chunk c's cut of the rows, which chunked_finish
+ * makes for every chunk before D0, so those waits come after X0' (the cut made next to D(c)
+ * would wait right after D(c)'). The memory each transfer moves (the rows sent, the upstream
+ * gradient taken off the tape) is held until its wait. On CPU ranks the same calls run in place
+ * and the same waits happen at once. */
 enum { COMBINE_LAG = 1 };
 enum { STAGE_DISPATCH, STAGE_EXPERTS, STAGE_COMBINE };
 typedef tm_status (*chunk_stage_fn)(void *state, int stage, int c);
@@ -612,6 +627,7 @@ typedef struct chunked {
     tm_tensor **sc, **rc;  /* [C] send / receive counts per rank (CPU) */
     tm_tensor **rgrid, **rgrid_t, **lcount; /* alltoall [C]: the regroupings' sizes, the GEMMs' counts */
     tm_tensor **recv, **recv_tbl, **out, **ret; /* [C] */
+    tm_tensor **part, **part_tbl; /* [C]: each chunk's sent rows (and table), views of rows (tbl) */
     int64_t pad_to;
 } chunked;
 
@@ -620,15 +636,15 @@ static tm_status chunk_stage(void *state, int stage, int c) {
     tm_moe *m = k->m;
     tm_ctx *ctx = m->ctx;
     const int64_t L = m->L;
-    tm_tensor *part;
     switch (stage) {
     case STAGE_DISPATCH:
-        TM__TRY(rows_of(ctx, k->rows, k->off[c], k->off[c + 1], &part));
-        TM__TRY(tm__comm_alltoall_consistent(ctx, part, k->sc[c], k->rc[c], TM_COMM_EP, &k->recv[c]));
+        TM__TRY(tm__comm_alltoall_beside(ctx, k->part[c], k->sc[c], k->rc[c], TM_COMM_EP, &k->recv[c]));
         if (!k->dedup) return TM_OK;
-        TM__TRY(rows_of(ctx, k->tbl, k->off[c], k->off[c + 1], &part));
-        return tm__comm_alltoall_consistent(ctx, part, k->sc[c], k->rc[c], TM_COMM_EP, &k->recv_tbl[c]);
+        return tm__comm_alltoall_beside(ctx, k->part_tbl[c], k->sc[c], k->rc[c], TM_COMM_EP, &k->recv_tbl[c]);
     case STAGE_EXPERTS:
+        /* the experts of chunk c start once its rows are here (D(c) ran beside the work) */
+        TM__TRY(tm__side_wait(ctx, k->recv[c]));
+        if (k->dedup) TM__TRY(tm__side_wait(ctx, k->recv_tbl[c]));
         if (!k->dedup) {
             tm_tensor *xe, *eo;
             TM__TRY(tm_moe_sort_chunks(ctx, k->recv[c], k->rgrid[c], m->P, &xe)); /* expert-major */
@@ -650,7 +666,7 @@ static tm_status chunk_stage(void *state, int stage, int c) {
             return tm_moe_unpermute(ctx, eo, cw, dl.row_token, k->rrows[c], &k->out[c]); /* partial sums */
         }
     default:
-        return tm__comm_alltoall_consistent(ctx, k->out[c], k->rc[c], k->sc[c], TM_COMM_EP, &k->ret[c]);
+        return tm__comm_alltoall_beside(ctx, k->out[c], k->rc[c], k->sc[c], TM_COMM_EP, &k->ret[c]);
     }
 }
 
@@ -658,6 +674,15 @@ static tm_status chunk_stage(void *state, int stage, int c) {
  * (chunk-major), combined by the one unpermute of the source. */
 static tm_status chunked_finish(chunked *k, tm_tensor *combine_w, tm_tensor *row_token, int64_t T, tm_tensor **y) {
     tm_moe *m = k->m;
+    /* Every chunk's rows are cut before the first moves: the backward replays the tape in
+     * reverse, so each cut's backward (the first reader of its chunk's gradient, which the
+     * dispatch-backward all-to-all writes beside the work) comes after every chunk's experts
+     * backward, not right after its own all-to-all (which would wait for it there). Views of
+     * rows: nothing is copied. */
+    for (int c = 0; c < k->C; c++) {
+        TM__TRY(rows_of(m->ctx, k->rows, k->off[c], k->off[c + 1], &k->part[c]));
+        if (k->dedup) TM__TRY(rows_of(m->ctx, k->tbl, k->off[c], k->off[c + 1], &k->part_tbl[c]));
+    }
     tm_status s = run_chunk_pipeline(k->C, chunk_stage, k);
     if (s == TM_ERR_NOMEM) {
         int64_t rr = 0;
@@ -665,6 +690,8 @@ static tm_status chunked_finish(chunked *k, tm_tensor *combine_w, tm_tensor *row
         return ep_nomem(m, rr, k->off[k->C], T);
     }
     TM__TRY(s);
+    /* U: every chunk's combine (run beside the work) is waited for */
+    for (int c = 0; c < k->C; c++) TM__TRY(tm__side_wait(m->ctx, k->ret[c]));
     tm_tensor *back;
     TM__TRY(concat_many(m->ctx, k->C, k->ret, 0, &back));
     return tm_moe_unpermute(m->ctx, back, combine_w, row_token, T, y);
@@ -676,13 +703,14 @@ static tm_status chunked_alloc(tm_moe *m, int C, int dedup, chunked *k) {
     k->m = m;
     k->C = C;
     k->dedup = dedup;
-    const size_t nt = (size_t)C * 9, ni = (size_t)C * (3 + (size_t)m->L) + 1;
+    const size_t nt = (size_t)C * 11, ni = (size_t)C * (3 + (size_t)m->L) + 1;
     tm_tensor **t = tm__meta_alloc(ctx, sizeof *t * nt);
     int64_t *v = tm__meta_alloc(ctx, sizeof *v * ni);
     if (!t || !v) return TM_ERR_NOMEM;
     memset(t, 0, sizeof *t * nt);
     k->sc = t, k->rc = t + C, k->rgrid = t + 2 * C, k->rgrid_t = t + 3 * C, k->lcount = t + 4 * C;
     k->recv = t + 5 * C, k->recv_tbl = t + 6 * C, k->out = t + 7 * C, k->ret = t + 8 * C;
+    k->part = t + 9 * C, k->part_tbl = t + 10 * C;
     k->off = v, k->rrows = v + C + 1, k->lrows = v + 2 * C + 1;
     return TM_OK;
 }

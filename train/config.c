@@ -236,7 +236,8 @@ static const key KEYS[] = {
     {"overlap_chunks", T_INT, G_DIST, OFF(model.moe.overlap_chunks), NULL, "1", 0, "overlap_chunks",
      "with ep_size > 1 and ep_strategy alltoall or alltoall_dedup: each MoE layer moves its tokens in this many "
      "chunks, issued so that one chunk's all-to-all can run while another's experts compute (Megatron-LM's EP "
-     "all-to-all overlap, MaxText PR #3981; no overlap yet: the collectives still run on the compute stream); routing "
+     "all-to-all overlap, MaxText PR #3981): with NCCL and comm_overlap (the default) each chunk's dispatch and "
+     "combine all-to-alls, forward and backward, run on a second stream while other chunks' experts compute; routing "
      "and losses stay over the whole layer; 1: off; ignored by allgather and ep_size 1; at most seq_len", 1, 4096},
     {"zero", T_INT, G_DIST, OFF(zero), NULL, "0", 0, NULL,
      "ZeRO stage: 0; 1 to shard optimizer state and f32 master weights over the data-parallel ranks; 2 to "
@@ -248,8 +249,9 @@ static const key KEYS[] = {
      "CUDA collectives: NCCL when every rank has its own GPU, host-staged MPI always (off), or NCCL even for one "
      "rank (always: a check of that engine on one GPU)", 0, 0},
     {"comm_overlap", T_BOOL, G_DIST, OFF(comm_overlap), NULL, "true", 0, NULL,
-     "with NCCL, run ZeRO-3's all-gathers ahead of their use and its gradient reduce-scatters during the backward, on "
-     "a second stream beside the compute (false: each in place when needed; the same values)", 0, 0},
+     "with NCCL, run ZeRO-3's all-gathers ahead of their use and its gradient reduce-scatters during the backward, "
+     "and the chunked MoE layers' all-to-alls (overlap_chunks > 1), on a second stream beside the compute (false: "
+     "each in place when needed; the same values)", 0, 0},
     {"comm_sms", T_INT, G_DIST, OFF(comm_sms), NULL, "16", 0, NULL,
      "with comm_overlap on NCCL: GPU SMs left to the collectives beside the compute (their CTAs; the persistent Hopper "
      "grouped GEMM uses the others, so it does not wait for SMs a collective holds); 0: none",

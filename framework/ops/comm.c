@@ -313,9 +313,79 @@ static tm_status a2a(tm__call *c, const tm_tensor *src, const tm_tensor *scounts
                               src->device);
 }
 
-tm_status tm__comm_alltoall_forward(tm__call *c) { return a2a(c, c->in[0], c->in[1], c->out[0], c->in[2]); }
+/* The side form (iattr[2] = 1, tm__comm_alltoall_beside) where the engine can run it beside the
+ * work over the group. */
+static int beside(const tm__call *c) {
+    return c->iattr[2] && tm__coll_side_group(c->ctx, (int)c->iattr[0], c->in[0]->device);
+}
+
+/* a2a on the side stream; *ev its event (NULL where it ran in place). On failure the event has
+ * been waited for. */
+static tm_status a2a_beside(tm__call *c, const tm_tensor *src, const tm_tensor *scounts, tm_tensor *dst,
+                            const tm_tensor *rcounts, void **ev) {
+    tm_ctx *ctx = c->ctx;
+    tm_device dev = src->device;
+    *ev = NULL;
+    TM__TRY(tm__coll_side_begin(ctx, dev));
+    tm_status s = a2a(c, src, scounts, dst, rcounts);
+    void *e = NULL;
+    tm_status se = tm__coll_side_end(ctx, dev, &e);
+    if (s == TM_OK) s = se;
+    if (s != TM_OK) {
+        (void)tm__coll_event_wait(ctx, dev, e);
+        return s;
+    }
+    *ev = e;
+    return TM_OK;
+}
+
+tm_status tm__comm_alltoall_forward(tm__call *c) {
+    if (!beside(c)) return a2a(c, c->in[0], c->in[1], c->out[0], c->in[2]);
+    /* the rows arrive beside the work: their readers wait (side.c); the rows sent are held */
+    void *ev;
+    TM__TRY(a2a_beside(c, c->in[0], c->in[1], c->out[0], c->in[2], &ev));
+    tm_tensor *use[1] = {c->in[0]};
+    return tm__side_add(c->ctx, c->in[0]->device, ev, c->out[0], use, 1, NULL, 0);
+}
+
+/* The side form's backward: the reverse all-to-all beside the work, written straight into x's
+ * gradient (the form's promise: x has no other reader, so its gradient is zero until here; the
+ * CPU checks it), which its first reader waits for (autograd.c); the upstream gradient is taken
+ * off the tape and held until then, as is a scratch result where x needs no gradient (every
+ * rank still takes part). */
+static tm_status alltoall_backward_beside(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    tm_tensor *go = c->gout[0], *dst = c->gin[0], *scratch = NULL;
+    const tm_tensor *x = c->in[0];
+    if (dst && dst->device.type == TM_DEVICE_CPU) {
+        const int64_t n = tm__numel(dst);
+        for (int64_t i = 0; i < n; i++)
+            if (tm__load_f64(tm__data(dst), dst->dtype, i) != 0.0)
+                return tm__err(ctx, TM_ERR_INTERNAL,
+                               "%s (beside the work): the gradient of x %s already holds a contribution (element %lld); "
+                               "this form writes it, so x must have no other reader",
+                               tm__opname(c), tm__tdesc(ctx, x), (long long)i);
+    }
+    if (!dst) {
+        TM__TRY(tm__tensor_new(ctx, go->dtype, x->ndim, x->shape, go->device, &scratch));
+        tm__scope_forget(ctx, scratch); /* the entry gives it back, not the kernel's scope */
+        dst = scratch;
+    }
+    void *ev;
+    tm_status s = a2a_beside(c, go, c->in[2], dst, c->in[1], &ev);
+    if (s != TM_OK) {
+        tm__tensor_release(ctx, scratch);
+        return s;
+    }
+    /* go is read beside the work until ev: the tape must not give it back (release_node) */
+    c->gout[0] = NULL;
+    if (c->out[0]->grad == go) c->out[0]->grad = NULL;
+    tm_tensor *use[2] = {go, scratch}, *own[2] = {go, scratch};
+    return tm__side_add(ctx, go->device, ev, scratch ? NULL : dst, use, scratch ? 2 : 1, own, scratch ? 2 : 1);
+}
 
 tm_status tm__comm_alltoall_backward(tm__call *c) {
+    if (beside(c)) return alltoall_backward_beside(c);
     tm_tensor *go = c->gout[0], *gx, *t;
     TM__TRY(gin_or_scratch(c, 0, &gx));
     TM__TRY(tm__tensor_new(c->ctx, go->dtype, gx->ndim, gx->shape, go->device, &t));
@@ -329,8 +399,8 @@ tm_status tm_comm_alltoall(tm_ctx *ctx, tm_tensor *x, tm_tensor *send_counts, tm
     return public_run(ctx, TM__OP_COMM_ALLTOALL, in, 3, (int)g, out);
 }
 
-tm_status tm__comm_alltoall_consistent(tm_ctx *ctx, tm_tensor *x, tm_tensor *send_counts, tm_tensor *recv_counts,
-                                       tm_comm_group g, tm_tensor **out) {
+static tm_status alltoall_internal(tm_ctx *ctx, tm_tensor *x, tm_tensor *send_counts, tm_tensor *recv_counts,
+                                   tm_comm_group g, int side, tm_tensor **out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     tm__call c = tm__call_init(ctx, TM__OP_COMM_ALLTOALL);
     c.n_in = 3;
@@ -339,5 +409,16 @@ tm_status tm__comm_alltoall_consistent(tm_ctx *ctx, tm_tensor *x, tm_tensor *sen
     c.in[2] = recv_counts;
     c.iattr[0] = (int)g;
     c.iattr[1] = 1;
+    c.iattr[2] = side;
     return tm__op_run1(&c, out);
+}
+
+tm_status tm__comm_alltoall_consistent(tm_ctx *ctx, tm_tensor *x, tm_tensor *send_counts, tm_tensor *recv_counts,
+                                       tm_comm_group g, tm_tensor **out) {
+    return alltoall_internal(ctx, x, send_counts, recv_counts, g, 0, out);
+}
+
+tm_status tm__comm_alltoall_beside(tm_ctx *ctx, tm_tensor *x, tm_tensor *send_counts, tm_tensor *recv_counts,
+                                   tm_comm_group g, tm_tensor **out) {
+    return alltoall_internal(ctx, x, send_counts, recv_counts, g, 1, out);
 }

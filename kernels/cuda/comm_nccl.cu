@@ -21,7 +21,8 @@
  *   bcast           ncclBroadcast; barrier: the mpi engine's
  * Side stream (backend.h, side_begin; framework/comm.h): while it is on, the calls go to the
  * context's side stream through a second communicator per group (made at creation when the
- * options will use it: overlap under ZeRO-3; c->device_async), so collectives beside the work
+ * options will use it: overlap under ZeRO-3; c->device_async; or for one group when a layer
+ * asks, collectively: the ep group of a chunked MoE layer, nccl_side_group), so collectives beside the work
  * never share a communicator with those on the work stream.
  * Timeout: the calls stay asynchronous (the host never waits for a collective by itself);
  * with timeout_s > 0 the next wait of the host for the stream (a device-to-host copy,
@@ -46,7 +47,8 @@ extern "C" {
 typedef struct nccl_state {
     ncclComm_t comm[TM_COMM_NGROUPS]; /* NULL for groups of one rank */
     /* The same groups for collectives on the side stream (backend.h, side_begin), made with
-     * `comm` when the options use the side stream (overlap under ZeRO-3): two streams never
+     * `comm` when the options use the side stream (overlap under ZeRO-3; the ep group's alone
+     * when a chunked MoE layer asks: nccl_side_group): two streams never
      * share a communicator, so a side collective and one on the work stream cannot wait for
      * each other's kernels. */
     ncclComm_t side[TM_COMM_NGROUPS];
@@ -293,6 +295,42 @@ static tm_status nccl_bcast(tm__comm *c, int g, void *buf, int64_t n, tm_dtype d
 
 static tm_status nccl_barrier(tm__comm *c, int g) { return c->host->barrier(c, g); }
 
+/* One communicator of group g (collective over it): group rank 0 draws the unique id, the mpi
+ * engine broadcasts it. */
+/* One communicator of group g; a side one (beside the work) keeps to comm_sms CTAs, the SMs
+ * the work leaves it (tm_comm_options.comm_sms). */
+static tm_status make_comm(tm__comm *c, int g, ncclComm_t *dst, int side) {
+    tm_status s = TM_OK;
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    if (c->rank[g] == 0) {
+        ncclResult_t r = ncclGetUniqueId(&id);
+        if (r != ncclSuccess) s = nccl_fail(c, "ncclGetUniqueId", g, r);
+    }
+    /* every rank takes part in the broadcast, even after a failure above, so none waits */
+    tm_status bs = c->host->bcast(c, g, &id, (int64_t)sizeof id, TM_U8, 0, tm_cpu());
+    if (s == TM_OK) s = bs;
+    if (s == TM_OK) {
+        ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+        if (side && c->opts.comm_sms > 0) cfg.maxCTAs = c->opts.comm_sms, cfg.minCTAs = 1;
+        ncclResult_t r = ncclCommInitRankConfig(dst, c->size[g], id, c->rank[g], &cfg);
+        if (r != ncclSuccess) s = nccl_fail(c, "ncclCommInitRankConfig", g, r);
+    }
+    return s;
+}
+
+/* The side communicator of one group, made when a layer first needs it (tm__coll_side_prepare:
+ * the chunked MoE layer's expert-parallel group, without ZeRO-3's eager set). */
+static tm_status nccl_side_group(tm__comm *c, int g) {
+    nccl_state *ns = (nccl_state *)c->nccl;
+    if (!ns) return tm__err(c->ctx, TM_ERR_COMM, "side communicator over %s: the nccl engine has no state",
+                            tm__comm_gdesc(c, g));
+    if (ns->side[g]) return TM_OK;
+    tm__cuda *cu;
+    TM__TRY(tm__cu_enter(c->ctx, "tm__coll_side_prepare (nccl)", &cu));
+    return make_comm(c, g, &ns->side[g], 1);
+}
+
 static void nccl_free(tm__comm *c) {
     nccl_state *st = (nccl_state *)c->nccl;
     if (!st) return;
@@ -311,7 +349,7 @@ static void nccl_free(tm__comm *c) {
 
 extern "C" const tm__comm_ops tm__comm_nccl_ops = {
     "nccl", nccl_allreduce, nccl_allgatherv, nccl_reduce_scatter, nccl_reduce_scatterv, nccl_alltoallv, nccl_bcast,
-    nccl_barrier, nccl_free,
+    nccl_barrier, nccl_free, nccl_side_group,
 };
 
 /* FNV-1a of the host name: which ranks share a machine. */
@@ -359,26 +397,14 @@ extern "C" tm_status tm__nccl_comm_create(tm__comm *c) {
     for (int k = 0; k < 1 + side && s == TM_OK; k++)
         for (int g = 0; g < TM_COMM_NGROUPS; g++) {
             if (c->size[g] < 2 && !force) continue;
-            ncclUniqueId id;
-            memset(&id, 0, sizeof id);
-            if (c->rank[g] == 0) {
-                ncclResult_t r = ncclGetUniqueId(&id);
-                if (r != ncclSuccess) s = nccl_fail(c, "ncclGetUniqueId", g, r);
-            }
-            /* every rank takes part in the broadcast, even after a failure above, so none waits */
-            tm_status bs = c->host->bcast(c, g, &id, (int64_t)sizeof id, TM_U8, 0, tm_cpu());
-            if (s == TM_OK) s = bs;
-            if (s == TM_OK) {
-                ncclComm_t *dst = k ? &st->side[g] : &st->comm[g];
-                /* side communicators keep to comm_sms CTAs, the SMs the work leaves them */
-                ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-                if (k && c->opts.comm_sms > 0) cfg.maxCTAs = c->opts.comm_sms, cfg.minCTAs = 1;
-                ncclResult_t r = ncclCommInitRankConfig(dst, c->size[g], id, c->rank[g], &cfg);
-                if (r != ncclSuccess) s = nccl_fail(c, "ncclCommInitRankConfig", g, r);
-            }
+            s = make_comm(c, g, k ? &st->side[g] : &st->comm[g], k);
             if (s != TM_OK) break;
+            if (k) c->side_groups |= 1u << g;
         }
     c->device_async = s == TM_OK && side;
-    if (s != TM_OK) nccl_free(c);
+    if (s != TM_OK) {
+        c->side_groups = 0;
+        nccl_free(c);
+    }
     return s;
 }

@@ -13,7 +13,10 @@
  *                                     trips of an expert-parallel step (chunked too) and a
  *                                     chunked MoE layer (overlap_chunks) against an unchunked one
  *   tinymoe_dist_helper cuda           (GPU machine) every collective op on CUDA tensors against
- *                                     the same op on CPU tensors, forward and backward
+ *                                     the same op on CPU tensors, forward and backward; with 2
+ *                                     ranks the chunked MoE layer on CUDA (its all-to-alls beside
+ *                                     the work under NCCL) against overlap off (bit for bit) and
+ *                                     the CPU
  *   tinymoe_dist_helper hang | die    rank 1 stops answering / exits while rank 0 waits in an
  *                                     all-reduce (2 s timeout); rank 0 reports and aborts the job
  *
@@ -32,6 +35,15 @@
 #include "tinymoe.h"
 
 static int g_rank, g_fail;
+
+/* tm_comm_options.overlap of the next chunked_layer (default on), and what its forward and
+ * backward ran beside the work: all-to-alls, and early waits (memory given back first). */
+static int g_overlap = 1;
+static int64_t g_beside, g_early;
+/* and its device: the CPU (g_cuda < 0) or that CUDA device with engine choice g_nccl; g_engine
+ * receives the engine that moved its tensors ("mpi", "nccl", ...) */
+static int g_cuda = -1, g_nccl = TM_NCCL_AUTO;
+static char g_engine[32];
 
 #define CHECK(cond, ...)                                      \
     do {                                                      \
@@ -290,6 +302,77 @@ static void run_on(tm_ctx *ctx, const op_case *oc, tm_device dev, double **y, in
  * every collective op on CUDA tensors equals the same op on CPU tensors (mpi engine), forward
  * and backward. Skipped (exit 0) without a CUDA device. nccl: tm_comm_options.nccl (the
  * helper's second argument, auto | off | always; always makes a one-rank NCCL world). */
+static tm_status chunked_layer(tm_ep_strategy st, int C, int64_t T, int variant, double **v, int64_t *n, int64_t *a2a,
+                               char *msg, size_t msglen);
+
+/* The chunked MoE layer (overlap_chunks) on CUDA tensors, ep_size 2: with overlap on (its
+ * all-to-alls on the side stream where the engine is NCCL: every one of them, none waited for
+ * early) the same values bit for bit as with overlap off, and within 1e-4 of each block's
+ * largest magnitude of the CPU's (the layer chain in f32: three GEMMs and a SwiGLU, as the
+ * CUDA parity tests allow); C = 1 (the unchunked code) likewise against the CPU. */
+static void check_cuda_chunked(int world, int cuda, int nccl) {
+    if (world % 2) return;
+    const int64_t T = 12;
+    for (int st = 0; st < 3; st += 2) {
+        const tm_ep_strategy strategy = (tm_ep_strategy)st;
+        for (int variant = 0; variant < 2; variant++)
+            for (int C = 1; C <= 4; C += 3) {
+                double *ref = NULL, *on = NULL, *off = NULL;
+                int64_t nref = 0, non = 0, noff = 0, a2a;
+                char msg[1024];
+                g_cuda = -1;
+                tm_status s = chunked_layer(strategy, C, T, variant, &ref, &nref, &a2a, msg, sizeof msg);
+                CHECK(!s, "cuda chunked %s variant %d C %d, CPU: %s", tm_ep_strategy_name(strategy), variant, C, msg);
+                g_cuda = cuda, g_nccl = nccl;
+                if (!s) s = chunked_layer(strategy, C, T, variant, &on, &non, &a2a, msg, sizeof msg);
+                CHECK(!s, "cuda chunked %s variant %d C %d: %s", tm_ep_strategy_name(strategy), variant, C, msg);
+                const int64_t beside = g_beside, early = g_early;
+                const int nccl_engine = !strcmp(g_engine, "nccl");
+                g_overlap = 0;
+                if (!s) s = chunked_layer(strategy, C, T, variant, &off, &noff, &a2a, msg, sizeof msg);
+                g_overlap = 1;
+                g_cuda = -1, g_nccl = TM_NCCL_AUTO;
+                CHECK(!s, "cuda chunked %s variant %d C %d, overlap off: %s", tm_ep_strategy_name(strategy), variant, C,
+                      msg);
+                if (!s && non == nref && noff == non) {
+                    int64_t diff = 0;
+                    for (int64_t i = 0; i < non && !diff; i++)
+                        if (on[i] != off[i]) diff = i + 1;
+                    CHECK(!diff, "cuda chunked %s variant %d C %d: overlap on and off differ at %lld: %.17g vs %.17g",
+                          tm_ep_strategy_name(strategy), variant, C, (long long)diff - 1, diff ? on[diff - 1] : 0.0,
+                          diff ? off[diff - 1] : 0.0);
+                    const int64_t want = C > 1 && nccl_engine ? 2 * (strategy == TM_EP_ALLTOALL_DEDUP ? 3 : 2) * C : 0;
+                    CHECK(beside == want && early == 0,
+                          "cuda chunked %s variant %d C %d (%s): %lld all-to-alls beside the work (want %lld), %lld "
+                          "waited for early",
+                          tm_ep_strategy_name(strategy), variant, C, g_engine, (long long)beside, (long long)want,
+                          (long long)early);
+                    int64_t lo = 0, sizes[7] = {T * 8, T * 8, 8 * 4, 4 * 8 * 12 / 2, 4 * 8 * 12 / 2, 4 * 12 * 8 / 2, 4};
+                    double worst = 0;
+                    for (int b = 0; b < 7; b++) {
+                        double scale = 0, md = 0;
+                        for (int64_t i = lo; i < lo + sizes[b] && i < nref; i++) {
+                            scale = fmax(scale, fabs(ref[i]));
+                            md = fmax(md, fabs(on[i] - ref[i]));
+                        }
+                        lo += sizes[b];
+                        worst = fmax(worst, scale > 0 ? md / scale : md);
+                    }
+                    CHECK(worst <= 1e-4, "cuda chunked %s variant %d C %d: %.3g of a block's largest magnitude from the CPU",
+                          tm_ep_strategy_name(strategy), variant, C, worst);
+                    if (g_rank == 0)
+                        printf("cuda chunked layer: %s variant %d C %d (%s): %lld all-to-alls beside the work, CPU within "
+                               "%.3g, overlap off bit for bit\n",
+                               tm_ep_strategy_name(strategy), variant, C, g_engine, (long long)beside, worst);
+                } else if (!s) {
+                    CHECK(0, "cuda chunked %s variant %d C %d: %lld / %lld / %lld values", tm_ep_strategy_name(strategy),
+                          variant, C, (long long)nref, (long long)non, (long long)noff);
+                }
+                free(ref), free(on), free(off);
+            }
+    }
+}
+
 static void check_cuda(int world, int nccl) {
     if (tm_cuda_device_count() == 0) {
         if (g_rank == 0) printf("cuda: no CUDA device, skipped\n");
@@ -311,6 +394,7 @@ static void check_cuda(int world, int nccl) {
         {"allgather ep", TM_COMM_EP, rows_two, 2, 1},         {"reduce_scatter world", TM_COMM_WORLD, rows_rs, 2, 2},
         {"alltoall world", TM_COMM_WORLD, rows_a2a, 2, 3},    {"alltoall ep", TM_COMM_EP, rows_a2a, 3, 3},
     };
+    check_cuda_chunked(world, o.cuda_device, nccl);
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         double *yc, *gc, *yg, *gg;
         int64_t nyc, nxc, nyg, nxg;
@@ -534,17 +618,23 @@ static void check_ep_syncs(int world) {
  * of the forward. variant 0: dropless, align 1, aux + z losses; 1: align_size 4, capacity 1.25,
  * the expert bias, early top-k weights; 2: capacity 1.0 padded to capacity. Returns the
  * forward's status (its message in msg). */
+
 static tm_status chunked_layer(tm_ep_strategy st, int C, int64_t T, int variant, double **v, int64_t *n, int64_t *a2a,
                                char *msg, size_t msglen) {
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = 1;
+    if (g_cuda >= 0) o.cuda_device = g_cuda;
     tm_ctx *ctx = NULL;
     if (tm_ctx_new(&ctx, &o)) exit(2);
+    const tm_device dev = g_cuda >= 0 ? tm_cuda(g_cuda) : tm_cpu();
     tm_comm_options co = tm_comm_options_default();
     co.ep_size = 2;
     co.ep_strategy = st;
     co.timeout_s = 30;
+    co.overlap = g_overlap;
+    co.nccl = g_nccl;
     OK(ctx, tm_comm_init(ctx, &co));
+    snprintf(g_engine, sizeof g_engine, "%s", tm_comm_engine(ctx, dev));
     tm_moe_config c = tm_moe_config_default();
     c.hidden_size = 8;
     c.ffn_size = 12;
@@ -564,15 +654,15 @@ static tm_status chunked_layer(tm_ep_strategy st, int C, int64_t T, int variant,
         c.drop_policy = TM_DROP_POSITION;
     }
     tm_moe *m = NULL;
-    OK(ctx, tm_moe_new(ctx, "moe", &c, TM_F32, tm_cpu(), &m));
+    OK(ctx, tm_moe_new(ctx, "moe", &c, TM_F32, dev, &m));
     OK(ctx, tm_moe_init(m, 5, 0.3, 0.3));
     const int64_t H = c.hidden_size, nx = T * H;
     float *xv = malloc(sizeof(float) * (size_t)(2 * nx + 1));
     for (int64_t i = 0; i < nx; i++) xv[i] = (float)val(40, g_rank, i), xv[nx + i] = (float)val(41, g_rank, i);
     int64_t sh[2] = {T, H};
     tm_tensor *x, *g, *y;
-    OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, sh, tm_cpu(), TM_F32, xv, &x));
-    OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, sh, tm_cpu(), TM_F32, xv + nx, &g));
+    OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, sh, dev, TM_F32, xv, &x));
+    OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, sh, dev, TM_F32, xv + nx, &g));
     OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
     free(xv);
     tm_comm_stats s0, s1;
@@ -586,6 +676,10 @@ static tm_status chunked_layer(tm_ep_strategy st, int C, int64_t T, int variant,
         OK(ctx, tm_comm_get_stats(ctx, &s1));
         *a2a = s1.calls[TM_COMM_ALLTOALL] - s0.calls[TM_COMM_ALLTOALL];
         OK(ctx, tm_backward_with_grad(ctx, y, g));
+        tm_comm_stats s2;
+        OK(ctx, tm_comm_get_stats(ctx, &s2));
+        g_beside = s2.beside[TM_COMM_ALLTOALL] - s0.beside[TM_COMM_ALLTOALL];
+        g_early = s2.beside_early - s0.beside_early;
         const char *names[] = {"gate.weight", "experts.w0", "experts.w1", "experts.wo"};
         tm_tensor *parts[6] = {y, tm_tensor_grad(x)};
         for (int i = 0; i < 4; i++) parts[2 + i] = tm_tensor_grad(tm_moe_tensor(m, names[i]));
@@ -657,6 +751,31 @@ static void check_chunked_layer(int world) {
                 if (g_rank == 0)
                     fprintf(stderr, "chunked layer: %s variant %d C %d: worst %.3g, %lld all-to-alls (unchunked %lld)\n",
                             tm_ep_strategy_name(strategy), variant, C, worst, (long long)a2a, (long long)a2a_ref);
+                /* Beside the work (overlap on, the default): every chunk's all-to-alls, forward
+                 * and backward (the count exchange stays in place: its counts are read at once),
+                 * none waited for early; and the values of overlap off, bit for bit. */
+                const int64_t beside_want = 2 * (want - 1), beside_got = g_beside, early = g_early;
+                CHECK(beside_got == beside_want && early == 0,
+                      "%s variant %d C %d: %lld all-to-alls beside the work (want %lld), %lld waited for early (want 0)",
+                      tm_ep_strategy_name(strategy), variant, C, (long long)beside_got, (long long)beside_want,
+                      (long long)early);
+                double *off;
+                int64_t noff, a2a_off;
+                g_overlap = 0;
+                s = chunked_layer(strategy, C, T, variant, &off, &noff, &a2a_off, msg, sizeof msg);
+                g_overlap = 1;
+                CHECK(!s, "%s variant %d C %d, overlap off: %s", tm_ep_strategy_name(strategy), variant, C, msg);
+                if (!s) {
+                    int64_t diff = noff == ngot ? 0 : -1;
+                    for (int64_t i = 0; i < ngot && diff == 0; i++)
+                        if (off[i] != got[i]) diff = i + 1;
+                    CHECK(diff == 0 && g_beside == 0,
+                          "%s variant %d C %d: overlap on and off differ (%lld values, first at %lld: %.17g vs %.17g); "
+                          "%lld beside the work with overlap off",
+                          tm_ep_strategy_name(strategy), variant, C, (long long)noff, (long long)diff - 1,
+                          diff > 0 ? got[diff - 1] : 0.0, diff > 0 ? off[diff - 1] : 0.0, (long long)g_beside);
+                    free(off);
+                }
                 free(got);
             }
             free(ref);

@@ -12,6 +12,8 @@
 #   DEVICE=cpu bash tests/gpu/multi.sh TEXT_FILE   (the same on CPU ranks: a check of the script itself)
 #   NS=2 bash tests/gpu/multi.sh TEXT_FILE         (only the 2-rank layouts, e.g. on a 2-GPU machine)
 #   ZS="0 1 2 3" bash tests/gpu/multi.sh TEXT_FILE  (the ZeRO levels to run; default all four)
+#   EXTRA="--overlap_chunks 4" bash tests/gpu/multi.sh TEXT_FILE  (more flags for every multi-rank
+#       run, e.g. the chunked dispatch, or "--comm_overlap false"; the one-GPU references keep none)
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 TEXT=${1:?usage: tests/gpu/multi.sh TEXT_FILE (e.g. tinyshakespeare.txt)}
@@ -54,7 +56,7 @@ for n in ${NS:-2 4}; do
                 # amplified by training, not a defect. Its limit is 2e-5 (the issue's bound).
                 lim=1e-5
                 [ $ep = 1 ] && [ $z = 0 ] && [ $n = 4 ] && lim=2e-5
-                train $name $MPIRUN -np $n $BIN train $ARGS --dtype f32 --ep_size $ep --ep_strategy $st --zero $z &&
+                train $name $MPIRUN -np $n $BIN train $ARGS --dtype f32 --ep_size $ep --ep_strategy $st --zero $z ${EXTRA:-} &&
                     compare $name ref_f32 $lim
             done
         done
@@ -64,7 +66,7 @@ bf16_layouts="n4_ep4_alltoall_z1 n4_ep2_allgather_z0"
 case " ${NS:-2 4} " in *" 4 "*) ;; *) bf16_layouts="n2_ep2_alltoall_z1 n2_ep2_allgather_z0" ;; esac
 for name in $bf16_layouts; do
     set -- $(echo $name | tr '_' ' ')
-    train ${name}_bf16 $MPIRUN -np ${1#n} $BIN train $ARGS --dtype bf16 --ep_size ${2#ep} --ep_strategy $3 --zero ${4#z} &&
+    train ${name}_bf16 $MPIRUN -np ${1#n} $BIN train $ARGS --dtype bf16 --ep_size ${2#ep} --ep_strategy $3 --zero ${4#z} ${EXTRA:-} &&
         compare ${name}_bf16 ref_bf16 ""
 done
 # A rank killed mid-run.
