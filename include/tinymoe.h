@@ -1035,7 +1035,8 @@ typedef struct tm_moe_config {
  * moves are held until the compute stream has waited for it (framework/side.c). With overlap
  * off, host-staged MPI, or on CPU ranks (whose collectives block: the same bookkeeping runs,
  * its waits at once) the values are the same bit for bit; tm_comm_stats.beside counts what ran
- * beside the work. Speed against overlap off: not yet measured on a GPU.
+ * beside the work. Speed: on the fine benchmark on 4 H100s chunking did not pay (C = 2 and 4
+ * slower than C = 1; its routing is very unbalanced, docs/PERFORMANCE.md), so the default is 1.
  * What is not chunked: the router, top-k, the aux / seq aux / z losses, the expert-bias
  * statistics and capacity dropping are computed over all T tokens exactly as with C = 1 (the
  * chunks take rows of the routing that was decided for the whole layer), so the losses are the
