@@ -1434,16 +1434,27 @@ TM_API tm_status tm_ckpt_save_ex(tm_ctx *ctx, const char *path, const void *meta
  *          start a thread: tm_ckpt_snapshot_write(s, path, 1), report tm_ckpt_snapshot_errmsg(s)
  *          ... train; join the thread before the next take (or before tm_ckpt_snapshot_free)
  *
- * Threads: new, take and free are calls on the context (its thread, in turn with its other
+ * Threads: new, take, commit and free are calls on the context (its thread, in turn with its other
  * calls); write may be on any thread. A snapshot must not be taken, written or freed while it
  * is being written. ctx must outlive the snapshot, and its set of parameters and buffers must
  * not change between new and take.
  *
- * Under a communicator of several ranks, new and take are collective like tm_ckpt_save (every
- * rank calls them in the same order; take gathers sharded tensors to world rank 0 and returns
- * rank 0's status on every rank). Only rank 0 holds data (tm_ckpt_snapshot_bytes is 0 elsewhere)
- * and writes: write on another rank writes nothing and returns TM_OK, and write makes no
- * collective call on any rank, so it cannot deadlock with the collectives of training. */
+ * Under a communicator of several ranks the file is written by every rank, as tm_ckpt_save
+ * writes it (docs/checkpoint-format.md, "Written by every rank"): each rank's snapshot holds only
+ * what it writes (its ranges of the tensors spread over the ranks: expert shards, ZeRO blocks;
+ * world rank 0 also the tensors every rank holds whole and those chosen for compression), so
+ * tm_ckpt_snapshot_bytes falls with the rank count. new, take and commit are collective (every
+ * rank calls them in the same order, and each returns the same status on every rank); write
+ * runs on each rank, on any thread, makes no collective call (it cannot deadlock with the
+ * collectives of training, and MPI need not allow calls from other threads) and writes that
+ * rank's part into the ranks' shared temporary file "<path>.tmp.XXXXXX" (the ranks must share
+ * the directory: one node or a shared file system), fsynced. The file appears at path only at
+ * tm_ckpt_snapshot_commit, once every rank's write has returned; until then a crash or kill -9
+ * of any rank leaves the previous file:
+ *
+ *     every rank: take (collective); start a thread: write(s, path, 0); ... train ...
+ *                 join the thread; commit(s) (collective; rank 0 renames)
+ */
 typedef struct tm_ckpt_snapshot tm_ckpt_snapshot;
 
 /* Allocate a snapshot of ctx's parameters and buffers. options as tm_ckpt_save_ex (NULL: the
@@ -1454,8 +1465,9 @@ typedef struct tm_ckpt_snapshot tm_ckpt_snapshot;
  * host; a tensor over 4 GiB chosen for compression), TM_ERR_NOMEM (the message gives the bytes).
  * *out is NULL after a failure. Free with tm_ckpt_snapshot_free. */
 TM_API tm_status tm_ckpt_snapshot_new(tm_ctx *ctx, const tm_ckpt_save_options *options, tm_ckpt_snapshot **out);
-/* Host memory the snapshot holds, in bytes: the tensors' bytes, staging for compressed tensors,
- * the index and the meta. 0 for NULL and on ranks other than world rank 0. */
+/* Host memory the snapshot holds on this rank, in bytes: the tensors' bytes (under a communicator,
+ * the ones this rank writes), staging for compressed tensors, the index (one process) and the
+ * meta (world rank 0). 0 for NULL. */
 TM_API uint64_t tm_ckpt_snapshot_bytes(const tm_ckpt_snapshot *s);
 /* Copy the current value of every parameter and buffer (full logical tensors) and meta
  * (meta_bytes bytes; may be NULL when 0) into s, replacing what it held. When it returns, ctx
@@ -1467,15 +1479,30 @@ TM_API tm_status tm_ckpt_snapshot_take(tm_ckpt_snapshot *s, const void *meta, si
 /* Write what the last successful take copied to path, exactly as tm_ckpt_save writes (same
  * format, same atomic protocol; the temporary file is removed on failure), with num_threads
  * threads checksumming, compressing and writing (0: the context's thread count; more than it
- * write but deflate with at most that many). On world ranks other than 0: nothing, TM_OK.
+ * write but deflate with at most that many). Under a communicator of several ranks: this
+ * rank's part only, into the ranks' temporary file for path (every rank passes the same path),
+ * fsynced; tm_ckpt_snapshot_commit finishes the file (or removes it).
  * Errors (the message in tm_ckpt_snapshot_errmsg(s), not the context's): TM_ERR_INVALID_ARG
  * (s NULL, path NULL, empty or too long, num_threads < 0, no successful take), TM_ERR_IO (the
  * message names the file and the system error), TM_ERR_NOMEM / TM_ERR_INTERNAL (deflate). */
 TM_API tm_status tm_ckpt_snapshot_write(tm_ckpt_snapshot *s, const char *path, int num_threads);
+/* Under a communicator of several ranks: finish the write of every rank (collective, on the
+ * context's thread, once this rank's tm_ckpt_snapshot_write has returned: join its thread
+ * first). The statuses of the ranks' writes and the CRCs of their parts are all-gathered; if
+ * every write succeeded, world rank 0 writes the index and header, fsyncs, renames the
+ * temporary file over the path given to write and fsyncs the directory; otherwise the
+ * temporary file is removed and path is left as it was. Returns the same status on every rank
+ * (the message in tm_ctx_errmsg names the rank that failed and its message). With one process
+ * write has done all of this: TM_OK at once. A write that is never committed (the snapshot
+ * taken again or freed first) is removed, never renamed. Errors: TM_ERR_INVALID_ARG (s NULL; a
+ * rank called no write since the last commit), a rank's write's error, TM_ERR_IO (rank 0's
+ * index, fsync or rename), TM_ERR_COMM. */
+TM_API tm_status tm_ckpt_snapshot_commit(tm_ckpt_snapshot *s);
 /* The message of the last tm_ckpt_snapshot_write ("" after a success; "" for NULL). Valid until
  * the next write or free of s. */
 TM_API const char *tm_ckpt_snapshot_errmsg(const tm_ckpt_snapshot *s);
-/* NULL: no-op. On the context's thread, not during a write. */
+/* NULL: no-op. On the context's thread, not during a write. Removes the temporary file of a
+ * write not committed (several ranks). Not collective. */
 TM_API void tm_ckpt_snapshot_free(tm_ckpt_snapshot *s);
 
 /* Load a checkpoint written by tm_ckpt_save into the tensors of ctx, which must hold exactly
