@@ -1221,6 +1221,83 @@ Test(dist, kill9_of_a_rank_during_an_async_save_keeps_the_previous_checkpoint) {
     tt_tmpdir_remove();
 }
 
+/* SIGTERM to every rank (as a batch scheduler sends it) while every rank writes its part of the
+ * asynchronous save of step 5 (held open 1 s by TINYMOE_CKPT_TEST_DELAY_MS): the ranks agree on
+ * a step to stop after, the save of step 5 is committed, the step stopped at is saved and
+ * committed too, and only then do they exit (128 + 15); no temporary file is left. */
+Test(dist, sigterm_to_every_rank_completes_the_async_saves) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    char out[1024], cmd[8192], ck5[1100], log[1100];
+    snprintf(out, sizeof out, "%s", tt_path("term"));
+    snprintf(ck5, sizeof ck5, "%s/ckpt-00000005.tmck", out);
+    snprintf(log, sizeof log, "%s.log", out);
+    no_inherited_fds();
+    become_subreaper();
+    snprintf(cmd, sizeof cmd, "TINYMOE_CKPT_TEST_DELAY_MS=1000 OMP_WAIT_POLICY=passive " MPIRUN
+             " -np 4 '%s/tinymoe' train %s --steps 100000 --save_every 5 --keep_last 0 --ep_size 2 --zero 3 "
+             "--out '%s' > '%s' 2>&1", bindir(), BASE, out, log);
+    pid_t sh = fork();
+    cr_assert_geq(sh, 0);
+    if (sh == 0) {
+        setsid();
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    int found = 0;
+    for (int i = 0; i < 1200 && !found; i++) {
+        usleep(50000);
+        DIR *d = opendir(out);
+        struct dirent *e;
+        while (d && (e = readdir(d)))
+            if (!strncmp(e->d_name, "ckpt-00000005.tmck.tmp.", 23)) found = 1;
+        if (d) closedir(d);
+        if (waitpid(sh, NULL, WNOHANG) == sh) break;
+    }
+    char *t = slurp_text(log);
+    cr_assert(found, "no background write of step 5 seen\n%s", t);
+    free(t);
+    pid_t pids[64];
+    int np = pids_with(out, pids, 64), ranks = 0;
+    for (int i = 0; i < np; i++)
+        if (rank_of(pids[i]) >= 0) kill(pids[i], SIGTERM), ranks++;
+    cr_assert_eq(ranks, 4, "the 4 ranks among %d processes", np);
+    int status = 0, ended = 0;
+    for (int i = 0; i < 600 && !ended; i++) {
+        if (waitpid(sh, &status, WNOHANG) == sh) ended = 1;
+        else usleep(100000);
+    }
+    if (!ended) {
+        np = pids_with(out, pids, 64);
+        for (int i = 0; i < np; i++) kill(pids[i], SIGKILL);
+        kill(-sh, SIGKILL);
+        waitpid(sh, NULL, 0);
+    }
+    reap_orphans();
+    t = slurp_text(log);
+    cr_assert(ended, "the run did not stop within 60 s of SIGTERM\n%s", t);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM, "exit status %d\n%s", status, t);
+    const char *stop = strstr(t, "SIGTERM: stopped at step ");
+    cr_assert_not_null(stop, "%s", t);
+    int step = atoi(stop + 25);
+    cr_assert_geq(step, 5, "%s", t);
+    free(t);
+    char ck[1100];
+    snprintf(ck, sizeof ck, "%s/ckpt-%08d.tmck", out, step);
+    tm_ctx *ctx = tt_ctx();
+    tm_ckpt_info *info = NULL;
+    TT_OK(ctx, tm_ckpt_inspect(ctx, ck5, &info)); /* the write in flight: complete, every CRC */
+    tm_ckpt_info_free(info);
+    TT_OK(ctx, tm_ckpt_inspect(ctx, ck, &info)); /* the step stopped at */
+    tm_ckpt_info_free(info);
+    tm_ctx_free(ctx);
+    DIR *d = opendir(out);
+    struct dirent *e;
+    while (d && (e = readdir(d))) cr_assert(!strstr(e->d_name, ".tmp."), "left behind: %s", e->d_name);
+    if (d) closedir(d);
+    tt_tmpdir_remove();
+}
+
 Test(dist, config_that_differs_across_ranks_is_refused) {
     skip_without_mpirun();
     tt_tmpdir_make("tinymoe_dist_");
