@@ -1993,7 +1993,35 @@ tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_ca
     return tm_ckpt_load_flags(ctx, path, 0, meta, meta_cap, meta_bytes);
 }
 
-/* The info and everything it points to live in one allocation: entries, then names, then meta. */
+/* The info of a parsed file; it and everything it points to live in one allocation (plain
+ * malloc: it outlives nothing of ctx and is freed without it): entries, then names, then meta. */
+static tm_status make_info(tm_ctx *ctx, const ck_image *im, tm_ckpt_info **out) {
+    size_t bytes = sizeof(tm_ckpt_info) + (size_t)im->n * sizeof(tm_ckpt_entry) + (size_t)im->meta_len + 1;
+    for (uint32_t i = 0; i < im->n; i++) bytes += im->rec[i].name_len + 1;
+    unsigned char *blk = malloc(bytes);
+    if (!blk) return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory", im->fn, im->path);
+    tm_ckpt_info *info = (tm_ckpt_info *)blk;
+    tm_ckpt_entry *e = (tm_ckpt_entry *)(info + 1);
+    char *names = (char *)(e + im->n);
+    for (uint32_t i = 0; i < im->n; i++) {
+        const ck_rec *r = &im->rec[i];
+        memcpy(names, r->name, r->name_len);
+        names[r->name_len] = '\0';
+        e[i] = (tm_ckpt_entry){.name = names, .dtype = (tm_dtype)r->dtype, .ndim = r->ndim,
+                               .raw_bytes = r->raw_len, .stored_bytes = r->comp_len,
+                               .offset = im->version == CK_VERSION_V1 ? (uint64_t)(r->data - im->img) : r->off,
+                               .compressed = r->enc == CK_ENC_ZLIB};
+        memcpy(e[i].shape, r->shape, sizeof r->shape);
+        names += r->name_len + 1;
+    }
+    if (im->meta_len) memcpy(names, im->meta, (size_t)im->meta_len);
+    names[im->meta_len] = '\0';
+    *info = (tm_ckpt_info){.version = im->version, .file_bytes = im->len, .num_entries = (int)im->n,
+                           .entries = e, .meta = names, .meta_bytes = (size_t)im->meta_len};
+    *out = info;
+    return TM_OK;
+}
+
 tm_status tm_ckpt_inspect_flags(tm_ctx *ctx, const char *path, unsigned flags, tm_ckpt_info **out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     const char *fn = "tm_ckpt_inspect";
@@ -2012,35 +2040,7 @@ tm_status tm_ckpt_inspect_flags(tm_ctx *ctx, const char *path, unsigned flags, t
         if (st == TM_OK) st = check_inflate(ctx, &im, scratch);
         tm__host_free(ctx, scratch);
     }
-    if (st == TM_OK) {
-        size_t bytes = sizeof(tm_ckpt_info) + (size_t)im.n * sizeof(tm_ckpt_entry) + (size_t)im.meta_len + 1;
-        for (uint32_t i = 0; i < im.n; i++) bytes += im.rec[i].name_len + 1;
-        unsigned char *blk = malloc(bytes);
-        if (!blk) {
-            st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory", fn, path);
-        } else {
-            /* Plain malloc: the info outlives nothing of ctx and is freed without it. */
-            tm_ckpt_info *info = (tm_ckpt_info *)blk;
-            tm_ckpt_entry *e = (tm_ckpt_entry *)(info + 1);
-            char *names = (char *)(e + im.n);
-            for (uint32_t i = 0; i < im.n; i++) {
-                const ck_rec *r = &im.rec[i];
-                memcpy(names, r->name, r->name_len);
-                names[r->name_len] = '\0';
-                e[i] = (tm_ckpt_entry){.name = names, .dtype = (tm_dtype)r->dtype, .ndim = r->ndim,
-                                       .raw_bytes = r->raw_len, .stored_bytes = r->comp_len,
-                                       .offset = im.version == CK_VERSION_V1 ? (uint64_t)(r->data - im.img) : r->off,
-                                       .compressed = r->enc == CK_ENC_ZLIB};
-                memcpy(e[i].shape, r->shape, sizeof r->shape);
-                names += r->name_len + 1;
-            }
-            if (im.meta_len) memcpy(names, im.meta, (size_t)im.meta_len);
-            names[im.meta_len] = '\0';
-            *info = (tm_ckpt_info){.version = im.version, .file_bytes = im.len, .num_entries = (int)im.n,
-                                   .entries = e, .meta = names, .meta_bytes = (size_t)im.meta_len};
-            *out = info;
-        }
-    }
+    if (st == TM_OK) st = make_info(ctx, &im, out);
     image_free(ctx, &im);
     return st;
 }
@@ -2050,3 +2050,117 @@ tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out) {
 }
 
 void tm_ckpt_info_free(tm_ckpt_info *info) { free(info); }
+
+/* ---- reading one tensor at a time -------------------------------------------------------- */
+
+struct tm_ckpt_reader {
+    tm_ctx *ctx;
+    ck_image im;
+    tm_ckpt_info *info;
+    char path[PATH_MAX];
+};
+
+tm_status tm_ckpt_reader_open(tm_ctx *ctx, const char *path, tm_ckpt_reader **out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    const char *fn = "tm_ckpt_reader_open";
+    if (!out) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: out is NULL", fn);
+    *out = NULL;
+    TM__TRY(load_checks(ctx, fn, path));
+    if (strlen(path) >= PATH_MAX) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path '%s' is too long", fn, path);
+    tm_ckpt_reader *r = tm__host_alloc(ctx, sizeof *r);
+    if (!r) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+    memset(r, 0, sizeof *r);
+    r->ctx = ctx;
+    snprintf(r->path, sizeof r->path, "%s", path);
+    r->im = (ck_image){.fn = "tm_ckpt_reader", .path = r->path, .fd = -1};
+    tm_status st = parse_file(ctx, &r->im);
+    if (st == TM_OK) st = make_info(ctx, &r->im, &r->info);
+    if (st != TM_OK) {
+        tm_ckpt_reader_close(r);
+        return st;
+    }
+    *out = r;
+    return TM_OK;
+}
+
+const tm_ckpt_info *tm_ckpt_reader_info(const tm_ckpt_reader *r) { return r ? r->info : NULL; }
+
+int tm_ckpt_reader_find(const tm_ckpt_reader *r, const char *name) {
+    if (!r || !name) return -1;
+    for (int i = 0; i < r->info->num_entries; i++)
+        if (!strcmp(r->info->entries[i].name, name)) return i;
+    return -1;
+}
+
+/* n bytes at off into dst in CK_CHUNK pieces on nth threads, their CRC into *crc; 0 or an
+ * errno value (-1: the file ended early). */
+static int pread_crc(int fd, unsigned char *dst, size_t n, uint64_t off, int nth, uint32_t *crc) {
+    enum { MAXC = CK_BATCH / CK_CHUNK };
+    uint32_t c[MAXC];
+    int e[MAXC];
+    *crc = 0;
+    for (size_t b = 0; b < n; b += CK_BATCH) {
+        size_t bn = n - b < CK_BATCH ? n - b : CK_BATCH;
+        int nc = (int)((bn + CK_CHUNK - 1) / CK_CHUNK);
+#pragma omp parallel for num_threads(nth) schedule(dynamic) if (nc > 1)
+        for (int i = 0; i < nc; i++) {
+            size_t a = b + (size_t)i * CK_CHUNK, len = n - a < CK_CHUNK ? n - a : CK_CHUNK;
+            e[i] = pread_all(fd, dst + a, len, off + a);
+            if (!e[i]) c[i] = crc_update(0, dst + a, len);
+        }
+        for (int i = 0; i < nc; i++) {
+            if (e[i]) return e[i];
+            size_t a = b + (size_t)i * CK_CHUNK, len = n - a < CK_CHUNK ? n - a : CK_CHUNK;
+            *crc = (uint32_t)crc32_combine(*crc, c[i], (z_off_t)len);
+        }
+    }
+    return 0;
+}
+
+tm_status tm_ckpt_reader_read(tm_ckpt_reader *r, int entry, void *dst, uint64_t dst_bytes) {
+    if (!r) return TM_ERR_INVALID_ARG;
+    tm_ctx *ctx = r->ctx;
+    const char *fn = "tm_ckpt_reader_read";
+    ck_image *im = &r->im;
+    if (entry < 0 || (uint32_t)entry >= im->n)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': entry %d of %u", fn, r->path, entry, im->n);
+    ck_rec *rec = &im->rec[entry];
+    if (!dst && dst_bytes) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: dst is NULL", fn);
+    if (dst_bytes != rec->raw_len)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': tensor '%s' has %llu bytes, dst_bytes is %llu", fn, r->path,
+                       r->info->entries[entry].name, (unsigned long long)rec->raw_len, (unsigned long long)dst_bytes);
+    const unsigned char *p;
+    if (im->version == CK_VERSION_V1) { /* in memory and checked (parse_image_v1) */
+        TM__TRY(rec_bytes(ctx, im, rec, dst, &p));
+        if (p != dst && dst_bytes) memcpy(dst, p, (size_t)dst_bytes);
+        return TM_OK;
+    }
+    unsigned char *stored = rec->enc == CK_ENC_RAW ? dst : tm__host_alloc(ctx, rec->comp_len ? (size_t)rec->comp_len : 1);
+    if (!stored)
+        return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %llu bytes for tensor '%s'", fn, r->path,
+                       (unsigned long long)rec->comp_len, r->info->entries[entry].name);
+    uint32_t crc = 0;
+    int e = pread_crc(im->fd, stored, (size_t)rec->comp_len, rec->off, tm__nthreads(ctx), &crc);
+    tm_status st = TM_OK;
+    if (e)
+        st = tm__err(ctx, TM_ERR_IO, "%s: cannot read '%s': %s", fn, r->path,
+                     e > 0 ? strerror(e) : "file shrank while reading");
+    else if (crc != rec->crc)
+        st = tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the data of tensor '%s'", fn, r->path,
+                     r->info->entries[entry].name);
+    if (st == TM_OK && rec->enc != CK_ENC_RAW) {
+        rec->data = stored;
+        st = rec_bytes(ctx, im, rec, dst, &p);
+        rec->data = NULL;
+    }
+    if (stored != dst) tm__host_free(ctx, stored);
+    return st;
+}
+
+void tm_ckpt_reader_close(tm_ckpt_reader *r) {
+    if (!r) return;
+    tm_ctx *ctx = r->ctx;
+    free(r->info);
+    image_free(ctx, &r->im);
+    tm__host_free(ctx, r);
+}

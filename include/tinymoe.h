@@ -1571,6 +1571,40 @@ TM_API tm_status tm_ckpt_inspect_flags(tm_ctx *ctx, const char *path, unsigned f
 /* NULL: no-op. */
 TM_API void tm_ckpt_info_free(tm_ckpt_info *info);
 
+/* Reading a checkpoint one tensor at a time, into the caller's memory, without a context that
+ * holds its tensors (conversions: `tinymoe export` streams the weights into a safetensors file
+ * this way). Open validates what tm_ckpt_inspect_flags(TM_CKPT_INDEX_ONLY) validates (a
+ * version-1 file, which has no index, is read and checked whole here) and keeps the file open,
+ * so a later save's rename cannot swap it; each read checks the entry's CRC (and that a
+ * compressed entry inflates to its length) as tm_ckpt_load does, reading only that entry's
+ * stored bytes (version 2), in 8 MiB pieces on the context's threads.
+ *
+ *     tm_ckpt_reader *r;
+ *     tm_ckpt_reader_open(ctx, path, &r);
+ *     const tm_ckpt_info *info = tm_ckpt_reader_info(r);   entries and meta, as inspect lists them
+ *     tm_ckpt_reader_read(r, tm_ckpt_reader_find(r, "embed.weight"), buf, bytes);
+ *     tm_ckpt_reader_close(r);
+ *
+ * Calls on the reader are calls on ctx (its thread); ctx must outlive the reader. */
+typedef struct tm_ckpt_reader tm_ckpt_reader;
+/* Errors: as tm_ckpt_inspect_flags with TM_CKPT_INDEX_ONLY (TM_ERR_IO, TM_ERR_INVALID_ARG for an
+ * unsupported version, out NULL or path NULL / empty / too long, TM_ERR_UNSUPPORTED,
+ * TM_ERR_NOMEM). *out is NULL after a failure. */
+TM_API tm_status tm_ckpt_reader_open(tm_ctx *ctx, const char *path, tm_ckpt_reader **out);
+/* The file's entries (file order) and meta; owned by the reader (valid until close). */
+TM_API const tm_ckpt_info *tm_ckpt_reader_info(const tm_ckpt_reader *r);
+/* The index of the entry named `name`, or -1 (also for NULL arguments). */
+TM_API int tm_ckpt_reader_find(const tm_ckpt_reader *r, const char *name);
+/* Entry `entry`'s raw bytes (numel x dtype size, row-major, the logical tensor) into dst, which
+ * holds dst_bytes = the entry's raw_bytes. Errors (the message in the reader's context):
+ * TM_ERR_INVALID_ARG (r NULL, entry out of range, dst NULL, dst_bytes not the entry's size),
+ * TM_ERR_IO (a read fails, the data's CRC does not match, a zlib stream does not inflate to
+ * exactly its length: the message names the file and the tensor; dst then holds garbage),
+ * TM_ERR_NOMEM (a compressed entry's stored bytes). */
+TM_API tm_status tm_ckpt_reader_read(tm_ckpt_reader *r, int entry, void *dst, uint64_t dst_bytes);
+/* Close the file, free the reader. NULL: no-op. */
+TM_API void tm_ckpt_reader_close(tm_ckpt_reader *r);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Optimizers                                                                                  */
 /* ------------------------------------------------------------------------------------------ */
