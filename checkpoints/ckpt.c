@@ -18,9 +18,12 @@
  * kill -9, or a full disk) hits, `path` names either the old complete file or the new one.
  * The data goes out in 64 MiB batches: thread 0 gathers the next batch to (pinned) host memory
  * while the other threads checksum and pwrite the current one (write_data).
- * An asynchronous save (tm_ckpt_snapshot_*) splits this in two: take gathers every tensor into
+ * An asynchronous save (tm_ckpt_snapshot_*) splits this in two: take copies every tensor into
  * one host buffer on the context's thread, write does the rest from there on any thread, the
- * same file by the same protocol (plan_save and write_file serve both).
+ * same file by the same protocol (plan_save and write_file serve both). Under a communicator
+ * both kinds of save are written by every rank (save_ranks; snap_*_ranks for snapshots, whose
+ * commit renames once every rank's part is written).
+ * tm_ckpt_reader reads one tensor at a time into the caller's memory (export streams this way).
  *
  * Loading never leaves a half-loaded context: header, meta and index are checked, the entries
  * matched against the context, then the stored bytes of the tensors the context holds (only

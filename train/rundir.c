@@ -214,10 +214,14 @@ static void bg_commit(tmd_run *r) {
     tm_status s = tm_ckpt_snapshot_commit(r->snap);
     bg->commit_s = tmd_now_s() - t0;
     bg->pending = 0;
-    int64_t mine[2] = {(int64_t)tm_ckpt_snapshot_bytes(r->snap), (int64_t)(bg->write_s * 1e6)};
-    int64_t *all = s == TM_OK ? malloc(sizeof mine * (size_t)r->world) : NULL;
-    /* (the log's figures: every rank's host memory and write time) */
-    if (all && tm_comm_allgather_host(r->ctx, TM_COMM_WORLD, mine, all, sizeof mine) != TM_OK) free(all), all = NULL;
+    /* The log's figures, every rank's host memory and write time: an all-gather that every rank
+     * makes (s is the same on every rank), into memory that cannot fail for up to 256 ranks. */
+    int64_t mine[2] = {(int64_t)tm_ckpt_snapshot_bytes(r->snap), (int64_t)(bg->write_s * 1e6)}, few[2 * 256];
+    int64_t *all = r->world <= 256 ? few : s == TM_OK ? malloc(sizeof mine * (size_t)r->world) : NULL;
+    if (s == TM_OK && (!all || tm_comm_allgather_host(r->ctx, TM_COMM_WORLD, mine, all, sizeof mine) != TM_OK)) {
+        if (all != few) free(all);
+        all = NULL;
+    }
     if (s == TM_OK) {
         log_saved(r, bg->step, bg->path, 0, bg, all);
         if (r->prune_proven == bg->step) {
@@ -231,7 +235,7 @@ static void bg_commit(tmd_run *r) {
         if (r->prune_pending == bg->step) r->prune_pending = -1;
         if (r->prune_proven == bg->step) r->prune_proven = -1;
     }
-    free(all);
+    if (all != few) free(all);
 }
 
 int tmd_rundir_part_written(const tmd_run *r) {
