@@ -18,9 +18,12 @@
  * kill -9, or a full disk) hits, `path` names either the old complete file or the new one.
  * The data goes out in 64 MiB batches: thread 0 gathers the next batch to (pinned) host memory
  * while the other threads checksum and pwrite the current one (write_data).
- * An asynchronous save (tm_ckpt_snapshot_*) splits this in two: take gathers every tensor into
+ * An asynchronous save (tm_ckpt_snapshot_*) splits this in two: take copies every tensor into
  * one host buffer on the context's thread, write does the rest from there on any thread, the
- * same file by the same protocol (plan_save and write_file serve both).
+ * same file by the same protocol (plan_save and write_file serve both). Under a communicator
+ * both kinds of save are written by every rank (save_ranks; snap_*_ranks for snapshots, whose
+ * commit renames once every rank's part is written).
+ * tm_ckpt_reader reads one tensor at a time into the caller's memory (export streams this way).
  *
  * Loading never leaves a half-loaded context: header, meta and index are checked, the entries
  * matched against the context, then the stored bytes of the tensors the context holds (only
@@ -662,13 +665,15 @@ enum { CKD_RANK0 = 0, CKD_RANKS = 1 };
 
 typedef struct ckd_tensor {
     const tm_tensor *t;
+    const char *name; /* the context's name (immutable while the tensor lives) */
     int cls;        /* CKD_RANK0 or CKD_RANKS */
     int zip;
-    size_t raw, stored;
+    size_t raw, stored, es; /* bytes; es: of one element */
     uint64_t off;
     uint32_t crc;
     int64_t lo, cnt; /* this rank's logical range (CKD_RANKS) */
     int writer;      /* this rank writes its range */
+    size_t goff, held; /* snapshots: this rank's bytes of the tensor at snap + goff (held: 0 for none) */
 } ckd_tensor;
 
 /* CRC and pwrite of n bytes at off in CK_CHUNK pieces on nth threads, *crc extended over them;
@@ -724,11 +729,52 @@ static int ckd_is_writer(const int64_t *rg, int n, int k, int r) {
     return 1;
 }
 
-/* Rank 0's end of a distributed save: each spread tensor's CRC from its writers' (in offset
- * order), the index in file order (raw tensors, then deflated ones), the header, fsync, rename,
- * directory sync. fd is closed here; the caller removes tmp on failure. */
+/* A: the n named tensors' sizes and compression choices into x, and every rank's range of each
+ * tensor spread over the ranks into rg ([W][n][2]: lo, count; -1 for a tensor this rank does not
+ * write by ranges): an all-gather of a few integers per tensor. mine: [n][2] scratch. Collective. */
+static tm_status ckd_ranges(tm_ctx *ctx, const tm_ckpt_save_options *opt, ckd_tensor *x, int n, int64_t *mine,
+                            int64_t *rg) {
+    for (int k = 0; k < n; k++) {
+        ckd_tensor *c = &x[k];
+        c->t = tm_ctx_named(ctx, k);
+        c->name = tm_tensor_name(c->t);
+        c->raw = tensor_bytes(c->t);
+        c->es = tm_dtype_size(tm_tensor_dtype(c->t));
+        c->zip = ck_want_zip(opt, c->t);
+        mine[2 * k] = mine[2 * k + 1] = -1;
+        if (!c->zip && tm__named_sharded(ctx, c->t)) tm__named_local_range(ctx, c->t, &mine[2 * k], &mine[2 * k + 1]);
+    }
+    return tm_comm_allgather_host(ctx, TM_COMM_WORLD, mine, rg, sizeof(int64_t) * 2 * (size_t)n);
+}
+
+/* Who writes each tensor, decided alike on every rank from rg: the ranks whose ranges tile it
+ * (each its own range; of replicas the lowest), else world rank 0; and the raw tensors' offsets
+ * from data_start in creation order. Returns where the raw data ends: the deflated tensors follow
+ * (their lengths are known only once deflated). */
+static uint64_t ckd_layout(ckd_tensor *x, int n, int W, int me, const int64_t *rg, uint64_t data_start) {
+    uint64_t cursor = data_start;
+    for (int k = 0; k < n; k++) {
+        ckd_tensor *c = &x[k];
+        int64_t numel = (int64_t)(c->raw / c->es);
+        c->cls = rg[2 * k + 1] >= 0 && ckd_tiles(rg, W, n, k, numel) ? CKD_RANKS : CKD_RANK0;
+        c->writer = 0;
+        if (c->cls == CKD_RANKS) {
+            c->lo = rg[((size_t)me * n + k) * 2];
+            c->cnt = rg[((size_t)me * n + k) * 2 + 1];
+            c->writer = ckd_is_writer(rg, n, k, me);
+        }
+        if (!c->zip) c->off = cursor, c->stored = c->raw, cursor += c->raw;
+    }
+    return cursor;
+}
+
+/* Rank 0's end of a distributed save: each spread tensor's CRC from its writers' (res: per rank
+ * `stride` int64, the CRC of tensor k at 1 + k; in offset order), the index in file order (raw
+ * tensors, then deflated ones), the header, the file cut to its length, fsync, rename, directory
+ * sync. fd is closed here; the caller removes tmp on failure. */
 static tm_status ckd_commit(ck_save *sv, ckd_tensor *x, int n, int W, const int64_t *rg, const int64_t *res,
-                            const char *path, const char *tmp, int fd, uint64_t meta_bytes, uint64_t end) {
+                            size_t stride, const char *path, const char *tmp, int fd, uint64_t meta_bytes,
+                            uint64_t end) {
     tm_ctx *ctx = sv->ctx;
     const char *fn = "tm_ckpt_save";
     size_t index_len = 0;
@@ -747,7 +793,7 @@ static tm_status ckd_commit(ck_save *sv, ckd_tensor *x, int n, int W, const int6
             while (r < W && !(ckd_is_writer(rg, n, k, r) && rg[((size_t)r * n + k) * 2] == at)) r++;
             if (r == W) break;
             int64_t cnt = rg[((size_t)r * n + k) * 2 + 1];
-            c->crc = (uint32_t)crc32_combine(c->crc, (uint32_t)res[(size_t)r * (n + 1) + 1 + k], (z_off_t)((size_t)cnt * es));
+            c->crc = (uint32_t)crc32_combine(c->crc, (uint32_t)res[(size_t)r * stride + 1 + k], (z_off_t)((size_t)cnt * es));
             at += cnt;
         }
         if ((size_t)at * es != c->raw) {
@@ -801,6 +847,8 @@ static tm_status ckd_commit(ck_save *sv, ckd_tensor *x, int n, int W, const int6
     int err = pwrite_all(fd, index, index_len + 12, end);
     tm__host_free(ctx, index);
     if (!err) err = pwrite_all(fd, h, sizeof h, 0);
+    /* (a file the ranks created by name, not by mkstemp, could be longer than this one) */
+    if (!err && ftruncate(fd, (off_t)(end + index_len + 12)) != 0) err = errno;
     if (!err && fsync(fd) != 0) err = errno;
     if (close(fd) != 0 && !err) err = errno;
     if (err) return tm__err(ctx, TM_ERR_IO, "%s: cannot write '%s' (via '%s'): %s", fn, path, tmp, strerror(err));
@@ -839,15 +887,7 @@ static tm_status save_ranks(tm_ctx *ctx, const char *path, const void *meta, siz
     }
     memset(x, 0, sizeof *x * (size_t)(n ? n : 1));
     /* A: every rank's range of every tensor spread over the ranks */
-    for (int k = 0; k < n; k++) {
-        ckd_tensor *c = &x[k];
-        c->t = tm_ctx_named(ctx, k);
-        c->raw = tensor_bytes(c->t);
-        c->zip = ck_want_zip(opt, c->t);
-        mine[2 * k] = mine[2 * k + 1] = -1;
-        if (!c->zip && tm__named_sharded(ctx, c->t)) tm__named_local_range(ctx, c->t, &mine[2 * k], &mine[2 * k + 1]);
-    }
-    s = tm_comm_allgather_host(ctx, TM_COMM_WORLD, mine, rg, sizeof(int64_t) * 2 * (size_t)n);
+    s = ckd_ranges(ctx, opt, x, n, mine, rg);
     if (s != TM_OK) goto out;
     uint64_t data_start = CK_V2_HEADER + (uint64_t)meta_bytes + 4, cursor;
     {
@@ -881,18 +921,7 @@ static tm_status save_ranks(tm_ctx *ctx, const char *path, const void *meta, siz
             goto out;
         }
         data_start = CK_V2_HEADER + (uint64_t)b.meta_bytes + 4;
-        cursor = data_start;
-        for (int k = 0; k < n; k++) {
-            ckd_tensor *c = &x[k];
-            int64_t numel = (int64_t)(c->raw / tm_dtype_size(tm_tensor_dtype(c->t)));
-            c->cls = rg[2 * k + 1] >= 0 && ckd_tiles(rg, W, n, k, numel) ? CKD_RANKS : CKD_RANK0;
-            if (c->cls == CKD_RANKS) {
-                c->lo = rg[((size_t)me * n + k) * 2];
-                c->cnt = rg[((size_t)me * n + k) * 2 + 1];
-                c->writer = ckd_is_writer(rg, n, k, me);
-            }
-            if (!c->zip) c->off = cursor, c->stored = c->raw, cursor += c->raw;
-        }
+        cursor = ckd_layout(x, n, W, me, rg, data_start);
         uint64_t zcursor = cursor; /* deflated tensors after the raw ones */
         if (me != 0 && st == TM_OK) {
             fd = open(b.tmp, O_WRONLY);
@@ -999,7 +1028,8 @@ static tm_status save_ranks(tm_ctx *ctx, const char *path, const void *meta, siz
                 }
             if (v == TM_OK) {
                 ck_save sv = {.ctx = ctx, .before_commit = opt->before_commit, .user = opt->user};
-                v = st = ckd_commit(&sv, x, n, W, rg, res, path, b.tmp, fd, (uint64_t)meta_bytes, zcursor);
+                v = st = ckd_commit(&sv, x, n, W, rg, res, (size_t)n + 1, path, b.tmp, fd, (uint64_t)meta_bytes,
+                                    zcursor);
                 fd = -1;
                 if (st != TM_OK) snprintf(msg, sizeof msg, "%s", tm_ctx_errmsg(ctx));
             }
@@ -1060,18 +1090,254 @@ tm_status tm_ckpt_save(tm_ctx *ctx, const char *path, const void *meta, size_t m
 
 /* ---- snapshots: asynchronous saves ----------------------------------------------------- */
 
-/* A snapshot is a planned save whose tensors all stay in host memory (sv.snap): taking it is
- * the gather step of a save (device-to-host copies, the collectives of a sharded layout), on
- * the context's thread; writing it is the rest (CRC, deflate, pwrite, fsync, rename), which
- * reads nothing of the context, so it may run on another thread while the context trains. */
+/* A snapshot is a planned save whose tensors stay in host memory: taking it is the gather step
+ * of a save (device-to-host copies, and under a communicator the collectives), on the context's
+ * thread; writing it is the rest (CRC, deflate, pwrite, fsync), which reads nothing of the
+ * context, so it may run on another thread while the context trains.
+ * One process: sv.snap holds every tensor and write makes the whole file (write_file).
+ * Several ranks: each rank holds only what it writes in a save by every rank (save_ranks: its
+ * ranges of the spread tensors; world rank 0 also the whole tensors, the gathered and the
+ * deflated ones), in `snap`. Write puts that into the ranks' shared temporary file
+ * "<path>.tmp.<token>" (the token drawn by rank 0 at take) and fsyncs it; commit, a collective
+ * on the context's thread once every rank's write has returned, gathers the statuses and CRCs,
+ * and rank 0 writes the index and header, fsyncs and renames (ckd_commit). The writer threads
+ * make no collective call: MPI is initialised for calls from the main thread only. */
+enum { CKD_MSG_WORDS = 128 }; /* int64 words of each rank's message in a commit's all-gather */
+
 struct tm_ckpt_snapshot {
-    ck_save sv;  /* world rank 0 only; elsewhere just ctx and n */
-    int writer;  /* world rank 0: holds the data and writes the file */
+    ck_save sv;  /* one process: the planned save; several ranks: ctx, n, nth, err, before_commit */
+    int W, me;   /* world size and rank */
     int taken;   /* a take succeeded */
-    unsigned char *meta;
+    unsigned char *meta; /* world rank 0 */
     size_t meta_bytes, meta_cap;
     char err[CK_ERR_MAX];
+    /* several ranks */
+    ckd_tensor *x;
+    int64_t *rg;                /* [W][n][2]: every rank's range of each spread tensor (fixed) */
+    int64_t *snd, *res;         /* a commit's all-gather: [stride], [W][stride] */
+    unsigned char *snap, *comp, *scratch; /* scratch: ranks > 0, their end of rank 0's gathers */
+    int snap_pinned, zok;
+    size_t snap_bytes, comp_cap, scratch_bytes;
+    z_stream z;                 /* rank 0, when a tensor is deflated */
+    uint64_t zstart, zend;      /* where the deflated tensors start (the last take), end (the last write) */
+    char token[8];              /* rank 0's, from the last take */
+    char path[PATH_MAX], tmp[PATH_MAX]; /* of the last write */
+    int written;                /* a write since the last commit made tmp (or may have): not renamed */
+    int wrote;                  /* tm_ckpt_snapshot_write was called since the last commit */
+    tm_status wst;              /* its status */
 };
+
+/* A write that was never committed: its temporary file goes (every rank that wrote removes it;
+ * removing it twice is harmless). */
+static void snap_drop_tmp(tm_ckpt_snapshot *s) {
+    if (s->written) unlink(s->tmp);
+    s->written = 0;
+}
+
+/* Several ranks: the plan (who writes what: ckd_ranges, ckd_layout) and this rank's host memory
+ * for what it writes. Collective; every rank returns the same status. */
+static tm_status snap_new_ranks(tm_ckpt_snapshot *s, const tm_ckpt_save_options *opt) {
+    const char *fn = "tm_ckpt_snapshot_new";
+    tm_ctx *ctx = s->sv.ctx;
+    int n = s->sv.n, W = s->W, me = s->me;
+    size_t stride = (size_t)n + 1 + CKD_MSG_WORDS;
+    int64_t *mine = tm__host_alloc(ctx, sizeof(int64_t) * 2 * (size_t)(n ? n : 1));
+    s->x = tm__host_alloc(ctx, sizeof *s->x * (size_t)(n ? n : 1));
+    s->rg = tm__host_alloc(ctx, sizeof(int64_t) * 2 * (size_t)(n ? n : 1) * (size_t)W);
+    s->snd = tm__host_alloc(ctx, sizeof(int64_t) * stride);
+    s->res = tm__host_alloc(ctx, sizeof(int64_t) * stride * (size_t)W);
+    if (!mine || !s->x || !s->rg || !s->snd || !s->res) {
+        /* (small allocations, as in save_ranks: the other ranks would wait in the first collective) */
+        tm__host_free(ctx, mine);
+        return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory planning a snapshot of %d tensors", fn, n);
+    }
+    memset(s->x, 0, sizeof *s->x * (size_t)(n ? n : 1));
+    tm_status st = ckd_ranges(ctx, opt, s->x, n, mine, s->rg);
+    tm__host_free(ctx, mine);
+    if (st != TM_OK) return st;
+    ckd_layout(s->x, n, W, me, s->rg, 0);
+    size_t goff = 0;
+    int any_zip = 0;
+    for (int k = 0; k < n; k++) {
+        ckd_tensor *c = &s->x[k];
+        /* (the same on every rank: logical sizes) */
+        if (c->zip && (compressBound((uLong)c->raw) > UINT_MAX || (uLong)c->raw != c->raw))
+            return tm__err(ctx, TM_ERR_UNSUPPORTED,
+                           "%s: tensor '%s' of %zu bytes exceeds zlib's 4 GiB limit for one deflate call; store it "
+                           "uncompressed (tm_ckpt_save_options)", fn, c->name, c->raw);
+        if (c->cls == CKD_RANK0) {
+            c->held = me == 0 ? c->raw : 0;
+            if (me != 0 && tm__named_sharded(ctx, c->t) && c->raw > s->scratch_bytes) s->scratch_bytes = c->raw;
+            if (me == 0 && c->zip) {
+                any_zip = 1;
+                if (ck_bound(c->raw) > s->comp_cap) s->comp_cap = ck_bound(c->raw);
+            }
+        } else {
+            c->held = c->writer ? (size_t)c->cnt * c->es : 0;
+        }
+        c->goff = goff;
+        goff += (c->held + 63) & ~(size_t)63; /* 64-byte aligned slots */
+    }
+    s->snap_bytes = goff;
+    tm_status a = TM_OK;
+    s->snap = tm__host_alloc_pinned(ctx, goff ? goff : 1, &s->snap_pinned);
+    if (s->scratch_bytes) s->scratch = tm__host_alloc(ctx, s->scratch_bytes);
+    if (any_zip) s->comp = tm__host_alloc(ctx, s->comp_cap);
+    if (!s->snap || (s->scratch_bytes && !s->scratch) || (any_zip && !s->comp)) {
+        a = tm__err(ctx, TM_ERR_NOMEM, "%s: rank %d cannot allocate %zu bytes of host memory for its part of the snapshot",
+                    fn, me, goff + s->scratch_bytes + s->comp_cap);
+    } else if (any_zip) {
+        int zs = ck_deflate_init(ctx, &s->z); /* zlib allocates here, on this thread only */
+        if (zs == Z_OK) s->zok = 1;
+        else a = tm__err(ctx, zs == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL, "%s: zlib deflateInit failed (%d)", fn, zs);
+    }
+    /* every rank returns the same status */
+    int64_t v = a;
+    st = tm_comm_allgather_host(ctx, TM_COMM_WORLD, &v, s->res, sizeof v);
+    if (st != TM_OK) return st;
+    for (int r = 0; r < W && a == TM_OK; r++)
+        if (s->res[r] != TM_OK)
+            a = tm__err(ctx, (tm_status)s->res[r], "%s: rank %d could not allocate its part of the snapshot (%s)", fn, r,
+                        tm_status_str((tm_status)s->res[r]));
+    return a;
+}
+
+/* A name for the ranks' temporary file that rank 0 draws at each take: 6 letters or digits,
+ * like mkstemp's (the driver's sweep of stale temporaries matches "<name>.tmp.*"). */
+static void snap_token(const tm_ckpt_snapshot *s, char out[8]) {
+    static const char a[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t v = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ ((uint64_t)getpid() << 17) ^ (uint64_t)(uintptr_t)s;
+    /* splitmix64's finaliser */
+    v += 0x9e3779b97f4a7c15ull;
+    v = (v ^ (v >> 30)) * 0xbf58476d1ce4e5b9ull;
+    v = (v ^ (v >> 27)) * 0x94d049bb133111ebull;
+    v ^= v >> 31;
+    for (int i = 0; i < 6; i++) out[i] = a[v % 62], v /= 62;
+    out[6] = out[7] = 0;
+}
+
+/* Several ranks: rank 0's tensors (the gathers of spread ones collective, in creation order),
+ * every rank's own ranges, then the agreement on the statuses, rank 0's meta length and token. */
+static tm_status snap_take_ranks(tm_ckpt_snapshot *s, const void *meta, size_t meta_bytes) {
+    const char *fn = "tm_ckpt_snapshot_take";
+    tm_ctx *ctx = s->sv.ctx;
+    int n = s->sv.n, W = s->W, me = s->me;
+    tm_status st = TM_OK;
+    char msg[CK_ERR_MAX] = "";
+    snap_drop_tmp(s); /* the last write, if it was never committed */
+    s->wrote = 0;
+    if (me == 0 && meta_bytes > s->meta_cap) {
+        unsigned char *m = tm__host_alloc(ctx, meta_bytes);
+        if (!m) {
+            ckd_note(ctx, &st, msg, sizeof msg,
+                     tm__err(ctx, TM_ERR_NOMEM, "%s: cannot allocate %zu bytes for the meta", fn, meta_bytes));
+        } else {
+            tm__host_free(ctx, s->meta);
+            s->meta = m;
+            s->meta_cap = meta_bytes;
+        }
+    }
+    for (int k = 0; k < n; k++) {
+        ckd_tensor *c = &s->x[k];
+        if (c->cls != CKD_RANK0) continue;
+        int coll = tm__named_sharded(ctx, c->t);
+        if (!coll && (me != 0 || st != TM_OK)) continue;
+        tm_status g = tm__named_gather(ctx, c->t, me == 0 ? s->snap + c->goff : s->scratch);
+        if (g == TM_ERR_COMM) return g; /* the partners are gone */
+        ckd_note(ctx, &st, msg, sizeof msg, g);
+    }
+    for (int k = 0; k < n && st == TM_OK; k++) {
+        ckd_tensor *c = &s->x[k];
+        if (c->cls == CKD_RANKS && c->writer)
+            ckd_note(ctx, &st, msg, sizeof msg, tm__named_read_local(ctx, c->t, 0, c->cnt, s->snap + c->goff));
+    }
+    struct {
+        int64_t st, meta_bytes;
+        char token[8];
+    } mine, *all = (void *)s->res; /* (res holds W * stride >= W * 3 words) */
+    memset(&mine, 0, sizeof mine);
+    mine.st = st;
+    mine.meta_bytes = (int64_t)meta_bytes;
+    if (me == 0) snap_token(s, mine.token);
+    tm_status cs = tm_comm_allgather_host(ctx, TM_COMM_WORLD, &mine, all, sizeof mine);
+    if (cs != TM_OK) return cs;
+    if (st != TM_OK) return tm__err(ctx, st, "%s", msg); /* the first failure's message */
+    for (int r = 0; r < W; r++)
+        if (all[r].st != TM_OK)
+            return tm__err(ctx, (tm_status)all[r].st, "%s: rank %d failed to take its part of the snapshot (%s)", fn, r,
+                           tm_status_str((tm_status)all[r].st));
+    s->zstart = ckd_layout(s->x, n, W, me, s->rg, CK_V2_HEADER + (uint64_t)all[0].meta_bytes + 4);
+    memcpy(s->token, all[0].token, sizeof s->token);
+    s->token[7] = 0;
+    if (me == 0) {
+        if (meta_bytes) memcpy(s->meta, meta, meta_bytes);
+        s->meta_bytes = meta_bytes;
+    }
+    return TM_OK;
+}
+
+/* Several ranks, on any thread: this rank's part of the file (rank 0: the meta, its whole
+ * tensors, the deflated ones after the raw data), fsynced; no collective call. */
+static tm_status snap_write_ranks(tm_ckpt_snapshot *s, const char *path, int nth) {
+    const char *fn = "tm_ckpt_snapshot_write";
+    ck_save *sv = &s->sv;
+    int n = sv->n, me = s->me;
+    snprintf(s->path, sizeof s->path, "%s", path);
+    snprintf(s->tmp, sizeof s->tmp, "%s.tmp.%s", path, s->token);
+    s->written = 1; /* from here the temporary file may exist */
+    /* Every rank creates it if it is not there yet: no rank waits for another. */
+    int fd = open(s->tmp, O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return ck_fail(sv, TM_ERR_IO,
+                       "%s: rank %d cannot create or open '%s' (the ranks' temporary file for '%s'; the ranks must "
+                       "share the directory): %s", fn, me, s->tmp, path, strerror(errno));
+    /* a checkpoint is an ordinary file others may read */
+    if (me == 0) (void)fchmod(fd, 0644);
+    tm_status st = TM_OK;
+    int e = 0;
+    uint64_t zc = s->zstart;
+    if (me == 0) {
+        unsigned char c4[4];
+        if (s->meta_bytes) e = pwrite_all(fd, s->meta, s->meta_bytes, CK_V2_HEADER);
+        put_u32(c4, crc_update(0, s->meta, s->meta_bytes));
+        if (!e) e = pwrite_all(fd, c4, 4, CK_V2_HEADER + s->meta_bytes);
+        for (int k = 0; k < n && !e && st == TM_OK; k++) {
+            ckd_tensor *c = &s->x[k];
+            if (c->cls != CKD_RANK0) continue;
+            if (!c->zip) {
+                c->crc = 0;
+                e = crc_pwrite(fd, s->snap + c->goff, c->raw, c->off, nth, &c->crc);
+                continue;
+            }
+            size_t cl = s->comp_cap;
+            int zs = ck_deflate(&s->z, s->snap + c->goff, c->raw, s->comp, &cl);
+            if (zs != Z_OK) {
+                st = ck_fail(sv, zs == Z_MEM_ERROR ? TM_ERR_NOMEM : TM_ERR_INTERNAL,
+                             "%s: '%s': compressing tensor '%s' failed (zlib %d)", fn, path, c->name, zs);
+                break;
+            }
+            e = pwrite_all(fd, s->comp, cl, zc);
+            c->off = zc, c->stored = cl, c->crc = crc_update(0, s->comp, cl);
+            zc += cl;
+        }
+    }
+    for (int k = 0; k < n && !e && st == TM_OK; k++) {
+        ckd_tensor *c = &s->x[k];
+        if (c->cls != CKD_RANKS || !c->writer) continue;
+        c->crc = 0;
+        e = crc_pwrite(fd, s->snap + c->goff, (size_t)c->cnt * c->es, c->off + (uint64_t)c->lo * c->es, nth, &c->crc);
+    }
+    s->zend = zc;
+    if (st == TM_OK && !e && sv->before_commit) sv->before_commit(s->tmp, sv->user);
+    if (st == TM_OK && !e && fsync(fd) != 0) e = errno;
+    if (close(fd) != 0 && !e) e = errno;
+    if (st == TM_OK && e)
+        st = ck_fail(sv, TM_ERR_IO, "%s: rank %d cannot write its part of '%s' (via '%s'): %s", fn, me, path, s->tmp,
+                     strerror(e));
+    return st;
+}
 
 tm_status tm_ckpt_snapshot_new(tm_ctx *ctx, const tm_ckpt_save_options *options, tm_ckpt_snapshot **out) {
     const char *fn = "tm_ckpt_snapshot_new";
@@ -1084,36 +1350,41 @@ tm_status tm_ckpt_snapshot_new(tm_ctx *ctx, const tm_ckpt_save_options *options,
     tm_ckpt_snapshot *s = tm__host_alloc(ctx, sizeof *s);
     if (!s) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
     memset(s, 0, sizeof *s);
-    s->writer = tm_comm_rank(ctx, TM_COMM_WORLD) == 0;
-    tm_status st = TM_OK;
-    if (s->writer) {
+    s->W = tm_comm_size(ctx, TM_COMM_WORLD);
+    s->me = tm_comm_rank(ctx, TM_COMM_WORLD);
+    tm_status st;
+    if (s->W == 1) {
         st = plan_save(ctx, fn, &opt, 1, &s->sv);
+    } else if (!host_little_endian()) {
+        st = tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: big-endian hosts are not supported", fn);
     } else {
         s->sv.ctx = ctx;
         s->sv.n = tm_ctx_num_named(ctx);
-    }
-    if (st != TM_OK) {
-        tm__host_free(ctx, s);
-        return st;
+        s->sv.nth = tm__nthreads(ctx);
+        s->sv.before_commit = opt.before_commit;
+        s->sv.user = opt.user;
+        st = snap_new_ranks(s, &opt);
     }
     s->sv.err = s->err;
     s->sv.err_cap = sizeof s->err;
+    if (st != TM_OK) {
+        tm_ckpt_snapshot_free(s);
+        return st;
+    }
     *out = s;
     return TM_OK;
 }
 
 uint64_t tm_ckpt_snapshot_bytes(const tm_ckpt_snapshot *s) {
-    return s && s->writer ? (uint64_t)s->sv.held + s->meta_cap : 0;
+    if (!s) return 0;
+    if (s->W == 1) return (uint64_t)s->sv.held + s->meta_cap;
+    return (uint64_t)s->snap_bytes + s->comp_cap + s->scratch_bytes + s->meta_cap;
 }
 
-/* Rank 0's part of a take: every tensor into the snapshot's buffer. */
-static tm_status snapshot_gather(tm_ckpt_snapshot *s, int *progress) {
+/* One process: every tensor into the snapshot's buffer. */
+static tm_status snapshot_gather(tm_ckpt_snapshot *s) {
     ck_save *sv = &s->sv;
-    for (int k = 0; k < sv->n; k++) {
-        *progress = k;
-        TM__TRY(tm__named_gather(sv->ctx, sv->o[k].t, sv->snap + sv->o[k].goff));
-        *progress = k + 1;
-    }
+    for (int k = 0; k < sv->n; k++) TM__TRY(tm__named_gather(sv->ctx, sv->o[k].t, sv->snap + sv->o[k].goff));
     return TM_OK;
 }
 
@@ -1125,45 +1396,27 @@ tm_status tm_ckpt_snapshot_take(tm_ckpt_snapshot *s, const void *meta, size_t me
     if (!meta && meta_bytes)
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: meta is NULL but meta_bytes is %zu", fn, meta_bytes);
     int same = tm_ctx_num_named(ctx) == s->sv.n;
-    for (int k = 0; same && s->writer && k < s->sv.n; k++) same = tm_ctx_named(ctx, k) == s->sv.o[k].t;
+    for (int k = 0; same && k < s->sv.n; k++) same = tm_ctx_named(ctx, k) == (s->W == 1 ? s->sv.o[k].t : s->x[k].t);
     if (!same)
         return tm__err(ctx, TM_ERR_INVALID_ARG,
                        "%s: the context's parameters and buffers changed since tm_ckpt_snapshot_new (%d tensors then, "
                        "%d now): make a new snapshot",
                        fn, s->sv.n, tm_ctx_num_named(ctx));
-    if (s->writer && meta_bytes > s->meta_cap) {
+    if (s->W > 1) {
+        tm_status st = snap_take_ranks(s, meta, meta_bytes);
+        s->taken = st == TM_OK;
+        return st;
+    }
+    if (meta_bytes > s->meta_cap) {
         unsigned char *m = tm__host_alloc(ctx, meta_bytes);
         if (!m) return tm__err(ctx, TM_ERR_NOMEM, "%s: cannot allocate %zu bytes for the meta", fn, meta_bytes);
         tm__host_free(ctx, s->meta);
         s->meta = m;
         s->meta_cap = meta_bytes;
     }
-    int W = tm_comm_size(ctx, TM_COMM_WORLD), progress = 0;
-    tm_status st;
-    if (s->writer) {
-        st = snapshot_gather(s, &progress);
-        if (st != TM_OK && st != TM_ERR_COMM && W > 1) {
-            char msg[1024]; /* keep the first error's message */
-            snprintf(msg, sizeof msg, "%s", tm_ctx_errmsg(ctx));
-            drain_gathers(ctx, progress);
-            tm__err(ctx, st, "%s", msg);
-        }
-    } else {
-        st = drain_gathers(ctx, 0);
-    }
-    if (W > 1) {
-        int64_t v = st;
-        tm_status bs = tm_comm_bcast_host(ctx, TM_COMM_WORLD, 0, &v, sizeof v);
-        if (bs != TM_OK) return bs;
-        if (!s->writer && v != TM_OK)
-            return tm__err(ctx, (tm_status)v, "%s: rank 0 failed to take its snapshot (%s)", fn,
-                           tm_status_str((tm_status)v));
-    }
-    if (st != TM_OK) return st;
-    if (s->writer) {
-        if (meta_bytes) memcpy(s->meta, meta, meta_bytes);
-        s->meta_bytes = meta_bytes;
-    }
+    TM__TRY(snapshot_gather(s));
+    if (meta_bytes) memcpy(s->meta, meta, meta_bytes);
+    s->meta_bytes = meta_bytes;
     s->taken = 1;
     return TM_OK;
 }
@@ -1171,17 +1424,79 @@ tm_status tm_ckpt_snapshot_take(tm_ckpt_snapshot *s, const void *meta, size_t me
 tm_status tm_ckpt_snapshot_write(tm_ckpt_snapshot *s, const char *path, int num_threads) {
     if (!s) return TM_ERR_INVALID_ARG;
     s->err[0] = '\0';
-    if (!s->writer) return TM_OK;
     const char *fn = "tm_ckpt_snapshot_write";
-    if (!path || !*path) return ck_fail(&s->sv, TM_ERR_INVALID_ARG, "%s: path is NULL or empty", fn);
-    if (strlen(path) + 11 >= PATH_MAX) return ck_fail(&s->sv, TM_ERR_INVALID_ARG, "%s: path '%s' is too long", fn, path);
-    if (num_threads < 0)
-        return ck_fail(&s->sv, TM_ERR_INVALID_ARG, "%s: num_threads is %d (>= 0; 0: the context's)", fn, num_threads);
-    if (!s->taken)
-        return ck_fail(&s->sv, TM_ERR_INVALID_ARG, "%s: '%s': nothing to write (no successful tm_ckpt_snapshot_take)",
-                       fn, path);
-    int nth = num_threads > 0 ? num_threads : s->sv.nth;
-    return write_file(&s->sv, path, s->meta, s->meta_bytes, nth, NULL);
+    tm_status st;
+    if (!path || !*path) st = ck_fail(&s->sv, TM_ERR_INVALID_ARG, "%s: path is NULL or empty", fn);
+    else if (strlen(path) + 11 >= PATH_MAX) st = ck_fail(&s->sv, TM_ERR_INVALID_ARG, "%s: path '%s' is too long", fn, path);
+    else if (num_threads < 0)
+        st = ck_fail(&s->sv, TM_ERR_INVALID_ARG, "%s: num_threads is %d (>= 0; 0: the context's)", fn, num_threads);
+    else if (!s->taken)
+        st = ck_fail(&s->sv, TM_ERR_INVALID_ARG, "%s: '%s': nothing to write (no successful tm_ckpt_snapshot_take)", fn,
+                     path);
+    else if (s->W == 1)
+        return write_file(&s->sv, path, s->meta, s->meta_bytes, num_threads > 0 ? num_threads : s->sv.nth, NULL);
+    else {
+        snap_drop_tmp(s); /* written again before a commit */
+        st = snap_write_ranks(s, path, num_threads > 0 ? num_threads : s->sv.nth);
+    }
+    if (s->W > 1) s->wrote = 1, s->wst = st; /* the commit reports it, on every rank */
+    return st;
+}
+
+tm_status tm_ckpt_snapshot_commit(tm_ckpt_snapshot *s) {
+    const char *fn = "tm_ckpt_snapshot_commit";
+    if (!s) return TM_ERR_INVALID_ARG;
+    if (s->W == 1) return TM_OK;
+    tm_ctx *ctx = s->sv.ctx;
+    int n = s->sv.n, W = s->W, me = s->me;
+    size_t stride = (size_t)n + 1 + CKD_MSG_WORDS;
+    int64_t *snd = s->snd;
+    char *m = (char *)(snd + n + 1);
+    memset(snd, 0, sizeof(int64_t) * stride);
+    if (!s->wrote) {
+        snd[0] = TM_ERR_INVALID_ARG;
+        snprintf(m, CKD_MSG_WORDS * 8, "no tm_ckpt_snapshot_write on rank %d since the last commit", me);
+    } else {
+        snd[0] = s->wst;
+        size_t ml = strnlen(s->err, CKD_MSG_WORDS * 8 - 1); /* (cut to fit) */
+        memcpy(m, s->err, ml);
+        m[ml] = 0;
+    }
+    for (int k = 0; k < n; k++)
+        snd[k + 1] = s->x[k].cls == CKD_RANKS && s->x[k].writer ? (int64_t)s->x[k].crc : 0;
+    tm_status cs = tm_comm_allgather_host(ctx, TM_COMM_WORLD, snd, s->res, sizeof(int64_t) * stride);
+    if (cs != TM_OK) return cs;
+    int bad = -1;
+    for (int r = 0; r < W && bad < 0; r++)
+        if (s->res[(size_t)r * stride] != TM_OK) bad = r;
+    int64_t v = bad >= 0 ? s->res[(size_t)bad * stride] : TM_OK;
+    tm_status out = TM_OK;
+    if (me == 0 && v == TM_OK) {
+        int fd = open(s->tmp, O_WRONLY | O_CLOEXEC);
+        if (fd < 0)
+            out = tm__err(ctx, TM_ERR_IO, "%s: cannot open '%s' to finish '%s': %s", fn, s->tmp, s->path, strerror(errno));
+        else {
+            ck_save c = {.ctx = ctx};
+            out = ckd_commit(&c, s->x, n, W, s->rg, s->res, stride, s->path, s->tmp, fd, (uint64_t)s->meta_bytes, s->zend);
+        }
+        v = out;
+    }
+    cs = tm_comm_bcast_host(ctx, TM_COMM_WORLD, 0, &v, sizeof v);
+    if (v != TM_OK || cs != TM_OK) snap_drop_tmp(s);
+    s->written = s->wrote = 0;
+    if (cs != TM_OK) return cs;
+    if (v == TM_OK || out != TM_OK) return out; /* (rank 0's own failure: its message is the context's) */
+    if (bad >= 0) {
+        const char *bm = (const char *)(s->res + (size_t)bad * stride + n + 1);
+        char b[CKD_MSG_WORDS * 8];
+        size_t bl = strnlen(bm, sizeof b - 1);
+        memcpy(b, bm, bl);
+        b[bl] = 0;
+        return tm__err(ctx, (tm_status)v, "%s: rank %d failed to write its part of the checkpoint (%s): %s", fn, bad,
+                       tm_status_str((tm_status)v), b);
+    }
+    return tm__err(ctx, (tm_status)v, "%s: rank 0 failed to finish the checkpoint '%s' (%s)", fn, s->path,
+                   tm_status_str((tm_status)v));
 }
 
 const char *tm_ckpt_snapshot_errmsg(const tm_ckpt_snapshot *s) { return s ? s->err : ""; }
@@ -1189,7 +1504,19 @@ const char *tm_ckpt_snapshot_errmsg(const tm_ckpt_snapshot *s) { return s ? s->e
 void tm_ckpt_snapshot_free(tm_ckpt_snapshot *s) {
     if (!s) return;
     tm_ctx *ctx = s->sv.ctx;
-    if (s->writer) save_free(ctx, &s->sv);
+    if (s->W == 1) {
+        save_free(ctx, &s->sv);
+    } else {
+        snap_drop_tmp(s);
+        if (s->zok) deflateEnd(&s->z);
+        tm__host_free_pinned(ctx, s->snap, s->snap_pinned);
+        tm__host_free(ctx, s->comp);
+        tm__host_free(ctx, s->scratch);
+        tm__host_free(ctx, s->x);
+        tm__host_free(ctx, s->rg);
+        tm__host_free(ctx, s->snd);
+        tm__host_free(ctx, s->res);
+    }
     tm__host_free(ctx, s->meta);
     tm__host_free(ctx, s);
 }
@@ -1669,7 +1996,35 @@ tm_status tm_ckpt_load(tm_ctx *ctx, const char *path, void *meta, size_t meta_ca
     return tm_ckpt_load_flags(ctx, path, 0, meta, meta_cap, meta_bytes);
 }
 
-/* The info and everything it points to live in one allocation: entries, then names, then meta. */
+/* The info of a parsed file; it and everything it points to live in one allocation (plain
+ * malloc: it outlives nothing of ctx and is freed without it): entries, then names, then meta. */
+static tm_status make_info(tm_ctx *ctx, const ck_image *im, tm_ckpt_info **out) {
+    size_t bytes = sizeof(tm_ckpt_info) + (size_t)im->n * sizeof(tm_ckpt_entry) + (size_t)im->meta_len + 1;
+    for (uint32_t i = 0; i < im->n; i++) bytes += im->rec[i].name_len + 1;
+    unsigned char *blk = malloc(bytes);
+    if (!blk) return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory", im->fn, im->path);
+    tm_ckpt_info *info = (tm_ckpt_info *)blk;
+    tm_ckpt_entry *e = (tm_ckpt_entry *)(info + 1);
+    char *names = (char *)(e + im->n);
+    for (uint32_t i = 0; i < im->n; i++) {
+        const ck_rec *r = &im->rec[i];
+        memcpy(names, r->name, r->name_len);
+        names[r->name_len] = '\0';
+        e[i] = (tm_ckpt_entry){.name = names, .dtype = (tm_dtype)r->dtype, .ndim = r->ndim,
+                               .raw_bytes = r->raw_len, .stored_bytes = r->comp_len,
+                               .offset = im->version == CK_VERSION_V1 ? (uint64_t)(r->data - im->img) : r->off,
+                               .compressed = r->enc == CK_ENC_ZLIB};
+        memcpy(e[i].shape, r->shape, sizeof r->shape);
+        names += r->name_len + 1;
+    }
+    if (im->meta_len) memcpy(names, im->meta, (size_t)im->meta_len);
+    names[im->meta_len] = '\0';
+    *info = (tm_ckpt_info){.version = im->version, .file_bytes = im->len, .num_entries = (int)im->n,
+                           .entries = e, .meta = names, .meta_bytes = (size_t)im->meta_len};
+    *out = info;
+    return TM_OK;
+}
+
 tm_status tm_ckpt_inspect_flags(tm_ctx *ctx, const char *path, unsigned flags, tm_ckpt_info **out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     const char *fn = "tm_ckpt_inspect";
@@ -1688,35 +2043,7 @@ tm_status tm_ckpt_inspect_flags(tm_ctx *ctx, const char *path, unsigned flags, t
         if (st == TM_OK) st = check_inflate(ctx, &im, scratch);
         tm__host_free(ctx, scratch);
     }
-    if (st == TM_OK) {
-        size_t bytes = sizeof(tm_ckpt_info) + (size_t)im.n * sizeof(tm_ckpt_entry) + (size_t)im.meta_len + 1;
-        for (uint32_t i = 0; i < im.n; i++) bytes += im.rec[i].name_len + 1;
-        unsigned char *blk = malloc(bytes);
-        if (!blk) {
-            st = tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': out of memory", fn, path);
-        } else {
-            /* Plain malloc: the info outlives nothing of ctx and is freed without it. */
-            tm_ckpt_info *info = (tm_ckpt_info *)blk;
-            tm_ckpt_entry *e = (tm_ckpt_entry *)(info + 1);
-            char *names = (char *)(e + im.n);
-            for (uint32_t i = 0; i < im.n; i++) {
-                const ck_rec *r = &im.rec[i];
-                memcpy(names, r->name, r->name_len);
-                names[r->name_len] = '\0';
-                e[i] = (tm_ckpt_entry){.name = names, .dtype = (tm_dtype)r->dtype, .ndim = r->ndim,
-                                       .raw_bytes = r->raw_len, .stored_bytes = r->comp_len,
-                                       .offset = im.version == CK_VERSION_V1 ? (uint64_t)(r->data - im.img) : r->off,
-                                       .compressed = r->enc == CK_ENC_ZLIB};
-                memcpy(e[i].shape, r->shape, sizeof r->shape);
-                names += r->name_len + 1;
-            }
-            if (im.meta_len) memcpy(names, im.meta, (size_t)im.meta_len);
-            names[im.meta_len] = '\0';
-            *info = (tm_ckpt_info){.version = im.version, .file_bytes = im.len, .num_entries = (int)im.n,
-                                   .entries = e, .meta = names, .meta_bytes = (size_t)im.meta_len};
-            *out = info;
-        }
-    }
+    if (st == TM_OK) st = make_info(ctx, &im, out);
     image_free(ctx, &im);
     return st;
 }
@@ -1726,3 +2053,117 @@ tm_status tm_ckpt_inspect(tm_ctx *ctx, const char *path, tm_ckpt_info **out) {
 }
 
 void tm_ckpt_info_free(tm_ckpt_info *info) { free(info); }
+
+/* ---- reading one tensor at a time -------------------------------------------------------- */
+
+struct tm_ckpt_reader {
+    tm_ctx *ctx;
+    ck_image im;
+    tm_ckpt_info *info;
+    char path[PATH_MAX];
+};
+
+tm_status tm_ckpt_reader_open(tm_ctx *ctx, const char *path, tm_ckpt_reader **out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    const char *fn = "tm_ckpt_reader_open";
+    if (!out) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: out is NULL", fn);
+    *out = NULL;
+    TM__TRY(load_checks(ctx, fn, path));
+    if (strlen(path) >= PATH_MAX) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: path '%s' is too long", fn, path);
+    tm_ckpt_reader *r = tm__host_alloc(ctx, sizeof *r);
+    if (!r) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
+    memset(r, 0, sizeof *r);
+    r->ctx = ctx;
+    snprintf(r->path, sizeof r->path, "%s", path);
+    r->im = (ck_image){.fn = "tm_ckpt_reader", .path = r->path, .fd = -1};
+    tm_status st = parse_file(ctx, &r->im);
+    if (st == TM_OK) st = make_info(ctx, &r->im, &r->info);
+    if (st != TM_OK) {
+        tm_ckpt_reader_close(r);
+        return st;
+    }
+    *out = r;
+    return TM_OK;
+}
+
+const tm_ckpt_info *tm_ckpt_reader_info(const tm_ckpt_reader *r) { return r ? r->info : NULL; }
+
+int tm_ckpt_reader_find(const tm_ckpt_reader *r, const char *name) {
+    if (!r || !name) return -1;
+    for (int i = 0; i < r->info->num_entries; i++)
+        if (!strcmp(r->info->entries[i].name, name)) return i;
+    return -1;
+}
+
+/* n bytes at off into dst in CK_CHUNK pieces on nth threads, their CRC into *crc; 0 or an
+ * errno value (-1: the file ended early). */
+static int pread_crc(int fd, unsigned char *dst, size_t n, uint64_t off, int nth, uint32_t *crc) {
+    enum { MAXC = CK_BATCH / CK_CHUNK };
+    uint32_t c[MAXC];
+    int e[MAXC];
+    *crc = 0;
+    for (size_t b = 0; b < n; b += CK_BATCH) {
+        size_t bn = n - b < CK_BATCH ? n - b : CK_BATCH;
+        int nc = (int)((bn + CK_CHUNK - 1) / CK_CHUNK);
+#pragma omp parallel for num_threads(nth) schedule(dynamic) if (nc > 1)
+        for (int i = 0; i < nc; i++) {
+            size_t a = b + (size_t)i * CK_CHUNK, len = n - a < CK_CHUNK ? n - a : CK_CHUNK;
+            e[i] = pread_all(fd, dst + a, len, off + a);
+            if (!e[i]) c[i] = crc_update(0, dst + a, len);
+        }
+        for (int i = 0; i < nc; i++) {
+            if (e[i]) return e[i];
+            size_t a = b + (size_t)i * CK_CHUNK, len = n - a < CK_CHUNK ? n - a : CK_CHUNK;
+            *crc = (uint32_t)crc32_combine(*crc, c[i], (z_off_t)len);
+        }
+    }
+    return 0;
+}
+
+tm_status tm_ckpt_reader_read(tm_ckpt_reader *r, int entry, void *dst, uint64_t dst_bytes) {
+    if (!r) return TM_ERR_INVALID_ARG;
+    tm_ctx *ctx = r->ctx;
+    const char *fn = "tm_ckpt_reader_read";
+    ck_image *im = &r->im;
+    if (entry < 0 || (uint32_t)entry >= im->n)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': entry %d of %u", fn, r->path, entry, im->n);
+    ck_rec *rec = &im->rec[entry];
+    if (!dst && dst_bytes) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: dst is NULL", fn);
+    if (dst_bytes != rec->raw_len)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: '%s': tensor '%s' has %llu bytes, dst_bytes is %llu", fn, r->path,
+                       r->info->entries[entry].name, (unsigned long long)rec->raw_len, (unsigned long long)dst_bytes);
+    const unsigned char *p;
+    if (im->version == CK_VERSION_V1) { /* in memory and checked (parse_image_v1) */
+        TM__TRY(rec_bytes(ctx, im, rec, dst, &p));
+        if (p != dst && dst_bytes) memcpy(dst, p, (size_t)dst_bytes);
+        return TM_OK;
+    }
+    unsigned char *stored = rec->enc == CK_ENC_RAW ? dst : tm__host_alloc(ctx, rec->comp_len ? (size_t)rec->comp_len : 1);
+    if (!stored)
+        return tm__err(ctx, TM_ERR_NOMEM, "%s: '%s': cannot allocate %llu bytes for tensor '%s'", fn, r->path,
+                       (unsigned long long)rec->comp_len, r->info->entries[entry].name);
+    uint32_t crc = 0;
+    int e = pread_crc(im->fd, stored, (size_t)rec->comp_len, rec->off, tm__nthreads(ctx), &crc);
+    tm_status st = TM_OK;
+    if (e)
+        st = tm__err(ctx, TM_ERR_IO, "%s: cannot read '%s': %s", fn, r->path,
+                     e > 0 ? strerror(e) : "file shrank while reading");
+    else if (crc != rec->crc)
+        st = tm__err(ctx, TM_ERR_IO, "%s: '%s' is corrupt: CRC mismatch in the data of tensor '%s'", fn, r->path,
+                     r->info->entries[entry].name);
+    if (st == TM_OK && rec->enc != CK_ENC_RAW) {
+        rec->data = stored;
+        st = rec_bytes(ctx, im, rec, dst, &p);
+        rec->data = NULL;
+    }
+    if (stored != dst) tm__host_free(ctx, stored);
+    return st;
+}
+
+void tm_ckpt_reader_close(tm_ckpt_reader *r) {
+    if (!r) return;
+    tm_ctx *ctx = r->ctx;
+    free(r->info);
+    image_free(ctx, &r->im);
+    tm__host_free(ctx, r);
+}

@@ -1443,16 +1443,27 @@ TM_API tm_status tm_ckpt_save_ex(tm_ctx *ctx, const char *path, const void *meta
  *          start a thread: tm_ckpt_snapshot_write(s, path, 1), report tm_ckpt_snapshot_errmsg(s)
  *          ... train; join the thread before the next take (or before tm_ckpt_snapshot_free)
  *
- * Threads: new, take and free are calls on the context (its thread, in turn with its other
+ * Threads: new, take, commit and free are calls on the context (its thread, in turn with its other
  * calls); write may be on any thread. A snapshot must not be taken, written or freed while it
  * is being written. ctx must outlive the snapshot, and its set of parameters and buffers must
  * not change between new and take.
  *
- * Under a communicator of several ranks, new and take are collective like tm_ckpt_save (every
- * rank calls them in the same order; take gathers sharded tensors to world rank 0 and returns
- * rank 0's status on every rank). Only rank 0 holds data (tm_ckpt_snapshot_bytes is 0 elsewhere)
- * and writes: write on another rank writes nothing and returns TM_OK, and write makes no
- * collective call on any rank, so it cannot deadlock with the collectives of training. */
+ * Under a communicator of several ranks the file is written by every rank, as tm_ckpt_save
+ * writes it (docs/checkpoint-format.md, "Written by every rank"): each rank's snapshot holds only
+ * what it writes (its ranges of the tensors spread over the ranks: expert shards, ZeRO blocks;
+ * world rank 0 also the tensors every rank holds whole and those chosen for compression), so
+ * tm_ckpt_snapshot_bytes falls with the rank count. new, take and commit are collective (every
+ * rank calls them in the same order, and each returns the same status on every rank); write
+ * runs on each rank, on any thread, makes no collective call (it cannot deadlock with the
+ * collectives of training, and MPI need not allow calls from other threads) and writes that
+ * rank's part into the ranks' shared temporary file "<path>.tmp.XXXXXX" (the ranks must share
+ * the directory: one node or a shared file system), fsynced. The file appears at path only at
+ * tm_ckpt_snapshot_commit, once every rank's write has returned; until then a crash or kill -9
+ * of any rank leaves the previous file:
+ *
+ *     every rank: take (collective); start a thread: write(s, path, 0); ... train ...
+ *                 join the thread; commit(s) (collective; rank 0 renames)
+ */
 typedef struct tm_ckpt_snapshot tm_ckpt_snapshot;
 
 /* Allocate a snapshot of ctx's parameters and buffers. options as tm_ckpt_save_ex (NULL: the
@@ -1463,8 +1474,9 @@ typedef struct tm_ckpt_snapshot tm_ckpt_snapshot;
  * host; a tensor over 4 GiB chosen for compression), TM_ERR_NOMEM (the message gives the bytes).
  * *out is NULL after a failure. Free with tm_ckpt_snapshot_free. */
 TM_API tm_status tm_ckpt_snapshot_new(tm_ctx *ctx, const tm_ckpt_save_options *options, tm_ckpt_snapshot **out);
-/* Host memory the snapshot holds, in bytes: the tensors' bytes, staging for compressed tensors,
- * the index and the meta. 0 for NULL and on ranks other than world rank 0. */
+/* Host memory the snapshot holds on this rank, in bytes: the tensors' bytes (under a communicator,
+ * the ones this rank writes), staging for compressed tensors, the index (one process) and the
+ * meta (world rank 0). 0 for NULL. */
 TM_API uint64_t tm_ckpt_snapshot_bytes(const tm_ckpt_snapshot *s);
 /* Copy the current value of every parameter and buffer (full logical tensors) and meta
  * (meta_bytes bytes; may be NULL when 0) into s, replacing what it held. When it returns, ctx
@@ -1476,15 +1488,30 @@ TM_API tm_status tm_ckpt_snapshot_take(tm_ckpt_snapshot *s, const void *meta, si
 /* Write what the last successful take copied to path, exactly as tm_ckpt_save writes (same
  * format, same atomic protocol; the temporary file is removed on failure), with num_threads
  * threads checksumming, compressing and writing (0: the context's thread count; more than it
- * write but deflate with at most that many). On world ranks other than 0: nothing, TM_OK.
+ * write but deflate with at most that many). Under a communicator of several ranks: this
+ * rank's part only, into the ranks' temporary file for path (every rank passes the same path),
+ * fsynced; tm_ckpt_snapshot_commit finishes the file (or removes it).
  * Errors (the message in tm_ckpt_snapshot_errmsg(s), not the context's): TM_ERR_INVALID_ARG
  * (s NULL, path NULL, empty or too long, num_threads < 0, no successful take), TM_ERR_IO (the
  * message names the file and the system error), TM_ERR_NOMEM / TM_ERR_INTERNAL (deflate). */
 TM_API tm_status tm_ckpt_snapshot_write(tm_ckpt_snapshot *s, const char *path, int num_threads);
+/* Under a communicator of several ranks: finish the write of every rank (collective, on the
+ * context's thread, once this rank's tm_ckpt_snapshot_write has returned: join its thread
+ * first). The statuses of the ranks' writes and the CRCs of their parts are all-gathered; if
+ * every write succeeded, world rank 0 writes the index and header, fsyncs, renames the
+ * temporary file over the path given to write and fsyncs the directory; otherwise the
+ * temporary file is removed and path is left as it was. Returns the same status on every rank
+ * (the message in tm_ctx_errmsg names the rank that failed and its message). With one process
+ * write has done all of this: TM_OK at once. A write that is never committed (the snapshot
+ * taken again or freed first) is removed, never renamed. Errors: TM_ERR_INVALID_ARG (s NULL; a
+ * rank called no write since the last commit), a rank's write's error, TM_ERR_IO (rank 0's
+ * index, fsync or rename), TM_ERR_COMM. */
+TM_API tm_status tm_ckpt_snapshot_commit(tm_ckpt_snapshot *s);
 /* The message of the last tm_ckpt_snapshot_write ("" after a success; "" for NULL). Valid until
  * the next write or free of s. */
 TM_API const char *tm_ckpt_snapshot_errmsg(const tm_ckpt_snapshot *s);
-/* NULL: no-op. On the context's thread, not during a write. */
+/* NULL: no-op. On the context's thread, not during a write. Removes the temporary file of a
+ * write not committed (several ranks). Not collective. */
 TM_API void tm_ckpt_snapshot_free(tm_ckpt_snapshot *s);
 
 /* Load a checkpoint written by tm_ckpt_save into the tensors of ctx, which must hold exactly
@@ -1552,6 +1579,40 @@ enum { TM_CKPT_INDEX_ONLY = 1u };
 TM_API tm_status tm_ckpt_inspect_flags(tm_ctx *ctx, const char *path, unsigned flags, tm_ckpt_info **out);
 /* NULL: no-op. */
 TM_API void tm_ckpt_info_free(tm_ckpt_info *info);
+
+/* Reading a checkpoint one tensor at a time, into the caller's memory, without a context that
+ * holds its tensors (conversions: `tinymoe export` streams the weights into a safetensors file
+ * this way). Open validates what tm_ckpt_inspect_flags(TM_CKPT_INDEX_ONLY) validates (a
+ * version-1 file, which has no index, is read and checked whole here) and keeps the file open,
+ * so a later save's rename cannot swap it; each read checks the entry's CRC (and that a
+ * compressed entry inflates to its length) as tm_ckpt_load does, reading only that entry's
+ * stored bytes (version 2), in 8 MiB pieces on the context's threads.
+ *
+ *     tm_ckpt_reader *r;
+ *     tm_ckpt_reader_open(ctx, path, &r);
+ *     const tm_ckpt_info *info = tm_ckpt_reader_info(r);   entries and meta, as inspect lists them
+ *     tm_ckpt_reader_read(r, tm_ckpt_reader_find(r, "embed.weight"), buf, bytes);
+ *     tm_ckpt_reader_close(r);
+ *
+ * Calls on the reader are calls on ctx (its thread); ctx must outlive the reader. */
+typedef struct tm_ckpt_reader tm_ckpt_reader;
+/* Errors: as tm_ckpt_inspect_flags with TM_CKPT_INDEX_ONLY (TM_ERR_IO, TM_ERR_INVALID_ARG for an
+ * unsupported version, out NULL or path NULL / empty / too long, TM_ERR_UNSUPPORTED,
+ * TM_ERR_NOMEM). *out is NULL after a failure. */
+TM_API tm_status tm_ckpt_reader_open(tm_ctx *ctx, const char *path, tm_ckpt_reader **out);
+/* The file's entries (file order) and meta; owned by the reader (valid until close). */
+TM_API const tm_ckpt_info *tm_ckpt_reader_info(const tm_ckpt_reader *r);
+/* The index of the entry named `name`, or -1 (also for NULL arguments). */
+TM_API int tm_ckpt_reader_find(const tm_ckpt_reader *r, const char *name);
+/* Entry `entry`'s raw bytes (numel x dtype size, row-major, the logical tensor) into dst, which
+ * holds dst_bytes = the entry's raw_bytes. Errors (the message in the reader's context):
+ * TM_ERR_INVALID_ARG (r NULL, entry out of range, dst NULL, dst_bytes not the entry's size),
+ * TM_ERR_IO (a read fails, the data's CRC does not match, a zlib stream does not inflate to
+ * exactly its length: the message names the file and the tensor; dst then holds garbage),
+ * TM_ERR_NOMEM (a compressed entry's stored bytes). */
+TM_API tm_status tm_ckpt_reader_read(tm_ckpt_reader *r, int entry, void *dst, uint64_t dst_bytes);
+/* Close the file, free the reader. NULL: no-op. */
+TM_API void tm_ckpt_reader_close(tm_ckpt_reader *r);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Optimizers                                                                                  */

@@ -817,20 +817,48 @@ static void sh_ok(const char *log, const char *what, const char *fmt, const char
     free(t);
 }
 
+/* Two checkpoints hold the same tensors byte for byte (stored bytes, deflated counters
+ * included), in the same file order; every CRC checked by inspect. Returns the tensors' raw
+ * bytes. */
+static uint64_t assert_same_tensor_bytes(const char *a, const char *b) {
+    tm_ctx *ctx = tt_ctx();
+    tm_ckpt_info *ia = NULL, *ib = NULL;
+    TT_OK(ctx, tm_ckpt_inspect(ctx, a, &ia));
+    TT_OK(ctx, tm_ckpt_inspect(ctx, b, &ib));
+    cr_assert_eq(ia->num_entries, ib->num_entries, "%s: %d tensors, %s: %d", a, ia->num_entries, b, ib->num_entries);
+    long na, nb;
+    unsigned char *fa = tt_slurp(a, &na), *fb = tt_slurp(b, &nb);
+    uint64_t total = 0;
+    for (int i = 0; i < ia->num_entries; i++) {
+        const tm_ckpt_entry *x = &ia->entries[i], *y = &ib->entries[i];
+        cr_assert_str_eq(x->name, y->name, "entry %d of %s and %s", i, a, b);
+        cr_assert_eq(x->stored_bytes, y->stored_bytes, "'%s': %llu stored bytes in %s, %llu in %s", x->name,
+                     (unsigned long long)x->stored_bytes, a, (unsigned long long)y->stored_bytes, b);
+        cr_assert(!memcmp(fa + x->offset, fb + y->offset, x->stored_bytes), "'%s': other bytes in %s and %s", x->name, a,
+                  b);
+        total += x->raw_bytes;
+    }
+    free(fa), free(fb);
+    tm_ckpt_info_free(ia);
+    tm_ckpt_info_free(ib);
+    tm_ctx_free(ctx);
+    return total;
+}
+
 /* 4 ranks, ep_size 2, ZeRO-3: a synchronous save (--async_save false) has every rank write the
  * ranges it holds (expert shards, ZeRO blocks of parameters, master weights and AdamW moments)
- * into one file; the asynchronous save of the same run gathers everything to rank 0. Both files
- * hold the same logical tensors bit for bit (also under ZeRO-0, 1, 2 and ep_size 4), and their
- * Hugging Face exports are the same bytes;
- * the rank-written file is resumed bit-exactly on the same layout and within the summation
- * order's 1e-5 on one process and on 2 ranks (ep_size 2, ZeRO-1), and inspect, eval and export
- * read it. */
+ * into one file, and so does the asynchronous save (the default: each rank snapshots its part
+ * and writes it on its own thread). Both files hold the same tensors byte for byte in the same
+ * order (also under ZeRO-0, 1, 2 and ep_size 4), and their Hugging Face exports are the same
+ * bytes; the rank-written file is resumed bit-exactly on the same layout and within the
+ * summation order's 1e-5 on one process and on 2 ranks (ep_size 2, ZeRO-1), and inspect, eval
+ * and export read it. */
 Test(dist, rank_written_checkpoint_is_logical_and_resumes_anywhere) {
     skip_without_mpirun();
     tt_tmpdir_make("tinymoe_dist_");
     char ranks[1024], gath[1024], o[1024], ck[1100], ckg[1100], log[1100];
     snprintf(ranks, sizeof ranks, "%s", tt_path("ranks"));
-    snprintf(gath, sizeof gath, "%s", tt_path("gathered"));
+    snprintf(gath, sizeof gath, "%s", tt_path("async"));
     const char *lay = "--ep_size 2 --zero 3 --save_every 5 --keep_last 2";
     char f[512];
     snprintf(f, sizeof f, "%s --async_save false", lay);
@@ -843,20 +871,21 @@ Test(dist, rank_written_checkpoint_is_logical_and_resumes_anywhere) {
         snprintf(ck, sizeof ck, "%s/ckpt-%08d.tmck", ranks, step);
         snprintf(ckg, sizeof ckg, "%s/ckpt-%08d.tmck", gath, step);
         weights_compare(ck, ckg, 1);
-        /* the rank-written file puts the deflated tensors (counters) after the raw ones: the
-         * index order tells which path wrote it */
+        assert_same_tensor_bytes(ck, ckg);
+        /* a file written by the ranks puts the deflated tensors (counters) after the raw ones
+         * (a gathered one, by one process, interleaves them in creation order) */
         static char na[256][128], nb[256][128];
         int za[256], zb[256];
         int n = file_order(ck, na, za, 256), m = file_order(ckg, nb, zb, 256);
         cr_assert_eq(n, m);
-        int seen_zip = 0, any_zip = 0, reordered = 0;
+        int seen_zip = 0, any_zip = 0;
         for (int i = 0; i < n; i++) {
             cr_assert(!(seen_zip && !za[i]), "%s: raw tensor '%s' after a deflated one", ck, na[i]);
+            cr_assert(za[i] == zb[i] && !strcmp(na[i], nb[i]), "entry %d: '%s' in %s, '%s' in %s", i, na[i], ck, nb[i], ckg);
             seen_zip |= za[i];
             any_zip |= zb[i];
-            reordered |= strcmp(na[i], nb[i]) != 0;
         }
-        cr_assert(any_zip && reordered, "the gathered file interleaves its deflated counters; the ranks' does not");
+        cr_assert(any_zip, "the counters are deflated");
     }
     /* the other ZeRO levels, with expert shards replicated over the expert-dp ranks (ZeRO-0:
      * the lowest of them writes) or split in ZeRO blocks (1, 2) */
@@ -873,8 +902,9 @@ Test(dist, rank_written_checkpoint_is_logical_and_resumes_anywhere) {
         snprintf(ca, sizeof ca, "%s/ckpt-00000003.tmck", ra);
         snprintf(cg, sizeof cg, "%s/ckpt-00000003.tmck", ga);
         weights_compare(ca, cg, 1);
+        assert_same_tensor_bytes(ca, cg);
     }
-    /* inspect, eval and export read it; the export equals the gathered file's byte for byte */
+    /* inspect, eval and export read it; the export equals the asynchronous save's byte for byte */
     snprintf(log, sizeof log, "%s.inspect.log", ranks);
     sh_ok(log, "inspect", "'%s/tinymoe' inspect '%s' %s", bindir(), ck, "");
     char *t = slurp_text(log);
@@ -990,6 +1020,292 @@ Test(dist, kill9_during_a_rank_written_save_keeps_the_previous_checkpoint) {
     double v[4];
     snprintf(o, sizeof o, "%s", tt_path("resumed"));
     resume_into(o, 2, ck2, "--ep_size 2 --zero 1 --steps 4 --async_save false", v, 2);
+    tt_tmpdir_remove();
+}
+
+/* ---- asynchronous saves written by every rank (issue 21) ----------------------------------- */
+
+/* 2 ranks, ep_size 2, ZeRO-2: the asynchronous saves (each rank snapshots its part and writes
+ * it on its own thread; the file is committed once every part is written) hold the same tensors
+ * byte for byte as the synchronous saves of the same run, and export to the same bytes; the
+ * asynchronous step-5 file continued under ZeRO-1 on the same ranks equals a straight ZeRO-1
+ * run bit for bit (the same arithmetic: resume_across_zero_levels), and on one process within
+ * the summation order's 1e-5. */
+Test(dist, async_saves_by_2_ranks_equal_synchronous_ones_and_resume_bit_exactly) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    char as[1024], sy[1024], z1[1024], o[1024], ck[1100], cs[1100], log[1100], f[512];
+    snprintf(as, sizeof as, "%s", tt_path("async"));
+    snprintf(sy, sizeof sy, "%s", tt_path("sync"));
+    snprintf(z1, sizeof z1, "%s", tt_path("z1"));
+    const char *lay = "--ep_size 2 --zero 2 --save_every 5 --keep_last 2";
+    snprintf(f, sizeof f, "%s --async_save true", lay);
+    train_ok(as, 2, f);
+    snprintf(f, sizeof f, "%s --async_save false", lay);
+    train_ok(sy, 2, f);
+    snprintf(log, sizeof log, "%s.log", as);
+    char *t = slurp_text(log);
+    cr_assert(strstr(t, "every rank wrote its part in the background"), "%s", t);
+    free(t);
+    for (int step = 5; step <= 10; step += 5) {
+        snprintf(ck, sizeof ck, "%s/ckpt-%08d.tmck", as, step);
+        snprintf(cs, sizeof cs, "%s/ckpt-%08d.tmck", sy, step);
+        assert_same_tensor_bytes(ck, cs);
+    }
+    char ha[1100], hs[1100];
+    snprintf(ha, sizeof ha, "%s.hf", as);
+    snprintf(hs, sizeof hs, "%s.hf", sy);
+    snprintf(log, sizeof log, "%s.export.log", as);
+    sh_ok(log, "export", "'%s/tinymoe' export --ckpt '%s' --out '%s'", bindir(), ck, ha);
+    sh_ok(log, "export", "'%s/tinymoe' export --ckpt '%s' --out '%s'", bindir(), cs, hs);
+    sh_ok(log, "cmp", "cmp '%s/model.safetensors' '%s/model.safetensors' %s", ha, hs, "");
+    train_ok(z1, 2, "--ep_size 2 --zero 1");
+    double l1[16], v[8];
+    cr_assert_eq(losses(z1, l1, 16), 10);
+    snprintf(ck, sizeof ck, "%s/ckpt-00000005.tmck", as);
+    snprintf(o, sizeof o, "%s", tt_path("to_zero1"));
+    resume_into(o, 2, ck, "--ep_size 2 --zero 1", v, 5);
+    for (int i = 0; i < 5; i++) cr_assert(v[i] == l1[5 + i], "ZeRO-2 -> 1, step %d: %.17g vs %.17g", i + 6, v[i], l1[5 + i]);
+    assert_bitwise_weights(z1, o);
+    snprintf(o, sizeof o, "%s", tt_path("to_one"));
+    resume_into(o, 1, ck, "", v, 5);
+    for (int i = 0; i < 5; i++)
+        cr_assert_leq(fabs(v[i] - l1[5 + i]), 1e-5 * fabs(l1[5 + i]), "one process, step %d: %.9g vs %.9g", i + 6, v[i],
+                      l1[5 + i]);
+    assert_same_weights(z1, o);
+    tt_tmpdir_remove();
+}
+
+/* The host memory of an asynchronous save, per rank, from the save's log line ("M MB of host
+ * memory per rank at most (rank 0: R MB; S MB on the N ranks)"): M, R, S. */
+static void snapshot_memory(const char *out, double *most, double *rank0, double *sum) {
+    char log[1100];
+    snprintf(log, sizeof log, "%s.log", out);
+    char *t = slurp_text(log);
+    const char *p = strstr(t, "MB of host memory per rank at most");
+    cr_assert_not_null(p, "%s", t);
+    const char *q = p;
+    while (q > t && q[-1] != ' ') q--;
+    while (q > t && q[-1] == ' ') q--; /* (the number before " MB") */
+    while (q > t && q[-1] != ' ') q--;
+    *most = strtod(q, NULL);
+    cr_assert_eq(sscanf(p, "MB of host memory per rank at most (rank 0: %lf MB; %lf MB on the", rank0, sum), 2, "%s", p);
+    free(t);
+}
+
+/* An asynchronous save holds on each rank only what that rank writes: under ZeRO-3 (every
+ * tensor spread over the ranks) a rank's snapshot is 1/N of the checkpoint's tensors (up to the
+ * counters, deflate staging and meta that rank 0 adds), on 2 and 4 ranks; under ZeRO-1 (rank 0
+ * writes the replicated weights) the largest still falls from 2 to 4 ranks. The ranks' snapshots
+ * add up to the checkpoint's tensors. */
+Test(dist, async_snapshot_memory_per_rank_falls_with_the_rank_count) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    const char *model = "--d_model 128 --expert_ffn_size 512 --num_experts 8 --steps 2 --ep_size 2";
+    double most[2][2], sum[2][2], r0[2][2], total = 0;
+    for (int z = 0; z < 2; z++)
+        for (int j = 0; j < 2; j++) {
+            int np = j ? 4 : 2;
+            char out[1024], name[16], f[512], ck[1100];
+            snprintf(name, sizeof name, "z%d_np%d", z ? 1 : 3, np);
+            snprintf(out, sizeof out, "%s", tt_path(name));
+            snprintf(f, sizeof f, "%s --zero %d", model, z ? 1 : 3);
+            train_ok(out, np, f);
+            snapshot_memory(out, &most[z][j], &r0[z][j], &sum[z][j]);
+            snprintf(ck, sizeof ck, "%s/ckpt-00000002.tmck", out);
+            tm_ctx *ctx = tt_ctx();
+            tm_ckpt_info *info = NULL;
+            TT_OK(ctx, tm_ckpt_inspect(ctx, ck, &info));
+            double mb = 0;
+            for (int i = 0; i < info->num_entries; i++) mb += (double)info->entries[i].raw_bytes / 1e6;
+            tm_ckpt_info_free(info);
+            tm_ctx_free(ctx);
+            if (total == 0) total = mb;
+            cr_assert_eq(mb, total, "the same model's tensors");
+            cr_assert_geq(sum[z][j], total - 0.1, "%s: the ranks hold %.1f MB of %.1f MB of tensors", name, sum[z][j], total);
+            cr_assert_leq(sum[z][j], total + 0.3, "%s: the ranks hold %.1f MB for %.1f MB of tensors", name, sum[z][j], total);
+            cr_log_info("%s: %.1f MB of tensors, snapshot %.1f MB per rank at most, rank 0 %.1f MB, %.1f MB in all", name,
+                        total, most[z][j], r0[z][j], sum[z][j]);
+            if (!z) /* ZeRO-3: 1/N each (0.1: the log's rounding; 0.2: rank 0's counters and meta) */
+                cr_assert_leq(most[z][j], total / np + 0.3, "%s: %.1f MB on a rank, %.1f MB of tensors over %d ranks", name,
+                              most[z][j], total, np);
+        }
+    cr_assert_lt(most[0][1], most[0][0], "ZeRO-3: %.1f MB on 4 ranks, %.1f MB on 2", most[0][1], most[0][0]);
+    cr_assert_lt(most[1][1], most[1][0], "ZeRO-1: %.1f MB on 4 ranks, %.1f MB on 2", most[1][1], most[1][0]);
+    cr_assert_lt(most[1][0], total, "ZeRO-1 on 2 ranks: %.1f MB of %.1f MB", most[1][0], total);
+    tt_tmpdir_remove();
+}
+
+/* The world rank of a process of a run under mpirun (Open MPI's environment), or -1. */
+static int rank_of(pid_t pid) {
+    char p[64], buf[65536];
+    snprintf(p, sizeof p, "/proc/%d/environ", (int)pid);
+    FILE *f = fopen(p, "rb");
+    if (!f) return -1;
+    size_t k = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[k] = 0;
+    for (size_t i = 0; i < k; i += strlen(buf + i) + 1)
+        if (!strncmp(buf + i, "OMPI_COMM_WORLD_RANK=", 21)) return atoi(buf + i + 21);
+    return -1;
+}
+
+/* SIGKILL to one rank (rank 1) of a 4-rank run while every rank writes its part of an
+ * asynchronous save in the background (held open after its part by TINYMOE_CKPT_TEST_DELAY_MS,
+ * training going on): the job ends, the interrupted checkpoint never appears (the commit needs
+ * every rank), the previous one is complete and loadable, and resuming from it on the same
+ * layout gives the straight run's losses and weights bit for bit. */
+Test(dist, kill9_of_a_rank_during_an_async_save_keeps_the_previous_checkpoint) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    char out[1024], cmd[8192], ck2[1100], ck4[1100], ref[1024];
+    snprintf(out, sizeof out, "%s", tt_path("killed"));
+    snprintf(ck2, sizeof ck2, "%s/ckpt-00000002.tmck", out);
+    snprintf(ck4, sizeof ck4, "%s/ckpt-00000004.tmck", out);
+    const char *lay = "--ep_size 2 --zero 3 --save_every 2 --keep_last 3 --steps 6";
+    no_inherited_fds();
+    become_subreaper();
+    snprintf(cmd, sizeof cmd, "TINYMOE_CKPT_TEST_DELAY_MS=3000 OMP_WAIT_POLICY=passive " MPIRUN
+             " -np 4 '%s/tinymoe' train %s %s --out '%s' > '%s.log' 2>&1", bindir(), BASE, lay, out, out);
+    pid_t sh = fork();
+    cr_assert_geq(sh, 0);
+    if (sh == 0) {
+        setsid();
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    /* wait for step 4's temporary file with step 2's checkpoint committed beside it */
+    int found = 0;
+    for (int i = 0; i < 1200 && !found; i++) {
+        usleep(50000);
+        DIR *d = opendir(out);
+        struct dirent *e;
+        int tmp4 = 0;
+        while (d && (e = readdir(d)))
+            if (!strncmp(e->d_name, "ckpt-00000004.tmck.tmp.", 23)) tmp4 = 1;
+        if (d) closedir(d);
+        found = tmp4 && access(ck2, F_OK) == 0;
+        if (waitpid(sh, NULL, WNOHANG) == sh) break;
+    }
+    char *t = slurp_text(tt_path("killed.log"));
+    cr_assert(found, "never saw step 2 committed with step 4 being written\n%s", t);
+    free(t);
+    usleep(500000); /* inside the 3 s hold of every rank's write */
+    pid_t pids[64], victim = -1;
+    int np = pids_with(out, pids, 64);
+    for (int i = 0; i < np; i++)
+        if (rank_of(pids[i]) == 1) victim = pids[i];
+    cr_assert_gt(victim, 0, "rank 1 of the run among %d processes", np);
+    cr_assert_eq(kill(victim, SIGKILL), 0);
+    /* mpirun ends the job when a rank dies; what is left after 60 s is killed */
+    int ended = 0;
+    for (int i = 0; i < 600 && !ended; i++) {
+        if (waitpid(sh, NULL, WNOHANG) == sh) ended = 1;
+        else usleep(100000);
+    }
+    if (!ended) {
+        np = pids_with(out, pids, 64);
+        for (int i = 0; i < np; i++) kill(pids[i], SIGKILL);
+        kill(-sh, SIGKILL);
+        waitpid(sh, NULL, 0);
+    }
+    reap_orphans();
+    t = slurp_text(tt_path("killed.log"));
+    cr_assert(ended, "the job did not end within 60 s of rank 1's death\n%s", t);
+    cr_assert(access(ck4, F_OK) != 0, "the interrupted checkpoint %s exists\n%s", ck4, t);
+    free(t);
+    tm_ctx *ctx = tt_ctx();
+    tm_ckpt_info *info = NULL;
+    TT_OK(ctx, tm_ckpt_inspect(ctx, ck2, &info)); /* complete: every CRC */
+    tm_ckpt_info_free(info);
+    tm_ctx_free(ctx);
+    /* resumed on the same layout: the straight run's steps 3..6 and weights, bit for bit */
+    snprintf(ref, sizeof ref, "%s", tt_path("straight"));
+    train_ok(ref, 4, lay);
+    double lr[16], v[8];
+    cr_assert_eq(losses(ref, lr, 16), 6);
+    char o[1024];
+    snprintf(o, sizeof o, "%s", tt_path("resumed"));
+    resume_into(o, 4, ck2, lay, v, 4);
+    for (int i = 0; i < 4; i++) cr_assert(v[i] == lr[2 + i], "step %d: %.17g vs %.17g", i + 3, v[i], lr[2 + i]);
+    assert_bitwise_weights(ref, o);
+    tt_tmpdir_remove();
+}
+
+/* SIGTERM to every rank (as a batch scheduler sends it) while every rank writes its part of the
+ * asynchronous save of step 5 (held open 1 s by TINYMOE_CKPT_TEST_DELAY_MS): the ranks agree on
+ * a step to stop after, the save of step 5 is committed, the step stopped at is saved and
+ * committed too, and only then do they exit (128 + 15); no temporary file is left. */
+Test(dist, sigterm_to_every_rank_completes_the_async_saves) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    char out[1024], cmd[8192], ck5[1100], log[1100];
+    snprintf(out, sizeof out, "%s", tt_path("term"));
+    snprintf(ck5, sizeof ck5, "%s/ckpt-00000005.tmck", out);
+    snprintf(log, sizeof log, "%s.log", out);
+    no_inherited_fds();
+    become_subreaper();
+    snprintf(cmd, sizeof cmd, "TINYMOE_CKPT_TEST_DELAY_MS=1000 OMP_WAIT_POLICY=passive " MPIRUN
+             " -np 4 '%s/tinymoe' train %s --steps 100000 --save_every 5 --keep_last 0 --ep_size 2 --zero 3 "
+             "--out '%s' > '%s' 2>&1", bindir(), BASE, out, log);
+    pid_t sh = fork();
+    cr_assert_geq(sh, 0);
+    if (sh == 0) {
+        setsid();
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    int found = 0;
+    for (int i = 0; i < 1200 && !found; i++) {
+        usleep(50000);
+        DIR *d = opendir(out);
+        struct dirent *e;
+        while (d && (e = readdir(d)))
+            if (!strncmp(e->d_name, "ckpt-00000005.tmck.tmp.", 23)) found = 1;
+        if (d) closedir(d);
+        if (waitpid(sh, NULL, WNOHANG) == sh) break;
+    }
+    char *t = slurp_text(log);
+    cr_assert(found, "no background write of step 5 seen\n%s", t);
+    free(t);
+    pid_t pids[64];
+    int np = pids_with(out, pids, 64), ranks = 0;
+    for (int i = 0; i < np; i++)
+        if (rank_of(pids[i]) >= 0) kill(pids[i], SIGTERM), ranks++;
+    cr_assert_eq(ranks, 4, "the 4 ranks among %d processes", np);
+    int status = 0, ended = 0;
+    for (int i = 0; i < 600 && !ended; i++) {
+        if (waitpid(sh, &status, WNOHANG) == sh) ended = 1;
+        else usleep(100000);
+    }
+    if (!ended) {
+        np = pids_with(out, pids, 64);
+        for (int i = 0; i < np; i++) kill(pids[i], SIGKILL);
+        kill(-sh, SIGKILL);
+        waitpid(sh, NULL, 0);
+    }
+    reap_orphans();
+    t = slurp_text(log);
+    cr_assert(ended, "the run did not stop within 60 s of SIGTERM\n%s", t);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM, "exit status %d\n%s", status, t);
+    const char *stop = strstr(t, "SIGTERM: stopped at step ");
+    cr_assert_not_null(stop, "%s", t);
+    int step = atoi(stop + 25);
+    cr_assert_geq(step, 5, "%s", t);
+    free(t);
+    char ck[1100];
+    snprintf(ck, sizeof ck, "%s/ckpt-%08d.tmck", out, step);
+    tm_ctx *ctx = tt_ctx();
+    tm_ckpt_info *info = NULL;
+    TT_OK(ctx, tm_ckpt_inspect(ctx, ck5, &info)); /* the write in flight: complete, every CRC */
+    tm_ckpt_info_free(info);
+    TT_OK(ctx, tm_ckpt_inspect(ctx, ck, &info)); /* the step stopped at */
+    tm_ckpt_info_free(info);
+    tm_ctx_free(ctx);
+    DIR *d = opendir(out);
+    struct dirent *e;
+    while (d && (e = readdir(d))) cr_assert(!strstr(e->d_name, ".tmp."), "left behind: %s", e->d_name);
+    if (d) closedir(d);
     tt_tmpdir_remove();
 }
 

@@ -1187,6 +1187,20 @@ Test(hf, export_command_round_trip) {
     random_tokens(tok, 32, 257, 3);
     float *want = logits_of(ctx, m, tok, 2, 16), *got = logits_of(b, mb, tok, 2, 16);
     cr_assert_eq(memcmp(want, got, sizeof(float) * 2 * 16 * 257), 0, "the checkpoint's model, bitwise");
+    /* the command streams the weights from the file; the export of the model in memory writes
+     * the same bytes */
+    char mem[512], fa[600], fb[600];
+    snprintf(mem, sizeof mem, "%s", tt_path("out/mem"));
+    cr_assert_eq(tmd_hf_export(ctx, m, mem, err, sizeof err), 0, "%s", err);
+    for (int f = 0; f < 2; f++) {
+        const char *name = f ? TMD_HF_CONFIG_FILE : TMD_HF_WEIGHTS_FILE;
+        snprintf(fa, sizeof fa, "%s/%s", out, name);
+        snprintf(fb, sizeof fb, "%s/%s", mem, name);
+        long na, nb;
+        unsigned char *a = tt_slurp(fa, &na), *bb = tt_slurp(fb, &nb);
+        cr_assert(na == nb && !memcmp(a, bb, (size_t)na), "%s: the command's and the in-memory export differ", name);
+        free(a), free(bb);
+    }
     free(want);
     free(got);
     free(log);

@@ -250,6 +250,17 @@ Test(robust, eval_sample_export_and_init_from_refuse_nonfinite_weights) {
     tmd_loaded_model m;
     cr_assert_eq(tmd_ckpt_load_model(bad, -1, 2, &m, err, sizeof err), TMD_CONFIG_ERROR, "sample/export load");
     cr_assert(strstr(err, "layers.0.attn.wq"), "%s", err);
+    /* export streams the weights from the file (tmd_hf_export_ckpt) and checks them as it
+     * reads: refused the same way, and nothing is written */
+    char hfbad[300];
+    snprintf(hfbad, sizeof hfbad, "%s", tt_path("hf_from_bad"));
+    int64_t total = 0, active = 0;
+    cr_assert_eq(tmd_hf_export_ckpt(bad, hfbad, &m, &total, &active, err, sizeof err), TMD_CONFIG_ERROR, "export");
+    tmd_loaded_model_free(&m);
+    cr_assert(strstr(err, "layers.0.attn.wq") && strstr(err, "nan") && strstr(err, bad), "%s", err);
+    char st[400];
+    snprintf(st, sizeof st, "%s/model.safetensors", hfbad);
+    cr_assert(access(st, F_OK) != 0, "%s was written", st);
 
     tmd_config e;
     tmd_config_defaults(&e);

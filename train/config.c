@@ -212,8 +212,9 @@ static const key KEYS[] = {
      "keep the newest this many checkpoints in out, deleting older ones (0: keep all)", 0, 2147483647},
     {"async_save", T_BOOL, G_RUN, OFF(async_save), NULL, "true", 0, NULL,
      "save checkpoints in the background: training stalls only while its state is copied to host memory (one "
-     "snapshot, as large as the checkpoint, is kept for it); the file is written by another thread, and the run "
-     "ends only once it is complete (false: every save stalls until the file is written)", 0, 0},
+     "snapshot, as large as the checkpoint, is kept for it; under mpirun each rank keeps and writes only its own "
+     "part); the file is written by another thread, and the run ends only once it is complete (false: every save "
+     "stalls until the file is written)", 0, 0},
     {"resume", T_STR, G_RUN, STR(resume), NULL, "", 0, NULL,
      "continue from a checkpoint file, or the newest in a directory; model and training keys come from it", 0, 0},
     {"init_from", T_STR, G_RUN, STR(init_from), NULL, "", 0, NULL,

@@ -25,6 +25,7 @@
 #include "atomic.h"
 #include "bpe.h"
 #include "checkpoint.h"
+#include "finite.h"
 #include "safetensors.h"
 #include "status.h"
 #include "strbuf.h"
@@ -296,13 +297,77 @@ static int write_config(const char *dir, const tm_model_config *c, tm_dtype dtyp
 }
 
 /* The bytes of HF tensor i for tmd_st_write. The plan keeps a parameter's pieces together, so
- * each parameter is read once; transposed pieces go through a staging buffer. */
+ * each parameter is read once (from the context, or from a checkpoint: rd); transposed pieces
+ * go through a staging buffer. tmd_st_write writes tensor i - 1 on another thread while tensor
+ * i is made here, so parameters and pieces alternate between two buffers each (the bytes of
+ * HF tensor i stay untouched until i + 2 is asked for). */
 typedef struct export_src {
     tm_ctx *ctx;
     const hf_plan *p;
-    unsigned char *param, *piece;
-    const tm_tensor *loaded;
+    tm_ckpt_reader *rd;   /* NULL: read the parameters from ctx */
+    const char *ckpt;     /* rd's file, for messages */
+    unsigned char *param[2], *piece[2];
+    const tm_tensor *loaded[2];
+    int slot;             /* param[slot] holds the parameter read last */
 } export_src;
+
+/* The first non-finite element of n values of dtype dt (f32 or bf16) at p: 1 with *at and
+ * *value, else 0. */
+static int first_nonfinite(const void *p, int64_t n, tm_dtype dt, int64_t *at, double *value) {
+    /* A pass the compiler vectorises (the exponent all ones: inf or NaN), then the search. */
+    unsigned any = 0;
+    if (dt == TM_BF16) {
+        const uint16_t *h = p;
+#pragma omp simd reduction(| : any)
+        for (int64_t j = 0; j < n; j++) any |= (h[j] & 0x7f80u) == 0x7f80u;
+    } else {
+        const uint32_t *w = p;
+#pragma omp simd reduction(| : any)
+        for (int64_t j = 0; j < n; j++) any |= (w[j] & 0x7f800000u) == 0x7f800000u;
+    }
+    if (!any) return 0;
+    for (int64_t j = 0; j < n; j++) {
+        float v;
+        if (dt == TM_BF16) {
+            uint32_t u = (uint32_t)((const uint16_t *)p)[j] << 16;
+            memcpy(&v, &u, sizeof v);
+        } else {
+            v = ((const float *)p)[j];
+        }
+        if (!isfinite(v)) {
+            *at = j;
+            *value = v;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Parameter t's logical bytes into buf: from the context, or from the checkpoint (its CRC
+ * checked, and its values finite: a diverged run's weights are refused as tmd_ckpt_load_model
+ * refuses them). */
+static int read_param(export_src *x, const tm_tensor *t, unsigned char *buf, char *err, size_t errlen) {
+    tm_dtype dt = tm_tensor_dtype(t);
+    if (!x->rd) {
+        if (tm_tensor_read(x->ctx, t, dt, buf, tm_tensor_numel(t)) != TM_OK)
+            return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "reading parameter '%s': %s", tm_tensor_name(t),
+                            tm_ctx_errmsg(x->ctx));
+        return 0;
+    }
+    int k = tm_ckpt_reader_find(x->rd, tm_tensor_name(t));
+    uint64_t bytes = (uint64_t)tm_tensor_numel(t) * tm_dtype_size(dt);
+    if (tm_ckpt_reader_read(x->rd, k, buf, bytes) != TM_OK)
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "%s", tm_ctx_errmsg(x->ctx));
+    tmd_nonfinite bad = {tm_tensor_name(t), 0, 0};
+    if (first_nonfinite(buf, tm_tensor_numel(t), dt, &bad.index, &bad.value)) {
+        char d[256];
+        tmd_nonfinite_describe(&bad, d, sizeof d);
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                        "checkpoint '%s' holds a non-finite weight: %s (written by a run that diverged?); it cannot "
+                        "be used", x->ckpt, d);
+    }
+    return 0;
+}
 
 /* dst [rows, cols] = the transpose of src [cols, rows] (row-major, es-byte elements), in 32 x 32
  * tiles so that both sides stay in cache, tile rows over the threads. An element-by-element copy
@@ -335,21 +400,23 @@ static int export_bytes(void *user, int i, const void **data, char *err, size_t 
     const hf_entry *e = &x->p->e[i];
     tm_dtype dt = tm_tensor_dtype(e->t);
     size_t es = tm_dtype_size(dt);
-    if (e->t != x->loaded) {
-        if (tm_tensor_read(x->ctx, e->t, dt, x->param, tm_tensor_numel(e->t)) != TM_OK)
-            return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "reading parameter '%s': %s", tm_tensor_name(e->t),
-                            tm_ctx_errmsg(x->ctx));
-        x->loaded = e->t;
+    if (e->t != x->loaded[x->slot]) {
+        int rc;
+        x->slot ^= 1; /* the other buffer: the writer may still be writing from this one */
+        x->loaded[x->slot] = NULL;
+        if ((rc = read_param(x, e->t, x->param[x->slot], err, errlen))) return rc;
+        x->loaded[x->slot] = e->t;
     }
-    *data = x->param + (size_t)tm_index(e, 0, 0) * es;
+    *data = x->param[x->slot] + (size_t)tm_index(e, 0, 0) * es;
     if (e->transpose) { /* HF (r, c) is the parameter's (c, r): tm_index */
-        transpose_into(x->piece, *data, e->shape[0], e->shape[1], es);
-        *data = x->piece;
+        transpose_into(x->piece[i & 1], *data, e->shape[0], e->shape[1], es);
+        *data = x->piece[i & 1];
     }
     return 0;
 }
 
-static int write_weights(tm_ctx *ctx, const hf_plan *p, const char *dir, char *err, size_t errlen) {
+static int write_weights(tm_ctx *ctx, const hf_plan *p, tm_ckpt_reader *rd, const char *ckpt, const char *dir,
+                         char *err, size_t errlen) {
     char path[PATH_MAX];
     if (join(path, sizeof path, dir, TMD_HF_WEIGHTS_FILE))
         return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "output path '%s/%s' is too long", dir, TMD_HF_WEIGHTS_FILE);
@@ -367,24 +434,27 @@ static int write_weights(tm_ctx *ctx, const hf_plan *p, const char *dir, char *e
                             .ndim = e->ndim,
                             .shape = {e->shape[0], e->shape[1]}};
     }
-    export_src x = {ctx, p, malloc(max_param ? max_param : 1), malloc(max_piece ? max_piece : 1), NULL};
-    int rc;
-    if (!x.param || !x.piece) {
-        rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory staging %s (%zu bytes)", TMD_HF_WEIGHTS_FILE,
-                      max_param + max_piece);
-    } else {
+    export_src x = {.ctx = ctx, .p = p, .rd = rd, .ckpt = ckpt};
+    int rc = 0;
+    for (int b = 0; b < 2; b++) {
+        x.param[b] = malloc(max_param ? max_param : 1);
+        x.piece[b] = malloc(max_piece ? max_piece : 1);
+        if (!x.param[b] || !x.piece[b])
+            rc = tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "out of memory staging %s (%zu bytes)", TMD_HF_WEIGHTS_FILE,
+                          2 * (max_param + max_piece));
+    }
+    if (!rc) {
         static const char *const meta[] = {"format", "pt", NULL};
         rc = tmd_st_write(path, t, p->n, meta, export_bytes, &x, err, errlen);
     }
     free(t);
-    free(x.param);
-    free(x.piece);
+    for (int b = 0; b < 2; b++) free(x.param[b]), free(x.piece[b]);
     return rc;
 }
 
-int tmd_hf_export(tm_ctx *ctx, tm_model *model, const char *dir, char *err, size_t errlen) {
-    if (!ctx || !model || !dir)
-        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "tmd_hf_export: ctx, model and dir are required");
+/* The export of model (its parameters in ctx, or, with rd, in the checkpoint rd reads). */
+static int export_model(tm_ctx *ctx, tm_model *model, tm_ckpt_reader *rd, const char *ckpt, const char *dir, char *err,
+                        size_t errlen) {
     const tm_model_config *c = tm_model_get_config(model);
     int rc = tmd_hf_check_config(c, err, errlen);
     if (rc) return rc;
@@ -398,11 +468,67 @@ int tmd_hf_export(tm_ctx *ctx, tm_model *model, const char *dir, char *err, size
         return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "export: big-endian hosts are not supported");
     hf_plan p;
     if ((rc = plan_build(ctx, model, &p, err, errlen))) return rc;
-    if (!(rc = tmd_mkdirs(dir, err, errlen)) && !(rc = write_weights(ctx, &p, dir, err, errlen)))
+    /* From a checkpoint: every parameter the plan reads is in the file, as the model has it
+     * (what tm_ckpt_load checks), before anything is written. */
+    for (int i = 0; rd && i < p.n && !rc; i++) {
+        const tm_tensor *t = p.e[i].t;
+        const tm_ckpt_info *info = tm_ckpt_reader_info(rd);
+        int k = tm_ckpt_reader_find(rd, tm_tensor_name(t));
+        const tm_ckpt_entry *en = k >= 0 ? &info->entries[k] : NULL;
+        int same = en && en->dtype == tm_tensor_dtype(t) && en->ndim == tm_tensor_ndim(t);
+        for (int d = 0; same && d < en->ndim; d++) same = en->shape[d] == tm_tensor_dim(t, d);
+        if (!same)
+            rc = tmd_fail(err, errlen, TMD_CONFIG_ERROR,
+                          "'%s': %s tensor '%s' as its meta's model has it (%s, %d dims): the meta does not describe "
+                          "this file", ckpt, en ? "holds another" : "lacks", tm_tensor_name(t),
+                          tm_dtype_name(tm_tensor_dtype(t)), tm_tensor_ndim(t));
+    }
+    if (!rc && !(rc = tmd_mkdirs(dir, err, errlen)) && !(rc = write_weights(ctx, &p, rd, ckpt, dir, err, errlen)))
         rc = write_config(dir, c, dt, err, errlen);
     /* The byte tokenizer's vocabulary (as write_config's eos): its tokenizer goes beside. */
     if (!rc && c->vocab_size == 257) rc = tmd_hf_write_byte_tokenizer(dir, c->max_seq_len, err, errlen);
     plan_free(&p);
+    return rc;
+}
+
+int tmd_hf_export(tm_ctx *ctx, tm_model *model, const char *dir, char *err, size_t errlen) {
+    if (!ctx || !model || !dir)
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "tmd_hf_export: ctx, model and dir are required");
+    return export_model(ctx, model, NULL, NULL, dir, err, errlen);
+}
+
+int tmd_hf_export_ckpt(const char *ckpt, const char *dir, tmd_loaded_model *out, int64_t *params, int64_t *active,
+                       char *err, size_t errlen) {
+    if (!ckpt || !dir || !out)
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "tmd_hf_export_ckpt: ckpt, dir and out are required");
+    memset(out, 0, sizeof *out);
+    int rc = tmd_ckpt_resolve(ckpt, out->path, sizeof out->path, err, errlen);
+    if (!rc) rc = tmd_ckpt_read_meta(out->path, &out->cfg, &out->state, err, errlen);
+    if (rc) return rc;
+    tmd_config *c = &out->cfg;
+    c->device = TMD_DEVICE_CPU; /* export only reads the weights */
+    char e[1024];
+    if (tmd_config_validate(c, e, sizeof e))
+        return tmd_fail(err, errlen, TMD_CONFIG_ERROR, "checkpoint '%s': %s", out->path, e);
+    /* The model as metadata only: its parameters placed (names, shapes) but never given
+     * memory (the deferral is not ended); the bytes come from the file, one parameter at a
+     * time, straight into the export's buffers. */
+    tm_ctx_options o = tm_ctx_options_default();
+    o.no_grad_buffers = 1;
+    if (tm_ctx_new(&out->ctx, &o)) return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "%s", tm_last_create_error());
+    tm_device dev = {TM_DEVICE_CPU, 0};
+    tm_ckpt_reader *rd = NULL;
+    tm_status s = tm_ctx_defer_params(out->ctx);
+    if (!s) s = tm_model_new(out->ctx, &c->model, c->dtype == TMD_DTYPE_BF16 ? TM_BF16 : TM_F32, dev, &out->model);
+    if (!s) s = tm_ckpt_reader_open(out->ctx, out->path, &rd);
+    if (s) {
+        rc = tmd_fail(err, errlen, s == TM_ERR_NOMEM ? TMD_RUNTIME_ERROR : TMD_CONFIG_ERROR, "loading '%s': %s",
+                      out->path, tm_ctx_errmsg(out->ctx));
+    } else {
+        *params = tm_model_num_params(out->model, active);
+        rc = export_model(out->ctx, out->model, rd, out->path, dir, err, errlen);
+    }
+    tm_ckpt_reader_close(rd);
     return rc;
 }
 
@@ -849,10 +975,9 @@ int tmd_export_main(int argc, char **argv) {
     }
     char err[2048];
     tmd_loaded_model lm;
-    memset(&lm, 0, sizeof lm);
-    /* On the CPU whatever the checkpoint trained on: export only reads the weights. */
-    int rc = tmd_ckpt_load_model(ckpt, TMD_DEVICE_CPU, 0, &lm, err, sizeof err);
-    if (!rc) rc = tmd_hf_export(lm.ctx, lm.model, out, err, sizeof err);
+    int64_t total = 0, active = 0;
+    /* Streamed from the file on the CPU, whatever the checkpoint trained on. */
+    int rc = tmd_hf_export_ckpt(ckpt, out, &lm, &total, &active, err, sizeof err);
     /* The run's subword tokenizer goes beside the model, as on the Hub (a byte-level model's
      * was written by tmd_hf_export). */
     char tok[TMD_PATH_MAX + 32] = "";
@@ -875,7 +1000,6 @@ int tmd_export_main(int argc, char **argv) {
     if (rc) {
         fprintf(stderr, "tinymoe: export: %s\n", err);
     } else {
-        int64_t active, total = tm_model_num_params(lm.model, &active);
         printf("exported %s (step %lld, %lld parameters, %lld active per token) to %s/%s and %s/%s%s", lm.path,
                (long long)lm.state.step, (long long)total, (long long)active, out, TMD_HF_CONFIG_FILE, out, TMD_HF_WEIGHTS_FILE,
                tm_model_get_config(lm.model)->vocab_size == 257

@@ -37,6 +37,7 @@
 
 #include <stddef.h>
 
+#include "checkpoint.h"
 #include "tinymoe.h"
 
 #define TMD_HF_CONFIG_FILE "config.json"
@@ -79,6 +80,17 @@ int tmd_hf_check_config(const tm_model_config *mc, char *err, size_t errlen);
  * fsynced. Refusals (tmd_hf_check_config, a model dtype other than f32 / bf16: "dtype") write
  * nothing. */
 int tmd_hf_export(tm_ctx *ctx, tm_model *model, const char *dir, char *err, size_t errlen);
+/* `tinymoe export`: the same files from a checkpoint (a file, or a run directory's newest),
+ * streamed: the model is built as metadata only (its parameters never get memory), and each
+ * parameter is read from the file (tm_ckpt_reader: its CRC checked), checked finite, cut into
+ * its HF pieces and written while the next one is read, so that memory holds two parameters
+ * and the time is about that of writing the file. out (freed with tmd_loaded_model_free, also
+ * after a failure) gets the path, config and state, and a context and model without data;
+ * *params and *active the parameter counts (tm_model_num_params). Errors: those of
+ * tmd_ckpt_load_model (a missing, corrupt or non-finite tensor: TMD_CONFIG_ERROR naming it) and
+ * of tmd_hf_export. */
+int tmd_hf_export_ckpt(const char *ckpt, const char *dir, tmd_loaded_model *out, int64_t *params, int64_t *active,
+                       char *err, size_t errlen);
 
 /* Read DIR/config.json into *mc: the fields Mixtral defines (vocab_size, hidden_size,
  * intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,

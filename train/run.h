@@ -40,6 +40,8 @@ typedef struct tmd_bgsave {
     int failed;       /* a joined write failed and has not been reported yet */
     double stall_s, write_s; /* the snapshot's stall of training; the background write */
     double wait_s;           /* the save's wait for the previous write, before the snapshot */
+    int pending;             /* under mpirun: taken and not committed yet (the same on every rank) */
+    double commit_s;         /* under mpirun: the commit's stall (index, fsync, rename on rank 0) */
 } tmd_bgsave;
 
 typedef struct tmd_run {

@@ -146,7 +146,9 @@ static void *bg_main(void *arg) {
     return NULL;
 }
 
-static void log_saved(tmd_run *r, int64_t step, const char *path, double seconds, const tmd_bgsave *bg) {
+/* all: under mpirun, every rank's snapshot bytes and write time ([world][2]: bytes, us). */
+static void log_saved(tmd_run *r, int64_t step, const char *path, double seconds, const tmd_bgsave *bg,
+                      const int64_t *all) {
     if (!r->log) return;
     struct stat sb;
     double mb = stat(path, &sb) ? 0.0 : (double)sb.st_size / 1e6;
@@ -154,7 +156,21 @@ static void log_saved(tmd_run *r, int64_t step, const char *path, double seconds
     if (bg && bg->wait_s >= 0.0005)
         snprintf(wait, sizeof wait, ", %.3f s of it waiting for the previous write", bg->wait_s);
     if (r->tty) tmd_progress_clear(r->log);
-    if (bg)
+    if (bg && all) {
+        double most = 0, sum = 0, slowest = 0;
+        for (int q = 0; q < r->world; q++) {
+            double b = (double)all[2 * q] / 1e6, w = (double)all[2 * q + 1] / 1e6;
+            most = b > most ? b : most;
+            slowest = w > slowest ? w : slowest;
+            sum += b;
+        }
+        fprintf(r->log,
+                "step %lld: saved %s (%.1f MB; training stalled %.3f s for the snapshot%s, %.1f MB of host memory per "
+                "rank at most (rank 0: %.1f MB; %.1f MB on the %d ranks); every rank wrote its part in the background, "
+                "the slowest in %.2f s; committed in %.3f s)\n",
+                (long long)step, path, mb, bg->stall_s + bg->wait_s, wait, most, (double)all[0] / 1e6, sum, r->world,
+                slowest, bg->commit_s);
+    } else if (bg)
         fprintf(r->log,
                 "step %lld: saved %s (%.1f MB; training stalled %.3f s for the snapshot, %.1f MB of host memory%s; "
                 "written in the background in %.2f s)\n",
@@ -173,7 +189,7 @@ static void bg_join(tmd_run *r) {
     pthread_join(bg->thread, NULL);
     bg->active = 0;
     if (bg->status == TM_OK) {
-        log_saved(r, bg->step, bg->path, 0, bg);
+        log_saved(r, bg->step, bg->path, 0, bg, NULL);
         if (r->prune_proven == bg->step) {
             prune_checkpoints(r, bg->step);
             r->prune_proven = -1;
@@ -186,27 +202,73 @@ static void bg_join(tmd_run *r) {
     }
 }
 
+/* Under mpirun (collective: every rank at the same point, so `pending` is the same on every
+ * rank): join this rank's writer, commit the file (rank 0 renames it once every rank's part is
+ * written and fsynced), report it and do the pruning that waited for it. A failure, the same on
+ * every rank, waits in bg->failed for tmd_rundir_save_wait. */
+static void bg_commit(tmd_run *r) {
+    tmd_bgsave *bg = &r->bg;
+    if (!bg->pending) return;
+    if (bg->active) pthread_join(bg->thread, NULL), bg->active = 0;
+    double t0 = tmd_now_s();
+    tm_status s = tm_ckpt_snapshot_commit(r->snap);
+    bg->commit_s = tmd_now_s() - t0;
+    bg->pending = 0;
+    /* The log's figures, every rank's host memory and write time: an all-gather that every rank
+     * makes (s is the same on every rank), into memory that cannot fail for up to 256 ranks. */
+    int64_t mine[2] = {(int64_t)tm_ckpt_snapshot_bytes(r->snap), (int64_t)(bg->write_s * 1e6)}, few[2 * 256];
+    int64_t *all = r->world <= 256 ? few : s == TM_OK ? malloc(sizeof mine * (size_t)r->world) : NULL;
+    if (s == TM_OK && (!all || tm_comm_allgather_host(r->ctx, TM_COMM_WORLD, mine, all, sizeof mine) != TM_OK)) {
+        if (all != few) free(all);
+        all = NULL;
+    }
+    if (s == TM_OK) {
+        log_saved(r, bg->step, bg->path, 0, bg, all);
+        if (r->prune_proven == bg->step) {
+            if (r->rank == 0) prune_checkpoints(r, bg->step);
+            r->prune_proven = -1;
+        }
+    } else {
+        bg->failed = 1;
+        bg->status = s;
+        snprintf(bg->msg, sizeof bg->msg, "%s", tm_ctx_errmsg(r->ctx));
+        if (r->prune_pending == bg->step) r->prune_pending = -1;
+        if (r->prune_proven == bg->step) r->prune_proven = -1;
+    }
+    if (all != few) free(all);
+}
+
+int tmd_rundir_part_written(const tmd_run *r) {
+    return r->bg.pending && (!r->bg.active || atomic_load(&r->bg.done));
+}
+
 int tmd_rundir_save_wait(tmd_run *r, char *err, size_t errlen) {
     tmd_bgsave *bg = &r->bg;
-    bg_join(r);
-    int64_t v = bg->failed ? (int64_t)bg->status : 0;
-    if (r->world > 1 && r->c.async_save && r->c.out[0]) {
-        /* Every rank waits here at the same point (before a save, at the end of the run), so
-         * the others learn rank 0's result; the writer thread itself makes no collective call. */
-        tm_status s = tm_comm_bcast_host(r->ctx, TM_COMM_WORLD, 0, &v, sizeof v);
-        if (s) return tmd_run_lib_fail(r, err, errlen, "agreeing on a background save", s);
-    }
-    if (!v) return 0;
+    if (r->world > 1) bg_commit(r);
+    else bg_join(r);
+    if (!bg->failed) return 0;
     bg->failed = 0;
-    if (r->rank != 0)
-        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "rank 0 failed to write the checkpoint of step %lld (%s)",
-                        (long long)bg->step, tm_status_str((tm_status)v));
     return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "writing the checkpoint of step %lld in the background: %s",
                     (long long)bg->step, bg->msg);
 }
 
 int tmd_rundir_finish(tmd_run *r, int rc, char *err, size_t errlen) {
-    bg_join(r);
+    if (r->world > 1 && r->bg.pending && rc) {
+        /* After a failure the other ranks may be gone or elsewhere: no collective, no commit.
+         * The temporary file goes with the snapshot (tm_ckpt_snapshot_free); the previous
+         * checkpoint stays the newest. */
+        if (r->bg.active) pthread_join(r->bg.thread, NULL), r->bg.active = 0;
+        r->bg.pending = 0;
+        if (r->log) {
+            fprintf(r->log, "also: the checkpoint of step %lld, being written in the background, was dropped (a failed "
+                    "run under mpirun commits no file)\n", (long long)r->bg.step);
+            fflush(r->log);
+        }
+    } else if (r->world > 1) {
+        bg_commit(r); /* (the ends of the run commit before this: nothing is pending here) */
+    } else {
+        bg_join(r);
+    }
     if (!r->bg.failed) return rc;
     r->bg.failed = 0;
     if (!rc)
@@ -238,14 +300,12 @@ static tm_ckpt_save_options save_options(void) {
     return o;
 }
 
+/* The snapshot of step `done` (the stall) and its write started on a thread, on every rank.
+ * The previous save has been waited for (tmd_rundir_save_checkpoint). */
 static int save_async(tmd_run *r, int64_t done, const char *path, const char *meta, size_t len, char *err,
                       size_t errlen) {
     tmd_bgsave *bg = &r->bg;
-    double tw = tmd_now_s();
-    int rc = tmd_rundir_save_wait(r, err, errlen); /* one snapshot at a time: the previous write ends first */
-    if (rc) return rc;
     double t0 = tmd_now_s();
-    bg->wait_s = t0 - tw;
     tm_status s = TM_OK;
     if (!r->snap) {
         tm_ckpt_save_options so = save_options();
@@ -269,8 +329,11 @@ static int save_async(tmd_run *r, int64_t done, const char *path, const char *me
     bg->status = TM_OK;
     bg->msg[0] = 0;
     bg->write_s = 0;
+    bg->commit_s = 0;
     atomic_store(&bg->done, 0);
-    if (r->rank != 0) return 0; /* only rank 0 writes; there is nothing to wait for here */
+    /* Under mpirun every rank writes its part; the file is committed (collectively, on this
+     * thread) once every rank's part is written: tmd_rundir_part_written, tmd_rundir_save_wait. */
+    bg->pending = r->world > 1;
     /* The stop signals go to the loop's thread (stop.h): blocked in the writer, which inherits
      * the mask in force when it is created. */
     sigset_t stop, old;
@@ -282,11 +345,13 @@ static int save_async(tmd_run *r, int64_t done, const char *path, const char *me
     int e = pthread_create(&bg->thread, NULL, bg_main, bg);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (e) {
-        /* No thread: write it here, synchronously. */
+        /* No thread: write it here, synchronously (under mpirun, this rank's part: the commit
+         * follows with the other ranks'). */
         bg_main(bg);
+        if (r->world > 1) return 0;
         if (bg->status)
             return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "saving a checkpoint: %s", bg->msg);
-        log_saved(r, done, path, 0, bg);
+        log_saved(r, done, path, 0, bg, NULL);
         return 0;
     }
     bg->active = 1;
@@ -295,6 +360,12 @@ static int save_async(tmd_run *r, int64_t done, const char *path, const char *me
 
 int tmd_rundir_save_checkpoint(tmd_run *r, int64_t done, char *err, size_t errlen) {
     if (!r->c.out[0] || r->saved_step == done) return 0;
+    /* One snapshot at a time: the previous write ends (under mpirun, is committed) first, also
+     * when this save is refused below. */
+    double tw = tmd_now_s();
+    int wrc = tmd_rundir_save_wait(r, err, errlen);
+    if (wrc) return wrc;
+    r->bg.wait_s = tmd_now_s() - tw;
     /* The last line of defence against a diverged run passing for progress: the update of the
      * step just done may have overflowed a weight with a finite loss and gradient norm (weight
      * decay at an absurd lr). Such a checkpoint is not written, and so prunes nothing. */
@@ -334,7 +405,7 @@ int tmd_rundir_save_checkpoint(tmd_run *r, int64_t done, char *err, size_t errle
         tm_status s = tm_ckpt_save_ex(r->ctx, path, meta, len, &so);
         free(meta);
         if (s) return tmd_run_lib_fail(r, err, errlen, "saving a checkpoint", s);
-        log_saved(r, done, path, tmd_now_s() - t0, NULL);
+        log_saved(r, done, path, tmd_now_s() - t0, NULL, NULL);
     }
     r->saved_step = done;
     /* Not pruned yet: finite weights may still be garbage, and only the next step's loss says
@@ -350,9 +421,10 @@ void tmd_rundir_prune(tmd_run *r) {
         r->prune_proven = r->prune_pending;
         r->prune_pending = -1;
     }
-    if (r->bg.active && atomic_load(&r->bg.done)) bg_join(r); /* may prune */
+    if (r->world == 1 && r->bg.active && atomic_load(&r->bg.done)) bg_join(r); /* may prune */
     if (r->prune_proven < 0) return;
-    if (r->bg.active && r->bg.step == r->prune_proven) return; /* once the file is complete (bg_join) */
+    /* once the file is complete (bg_join; under mpirun, bg_commit) */
+    if ((r->bg.active || r->bg.pending) && r->bg.step == r->prune_proven) return;
     if (r->rank == 0) prune_checkpoints(r, r->prune_proven);
     r->prune_proven = -1;
 }

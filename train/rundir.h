@@ -41,16 +41,26 @@ int tmd_rundir_open_outputs(tmd_run *r, int64_t start, char *err, size_t errlen)
  * and starts a thread that writes the file (tm_ckpt_snapshot_write: the same temporary file,
  * fsync and rename, so a crash during it leaves the previous checkpoint). The log line of the
  * save comes when the write is complete: its size, the stall, the snapshot's host memory and
- * the write's time. Only rank 0 writes; the thread makes no collective call. */
+ * the write's time.
+ * Under mpirun every rank snapshots and writes its own part (tm_ckpt_snapshot_*: its expert
+ * shards and ZeRO blocks; rank 0 also the replicated tensors), each on its own thread, which
+ * makes no collective call; the file is committed (rank 0 renames it) on the loop's thread, by
+ * a collective at the first step after which every rank's part is written
+ * (tmd_rundir_part_written, agreed with the stop signal), or at the next save, a stop or the end
+ * of the run (tmd_rundir_save_wait). The log line then gives the largest snapshot of a rank. */
 int tmd_rundir_save_checkpoint(tmd_run *r, int64_t done, char *err, size_t errlen);
+/* Under mpirun: 1 when a background save is pending and this rank's part of it is written (its
+ * writer thread has finished), else 0. No collective call. */
+int tmd_rundir_part_written(const tmd_run *r);
 /* Wait for the background write of the last save, if any: 0, or TMD_RUNTIME_ERROR with its
- * error (every rank: rank 0's status is broadcast, so every rank must call it at the same
- * point; a save calls it, and the loop before it reports the end of the run or a stop). */
+ * error. Under mpirun this commits the file (collective: every rank calls it at the same point;
+ * a save calls it, and the loop before it reports the end of the run or a stop). */
 int tmd_rundir_save_wait(tmd_run *r, char *err, size_t errlen);
 /* At the end of tmd_train whatever happened: join a writer still running (after an error), so
  * that the process exits only with its file complete or removed. Returns rc, or, when rc is 0,
  * the writer's error; a writer's error after another one is printed to the log. No
- * collective call. */
+ * collective call after an error (rc != 0): under mpirun a save not yet committed is then
+ * dropped (its temporary file removed; the previous checkpoint stays). */
 int tmd_rundir_finish(tmd_run *r, int rc, char *err, size_t errlen);
 /* Keep the newest keep_last checkpoints up to the last save, if its pruning is pending. The
  * loop calls this once the weights of that save have given a finite loss (the next step), or

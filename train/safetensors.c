@@ -3,6 +3,7 @@
 
 #include <cJSON.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -48,6 +49,51 @@ static void json_string(tmd_sbuf *b, const char *s) {
         else tmd_sb_printf(b, "%c", *c);
     }
     tmd_sb_printf(b, "\"");
+}
+
+/* The writer thread of tmd_st_write: one tensor queued at a time (the producer waits until the
+ * previous one is written), written in order; a NULL item ends it. After a failed write the
+ * rest is skipped (tmd_atomic_commit reports the first error). */
+typedef struct st_writer {
+    tmd_atomic *a;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    const void *item;
+    size_t len;
+    int full, end;
+} st_writer;
+
+static void *st_writer_main(void *arg) {
+    st_writer *w = arg;
+    int failed = 0;
+    for (;;) {
+        pthread_mutex_lock(&w->mu);
+        while (!w->full) pthread_cond_wait(&w->cv, &w->mu);
+        const void *p = w->item;
+        size_t len = w->len;
+        int end = w->end;
+        pthread_mutex_unlock(&w->mu);
+        if (!end && !failed) failed = tmd_atomic_write(w->a, p, len) != 0;
+        /* the slot is free only once its bytes are written: the producer may reuse them */
+        pthread_mutex_lock(&w->mu);
+        w->full = 0;
+        pthread_cond_broadcast(&w->cv);
+        pthread_mutex_unlock(&w->mu);
+        if (end) return NULL;
+    }
+}
+
+/* Queue an item (p NULL: the end) once the last one is written. */
+static void st_writer_put(st_writer *w, const void *p, size_t len) {
+    pthread_mutex_lock(&w->mu);
+    while (w->full) pthread_cond_wait(&w->cv, &w->mu);
+    w->item = p;
+    w->len = len;
+    w->end = p == NULL;
+    w->full = 1;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
 }
 
 int tmd_st_write(const char *path, const tmd_st_out *t, int n, const char *const *metadata, tmd_st_bytes_fn bytes,
@@ -101,15 +147,31 @@ int tmd_st_write(const char *path, const tmd_st_out *t, int n, const char *const
     for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)h.n >> (8 * i));
     tmd_atomic_write(&a, len8, 8);
     tmd_atomic_write(&a, h.p, h.n);
-    for (int i = 0; i < n; i++) {
-        const void *data = NULL;
-        if ((rc = bytes(user, i, &data, err, errlen))) {
-            tmd_atomic_abort(&a);
-            goto done;
-        }
-        if (tmd_atomic_write(&a, data, (size_t)size[i])) break; /* tmd_atomic_commit reports it */
+    /* Tensor i goes to the writer thread while tensor i + 1 is produced here. */
+    st_writer w = {.a = &a};
+    int threaded = pthread_mutex_init(&w.mu, NULL) == 0;
+    if (threaded && pthread_cond_init(&w.cv, NULL) != 0) pthread_mutex_destroy(&w.mu), threaded = 0;
+    if (threaded && pthread_create(&w.thread, NULL, st_writer_main, &w) != 0) {
+        pthread_cond_destroy(&w.cv), pthread_mutex_destroy(&w.mu);
+        threaded = 0;
     }
-    rc = tmd_atomic_commit(&a, err, errlen);
+    for (int i = 0; i < n && !rc; i++) {
+        const void *data = NULL;
+        rc = bytes(user, i, &data, err, errlen);
+        if (!rc && !threaded) tmd_atomic_write(&a, data, (size_t)size[i]);
+        if (!rc && threaded) st_writer_put(&w, data, (size_t)size[i]);
+    }
+    if (threaded) {
+        st_writer_put(&w, NULL, 0); /* the end: the writer finishes the queue and stops */
+        pthread_join(w.thread, NULL);
+        pthread_cond_destroy(&w.cv);
+        pthread_mutex_destroy(&w.mu);
+    }
+    if (rc) {
+        tmd_atomic_abort(&a);
+        goto done;
+    }
+    rc = tmd_atomic_commit(&a, err, errlen); /* (reports a failed write: tmd_atomic_write kept its errno) */
 done:
     free(h.p);
     free(size);

@@ -34,13 +34,16 @@ typedef struct tmd_st_out {
     int64_t shape[TMD_ST_MAX_DIMS];
 } tmd_st_out;
 
-/* The bytes of tensor i (numel x dtype size, row-major, little-endian) in *data; the pointer
- * need only stay valid until the next call. Returns 0, or an error code with a message in err
- * (the write is abandoned and that code returned). Called once per tensor, in order. */
+/* The bytes of tensor i (numel x dtype size, row-major, little-endian) in *data. Called once
+ * per tensor, in order, on the caller's thread, while another thread writes the bytes of
+ * tensor i - 1: the pointer must stay valid, and the bytes unchanged, until the call for
+ * i + 2 (or the end of tmd_st_write); a producer alternates between two buffers. Returns 0, or
+ * an error code with a message in err (the write is abandoned and that code returned). */
 typedef int (*tmd_st_bytes_fn)(void *user, int i, const void **data, char *err, size_t errlen);
 
 /* Write `path` atomically (atomic.h: an older file stays until the new one is complete) with
- * the n tensors of t, in that order, back to back. metadata: NULL, or key / value string pairs
+ * the n tensors of t, in that order, back to back; tensor i is written by a second thread
+ * while `bytes` produces tensor i + 1 (a transpose, a read from a checkpoint) on this one. metadata: NULL, or key / value string pairs
  * ending in NULL, written as "__metadata__" (transformers refuses files without
  * {"format": "pt"}). The header is padded with spaces so that the data starts 8-byte aligned
  * (N a multiple of 8). */

@@ -342,14 +342,17 @@ static int exit_at_interval(tmd_run *r, tmd_train_result *res, int64_t done, cha
 
 /* The stop signal every rank acts on after this step: mpirun forwards a signal to each rank,
  * which may see it at different steps, so the ranks agree on the first step after which any
- * saw one. 0: none. */
+ * saw one. 0: none. In the same all-reduce, whether every rank's part of a background save is
+ * written: the file is then committed now, at the same step on every rank (the writer threads
+ * make no collective call). */
 static int agreed_stop_signal(tmd_run *r, int *sig, char *err, size_t errlen) {
     *sig = tmd_stop_signal();
     if (r->world == 1) return 0;
-    int64_t v[2] = {*sig != 0, *sig};
-    tm_status s = tm_comm_allreduce_host(r->ctx, TM_COMM_WORLD, TM_I64, v, 2);
+    int64_t v[3] = {*sig != 0, *sig, tmd_rundir_part_written(r)};
+    tm_status s = tm_comm_allreduce_host(r->ctx, TM_COMM_WORLD, TM_I64, v, 3);
     if (s) return tmd_run_lib_fail(r, err, errlen, "agreeing on a stop", s);
     *sig = v[0] ? (int)(v[1] / v[0]) : 0;
+    if (v[2] == r->world) return tmd_rundir_save_wait(r, err, errlen);
     return 0;
 }
 
