@@ -1,7 +1,8 @@
 /* layout.c — seeing and planning parallel layouts: `--print-layout` (which rank holds which
  * parameters and experts, and the bytes of parameters, gradients and optimizer state of each,
  * measured, plus <out>/layout.svg) and `tinymoe plan` (the same figures and the communication of
- * a step for any scale, computed without running). See layout.h. Uses only the public header. */
+ * a step for any scale, laid out by the library in a plan-only context without running). This
+ * file only presents them (tables, svg). See layout.h. Uses only the public header. */
 #include "layout.h"
 
 #include <errno.h>
@@ -330,8 +331,8 @@ int tmd_plan_main(int argc, char **argv) {
         fputs("usage: tinymoe plan --ranks N [--per-rank] [--config FILE] [--preset NAME] [--key value ...]\n"
               "Memory per rank (parameters, gradients, optimizer state, in bytes) and the bytes each rank's\n"
               "collectives move per optimizer step, for N ranks and the layout keys ep_size, ep_strategy and\n"
-              "zero, computed from the configuration without building anything (any scale: e.g. 256 experts\n"
-              "on 64 ranks). Ranks with equal figures print together; --per-rank prints one line per rank\n"
+              "zero, laid out by the library's own code in a context that allocates nothing (any scale: e.g.\n"
+              "256 experts on 64 ranks). Ranks with equal figures print together; --per-rank prints one line per rank\n"
               "(bytes, with its experts). The MoE dispatch assumes balanced routing. docs/layouts.md\n"
               "explains the layouts.\n",
               stdout);
