@@ -1118,6 +1118,7 @@ Test(dist, plan_equals_what_a_run_measures) {
     plan_vs_run(4, "--ep_size 2 --zero 3");
     plan_vs_run(2, "--dtype bf16 --zero 3 --shared_ffn_size 16");
     plan_vs_run(4, "--ep_size 4 --zero 3");
+    plan_vs_run(2, "--optimizer sgd --momentum 0.9 --zero 2"); /* one moment (the old formula assumed AdamW's two) */
     tt_tmpdir_remove();
 }
 
