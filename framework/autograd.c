@@ -72,6 +72,13 @@ static tm_status run_tape(tm_ctx *ctx) {
                 c->gout[i] = g;
             }
         }
+        /* A reshape whose input has no gradient yet hands its output's gradient over instead of
+         * adding it into zeros (ops/shape.c): ZeRO-3's gathered weights (fsdp.c) are reshaped
+         * flat buffers, so this saves two passes over every weight's gradient per step. */
+        if (c->op == TM__OP_VIEW && ctx->perturb_op != c->op && tm__view_grad_adopt(c)) {
+            release_node(ctx, n);
+            continue;
+        }
         int needed = 0;
         for (int i = 0; i < c->n_in; i++) {
             tm_tensor *s = c->src[i];

@@ -26,6 +26,7 @@ tm_comm_options tm_comm_options_default(void) {
     o.mpi_comm = NULL;
     o.nccl = TM_NCCL_AUTO;
     o.overlap = 1;
+    o.comm_sms = 16;
     return o;
 }
 
@@ -274,6 +275,10 @@ int tm__coll_side_on(const tm_ctx *ctx, tm_device dev) {
            (dev.type == TM_DEVICE_CPU || ctx->comm->device_async);
 }
 
+int tm__coll_spare_sms(const tm_ctx *ctx) {
+    return ctx->comm && ctx->comm->opts.overlap && ctx->comm->device_async ? ctx->comm->opts.comm_sms : 0;
+}
+
 tm_status tm__coll_side_begin(tm_ctx *ctx, tm_device dev) {
     if (!tm__coll_side_on(ctx, dev)) return TM_OK;
     return tm__ctx_backend(ctx, dev)->side_begin(ctx);
@@ -365,6 +370,8 @@ tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts) {
         return tm__err(ctx, TM_ERR_INVALID_ARG,
                        "%s: ep_strategy = %d is none of alltoall (0), allgather (1), alltoall_dedup (2)", fn,
                        (int)o.ep_strategy);
+    if (o.comm_sms < 0 || o.comm_sms > 64)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: comm_sms = %d must be in [0, 64]", fn, o.comm_sms);
     if (isnan(o.timeout_s)) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: timeout_s is NaN", fn);
     if (o.nccl != TM_NCCL_AUTO && o.nccl != TM_NCCL_OFF && o.nccl != TM_NCCL_ALWAYS)
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: nccl = %d is none of TM_NCCL_AUTO (0), TM_NCCL_OFF (1), TM_NCCL_ALWAYS (2)",

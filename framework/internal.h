@@ -353,6 +353,16 @@ tm_status tm__moe_sort_chunks_sizes(tm__call *c, const int64_t **sizes);
 int tm__gmm_device_schedule(tm_ctx *ctx);
 void tm__set_gmm_device_schedule(tm_ctx *ctx, int mode);
 int tm__gmm_mode(tm_ctx *ctx);
+/* The backward of a view op (ops/shape.c) by adoption, called by autograd.c before the kernel:
+ * where the view is a reshape (its output read densely from the input's first element), the
+ * input is an op's temporary output with no gradient yet and the output's gradient is a
+ * contiguous arena block, that block becomes the input's gradient (a view in the input's
+ * shape) and the node's release leaves it: 1. Otherwise 0 and the kernel runs (zeros + the
+ * assign). The gradients are the same values: zeros + g is g. */
+int tm__view_grad_adopt(tm__call *c);
+/* SMs that kernels sizing their grid to the GPU leave free for collectives beside the work
+ * (tm_comm_options.comm_sms where the engine has side communicators, framework/comm.c); 0: none. */
+int tm__coll_spare_sms(const tm_ctx *ctx);
 /* 1 when the options asked for TM_GROUPED_GEMM_AUTO: the CUDA backend's init then sets the mode
  * (HOPPER where the sm_90a kernel runs, else CUBLASLT; until then CUBLASLT). */
 int tm__gmm_auto(const tm_ctx *ctx);

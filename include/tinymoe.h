@@ -1853,6 +1853,21 @@ typedef struct tm_comm_options {
                                  * stream beside the work (PyTorch FSDP's prefetch and
                                  * asynchronous reduce-scatter); 0: each collective in place, on
                                  * the work stream, when its result is needed (the same values) */
+    int comm_sms;               /* with overlap on NCCL: streaming multiprocessors left to the
+                                 * collectives beside the work. Their communicators run at most
+                                 * this many CTAs (ncclConfig_t.maxCTAs), and the kernels that
+                                 * fill the GPU themselves leave that many SMs free: the
+                                 * persistent Hopper grouped GEMM launches num_sms - comm_sms
+                                 * CTAs, cuBLASLt is told to target as many
+                                 * (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET). Why: a persistent
+                                 * kernel with a CTA per SM and a static tile schedule waits for
+                                 * every SM a collective holds, so the CTAs placed there start
+                                 * late and the kernel's tail grows by their whole share
+                                 * (DeepGEMM and DeepEP split the SMs the same way). 0: no
+                                 * reservation (NCCL picks its CTAs; kernels take every SM).
+                                 * Values are unchanged (the grouped GEMM's sums do not depend on
+                                 * its grid; cuBLASLt may pick another algorithm: f32 rounding).
+                                 * Default 16; must be in [0, 64] */
     int plan_world_size;        /* plan-only contexts (tm_ctx_options.plan_only) only: the world to
                                  * lay out, >= 1 (0: one rank); no MPI is touched, the engine is
                                  * "plan" (collectives move nothing and are counted in
@@ -1862,7 +1877,7 @@ typedef struct tm_comm_options {
 
 enum { TM_NCCL_AUTO = 0, TM_NCCL_OFF = 1, TM_NCCL_ALWAYS = 2 };
 
-/* ep_size 1, alltoall, zero 0, timeout 60 s, MPI_COMM_WORLD, NCCL auto, overlap on. */
+/* ep_size 1, alltoall, zero 0, timeout 60 s, MPI_COMM_WORLD, NCCL auto, overlap on, comm_sms 16. */
 TM_API tm_comm_options tm_comm_options_default(void);
 
 /* MPI is process-wide state, so these three are the only functions of tinymoe that touch the

@@ -176,3 +176,34 @@ Test(shape, to_device_cpu_roundtrip) {
     cr_assert(strstr(tm_ctx_errmsg(ctx), "cuda:0"), "%s", tm_ctx_errmsg(ctx));
     tm_ctx_free(ctx);
 }
+
+/* A reshape of an op's output hands its gradient over to that output (autograd.c,
+ * tm__view_grad_adopt) when nothing else has written the output's gradient yet; the other
+ * readers of the same output, before and after the reshape on the tape, still add theirs. */
+static tm_status adopt_case(tm_ctx *ctx, tm_tensor **in, void *u, tm_tensor **out) {
+    int after = *(int *)u;
+    tm_tensor *a, *p = NULL, *r, *q, *q2, *t, *r2;
+    int64_t s26[2] = {2, 6}, s34[2] = {3, 4}, s12[1] = {12};
+    tm_status s = tm_mul(ctx, in[0], in[0], &a); /* (3,4): an op's output */
+    if (s == TM_OK && !after) s = tm_mul(ctx, a, in[1], &p); /* a reader before the reshape */
+    if (s == TM_OK) s = tm_reshape(ctx, a, 2, s26, &r);
+    if (s == TM_OK) s = tm_reshape(ctx, r, 1, s12, &r2); /* a reshape of a reshape: handed over twice */
+    if (s == TM_OK) s = tm_reshape(ctx, r2, 2, s34, &t);
+    if (s == TM_OK) s = tm_mul(ctx, t, in[2], &q);
+    if (s == TM_OK && after) s = tm_mul(ctx, a, in[1], &p); /* a reader after it */
+    if (s == TM_OK) s = tm_add(ctx, p, q, &q2);
+    if (s == TM_OK) *out = q2;
+    return s;
+}
+
+Test(shape, reshape_gradient_handed_over_gradcheck) {
+    tm_ctx *ctx = tt_ctx();
+    int64_t s[2] = {3, 4};
+    for (int after = 0; after < 2; after++) {
+        tm_tensor *in[3] = {tt_randn(ctx, TM_F64, 2, s, 21), tt_randn(ctx, TM_F64, 2, s, 22), tt_randn(ctx, TM_F64, 2, s, 23)};
+        int chk[3] = {1, 1, 1};
+        cr_assert_leq(tt_gradcheck(ctx, adopt_case, &after, 3, in, chk, 1e-6, 1e-8, 1e-6), 1.0, "reader %s the reshape",
+                      after ? "after" : "before");
+    }
+    tm_ctx_free(ctx);
+}

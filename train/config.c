@@ -250,6 +250,10 @@ static const key KEYS[] = {
     {"comm_overlap", T_BOOL, G_DIST, OFF(comm_overlap), NULL, "true", 0, NULL,
      "with NCCL, run ZeRO-3's all-gathers ahead of their use and its gradient reduce-scatters during the backward, on "
      "a second stream beside the compute (false: each in place when needed; the same values)", 0, 0},
+    {"comm_sms", T_INT, G_DIST, OFF(comm_sms), NULL, "16", 0, NULL,
+     "with comm_overlap on NCCL: GPU SMs left to the collectives beside the compute (their CTAs; the Hopper grouped "
+     "GEMM and cuBLASLt use the others, so a persistent kernel does not wait for SMs a collective holds); 0: none",
+     0, 64},
     {"print_layout", T_BOOL, G_DIST, OFF(print_layout), NULL, "false", 0, NULL,
      "print which rank holds which parameters and experts, and its bytes (and, after the run, its peaks and ZeRO-2's "
      "transient gradient bytes); draw <out>/layout.svg", 0, 0},

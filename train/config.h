@@ -76,6 +76,7 @@ typedef struct tmd_config {
     int ep_size, ep_strategy, zero; /* the parallel layout (tm_comm_options) */
     int nccl; /* TM_NCCL_AUTO / _OFF / _ALWAYS (tm_comm_options.nccl) */
     int comm_overlap; /* tm_comm_options.overlap */
+    int comm_sms;     /* tm_comm_options.comm_sms */
     double comm_timeout;
     int print_layout;
     unsigned char source[TMD_MAX_KEYS]; /* tmd_source of each key, by table index */

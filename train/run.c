@@ -152,6 +152,7 @@ tm_comm_options tmd_comm_options_of(const tmd_config *c) {
     co.timeout_s = c->comm_timeout;
     co.nccl = c->nccl;
     co.overlap = c->comm_overlap;
+    co.comm_sms = c->comm_sms;
     return co;
 }
 

@@ -67,6 +67,30 @@ tm_status tm__view_backward(tm__call *c) {
     return tm__assign(c->ctx, v, c->gout[0], 1, 1.0);
 }
 
+int tm__view_grad_adopt(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    tm_tensor *x = c->src[0], *o = c->out[0], *g = c->gout[0], *v;
+    int nd = (int)c->iattr[V_NDIM];
+    if (c->in[0] != x || !x->requires_grad || x->grad || x->persistent || !x->node || !g || g->persistent ||
+        !g->storage || !g->storage->arena_bytes || g->dtype != x->dtype || !tm__is_contiguous(g) ||
+        c->iattr[V_LOFF] != 0 || tm__numel(o) != tm__numel(x))
+        return 0;
+    /* a reshape: its output read densely from the input's first element */
+    int64_t s = 1;
+    for (int i = nd - 1; i >= 0; i--) {
+        if (o->shape[i] != 1 && c->iattr[V_LSTRIDE + i] != s) return 0;
+        s *= o->shape[i];
+    }
+    int64_t st[TM_MAX_DIMS];
+    dense_strides(x->ndim, x->shape, st);
+    if (tm__tensor_view(ctx, g, x->ndim, x->shape, st, g->offset, &v) != TM_OK) return 0;
+    x->grad = v;
+    /* the block is x's gradient's now: the release of this node's gradients must leave it */
+    c->gout[0] = NULL;
+    if (o->grad == g) o->grad = NULL;
+    return 1;
+}
+
 static tm_status need(tm_ctx *ctx, const char *fn, const void *x, tm_tensor **out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!out) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: out is NULL", fn);

@@ -370,8 +370,11 @@ extern "C" tm_status tm__nccl_comm_create(tm__comm *c) {
             if (s == TM_OK) s = bs;
             if (s == TM_OK) {
                 ncclComm_t *dst = k ? &st->side[g] : &st->comm[g];
-                ncclResult_t r = ncclCommInitRank(dst, c->size[g], id, c->rank[g]);
-                if (r != ncclSuccess) s = nccl_fail(c, "ncclCommInitRank", g, r);
+                /* side communicators keep to comm_sms CTAs, the SMs the work leaves them */
+                ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+                if (k && c->opts.comm_sms > 0) cfg.maxCTAs = c->opts.comm_sms, cfg.minCTAs = 1;
+                ncclResult_t r = ncclCommInitRankConfig(dst, c->size[g], id, c->rank[g], &cfg);
+                if (r != ncclSuccess) s = nccl_fail(c, "ncclCommInitRankConfig", g, r);
             }
             if (s != TM_OK) break;
         }

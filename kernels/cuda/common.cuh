@@ -37,6 +37,7 @@ typedef struct tm__gemm_plan {
     int64_t M, N, K, lda, ldb, ldc, sa, sb, sc, batch;
     uint32_t align_a, align_b, align_c;  /* pointer alignment classes the algorithm assumes */
     int ragged;                          /* TM__GEMM_RAGGED_*: M / K are buckets, not sizes */
+    int sm_target;                       /* CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET; 0: every SM */
     /* value */
     cublasLtMatmulDesc_t op;
     cublasLtMatrixLayout_t la, lb, lc;   /* cuBLASLt's A (our B), B (our A), C = D */

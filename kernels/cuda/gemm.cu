@@ -45,6 +45,9 @@ static tm_status tm__gemm_plan_make(tm_ctx *ctx, tm__cuda *st, tm__gemm_plan *p)
     cublasOperation_t tb = p->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N; /* cuBLASLt B = our A */
     TM__LT_CHECK(ctx, what, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     TM__LT_CHECK(ctx, what, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    if (p->sm_target > 0) /* SMs left to collectives beside the work (tm_comm_options.comm_sms) */
+        TM__LT_CHECK(ctx, what, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET,
+                                                               &p->sm_target, sizeof p->sm_target));
     /* Stored shapes, column-major (rows, cols): our B is [K,N] row-major -> (N, K), or (K, N)
      * when transposed; our A [M,K] -> (K, M), or (M, K); C -> (N, M). */
     uint64_t la_r = p->trans_b ? p->K : p->N, la_c = p->trans_b ? p->N : p->K;
@@ -96,7 +99,7 @@ static tm_status tm__gemm_plan_get(tm_ctx *ctx, tm__cuda *st, const tm__gemm_pla
             p->M == key->M && p->N == key->N && p->K == key->K && p->lda == key->lda && p->ldb == key->ldb &&
             p->ldc == key->ldc && p->batch == key->batch && p->sa == key->sa && p->sb == key->sb &&
             p->sc == key->sc && p->align_a == key->align_a && p->align_b == key->align_b &&
-            p->align_c == key->align_c && p->ragged == key->ragged) {
+            p->align_c == key->align_c && p->ragged == key->ragged && p->sm_target == key->sm_target) {
             *out = p;
             return TM_OK;
         }
@@ -126,6 +129,12 @@ static tm_status tm__gemm_plan_get(tm_ctx *ctx, tm__cuda *st, const tm__gemm_pla
     p->valid = 1;
     *out = p;
     return TM_OK;
+}
+
+/* The SMs cuBLASLt may plan for: all (0) unless collectives beside the work keep some. */
+static int tm__gemm_sm_target(tm_ctx *ctx, const tm__cuda *st) {
+    int spare = tm__coll_spare_sms(ctx);
+    return spare > 0 && spare < st->num_sms ? st->num_sms - spare : 0;
 }
 
 /* The key of a GEMM's plan (M and K as given: a ragged caller buckets them first). */
@@ -180,6 +189,7 @@ extern "C" tm_status tm__gemm_cuda(tm_ctx *ctx, tm_dtype dt, int trans_a, int tr
         return TM_OK;
     }
     tm__gemm_plan key = tm__gemm_key(dt, trans_a, trans_b, M, N, K, A, lda, sa, B, ldb, sb, C, ldc, sc, batch), *p;
+    key.sm_target = tm__gemm_sm_target(ctx, st);
     TM__TRY(tm__gemm_plan_get(ctx, st, &key, &p));
     return tm__gemm_launch(ctx, st, p, alpha, A, B, beta, C);
 }
@@ -209,6 +219,7 @@ extern "C" tm_status tm__gemm_cuda_ragged(tm_ctx *ctx, tm_dtype dt, int ragged, 
     const int64_t bK = ragged & TM__GEMM_RAGGED_K ? tm__gemm_bucket(K) : K;
     tm__gemm_plan key = tm__gemm_key(dt, trans_a, trans_b, bM, N, bK, A, lda, 0, B, ldb, 0, C, ldc, 0, 1), *p;
     key.ragged = ragged;
+    key.sm_target = tm__gemm_sm_target(ctx, st);
     TM__TRY(tm__gemm_plan_get(ctx, st, &key, &p));
     if (p->cur_M != M || p->cur_K != K) {
         /* Stored shapes as in tm__gemm_plan_make, at the exact sizes. */

@@ -557,6 +557,7 @@ static int gmm_try_sm90(tm__call *c, tm__cuda *st, int mode, const void *A, cons
     a.mode = mode, a.a = A, a.b = B, a.c = C, a.counts = (const int64_t *)tm__data(c->in[2]);
     a.G = w->shape[0], a.R = x->shape[0], a.K = w->shape[1], a.N = w->shape[2];
     a.bn = 0;
+    a.spare_sms = tm__coll_spare_sms(c->ctx);
     char why[256];
     const int rc = tm__gmm90_run(&a, st->stream, why, sizeof why);
     if (rc == 0) {

@@ -615,6 +615,9 @@ static int gmm90_launch(const tm__gmm90_args *a, const CUtensorMap &ma, const CU
         snprintf(why, n, "grouped_matmul sm90: setting up the kernel: %s", cudaGetErrorString(e));
         return -1;
     }
+    /* a CTA per SM, less the SMs left to collectives beside the work (their CTAs would hold
+     * back as many of ours, each until a collective ends: the static schedule's tail) */
+    if (a->spare_sms > 0 && a->spare_sms < sms) sms -= a->spare_sms;
     const long long grid = tiles_bound < sms ? tiles_bound : sms;
     if (grid <= 0) return 0;
     gmm90_kernel<MODE, BN><<<(unsigned)grid, GMM90_THREADS, smem, st>>>(ma, mb, mc, p);

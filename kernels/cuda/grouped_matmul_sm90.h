@@ -34,6 +34,7 @@ typedef struct tm__gmm90_args {
     const int64_t *counts;
     int64_t G, R, K, N;
     int bn; /* columns per tile: 0 picks (256, or 128 when that pads fewer columns); 128 or 256 */
+    int spare_sms; /* SMs left free (collectives beside the work: tm__cuda.comm_sms); 0: none */
 } tm__gmm90_args;
 
 #define TM__GMM90_MAX_G 1024
