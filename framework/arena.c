@@ -92,6 +92,22 @@ static size_t align_up(size_t nbytes) {
 
 static int is_meta(const tm_ctx *ctx, const tm__arena *a) { return a == &ctx->meta; }
 
+/* A chunk's memory from the arena's device; the meta arena's is host memory that the framework
+ * reads and writes itself, so in a plan-only context (whose CPU backend allocates nothing:
+ * plan.c) it comes from the real CPU backend. */
+static void *chunk_mem_alloc(tm_ctx *ctx, tm__arena *a, size_t size) {
+    if (!(ctx->plan_only && is_meta(ctx, a))) return tm__dev_alloc(ctx, a->dev, size);
+    void *p = NULL;
+    if (tm__host_ops()->alloc(ctx, size ? size : 1, &p) != TM_OK) return NULL;
+    ctx->alloc_count++;
+    return p;
+}
+
+static void chunk_mem_free(tm_ctx *ctx, tm__arena *a, void *p) {
+    if (ctx->plan_only && is_meta(ctx, a)) tm__host_ops()->free(ctx, p);
+    else tm__dev_free(ctx, a->dev, p);
+}
+
 /* Add a chunk of `size` bytes from the arena's device; NULL (nothing changed) if the device
  * has none to give. */
 static tm__chunk *chunk_add(tm_ctx *ctx, tm__arena *a, size_t size) {
@@ -104,7 +120,7 @@ static tm__chunk *chunk_add(tm_ctx *ctx, tm__arena *a, size_t size) {
         a->chunks = nc;
         a->cap = cap;
     }
-    void *mem = tm__dev_alloc(ctx, a->dev, size);
+    void *mem = chunk_mem_alloc(ctx, a, size);
     if (!mem) return NULL;
     tm__chunk *c = &a->chunks[a->n++];
     c->mem = mem;
@@ -332,7 +348,7 @@ static size_t release_free_chunks(tm_ctx *ctx, tm__arena *a) {
             bin_remove(a, f);
             rec_put(a, f);
             HOST_UNPOISON(a, c->mem, c->size);
-            tm__dev_free(ctx, a->dev, c->mem);
+            chunk_mem_free(ctx, a, c->mem);
             a->reserved -= c->size;
             freed += c->size;
             continue;
@@ -494,7 +510,7 @@ void tm__arena_reset(tm_ctx *ctx, tm__arena *a) {
         want = (want + q - 1) / q * q;
         for (int i = 0; i < a->n; i++) {
             HOST_UNPOISON(a, a->chunks[i].mem, a->chunks[i].size);
-            tm__dev_free(ctx, a->dev, a->chunks[i].mem);
+            chunk_mem_free(ctx, a, a->chunks[i].mem);
         }
         a->n = 0;
         a->reserved = 0;
@@ -521,7 +537,7 @@ void tm__arena_reset(tm_ctx *ctx, tm__arena *a) {
 void tm__arena_release(tm_ctx *ctx, tm__arena *a) {
     for (int i = 0; i < a->n; i++) {
         HOST_UNPOISON(a, a->chunks[i].mem, a->chunks[i].size);
-        tm__dev_free(ctx, a->dev, a->chunks[i].mem);
+        chunk_mem_free(ctx, a, a->chunks[i].mem);
     }
     tm__host_free(ctx, a->chunks);
     for (int s = 0; s < a->n_slabs; s++) tm__host_free(ctx, a->slabs[s]);

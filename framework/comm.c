@@ -405,6 +405,15 @@ tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts) {
     if (o.nccl != TM_NCCL_AUTO && o.nccl != TM_NCCL_OFF && o.nccl != TM_NCCL_ALWAYS)
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: nccl = %d is none of TM_NCCL_AUTO (0), TM_NCCL_OFF (1), TM_NCCL_ALWAYS (2)",
                        fn, o.nccl);
+    if (o.plan_world_size < 0 || (o.plan_world_size > 0 && !ctx->plan_only))
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: plan_world_size = %d: %s", fn, o.plan_world_size,
+                       o.plan_world_size < 0 ? "must be >= 0"
+                                             : "only a plan-only context (tm_ctx_options.plan_only) lays out a world "
+                                               "other than its own");
+    int plan_w = o.plan_world_size ? o.plan_world_size : 1;
+    if (ctx->plan_only && (o.plan_rank < 0 || o.plan_rank >= plan_w))
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: plan_rank = %d outside the %d rank%s of plan_world_size", fn,
+                       o.plan_rank, plan_w, plan_w > 1 ? "s" : "");
     tm__comm *c = tm__host_alloc(ctx, sizeof *c);
     if (!c) return tm__err(ctx, TM_ERR_NOMEM, "%s: out of host memory", fn);
     memset(c, 0, sizeof *c);
@@ -414,12 +423,20 @@ tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts) {
     for (int g = 0; g < TM_COMM_NGROUPS; g++) c->size[g] = 1;
     c->host = &tm__comm_self_ops;
     tm_status s = TM_OK;
+    if (ctx->plan_only) {
+        /* a world laid out, not joined (plan.c): no MPI, no NCCL */
+        c->host = &tm__comm_plan_ops;
+        c->world_size = plan_w;
+        c->world_rank = o.plan_rank;
+    }
 #ifdef TM_HAVE_MPI
-    s = tm__mpi_comm_create(c, o.mpi_comm);
-    if (s == TM_OK) c->host = &tm__comm_mpi_ops;
+    if (!ctx->plan_only) s = tm__mpi_comm_create(c, o.mpi_comm);
+    if (ctx->plan_only) s = TM_OK;
+    else if (s == TM_OK) c->host = &tm__comm_mpi_ops;
     else if (s == TM_ERR_STATE && !o.mpi_comm) s = TM_OK; /* MPI not initialised: one rank */
 #else
-    if (o.mpi_comm) s = tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: mpi_comm given but this build has no MPI (MPI=0)", fn);
+    if (o.mpi_comm && !ctx->plan_only)
+        s = tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: mpi_comm given but this build has no MPI (MPI=0)", fn);
 #endif
     if (s == TM_OK && c->world_size % o.ep_size)
         s = tm__err(ctx, TM_ERR_INVALID_ARG, "%s: ep_size = %d does not divide the world size %d", fn, o.ep_size,
@@ -664,5 +681,38 @@ tm_status tm__zero_gather_params(tm_ctx *ctx) {
         TM__TRY(tm__coll_allgatherv(ctx, g, base + (size_t)blk * ctx->comm->rank[g] * es, base, cd, cd + G,
                                     b->info.dtype, b->info.device));
     }
+    return TM_OK;
+}
+
+/* ---- the bucket side of a step, planned (tm_model_plan_step) --------------------------------- */
+
+int tm__ctx_plan_only(const tm_ctx *ctx) { return ctx && ctx->plan_only; }
+
+static int64_t stats_bytes(const tm_ctx *ctx) {
+    int64_t n = 0;
+    if (ctx->comm)
+        for (int k = 0; k < TM_COMM_NKINDS; k++) n += ctx->comm->stats.bytes[k];
+    return n;
+}
+
+static int64_t grad_bytes(const tm_ctx *ctx) {
+    int64_t n = 0;
+    for (int b = 0; b < TM__NBACKENDS; b++) n += (int64_t)ctx->mem[b].current[TM_MEM_GRADIENTS];
+    return n;
+}
+
+/* The calls a training step makes on the buckets, in its order (autograd.c's first backward,
+ * the driver's tm_comm_sync_grads, tm_optimizer_step's all-gather), so that what they count is
+ * what a run counts. */
+tm_status tm__zero_plan_step(tm_ctx *ctx, int64_t *grad_sync, int64_t *param_gather, int64_t *transient) {
+    int64_t g0 = grad_bytes(ctx);
+    TM__TRY(tm__bucket_grads_materialize(ctx));
+    *transient = grad_bytes(ctx) - g0;
+    int64_t b0 = stats_bytes(ctx);
+    TM__TRY(tm_comm_sync_grads(ctx));
+    int64_t b1 = stats_bytes(ctx);
+    TM__TRY(tm__zero_gather_params(ctx));
+    *grad_sync = b1 - b0;
+    *param_gather = stats_bytes(ctx) - b1;
     return TM_OK;
 }

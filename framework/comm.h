@@ -6,6 +6,7 @@
  *
  *   engine       table                    implementation            moves
  *   self         tm__comm_self_ops        framework/comm.c          any device (one rank)
+ *   plan         tm__comm_plan_ops        framework/plan.c          nothing (plan-only contexts)
  *   mpi          tm__comm_mpi_ops         framework/comm_mpi.c (MPI=1)        CPU memory
  *   mpi-staged   tm__comm_staged_ops      framework/comm.c          CUDA memory through host
  *                                                                   buffers and the mpi table
@@ -82,6 +83,8 @@ void tm__comm_account(tm__comm *c, tm_comm_kind k, size_t bytes, double seconds)
 const char *tm__comm_gdesc(tm__comm *c, int g);
 
 extern const tm__comm_ops tm__comm_self_ops;
+/* plan.c: the engine of a plan-only context's world (moves nothing; comm.c counts it). */
+extern const tm__comm_ops tm__comm_plan_ops;
 extern const tm__comm_ops tm__comm_staged_ops;
 
 /* framework/comm_mpi.c, in builds with MPI: make the world (world: pointer to an MPI_Comm or NULL for

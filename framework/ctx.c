@@ -84,6 +84,16 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
                  o.no_grad_buffers);
         return TM_ERR_INVALID_ARG;
     }
+    if (o.plan_only != 0 && o.plan_only != 1) {
+        snprintf(create_error, sizeof create_error, "tm_ctx_new: plan_only = %d is neither 0 nor 1", o.plan_only);
+        return TM_ERR_INVALID_ARG;
+    }
+    if (o.plan_only && o.cuda_device >= 0) {
+        snprintf(create_error, sizeof create_error,
+                 "tm_ctx_new: plan_only with cuda_device %d: a plan-only context has only its CPU device, which "
+                 "allocates nothing (plan on it: a CUDA run's layout is the same)", o.cuda_device);
+        return TM_ERR_INVALID_ARG;
+    }
     tm_ctx tmp;
     memset(&tmp, 0, sizeof tmp);
     if (o.allocator) {
@@ -112,7 +122,8 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->cuda_device = -1;
     ctx->perturb_op = -1;
     ctx->mem_reuse = 1;
-    ctx->be[TM__CPU] = tm__backend_get(TM__CPU);
+    ctx->be[TM__CPU] = o.plan_only ? &tm__plan_backend : tm__backend_get(TM__CPU);
+    ctx->plan_only = o.plan_only;
     if (o.cuda_device >= 0) {
         const tm__backend_ops *be = tm__backend_get(TM__CUDA);
         if (!be) {

@@ -126,6 +126,8 @@ struct tm_ctx {
     int n_threads;
     int grad_enabled;
     int no_grad_buffers;  /* tm_ctx_options.no_grad_buffers: parameters have no gradient (param.c) */
+    int plan_only;        /* tm_ctx_options.plan_only: the CPU backend is tm__plan_backend (plan.c) */
+    uintptr_t plan_next;  /* plan.c: bytes of placeholders handed out */
     int params_deferred;  /* between tm_ctx_defer_params and tm_ctx_materialize_params */
     int cpu_gemm_builtin; /* tm_ctx_options.cpu_gemm == TM_CPU_GEMM_BUILTIN */
     int gmm_auto;         /* tm_ctx_options.grouped_gemm was TM_GROUPED_GEMM_AUTO (resolved into gmm_device) */
@@ -252,6 +254,9 @@ void tm__side_free(tm_ctx *ctx);
 /* Take t's block out of the open kernel scope's log (arena.c): the scope's close will not give
  * it back; whoever called this does (a buffer a side collective still uses, side.c). */
 void tm__scope_forget(tm_ctx *ctx, const tm_tensor *t);
+/* Plan-only contexts (plan.c): the CPU backend that places without memory, and the
+ * communicator engine of a world that need not exist. */
+extern const tm__backend_ops tm__plan_backend;
 /* Free the context's communicator (tm_ctx_free). */
 void tm__comm_destroy(tm_ctx *ctx);
 

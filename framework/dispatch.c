@@ -167,6 +167,9 @@ tm_status tm__op_run(tm__call *c) {
     if (c->op < 0 || c->op >= TM__NOPS) return tm__err(ctx, TM_ERR_INTERNAL, "op id %d out of range", c->op);
     const tm__op_def *op = &tm__op_table[c->op];
     if (!op->check) return tm__err(ctx, TM_ERR_UNSUPPORTED, "op id %d has no row in the op table of this build", c->op);
+    if (ctx->plan_only)
+        return tm__err(ctx, TM_ERR_STATE, "%s: a plan-only context (tm_ctx_options.plan_only) lays out, it runs no ops",
+                       op->name);
     if (op->n_in >= 0) c->n_in = op->n_in;
     c->n_out = op->n_out;
     if (c->n_in < 1 || c->n_in > TM__MAX_IN)

@@ -207,6 +207,19 @@ int tm__param_sharded(const tm_tensor *p);
 int64_t tm__bucket_params_offset(const tm_ctx *ctx, int bucket);
 /* ZeRO-1: all-gather every bucket's parameters from the ranks that updated their blocks. */
 tm_status tm__zero_gather_params(tm_ctx *ctx);
+/* Plan-only contexts (tm_model_plan_step; include/tinymoe.h, tm_ctx_options.plan_only).
+ * tm__ctx_plan_only: 1 for such a context. tm__zero_plan_step: run the bucket side of one
+ * optimizer step on the placeholders: the full gradient buffers a backward makes (ZeRO-2), then
+ * tm_comm_sync_grads, then the parameters' all-gather after the update (ZeRO-1 and 2); *grad_sync
+ * and *param_gather: the bytes the two counted (tm_comm_get_stats), *transient: the gradient
+ * bytes the backward's buffers added (tm_ctx_memory_report). Errors: those of the three.
+ * tm__fsdp_use_plan: one tm__param_use of p under ZeRO-3: *held the bytes of the gathered
+ * weight (counted as parameters while in use), *gather the bytes of its all-gather, *reduce
+ * those of the reduce-scatter of its gradient in the backward; all 0 for a parameter this rank
+ * holds whole. Errors: TM_ERR_NOMEM. */
+int tm__ctx_plan_only(const tm_ctx *ctx);
+tm_status tm__zero_plan_step(tm_ctx *ctx, int64_t *grad_sync, int64_t *param_gather, int64_t *transient);
+tm_status tm__fsdp_use_plan(tm_ctx *ctx, const tm_tensor *p, int64_t *held, int64_t *gather, int64_t *reduce);
 
 /* ---- sharded named tensors (framework/shard.c): checkpoints hold logical tensors ----------- */
 /* t (a named view of optimizer state of `param`) follows param's logical shape and expert

@@ -243,6 +243,22 @@ static tm_status piece_counts(tm_ctx *ctx, const tm_tensor *p, int G, int64_t **
 
 int tm__param_sharded(const tm_tensor *p) { return p && p->is_param && p->pm && p->pm->piece; }
 
+/* What tm__param_use's all-gather (tm__coll_allgatherv: this rank's piece) and its backward's
+ * reduce-scatter (tm__coll_reduce_scatterv: every piece) count, and the gathered weight's
+ * bytes (`count`: its storage, numel elements). */
+tm_status tm__fsdp_use_plan(tm_ctx *ctx, const tm_tensor *p, int64_t *held, int64_t *gather, int64_t *reduce) {
+    *held = *gather = *reduce = 0;
+    if (!tm__param_sharded(p)) return TM_OK;
+    int G = tm_comm_size(ctx, (tm_comm_group)p->zs->group), me = tm_comm_rank(ctx, (tm_comm_group)p->zs->group);
+    int64_t *cd = NULL, es = (int64_t)tm_dtype_size(p->dtype), all = 0;
+    TM__TRY(piece_counts(ctx, p, G, &cd));
+    for (int j = 0; j < G; j++) all += cd[j];
+    *held = tm__numel(p) * es;
+    *gather = cd[me] * es;
+    *reduce = all * es;
+    return TM_OK;
+}
+
 /* All-gather a piece over its group into dst, beside the work when `side` (then *ev is the
  * event to wait for, NULL where the collective ran in place). */
 static tm_status gather_into(tm_ctx *ctx, const tm_tensor *piece, int g, int G, const int64_t *cd, void *dst,

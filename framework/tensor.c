@@ -344,6 +344,9 @@ static tm_status tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const 
  * when they return. */
 tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void *dst, int64_t count) {
     if (!ctx) return TM_ERR_INVALID_ARG;
+    if (ctx->plan_only)
+        return tm__err(ctx, TM_ERR_STATE, "tm_tensor_read: %s: a plan-only context (tm_ctx_options.plan_only) holds no "
+                       "values", t ? tm__tdesc(ctx, t) : "NULL");
     int mark = tm__scope_open(ctx);
     tm_status s = tensor_read(ctx, t, dst_dt, dst, count);
     tm__scope_close(ctx, mark, NULL, 0);
@@ -352,6 +355,9 @@ tm_status tm_tensor_read(tm_ctx *ctx, const tm_tensor *t, tm_dtype dst_dt, void 
 
 tm_status tm_tensor_write(tm_ctx *ctx, tm_tensor *t, tm_dtype src_dt, const void *src, int64_t count) {
     if (!ctx) return TM_ERR_INVALID_ARG;
+    if (ctx->plan_only)
+        return tm__err(ctx, TM_ERR_STATE, "tm_tensor_write: %s: a plan-only context (tm_ctx_options.plan_only) holds no "
+                       "values", t ? tm__tdesc(ctx, t) : "NULL");
     int mark = tm__scope_open(ctx);
     tm_status s = tensor_write(ctx, t, src_dt, src, count);
     tm__scope_close(ctx, mark, NULL, 0);

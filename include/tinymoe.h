@@ -152,6 +152,18 @@ typedef struct tm_ctx_options {
                                     * tm_backward / tm_backward_with_grad and making an optimizer
                                     * fail with TM_ERR_STATE naming this option. 0 (default):
                                     * parameters have gradients */
+    int plan_only;                 /* 1: a context that lays things out without computing
+                                    * (`tinymoe plan`): parameters, gradient buffers, master
+                                    * weights, optimizer state and buffers are placed and counted
+                                    * in tm_ctx_memory_report exactly as in a context that
+                                    * computes (the same code places them), but its CPU device
+                                    * allocates nothing: their addresses are placeholders no code
+                                    * reads, copies and fills do nothing, and ops, tm_tensor_read
+                                    * and tm_tensor_write fail with TM_ERR_STATE. With
+                                    * tm_comm_options.plan_world_size it lays out one rank of a
+                                    * world that need not exist; tm_model_plan_step gives a step's
+                                    * traffic and transient bytes. Requires cuda_device = -1 (the
+                                    * layout of a CUDA run is the same). 0 (default): computes */
 } tm_ctx_options;
 
 enum { TM_CPU_GEMM_AUTO = 0, TM_CPU_GEMM_BUILTIN = 1 };
@@ -1240,6 +1252,46 @@ TM_API const tm_model_config *tm_model_get_config(const tm_model *model);
 /* Parameter counts: total, and active per token (routed experts counted topk / E). */
 TM_API int64_t tm_model_num_params(const tm_model *model, int64_t *active_per_token);
 
+/* What one optimizer step of a run moves and holds beyond what is held between steps, for
+ * this rank: the plan of a model built in a plan-only context (tm_ctx_options.plan_only, with
+ * tm_comm_init's plan_world_size and plan_rank) after its optimizer was made, as a run makes
+ * them. Bytes are those tm_comm_get_stats counts (all-reduce: the buffer; all-gather: this
+ * rank's part; reduce-scatter: the input; all-to-all: the rows sent) and tm_ctx_memory_report
+ * counts; each comes from the code that issues the collective or holds the memory:
+ *  - grad_sync, param_gather (ZeRO 0-2), transient (ZeRO-2): tm_comm_sync_grads and the
+ *    parameters' all-gather after the update run on the placeholders, after the full gradient
+ *    buffers a backward makes (ZeRO-2: G ZeRO blocks per bucket, held from a step's first
+ *    backward to the synchronisation: the transient bytes);
+ *  - param_gather, bwd_reduce, transient (ZeRO-3): every use of a weight in the model's forward
+ *    all-gathers its pieces, and again in the backward (tm_model_forward gives each back after
+ *    use), whose reduce-scatter sends the gathered gradient (its numel); transient: the most
+ *    gathered weight bytes in use at once (a layer's own weights with its MoE block's, the
+ *    embedding, the lm_head: a weight gathered ahead counts from its use, as in a run);
+ *  - dispatch: the MoE layers' expert-parallel exchange, forward and backward, for `tokens`
+ *    rows per micro-batch under balanced routing (each expert receives tokens x topk / E rows):
+ *    alltoall: 2 x 2 x tokens x topk x (P-1)/P rows of d_model; alltoall_dedup: a token goes
+ *    to each other rank holding one of its topk experts (probability 1 - C(E-L, k) / C(E, k),
+ *    L = E / P) with its L weights and L map values, and a partial row comes back; allgather:
+ *    the tokens (d_model), router weights and map (E x (gate size + 1) bytes) of the rank out,
+ *    the P x tokens output rows reduce-scattered; 0 with ep_size 1.
+ * micro_batches (>= 1) multiplies what each micro-batch repeats (ZeRO-3's gathers and
+ * reduce-scatters, the dispatch); the synchronisation and the parameter all-gather run once
+ * per step. tokens: rows of one micro-batch on this rank (batch rows x sequence length), >= 1.
+ * The context's gradient state is that of a step's end afterwards (call it once).
+ * Errors: TM_ERR_INVALID_ARG (NULL, tokens or micro_batches < 1), TM_ERR_STATE (not a plan-only
+ * context). */
+typedef struct tm_step_plan {
+    int64_t grad_sync;    /* bytes handed to tm_comm_sync_grads' collectives: all-reduces, or
+                           * ZeRO-1 and 2 reduce-scatters; 0 under ZeRO-3 */
+    int64_t param_gather; /* ZeRO-1 and 2: the parameters' all-gather after the update; ZeRO-3:
+                           * the weights' all-gathers, forward and backward */
+    int64_t bwd_reduce;   /* ZeRO-3: the reduce-scatters of the gathered weights' gradients */
+    int64_t dispatch;     /* the MoE layers' expert-parallel exchange (balanced routing) */
+    int64_t transient;    /* bytes held during the step beyond those between steps: ZeRO-2's
+                           * full gradient buffers, ZeRO-3's gathered weights in use at once */
+} tm_step_plan;
+TM_API tm_status tm_model_plan_step(tm_model *model, int64_t tokens, int micro_batches, tm_step_plan *out);
+
 typedef struct tm_model_out {
     tm_tensor *logits;  /* [B,T,V], the model's dtype */
     tm_tensor *loss;    /* 0-d: ce + sum of the MoE layer losses (coefficients applied); NULL
@@ -1886,6 +1938,11 @@ typedef struct tm_comm_options {
                                  * (cuBLASLt is left to its heuristic: an SM count target there
                                  * changed its algorithms, and so the f32 rounding, against one
                                  * GPU.) Default 16; must be in [0, 64] */
+    int plan_world_size;        /* plan-only contexts (tm_ctx_options.plan_only) only: the world to
+                                 * lay out, >= 1 (0: one rank); no MPI is touched, the engine is
+                                 * "plan" (collectives move nothing and are counted in
+                                 * tm_comm_get_stats as a real engine's are) */
+    int plan_rank;              /* the rank laid out, in [0, plan_world_size) */
 } tm_comm_options;
 
 enum { TM_NCCL_AUTO = 0, TM_NCCL_OFF = 1, TM_NCCL_ALWAYS = 2 };
@@ -1915,9 +1972,11 @@ TM_API int tm_mpi_world_size(void);
 
 /* Attach a communicator to ctx (one per context; collective: every rank of the world calls it
  * with the same options). The world is opts->mpi_comm or MPI_COMM_WORLD under an initialised
- * MPI, else one rank. Call it before creating parameters: tm_moe_new sizes its expert weights
+ * MPI, else one rank; in a plan-only context, plan_world_size ranks of which this is plan_rank
+ * (nothing collective happens). Call it before creating parameters: tm_moe_new sizes its expert weights
  * by the layout. Errors: TM_ERR_INVALID_ARG (ep_size < 1 or not dividing the world size, zero
- * not 0 to 3, ep_strategy not a tm_ep_strategy, timeout NaN, nccl not one of TM_NCCL_*), TM_ERR_STATE (ctx has a
+ * not 0 to 3, ep_strategy not a tm_ep_strategy, timeout NaN, nccl not one of TM_NCCL_*,
+ * plan_world_size < 0, or > 0 outside a plan-only context, plan_rank outside the world), TM_ERR_STATE (ctx has a
  * communicator already, or parameters), TM_ERR_COMM (an MPI call failed). */
 TM_API tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts);
 /* This process's rank in group g and the group's size: 0 and 1 without a communicator (or for

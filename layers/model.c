@@ -343,17 +343,27 @@ static tm_status self_attention(tm_model *m, int l, const tm__layer *L, tm_tenso
  * otherwise), and their memory given back after the layer's forward (the backward gathers them
  * again). The MoE block gathers its own; attn_norm is not the block's (the norm before it is
  * fused with the previous residual add: first_norm, add_norm_after). */
+enum { LAYER_OWN = 8 };
+
+/* The slots of L's own weights that layer_use gathers (NULL where the layer has none). */
+static void layer_own(tm__layer *L, tm_tensor **f[LAYER_OWN]) {
+    tm_tensor **g[LAYER_OWN] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->ffn_norm, &L->mlp_w0, &L->mlp_w1, &L->mlp_wo};
+    memcpy(f, g, sizeof g);
+}
+
 static tm_status layer_use(tm_ctx *ctx, const tm__layer *L, tm__layer *W) {
     *W = *L;
-    tm_tensor **f[] = {&W->wq, &W->wk, &W->wv, &W->wo, &W->ffn_norm, &W->mlp_w0, &W->mlp_w1, &W->mlp_wo};
-    for (size_t i = 0; i < sizeof f / sizeof *f; i++)
+    tm_tensor **f[LAYER_OWN];
+    layer_own(W, f);
+    for (int i = 0; i < LAYER_OWN; i++)
         if (*f[i]) TM__TRY(tm__param_use(ctx, *f[i], f[i]));
     return TM_OK;
 }
 
 static void layer_done(tm_ctx *ctx, tm__layer *W) {
-    tm_tensor *f[] = {W->wq, W->wk, W->wv, W->wo, W->ffn_norm, W->mlp_w0, W->mlp_w1, W->mlp_wo};
-    for (size_t i = 0; i < sizeof f / sizeof *f; i++) tm__param_done(ctx, f[i]);
+    tm_tensor **f[LAYER_OWN];
+    layer_own(W, f);
+    for (int i = 0; i < LAYER_OWN; i++) tm__param_done(ctx, *f[i]);
 }
 
 static tm_status block_of(tm_model *m, int l, const tm__layer *L, tm_tensor *x, tm_tensor *h, int64_t B, int64_t T,
@@ -660,5 +670,63 @@ tm_status tm_model_step(tm_model *m) {
     if (!m) return TM_ERR_INVALID_ARG;
     for (int l = 0; l < m->cfg.n_layers; l++)
         if (m->layers[l].moe) TM__TRY(tm_moe_update_expert_bias(m->layers[l].moe));
+    return TM_OK;
+}
+
+/* ---- the plan of a step (tinymoe.h, tm_model_plan_step) ---------------------------------- */
+
+/* One set of weights the forward holds gathered at once (ZeRO-3): what tm__param_use counts
+ * for each, added to the step's traffic (gathered again in the backward: tm__param_done gives
+ * each back after its forward use), the set's bytes against the most held at once. */
+static tm_status plan_uses(tm_ctx *ctx, tm_tensor *const *w, int n, int micro, tm_step_plan *out) {
+    int64_t held_set = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t held, gather, reduce;
+        if (!w[i]) continue;
+        TM__TRY(tm__fsdp_use_plan(ctx, w[i], &held, &gather, &reduce));
+        held_set += held;
+        out->param_gather += 2 * gather * micro;
+        out->bwd_reduce += reduce * micro;
+    }
+    if (held_set > out->transient) out->transient = held_set;
+    return TM_OK;
+}
+
+tm_status tm_model_plan_step(tm_model *m, int64_t tokens, int micro_batches, tm_step_plan *out) {
+    static const char fn[] = "tm_model_plan_step";
+    if (!m) return TM_ERR_INVALID_ARG;
+    tm_ctx *ctx = m->ctx;
+    if (!out) return BAD("%s: out is NULL", fn);
+    if (tokens < 1 || micro_batches < 1)
+        return BAD("%s: tokens = %lld and micro_batches = %d must be >= 1", fn, (long long)tokens, micro_batches);
+    if (!tm__ctx_plan_only(ctx))
+        return tm__err(ctx, TM_ERR_STATE, "%s: the model's context computes (its collectives and buffers are real): "
+                       "plan in a context made with tm_ctx_options.plan_only", fn);
+    memset(out, 0, sizeof *out);
+    /* ZeRO 0-2: the buckets' synchronisation and all-gather, run on the placeholders */
+    int64_t grads_transient = 0;
+    TM__TRY(tm__zero_plan_step(ctx, &out->grad_sync, &out->param_gather, &grads_transient));
+    /* ZeRO-3: the forward's uses in its order (embed, first_norm, block + add_norm_after per
+     * layer, head), each set as long as it is held */
+    const tm_model_config *c = &m->cfg;
+    double dispatch = 0; /* (expected bytes: whole once summed) */
+    TM__TRY(plan_uses(ctx, &m->embed, 1, micro_batches, out));
+    TM__TRY(plan_uses(ctx, &m->layers[0].attn_norm, 1, micro_batches, out));
+    for (int l = 0; l < c->n_layers; l++) {
+        tm__layer *L = &m->layers[l];
+        tm_tensor *set[LAYER_OWN + 8], **f[LAYER_OWN];
+        layer_own(L, f);
+        int n = 0;
+        for (int i = 0; i < LAYER_OWN; i++) set[n++] = *f[i];
+        if (L->moe) n += tm__moe_weights(L->moe, set + n);
+        TM__TRY(plan_uses(ctx, set, n, micro_batches, out));
+        tm_tensor *after = norm_after(m, l);
+        TM__TRY(plan_uses(ctx, &after, 1, micro_batches, out));
+        if (L->moe) dispatch += tm__moe_plan_dispatch(L->moe, tokens) * micro_batches;
+    }
+    out->dispatch = (int64_t)dispatch;
+    tm_tensor *head_w = m->lm_head ? m->lm_head : m->embed;
+    TM__TRY(plan_uses(ctx, &head_w, 1, micro_batches, out));
+    out->transient += grads_transient; /* (one of the two is 0: ZeRO-2 gathers nothing) */
     return TM_OK;
 }

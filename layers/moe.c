@@ -1065,6 +1065,27 @@ int tm__moe_weights(const tm_moe *m, tm_tensor **out) {
     return n;
 }
 
+/* The dispatch's bytes per forward + backward of `tokens` rows under balanced routing (the
+ * contract is at tm_model_plan_step). The router's weights and map values travel in f32. */
+double tm__moe_plan_dispatch(const tm_moe *m, int64_t tokens) {
+    if (m->P <= 1) return 0;
+    const double T = (double)tokens, H = m->cfg.hidden_size, es = (double)tm_dtype_size(m->dtype), gs = 4, P = m->P,
+                 E = m->cfg.router.num_experts, L = m->L;
+    const int64_t k = m->cfg.router.topk;
+    if (m->ep_strategy == TM_EP_ALLTOALL) return 2.0 * 2.0 * T * (double)k * (P - 1) / P * H * es;
+    if (m->ep_strategy == TM_EP_ALLTOALL_DEDUP) {
+        /* a token goes to each other rank holding one of its k experts (k of E drawn without
+         * replacement: it misses a rank's L experts with probability C(E-L, k) / C(E, k)), with
+         * its L weights and L map values for that rank; the partial rows come back */
+        double miss = 1;
+        for (int64_t i = 0; i < k; i++) miss *= (E - L - (double)i) / (E - (double)i);
+        double rows = T * (P - 1) * (1 - (miss > 0 ? miss : 0));
+        return 2.0 * rows * (2.0 * H * es + 2.0 * L * gs);
+    }
+    /* allgather: the tokens, router weights and map out, the P x tokens outputs reduce-scattered */
+    return 2.0 * (T * H * es + T * E * (gs + 1) + P * T * H * es);
+}
+
 tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats,
                           int accumulate, const tm__dp_rows *dp_given) {
     tm_ctx *ctx = m->ctx;

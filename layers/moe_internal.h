@@ -22,14 +22,17 @@ typedef struct tm__dp_rows {
  * without data parallelism). Every rank of the dp group calls it. */
 tm_status tm__dp_rows_of(tm_ctx *ctx, int64_t T, tm__dp_rows *out);
 
-/* tm_moe_forward with the running count's update chosen by the caller: accumulate = 0 leaves
- * tokens_per_expert_sum alone (tm_model_forward adds the counts itself, once the step's ids are
- * known to be valid, with tm__moe_accumulate). dp: the row map of x's rows when the caller has
- * it (tm_model_forward makes one per forward for all its layers); NULL: the block makes it. */
 /* The block's weights in the order its forward gathers them under ZeRO-3 (gate, routed
  * experts' w0, w1, wo, shared expert's): up to 7 into out, their number returned (model.c
  * prefetches the next layer's). */
 int tm__moe_weights(const tm_moe *m, tm_tensor **out);
+/* Bytes of the block's expert-parallel dispatch and combine, forward and backward, for `tokens`
+ * rows of a micro-batch under balanced routing (tm_model_plan_step); 0 with ep_size 1. */
+double tm__moe_plan_dispatch(const tm_moe *m, int64_t tokens);
+/* tm_moe_forward with the running count's update chosen by the caller: accumulate = 0 leaves
+ * tokens_per_expert_sum alone (tm_model_forward adds the counts itself, once the step's ids are
+ * known to be valid, with tm__moe_accumulate). dp: the row map of x's rows when the caller has
+ * it (tm_model_forward makes one per forward for all its layers); NULL: the block makes it. */
 tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor **y, tm_moe_stats *stats,
                           int accumulate, const tm__dp_rows *dp);
 /* tokens_per_expert_sum += counts (i64 [E]) on the device (tm_moe_accumulate_counts). */

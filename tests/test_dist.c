@@ -1445,6 +1445,26 @@ Test(dist, plan_equals_what_a_run_measures) {
     plan_vs_run(4, "--ep_size 2 --zero 3");
     plan_vs_run(2, "--dtype bf16 --zero 3 --shared_ffn_size 16");
     plan_vs_run(4, "--ep_size 4 --zero 3");
+    plan_vs_run(2, "--optimizer sgd --momentum 0.9 --zero 2"); /* one moment (the old formula assumed AdamW's two) */
+    tt_tmpdir_remove();
+}
+
+/* The library's plan of each rank (a plan-only context, tm_model_plan_step) equals what the
+ * rank measures in a real step: the memory report's parameter, gradient, optimizer and
+ * transient bytes and each collective kind's bytes, for ZeRO 0-3 with ep_size 1, 2 and the
+ * world (tests/dist/dist_helper.c, check_plan), on 2 and 4 ranks. */
+Test(dist, library_plan_equals_each_rank_measured) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    for (int np = 2; np <= 4; np *= 2) {
+        char log[1100];
+        snprintf(log, sizeof log, "%s", tt_path(np == 2 ? "plan2.log" : "plan4.log"));
+        int rc = run(log, MPIRUN " -np %d '%s/tinymoe_dist_helper' plan", np, bindir());
+        char *t = slurp_text(log);
+        cr_assert_eq(rc, 0, "%d ranks: exit %d\n%s", np, rc, t);
+        cr_assert(strstr(t, "plan: ") && strstr(t, "ranks, ok"), "%s", t);
+        free(t);
+    }
     tt_tmpdir_remove();
 }
 

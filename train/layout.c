@@ -1,7 +1,8 @@
 /* layout.c — seeing and planning parallel layouts: `--print-layout` (which rank holds which
  * parameters and experts, and the bytes of parameters, gradients and optimizer state of each,
  * measured, plus <out>/layout.svg) and `tinymoe plan` (the same figures and the communication of
- * a step for any scale, computed without running). See layout.h. Uses only the public header. */
+ * a step for any scale, laid out by the library in a plan-only context without running). This
+ * file only presents them (tables, svg). See layout.h. Uses only the public header. */
 #include "layout.h"
 
 #include <errno.h>
@@ -11,6 +12,7 @@
 #include <string.h>
 
 #include "atomic.h"
+#include "run.h"
 #include "status.h"
 #include "tinymoe.h"
 #include "util.h"
@@ -196,165 +198,60 @@ int tmd_layout_print_peaks(tm_ctx *ctx, tm_device dev, const tm_comm_stats *last
 }
 
 /* ---- planned: tinymoe plan ---------------------------------------------------------------- */
-/* The formulas of the library, for a model that is not built:
- *  - a bucket per (dtype, group): the model's dtype for dense weights, f32 for the MoE gates
- *    (f64 for f64 models), the model's dtype for the experts (framework/param.c);
- *  - every parameter padded to 64 bytes in its bucket; gradients the same layout;
- *  - expert parallelism: each rank holds E / P experts of every routed-expert tensor;
- *  - ZeRO-1 and 2: a bucket of n elements over a group of G ranks in blocks of ceil(n / G)
- *    rounded up to 64 elements (framework/comm.c tm__zero_block); rank j's block [j blk, (j+1) blk)
- *    clipped to n; AdamW keeps 2 f32 buffers of its block (at least one element each), a bf16
- *    bucket an f32 master of its block;
- *  - ZeRO-2: the gradients a rank keeps are a shard of blk elements per bucket (a group of one
- *    rank too: blk is then n rounded up to 64), and the full buffer of G blk elements exists
- *    from a step's first backward to its synchronisation (the transient bytes);
- *  - the optimizer's step counter: an i64 host buffer.
- * Communication of a step (bytes this rank hands to the collectives, as tm_comm_get_stats counts
- * them): gradient sync per bucket whose group has > 1 rank: all-reduce of the bucket, or under
- * ZeRO-1 and 2 a reduce-scatter of the G blocks; then their parameter all-gather of the block. The MoE
- * dispatch of expert parallelism per layer and micro-batch, forward and backward, assuming
- * balanced routing: all-to-all of T k (P - 1) / P rows of H each way; all-gather of T rows of
- * H (+ the router outputs, T E (f32 + u8)) and a reduce-scatter of P T rows; or, deduplicated,
- * all-to-all of a row of H (+ 2L f32) per (token, other rank touched) each way. */
-
-typedef struct pbucket {
-    int dtype_size, expert; /* element size; expert group */
-    int64_t numel;          /* padded elements */
-} pbucket;
-
-/* ZeRO-3's traffic needs each parameter's place in its bucket: the parameters of the plan in
- * creation order. */
-typedef struct pparam {
-    pbucket *b;
-    int64_t off, numel;
-} pparam;
-enum { PLAN_MAX_PARAMS = 1 << 14 };
-static pparam plan_params[PLAN_MAX_PARAMS];
-static int plan_n;
-
-static int64_t padded(int64_t numel, int es) { return (numel * es + 63) / 64 * 64 / es; }
-
-static void add(pbucket *b, int64_t numel) {
-    if (plan_n < PLAN_MAX_PARAMS) plan_params[plan_n++] = (pparam){b, b->numel, numel};
-    b->numel += padded(numel, b->dtype_size);
-}
-
-/* Elements of [off, off + n) in group rank j's ZeRO block of a bucket of `size` elements. */
-static int64_t piece_of(int64_t off, int64_t n, int64_t blk, int64_t size, int j) {
-    int64_t a = j * blk < size ? j * blk : size, e = (j + 1) * blk < size ? (j + 1) * blk : size;
-    int64_t s = off > a ? off : a, t = off + n < e ? off + n : e;
-    return t > s ? t - s : 0;
-}
-
-void tmd_plan_compute(const tmd_config *c, int ranks, int ep_size, int zero, int rank, tmd_plan *out) {
+/* No formula here: each rank's layout is the library's, made by the code a run makes it with,
+ * in a plan-only context (tinymoe.h, tm_ctx_options.plan_only) whose device allocates nothing:
+ * the communicator of a world of `ranks` with this rank (tm_comm_options.plan_world_size),
+ * the model, the optimizer; the memory report then holds the rank's parameter, gradient and
+ * optimizer bytes, and tm_model_plan_step what a step moves and holds beyond them. */
+int tmd_plan_compute(const tmd_config *c, int ranks, int rank, tmd_plan *out, char *err, size_t errlen) {
     memset(out, 0, sizeof *out);
-    out->zero = zero;
-    const tm_model_config *m = &c->model;
-    int es = c->dtype == TMD_DTYPE_BF16 ? 2 : 4, gs = 4;
-    int64_t H = m->d_model, V = m->vocab_size, D = H / m->n_heads, Hq = (int64_t)m->n_heads * D,
-            Hkv = (int64_t)m->n_kv_heads * D, Fd = m->dense_ffn_size ? m->dense_ffn_size : 4 * H,
-            E = m->moe.router.num_experts, F = m->moe.ffn_size, Fs = m->moe.shared_ffn_size, L = E / ep_size;
-    pbucket dense = {es, 0, 0}, gate = {gs, 0, 0}, expert = {es, 1, 0};
-    plan_n = 0;
-    add(&dense, V * H);
-    int n_moe = 0;
-    for (int l = 0; l < m->n_layers; l++) {
-        add(&dense, H);
-        add(&dense, H * Hq), add(&dense, H * Hkv), add(&dense, H * Hkv), add(&dense, Hq * H);
-        add(&dense, H);
-        if (l < m->first_k_dense) {
-            add(&dense, H * Fd), add(&dense, H * Fd), add(&dense, Fd * H);
-            continue;
+    out->zero = c->zero;
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    o.plan_only = 1;
+    tm_ctx *ctx = NULL;
+    if (tm_ctx_new(&ctx, &o))
+        return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot create a plan-only context: %s", tm_last_create_error());
+    tm_comm_options co = tmd_comm_options_of(c);
+    co.plan_world_size = ranks;
+    co.plan_rank = rank;
+    tm_model *m = NULL;
+    tm_optimizer *opt = NULL;
+    tm_step_plan sp;
+    tm_memory_report mr;
+    const char *what = "attaching the communicator";
+    tm_status s = tm_comm_init(ctx, &co);
+    if (!s) what = "building the model", s = tm_model_new(ctx, &c->model, c->dtype == TMD_DTYPE_BF16 ? TM_BF16 : TM_F32,
+                                                           tm_cpu(), &m);
+    if (!s) what = "creating the optimizer",
+            s = c->optimizer == TMD_OPT_ADAMW ? tm_adamw_new(ctx, &c->adamw, &opt) : tm_sgd_new(ctx, &c->sgd, &opt);
+    if (!s) what = "reading the memory report", s = tm_ctx_memory_report(ctx, tm_cpu(), &mr);
+    if (!s) {
+        out->params = (int64_t)mr.current[TM_MEM_PARAMETERS];
+        out->gradients = (int64_t)mr.current[TM_MEM_GRADIENTS];
+        out->optimizer = (int64_t)mr.current[TM_MEM_OPTIMIZER];
+        out->experts_lo = out->experts_hi = -1; /* a model without MoE layers holds none */
+        for (int k = 0; k < tm_ctx_num_buckets(ctx); k++) {
+            tm_bucket_info bi;
+            if (tm_ctx_bucket_info(ctx, k, &bi) == TM_OK && bi.group == TM_PARAM_EXPERT)
+                out->experts_lo = bi.expert_lo, out->experts_hi = bi.expert_hi;
         }
-        n_moe++;
-        (es == gs ? add(&dense, H * E) : add(&gate, H * E));
-        add(&expert, L * H * F), add(&expert, L * H * F), add(&expert, L * F * H);
-        if (Fs) add(&dense, H * Fs), add(&dense, H * Fs), add(&dense, Fs * H);
+        what = "planning a step";
+        s = tm_model_plan_step(m, (int64_t)c->batch_size / ranks * c->model.max_seq_len, c->grad_accum, &sp);
     }
-    add(&dense, H);
-    if (!m->tie_embeddings) add(&dense, H * V);
-    pbucket *bk[3] = {&dense, &gate, &expert};
-    int dp = ranks, xdp = ranks / ep_size;
-    for (int k = 0; k < 3; k++) {
-        pbucket *b = bk[k];
-        if (!b->numel) continue;
-        int G = b->expert ? xdp : dp, gr = b->expert ? rank / ep_size : rank;
-        out->params += b->numel * b->dtype_size;
-        int64_t lo = 0, hi = b->numel, blk = (b->numel + G - 1) / G;
-        blk = (blk + 63) / 64 * 64;
-        if (zero) {
-            lo = blk * gr < b->numel ? blk * gr : b->numel;
-            hi = blk * (gr + 1) < b->numel ? blk * (gr + 1) : b->numel;
-        }
-        int64_t own = hi - lo;
-        out->optimizer += 2 * 4 * (own ? own : 1) + (b->dtype_size == 2 ? 4 * own : 0);
-        if (zero >= 2) {
-            out->gradients += blk * b->dtype_size;
-            out->transient += (int64_t)G * blk * b->dtype_size;
-        } else {
-            out->gradients += b->numel * b->dtype_size;
-        }
-        if (G > 1) {
-            out->grad_sync += zero ? (int64_t)G * blk * b->dtype_size : b->numel * b->dtype_size;
-            if (zero) out->param_gather += blk * b->dtype_size;
-        }
+    if (!s) {
+        out->grad_sync = sp.grad_sync;
+        out->param_gather = sp.param_gather;
+        out->bwd_reduce = sp.bwd_reduce;
+        out->dispatch = sp.dispatch;
+        out->transient = sp.transient;
     }
-    out->optimizer += 64; /* the step counter: an i64 buffer, 64-byte aligned */
-    if (zero >= 3) {
-        /* ZeRO-3 (framework/fsdp.c): the parameters are the blocks; no full gradient buffer, and
-         * no synchronisation or all-gather after the step: each use of a parameter all-gathers
-         * its pieces in the forward and again in the backward, whose reduce goes straight into
-         * the shards (a reduce-scatter when every rank's piece is equal, else an all-reduce of
-         * the parameter's gradient, this rank keeping its piece). */
-        out->params = out->gradients;
-        out->grad_sync = out->param_gather = 0;
-        for (int i = 0; i < plan_n; i++) {
-            const pparam *q = &plan_params[i];
-            int G = q->b->expert ? xdp : dp, gr = q->b->expert ? rank / ep_size : rank;
-            int64_t blk = ((q->b->numel + G - 1) / G + 63) / 64 * 64, mine = piece_of(q->off, q->numel, blk, q->b->numel, gr);
-            int equal = 1;
-            for (int j = 1; j < G; j++)
-                equal &= piece_of(q->off, q->numel, blk, q->b->numel, j) == piece_of(q->off, q->numel, blk, q->b->numel, 0);
-            int uses = (i == 0 && m->tie_embeddings) ? 2 : 1; /* a tied embedding is its lm_head too */
-            out->param_gather += (int64_t)uses * 2 * mine * q->b->dtype_size * c->grad_accum;
-            out->bwd_reduce += (int64_t)uses * (equal ? (int64_t)G * mine : q->numel) * q->b->dtype_size * c->grad_accum;
-        }
-        /* transient: the most gathered at once: a layer's weights with its MoE block's during
-         * its forward (the backward holds the MoE block's, then the layer's own), or the
-         * embedding or lm_head alone; unpadded (a gathered weight is its numel elements) */
-        int64_t most = V * H * es;
-        int at = 1; /* plan_params[0] is the embedding */
-        for (int l = 0; l < m->n_layers; l++) {
-            int64_t layer = 0;
-            int n_own = l < m->first_k_dense ? 9 : 6 + 4 + (Fs ? 3 : 0);
-            /* (its attn_norm is gathered on its own, with the residual add before the layer) */
-            for (int j = 0; j < n_own && at < plan_n; j++, at++)
-                if (j > 0) layer += plan_params[at].numel * plan_params[at].b->dtype_size;
-            if (layer > most) most = layer;
-        }
-        out->transient = most;
-    }
-    /* the MoE dispatch (balanced routing), per micro-batch: forward + backward */
-    int64_t T = (int64_t)c->batch_size / ranks * m->max_seq_len, k = m->moe.router.topk;
-    double per_layer = 0;
-    if (ep_size > 1) {
-        if (c->ep_strategy == TM_EP_ALLTOALL) {
-            per_layer = 2.0 * 2.0 * (double)T * (double)k * (ep_size - 1) / ep_size * (double)H * es;
-        } else if (c->ep_strategy == TM_EP_ALLTOALL_DEDUP) {
-            /* a token goes to each other rank holding one of its k experts (k of E drawn without
-             * replacement: it misses a rank's L experts with probability C(E-L, k) / C(E, k)),
-             * with its L weights and L map values (f32) for that rank; the partial rows come back */
-            double miss = 1;
-            for (int64_t i = 0; i < k; i++) miss *= (double)(E - L - i) / (double)(E - i);
-            double rows = (double)T * (ep_size - 1) * (1 - (miss > 0 ? miss : 0));
-            per_layer = 2.0 * rows * (2.0 * H * es + 2.0 * L * gs);
-        } else {
-            per_layer = 2.0 * ((double)T * H * es + (double)T * E * (gs + 1) + (double)ep_size * T * H * es);
-        }
-    }
-    out->dispatch = (int64_t)(per_layer * n_moe * c->grad_accum);
-    out->experts_lo = (rank % ep_size) * L;
-    out->experts_hi = out->experts_lo + L;
+    int rc = s ? tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "rank %d of %d: %s: %s", rank, ranks, what, tm_ctx_errmsg(ctx))
+               : 0;
+    tm_optimizer_free(opt);
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+    return rc;
 }
 
 /* Ranks whose figures are equal (all but their experts) print as one class: "ranks 0-3, 8-11". */
@@ -380,9 +277,12 @@ static void print_ranks(FILE *f, const int *cls, int ranks, int k) {
 }
 
 static void print_plan_row(FILE *f, int r, const tmd_plan *p) {
-    fprintf(f, "  rank %4d  experts [%lld,%lld)  parameters %lld  gradients %lld  optimizer %lld  grad_sync %lld  "
-               "param_gather %lld  dispatch %lld  transient %lld  bwd_reduce %lld\n", r, (long long)p->experts_lo,
-            (long long)p->experts_hi, (long long)p->params, (long long)p->gradients, (long long)p->optimizer,
+    char ex[48];
+    if (p->experts_lo < 0) snprintf(ex, sizeof ex, "-");
+    else snprintf(ex, sizeof ex, "[%lld,%lld)", (long long)p->experts_lo, (long long)p->experts_hi);
+    fprintf(f, "  rank %4d  experts %s  parameters %lld  gradients %lld  optimizer %lld  grad_sync %lld  "
+               "param_gather %lld  dispatch %lld  transient %lld  bwd_reduce %lld\n", r, ex, (long long)p->params,
+            (long long)p->gradients, (long long)p->optimizer,
             (long long)p->grad_sync, (long long)p->param_gather, (long long)p->dispatch, (long long)p->transient,
             (long long)p->bwd_reduce);
 }
@@ -431,8 +331,8 @@ int tmd_plan_main(int argc, char **argv) {
         fputs("usage: tinymoe plan --ranks N [--per-rank] [--config FILE] [--preset NAME] [--key value ...]\n"
               "Memory per rank (parameters, gradients, optimizer state, in bytes) and the bytes each rank's\n"
               "collectives move per optimizer step, for N ranks and the layout keys ep_size, ep_strategy and\n"
-              "zero, computed from the configuration without building anything (any scale: e.g. 256 experts\n"
-              "on 64 ranks). Ranks with equal figures print together; --per-rank prints one line per rank\n"
+              "zero, laid out by the library's own code in a context that allocates nothing (any scale: e.g.\n"
+              "256 experts on 64 ranks). Ranks with equal figures print together; --per-rank prints one line per rank\n"
               "(bytes, with its experts). The MoE dispatch assumes balanced routing. docs/layouts.md\n"
               "explains the layouts.\n",
               stdout);
@@ -469,7 +369,11 @@ int tmd_plan_main(int argc, char **argv) {
     printf("per rank, bytes held, and bytes moved per optimizer step (dispatch: balanced routing)%s:\n",
            per_rank ? "" : "; ranks with equal figures together");
     for (int r = 0; r < ranks; r++) {
-        tmd_plan_compute(&c, ranks, c.ep_size, c.zero, r, &p[r]);
+        if (tmd_plan_compute(&c, ranks, r, &p[r], err, sizeof err)) {
+            fprintf(stderr, "tinymoe: plan: %s\n", err);
+            free(p), free(cls);
+            return TMD_RUNTIME_ERROR;
+        }
         cls[r] = -1;
         for (int q = 0; q < r && cls[r] < 0; q++)
             if (same_figures(&p[q], &p[r])) cls[r] = cls[q];

@@ -7,9 +7,10 @@
  * dense parameters and experts held, with the ZeRO-1 blocks). Returns 0 or TMD_RUNTIME_ERROR.
  *
  * tmd_plan_compute: the same figures for one rank of a layout, and the bytes its collectives
- * move per optimizer step, from the configuration alone (nothing is built: any scale), with the
- * library's formulas (the comment in layout.c lists them). tests/test_dist.c checks them
- * against what --print-layout and metrics.jsonl measure on a real run.
+ * move per optimizer step, from the configuration alone at any scale: the library lays the rank
+ * out in a plan-only context (nothing is allocated; tinymoe.h, tm_ctx_options.plan_only and
+ * tm_model_plan_step), so the driver keeps no copy of its formulas. tests/test_dist.c checks
+ * them against what --print-layout and metrics.jsonl measure on a real run.
  */
 #ifndef TMD_LAYOUT_H
 #define TMD_LAYOUT_H
@@ -39,12 +40,14 @@ typedef struct tmd_plan {
                                            * the most all-gathered weight bytes held at once */
     int64_t bwd_reduce;                   /* ZeRO-3: bytes of the backward's reduce of the
                                            * gathered weights' gradients into the shards */
-    int64_t experts_lo, experts_hi;
+    int64_t experts_lo, experts_hi;       /* the routed experts held; -1, -1: no MoE layer */
     int zero;                             /* the ZeRO stage planned for */
 } tmd_plan;
 
-/* c resolved and valid; ranks divisible by ep_size; rank in [0, ranks). */
-void tmd_plan_compute(const tmd_config *c, int ranks, int ep_size, int zero, int rank, tmd_plan *out);
+/* Rank `rank` of `ranks` under c's layout keys (ep_size, ep_strategy, zero) and optimizer: c
+ * resolved and valid, ranks divisible by ep_size and dividing batch_size, rank in [0, ranks).
+ * Returns 0, or TMD_RUNTIME_ERROR with the library's message in err. */
+int tmd_plan_compute(const tmd_config *c, int ranks, int rank, tmd_plan *out, char *err, size_t errlen);
 
 /* `tinymoe plan --ranks N [--config FILE] [--key value ...]` (ep_size, ep_strategy and zero are
  * keys): returns the exit status. */

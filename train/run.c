@@ -144,7 +144,7 @@ static int load_data(tmd_run *r, int eval_only, char *err, size_t errlen) {
     return 0;
 }
 
-static tm_comm_options layout_of(const tmd_config *c) {
+tm_comm_options tmd_comm_options_of(const tmd_config *c) {
     tm_comm_options co = tm_comm_options_default();
     co.ep_size = c->ep_size;
     co.ep_strategy = (tm_ep_strategy)c->ep_strategy;
@@ -265,7 +265,7 @@ static int build(tmd_run *r, int eval_only, char *err, size_t errlen) {
     if (s)
         return tmd_fail(err, errlen, TMD_RUNTIME_ERROR, "cannot create a context (%s): %s", tm_status_str(s),
                         tm_last_create_error());
-    tm_comm_options co = layout_of(c);
+    tm_comm_options co = tmd_comm_options_of(c);
     if ((s = tm_comm_init(r->ctx, &co))) return tmd_run_lib_fail(r, err, errlen, "setting up the communicator", s);
     r->dev = c->device == TMD_DEVICE_CUDA ? tm_cuda(o.cuda_device) : tm_cpu();
     tm_dtype dt = c->dtype == TMD_DTYPE_BF16 ? TM_BF16 : TM_F32;

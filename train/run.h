@@ -105,6 +105,9 @@ int tmd_run_lib_fail(tmd_run *r, char *err, size_t errlen, const char *what, tm_
 void tmd_run_log_flush(tmd_run *r);
 /* Free what the run holds (not r itself). */
 void tmd_run_free(tmd_run *r);
+/* The communicator options of the layout keys (ep_size, ep_strategy, zero, comm_timeout, nccl,
+ * comm_overlap): what a run attaches, and what `tinymoe plan` lays out. */
+tm_comm_options tmd_comm_options_of(const tmd_config *c);
 /* Resolve and validate cfg, load and check the data, build the model (and, unless eval_only,
  * the optimizer), apply init_from, and load r->resume_path when set. Nothing is written. */
 int tmd_run_setup(tmd_run *r, const tmd_config *cfg, FILE *log, int eval_only, char *err, size_t errlen);

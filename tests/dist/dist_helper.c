@@ -12,6 +12,11 @@
  *                                     rank (f32 state, bf16 master weights); the host round
  *                                     trips of an expert-parallel step (chunked too) and a
  *                                     chunked MoE layer (overlap_chunks) against an unchunked one
+ *   tinymoe_dist_helper plan          the library's plan of each rank (a plan-only context:
+ *                                     tm_model_plan_step) against a real step of the rank: bytes
+ *                                     held, transient bytes, and each collective kind's bytes, for
+ *                                     ZeRO 0-3, ep_size 1, 2 and the world, bf16, SGD, tied
+ *                                     embeddings; and the plan of twice the ranks must differ
  *   tinymoe_dist_helper cuda           (GPU machine) every collective op on CUDA tensors against
  *                                     the same op on CPU tensors, forward and backward; with 2
  *                                     ranks the chunked MoE layer on CUDA (its all-to-alls beside
@@ -827,6 +832,187 @@ static void check_dp_row_map(void) {
           (long long)two, (long long)four);
 }
 
+/* ---- the library's plan of a rank against what the rank measures ------------------------- */
+/* One rank's figures: the bytes held after the optimizer is made (the memory report's
+ * parameters, gradients, optimizer state), the step's transient bytes (peak less current of
+ * parameters and gradients), and per step the bytes of the gradient synchronisation, of the
+ * all-gathers and reduce-scatters, of the all-to-alls. */
+typedef struct rank_figures {
+    int64_t params, grads, optim, transient, sync, gather, rscatter;
+} rank_figures;
+
+typedef struct plan_case {
+    const char *name;
+    int ep_size, zero, bf16, sgd, tie, n_layers;
+} plan_case;
+
+static tm_model_config plan_config(const plan_case *pc) {
+    tm_model_config c = tiny_config(pc->n_layers);
+    c.tie_embeddings = pc->tie;
+    if (pc->bf16) c.moe.shared_ffn_size = 8;
+    return c;
+}
+
+static tm_status make_optimizer(tm_ctx *ctx, const plan_case *pc, tm_optimizer **opt) {
+    if (pc->sgd) {
+        tm_sgd_config sc = tm_sgd_config_default();
+        sc.momentum = 0.9;
+        return tm_sgd_new(ctx, &sc, opt);
+    }
+    tm_adamw_config ac = tm_adamw_config_default();
+    return tm_adamw_new(ctx, &ac, opt);
+}
+
+static int64_t kind_bytes(const tm_comm_stats *a, const tm_comm_stats *b, tm_comm_kind k) {
+    return b->bytes[k] - a->bytes[k];
+}
+
+/* A real step of the case on this rank (micro-batch B x T rows). */
+enum { PB = 2, PT = 12 };
+static rank_figures measure(const plan_case *pc, int zero) {
+    rank_figures f;
+    memset(&f, 0, sizeof f);
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    tm_ctx *ctx = NULL;
+    if (tm_ctx_new(&ctx, &o)) exit(2);
+    tm_comm_options co = tm_comm_options_default();
+    co.ep_size = pc->ep_size;
+    co.zero = zero;
+    co.timeout_s = 30;
+    OK(ctx, tm_comm_init(ctx, &co));
+    tm_model_config c = plan_config(pc);
+    tm_model *m = NULL;
+    tm_optimizer *opt = NULL;
+    OK(ctx, tm_model_new(ctx, &c, pc->bf16 ? TM_BF16 : TM_F32, tm_cpu(), &m));
+    OK(ctx, tm_model_init(m, 5));
+    OK(ctx, make_optimizer(ctx, pc, &opt));
+    tm_memory_report mr;
+    OK(ctx, tm_ctx_memory_report(ctx, tm_cpu(), &mr));
+    f.params = (int64_t)mr.current[TM_MEM_PARAMETERS];
+    f.grads = (int64_t)mr.current[TM_MEM_GRADIENTS];
+    f.optim = (int64_t)mr.current[TM_MEM_OPTIMIZER];
+    int32_t tok[PB * PT + 1];
+    for (int i = 0; i < PB * PT + 1; i++) tok[i] = (i * 5 + 1 + 3 * g_rank) % 31;
+    int64_t sh[2] = {PB, PT};
+    tm_tensor *tokens, *targets;
+    OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok, &tokens));
+    OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok + 1, &targets));
+    tm_comm_stats s0, s1, s2, s3;
+    OK(ctx, tm_comm_get_stats(ctx, &s0));
+    tm_model_out out;
+    OK(ctx, tm_model_forward(m, tokens, targets, &out));
+    OK(ctx, tm_backward(ctx, out.loss));
+    tm_ctx_arena_reset(ctx);
+    OK(ctx, tm_comm_get_stats(ctx, &s1));
+    OK(ctx, tm_comm_sync_grads(ctx));
+    OK(ctx, tm_comm_get_stats(ctx, &s2));
+    OK(ctx, tm_optimizer_step(opt, 1e-3));
+    OK(ctx, tm_comm_get_stats(ctx, &s3));
+    OK(ctx, tm_ctx_memory_report(ctx, tm_cpu(), &mr));
+    f.transient = (int64_t)(mr.peak[TM_MEM_GRADIENTS] - mr.current[TM_MEM_GRADIENTS]) +
+                  (int64_t)(mr.peak[TM_MEM_PARAMETERS] - mr.current[TM_MEM_PARAMETERS]);
+    for (int k = 0; k < TM_COMM_NKINDS; k++) f.sync += kind_bytes(&s1, &s2, (tm_comm_kind)k);
+    /* the forward and backward's (ZeRO-3's weights, and the data-parallel row map) and the
+     * optimizer step's (ZeRO-1 and 2's parameters) */
+    f.gather = kind_bytes(&s0, &s1, TM_COMM_ALLGATHER) + kind_bytes(&s2, &s3, TM_COMM_ALLGATHER);
+    f.rscatter = kind_bytes(&s0, &s1, TM_COMM_REDUCE_SCATTER);
+    tm_optimizer_free(opt);
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+    return f;
+}
+
+/* The library's plan of rank `rank` of `world` (a plan-only context: nothing allocated). */
+static tm_step_plan plan_of(const plan_case *pc, int world, int rank, rank_figures *f) {
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    o.plan_only = 1;
+    tm_ctx *ctx = NULL;
+    if (tm_ctx_new(&ctx, &o)) exit(2);
+    tm_comm_options co = tm_comm_options_default();
+    co.ep_size = pc->ep_size;
+    co.zero = pc->zero;
+    co.plan_world_size = world;
+    co.plan_rank = rank;
+    OK(ctx, tm_comm_init(ctx, &co));
+    tm_model_config c = plan_config(pc);
+    tm_model *m = NULL;
+    tm_optimizer *opt = NULL;
+    OK(ctx, tm_model_new(ctx, &c, pc->bf16 ? TM_BF16 : TM_F32, tm_cpu(), &m));
+    OK(ctx, make_optimizer(ctx, pc, &opt));
+    tm_memory_report mr;
+    OK(ctx, tm_ctx_memory_report(ctx, tm_cpu(), &mr));
+    memset(f, 0, sizeof *f);
+    f->params = (int64_t)mr.current[TM_MEM_PARAMETERS];
+    f->grads = (int64_t)mr.current[TM_MEM_GRADIENTS];
+    f->optim = (int64_t)mr.current[TM_MEM_OPTIMIZER];
+    tm_step_plan sp;
+    OK(ctx, tm_model_plan_step(m, PB * PT, 1, &sp));
+    f->transient = sp.transient;
+    f->sync = sp.grad_sync;
+    tm_optimizer_free(opt);
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+    return sp;
+}
+
+/* 1 when every figure agrees (reported under `what` when `report`). base_gather: the
+ * all-gather bytes the same step makes without ZeRO (the row map of data parallelism). */
+static int plan_matches(const plan_case *pc, const rank_figures *m, const rank_figures *p, const tm_step_plan *sp,
+                        int64_t base_gather, int report, const char *what) {
+    int64_t want_gather = sp->param_gather + base_gather;
+    int64_t want_rs = pc->zero >= 3 ? sp->bwd_reduce : pc->zero ? sp->grad_sync : 0;
+    int64_t got_rs = m->rscatter + (pc->zero && pc->zero < 3 ? m->sync : 0);
+    struct {
+        const char *name;
+        int64_t got, want;
+    } rows[] = {{"parameters", m->params, p->params},  {"gradients", m->grads, p->grads},
+                {"optimizer", m->optim, p->optim},     {"transient", m->transient, p->transient},
+                {"grad_sync", m->sync, p->sync},       {"all-gather", m->gather, want_gather},
+                {"reduce-scatter", got_rs, want_rs}};
+    int ok = 1;
+    for (size_t i = 0; i < sizeof rows / sizeof *rows; i++) {
+        if (rows[i].got == rows[i].want) continue;
+        ok = 0;
+        if (report)
+            CHECK(0, "plan %s (ep_size %d, ZeRO-%d%s%s%s), %s: %s measured %lld, planned %lld", pc->name, pc->ep_size,
+                  pc->zero, pc->bf16 ? ", bf16" : "", pc->sgd ? ", sgd" : "", pc->tie ? ", tied" : "", what,
+                  rows[i].name, (long long)rows[i].got, (long long)rows[i].want);
+    }
+    return ok;
+}
+
+static void check_plan(int world) {
+    const plan_case cases[] = {
+        {"dp", 1, 0, 0, 0, 0, 3},        {"dp", 1, 1, 1, 0, 0, 3},        {"dp", 1, 2, 0, 1, 1, 3},
+        {"dp", 1, 3, 1, 0, 0, 3},        {"dp", 1, 3, 0, 0, 1, 2},        {"ep", 2, 0, 0, 0, 0, 3},
+        {"ep", 2, 1, 0, 1, 0, 3},        {"ep", 2, 2, 1, 0, 0, 3},        {"ep", 2, 3, 0, 0, 0, 3},
+        {"ep", 2, 3, 1, 1, 1, 2},        {"ep=world", 0, 2, 0, 0, 0, 3},  {"ep=world", 0, 3, 0, 0, 0, 3},
+    };
+    int n = 0;
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        plan_case pc = cases[i];
+        if (pc.ep_size == 0) pc.ep_size = world;
+        if (world % pc.ep_size) continue;
+        rank_figures m = measure(&pc, pc.zero), base = pc.zero ? measure(&pc, 0) : m, p;
+        int64_t base_gather = base.gather;
+        tm_step_plan sp = plan_of(&pc, world, g_rank, &p);
+        plan_matches(&pc, &m, &p, &sp, base_gather, 1, "this rank");
+        /* and the comparison can fail: the plan of twice the ranks (ZeRO 1-3) or of ZeRO-1
+         * (ZeRO-0, where the rank count changes nothing) differs somewhere */
+        rank_figures q;
+        plan_case other = pc;
+        if (!pc.zero) other.zero = 1;
+        tm_step_plan sq = plan_of(&other, pc.zero ? 2 * world : world, g_rank, &q);
+        CHECK(!plan_matches(&pc, &m, &q, &sq, base_gather, 0, ""), "plan %s (ep_size %d, ZeRO-%d): the plan of %d ranks "
+              "at ZeRO-%d equals what %d measure", pc.name, pc.ep_size, pc.zero, pc.zero ? 2 * world : world, other.zero,
+              world);
+        n++;
+    }
+    CHECK(n >= 8, "only %d plan cases ran on %d ranks", n, world);
+}
+
 int main(int argc, char **argv) {
     int world = 1;
     if (tm_mpi_init(&argc, &argv, &world)) return 2;
@@ -862,6 +1048,8 @@ int main(int argc, char **argv) {
         check_ep_syncs(world);
         check_chunked_layer(world);
         check_dp_row_map();
+    } else if (!strcmp(what, "plan")) {
+        check_plan(world);
     } else if (!strcmp(what, "cuda")) {
         const char *nccl = argc > 2 ? argv[2] : "auto";
         check_cuda(world, !strcmp(nccl, "always") ? TM_NCCL_ALWAYS : !strcmp(nccl, "off") ? TM_NCCL_OFF : TM_NCCL_AUTO);
