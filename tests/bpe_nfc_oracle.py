@@ -18,9 +18,13 @@ Writes into DIR:
                       normalizers.NFC), qwen2 (Qwen2's Split pattern, ByteLevel without its regex,
                       NFC: Qwen2's layout), seq (normalizers.Sequence([NFC, NFC]))
   ids_KIND_NAME.u32   tokenizers' ids (little-endian uint32) of encode(text, add_special_tokens=False)
-  dec_KIND_NAME.txt   tokenizers' decode of those ids (the NFC of the text)
+  dec_KIND_NAME.txt   tokenizers' decode of those ids (the NFC of the text, the added tokens
+                      that are not normalized as written)
   manifest.txt        one line per case: KIND NAME
-Also checks that NFC changes every corpus (else the test could not fail without the normalizer).
+Also checks that NFC changes every corpus (else the test could not fail without the normalizer),
+and that the normalized added token decodes to its NFC: tokenizers 0.23.1 made decode give a
+normalized added token's normalized content (PR #1995); 0.22.x gave it as written, which
+train/bpe.c no longer matches.
 Exit status 0; 3 when tokenizers cannot be imported; 1 otherwise.
 """
 import json
@@ -137,6 +141,14 @@ def main():
                   file=sys.stderr)
             return 1
         tok = Tokenizer.from_file(path)
+        nid = tok.token_to_id(NORMALIZED)
+        got = tok.decode([nid], skip_special_tokens=False)
+        if got != unicodedata.normalize("NFC", NORMALIZED):
+            print("bpe_nfc_oracle: tokenizers %s decodes the normalized added token %s to %s, not to its NFC: "
+                  "decode gives the normalized content from tokenizers 0.23.1 on (PR #1995), which train/bpe.c "
+                  "follows; install scripts/requirements-test.txt's pins (scripts/install-pydeps.sh)"
+                  % (tokenizers.__version__, ascii(NORMALIZED), ascii(got)), file=sys.stderr)
+            return 1
         for name, text in corpora.items():
             ids = tok.encode(text, add_special_tokens=False).ids
             back = tok.decode(ids, skip_special_tokens=False)

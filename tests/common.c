@@ -257,22 +257,26 @@ void tt_check_decay_only_on_matrices(tt_make_optimizer make) {
     tm_ctx_free(ctx);
 }
 
-const char *tt_python_with(const char *module) {
+const char *tt_python_with_req(const char *modules, const char *require_var, const char *how) {
     static char found[1024];
     const char *cands[] = {getenv("TM_PYTHON"), ".pyenv/bin/python", "python3"};
     for (int i = 0; i < 3; i++) {
         if (!cands[i] || !cands[i][0]) continue;
         char cmd[1200];
-        snprintf(cmd, sizeof cmd, "'%s' -c 'import %s' >/dev/null 2>&1", cands[i], module);
+        snprintf(cmd, sizeof cmd, "'%s' -c 'import %s' >/dev/null 2>&1", cands[i], modules);
         if (system(cmd) == 0) {
             snprintf(found, sizeof found, "%s", cands[i]);
             return found;
         }
     }
-    const char *req = getenv("TM_REQUIRE_PYDEPS");
-    cr_assert(!(req && !strcmp(req, "1")), "TM_REQUIRE_PYDEPS=1 but no Python imports %s (run scripts/install-pydeps.sh)",
-              module);
+    const char *req = getenv(require_var);
+    cr_assert(!(req && !strcmp(req, "1")), "%s=1 but no Python imports %s (tried $TM_PYTHON=%s, .pyenv/bin/python, python3): %s",
+              require_var, modules, cands[0] ? cands[0] : "(unset)", how);
     return NULL;
+}
+
+const char *tt_python_with(const char *module) {
+    return tt_python_with_req(module, "TM_REQUIRE_PYDEPS", "run scripts/install-pydeps.sh");
 }
 
 /* ---- tt_check_clip_deferred ---------------------------------------------------------------- */

@@ -75,6 +75,10 @@ unsigned char *tt_slurp(const char *path, long *len);
  * .pyenv/bin/python (scripts/install-pydeps.sh), then python3; NULL when none does, which the
  * caller turns into a skip. With TM_REQUIRE_PYDEPS=1 (CI) a missing module fails the test here. */
 const char *tt_python_with(const char *module);
+/* The same for modules that CI does not install (torch): `modules` is what follows `import`
+ * ("torch, transformers"); a missing one fails the test only when the environment variable
+ * `require_var` is 1, with `how` (how to get them) in the message. */
+const char *tt_python_with_req(const char *modules, const char *require_var, const char *how);
 int tt_dir_entries(const char *dir);
 
 typedef tm_status (*tt_fn)(tm_ctx *ctx, tm_tensor **inputs, void *user, tm_tensor **out);

@@ -364,8 +364,8 @@ static void pieces_of(const char *pattern, int literal, tmd_split_behavior beh, 
 
 /* Every behavior, with and without invert, on the examples that tokenizers documents for them
  * (src/tokenizer/normalizer.rs, the doc of `split`; src/pre_tokenizers/split.rs, test `basic`),
- * and the places where Oniguruma and PCRE2 part (bpe_pretok.h), with what tokenizers 0.22.1
- * gives there: U+180E is no \s, {,2} is {0,2} (its empty matches are no pieces). */
+ * and the places where Oniguruma and PCRE2 part (bpe_pretok.h), with what tokenizers 0.22.1 and
+ * 0.23.2 give there: U+180E is no \s, {,2} is {0,2} (its empty matches are no pieces). */
 Test(bpe, split_behaviors_as_tokenizers_documents_them) {
     static const struct {
         tmd_split_behavior b;
@@ -754,6 +754,60 @@ Test(bpe, nfc_by_hand_invalid_bytes_and_chunks) {
 
 /* Normalizers other than NFC are refused naming their type and where it is; a Sequence is taken
  * only when each of its members is NFC. */
+/* What added tokens decode to, by hand (no Python): a normalized one from its NFC content through
+ * ByteLevel's rule, as tokenizers >= 0.23.1 (bpe.c, read_added), one not normalized as written,
+ * and without a normalizer each as written. The bytes are what tokenizers 0.23.2 decodes (seen
+ * by hand: "e\u0301" gives U+FFFD, the lossy reading of byte 0xE9, "x\u0301 y" itself); 0.22.1
+ * gave "e\u0301" back. Either spelling of the text is the normalized token's id. */
+Test(bpe, normalized_added_tokens_decode_as_their_nfc) {
+    static const struct {
+        const char *content;
+        int normalized;
+        const char *nfc_dec, *plain_dec; /* with the NFC normalizer, with none */
+    } toks[] = {
+        {"e\xcc\x81", 1, "\xe9", "e\xcc\x81"},              /* NFC U+00E9: a byte character */
+        {"x\xcc\x81 y", 1, "x\xcc\x81 y", "x\xcc\x81 y"},   /* NFC changes nothing; not all bytes */
+        {"<sp\xcc\x81>", 0, "<sp\xcc\x81>", "<sp\xcc\x81>"}, /* not normalized: as written */
+        {"caf\xc3\xa9", 1, "caf\xe9", "caf\xe9"},           /* already NFC, all byte characters */
+    };
+    enum { N = sizeof toks / sizeof *toks, FIRST = 300 };
+    for (int nfc = 0; nfc < 2; nfc++) {
+        cJSON *j = small_tokenizer(258), *at = cJSON_GetObjectItem(j, "added_tokens");
+        for (int i = 0; i < N; i++) {
+            cJSON *e = cJSON_CreateObject();
+            cJSON_AddNumberToObject(e, "id", FIRST + i);
+            cJSON_AddStringToObject(e, "content", toks[i].content);
+            cJSON_AddBoolToObject(e, "normalized", toks[i].normalized);
+            cJSON_AddBoolToObject(e, "special", !toks[i].normalized);
+            cJSON_AddItemToArray(at, e);
+        }
+        if (nfc) cJSON_ReplaceItemInObject(j, "normalizer", cJSON_Parse("{\"type\": \"NFC\"}"));
+        const char *p = write_json(j, "added.json");
+        cJSON_Delete(j);
+        tmd_bpe *t = NULL;
+        char err[2048] = "";
+        cr_assert_eq(tmd_bpe_load(p, &t, err, sizeof err), 0, "%s", err);
+        for (int i = 0; i < N; i++) {
+            const unsigned char *b;
+            const char *want = nfc ? toks[i].nfc_dec : toks[i].plain_dec;
+            int bl = tmd_bpe_token_bytes(t, FIRST + i, &b);
+            cr_assert(bl == (int)strlen(want) && !memcmp(b, want, (size_t)bl), "NFC %d, token %d: %d bytes, want %zu",
+                      nfc, i, bl, strlen(want));
+        }
+        if (nfc) { /* "e\u0301" and the precomposed "\u00e9" are both the token */
+            const char *texts[] = {"e\xcc\x81", "\xc3\xa9"};
+            for (int k = 0; k < 2; k++) {
+                uint32_t *ids = NULL;
+                int64_t n = 0, cap = 0;
+                cr_assert_eq(tmd_bpe_encode(t, texts[k], strlen(texts[k]), &ids, &n, &cap, err, sizeof err), 0, "%s", err);
+                cr_assert(n == 1 && ids[0] == FIRST, "text %d: %lld ids, first %u", k, (long long)n, n ? ids[0] : 0);
+                free(ids);
+            }
+        }
+        tmd_bpe_free(t);
+    }
+}
+
 Test(bpe, normalizers_other_than_nfc_are_refused) {
     static const struct {
         const char *json, *field, *type; /* type NULL: taken */

@@ -591,26 +591,22 @@ static int read_added(tmd_bpe *t, const cJSON *root, const int16_t u2b[324], cha
                 return jfail(err, errlen, t->path, f, "true (token \"%.40s\") is not supported", content->valuestring);
             }
         if (id >= t->vocab_size && grow_ids(t, id + 1)) return nomem(err, errlen, t->path);
-        /* What it decodes to is ByteLevel's rule (bpe.h), whether or not the vocabulary has it. */
-        size_t sl = strlen(content->valuestring);
-        unsigned char *tmp = malloc(sl + 1);
-        if (!tmp) return nomem(err, errlen, t->path);
-        int k = string_bytes(content->valuestring, u2b, tmp);
-        int rc = k >= 0 ? pool_add(t, tmp, (size_t)k, &t->dec_off[id])
-                        : pool_add(t, (const unsigned char *)content->valuestring, sl, &t->dec_off[id]);
-        free(tmp);
-        if (rc) return nomem(err, errlen, t->path);
-        t->dec_len[id] = k >= 0 ? k : (int)sl;
         /* Tokens not normalized are split off first, then the normalized ones in what is left
          * (tokenizers' AddedVocabulary; "special" tokens are not normalized by default). */
         const cJSON *norm = get(e, "normalized");
         added_set *s = cJSON_IsTrue(norm) ? &t->normal : &t->special;
         added *a = &s->tok[s->n++];
         if (!(a->s = (unsigned char *)strdup(content->valuestring))) return nomem(err, errlen, t->path);
+        size_t sl = strlen(content->valuestring);
         a->len = (int)sl;
         a->id = id;
         /* A normalized token is looked for in the normalized text, as its normalized content
-         * (AddedVocabulary::refresh_added_tokens); it still decodes to its content. */
+         * (AddedVocabulary::refresh_added_tokens), and decodes to that content too: tokenizers
+         * 0.23.1 (PR #1995, "add_tokens normalizes content at insertion", a breaking change of
+         * its release notes) made id_to_token, and so decode, return the normalized form it
+         * caches, so that the decoder inverts what the normalizer did (issue #1392: byte-level
+         * added tokens decoded wrong). Up to 0.22.x decode gave the content as written:
+         * "cafe\u0301" decoded to itself there, to "caf\u00e9" from 0.23.1 on. */
         if (s == &t->normal && t->nfc) {
             const unsigned char *nc;
             size_t nl;
@@ -625,6 +621,15 @@ static int read_added(tmd_bpe *t, const cJSON *root, const int16_t u2b[324], cha
                 a->len = (int)nl;
             }
         }
+        /* What it decodes to is ByteLevel's rule (bpe.h) on that content, whether or not the
+         * vocabulary has the token. */
+        unsigned char *tmp = malloc((size_t)a->len + 1);
+        if (!tmp) return nomem(err, errlen, t->path);
+        int k = string_bytes((const char *)a->s, u2b, tmp);
+        int rc = k >= 0 ? pool_add(t, tmp, (size_t)k, &t->dec_off[id]) : pool_add(t, a->s, (size_t)a->len, &t->dec_off[id]);
+        free(tmp);
+        if (rc) return nomem(err, errlen, t->path);
+        t->dec_len[id] = k >= 0 ? k : a->len;
         for (int r = 0; r < 4; r++)
             if (r < eot_rank && !strcmp(content->valuestring, eot_names[r])) eot_rank = r, t->eot = id;
     }

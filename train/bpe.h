@@ -25,7 +25,8 @@
  * Decoding (ByteLevel's decoder): a token whose characters are all byte-to-unicode
  * characters is those bytes, any other (an added token such as "<|im start|>" with a space)
  * its UTF-8 text; the concatenation is the text (bytes: a sequence cut inside a character is
- * not valid UTF-8 until the rest comes).
+ * not valid UTF-8 until the rest comes). An added token marked "normalized" decodes from its
+ * normalized content, as tokenizers >= 0.23.1 does (bpe.c, read_added, says why).
  *
  * Refused, with a message naming the file and the field: normalizers other than NFC (and
  * Sequences of them: a Sequence is taken when every member is NFC), other models than BPE,

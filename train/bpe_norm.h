@@ -9,12 +9,12 @@
  * (utf8proc_NFC; Unicode's UAX #15: canonical decomposition, canonical ordering of combining
  * marks, canonical composition, algorithmic Hangul).
  *
- * Known difference: tokenizers' tables (the unicode-normalization-alignments crate, 0.22.1)
- * are Unicode 9's; utf8proc 2.8 (Debian bookworm) has Unicode 15's. Combining marks assigned
- * from Unicode 10 on (U+1DF6, U+0898, U+1AC1, U+10EAB, ...) have combining class 0 for
- * tokenizers, so a run of marks holding one is reordered here and not there (a\u0898\u0316:
- * here a\u0316\u0898). Text in the scripts and marks of Unicode 9 normalizes identically
- * (tests/test_bpe.c, bpe/nfc_oracle_*).
+ * Known difference: tokenizers' tables (the unicode-normalization-alignments crate; 0.22.1 and
+ * 0.23.2 alike) are Unicode 9's; utf8proc 2.8 (Debian bookworm) has Unicode 15's. Combining
+ * marks assigned from Unicode 10 on (U+1DF6, U+0898, U+1AC1, U+10EAB, ...) have combining
+ * class 0 for tokenizers, so a run of marks holding one is reordered here and not there
+ * (a\u0898\u0316: here a\u0316\u0898). Text in the scripts and marks of Unicode 9
+ * normalizes identically (tests/test_bpe.c, bpe/nfc_oracle_*).
  *
  * Bytes that are not UTF-8 (tokenizers cannot be given them) are kept as they are; the valid
  * text between them is normalized, each run on its own.

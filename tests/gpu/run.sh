@@ -100,6 +100,23 @@ else
     rc=1
 fi
 
+# transformers' text-generation pipeline on exports against `tinymoe sample` (tests/test_hf_pipeline.c).
+# It needs torch, which CI does not install, so it skips without it; here the machine's python3
+# has torch and transformers: TM_PYTHON names it (before the tests' own .pyenv/) and
+# TM_REQUIRE_TORCH=1 makes a Python without them a failure, not a skip. (The suite above ran it
+# too when python3 has torch; this run is the one that cannot skip.)
+log "== transformers' text-generation pipeline (hf_pipeline, TM_REQUIRE_TORCH=1)"
+py3=$(command -v python3 || echo python3)
+TM_PYTHON="$py3" TM_REQUIRE_TORCH=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+    ./build/tinymoe_tests --verbose --filter='hf_pipeline/*' >"$OUT/hf_pipeline.log" 2>&1
+hp_rc=$?
+grep -v '^\[SKIP\].*disabled' "$OUT/hf_pipeline.log" | tee -a "$LOG"
+# a pass, not a skip (Criterion exits 0 on a skip)
+if [ "$hp_rc" -ne 0 ] || ! grep -q '^\[PASS\] hf_pipeline::' "$OUT/hf_pipeline.log"; then
+    log "run.sh: hf_pipeline did not pass (exit $hp_rc)"
+    rc=1
+fi
+
 # The driver end to end: train / eval / sample on CUDA against the CPU (its own log: $OUT/e2e.log).
 log "== end to end (tests/gpu/e2e.sh)"
 OUT="$OUT" MAKE="$MAKE" bash tests/gpu/e2e.sh 2>&1 | tee -a "$LOG" || rc=1
