@@ -111,4 +111,5 @@ static tm_status pc_barrier(tm__comm *c, int g) { return TM_OK; }
 
 const tm__comm_ops tm__comm_plan_ops = {
     "plan", pc_allreduce, pc_allgatherv, pc_reduce_scatter, pc_reduce_scatterv, pc_alltoallv, pc_bcast, pc_barrier, NULL,
+    NULL, /* side_group: a plan moves nothing, beside the work or not */
 };
