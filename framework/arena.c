@@ -24,13 +24,16 @@
 #endif
 #ifdef TM__ASAN
 #include <sanitizer/asan_interface.h>
-#define HOST_POISON(a, p, n)                                                        \
-    do {                                                                            \
-        if ((a)->dev.type == TM_DEVICE_CPU) ASAN_POISON_MEMORY_REGION((p), (n));   \
+/* (not a plan-only context's data blocks: placeholder addresses, no memory; plan.c) */
+#define HOST_POISON(a, p, n)                                                                          \
+    do {                                                                                              \
+        if ((a)->dev.type == TM_DEVICE_CPU && !(ctx->plan_only && (a) != &ctx->meta))                 \
+            ASAN_POISON_MEMORY_REGION((p), (n));                                                      \
     } while (0)
-#define HOST_UNPOISON(a, p, n)                                                      \
-    do {                                                                            \
-        if ((a)->dev.type == TM_DEVICE_CPU) ASAN_UNPOISON_MEMORY_REGION((p), (n)); \
+#define HOST_UNPOISON(a, p, n)                                                                        \
+    do {                                                                                              \
+        if ((a)->dev.type == TM_DEVICE_CPU && !(ctx->plan_only && (a) != &ctx->meta))                 \
+            ASAN_UNPOISON_MEMORY_REGION((p), (n));                                                    \
     } while (0)
 #else
 #define HOST_POISON(a, p, n) ((void)0)
