@@ -160,8 +160,9 @@ tm_status tm__moe_permute_fixed_rows(tm__call *c, int *known, int64_t *R_out) {
     return TM_OK;
 }
 
+/* counted: 0, or R + 1 where the caller knows the R rows (iattr[3]: tm__moe_permute_counted) */
 static tm_status permute_run(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t topk,
-                             int64_t align_size, int64_t pad_to, tm_moe_dispatch *out) {
+                             int64_t align_size, int64_t pad_to, int64_t counted, tm_moe_dispatch *out) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!out) return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_permute: out is NULL");
     tm__call c = tm__call_init(ctx, TM__OP_MOE_PERMUTE);
@@ -172,6 +173,7 @@ static tm_status permute_run(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, 
     c.iattr[0] = align_size;
     c.iattr[1] = pad_to;
     c.iattr[2] = topk;
+    c.iattr[3] = counted;
     TM__TRY(tm__op_run(&c));
     out->permuted = c.out[0];
     out->permuted_probs = c.out[1];
@@ -183,12 +185,12 @@ static tm_status permute_run(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, 
 
 tm_status tm_moe_permute(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int64_t align_size,
                          int64_t pad_to, tm_moe_dispatch *out) {
-    return permute_run(ctx, x, routing_map, probs, 0, align_size, pad_to, out);
+    return permute_run(ctx, x, routing_map, probs, 0, align_size, pad_to, 0, out);
 }
 
 tm_status tm_moe_permute_topk(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs, int topk,
                               int64_t align_size, int64_t pad_to, tm_moe_dispatch *out) {
-    return permute_run(ctx, x, routing_map, probs, topk, align_size, pad_to, out);
+    return permute_run(ctx, x, routing_map, probs, topk, align_size, pad_to, 0, out);
 }
 
 tm_status tm__moe_permute_counted(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_map, tm_tensor *probs,
@@ -205,16 +207,8 @@ tm_status tm__moe_permute_counted(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_
                            (long long)e, (long long)rows[e]);
         R += rows[e];
     }
-    tm__call c = tm__call_init(ctx, TM__OP_MOE_PERMUTE);
-    c.n_in = 3;
-    c.in[0] = x;
-    c.in[1] = routing_map;
-    c.in[2] = probs;
-    c.iattr[0] = align_size;
-    c.iattr[1] = pad_to;
-    c.iattr[3] = R + 1;
-    TM__TRY(tm__op_run(&c));
-    const tm_tensor *tpe = c.out[3];
+    TM__TRY(permute_run(ctx, x, routing_map, probs, 0, align_size, pad_to, R + 1, out));
+    const tm_tensor *tpe = out->tokens_per_expert;
     /* The CPU holds the counts it computed: they must be the caller's (the mirror's invariant). */
     if (tpe->device.type == TM_DEVICE_CPU)
         for (int64_t e = 0; e < E; e++)
@@ -225,11 +219,6 @@ tm_status tm__moe_permute_counted(tm_ctx *ctx, tm_tensor *x, tm_tensor *routing_
                                (long long)e, (long long)tm__idx(tpe, e), (long long)align_size, (long long)pad_to,
                                (long long)rows[e], tm__tdesc(ctx, routing_map));
     TM__TRY(tm__mirror_set(ctx, tpe, rows));
-    out->permuted = c.out[0];
-    out->permuted_probs = c.out[1];
-    out->row_token = c.out[2];
-    out->tokens_per_expert = c.out[3];
-    out->num_rows = c.out[0]->shape[0];
     return TM_OK;
 }
 
