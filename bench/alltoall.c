@@ -15,12 +15,21 @@
  *   CUDA tensors: NCCL's grouped ncclSend / ncclRecv (ncclGroupStart ... ncclGroupEnd, then a
  *                 stream synchronisation), as nccl-tests' alltoall does (not installed there);
  *   CPU tensors:  MPI_Alltoallv.
- * tinymoe's call is followed by tm_ctx_sync (the nccl engine queues its collective on the
- * stream without waiting; the host engines block), so both columns are wall time per call on
- * rank 0, after warm-up, the best of the repeats after a barrier. tinymoe copies the rows a rank
- * keeps with cudaMemcpyAsync, the reference sends them to itself through NCCL. Bandwidth = bytes this rank sends to other ranks / time (the
- * "algorithm bandwidth" of nccl-tests; rows kept on the rank itself are not counted).
- * Ratio = tinymoe / reference (1.0: no overhead beyond the engine).
+ * Two timings of each, after two warm-up calls and a barrier, the best of three repeats, the
+ * slowest rank's time:
+ *   queued: `iters` calls enqueued back to back, then one wait for the stream (tm_ctx_sync /
+ *           cudaStreamSynchronize): the device's time per call, as nccl-tests times a
+ *           collective and as a training step meets it (the host runs ahead of the device).
+ *   waited: a wait after every call: the latency a caller sees who reads the result at once;
+ *           it adds each call's host work (tinymoe's op: its checks, including the exchange of
+ *           the counts that the public tm_comm_alltoall makes, the arena, the dispatch) to it.
+ * The nccl engine queues its collective on the stream without waiting; the host engines
+ * (CPU tensors) block, so there both timings are the same thing. tinymoe copies the rows a
+ * rank keeps with cudaMemcpyAsync on a stream forked beside NCCL's (kernels/cuda/comm_nccl.cu);
+ * the reference sends them to itself through NCCL. Bandwidth = bytes this rank sends to other
+ * ranks / time (the "algorithm bandwidth" of nccl-tests; rows kept on the rank itself are not
+ * counted). Ratio = reference time / tinymoe time (1.0: no overhead beyond the engine); the
+ * issue's target (>= 0.95) is on the queued ratio.
  */
 #include <mpi.h>
 #include <stdint.h>
@@ -138,39 +147,49 @@ int main(int argc, char **argv) {
             mrc[j] = (int)(recv[j] * hidden * (int64_t)es), mrd[j] = (int)rd[j];
     }
 
-    double best_tm = 1e30, best_ref = 1e30;
+    /* best[waited][which]: which 0 = tinymoe, 1 = the reference */
+    double best[2][2] = {{1e30, 1e30}, {1e30, 1e30}};
     for (int rep = 0; rep < 3; rep++) {
-        for (int which = 0; which < 2; which++) {
-            MPI_Barrier(MPI_COMM_WORLD);
-            double t0 = MPI_Wtime();
-            for (int64_t it = 0; it < iters + 2; it++) {
-                if (it == 2) { /* two warm-up calls */
-                    MPI_Barrier(MPI_COMM_WORLD);
-                    t0 = MPI_Wtime();
-                }
-                if (which == 0) {
-                    CHECK(tm_comm_alltoall(ctx, x, sc, rc, TM_COMM_EP, &y));
-                    CHECK(tm_ctx_sync(ctx)); /* the collective is queued on the stream: wait, as the reference does */
-                    tm_ctx_arena_reset(ctx); /* y: x, the counts are persistent buffers */
-                } else if (cuda) {
+        for (int waited = 0; waited < 2; waited++) {
+            for (int which = 0; which < 2; which++) {
+                double t0 = 0;
+                for (int64_t it = 0; it < iters + 2; it++) {
+                    if (it == 2) { /* after two warm-up calls, each rank's queue empty */
+                        if (which == 0) CHECK(tm_ctx_sync(ctx));
 #ifdef TM_HAVE_NCCL
-                    ncclDataType_t nt = dt == TM_F32 ? ncclFloat32 : ncclBfloat16;
-                    ncclGroupStart();
-                    for (int j = 0; j < N; j++) {
-                        ncclSend((char *)rs + sd[j], (size_t)(send[j] * hidden), nt, j, nc, stream);
-                        ncclRecv((char *)rr + rd[j], (size_t)(recv[j] * hidden), nt, j, nc, stream);
-                    }
-                    ncclGroupEnd();
-                    cudaStreamSynchronize(stream);
+                        if (which == 1 && cuda) cudaStreamSynchronize(stream);
 #endif
-                } else {
-                    MPI_Alltoallv(rs, msc, msd, MPI_BYTE, rr, mrc, mrd, MPI_BYTE, MPI_COMM_WORLD);
+                        MPI_Barrier(MPI_COMM_WORLD);
+                        t0 = MPI_Wtime();
+                    }
+                    if (which == 0) {
+                        CHECK(tm_comm_alltoall(ctx, x, sc, rc, TM_COMM_EP, &y));
+                        if (waited || it < 2) CHECK(tm_ctx_sync(ctx));
+                        /* y's block is reused by the next call, after this one in stream order */
+                        tm_ctx_arena_reset(ctx);
+                    } else if (cuda) {
+#ifdef TM_HAVE_NCCL
+                        ncclDataType_t nt = dt == TM_F32 ? ncclFloat32 : ncclBfloat16;
+                        ncclGroupStart();
+                        for (int j = 0; j < N; j++) {
+                            ncclSend((char *)rs + sd[j], (size_t)(send[j] * hidden), nt, j, nc, stream);
+                            ncclRecv((char *)rr + rd[j], (size_t)(recv[j] * hidden), nt, j, nc, stream);
+                        }
+                        ncclGroupEnd();
+                        if (waited || it < 2) cudaStreamSynchronize(stream);
+#endif
+                    } else {
+                        MPI_Alltoallv(rs, msc, msd, MPI_BYTE, rr, mrc, mrd, MPI_BYTE, MPI_COMM_WORLD);
+                    }
                 }
+                if (which == 0) CHECK(tm_ctx_sync(ctx));
+#ifdef TM_HAVE_NCCL
+                if (which == 1 && cuda) cudaStreamSynchronize(stream);
+#endif
+                double t = (MPI_Wtime() - t0) / (double)iters, tmax;
+                MPI_Allreduce(&t, &tmax, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+                if (tmax < best[waited][which]) best[waited][which] = tmax;
             }
-            double t = (MPI_Wtime() - t0) / (double)iters, tmax;
-            MPI_Allreduce(&t, &tmax, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-            if (which == 0 && tmax < best_tm) best_tm = tmax;
-            if (which == 1 && tmax < best_ref) best_ref = tmax;
         }
     }
     double bytes = (double)sent_off * (double)hidden * (double)es;
@@ -181,12 +200,17 @@ int main(int argc, char **argv) {
                N, cuda ? "cuda" : "cpu", tm_comm_engine(ctx, dev), (long long)tokens, (long long)topk,
                (long long)experts, (long long)hidden, dt == TM_F32 ? "f32" : "bf16", bytes / 1e6,
                (long long)sent_off, (long long)rows);
-        printf("%-26s %10s %10s\n", "", "ms/call", "GB/s");
-        printf("%-26s %10.3f %10.2f\n", "tinymoe tm_comm_alltoall", 1e3 * best_tm, bytes / best_tm / 1e9);
-        printf("%-26s %10.3f %10.2f\n", ref, 1e3 * best_ref, bytes / best_ref / 1e9);
-        printf("%-26s %10.2f\n", "ratio (tinymoe / ref)", best_ref / best_tm);
-        printf("RESULT bench=alltoall ranks=%d device=%s bytes=%.0f tinymoe_ms=%.4f ref_ms=%.4f ratio=%.4f\n", N,
-               cuda ? "cuda" : "cpu", bytes, 1e3 * best_tm, 1e3 * best_ref, best_ref / best_tm);
+        printf("%-26s %12s %10s %12s %10s\n", "", "queued ms", "GB/s", "waited ms", "GB/s");
+        printf("%-26s %12.3f %10.2f %12.3f %10.2f\n", "tinymoe tm_comm_alltoall", 1e3 * best[0][0],
+               bytes / best[0][0] / 1e9, 1e3 * best[1][0], bytes / best[1][0] / 1e9);
+        printf("%-26s %12.3f %10.2f %12.3f %10.2f\n", ref, 1e3 * best[0][1], bytes / best[0][1] / 1e9,
+               1e3 * best[1][1], bytes / best[1][1] / 1e9);
+        printf("%-26s %12.2f %10s %12.2f\n", "ratio (ref / tinymoe)", best[0][1] / best[0][0], "",
+               best[1][1] / best[1][0]);
+        printf("RESULT bench=alltoall ranks=%d device=%s bytes=%.0f tinymoe_ms=%.4f ref_ms=%.4f ratio=%.4f "
+               "waited_tinymoe_ms=%.4f waited_ref_ms=%.4f waited_ratio=%.4f\n",
+               N, cuda ? "cuda" : "cpu", bytes, 1e3 * best[0][0], 1e3 * best[0][1], best[0][1] / best[0][0],
+               1e3 * best[1][0], 1e3 * best[1][1], best[1][1] / best[1][0]);
     }
 #ifdef TM_HAVE_NCCL
     if (cuda) {
