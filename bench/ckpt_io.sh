@@ -6,7 +6,8 @@
 #
 #   bench/ckpt_io.sh [--preset coarse|fine|cpu-large] [--device cpu|cuda] [--dir DIR] [--reps R]
 #
-# Then times `tinymoe export` (Hugging Face safetensors) of it beside a raw write of as many bytes.
+# Then times `tinymoe export` (Hugging Face safetensors) of it beside a raw write of as many bytes,
+# and the whole `tinymoe eval` (one batch) and `tinymoe sample` (16 tokens) commands on it.
 # TINYMOE=path runs that driver binary instead of build/tinymoe for the train and export steps
 # (a before / after comparison of the export in one session: keep a copy of the old binary).
 #
@@ -34,15 +35,25 @@ tinymoe=${TINYMOE:-./build/tinymoe}
 mkdir -p "$dir"
 run="$dir/run"
 rm -rf "$run"
+# The model trains one step on text of this repository (its docs) through a byte-level BPE
+# trained here, so that the checkpoint has a tokenizer and `tinymoe sample` can run on it below;
+# the vocabulary stays the preset's (the BPE has fewer tokens: these docs have too few merges).
+cat docs/*.md README.md > "$dir/text.txt"
+case "$preset" in
+    cpu-large) vocab=8192 ;;
+    coarse|fine) vocab=32768 ;;
+    *) echo "ckpt_io.sh: unknown preset '$preset' (coarse, fine, cpu-large)" >&2; exit 2 ;;
+esac
+"$tinymoe" tokenize --bpe "$vocab" "$dir/text.txt" "$dir/tok.bin" >/dev/null
+data="--data $dir/tok.bin --tokenizer $dir/tokenizer.json --vocab_size $vocab"
 case "$preset" in
     cpu-large)
         "$tinymoe" train --device "$device" --d_model 512 --n_layers 4 --n_heads 8 --n_kv_heads 8 \
-            --num_experts 4 --topk 2 --expert_ffn_size 1536 --vocab_size 8192 --seq_len 32 --batch_size 2 \
+            --num_experts 4 --topk 2 --expert_ffn_size 1536 --seq_len 32 --batch_size 2 $data \
             --steps 1 --eval_every 0 --sample_tokens 0 --threads "$threads" --out "$run" >/dev/null ;;
     coarse|fine)
-        "$tinymoe" train --preset "$preset" --device "$device" --dtype bf16 --steps 1 --eval_every 0 \
+        "$tinymoe" train --preset "$preset" --device "$device" --dtype bf16 --steps 1 --eval_every 0 $data \
             --sample_tokens 0 --out "$run" >/dev/null ;;
-    *) echo "ckpt_io.sh: unknown preset '$preset' (coarse, fine, cpu-large)" >&2; exit 2 ;;
 esac
 ckpt=$(ls "$run"/ckpt-*.tmck | tail -1)
 echo "machine: $(nproc) cores, $(uname -srm); disk of $dir: $(df -h "$dir" | awk 'NR==2 {print $1, $2}'); $(date -u +%F)"
@@ -66,4 +77,21 @@ awk -v b="$st_bytes" -v t0="$t0" -v t1="$t1" -v t3="$t3" -v t4="$t4" 'BEGIN {
     printf "  %-34s %10.1f %10.3f %8.3f\n", "raw write, same bytes (dd, fsync)", b / 1e6, r, b / 1e9 / r;
     printf "  export / raw write: %.2fx the time\n", e / r;
     printf "RESULT export_bytes=%d export_s=%.3f export_raw_write_s=%.3f\n", b, e, r }'
-rm -rf "$dir/hf" "$dir/hf_raw" "$dir/hf_raw2" "$run"
+
+# How soon eval and sample answer from the checkpoint (issue 21: "start in a few seconds"): the
+# whole command, page cache dropped first where allowed: one evaluation batch, and 16 greedy
+# tokens (the model's load, the weights only, is most of either).
+timed() { # label, command...
+    local label=$1; shift
+    sync; (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null || true
+    local a b
+    a=$(date +%s.%N)
+    "$@" >/dev/null 2>&1 || { echo "ckpt_io.sh: '$*' failed" >&2; exit 1; }
+    b=$(date +%s.%N)
+    awk -v l="$label" -v a="$a" -v b="$b" 'BEGIN { printf "  %-34s %10s %10.3f\n", l, "", b - a }'
+    eval "${label%% *}_s=\$(awk -v a=$a -v b=$b 'BEGIN { printf \"%.3f\", b - a }')"
+}
+timed "eval (1 batch), command" "$tinymoe" eval --ckpt "$ckpt" --data "$dir/tok.bin" --eval_batches 1 --device "$device" --quiet
+timed "sample (16 tokens), command" "$tinymoe" sample --ckpt "$ckpt" --tokens 16 --prompt "The" --temperature 0 --device "$device"
+echo "RESULT eval_s=$eval_s sample_s=$sample_s"
+rm -rf "$dir/hf" "$dir/hf_raw" "$dir/hf_raw2" "$run" "$dir/text.txt" "$dir/tok.bin" "$dir/tok_val.bin" "$dir/tokenizer.json"
