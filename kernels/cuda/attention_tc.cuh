@@ -1,69 +1,26 @@
 /*
  * attention_tc.cuh — the tensor-core kernels of tm_attention (bf16, D = 64 or 128, sm_80 and
  * later): forward, Delta, dq, dk/dv. Included by attention.cu (after common.cuh: tm__bf16,
- * tm__ld, tm__st), which holds the layout contract, the launch code and the design notes.
+ * tm__ld, tm__st), which holds the layout contract, the launch code and the design notes; the
+ * cp.async / ldmatrix / mma.sync wrappers and their fragment layouts are mma.cuh's.
  * Everything here is templated on the head dim D and the tile shapes so that one source
  * serves D 64 and 128; fa_cfg<D> picks the shapes the entry points launch.
  */
 #ifndef TM_CUDA_ATTENTION_TC_CUH
 #define TM_CUDA_ATTENTION_TC_CUH
 
-/* ---- PTX (sm_80 and later: cp.async, ldmatrix, mma.sync bf16) ------------------------------------ */
+#include "mma.cuh"
 
-__device__ __forceinline__ uint32_t fa_saddr(const void *s) { return (uint32_t)__cvta_generic_to_shared(s); }
+/* ---- PTX (sm_80 and later) -------------------------------------------------------------------------
+ * cp.async, ldmatrix, mma.sync and the bf16 packing come from mma.cuh (layouts there); only
+ * attention's own instruction stays here. */
 
-/* 16 bytes global -> shared without a register round trip; src_bytes 0 reads nothing and fills
- * the 16 bytes with zeros (rows past the end of a tensor). */
-__device__ __forceinline__ void fa_cp16(void *s, const void *g, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(fa_saddr(s)), "l"(g), "r"(src_bytes)
-                 : "memory");
-}
-/* The same for one f32 (src_bytes 4 or 0). */
-__device__ __forceinline__ void fa_cp4(void *s, const void *g, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(fa_saddr(s)), "l"(g), "r"(src_bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void fa_commit(void) { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-/* Wait until at most N of this thread's committed groups are still in flight. */
-template <int N> __device__ __forceinline__ void fa_wait(void) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-/* Four 8x8 b16 matrices; lanes 8m..8m+7 give the row addresses of matrix m. Lane l gets, in
- * r[m], row l/4, columns 2(l%4) and 2(l%4)+1 of matrix m (low half: the lower column). */
-__device__ __forceinline__ void fa_ldsm4(uint32_t (&r)[4], const void *s) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(fa_saddr(s))
-                 : "memory");
-}
-/* The same, transposed: lane l gets rows 2(l%4), 2(l%4)+1 (low, high half) of column l/4. */
-__device__ __forceinline__ void fa_ldsm4t(uint32_t (&r)[4], const void *s) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(fa_saddr(s))
-                 : "memory");
-}
-/* d (16x8 f32) += a (16x16 bf16, row) b (16x8 bf16, col). With g = lane/4, t = lane%4:
- * a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..];
- * b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g];
- * d[0], d[1] = D[g][2t], D[g][2t+1]; d[2], d[3] = D[g+8][2t], D[g+8][2t+1]. */
-__device__ __forceinline__ void fa_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 /* 2^x in one MUFU.EX2 (exp2f adds a range fix-up for subnormal results, which P and dS do not
  * need: below 2^-126 they are zero after the bf16 rounding anyway). */
 __device__ __forceinline__ float fa_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
-}
-/* Two floats rounded to bf16 (nearest even), lo in the low half. */
-__device__ __forceinline__ uint32_t fa_pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&v);
 }
 
 /* Fragments from a shared tile of rows with stride LD (bf16):
@@ -73,15 +30,15 @@ __device__ __forceinline__ uint32_t fa_pack(float lo, float hi) {
  * fa_ldbt: the same from (k, n) rows (V for P V), transposed by ldmatrix. */
 template <int LD> __device__ __forceinline__ void fa_lda(uint32_t (&a)[4], const tm__bf16 *s, int r0, int c0) {
     const int lane = threadIdx.x & 31;
-    fa_ldsm4(a, s + (r0 + (lane & 15)) * LD + c0 + (lane >> 4) * 8);
+    tm__ldsm_x4(a, s + (r0 + (lane & 15)) * LD + c0 + (lane >> 4) * 8);
 }
 template <int LD> __device__ __forceinline__ void fa_ldb(uint32_t (&r)[4], const tm__bf16 *s, int n0, int c0) {
     const int lane = threadIdx.x & 31;
-    fa_ldsm4(r, s + (n0 + (lane & 7) + (lane >> 4) * 8) * LD + c0 + ((lane >> 3) & 1) * 8);
+    tm__ldsm_x4(r, s + (n0 + (lane & 7) + (lane >> 4) * 8) * LD + c0 + ((lane >> 3) & 1) * 8);
 }
 template <int LD> __device__ __forceinline__ void fa_ldbt(uint32_t (&r)[4], const tm__bf16 *s, int k0, int n0) {
     const int lane = threadIdx.x & 31;
-    fa_ldsm4t(r, s + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 + (lane >> 4) * 8);
+    tm__ldsm_x4_trans(r, s + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + n0 + (lane >> 4) * 8);
 }
 
 /* ---- end of PTX ---------------------------------------------------------------------------------- */
@@ -146,12 +103,12 @@ __device__ __forceinline__ void fa_load_rows(tm__bf16 *s, const tm__bf16 *g, int
     for (int c = threadIdx.x; c < ROWS * CH; c += FA_THREADS) {
         const int r = c / CH, x = (c % CH) * 8;
         const bool ok = r < valid;
-        fa_cp16(s + r * (D + FA_PAD) + x, ok ? (const void *)(g + r * gs + x) : (const void *)g, ok ? 16 : 0);
+        tm__cp_async16(s + r * (D + FA_PAD) + x, ok ? (const void *)(g + r * gs + x) : (const void *)g, ok ? 16 : 0);
     }
 }
 
 /* o (two adjacent bf16, 4-byte aligned) = (lo, hi) rounded. */
-__device__ __forceinline__ void fa_st2(tm__bf16 *o, float lo, float hi) { *reinterpret_cast<uint32_t *>(o) = fa_pack(lo, hi); }
+__device__ __forceinline__ void fa_st2(tm__bf16 *o, float lo, float hi) { *reinterpret_cast<uint32_t *>(o) = tm__pack_bf16x2(lo, hi); }
 /* g[0], g[1] += a, b (bf16, rounded once). */
 __device__ __forceinline__ void fa_add2(tm__bf16 *g, float a, float b) {
     tm__st(g, tm__ld(g) + a);
@@ -196,7 +153,7 @@ __global__ void __launch_bounds__(FA_THREADS) fa_forward_kernel(fa_params p) {
     fa_load_rows<D, BM>(qs, qg, p.qs, p.Tq - q0);
     fa_load_rows<D, BN>(ks, kg, p.ks, p.Tk);
     fa_load_rows<D, BN>(vs, vg, p.ks, p.Tk);
-    fa_commit();
+    tm__cp_async_commit();
 
     uint32_t qf[QREG ? MT : 1][QREG ? KD : 1][4];
     float o[MT][ND][4];
@@ -215,10 +172,10 @@ __global__ void __launch_bounds__(FA_THREADS) fa_forward_kernel(fa_params p) {
             const int j1 = j0 + BN;
             fa_load_rows<D, BN>(ks + (buf ^ 1) * BN * LD, kg + (int64_t)j1 * p.ks, p.ks, p.Tk - j1);
             fa_load_rows<D, BN>(vs + (buf ^ 1) * BN * LD, vg + (int64_t)j1 * p.ks, p.ks, p.Tk - j1);
-            fa_commit();
-            fa_wait<1>();
+            tm__cp_async_commit();
+            tm__cp_async_wait<1>();
         } else {
-            fa_wait<0>();
+            tm__cp_async_wait<0>();
         }
         __syncthreads();
         if (QREG && t == 0) {
@@ -251,8 +208,8 @@ __global__ void __launch_bounds__(FA_THREADS) fa_forward_kernel(fa_params p) {
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
                         const uint32_t(&a)[4] = QREG ? qf[QREG ? mt : 0][QREG ? kk : 0] : qa[QREG ? 0 : mt];
-                        fa_mma(s[mt][2 * np], a, r[0], r[1]);
-                        fa_mma(s[mt][2 * np + 1], a, r[2], r[3]);
+                        tm__mma_bf16_16816(s[mt][2 * np], a, r[0], r[1]);
+                        tm__mma_bf16_16816(s[mt][2 * np + 1], a, r[2], r[3]);
                     }
                 }
             }
@@ -319,8 +276,8 @@ __global__ void __launch_bounds__(FA_THREADS) fa_forward_kernel(fa_params p) {
                         const float e3 = fa_exp2(fmaf(s[mt][n][3], p.scale_log2, -mu[mt][1]));
                         l[mt][0] += e0 + e1;
                         l[mt][1] += e2 + e3;
-                        pa[mt][2 * u] = fa_pack(e0, e1);
-                        pa[mt][2 * u + 1] = fa_pack(e2, e3);
+                        pa[mt][2 * u] = tm__pack_bf16x2(e0, e1);
+                        pa[mt][2 * u + 1] = tm__pack_bf16x2(e2, e3);
                     }
                 }
 #pragma unroll
@@ -329,8 +286,8 @@ __global__ void __launch_bounds__(FA_THREADS) fa_forward_kernel(fa_params p) {
                     fa_ldbt<LD>(r, vt, kk * 16, dp * 16);
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
-                        fa_mma(o[mt][2 * dp], pa[mt], r[0], r[1]);
-                        fa_mma(o[mt][2 * dp + 1], pa[mt], r[2], r[3]);
+                        tm__mma_bf16_16816(o[mt][2 * dp], pa[mt], r[0], r[1]);
+                        tm__mma_bf16_16816(o[mt][2 * dp + 1], pa[mt], r[2], r[3]);
                     }
                 }
             }
@@ -412,7 +369,7 @@ __global__ void __launch_bounds__(FA_THREADS) fa_backward_dq_kernel(fa_params p)
     fa_load_rows<D, BM>(dos, p.dout + qoff, p.qs, p.Tq - q0);
     fa_load_rows<D, BN>(ks, kg, p.ks, p.Tk);
     fa_load_rows<D, BN>(vs, vg, p.ks, p.Tk);
-    fa_commit();
+    tm__cp_async_commit();
 
     const int64_t lrow = ((int64_t)b * p.Hq + h) * p.Tq;
     float lse[MT][2], dl[MT][2]; /* lse in log2 units, Delta; 0 for rows past Tq (zero q, dO: dS = 0) */
@@ -437,10 +394,10 @@ __global__ void __launch_bounds__(FA_THREADS) fa_backward_dq_kernel(fa_params p)
             const int j1 = j0 + BN;
             fa_load_rows<D, BN>(ks + (buf ^ 1) * BN * LD, kg + (int64_t)j1 * p.ks, p.ks, p.Tk - j1);
             fa_load_rows<D, BN>(vs + (buf ^ 1) * BN * LD, vg + (int64_t)j1 * p.ks, p.ks, p.Tk - j1);
-            fa_commit();
-            fa_wait<1>();
+            tm__cp_async_commit();
+            tm__cp_async_wait<1>();
         } else {
-            fa_wait<0>();
+            tm__cp_async_wait<0>();
         }
         __syncthreads();
         if (QR && t == 0) {
@@ -479,15 +436,15 @@ __global__ void __launch_bounds__(FA_THREADS) fa_backward_dq_kernel(fa_params p)
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
                         const uint32_t(&qa)[4] = QR ? qf[QR ? mt : 0][QR ? kk : 0] : a[QR ? 0 : mt];
-                        fa_mma(s[mt][2 * np], qa, r[0], r[1]);
-                        fa_mma(s[mt][2 * np + 1], qa, r[2], r[3]);
+                        tm__mma_bf16_16816(s[mt][2 * np], qa, r[0], r[1]);
+                        tm__mma_bf16_16816(s[mt][2 * np + 1], qa, r[2], r[3]);
                     }
                     fa_ldb<LD>(r, vt, np * 16, kk * 16);
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
                         const uint32_t(&oa)[4] = QR ? of[QR ? mt : 0][QR ? kk : 0] : c[QR ? 0 : mt];
-                        fa_mma(dp[mt][2 * np], oa, r[0], r[1]);
-                        fa_mma(dp[mt][2 * np + 1], oa, r[2], r[3]);
+                        tm__mma_bf16_16816(dp[mt][2 * np], oa, r[0], r[1]);
+                        tm__mma_bf16_16816(dp[mt][2 * np + 1], oa, r[2], r[3]);
                     }
                 }
             }
@@ -510,8 +467,8 @@ __global__ void __launch_bounds__(FA_THREADS) fa_backward_dq_kernel(fa_params p)
                             if (diag && j0 + n * 8 + t4 * 2 + (e & 1) > i + p.off) pr = 0.0f;
                             ds[e] = pr * (dp[mt][n][e] - dl[mt][half]);
                         }
-                        da[mt][2 * u] = fa_pack(ds[0], ds[1]);
-                        da[mt][2 * u + 1] = fa_pack(ds[2], ds[3]);
+                        da[mt][2 * u] = tm__pack_bf16x2(ds[0], ds[1]);
+                        da[mt][2 * u + 1] = tm__pack_bf16x2(ds[2], ds[3]);
                     }
                 }
 #pragma unroll
@@ -520,8 +477,8 @@ __global__ void __launch_bounds__(FA_THREADS) fa_backward_dq_kernel(fa_params p)
                     fa_ldbt<LD>(r, kt, kk * 16, dd * 16);
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
-                        fa_mma(acc[mt][2 * dd], da[mt], r[0], r[1]);
-                        fa_mma(acc[mt][2 * dd + 1], da[mt], r[2], r[3]);
+                        tm__mma_bf16_16816(acc[mt][2 * dd], da[mt], r[0], r[1]);
+                        tm__mma_bf16_16816(acc[mt][2 * dd + 1], da[mt], r[2], r[3]);
                     }
                 }
             }
@@ -555,10 +512,10 @@ __device__ __forceinline__ void fa_dkv_load(const fa_params &p, tm__bf16 *qs, tm
     const int x = threadIdx.x;
     if (x < BQ) {
         const bool ok = i0 + x < p.Tq;
-        fa_cp4(ls + x, ok ? p.lse + lrow + x : p.lse + lrow, ok ? 4 : 0);
+        tm__cp_async4(ls + x, ok ? p.lse + lrow + x : p.lse + lrow, ok ? 4 : 0);
     } else if (x < 2 * BQ) {
         const bool ok = i0 + (x - BQ) < p.Tq;
-        fa_cp4(dls + (x - BQ), ok ? p.delta + lrow + (x - BQ) : p.delta + lrow, ok ? 4 : 0);
+        tm__cp_async4(dls + (x - BQ), ok ? p.delta + lrow + (x - BQ) : p.delta + lrow, ok ? 4 : 0);
     }
 }
 
@@ -591,7 +548,7 @@ __global__ void __launch_bounds__(FA_THREADS) fa_backward_dkv_kernel(fa_params p
     fa_load_rows<D, BN>(ks, p.k + koff, p.ks, p.Tk - j0);
     fa_load_rows<D, BN>(vs, p.v + koff, p.ks, p.Tk - j0);
     fa_dkv_load<D, BQ>(p, qs, dos, ls, dls, b, hk, qstart, nqblk, 0);
-    fa_commit();
+    tm__cp_async_commit();
 
     uint32_t kf[KR ? MT : 1][KR ? KD : 1][4], vf[KR ? MT : 1][KR ? KD : 1][4];
     float dk[MT][ND][4], dv[MT][ND][4];
@@ -607,10 +564,10 @@ __global__ void __launch_bounds__(FA_THREADS) fa_backward_dkv_kernel(fa_params p
         if (it + 1 < nit) {
             fa_dkv_load<D, BQ>(p, qs + (buf ^ 1) * BQ * LD, dos + (buf ^ 1) * BQ * LD, ls + (buf ^ 1) * BQ,
                                dls + (buf ^ 1) * BQ, b, hk, qstart, nqblk, it + 1);
-            fa_commit();
-            fa_wait<1>();
+            tm__cp_async_commit();
+            tm__cp_async_wait<1>();
         } else {
-            fa_wait<0>();
+            tm__cp_async_wait<0>();
         }
         __syncthreads();
         if (KR && it == 0) {
@@ -653,15 +610,15 @@ __global__ void __launch_bounds__(FA_THREADS) fa_backward_dkv_kernel(fa_params p
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
                         const uint32_t(&ka)[4] = KR ? kf[KR ? mt : 0][KR ? kk : 0] : a[KR ? 0 : mt];
-                        fa_mma(s[mt][2 * np], ka, r[0], r[1]);
-                        fa_mma(s[mt][2 * np + 1], ka, r[2], r[3]);
+                        tm__mma_bf16_16816(s[mt][2 * np], ka, r[0], r[1]);
+                        tm__mma_bf16_16816(s[mt][2 * np + 1], ka, r[2], r[3]);
                     }
                     fa_ldb<LD>(r, ot, np * 16, kk * 16);
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
                         const uint32_t(&va)[4] = KR ? vf[KR ? mt : 0][KR ? kk : 0] : c[KR ? 0 : mt];
-                        fa_mma(dp[mt][2 * np], va, r[0], r[1]);
-                        fa_mma(dp[mt][2 * np + 1], va, r[2], r[3]);
+                        tm__mma_bf16_16816(dp[mt][2 * np], va, r[0], r[1]);
+                        tm__mma_bf16_16816(dp[mt][2 * np + 1], va, r[2], r[3]);
                     }
                 }
             }
@@ -690,10 +647,10 @@ __global__ void __launch_bounds__(FA_THREADS) fa_backward_dkv_kernel(fa_params p
                             pr[e] = x;
                             ds[e] = x * (dp[mt][n][e] - dd2[e & 1]);
                         }
-                        pa[mt][2 * u] = fa_pack(pr[0], pr[1]);
-                        pa[mt][2 * u + 1] = fa_pack(pr[2], pr[3]);
-                        da[mt][2 * u] = fa_pack(ds[0], ds[1]);
-                        da[mt][2 * u + 1] = fa_pack(ds[2], ds[3]);
+                        pa[mt][2 * u] = tm__pack_bf16x2(pr[0], pr[1]);
+                        pa[mt][2 * u + 1] = tm__pack_bf16x2(pr[2], pr[3]);
+                        da[mt][2 * u] = tm__pack_bf16x2(ds[0], ds[1]);
+                        da[mt][2 * u + 1] = tm__pack_bf16x2(ds[2], ds[3]);
                     }
                 }
 #pragma unroll
@@ -702,14 +659,14 @@ __global__ void __launch_bounds__(FA_THREADS) fa_backward_dkv_kernel(fa_params p
                     fa_ldbt<LD>(r, ot, kq * 16, dd * 16);
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
-                        fa_mma(dv[mt][2 * dd], pa[mt], r[0], r[1]);
-                        fa_mma(dv[mt][2 * dd + 1], pa[mt], r[2], r[3]);
+                        tm__mma_bf16_16816(dv[mt][2 * dd], pa[mt], r[0], r[1]);
+                        tm__mma_bf16_16816(dv[mt][2 * dd + 1], pa[mt], r[2], r[3]);
                     }
                     fa_ldbt<LD>(r, qt, kq * 16, dd * 16);
 #pragma unroll
                     for (int mt = 0; mt < MT; mt++) {
-                        fa_mma(dk[mt][2 * dd], da[mt], r[0], r[1]);
-                        fa_mma(dk[mt][2 * dd + 1], da[mt], r[2], r[3]);
+                        tm__mma_bf16_16816(dk[mt][2 * dd], da[mt], r[0], r[1]);
+                        tm__mma_bf16_16816(dk[mt][2 * dd + 1], da[mt], r[2], r[3]);
                     }
                 }
             }

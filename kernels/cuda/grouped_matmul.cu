@@ -101,6 +101,7 @@
  *   tm_ctx_sync_count stays put inside the loop.
  */
 #include "common.cuh"
+#include "mma.cuh"
 #include "grouped_matmul_sm90.h"
 
 #include <stdlib.h>
@@ -201,41 +202,6 @@ struct gmm_args {
     const int64_t *off, *r0, *r1;
     const int *tg;
 };
-
-/* ---- PTX helpers (sm_80+) ---- */
-
-__device__ __forceinline__ uint32_t gmm_smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-/* 16 bytes global -> shared, asynchronously; bytes = 0 writes 16 zero bytes and reads nothing. */
-__device__ __forceinline__ void gmm_cp16(uint32_t dst, const void *src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void gmm_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void gmm_cp_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-/* Four 8x8 b16 matrices; lane l gives the address of row l % 8 of matrix l / 8. */
-__device__ __forceinline__ void gmm_ldsm_x4(uint32_t *r, uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-__device__ __forceinline__ void gmm_ldsm_x4_t(uint32_t *r, uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-/* d (16x8 f32) += a (16x16 bf16, row) @ b (16x8 bf16, col). */
-__device__ __forceinline__ void gmm_mma(float *d, const uint32_t *a, const uint32_t *b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 /* ---- 1. the schedule ---- */
 
@@ -378,8 +344,8 @@ __global__ void __launch_bounds__(GMM_THREADS, 2) gmm_kernel(gmm_args a) {
                 const bool aok = am < m_hi && ak < red_hi, bok = bk < red_hi && bn < a.Nout;
                 const tm__bf16 *ga = A_MC ? A + ak * a.lda + am : A + am * a.lda + ak;
                 const tm__bf16 *gb = B_KC ? B + bn * a.ldb + bk : B + bk * a.ldb + bn;
-                gmm_cp16(gmm_smem_u32(da), aok ? ga : a.A, aok ? 16 : 0);
-                gmm_cp16(gmm_smem_u32(db), bok ? gb : a.B, bok ? 16 : 0);
+                tm__cp_async16(tm__smem_u32(da), aok ? ga : a.A, aok ? 16 : 0);
+                tm__cp_async16(tm__smem_u32(db), bok ? gb : a.B, bok ? 16 : 0);
             } else {
                 const unsigned short *A16 = (const unsigned short *)A, *B16 = (const unsigned short *)B;
                 unsigned short *da16 = (unsigned short *)da, *db16 = (unsigned short *)db;
@@ -409,17 +375,17 @@ __global__ void __launch_bounds__(GMM_THREADS, 2) gmm_kernel(gmm_args a) {
 #pragma unroll
     for (int s = 0; s < GMM_STAGES - 1; s++) {
         if (s < ktiles) load(s, s);
-        gmm_cp_commit(); /* empty groups keep the count of groups in step with the tiles */
+        tm__cp_async_commit(); /* empty groups keep the count of groups in step with the tiles */
     }
     for (int64_t kt = 0; kt < ktiles; kt++) {
-        gmm_cp_wait<GMM_STAGES - 2>(); /* this thread's copies of tile kt have landed... */
+        tm__cp_async_wait<GMM_STAGES - 2>(); /* this thread's copies of tile kt have landed... */
         __syncthreads();               /* ...everyone's have, and buffer (kt - 1) % STAGES is free */
         const int64_t nk = kt + GMM_STAGES - 1;
         if (nk < ktiles) load((int)(nk % GMM_STAGES), nk);
-        gmm_cp_commit();
+        tm__cp_async_commit();
 
         const tm__bf16 *sA = sm + (int)(kt % GMM_STAGES) * L::STAGE, *sB = sA + L::A_ELEMS;
-        const uint32_t aBase = gmm_smem_u32(sA), bBase = gmm_smem_u32(sB);
+        const uint32_t aBase = tm__smem_u32(sA), bBase = tm__smem_u32(sB);
 #pragma unroll
         for (int kk = 0; kk < GMM_BK; kk += 16) {
             uint32_t af[4][4], bf[4][2];
@@ -429,11 +395,11 @@ __global__ void __launch_bounds__(GMM_THREADS, 2) gmm_kernel(gmm_args a) {
                     /* matrices (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15)
                      * of smem [k][m]: lane l gives row k = (l & 7) + (l >> 4) * 8 at m ((l >> 3) & 1) * 8 */
                     const int r = kk + (lane & 7) + (lane >> 4) * 8, col = wm0 + i * 16 + ((lane >> 3) & 1) * 8;
-                    gmm_ldsm_x4_t(af[i], aBase + (uint32_t)(r * L::A_LD + col) * 2u);
+                    tm__ldsm_x4_trans(af[i], aBase + (uint32_t)(r * L::A_LD + col) * 2u);
                 } else {
                     /* same four matrices of smem [m][k]: lane l gives row m = l & 15 at k (l >> 4) * 8 */
                     const int r = wm0 + i * 16 + (lane & 15), col = kk + (lane >> 4) * 8;
-                    gmm_ldsm_x4(af[i], aBase + (uint32_t)(r * L::A_LD + col) * 2u);
+                    tm__ldsm_x4(af[i], aBase + (uint32_t)(r * L::A_LD + col) * 2u);
                 }
             }
 #pragma unroll
@@ -443,21 +409,21 @@ __global__ void __launch_bounds__(GMM_THREADS, 2) gmm_kernel(gmm_args a) {
                     /* matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
                      * of smem [n][k]: b0, b1 of the n8 tile 2 jp, then of 2 jp + 1 */
                     const int r = wn0 + jp * 16 + (lane & 7) + (lane >> 4) * 8, col = kk + ((lane >> 3) & 1) * 8;
-                    gmm_ldsm_x4(t, bBase + (uint32_t)(r * L::B_LD + col) * 2u);
+                    tm__ldsm_x4(t, bBase + (uint32_t)(r * L::B_LD + col) * 2u);
                 } else {
                     /* the same from smem [k][n], transposed */
                     const int r = kk + (lane & 7) + ((lane >> 3) & 1) * 8, col = wn0 + jp * 16 + (lane >> 4) * 8;
-                    gmm_ldsm_x4_t(t, bBase + (uint32_t)(r * L::B_LD + col) * 2u);
+                    tm__ldsm_x4_trans(t, bBase + (uint32_t)(r * L::B_LD + col) * 2u);
                 }
                 bf[2 * jp][0] = t[0], bf[2 * jp][1] = t[1], bf[2 * jp + 1][0] = t[2], bf[2 * jp + 1][1] = t[3];
             }
 #pragma unroll
             for (int i = 0; i < 4; i++)
 #pragma unroll
-                for (int j = 0; j < 4; j++) gmm_mma(acc[i][j], af[i], bf[j]);
+                for (int j = 0; j < 4; j++) tm__mma_bf16_16816(acc[i][j], af[i], bf[j][0], bf[j][1]);
         }
     }
-    gmm_cp_wait<0>(); /* only empty groups can be pending; leave nothing in flight */
+    tm__cp_async_wait<0>(); /* only empty groups can be pending; leave nothing in flight */
 
     /* Epilogue: thread (gid, tig) of the warp holds C[gid][2 tig, 2 tig + 1] and
      * C[gid + 8][2 tig, 2 tig + 1] of each 16 x 8 tile. */

@@ -71,6 +71,7 @@
  * internal order), whatever the grid: no atomics, bit-identical run to run.
  */
 #include "grouped_matmul_sm90.h"
+#include "mma.cuh"
 
 #include <cuda.h> /* CUtensorMap and the encode function's types only: no link to libcuda */
 #include <cuda_bf16.h>
@@ -116,10 +117,9 @@ struct gmm90_params {
 #define GMM90_DEVICE 1
 #endif
 
-/* ---- PTX wrappers (sm_90a) ---- */
+/* ---- PTX wrappers (sm_90a; the sm_80 ones the epilogue uses, cp.async, ldmatrix and the bf16
+ * packing, are mma.cuh's) ---- */
 #ifdef GMM90_DEVICE
-__device__ __forceinline__ uint32_t gmm90_smem(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
 __device__ __forceinline__ void gmm90_mbar_init(uint32_t bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -166,24 +166,9 @@ __device__ __forceinline__ void gmm90_stsm4(uint32_t addr, uint32_t r0, uint32_t
                  "r"(r2), "r"(r3)
                  : "memory");
 }
-__device__ __forceinline__ void gmm90_ldsm4(uint32_t addr, uint32_t *r) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-__device__ __forceinline__ uint32_t gmm90_pack(float a, float b) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    return *(uint32_t *)&v;
-}
 __device__ __forceinline__ void gmm90_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void gmm90_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void gmm90_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-/* 16 bytes global -> shared (bytes 0: zeros, nothing read) */
-__device__ __forceinline__ void gmm90_cp16(uint32_t dst, const void *src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void gmm90_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void gmm90_cp_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 __device__ __forceinline__ void gmm90_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void gmm90_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -251,8 +236,8 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
     }
     if (tid == 0) {
         for (int s = 0; s < STAGES; s++) {
-            gmm90_mbar_init(gmm90_smem(&full[s]), 1);
-            gmm90_mbar_init(gmm90_smem(&empty[s]), 8);
+            gmm90_mbar_init(tm__smem_u32(&full[s]), 1);
+            gmm90_mbar_init(tm__smem_u32(&empty[s]), 8);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -333,10 +318,10 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
             const gmm90_tile tl = decode(t);
             if (MG && tl.g == G) continue; /* rows past the groups: nothing to load */
             for (int kt = 0; kt < tl.nk; kt++) {
-                gmm90_mbar_wait(gmm90_smem(&empty[s]), ph ^ 1);
-                const uint32_t fb = gmm90_smem(&full[s]);
+                gmm90_mbar_wait(tm__smem_u32(&empty[s]), ph ^ 1);
+                const uint32_t fb = tm__smem_u32(&full[s]);
                 gmm90_mbar_expect_tx(fb, CF::STAGE_BYTES);
-                const uint32_t a = gmm90_smem(sA + s * CF::A_BYTES), b = gmm90_smem(sB + s * CF::B_BYTES);
+                const uint32_t a = tm__smem_u32(sA + s * CF::A_BYTES), b = tm__smem_u32(sB + s * CF::B_BYTES);
                 const int k0 = tl.red0 + kt * GMM90_BK;
                 if (MODE == TM__GMM90_FWD) {
                     gmm90_tma2(a, &tmA, k0, tl.r0, fb);
@@ -368,7 +353,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
     /* This warpgroup's staging tile: BN / 64 boxes of 64 rows x 128 bytes, 128-byte swizzle (the
      * TMA store's layout): element (r, c) at box c / 64, line r, 16-byte chunk (c % 64 / 8) ^ (r % 8). */
     unsigned char *stg = sStg + w * CF::STG_WG;
-    const uint32_t stg_a = gmm90_smem(stg);
+    const uint32_t stg_a = tm__smem_u32(stg);
     const int wbar = 2 + w; /* named barrier of this warpgroup's 128 threads */
     auto stg_off = [](int r, int c8) { return (c8 >> 3) * 8192 + r * 128 + (((c8 & 7) ^ (r & 7)) << 4); };
     /* the staging tile is free: the last TMA store from it has read it, every thread is past it */
@@ -396,7 +381,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
         {
             int prev = -1;
             for (int kt = 0; kt < tl.nk; kt++) {
-                gmm90_mbar_wait(gmm90_smem(&full[s]), ph);
+                gmm90_mbar_wait(tm__smem_u32(&full[s]), ph);
                 unsigned char *a = sA + s * CF::A_BYTES, *b = sB + s * CF::B_BYTES;
                 if (!MG) {
                     const int valid = tl.red1 - (tl.red0 + kt * GMM90_BK);
@@ -416,7 +401,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                         gmm90_bar(1, 256);
                     }
                 }
-                const uint32_t aa = gmm90_smem(a), ba = gmm90_smem(b);
+                const uint32_t aa = tm__smem_u32(a), ba = tm__smem_u32(b);
 #pragma unroll
                 for (int i = 0; i < BN / 2; i++) gmm90_reg_fence(acc[i]);
                 gmm90_wgmma_fence();
@@ -440,22 +425,22 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                         const int r = idx / (BN / 8), c8 = idx - r * (BN / 8);
                         const int row = wrow + r, col = tl.n0 + 8 * c8;
                         const bool ok = row < wlim && col < p.Nout;
-                        gmm90_cp16(stg_a + stg_off(r, c8), ok ? (const void *)(Cg + (long long)row * p.ldc + col) : p.C,
+                        tm__cp_async16(stg_a + stg_off(r, c8), ok ? (const void *)(Cg + (long long)row * p.ldc + col) : p.C,
                                    ok ? 16 : 0);
                     }
-                    gmm90_cp_commit();
+                    tm__cp_async_commit();
                 }
 #pragma unroll
                 for (int i = 0; i < BN / 2; i++) gmm90_reg_fence(acc[i]);
                 gmm90_wgmma_wait<1>();
-                if (prev >= 0 && lane == 0) gmm90_mbar_arrive(gmm90_smem(&empty[prev]));
+                if (prev >= 0 && lane == 0) gmm90_mbar_arrive(tm__smem_u32(&empty[prev]));
                 prev = s;
                 if (++s == STAGES) s = 0, ph ^= 1;
             }
             gmm90_wgmma_wait<0>();
 #pragma unroll
             for (int i = 0; i < BN / 2; i++) gmm90_reg_fence(acc[i]);
-            if (prev >= 0 && lane == 0) gmm90_mbar_arrive(gmm90_smem(&empty[prev]));
+            if (prev >= 0 && lane == 0) gmm90_mbar_arrive(tm__smem_u32(&empty[prev]));
         }
 
         /* -- epilogue -- */
@@ -480,15 +465,15 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                     v[2 * j] = acc[4 * (i + (j >> 1)) + 2 * (j & 1)], v[2 * j + 1] = acc[4 * (i + (j >> 1)) + 2 * (j & 1) + 1];
                 if (ACCUM) {
                     uint32_t o[4];
-                    gmm90_ldsm4(addr, o);
+                    tm__ldsm_x4(o, addr);
 #pragma unroll
                     for (int j = 0; j < 4; j++) {
                         const float2 f = __bfloat1622float2(*(const __nv_bfloat162 *)&o[j]);
                         v[2 * j] += f.x, v[2 * j + 1] += f.y;
                     }
                 }
-                gmm90_stsm4(addr, gmm90_pack(v[0], v[1]), gmm90_pack(v[2], v[3]), gmm90_pack(v[4], v[5]),
-                            gmm90_pack(v[6], v[7]));
+                gmm90_stsm4(addr, tm__pack_bf16x2(v[0], v[1]), tm__pack_bf16x2(v[2], v[3]), tm__pack_bf16x2(v[4], v[5]),
+                            tm__pack_bf16x2(v[6], v[7]));
             }
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
