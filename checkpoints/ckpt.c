@@ -676,9 +676,11 @@ typedef struct ckd_tensor {
     size_t goff, held; /* snapshots: this rank's bytes of the tensor at snap + goff (held: 0 for none) */
 } ckd_tensor;
 
-/* CRC and pwrite of n bytes at off in CK_CHUNK pieces on nth threads, *crc extended over them;
- * 0 or an errno value. */
-static int crc_pwrite(int fd, const unsigned char *p, size_t n, uint64_t off, int nth, uint32_t *crc) {
+/* n bytes at off, in CK_CHUNK pieces on nth threads, written from p (crc, then pwrite) or read
+ * into p (pread, then crc); *crc extended over them in file order. 0 or an errno value (-1: a
+ * read hit the end of the file early). One loop for both directions: saves and loads split,
+ * checksum and combine the same way. */
+static int crc_io(int fd, unsigned char *p, size_t n, uint64_t off, int nth, uint32_t *crc, int reading) {
     enum { MAXC = CK_BATCH / CK_CHUNK };
     uint32_t c[MAXC];
     int e[MAXC];
@@ -688,8 +690,13 @@ static int crc_pwrite(int fd, const unsigned char *p, size_t n, uint64_t off, in
 #pragma omp parallel for num_threads(nth) schedule(dynamic) if (nc > 1)
         for (int i = 0; i < nc; i++) {
             size_t a = b + (size_t)i * CK_CHUNK, len = n - a < CK_CHUNK ? n - a : CK_CHUNK;
-            c[i] = crc_update(0, p + a, len);
-            e[i] = pwrite_all(fd, p + a, len, off + a);
+            if (reading) {
+                e[i] = pread_all(fd, p + a, len, off + a);
+                if (!e[i]) c[i] = crc_update(0, p + a, len);
+            } else {
+                c[i] = crc_update(0, p + a, len);
+                e[i] = pwrite_all(fd, p + a, len, off + a);
+            }
         }
         for (int i = 0; i < nc; i++) {
             if (e[i]) return e[i];
@@ -698,6 +705,10 @@ static int crc_pwrite(int fd, const unsigned char *p, size_t n, uint64_t off, in
         }
     }
     return 0;
+}
+
+static int crc_pwrite(int fd, const unsigned char *p, size_t n, uint64_t off, int nth, uint32_t *crc) {
+    return crc_io(fd, (unsigned char *)p, n, off, nth, crc, 0); /* p is only read when writing */
 }
 
 /* Whether the ranks' ranges of tensor k (rg: [W][n][2] lo, count) tile its numel elements,
@@ -2095,29 +2106,10 @@ int tm_ckpt_reader_find(const tm_ckpt_reader *r, const char *name) {
     return -1;
 }
 
-/* n bytes at off into dst in CK_CHUNK pieces on nth threads, their CRC into *crc; 0 or an
- * errno value (-1: the file ended early). */
+/* n bytes at off into dst, their CRC into *crc (crc_io). */
 static int pread_crc(int fd, unsigned char *dst, size_t n, uint64_t off, int nth, uint32_t *crc) {
-    enum { MAXC = CK_BATCH / CK_CHUNK };
-    uint32_t c[MAXC];
-    int e[MAXC];
     *crc = 0;
-    for (size_t b = 0; b < n; b += CK_BATCH) {
-        size_t bn = n - b < CK_BATCH ? n - b : CK_BATCH;
-        int nc = (int)((bn + CK_CHUNK - 1) / CK_CHUNK);
-#pragma omp parallel for num_threads(nth) schedule(dynamic) if (nc > 1)
-        for (int i = 0; i < nc; i++) {
-            size_t a = b + (size_t)i * CK_CHUNK, len = n - a < CK_CHUNK ? n - a : CK_CHUNK;
-            e[i] = pread_all(fd, dst + a, len, off + a);
-            if (!e[i]) c[i] = crc_update(0, dst + a, len);
-        }
-        for (int i = 0; i < nc; i++) {
-            if (e[i]) return e[i];
-            size_t a = b + (size_t)i * CK_CHUNK, len = n - a < CK_CHUNK ? n - a : CK_CHUNK;
-            *crc = (uint32_t)crc32_combine(*crc, c[i], (z_off_t)len);
-        }
-    }
-    return 0;
+    return crc_io(fd, dst, n, off, nth, crc, 1);
 }
 
 tm_status tm_ckpt_reader_read(tm_ckpt_reader *r, int entry, void *dst, uint64_t dst_bytes) {
