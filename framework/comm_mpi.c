@@ -243,44 +243,21 @@ static tm_status mpi_allgatherv(tm__comm *c, int g, const void *send, void *recv
     return rc != MPI_SUCCESS ? mpi_fail(c, "allgather", g, rc) : wait_for(c, &req, "allgather", g, (size_t)counts[me] * es);
 }
 
-static tm_status mpi_reduce_scatter(tm__comm *c, int g, const void *send, void *recv, int64_t n, tm_dtype dt,
-                                    tm_device dev) {
-    int G = c->size[g];
-    if (!fits_int(n) || !fits_int(n * G)) return too_big(c, "reduce_scatter", n * G);
-    size_t es = tm_dtype_size(dt);
-    int mark = tm__scope_open(c->ctx);
-    tm_status st = TM_OK;
-    if (dt == TM_BF16) {
-        float *f;
-        st = bf16_widen(c, send, n * G, &f);
-        if (!st) st = mpi_reduce_scatter(c, g, f, f + n * c->rank[g], n, TM_F32, dev);
-        if (!st) tm__host_ops()->convert(recv, TM_BF16, f + n * c->rank[g], TM_F32, n, 1);
-        tm__scope_close(c->ctx, mark, NULL, 0);
-        return st;
-    }
-    /* MPI's in-place form leaves the result at the start of the buffer, not at this rank's
-     * block: receive into a copy when recv lies inside send. */
-    const char *sb = send, *rb = recv;
-    int inside = rb >= sb && rb < sb + (size_t)n * G * es;
-    void *tmp = inside ? scratch(c, (size_t)n * es) : recv;
-    if (!tmp) st = tm__err(c->ctx, TM_ERR_NOMEM, "reduce_scatter: out of host memory");
-    MPI_Request req;
-    int rc = st ? MPI_SUCCESS : MPI_Ireduce_scatter_block(send, tmp, (int)n, mpi_type(dt), MPI_SUM, gcomm(c, g), &req);
-    if (!st) st = rc != MPI_SUCCESS ? mpi_fail(c, "reduce_scatter", g, rc)
-                                    : wait_for(c, &req, "reduce_scatter", g, (size_t)n * G * es);
-    if (inside && !st) memcpy(recv, tmp, (size_t)n * es);
-    tm__scope_close(c->ctx, mark, NULL, 0);
-    return st;
-}
-
-static tm_status mpi_reduce_scatterv(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts,
-                                     tm_dtype dt, tm_device dev) {
+/* Both reduce-scatters: blocks of `counts` elements (NULL: G equal blocks of n). The equal form
+ * stays MPI_Reduce_scatter_block and the ragged one MPI_Reduce_scatter (Open MPI picks its
+ * algorithm, and so the order of the sums, by the call: the bit-exact resume tests compare
+ * them). bf16 is widened to f32 and reduced there; recv inside send (in place) goes through a
+ * scratch block, since MPI's in-place form leaves the result at the start of the buffer, not
+ * at this rank's block. */
+static tm_status reduce_scatter_any(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts,
+                                    int64_t n, tm_dtype dt, tm_device dev) {
     int G = c->size[g], me = c->rank[g];
-    int64_t total = 0, before = 0;
+    int64_t total = 0, before = 0, mine = counts ? counts[me] : n;
     for (int j = 0; j < G; j++) {
-        if (!fits_int(counts[j])) return too_big(c, "reduce_scatter", counts[j]);
-        if (j < me) before += counts[j];
-        total += counts[j];
+        int64_t k = counts ? counts[j] : n;
+        if (!fits_int(k)) return too_big(c, "reduce_scatter", k);
+        if (j < me) before += k;
+        total += k;
     }
     if (!fits_int(total)) return too_big(c, "reduce_scatter", total);
     int mark = tm__scope_open(c->ctx);
@@ -288,26 +265,39 @@ static tm_status mpi_reduce_scatterv(tm__comm *c, int g, const void *send, void 
     if (dt == TM_BF16) {
         float *f;
         st = bf16_widen(c, send, total, &f);
-        if (!st) st = mpi_reduce_scatterv(c, g, f, f + before, counts, TM_F32, dev);
-        if (!st) tm__host_ops()->convert(recv, TM_BF16, f + before, TM_F32, counts[me], 1);
+        if (!st) st = reduce_scatter_any(c, g, f, f + before, counts, n, TM_F32, dev);
+        if (!st) tm__host_ops()->convert(recv, TM_BF16, f + before, TM_F32, mine, 1);
         tm__scope_close(c->ctx, mark, NULL, 0);
         return st;
     }
-    /* (the bf16 path above reduces into its own widened copy: received into scratch here) */
     size_t es = tm_dtype_size(dt);
     const char *sb = send, *rb = recv;
     int inside = rb >= sb && rb < sb + (size_t)total * es;
-    int *rc = tm__meta_alloc(c->ctx, sizeof(int) * (size_t)G);
-    void *tmp = inside ? scratch(c, (size_t)counts[me] * es + 1) : recv;
-    if (!rc || !tmp) st = tm__err(c->ctx, TM_ERR_NOMEM, "reduce_scatter: out of host memory");
-    for (int j = 0; !st && j < G; j++) rc[j] = (int)counts[j];
+    int *rc = counts ? tm__meta_alloc(c->ctx, sizeof(int) * (size_t)G) : NULL;
+    void *tmp = inside ? scratch(c, (size_t)mine * es + 1) : recv;
+    if ((counts && !rc) || !tmp) st = tm__err(c->ctx, TM_ERR_NOMEM, "reduce_scatter: out of host memory");
+    for (int j = 0; !st && counts && j < G; j++) rc[j] = (int)counts[j];
     MPI_Request req;
-    int r = st ? MPI_SUCCESS : MPI_Ireduce_scatter(send, tmp, rc, mpi_type(dt), MPI_SUM, gcomm(c, g), &req);
+    int r = MPI_SUCCESS;
+    if (!st)
+        r = counts ? MPI_Ireduce_scatter(send, tmp, rc, mpi_type(dt), MPI_SUM, gcomm(c, g), &req)
+                   : MPI_Ireduce_scatter_block(send, tmp, (int)n, mpi_type(dt), MPI_SUM, gcomm(c, g), &req);
     if (!st) st = r != MPI_SUCCESS ? mpi_fail(c, "reduce_scatter", g, r)
                                    : wait_for(c, &req, "reduce_scatter", g, (size_t)total * es);
-    if (inside && !st) memcpy(recv, tmp, (size_t)counts[me] * es);
+    if (inside && !st) memcpy(recv, tmp, (size_t)mine * es);
     tm__scope_close(c->ctx, mark, NULL, 0);
     return st;
+}
+
+static tm_status mpi_reduce_scatter(tm__comm *c, int g, const void *send, void *recv, int64_t n, tm_dtype dt,
+                                    tm_device dev) {
+    if (!fits_int(n * c->size[g])) return too_big(c, "reduce_scatter", n * c->size[g]);
+    return reduce_scatter_any(c, g, send, recv, NULL, n, dt, dev);
+}
+
+static tm_status mpi_reduce_scatterv(tm__comm *c, int g, const void *send, void *recv, const int64_t *counts,
+                                     tm_dtype dt, tm_device dev) {
+    return reduce_scatter_any(c, g, send, recv, counts, 0, dt, dev);
 }
 
 static tm_status mpi_alltoallv(tm__comm *c, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
