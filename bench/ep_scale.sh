@@ -8,7 +8,10 @@
 #
 #   bench/ep_scale.sh [--preset fine] [--steps 300] [--warmup 20] [--gpus "1 2 4"]
 #                     [--layouts "dp alltoall allgather dedup"] [--bind "none core"] [--smoke]
-#                     [--extra "FLAGS"]   (more train flags for every run, e.g. "--comm_overlap false")
+#                     [--extra "FLAGS"]   (more train flags for every run, e.g. "--comm_overlap false";
+#                                        "--force_load_balance true" routes round robin, every expert
+#                                        and rank equally loaded: the dispatch without the routing's
+#                                        imbalance, for benchmarks only, docs/layouts.md)
 #
 # A layout may end in :zN, the ZeRO level of the run (--zero N; default 0): "dp:z3" is data
 # parallelism with fully sharded weights (FSDP), "dedup:z1" the deduplicated all-to-all with
@@ -34,7 +37,7 @@ while [ $# -gt 0 ]; do
         eval "${1#--}=\$2"; shift 2 ;;
     --smoke) smoke=1; shift ;;
     --extra) [ $# -ge 2 ] || { echo "ep_scale.sh: --extra needs a value" >&2; exit 2; }; extra_flags=$2; shift 2 ;;
-    -h|--help) sed -n '2,25s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "ep_scale.sh: unknown option '$1'" >&2; exit 2 ;;
     esac
 done
@@ -114,7 +117,7 @@ for n in $gpus; do
     done
 done
 echo
-echo "preset $preset, $dtype, $per_gpu x 1024 tokens per GPU, $steps steps (mean ms/step after $warmup); $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo "preset $preset, $dtype, $per_gpu x 1024 tokens per GPU, $steps steps (mean ms/step after $warmup)${extra_flags:+, extra flags: $extra_flags}; $(date -u '+%Y-%m-%d %H:%M UTC')"
 [ "$device" = cuda ] && nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
 printf '%-26s %9s %11s %6s %-23s %6s %-11s %8s  %s\n' run ms/step tok/s/GPU vs1 "peak GiB per GPU (smi)" vs1 "GiB use/res" start_s status
 printf '%s\n' "${rows[@]}"

@@ -720,9 +720,11 @@ typedef struct tm_router_config {
     int group_topk;      /* groups kept, in [1, num_groups]; k % group_topk == 0 */
     double scaling_factor; /* multiplies p last (1.0: none); must be > 0 */
     int norm_topk_prob;  /* softmax-pre only (ignored otherwise): p = p / sum(p) (Mixtral / Qwen-MoE) */
+    int force_load_balance; /* 0 (default) or 1, BENCHMARKING ONLY: the selection ignores the scores,
+                             * idx[t][j] = (t k + j) % E (below); the model does not learn to route */
 } tm_router_config;
 
-/* E = 8, k = 2, softmax, pre-softmax, no groups, scaling 1, no renormalisation. */
+/* E = 8, k = 2, softmax, pre-softmax, no groups, scaling 1, no renormalisation, not forced. */
 TM_API tm_router_config tm_router_config_default(void);
 
 /* Float outputs have the logits' dtype (f32; bf16 logits give bf16 outputs, computed in f64 on
@@ -730,7 +732,8 @@ TM_API tm_router_config tm_router_config_default(void);
 typedef struct tm_router_out {
     tm_tensor *probs;             /* [T,E]: p at the routed (t,e), 0 elsewhere */
     tm_tensor *routing_map;       /* u8  [T,E]: 1 where routed */
-    tm_tensor *topk_idx;          /* i32 [T,k]: selected experts, in descending selection score */
+    tm_tensor *topk_idx;          /* i32 [T,k]: selected experts, in descending selection score
+                                   * (force_load_balance: (t k + j) % E for j = 0..k-1, in j order) */
     tm_tensor *topk_weights;      /* [T,k]: p of the selected experts (same order) */
     tm_tensor *tokens_per_expert; /* i64 [E]: column sums of routing_map */
 } tm_router_out;
@@ -747,6 +750,22 @@ typedef struct tm_router_out {
  *     masked to -inf, then a plain top-k. Softmax-pre selects on s (+ bias), softmax-post on
  *     logits (+ bias).
  *   p *= scaling_factor last. Ties: the lowest expert index wins (everywhere, groups too).
+ *   force_load_balance = 1 (torchtitan debug.moe_force_load_balance ->
+ *     TokenChoiceTopKRouter._debug_force_load_balance; Megatron-LM
+ *     --moe-router-force-load-balancing, "for benchmarking purposes only"): BENCHMARKING ONLY.
+ *     The selection is round robin, whatever the scores: row t of logits takes
+ *       idx[t][j] = (t * k + j) % E,  j = 0..k-1, in that order in topk_idx
+ *     (k distinct experts as k <= E; t is the row of this call's logits, so each rank of an
+ *     expert-parallel run counts its own rows from 0, as torchtitan does). Over T rows expert e
+ *     gets floor(T k / E) or that + 1 rows: exactly T k / E each when T k % E == 0. Everything
+ *     after the selection is the normal computation for that selection: p = s[idx] (softmax pre,
+ *     then norm_topk_prob), softmax over l[idx] (softmax post), s[idx] normalised when k > 1
+ *     (sigmoid), scaling_factor last; probs, routing_map and tokens_per_expert follow, and the
+ *     backward is the normal one for the selection, so the router weights still get gradients.
+ *     The expert bias and group-limited routing do not affect the selection in this mode (their
+ *     configuration is still checked, and a bias update sees the forced counts), so a benchmark
+ *     keeps its model's configuration and only the selection changes. Megatron's clean counts
+ *     (tm_moe_aux_counts) are a top-k of the scores and are not forced.
  * logits: float [T,E]. expert_bias: float [E] (any float dtype) or NULL, used for selection
  * only (no gradient), with either score function (softmax + bias shifts the selection only,
  * too). The arithmetic is f64 on the CPU and f32 on CUDA (bf16 logits read as f32): CUDA's
@@ -757,7 +776,8 @@ typedef struct tm_router_out {
  * tokens_per_expert is exact on both. On error every field of *out is NULL (out given).
  * Gradients flow from probs and topk_weights (both may be used) into logits.
  * Errors (message names the field and its value): TM_ERR_INVALID_ARG for out or cfg NULL,
- * score_function not a tm_score_function, num_experts < 1, k outside [1,E], num_groups < 0,
+ * score_function not a tm_score_function, force_load_balance not 0 or 1, num_experts < 1,
+ * k outside [1,E], num_groups < 0,
  * E % num_groups, group_topk outside [1, num_groups], k % group_topk,
  * k / group_topk > E / num_groups, scaling_factor <= 0, NaN or infinite; TM_ERR_DTYPE for
  * logits or expert_bias not float; TM_ERR_SHAPE for logits not [T,E] with E = num_experts >= 1, or

@@ -87,6 +87,8 @@ tm_status tm_moe_config_check(tm_ctx *ctx, const tm_moe_config *c) {
     }
     if (!(r->scaling_factor > 0) || !isfinite(r->scaling_factor))
         return BAD("moe config: scaling_factor = %g must be > 0", r->scaling_factor);
+    if (r->force_load_balance != 0 && r->force_load_balance != 1)
+        return BAD("moe config: force_load_balance = %d must be 0 or 1", r->force_load_balance);
     if (!(c->expert_bias_update_rate >= 0)) return BAD("moe config: expert_bias_update_rate = %g must be >= 0", c->expert_bias_update_rate);
     if (!(c->aux_loss_coeff >= 0)) return BAD("moe config: aux_loss_coeff = %g must be >= 0", c->aux_loss_coeff);
     if (!(c->seq_aux_loss_coeff >= 0)) return BAD("moe config: seq_aux_loss_coeff = %g must be >= 0", c->seq_aux_loss_coeff);

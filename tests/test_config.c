@@ -108,6 +108,9 @@ Test(config, other_tools_names_get_the_key) {
         {"--moe-aux-loss-coeff", "0.01", "tinymoe's key is aux_loss_coeff"},
         {"--expert-model-parallel-size", "2", "tinymoe's key is ep_size"},
         {"--num_experts_per_tok", "2", "Hugging Face's name; tinymoe's key is topk"},
+        {"--moe-router-force-load-balancing", "true", "Megatron-LM's name; tinymoe's key is force_load_balance"},
+        {"--debug_moe_force_load_balance", "true", "torchtitan's name; tinymoe's key is force_load_balance"},
+        {"--moe_force_load_balance", "true", "tinymoe's key is force_load_balance"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         tmd_config c;

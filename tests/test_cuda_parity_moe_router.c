@@ -9,6 +9,7 @@
  *   bf16  atol 1e-2, rtol 1e-2: the same bf16 inputs; CUDA rounds its f32 results to bf16, the CPU
  *         its f64 results through f32, so a value near a rounding boundary may land one bf16
  *         step (2^-8 relative) away.
+ * force_load_balance rows route round robin on both backends (integer arithmetic: exact).
  * Selections are compared exactly: routing_map, topk_idx, tokens_per_expert, map_kept, the
  * kept counts and dropped, and the expert bias after its update (bit for bit: both compute it
  * in f64 and round once).
@@ -95,6 +96,7 @@ typedef struct rcase {
     tm_score_function score;
     int pre, groups, group_topk, norm, bias;
     double scaling;
+    int force; /* force_load_balance */
 } rcase;
 
 /* Rows 1 and 2 repeat row 0 (identical rows); row 3 is constant (every expert ties). */
@@ -148,6 +150,7 @@ static void router_parity(const rcase *rc, tm_dtype dt) {
     cfg.group_topk = rc->group_topk;
     cfg.norm_topk_prob = rc->norm;
     cfg.scaling_factor = rc->scaling;
+    cfg.force_load_balance = rc->force;
     int64_t T = rc->T, E = rc->E, k = rc->k;
     double *hl = router_logits(rc), *hb = malloc(sizeof(double) * (size_t)E);
     for (int64_t e = 0; e < E; e++) hb[e] = (double)((e * 7) % 5 - 2); /* whole numbers: see the top */
@@ -171,32 +174,43 @@ static void router_parity(const rcase *rc, tm_dtype dt) {
 }
 
 static const rcase RCASES[] = {
-    /*  name                                     T    E   k  score             pre G  gk norm bias scaling */
-    {"softmax pre, E 8 k 2 (defaults)",          37,   8, 2, TM_SCORE_SOFTMAX, 1, 0, 0, 0, 0, 1.0},
-    {"softmax pre, k 1, E 7",                    29,   7, 1, TM_SCORE_SOFTMAX, 1, 0, 0, 0, 0, 1.0},
-    {"softmax pre, norm, scaling 2.5, E 13 k 3", 41,  13, 3, TM_SCORE_SOFTMAX, 1, 0, 0, 1, 0, 2.5},
-    {"softmax pre, norm, k 1 (p = scaling)",     17,   7, 1, TM_SCORE_SOFTMAX, 1, 0, 0, 1, 0, 1.5},
-    {"softmax pre, bias, E 64 k 6",              53,  64, 6, TM_SCORE_SOFTMAX, 1, 0, 0, 0, 1, 1.0},
-    {"softmax pre, E 64 k 6, norm",              53,  64, 6, TM_SCORE_SOFTMAX, 1, 0, 0, 1, 0, 1.0},
-    {"softmax post, E 13 k 4",                   41,  13, 4, TM_SCORE_SOFTMAX, 0, 0, 0, 0, 0, 1.0},
-    {"softmax post, k 1, E 7, scaling 0.5",      23,   7, 1, TM_SCORE_SOFTMAX, 0, 0, 0, 0, 0, 0.5},
-    {"softmax post, bias, E 64 k 6, norm (no-op)", 53, 64, 6, TM_SCORE_SOFTMAX, 0, 0, 0, 1, 1, 1.0},
-    {"sigmoid, E 7 k 2",                         37,   7, 2, TM_SCORE_SIGMOID, 0, 0, 0, 0, 0, 1.0},
-    {"sigmoid, k 1, E 13",                       31,  13, 1, TM_SCORE_SIGMOID, 0, 0, 0, 0, 0, 1.0},
-    {"sigmoid, bias, scaling 2.5, E 64 k 6",     53,  64, 6, TM_SCORE_SIGMOID, 0, 0, 0, 0, 1, 2.5},
-    {"groups: softmax pre, norm, 8 groups keep 3, k 3", 45, 64, 3, TM_SCORE_SOFTMAX, 1, 8, 3, 1, 0, 2.5},
-    {"groups: softmax post, bias, 8 groups keep 2, k 6", 45, 64, 6, TM_SCORE_SOFTMAX, 0, 8, 2, 0, 1, 1.0},
-    {"groups: softmax post, 4 groups keep 2, k 8, E 32", 45, 32, 8, TM_SCORE_SOFTMAX, 0, 4, 2, 0, 0, 1.0},
-    {"groups: sigmoid, bias, 4 groups keep 2, k 2", 45, 32, 2, TM_SCORE_SIGMOID, 0, 4, 2, 0, 1, 1.5},
-    {"groups: 1 group (no groups)",              19,   8, 2, TM_SCORE_SOFTMAX, 1, 1, 1, 0, 0, 1.0},
-    {"k = E = 7",                                11,   7, 7, TM_SCORE_SOFTMAX, 1, 0, 0, 1, 0, 1.0},
-    {"E 1 k 1",                                   9,   1, 1, TM_SCORE_SIGMOID, 0, 0, 0, 0, 0, 1.0},
-    {"wide: softmax pre, E 512 k 32",             9, 512, 32, TM_SCORE_SOFTMAX, 1, 0, 0, 1, 0, 1.0},
-    {"wide: sigmoid, bias, E 512 k 32",           9, 512, 32, TM_SCORE_SIGMOID, 0, 0, 0, 0, 1, 1.0},
-    {"wide: softmax post, E 300 k 20",            9, 300, 20, TM_SCORE_SOFTMAX, 0, 0, 0, 0, 0, 1.0},
-    {"many tokens",                           2100,  16, 4, TM_SCORE_SOFTMAX, 1, 0, 0, 0, 1, 1.0},
-    {"empty: 0 tokens",                           0,   8, 2, TM_SCORE_SOFTMAX, 1, 0, 0, 0, 1, 1.0},
-    {"empty: 0 tokens, sigmoid",                  0,  13, 3, TM_SCORE_SIGMOID, 0, 0, 0, 0, 0, 1.0},
+    /*  name                                     T    E   k  score             pre G  gk norm bias scaling force */
+    {"softmax pre, E 8 k 2 (defaults)",          37,   8, 2, TM_SCORE_SOFTMAX, 1, 0, 0, 0, 0, 1.0, 0},
+    {"softmax pre, k 1, E 7",                    29,   7, 1, TM_SCORE_SOFTMAX, 1, 0, 0, 0, 0, 1.0, 0},
+    {"softmax pre, norm, scaling 2.5, E 13 k 3", 41,  13, 3, TM_SCORE_SOFTMAX, 1, 0, 0, 1, 0, 2.5, 0},
+    {"softmax pre, norm, k 1 (p = scaling)",     17,   7, 1, TM_SCORE_SOFTMAX, 1, 0, 0, 1, 0, 1.5, 0},
+    {"softmax pre, bias, E 64 k 6",              53,  64, 6, TM_SCORE_SOFTMAX, 1, 0, 0, 0, 1, 1.0, 0},
+    {"softmax pre, E 64 k 6, norm",              53,  64, 6, TM_SCORE_SOFTMAX, 1, 0, 0, 1, 0, 1.0, 0},
+    {"softmax post, E 13 k 4",                   41,  13, 4, TM_SCORE_SOFTMAX, 0, 0, 0, 0, 0, 1.0, 0},
+    {"softmax post, k 1, E 7, scaling 0.5",      23,   7, 1, TM_SCORE_SOFTMAX, 0, 0, 0, 0, 0, 0.5, 0},
+    {"softmax post, bias, E 64 k 6, norm (no-op)", 53, 64, 6, TM_SCORE_SOFTMAX, 0, 0, 0, 1, 1, 1.0, 0},
+    {"sigmoid, E 7 k 2",                         37,   7, 2, TM_SCORE_SIGMOID, 0, 0, 0, 0, 0, 1.0, 0},
+    {"sigmoid, k 1, E 13",                       31,  13, 1, TM_SCORE_SIGMOID, 0, 0, 0, 0, 0, 1.0, 0},
+    {"sigmoid, bias, scaling 2.5, E 64 k 6",     53,  64, 6, TM_SCORE_SIGMOID, 0, 0, 0, 0, 1, 2.5, 0},
+    {"groups: softmax pre, norm, 8 groups keep 3, k 3", 45, 64, 3, TM_SCORE_SOFTMAX, 1, 8, 3, 1, 0, 2.5, 0},
+    {"groups: softmax post, bias, 8 groups keep 2, k 6", 45, 64, 6, TM_SCORE_SOFTMAX, 0, 8, 2, 0, 1, 1.0, 0},
+    {"groups: softmax post, 4 groups keep 2, k 8, E 32", 45, 32, 8, TM_SCORE_SOFTMAX, 0, 4, 2, 0, 0, 1.0, 0},
+    {"groups: sigmoid, bias, 4 groups keep 2, k 2", 45, 32, 2, TM_SCORE_SIGMOID, 0, 4, 2, 0, 1, 1.5, 0},
+    {"groups: 1 group (no groups)",              19,   8, 2, TM_SCORE_SOFTMAX, 1, 1, 1, 0, 0, 1.0, 0},
+    {"k = E = 7",                                11,   7, 7, TM_SCORE_SOFTMAX, 1, 0, 0, 1, 0, 1.0, 0},
+    {"E 1 k 1",                                   9,   1, 1, TM_SCORE_SIGMOID, 0, 0, 0, 0, 0, 1.0, 0},
+    {"wide: softmax pre, E 512 k 32",             9, 512, 32, TM_SCORE_SOFTMAX, 1, 0, 0, 1, 0, 1.0, 0},
+    {"wide: sigmoid, bias, E 512 k 32",           9, 512, 32, TM_SCORE_SIGMOID, 0, 0, 0, 0, 1, 1.0, 0},
+    {"wide: softmax post, E 300 k 20",            9, 300, 20, TM_SCORE_SOFTMAX, 0, 0, 0, 0, 0, 1.0, 0},
+    {"many tokens",                           2100,  16, 4, TM_SCORE_SOFTMAX, 1, 0, 0, 0, 1, 1.0, 0},
+    {"empty: 0 tokens",                           0,   8, 2, TM_SCORE_SOFTMAX, 1, 0, 0, 0, 1, 1.0, 0},
+    {"empty: 0 tokens, sigmoid",                  0,  13, 3, TM_SCORE_SIGMOID, 0, 0, 0, 0, 0, 1.0, 0},
+    /* force_load_balance: the round-robin selection (exact on both), then each weight rule */
+    {"forced: softmax pre, E 8 k 2",             37,   8, 2, TM_SCORE_SOFTMAX, 1, 0, 0, 0, 0, 1.0, 1},
+    {"forced: softmax pre, norm, E 13 k 3",      41,  13, 3, TM_SCORE_SOFTMAX, 1, 0, 0, 1, 0, 2.5, 1},
+    {"forced: softmax post, bias, E 64 k 6",     53,  64, 6, TM_SCORE_SOFTMAX, 0, 0, 0, 0, 1, 1.0, 1},
+    {"forced: sigmoid, bias, scaling 2.5, E 64 k 6", 53, 64, 6, TM_SCORE_SIGMOID, 0, 0, 0, 0, 1, 2.5, 1},
+    {"forced: sigmoid, k 1, E 7",                31,   7, 1, TM_SCORE_SIGMOID, 0, 0, 0, 0, 0, 1.0, 1},
+    {"forced: groups ignored, sigmoid, bias, 4 groups keep 2", 45, 32, 2, TM_SCORE_SIGMOID, 0, 4, 2, 0, 1, 1.5, 1},
+    {"forced: k = E = 7",                        11,   7, 7, TM_SCORE_SOFTMAX, 1, 0, 0, 1, 0, 1.0, 1},
+    {"forced: wide, E 512 k 32",                  9, 512, 32, TM_SCORE_SOFTMAX, 0, 0, 0, 0, 0, 1.0, 1},
+    {"forced: many tokens",                    2100,  16, 4, TM_SCORE_SOFTMAX, 1, 0, 0, 0, 1, 1.0, 1},
+    {"forced: empty: 0 tokens",                   0,   8, 2, TM_SCORE_SOFTMAX, 1, 0, 0, 0, 1, 1.0, 1},
 };
 #define N_RCASES ((int)(sizeof RCASES / sizeof RCASES[0]))
 

@@ -615,6 +615,26 @@ Test(dist, apply_topk_weights_early_with_expert_parallelism) {
                   pad, 3);
 }
 
+/* force_load_balance (benchmark routing): each rank routes its own rows round robin, and a rank's
+ * rows times topk (here 64 x 2 or 32 x 2) are a multiple of num_experts (4), so every layout
+ * routes each token to the experts the single process gives it: the same losses and weights.
+ * Plain SGD, as for apply_topk_weights_early above: measured on the 2-rank data-parallel
+ * layout, SGD's losses agree to 1e-7 relative at step 10, while under AdamW they drift apart to
+ * 3.4e-6 and every weight tensor to 0.7-1.05e-4 relative (L2), past the 2e-5 of
+ * assert_same_weights (the same with aux_loss_coeff 0). Without forcing, AdamW's weights agree
+ * to 4e-6 at most; with SGD, forced and unforced agree alike (9.7e-8 and 9.5e-8 at most), so
+ * the layouts compute the same gradients and it is AdamW that amplifies the summation order's
+ * rounding more on the forced trajectory (15-25x, at lr 1e-2 and 1e-3; cause not isolated). */
+Test(dist, force_load_balance_layouts_match_one_process) {
+    const layout lay[] = {
+        {2, ""},
+        {2, "--ep_size 2"},
+        {4, "--ep_size 4 --ep_strategy allgather --zero 1"},
+        {4, "--ep_size 2 --ep_strategy alltoall_dedup"},
+    };
+    data_parallel("--force_load_balance true --optimizer sgd --momentum 0 --lr 0.1", lay, 4);
+}
+
 /* overlap_chunks: the chunked expert-parallel dispatch trains as the unchunked one. The routing,
  * losses and statistics are the whole layer's either way, so the losses agree to the order of
  * float sums: within 1e-6 relative at every one of the 10 steps (measured: 1.8e-7 at most), for

@@ -1271,6 +1271,38 @@ Test(hf, export_command_refuses_apply_topk_weights_early) {
     tm_ctx_free(ctx);
 }
 
+/* A model trained with force_load_balance exports (its weights are a model's like any other),
+ * with a note on stderr that the export routes by its scores; without it, no note. */
+Test(hf, export_command_notes_forced_routing) {
+    tm_ctx *ctx;
+    tm_model *m;
+    char out[512], errfile[512];
+    snprintf(errfile, sizeof errfile, "%s", tt_path("stderr.txt"));
+    for (int forced = 1; forced >= 0; forced--) {
+        const char *const kv[][2] = {{"force_load_balance", forced ? "true" : "false"}};
+        const char *run = save_checkpoint(forced ? "run_forced" : "run_scored", kv, 1, &ctx, &m);
+        snprintf(out, sizeof out, "%s", tt_path(forced ? "out_forced" : "out_scored"));
+        char *argv[] = {"--ckpt", (char *)run, "--out", out};
+        int rc = export_cmd(4, argv, errfile);
+        long n;
+        char *log = (char *)tt_slurp(errfile, &n);
+        log[n] = 0;
+        cr_assert_eq(rc, TMD_OK, "%s", log);
+        char cfg[600];
+        snprintf(cfg, sizeof cfg, "%s/%s", out, TMD_HF_CONFIG_FILE);
+        struct stat st;
+        cr_assert_eq(stat(cfg, &st), 0, "%s not written", cfg);
+        const char *note = strstr(log, "force_load_balance");
+        if (forced)
+            cr_assert(note && strstr(log, "note:") && strstr(log, "routes by its router's scores"), "%s", log);
+        else
+            cr_assert_null(note, "a note without forced routing: %s", log);
+        free(log);
+        tm_model_free(m);
+        tm_ctx_free(ctx);
+    }
+}
+
 /* --init-from keeps the export's context (max_position_embeddings) as seq_len unless the command
  * gives one (issue 23, item 4), and the config dump labels what came from the export
  * 'init_from', not 'checkpoint'. */

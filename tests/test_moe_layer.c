@@ -448,6 +448,9 @@ Test(moe_layer, bad_configs_name_the_field) {
     bad_config(c, "apply_topk_weights_early");
     c.apply_topk_weights_early = -1;
     bad_config(c, "apply_topk_weights_early");
+    c = small_cfg(8, 2);
+    c.router.force_load_balance = 2;
+    bad_config(c, "force_load_balance");
 }
 
 Test(moe_layer, expert_bias_of_wrong_length_is_rejected) {

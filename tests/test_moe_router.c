@@ -5,6 +5,9 @@
  * gradients by finite differences through probs AND topk_weights in every mode; bad configs.
  * tm_moe_aux_counts (Megatron's clean top-k) against a rank-counting reference, with ties, the
  * ties that rounding puts into the scores, and its relation to tm_moe_aux_scores.
+ * force_load_balance (benchmark routing): the selection against (t k + j) % E written out here,
+ * a check that the data tell that formula from its near misses, the weights of every score
+ * function by hand, exact balance, the bias and groups ignored, finite-difference gradients.
  */
 #include <math.h>
 #include <stdio.h>
@@ -15,6 +18,7 @@
 
 double tt_gradcase_moe_router(tm_ctx *ctx);
 double tt_gradcase_moe_aux_scores(tm_ctx *ctx);
+double tt_gradcase_moe_router_forced(tm_ctx *ctx);
 
 /* ---- the reference router ------------------------------------------------------------------- */
 
@@ -64,7 +68,10 @@ static ref_out ref_router(const double *logits, const double *bias, int T, const
             for (int e = 0; e < E; e++) s[e] = exp(l[e] - mx) / z;
         }
         for (int e = 0; e < E; e++) sel[e] = s[e] + (bias ? bias[e] : 0.0);
-        if (grouped) {
+        if (cfg->force_load_balance) {
+            /* torchtitan's round robin: arange(T k).reshape(T, k) % E, whatever the scores */
+            for (int j = 0; j < k; j++) ord[j] = (t * k + j) % E;
+        } else if (grouped) {
             const int G = cfg->num_groups, gs = E / G, m = k / cfg->group_topk;
             for (int g = 0; g < G; g++) {
                 for (int i = 0; i < gs; i++) ord[i] = g * gs + i;
@@ -77,8 +84,10 @@ static ref_out ref_router(const double *logits, const double *bias, int T, const
             for (int i = cfg->group_topk; i < G; i++)
                 for (int e = ord[i] * gs; e < (ord[i] + 1) * gs; e++) sel[e] = -INFINITY;
         }
-        for (int e = 0; e < E; e++) ord[e] = e;
-        ref_sort(ord, E, sel);
+        if (!cfg->force_load_balance) {
+            for (int e = 0; e < E; e++) ord[e] = e;
+            ref_sort(ord, E, sel);
+        }
         double *w = r.w + (size_t)t * k;
         int *idx = r.idx + (size_t)t * k;
         double sum = 0;
@@ -646,6 +655,8 @@ Test(moe_router, bad_config) {
     BAD(c.score_function = (tm_score_function)5, TM_ERR_INVALID_ARG, "score_function = 5", NULL);
     BAD(c.num_experts = 6, TM_ERR_SHAPE, "num_experts = 6", "[5,8]");
     BAD(c.num_experts = 0, TM_ERR_INVALID_ARG, "num_experts = 0", NULL);
+    BAD(c.force_load_balance = 2, TM_ERR_INVALID_ARG, "force_load_balance = 2", NULL);
+    BAD(c.force_load_balance = -1, TM_ERR_INVALID_ARG, "force_load_balance = -1", NULL);
 #undef BAD
     tm_router_config d = tm_router_config_default();
     int64_t s3[3] = {1, 5, 8}, bs[1] = {7};
@@ -657,6 +668,209 @@ Test(moe_router, bad_config) {
                "expert_bias", "[7]");
     assert_err(ctx, tm_moe_router(ctx, l, NULL, NULL, &o), TM_ERR_INVALID_ARG, "moe_router", "cfg", NULL);
     assert_err(ctx, tm_moe_router(ctx, l, NULL, &d, NULL), TM_ERR_INVALID_ARG, "moe_router", "out", NULL);
+    tm_ctx_free(ctx);
+}
+
+/* ---- force_load_balance -------------------------------------------------------------------- */
+
+/* The forced selection written out: row t, slot j -> (t k + j) % E (torchtitan's
+ * arange(T k).reshape(T, k) % E). Kept apart from ref_router's copy so that the checks below
+ * do not share a line with the comparison of every output. */
+static int forced_expert(int t, int j, int k, int E) { return (t * k + j) % E; }
+
+/* Every output against ref_router (its forced branch) over score functions, norm, groups, bias,
+ * scaling, k and E, with the OpenMP path of the kernel once (T E >= 2^14). */
+static void forced_all(tm_dtype dt, double tol) {
+    static const int Es[4] = {4, 7, 8, 32}, ks[4] = {1, 2, 3, 8};
+    int ran = 0;
+    for (int ei = 0; ei < 4; ei++) {
+        tm_ctx *ctx = tt_ctx_threads(ei == 3 ? 3 : 1);
+        const int T = ei == 3 ? 600 : 37; /* 600 x 32: the kernel's parallel rows */
+        double *l = rand_logits(ctx, T, Es[ei], 300 + ei);
+        for (int mode = 0; mode < 4; mode++)
+            for (int grp = 0; grp < 2; grp++)
+                for (int bias = 0; bias < 2; bias++)
+                    for (int ki = 0; ki < 4; ki++) {
+                        tm_router_config cfg = tm_router_config_default();
+                        cfg.num_experts = Es[ei];
+                        cfg.topk = ks[ki];
+                        cfg.score_function = mode == 3 ? TM_SCORE_SIGMOID : TM_SCORE_SOFTMAX;
+                        cfg.use_pre_softmax = mode <= 1;
+                        cfg.norm_topk_prob = mode == 1;
+                        cfg.num_groups = grp ? 4 : 0;
+                        cfg.group_topk = grp ? 2 : 0;
+                        cfg.scaling_factor = bias ? 1.2 : 1.0;
+                        cfg.force_load_balance = 1;
+                        if (!valid(&cfg)) continue;
+                        ran += compare_one(ctx, dt, &cfg, l, T, bias, tol);
+                        tm_ctx_arena_reset(ctx);
+                    }
+        free(l);
+        tm_ctx_free(ctx);
+    }
+    /* (E, k) without groups: 2 of the 16 pairs have k > E ((4,8), (7,8)): 14 valid; with 4
+     * groups keep 2 (E % 4 == 0, k even, k / 2 <= E / 4): (4,2), (8,2), (32,2), (32,8): 4.
+     * Each x 4 modes x 2 biases. */
+    cr_assert_eq(ran, (14 + 4) * 8, "ran %d combos", ran);
+}
+
+Test(moe_router, forced_vs_reference_f64) { forced_all(TM_F64, 1e-12); }
+Test(moe_router, forced_vs_reference_f32) { forced_all(TM_F32, 1e-6); }
+
+/* The selection is the formula whatever the scores: logits that make expert 0 everyone's
+ * first choice, a bias that makes expert E-1 everyone's first choice, groups that would keep
+ * only some experts. And the data tell the formula from its near misses (a mutation check):
+ * each wrong formula below disagrees with the output somewhere, so an implementation of it
+ * would fail the first assertion. */
+Test(moe_router, forced_selection_is_the_round_robin) {
+    const int T = 23, E = 6, k = 3;
+    tm_ctx *ctx = tt_ctx();
+    double *l = rand_logits(ctx, T, E, 17), b[6] = {0, 0, 0, 0, 0, 50.0};
+    for (int t = 0; t < T; t++) l[t * E] = 40.0;
+    int32_t idx[23 * 3], scored[23 * 3];
+    for (int variant = 0; variant < 4; variant++) {
+        tm_router_config cfg = tm_router_config_default();
+        cfg.num_experts = E, cfg.topk = k, cfg.force_load_balance = 1;
+        if (variant == 1) cfg.score_function = TM_SCORE_SIGMOID;
+        if (variant == 2) cfg.num_groups = 2, cfg.group_topk = 1, cfg.use_pre_softmax = 0;
+        if (variant == 3) cfg.use_pre_softmax = 0, cfg.norm_topk_prob = 1;
+        tm_router_out o;
+        route(ctx, l, T, E, variant == 1 || variant == 3 ? b : NULL, &cfg, &o);
+        read_idx(ctx, &o, idx, T * k);
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < k; j++)
+                cr_assert_eq(idx[t * k + j], forced_expert(t, j, k, E), "variant %d: topk_idx[%d][%d] = %d, want %d",
+                             variant, t, j, idx[t * k + j], forced_expert(t, j, k, E));
+    }
+    /* near misses: a row's own index, an offset, the transposed arange, and the score-based
+     * routing of the same logits */
+    tm_router_config cfg = tm_router_config_default();
+    cfg.num_experts = E, cfg.topk = k;
+    tm_router_out o;
+    route(ctx, l, T, E, NULL, &cfg, &o);
+    read_idx(ctx, &o, scored, T * k);
+    for (int m = 0; m < 4; m++) {
+        int differs = 0;
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < k; j++) {
+                int wrong = m == 0 ? (t + j) % E : m == 1 ? (t * k + j + 1) % E : m == 2 ? (j * T + t) % E : scored[t * k + j];
+                differs |= wrong != idx[t * k + j];
+            }
+        cr_assert(differs, "near miss %d of the formula gives the same selection: the test could not tell them apart", m);
+    }
+    free(l);
+    tm_ctx_free(ctx);
+}
+
+/* tokens_per_expert is T k / E for every expert when T k % E == 0, and within one of it
+ * otherwise; routing_map has k ones per row at the formula's experts. */
+Test(moe_router, forced_counts_are_balanced) {
+    static const int cases[][3] = {{24, 8, 2}, {16, 6, 3}, {5, 4, 4}, {12, 16, 4}, {320, 64, 8}, {37, 8, 2}, {9, 7, 3}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const int T = cases[c][0], E = cases[c][1], k = cases[c][2];
+        tm_ctx *ctx = tt_ctx_threads(3); /* 320 x 64 takes the parallel rows */
+        double *l = rand_logits(ctx, T, E, 50 + c);
+        tm_router_config cfg = tm_router_config_default();
+        cfg.num_experts = E, cfg.topk = k, cfg.force_load_balance = 1;
+        tm_router_out o;
+        route(ctx, l, T, E, NULL, &cfg, &o);
+        int64_t *cnt = malloc(sizeof(int64_t) * E), sum = 0;
+        unsigned char *map = malloc((size_t)T * E);
+        TT_OK(ctx, tm_tensor_read(ctx, o.tokens_per_expert, TM_I64, cnt, E));
+        TT_OK(ctx, tm_tensor_read(ctx, o.routing_map, TM_U8, map, (int64_t)T * E));
+        for (int e = 0; e < E; e++) {
+            sum += cnt[e];
+            if ((T * k) % E == 0)
+                cr_assert_eq(cnt[e], T * k / E, "T %d E %d k %d: tokens_per_expert[%d] = %lld, want %d", T, E, k, e,
+                             (long long)cnt[e], T * k / E);
+            else
+                cr_assert(cnt[e] == T * k / E || cnt[e] == T * k / E + 1, "T %d E %d k %d: tokens_per_expert[%d] = %lld",
+                          T, E, k, e, (long long)cnt[e]);
+        }
+        cr_assert_eq(sum, (int64_t)T * k);
+        for (int t = 0; t < T; t++) {
+            int ones = 0;
+            for (int e = 0; e < E; e++) ones += map[t * E + e];
+            cr_assert_eq(ones, k, "row %d has %d routed experts", t, ones);
+            for (int j = 0; j < k; j++) cr_assert_eq(map[t * E + forced_expert(t, j, k, E)], 1, "row %d slot %d", t, j);
+        }
+        free(cnt), free(map), free(l);
+        tm_ctx_free(ctx);
+    }
+}
+
+/* The weights from the logits, by hand, for each score function: T 2, E 4, k 2 forces row 0
+ * onto experts 0, 1 and row 1 onto experts 2, 3 (neither row's own top 2). */
+Test(moe_router, forced_weights_of_every_score_function) {
+    const double l[8] = {0.1, -0.3, 2.0, 0.5, /* */ 1.5, 0.2, -1.0, 0.7};
+    const int sel[2][2] = {{0, 1}, {2, 3}};
+    tm_ctx *ctx = tt_ctx();
+    for (int mode = 0; mode < 4; mode++) {
+        tm_router_config cfg = tm_router_config_default();
+        cfg.num_experts = 4, cfg.topk = 2, cfg.force_load_balance = 1, cfg.scaling_factor = 1.5;
+        cfg.score_function = mode == 3 ? TM_SCORE_SIGMOID : TM_SCORE_SOFTMAX;
+        cfg.use_pre_softmax = mode <= 1;
+        cfg.norm_topk_prob = mode == 1;
+        double want[2][2];
+        for (int t = 0; t < 2; t++) {
+            const double *r = l + 4 * t, a = r[sel[t][0]], b = r[sel[t][1]];
+            const double z = exp(r[0]) + exp(r[1]) + exp(r[2]) + exp(r[3]);
+            if (mode == 0) want[t][0] = exp(a) / z, want[t][1] = exp(b) / z;      /* softmax over E, gathered */
+            if (mode == 1) want[t][0] = exp(a) / (exp(a) + exp(b)), want[t][1] = exp(b) / (exp(a) + exp(b));
+            if (mode == 2) want[t][0] = 1 / (1 + exp(b - a)), want[t][1] = 1 / (1 + exp(a - b)); /* softmax of 2 */
+            if (mode == 3) {
+                const double sa = 1 / (1 + exp(-a)), sb = 1 / (1 + exp(-b));
+                want[t][0] = sa / (sa + sb + 1e-20), want[t][1] = sb / (sa + sb + 1e-20);
+            }
+            want[t][0] *= 1.5, want[t][1] *= 1.5;
+        }
+        tm_router_out o;
+        route(ctx, l, 2, 4, NULL, &cfg, &o);
+        double *w = tt_read(ctx, o.topk_weights), *p = tt_read(ctx, o.probs);
+        for (int t = 0; t < 2; t++)
+            for (int j = 0; j < 2; j++) {
+                cr_assert_leq(fabs(w[2 * t + j] - want[t][j]), 1e-14, "mode %d row %d slot %d: weight %.17g, want %.17g",
+                              mode, t, j, w[2 * t + j], want[t][j]);
+                cr_assert_eq(p[4 * t + sel[t][j]], w[2 * t + j], "mode %d: probs at the selection", mode);
+                cr_assert_eq(p[4 * t + sel[1 - t][j]], 0.0, "mode %d: probs off the selection", mode);
+            }
+        free(w), free(p);
+    }
+    tm_ctx_free(ctx);
+}
+
+/* Forced routing's canonical gradient case (also broken on purpose in tests/test_mutation.c):
+ * sigmoid, k 3 on E 12, T 5 (each row's experts are not its best three), scaling 1.2. */
+double tt_gradcase_moe_router_forced(tm_ctx *ctx) {
+    tm_router_config cfg = tm_router_config_default();
+    cfg.num_experts = 12, cfg.topk = 3, cfg.score_function = TM_SCORE_SIGMOID, cfg.scaling_factor = 1.2;
+    cfg.force_load_balance = 1;
+    return router_gradcheck(ctx, &cfg, 0, 5, 61);
+}
+
+Test(moe_router, forced_gradcheck_every_mode) {
+    /* the gradient of the normal computation at the forced selection, by finite differences:
+     * 4 modes x groups x bias x k {4, 1} */
+    for (int mode = 0; mode < 4; mode++)
+        for (int grp = 0; grp < 2; grp++)
+            for (int bias = 0; bias < 2; bias++)
+                for (int k1 = 0; k1 < 2; k1++) {
+                    if (k1 && grp) continue;
+                    tm_ctx *ctx = tt_ctx();
+                    tm_router_config cfg = tm_router_config_default();
+                    cfg.num_experts = 12, cfg.topk = k1 ? 1 : 4, cfg.force_load_balance = 1;
+                    cfg.score_function = mode == 3 ? TM_SCORE_SIGMOID : TM_SCORE_SOFTMAX;
+                    cfg.use_pre_softmax = mode <= 1;
+                    cfg.norm_topk_prob = mode == 1;
+                    cfg.scaling_factor = 1.2;
+                    cfg.num_groups = grp ? 4 : 0, cfg.group_topk = grp ? 2 : 0;
+                    double r = router_gradcheck(ctx, &cfg, bias, 5, 70 + mode * 8 + grp * 4 + bias * 2 + k1);
+                    cr_assert_leq(r, 1.0, "mode %d groups %d bias %d k %d: ratio %g", mode, grp, bias, cfg.topk, r);
+                    tm_ctx_free(ctx);
+                }
+    tm_ctx *ctx = tt_ctx();
+    double r = tt_gradcase_moe_router_forced(ctx);
+    cr_assert_leq(r, 1.0, "canonical forced case: ratio %g", r);
     tm_ctx_free(ctx);
 }
 

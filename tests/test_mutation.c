@@ -24,6 +24,19 @@ static int op_id(const char *name) {
     }
 TT_GRADCASES(TT_MUTATION_TEST)
 
+/* The router's forced selection (force_load_balance) has its own canonical case: its
+ * gradient check must catch the same broken backward. */
+double tt_gradcase_moe_router_forced(tm_ctx *ctx);
+Test(mutation, moe_router_forced) {
+    tm_ctx *ctx = tt_ctx();
+    int id = op_id("moe_router");
+    cr_assert_geq(id, 0, "op moe_router not in the op table");
+    tm__test_perturb_backward(ctx, id);
+    double r = tt_gradcase_moe_router_forced(ctx);
+    cr_assert_gt(r, 1.0, "broken backward of moe_router (forced routing) went unnoticed (ratio %g)", r);
+    tm_ctx_free(ctx);
+}
+
 /* Every differentiable op in the table has a gradient case. */
 Test(mutation, every_differentiable_op_has_a_gradcase) {
 #define TT_NAME(op) #op,

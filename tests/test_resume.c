@@ -412,6 +412,7 @@ Test(resume, meta_round_trip) {
     tmd_config c, d;
     small_run(&c, "out dir/#x", 33);
     set(&c, "lr", "0.1");
+    set(&c, "force_load_balance", "true"); /* off its default, so that the round trip shows */
     c.adamw.beta2 = 1.0 - 1e-9 / 3.0;
     snprintf(c.sample_prompt, sizeof c.sample_prompt, "ROMEO:\n\t\"hi\" # not a comment \\");
     tmd_ckpt_state st = {.step = 1234567890123, .data_position = 42}, st2;
@@ -440,6 +441,29 @@ Test(resume, meta_round_trip) {
     free(bad);
     cr_assert_neq(tmd_ckpt_meta_decode("hello", 5, "y.tmck", &d, &st2, err, sizeof err), 0);
     cr_assert(strstr(err, "y.tmck"), "%s", err);
+    free(meta);
+}
+
+/* force_load_balance is kept by the meta, and a meta written before the key existed (no line
+ * for it) reads as not forced. */
+Test(resume, meta_force_load_balance_and_older_checkpoints) {
+    tmd_config c, d;
+    small_run(&c, "", 3);
+    set(&c, "force_load_balance", "true");
+    tmd_ckpt_state st = {.step = 3, .data_position = 7}, st2;
+    size_t len;
+    char *meta = tmd_ckpt_meta_encode(&c, &st, &len), err[1024];
+    cr_assert_not_null(meta);
+    cr_assert_eq(tmd_ckpt_meta_decode(meta, len, "x.tmck", &d, &st2, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(d.model.moe.router.force_load_balance, 1);
+    char *line = strstr(meta, "\nforce_load_balance = true\n");
+    cr_assert_not_null(line, "%s", meta);
+    const char *rest = strchr(line + 1, '\n');
+    memmove(line, rest, strlen(rest) + 1); /* the older build's meta */
+    cr_assert_null(strstr(meta, "force_load_balance"));
+    cr_assert_eq(tmd_ckpt_meta_decode(meta, strlen(meta), "old.tmck", &d, &st2, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(d.model.moe.router.force_load_balance, 0);
+    cr_assert_eq(d.model.moe.router.topk, 2);
     free(meta);
 }
 

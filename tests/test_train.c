@@ -172,6 +172,58 @@ Test(train, grad_accum_and_sgd_run) {
     rm_rf(d);
 }
 
+/* force_load_balance: the header says the routing is forced, and every logged interval gives every
+ * expert of every layer B T topk / E = 8 x 16 x 2 / 4 = 64 tokens a step (experts records of
+ * metrics.jsonl), with sigmoid scores, an expert bias and groups too; the same run routed by
+ * its scores does not (so the check can fail). */
+Test(train, force_load_balance_balances_every_step_and_says_so) {
+    TT_WATCHDOG(120);
+    for (int forced = 1; forced >= 0; forced--)
+        for (int variant = 0; variant < (forced ? 2 : 1); variant++) {
+            char *d = tmpdir(), out[256], path[300], err[1024] = "", e2[256];
+            snprintf(out, sizeof out, "%s/run", d);
+            tmd_config c;
+            tiny(&c, out);
+            cr_assert_eq(tmd_config_set(&c, "force_load_balance", forced ? "true" : "false", TMD_SRC_FLAG, "test", e2,
+                                        sizeof e2), 0, "%s", e2);
+            if (variant) {
+                const char *kv[][2] = {{"score_function", "sigmoid"}, {"expert_bias", "true"}, {"num_groups", "2"},
+                                       {"group_topk", "1"}};
+                for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
+                    cr_assert_eq(tmd_config_set(&c, kv[i][0], kv[i][1], TMD_SRC_FLAG, "test", e2, sizeof e2), 0, "%s", e2);
+            }
+            char *logbuf = NULL;
+            size_t loglen = 0;
+            FILE *lf = open_memstream(&logbuf, &loglen);
+            tmd_train_result r;
+            cr_assert_eq(tmd_train(&c, lf, &r, err, sizeof err), TMD_OK, "%s", err);
+            fclose(lf);
+            cr_assert_eq(strstr(logbuf, "routing: FORCED") != NULL, forced, "forced %d: %s", forced, logbuf);
+            free(logbuf);
+            snprintf(path, sizeof path, "%s/metrics.jsonl", out);
+            char *m = slurp(path);
+            int records_seen = 0, off_balance = 0;
+            for (const char *line = m; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+                static const char tag[] = "{\"type\": \"experts\"";
+                if (strncmp(line, tag, sizeof tag - 1)) continue;
+                records_seen++;
+                const char *v = strstr(line, "\"load\": [") + 9;
+                for (int i = 0; i < 2 * 4; i++) { /* 2 layers x 4 experts */
+                    char *end;
+                    double x = strtod(v, &end);
+                    cr_assert(end != v, "load entry %d unreadable: %.200s", i, line);
+                    off_balance += x != 8.0 * 16 * 2 / 4;
+                    v = end + 1;
+                }
+            }
+            cr_assert_eq(records_seen, 4, "one experts record per log_every = 5 steps");
+            if (forced) cr_assert_eq(off_balance, 0, "variant %d: an expert's load is not 64", variant);
+            else cr_assert_gt(off_balance, 0, "routing by the scores came out exactly balanced");
+            free(m);
+            rm_rf(d);
+        }
+}
+
 Test(train, byte_level_token_file_trains_samples_and_evaluates) {
     TT_WATCHDOG(120);
     char *d = tmpdir(), txt[256], bin[256], val[256], err[1024] = "";

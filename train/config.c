@@ -106,6 +106,10 @@ static const key KEYS[] = {
      "multiplies the routing weights", 0, 1e6},
     {"norm_topk_prob", T_BOOL, G_MOE, OFF(model.moe.router.norm_topk_prob), NULL, "true", 0, "norm_topk_prob",
      "renormalise the top-k weights to sum 1 (Mixtral; softmax-pre only)", 0, 0},
+    {"force_load_balance", T_BOOL, G_MOE, OFF(model.moe.router.force_load_balance), NULL, "false", 0,
+     "force_load_balance",
+     "for benchmarks only: token t routes to experts (t topk + j) % num_experts, j < topk, ignoring the "
+     "router's scores (every expert gets the same number of rows), so the model does not learn to route", 0, 0},
     {"expert_bias", T_BOOL, G_MOE, OFF(model.moe.use_expert_bias), NULL, "false", 0, "use_expert_bias",
      "aux-loss-free balancing: a per-expert selection bias updated every step", 0, 0},
     {"expert_bias_rate", T_FLOAT, G_MOE, OFF(model.moe.expert_bias_update_rate), NULL, "1e-3", 0,
@@ -393,6 +397,7 @@ static const struct {
     {"moe_router_enable_expert_bias", "Megatron-LM", "expert_bias"},
     {"moe_router_bias_update_rate", "Megatron-LM", "expert_bias_rate"},
     {"moe_router_load_balancing_type", "Megatron-LM", "aux_loss_coeff / seq_aux_loss_coeff / expert_bias"},
+    {"moe_router_force_load_balancing", "Megatron-LM", "force_load_balance"},
     {"moe_expert_capacity_factor", "Megatron-LM", "capacity_factor"},
     {"moe_token_drop_policy", "Megatron-LM", "drop_policy"},
     {"moe_pad_expert_input_to_capacity", "Megatron-LM", "pad_to_capacity"},
@@ -406,6 +411,8 @@ static const struct {
     {"optimizer_lr", "torchtitan", "lr"},
     {"lr_scheduler_warmup_steps", "torchtitan", "warmup_steps"},
     {"parallelism_expert_parallel_degree", "torchtitan", "ep_size"},
+    {"debug_moe_force_load_balance", "torchtitan", "force_load_balance"},
+    {"moe_force_load_balance", "torchtitan (debug.moe_force_load_balance)", "force_load_balance"},
     {"checkpoint_interval", "torchtitan", "save_every"},
     {"metrics_log_freq", "torchtitan", "log_every"},
 };

@@ -1012,6 +1012,14 @@ int tmd_export_main(int argc, char **argv) {
             else printf("none: the tokenizer has no end-of-text token)");
         }
         printf("\n");
+        /* The weights are a model's like any other; only the routing it trained under was not
+         * its own, and a Mixtral has no such switch. */
+        if (lm.cfg.model.moe.router.force_load_balance)
+            fprintf(stderr,
+                    "tinymoe: export: note: %s was trained with force_load_balance = true (routing forced round robin, "
+                    "a benchmark setting); the exported Mixtral routes by its router's scores (top-%d), so its outputs "
+                    "are not the training run's\n",
+                    lm.path, lm.cfg.model.moe.router.topk);
     }
     tmd_loaded_model_free(&lm);
     return rc;

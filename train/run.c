@@ -439,6 +439,10 @@ void tmd_run_print_header(tmd_run *r, int eval_only) {
             c->model.d_model, c->dtype == TMD_DTYPE_BF16 ? "bf16" : "f32",
             c->device == TMD_DEVICE_CUDA ? "cuda:0" : "cpu", r->threads, r->threads > 1 ? "s" : "",
             r->world > 1 ? " per rank" : "");
+    if (c->model.moe.router.force_load_balance && r->n_moe > 0)
+        fprintf(f, "routing: FORCED (force_load_balance, for benchmarks): row t of a rank's tokens takes experts "
+                   "(t x %d + j) %% %d, j < %d, whatever the router's scores\n",
+                c->model.moe.router.topk, r->E, c->model.moe.router.topk);
     if (r->synth) {
         fprintf(
             f,

@@ -19,6 +19,7 @@ tm_router_config tm_router_config_default(void) {
     cfg.group_topk = 0;
     cfg.scaling_factor = 1.0;
     cfg.norm_topk_prob = 0;
+    cfg.force_load_balance = 0;
     return cfg;
 }
 
@@ -43,7 +44,7 @@ static tm_status check_logits(tm__call *c) {
 tm_status tm__moe_router_check(tm__call *c) {
     tm_ctx *ctx = c->ctx;
     const int64_t E = c->iattr[0], k = c->iattr[1], score = c->iattr[2];
-    const int64_t G = c->iattr[4], gk = c->iattr[5];
+    const int64_t G = c->iattr[4], gk = c->iattr[5], force = c->iattr[7];
     const double scaling = c->fattr[0];
     if (c->n_in != 1 && c->n_in != 2)
         return tm__err(ctx, TM_ERR_INTERNAL, "moe_router: %d inputs, expected logits and an optional expert_bias",
@@ -52,6 +53,9 @@ tm_status tm__moe_router_check(tm__call *c) {
         return tm__err(ctx, TM_ERR_INVALID_ARG,
                        "moe_router: score_function = %lld is not TM_SCORE_SOFTMAX (0) or TM_SCORE_SIGMOID (1)",
                        (long long)score);
+    if (force != 0 && force != 1)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "moe_router: force_load_balance = %lld must be 0 or 1",
+                       (long long)force);
     TM__TRY(check_logits(c));
     const tm_tensor *l = c->in[0];
     if (E < 1)
@@ -120,6 +124,7 @@ tm_status tm_moe_router(tm_ctx *ctx, tm_tensor *logits, tm_tensor *expert_bias, 
     c.iattr[4] = cfg->num_groups;
     c.iattr[5] = cfg->group_topk;
     c.iattr[6] = cfg->norm_topk_prob != 0;
+    c.iattr[7] = cfg->force_load_balance; /* as given: the check refuses anything but 0 and 1 */
     c.fattr[0] = cfg->scaling_factor;
     TM__TRY(tm__op_run(&c));
     out->probs = c.out[0];
@@ -185,6 +190,7 @@ tm_status tm_moe_aux_counts(tm_ctx *ctx, tm_tensor *logits, int topk, tm_tensor 
     c.iattr[4] = 0; /* no groups */
     c.iattr[5] = 0;
     c.iattr[6] = 0;
+    c.iattr[7] = 0; /* a top-k of the scores, never forced */
     c.fattr[0] = 1.0;
     const int prev = tm_ctx_set_grad_enabled(ctx, 0);
     const tm_status s = tm__op_run(&c);

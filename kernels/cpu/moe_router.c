@@ -9,10 +9,11 @@
  *   iattr[0]  num_experts E     iattr[1] topk k        iattr[2] score_function (tm_score_function)
  *   iattr[3]  use_pre_softmax   iattr[4] num_groups G (0 or 1: no groups)
  *   iattr[5]  group_topk        iattr[6] norm_topk_prob
+ *   iattr[7]  force_load_balance (0 or 1)
  *   fattr[0]  scaling_factor
  *   out[0]    probs             (T, E) float: p at the routed (t, e), 0 elsewhere
  *   out[1]    routing_map       (T, E) u8
- *   out[2]    topk_idx          (T, k) i32, by descending selection score
+ *   out[2]    topk_idx          (T, k) i32, by descending selection score (forced: j order)
  *   out[3]    topk_weights      (T, k) float: p in the order of topk_idx
  *   out[4]    tokens_per_expert (E) i64
  * Nothing is saved: the backward recomputes the scores of each row from logits (O(E) per row,
@@ -27,6 +28,9 @@
  *     group_topk groups are kept; the top-k then only looks at experts of kept groups (the same
  *     as masking the others to -inf, but it cannot pick a masked expert when v itself is -inf).
  *   idx = the k best of v, descending; ties (here and between groups) go to the lower index.
+ *   force_load_balance replaces the selection (v, groups and bias unused):
+ *     idx_j = (t k + j) % E, torchtitan's round robin; q below is computed from it as from any
+ *     selection, and the backward, which only reads idx, is the same.
  *   q:  softmax pre:  q_j = s[idx_j]; norm_topk_prob: q /= sum(q)
  *       softmax post: q = softmax(l[idx]) over the k selected
  *       sigmoid:      q_j = s[idx_j]; k > 1: q /= (sum(q) + 1e-20)
@@ -95,7 +99,7 @@ static void select_topk(const double *v, int64_t n, int64_t k, const unsigned ch
 
 typedef struct router_attrs {
     int64_t E, k, G, gk, gsize; /* G = 1 without groups */
-    int score, pre, norm;
+    int score, pre, norm, force;
     double scaling;
 } router_attrs;
 
@@ -109,6 +113,7 @@ static router_attrs router_attrs_of(const tm__call *c) {
     a.gk = a.G > 1 ? c->iattr[5] : 1;
     a.gsize = a.E / a.G;
     a.norm = c->iattr[6] != 0;
+    a.force = c->iattr[7] != 0;
     a.scaling = c->fattr[0];
     return a;
 }
@@ -121,17 +126,11 @@ static size_t fwd_scratch_bytes(const router_attrs *a) {
     return (b + 63) & ~(size_t)63;
 }
 
-/* One row: fills idx (k) and q (k, already scaled). l: the row's logits as doubles in s. */
-static void route_row(const router_attrs *a, double *s, double *v, double *gscore, unsigned char *keep,
-                      int32_t *tmp, const double *bias, int32_t *idx, double *q) {
+/* The score-based selection of one row: v = s (+ bias), groups, top-k into idx (k). */
+static void select_row(const router_attrs *a, const double *s, double *v, double *gscore, unsigned char *keep,
+                       int32_t *tmp, const double *bias, int32_t *idx) {
     const int64_t E = a->E, k = a->k;
-    /* s <- the score function of the logits (softmax post keeps the logits) */
-    if (a->score == TM_SCORE_SIGMOID)
-        for (int64_t e = 0; e < E; e++) s[e] = sigmoid(s[e]);
-    else if (a->pre)
-        softmax_inplace(s, E);
     for (int64_t e = 0; e < E; e++) v[e] = bias ? s[e] + bias[e] : s[e];
-
     const unsigned char *kp = NULL;
     if (a->G > 1) {
         const int64_t m = k / a->gk;
@@ -147,6 +146,21 @@ static void route_row(const router_attrs *a, double *s, double *v, double *gscor
         kp = keep;
     }
     select_topk(v, E, k, kp, a->gsize, idx);
+}
+
+/* Row t: fills idx (k) and q (k, already scaled). l: the row's logits as doubles in s. */
+static void route_row(const router_attrs *a, int64_t t, double *s, double *v, double *gscore, unsigned char *keep,
+                      int32_t *tmp, const double *bias, int32_t *idx, double *q) {
+    const int64_t E = a->E, k = a->k;
+    /* s <- the score function of the logits (softmax post keeps the logits) */
+    if (a->score == TM_SCORE_SIGMOID)
+        for (int64_t e = 0; e < E; e++) s[e] = sigmoid(s[e]);
+    else if (a->pre)
+        softmax_inplace(s, E);
+    if (a->force) /* t k + j < T E, the element count of logits: no overflow */
+        for (int64_t j = 0; j < k; j++) idx[j] = (int32_t)((t * k + j) % E);
+    else
+        select_row(a, s, v, gscore, keep, tmp, bias, idx);
 
     for (int64_t j = 0; j < k; j++) q[j] = s[idx[j]];
     if (a->score == TM_SCORE_SOFTMAX && !a->pre) {
@@ -204,7 +218,7 @@ tm_status tm__moe_router_forward_cpu(tm__call *c) {
         unsigned char *keep = (unsigned char *)(tmp + (k > a.G ? k : a.G));
         int32_t *idx = topk_idx + t * k;
         for (int64_t e = 0; e < E; e++) s[e] = ld(logits, dt, t * E + e);
-        route_row(&a, s, v, gscore, keep, tmp, bias, idx, q);
+        route_row(&a, t, s, v, gscore, keep, tmp, bias, idx, q);
         memset(map + t * E, 0, (size_t)E);
         for (int64_t e = 0; e < E; e++) st(probs, dt, t * E + e, 0.0);
         for (int64_t j = 0; j < k; j++) {

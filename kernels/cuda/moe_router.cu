@@ -7,7 +7,7 @@
  * Op "moe_router":
  *   in[0]  logits (T, E) f32/bf16      in[1] expert_bias (E) f32/bf16, optional, selection only
  *   iattr  [0] E [1] k [2] score_function [3] use_pre_softmax [4] num_groups G [5] group_topk
- *          [6] norm_topk_prob;  fattr[0] scaling_factor
+ *          [6] norm_topk_prob [7] force_load_balance;  fattr[0] scaling_factor
  *   out[0] probs (T, E) logits' dtype   out[1] routing_map (T, E) u8   out[2] topk_idx (T, k) i32
  *   out[3] topk_weights (T, k) logits' dtype   out[4] tokens_per_expert (E) i64
  *   nothing saved: the backward recomputes a row's scores from logits and reads out[2].
@@ -28,6 +28,9 @@
  * differently (both give k distinct experts; an all-NaN row selects 0..k-1 on both).
  * Ties agree with the CPU where they come from equal inputs (equal logits give equal scores in
  * f32 and in f64); two scores that differ in f64 but round to one f32 value tie here only.
+ * force_load_balance: idx_j = (t k + j) % E (torchtitan's round robin), lane j % 32 writing
+ * idx_j, in place of the bias, groups and argmax rounds; the weights and the backward are
+ * unchanged, and the selection is integer arithmetic, so CUDA and the CPU agree exactly on it.
  * Groups: group g scores the f32 sum, in selection order, of its top k / group_topk values of
  * v; group_topk rounds of the same argmax keep the best groups (ties: lower group).
  * tokens_per_expert: an integer atomicAdd per selected (t, e) into counts zeroed on the stream
@@ -101,7 +104,7 @@ template <typename T>
 __global__ void __launch_bounds__(32)
 router_forward_kernel(void *probs_, unsigned char *map, int32_t *topk_idx, void *topk_w_, unsigned long long *counts,
                       const void *logits_, const void *bias_, int bias_bf16, int64_t Tn, int64_t E, int64_t k,
-                      int sigm, int pre, int64_t G, int64_t gk, int norm, float scaling) {
+                      int sigm, int pre, int64_t G, int64_t gk, int norm, int force, float scaling) {
     float *s = (float *)rt_smem, *v = s + E, *gscore = v + E, *q = gscore + G;
     int32_t *idx = (int32_t *)(q + k);
     unsigned char *elig = (unsigned char *)(idx + k), *gfree = elig + E;
@@ -124,50 +127,56 @@ router_forward_kernel(void *probs_, unsigned char *map, int32_t *topk_idx, void 
         } else {
             for (int64_t e = lane; e < E; e += 32) s[e] = tm__ld(l + e);
         }
-        for (int64_t e = lane; e < E; e += 32) {
-            float b = 0.0f;
-            if (bias_) b = bias_bf16 ? tm__ld((const tm__bf16 *)bias_ + e) : ((const float *)bias_)[e];
-            v[e] = bias_ ? s[e] + b : s[e];
-            elig[e] = 1;
-        }
-        __syncwarp();
+        if (force) {
+            /* t k + j < T E, the element count of logits: no overflow */
+            for (int64_t j = lane; j < k; j += 32) idx[j] = (int32_t)((t * k + j) % E);
+        } else {
+            for (int64_t e = lane; e < E; e += 32) {
+                float b = 0.0f;
+                if (bias_) b = bias_bf16 ? tm__ld((const tm__bf16 *)bias_ + e) : ((const float *)bias_)[e];
+                v[e] = bias_ ? s[e] + b : s[e];
+                elig[e] = 1;
+            }
+            __syncwarp();
 
-        if (G > 1) {
-            const int64_t m = k / gk;
-            for (int64_t g = 0; g < G; g++) {
-                float sum = 0.0f;
-                for (int64_t j = 0; j < m; j++) {
-                    int64_t w = rt_argmax(v, elig, g * gs, (g + 1) * gs);
-                    sum += v[w];
-                    __syncwarp();
-                    if (lane == 0) elig[w] = 0;
+            if (G > 1) {
+                const int64_t m = k / gk;
+                for (int64_t g = 0; g < G; g++) {
+                    float sum = 0.0f;
+                    for (int64_t j = 0; j < m; j++) {
+                        int64_t w = rt_argmax(v, elig, g * gs, (g + 1) * gs);
+                        sum += v[w];
+                        __syncwarp();
+                        if (lane == 0) elig[w] = 0;
+                        __syncwarp();
+                    }
+                    if (lane == 0) gscore[g] = sum;
+                    for (int64_t e = g * gs + lane; e < (g + 1) * gs; e += 32) elig[e] = 1;
                     __syncwarp();
                 }
-                if (lane == 0) gscore[g] = sum;
-                for (int64_t e = g * gs + lane; e < (g + 1) * gs; e += 32) elig[e] = 1;
+                for (int64_t g = lane; g < G; g += 32) gfree[g] = 1;
+                __syncwarp();
+                for (int64_t j = 0; j < gk; j++) {
+                    int64_t w = rt_argmax(gscore, gfree, 0, G);
+                    __syncwarp();
+                    if (lane == 0) gfree[w] = 0; /* 0: kept */
+                    __syncwarp();
+                }
+                for (int64_t e = lane; e < E; e += 32) elig[e] = gfree[e / gs] == 0;
                 __syncwarp();
             }
-            for (int64_t g = lane; g < G; g += 32) gfree[g] = 1;
-            __syncwarp();
-            for (int64_t j = 0; j < gk; j++) {
-                int64_t w = rt_argmax(gscore, gfree, 0, G);
-                __syncwarp();
-                if (lane == 0) gfree[w] = 0; /* 0: kept */
-                __syncwarp();
-            }
-            for (int64_t e = lane; e < E; e += 32) elig[e] = gfree[e / gs] == 0;
-            __syncwarp();
-        }
 
-        for (int64_t j = 0; j < k; j++) {
-            int64_t w = rt_argmax(v, elig, 0, E);
-            __syncwarp();
-            if (lane == 0) {
-                idx[j] = (int32_t)w;
-                elig[w] = 0;
+            for (int64_t j = 0; j < k; j++) {
+                int64_t w = rt_argmax(v, elig, 0, E);
+                __syncwarp();
+                if (lane == 0) {
+                    idx[j] = (int32_t)w;
+                    elig[w] = 0;
+                }
+                __syncwarp();
             }
-            __syncwarp();
         }
+        __syncwarp();
 
         /* q = s at the selection, then the weight rule of the score function, then scaling */
         for (int64_t j = lane; j < k; j += 32) q[j] = s[idx[j]];
@@ -235,7 +244,7 @@ extern "C" tm_status tm__moe_router_forward_cuda(tm__call *c) {
                         (unsigned char *)tm__data(c->out[1]), (int32_t *)tm__data(c->out[2]), tm__data(c->out[3]),
                         counts, tm__data(lt), bias ? tm__data(bias) : NULL, bias && bias->dtype == TM_BF16, T, E, k,
                         c->iattr[2] == TM_SCORE_SIGMOID, c->iattr[3] != 0, G, gk, c->iattr[6] != 0,
-                        (float)c->fattr[0]);
+                        c->iattr[7] != 0, (float)c->fattr[0]);
     TM__CU_LAUNCHED(ctx, what, "router_forward_kernel");
     return TM_OK;
 }
