@@ -341,8 +341,9 @@ static tm_status self_attention(tm_model *m, int l, const tm__layer *L, tm_tenso
  * on dense layers. */
 /* ZeRO-3: a copy of layer L whose weights are all-gathered (tm__param_use: L's own tensors
  * otherwise), and their memory given back after the layer's forward (the backward gathers them
- * again), but for the last layers' (`kept`). The MoE block gathers its own; attn_norm is not the block's (the norm before it is
- * fused with the previous residual add: first_norm, add_norm_after). */
+ * again), but for the last layers' (`kept`). The MoE block gathers its own; attn_norm is not
+ * the block's (the norm before it is fused with the previous residual add: first_norm,
+ * add_norm_after). */
 enum { LAYER_OWN = 8 };
 
 /* The slots of L's own weights that layer_use gathers (NULL where the layer has none). */
