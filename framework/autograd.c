@@ -111,9 +111,9 @@ static tm_status run_tape(tm_ctx *ctx) {
             if (st != TM_OK) return st;
         }
         /* the all-gather of a weight is done: every reader of it (views included) came later
-         * on the tape, so its memory can go (ZeRO-3) */
+         * on the tape, so its memory can go (ZeRO-3), kept from the forward or not */
         if (c->op == TM__OP_COMM_ALLGATHER && c->out[0]->storage && c->out[0]->storage->fsdp)
-            tm__param_done(ctx, c->out[0]);
+            tm__fsdp_gather_released(ctx, c->out[0]);
         release_node(ctx, n);
     }
     /* collectives still running beside the work end here: gradients of leaves written by

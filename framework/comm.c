@@ -27,6 +27,7 @@ tm_comm_options tm_comm_options_default(void) {
     o.nccl = TM_NCCL_AUTO;
     o.overlap = 1;
     o.comm_sms = 16;
+    o.zero3_keep_last = 1;
     return o;
 }
 
@@ -401,6 +402,8 @@ tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts) {
                        (int)o.ep_strategy);
     if (o.comm_sms < 0 || o.comm_sms > 64)
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: comm_sms = %d must be in [0, 64]", fn, o.comm_sms);
+    if (o.zero3_keep_last < 0)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: zero3_keep_last = %d must be >= 0 (layers)", fn, o.zero3_keep_last);
     if (isnan(o.timeout_s)) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: timeout_s is NaN", fn);
     if (o.nccl != TM_NCCL_AUTO && o.nccl != TM_NCCL_OFF && o.nccl != TM_NCCL_ALWAYS)
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: nccl = %d is none of TM_NCCL_AUTO (0), TM_NCCL_OFF (1), TM_NCCL_ALWAYS (2)",

@@ -176,6 +176,7 @@ struct tm_ctx {
     struct tm__mirror *mirrors; /* host mirrors (internal.h), newest first, meta memory; reset with the arena */
     struct tm__comm *comm; /* tm_comm_init (framework/comm.h); NULL: one rank */
     struct tm__fsdp *fsdp; /* ZeRO-3's prefetches and reduce-scatters in flight (framework/fsdp.c) */
+    int fsdp_keep;         /* ZeRO-3: weights gathered now are kept until their backward (tm__param_keep) */
     struct tm__side *side; /* other collectives started beside the work, not yet waited for (side.c) */
     struct tm__segs *segs[TM__NBACKENDS]; /* tm__ctx_segs: the clip's segment list per backend */
 };
@@ -227,6 +228,9 @@ void tm__bucket_refresh_views(tm_ctx *ctx, int bi);
 /* ZeRO-3: fill a gathered weight's storage again (st->fsdp set, st->data NULL): the all-gather
  * of its parameter's pieces, not taped (autograd.c, before a node that reads it). */
 tm_status tm__fsdp_regather(tm_ctx *ctx, tm__storage *st);
+/* ZeRO-3: the all-gather node of gathered weight w is done in the backward (autograd.c): its
+ * memory goes back, kept from the forward or not (tm__param_keep). */
+void tm__fsdp_gather_released(tm_ctx *ctx, tm_tensor *w);
 /* ZeRO-3's all-gather op in its parameter form (ops/comm.c, iattr[1] = 1), the end of a
  * backward (autograd.c: the reduce-scatters still in flight are finished), and the state's
  * reset (tm_ctx_arena_reset: everything started beside the work waited for) and free. */

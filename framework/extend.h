@@ -196,10 +196,15 @@ tm_tensor *tm__bucket_grads_reduced(tm_ctx *ctx, int bucket, int64_t *off);
  * backward gathers it again when it needs it. tm__param_prefetch: start the all-gathers of
  * the parameters the forward will use next (the next layer's) beside the work, for their
  * tm__param_use to take up (tm_comm_options.overlap with NCCL; a no-op on the CPU ranks).
- * tm__param_sharded: 1 for a parameter whose data this rank holds a block of only. */
+ * tm__param_sharded: 1 for a parameter whose data this rank holds a block of only.
+ * tm__param_keep: while on (returns the previous setting), the weights tm__param_use gathers
+ * under grad mode are kept: their tm__param_done gives nothing back and the backward finds
+ * them gathered (tm_comm_options.zero3_keep_last; the caller turns it on for the last weights
+ * of its forward, whose backward comes first). Their memory goes back after their backward. */
 tm_status tm__zero3_shard_params(tm_ctx *ctx);
 tm_status tm__param_use(tm_ctx *ctx, tm_tensor *p, tm_tensor **w);
 void tm__param_done(tm_ctx *ctx, tm_tensor *w);
+int tm__param_keep(tm_ctx *ctx, int on);
 tm_status tm__param_prefetch(tm_ctx *ctx, tm_tensor *const *params, int n);
 int tm__param_sharded(const tm_tensor *p);
 /* The element of bucket `bucket` that its flat parameter view starts at: 0, or under ZeRO-3

@@ -25,6 +25,17 @@
  * weights live while its forward runs and again while its backward runs. Every rank runs the
  * same tape in the same order, so the repeated all-gathers meet.
  *
+ * Kept weights (tm_comm_options.zero3_keep_last; PyTorch FSDP2's reshard_after_forward =
+ * False, which torchtitan sets for the last block). The backward starts with the weights the
+ * forward gathered last, so giving them back only to gather them again at once is a repeated
+ * all-gather and, as the backward starts, a wait with nothing to hide it behind. While
+ * tm__param_keep is on (layers/model.c: from the last layers' attention norms to the
+ * lm_head), tm__param_use marks what it gathers under grad mode `keep`: tm__param_done leaves
+ * it, and the backward finds it gathered (tm__fsdp_regather: no gather, but the gathers ahead
+ * start from it as from one gathered again). It goes back after its all-gather's backward as
+ * the others do (tm__fsdp_gather_released), or at tm_ctx_arena_reset when no backward came.
+ * The bits are the same: the gather is the one the backward would repeat.
+ *
  * The all-gather is tm_comm_allgather's op in its parameter form (iattr[1] = 1, iattr[2] the
  * parameter's place in ctx->named; ops/comm.c hands it to tm__fsdp_gather_*): its counts come
  * from the layout every rank computes alike, so its check exchanges nothing, and its backward
@@ -61,6 +72,7 @@ struct tm__fsdp_src {
     int group, G;
     int64_t *cd; /* counts [G], displacements [G] in elements (meta arena) */
     int counted; /* its bytes are counted as TM_MEM_PARAMETERS now (see `count`) */
+    int keep;    /* kept from its forward to its backward (top of this file): until the backward meets it */
     void *ev;    /* a gather again started beside the work, not yet waited for (NULL: none) */
 };
 
@@ -313,6 +325,8 @@ tm_status tm__param_use(tm_ctx *ctx, tm_tensor *p, tm_tensor **w) {
     src->cd = cd;
     src->counted = 0;
     src->ev = NULL;
+    /* kept only where something would give it back and a backward can come */
+    src->keep = ctx->fsdp_keep && ctx->grad_enabled && ctx->mem_reuse;
     flat->storage->fsdp = src;
     count(ctx, flat->storage, 1);
     if (ctx->grad_enabled) {
@@ -329,8 +343,20 @@ tm_status tm__param_use(tm_ctx *ctx, tm_tensor *p, tm_tensor **w) {
 
 void tm__param_done(tm_ctx *ctx, tm_tensor *w) {
     if (!w || !w->storage || !w->storage->fsdp || !w->storage->data || w->persistent || !ctx->mem_reuse) return;
+    if (w->storage->fsdp->keep) return; /* until its backward */
     count(ctx, w->storage, 0);
     tm__tensor_release(ctx, w);
+}
+
+int tm__param_keep(tm_ctx *ctx, int on) {
+    int prev = ctx->fsdp_keep;
+    ctx->fsdp_keep = on;
+    return prev;
+}
+
+void tm__fsdp_gather_released(tm_ctx *ctx, tm_tensor *w) {
+    if (w && w->storage && w->storage->fsdp) w->storage->fsdp->keep = 0;
+    tm__param_done(ctx, w);
 }
 
 tm_status tm__param_prefetch(tm_ctx *ctx, tm_tensor *const *params, int n) {
@@ -484,6 +510,13 @@ void tm__fsdp_reset(tm_ctx *ctx) {
             (void)tm__coll_event_wait(ctx, f->order[i]->device, f->order[i]->fsdp->ev);
             f->order[i]->fsdp->ev = NULL;
         }
+    /* kept from a forward whose backward never came: the arena takes the memory back, so its
+     * bytes stop counting as parameters */
+    for (int i = 0; i < f->n_order; i++)
+        if (f->order[i]->fsdp && f->order[i]->fsdp->keep) {
+            f->order[i]->fsdp->keep = 0;
+            if (f->order[i]->data) count(ctx, f->order[i], 0);
+        }
     f->n_pf = f->n_order = f->cursor = 0;
 }
 
@@ -541,6 +574,10 @@ tm_status tm__fsdp_regather(tm_ctx *ctx, tm__storage *st) {
         count(ctx, st, 1);
     } else if (!st->data) {
         TM__TRY(regather(ctx, st, 0));
+    } else if (src->keep) {
+        /* kept from the forward: met for the first time in the backward, it is where the
+         * gathers ahead start, as from one gathered again; from here on it is one of those */
+        src->keep = 0;
     } else {
         return TM_OK;
     }

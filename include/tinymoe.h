@@ -1284,9 +1284,11 @@ TM_API int64_t tm_model_num_params(const tm_model *model, int64_t *active_per_to
  *    backward to the synchronisation: the transient bytes);
  *  - param_gather, bwd_reduce, transient (ZeRO-3): every use of a weight in the model's forward
  *    all-gathers its pieces, and again in the backward (tm_model_forward gives each back after
- *    use), whose reduce-scatter sends the gathered gradient (its numel); transient: the most
- *    gathered weight bytes in use at once (a layer's own weights with its MoE block's, the
- *    embedding, the lm_head: a weight gathered ahead counts from its use, as in a run);
+ *    use) unless it is one the forward keeps (tm_comm_options.zero3_keep_last), whose
+ *    reduce-scatter sends the gathered gradient (its numel); transient: the most gathered
+ *    weight bytes in use at once (a layer's own weights with its MoE block's, the embedding,
+ *    the lm_head, with the kept weights held so far: a weight gathered ahead counts from its
+ *    use, as in a run);
  *  - dispatch: the MoE layers' expert-parallel exchange, forward and backward, for `tokens`
  *    rows per micro-batch under balanced routing (each expert receives tokens x topk / E rows):
  *    alltoall: 2 x 2 x tokens x topk x (P-1)/P rows of d_model; alltoall_dedup: a token goes
@@ -1304,7 +1306,8 @@ typedef struct tm_step_plan {
     int64_t grad_sync;    /* bytes handed to tm_comm_sync_grads' collectives: all-reduces, or
                            * ZeRO-1 and 2 reduce-scatters; 0 under ZeRO-3 */
     int64_t param_gather; /* ZeRO-1 and 2: the parameters' all-gather after the update; ZeRO-3:
-                           * the weights' all-gathers, forward and backward */
+                           * the weights' all-gathers, forward and backward (the kept ones:
+                           * forward only) */
     int64_t bwd_reduce;   /* ZeRO-3: the reduce-scatters of the gathered weights' gradients */
     int64_t dispatch;     /* the MoE layers' expert-parallel exchange (balanced routing) */
     int64_t transient;    /* bytes held during the step beyond those between steps: ZeRO-2's
@@ -1919,7 +1922,8 @@ typedef struct tm_comm_options {
                                  * again, zeroed); 3 (FSDP): the parameters too, from when the
                                  * optimizer is made: each rank keeps its block of every bucket,
                                  * the model all-gathers each layer's weights for its forward and
-                                 * again for its backward, and their backward reduces the
+                                 * again for its backward (but those of zero3_keep_last's last
+                                 * layers, kept in between), and their backward reduces the
                                  * gradients straight into the shards (no full gradient buffer,
                                  * tm_comm_sync_grads has nothing left to do). A parameter is then
                                  * readable only through checkpoints (tm_tensor_read / _write and
@@ -1963,11 +1967,33 @@ typedef struct tm_comm_options {
                                  * "plan" (collectives move nothing and are counted in
                                  * tm_comm_get_stats as a real engine's are) */
     int plan_rank;              /* the rank laid out, in [0, plan_world_size) */
+    int zero3_keep_last;        /* ZeRO-3 only: how many of the model's last layers keep their
+                                 * all-gathered weights from their forward to their backward (and
+                                 * with them, from 1 on, the final norm and the lm_head, the last
+                                 * weights the forward gathers); a layer's weights are its
+                                 * attention norm, its own and its MoE block's. The backward starts
+                                 * with these, so tm_model_forward does not give them back and the
+                                 * backward does not gather them again: one all-gather per kept
+                                 * weight and micro-batch fewer, and no wait for them as the
+                                 * backward starts (PyTorch FSDP2's reshard_after_forward = False,
+                                 * which torchtitan sets for the last block: "FSDP would prefetch
+                                 * it immediately"). Values are the same bits whatever it is (the
+                                 * same gathers, not repeated). Memory: their gathered bytes (the
+                                 * compute dtype: bf16 for a bf16 model) stay held through the rest
+                                 * of the forward, the loss and the backward until each weight's
+                                 * own backward is done, so the most gathered at once
+                                 * (TM_MEM_PARAMETERS' peak, tm_step_plan.transient) is at least
+                                 * their sum. Only training forwards (grad mode on) keep anything;
+                                 * the embedding's gather (used first, its backward last) never.
+                                 * Counted in layers, >= 0; more than n_layers keeps every layer;
+                                 * 0: every weight given back after its forward use (gathered
+                                 * again for the backward). Default 1 */
 } tm_comm_options;
 
 enum { TM_NCCL_AUTO = 0, TM_NCCL_OFF = 1, TM_NCCL_ALWAYS = 2 };
 
-/* ep_size 1, alltoall, zero 0, timeout 60 s, MPI_COMM_WORLD, NCCL auto, overlap on, comm_sms 16. */
+/* ep_size 1, alltoall, zero 0, timeout 60 s, MPI_COMM_WORLD, NCCL auto, overlap on, comm_sms 16,
+ * zero3_keep_last 1. */
 TM_API tm_comm_options tm_comm_options_default(void);
 
 /* MPI is process-wide state, so these three are the only functions of tinymoe that touch the
@@ -1995,7 +2021,7 @@ TM_API int tm_mpi_world_size(void);
  * MPI, else one rank; in a plan-only context, plan_world_size ranks of which this is plan_rank
  * (nothing collective happens). Call it before creating parameters: tm_moe_new sizes its expert weights
  * by the layout. Errors: TM_ERR_INVALID_ARG (ep_size < 1 or not dividing the world size, zero
- * not 0 to 3, ep_strategy not a tm_ep_strategy, timeout NaN, nccl not one of TM_NCCL_*,
+ * not 0 to 3, ep_strategy not a tm_ep_strategy, timeout NaN, zero3_keep_last < 0, nccl not one of TM_NCCL_*,
  * plan_world_size < 0, or > 0 outside a plan-only context, plan_rank outside the world), TM_ERR_STATE (ctx has a
  * communicator already, or parameters), TM_ERR_COMM (an MPI call failed). */
 TM_API tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts);

@@ -341,8 +341,9 @@ static tm_status self_attention(tm_model *m, int l, const tm__layer *L, tm_tenso
  * on dense layers. */
 /* ZeRO-3: a copy of layer L whose weights are all-gathered (tm__param_use: L's own tensors
  * otherwise), and their memory given back after the layer's forward (the backward gathers them
- * again). The MoE block gathers its own; attn_norm is not the block's (the norm before it is
- * fused with the previous residual add: first_norm, add_norm_after). */
+ * again), but for the last layers' (`kept`). The MoE block gathers its own; attn_norm is not
+ * the block's (the norm before it is fused with the previous residual add: first_norm,
+ * add_norm_after). */
 enum { LAYER_OWN = 8 };
 
 /* The slots of L's own weights that layer_use gathers (NULL where the layer has none). */
@@ -379,8 +380,8 @@ static tm_status block_of(tm_model *m, int l, const tm__layer *L, tm_tensor *x, 
     return swiglu_mlp(ctx, h, L->mlp_w0, L->mlp_w1, L->mlp_wo, y);
 }
 
-static tm_status block(tm_model *m, int l, tm_tensor *x, tm_tensor *h, int64_t B, int64_t T, tm_kv_cache *kv,
-                       const tm__dp_rows *dp, tm_moe_stats *st, tm_tensor **x1, tm_tensor **y) {
+static tm_status layer_forward(tm_model *m, int l, tm_tensor *x, tm_tensor *h, int64_t B, int64_t T, tm_kv_cache *kv,
+                             const tm__dp_rows *dp, tm_moe_stats *st, tm_tensor **x1, tm_tensor **y) {
     tm__layer W;
     TM__TRY(layer_use(m->ctx, &m->layers[l], &W));
     /* ZeRO-3: the next layer's all-gathers start beside this one's compute (fsdp.c; nothing
@@ -400,6 +401,22 @@ static tm_status block(tm_model *m, int l, tm_tensor *x, tm_tensor *h, int64_t B
     return s;
 }
 
+/* ZeRO-3: 1 when the weights of layer l (its attention norm, own and MoE weights; l =
+ * n_layers: the final norm and the lm_head) are kept gathered from their forward to their
+ * backward (tm_comm_options.zero3_keep_last: the last layers, whose backward comes first). */
+static int kept(const tm_model *m, int l) {
+    int k = tm_comm_get_options(m->ctx).zero3_keep_last;
+    return k > 0 && l >= m->cfg.n_layers - k;
+}
+
+static tm_status block(tm_model *m, int l, tm_tensor *x, tm_tensor *h, int64_t B, int64_t T, tm_kv_cache *kv,
+                       const tm__dp_rows *dp, tm_moe_stats *st, tm_tensor **x1, tm_tensor **y) {
+    int prev = tm__param_keep(m->ctx, kept(m, l)); /* the MoE block's gathers too */
+    tm_status s = layer_forward(m, l, x, h, B, T, kv, dp, st, x1, y);
+    tm__param_keep(m->ctx, prev);
+    return s;
+}
+
 /* x1 + y and its norm with the norm weight after layer l (gathered for the call under ZeRO-3). */
 static tm_status add_norm_after(tm_model *m, int l, tm_tensor *x1, tm_tensor *y, tm_tensor **x, tm_tensor **h);
 
@@ -408,9 +425,17 @@ static tm_tensor *norm_after(const tm_model *m, int l) {
     return l + 1 < m->cfg.n_layers ? m->layers[l + 1].attn_norm : m->norm;
 }
 
+/* tm__param_use of one weight, kept until its backward when `keep` (tm__param_keep). */
+static tm_status use_kept(tm_ctx *ctx, tm_tensor *p, int keep, tm_tensor **w) {
+    int prev = tm__param_keep(ctx, keep);
+    tm_status s = tm__param_use(ctx, p, w);
+    tm__param_keep(ctx, prev);
+    return s;
+}
+
 static tm_status add_norm_after(tm_model *m, int l, tm_tensor *x1, tm_tensor *y, tm_tensor **x, tm_tensor **h) {
     tm_tensor *w;
-    TM__TRY(tm__param_use(m->ctx, norm_after(m, l), &w));
+    TM__TRY(use_kept(m->ctx, norm_after(m, l), kept(m, l + 1), &w)); /* layer l + 1's, or the final norm */
     tm_status s = tm_add_rmsnorm(m->ctx, x1, y, w, m->cfg.norm_eps, x, h);
     tm__param_done(m->ctx, w);
     return s;
@@ -419,7 +444,7 @@ static tm_status add_norm_after(tm_model *m, int l, tm_tensor *x1, tm_tensor *y,
 /* h = attn_norm(x) of layer 0, the one norm not fused with a residual add (n_layers >= 1). */
 static tm_status first_norm(tm_model *m, tm_tensor *x, tm_tensor **h) {
     tm_tensor *w;
-    TM__TRY(tm__param_use(m->ctx, m->layers[0].attn_norm, &w));
+    TM__TRY(use_kept(m->ctx, m->layers[0].attn_norm, kept(m, 0), &w));
     tm_status s = tm_rmsnorm(m->ctx, x, w, m->cfg.norm_eps, h);
     tm__param_done(m->ctx, w);
     return s;
@@ -444,7 +469,7 @@ static tm_status head(tm_model *m, tm_tensor *h, int64_t B, int64_t T, tm_tensor
     tm_ctx *ctx = m->ctx;
     int64_t s3[3] = {B, T, m->cfg.vocab_size};
     tm_tensor *lg, *w;
-    TM__TRY(tm__param_use(ctx, m->lm_head ? m->lm_head : m->embed, &w));
+    TM__TRY(use_kept(ctx, m->lm_head ? m->lm_head : m->embed, kept(m, m->cfg.n_layers), &w));
     tm_status s = tm_matmul(ctx, h, w, 0, m->lm_head ? 0 : 1, &lg); // (B*T, V)
     tm__param_done(ctx, w);
     TM__TRY(s);
@@ -677,18 +702,23 @@ tm_status tm_model_step(tm_model *m) {
 
 /* One set of weights the forward holds gathered at once (ZeRO-3): what tm__param_use counts
  * for each, added to the step's traffic (gathered again in the backward: tm__param_done gives
- * each back after its forward use), the set's bytes against the most held at once. */
-static tm_status plan_uses(tm_ctx *ctx, tm_tensor *const *w, int n, int micro, tm_step_plan *out) {
+ * each back after its forward use), the set's bytes with those kept so far (*kept_bytes)
+ * against the most held at once. A kept set (`keep`) is gathered once and stays held through
+ * the rest of the forward; the backward, which gives the kept ones back as it goes, holds no
+ * more than the forward's end did. */
+static tm_status plan_uses(tm_ctx *ctx, tm_tensor *const *w, int n, int keep, int micro, int64_t *kept_bytes,
+                           tm_step_plan *out) {
     int64_t held_set = 0;
     for (int i = 0; i < n; i++) {
         int64_t held, gather, reduce;
         if (!w[i]) continue;
         TM__TRY(tm__fsdp_use_plan(ctx, w[i], &held, &gather, &reduce));
         held_set += held;
-        out->param_gather += 2 * gather * micro;
+        out->param_gather += (keep ? 1 : 2) * gather * micro;
         out->bwd_reduce += reduce * micro;
     }
-    if (held_set > out->transient) out->transient = held_set;
+    if (*kept_bytes + held_set > out->transient) out->transient = *kept_bytes + held_set;
+    if (keep) *kept_bytes += held_set;
     return TM_OK;
 }
 
@@ -710,8 +740,9 @@ tm_status tm_model_plan_step(tm_model *m, int64_t tokens, int micro_batches, tm_
      * layer, head), each set as long as it is held */
     const tm_model_config *c = &m->cfg;
     double dispatch = 0; /* (expected bytes: whole once summed) */
-    TM__TRY(plan_uses(ctx, &m->embed, 1, micro_batches, out));
-    TM__TRY(plan_uses(ctx, &m->layers[0].attn_norm, 1, micro_batches, out));
+    int64_t kb = 0; /* bytes kept so far (zero3_keep_last) */
+    TM__TRY(plan_uses(ctx, &m->embed, 1, 0, micro_batches, &kb, out));
+    TM__TRY(plan_uses(ctx, &m->layers[0].attn_norm, 1, kept(m, 0), micro_batches, &kb, out));
     for (int l = 0; l < c->n_layers; l++) {
         tm__layer *L = &m->layers[l];
         tm_tensor *set[LAYER_OWN + 8], **f[LAYER_OWN];
@@ -719,14 +750,14 @@ tm_status tm_model_plan_step(tm_model *m, int64_t tokens, int micro_batches, tm_
         int n = 0;
         for (int i = 0; i < LAYER_OWN; i++) set[n++] = *f[i];
         if (L->moe) n += tm__moe_weights(L->moe, set + n);
-        TM__TRY(plan_uses(ctx, set, n, micro_batches, out));
+        TM__TRY(plan_uses(ctx, set, n, kept(m, l), micro_batches, &kb, out));
         tm_tensor *after = norm_after(m, l);
-        TM__TRY(plan_uses(ctx, &after, 1, micro_batches, out));
+        TM__TRY(plan_uses(ctx, &after, 1, kept(m, l + 1), micro_batches, &kb, out));
         if (L->moe) dispatch += tm__moe_plan_dispatch(L->moe, tokens) * micro_batches;
     }
     out->dispatch = (int64_t)dispatch;
     tm_tensor *head_w = m->lm_head ? m->lm_head : m->embed;
-    TM__TRY(plan_uses(ctx, &head_w, 1, micro_batches, out));
+    TM__TRY(plan_uses(ctx, &head_w, 1, kept(m, c->n_layers), micro_batches, &kb, out));
     out->transient += grads_transient; /* (one of the two is 0: ZeRO-2 gathers nothing) */
     return TM_OK;
 }

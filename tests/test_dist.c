@@ -550,6 +550,41 @@ Test(dist, zero3_layouts_match_one_process) {
     data_parallel("", lay, 9);
 }
 
+/* ZeRO-3's kept weights (tm_comm_options.zero3_keep_last): on 2 and 4 CPU ranks, ep_size 1 and
+ * 2, f32 and bf16, tied or not, keeping 1, 2 and every layer trains to the bits of keeping none
+ * (losses and each rank's weight blocks), with one all-gather fewer per kept weight and step
+ * and more gathered bytes held at once (tests/dist/dist_helper.c, check_keep); and through the
+ * driver (--zero3_keep_last 0 against the default 1) the same losses and final weights bit for
+ * bit. The library plan of the same cases: dist/library_plan_equals_each_rank_measured. */
+Test(dist, zero3_keep_last_trains_to_the_same_bits_with_fewer_gathers) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    for (int np = 2; np <= 4; np *= 2) {
+        const char *log = tt_path(np == 2 ? "k2.log" : "k4.log");
+        int rc = run(log, MPIRUN " -np %d '%s/tinymoe_dist_helper' keep", np, bindir());
+        char *t = slurp_text(log);
+        cr_assert_eq(rc, 0, "%d ranks: exit %d\n%s", np, rc, t);
+        cr_assert(strstr(t, "keep: ") && strstr(t, "ranks, ok"), "%s", t);
+        free(t);
+    }
+    const char *lay[] = {"--zero 3", "--ep_size 2 --zero 3"};
+    for (int i = 0; i < 2; i++) {
+        char a[1024], b[1024], flags[256];
+        snprintf(a, sizeof a, "%s", tt_path(i ? "ep_keep1" : "dp_keep1"));
+        snprintf(b, sizeof b, "%s", tt_path(i ? "ep_keep0" : "dp_keep0"));
+        train_ok(a, 2, lay[i]);
+        snprintf(flags, sizeof flags, "%s --zero3_keep_last 0", lay[i]);
+        train_ok(b, 2, flags);
+        double la[16], lb[16];
+        cr_assert_eq(losses(a, la, 16), 10);
+        cr_assert_eq(losses(b, lb, 16), 10);
+        for (int s = 0; s < 10; s++)
+            cr_assert(la[s] == lb[s], "%s, step %d: loss %.17g kept, %.17g not", lay[i], s + 1, la[s], lb[s]);
+        assert_bitwise_weights(a, b);
+    }
+    tt_tmpdir_remove();
+}
+
 /* bf16: ZeRO-3 all-gathers the bf16 compute weights (the f32 masters stay sharded), so on the
  * same ranks and ep_size it trains as ZeRO-1 does (whose bf16 weights are the same bits); one
  * process against 4 ranks differs by bf16 rounding of another summation order (~4e-3 here),
@@ -1468,6 +1503,8 @@ Test(dist, plan_equals_what_a_run_measures) {
     plan_vs_run(4, "--ep_size 2 --zero 3");
     plan_vs_run(2, "--dtype bf16 --zero 3 --shared_ffn_size 16");
     plan_vs_run(4, "--ep_size 4 --zero 3");
+    plan_vs_run(2, "--zero 3 --zero3_keep_last 0");
+    plan_vs_run(4, "--ep_size 2 --zero 3 --zero3_keep_last 2");
     plan_vs_run(2, "--optimizer sgd --momentum 0.9 --zero 2"); /* one moment (the old formula assumed AdamW's two) */
     tt_tmpdir_remove();
 }

@@ -168,3 +168,69 @@ Test(plan, what_needs_values_is_refused) {
     cr_assert_eq(tm_ctx_new(&ctx, &o), TM_ERR_INVALID_ARG);
     cr_assert(strstr(tm_last_create_error(), "plan_only"), "%s", tm_last_create_error());
 }
+
+/* ZeRO-3 with zero3_keep_last (tinymoe.h): the weights of the last layers, the final norm and
+ * the head are gathered once per micro-batch instead of twice, and held together through the
+ * loss. In a world of one rank each gather moves the whole weight, so the plan's all-gather
+ * bytes fall by the kept weights' bytes (from their names: "layers.<l>." of the last `keep`
+ * layers, norm.weight, the head: lm_head.weight or the tied embedding's second use) per
+ * micro-batch, and its transient bytes are the most of those and of the largest set held
+ * without keeping. */
+static int64_t kept_bytes(tm_ctx *ctx, const tm_model_config *c, int keep) {
+    int64_t b = 0;
+    for (int i = 0; i < tm_ctx_num_params(ctx); i++) {
+        tm_tensor *p = tm_ctx_param(ctx, i);
+        const char *name = tm_tensor_name(p);
+        int l, k = 0;
+        if (sscanf(name, "layers.%d.", &l) == 1) k = keep > 0 && l >= c->n_layers - keep;
+        else if (!strcmp(name, "norm.weight") || !strcmp(name, "lm_head.weight")) k = keep > 0;
+        else if (!strcmp(name, "embed.weight")) k = keep > 0 && c->tie_embeddings;
+        if (k) b += tm_tensor_numel(p) * (int64_t)tm_dtype_size(tm_tensor_dtype(p));
+    }
+    return b;
+}
+
+Test(plan, zero3_keep_last_gathers_the_kept_weights_once_and_holds_them) {
+    const int keeps[] = {0, 1, 2, 3, 7};
+    for (int tie = 0; tie < 2; tie++) {
+        tm_model_config c = small(tie);
+        int64_t pg0 = 0, tr0 = 0, br0 = 0;
+        for (size_t k = 0; k < sizeof keeps / sizeof *keeps; k++) {
+            tm_ctx_options o = tm_ctx_options_default();
+            o.num_threads = 1;
+            o.plan_only = 1;
+            tm_ctx *ctx = NULL;
+            cr_assert_eq(tm_ctx_new(&ctx, &o), TM_OK);
+            tm_comm_options co = tm_comm_options_default();
+            cr_assert_eq(co.zero3_keep_last, 1, "the default keeps the last layer");
+            co.zero = 3;
+            co.zero3_keep_last = -1;
+            cr_assert_eq(tm_comm_init(ctx, &co), TM_ERR_INVALID_ARG);
+            cr_assert(strstr(tm_ctx_errmsg(ctx), "zero3_keep_last = -1"), "%s", tm_ctx_errmsg(ctx));
+            co.zero3_keep_last = keeps[k];
+            TT_OK(ctx, tm_comm_init(ctx, &co));
+            tm_model *m;
+            tm_optimizer *opt;
+            TT_OK(ctx, tm_model_new(ctx, &c, TM_BF16, tm_cpu(), &m));
+            TT_OK(ctx, tm_adamw_new(ctx, NULL, &opt));
+            tm_step_plan sp;
+            TT_OK(ctx, tm_model_plan_step(m, 32, 3, &sp));
+            int64_t kb = kept_bytes(ctx, &c, keeps[k]);
+            if (keeps[k] == 0) {
+                pg0 = sp.param_gather, tr0 = sp.transient, br0 = sp.bwd_reduce;
+                cr_assert(pg0 > 0 && tr0 > 0 && kb == 0);
+            } else {
+                cr_assert_gt(kb, 0);
+                cr_assert_eq(sp.param_gather, pg0 - 3 * kb, "tie %d keep %d: all-gathers %lld, %lld without keeping, "
+                             "%lld bytes kept x 3 micro-batches", tie, keeps[k], (long long)sp.param_gather,
+                             (long long)pg0, (long long)kb);
+                cr_assert_eq(sp.transient, kb > tr0 ? kb : tr0, "tie %d keep %d: transient %lld, %lld without keeping, "
+                             "%lld kept", tie, keeps[k], (long long)sp.transient, (long long)tr0, (long long)kb);
+                cr_assert_eq(sp.bwd_reduce, br0, "every gathered weight's gradient is reduced once, kept or not");
+            }
+            tm_optimizer_free(opt);
+            tm_model_free(m);
+            tm_ctx_free(ctx);
+        }
+    }
+}

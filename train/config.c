@@ -248,6 +248,12 @@ static const key KEYS[] = {
      "ZeRO stage: 0; 1 to shard optimizer state and f32 master weights over the data-parallel ranks; 2 to "
      "shard the gradients too (reduce-scattered, no full gradient buffer between steps); 3 to shard the weights "
      "too (all-gathered layer by layer for the forward and again for the backward)", 0, 3},
+    {"zero3_keep_last", T_INT, G_DIST, OFF(zero3_keep_last), NULL, "1", 0, NULL,
+     "with zero 3: the last this many layers (and the final norm and lm_head) keep their all-gathered weights from "
+     "their forward to their backward, which starts with them: one all-gather fewer per kept weight and "
+     "micro-batch, for their bf16/f32 weights held through the loss and the start of the backward (PyTorch FSDP2's "
+     "reshard_after_forward=False for the last block); 0: gather them again; the same values either way",
+     0, 1000000},
     {"comm_timeout", T_FLOAT, G_DIST, OFF(comm_timeout), NULL, "60", 0, NULL,
      "seconds a collective may wait before the run fails (a rank died or stopped answering); 0: forever", 0, 1e9},
     {"nccl", T_ENUM, G_DIST, OFF(nccl), "auto|off|always", "auto", 0, NULL,

@@ -77,6 +77,7 @@ typedef struct tmd_config {
     int nccl; /* TM_NCCL_AUTO / _OFF / _ALWAYS (tm_comm_options.nccl) */
     int comm_overlap; /* tm_comm_options.overlap */
     int comm_sms;     /* tm_comm_options.comm_sms */
+    int zero3_keep_last; /* tm_comm_options.zero3_keep_last */
     double comm_timeout;
     int print_layout;
     unsigned char source[TMD_MAX_KEYS]; /* tmd_source of each key, by table index */

@@ -153,6 +153,7 @@ tm_comm_options tmd_comm_options_of(const tmd_config *c) {
     co.nccl = c->nccl;
     co.overlap = c->comm_overlap;
     co.comm_sms = c->comm_sms;
+    co.zero3_keep_last = c->zero3_keep_last;
     return co;
 }
 

@@ -843,7 +843,7 @@ typedef struct rank_figures {
 
 typedef struct plan_case {
     const char *name;
-    int ep_size, zero, bf16, sgd, tie, n_layers;
+    int ep_size, zero, bf16, sgd, tie, n_layers, keep; /* keep: tm_comm_options.zero3_keep_last */
 } plan_case;
 
 static tm_model_config plan_config(const plan_case *pc) {
@@ -879,6 +879,7 @@ static rank_figures measure(const plan_case *pc, int zero) {
     tm_comm_options co = tm_comm_options_default();
     co.ep_size = pc->ep_size;
     co.zero = zero;
+    co.zero3_keep_last = pc->keep;
     co.timeout_s = 30;
     OK(ctx, tm_comm_init(ctx, &co));
     tm_model_config c = plan_config(pc);
@@ -933,6 +934,7 @@ static tm_step_plan plan_of(const plan_case *pc, int world, int rank, rank_figur
     tm_comm_options co = tm_comm_options_default();
     co.ep_size = pc->ep_size;
     co.zero = pc->zero;
+    co.zero3_keep_last = pc->keep;
     co.plan_world_size = world;
     co.plan_rank = rank;
     OK(ctx, tm_comm_init(ctx, &co));
@@ -976,19 +978,24 @@ static int plan_matches(const plan_case *pc, const rank_figures *m, const rank_f
         if (rows[i].got == rows[i].want) continue;
         ok = 0;
         if (report)
-            CHECK(0, "plan %s (ep_size %d, ZeRO-%d%s%s%s), %s: %s measured %lld, planned %lld", pc->name, pc->ep_size,
-                  pc->zero, pc->bf16 ? ", bf16" : "", pc->sgd ? ", sgd" : "", pc->tie ? ", tied" : "", what,
+            CHECK(0, "plan %s (ep_size %d, ZeRO-%d%s%s%s, keep %d), %s: %s measured %lld, planned %lld", pc->name,
+                  pc->ep_size, pc->zero, pc->bf16 ? ", bf16" : "", pc->sgd ? ", sgd" : "", pc->tie ? ", tied" : "",
+                  pc->keep, what,
                   rows[i].name, (long long)rows[i].got, (long long)rows[i].want);
     }
     return ok;
 }
 
 static void check_plan(int world) {
+    /* ZeRO-3 with zero3_keep_last 0 (every weight gathered again for the backward), 1 (the
+     * default), 2 and more than the layers (every layer kept) */
     const plan_case cases[] = {
-        {"dp", 1, 0, 0, 0, 0, 3},        {"dp", 1, 1, 1, 0, 0, 3},        {"dp", 1, 2, 0, 1, 1, 3},
-        {"dp", 1, 3, 1, 0, 0, 3},        {"dp", 1, 3, 0, 0, 1, 2},        {"ep", 2, 0, 0, 0, 0, 3},
-        {"ep", 2, 1, 0, 1, 0, 3},        {"ep", 2, 2, 1, 0, 0, 3},        {"ep", 2, 3, 0, 0, 0, 3},
-        {"ep", 2, 3, 1, 1, 1, 2},        {"ep=world", 0, 2, 0, 0, 0, 3},  {"ep=world", 0, 3, 0, 0, 0, 3},
+        {"dp", 1, 0, 0, 0, 0, 3, 1},       {"dp", 1, 1, 1, 0, 0, 3, 1},       {"dp", 1, 2, 0, 1, 1, 3, 1},
+        {"dp", 1, 3, 1, 0, 0, 3, 1},       {"dp", 1, 3, 0, 0, 1, 2, 1},       {"ep", 2, 0, 0, 0, 0, 3, 1},
+        {"ep", 2, 1, 0, 1, 0, 3, 1},       {"ep", 2, 2, 1, 0, 0, 3, 1},       {"ep", 2, 3, 0, 0, 0, 3, 1},
+        {"ep", 2, 3, 1, 1, 1, 2, 1},       {"ep=world", 0, 2, 0, 0, 0, 3, 1}, {"ep=world", 0, 3, 0, 0, 0, 3, 1},
+        {"dp", 1, 3, 0, 0, 0, 3, 0},       {"dp", 1, 3, 1, 0, 1, 3, 2},       {"ep", 2, 3, 0, 0, 0, 3, 0},
+        {"ep", 2, 3, 0, 0, 1, 3, 2},       {"ep", 2, 3, 1, 0, 0, 3, 9},
     };
     int n = 0;
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
@@ -1008,9 +1015,141 @@ static void check_plan(int world) {
         CHECK(!plan_matches(&pc, &m, &q, &sq, base_gather, 0, ""), "plan %s (ep_size %d, ZeRO-%d): the plan of %d ranks "
               "at ZeRO-%d equals what %d measure", pc.name, pc.ep_size, pc.zero, pc.zero ? 2 * world : world, other.zero,
               world);
+        /* ZeRO-3: so does the plan with another zero3_keep_last (one that keeps another set) */
+        if (pc.zero == 3) {
+            plan_case ok = pc;
+            ok.keep = pc.keep ? 0 : 1;
+            tm_step_plan sk = plan_of(&ok, world, g_rank, &q);
+            CHECK(!plan_matches(&pc, &m, &q, &sk, base_gather, 0, ""), "plan %s (ep_size %d, ZeRO-3, keep %d): the plan "
+                  "with zero3_keep_last %d equals what was measured", pc.name, pc.ep_size, pc.keep, ok.keep);
+        }
         n++;
     }
-    CHECK(n >= 8, "only %d plan cases ran on %d ranks", n, world);
+    CHECK(n >= 13, "only %d plan cases ran on %d ranks", n, world);
+}
+
+/* ---- ZeRO-3's kept weights (tm_comm_options.zero3_keep_last) ------------------------------- */
+/* A few training steps of the tiny model under ZeRO-3 with the last `keep` layers' weights kept
+ * gathered from their forward to their backward: each step's loss, the all-gather calls of
+ * its forward and backward, the transient weight bytes, and this rank's parameter blocks at the
+ * end (ZeRO-3's tm_ctx_bucket_tensor view: the block). *kept receives the count of weight uses
+ * that the option keeps, from the parameters' names: every "layers.<l>." parameter of the last
+ * `keep` layers, and from keep 1 on "norm.weight" and the head (lm_head.weight, or the tied
+ * embedding's second use). */
+enum { KS = 3 };
+typedef struct keep_run {
+    double loss[KS];
+    int64_t gathers[KS], transient, kept, n_blocks;
+    unsigned char *blocks;
+} keep_run;
+
+static keep_run keep_train(int ep_size, int bf16, int tie, int keep) {
+    keep_run r;
+    memset(&r, 0, sizeof r);
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    tm_ctx *ctx = NULL;
+    if (tm_ctx_new(&ctx, &o)) exit(2);
+    tm_comm_options co = tm_comm_options_default();
+    co.ep_size = ep_size;
+    co.zero = 3;
+    co.zero3_keep_last = keep;
+    co.timeout_s = 30;
+    OK(ctx, tm_comm_init(ctx, &co));
+    tm_model_config c = tiny_config(3);
+    c.tie_embeddings = tie;
+    tm_model *m = NULL;
+    tm_optimizer *opt = NULL;
+    OK(ctx, tm_model_new(ctx, &c, bf16 ? TM_BF16 : TM_F32, tm_cpu(), &m));
+    OK(ctx, tm_model_init(m, 11));
+    tm_adamw_config ac = tm_adamw_config_default();
+    OK(ctx, tm_adamw_new(ctx, &ac, &opt));
+    for (int i = 0; i < tm_ctx_num_params(ctx); i++) {
+        const char *name = tm_tensor_name(tm_ctx_param(ctx, i));
+        int l;
+        if (sscanf(name, "layers.%d.", &l) == 1) r.kept += keep > 0 && l >= c.n_layers - keep;
+        else if (!strcmp(name, "norm.weight") || !strcmp(name, "lm_head.weight")) r.kept += keep > 0;
+        else if (!strcmp(name, "embed.weight")) r.kept += keep > 0 && tie;
+    }
+    tm_memory_report mr;
+    OK(ctx, tm_ctx_memory_report(ctx, tm_cpu(), &mr));
+    size_t base = mr.current[TM_MEM_PARAMETERS];
+    for (int step = 0; step < KS; step++) {
+        int32_t tok[PB * PT + 1];
+        for (int i = 0; i < PB * PT + 1; i++) tok[i] = (i * 5 + 1 + 3 * g_rank + 7 * step) % 31;
+        int64_t sh[2] = {PB, PT};
+        tm_tensor *tokens, *targets;
+        OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok, &tokens));
+        OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok + 1, &targets));
+        tm_comm_stats a, b;
+        OK(ctx, tm_comm_get_stats(ctx, &a));
+        tm_model_out out;
+        OK(ctx, tm_model_forward(m, tokens, targets, &out));
+        OK(ctx, tm_backward(ctx, out.loss));
+        OK(ctx, tm_comm_get_stats(ctx, &b));
+        r.loss[step] = out.loss_value;
+        r.gathers[step] = b.calls[TM_COMM_ALLGATHER] - a.calls[TM_COMM_ALLGATHER];
+        tm_ctx_arena_reset(ctx);
+        OK(ctx, tm_comm_sync_grads(ctx));
+        OK(ctx, tm_optimizer_step(opt, 1e-2));
+        tm_ctx_arena_reset(ctx);
+    }
+    OK(ctx, tm_ctx_memory_report(ctx, tm_cpu(), &mr));
+    CHECK(mr.current[TM_MEM_PARAMETERS] == base, "keep %d: %zu parameter bytes after the steps, %zu before (a kept "
+          "weight still counted)", keep, mr.current[TM_MEM_PARAMETERS], base);
+    r.transient = (int64_t)(mr.peak[TM_MEM_PARAMETERS] - mr.current[TM_MEM_PARAMETERS]);
+    size_t es = bf16 ? 2 : 4, at = 0;
+    for (int i = 0; i < tm_ctx_num_buckets(ctx); i++) r.n_blocks += tm_tensor_numel(tm_ctx_bucket_tensor(ctx, i, TM_BUCKET_PARAMS));
+    r.blocks = malloc(es * (size_t)(r.n_blocks ? r.n_blocks : 1));
+    for (int i = 0; i < tm_ctx_num_buckets(ctx); i++) {
+        tm_tensor *t = tm_ctx_bucket_tensor(ctx, i, TM_BUCKET_PARAMS);
+        int64_t n = tm_tensor_numel(t);
+        if (n) OK(ctx, tm_tensor_read(ctx, t, bf16 ? TM_BF16 : TM_F32, r.blocks + at, n));
+        at += es * (size_t)n;
+    }
+    tm_optimizer_free(opt);
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+    return r;
+}
+
+/* Keeping changes no value (the same gathers, not repeated): every loss and every weight of
+ * keep 1, 2 and all layers are the bits of keep 0; each step makes as many all-gathers fewer
+ * as the option keeps weights (one per kept weight: its backward's); and a kept weight is held
+ * through the loss, so the most gathered at once grows with what is kept. */
+static void check_keep(int world) {
+    const struct {
+        int ep_size, bf16, tie;
+    } cases[] = {{1, 0, 0}, {2, 0, 0}, {1, 1, 1}, {2, 1, 0}};
+    const int keeps[] = {1, 2, 9};
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        int P = cases[k].ep_size, bf16 = cases[k].bf16, tie = cases[k].tie;
+        if (world % P) continue;
+        keep_run ref = keep_train(P, bf16, tie, 0);
+        CHECK(ref.kept == 0, "keep 0 keeps %lld", (long long)ref.kept);
+        int64_t prev_transient = ref.transient;
+        for (size_t j = 0; j < sizeof keeps / sizeof *keeps; j++) {
+            keep_run r = keep_train(P, bf16, tie, keeps[j]);
+            const char *what = bf16 ? (tie ? "bf16, tied" : "bf16") : "f32";
+            CHECK(r.kept > 0, "ep_size %d %s keep %d: no parameter kept", P, what, keeps[j]);
+            for (int s = 0; s < KS; s++) {
+                CHECK(memcmp(&r.loss[s], &ref.loss[s], sizeof(double)) == 0, "ep_size %d %s keep %d, step %d: loss "
+                      "%.17g, %.17g with keep 0", P, what, keeps[j], s + 1, r.loss[s], ref.loss[s]);
+                CHECK(r.gathers[s] == ref.gathers[s] - r.kept, "ep_size %d %s keep %d, step %d: %lld all-gathers, %lld "
+                      "with keep 0, %lld weights kept", P, what, keeps[j], s + 1, (long long)r.gathers[s],
+                      (long long)ref.gathers[s], (long long)r.kept);
+            }
+            CHECK(r.n_blocks == ref.n_blocks && !memcmp(r.blocks, ref.blocks, (size_t)r.n_blocks * (bf16 ? 2 : 4)),
+                  "ep_size %d %s keep %d: this rank's weights after %d steps differ from keep 0's", P, what, keeps[j],
+                  KS);
+            CHECK(r.transient > prev_transient,
+                  "ep_size %d %s keep %d: %lld transient weight bytes, %lld with fewer kept", P, what, keeps[j],
+                  (long long)r.transient, (long long)prev_transient);
+            prev_transient = r.transient;
+            free(r.blocks);
+        }
+        free(ref.blocks);
+    }
 }
 
 int main(int argc, char **argv) {
@@ -1050,6 +1189,8 @@ int main(int argc, char **argv) {
         check_dp_row_map();
     } else if (!strcmp(what, "plan")) {
         check_plan(world);
+    } else if (!strcmp(what, "keep")) {
+        check_keep(world);
     } else if (!strcmp(what, "cuda")) {
         const char *nccl = argc > 2 ? argv[2] : "auto";
         check_cuda(world, !strcmp(nccl, "always") ? TM_NCCL_ALWAYS : !strcmp(nccl, "off") ? TM_NCCL_OFF : TM_NCCL_AUTO);
