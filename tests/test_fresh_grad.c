@@ -1,7 +1,8 @@
 /*
  * test_fresh_grad.c — fresh gradients (call->gin_fresh, TM__OP_GRAD_WRITES, framework/autograd.c):
  * an op that is the first contributor to a temporary's gradient writes it instead of adding
- * into a zero-filled buffer. For every converted op (swiglu, matmul, grouped_matmul):
+ * into a zero-filled buffer. For every converted op (swiglu, matmul, grouped_matmul,
+ * moe_unpermute):
  *   - the gradient written fresh equals, bit for bit, the one accumulated into zeros (the
  *     input's gradient made to exist first by an earlier backward of 0 * x), in f32, f64 and
  *     bf16 (the CPU's f32 staging of bf16 calls);
@@ -19,12 +20,15 @@
 #include "common.h"
 #include "internal.h"
 
-enum { OP_SWIGLU, OP_MATMUL, OP_GMM };
+enum { OP_SWIGLU, OP_MATMUL, OP_GMM, OP_UNPERMUTE };
 
 static const int64_t gmm_counts[3] = {2, 0, 3}; /* an empty group in the middle */
+/* moe_unpermute: 6 rows of 3 tokens, two padding rows (-1) */
+static const double unp_rows[6] = {2, -1, 0, 1, -1, 2};
 
 /* Inputs of op `op` in dtype dt: swiglu (g [3,5], u [3,5]); matmul (a [4,3], b [3,5]);
- * grouped_matmul (x [5,3], w [3,3,4], counts). n: inputs that take a gradient. */
+ * grouped_matmul (x [5,3], w [3,3,4], counts); moe_unpermute (expert_out [6,4], probs [6],
+ * row_token [6], 3 tokens). Returns how many (the first ones) take a gradient. */
 static int make_inputs(tm_ctx *ctx, int op, tm_dtype dt, tm_tensor **in) {
     if (op == OP_SWIGLU) {
         int64_t s[2] = {3, 5};
@@ -36,6 +40,11 @@ static int make_inputs(tm_ctx *ctx, int op, tm_dtype dt, tm_tensor **in) {
         in[0] = tt_randn(ctx, dt, 2, sa, 13), in[1] = tt_randn(ctx, dt, 2, sb, 14);
         return 2;
     }
+    if (op == OP_UNPERMUTE) {
+        int64_t se[2] = {6, 4}, R = 6;
+        in[0] = tt_randn(ctx, dt, 2, se, 17), in[1] = tt_randn(ctx, dt, 1, &R, 18), in[2] = tt_from(ctx, TM_I64, 1, &R, unp_rows);
+        return 2;
+    }
     int64_t sx[2] = {5, 3}, sw[3] = {3, 3, 4}, G = 3;
     double cv[3] = {(double)gmm_counts[0], (double)gmm_counts[1], (double)gmm_counts[2]};
     in[0] = tt_randn(ctx, dt, 2, sx, 15), in[1] = tt_randn(ctx, dt, 3, sw, 16), in[2] = tt_from(ctx, TM_I64, 1, &G, cv);
@@ -45,6 +54,7 @@ static int make_inputs(tm_ctx *ctx, int op, tm_dtype dt, tm_tensor **in) {
 static tm_status run_op(tm_ctx *ctx, int op, tm_tensor **in, tm_tensor **out) {
     if (op == OP_SWIGLU) return tm_swiglu(ctx, in[0], in[1], out);
     if (op == OP_MATMUL) return tm_matmul(ctx, in[0], in[1], 0, 0, out);
+    if (op == OP_UNPERMUTE) return tm_moe_unpermute(ctx, in[0], in[1], in[2], 3, out);
     return tm_grouped_matmul(ctx, in[0], in[1], in[2], out);
 }
 
@@ -109,6 +119,11 @@ Test(fresh_grad, matmul_bits) {
     check_fresh_equals_accumulate(OP_MATMUL, TM_F64);
     check_fresh_equals_accumulate(OP_MATMUL, TM_BF16);
 }
+Test(fresh_grad, moe_unpermute_bits) {
+    check_fresh_equals_accumulate(OP_UNPERMUTE, TM_F32);
+    check_fresh_equals_accumulate(OP_UNPERMUTE, TM_F64);
+    check_fresh_equals_accumulate(OP_UNPERMUTE, TM_BF16);
+}
 Test(fresh_grad, grouped_matmul_bits) {
     check_fresh_equals_accumulate(OP_GMM, TM_F32);
     check_fresh_equals_accumulate(OP_GMM, TM_F64);
@@ -147,6 +162,13 @@ static tm_status gmm_two(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **ou
     TM__TRY(tm_grouped_matmul(ctx, in[0], in[2], in[3], &q));
     return tm_add(ctx, p, q, out);
 }
+/* unpermute(eo, p1) + unpermute(eo, p2) over rows with padding */
+static tm_status unpermute_two(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    tm_tensor *p, *q;
+    TM__TRY(tm_moe_unpermute(ctx, in[0], in[1], in[3], 3, &p));
+    TM__TRY(tm_moe_unpermute(ctx, in[0], in[2], in[3], 3, &q));
+    return tm_add(ctx, p, q, out);
+}
 static tm_status matmul_batched_ta(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
     return tm_matmul(ctx, in[0], in[1], 1, 0, out);
 }
@@ -172,6 +194,14 @@ static double case_gmm_two(tm_ctx *ctx) {
     return tt_gradcheck(ctx, gmm_two, NULL, 4, in, check, 1e-6, 1e-8, 1e-6);
 }
 
+static double case_unpermute_two(tm_ctx *ctx) {
+    int64_t se[2] = {6, 4}, R = 6;
+    tm_tensor *in[4] = {tt_randn(ctx, TM_F64, 2, se, 39), tt_randn(ctx, TM_F64, 1, &R, 40), tt_randn(ctx, TM_F64, 1, &R, 45),
+                        tt_from(ctx, TM_I64, 1, &R, unp_rows)};
+    int check[4] = {1, 1, 1, 0};
+    return tt_gradcheck(ctx, unpermute_two, NULL, 4, in, check, 1e-6, 1e-8, 1e-6);
+}
+
 /* Runs case with NaN-poisoned fresh buffers (force: the broken autograd); returns its ratio and
  * the fresh gradients it handed out. */
 static double run_case(double (*fn)(tm_ctx *), int force, int64_t *fresh) {
@@ -184,8 +214,8 @@ static double run_case(double (*fn)(tm_ctx *), int force, int64_t *fresh) {
 }
 
 Test(fresh_grad, two_consumers) {
-    double (*cases[3])(tm_ctx *) = {case_swiglu_two, case_matmul_two, case_gmm_two};
-    for (int i = 0; i < 3; i++) {
+    double (*cases[4])(tm_ctx *) = {case_swiglu_two, case_matmul_two, case_gmm_two, case_unpermute_two};
+    for (int i = 0; i < 4; i++) {
         int64_t fresh;
         double r = run_case(cases[i], 0, &fresh);
         cr_assert_leq(r, 1.0, "case %d: gradcheck ratio %g", i, r);
@@ -196,8 +226,8 @@ Test(fresh_grad, two_consumers) {
 /* The mutation: gradients marked fresh although an earlier contributor wrote them (an op
  * overwriting instead of adding) must fail the same checks. */
 Test(fresh_grad, overwrite_when_not_fresh_is_caught) {
-    double (*cases[3])(tm_ctx *) = {case_swiglu_two, case_matmul_two, case_gmm_two};
-    for (int i = 0; i < 3; i++) {
+    double (*cases[4])(tm_ctx *) = {case_swiglu_two, case_matmul_two, case_gmm_two, case_unpermute_two};
+    for (int i = 0; i < 4; i++) {
         int64_t fresh;
         double r = run_case(cases[i], 1, &fresh);
         cr_assert_gt(r, 1.0, "case %d: an autograd that overwrites gradients passed (ratio %g)", i, r);
