@@ -6,7 +6,12 @@
  * whose outputs received no gradient is skipped, except a collective (TM__OP_COLLECTIVE): its
  * backward is a collective as well, so it runs on every rank, with zero upstream gradients and
  * scratch input gradients where this rank has none. Gradients of parameters accumulate into the
- * contiguous gradient buffer; gradients of temporaries are arena tensors that start at zero.
+ * contiguous gradient buffer; gradients of temporaries are arena tensors that start at zero,
+ * except where the first contributor is an op that writes its input gradients whole
+ * (TM__OP_GRAD_WRITES): it gets the buffer unfilled and marked fresh (call->gin_fresh) and
+ * stores its gradient instead of adding it into zeros, as PyTorch's autograd hands a first
+ * contribution over. For the MoE layer's [rows, ffn] intermediates that saves a memset and a
+ * read-back per gradient, several GB of memory traffic a step.
  *
  * Memory: when a node is done, nothing can read its upstream gradients any more (every
  * consumer of its outputs came later in the recording, so its backward has run), nor its
@@ -19,9 +24,32 @@
  */
 #include "ctx_internal.h"
 
+#include <math.h>
+
 static tm_status ensure_grad(tm_ctx *ctx, tm_tensor *t) {
     if (t->grad) return TM_OK;
     return tm__tensor_zeros(ctx, t->dtype, t->ndim, t->shape, t->device, &t->grad);
+}
+
+/* Whether input i of c may get a fresh (unfilled, write-whole) gradient: the op writes its
+ * gradients whole, the input has none yet, it is no parameter or buffer (those accumulate over
+ * micro-batches), and no other input of the call is the same tensor (x * x: the second
+ * contribution adds to the first). */
+static int fresh_ok(const tm__call *c, int i) {
+    const tm_tensor *s = c->src[i];
+    if (!(tm__op_table[c->op].flags & TM__OP_GRAD_WRITES)) return 0;
+    if (c->ctx->fresh_force) return 1; /* test hook: a deliberately wrong autograd */
+    if (s->grad || s->persistent || s->is_param) return 0;
+    for (int j = 0; j < c->n_in; j++)
+        if (j != i && c->src[j] == s) return 0;
+    return 1;
+}
+
+tm_status tm__gin_prepare(tm__call *c, int i) {
+    if (!c->gin[i] || !c->gin_fresh[i]) return TM_OK;
+    c->gin_fresh[i] = 0;
+    return tm__dev_memset0(c->ctx, c->gin[i]->device, tm__data(c->gin[i]),
+                           (size_t)tm__numel(c->gin[i]) * tm_dtype_size(c->gin[i]->dtype));
 }
 
 /* After node n's backward (or its skipping): free its upstream gradients (the outputs'
@@ -83,7 +111,14 @@ static tm_status run_tape(tm_ctx *ctx) {
         for (int i = 0; i < c->n_in; i++) {
             tm_tensor *s = c->src[i];
             c->gin[i] = NULL;
+            c->gin_fresh[i] = 0;
             if (!s->requires_grad) continue;
+            if (fresh_ok(c, i)) {
+                if (!s->grad) TM__TRY(tm__tensor_new(ctx, s->dtype, s->ndim, s->shape, s->device, &s->grad));
+                if (ctx->fresh_poison) TM__TRY(tm__fill(ctx, s->grad, NAN));
+                c->gin_fresh[i] = 1;
+                ctx->fresh_count++;
+            }
             TM__TRY(ensure_grad(ctx, s));
             c->gin[i] = s->grad;
             needed = 1;
@@ -108,6 +143,8 @@ static tm_status run_tape(tm_ctx *ctx) {
                 if (c->saved[i] && c->saved[i]->storage && c->saved[i]->storage->fsdp)
                     TM__TRY(tm__fsdp_regather(ctx, c->saved[i]->storage));
             tm_status st = tm__run_kernel(c, 1);
+            /* written now: a later contributor adds */
+            memset(c->gin_fresh, 0, sizeof c->gin_fresh);
             if (st != TM_OK) return st;
         }
         /* the all-gather of a weight is done: every reader of it (views included) came later
@@ -177,3 +214,11 @@ tm_status tm_backward(tm_ctx *ctx, tm_tensor *loss) {
 void tm__test_perturb_backward(tm_ctx *ctx, int op) {
     if (ctx) ctx->perturb_op = op;
 }
+
+void tm__test_fresh_hooks(tm_ctx *ctx, int poison, int force) {
+    if (!ctx) return;
+    ctx->fresh_poison = poison;
+    ctx->fresh_force = force;
+}
+
+int64_t tm__test_fresh_count(const tm_ctx *ctx) { return ctx ? ctx->fresh_count : 0; }

@@ -163,6 +163,12 @@ struct tm_ctx {
     double sync_seconds;                  /* host time blocked in them (tm_ctx_sync_seconds) */
 
     int perturb_op; /* tests: op id whose backward sees a scaled upstream grad; -1 off */
+    /* tests (tm__test_fresh_hooks): fill fresh gradients with NaN, so that an element a
+     * TM__OP_GRAD_WRITES backward leaves unwritten shows; mark every gradient of such an op
+     * fresh, even one holding earlier contributions (a deliberately wrong autograd); and the
+     * count of fresh gradients handed out */
+    int fresh_poison, fresh_force;
+    int64_t fresh_count;
 
     /* Memory reuse within a step (tm__set_mem_reuse): 1 (default) gives blocks back to the
      * arena as soon as nothing can read them (kernel scratch, consumed gradients, saved

@@ -89,6 +89,8 @@ static tm_status run_bf16_on_cpu(tm__call *c, tm__fn fn, int backward) {
         for (int i = 0; i < c->n_in; i++) {
             int j = c->gin[i] ? first_alias(c->gin, i) : i;
             if (j < i) k.gin[i] = k.gin[j];
+            else if (c->gin_fresh[i] && c->gin[i]->dtype == TM_BF16) /* nothing to read: written whole */
+                TM__TRY(tm__tensor_new(c->ctx, TM_F32, c->gin[i]->ndim, c->gin[i]->shape, c->gin[i]->device, &k.gin[i]));
             else TM__TRY(f32_stage(c->ctx, c->gin[i], &k.gin[i]));
         }
     }

@@ -19,7 +19,17 @@
  *     tape. tm_backward later calls the row's backward kernel with call->gout[i] (upstream
  *     gradient of out[i]; never NULL, zeros if out[i] got none) and call->gin[i] (gradient of
  *     in[i], contiguous, same shape/dtype as in[i]; NULL when in[i] needs none).
- *     Backward kernels ADD into gin[i] (gin may already hold gradient from other uses).
+ *     Backward kernels ADD into gin[i] (gin may already hold gradient from other uses),
+ *     except where call->gin_fresh[i] is set: then gin[i] holds no contribution yet and was
+ *     not zero-filled (its contents are garbage), and the kernel must WRITE every element of it
+ *     (the value 0 + x would give). Autograd sets gin_fresh[i] only for ops whose row has
+ *     TM__OP_GRAD_WRITES, only when in[i]'s gradient did not exist before this node, never for a
+ *     parameter or persistent tensor (their gradients accumulate across micro-batches), and never
+ *     when another input of the call is the same tensor (x * x: the second contribution must add
+ *     to the first). Pointwise kernels store 0.0 + x (so a -0.0 reads +0.0 as zeros + x would);
+ *     GEMM paths (beta = 0) may leave the sign of a zero as the product gives it. A path of a
+ *     GRAD_WRITES op that can only accumulate calls tm__gin_prepare(c, i) first, which zero-fills
+ *     a fresh gin[i] and clears its flag. The dispatcher's bf16 staging carries the flag over.
  */
 #ifndef TM_INTERNAL_H
 #define TM_INTERNAL_H
@@ -112,6 +122,8 @@ typedef struct tm__call {
     /* backward only */
     tm_tensor *gout[TM__MAX_OUT];
     tm_tensor *gin[TM__MAX_IN];
+    unsigned char gin_fresh[TM__MAX_IN]; /* 1: gin[i] holds no contribution, not zero-filled:
+                                          * write it whole (TM__OP_GRAD_WRITES ops only) */
 } tm__call;
 
 typedef tm_status (*tm__fn)(tm__call *c);
@@ -121,8 +133,10 @@ enum {
     TM__OP_NATIVE_BF16 = 1u << 1, /* CPU kernels handle bf16 themselves (casts, copies) */
     TM__OP_NONDIFF = 1u << 2,   /* never recorded on the tape */
     TM__OP_ANY_DEVICE = 1u << 3, /* inputs may sit on different devices (to_device) */
-    TM__OP_COLLECTIVE = 1u << 4  /* a collective: recorded whenever grad mode is on and input 0 is
+    TM__OP_COLLECTIVE = 1u << 4, /* a collective: recorded whenever grad mode is on and input 0 is
                                   * float, and run by every backward (framework/ops/comm.c) */
+    TM__OP_GRAD_WRITES = 1u << 5 /* backward honours call->gin_fresh (writes a fresh gin[i] whole
+                                  * instead of adding into zeros: saves the zero-fill and read-back) */
 };
 
 /* Which kernels an op has (from its `kernels` column in ops.def), whatever this build holds. */
@@ -262,6 +276,12 @@ tm_status tm__check_ndim(tm__call *c, int i, int min_ndim, int max_ndim);
 /* Test hook: op `op`'s backward sees its upstream gradient scaled by 1.25 (-1: off). Used by
  * tests/test_mutation.c to prove every gradient test can fail. */
 void tm__test_perturb_backward(tm_ctx *ctx, int op);
+/* Test hooks of fresh gradients (autograd.c, call->gin_fresh): poison 1 fills every fresh
+ * gradient with NaN before the op writes it; force 1 marks every input gradient of a
+ * TM__OP_GRAD_WRITES op fresh, even one holding earlier contributions (a broken autograd
+ * that tests must catch). tm__test_fresh_count: fresh gradients handed out so far. */
+void tm__test_fresh_hooks(tm_ctx *ctx, int poison, int force);
+int64_t tm__test_fresh_count(const tm_ctx *ctx);
 
 /* Memory reuse within a step (default on): kernel scratch, consumed gradients, saved tensors
  * and staging copies go back to the arena as soon as they are dead. Tests turn it off (0) to
@@ -360,6 +380,9 @@ int tm__gmm_mode(tm_ctx *ctx);
  * shape) and the node's release leaves it: 1. Otherwise 0 and the kernel runs (zeros + the
  * assign). The gradients are the same values: zeros + g is g. */
 int tm__view_grad_adopt(tm__call *c);
+/* A backward path that only accumulates: zero-fill gin[i] if it is fresh and clear the flag
+ * (autograd.c). No-op for a gin[i] that is NULL or already holds gradient. */
+tm_status tm__gin_prepare(tm__call *c, int i);
 /* SMs that kernels sizing their grid to the GPU leave free for collectives beside the work
  * (tm_comm_options.comm_sms where the engine has side communicators, framework/comm.c); 0: none. */
 int tm__coll_spare_sms(const tm_ctx *ctx);

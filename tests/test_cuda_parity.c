@@ -25,6 +25,14 @@
 static tm_status f_matmul(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
     return tm_matmul(c, in[0], in[1], (int)a[0], (int)a[1], o);
 }
+/* a @ b + a @ c: a's gradient is written fresh by the second product's backward (it runs first,
+ * call->gin_fresh, beta = 0) and added to by the first's (beta = 1) */
+static tm_status f_matmul_two(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_tensor *p, *q;
+    tm_status st = tm_matmul(c, in[0], in[1], (int)a[0], (int)a[1], &p);
+    if (!st) st = tm_matmul(c, in[0], in[2], (int)a[0], (int)a[1], &q);
+    return st ? st : tm_add(c, p, q, o);
+}
 static tm_status f_add(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) { return tm_add(c, in[0], in[1], o); }
 static tm_status f_sub(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) { return tm_sub(c, in[0], in[1], o); }
 static tm_status f_mul(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) { return tm_mul(c, in[0], in[1], o); }
@@ -64,6 +72,14 @@ static tm_status f_swiglu_misaligned(tm_ctx *c, tm_tensor **in, const int64_t *a
         if (st) return st;
     }
     return tm_swiglu(c, v[0], v[1], o);
+}
+/* swiglu(g, u) + swiglu(u, g): the second call's backward (run first) writes both gradients
+ * fresh, the first's adds into them */
+static tm_status f_swiglu_two(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_tensor *p, *q;
+    tm_status st = tm_swiglu(c, in[0], in[1], &p);
+    if (!st) st = tm_swiglu(c, in[1], in[0], &q);
+    return st ? st : tm_add(c, p, q, o);
 }
 /* gate and up one tensor: the backward's dgate and dup are the same gradient buffer. */
 static tm_status f_swiglu_same(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
@@ -150,6 +166,8 @@ static const tt_pcase CASES[] = {
     {"matmul", "matmul tn, batched b", f_matmul, 2, {3, 3}, {{2, 7, 5}, {2, 7, 9}}, {0}, {0}, {1, 0}, 1, 0},
     {"matmul", "matmul nt, 2-D", f_matmul, 2, {2, 2}, {{33, 19}, {21, 19}}, {0}, {0}, {0, 1}, 1, 0},
     {"matmul", "matmul nn, 4-D batched", f_matmul, 2, {4, 4}, {{2, 3, 5, 7}, {2, 3, 7, 3}}, {0}, {0}, {0, 0}, 1, 0},
+    {"matmul", "a @ b + a @ c (fresh, then added)", f_matmul_two, 3, {2, 2, 2}, {{9, 7}, {7, 6}, {7, 6}}, {0}, {0}, {0, 0}, 1, 0},
+    {"matmul", "a^T b + a^T c, a batched (fresh, then added)", f_matmul_two, 3, {3, 2, 2}, {{3, 7, 5}, {7, 6}, {7, 6}}, {0}, {0}, {1, 0}, 1, 0},
     {"add", "add same shape", f_add, 2, {2, 2}, {{3, 7}, {3, 7}}, {0}, {0}, {0}, 1, 0},
     {"add", "add [4,5,6] + [6]", f_add, 2, {3, 1}, {{4, 5, 6}, {6}}, {0}, {0}, {0}, 1, 0},
     {"add", "add [6] + [4,5,6]", f_add, 2, {1, 3}, {{6}, {4, 5, 6}}, {0}, {0}, {0}, 1, 0},
@@ -179,6 +197,8 @@ static const tt_pcase CASES[] = {
     {"swiglu", "swiglu, odd size (one element per access)", f_swiglu, 2, {2, 2}, {{5, 7}, {5, 7}}, {0}, {0}, {0}, 1, 0},
     {"swiglu", "swiglu, misaligned views (one element per access)", f_swiglu_misaligned, 2, {1, 1}, {{65}, {65}}, {0}, {0}, {0}, 1, 0},
     {"swiglu", "swiglu(x, x), 16-byte vectors", f_swiglu_same, 1, {2}, {{16, 24}}, {0}, {0}, {0}, 1, 0},
+    {"swiglu", "swiglu(g, u) + swiglu(u, g) (fresh, then added), 16-byte vectors", f_swiglu_two, 2, {2, 2}, {{16, 24}, {16, 24}}, {0}, {0}, {0}, 1, 0},
+    {"swiglu", "swiglu(g, u) + swiglu(u, g), odd size", f_swiglu_two, 2, {2, 2}, {{5, 7}, {5, 7}}, {0}, {0}, {0}, 1, 0},
     {"swiglu", "swiglu, gate gradient only, 16-byte vectors", f_swiglu_one_grad, 2, {2, 2}, {{16, 24}, {16, 24}}, {0}, {0}, {0}, 1, 0},
     {"swiglu", "swiglu, up gradient only, 16-byte vectors", f_swiglu_one_grad, 2, {2, 2}, {{16, 24}, {16, 24}}, {0}, {0}, {1}, 1, 0},
     {"swiglu", "swiglu, gate gradient only, odd size", f_swiglu_one_grad, 2, {2, 2}, {{5, 7}, {5, 7}}, {0}, {0}, {0}, 1, 0},

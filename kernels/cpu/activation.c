@@ -7,6 +7,8 @@
  * saved tensor's memory traffic.
  *   silu'(x) = s * (1 + x * (1 - s)), s = sigmoid(x)
  *   swiglu:  d gate = dy * up * silu'(gate),  d up = dy * silu(gate)
+ * swiglu's backward writes a fresh input gradient (call->gin_fresh: TM__OP_GRAD_WRITES) as
+ * 0 + x, the bits accumulating into zeros gives, without reading it.
  * sigmoid(x) = 1 / (1 + e^-x), branchless. It is safe at both ends: for x -> -inf, e^-x
  * overflows to +inf and s = 1 / inf = 0 (silu = x * 0 = -0, silu' = 0); before that the
  * quotient keeps full relative precision (no 1 - s cancellation is ever formed for small s).
@@ -25,8 +27,32 @@ enum { PAR_MIN = 1 << 14 };
 static inline float sigmoid_f32(float x) { return 1.0f / (1.0f + tm__exp_f32(-x)); }
 static inline double sigmoid_f64(double x) { return 1.0 / (1.0 + exp(-x)); }
 
-/* The backward of swiglu splits on which gradients are wanted outside the loop: a conditional
- * store inside it would keep it from vectorising. */
+/* The backward of swiglu splits on which gradients are wanted, and on whether each is fresh
+ * (written as 0 + x) or accumulated, outside the loop: a conditional store inside it would keep
+ * it from vectorising. OP is the store: `+=` or `= (T)0 +`. */
+#define SWIGLU_BWD_BOTH(T, SFX, OPG, OPU)                                                       \
+    do {                                                                                        \
+        _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)")    \
+        for (int64_t i = 0; i < n; i++) {                                                       \
+            T s = sigmoid_##SFX(g[i]), gs = g[i] * s;                                           \
+            dg[i] OPG dy[i] * u[i] * (s + gs * (1 - s));                                        \
+            du[i] OPU dy[i] * gs;                                                               \
+        }                                                                                       \
+    } while (0)
+#define SWIGLU_BWD_GATE(T, SFX, OPG)                                                            \
+    do {                                                                                        \
+        _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)")    \
+        for (int64_t i = 0; i < n; i++) {                                                       \
+            T s = sigmoid_##SFX(g[i]);                                                          \
+            dg[i] OPG dy[i] * u[i] * (s + g[i] * s * (1 - s));                                  \
+        }                                                                                       \
+    } while (0)
+#define SWIGLU_BWD_UP(T, SFX, OPU)                                                              \
+    do {                                                                                        \
+        _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)")    \
+        for (int64_t i = 0; i < n; i++) du[i] OPU dy[i] * g[i] * sigmoid_##SFX(g[i]);           \
+    } while (0)
+
 #define ACT_KERNELS(T, SFX, ATTR)                                                                \
     ATTR static void silu_forward_##SFX(T *y, const T *x, int64_t n, int nth) {                 \
         _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)")    \
@@ -43,25 +69,21 @@ static inline double sigmoid_f64(double x) { return 1.0 / (1.0 + exp(-x)); }
         _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)")    \
         for (int64_t i = 0; i < n; i++) y[i] = g[i] * sigmoid_##SFX(g[i]) * u[i];               \
     }                                                                                           \
-    /* dg or du may be NULL (that input needs no gradient), not both. */                        \
+    /* dg or du may be NULL (that input needs no gradient), not both. fg / fu: dg / du is fresh \
+     * (call->gin_fresh): stored as 0 + x instead of added to (no read of the buffer). */       \
     ATTR static void swiglu_backward_##SFX(T *dg, T *du, const T *dy, const T *g, const T *u,   \
-                                           int64_t n, int nth) {                                \
+                                           int64_t n, int nth, int fg, int fu) {                \
         if (dg && du) {                                                                         \
-            _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)") \
-            for (int64_t i = 0; i < n; i++) {                                                   \
-                T s = sigmoid_##SFX(g[i]), gs = g[i] * s;                                       \
-                dg[i] += dy[i] * u[i] * (s + gs * (1 - s));                                     \
-                du[i] += dy[i] * gs;                                                            \
-            }                                                                                   \
+            if (fg && fu) SWIGLU_BWD_BOTH(T, SFX, = (T)0 +, = (T)0 +);                          \
+            else if (fg) SWIGLU_BWD_BOTH(T, SFX, = (T)0 +, +=);                                 \
+            else if (fu) SWIGLU_BWD_BOTH(T, SFX, +=, = (T)0 +);                                 \
+            else SWIGLU_BWD_BOTH(T, SFX, +=, +=);                                               \
         } else if (dg) {                                                                        \
-            _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)") \
-            for (int64_t i = 0; i < n; i++) {                                                   \
-                T s = sigmoid_##SFX(g[i]);                                                      \
-                dg[i] += dy[i] * u[i] * (s + g[i] * s * (1 - s));                               \
-            }                                                                                   \
+            if (fg) SWIGLU_BWD_GATE(T, SFX, = (T)0 +);                                          \
+            else SWIGLU_BWD_GATE(T, SFX, +=);                                                   \
         } else {                                                                                \
-            _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)") \
-            for (int64_t i = 0; i < n; i++) du[i] += dy[i] * g[i] * sigmoid_##SFX(g[i]);        \
+            if (fu) SWIGLU_BWD_UP(T, SFX, = (T)0 +);                                            \
+            else SWIGLU_BWD_UP(T, SFX, +=);                                                     \
         }                                                                                       \
     }
 
@@ -118,9 +140,10 @@ tm_status tm__swiglu_backward_cpu(tm__call *c) {
     int64_t n = tm__numel(g);
     int nth = tm__nthreads(c->ctx);
     void *dg = c->gin[0] ? tm__data(c->gin[0]) : NULL, *du = c->gin[1] ? tm__data(c->gin[1]) : NULL;
+    int fg = dg && c->gin_fresh[0], fu = du && c->gin_fresh[1];
     if (g->dtype == TM_F32)
-        swiglu_backward_f32(dg, du, tm__data(c->gout[0]), tm__data(g), tm__data(u), n, nth);
+        swiglu_backward_f32(dg, du, tm__data(c->gout[0]), tm__data(g), tm__data(u), n, nth, fg, fu);
     else
-        swiglu_backward_f64(dg, du, tm__data(c->gout[0]), tm__data(g), tm__data(u), n, nth);
+        swiglu_backward_f64(dg, du, tm__data(c->gout[0]), tm__data(g), tm__data(u), n, nth, fg, fu);
     return TM_OK;
 }

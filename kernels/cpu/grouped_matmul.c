@@ -7,7 +7,8 @@
  *   in[2]  counts  (G) i64    each >= 0, sum = R
  *   out[0] y       (R, N)     y_g = x_g @ w[g]
  *
- * Backward, all accumulating (beta = 1) into gin:
+ * Backward, all accumulating (beta = 1) into gin, except a fresh dx (call->gin_fresh,
+ * TM__OP_GRAD_WRITES), which the groups' beta = 0 GEMMs write whole (they tile its rows):
  *   dx_g    += dy_g @ w[g]^T        (counts[g], K)
  *   dw[g]   += x_g^T @ dy_g         (K, N)
  * An empty group issues no GEMM at all: its dw[g] is never touched (stays whatever it was,
@@ -54,6 +55,10 @@ tm_status tm__grouped_matmul_backward_cpu(tm__call *c) {
     if (!gx && !gw) return TM_OK;
     const int64_t *cnt;
     TM__TRY(tm__grouped_matmul_counts(c, &cnt)); /* counts may have been rewritten since the forward */
+    /* the groups tile dx's rows (counts sum to R): a fresh dx is written by beta = 0; dw skips
+     * empty groups, so a fresh dw is zero-filled first */
+    TM__TRY(tm__gin_prepare(c, 1));
+    double bx = c->gin_fresh[0] ? 0.0 : 1.0;
     int64_t G = w->shape[0], K = w->shape[1], N = w->shape[2];
     size_t esz = tm_dtype_size(dt);
     const void *X = tm__data(x), *W = tm__data(w), *DY = tm__data(c->gout[0]);
@@ -62,7 +67,7 @@ tm_status tm__grouped_matmul_backward_cpu(tm__call *c) {
         if (n == 0) continue;
         const void *dy = at(DY, off * N, esz);
         if (gx) // (n, N) @ (K, N)^T -> (n, K)
-            tm__gemm_cpu(c->ctx, dt, 0, 1, n, K, N, 1.0, dy, N, at(W, g * K * N, esz), N, 1.0,
+            tm__gemm_cpu(c->ctx, dt, 0, 1, n, K, N, 1.0, dy, N, at(W, g * K * N, esz), N, bx,
                          at(tm__data(gx), off * K, esz), K);
         if (gw) // (n, K)^T @ (n, N) -> (K, N)
             tm__gemm_cpu(c->ctx, dt, 1, 0, K, N, n, 1.0, at(X, off * K, esz), K, dy, N, 1.0,

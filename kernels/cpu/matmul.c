@@ -13,7 +13,8 @@
  * per batch; each is parallel inside (OpenBLAS threads or the blocked kernel's OpenMP), so the
  * loop stays serial and BLAS is never called from inside a parallel region.
  *
- * Backward, with op(A) (M,K), op(B) (K,N), dC (M,N), all accumulating (beta = 1) into gin:
+ * Backward, with op(A) (M,K), op(B) (K,N), dC (M,N), all accumulating (beta = 1) into gin, or
+ * writing it (beta = 0) where it is fresh (call->gin_fresh, TM__OP_GRAD_WRITES):
  *   d op(A) = dC @ op(B)^T       ->  dA = dC @ op(B)^T        (trans_a = 0)
  *                                    dA = op(B) @ dC^T        (trans_a = 1: dA = (d op(A))^T)
  *   d op(B) = op(A)^T @ dC       ->  dB = op(A)^T @ dC        (trans_b = 0)
@@ -83,22 +84,24 @@ tm_status tm__matmul_backward_cpu(tm__call *c) {
     mm_dims d = mm_dims_of(c);
     const void *A = tm__data(a), *B = tm__data(b), *G = tm__data(c->gout[0]);
     int fold = d.sb == 0 && !d.ta;
+    /* a fresh gradient (call->gin_fresh) is written by beta = 0, which never reads it */
+    double ba = c->gin_fresh[0] ? 0.0 : 1.0, bb = c->gin_fresh[1] ? 0.0 : 1.0;
 
     if (ga) {
         void *GA = tm__data(ga);
         if (fold) {
             // (batch*M, N) @ op(B)^T -> (batch*M, K)
             tm__gemm_cpu(c->ctx, dt, 0, !d.tb, d.batch * d.M, d.K, d.N, 1.0, G, d.N, B, d.ldb,
-                         1.0, GA, d.K);
+                         ba, GA, d.K);
         } else {
             for (int64_t i = 0; i < d.batch; i++) {
                 const void *Bi = at(B, i * d.sb, d.esz), *Gi = at(G, i * d.sc, d.esz);
                 void *GAi = at(GA, i * d.sa, d.esz);
                 if (!d.ta) // dA (M, K) = dC @ op(B)^T
-                    tm__gemm_cpu(c->ctx, dt, 0, !d.tb, d.M, d.K, d.N, 1.0, Gi, d.N, Bi, d.ldb, 1.0,
+                    tm__gemm_cpu(c->ctx, dt, 0, !d.tb, d.M, d.K, d.N, 1.0, Gi, d.N, Bi, d.ldb, ba,
                                  GAi, d.K);
                 else // dA (K, M) = op(B) @ dC^T
-                    tm__gemm_cpu(c->ctx, dt, d.tb, 1, d.K, d.M, d.N, 1.0, Bi, d.ldb, Gi, d.N, 1.0,
+                    tm__gemm_cpu(c->ctx, dt, d.tb, 1, d.K, d.M, d.N, 1.0, Bi, d.ldb, Gi, d.N, ba,
                                  GAi, d.M);
             }
         }
@@ -108,18 +111,20 @@ tm_status tm__matmul_backward_cpu(tm__call *c) {
         if (fold) {
             int64_t R = d.batch * d.M; // rows of the folded A and dC
             if (!d.tb) // dB (K, N) = A^T @ dC over all R rows
-                tm__gemm_cpu(c->ctx, dt, 1, 0, d.K, d.N, R, 1.0, A, d.K, G, d.N, 1.0, GB, d.N);
+                tm__gemm_cpu(c->ctx, dt, 1, 0, d.K, d.N, R, 1.0, A, d.K, G, d.N, bb, GB, d.N);
             else // dB (N, K) = dC^T @ A
-                tm__gemm_cpu(c->ctx, dt, 1, 0, d.N, d.K, R, 1.0, G, d.N, A, d.K, 1.0, GB, d.K);
+                tm__gemm_cpu(c->ctx, dt, 1, 0, d.N, d.K, R, 1.0, G, d.N, A, d.K, bb, GB, d.K);
         } else {
             for (int64_t i = 0; i < d.batch; i++) {
                 const void *Ai = at(A, i * d.sa, d.esz), *Gi = at(G, i * d.sc, d.esz);
                 void *GBi = at(GB, i * d.sb, d.esz);
+                /* a shared b sums over the batch: only its first GEMM writes a fresh dB */
+                double bi = d.sb == 0 && i > 0 ? 1.0 : bb;
                 if (!d.tb) // dB (K, N) = op(A)^T @ dC
-                    tm__gemm_cpu(c->ctx, dt, !d.ta, 0, d.K, d.N, d.M, 1.0, Ai, d.lda, Gi, d.N, 1.0,
+                    tm__gemm_cpu(c->ctx, dt, !d.ta, 0, d.K, d.N, d.M, 1.0, Ai, d.lda, Gi, d.N, bi,
                                  GBi, d.N);
                 else // dB (N, K) = dC^T @ op(A)
-                    tm__gemm_cpu(c->ctx, dt, 1, d.ta, d.N, d.K, d.M, 1.0, Gi, d.N, Ai, d.lda, 1.0,
+                    tm__gemm_cpu(c->ctx, dt, 1, d.ta, d.N, d.K, d.M, 1.0, Gi, d.N, Ai, d.lda, bi,
                                  GBi, d.K);
             }
         }

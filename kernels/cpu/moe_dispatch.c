@@ -56,7 +56,8 @@
  *   [-1, num_tokens) is TM_ERR_INDEX here; the CUDA kernel skips such rows instead (it does not
  *   read row_token back, see kernels/cuda/moe_dispatch.cu).
  *   Backward: d expert_out[r] += dy[t] * p[r]; d p[r] += <expert_out[r], dy[t]> (f64 dot);
- *   nothing for padding rows.
+ *   nothing for padding rows. A fresh gradient (call->gin_fresh, TM__OP_GRAD_WRITES) is
+ *   written instead, as 0 + x, with padding rows 0.
  *
  * Parallelism and determinism: every parallel loop gives each output element to exactly one
  * iteration (rows for the permute copy and the unpermute backward, tokens for the permute
@@ -379,24 +380,32 @@ tm_status tm__moe_permute_backward_cpu(tm__call *c) {
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
+    /* fd / fw: deo / dw is fresh (call->gin_fresh): written (padding rows 0) as 0 + x, not read */ \
     static void unpermute_backward_##SFX(T_ *deo, T_ *dw, const T_ *dy, const T_ *eo,           \
                                          const T_ *w, const tm_tensor *rt, int64_t R, int64_t H, \
-                                         int nth) {                                              \
+                                         int nth, int fd, int fw) {                              \
         _Pragma("omp parallel for num_threads(nth) if (R * H >= PAR_MIN) schedule(static)")      \
         for (int64_t r = 0; r < R; r++) {                                                        \
             int64_t t = tm__idx(rt, r);                                                          \
-            if (t < 0) continue;                                                                 \
+            if (t < 0) {                                                                         \
+                if (deo && fd) memset(deo + r * H, 0, (size_t)H * sizeof *deo);                  \
+                if (dw && fw) dw[r] = 0;                                                         \
+                continue;                                                                        \
+            }                                                                                    \
             const T_ *dyr = dy + t * H;                                                          \
             if (deo) {                                                                           \
                 const T_ wr = w ? w[r] : (T_)1;                                                  \
                 T_ *d = deo + r * H;                                                             \
-                for (int64_t h = 0; h < H; h++) d[h] += dyr[h] * wr;                             \
+                if (fd)                                                                          \
+                    for (int64_t h = 0; h < H; h++) d[h] = (T_)0 + dyr[h] * wr;                  \
+                else                                                                             \
+                    for (int64_t h = 0; h < H; h++) d[h] += dyr[h] * wr;                         \
             }                                                                                    \
             if (dw) {                                                                            \
                 const T_ *er = eo + r * H;                                                       \
                 double s = 0.0;                                                                  \
                 for (int64_t h = 0; h < H; h++) s += (double)er[h] * dyr[h];                     \
-                dw[r] = (T_)(dw[r] + s);                                                         \
+                dw[r] = (T_)((fw ? 0.0 : (double)dw[r]) + s);                                    \
             }                                                                                    \
         }                                                                                        \
     }
@@ -447,11 +456,12 @@ tm_status tm__moe_unpermute_backward_cpu(tm__call *c) {
     if (!deo && !dw) return TM_OK;
     const int64_t R = eo->shape[0], H = eo->shape[1];
     const int nth = tm__nthreads(c->ctx);
+    const int fd = deo && c->gin_fresh[0], fw = dw && c->gin_fresh[2];
     if (eo->dtype == TM_F64)
         unpermute_backward_f64(deo ? tm__data(deo) : NULL, dw ? tm__data(dw) : NULL, tm__data(c->gout[0]),
-                               tm__data(eo), w ? tm__data(w) : NULL, rt, R, H, nth);
+                               tm__data(eo), w ? tm__data(w) : NULL, rt, R, H, nth, fd, fw);
     else
         unpermute_backward_f32(deo ? tm__data(deo) : NULL, dw ? tm__data(dw) : NULL, tm__data(c->gout[0]),
-                               tm__data(eo), w ? tm__data(w) : NULL, rt, R, H, nth);
+                               tm__data(eo), w ? tm__data(w) : NULL, rt, R, H, nth, fd, fw);
     return TM_OK;
 }

@@ -5,7 +5,8 @@
  *         swiglu in[0] gate (n), in[1] up (n, same shape), out[0] = silu(gate) * up (n)
  * All tensors contiguous (the op table has no TM__OP_STRIDED: views are copied before the
  * kernel). No saved tensors: backward recomputes sigmoid from the inputs and ADDS into the
- * input gradients (dx, dgate, dup may already hold gradient).
+ * input gradients (dx, dgate, dup may already hold gradient); swiglu writes a fresh one
+ * (call->gin_fresh, TM__OP_GRAD_WRITES) as 0 + x without reading it.
  *   silu'(x) = s * (1 + x * (1 - s)), s = sigmoid(x)
  *   swiglu:  dgate = dy * up * silu'(gate),  dup = dy * silu(gate)
  *
@@ -89,10 +90,13 @@ swiglu_forward_kernel(void *y_, const void *g_, const void *u_, int64_t n) {
     }
 }
 
-/* dg / du may be NULL (input needs no gradient), not both. */
+/* dg / du may be NULL (input needs no gradient), not both. fg / fu: dg / du is fresh
+ * (call->gin_fresh): not read, the accumulator starts at 0.0f, so it gets the bits
+ * accumulating into zeros would give. */
 template <int N, typename T>
 __global__ void __launch_bounds__(TM__CU_THREADS, ACT_BLOCKS_PER_SM)
-swiglu_backward_kernel(void *dg_, void *du_, const void *g_, const void *u_, const void *dy_, int64_t n) {
+swiglu_backward_kernel(void *dg_, void *du_, const void *g_, const void *u_, const void *dy_, int fg, int fu,
+                       int64_t n) {
     T *dg = (T *)dg_, *du = (T *)du_;
     const T *g = (const T *)g_, *u = (const T *)u_, *dy = (const T *)dy_;
     const int64_t nv = n / N;
@@ -104,13 +108,23 @@ swiglu_backward_kernel(void *dg_, void *du_, const void *g_, const void *u_, con
         for (int k = 0; k < N; k++) s[k] = sigmoidf(v[k]);
         if (dg) {
             tm__vld<N>(u + i * N, w);
-            tm__vld<N>(dg + i * N, a);
+            if (fg) {
+#pragma unroll
+                for (int k = 0; k < N; k++) a[k] = 0.0f;
+            } else {
+                tm__vld<N>(dg + i * N, a);
+            }
 #pragma unroll
             for (int k = 0; k < N; k++) a[k] = swiglu_bwd_gate(a[k], v[k], s[k], d[k], w[k]);
             tm__vst<N>(dg + i * N, a);
         }
         if (du) {
-            tm__vld<N>(du + i * N, a);
+            if (fu) {
+#pragma unroll
+                for (int k = 0; k < N; k++) a[k] = 0.0f;
+            } else {
+                tm__vld<N>(du + i * N, a);
+            }
 #pragma unroll
             for (int k = 0; k < N; k++) a[k] = swiglu_bwd_up(a[k], v[k], s[k], d[k]);
             tm__vst<N>(du + i * N, a);
@@ -215,7 +229,8 @@ extern "C" tm_status tm__swiglu_backward_cuda(tm__call *c) {
     void *dgp = dg ? tm__data(dg) : NULL, *dup = du ? tm__data(du) : NULL;
     const void *gp = tm__data(g), *up = tm__data(c->in[1]), *dyp = tm__data(c->gout[0]);
     int w = act_width(g->dtype, n, dgp, dup, gp, up, dyp);
-    ACT_LAUNCH(st, g->dtype, w, n, swiglu_backward_kernel, dgp, dup, gp, up, dyp);
+    int fg = dg && c->gin_fresh[0], fu = du && c->gin_fresh[1];
+    ACT_LAUNCH(st, g->dtype, w, n, swiglu_backward_kernel, dgp, dup, gp, up, dyp, fg, fu);
     TM__CU_LAUNCHED(c->ctx, "swiglu", "swiglu_backward_kernel");
     return TM_OK;
 }

@@ -6,7 +6,8 @@
  *   in[1]  w       (G, K, N)
  *   in[2]  counts  (G) i64    each >= 0, sum = R
  *   out[0] y       (R, N)     y_g = x_g @ w[g]
- * Backward, accumulating (beta = 1) into gin:
+ * Backward, accumulating (beta = 1) into gin, except a fresh dx (call->gin_fresh,
+ * TM__OP_GRAD_WRITES), which the per-group GEMMs write with beta = 0 (the groups tile its rows):
  *   dx_g  += dy_g @ w[g]^T    (counts[g], K)
  *   dw[g] += x_g^T @ dy_g     (K, N); an empty group leaves dw[g] untouched (not even rewritten)
  * Nothing is saved: the backward reads x, w and counts again.
@@ -59,6 +60,7 @@
  *      MODE   grid (1-D)                   A (M x red)                B (red x Nout)              C
  *      FWD    MT x ceil(N/BN)               x rows of the tile (K)     w[g] (K, N)                y rows, beta 0
  *      DX     MT x ceil(K/BN)               dy rows of the tile (N)    w[g]^T: w[g] read as (N,K) dx rows, beta 1
+ *                                                                                  (beta 0 when fresh: args.write)
  *      DW     G x ceil(K/BM) x ceil(N/BN)   x_g^T: x (n_g, K) read     dy_g (n_g, N)              dw[g], beta 1
  *                                           column-wise
  *    blockIdx.x -> (m-tile, n-tile) with the n-tile fastest (CTAs side by side share their A
@@ -135,6 +137,10 @@ static tm_status gmm_backward_lt(tm__call *c) {
     const tm_dtype dt = x->dtype;
     const int64_t *cnt;
     TM__TRY(tm__grouped_matmul_counts(c, &cnt)); /* counts may have been rewritten since the forward */
+    /* the validated groups tile dx's rows: a fresh dx is written by beta = 0; dw skips empty
+     * groups, so a fresh dw is zero-filled first */
+    TM__TRY(tm__gin_prepare(c, 1));
+    const double bx = c->gin_fresh[0] ? 0.0 : 1.0;
     const int64_t G = w->shape[0], K = w->shape[1], N = w->shape[2];
     const size_t esz = tm_dtype_size(dt);
     const void *X = tm__data(x), *W = tm__data(w), *DY = tm__data(c->gout[0]);
@@ -144,7 +150,7 @@ static tm_status gmm_backward_lt(tm__call *c) {
         const void *dy = at(DY, off * N, esz);
         if (gx) // (n, N) @ (K, N)^T -> (n, K)
             TM__TRY(tm__gemm_cuda_ragged(c->ctx, dt, TM__GEMM_RAGGED_M, 0, 1, n, K, N, 1.0, dy, N,
-                                         at(W, g * K * N, esz), N, 1.0, at(tm__data(gx), off * K, esz), K));
+                                         at(W, g * K * N, esz), N, bx, at(tm__data(gx), off * K, esz), K));
         if (gw) // (n, K)^T @ (n, N) -> (K, N)
             TM__TRY(tm__gemm_cuda_ragged(c->ctx, dt, TM__GEMM_RAGGED_K, 1, 0, K, N, n, 1.0, at(X, off * K, esz), K, dy,
                                          N, 1.0, at(tm__data(gw), g * K * N, esz), N));
@@ -199,6 +205,7 @@ struct gmm_args {
     int64_t Kred;              /* FWD, DX: reduction length; DW: a group's rows (from off) */
     int64_t G;
     int64_t tiles_m, tiles_n;  /* DW: m-tiles over M; every mode: n-tiles over Nout */
+    int write;                 /* DX: dx is fresh (call->gin_fresh): beta 0, rows past the groups 0 */
     const int64_t *off, *r0, *r1;
     const int *tg;
 };
@@ -308,8 +315,8 @@ __global__ void __launch_bounds__(GMM_THREADS, 2) gmm_kernel(gmm_args a) {
         m_lo = a.r0[mt], m_hi = a.r1[mt];
         red_lo = 0, red_hi = a.Kred;
         if (g >= a.G) {                     /* rows past the last group (bad counts) */
-            if (MODE == GMM_DX) return;     /* no gradient */
-            red_hi = 0;                     /* y = 0 */
+            if (MODE == GMM_DX && !a.write) return; /* no gradient */
+            red_hi = 0;                     /* y = 0; a fresh dx = 0 */
         } else {
             B += (int64_t)g * a.b_gstride;
         }
@@ -427,7 +434,7 @@ __global__ void __launch_bounds__(GMM_THREADS, 2) gmm_kernel(gmm_args a) {
 
     /* Epilogue: thread (gid, tig) of the warp holds C[gid][2 tig, 2 tig + 1] and
      * C[gid + 8][2 tig, 2 tig + 1] of each 16 x 8 tile. */
-    constexpr bool ACCUM = MODE != GMM_FWD;
+    const bool ACCUM = MODE != GMM_FWD && !a.write;
     const int gid = lane >> 2, tig = lane & 3;
 #pragma unroll
     for (int i = 0; i < 4; i++)
@@ -524,6 +531,7 @@ static int gmm_try_sm90(tm__call *c, tm__cuda *st, int mode, const void *A, cons
     a.G = w->shape[0], a.R = x->shape[0], a.K = w->shape[1], a.N = w->shape[2];
     a.bn = 0;
     a.spare_sms = tm__coll_spare_sms(c->ctx);
+    a.write = mode == TM__GMM90_DX && c->gin_fresh[0];
     char why[256];
     const int rc = tm__gmm90_run(&a, st->stream, why, sizeof why);
     if (rc == 0) {
@@ -568,7 +576,10 @@ static tm_status gmm_backward_bf16(tm__call *c, tm__cuda *st) {
     const int64_t R = x->shape[0], G = w->shape[0], K = w->shape[1], N = w->shape[2];
     const int64_t *cnt;
     TM__TRY(tm__grouped_matmul_counts_mirrored(c, &cnt)); /* counts may have been rewritten since the forward */
-    if (R == 0 || K == 0 || N == 0) return TM_OK; /* nothing to add */
+    /* a fresh dx is written whole by either kernel (rows past the groups 0); dw skips empty
+     * groups, so a fresh dw is zero-filled first, as is a fresh dx that no kernel will write */
+    TM__TRY(tm__gin_prepare(c, 1));
+    if (R == 0 || K == 0 || N == 0) return tm__gin_prepare(c, 0); /* nothing to add */
     const void *X = tm__data(x), *W = tm__data(w), *DY = tm__data(c->gout[0]);
     tm_status rs;
     if (gx && gmm_try_sm90(c, st, TM__GMM90_DX, DY, W, tm__data(gx), &rs)) {
@@ -593,6 +604,7 @@ static tm_status gmm_backward_bf16(tm__call *c, tm__cuda *st) {
         a.C = (tm__bf16 *)tm__data(gx), a.ldc = K;
         a.Nout = K, a.Kred = N, a.G = G, a.tiles_n = cdiv(K, GMM_BN);
         a.r0 = s.r0, a.r1 = s.r1, a.tg = s.tg;
+        a.write = c->gin_fresh[0];
         TM__TRY(gmm_launch<GMM_DX>(c, st, a, MT * a.tiles_n, vec));
     }
     if (gw) { // (n_g, K)^T @ (n_g, N) -> (K, N)

@@ -61,7 +61,9 @@
  * warpgroup whose rows cross its group's end copies its rows below it with 16-byte stores instead
  * (TMA cannot stop at a group's end). DX and DW (beta = 1): the old C tile comes into the staging
  * by cp.async while the second slab's wgmmas run, is read back by ldmatrix.x4 in the fragment
- * layout, added in f32 and rounded once, as cuBLASLt does with beta = 1.
+ * layout, added in f32 and rounded once, as cuBLASLt does with beta = 1. A fresh dx (args.write:
+ * the caller's gradient holds no contribution yet) takes the forward's beta = 0 epilogue
+ * instead (kernel template WRITE): no load of the old tile, and the rows past the groups get 0.
  * Measured on an H100 (bench/gmm_sm90_harness.cu, R 98304, E 64, H 2048, F 1408; % of a dense
  * cuBLAS GEMM of the same FLOPs, two runs): fwd 84-93%, dx 75-85%, dw 70-87%, fwd + bwd 78-87%. The same
  * epilogue with st.global from the fragments ran at 33-35% (beta's loads serialised behind
@@ -213,7 +215,9 @@ struct gmm90_tile {
     int red1;       /* DW: the group's end row */
 };
 
-template <int MODE, int BN>
+/* WRITE (DX only): dx is a fresh gradient (call->gin_fresh): written as the forward writes y,
+ * beta = 0, without loading the old tile, and rows past the groups get 0 */
+template <int MODE, int BN, bool WRITE = false>
 __global__ void __launch_bounds__(GMM90_THREADS, 1)
     gmm90_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                  const __grid_constant__ CUtensorMap tmC, gmm90_params p) {
@@ -345,7 +349,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
     /* ---- consumers ---- */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     const int w = wg - 1, wl = tid - 128 * wg, warp = wl >> 5, lane = wl & 31;
-    constexpr bool ACCUM = MODE != TM__GMM90_FWD;
+    constexpr bool ACCUM = MODE != TM__GMM90_FWD && !WRITE;
     constexpr int TA = MODE == TM__GMM90_DW ? 1 : 0; /* A M-major */
     constexpr int TB = MODE == TM__GMM90_DX ? 0 : 1; /* B N-major */
     float acc[BN / 2];
@@ -369,8 +373,9 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
         __nv_bfloat16 *Cg = MG ? p.C : p.C + (long long)tl.g * p.c_gstride;
         (void)wrow, (void)wlim, (void)Cg;
         if (MG && tl.g == G) {
-            /* rows past the groups (bad counts only): FWD writes y = 0 there, DX adds nothing */
-            if (MODE == TM__GMM90_FWD) {
+            /* rows past the groups (bad counts only): FWD writes y = 0 there, DX adds nothing
+             * (a fresh dx gets 0 there) */
+            if (MODE == TM__GMM90_FWD || WRITE) {
                 const __nv_bfloat162 z = __floats2bfloat162_rn(0.0f, 0.0f);
                 for (int r = tl.r0 + wl / 8 + 16 * w; r < tl.r0 + GMM90_BM && r < tl.r1; r += 32)
                     for (int col = tl.n0 + 2 * (wl & 7); col < tl.n0 + BN && col < p.Nout; col += 16)
@@ -587,12 +592,12 @@ static int gmm90_probe(int dev, cudaError_t e, char *why, size_t n) {
     return 1;
 }
 
-template <int MODE, int BN>
+template <int MODE, int BN, bool WRITE = false>
 static int gmm90_launch(const tm__gmm90_args *a, const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
                         gmm90_params p,
                         long long tiles_bound, cudaStream_t st, char *why, size_t n) {
     const size_t smem = gmm90_cfg<BN>::smem(a->G);
-    cudaError_t e = cudaFuncSetAttribute(gmm90_kernel<MODE, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    cudaError_t e = cudaFuncSetAttribute(gmm90_kernel<MODE, BN, WRITE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     int dev = 0, sms = 0;
     if (e == cudaSuccess) e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
@@ -605,7 +610,7 @@ static int gmm90_launch(const tm__gmm90_args *a, const CUtensorMap &ma, const CU
     if (a->spare_sms > 0 && a->spare_sms < sms) sms -= a->spare_sms;
     const long long grid = tiles_bound < sms ? tiles_bound : sms;
     if (grid <= 0) return 0;
-    gmm90_kernel<MODE, BN><<<(unsigned)grid, GMM90_THREADS, smem, st>>>(ma, mb, mc, p);
+    gmm90_kernel<MODE, BN, WRITE><<<(unsigned)grid, GMM90_THREADS, smem, st>>>(ma, mb, mc, p);
     e = cudaGetLastError();
     if (e != cudaSuccess) {
         snprintf(why, n, "grouped_matmul sm90: launching gmm90_kernel<%d, %d> (%lld CTAs, %zu bytes of shared memory): %s",
@@ -685,8 +690,12 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
     switch (a->mode * 2 + (bn == 256)) {
     case 0: return gmm90_launch<TM__GMM90_FWD, 128>(a, ma, mb, mc, p, bound, st, why, n);
     case 1: return gmm90_launch<TM__GMM90_FWD, 256>(a, ma, mb, mc, p, bound, st, why, n);
-    case 2: return gmm90_launch<TM__GMM90_DX, 128>(a, ma, mb, mc, p, bound, st, why, n);
-    case 3: return gmm90_launch<TM__GMM90_DX, 256>(a, ma, mb, mc, p, bound, st, why, n);
+    case 2:
+        return a->write ? gmm90_launch<TM__GMM90_DX, 128, true>(a, ma, mb, mc, p, bound, st, why, n)
+                        : gmm90_launch<TM__GMM90_DX, 128>(a, ma, mb, mc, p, bound, st, why, n);
+    case 3:
+        return a->write ? gmm90_launch<TM__GMM90_DX, 256, true>(a, ma, mb, mc, p, bound, st, why, n)
+                        : gmm90_launch<TM__GMM90_DX, 256>(a, ma, mb, mc, p, bound, st, why, n);
     case 4: return gmm90_launch<TM__GMM90_DW, 128>(a, ma, mb, mc, p, bound, st, why, n);
     default: return gmm90_launch<TM__GMM90_DW, 256>(a, ma, mb, mc, p, bound, st, why, n);
     }

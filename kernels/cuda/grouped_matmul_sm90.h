@@ -22,7 +22,8 @@ enum { TM__GMM90_FWD = 0, TM__GMM90_DX = 1, TM__GMM90_DW = 2 };
  * kernel does: a count is min(max(counts[g], 0), rows left)).
  *   FWD: y  (R, N)     = x_g @ w[g]             a = x (R, K), b = w (G, K, N), c = y; rows past the
  *                                               last group get y = 0
- *   DX:  dx (R, K)    += dy_g @ w[g]^T          a = dy (R, N), b = w (G, K, N), c = dx
+ *   DX:  dx (R, K)    += dy_g @ w[g]^T          a = dy (R, N), b = w (G, K, N), c = dx; with
+ *                                               write, dx = (rows past the last group get 0)
  *   DW:  dw[g] (K, N) += x_g^T @ dy_g           a = x (R, K), b = dy (R, N), c = dw (G, K, N); an
  *                                               empty group leaves dw[g] untouched
  * All pointers 16-byte aligned, K and N multiples of 8 (TMA strides), 1 <= G <= TM__GMM90_MAX_G,
@@ -35,6 +36,8 @@ typedef struct tm__gmm90_args {
     int64_t G, R, K, N;
     int bn; /* columns per tile: 0 picks (256, or 128 when that pads fewer columns); 128 or 256 */
     int spare_sms; /* SMs left free (collectives beside the work: tm__cuda.comm_sms); 0: none */
+    int write;     /* DX only: 1 writes dx whole (beta = 0: a fresh gradient, rows past the groups
+                    * 0) instead of adding into it */
 } tm__gmm90_args;
 
 #define TM__GMM90_MAX_G 1024

@@ -67,6 +67,9 @@
  *   row_token outside [-1, num_tokens): the CPU reports TM_ERR_INDEX; validating on the device
  *   would need a read back (a synchronisation per layer), so the CUDA kernels treat such rows
  *   as padding instead: skipped in the forward, no gradient in the backward.
+ *   A fresh d expert_out / d p (call->gin_fresh, TM__OP_GRAD_WRITES) is written instead of
+ *   added to (the accumulator starts at 0.0f, no load), and unpermute_pad_zero_kernel writes 0
+ *   to its padding rows (the token-major pass never visits them).
  *
  * Vectorisation: the row kernels move 16 bytes per access (4 f32 or 8 bf16: float4 / uint4
  * loads, bf16 widened exactly, stored rounded to nearest even as tm__st does) when H is a
@@ -680,7 +683,7 @@ template <typename T_, typename W, int N>
 __global__ void __launch_bounds__(DISPATCH_THREADS)
 unpermute_backward_tokens_kernel(void *deo_, void *dw_, const void *dy_, const void *eo_, const void *w_,
                                  const int32_t *__restrict__ order, const int32_t *__restrict__ lo,
-                                 const int32_t *__restrict__ hi, int64_t T, int64_t H) {
+                                 const int32_t *__restrict__ hi, int64_t T, int64_t H, int fd, int fw) {
     using raw = typename tm__vraw<T_, N>::type;
     T_ *__restrict__ deo = (T_ *)deo_;
     W *__restrict__ dw = (W *)dw_;
@@ -713,7 +716,7 @@ unpermute_backward_tokens_kernel(void *deo_, void *dw_, const void *dy_, const v
                         const int64_t v = base + u * 32 + lane;
                         if (v < nv) {
                             gq[u] = tm__vldraw<N>(dyr + v * N);
-                            if (deo) oq[u] = tm__vldraw<N>(deor + v * N);
+                            if (deo && !fd) oq[u] = tm__vldraw<N>(deor + v * N);
                             if (dw) eq[u] = tm__vldraw<N>(eor + v * N);
                         }
                     }
@@ -725,7 +728,12 @@ unpermute_backward_tokens_kernel(void *deo_, void *dw_, const void *dy_, const v
                             tm__vwiden<N, T_>(gq[u], g);
                             if (deo) {
                                 float o[N];
-                                tm__vwiden<N, T_>(oq[u], o);
+                                if (fd) {
+#pragma unroll
+                                    for (int i = 0; i < N; i++) o[i] = 0.0f;
+                                } else {
+                                    tm__vwiden<N, T_>(oq[u], o);
+                                }
 #pragma unroll
                                 for (int i = 0; i < N; i++) o[i] = o[i] + g[i] * wr;
                                 tm__vst<N>(deor + v * N, o);
@@ -741,7 +749,7 @@ unpermute_backward_tokens_kernel(void *deo_, void *dw_, const void *dy_, const v
                 }
                 if (dw) {
                     for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(FULL, s, o);
-                    if (lane == 0) tm__st(dw + r, tm__ld(dw + r) + s);
+                    if (lane == 0) tm__st(dw + r, (fw ? 0.0f : tm__ld(dw + r)) + s);
                 }
             }
         }
@@ -751,23 +759,49 @@ unpermute_backward_tokens_kernel(void *deo_, void *dw_, const void *dy_, const v
 template <typename T_, typename W>
 static void unpermute_backward_tokens_launch_w(const tm__cuda *st, int vec, void *deo, void *dw, const void *dy,
                                                const void *eo, const void *w, const int32_t *order, const int32_t *lo,
-                                               const int32_t *hi, int64_t T, int64_t H) {
+                                               const int32_t *hi, int64_t T, int64_t H, int fd, int fw) {
     const unsigned grid = warp_blocks(st, T);
     if (vec)
         unpermute_backward_tokens_kernel<T_, W, tm__vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(
-            deo, dw, dy, eo, w, order, lo, hi, T, H);
+            deo, dw, dy, eo, w, order, lo, hi, T, H, fd, fw);
     else
         unpermute_backward_tokens_kernel<T_, W, 1><<<grid, DISPATCH_THREADS, 0, st->stream>>>(deo, dw, dy, eo, w, order,
-                                                                                             lo, hi, T, H);
+                                                                                             lo, hi, T, H, fd, fw);
 }
 
 template <typename T_>
 static void unpermute_backward_tokens_launch(const tm__cuda *st, tm_dtype wdt, int vec, void *deo, void *dw,
                                              const void *dy, const void *eo, const void *w, const int32_t *order,
-                                             const int32_t *lo, const int32_t *hi, int64_t T, int64_t H) {
+                                             const int32_t *lo, const int32_t *hi, int64_t T, int64_t H, int fd,
+                                             int fw) {
     if (w && wdt == TM_BF16)
-        unpermute_backward_tokens_launch_w<T_, tm__bf16>(st, vec, deo, dw, dy, eo, w, order, lo, hi, T, H);
-    else unpermute_backward_tokens_launch_w<T_, float>(st, vec, deo, dw, dy, eo, w, order, lo, hi, T, H);
+        unpermute_backward_tokens_launch_w<T_, tm__bf16>(st, vec, deo, dw, dy, eo, w, order, lo, hi, T, H, fd, fw);
+    else unpermute_backward_tokens_launch_w<T_, float>(st, vec, deo, dw, dy, eo, w, order, lo, hi, T, H, fd, fw);
+}
+
+/* Fresh gradients (call->gin_fresh): the token-major kernel writes the rows of tokens; the
+ * padding rows (row_token outside [0, T), as the sort keys them) get 0 here. deo (R, H) and dw
+ * (R) of type T_ / W; either may be NULL (not fresh or not wanted). */
+template <typename I, typename T_, typename W>
+__global__ void unpermute_pad_zero_kernel(T_ *deo, W *dw, const I *rt, int64_t R, int64_t T, int64_t H) {
+    TM__CU_GRID_STRIDE(i, R * H) {
+        const int64_t r = i / H, t = (int64_t)rt[r];
+        if (t >= 0 && t < T) continue;
+        if (deo) tm__st(deo + i, 0.0f);
+        if (dw && i == r * H) tm__st(dw + r, 0.0f);
+    }
+}
+
+template <typename T_, typename W>
+static void unpermute_pad_zero_launch(const tm__cuda *st, const tm_tensor *rt, void *deo, void *dw, int64_t R,
+                                      int64_t T, int64_t H) {
+    const unsigned g = tm__cu_blocks(st, R * H);
+    if (rt->dtype == TM_I32)
+        unpermute_pad_zero_kernel<int32_t, T_, W><<<g, TM__CU_THREADS, 0, st->stream>>>(
+            (T_ *)deo, (W *)dw, (const int32_t *)tm__data(rt), R, T, H);
+    else
+        unpermute_pad_zero_kernel<int64_t, T_, W><<<g, TM__CU_THREADS, 0, st->stream>>>(
+            (T_ *)deo, (W *)dw, (const int64_t *)tm__data(rt), R, T, H);
 }
 
 template <typename T_, typename W>
@@ -853,7 +887,10 @@ extern "C" tm_status tm__moe_unpermute_backward_cuda(tm__call *c) {
     tm_tensor *deo = c->gin[0], *dw = w ? c->gin[2] : NULL;
     if (!deo && !dw) return TM_OK;
     const int64_t R = eo->shape[0], H = eo->shape[1], T = c->iattr[0];
-    if (R == 0 || H == 0 || T == 0) return TM_OK; /* H == 0: every dot product is 0; T == 0: every row padding */
+    if (R == 0 || H == 0 || T == 0) { /* H == 0: every dot product is 0; T == 0: every row padding */
+        TM__TRY(tm__gin_prepare(c, 0)); /* a fresh gradient of these is all zeros */
+        return w ? tm__gin_prepare(c, 2) : TM_OK;
+    }
     tm_ctx *ctx = c->ctx;
     const char *what = "moe_unpermute";
     if (c->n_saved != 3)
@@ -869,9 +906,22 @@ extern "C" tm_status tm__moe_unpermute_backward_cuda(tm__call *c) {
     /* the forward's token -> rows map (saved by every forward with T, R, H > 0) */
     const int32_t *order = (const int32_t *)tm__data(c->saved[0]), *lo = (const int32_t *)tm__data(c->saved[1]),
                   *hi = (const int32_t *)tm__data(c->saved[2]);
+    const int fd = deo && c->gin_fresh[0], fw = dw && c->gin_fresh[2];
+    if (fd || fw) {
+        void *zd = fd ? deo_d : NULL, *zw = fw ? dw_d : NULL;
+        const int wbf = w && wdt == TM_BF16;
+        if (eo->dtype == TM_BF16) {
+            if (wbf) unpermute_pad_zero_launch<tm__bf16, tm__bf16>(st, c->in[1], zd, zw, R, T, H);
+            else unpermute_pad_zero_launch<tm__bf16, float>(st, c->in[1], zd, zw, R, T, H);
+        } else {
+            if (wbf) unpermute_pad_zero_launch<float, tm__bf16>(st, c->in[1], zd, zw, R, T, H);
+            else unpermute_pad_zero_launch<float, float>(st, c->in[1], zd, zw, R, T, H);
+        }
+        TM__CU_LAUNCHED(ctx, what, "unpermute_pad_zero_kernel");
+    }
     if (eo->dtype == TM_BF16)
-        unpermute_backward_tokens_launch<tm__bf16>(st, wdt, vec, deo_d, dw_d, dyd, eod, wd, order, lo, hi, T, H);
-    else unpermute_backward_tokens_launch<float>(st, wdt, vec, deo_d, dw_d, dyd, eod, wd, order, lo, hi, T, H);
+        unpermute_backward_tokens_launch<tm__bf16>(st, wdt, vec, deo_d, dw_d, dyd, eod, wd, order, lo, hi, T, H, fd, fw);
+    else unpermute_backward_tokens_launch<float>(st, wdt, vec, deo_d, dw_d, dyd, eod, wd, order, lo, hi, T, H, fd, fw);
     TM__CU_LAUNCHED(ctx, what, "unpermute_backward_tokens_kernel");
     return TM_OK;
 }

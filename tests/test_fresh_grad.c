@@ -1,0 +1,291 @@
+/*
+ * test_fresh_grad.c — fresh gradients (call->gin_fresh, TM__OP_GRAD_WRITES, framework/autograd.c):
+ * an op that is the first contributor to a temporary's gradient writes it instead of adding
+ * into a zero-filled buffer. For every converted op (swiglu, matmul, grouped_matmul,
+ * moe_unpermute):
+ *   - the gradient written fresh equals, bit for bit, the one accumulated into zeros (the
+ *     input's gradient made to exist first by an earlier backward of 0 * x), in f32, f64 and
+ *     bf16 (the CPU's f32 staging of bf16 calls);
+ *   - every element is written: fresh buffers are filled with NaN first (test hook);
+ *   - one tensor feeding two consumers (the first to run writes, the second adds) and an op
+ *     whose two inputs are one tensor (x x^T, swiglu(x, x): not fresh) match finite differences;
+ *   - the fresh path ran (tm__test_fresh_count), and it does not run for parameters;
+ *   - a deliberately wrong autograd (every gradient of such an op marked fresh, even one with
+ *     earlier contributions: tm__test_fresh_hooks force) fails the two-consumer check.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "internal.h"
+
+enum { OP_SWIGLU, OP_MATMUL, OP_GMM, OP_UNPERMUTE };
+
+static const int64_t gmm_counts[3] = {2, 0, 3}; /* an empty group in the middle */
+/* moe_unpermute: 6 rows of 3 tokens, two padding rows (-1) */
+static const double unp_rows[6] = {2, -1, 0, 1, -1, 2};
+
+/* Inputs of op `op` in dtype dt: swiglu (g [3,5], u [3,5]); matmul (a [4,3], b [3,5]);
+ * grouped_matmul (x [5,3], w [3,3,4], counts); moe_unpermute (expert_out [6,4], probs [6],
+ * row_token [6], 3 tokens). Returns how many (the first ones) take a gradient. */
+static int make_inputs(tm_ctx *ctx, int op, tm_dtype dt, tm_tensor **in) {
+    if (op == OP_SWIGLU) {
+        int64_t s[2] = {3, 5};
+        in[0] = tt_randu(ctx, dt, 2, s, 11, -4.0, 4.0), in[1] = tt_randn(ctx, dt, 2, s, 12);
+        return 2;
+    }
+    if (op == OP_MATMUL) {
+        int64_t sa[2] = {4, 3}, sb[2] = {3, 5};
+        in[0] = tt_randn(ctx, dt, 2, sa, 13), in[1] = tt_randn(ctx, dt, 2, sb, 14);
+        return 2;
+    }
+    if (op == OP_UNPERMUTE) {
+        int64_t se[2] = {6, 4}, R = 6;
+        in[0] = tt_randn(ctx, dt, 2, se, 17), in[1] = tt_randn(ctx, dt, 1, &R, 18), in[2] = tt_from(ctx, TM_I64, 1, &R, unp_rows);
+        return 2;
+    }
+    int64_t sx[2] = {5, 3}, sw[3] = {3, 3, 4}, G = 3;
+    double cv[3] = {(double)gmm_counts[0], (double)gmm_counts[1], (double)gmm_counts[2]};
+    in[0] = tt_randn(ctx, dt, 2, sx, 15), in[1] = tt_randn(ctx, dt, 3, sw, 16), in[2] = tt_from(ctx, TM_I64, 1, &G, cv);
+    return 2;
+}
+
+static tm_status run_op(tm_ctx *ctx, int op, tm_tensor **in, tm_tensor **out) {
+    if (op == OP_SWIGLU) return tm_swiglu(ctx, in[0], in[1], out);
+    if (op == OP_MATMUL) return tm_matmul(ctx, in[0], in[1], 0, 0, out);
+    if (op == OP_UNPERMUTE) return tm_moe_unpermute(ctx, in[0], in[1], in[2], 3, out);
+    return tm_grouped_matmul(ctx, in[0], in[1], in[2], out);
+}
+
+/* The gradients of the op's inputs for upstream dy (seed 21), host f64 (bit-exact images of
+ * f32 / bf16 values). pre: make every input's gradient exist first (zeros from a backward of
+ * 0 * x), so that the op accumulates; otherwise the op gets fresh gradients. */
+static void grads(int op, tm_dtype dt, int pre, double **g, int64_t *n, int64_t *fresh) {
+    tm_ctx *ctx = tt_ctx();
+    tm__test_fresh_hooks(ctx, 1, 0); /* an element left unwritten reads NaN */
+    tm_tensor *in[3];
+    int k = make_inputs(ctx, op, dt, in);
+    for (int i = 0; i < k; i++) TT_OK(ctx, tm_tensor_set_requires_grad(ctx, in[i], 1));
+    if (pre) {
+        for (int i = 0; i < k; i++) {
+            tm_tensor *z, *one;
+            TT_OK(ctx, tm_scale(ctx, in[i], 0.0, &z));
+            TT_OK(ctx, tm_tensor_empty(ctx, dt, z->ndim, z->shape, tm_cpu(), &one));
+            TT_OK(ctx, tm_tensor_fill(ctx, one, 1.0));
+            TT_OK(ctx, tm_backward_with_grad(ctx, z, one));
+            cr_assert_not_null(tm_tensor_grad(in[i]));
+        }
+    }
+    int64_t before = tm__test_fresh_count(ctx);
+    tm_tensor *y;
+    TT_OK(ctx, run_op(ctx, op, in, &y));
+    tm_tensor *dy = tt_randn(ctx, dt, y->ndim, y->shape, 21);
+    TT_OK(ctx, tm_backward_with_grad(ctx, y, dy));
+    *fresh = tm__test_fresh_count(ctx) - before;
+    for (int i = 0; i < k; i++) {
+        g[i] = tt_read(ctx, tm_tensor_grad(in[i]));
+        n[i] = tm_tensor_numel(in[i]);
+    }
+    tm_ctx_free(ctx);
+}
+
+static void check_fresh_equals_accumulate(int op, tm_dtype dt) {
+    double *gf[2], *ga[2];
+    int64_t nf[2], na[2], cf, ca;
+    grads(op, dt, 0, gf, nf, &cf);
+    grads(op, dt, 1, ga, na, &ca);
+    cr_assert_eq(cf, 2, "op %d: %lld fresh gradients handed out, want 2", op, (long long)cf);
+    cr_assert_eq(ca, 0, "op %d: an input with a gradient got a fresh one (%lld)", op, (long long)ca);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(nf[i], na[i]);
+        for (int64_t e = 0; e < nf[i]; e++) {
+            cr_assert(!isnan(gf[i][e]), "op %d input %d element %lld left unwritten (NaN poison)", op, i, (long long)e);
+            cr_assert(memcmp(&gf[i][e], &ga[i][e], sizeof(double)) == 0,
+                      "op %d dtype %s input %d element %lld: fresh %a, accumulated %a", op, tm_dtype_name(dt), i,
+                      (long long)e, gf[i][e], ga[i][e]);
+        }
+        free(gf[i]), free(ga[i]);
+    }
+}
+
+Test(fresh_grad, swiglu_bits) {
+    check_fresh_equals_accumulate(OP_SWIGLU, TM_F32);
+    check_fresh_equals_accumulate(OP_SWIGLU, TM_F64);
+    check_fresh_equals_accumulate(OP_SWIGLU, TM_BF16);
+}
+Test(fresh_grad, matmul_bits) {
+    check_fresh_equals_accumulate(OP_MATMUL, TM_F32);
+    check_fresh_equals_accumulate(OP_MATMUL, TM_F64);
+    check_fresh_equals_accumulate(OP_MATMUL, TM_BF16);
+}
+Test(fresh_grad, moe_unpermute_bits) {
+    check_fresh_equals_accumulate(OP_UNPERMUTE, TM_F32);
+    check_fresh_equals_accumulate(OP_UNPERMUTE, TM_F64);
+    check_fresh_equals_accumulate(OP_UNPERMUTE, TM_BF16);
+}
+Test(fresh_grad, grouped_matmul_bits) {
+    check_fresh_equals_accumulate(OP_GMM, TM_F32);
+    check_fresh_equals_accumulate(OP_GMM, TM_F64);
+    check_fresh_equals_accumulate(OP_GMM, TM_BF16);
+}
+
+/* ---- two consumers, and one tensor as both inputs: finite differences (f64) ---- */
+
+/* swiglu(g, u) + swiglu(u, g): the later node (run first) writes g's and u's gradients, the
+ * earlier adds. */
+static tm_status swiglu_two(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    tm_tensor *a, *b;
+    TM__TRY(tm_swiglu(ctx, in[0], in[1], &a));
+    TM__TRY(tm_swiglu(ctx, in[1], in[0], &b));
+    return tm_add(ctx, a, b, out);
+}
+static tm_status swiglu_same(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    return tm_swiglu(ctx, in[0], in[0], out);
+}
+/* a @ b + a @ c (a [4,3], b, c [3,5]) */
+static tm_status matmul_two(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    tm_tensor *p, *q;
+    TM__TRY(tm_matmul(ctx, in[0], in[1], 0, 0, &p));
+    TM__TRY(tm_matmul(ctx, in[0], in[2], 0, 0, &q));
+    return tm_add(ctx, p, q, out);
+}
+/* a a^T: both inputs one tensor */
+static tm_status matmul_same(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    return tm_matmul(ctx, in[0], in[0], 0, 1, out);
+}
+/* gmm(x, w1) + gmm(x, w2), and the batched matmul with a shared b (its dB sums over the
+ * batch: only the first GEMM may write) */
+static tm_status gmm_two(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    tm_tensor *p, *q;
+    TM__TRY(tm_grouped_matmul(ctx, in[0], in[1], in[3], &p));
+    TM__TRY(tm_grouped_matmul(ctx, in[0], in[2], in[3], &q));
+    return tm_add(ctx, p, q, out);
+}
+/* unpermute(eo, p1) + unpermute(eo, p2) over rows with padding */
+static tm_status unpermute_two(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    tm_tensor *p, *q;
+    TM__TRY(tm_moe_unpermute(ctx, in[0], in[1], in[3], 3, &p));
+    TM__TRY(tm_moe_unpermute(ctx, in[0], in[2], in[3], 3, &q));
+    return tm_add(ctx, p, q, out);
+}
+static tm_status matmul_batched_ta(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    return tm_matmul(ctx, in[0], in[1], 1, 0, out);
+}
+
+static double case_swiglu_two(tm_ctx *ctx) {
+    int64_t s[2] = {3, 5};
+    tm_tensor *in[2] = {tt_randu(ctx, TM_F64, 2, s, 31, -4.0, 4.0), tt_randu(ctx, TM_F64, 2, s, 32, -4.0, 4.0)};
+    int check[2] = {1, 1};
+    return tt_gradcheck(ctx, swiglu_two, NULL, 2, in, check, 1e-6, 1e-8, 1e-6);
+}
+static double case_matmul_two(tm_ctx *ctx) {
+    int64_t sa[2] = {4, 3}, sb[2] = {3, 5};
+    tm_tensor *in[3] = {tt_randn(ctx, TM_F64, 2, sa, 33), tt_randn(ctx, TM_F64, 2, sb, 34), tt_randn(ctx, TM_F64, 2, sb, 35)};
+    int check[3] = {1, 1, 1};
+    return tt_gradcheck(ctx, matmul_two, NULL, 3, in, check, 1e-6, 1e-8, 1e-6);
+}
+static double case_gmm_two(tm_ctx *ctx) {
+    int64_t sx[2] = {5, 3}, sw[3] = {3, 3, 4}, G = 3;
+    double cv[3] = {(double)gmm_counts[0], (double)gmm_counts[1], (double)gmm_counts[2]};
+    tm_tensor *in[4] = {tt_randn(ctx, TM_F64, 2, sx, 36), tt_randn(ctx, TM_F64, 3, sw, 37),
+                        tt_randn(ctx, TM_F64, 3, sw, 38), tt_from(ctx, TM_I64, 1, &G, cv)};
+    int check[4] = {1, 1, 1, 0};
+    return tt_gradcheck(ctx, gmm_two, NULL, 4, in, check, 1e-6, 1e-8, 1e-6);
+}
+
+static double case_unpermute_two(tm_ctx *ctx) {
+    int64_t se[2] = {6, 4}, R = 6;
+    tm_tensor *in[4] = {tt_randn(ctx, TM_F64, 2, se, 39), tt_randn(ctx, TM_F64, 1, &R, 40), tt_randn(ctx, TM_F64, 1, &R, 45),
+                        tt_from(ctx, TM_I64, 1, &R, unp_rows)};
+    int check[4] = {1, 1, 1, 0};
+    return tt_gradcheck(ctx, unpermute_two, NULL, 4, in, check, 1e-6, 1e-8, 1e-6);
+}
+
+/* Runs case with NaN-poisoned fresh buffers (force: the broken autograd); returns its ratio and
+ * the fresh gradients it handed out. */
+static double run_case(double (*fn)(tm_ctx *), int force, int64_t *fresh) {
+    tm_ctx *ctx = tt_ctx();
+    tm__test_fresh_hooks(ctx, 1, force);
+    double r = fn(ctx);
+    *fresh = tm__test_fresh_count(ctx);
+    tm_ctx_free(ctx);
+    return r;
+}
+
+Test(fresh_grad, two_consumers) {
+    double (*cases[4])(tm_ctx *) = {case_swiglu_two, case_matmul_two, case_gmm_two, case_unpermute_two};
+    for (int i = 0; i < 4; i++) {
+        int64_t fresh;
+        double r = run_case(cases[i], 0, &fresh);
+        cr_assert_leq(r, 1.0, "case %d: gradcheck ratio %g", i, r);
+        cr_assert_gt(fresh, 0, "case %d: no fresh gradient was handed out", i);
+    }
+}
+
+/* The mutation: gradients marked fresh although an earlier contributor wrote them (an op
+ * overwriting instead of adding) must fail the same checks. */
+Test(fresh_grad, overwrite_when_not_fresh_is_caught) {
+    double (*cases[4])(tm_ctx *) = {case_swiglu_two, case_matmul_two, case_gmm_two, case_unpermute_two};
+    for (int i = 0; i < 4; i++) {
+        int64_t fresh;
+        double r = run_case(cases[i], 1, &fresh);
+        cr_assert_gt(r, 1.0, "case %d: an autograd that overwrites gradients passed (ratio %g)", i, r);
+    }
+}
+
+static double case_swiglu_same(tm_ctx *ctx) {
+    int64_t s[2] = {3, 5};
+    tm_tensor *in[1] = {tt_randu(ctx, TM_F64, 2, s, 41, -4.0, 4.0)};
+    int check[1] = {1};
+    return tt_gradcheck(ctx, swiglu_same, NULL, 1, in, check, 1e-6, 1e-8, 1e-6);
+}
+static double case_matmul_same(tm_ctx *ctx) {
+    int64_t s[2] = {4, 3};
+    tm_tensor *in[1] = {tt_randn(ctx, TM_F64, 2, s, 42)};
+    int check[1] = {1};
+    return tt_gradcheck(ctx, matmul_same, NULL, 1, in, check, 1e-6, 1e-8, 1e-6);
+}
+static double case_matmul_batched_ta(tm_ctx *ctx) {
+    int64_t sa[3] = {3, 4, 2}, sb[2] = {4, 5}; /* a (batch 3, K 4, M 2) read transposed, b shared */
+    tm_tensor *in[2] = {tt_randn(ctx, TM_F64, 3, sa, 43), tt_randn(ctx, TM_F64, 2, sb, 44)};
+    int check[2] = {1, 1};
+    return tt_gradcheck(ctx, matmul_batched_ta, NULL, 2, in, check, 1e-6, 1e-8, 1e-6);
+}
+
+Test(fresh_grad, same_tensor_twice_and_batch_sum) {
+    int64_t fresh;
+    double r = run_case(case_swiglu_same, 0, &fresh);
+    cr_assert_leq(r, 1.0, "swiglu(x, x): ratio %g", r);
+    cr_assert_eq(fresh, 0, "swiglu(x, x) got %lld fresh gradients: its two slots are one tensor", (long long)fresh);
+    r = run_case(case_matmul_same, 0, &fresh);
+    cr_assert_leq(r, 1.0, "x x^T: ratio %g", r);
+    cr_assert_eq(fresh, 0, "x x^T got %lld fresh gradients", (long long)fresh);
+    r = run_case(case_matmul_batched_ta, 0, &fresh);
+    cr_assert_leq(r, 1.0, "batched a^T b with shared b: ratio %g", r);
+    cr_assert_gt(fresh, 0);
+}
+
+/* Parameters' gradients accumulate over micro-batches: never fresh. */
+Test(fresh_grad, parameters_accumulate) {
+    tm_ctx *ctx = tt_ctx();
+    tm__test_fresh_hooks(ctx, 1, 0);
+    int64_t sx[2] = {4, 3}, sw[2] = {3, 5};
+    tm_tensor *w, *x = tt_randn(ctx, TM_F32, 2, sx, 51), *wv = tt_randn(ctx, TM_F32, 2, sw, 52);
+    TT_OK(ctx, tm_param_new(ctx, "w", TM_F32, 2, sw, tm_cpu(), &w));
+    double *hw = tt_read(ctx, wv);
+    TT_OK(ctx, tm_tensor_write(ctx, w, TM_F64, hw, 15));
+    double *once = NULL;
+    for (int step = 0; step < 2; step++) {
+        tm_tensor *y;
+        TT_OK(ctx, tm_matmul(ctx, x, w, 0, 0, &y));
+        tm_tensor *dy = tt_randn(ctx, TM_F32, 2, y->shape, 53);
+        TT_OK(ctx, tm_backward_with_grad(ctx, y, dy));
+        if (step == 0) once = tt_read(ctx, tm_tensor_grad(w));
+    }
+    cr_assert_eq(tm__test_fresh_count(ctx), 0, "a parameter's gradient was handed out fresh");
+    double *twice = tt_read(ctx, tm_tensor_grad(w));
+    for (int e = 0; e < 15; e++) cr_assert_eq(twice[e], 2.0 * once[e], "element %d: %g, want 2 x %g", e, twice[e], once[e]);
+    free(hw), free(once), free(twice);
+    tm_ctx_free(ctx);
+}
