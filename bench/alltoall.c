@@ -27,7 +27,7 @@
  *           the counts that the public tm_comm_alltoall makes, the arena, the dispatch) to it.
  * The nccl engine queues its collective on the stream without waiting; the host engines
  * (CPU tensors) block, so there both timings are the same thing. tinymoe copies the rows a
- * rank keeps with cudaMemcpyAsync on a stream forked beside NCCL's (kernels/cuda/comm_nccl.cu);
+ * rank keeps with cudaMemcpyAsync on the collective's stream (kernels/cuda/comm_nccl.cu);
  * the reference sends them to itself through NCCL. Bandwidth = bytes this rank sends to other
  * ranks / time (the "algorithm bandwidth" of nccl-tests; rows kept on the rank itself are not
  * counted). Ratio = reference time / tinymoe time (1.0: no overhead beyond the engine); the

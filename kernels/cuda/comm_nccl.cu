@@ -17,7 +17,7 @@
  *   reduce_scatterv ncclReduceScatter when the counts are equal, else one ncclReduce to each
  *                   block's rank in a group
  *   alltoallv       ncclSend / ncclRecv pairs in one group (the ragged all-to-all); the
- *                   rank's rows to itself by cudaMemcpyAsync on a forked stream, beside them
+ *                   rank's rows to itself by cudaMemcpyAsync
  *   bcast           ncclBroadcast; barrier: the mpi engine's
  * Side stream (backend.h, side_begin; framework/comm.h): while it is on, the calls go to the
  * context's side stream through a second communicator per group (made at creation when the
@@ -55,11 +55,6 @@ typedef struct nccl_state {
     const char *last_what;            /* the last collective enqueued, for a timeout's message */
     int last_group;
     size_t last_bytes;
-    /* The all-to-all's rows to the rank itself are copied on their own stream, forked from and
-     * joined back into the collective's stream, so that the copy runs while NCCL moves the
-     * other ranks' rows (made at the first all-to-all that keeps rows). */
-    cudaStream_t self_stream;
-    cudaEvent_t self_fork, self_join;
 } nccl_state;
 
 static tm_status nccl_fail(tm__comm *c, const char *what, int g, ncclResult_t r) {
@@ -251,20 +246,6 @@ static tm_status nccl_reduce_scatterv(tm__comm *c, int g, const void *send, void
     return finish(c, "reduce_scatter", g, s, total * es);
 }
 
-/* The own rows' stream and its two events, made at the first use; then the fork: the copy's
- * stream waits for everything enqueued on `s` so far. */
-static tm_status self_copy_fork(tm__comm *c, nccl_state *ns, cudaStream_t s) {
-    const char *what = "alltoall (the own rows' copy stream)";
-    if (!ns->self_stream) {
-        TM__CU_CHECK(c->ctx, what, cudaStreamCreateWithFlags(&ns->self_stream, cudaStreamNonBlocking));
-        TM__CU_CHECK(c->ctx, what, cudaEventCreateWithFlags(&ns->self_fork, cudaEventDisableTiming));
-        TM__CU_CHECK(c->ctx, what, cudaEventCreateWithFlags(&ns->self_join, cudaEventDisableTiming));
-    }
-    TM__CU_CHECK(c->ctx, what, cudaEventRecord(ns->self_fork, s));
-    TM__CU_CHECK(c->ctx, what, cudaStreamWaitEvent(ns->self_stream, ns->self_fork, 0));
-    return TM_OK;
-}
-
 static tm_status nccl_alltoallv(tm__comm *c, int g, const void *send, const int64_t *sc, const int64_t *sd, void *recv,
                                 const int64_t *rc, const int64_t *rd, tm_dtype dt, tm_device dev) {
     ncclDataType_t t;
@@ -272,30 +253,20 @@ static tm_status nccl_alltoallv(tm__comm *c, int g, const void *send, const int6
     TM__TRY(start(c, "alltoall", g, dt, &t, &s));
     size_t es = tm_dtype_size(dt), sent = 0;
     int me = c->rank[g];
-    /* This rank's own rows: a device copy. As an NCCL send/receive to self they went through
-     * NCCL's peer-to-peer path at a fraction of the memory's bandwidth, and under expert
-     * parallelism they are 1/ep_size of all the rows (half of them on 2 GPUs). On the
-     * collective's own stream the copy ran before NCCL's kernel (50 MB, 33 us of a 0.25 ms
-     * dispatch on 2 H100s: bench_alltoall's gap to NCCL's grouped send/recv); on a stream
-     * forked from it after the rows are written, and joined back after the group, it runs while
-     * NCCL moves the other ranks' rows. Stream order holds: the copy waits for everything
-     * before the collective, and everything after it waits for the copy. */
+    /* This rank's own rows: a device copy on the stream. As an NCCL send/receive to self they
+     * went through NCCL's peer-to-peer path at a fraction of the memory's bandwidth, and under
+     * expert parallelism they are 1/ep_size of all the rows (half of them on 2 GPUs). */
     if (sc[me] != rc[me])
         return tm__err(c->ctx, TM_ERR_COMM, "alltoall over %s: this rank sends itself %lld elements but expects %lld",
                        tm__comm_gdesc(c, g), (long long)sc[me], (long long)rc[me]);
-    nccl_state *ns = (nccl_state *)c->nccl;
-    int forked = 0;
     if (sc[me]) {
-        TM__TRY(self_copy_fork(c, ns, s));
         cudaError_t e = cudaMemcpyAsync((char *)recv + rd[me] * (int64_t)es, (const char *)send + sd[me] * (int64_t)es,
-                                        (size_t)sc[me] * es, cudaMemcpyDeviceToDevice, ns->self_stream);
-        if (e == cudaSuccess) e = cudaEventRecord(ns->self_join, ns->self_stream);
+                                        (size_t)sc[me] * es, cudaMemcpyDeviceToDevice, s);
         if (e != cudaSuccess) {
             (void)cudaGetLastError();
             return tm__err(c->ctx, TM_ERR_CUDA, "alltoall over %s: the copy of this rank's own rows failed: %s",
                            tm__comm_gdesc(c, g), cudaGetErrorString(e));
         }
-        forked = 1;
         sent += (size_t)sc[me];
     }
     NCCL_TRY(c, "alltoall", g, ncclGroupStart());
@@ -306,15 +277,11 @@ static tm_status nccl_alltoallv(tm__comm *c, int g, const void *send, const int6
         if (r == ncclSuccess && rc[j]) r = ncclRecv((char *)recv + rd[j] * (int64_t)es, (size_t)rc[j], t, j, gcomm(c, g), s);
         if (r != ncclSuccess) {
             ncclGroupEnd();
-            if (forked) (void)cudaStreamWaitEvent(s, ns->self_join, 0);
             return nccl_fail(c, "alltoall", g, r);
         }
         sent += (size_t)sc[j];
     }
-    ncclResult_t end = ncclGroupEnd();
-    /* joined even when the group failed: the stream must not run ahead of the copy */
-    if (forked) TM__CU_CHECK(c->ctx, "alltoall (the join of the own rows' copy)", cudaStreamWaitEvent(s, ns->self_join, 0));
-    if (end != ncclSuccess) return nccl_fail(c, "alltoall", g, end);
+    NCCL_TRY(c, "alltoall", g, ncclGroupEnd());
     return finish(c, "alltoall", g, s, sent * es);
 }
 
@@ -375,12 +342,6 @@ static void nccl_free(tm__comm *c) {
     for (int g = 0; g < TM_COMM_NGROUPS; g++) {
         if (st->side[g]) ncclCommDestroy(st->side[g]);
         if (st->comm[g]) ncclCommDestroy(st->comm[g]);
-    }
-    if (st->self_stream) {
-        (void)cudaStreamSynchronize(st->self_stream);
-        (void)cudaEventDestroy(st->self_fork);
-        (void)cudaEventDestroy(st->self_join);
-        (void)cudaStreamDestroy(st->self_stream);
     }
     tm__host_free(c->ctx, st);
     c->nccl = NULL;
