@@ -26,9 +26,10 @@
  *           it adds each call's host work (tinymoe's op: its checks, including the exchange of
  *           the counts that the public tm_comm_alltoall makes, the arena, the dispatch) to it.
  * The nccl engine queues its collective on the stream without waiting; the host engines
- * (CPU tensors) block, so there both timings are the same thing. tinymoe copies the rows a
- * rank keeps with cudaMemcpyAsync on the collective's stream (kernels/cuda/comm_nccl.cu);
- * the reference sends them to itself through NCCL. Bandwidth = bytes this rank sends to other
+ * (CPU tensors) block, so there both timings are the same thing. Both tinymoe's nccl engine
+ * (kernels/cuda/comm_nccl.cu) and the reference send the rows a rank keeps to itself inside
+ * the NCCL group; the two diagnostic rows copy them with cudaMemcpyAsync instead (what the
+ * engine did until 0ab29e2). Bandwidth = bytes this rank sends to other
  * ranks / time (the "algorithm bandwidth" of nccl-tests; rows kept on the rank itself are not
  * counted). Ratio = reference time / tinymoe time (1.0: no overhead beyond the engine); the
  * issue's target (>= 0.95) is on the queued ratio.

@@ -16,8 +16,8 @@
  *   reduce_scatter  ncclReduceScatter (sum; in place when recv = send + rank n)
  *   reduce_scatterv ncclReduceScatter when the counts are equal, else one ncclReduce to each
  *                   block's rank in a group
- *   alltoallv       ncclSend / ncclRecv pairs in one group (the ragged all-to-all); the
- *                   rank's rows to itself by cudaMemcpyAsync
+ *   alltoallv       ncclSend / ncclRecv pairs in one group (the ragged all-to-all), the
+ *                   rank's rows to itself among them
  *   bcast           ncclBroadcast; barrier: the mpi engine's
  * Side stream (backend.h, side_begin; framework/comm.h): while it is on, the calls go to the
  * context's side stream through a second communicator per group (made at creation when the
@@ -253,25 +253,16 @@ static tm_status nccl_alltoallv(tm__comm *c, int g, const void *send, const int6
     TM__TRY(start(c, "alltoall", g, dt, &t, &s));
     size_t es = tm_dtype_size(dt), sent = 0;
     int me = c->rank[g];
-    /* This rank's own rows: a device copy on the stream. As an NCCL send/receive to self they
-     * went through NCCL's peer-to-peer path at a fraction of the memory's bandwidth, and under
-     * expert parallelism they are 1/ep_size of all the rows (half of them on 2 GPUs). */
+    /* This rank's own rows go through the group too, as a send and receive to itself: NCCL moves
+     * them inside its kernel while the peers' rows cross NVLink (bench_alltoall: 3-6 us more than
+     * the peers' rows alone on 2 and 4 H100s). A cudaMemcpyAsync of them before the group (this
+     * engine until 0ab29e2) ran first and alone: 50 MB, 34 us of a 0.24 ms dispatch on 2 GPUs;
+     * the same copy on a stream forked beside the group measured no faster (0.237 ms). */
     if (sc[me] != rc[me])
         return tm__err(c->ctx, TM_ERR_COMM, "alltoall over %s: this rank sends itself %lld elements but expects %lld",
                        tm__comm_gdesc(c, g), (long long)sc[me], (long long)rc[me]);
-    if (sc[me]) {
-        cudaError_t e = cudaMemcpyAsync((char *)recv + rd[me] * (int64_t)es, (const char *)send + sd[me] * (int64_t)es,
-                                        (size_t)sc[me] * es, cudaMemcpyDeviceToDevice, s);
-        if (e != cudaSuccess) {
-            (void)cudaGetLastError();
-            return tm__err(c->ctx, TM_ERR_CUDA, "alltoall over %s: the copy of this rank's own rows failed: %s",
-                           tm__comm_gdesc(c, g), cudaGetErrorString(e));
-        }
-        sent += (size_t)sc[me];
-    }
     NCCL_TRY(c, "alltoall", g, ncclGroupStart());
     for (int j = 0; j < c->size[g]; j++) {
-        if (j == me) continue;
         ncclResult_t r = ncclSuccess;
         if (sc[j]) r = ncclSend((const char *)send + sd[j] * (int64_t)es, (size_t)sc[j], t, j, gcomm(c, g), s);
         if (r == ncclSuccess && rc[j]) r = ncclRecv((char *)recv + rd[j] * (int64_t)es, (size_t)rc[j], t, j, gcomm(c, g), s);
