@@ -1841,9 +1841,11 @@ TM_API tm_status tm_ctx_clip_grad_norm(tm_ctx *ctx, double max_norm, double *nor
  * there and never read back, valid until the next tm_ctx_arena_reset. Pass it to
  * tm_optimizer_step_scaled, which applies it while it reads the gradients: the pair gives the
  * bits of tm_ctx_clip_grad_norm + tm_optimizer_step, with one pass over the gradients fewer
- * (the scale's read and write) and no host read in between. Otherwise (buckets on several
- * devices, or a communicator: the host computes the factor) the gradients are scaled here as
- * tm_ctx_clip_grad_norm does and *grad_scale is NULL (nothing left to apply; the step's
+ * (the scale's read and write) and no host read in between. Under a communicator with every
+ * bucket on one device, the host computes the factor from the world's norm and *grad_scale
+ * gets it the same way when clipping (NULL when the norm is within max_norm); the gradients
+ * are not scaled either. Otherwise (buckets on several devices) the gradients are scaled here
+ * as tm_ctx_clip_grad_norm does and *grad_scale is NULL (nothing left to apply; the step's
  * NULL is tm_optimizer_step). Synchronisations: as tm_ctx_clip_grad_norm. Errors: those of
  * tm_ctx_clip_grad_norm; TM_ERR_INVALID_ARG (grad_scale NULL). */
 TM_API tm_status tm_ctx_clip_grad_norm_deferred(tm_ctx *ctx, double max_norm, double *norm_out, tm_tensor **grad_scale);
@@ -1952,7 +1954,9 @@ typedef struct tm_comm_options {
     int comm_sms;               /* with overlap on NCCL: streaming multiprocessors left to the
                                  * collectives beside the work. Their communicators run at most
                                  * this many CTAs (ncclConfig_t.maxCTAs), and the persistent
-                                 * Hopper grouped GEMM launches num_sms - comm_sms CTAs. Why: a
+                                 * Hopper grouped GEMM launches num_sms - comm_sms CTAs when a
+                                 * collective beside the work has not finished as it is launched
+                                 * (all num_sms otherwise: most of a step has none). Why: a
                                  * kernel with a CTA per SM and a static tile schedule waits for
                                  * every SM a collective holds, so the CTAs placed there start
                                  * late and its tail grows by their whole share (DeepGEMM and

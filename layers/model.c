@@ -385,8 +385,12 @@ static tm_status layer_forward(tm_model *m, int l, tm_tensor *x, tm_tensor *h, i
     tm__layer W;
     TM__TRY(layer_use(m->ctx, &m->layers[l], &W));
     /* ZeRO-3: the next layer's all-gathers start beside this one's compute (fsdp.c; nothing
-     * to start on CPU ranks or with overlap off) */
-    if (l + 1 < m->cfg.n_layers) {
+     * to start on CPU ranks or with overlap off); during the last layer, those of the final
+     * norm and the lm_head (they were gathered on the work stream after it: 50 MB for coarse) */
+    if (l + 1 == m->cfg.n_layers) {
+        tm_tensor *tail[2] = {m->norm, m->lm_head ? m->lm_head : m->embed};
+        TM__TRY(tm__param_prefetch(m->ctx, tail, 2));
+    } else {
         const tm__layer *N = &m->layers[l + 1];
         tm_tensor *next[16];
         int n = 0;

@@ -28,7 +28,10 @@
  * gradient (a read and a write) disappears and nothing is read back for it, so the step stays
  * free of host waits. The gradients keep their unscaled values; that is the contract's price,
  * and why tm_ctx_clip_grad_norm, which leaves them scaled, stays the default. In the host-decided
- * case the deferred clip scales in place as before and hands back NULL (nothing left to apply).
+ * case the deferred clip hands back the host's factor as a tensor on the buckets' device when
+ * they are all on one (a communicator's ranks: the pass is saved there too), and otherwise
+ * scales in place as before and hands back NULL (nothing left to apply; also when the norm is
+ * within max_norm).
  */
 #include <math.h>
 
@@ -85,15 +88,17 @@ static tm_status clip(tm_ctx *ctx, double max_norm, double *norm_out, tm_tensor 
                       double *vals, int *idx) {
     int nb = tm_ctx_num_buckets(ctx);
     int world = tm_comm_size(ctx, TM_COMM_WORLD) > 1;
-    /* One device and one rank: the factor is computed and applied on the device. */
-    int on_device = nb > 0 && !world;
+    /* Every bucket on one device (one_dev), and one rank: the factor is computed and applied on
+     * the device. */
+    int one_dev = nb > 0;
     tm_device dev0 = tm_cpu();
-    for (int k = 0; on_device && k < nb; k++) {
+    for (int k = 0; one_dev && k < nb; k++) {
         tm_bucket_info bi;
         TM__TRY(tm_ctx_bucket_info(ctx, k, &bi));
         if (k == 0) dev0 = bi.device;
-        else if (!tm__same_device(bi.device, dev0)) on_device = 0;
+        else if (!tm__same_device(bi.device, dev0)) one_dev = 0;
     }
+    int on_device = one_dev && !world;
     for (int k = 0; k < nb; k++) part[k] = 0.0;
     int need_norm = norm_out || !on_device;
     for (int cuda = 0; cuda < 2; cuda++) {
@@ -119,6 +124,13 @@ static tm_status clip(tm_ctx *ctx, double max_norm, double *norm_out, tm_tensor 
     double norm = sqrt(ss);
     if (!on_device && max_norm > 0.0 && norm > max_norm) {
         double scale = max_norm / (norm + 1e-6);
+        /* Deferred, under a communicator, every bucket on one device: the factor the host
+         * computed goes to the update as the one-rank case's does, saving the scale's pass
+         * over the gradients (a read and a write of each). */
+        if (factor_out && one_dev) {
+            if (norm_out) *norm_out = norm;
+            return tm__clip_factor(ctx, dev0, scale, factor_out);
+        }
         for (int cuda = 0; cuda < 2; cuda++) {
             tm__segs *l = NULL;
             tm_device dev;

@@ -424,8 +424,11 @@ static tm_ctx *gmm_ctx(int device_schedule) {
  * same rule, tm__gmm_device_schedule). */
 static uint64_t grouped_syncs(tm_ctx *ctx, tm_dtype dt) { return dt == TM_BF16 && tm__gmm_device_schedule(ctx) ? 0 : 1; }
 
+/* temp_w: the product takes a view of w (w reshaped twice: a temporary), so that w's gradient
+ * there is fresh (call->gin_fresh[1]: the Hopper kernel writes it, beta = 0, empty groups zeroed
+ * apart), with fresh buffers NaN-poisoned: an element left unwritten reaches w's gradient. */
 static void grouped_case_in(tm_ctx *ctx, tm_dtype dt, int64_t G, int64_t K, int64_t N, const int64_t *counts,
-                            double atol, double rtol) {
+                            double atol, double rtol, int temp_w) {
     int64_t R = 0;
     for (int64_t g = 0; g < G; g++) R += counts[g];
     int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N};
@@ -437,9 +440,15 @@ static void grouped_case_in(tm_ctx *ctx, tm_dtype dt, int64_t G, int64_t K, int6
     for (int k = 0; k < 2; k++) {
         x[k] = from(ctx, dt, 2, xs, devs[k], hx, 1);
         w[k] = from(ctx, dt, 3, ws, devs[k], hw, 1);
-        tm_tensor *cnt = from(ctx, TM_I64, 1, &G, devs[k], hc, 0);
+        tm_tensor *cnt = from(ctx, TM_I64, 1, &G, devs[k], hc, 0), *wu = w[k];
+        if (temp_w) {
+            int64_t flat[2] = {G * K, N};
+            tm_tensor *w2;
+            TT_OK(ctx, tm_reshape(ctx, w[k], 2, flat, &w2));
+            TT_OK(ctx, tm_reshape(ctx, w2, 3, ws, &wu));
+        }
         uint64_t before = tm_ctx_sync_count(ctx);
-        TT_OK(ctx, tm_grouped_matmul(ctx, x[k], w[k], cnt, &y[k]));
+        TT_OK(ctx, tm_grouped_matmul(ctx, x[k], wu, cnt, &y[k]));
         uint64_t fwd = tm_ctx_sync_count(ctx) - before;
         TT_OK(ctx, tm_backward_with_grad(ctx, y[k], from(ctx, dt, 2, ys, devs[k], hdy, 0)));
         uint64_t all = tm_ctx_sync_count(ctx) - before, want = grouped_syncs(ctx, dt);
@@ -465,7 +474,7 @@ static void grouped_case_in(tm_ctx *ctx, tm_dtype dt, int64_t G, int64_t K, int6
 static void grouped_case(tm_dtype dt, int device_schedule, int64_t G, int64_t K, int64_t N, const int64_t *counts,
                          double atol, double rtol) {
     tm_ctx *ctx = gmm_ctx(device_schedule);
-    grouped_case_in(ctx, dt, G, K, N, counts, atol, rtol);
+    grouped_case_in(ctx, dt, G, K, N, counts, atol, rtol, 0);
     tm_ctx_free(ctx);
 }
 
@@ -491,9 +500,9 @@ Test(cuda_parity_moe, grouped_matmul_f32_bucketed_plans) {
     TT_SKIP_WITHOUT_CUDA();
     tm_ctx *ctx = tt_parity_ctx();
     const int64_t first[E7] = {70, 100, 128, 0, 65, 129, 300}, second[E7] = {128, 65, 0, 99, 300, 250, 1};
-    grouped_case_in(ctx, TM_F32, E7, 24, 16, first, 1e-5, 1e-5);
-    grouped_case_in(ctx, TM_F32, E7, 24, 16, second, 1e-5, 1e-5);
-    grouped_case_in(ctx, TM_F32, E7, 24, 16, first, 1e-5, 1e-5);
+    grouped_case_in(ctx, TM_F32, E7, 24, 16, first, 1e-5, 1e-5, 0);
+    grouped_case_in(ctx, TM_F32, E7, 24, 16, second, 1e-5, 1e-5, 0);
+    grouped_case_in(ctx, TM_F32, E7, 24, 16, first, 1e-5, 1e-5, 0);
     tm_ctx_free(ctx);
 }
 
@@ -867,9 +876,10 @@ Test(cuda_parity_moe, bitwise_reproducible) {
  * 423 rows ending mid-slab (the next group's rows zeroed in shared memory), 9 groups (odd), one
  * group; then K 13 (not a multiple of 8), which must fall back with its reason. Where the device
  * is an sm_90, tm__gmm_note must be empty after each call that K and N allow: the Hopper kernel ran. */
-static void grouped_case_hopper(int64_t G, int64_t K, int64_t N, const int64_t *counts, int must_run) {
+static void grouped_case_hopper(int64_t G, int64_t K, int64_t N, const int64_t *counts, int must_run, int temp_w) {
     tm_ctx *ctx = gmm_ctx(TM_GROUPED_GEMM_HOPPER);
-    grouped_case_in(ctx, TM_BF16, G, K, N, counts, 1e-2, 1e-2);
+    if (temp_w) tm__test_fresh_hooks(ctx, 1, 0);
+    grouped_case_in(ctx, TM_BF16, G, K, N, counts, 1e-2, 1e-2, temp_w);
     const char *note = tm__gmm_note(ctx);
     int64_t R = 0;
     for (int64_t g = 0; g < G; g++) R += counts[g];
@@ -885,16 +895,32 @@ Test(cuda_parity_moe, grouped_matmul_bf16_hopper) {
     const int64_t ragged[E7] = {5, 0, 130, 1, 0, 200, 3}, first_last_empty[E7] = {0, 4, 129, 17, 2, 8, 0},
                   big[E7] = {140, 0, 301, 7, 129, 0, 423}, none[E7] = {0, 0, 0, 0, 0, 0, 0},
                   nine[9] = {128, 0, 1, 255, 64, 0, 77, 300, 2};
-    grouped_case_hopper(E7, 72, 40, ragged, 1);
-    grouped_case_hopper(E7, 72, 40, first_last_empty, 1);
-    grouped_case_hopper(E7, 40, 72, ragged, 1);
-    grouped_case_hopper(E7, 256, 192, big, 1);
-    grouped_case_hopper(E7, 136, 264, big, 1);
-    grouped_case_hopper(9, 64, 320, nine, 1);
-    grouped_case_hopper(E7, 72, 40, none, 1); /* R = 0 */
+    grouped_case_hopper(E7, 72, 40, ragged, 1, 0);
+    grouped_case_hopper(E7, 72, 40, first_last_empty, 1, 0);
+    grouped_case_hopper(E7, 40, 72, ragged, 1, 0);
+    grouped_case_hopper(E7, 256, 192, big, 1, 0);
+    grouped_case_hopper(E7, 136, 264, big, 1, 0);
+    grouped_case_hopper(9, 64, 320, nine, 1, 0);
+    grouped_case_hopper(E7, 72, 40, none, 1, 0); /* R = 0 */
     const int64_t single[1] = {37};
-    grouped_case_hopper(1, 8, 8, single, 1);
-    grouped_case_hopper(E7, 13, 11, ragged, 0);
+    grouped_case_hopper(1, 8, 8, single, 1, 0);
+    grouped_case_hopper(E7, 13, 11, ragged, 0, 0);
+}
+
+/* The same kernel writing a fresh dw (the weight a temporary view, as ZeRO-3's gathered expert
+ * weights are): empty groups (first, last, several, all) zeroed, the rest written with beta = 0,
+ * both against the CPU, under NaN-poisoned fresh buffers. */
+Test(cuda_parity_moe, grouped_matmul_bf16_hopper_fresh_dw) {
+    TT_SKIP_WITHOUT_CUDA();
+    const int64_t ragged[E7] = {5, 0, 130, 1, 0, 200, 3}, first_last_empty[E7] = {0, 4, 129, 17, 2, 8, 0},
+                  big[E7] = {140, 0, 301, 7, 129, 0, 423}, none[E7] = {0, 0, 0, 0, 0, 0, 0},
+                  nine[9] = {128, 0, 1, 255, 64, 0, 77, 300, 2};
+    grouped_case_hopper(E7, 72, 40, ragged, 1, 1);
+    grouped_case_hopper(E7, 72, 40, first_last_empty, 1, 1);
+    grouped_case_hopper(E7, 136, 264, big, 1, 1);
+    grouped_case_hopper(9, 64, 320, nine, 1, 1);
+    grouped_case_hopper(E7, 72, 40, none, 1, 1); /* R = 0: every dw zeroed */
+    grouped_case_hopper(E7, 13, 11, ragged, 0, 1); /* the fallback kernel: zero-filled, then added */
 }
 
 /* TM_GROUPED_GEMM_AUTO (tm_ctx_options_default, so tt_parity_ctx's): the Hopper kernel exactly
@@ -904,13 +930,13 @@ Test(cuda_parity_moe, grouped_gemm_auto_is_hopper_where_it_runs) {
     TT_SKIP_WITHOUT_CUDA();
     const int64_t ragged[E7] = {5, 0, 130, 1, 0, 200, 3};
     tm_ctx *h = gmm_ctx(TM_GROUPED_GEMM_HOPPER);
-    grouped_case_in(h, TM_BF16, E7, 72, 40, ragged, 1e-2, 1e-2);
+    grouped_case_in(h, TM_BF16, E7, 72, 40, ragged, 1e-2, 1e-2, 0);
     int hopper_runs = tm__gmm_note(h)[0] == 0;
     tm_ctx_free(h);
     tm_ctx *a = tt_parity_ctx();
     cr_assert_eq(tm__gmm_mode(a), hopper_runs ? TM_GROUPED_GEMM_HOPPER : TM_GROUPED_GEMM_CUBLASLT,
                  "auto chose mode %d where the Hopper kernel %s", tm__gmm_mode(a), hopper_runs ? "runs" : "does not run");
-    grouped_case_in(a, TM_BF16, E7, 72, 40, ragged, 1e-2, 1e-2);
+    grouped_case_in(a, TM_BF16, E7, 72, 40, ragged, 1e-2, 1e-2, 0);
     tm_ctx_free(a);
 }
 

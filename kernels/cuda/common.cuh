@@ -55,6 +55,9 @@ typedef struct tm__cuda {
      * first use, and whether the engine's calls go there now. */
     cudaStream_t side;
     int side_on;
+    /* Recorded on the side stream at each side_end: until it has happened, collectives beside
+     * the work may hold SMs (kernels that size their grid leave them comm_sms; tm__cuda_side_busy). */
+    cudaEvent_t side_tail;
     cublasLtHandle_t lt;
     void *workspace;                     /* cuBLASLt workspace, allocated once */
     size_t workspace_bytes;
@@ -64,6 +67,17 @@ typedef struct tm__cuda {
      * the next wait for the stream is its, not a plain cudaStreamSynchronize (device.cu). */
     tm_status (*comm_wait)(tm_ctx *ctx, const char *what);
 } tm__cuda;
+
+/* 1 while work enqueued on the side stream has not finished, as far as the host can tell now
+ * (it runs ahead of the device: work still queued counts as busy, as it will run beside what is
+ * launched next). */
+static inline int tm__cuda_side_busy(const tm__cuda *st) {
+    if (!st->side_tail) return 0;
+    cudaError_t r = cudaEventQuery(st->side_tail);
+    if (r == cudaSuccess) return 0;
+    if (r != cudaErrorNotReady) (void)cudaGetLastError(); /* shows at the next wait of the work stream */
+    return 1;
+}
 
 /* ---- errors -------------------------------------------------------------------------------- */
 

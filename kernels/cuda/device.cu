@@ -39,6 +39,7 @@ static void tm__cuda_shutdown(tm_ctx *ctx, void *state) {
     if (st->lt) cublasLtDestroy(st->lt);
     if (st->stream) cudaStreamDestroy(st->stream);
     if (st->side) cudaStreamDestroy(st->side);
+    if (st->side_tail) cudaEventDestroy(st->side_tail);
     (void)cudaGetLastError();
     tm__host_free(ctx, st);
 }
@@ -237,6 +238,8 @@ static tm_status tm__cuda_side_end(tm_ctx *ctx, void **event) {
     cudaEvent_t e;
     TM__CU_CHECK(ctx, what, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     cudaError_t r = cudaEventRecord(e, st->side);
+    if (r == cudaSuccess && !st->side_tail) r = cudaEventCreateWithFlags(&st->side_tail, cudaEventDisableTiming);
+    if (r == cudaSuccess) r = cudaEventRecord(st->side_tail, st->side);
     if (r != cudaSuccess) cudaEventDestroy(e);
     TM__CU_CHECK(ctx, what, r);
     *event = (void *)e;

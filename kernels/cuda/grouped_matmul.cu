@@ -519,6 +519,27 @@ static tm_status gmm_launch(tm__call *c, tm__cuda *st, const gmm_args &a, int64_
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/* dw[g] = 0 for each group g without rows (counts on the device): a fresh dw's groups that the
+ * K-grouped sm90 kernel, which gives empty groups no tile, leaves unwritten.  dw (G, K, N) */
+__global__ void gmm_zero_empty_kernel(tm__bf16 *dw, const int64_t *counts, int64_t per_group) {
+    const int64_t g = blockIdx.y;
+    if (counts[g] != 0) return;
+    tm__bf16 *d = dw + g * per_group;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < per_group; i += (int64_t)gridDim.x * blockDim.x)
+        tm__st(d + i, 0.0f);
+}
+
+static tm_status gmm_zero_empty(tm__call *c, tm__cuda *st, void *dw) {
+    const tm_tensor *w = c->in[1];
+    const int64_t G = w->shape[0], per = w->shape[1] * w->shape[2];
+    if (G == 0 || per == 0) return TM_OK;
+    const int64_t blocks = (per + 255) / 256;
+    gmm_zero_empty_kernel<<<dim3((unsigned)(blocks < 64 ? blocks : 64), (unsigned)G), 256, 0, st->stream>>>(
+        (tm__bf16 *)dw, (const int64_t *)tm__data(c->in[2]), per);
+    TM__CU_CHECK(c->ctx, "grouped_matmul (dw of empty groups)", cudaGetLastError());
+    return TM_OK;
+}
+
 /* Under TM_GROUPED_GEMM_HOPPER: the sm_90a kernel (grouped_matmul_sm90.cu) for one direction.
  * 1: done (*s TM_OK) or failed (*s the error); 0: it cannot take this call (the reason goes to
  * tm__gmm_note) and the caller runs the kernel of this file. */
@@ -530,12 +551,14 @@ static int gmm_try_sm90(tm__call *c, tm__cuda *st, int mode, const void *A, cons
     a.mode = mode, a.a = A, a.b = B, a.c = C, a.counts = (const int64_t *)tm__data(c->in[2]);
     a.G = w->shape[0], a.R = x->shape[0], a.K = w->shape[1], a.N = w->shape[2];
     a.bn = 0;
-    a.spare_sms = tm__coll_spare_sms(c->ctx);
-    a.write = mode == TM__GMM90_DX && c->gin_fresh[0];
+    a.spare_sms = tm__cuda_side_busy(st) ? tm__coll_spare_sms(c->ctx) : 0;
+    a.write = (mode == TM__GMM90_DX && c->gin_fresh[0]) || (mode == TM__GMM90_DW && c->gin_fresh[1]);
     char why[256];
     const int rc = tm__gmm90_run(&a, st->stream, why, sizeof why);
     if (rc == 0) {
         tm__gmm_set_note(c->ctx, "");
+        /* a fresh dw: the kernel gives an empty group no tile, so its dw[g] is zeroed here */
+        if (mode == TM__GMM90_DW && a.write) *s = gmm_zero_empty(c, st, C);
         return 1;
     }
     if (rc > 0) {
@@ -576,10 +599,14 @@ static tm_status gmm_backward_bf16(tm__call *c, tm__cuda *st) {
     const int64_t R = x->shape[0], G = w->shape[0], K = w->shape[1], N = w->shape[2];
     const int64_t *cnt;
     TM__TRY(tm__grouped_matmul_counts_mirrored(c, &cnt)); /* counts may have been rewritten since the forward */
-    /* a fresh dx is written whole by either kernel (rows past the groups 0); dw skips empty
-     * groups, so a fresh dw is zero-filled first, as is a fresh dx that no kernel will write */
-    TM__TRY(tm__gin_prepare(c, 1));
-    if (R == 0 || K == 0 || N == 0) return tm__gin_prepare(c, 0); /* nothing to add */
+    /* a fresh dx is written whole by either kernel (rows past the groups 0); a fresh dw by the
+     * sm90 kernel with its empty groups zeroed after it (gmm_zero_empty); the kernel of this
+     * file skips empty groups' dw and adds, so there a fresh dw is zero-filled first, as is a
+     * fresh gradient that no kernel will write */
+    if (R == 0 || K == 0 || N == 0) { /* nothing to add */
+        TM__TRY(tm__gin_prepare(c, 1));
+        return tm__gin_prepare(c, 0);
+    }
     const void *X = tm__data(x), *W = tm__data(w), *DY = tm__data(c->gout[0]);
     tm_status rs;
     if (gx && gmm_try_sm90(c, st, TM__GMM90_DX, DY, W, tm__data(gx), &rs)) {
@@ -590,6 +617,7 @@ static tm_status gmm_backward_bf16(tm__call *c, tm__cuda *st) {
         TM__TRY(rs);
         gw = NULL;
     }
+    if (gw) TM__TRY(tm__gin_prepare(c, 1));
     if (!gx && !gw) return TM_OK;
     gmm_sched s;
     int64_t MT;

@@ -63,7 +63,8 @@
  * by cp.async while the second slab's wgmmas run, is read back by ldmatrix.x4 in the fragment
  * layout, added in f32 and rounded once, as cuBLASLt does with beta = 1. A fresh dx (args.write:
  * the caller's gradient holds no contribution yet) takes the forward's beta = 0 epilogue
- * instead (kernel template WRITE): no load of the old tile, and the rows past the groups get 0.
+ * instead (kernel template WRITE): no load of the old tile, and the rows past the groups get 0;
+ * a fresh dw likewise (its empty groups, which own no tile, are zeroed by the caller).
  * Measured on an H100 (bench/gmm_sm90_harness.cu, R 98304, E 64, H 2048, F 1408; % of a dense
  * cuBLAS GEMM of the same FLOPs, two runs): fwd 84-93%, dx 75-85%, dw 70-87%, fwd + bwd 78-87%. The same
  * epilogue with st.global from the fragments ran at 33-35% (beta's loads serialised behind
@@ -215,8 +216,9 @@ struct gmm90_tile {
     int red1;       /* DW: the group's end row */
 };
 
-/* WRITE (DX only): dx is a fresh gradient (call->gin_fresh): written as the forward writes y,
- * beta = 0, without loading the old tile, and rows past the groups get 0 */
+/* WRITE (DX, DW): the gradient is fresh (call->gin_fresh): written as the forward writes y,
+ * beta = 0, without loading the old tile; DX's rows past the groups get 0, DW's empty groups
+ * are the caller's (grouped_matmul.cu zeroes them) */
 template <int MODE, int BN, bool WRITE = false>
 __global__ void __launch_bounds__(GMM90_THREADS, 1)
     gmm90_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
@@ -696,7 +698,11 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
     case 3:
         return a->write ? gmm90_launch<TM__GMM90_DX, 256, true>(a, ma, mb, mc, p, bound, st, why, n)
                         : gmm90_launch<TM__GMM90_DX, 256>(a, ma, mb, mc, p, bound, st, why, n);
-    case 4: return gmm90_launch<TM__GMM90_DW, 128>(a, ma, mb, mc, p, bound, st, why, n);
-    default: return gmm90_launch<TM__GMM90_DW, 256>(a, ma, mb, mc, p, bound, st, why, n);
+    case 4:
+        return a->write ? gmm90_launch<TM__GMM90_DW, 128, true>(a, ma, mb, mc, p, bound, st, why, n)
+                        : gmm90_launch<TM__GMM90_DW, 128>(a, ma, mb, mc, p, bound, st, why, n);
+    default:
+        return a->write ? gmm90_launch<TM__GMM90_DW, 256, true>(a, ma, mb, mc, p, bound, st, why, n)
+                        : gmm90_launch<TM__GMM90_DW, 256>(a, ma, mb, mc, p, bound, st, why, n);
     }
 }

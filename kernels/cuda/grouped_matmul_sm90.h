@@ -36,8 +36,9 @@ typedef struct tm__gmm90_args {
     int64_t G, R, K, N;
     int bn; /* columns per tile: 0 picks (256, or 128 when that pads fewer columns); 128 or 256 */
     int spare_sms; /* SMs left free (collectives beside the work: tm__cuda.comm_sms); 0: none */
-    int write;     /* DX only: 1 writes dx whole (beta = 0: a fresh gradient, rows past the groups
-                    * 0) instead of adding into it */
+    int write;     /* DX, DW: 1 writes the gradient (beta = 0: a fresh one) instead of adding into
+                    * it; dx whole (rows past the groups 0), dw except its empty groups (no tile:
+                    * the caller zeroes them) */
 } tm__gmm90_args;
 
 #define TM__GMM90_MAX_G 1024
