@@ -162,6 +162,10 @@ struct tm_ctx {
     uint64_t sync_count;                  /* device-to-host synchronisations (tm_ctx_sync_count) */
     double sync_seconds;                  /* host time blocked in them (tm_ctx_sync_seconds) */
 
+    /* tm_ctx_zero_grad's count: a ZeRO-3 piece whose gradient was not written since the last
+     * one (tm__param_meta.grad_epoch) holds zeros, and its reduce-scatter writes it (fsdp.c) */
+    uint64_t grad_epoch;
+
     int perturb_op; /* tests: op id whose backward sees a scaled upstream grad; -1 off */
     /* tests (tm__test_fresh_hooks): fill fresh gradients with NaN, so that an element a
      * TM__OP_GRAD_WRITES backward leaves unwritten shows; mark every gradient of such an op

@@ -465,10 +465,21 @@ tm_status tm__fsdp_gather_backward(tm__call *c) {
     t->node = NULL;
     t->requires_grad = 0;
     (void)x, (void)G;
+    /* The piece's gradient (a view of the shard) written since the last tm_ctx_zero_grad? If
+     * not it holds zeros, and the sums go straight into it (no add kernel afterwards, which read
+     * the sums and the shard and wrote the shard: 3 passes over this rank's share); the values
+     * are those of 0 + sums. Where it was written (a second micro-batch, a weight used twice),
+     * they land in go and are added. */
+    tm__param_meta *pm = ctx->named[c->iattr[2]]->pm;
+    tm_tensor *gx = c->gin[0];
+    int direct = gx && pm && pm->grad_epoch != ctx->grad_epoch + 1 && gx->dtype == go->dtype &&
+                 tm__numel(gx) == cnt[me] && tm__is_contiguous(gx);
+    if (gx && pm) pm->grad_epoch = ctx->grad_epoch + 1;
     int side = tm__coll_side_on(ctx, go->device);
     if (side) TM__TRY(tm__coll_side_begin(ctx, go->device));
-    tm_status s = tm__coll_reduce_scatterv(ctx, g, tm__data(go), tm__data(t), tm__data(c->saved[0]), go->dtype,
-                                           go->device);
+    tm_status s = tm__coll_reduce_scatterv(ctx, g, tm__data(go), tm__data(direct ? gx : t), tm__data(c->saved[0]),
+                                           go->dtype, go->device);
+    if (direct) gx = NULL; /* nothing left to add */
     void *ev = NULL;
     if (side) {
         tm_status se = tm__coll_side_end(ctx, go->device, &ev);
@@ -478,9 +489,9 @@ tm_status tm__fsdp_gather_backward(tm__call *c) {
         if (ev) (void)tm__coll_event_wait(ctx, go->device, ev);
         return s;
     }
-    if (!ev) return c->gin[0] ? tm__accumulate(ctx, c->gin[0], t, 1.0) : TM_OK;
+    if (!ev) return gx ? tm__accumulate(ctx, gx, t, 1.0) : TM_OK;
     TM__TRY(grow(ctx, (void **)&f->red, &f->cap_red, f->n_red + 1, sizeof *f->red));
-    f->red[f->n_red++] = (fsdp_red){ev, go->device, t, c->gin[0], go};
+    f->red[f->n_red++] = (fsdp_red){ev, go->device, t, gx, go};
     /* go is read beside the work until ev: the tape must not give it back (autograd.c's
      * release_node frees the gradients it still sees) */
     c->gout[0] = NULL;

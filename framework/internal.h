@@ -106,6 +106,8 @@ typedef struct tm__param_meta {
     tm_tensor *master;           /* f32 master copy (bf16 parameters once an optimizer made it) */
     tm_tensor *piece;            /* ZeRO-3: this rank's part of the parameter, a view of its bucket's
                                   * block whose gradient is part of the gradient shard (fsdp.c) */
+    uint64_t grad_epoch;         /* ZeRO-3: 1 + the ctx's grad_epoch when the piece's gradient was
+                                  * last written (0: not since the shard was made) */
 } tm__param_meta;
 
 /* One op invocation; the tape stores copies of these. */

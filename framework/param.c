@@ -354,6 +354,7 @@ const char *tm__bucket_first_param(const tm_ctx *ctx, int bucket) {
 
 tm_status tm_ctx_zero_grad(tm_ctx *ctx) {
     if (!ctx) return TM_ERR_INVALID_ARG;
+    ctx->grad_epoch++;
     for (int i = 0; i < ctx->n_buckets; i++) {
         tm__bucket *b = ctx->buckets[i];
         if (b->grads_transient) {
