@@ -3,7 +3,7 @@
  * an op that is the first contributor to a temporary's gradient writes it instead of adding
  * into a zero-filled buffer. For every converted op (swiglu, matmul, grouped_matmul,
  * moe_unpermute, add, sub, mul, scale, silu, scale_rows, rmsnorm, add_rmsnorm, rope,
- * cross_entropy; add, sub and mul with a broadcast operand, whose gradient is a sum over rows):
+ * cross_entropy, moe_permute; add, sub and mul with a broadcast operand, whose gradient is a sum over rows):
  *   - the gradient written fresh equals, bit for bit, the one accumulated into zeros (the
  *     input's gradient made to exist first by an earlier backward of 0 * x), in f32, f64 and
  *     bf16 (the CPU's f32 staging of bf16 calls);
@@ -24,8 +24,12 @@
 
 enum {
     OP_SWIGLU, OP_MATMUL, OP_GMM, OP_UNPERMUTE, OP_ADD, OP_SUB, OP_MUL, OP_SCALE, OP_SILU, OP_SCALE_ROWS,
-    OP_RMSNORM, OP_ADD_RMSNORM, OP_ROPE, OP_CE
+    OP_RMSNORM, OP_ADD_RMSNORM, OP_ROPE, OP_CE, OP_PERMUTE
 };
+
+/* moe_permute's routing map, 4 tokens x 3 experts: token 2 routed nowhere (its dx row is
+ * written as zeros when fresh), unrouted (t, e) get d probs 0; align_size 2 pads expert 1 */
+static const double perm_map[12] = {1, 0, 1, 0, 1, 0, 0, 0, 0, 1, 1, 0};
 
 /* cross_entropy's targets: row 1 ignored (its dlogits row is written as zeros when fresh) */
 static const double ce_targets[4] = {1, -100, 4, 0};
@@ -39,7 +43,8 @@ static const double unp_rows[6] = {2, -1, 0, 1, -1, 2};
  * row_token [6], 3 tokens); add (a [3,5], b [3,5]); sub (a [5] broadcast, b [3,5]); mul
  * (a [3,5], b [5] broadcast); scale, silu (x [3,5]); scale_rows (x [4,3], w [4]); rmsnorm
  * (x [3,8], w [8]); add_rmsnorm (x [3,8], y [3,8], w [8]); rope (x [1,3,2,4]); cross_entropy
- * (logits [4,5], targets). Returns how many (the first ones) take a gradient. */
+ * (logits [4,5], targets); moe_permute (x [4,6], probs [4,3], routing map [4,3]). Returns how
+ * many (the first ones) take a gradient. */
 static int make_inputs(tm_ctx *ctx, int op, tm_dtype dt, tm_tensor **in) {
     int64_t s35[2] = {3, 5}, s5 = 5, s38[2] = {3, 8}, s8 = 8;
     switch (op) {
@@ -61,6 +66,11 @@ static int make_inputs(tm_ctx *ctx, int op, tm_dtype dt, tm_tensor **in) {
         int64_t sx[4] = {1, 3, 2, 4};
         in[0] = tt_randn(ctx, dt, 4, sx, 76);
         return 1;
+    }
+    case OP_PERMUTE: {
+        int64_t sx[2] = {4, 6}, sm[2] = {4, 3};
+        in[0] = tt_randn(ctx, dt, 2, sx, 78), in[1] = tt_randn(ctx, dt, 2, sm, 79), in[2] = tt_from(ctx, TM_U8, 2, sm, perm_map);
+        return 2;
     }
     case OP_CE: {
         int64_t sl[2] = {4, 5}, N = 4;
@@ -107,6 +117,13 @@ static tm_status run_op(tm_ctx *ctx, int op, tm_tensor **in, tm_tensor **out) {
     }
     case OP_ROPE: return tm_rope(ctx, in[0], 2, 10000.0, out);
     case OP_CE: return tm_cross_entropy(ctx, in[0], in[1], -100, out);
+    case OP_PERMUTE: {
+        /* rows times their probabilities: both outputs carry gradient (scale_rows writes them
+         * fresh either way) */
+        tm_moe_dispatch d;
+        TM__TRY(tm_moe_permute(ctx, in[0], in[2], in[1], 2, 0, &d));
+        return tm_scale_rows(ctx, d.permuted, d.permuted_probs, out);
+    }
     default: break;
     }
     if (op == OP_SWIGLU) return tm_swiglu(ctx, in[0], in[1], out);
@@ -153,8 +170,9 @@ static void check_fresh_equals_accumulate(int op, tm_dtype dt) {
     int64_t nf[3], na[3], cf, ca;
     int k = grads(op, dt, 0, gf, nf, &cf);
     grads(op, dt, 1, ga, na, &ca);
-    /* add_rmsnorm's case adds its two outputs: that add writes their gradients fresh either way */
-    int64_t inner = op == OP_ADD_RMSNORM ? 2 : 0;
+    /* add_rmsnorm's and moe_permute's cases combine their two outputs: that op writes their
+     * gradients fresh either way */
+    int64_t inner = op == OP_ADD_RMSNORM || op == OP_PERMUTE ? 2 : 0;
     cr_assert_eq(cf, k + inner, "op %d: %lld fresh gradients handed out, want %lld", op, (long long)cf,
                  (long long)(k + inner));
     cr_assert_eq(ca, inner, "op %d: an input with a gradient got a fresh one (%lld)", op, (long long)(ca - inner));
@@ -205,6 +223,7 @@ Test(fresh_grad, rmsnorm_bits) { check_all_dtypes(OP_RMSNORM); }
 Test(fresh_grad, add_rmsnorm_bits) { check_all_dtypes(OP_ADD_RMSNORM); }
 Test(fresh_grad, rope_bits) { check_all_dtypes(OP_ROPE); }
 Test(fresh_grad, cross_entropy_bits) { check_all_dtypes(OP_CE); }
+Test(fresh_grad, moe_permute_bits) { check_all_dtypes(OP_PERMUTE); }
 
 /* ---- two consumers, and one tensor as both inputs: finite differences (f64) ---- */
 
@@ -313,6 +332,23 @@ static tm_status rope_ce_two(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor 
     TM__TRY(tm_add(ctx, ra, rb, &l));
     return tm_cross_entropy(ctx, l, in[1], -100, out);
 }
+/* x [4,6]: x * x (recorded first, so its backward runs last and adds) + unpermute(permute(x)):
+ * permute's backward writes x's gradient (and probs') fresh. */
+static tm_status permute_two(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    tm_tensor *m, *r;
+    tm_moe_dispatch d;
+    TM__TRY(tm_mul(ctx, in[0], in[0], &m));
+    TM__TRY(tm_moe_permute(ctx, in[0], in[2], in[1], 2, 0, &d));
+    TM__TRY(tm_moe_unpermute(ctx, d.permuted, d.permuted_probs, d.row_token, 4, &r));
+    return tm_add(ctx, r, m, out);
+}
+static double case_permute_two(tm_ctx *ctx) {
+    int64_t sx[2] = {4, 6}, sm[2] = {4, 3};
+    tm_tensor *in[3] = {tt_randn(ctx, TM_F64, 2, sx, 87), tt_randn(ctx, TM_F64, 2, sm, 88),
+                        tt_from(ctx, TM_U8, 2, sm, perm_map)};
+    int check[3] = {1, 1, 0};
+    return tt_gradcheck(ctx, permute_two, NULL, 3, in, check, 1e-6, 1e-8, 1e-6);
+}
 static double case_ew_two(tm_ctx *ctx) {
     int64_t s[2] = {3, 5}, m = 5;
     tm_tensor *in[2] = {tt_randu(ctx, TM_F64, 2, s, 81, -2.0, 2.0), tt_randn(ctx, TM_F64, 1, &m, 82)};
@@ -344,9 +380,9 @@ static double run_case(double (*fn)(tm_ctx *), int force, int64_t *fresh) {
     return r;
 }
 
-#define N_TWO 7
+#define N_TWO 8
 static double (*const two_cases[N_TWO])(tm_ctx *) = {case_swiglu_two, case_matmul_two, case_gmm_two, case_unpermute_two,
-                                                     case_ew_two, case_norm_two, case_rope_ce_two};
+                                                     case_ew_two, case_norm_two, case_rope_ce_two, case_permute_two};
 
 Test(fresh_grad, two_consumers) {
     double (*const *cases)(tm_ctx *) = two_cases;
