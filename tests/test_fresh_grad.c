@@ -3,14 +3,14 @@
  * an op that is the first contributor to a temporary's gradient writes it instead of adding
  * into a zero-filled buffer. For every converted op (swiglu, matmul, grouped_matmul,
  * moe_unpermute, add, sub, mul, scale, silu, scale_rows, rmsnorm, add_rmsnorm, rope,
- * cross_entropy, moe_permute; add, sub and mul with a broadcast operand, whose gradient is a sum over rows):
+ * cross_entropy, moe_permute, attention; add, sub and mul with a broadcast operand, whose gradient is a sum over rows):
  *   - the gradient written fresh equals, bit for bit, the one accumulated into zeros (the
  *     input's gradient made to exist first by an earlier backward of 0 * x), in f32, f64 and
  *     bf16 (the CPU's f32 staging of bf16 calls);
  *   - every element is written: fresh buffers are filled with NaN first (test hook);
  *   - one tensor feeding two consumers (the first to run writes, the second adds) and an op
- *     whose two inputs are one tensor (x x^T, swiglu(x, x), x + x, x * x, add_rmsnorm(x, x, w):
- *     not fresh) match finite differences;
+ *     whose two inputs are one tensor (x x^T, swiglu(x, x), x + x, x * x, add_rmsnorm(x, x, w),
+ *     attention(q, k, k): not fresh) match finite differences;
  *   - the fresh path ran (tm__test_fresh_count), and it does not run for parameters;
  *   - a deliberately wrong autograd (every gradient of such an op marked fresh, even one with
  *     earlier contributions: tm__test_fresh_hooks force) fails the two-consumer check.
@@ -24,7 +24,7 @@
 
 enum {
     OP_SWIGLU, OP_MATMUL, OP_GMM, OP_UNPERMUTE, OP_ADD, OP_SUB, OP_MUL, OP_SCALE, OP_SILU, OP_SCALE_ROWS,
-    OP_RMSNORM, OP_ADD_RMSNORM, OP_ROPE, OP_CE, OP_PERMUTE
+    OP_RMSNORM, OP_ADD_RMSNORM, OP_ROPE, OP_CE, OP_PERMUTE, OP_ATTENTION
 };
 
 /* moe_permute's routing map, 4 tokens x 3 experts: token 2 routed nowhere (its dx row is
@@ -43,8 +43,8 @@ static const double unp_rows[6] = {2, -1, 0, 1, -1, 2};
  * row_token [6], 3 tokens); add (a [3,5], b [3,5]); sub (a [5] broadcast, b [3,5]); mul
  * (a [3,5], b [5] broadcast); scale, silu (x [3,5]); scale_rows (x [4,3], w [4]); rmsnorm
  * (x [3,8], w [8]); add_rmsnorm (x [3,8], y [3,8], w [8]); rope (x [1,3,2,4]); cross_entropy
- * (logits [4,5], targets); moe_permute (x [4,6], probs [4,3], routing map [4,3]). Returns how
- * many (the first ones) take a gradient. */
+ * (logits [4,5], targets); moe_permute (x [4,6], probs [4,3], routing map [4,3]); attention
+ * (q [2,3,4,4], k, v [2,5,2,4]). Returns how many (the first ones) take a gradient. */
 static int make_inputs(tm_ctx *ctx, int op, tm_dtype dt, tm_tensor **in) {
     int64_t s35[2] = {3, 5}, s5 = 5, s38[2] = {3, 8}, s8 = 8;
     switch (op) {
@@ -71,6 +71,12 @@ static int make_inputs(tm_ctx *ctx, int op, tm_dtype dt, tm_tensor **in) {
         int64_t sx[2] = {4, 6}, sm[2] = {4, 3};
         in[0] = tt_randn(ctx, dt, 2, sx, 78), in[1] = tt_randn(ctx, dt, 2, sm, 79), in[2] = tt_from(ctx, TM_U8, 2, sm, perm_map);
         return 2;
+    }
+    case OP_ATTENTION: {
+        /* grouped-query heads (4 query heads on 2 kv heads), Tk > Tq (the causal offset) */
+        int64_t sq[4] = {2, 3, 4, 4}, skv[4] = {2, 5, 2, 4};
+        in[0] = tt_randn(ctx, dt, 4, sq, 96), in[1] = tt_randn(ctx, dt, 4, skv, 97), in[2] = tt_randn(ctx, dt, 4, skv, 98);
+        return 3;
     }
     case OP_CE: {
         int64_t sl[2] = {4, 5}, N = 4;
@@ -117,6 +123,7 @@ static tm_status run_op(tm_ctx *ctx, int op, tm_tensor **in, tm_tensor **out) {
     }
     case OP_ROPE: return tm_rope(ctx, in[0], 2, 10000.0, out);
     case OP_CE: return tm_cross_entropy(ctx, in[0], in[1], -100, out);
+    case OP_ATTENTION: return tm_attention(ctx, in[0], in[1], in[2], 0.0, out);
     case OP_PERMUTE: {
         /* rows times their probabilities: both outputs carry gradient (scale_rows writes them
          * fresh either way) */
@@ -224,6 +231,7 @@ Test(fresh_grad, add_rmsnorm_bits) { check_all_dtypes(OP_ADD_RMSNORM); }
 Test(fresh_grad, rope_bits) { check_all_dtypes(OP_ROPE); }
 Test(fresh_grad, cross_entropy_bits) { check_all_dtypes(OP_CE); }
 Test(fresh_grad, moe_permute_bits) { check_all_dtypes(OP_PERMUTE); }
+Test(fresh_grad, attention_bits) { check_all_dtypes(OP_ATTENTION); }
 
 /* ---- two consumers, and one tensor as both inputs: finite differences (f64) ---- */
 
@@ -349,6 +357,20 @@ static double case_permute_two(tm_ctx *ctx) {
     int check[3] = {1, 1, 0};
     return tt_gradcheck(ctx, permute_two, NULL, 3, in, check, 1e-6, 1e-8, 1e-6);
 }
+/* attention(q, k, v) + attention(q, v, k): the second call's backward writes dq, dk and dv
+ * fresh, the first's adds (its dk lands in v's gradient and its dv in k's) */
+static tm_status attention_two(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    tm_tensor *a, *b;
+    TM__TRY(tm_attention(ctx, in[0], in[1], in[2], 0.0, &a));
+    TM__TRY(tm_attention(ctx, in[0], in[2], in[1], 0.0, &b));
+    return tm_add(ctx, a, b, out);
+}
+static double case_attention_two(tm_ctx *ctx) {
+    int64_t sq[4] = {1, 3, 4, 4}, skv[4] = {1, 5, 2, 4};
+    tm_tensor *in[3] = {tt_randn(ctx, TM_F64, 4, sq, 99), tt_randn(ctx, TM_F64, 4, skv, 100), tt_randn(ctx, TM_F64, 4, skv, 101)};
+    int check[3] = {1, 1, 1};
+    return tt_gradcheck(ctx, attention_two, NULL, 3, in, check, 1e-6, 1e-8, 1e-6);
+}
 static double case_ew_two(tm_ctx *ctx) {
     int64_t s[2] = {3, 5}, m = 5;
     tm_tensor *in[2] = {tt_randu(ctx, TM_F64, 2, s, 81, -2.0, 2.0), tt_randn(ctx, TM_F64, 1, &m, 82)};
@@ -380,9 +402,10 @@ static double run_case(double (*fn)(tm_ctx *), int force, int64_t *fresh) {
     return r;
 }
 
-#define N_TWO 8
+#define N_TWO 9
 static double (*const two_cases[N_TWO])(tm_ctx *) = {case_swiglu_two, case_matmul_two, case_gmm_two, case_unpermute_two,
-                                                     case_ew_two, case_norm_two, case_rope_ce_two, case_permute_two};
+                                                     case_ew_two, case_norm_two, case_rope_ce_two, case_permute_two,
+                                                     case_attention_two};
 
 Test(fresh_grad, two_consumers) {
     double (*const *cases)(tm_ctx *) = two_cases;
@@ -436,6 +459,16 @@ static tm_status add_rmsnorm_same(tm_ctx *ctx, tm_tensor **in, void *user, tm_te
     TM__TRY(tm_add_rmsnorm(ctx, in[0], in[0], in[1], 1e-5, &s, &h));
     return tm_scale_rows(ctx, h, in[2], out); /* h only: s's gradient is the autograd's zeros */
 }
+/* attention(q, k, k): k as v, dk and dv one buffer */
+static tm_status attention_same(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    return tm_attention(ctx, in[0], in[1], in[1], 0.0, out);
+}
+static double case_attention_same(tm_ctx *ctx) {
+    int64_t sq[4] = {1, 3, 4, 4}, skv[4] = {1, 5, 2, 4};
+    tm_tensor *in[2] = {tt_randn(ctx, TM_F64, 4, sq, 102), tt_randn(ctx, TM_F64, 4, skv, 103)};
+    int check[2] = {1, 1};
+    return tt_gradcheck(ctx, attention_same, NULL, 2, in, check, 1e-6, 1e-8, 1e-6);
+}
 static double case_add_same(tm_ctx *ctx) {
     int64_t s[2] = {3, 5};
     tm_tensor *in[1] = {tt_randn(ctx, TM_F64, 2, s, 91)};
@@ -455,21 +488,27 @@ static double case_add_rmsnorm_same(tm_ctx *ctx) {
     return tt_gradcheck(ctx, add_rmsnorm_same, NULL, 3, in, check, 1e-6, 1e-8, 1e-6);
 }
 
-/* x + x, x * x, add_rmsnorm(x, x, w): the two slots of x are one gradient; none is fresh (the
+/* x + x, x * x, add_rmsnorm(x, x, w), attention(q, k, k): the two slots of x are one gradient; none is fresh (the
  * second contribution adds to the first), and an autograd that marks them fresh anyway (the
  * second overwriting the first) is caught. */
 Test(fresh_grad, elementwise_same_tensor_twice) {
-    double (*cases[3])(tm_ctx *) = {case_add_same, case_mul_same, case_add_rmsnorm_same};
-    /* fresh gradients each case may hand out: scale_rows' dh and dp, add_rmsnorm's dw */
-    const int64_t want[3] = {0, 0, 3};
-    for (int i = 0; i < 3; i++) {
+    double (*cases[4])(tm_ctx *) = {case_add_same, case_mul_same, case_add_rmsnorm_same, case_attention_same};
+    /* fresh gradients each case may hand out: scale_rows' dh and dp, add_rmsnorm's dw; attention's dq */
+    const int64_t want[4] = {0, 0, 3, 1};
+    /* the CPU attention zeroes a fresh dk and dv (one buffer here) before it adds into either,
+     * so marking both fresh leaves its result right: no overwrite to catch there */
+    const int overwrites[4] = {1, 1, 1, 0};
+    for (int i = 0; i < 4; i++) {
         int64_t fresh;
         double r = run_case(cases[i], 0, &fresh);
         cr_assert_leq(r, 1.0, "same-tensor case %d: ratio %g", i, r);
         cr_assert_eq(fresh, want[i], "same-tensor case %d: %lld fresh gradients, want %lld", i, (long long)fresh,
                      (long long)want[i]);
         r = run_case(cases[i], 1, &fresh);
-        cr_assert_gt(r, 1.0, "same-tensor case %d: an autograd that overwrites x's gradient passed (ratio %g)", i, r);
+        if (overwrites[i])
+            cr_assert_gt(r, 1.0, "same-tensor case %d: an autograd that overwrites x's gradient passed (ratio %g)", i, r);
+        else
+            cr_assert_leq(r, 1.0, "same-tensor case %d, every slot fresh: ratio %g", i, r);
     }
 }
 
