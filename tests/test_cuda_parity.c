@@ -135,6 +135,20 @@ static tm_status f_norm_two(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tens
     if (!st) st = tm_scale_rows(c, s, in[2], &r);
     return st ? st : tm_add(c, r, h2, o);
 }
+/* concat(softmax(x), log_softmax(x), contiguous(x^T) reshaped) along columns: softmax writes x's
+ * gradient, log_softmax and the transpose add; concat writes its parts', contiguous its input's */
+static tm_status f_softmax_concat_two(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    const int64_t R = tm_tensor_dim(in[0], 0), C = tm_tensor_dim(in[0], 1);
+    int64_t shape[2] = {R, C};
+    tm_tensor *t, *ct, *r, *ls, *sm;
+    tm_status st = tm_transpose(c, in[0], 0, 1, &t);
+    if (!st) st = tm_contiguous(c, t, &ct);
+    if (!st) st = tm_reshape(c, ct, 2, shape, &r);
+    if (!st) st = tm_log_softmax(c, in[0], &ls);
+    if (!st) st = tm_softmax(c, in[0], &sm);
+    tm_tensor *parts[3] = {sm, ls, r};
+    return st ? st : tm_concat(c, 3, parts, 1, o);
+}
 /* cross_entropy(l + 0.5 l): cross-entropy writes its logits' gradient (zeros on the ignored
  * row), the add writes l's, the scale adds */
 static tm_status f_ce_two(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
@@ -258,6 +272,7 @@ static const tt_pcase CASES[] = {
     {"mul", "x * x (not fresh)", f_mul_same, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1, 0},
     {"rmsnorm", "rmsnorm + add_rmsnorm + scale_rows (fresh, then added)", f_norm_two, 3, {2, 1, 1}, {{5, 37}, {37}, {5}}, {0}, {0}, {0}, 1, 0},
     {"rmsnorm", "rmsnorm + add_rmsnorm + scale_rows, 16-byte groups (fresh, then added)", f_norm_two, 3, {2, 1, 1}, {{6, 96}, {96}, {6}}, {0}, {0}, {0}, 1, 0},
+    {"softmax", "concat(softmax(x), log_softmax(x), contiguous(x^T)) (fresh, then added)", f_softmax_concat_two, 1, {2}, {{6, 17}}, {0}, {0}, {0}, 1, 0},
     {"cross_entropy", "cross_entropy(l + 0.5 l), an ignored row (fresh, then added)", f_ce_two, 2, {2, 1}, {{7, 13}, {7}}, {0, TM_I64}, {0, 1}, {-100}, 1, 0},
     {"view", "view: permute, slice, reshape", f_view, 1, {3}, {{2, 3, 5}}, {0}, {0}, {0}, 1, 0},
     {"concat", "concat with a transposed input", f_concat, 2, {2, 2}, {{3, 2}, {5, 3}}, {0}, {0}, {0}, 1, 0},

@@ -3,7 +3,7 @@
  * an op that is the first contributor to a temporary's gradient writes it instead of adding
  * into a zero-filled buffer. For every converted op (swiglu, matmul, grouped_matmul,
  * moe_unpermute, add, sub, mul, scale, silu, scale_rows, rmsnorm, add_rmsnorm, rope,
- * cross_entropy, moe_permute, attention; add, sub and mul with a broadcast operand, whose gradient is a sum over rows):
+ * cross_entropy, moe_permute, attention, softmax, log_softmax, contiguous, cast, concat; add, sub and mul with a broadcast operand, whose gradient is a sum over rows):
  *   - the gradient written fresh equals, bit for bit, the one accumulated into zeros (the
  *     input's gradient made to exist first by an earlier backward of 0 * x), in f32, f64 and
  *     bf16 (the CPU's f32 staging of bf16 calls);
@@ -24,7 +24,8 @@
 
 enum {
     OP_SWIGLU, OP_MATMUL, OP_GMM, OP_UNPERMUTE, OP_ADD, OP_SUB, OP_MUL, OP_SCALE, OP_SILU, OP_SCALE_ROWS,
-    OP_RMSNORM, OP_ADD_RMSNORM, OP_ROPE, OP_CE, OP_PERMUTE, OP_ATTENTION
+    OP_RMSNORM, OP_ADD_RMSNORM, OP_ROPE, OP_CE, OP_PERMUTE, OP_ATTENTION, OP_SOFTMAX, OP_LOG_SOFTMAX,
+    OP_CONTIGUOUS, OP_CAST, OP_CONCAT
 };
 
 /* moe_permute's routing map, 4 tokens x 3 experts: token 2 routed nowhere (its dx row is
@@ -44,7 +45,9 @@ static const double unp_rows[6] = {2, -1, 0, 1, -1, 2};
  * (a [3,5], b [5] broadcast); scale, silu (x [3,5]); scale_rows (x [4,3], w [4]); rmsnorm
  * (x [3,8], w [8]); add_rmsnorm (x [3,8], y [3,8], w [8]); rope (x [1,3,2,4]); cross_entropy
  * (logits [4,5], targets); moe_permute (x [4,6], probs [4,3], routing map [4,3]); attention
- * (q [2,3,4,4], k, v [2,5,2,4]). Returns how many (the first ones) take a gradient. */
+ * (q [2,3,4,4], k, v [2,5,2,4]); softmax, log_softmax (x [3,5]); contiguous of a transposed view
+ * [4,3,2] and a cast there and back (x [2,3,4]); concat along columns (a [3,2], b [3,4]). Returns how many
+ * (the first ones) take a gradient. */
 static int make_inputs(tm_ctx *ctx, int op, tm_dtype dt, tm_tensor **in) {
     int64_t s35[2] = {3, 5}, s5 = 5, s38[2] = {3, 8}, s8 = 8;
     switch (op) {
@@ -77,6 +80,22 @@ static int make_inputs(tm_ctx *ctx, int op, tm_dtype dt, tm_tensor **in) {
         int64_t sq[4] = {2, 3, 4, 4}, skv[4] = {2, 5, 2, 4};
         in[0] = tt_randn(ctx, dt, 4, sq, 96), in[1] = tt_randn(ctx, dt, 4, skv, 97), in[2] = tt_randn(ctx, dt, 4, skv, 98);
         return 3;
+    }
+    case OP_SOFTMAX: case OP_LOG_SOFTMAX: in[0] = tt_randn(ctx, dt, 2, s35, 104); return 1;
+    case OP_CONTIGUOUS: { /* a transposed view as the leaf: contiguous copies strided data */
+        int64_t sx[3] = {2, 3, 4};
+        TT_OK(ctx, tm_transpose(ctx, tt_randn(ctx, dt, 3, sx, 105), 0, 2, &in[0]));
+        return 1;
+    }
+    case OP_CAST: {
+        int64_t sx[3] = {2, 3, 4};
+        in[0] = tt_randn(ctx, dt, 3, sx, 105);
+        return 1;
+    }
+    case OP_CONCAT: {
+        int64_t sa[2] = {3, 2}, sb[2] = {3, 4};
+        in[0] = tt_randn(ctx, dt, 2, sa, 106), in[1] = tt_randn(ctx, dt, 2, sb, 107);
+        return 2;
     }
     case OP_CE: {
         int64_t sl[2] = {4, 5}, N = 4;
@@ -124,6 +143,16 @@ static tm_status run_op(tm_ctx *ctx, int op, tm_tensor **in, tm_tensor **out) {
     case OP_ROPE: return tm_rope(ctx, in[0], 2, 10000.0, out);
     case OP_CE: return tm_cross_entropy(ctx, in[0], in[1], -100, out);
     case OP_ATTENTION: return tm_attention(ctx, in[0], in[1], in[2], 0.0, out);
+    case OP_SOFTMAX: return tm_softmax(ctx, in[0], out);
+    case OP_LOG_SOFTMAX: return tm_log_softmax(ctx, in[0], out);
+    case OP_CONTIGUOUS: return tm_contiguous(ctx, in[0], out);
+    case OP_CAST: { /* to the other float dtype and back: the backward converts twice */
+        tm_dtype dt = tm_tensor_dtype(in[0]), other = dt == TM_F32 ? TM_BF16 : TM_F32;
+        tm_tensor *t;
+        TM__TRY(tm_cast(ctx, in[0], other, &t));
+        return tm_cast(ctx, t, dt, out);
+    }
+    case OP_CONCAT: return tm_concat(ctx, 2, in, 1, out); /* columns: each part a strided view */
     case OP_PERMUTE: {
         /* rows times their probabilities: both outputs carry gradient (scale_rows writes them
          * fresh either way) */
@@ -178,8 +207,8 @@ static void check_fresh_equals_accumulate(int op, tm_dtype dt) {
     int k = grads(op, dt, 0, gf, nf, &cf);
     grads(op, dt, 1, ga, na, &ca);
     /* add_rmsnorm's and moe_permute's cases combine their two outputs: that op writes their
-     * gradients fresh either way */
-    int64_t inner = op == OP_ADD_RMSNORM || op == OP_PERMUTE ? 2 : 0;
+     * gradients fresh either way; cast's case casts twice, the second writes the first's */
+    int64_t inner = op == OP_ADD_RMSNORM || op == OP_PERMUTE ? 2 : op == OP_CAST ? 1 : 0;
     cr_assert_eq(cf, k + inner, "op %d: %lld fresh gradients handed out, want %lld", op, (long long)cf,
                  (long long)(k + inner));
     cr_assert_eq(ca, inner, "op %d: an input with a gradient got a fresh one (%lld)", op, (long long)(ca - inner));
@@ -232,6 +261,11 @@ Test(fresh_grad, rope_bits) { check_all_dtypes(OP_ROPE); }
 Test(fresh_grad, cross_entropy_bits) { check_all_dtypes(OP_CE); }
 Test(fresh_grad, moe_permute_bits) { check_all_dtypes(OP_PERMUTE); }
 Test(fresh_grad, attention_bits) { check_all_dtypes(OP_ATTENTION); }
+Test(fresh_grad, softmax_bits) { check_all_dtypes(OP_SOFTMAX); }
+Test(fresh_grad, log_softmax_bits) { check_all_dtypes(OP_LOG_SOFTMAX); }
+Test(fresh_grad, contiguous_bits) { check_all_dtypes(OP_CONTIGUOUS); }
+Test(fresh_grad, cast_bits) { check_all_dtypes(OP_CAST); }
+Test(fresh_grad, concat_bits) { check_all_dtypes(OP_CONCAT); }
 
 /* ---- two consumers, and one tensor as both inputs: finite differences (f64) ---- */
 
@@ -371,6 +405,27 @@ static double case_attention_two(tm_ctx *ctx) {
     int check[3] = {1, 1, 1};
     return tt_gradcheck(ctx, attention_two, NULL, 3, in, check, 1e-6, 1e-8, 1e-6);
 }
+/* x [3,4]: concat(softmax(x), log_softmax(x), reshape(contiguous(x^T))) along columns, recorded
+ * so that softmax's backward runs first among x's consumers (it writes x's gradient), then
+ * log_softmax's and the transpose's add; concat writes the three parts' gradients, contiguous
+ * its transposed input's. */
+static tm_status softmax_concat_two(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    int64_t s34[2] = {3, 4};
+    tm_tensor *t, *c, *r, *ls, *sm;
+    TM__TRY(tm_transpose(ctx, in[0], 0, 1, &t));
+    TM__TRY(tm_contiguous(ctx, t, &c));
+    TM__TRY(tm_reshape(ctx, c, 2, s34, &r));
+    TM__TRY(tm_log_softmax(ctx, in[0], &ls));
+    TM__TRY(tm_softmax(ctx, in[0], &sm));
+    tm_tensor *parts[3] = {sm, ls, r};
+    return tm_concat(ctx, 3, parts, 1, out);
+}
+static double case_softmax_concat_two(tm_ctx *ctx) {
+    int64_t s[2] = {3, 4};
+    tm_tensor *in[1] = {tt_randn(ctx, TM_F64, 2, s, 108)};
+    int check[1] = {1};
+    return tt_gradcheck(ctx, softmax_concat_two, NULL, 1, in, check, 1e-6, 1e-8, 1e-6);
+}
 static double case_ew_two(tm_ctx *ctx) {
     int64_t s[2] = {3, 5}, m = 5;
     tm_tensor *in[2] = {tt_randu(ctx, TM_F64, 2, s, 81, -2.0, 2.0), tt_randn(ctx, TM_F64, 1, &m, 82)};
@@ -402,10 +457,10 @@ static double run_case(double (*fn)(tm_ctx *), int force, int64_t *fresh) {
     return r;
 }
 
-#define N_TWO 9
+#define N_TWO 10
 static double (*const two_cases[N_TWO])(tm_ctx *) = {case_swiglu_two, case_matmul_two, case_gmm_two, case_unpermute_two,
                                                      case_ew_two, case_norm_two, case_rope_ce_two, case_permute_two,
-                                                     case_attention_two};
+                                                     case_attention_two, case_softmax_concat_two};
 
 Test(fresh_grad, two_consumers) {
     double (*const *cases)(tm_ctx *) = two_cases;
