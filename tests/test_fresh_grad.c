@@ -3,7 +3,8 @@
  * an op that is the first contributor to a temporary's gradient writes it instead of adding
  * into a zero-filled buffer. For every converted op (swiglu, matmul, grouped_matmul,
  * moe_unpermute, add, sub, mul, scale, silu, scale_rows, rmsnorm, add_rmsnorm, rope,
- * cross_entropy, moe_permute, attention, softmax, log_softmax, contiguous, cast, concat; add, sub and mul with a broadcast operand, whose gradient is a sum over rows):
+ * cross_entropy, moe_permute, attention, softmax, log_softmax, contiguous, cast, concat,
+ * moe_sort_chunks; add, sub and mul with a broadcast operand, whose gradient is a sum over rows):
  *   - the gradient written fresh equals, bit for bit, the one accumulated into zeros (the
  *     input's gradient made to exist first by an earlier backward of 0 * x), in f32, f64 and
  *     bf16 (the CPU's f32 staging of bf16 calls);
@@ -25,8 +26,11 @@
 enum {
     OP_SWIGLU, OP_MATMUL, OP_GMM, OP_UNPERMUTE, OP_ADD, OP_SUB, OP_MUL, OP_SCALE, OP_SILU, OP_SCALE_ROWS,
     OP_RMSNORM, OP_ADD_RMSNORM, OP_ROPE, OP_CE, OP_PERMUTE, OP_ATTENTION, OP_SOFTMAX, OP_LOG_SOFTMAX,
-    OP_CONTIGUOUS, OP_CAST, OP_CONCAT
+    OP_CONTIGUOUS, OP_CAST, OP_CONCAT, OP_SORT_CHUNKS
 };
+
+/* moe_sort_chunks: 7 rows in a [2, 3] grid of chunks, one of them empty */
+static const double sort_sizes[6] = {2, 0, 1, 1, 2, 1};
 
 /* moe_permute's routing map, 4 tokens x 3 experts: token 2 routed nowhere (its dx row is
  * written as zeros when fresh), unrouted (t, e) get d probs 0; align_size 2 pads expert 1 */
@@ -46,8 +50,8 @@ static const double unp_rows[6] = {2, -1, 0, 1, -1, 2};
  * (x [3,8], w [8]); add_rmsnorm (x [3,8], y [3,8], w [8]); rope (x [1,3,2,4]); cross_entropy
  * (logits [4,5], targets); moe_permute (x [4,6], probs [4,3], routing map [4,3]); attention
  * (q [2,3,4,4], k, v [2,5,2,4]); softmax, log_softmax (x [3,5]); contiguous of a transposed view
- * [4,3,2] and a cast there and back (x [2,3,4]); concat along columns (a [3,2], b [3,4]). Returns how many
- * (the first ones) take a gradient. */
+ * [4,3,2] and a cast there and back (x [2,3,4]); concat along columns (a [3,2], b [3,4]); moe_sort_chunks (x [7,3] in
+ * 2 x 3 chunks). Returns how many (the first ones) take a gradient. */
 static int make_inputs(tm_ctx *ctx, int op, tm_dtype dt, tm_tensor **in) {
     int64_t s35[2] = {3, 5}, s5 = 5, s38[2] = {3, 8}, s8 = 8;
     switch (op) {
@@ -96,6 +100,11 @@ static int make_inputs(tm_ctx *ctx, int op, tm_dtype dt, tm_tensor **in) {
         int64_t sa[2] = {3, 2}, sb[2] = {3, 4};
         in[0] = tt_randn(ctx, dt, 2, sa, 106), in[1] = tt_randn(ctx, dt, 2, sb, 107);
         return 2;
+    }
+    case OP_SORT_CHUNKS: {
+        int64_t sx[2] = {7, 3}, n = 6;
+        in[0] = tt_randn(ctx, dt, 2, sx, 109), in[1] = tt_from(ctx, TM_I64, 1, &n, sort_sizes);
+        return 1;
     }
     case OP_CE: {
         int64_t sl[2] = {4, 5}, N = 4;
@@ -153,6 +162,7 @@ static tm_status run_op(tm_ctx *ctx, int op, tm_tensor **in, tm_tensor **out) {
         return tm_cast(ctx, t, dt, out);
     }
     case OP_CONCAT: return tm_concat(ctx, 2, in, 1, out); /* columns: each part a strided view */
+    case OP_SORT_CHUNKS: return tm_moe_sort_chunks(ctx, in[0], in[1], 2, out);
     case OP_PERMUTE: {
         /* rows times their probabilities: both outputs carry gradient (scale_rows writes them
          * fresh either way) */
@@ -266,6 +276,7 @@ Test(fresh_grad, log_softmax_bits) { check_all_dtypes(OP_LOG_SOFTMAX); }
 Test(fresh_grad, contiguous_bits) { check_all_dtypes(OP_CONTIGUOUS); }
 Test(fresh_grad, cast_bits) { check_all_dtypes(OP_CAST); }
 Test(fresh_grad, concat_bits) { check_all_dtypes(OP_CONCAT); }
+Test(fresh_grad, moe_sort_chunks_bits) { check_all_dtypes(OP_SORT_CHUNKS); }
 
 /* ---- two consumers, and one tensor as both inputs: finite differences (f64) ---- */
 
@@ -426,6 +437,19 @@ static double case_softmax_concat_two(tm_ctx *ctx) {
     int check[1] = {1};
     return tt_gradcheck(ctx, softmax_concat_two, NULL, 1, in, check, 1e-6, 1e-8, 1e-6);
 }
+/* sort_chunks(x, [2, 3] grid) + 0.5 x: the sort writes x's gradient, the scale adds */
+static tm_status sort_two(tm_ctx *ctx, tm_tensor **in, void *user, tm_tensor **out) {
+    tm_tensor *h, *y;
+    TM__TRY(tm_scale(ctx, in[0], 0.5, &h));
+    TM__TRY(tm_moe_sort_chunks(ctx, in[0], in[1], 2, &y));
+    return tm_add(ctx, y, h, out);
+}
+static double case_sort_two(tm_ctx *ctx) {
+    int64_t sx[2] = {7, 3}, n = 6;
+    tm_tensor *in[2] = {tt_randn(ctx, TM_F64, 2, sx, 110), tt_from(ctx, TM_I64, 1, &n, sort_sizes)};
+    int check[2] = {1, 0};
+    return tt_gradcheck(ctx, sort_two, NULL, 2, in, check, 1e-6, 1e-8, 1e-6);
+}
 static double case_ew_two(tm_ctx *ctx) {
     int64_t s[2] = {3, 5}, m = 5;
     tm_tensor *in[2] = {tt_randu(ctx, TM_F64, 2, s, 81, -2.0, 2.0), tt_randn(ctx, TM_F64, 1, &m, 82)};
@@ -457,10 +481,11 @@ static double run_case(double (*fn)(tm_ctx *), int force, int64_t *fresh) {
     return r;
 }
 
-#define N_TWO 10
+#define N_TWO 11
 static double (*const two_cases[N_TWO])(tm_ctx *) = {case_swiglu_two, case_matmul_two, case_gmm_two, case_unpermute_two,
                                                      case_ew_two, case_norm_two, case_rope_ce_two, case_permute_two,
-                                                     case_attention_two, case_softmax_concat_two};
+                                                     case_attention_two, case_softmax_concat_two,
+                                                     case_sort_two};
 
 Test(fresh_grad, two_consumers) {
     double (*const *cases)(tm_ctx *) = two_cases;
