@@ -27,7 +27,8 @@
  *     parameter or persistent tensor (their gradients accumulate across micro-batches), and never
  *     when another input of the call is the same tensor (x * x: the second contribution must add
  *     to the first). Pointwise kernels store 0.0 + x (so a -0.0 reads +0.0 as zeros + x would);
- *     GEMM paths (beta = 0) may leave the sign of a zero as the product gives it. A path of a
+ *     GEMM paths (beta = 0), the fixed-order CUDA reductions (accumulate 0) and the generic
+ *     copies (contiguous, cast, concat: tm__assign) may leave the sign of a zero as it comes. A path of a
  *     GRAD_WRITES op that can only accumulate calls tm__gin_prepare(c, i) first, which zero-fills
  *     a fresh gin[i] and clears its flag. The dispatcher's bf16 staging carries the flag over.
  */

@@ -108,6 +108,56 @@ static tm_status f_cross_entropy(tm_ctx *c, tm_tensor **in, const int64_t *a, tm
     return tm_cross_entropy(c, in[0], in[1], a[0], o);
 }
 
+/* Fresh gradients (call->gin_fresh, TM__OP_GRAD_WRITES), then added: in each case below a
+ * tensor has several consumers; the one whose backward runs first writes its gradient without
+ * reading it, the others add to it (the single-op cases above take the fresh path alone, their
+ * inputs being leaves without a gradient). */
+/* a * b + (0.5 a - b) + silu(a), b broadcast over a's rows: silu writes a's gradient, scale
+ * and mul add; the sub writes b's (a fixed-order reduction with accumulate 0), mul adds */
+static tm_status f_ew_two(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_tensor *p, *h, *q, *r, *t;
+    tm_status st = tm_mul(c, in[0], in[1], &p);
+    if (!st) st = tm_scale(c, in[0], 0.5, &h);
+    if (!st) st = tm_sub(c, h, in[1], &q);
+    if (!st) st = tm_add(c, p, q, &r);
+    if (!st) st = tm_silu(c, in[0], &t);
+    return st ? st : tm_add(c, r, t, o);
+}
+/* x + x and x * x: one tensor in both slots, never fresh (the second slot adds to the first) */
+static tm_status f_add_same(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) { return tm_add(c, in[0], in[0], o); }
+static tm_status f_mul_same(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) { return tm_mul(c, in[0], in[0], o); }
+/* h1 = rmsnorm(x, w); (s, h2) = add_rmsnorm(x, h1, w); scale_rows(s, p) + h2: add_rmsnorm
+ * writes x's, h1's and w's gradients, rmsnorm adds to x's and w's */
+static tm_status f_norm_two(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_tensor *h1, *s, *h2, *r;
+    tm_status st = tm_rmsnorm(c, in[0], in[1], 1e-5, &h1);
+    if (!st) st = tm_add_rmsnorm(c, in[0], h1, in[1], 1e-5, &s, &h2);
+    if (!st) st = tm_scale_rows(c, s, in[2], &r);
+    return st ? st : tm_add(c, r, h2, o);
+}
+/* concat(softmax(x), log_softmax(x), contiguous(x^T) reshaped) along columns: softmax writes x's
+ * gradient, log_softmax and the transpose add; concat writes its parts', contiguous its input's */
+static tm_status f_softmax_concat_two(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    const int64_t R = tm_tensor_dim(in[0], 0), C = tm_tensor_dim(in[0], 1);
+    int64_t shape[2] = {R, C};
+    tm_tensor *t, *ct, *r, *ls, *sm;
+    tm_status st = tm_transpose(c, in[0], 0, 1, &t);
+    if (!st) st = tm_contiguous(c, t, &ct);
+    if (!st) st = tm_reshape(c, ct, 2, shape, &r);
+    if (!st) st = tm_log_softmax(c, in[0], &ls);
+    if (!st) st = tm_softmax(c, in[0], &sm);
+    tm_tensor *parts[3] = {sm, ls, r};
+    return st ? st : tm_concat(c, 3, parts, 1, o);
+}
+/* cross_entropy(l + 0.5 l): cross-entropy writes its logits' gradient (zeros on the ignored
+ * row), the add writes l's, the scale adds */
+static tm_status f_ce_two(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_tensor *h, *l;
+    tm_status st = tm_scale(c, in[0], 0.5, &h);
+    if (!st) st = tm_add(c, in[0], h, &l);
+    return st ? st : tm_cross_entropy(c, l, in[1], a[0], o);
+}
+
 /* Device-generic ops (views, concat, contiguous, cast, to_device) run through tm__assign /
  * tm__copy_into / tm__accumulate, which the CUDA backend implements with strided kernels. */
 static tm_status f_view(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
@@ -215,6 +265,15 @@ static const tt_pcase CASES[] = {
     {"log_softmax", "log_softmax", f_log_softmax, 1, {3}, {{2, 3, 17}}, {0}, {0}, {0}, 1, 0},
     {"cross_entropy", "cross_entropy i64 targets", f_cross_entropy, 2, {2, 1}, {{7, 13}, {7}}, {0, TM_I64}, {0, 1}, {-100}, 1, 0},
     {"cross_entropy", "cross_entropy i32 targets, wide", f_cross_entropy, 2, {2, 1}, {{5, 1037}, {5}}, {0, TM_I32}, {0, 1}, {-100}, 1, 0},
+    /* fresh gradients, then added (see f_ew_two and the cases after it) */
+    {"add", "a * b + (0.5 a - b) + silu(a), b broadcast (fresh, then added)", f_ew_two, 2, {2, 1}, {{3, 7}, {7}}, {0}, {0}, {0}, 1, 0},
+    {"add", "a * b + (0.5 a - b) + silu(a), 16-byte vectors (fresh, then added)", f_ew_two, 2, {2, 1}, {{8, 40}, {40}}, {0}, {0}, {0}, 1, 0},
+    {"add", "x + x (not fresh)", f_add_same, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1, 0},
+    {"mul", "x * x (not fresh)", f_mul_same, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1, 0},
+    {"rmsnorm", "rmsnorm + add_rmsnorm + scale_rows (fresh, then added)", f_norm_two, 3, {2, 1, 1}, {{5, 37}, {37}, {5}}, {0}, {0}, {0}, 1, 0},
+    {"rmsnorm", "rmsnorm + add_rmsnorm + scale_rows, 16-byte groups (fresh, then added)", f_norm_two, 3, {2, 1, 1}, {{6, 96}, {96}, {6}}, {0}, {0}, {0}, 1, 0},
+    {"softmax", "concat(softmax(x), log_softmax(x), contiguous(x^T)) (fresh, then added)", f_softmax_concat_two, 1, {2}, {{6, 17}}, {0}, {0}, {0}, 1, 0},
+    {"cross_entropy", "cross_entropy(l + 0.5 l), an ignored row (fresh, then added)", f_ce_two, 2, {2, 1}, {{7, 13}, {7}}, {0, TM_I64}, {0, 1}, {-100}, 1, 0},
     {"view", "view: permute, slice, reshape", f_view, 1, {3}, {{2, 3, 5}}, {0}, {0}, {0}, 1, 0},
     {"concat", "concat with a transposed input", f_concat, 2, {2, 2}, {{3, 2}, {5, 3}}, {0}, {0}, {0}, 1, 0},
     {"contiguous", "contiguous of a transpose", f_contiguous, 1, {3}, {{3, 2, 5}}, {0}, {0}, {0}, 1, 0},

@@ -69,6 +69,15 @@ static tm_status f_attention_kv_shared(tm_ctx *c, tm_tensor **in, const int64_t 
     return tm_attention(c, in[0], in[1], in[1], 0.0, o);
 }
 
+/* attention(q, k, v) + attention(q, v, k): the second call's backward writes dq, dk and dv fresh
+ * (call->gin_fresh: stored, not read), the first's adds to them. */
+static tm_status f_attention_two(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_tensor *x, *y;
+    tm_status s = tm_attention(c, in[0], in[1], in[2], 0.0, &x);
+    if (!s) s = tm_attention(c, in[0], in[2], in[1], 0.0, &y);
+    return s ? s : tm_add(c, x, y, o);
+}
+
 #define QKV(B, Tq, Tk, Hq, Hkv, D) {{B, Tq, Hq, D}, {B, Tk, Hkv, D}, {B, Tk, Hkv, D}}
 
 static const tt_pcase CASES[] = {
@@ -84,6 +93,7 @@ static const tt_pcase CASES[] = {
     {"attention", "attention D 200, T 9", f_attention, 3, {4, 4, 4}, QKV(1, 9, 9, 2, 2, 200), {0}, {0}, {0}, 1, 0},
     {"attention", "attention T 1024, GQA 4/2, D 64", f_attention, 3, {4, 4, 4}, QKV(1, 1024, 1024, 4, 2, 64), {0}, {0}, {0}, 10, 0},
     {"attention", "attention k as v, Tk 40 > Tq 33, D 24", f_attention_kv_shared, 2, {4, 4}, {{2, 33, 4, 24}, {2, 40, 2, 24}}, {0}, {0}, {0}, 1, 0},
+    {"attention", "attention twice, k and v swapped (fresh, then added), Tk 23 > Tq 5, GQA 4/2, D 13", f_attention_two, 3, {4, 4, 4}, QKV(2, 5, 23, 4, 2, 13), {0}, {0}, {0}, 1, 0},
 };
 #define N_CASES ((int)(sizeof CASES / sizeof CASES[0]))
 
@@ -102,6 +112,8 @@ static const tt_pcase TC_CASES[] = {
     {"attention", "tc k as v, T 129, D 128", f_attention_kv_shared, 2, {4, 4}, {{2, 129, 2, 128}, {2, 129, 1, 128}}, {0}, {0}, {0}, 1, 0},
     {"attention", "tc Tq 200, Tk 330, GQA 9/3, D 64", f_attention, 3, {4, 4, 4}, QKV(1, 200, 330, 9, 3, 64), {0}, {0}, {0}, 1, 0},
     {"attention", "tc Tq 200, Tk 330, GQA 9/3, D 128", f_attention, 3, {4, 4, 4}, QKV(1, 200, 330, 9, 3, 128), {0}, {0}, {0}, 1, 0},
+    {"attention", "tc twice, k and v swapped (fresh, then added), Tq 37, Tk 130, GQA 6/2, D 64", f_attention_two, 3, {4, 4, 4}, QKV(2, 37, 130, 6, 2, 64), {0}, {0}, {0}, 1, 0},
+    {"attention", "tc twice, k and v swapped (fresh, then added), T 100, GQA 6/2, D 128", f_attention_two, 3, {4, 4, 4}, QKV(1, 100, 100, 6, 2, 128), {0}, {0}, {0}, 1, 0},
 };
 #define N_TC_CASES ((int)(sizeof TC_CASES / sizeof TC_CASES[0]))
 

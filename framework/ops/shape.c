@@ -183,8 +183,17 @@ tm_status tm__contiguous_check(tm__call *c) {
     return tm__out_new(c, 0, c->in[0]->dtype, c->in[0]->ndim, c->in[0]->shape);
 }
 tm_status tm__contiguous_forward(tm__call *c) { return tm__copy_into(c->ctx, c->out[0], c->in[0]); }
+/* contiguous, cast and concat write each input gradient whole (TM__OP_GRAD_WRITES): a fresh
+ * one (call->gin_fresh) gets the upstream gradient copied in (tm__assign with accumulate 0,
+ * converting dtypes) instead of zeros plus an accumulate; the same values (a -0.0 stays -0.0
+ * where 0 + x would give +0.0, as in a beta-0 GEMM). */
+static tm_status grad_to(tm__call *c, int i, const tm_tensor *g) {
+    if (c->gin_fresh[i]) return tm__assign(c->ctx, c->gin[i], g, 0, 1.0);
+    return tm__accumulate(c->ctx, c->gin[i], g, 1.0);
+}
+
 tm_status tm__contiguous_backward(tm__call *c) {
-    return c->gin[0] ? tm__accumulate(c->ctx, c->gin[0], c->gout[0], 1.0) : TM_OK;
+    return c->gin[0] ? grad_to(c, 0, c->gout[0]) : TM_OK;
 }
 
 tm_status tm_contiguous(tm_ctx *ctx, tm_tensor *x, tm_tensor **out) {
@@ -210,8 +219,10 @@ tm_status tm__cast_check(tm__call *c) {
 }
 tm_status tm__cast_forward(tm__call *c) { return tm__copy_into(c->ctx, c->out[0], c->in[0]); }
 tm_status tm__cast_backward(tm__call *c) {
-    if (!c->gin[0] || !tm__is_float(c->out[0]->dtype)) return TM_OK;
+    if (!c->gin[0]) return TM_OK;
+    if (!tm__is_float(c->out[0]->dtype)) return tm__gin_prepare(c, 0); /* no gradient through an index cast */
     tm_tensor *g = c->gout[0];
+    if (c->gin_fresh[0]) return tm__assign(c->ctx, c->gin[0], g, 0, 1.0); /* converted in one pass */
     if (g->dtype != c->gin[0]->dtype) {
         tm_tensor *t;
         TM__TRY(tm__tensor_new(c->ctx, c->gin[0]->dtype, g->ndim, g->shape, g->device, &t));
@@ -315,7 +326,7 @@ tm_status tm__concat_backward(tm__call *c) {
         if (!c->gin[k]) continue;
         tm_tensor *v;
         TM__TRY(part_view(c, c->gout[0], k, &v));
-        TM__TRY(tm__accumulate(c->ctx, c->gin[k], v, 1.0));
+        TM__TRY(grad_to(c, k, v));
     }
     return TM_OK;
 }

@@ -7,7 +7,7 @@
  * saved tensor's memory traffic.
  *   silu'(x) = s * (1 + x * (1 - s)), s = sigmoid(x)
  *   swiglu:  d gate = dy * up * silu'(gate),  d up = dy * silu(gate)
- * swiglu's backward writes a fresh input gradient (call->gin_fresh: TM__OP_GRAD_WRITES) as
+ * Both backwards write a fresh input gradient (call->gin_fresh: TM__OP_GRAD_WRITES) as
  * 0 + x, the bits accumulating into zeros gives, without reading it.
  * sigmoid(x) = 1 / (1 + e^-x), branchless. It is safe at both ends: for x -> -inf, e^-x
  * overflows to +inf and s = 1 / inf = 0 (silu = x * 0 = -0, silu' = 0); before that the
@@ -53,17 +53,25 @@ static inline double sigmoid_f64(double x) { return 1.0 / (1.0 + exp(-x)); }
         for (int64_t i = 0; i < n; i++) du[i] OPU dy[i] * g[i] * sigmoid_##SFX(g[i]);           \
     } while (0)
 
+#define SILU_BWD(T, SFX, OPX)                                                                   \
+    do {                                                                                        \
+        _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)")    \
+        for (int64_t i = 0; i < n; i++) {                                                       \
+            T s = sigmoid_##SFX(x[i]);                                                          \
+            dx[i] OPX dy[i] * s * (1 + x[i] * (1 - s));                                         \
+        }                                                                                       \
+    } while (0)
+
 #define ACT_KERNELS(T, SFX, ATTR)                                                                \
     ATTR static void silu_forward_##SFX(T *y, const T *x, int64_t n, int nth) {                 \
         _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)")    \
         for (int64_t i = 0; i < n; i++) y[i] = x[i] * sigmoid_##SFX(x[i]);                      \
     }                                                                                           \
-    ATTR static void silu_backward_##SFX(T *dx, const T *dy, const T *x, int64_t n, int nth) { \
-        _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)")    \
-        for (int64_t i = 0; i < n; i++) {                                                       \
-            T s = sigmoid_##SFX(x[i]);                                                          \
-            dx[i] += dy[i] * s * (1 + x[i] * (1 - s));                                          \
-        }                                                                                       \
+    /* fx: dx is fresh (call->gin_fresh), stored as 0 + x */                                  \
+    ATTR static void silu_backward_##SFX(T *dx, const T *dy, const T *x, int64_t n, int nth,   \
+                                         int fx) {                                              \
+        if (fx) SILU_BWD(T, SFX, = (T)0 +);                                                     \
+        else SILU_BWD(T, SFX, +=);                                                              \
     }                                                                                           \
     ATTR static void swiglu_forward_##SFX(T *y, const T *g, const T *u, int64_t n, int nth) {   \
         _Pragma("omp parallel for simd num_threads(nth) if (n >= PAR_MIN) schedule(static)")    \
@@ -115,9 +123,9 @@ tm_status tm__silu_backward_cpu(tm__call *c) {
     int64_t n = tm__numel(x);
     int nth = tm__nthreads(c->ctx);
     if (x->dtype == TM_F32)
-        silu_backward_f32(tm__data(c->gin[0]), tm__data(c->gout[0]), tm__data(x), n, nth);
+        silu_backward_f32(tm__data(c->gin[0]), tm__data(c->gout[0]), tm__data(x), n, nth, c->gin_fresh[0]);
     else
-        silu_backward_f64(tm__data(c->gin[0]), tm__data(c->gout[0]), tm__data(x), n, nth);
+        silu_backward_f64(tm__data(c->gin[0]), tm__data(c->gout[0]), tm__data(x), n, nth, c->gin_fresh[0]);
     return TM_OK;
 }
 

@@ -21,6 +21,9 @@
  * The backward runs one task per (b, kv head): the task owns dk and dv of its kv head and dq of
  * the G query heads that read it, so the GQA reduction needs no atomics and its order (query
  * head, then row) is fixed, which makes the gradients bitwise reproducible for any thread count.
+ * A fresh dq / dk / dv (call->gin_fresh, TM__OP_GRAD_WRITES) is zeroed by the task that owns
+ * its rows, just before it accumulates into them (the rows are then in its cache): the same
+ * bits as the zero-filled buffer, without the autograd's separate pass over it.
  *
  * Work is done in groups of GROUP = 4 consecutive query rows of one head. The group's scores
  * (and in the backward dP) against every key it sees form a (4, n) block computed by tile4():
@@ -198,15 +201,22 @@ static attn_dims attn_dims_of(const tm__call *c) {
     }                                                                                            \
                                                                                                  \
     /* Backward of one (b, kv head) task, accumulating into dq / dk / dv (each NULL when not    \
-     * wanted). Scratch w: kt and vt (D, Tkp) panels, p and dp (GROUP, Tkp), qg and dog         \
-     * (GROUP, D). */                                                                            \
+     * wanted; fresh[0..2]: zeroed here first, the task's rows of them). Scratch w: kt and vt    \
+     * (D, Tkp) panels, p and dp (GROUP, Tkp), qg and dog (GROUP, D). */                         \
     ATTR static void backward_task_##SFX(const attn_dims *d, const T *q, const T *k, const T *v, \
                                          const T *dout, const T *lse, T *dq, T *dk, T *dv,       \
-                                         T *w, int64_t task) {                                   \
+                                         const unsigned char *fresh, T *w, int64_t task) {       \
         const T scale = (T)d->scale;                                                             \
         const int64_t D = d->D, Tkp = d->Tkp;                                                    \
         const int64_t b = task / d->Hkv, hk = task % d->Hkv;                                     \
         const int64_t kvo = b * d->Tk * d->ks + hk * D; /* key / value j at kvo + j * ks */     \
+        for (int64_t j = 0; j < d->Tk; j++) {                                                    \
+            if (dk && fresh[1]) memset(dk + kvo + j * d->ks, 0, (size_t)D * sizeof(T));          \
+            if (dv && fresh[2]) memset(dv + kvo + j * d->ks, 0, (size_t)D * sizeof(T));          \
+        }                                                                                        \
+        if (dq && fresh[0])                                                                      \
+            for (int64_t i = 0; i < d->Tq; i++)                                                  \
+                memset(dq + (b * d->Tq + i) * d->qs + hk * d->G * D, 0, (size_t)(d->G * D) * sizeof(T)); \
         T *kt = w, *vt = kt + D * Tkp, *p = vt + D * Tkp, *dp = p + GROUP * Tkp;                 \
         T *qg = dp + GROUP * Tkp, *dog = qg + GROUP * D;                                         \
         transpose_##SFX(kt, k + kvo, d->ks, d->Tk, Tkp, D);                                      \
@@ -324,7 +334,10 @@ tm_status tm__attention_backward_cpu(tm__call *c) {
     tm_ctx *ctx = c->ctx;
     if (!c->gin[0] && !c->gin[1] && !c->gin[2]) return TM_OK;
     const attn_dims d = attn_dims_of(c);
-    if (d.B * d.Hq * d.Tq == 0) return TM_OK;
+    if (d.B * d.Hq * d.Tq == 0) { /* no query: dk and dv are zeros (fresh ones get them) */
+        TM__TRY(tm__gin_prepare(c, 1));
+        return tm__gin_prepare(c, 2);
+    }
 
     const int f64 = c->in[0]->dtype == TM_F64;
     const size_t es = f64 ? sizeof(double) : sizeof(float);
@@ -343,9 +356,9 @@ tm_status tm__attention_backward_cpu(tm__call *c) {
     for (int64_t task = 0; task < tasks; task++) {
         char *w = scratch + (size_t)(omp_get_thread_num() * per_thread) * es;
         if (f64)
-            backward_task_f64(&d, q, k, v, dout, lse, dq, dk, dv, (double *)w, task);
+            backward_task_f64(&d, q, k, v, dout, lse, dq, dk, dv, c->gin_fresh, (double *)w, task);
         else
-            backward_task_f32(&d, q, k, v, dout, lse, dq, dk, dv, (float *)w, task);
+            backward_task_f32(&d, q, k, v, dout, lse, dq, dk, dv, c->gin_fresh, (float *)w, task);
     }
     return TM_OK;
 }

@@ -19,6 +19,8 @@
  *   saved[1]  n_valid  ()      i64: number of rows whose target is not ignore_index
  * Backward, for valid rows only (ignored rows get no gradient):
  *   dlogits[n, v] = (exp(logits[n, v] - lse[n]) - [v == targets[n]]) * dloss / n_valid
+ * A fresh dlogits (call->gin_fresh, TM__OP_GRAD_WRITES) is written whole without being read:
+ * 0 + that for valid rows, zeros for ignored ones.
  *
  * Targets are checked before anything is written: the first one outside [0, V) that is not
  * ignore_index fails the op with TM_ERR_INDEX (the message describes the caller's tensors,
@@ -58,15 +60,21 @@ enum { PAR_MIN = 1 << 15 };
     }                                                                                            \
     static void ce_backward_##SFX(T *dlogits, const T *logits, const T *lse,                    \
                                   const tm_tensor *tg, int64_t ign, double scale, int64_t N,     \
-                                  int64_t V, int nth) {                                          \
+                                  int64_t V, int fresh, int nth) {                               \
         _Pragma("omp parallel for num_threads(nth) if (N * V >= PAR_MIN) schedule(static)")      \
         for (int64_t n = 0; n < N; n++) {                                                        \
             int64_t t = tm__idx(tg, n);                                                          \
-            if (t == ign) continue;                                                              \
-            const T *xr = logits + n * V;                                                        \
             T *dr = dlogits + n * V;                                                             \
+            if (t == ign) {                                                                      \
+                if (fresh) memset(dr, 0, (size_t)V * sizeof *dr);                                \
+                continue;                                                                        \
+            }                                                                                    \
+            const T *xr = logits + n * V;                                                        \
             T l = lse[n];                                                                        \
-            for (int64_t v = 0; v < V; v++) dr[v] = (T)(dr[v] + EXP(xr[v] - l) * scale);        \
+            if (fresh)                                                                           \
+                for (int64_t v = 0; v < V; v++) dr[v] = (T)(0.0 + EXP(xr[v] - l) * scale);      \
+            else                                                                                 \
+                for (int64_t v = 0; v < V; v++) dr[v] = (T)(dr[v] + EXP(xr[v] - l) * scale);    \
             dr[t] = (T)(dr[t] - scale);                                                          \
         }                                                                                        \
     }
@@ -123,14 +131,16 @@ tm_status tm__cross_entropy_backward_cpu(tm__call *c) {
     tm_tensor *dlogits = c->gin[0];
     int64_t N = logits->shape[0], V = logits->shape[1], ign = c->iattr[0];
     int64_t n_valid = *(const int64_t *)tm__data(count);
-    if (!dlogits || n_valid == 0) return TM_OK;
+    if (!dlogits) return TM_OK;
+    if (n_valid == 0) return tm__gin_prepare(c, 0); /* every row ignored: zeros */
     int nth = tm__nthreads(c->ctx);
+    int fresh = c->gin_fresh[0];
     if (logits->dtype == TM_F64) {
         double scale = *(const double *)tm__data(dy) / (double)n_valid;
-        ce_backward_f64(tm__data(dlogits), tm__data(logits), tm__data(lse), tg, ign, scale, N, V, nth);
+        ce_backward_f64(tm__data(dlogits), tm__data(logits), tm__data(lse), tg, ign, scale, N, V, fresh, nth);
     } else {
         double scale = *(const float *)tm__data(dy) / (double)n_valid;
-        ce_backward_f32(tm__data(dlogits), tm__data(logits), tm__data(lse), tg, ign, scale, N, V, nth);
+        ce_backward_f32(tm__data(dlogits), tm__data(logits), tm__data(lse), tg, ign, scale, N, V, fresh, nth);
     }
     return TM_OK;
 }

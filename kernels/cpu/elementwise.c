@@ -20,6 +20,10 @@
  *   Backward: dx[r, c] += dy[r, c] * w[r]; dw[r] += sum_c x[r, c] dy[r, c] (an f64 sum over
  *   c ascending). Rows are independent: one row per iteration, so any thread count gives the
  *   same bits.
+ *
+ * Every backward here writes each input gradient whole (TM__OP_GRAD_WRITES): a fresh one
+ * (call->gin_fresh) is stored as 0 + x, the bits accumulating into zeros gives, without being
+ * read. A broadcast operand's sum is written once per element after its reduction.
  */
 #include "internal.h"
 
@@ -66,12 +70,19 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
                         for (int64_t t = 0; t < len; t++) po[t] = pa[t] * pb[t]);               \
     }                                                                                           \
                                                                                                 \
-    /* gx (full, n elements) += sign * g * other (other NULL: 1; no = numel(other)). */         \
+    /* gx (full, n elements) += sign * g * other (other NULL: 1; no = numel(other)); fresh:     \
+     * gx = 0 + ..., not read. */                                                               \
     static void grad_full_##SFX(T *gx, const T *g, const T *other, int64_t no, int64_t n,       \
-                                T sign, int nth) {                                              \
-        if (!other)                                                                             \
+                                T sign, int fresh, int nth) {                                   \
+        if (!other && fresh)                                                                    \
+            EW_SEGMENTS(T, gx, g, n, g, n, n, nth,                                              \
+                        (void)pa; for (int64_t t = 0; t < len; t++) po[t] = (T)0 + sign * pb[t]); \
+        else if (!other)                                                                        \
             EW_SEGMENTS(T, gx, gx, n, g, n, n, nth,                                             \
                         for (int64_t t = 0; t < len; t++) po[t] = pa[t] + sign * pb[t]);        \
+        else if (fresh)                                                                         \
+            EW_SEGMENTS(T, gx, g, n, other, no, n, nth,                                         \
+                        for (int64_t t = 0; t < len; t++) po[t] = (T)0 + sign * pa[t] * pb[t]); \
         else                                                                                    \
             EW_SEGMENTS(T, gx, g, n, other, no, n, nth,                                         \
                         for (int64_t t = 0; t < len; t++) po[t] += sign * pa[t] * pb[t]);       \
@@ -80,7 +91,8 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
     /* gx (m elements) += sign * sum_r g[r, :] * other[r, :] over rows r < n / m (other NULL:  \
      * 1; other is full when given). part: (nchunks, m) f64 scratch. */                         \
     static void grad_reduce_##SFX(T *gx, const T *g, const T *other, int64_t m, int64_t n,      \
-                                  T sign, int64_t rows_per_chunk, double *part, int nth) {      \
+                                  T sign, int64_t rows_per_chunk, double *part, int fresh,      \
+                                  int nth) {                                                    \
         int64_t rows = n / m, nchunks = (rows + rows_per_chunk - 1) / rows_per_chunk;           \
         _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")         \
         for (int64_t k = 0; k < nchunks; k++) {                                                 \
@@ -102,7 +114,8 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
             int64_t j1 = min64(m, j0 + COL_BLOCK);                                              \
             for (int64_t k = 1; k < nchunks; k++)                                               \
                 for (int64_t j = j0; j < j1; j++) part[j] += part[k * m + j];                   \
-            for (int64_t j = j0; j < j1; j++) gx[j] = (T)(gx[j] + sign * part[j]);              \
+            for (int64_t j = j0; j < j1; j++)                                                   \
+                gx[j] = (T)((fresh ? 0.0 : (double)gx[j]) + sign * part[j]);                    \
         }                                                                                       \
     }                                                                                           \
                                                                                                 \
@@ -135,21 +148,23 @@ static tm_status binary_forward(tm__call *c, int kind) {
     return TM_OK;
 }
 
-/* gin[i] += sign * gout * other, reduced to in[i]'s shape; other: in[1 - i] for mul, else NULL. */
+/* gin[i] += sign * gout * other, reduced to in[i]'s shape; other: in[1 - i] for mul, else NULL.
+ * A fresh gin[i] (call->gin_fresh) is written as 0 + that, without being read. */
 static tm_status binary_grad(tm__call *c, int i, double sign, const tm_tensor *other) {
     tm_tensor *gx = c->gin[i];
     if (!gx) return TM_OK;
+    const int fresh = c->gin_fresh[i];
     const tm_tensor *g = c->gout[0];
     int64_t n = tm__numel(g), m = tm__numel(gx), no = other ? tm__numel(other) : 0;
-    if (n == 0) return TM_OK;
+    if (n == 0) return tm__gin_prepare(c, i); /* m > 0 with n == 0: a broadcast operand gets zeros */
     int nth = tm__nthreads(c->ctx);
     int f32 = g->dtype == TM_F32;
     const void *po = other ? tm__data(other) : NULL;
     if (m == n) {
         if (f32)
-            grad_full_f32(tm__data(gx), tm__data(g), po, no, n, (float)sign, nth);
+            grad_full_f32(tm__data(gx), tm__data(g), po, no, n, (float)sign, fresh, nth);
         else
-            grad_full_f64(tm__data(gx), tm__data(g), po, no, n, sign, nth);
+            grad_full_f64(tm__data(gx), tm__data(g), po, no, n, sign, fresh, nth);
         return TM_OK;
     }
     /* Enough rows per chunk that a chunk is worth a task, whatever the thread count. */
@@ -158,9 +173,9 @@ static tm_status binary_grad(tm__call *c, int i, double sign, const tm_tensor *o
     double *part = tm__arena_alloc(c->ctx, tm_cpu(), (size_t)(nchunks * m) * sizeof(double));
     if (!part) return TM_ERR_NOMEM;
     if (f32)
-        grad_reduce_f32(tm__data(gx), tm__data(g), po, m, n, (float)sign, rpc, part, nth);
+        grad_reduce_f32(tm__data(gx), tm__data(g), po, m, n, (float)sign, rpc, part, fresh, nth);
     else
-        grad_reduce_f64(tm__data(gx), tm__data(g), po, m, n, sign, rpc, part, nth);
+        grad_reduce_f64(tm__data(gx), tm__data(g), po, m, n, sign, rpc, part, fresh, nth);
     return TM_OK;
 }
 
@@ -205,10 +220,12 @@ tm_status tm__scale_backward_cpu(tm__call *c) {
     const tm_tensor *g = c->gout[0];
     int64_t n = tm__numel(g);
     int nth = tm__nthreads(c->ctx);
+    /* a fresh gx is written as 0 + alpha g: scale_*'s accumulate = 0 adds to an int 0 */
+    int acc = !c->gin_fresh[0];
     if (g->dtype == TM_F32)
-        scale_f32(tm__data(gx), tm__data(g), c->fattr[0], n, 1, nth);
+        scale_f32(tm__data(gx), tm__data(g), c->fattr[0], n, acc, nth);
     else
-        scale_f64(tm__data(gx), tm__data(g), c->fattr[0], n, 1, nth);
+        scale_f64(tm__data(gx), tm__data(g), c->fattr[0], n, acc, nth);
     return TM_OK;
 }
 
@@ -224,21 +241,25 @@ tm_status tm__scale_backward_cpu(tm__call *c) {
             for (int64_t c = 0; c < C; c++) o[c] = xr[c] * wr;                                   \
         }                                                                                        \
     }                                                                                            \
+    /* fx / fw: dx / dw is fresh (call->gin_fresh): written as 0 + x, not read */               \
     static void scale_rows_backward_##SFX(T *dx, T *dw, const T *dy, const T *x, const T *w,     \
-                                          int64_t R, int64_t C, int nth) {                       \
+                                          int64_t R, int64_t C, int fx, int fw, int nth) {       \
         _Pragma("omp parallel for num_threads(nth) if (R * C >= PAR_MIN) schedule(static)")      \
         for (int64_t r = 0; r < R; r++) {                                                        \
             const T *g = dy + r * C;                                                             \
             if (dx) {                                                                            \
                 const T wr = w[r];                                                               \
                 T *d = dx + r * C;                                                               \
-                for (int64_t c = 0; c < C; c++) d[c] += g[c] * wr;                               \
+                if (fx)                                                                          \
+                    for (int64_t c = 0; c < C; c++) d[c] = (T)0 + g[c] * wr;                     \
+                else                                                                             \
+                    for (int64_t c = 0; c < C; c++) d[c] += g[c] * wr;                           \
             }                                                                                    \
             if (dw) {                                                                            \
                 const T *xr = x + r * C;                                                         \
                 double s = 0.0;                                                                  \
                 for (int64_t c = 0; c < C; c++) s += (double)xr[c] * g[c];                       \
-                dw[r] = (T)(dw[r] + s);                                                          \
+                dw[r] = (T)((fw ? 0.0 : (double)dw[r]) + s);                                     \
             }                                                                                    \
         }                                                                                        \
     }
@@ -273,11 +294,12 @@ tm_status tm__scale_rows_backward_cpu(tm__call *c) {
     if (!dx && !dw) return TM_OK;
     int64_t R = x->shape[0], C = x->shape[1];
     int nth = tm__nthreads(c->ctx);
+    int fx = dx && c->gin_fresh[0], fw = dw && c->gin_fresh[1];
     if (x->dtype == TM_F32)
         scale_rows_backward_f32(dx ? tm__data(dx) : NULL, dw ? tm__data(dw) : NULL, tm__data(c->gout[0]),
-                                tm__data(x), tm__data(w), R, C, nth);
+                                tm__data(x), tm__data(w), R, C, fx, fw, nth);
     else
         scale_rows_backward_f64(dx ? tm__data(dx) : NULL, dw ? tm__data(dw) : NULL, tm__data(c->gout[0]),
-                                tm__data(x), tm__data(w), R, C, nth);
+                                tm__data(x), tm__data(w), R, C, fx, fw, nth);
     return TM_OK;
 }

@@ -4,7 +4,8 @@
  *   x (R, H) as chunks in [G, K] order, split_sizes[g * K + k] rows each -> y (R, H) in [K, G]
  *   order. Backward: dx's chunk (g, k) += dy's chunk (g, k) read where the forward put it.
  * Rows are copied whole (flag TM__OP_NATIVE_BF16: bf16 moves bit-exactly); the backward adds in
- * the gradient's dtype (bf16 through f32, rounded once per element).
+ * the gradient's dtype (bf16 through f32, rounded once per element), or stores 0 + dy into a
+ * fresh dx (call->gin_fresh, TM__OP_GRAD_WRITES: the chunks tile dx's rows, so all are written).
  */
 #include "internal.h"
 
@@ -48,23 +49,31 @@ tm_status tm__moe_sort_chunks_backward_cpu(tm__call *c) {
     const int64_t n = c->in[1]->shape[0], H = gx->shape[1];
     const int64_t *sz, *src, *dst;
     TM__TRY(offsets_of(c, (int64_t **)&src, (int64_t **)&dst, &sz));
+    const int fresh = c->gin_fresh[0];
     for (int64_t i = 0; i < n; i++) {
         const int64_t a = src[i] * H, b = dst[i] * H, m = sz[i] * H;
         switch (gx->dtype) {
         case TM_F64: {
             double *d = (double *)tm__data(gx) + a;
             const double *g = (const double *)tm__data(gy) + b;
-            for (int64_t j = 0; j < m; j++) d[j] += g[j];
+            if (fresh)
+                for (int64_t j = 0; j < m; j++) d[j] = 0.0 + g[j];
+            else
+                for (int64_t j = 0; j < m; j++) d[j] += g[j];
         } break;
         case TM_F32: {
             float *d = (float *)tm__data(gx) + a;
             const float *g = (const float *)tm__data(gy) + b;
-            for (int64_t j = 0; j < m; j++) d[j] += g[j];
+            if (fresh)
+                for (int64_t j = 0; j < m; j++) d[j] = 0.0f + g[j];
+            else
+                for (int64_t j = 0; j < m; j++) d[j] += g[j];
         } break;
         default: {
             uint16_t *d = (uint16_t *)tm__data(gx) + a;
             const uint16_t *g = (const uint16_t *)tm__data(gy) + b;
-            for (int64_t j = 0; j < m; j++) d[j] = tm__f32_to_bf16(tm__bf16_to_f32(d[j]) + tm__bf16_to_f32(g[j]));
+            for (int64_t j = 0; j < m; j++)
+                d[j] = tm__f32_to_bf16((fresh ? 0.0f : tm__bf16_to_f32(d[j])) + tm__bf16_to_f32(g[j]));
         } break;
         }
     }

@@ -43,6 +43,8 @@
  *   each; with R = T * topk it has none (the first grouped_matmul on it reads once).
  *   Backward: dx[t] += sum over t's rows in ascending row order of d permuted[row] (summed in
  *   f64, added once); d probs[t,e] += d permuted_probs[row_of[t,e]]. Padding rows feed nothing.
+ *   A fresh dx / d probs (call->gin_fresh, TM__OP_GRAD_WRITES) is written as 0 + x, with 0 for
+ *   tokens without rows and unrouted (t, e).
  *
  * moe_unpermute (TE moe_unpermute / combine)
  *   in[0]  expert_out     (R, H) float
@@ -300,9 +302,10 @@ tm_status tm__moe_permute_forward_cpu(tm__call *c) {
 #define ST_BF16(v) tm__f32_to_bf16((float)(v))
 
 #define PERMUTE_BACKWARD_KERNELS(T_, SFX, LD, ST)                                                \
-    /* dx (T, H) += sum of g (R, H) over each token's rows. acc: (nth, H) f64 scratch. */          \
+    /* dx (T, H) += sum of g (R, H) over each token's rows. acc: (nth, H) f64 scratch. fresh:     \
+     * dx not read, written whole. */                                                            \
     static void permute_dx_##SFX(T_ *dx, const T_ *g, const int64_t *row_of, double *acc,       \
-                                 int64_t T, int64_t H, int64_t E, int nth) {                     \
+                                 int64_t T, int64_t H, int64_t E, int fresh, int nth) {          \
         _Pragma("omp parallel for num_threads(nth) if (T * H >= PAR_MIN) schedule(static)")      \
         for (int64_t t = 0; t < T; t++) {                                                        \
             double *a = acc + (int64_t)omp_get_thread_num() * H;                                 \
@@ -317,17 +320,24 @@ tm_status tm__moe_permute_forward_cpu(tm__call *c) {
                     for (int64_t h = 0; h < H; h++) a[h] += LD(gr[h]);                           \
                 any = 1;                                                                         \
             }                                                                                    \
-            if (!any) continue;                                                                  \
             T_ *d = dx + t * H;                                                                  \
-            for (int64_t h = 0; h < H; h++) d[h] = ST(LD(d[h]) + a[h]);                          \
+            if (!any) {                                                                          \
+                if (fresh) memset(d, 0, (size_t)H * sizeof *d);                                  \
+                continue;                                                                        \
+            }                                                                                    \
+            if (fresh)                                                                           \
+                for (int64_t h = 0; h < H; h++) d[h] = ST(0.0 + a[h]);                           \
+            else                                                                                 \
+                for (int64_t h = 0; h < H; h++) d[h] = ST(LD(d[h]) + a[h]);                      \
         }                                                                                        \
     }                                                                                            \
-    /* dprobs (T, E) += gpp[row_of] where routed. */                                             \
+    /* dprobs (T, E) += gpp[row_of] where routed; fresh: dp = 0 + that, 0 where not routed. */  \
     static void permute_dprobs_##SFX(T_ *dp, const T_ *gpp, const int64_t *row_of, int64_t n,   \
-                                     int nth) {                                                  \
+                                     int fresh, int nth) {                                       \
         _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")          \
         for (int64_t i = 0; i < n; i++)                                                          \
-            if (row_of[i] >= 0) dp[i] = ST(LD(dp[i]) + LD(gpp[row_of[i]]));                      \
+            if (row_of[i] >= 0) dp[i] = ST((fresh ? 0.0 : LD(dp[i])) + LD(gpp[row_of[i]]));      \
+            else if (fresh) dp[i] = ST(0.0);                                                     \
     }
 
 PERMUTE_BACKWARD_KERNELS(float, f32, LD_F, ST_F32)
@@ -341,22 +351,23 @@ tm_status tm__moe_permute_backward_cpu(tm__call *c) {
     const int64_t *row_of = tm__data(c->saved[0]);
     tm_tensor *dx = c->gin[0], *dp = c->gin[2];
     const int nth = tm__nthreads(ctx);
+    const int fx = dx && c->gin_fresh[0], fp = dp && c->gin_fresh[2];
     if (dx && T * H > 0) {
         double *acc = scratch(ctx, (size_t)nth * (size_t)H * sizeof *acc);
         if (!acc) return TM_ERR_NOMEM;
         const void *g = tm__data(c->gout[0]);
         switch (dx->dtype) {
-        case TM_F32: permute_dx_f32(tm__data(dx), g, row_of, acc, T, H, E, nth); break;
-        case TM_F64: permute_dx_f64(tm__data(dx), g, row_of, acc, T, H, E, nth); break;
-        default: permute_dx_bf16(tm__data(dx), g, row_of, acc, T, H, E, nth); break;
+        case TM_F32: permute_dx_f32(tm__data(dx), g, row_of, acc, T, H, E, fx, nth); break;
+        case TM_F64: permute_dx_f64(tm__data(dx), g, row_of, acc, T, H, E, fx, nth); break;
+        default: permute_dx_bf16(tm__data(dx), g, row_of, acc, T, H, E, fx, nth); break;
         }
     }
     if (dp) {
         const void *g = tm__data(c->gout[1]);
         switch (dp->dtype) {
-        case TM_F32: permute_dprobs_f32(tm__data(dp), g, row_of, T * E, nth); break;
-        case TM_F64: permute_dprobs_f64(tm__data(dp), g, row_of, T * E, nth); break;
-        default: permute_dprobs_bf16(tm__data(dp), g, row_of, T * E, nth); break;
+        case TM_F32: permute_dprobs_f32(tm__data(dp), g, row_of, T * E, fp, nth); break;
+        case TM_F64: permute_dprobs_f64(tm__data(dp), g, row_of, T * E, fp, nth); break;
+        default: permute_dprobs_bf16(tm__data(dp), g, row_of, T * E, fp, nth); break;
         }
     }
     return TM_OK;

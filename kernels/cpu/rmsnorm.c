@@ -9,7 +9,8 @@
  *   fattr[0]  eps
  *   out[0]    y      (N, C)
  *   saved[0]  rstd   (N)     f32 when x is f32 or bf16, f64 when x is f64
- * Backward reads x, weight and rstd (not y).
+ * Backward reads x, weight and rstd (not y). It writes every input gradient whole
+ * (TM__OP_GRAD_WRITES): a fresh one (call->gin_fresh) is stored as 0 + x without being read.
  *
  * Backward, per row with r = rstd[n] and g = w * dy:
  *   dx = r * g - x * (r^3 / C) * sum_c(g * x)
@@ -52,10 +53,11 @@ static int64_t chunk_rows(int64_t N) {
             _Pragma("omp simd") for (int64_t i = 0; i < C; i++) yr[i] = (T)(xr[i] * r * w[i]);   \
         }                                                                                        \
     }                                                                                            \
-    /* part: (nchunks, C) f64 scratch for dw; NULL when dw is not wanted. N > 0. */              \
+    /* part: (nchunks, C) f64 scratch for dw; NULL when dw is not wanted. N > 0. fx / fw: dx / \
+     * dw is fresh (written as 0 + x, not read). */                                              \
     ATTR static void rmsnorm_backward_##SFX(T *dx, T *dw, double *part, const T *dy, const T *x,     \
                                        const T *w, const T *rstd, int64_t N, int64_t C,          \
-                                       int nth) {                                                \
+                                       int fx, int fw, int nth) {                                \
         int64_t rows = chunk_rows(N), nchunks = (N + rows - 1) / rows;                           \
         _Pragma("omp parallel for num_threads(nth) if (N * C >= PAR_MIN) schedule(static)")      \
         for (int64_t k = 0; k < nchunks; k++) {                                                  \
@@ -71,8 +73,12 @@ static int64_t chunk_rows(int64_t N) {
                     for (int64_t i = 0; i < C; i++) dot += (double)w[i] * dyr[i] * xr[i];        \
                     double coef = r * r * r * dot / (double)C;                                   \
                     T *dxr = dx + n * C;                                                         \
-                    _Pragma("omp simd") for (int64_t i = 0; i < C; i++)                          \
-                        dxr[i] = (T)(dxr[i] + r * w[i] * dyr[i] - coef * xr[i]);                 \
+                    if (fx)                                                                      \
+                        _Pragma("omp simd") for (int64_t i = 0; i < C; i++)                      \
+                            dxr[i] = (T)(0.0 + r * w[i] * dyr[i] - coef * xr[i]);                \
+                    else                                                                         \
+                        _Pragma("omp simd") for (int64_t i = 0; i < C; i++)                      \
+                            dxr[i] = (T)(dxr[i] + r * w[i] * dyr[i] - coef * xr[i]);             \
                 }                                                                                \
                 if (pw)                                                                          \
                     _Pragma("omp simd") for (int64_t i = 0; i < C; i++)                          \
@@ -85,7 +91,7 @@ static int64_t chunk_rows(int64_t N) {
             int64_t c1 = c0 + COL_BLOCK < C ? c0 + COL_BLOCK : C;                                \
             for (int64_t k = 1; k < nchunks; k++)                                                \
                 for (int64_t i = c0; i < c1; i++) part[i] += part[k * C + i];                    \
-            for (int64_t i = c0; i < c1; i++) dw[i] = (T)(dw[i] + part[i]);                      \
+            for (int64_t i = c0; i < c1; i++) dw[i] = (T)((fw ? 0.0 : (double)dw[i]) + part[i]); \
         }                                                                                        \
     }
 
@@ -113,7 +119,11 @@ tm_status tm__rmsnorm_backward_cpu(tm__call *c) {
     const tm_tensor *x = c->in[0], *w = c->in[1], *dy = c->gout[0], *rstd = c->saved[0];
     tm_tensor *dx = c->gin[0], *dw = c->gin[1];
     int64_t C = x->shape[x->ndim - 1], N = tm__numel(x) / C;
-    if (N == 0 || (!dx && !dw)) return TM_OK;
+    if (!dx && !dw) return TM_OK;
+    if (N == 0) { /* no rows: dw = 0 (a fresh one gets the zeros) */
+        TM__TRY(tm__gin_prepare(c, 1));
+        return TM_OK;
+    }
     double *part = NULL;
     if (dw) {
         int64_t rows = chunk_rows(N), nchunks = (N + rows - 1) / rows;
@@ -121,12 +131,13 @@ tm_status tm__rmsnorm_backward_cpu(tm__call *c) {
         if (!part) return TM_ERR_NOMEM;
     }
     int nth = tm__nthreads(c->ctx);
+    int fx = dx && c->gin_fresh[0], fw = dw && c->gin_fresh[1];
     if (x->dtype == TM_F64)
         rmsnorm_backward_f64(dx ? tm__data(dx) : NULL, dw ? tm__data(dw) : NULL, part, tm__data(dy),
-                             tm__data(x), tm__data(w), tm__data(rstd), N, C, nth);
+                             tm__data(x), tm__data(w), tm__data(rstd), N, C, fx, fw, nth);
     else
         rmsnorm_backward_f32(dx ? tm__data(dx) : NULL, dw ? tm__data(dw) : NULL, part, tm__data(dy),
-                             tm__data(x), tm__data(w), tm__data(rstd), N, C, nth);
+                             tm__data(x), tm__data(w), tm__data(rstd), N, C, fx, fw, nth);
     return TM_OK;
 }
 
@@ -151,10 +162,10 @@ static void round_bf16(float *v, int64_t n, int nth) {
 }
 
 #define ADD_RMSNORM_KERNELS(T, SFX)                                                                \
-    /* out = a + b, or out += a (b NULL) */                                                        \
-    static void add_##SFX(T *out, const T *a, const T *b, int64_t n, int nth) {                    \
+    /* out = a + b, or out += a (b NULL), or out = 0 + a (b NULL, fresh: out not read) */           \
+    static void add_##SFX(T *out, const T *a, const T *b, int64_t n, int fresh, int nth) {         \
         _Pragma("omp parallel for num_threads(nth) if (n >= PAR_MIN) schedule(static)")            \
-        for (int64_t i = 0; i < n; i++) out[i] = b ? a[i] + b[i] : out[i] + a[i];                  \
+        for (int64_t i = 0; i < n; i++) out[i] = b ? a[i] + b[i] : (fresh ? (T)0 : out[i]) + a[i]; \
     }
 ADD_RMSNORM_KERNELS(float, f32)
 ADD_RMSNORM_KERNELS(double, f64)
@@ -170,10 +181,10 @@ tm_status tm__add_rmsnorm_forward_cpu(tm__call *c) {
     c->saved[c->n_saved++] = s;
     int nth = tm__nthreads(c->ctx);
     if (x->dtype == TM_F64) {
-        add_f64(tm__data(s), tm__data(x), tm__data(y), n, nth);
+        add_f64(tm__data(s), tm__data(x), tm__data(y), n, 0, nth);
         rmsnorm_forward_f64(tm__data(h), tm__data(rstd), tm__data(s), tm__data(w), N, C, c->fattr[0], nth);
     } else {
-        add_f32(tm__data(s), tm__data(x), tm__data(y), n, nth);
+        add_f32(tm__data(s), tm__data(x), tm__data(y), n, 0, nth);
         if (c->src[0]->dtype == TM_BF16) round_bf16(tm__data(s), n, nth);
         rmsnorm_forward_f32(tm__data(h), tm__data(rstd), tm__data(s), tm__data(w), N, C, c->fattr[0], nth);
     }
@@ -184,7 +195,11 @@ tm_status tm__add_rmsnorm_backward_cpu(tm__call *c) {
     const tm_tensor *w = c->in[2], *ds = c->gout[0], *dh = c->gout[1], *rstd = c->saved[0], *s = c->saved[1];
     tm_tensor *dx = c->gin[0], *dy = c->gin[1], *dw = c->gin[2];
     int64_t C = s->shape[s->ndim - 1], N = tm__numel(s) / C, n = N * C;
-    if (N == 0 || (!dx && !dy && !dw)) return TM_OK;
+    if (N == 0) { /* no rows: dw = 0 (a fresh one gets the zeros) */
+        TM__TRY(tm__gin_prepare(c, 2));
+        return TM_OK;
+    }
+    if (!dx && !dy && !dw) return TM_OK;
     size_t es = tm_dtype_size(s->dtype);
     void *t = NULL;
     if (dx || dy) {
@@ -199,21 +214,22 @@ tm_status tm__add_rmsnorm_backward_cpu(tm__call *c) {
         if (!part) return TM_ERR_NOMEM;
     }
     int nth = tm__nthreads(c->ctx);
+    const int fx = dx && c->gin_fresh[0], fy = dy && c->gin_fresh[1], fw = dw && c->gin_fresh[2];
     if (s->dtype == TM_F64)
         rmsnorm_backward_f64(t, dw ? tm__data(dw) : NULL, part, tm__data(dh), tm__data(s), tm__data(w),
-                             tm__data(rstd), N, C, nth);
+                             tm__data(rstd), N, C, 0, fw, nth);
     else
         rmsnorm_backward_f32(t, dw ? tm__data(dw) : NULL, part, tm__data(dh), tm__data(s), tm__data(w),
-                             tm__data(rstd), N, C, nth);
+                             tm__data(rstd), N, C, 0, fw, nth);
     if (!t) return TM_OK;
     if (s->dtype == TM_F32 && c->src[0]->dtype == TM_BF16) round_bf16(t, n, nth);
     /* (dx and dy may be one tensor, x + x: two additions, as the add's backward makes) */
     if (s->dtype == TM_F64) {
-        if (dx) add_f64(tm__data(dx), t, NULL, n, nth);
-        if (dy) add_f64(tm__data(dy), t, NULL, n, nth);
+        if (dx) add_f64(tm__data(dx), t, NULL, n, fx, nth);
+        if (dy) add_f64(tm__data(dy), t, NULL, n, fy, nth);
     } else {
-        if (dx) add_f32(tm__data(dx), t, NULL, n, nth);
-        if (dy) add_f32(tm__data(dy), t, NULL, n, nth);
+        if (dx) add_f32(tm__data(dx), t, NULL, n, fx, nth);
+        if (dy) add_f32(tm__data(dy), t, NULL, n, fy, nth);
     }
     return TM_OK;
 }

@@ -12,6 +12,9 @@
  *   backward  the transpose of a rotation is the rotation by -angle:
  *             dx1 += dy1 cos + dy2 sin,  dx2 += dy2 cos - dy1 sin
  *
+ * The backward writes dx whole (TM__OP_GRAD_WRITES): a fresh dx (call->gin_fresh) is stored as
+ * 0 + the rotation, the bits adding into zeros gives, without being read.
+ *
  * cos/sin are tabulated once per call, (T, half), in f64: at positions in the tens of
  * thousands an f32 angle has already lost the bits that decide the rotation.
  */
@@ -33,12 +36,19 @@ enum { PAR_MIN = 1 << 15 };
             const double *c_ = cs + t * half, *s_ = sn + t * half;                                \
             const T *x1 = x + r * D, *x2 = x1 + half;                                             \
             T *y1 = y + r * D, *y2 = y1 + half;                                                   \
-            if (add) {                                                                            \
+            if (add == 1) {                                                                       \
                 _Pragma("omp simd")                                                               \
                 for (int64_t i = 0; i < half; i++) {                                              \
                     double a = x1[i], b = x2[i];                                                  \
                     y1[i] = (T)(y1[i] + (a * c_[i] - b * s_[i]));                                \
                     y2[i] = (T)(y2[i] + (b * c_[i] + a * s_[i]));                                \
+                }                                                                                 \
+            } else if (add == 2) {                                                                \
+                _Pragma("omp simd")                                                               \
+                for (int64_t i = 0; i < half; i++) {                                              \
+                    double a = x1[i], b = x2[i];                                                  \
+                    y1[i] = (T)(0.0 + (a * c_[i] - b * s_[i]));                                  \
+                    y2[i] = (T)(0.0 + (b * c_[i] + a * s_[i]));                                  \
                 }                                                                                 \
             } else {                                                                              \
                 _Pragma("omp simd")                                                               \
@@ -54,7 +64,8 @@ enum { PAR_MIN = 1 << 15 };
 ROPE_KERNEL(float, f32)
 ROPE_KERNEL(double, f64)
 
-/* Rotate src by sign * angle into dst (add = 0) or add the rotation into dst (add = 1). */
+/* Rotate src by sign * angle into dst (add = 0), add the rotation into dst (add = 1), or store
+ * 0 + the rotation into a fresh gradient dst (add = 2). */
 static tm_status rope_apply(tm__call *c, tm_tensor *dst, const tm_tensor *src, double sign, int add) {
     tm_ctx *ctx = c->ctx;
     const int64_t B = src->shape[0], Tn = src->shape[1], H = src->shape[2], half = src->shape[3] / 2;
@@ -88,5 +99,5 @@ tm_status tm__rope_forward_cpu(tm__call *c) { return rope_apply(c, c->out[0], c-
 
 tm_status tm__rope_backward_cpu(tm__call *c) {
     if (!c->gin[0]) return TM_OK;
-    return rope_apply(c, c->gin[0], c->gout[0], -1.0, 1);
+    return rope_apply(c, c->gin[0], c->gout[0], -1.0, c->gin_fresh[0] ? 2 : 1);
 }

@@ -8,6 +8,7 @@
  * Backward:
  *   softmax      dx = y * (dy - sum_c(dy * y))
  *   log_softmax  dx = dy - exp(y) * sum_c(dy)
+ * added into dx, or written as 0 + that into a fresh dx (call->gin_fresh, TM__OP_GRAD_WRITES).
  *
  * The row maximum is subtracted before exp so that no exp overflows; the row sums are
  * accumulated in f64. A row of all -inf has no defined softmax and yields NaN (as in PyTorch).
@@ -46,7 +47,7 @@ enum { PAR_MIN = 1 << 15 };
         }                                                                                        \
     }                                                                                            \
     static void softmax_backward_##SFX(T *dx, const T *y, const T *dy, int64_t N, int64_t C,    \
-                                       int log_out, int nth) {                                   \
+                                       int log_out, int fresh, int nth) {                        \
         _Pragma("omp parallel for num_threads(nth) if (N * C >= PAR_MIN) schedule(static)")      \
         for (int64_t n = 0; n < N; n++) {                                                        \
             const T *yr = y + n * C, *dyr = dy + n * C;                                          \
@@ -54,10 +55,16 @@ enum { PAR_MIN = 1 << 15 };
             double s = 0.0;                                                                      \
             if (log_out) {                                                                       \
                 for (int64_t i = 0; i < C; i++) s += dyr[i];                                     \
-                for (int64_t i = 0; i < C; i++) dxr[i] = (T)(dxr[i] + dyr[i] - EXP(yr[i]) * s);  \
+                if (fresh) /* the accumulating expression with 0 for dxr[i], which is not read */ \
+                    for (int64_t i = 0; i < C; i++) dxr[i] = (T)((T)0 + dyr[i] - EXP(yr[i]) * s); \
+                else                                                                             \
+                    for (int64_t i = 0; i < C; i++) dxr[i] = (T)(dxr[i] + dyr[i] - EXP(yr[i]) * s); \
             } else {                                                                             \
                 for (int64_t i = 0; i < C; i++) s += (double)dyr[i] * yr[i];                     \
-                for (int64_t i = 0; i < C; i++) dxr[i] = (T)(dxr[i] + yr[i] * (dyr[i] - s));     \
+                if (fresh)                                                                       \
+                    for (int64_t i = 0; i < C; i++) dxr[i] = (T)((T)0 + yr[i] * (dyr[i] - s));   \
+                else                                                                             \
+                    for (int64_t i = 0; i < C; i++) dxr[i] = (T)(dxr[i] + yr[i] * (dyr[i] - s)); \
             }                                                                                    \
         }                                                                                        \
     }
@@ -84,9 +91,9 @@ static tm_status softmax_backward(tm__call *c, int log_out) {
     int64_t C = y->shape[y->ndim - 1], N = C ? tm__numel(y) / C : 0;
     int nth = tm__nthreads(c->ctx);
     if (y->dtype == TM_F64)
-        softmax_backward_f64(tm__data(dx), tm__data(y), tm__data(dy), N, C, log_out, nth);
+        softmax_backward_f64(tm__data(dx), tm__data(y), tm__data(dy), N, C, log_out, c->gin_fresh[0], nth);
     else
-        softmax_backward_f32(tm__data(dx), tm__data(y), tm__data(dy), N, C, log_out, nth);
+        softmax_backward_f32(tm__data(dx), tm__data(y), tm__data(dy), N, C, log_out, c->gin_fresh[0], nth);
     return TM_OK;
 }
 

@@ -5,7 +5,7 @@
  *         swiglu in[0] gate (n), in[1] up (n, same shape), out[0] = silu(gate) * up (n)
  * All tensors contiguous (the op table has no TM__OP_STRIDED: views are copied before the
  * kernel). No saved tensors: backward recomputes sigmoid from the inputs and ADDS into the
- * input gradients (dx, dgate, dup may already hold gradient); swiglu writes a fresh one
+ * input gradients (dx, dgate, dup may already hold gradient); both write a fresh one
  * (call->gin_fresh, TM__OP_GRAD_WRITES) as 0 + x without reading it.
  *   silu'(x) = s * (1 + x * (1 - s)), s = sigmoid(x)
  *   swiglu:  dgate = dy * up * silu'(gate),  dup = dy * silu(gate)
@@ -59,7 +59,7 @@ silu_forward_kernel(void *y_, const void *x_, int64_t n) {
 
 template <int N, typename T>
 __global__ void __launch_bounds__(TM__CU_THREADS, ACT_BLOCKS_PER_SM)
-silu_backward_kernel(void *dx_, const void *x_, const void *dy_, int64_t n) {
+silu_backward_kernel(void *dx_, const void *x_, const void *dy_, int fx, int64_t n) {
     T *dx = (T *)dx_;
     const T *x = (const T *)x_, *dy = (const T *)dy_;
     const int64_t nv = n / N;
@@ -67,7 +67,12 @@ silu_backward_kernel(void *dx_, const void *x_, const void *dy_, int64_t n) {
         float v[N], d[N], a[N];
         tm__vld<N>(x + i * N, v);
         tm__vld<N>(dy + i * N, d);
-        tm__vld<N>(dx + i * N, a);
+        if (fx) { /* fresh (call->gin_fresh): not read, the accumulator starts at 0.0f */
+#pragma unroll
+            for (int k = 0; k < N; k++) a[k] = 0.0f;
+        } else {
+            tm__vld<N>(dx + i * N, a);
+        }
 #pragma unroll
         for (int k = 0; k < N; k++) a[k] = silu_bwd(a[k], v[k], d[k]);
         tm__vst<N>(dx + i * N, a);
@@ -199,7 +204,7 @@ extern "C" tm_status tm__silu_backward_cuda(tm__call *c) {
     void *dxp = tm__data(dx);
     const void *xp = tm__data(c->in[0]), *dyp = tm__data(c->gout[0]);
     int w = act_width(dx->dtype, n, dxp, xp, dyp, NULL, NULL);
-    ACT_LAUNCH(st, dx->dtype, w, n, silu_backward_kernel, dxp, xp, dyp);
+    ACT_LAUNCH(st, dx->dtype, w, n, silu_backward_kernel, dxp, xp, dyp, (int)c->gin_fresh[0]);
     TM__CU_LAUNCHED(c->ctx, "silu", "silu_backward_kernel");
     return TM_OK;
 }

@@ -88,7 +88,9 @@
  * order, mma's fixed internal order, butterflies over fixed lanes); no atomics, so the results
  * are bitwise reproducible. The CPU's f32 kernel sums in another order, which is what the
  * parity tolerance covers. One thread adds both dk and dv of an element, so k passed as v (one
- * gradient buffer) is right too.
+ * gradient buffer) is right too. That single store per element is also why a fresh dq / dk / dv
+ * (call->gin_fresh, TM__OP_GRAD_WRITES; attn_dims.fq / fk / fv, fa_params likewise) costs
+ * nothing: the store writes 0 + the sum instead of reading the gradient.
  */
 #include "common.cuh"
 
@@ -101,6 +103,7 @@ typedef struct attn_dims {
     int64_t G;   /* query heads per kv head */
     int64_t off; /* Tk - Tq */
     float scale;
+    int fq, fk, fv; /* backward: dq / dk / dv is fresh (call->gin_fresh): stored, not read */
 } attn_dims;
 
 static attn_dims attn_dims_of(const tm__call *c) {
@@ -111,6 +114,7 @@ static attn_dims attn_dims_of(const tm__call *c) {
     d.G = d.Hq / d.Hkv;
     d.off = d.Tk - d.Tq;
     d.scale = (float)(c->fattr[0] > 0.0 ? c->fattr[0] : 1.0 / sqrt((double)d.D));
+    d.fq = c->gin[0] && c->gin_fresh[0], d.fk = c->gin[1] && c->gin_fresh[1], d.fv = c->gin[2] && c->gin_fresh[2];
     return d;
 }
 
@@ -231,7 +235,7 @@ attn_backward_q_kernel(void *dq_, float *delta, const void *q_, const void *k_, 
     if (threadIdx.x == 0) delta[row] = dl;
     if (!dq_) return;
     T *dq = (T *)dq_ + qo;
-    for (int64_t x = threadIdx.x; x < D; x += blockDim.x) tm__st(dq + x, tm__ld(dq + x) + d.scale * dqa[x]);
+    for (int64_t x = threadIdx.x; x < D; x += blockDim.x) tm__st(dq + x, (d.fq ? 0.0f : tm__ld(dq + x)) + d.scale * dqa[x]);
 }
 
 /* One block per key row (b, hk, j): dk_j += scale sum dS_ij q_i, dv_j += sum P_ij dO_i over
@@ -286,8 +290,8 @@ attn_backward_kv_kernel(void *dk_, void *dv_, const void *q_, const void *k_, co
         }
     }
     for (int64_t x = threadIdx.x; x < D; x += blockDim.x) {
-        if (dk_) tm__st((T *)dk_ + ko + x, tm__ld((const T *)dk_ + ko + x) + d.scale * dka[x]);
-        if (dv_) tm__st((T *)dv_ + ko + x, tm__ld((const T *)dv_ + ko + x) + dva[x]);
+        if (dk_) tm__st((T *)dk_ + ko + x, (d.fk ? 0.0f : tm__ld((const T *)dk_ + ko + x)) + d.scale * dka[x]);
+        if (dv_) tm__st((T *)dv_ + ko + x, (d.fv ? 0.0f : tm__ld((const T *)dv_ + ko + x)) + dva[x]);
     }
 }
 
@@ -353,6 +357,7 @@ template <int D> static tm_status fa_backward(tm__call *c, tm__cuda *st, const a
     p.dq = dq ? (tm__bf16 *)tm__data(dq) : NULL;
     p.dk = dk ? (tm__bf16 *)tm__data(dk) : NULL;
     p.dv = dv ? (tm__bf16 *)tm__data(dv) : NULL;
+    p.fq = d->fq, p.fk = d->fk, p.fv = d->fv;
     TM__TRY(tm__cu_scratch(ctx, st, (size_t)d->B * d->Hq * d->Tq * sizeof(float), (void **)&p.delta));
     fa_delta_kernel<D><<<(unsigned)fa_grid_delta(&p), FA_THREADS, 0, st->stream>>>(p);
     TM__CU_LAUNCHED(ctx, "attention", "fa_delta_kernel");
@@ -413,7 +418,10 @@ extern "C" tm_status tm__attention_backward_cuda(tm__call *c) {
     if (!dq && !dk && !dv) return TM_OK;
     const attn_dims d = attn_dims_of(c);
     const int64_t rows = d.B * d.Hq * d.Tq, krows = d.B * d.Hkv * d.Tk;
-    if (rows == 0) return TM_OK;
+    if (rows == 0) { /* no query: dk and dv are zeros (fresh ones get them) */
+        TM__TRY(tm__gin_prepare(c, 1));
+        return tm__gin_prepare(c, 2);
+    }
     tm__cuda *st;
     TM__TRY(tm__cu_enter(ctx, "attention", &st));
     if (fa_usable(c, &d, 1)) return d.D == 64 ? fa_backward<64>(c, st, &d) : fa_backward<128>(c, st, &d);

@@ -69,6 +69,7 @@ typedef struct fa_params {
     int64_t qs, ks;                       /* row strides over time: Hq D (q, o, dq) and Hkv D (k, v) */
     int B, Tq, Tk, Hq, Hkv, G, off, D;
     float scale, scale_log2;              /* scale and scale log2(e), the latter for exp2 */
+    int fq, fk, fv;                       /* dq / dk / dv fresh (call->gin_fresh): stored, not read */
 } fa_params;
 
 __host__ __device__ __forceinline__ int fa_imin(int a, int b) { return a < b ? a : b; }
@@ -110,9 +111,10 @@ __device__ __forceinline__ void fa_load_rows(tm__bf16 *s, const tm__bf16 *g, int
 /* o (two adjacent bf16, 4-byte aligned) = (lo, hi) rounded. */
 __device__ __forceinline__ void fa_st2(tm__bf16 *o, float lo, float hi) { *reinterpret_cast<uint32_t *>(o) = tm__pack_bf16x2(lo, hi); }
 /* g[0], g[1] += a, b (bf16, rounded once). */
-__device__ __forceinline__ void fa_add2(tm__bf16 *g, float a, float b) {
-    tm__st(g, tm__ld(g) + a);
-    tm__st(g + 1, tm__ld(g + 1) + b);
+/* g[0..1] += (a, b); fresh: g = 0 + (a, b), g not read. */
+__device__ __forceinline__ void fa_add2(tm__bf16 *g, float a, float b, int fresh = 0) {
+    tm__st(g, (fresh ? 0.0f : tm__ld(g)) + a);
+    tm__st(g + 1, (fresh ? 0.0f : tm__ld(g + 1)) + b);
 }
 /* The max and the sum of a row over the 4 lanes of a quad (a row of an mma accumulator). */
 __device__ __forceinline__ float fa_quad_max(float x) {
@@ -494,7 +496,8 @@ __global__ void __launch_bounds__(FA_THREADS) fa_backward_dq_kernel(fa_params p)
             if (i >= p.Tq) continue;
             tm__bf16 *row = p.dq + ((int64_t)b * p.Tq + i) * p.qs + (int64_t)h * D + t4 * 2;
 #pragma unroll
-            for (int x = 0; x < ND; x++) fa_add2(row + x * 8, p.scale * acc[mt][x][2 * half], p.scale * acc[mt][x][2 * half + 1]);
+            for (int x = 0; x < ND; x++)
+                fa_add2(row + x * 8, p.scale * acc[mt][x][2 * half], p.scale * acc[mt][x][2 * half + 1], p.fq);
         }
     }
 }
@@ -689,10 +692,10 @@ __global__ void __launch_bounds__(FA_THREADS) fa_backward_dkv_kernel(fa_params p
                 const float k0 = p.scale * dk[mt][x][2 * half], k1 = p.scale * dk[mt][x][2 * half + 1];
                 const float v0 = dv[mt][x][2 * half], v1 = dv[mt][x][2 * half + 1];
                 if (one) {
-                    fa_add2(p.dk + ro + x * 8, k0 + v0, k1 + v1);
+                    fa_add2(p.dk + ro + x * 8, k0 + v0, k1 + v1, p.fk && p.fv);
                 } else {
-                    if (p.dk) fa_add2(p.dk + ro + x * 8, k0, k1);
-                    if (p.dv) fa_add2(p.dv + ro + x * 8, v0, v1);
+                    if (p.dk) fa_add2(p.dk + ro + x * 8, k0, k1, p.fk);
+                    if (p.dv) fa_add2(p.dv + ro + x * 8, v0, v1, p.fv);
                 }
             }
         }

@@ -115,15 +115,22 @@ __global__ void ce_total_kernel(void *loss_, int64_t *n_valid, const float *loss
 }
 
 /* One block per row n, in chunks of blockDim.x classes (no division per element); ignored rows
- * get nothing. dloss_ is T, or f32 when dloss_f32 (the loss of iattr[2]). */
+ * get nothing. dloss_ is T, or f32 when dloss_f32 (the loss of iattr[2]). fresh: dlogits is a
+ * fresh gradient (call->gin_fresh, TM__OP_GRAD_WRITES), written whole without being read (0 +
+ * the gradient; zeros in ignored rows, and everywhere when no row is valid). */
 template <typename T, typename I>
 __global__ void ce_backward_kernel(void *dlogits_, const void *logits_, const float *lse, const I *targets,
-                                   const void *dloss_, int dloss_f32, const int64_t *n_valid, int64_t V, int64_t ign) {
+                                   const void *dloss_, int dloss_f32, const int64_t *n_valid, int64_t V, int64_t ign,
+                                   int fresh) {
     int64_t k = *n_valid, n = blockIdx.x;
     int64_t t = (int64_t)targets[n];
-    if (k == 0 || t == ign) return;
-    float scale = (dloss_f32 ? *(const float *)dloss_ : tm__ld((const T *)dloss_)) / (float)k, l = lse[n];
     T *d = (T *)dlogits_ + n * V;
+    if (k == 0 || t == ign) {
+        if (fresh)
+            for (int64_t v = threadIdx.x; v < V; v += blockDim.x) tm__st(d + v, 0.0f);
+        return;
+    }
+    float scale = (dloss_f32 ? *(const float *)dloss_ : tm__ld((const T *)dloss_)) / (float)k, l = lse[n];
     const T *x = (const T *)logits_ + n * V;
     /* the forward's groups (each element's value does not depend on the order) */
     const bool vec = (((uintptr_t)x | (uintptr_t)d) & 15u) == 0;
@@ -133,7 +140,12 @@ __global__ void ce_backward_kernel(void *dlogits_, const void *logits_, const fl
         const int64_t v0 = j * CE_G;
         float xf[CE_G], df[CE_G];
         tm__vld_group<CE_G>(x + v0, xf, vec);
-        tm__vld_group<CE_G>(d + v0, df, vec);
+        if (fresh) {
+#pragma unroll
+            for (int k = 0; k < CE_G; k++) df[k] = 0.0f;
+        } else {
+            tm__vld_group<CE_G>(d + v0, df, vec);
+        }
 #pragma unroll
         for (int k = 0; k < CE_G; k++) {
             float g = expf(xf[k] - l) - (v0 + k == t ? 1.0f : 0.0f);
@@ -143,7 +155,7 @@ __global__ void ce_backward_kernel(void *dlogits_, const void *logits_, const fl
     }
     for (int64_t v = ng * CE_G + threadIdx.x; v < V; v += blockDim.x) {
         float g = expf(tm__ld(x + v) - l) - (v == t ? 1.0f : 0.0f);
-        tm__st(d + v, tm__ld(d + v) + g * scale);
+        tm__st(d + v, (fresh ? 0.0f : tm__ld(d + v)) + g * scale);
     }
 }
 
@@ -224,25 +236,25 @@ extern "C" tm_status tm__cross_entropy_backward_cuda(tm__call *c) {
     if (N * V == 0) return TM_OK;
     const float *lse = (const float *)tm__data(c->saved[0]);
     const int64_t *n_valid = (const int64_t *)tm__data(c->saved[1]);
-    int dloss_f32 = c->gout[0]->dtype == TM_F32;
+    int dloss_f32 = c->gout[0]->dtype == TM_F32, fresh = c->gin_fresh[0];
     unsigned g = (unsigned)N;
     int threads = tm__cu_row_threads(V);
     if (tg->dtype == TM_I32) {
         const int32_t *t = (const int32_t *)tm__data(tg);
         if (logits->dtype == TM_BF16)
             ce_backward_kernel<tm__bf16, int32_t><<<g, threads, 0, st->stream>>>(
-                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign);
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign, fresh);
         else
             ce_backward_kernel<float, int32_t><<<g, threads, 0, st->stream>>>(
-                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign);
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign, fresh);
     } else {
         const int64_t *t = (const int64_t *)tm__data(tg);
         if (logits->dtype == TM_BF16)
             ce_backward_kernel<tm__bf16, int64_t><<<g, threads, 0, st->stream>>>(
-                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign);
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign, fresh);
         else
             ce_backward_kernel<float, int64_t><<<g, threads, 0, st->stream>>>(
-                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign);
+                tm__data(dl), tm__data(logits), lse, t, tm__data(c->gout[0]), dloss_f32, n_valid, V, ign, fresh);
     }
     TM__CU_LAUNCHED(ctx, what, "ce_backward_kernel");
     return TM_OK;

@@ -16,7 +16,8 @@
  * nothing (backward).
  * Rows move as 16-byte vectors when the row and both bases allow it (H = 1024 bf16: 128 of
  * them per row, 4 per lane), else as elements; the backward adds 8 bf16 or 4 f32 per vector
- * in f32, each rounded once.
+ * in f32, each rounded once. A fresh dx (call->gin_fresh, TM__OP_GRAD_WRITES) is written, not
+ * read: 0 + dy, and zeros in rows no chunk covers.
  */
 #include "common.cuh"
 
@@ -85,21 +86,29 @@ __device__ __forceinline__ uint4 sc_add(uint4 a, uint4 b, int bf16) {
 }
 
 /* dx[s] += dy[d(s)]; T the element type, or uint4 (units of 16 bytes, bf16 telling what they
- * hold) where the rows and both bases allow it. */
+ * hold) where the rows and both bases allow it. fresh: dx[s] = 0 + dy[d(s)], 0 where uncovered. */
 template <typename T>
 __global__ void sort_chunks_backward_kernel(T *dx, const T *dy, const int64_t *S, const int64_t *Di,
-                                            const int64_t *sz, int64_t n, int64_t R, int64_t units, int bf16) {
+                                            const int64_t *sz, int64_t n, int64_t R, int64_t units, int bf16,
+                                            int fresh) {
     const int lane = threadIdx.x & 31;
     const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
     for (int64_t s = warp; s < R; s += nwarps) {
         const int64_t i = sc_last_le(S, n, s), r = s - S[i], d = Di[i] + r;
-        if (r >= sz[i] || d >= R) continue;
         T *out = dx + s * units;
+        if (r >= sz[i] || d >= R) {
+            if (fresh)
+                for (int64_t u = lane; u < units; u += 32) {
+                    if constexpr (sizeof(T) == 16) out[u] = T{};
+                    else tm__st(out + u, 0.0f);
+                }
+            continue;
+        }
         const T *in = dy + d * units;
         for (int64_t u = lane; u < units; u += 32) {
-            if constexpr (sizeof(T) == 16) out[u] = sc_add(out[u], in[u], bf16);
-            else tm__st(out + u, tm__ld(out + u) + tm__ld(in + u));
+            if constexpr (sizeof(T) == 16) out[u] = sc_add(fresh ? T{} : out[u], in[u], bf16);
+            else tm__st(out + u, (fresh ? 0.0f : tm__ld(out + u)) + tm__ld(in + u));
         }
     }
 }
@@ -161,15 +170,16 @@ extern "C" tm_status tm__moe_sort_chunks_backward_cuda(tm__call *c) {
     const size_t row = (size_t)H * tm_dtype_size(dx->dtype);
     void *gx = tm__data(dx);
     const void *gy = tm__data(c->gout[0]);
+    const int fresh = c->gin_fresh[0];
     if (row % 16 == 0 && (uintptr_t)gx % 16 == 0 && (uintptr_t)gy % 16 == 0)
         sort_chunks_backward_kernel<uint4><<<grid, SC_WARPS * 32, 0, st->stream>>>(
-            (uint4 *)gx, (const uint4 *)gy, S, Di, sz, n, R, (int64_t)row / 16, dx->dtype == TM_BF16);
+            (uint4 *)gx, (const uint4 *)gy, S, Di, sz, n, R, (int64_t)row / 16, dx->dtype == TM_BF16, fresh);
     else if (dx->dtype == TM_BF16)
         sort_chunks_backward_kernel<tm__bf16><<<grid, SC_WARPS * 32, 0, st->stream>>>(
-            (tm__bf16 *)gx, (const tm__bf16 *)gy, S, Di, sz, n, R, H, 1);
+            (tm__bf16 *)gx, (const tm__bf16 *)gy, S, Di, sz, n, R, H, 1, fresh);
     else
         sort_chunks_backward_kernel<float><<<grid, SC_WARPS * 32, 0, st->stream>>>((float *)gx, (const float *)gy, S,
-                                                                                   Di, sz, n, R, H, 0);
+                                                                                   Di, sz, n, R, H, 0, fresh);
     TM__CU_LAUNCHED(c->ctx, what, "sort_chunks_offsets_kernel / sort_chunks_backward_kernel");
     return TM_OK;
 }

@@ -44,7 +44,9 @@
  *   token with more takes a slower loop that rescans row_of per chunk of the row, summing in
  *   the same order); then per chunk of the row the loads of up to 8 rows are all in flight
  *   before they are summed, so the kernel waits on memory once per chunk, not once per row.
- *   d probs[t,e] += d permuted_probs[row] elementwise.
+ *   d probs[t,e] += d permuted_probs[row] elementwise. A fresh dx / d probs (call->gin_fresh,
+ *   TM__OP_GRAD_WRITES) is not read: 0 + the sum is stored, zeros for a token without rows and
+ *   for unrouted (t, e), in the same kernels.
  *
  * moe_unpermute
  *   in[0] expert_out (R, H), in[1] row_token (R) i64 or i32, in[2] permuted_probs (R)
@@ -318,7 +320,7 @@ static void permute_tokens_launch(const tm__cuda *st, void *dst, const void *x, 
  * (a ballot over row_of >= 0) and taken in ascending order; dxt: the token's row of dx. */
 template <typename T_, int N>
 __device__ void permute_dx_scan(T_ *__restrict__ dxt, const T_ *__restrict__ g, const int64_t *__restrict__ ro, int64_t H,
-                                int64_t E, int lane) {
+                                int64_t E, int lane, int fresh) {
     const int64_t nv = H / N;
     for (int64_t base = 0; base < nv; base += 32 * VECS) {
         float a[VECS][N];
@@ -351,7 +353,12 @@ __device__ void permute_dx_scan(T_ *__restrict__ dxt, const T_ *__restrict__ g, 
             if (v < nv) {
                 T_ *d = dxt + v * N;
                 float o[N];
-                tm__vld<N>(d, o);
+                if (fresh) {
+#pragma unroll
+                    for (int i = 0; i < N; i++) o[i] = 0.0f;
+                } else {
+                    tm__vld<N>(d, o);
+                }
 #pragma unroll
                 for (int i = 0; i < N; i++) o[i] = o[i] + a[u][i];
                 tm__vst<N>(d, o);
@@ -366,10 +373,13 @@ __device__ void permute_dx_scan(T_ *__restrict__ dxt, const T_ *__restrict__ g, 
  * rows (and of dx) are all issued before any is summed, so the warp waits on one memory
  * latency per group, not one per row. The sum is the fallback's, element for element: 0,
  * then + each row in ascending e, then dx + that (the same bits). A token with more than
- * DX_MAXROWS routed rows takes the fallback permute_dx_scan. */
+ * DX_MAXROWS routed rows takes the fallback permute_dx_scan. fresh: dx is a fresh gradient
+ * (call->gin_fresh, TM__OP_GRAD_WRITES): not read, 0 + the sum stored, a token without routed
+ * rows gets zeros. */
 template <typename T_, int N>
 __global__ void __launch_bounds__(DISPATCH_THREADS)
-permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of, int64_t T, int64_t H, int64_t E) {
+permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of, int64_t T, int64_t H, int64_t E,
+                  int fresh) {
     using raw = typename tm__vraw<T_, N>::type;
     __shared__ int64_t rows_sh[DISPATCH_WARPS][DX_MAXROWS];
     T_ *__restrict__ dx = (T_ *)dx_;
@@ -390,10 +400,14 @@ permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of,
             n += __popc(bal);
         }
         __syncwarp(); /* the list is visible to every lane */
-        if (n == 0) continue; /* no routed row: dx[t] untouched */
         T_ *dxt = dx + t * H;
+        if (n == 0) { /* no routed row: dx[t] untouched, or zeros when fresh */
+            if (fresh)
+                for (int64_t h = lane; h < H; h += 32) tm__st(dxt + h, 0.0f);
+            continue;
+        }
         if (n > DX_MAXROWS) {
-            permute_dx_scan<T_, N>(dxt, g, ro, H, E, lane);
+            permute_dx_scan<T_, N>(dxt, g, ro, H, E, lane, fresh);
             continue;
         }
         const int nr = (int)n;
@@ -405,7 +419,7 @@ permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of,
 #pragma unroll
                 for (int i = 0; i < N; i++) a[u][i] = 0.0f;
                 const int64_t v = base + u * 32 + lane;
-                if (v < nv) o[u] = tm__vldraw<N>(dxt + v * N);
+                if (v < nv && !fresh) o[u] = tm__vldraw<N>(dxt + v * N);
             }
             for (int j0 = 0; j0 < nr; j0 += DX_GROUP) {
                 raw q[DX_GROUP][VECS];
@@ -439,7 +453,12 @@ permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of,
                 const int64_t v = base + u * 32 + lane;
                 if (v < nv) {
                     float f[N];
-                    tm__vwiden<N, T_>(o[u], f);
+                    if (fresh) {
+#pragma unroll
+                        for (int i = 0; i < N; i++) f[i] = 0.0f;
+                    } else {
+                        tm__vwiden<N, T_>(o[u], f);
+                    }
 #pragma unroll
                     for (int i = 0; i < N; i++) f[i] = f[i] + a[u][i];
                     tm__vst<N>(dxt + v * N, f);
@@ -451,20 +470,22 @@ permute_dx_kernel(void *dx_, const void *g_, const int64_t *__restrict__ row_of,
 
 template <typename T_>
 static void permute_dx_launch(const tm__cuda *st, int vec, void *dx, const void *g, const int64_t *row_of, int64_t T,
-                              int64_t H, int64_t E) {
+                              int64_t H, int64_t E, int fresh) {
     const unsigned grid = warp_blocks(st, T);
-    if (vec) permute_dx_kernel<T_, tm__vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(dx, g, row_of, T, H, E);
-    else permute_dx_kernel<T_, 1><<<grid, DISPATCH_THREADS, 0, st->stream>>>(dx, g, row_of, T, H, E);
+    if (vec)
+        permute_dx_kernel<T_, tm__vec_n<T_>::n><<<grid, DISPATCH_THREADS, 0, st->stream>>>(dx, g, row_of, T, H, E, fresh);
+    else permute_dx_kernel<T_, 1><<<grid, DISPATCH_THREADS, 0, st->stream>>>(dx, g, row_of, T, H, E, fresh);
 }
 
-/* dprobs (T, E) += gpp[row_of] where routed. */
+/* dprobs (T, E) += gpp[row_of] where routed; fresh: dp = 0 + that, 0 where not routed (not read). */
 template <typename T_>
-__global__ void permute_dprobs_kernel(void *dp_, const void *gpp_, const int64_t *row_of, int64_t n) {
+__global__ void permute_dprobs_kernel(void *dp_, const void *gpp_, const int64_t *row_of, int64_t n, int fresh) {
     T_ *dp = (T_ *)dp_;
     const T_ *gpp = (const T_ *)gpp_;
     TM__CU_GRID_STRIDE(i, n) {
         const int64_t r = row_of[i];
-        if (r >= 0) tm__st(dp + i, tm__ld(dp + i) + tm__ld(gpp + r));
+        if (r >= 0) tm__st(dp + i, (fresh ? 0.0f : tm__ld(dp + i)) + tm__ld(gpp + r));
+        else if (fresh) tm__st(dp + i, 0.0f);
     }
 }
 
@@ -580,13 +601,13 @@ extern "C" tm_status tm__moe_permute_backward_cuda(tm__call *c) {
         const void *g = tm__data(c->gout[0]);
         const int64_t n = dx->dtype == TM_BF16 ? tm__vec_n<tm__bf16>::n : tm__vec_n<float>::n;
         const int vec = H % n == 0 && aligned16(d) && aligned16(g);
-        if (dx->dtype == TM_BF16) permute_dx_launch<tm__bf16>(st, vec, d, g, row_of, T, H, E);
-        else permute_dx_launch<float>(st, vec, d, g, row_of, T, H, E);
+        if (dx->dtype == TM_BF16) permute_dx_launch<tm__bf16>(st, vec, d, g, row_of, T, H, E, c->gin_fresh[0]);
+        else permute_dx_launch<float>(st, vec, d, g, row_of, T, H, E, c->gin_fresh[0]);
         TM__CU_LAUNCHED(ctx, what, "permute_dx_kernel");
     }
     if (dp && T * E > 0) {
         TM__CU_LAUNCH_FLOAT(dp->dtype, permute_dprobs_kernel, tm__cu_blocks(st, T * E), TM__CU_THREADS, 0, st->stream,
-                            tm__data(dp), tm__data(c->gout[1]), row_of, T * E);
+                            tm__data(dp), tm__data(c->gout[1]), row_of, T * E, (int)c->gin_fresh[2]);
         TM__CU_LAUNCHED(ctx, what, "permute_dprobs_kernel");
     }
     return TM_OK;

@@ -23,6 +23,9 @@
  * their read back, two of the backward's passes over (N, C) in f32. Rows too wide for the
  * registers (C / RN_G > RN_DW_MAXG threads) and small N (rows = 1) store the products
  * themselves, one scratch row per row, as before.
+ * Every input gradient is written whole (TM__OP_GRAD_WRITES): a fresh dx / dy (call->gin_fresh,
+ * the flags fx / fy) is not read, its accumulator starts at 0.0f; a fresh dw gets tm__cu_reduce
+ * with accumulate 0.
  */
 #include "common.cuh"
 #include "vec.cuh"
@@ -35,6 +38,17 @@
 static inline int rn_threads(int64_t C) { return tm__cu_row_threads((C + RN_G - 1) / RN_G); }
 
 __device__ __forceinline__ bool rn_aligned(uintptr_t bits) { return (bits & 15u) == 0; }
+
+/* A group of dst as the accumulator of a gradient: zeros when it is fresh (not read). */
+template <typename T>
+__device__ __forceinline__ void rn_ld_acc(const T *p, float *v, bool vec, int fresh) {
+    if (fresh) {
+#pragma unroll
+        for (int k = 0; k < RN_G; k++) v[k] = 0.0f;
+    } else {
+        tm__vld_group<RN_G>(p, v, vec);
+    }
+}
 
 /* v rounded to T, as a store to T and a load back give it. */
 template <typename T>
@@ -164,7 +178,7 @@ __device__ __forceinline__ float rn_dot(const T *w, const T *a, const T *b, int6
  * most: the launch checks). */
 template <typename T>
 __global__ void rmsnorm_backward_kernel(void *dx_, float *part, const void *dy_, const void *x_, const void *w_,
-                                        const float *rstd, int64_t N, int64_t C, int64_t rows) {
+                                        const float *rstd, int64_t N, int64_t C, int64_t rows, int fx) {
     __shared__ float sh[32];
     rn_dw_acc acc;
     rn_dw_zero(acc);
@@ -187,7 +201,7 @@ __global__ void rmsnorm_backward_kernel(void *dx_, float *part, const void *dy_,
         float coef = r * r * r * dot / (float)C;
         for (int64_t j = threadIdx.x; j < ng; j += blockDim.x) {
             float d[RN_G], p[RN_G], g[RN_G], v[RN_G];
-            tm__vld_group<RN_G>(dx + j * RN_G, d, vec);
+            rn_ld_acc(dx + j * RN_G, d, vec, fx);
             tm__vld_group<RN_G>(w + j * RN_G, p, vec);
             tm__vld_group<RN_G>(dy + j * RN_G, g, vec);
             tm__vld_group<RN_G>(x + j * RN_G, v, vec);
@@ -196,7 +210,7 @@ __global__ void rmsnorm_backward_kernel(void *dx_, float *part, const void *dy_,
             tm__vst_group<RN_G>(dx + j * RN_G, d, vec);
         }
         for (int64_t i = c0 + threadIdx.x; i < C; i += blockDim.x)
-            tm__st(dx + i, tm__ld(dx + i) + r * tm__ld(w + i) * tm__ld(dy + i) - coef * tm__ld(x + i));
+            tm__st(dx + i, (fx ? 0.0f : tm__ld(dx + i)) + r * tm__ld(w + i) * tm__ld(dy + i) - coef * tm__ld(x + i));
     }
     if (part && rows > 1) rn_dw_store(part + (int64_t)blockIdx.x * C, acc, C);
 }
@@ -228,7 +242,8 @@ extern "C" tm_status tm__rmsnorm_backward_cuda(tm__call *c) {
     const tm_tensor *x = c->in[0], *w = c->in[1], *dy = c->gout[0], *rstd = c->saved[0];
     tm_tensor *dx = c->gin[0], *dw = c->gin[1];
     int64_t C = x->shape[x->ndim - 1], N = C ? tm__numel(x) / C : 0;
-    if (N == 0 || (!dx && !dw)) return TM_OK;
+    if (N == 0) return tm__gin_prepare(c, 1); /* no rows: dw = 0 (a fresh one gets the zeros) */
+    if (!dx && !dw) return TM_OK;
     tm__cuda *st;
     TM__TRY(tm__cu_enter(c->ctx, "rmsnorm", &st));
     const int threads = rn_threads(C);
@@ -237,9 +252,10 @@ extern "C" tm_status tm__rmsnorm_backward_cuda(tm__call *c) {
     if (dw) TM__TRY(tm__cu_scratch(c->ctx, st, (size_t)(P * C) * sizeof(float), (void **)&part));
     TM__CU_LAUNCH_FLOAT(x->dtype, rmsnorm_backward_kernel, (unsigned)P, threads, 0, st->stream,
                         dx ? tm__data(dx) : NULL, part, tm__data(dy), tm__data(x), tm__data(w),
-                        (const float *)tm__data(rstd), N, C, rows);
+                        (const float *)tm__data(rstd), N, C, rows, dx && c->gin_fresh[0]);
     TM__CU_LAUNCHED(c->ctx, "rmsnorm", "rmsnorm_backward_kernel");
-    if (dw) TM__TRY(tm__cu_reduce(c->ctx, "rmsnorm", TM_F32, part, dw->dtype, tm__data(dw), 1, P, C, 1.0f, 1));
+    if (dw)
+        TM__TRY(tm__cu_reduce(c->ctx, "rmsnorm", TM_F32, part, dw->dtype, tm__data(dw), 1, P, C, 1.0f, !c->gin_fresh[1]));
     return TM_OK;
 }
 
@@ -298,7 +314,7 @@ __global__ void add_rmsnorm_forward_kernel(void *s_, void *h_, float *rstd, cons
 template <typename T>
 __global__ void add_rmsnorm_backward_kernel(void *dx_, void *dy_, float *part, const void *ds_, const void *dh_,
                                             const void *s_, const void *w_, const float *rstd, int64_t N, int64_t C,
-                                            int64_t rows) {
+                                            int64_t rows, int fx, int fy) {
     __shared__ float sh[32];
     rn_dw_acc acc;
     rn_dw_zero(acc);
@@ -329,13 +345,13 @@ __global__ void add_rmsnorm_backward_kernel(void *dx_, void *dy_, float *part, c
 #pragma unroll
             for (int k = 0; k < RN_G; k++) t[k] = rn_round<T>(t[k] + r * p[k] * g[k] - coef * v[k]); /* s's gradient as stored */
             if (dx) {
-                tm__vld_group<RN_G>(dx + j * RN_G, a, vec);
+                rn_ld_acc(dx + j * RN_G, a, vec, fx);
 #pragma unroll
                 for (int k = 0; k < RN_G; k++) a[k] = a[k] + t[k];
                 tm__vst_group<RN_G>(dx + j * RN_G, a, vec);
             }
             if (dy) { /* after dx's store: dx and dy may be one tensor */
-                tm__vld_group<RN_G>(dy + j * RN_G, a, vec);
+                rn_ld_acc(dy + j * RN_G, a, vec, fy);
 #pragma unroll
                 for (int k = 0; k < RN_G; k++) a[k] = a[k] + t[k];
                 tm__vst_group<RN_G>(dy + j * RN_G, a, vec);
@@ -345,8 +361,8 @@ __global__ void add_rmsnorm_backward_kernel(void *dx_, void *dy_, float *part, c
             T t; /* s's gradient as the unfused rmsnorm backward stores it */
             tm__st(&t, tm__ld(ds + i) + r * tm__ld(w + i) * tm__ld(dh + i) - coef * tm__ld(s + i));
             float tv = tm__ld(&t);
-            if (dx) tm__st(dx + i, tm__ld(dx + i) + tv);
-            if (dy) tm__st(dy + i, tm__ld(dy + i) + tv);
+            if (dx) tm__st(dx + i, (fx ? 0.0f : tm__ld(dx + i)) + tv);
+            if (dy) tm__st(dy + i, (fy ? 0.0f : tm__ld(dy + i)) + tv);
         }
     }
     if (part && rows > 1) rn_dw_store(part + (int64_t)blockIdx.x * C, acc, C);
@@ -372,7 +388,8 @@ extern "C" tm_status tm__add_rmsnorm_backward_cuda(tm__call *c) {
     const tm_tensor *w = c->in[2], *ds = c->gout[0], *dh = c->gout[1], *rstd = c->saved[0], *s = c->saved[1];
     tm_tensor *dx = c->gin[0], *dy = c->gin[1], *dw = c->gin[2];
     int64_t C = s->shape[s->ndim - 1], N = C ? tm__numel(s) / C : 0;
-    if (N == 0 || (!dx && !dy && !dw)) return TM_OK;
+    if (N == 0) return tm__gin_prepare(c, 2); /* no rows: dw = 0 (a fresh one gets the zeros) */
+    if (!dx && !dy && !dw) return TM_OK;
     tm__cuda *st;
     TM__TRY(tm__cu_enter(c->ctx, "add_rmsnorm", &st));
     const int threads = rn_threads(C);
@@ -381,8 +398,11 @@ extern "C" tm_status tm__add_rmsnorm_backward_cuda(tm__call *c) {
     if (dw) TM__TRY(tm__cu_scratch(c->ctx, st, (size_t)(P * C) * sizeof(float), (void **)&part));
     TM__CU_LAUNCH_FLOAT(s->dtype, add_rmsnorm_backward_kernel, (unsigned)P, threads, 0, st->stream,
                         dx ? tm__data(dx) : NULL, dy ? tm__data(dy) : NULL, part, tm__data(ds), tm__data(dh),
-                        tm__data(s), tm__data(w), (const float *)tm__data(rstd), N, C, rows);
+                        tm__data(s), tm__data(w), (const float *)tm__data(rstd), N, C, rows, dx && c->gin_fresh[0],
+                        dy && c->gin_fresh[1]);
     TM__CU_LAUNCHED(c->ctx, "add_rmsnorm", "add_rmsnorm_backward_kernel");
-    if (dw) TM__TRY(tm__cu_reduce(c->ctx, "add_rmsnorm", TM_F32, part, dw->dtype, tm__data(dw), 1, P, C, 1.0f, 1));
+    if (dw)
+        TM__TRY(tm__cu_reduce(c->ctx, "add_rmsnorm", TM_F32, part, dw->dtype, tm__data(dw), 1, P, C, 1.0f,
+                              !c->gin_fresh[2]));
     return TM_OK;
 }

@@ -14,7 +14,8 @@
  * As on the CPU, cos/sin are tabulated once per call, (T, half), in f64 (at positions in the
  * tens of thousands an f32 angle has lost the bits that decide the rotation), and the rotation
  * itself is computed in f64 from the f32 / bf16 inputs and rounded once on store. Elementwise:
- * nothing to reduce, so the result is the same on every run.
+ * nothing to reduce, so the result is the same on every run. The backward writes dx whole
+ * (TM__OP_GRAD_WRITES): a fresh dx (call->gin_fresh, add = 2) gets 0 + the rotation, unread.
  */
 #include "common.cuh"
 
@@ -29,7 +30,8 @@ __global__ void rope_table_kernel(double *cs, double *sn, int64_t Tn, int64_t ha
     }
 }
 
-/* One thread per pair (row r = (b, t, h), i): y = rotation of x (add: y += rotation of x). */
+/* One thread per pair (row r = (b, t, h), i): y = rotation of x (add 1: y += rotation of x;
+ * add 2: y = 0 + rotation of x, y not read). */
 template <typename T>
 __global__ void rope_rotate_kernel(void *y_, const void *x_, const double *cs, const double *sn, int64_t rows,
                                    int64_t Tn, int64_t H, int64_t half, int add) {
@@ -41,16 +43,20 @@ __global__ void rope_rotate_kernel(void *y_, const void *x_, const double *cs, c
         const double c = cs[t * half + i], s = sn[t * half + i];
         const double a = tm__ld(x + p1), b = tm__ld(x + p2);
         double y1 = a * c - b * s, y2 = b * c + a * s;
-        if (add) {
+        if (add == 1) {
             y1 += tm__ld(y + p1);
             y2 += tm__ld(y + p2);
+        } else if (add == 2) {
+            y1 += 0.0;
+            y2 += 0.0;
         }
         tm__st(y + p1, (float)y1);
         tm__st(y + p2, (float)y2);
     }
 }
 
-/* Rotate src by sign * angle into dst (add = 0) or add the rotation into dst (add = 1). */
+/* Rotate src by sign * angle into dst (add = 0), add the rotation into dst (add = 1), or store
+ * 0 + the rotation into a fresh gradient dst (add = 2). */
 static tm_status rope_apply(tm__call *c, tm_tensor *dst, const tm_tensor *src, double sign, int add) {
     tm_ctx *ctx = c->ctx;
     tm__cuda *st;
@@ -73,5 +79,5 @@ extern "C" tm_status tm__rope_forward_cuda(tm__call *c) { return rope_apply(c, c
 
 extern "C" tm_status tm__rope_backward_cuda(tm__call *c) {
     if (!c->gin[0]) return TM_OK;
-    return rope_apply(c, c->gin[0], c->gout[0], -1.0, 1);
+    return rope_apply(c, c->gin[0], c->gout[0], -1.0, c->gin_fresh[0] ? 2 : 1);
 }

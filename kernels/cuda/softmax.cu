@@ -6,6 +6,8 @@
  *   softmax      dx = y * (dy - sum_c(dy * y))
  *   log_softmax  dx = dy - exp(y) * sum_c(dy)
  * One block per row, the row maximum subtracted before exp, f32 sums in a fixed tree order.
+ * Backward adds into dx, or writes 0 + the gradient into a fresh dx (call->gin_fresh,
+ * TM__OP_GRAD_WRITES) without reading it.
  */
 #include "common.cuh"
 
@@ -31,7 +33,8 @@ __global__ void softmax_forward_kernel(void *y_, const void *x_, int64_t C, int 
 }
 
 template <typename T>
-__global__ void softmax_backward_kernel(void *dx_, const void *y_, const void *dy_, int64_t C, int log_out) {
+__global__ void softmax_backward_kernel(void *dx_, const void *y_, const void *dy_, int64_t C, int log_out,
+                                        int fresh) {
     __shared__ float sh[32];
     int64_t off = (int64_t)blockIdx.x * C;
     const T *y = (const T *)y_ + off, *dy = (const T *)dy_ + off;
@@ -41,7 +44,7 @@ __global__ void softmax_backward_kernel(void *dx_, const void *y_, const void *d
     s = tm__block_sum(s, sh);
     for (int64_t i = threadIdx.x; i < C; i += blockDim.x) {
         float yi = tm__ld(y + i), d = tm__ld(dy + i);
-        tm__st(dx + i, tm__ld(dx + i) + (log_out ? d - expf(yi) * s : yi * (d - s)));
+        tm__st(dx + i, (fresh ? 0.0f : tm__ld(dx + i)) + (log_out ? d - expf(yi) * s : yi * (d - s)));
     }
 }
 
@@ -68,7 +71,7 @@ static tm_status softmax_backward(tm__call *c, int log_out) {
     int64_t C = y->ndim ? y->shape[y->ndim - 1] : 1, N = C ? tm__numel(y) / C : 0;
     if (N == 0) return TM_OK;
     TM__CU_LAUNCH_FLOAT(y->dtype, softmax_backward_kernel, (unsigned)N, tm__cu_row_threads(C), 0, st->stream,
-                        tm__data(dx), tm__data(y), tm__data(c->gout[0]), C, log_out);
+                        tm__data(dx), tm__data(y), tm__data(c->gout[0]), C, log_out, (int)c->gin_fresh[0]);
     TM__CU_LAUNCHED(c->ctx, what, "softmax_backward_kernel");
     return TM_OK;
 }
