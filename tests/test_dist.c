@@ -556,6 +556,23 @@ Test(dist, zero3_layouts_match_one_process) {
  * and more gathered bytes held at once (tests/dist/dist_helper.c, check_keep); and through the
  * driver (--zero3_keep_last 0 against the default 1) the same losses and final weights bit for
  * bit. The library plan of the same cases: dist/library_plan_equals_each_rank_measured. */
+/* The deferred clip under a communicator (its factor computed by the host from the world's norm
+ * and applied by AdamW as it reads the gradients) trains to the bits of the clip that scales the
+ * gradients in place, on 2 and 4 CPU ranks (tests/dist/dist_helper.c, check_clip). */
+Test(dist, deferred_clip_across_ranks_equals_the_in_place_clip) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    for (int np = 2; np <= 4; np *= 2) {
+        const char *log = tt_path(np == 2 ? "c2.log" : "c4.log");
+        int rc = run(log, MPIRUN " -np %d '%s/tinymoe_dist_helper' clip", np, bindir());
+        char *t = slurp_text(log);
+        cr_assert_eq(rc, 0, "%d ranks: exit %d\n%s", np, rc, t);
+        cr_assert(strstr(t, "clip: ") && strstr(t, "ranks, ok"), "%s", t);
+        free(t);
+    }
+    tt_tmpdir_remove();
+}
+
 Test(dist, zero3_keep_last_trains_to_the_same_bits_with_fewer_gathers) {
     skip_without_mpirun();
     tt_tmpdir_make("tinymoe_dist_");

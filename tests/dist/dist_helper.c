@@ -17,6 +17,8 @@
  *                                     held, transient bytes, and each collective kind's bytes, for
  *                                     ZeRO 0-3, ep_size 1, 2 and the world, bf16, SGD, tied
  *                                     embeddings; and the plan of twice the ranks must differ
+ *   tinymoe_dist_helper clip          the deferred clip (its factor handed to AdamW) against the
+ *                                     clip that scales in place: the same bits, ZeRO 0 / 1 / 3
  *   tinymoe_dist_helper cuda           (GPU machine) every collective op on CUDA tensors against
  *                                     the same op on CPU tensors, forward and backward; with 2
  *                                     ranks the chunked MoE layer on CUDA (its all-to-alls beside
@@ -1152,6 +1154,108 @@ static void check_keep(int world) {
     }
 }
 
+/* ---- the clip's factor handed to AdamW under a communicator --------------------------------- */
+/* KS training steps of the tiny model on this rank's tokens, clipped at max_norm[step] (the
+ * second step's limit is far above the norm: no clipping), by tm_ctx_clip_grad_norm +
+ * tm_optimizer_step (deferred 0) or tm_ctx_clip_grad_norm_deferred + tm_optimizer_step_scaled
+ * (deferred 1): each step's loss and norm, whether a factor came back, and this rank's parameter
+ * blocks at the end. */
+typedef struct clip_run {
+    double loss[KS], norm[KS];
+    int factor[KS];
+    int64_t n_blocks;
+    unsigned char *blocks;
+} clip_run;
+
+static const double clip_max[KS] = {0.05, 1e9, 0.02};
+
+static clip_run clip_train(int zero, int ep_size, int bf16, int deferred) {
+    clip_run r;
+    memset(&r, 0, sizeof r);
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    tm_ctx *ctx = NULL;
+    if (tm_ctx_new(&ctx, &o)) exit(2);
+    tm_comm_options co = tm_comm_options_default();
+    co.ep_size = ep_size;
+    co.zero = zero;
+    co.timeout_s = 30;
+    OK(ctx, tm_comm_init(ctx, &co));
+    tm_model_config c = tiny_config(2);
+    tm_model *m = NULL;
+    tm_optimizer *opt = NULL;
+    OK(ctx, tm_model_new(ctx, &c, bf16 ? TM_BF16 : TM_F32, tm_cpu(), &m));
+    OK(ctx, tm_model_init(m, 5));
+    tm_adamw_config ac = tm_adamw_config_default();
+    OK(ctx, tm_adamw_new(ctx, &ac, &opt));
+    for (int step = 0; step < KS; step++) {
+        int32_t tok[PB * PT + 1];
+        for (int i = 0; i < PB * PT + 1; i++) tok[i] = (i * 7 + 2 + 5 * g_rank + 3 * step) % 31;
+        int64_t sh[2] = {PB, PT};
+        tm_tensor *tokens, *targets;
+        OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok, &tokens));
+        OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok + 1, &targets));
+        tm_model_out out;
+        OK(ctx, tm_model_forward(m, tokens, targets, &out));
+        OK(ctx, tm_backward(ctx, out.loss));
+        r.loss[step] = out.loss_value;
+        tm_ctx_arena_reset(ctx);
+        OK(ctx, tm_comm_sync_grads(ctx));
+        if (deferred) {
+            tm_tensor *gs = NULL;
+            OK(ctx, tm_ctx_clip_grad_norm_deferred(ctx, clip_max[step], &r.norm[step], &gs));
+            r.factor[step] = gs != NULL;
+            OK(ctx, tm_optimizer_step_scaled(opt, 1e-2, gs));
+        } else {
+            OK(ctx, tm_ctx_clip_grad_norm(ctx, clip_max[step], &r.norm[step]));
+            OK(ctx, tm_optimizer_step(opt, 1e-2));
+        }
+        OK(ctx, tm_ctx_zero_grad(ctx));
+        tm_ctx_arena_reset(ctx);
+    }
+    size_t es = bf16 ? 2 : 4, at = 0;
+    for (int i = 0; i < tm_ctx_num_buckets(ctx); i++) r.n_blocks += tm_tensor_numel(tm_ctx_bucket_tensor(ctx, i, TM_BUCKET_PARAMS));
+    r.blocks = malloc(es * (size_t)(r.n_blocks ? r.n_blocks : 1));
+    for (int i = 0; i < tm_ctx_num_buckets(ctx); i++) {
+        tm_tensor *t = tm_ctx_bucket_tensor(ctx, i, TM_BUCKET_PARAMS);
+        int64_t n = tm_tensor_numel(t);
+        if (n) OK(ctx, tm_tensor_read(ctx, t, bf16 ? TM_BF16 : TM_F32, r.blocks + at, n));
+        at += es * (size_t)n;
+    }
+    tm_optimizer_free(opt);
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+    return r;
+}
+
+/* Under a communicator with every bucket on one device the deferred clip hands AdamW the host's
+ * factor when it clips and nothing when it does not, and the pair trains to the bits of the clip
+ * that scales the gradients in place (the norm, every loss and this rank's weights), for ZeRO 0,
+ * 1 and 3, f32 and bf16, data and expert parallelism. */
+static void check_clip(int world) {
+    const struct {
+        int zero, ep_size, bf16;
+    } cases[] = {{0, 1, 0}, {1, 1, 1}, {3, 1, 0}, {1, 2, 0}, {3, 2, 1}};
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        int Z = cases[k].zero, P = cases[k].ep_size, bf16 = cases[k].bf16;
+        if (world % P) continue;
+        clip_run a = clip_train(Z, P, bf16, 0), b = clip_train(Z, P, bf16, 1);
+        for (int s = 0; s < KS; s++) {
+            CHECK(memcmp(&a.loss[s], &b.loss[s], sizeof(double)) == 0 && memcmp(&a.norm[s], &b.norm[s], sizeof(double)) == 0,
+                  "clip, zero %d ep_size %d %s, step %d: loss %.17g / norm %.17g in place, %.17g / %.17g deferred", Z, P,
+                  bf16 ? "bf16" : "f32", s + 1, a.loss[s], a.norm[s], b.loss[s], b.norm[s]);
+            int clipped = b.norm[s] > clip_max[s];
+            CHECK(b.factor[s] == (world > 1 ? clipped : 1),
+                  "clip, zero %d ep_size %d, step %d: norm %g, max_norm %g, %s factor handed back", Z, P, s + 1, b.norm[s],
+                  clip_max[s], b.factor[s] ? "a" : "no");
+        }
+        CHECK(a.n_blocks == b.n_blocks && !memcmp(a.blocks, b.blocks, (size_t)a.n_blocks * (bf16 ? 2 : 4)),
+              "clip, zero %d ep_size %d %s: this rank's weights after %d steps differ between the in-place and the "
+              "deferred clip", Z, P, bf16 ? "bf16" : "f32", KS);
+        free(a.blocks), free(b.blocks);
+    }
+}
+
 int main(int argc, char **argv) {
     int world = 1;
     if (tm_mpi_init(&argc, &argv, &world)) return 2;
@@ -1191,6 +1295,8 @@ int main(int argc, char **argv) {
         check_plan(world);
     } else if (!strcmp(what, "keep")) {
         check_keep(world);
+    } else if (!strcmp(what, "clip")) {
+        check_clip(world);
     } else if (!strcmp(what, "cuda")) {
         const char *nccl = argc > 2 ? argv[2] : "auto";
         check_cuda(world, !strcmp(nccl, "always") ? TM_NCCL_ALWAYS : !strcmp(nccl, "off") ? TM_NCCL_OFF : TM_NCCL_AUTO);
