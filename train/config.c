@@ -265,7 +265,7 @@ static const key KEYS[] = {
      "each in place when needed; the same values)", 0, 0},
     {"comm_sms", T_INT, G_DIST, OFF(comm_sms), NULL, "16", 0, NULL,
      "with comm_overlap on NCCL: GPU SMs left to the collectives beside the compute (their CTAs; the persistent Hopper "
-     "grouped GEMM uses the others, so it does not wait for SMs a collective holds); 0: none",
+     "grouped GEMM uses the others while one is in flight, so it does not wait for SMs a collective holds); 0: none",
      0, 64},
     {"print_layout", T_BOOL, G_DIST, OFF(print_layout), NULL, "false", 0, NULL,
      "print which rank holds which parameters and experts, and its bytes (and, after the run, its peaks and ZeRO-2's "
