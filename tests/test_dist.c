@@ -349,17 +349,26 @@ static char *slurp_text(const char *path) {
 
 #define MPIRUN "mpirun --oversubscribe --allow-run-as-root --mca btl self,vader"
 
+/* `tinymoe_dist_helper what` on 2 and then 4 ranks (inside a test's temporary directory): every
+ * rank's checks must pass ("what: N ranks, ok" from rank 0, exit 0). */
+static void helper_on_2_and_4(const char *what) {
+    for (int np = 2; np <= 4; np *= 2) {
+        char name[64], want[64];
+        snprintf(name, sizeof name, "%s%d.log", what, np);
+        const char *log = tt_path(name);
+        int rc = run(log, MPIRUN " -np %d '%s/tinymoe_dist_helper' %s", np, bindir(), what);
+        char *t = slurp_text(log);
+        snprintf(want, sizeof want, "%s: %d ranks, ok", what, np);
+        cr_assert_eq(rc, 0, "%s, %d ranks: exit %d\n%s", what, np, rc, t);
+        cr_assert(strstr(t, want), "%s", t);
+        free(t);
+    }
+}
+
 Test(dist, collectives_across_2_and_4_ranks) {
     skip_without_mpirun();
     tt_tmpdir_make("tinymoe_dist_");
-    for (int np = 2; np <= 4; np += 2) {
-        const char *log = tt_path(np == 2 ? "c2.log" : "c4.log");
-        int rc = run(log, MPIRUN " -np %d '%s/tinymoe_dist_helper' collectives", np, bindir());
-        char *out = slurp_text(log);
-        cr_assert_eq(rc, 0, "%d ranks: exit %d\n%s", np, rc, out);
-        cr_assert(strstr(out, "collectives: ") && strstr(out, "ranks, ok"), "%s", out);
-        free(out);
-    }
+    helper_on_2_and_4("collectives");
     tt_tmpdir_remove();
 }
 
@@ -550,40 +559,26 @@ Test(dist, zero3_layouts_match_one_process) {
     data_parallel("", lay, 9);
 }
 
-/* ZeRO-3's kept weights (tm_comm_options.zero3_keep_last): on 2 and 4 CPU ranks, ep_size 1 and
- * 2, f32 and bf16, tied or not, keeping 1, 2 and every layer trains to the bits of keeping none
- * (losses and each rank's weight blocks), with one all-gather fewer per kept weight and step
- * and more gathered bytes held at once (tests/dist/dist_helper.c, check_keep); and through the
- * driver (--zero3_keep_last 0 against the default 1) the same losses and final weights bit for
- * bit. The library plan of the same cases: dist/library_plan_equals_each_rank_measured. */
 /* The deferred clip under a communicator (its factor computed by the host from the world's norm
  * and applied by AdamW as it reads the gradients) trains to the bits of the clip that scales the
  * gradients in place, on 2 and 4 CPU ranks (tests/dist/dist_helper.c, check_clip). */
 Test(dist, deferred_clip_across_ranks_equals_the_in_place_clip) {
     skip_without_mpirun();
     tt_tmpdir_make("tinymoe_dist_");
-    for (int np = 2; np <= 4; np *= 2) {
-        const char *log = tt_path(np == 2 ? "c2.log" : "c4.log");
-        int rc = run(log, MPIRUN " -np %d '%s/tinymoe_dist_helper' clip", np, bindir());
-        char *t = slurp_text(log);
-        cr_assert_eq(rc, 0, "%d ranks: exit %d\n%s", np, rc, t);
-        cr_assert(strstr(t, "clip: ") && strstr(t, "ranks, ok"), "%s", t);
-        free(t);
-    }
+    helper_on_2_and_4("clip");
     tt_tmpdir_remove();
 }
 
+/* ZeRO-3's kept weights (tm_comm_options.zero3_keep_last): on 2 and 4 CPU ranks, ep_size 1 and
+ * 2, f32 and bf16, tied or not, keeping 1, 2 and every layer trains to the bits of keeping none
+ * (losses and each rank's weight blocks), with one all-gather fewer per kept weight and step
+ * and more gathered bytes held at once (tests/dist/dist_helper.c, check_keep); and through the
+ * driver (--zero3_keep_last 0 against the default 1) the same losses and final weights bit for
+ * bit. The library plan of the same cases: dist/library_plan_equals_each_rank_measured. */
 Test(dist, zero3_keep_last_trains_to_the_same_bits_with_fewer_gathers) {
     skip_without_mpirun();
     tt_tmpdir_make("tinymoe_dist_");
-    for (int np = 2; np <= 4; np *= 2) {
-        const char *log = tt_path(np == 2 ? "k2.log" : "k4.log");
-        int rc = run(log, MPIRUN " -np %d '%s/tinymoe_dist_helper' keep", np, bindir());
-        char *t = slurp_text(log);
-        cr_assert_eq(rc, 0, "%d ranks: exit %d\n%s", np, rc, t);
-        cr_assert(strstr(t, "keep: ") && strstr(t, "ranks, ok"), "%s", t);
-        free(t);
-    }
+    helper_on_2_and_4("keep");
     const char *lay[] = {"--zero 3", "--ep_size 2 --zero 3"};
     for (int i = 0; i < 2; i++) {
         char a[1024], b[1024], flags[256];
@@ -1533,15 +1528,7 @@ Test(dist, plan_equals_what_a_run_measures) {
 Test(dist, library_plan_equals_each_rank_measured) {
     skip_without_mpirun();
     tt_tmpdir_make("tinymoe_dist_");
-    for (int np = 2; np <= 4; np *= 2) {
-        char log[1100];
-        snprintf(log, sizeof log, "%s", tt_path(np == 2 ? "plan2.log" : "plan4.log"));
-        int rc = run(log, MPIRUN " -np %d '%s/tinymoe_dist_helper' plan", np, bindir());
-        char *t = slurp_text(log);
-        cr_assert_eq(rc, 0, "%d ranks: exit %d\n%s", np, rc, t);
-        cr_assert(strstr(t, "plan: ") && strstr(t, "ranks, ok"), "%s", t);
-        free(t);
-    }
+    helper_on_2_and_4("plan");
     tt_tmpdir_remove();
 }
 

@@ -869,8 +869,36 @@ static int64_t kind_bytes(const tm_comm_stats *a, const tm_comm_stats *b, tm_com
     return b->bytes[k] - a->bytes[k];
 }
 
-/* A real step of the case on this rank (micro-batch B x T rows). */
+/* The micro-batch of a real step on this rank: PB x PT rows. */
 enum { PB = 2, PT = 12 };
+
+/* This rank's batch of a step: PB x PT ids below 31 from i * mul + add + 3 * rank + shift * step
+ * (a different sequence per rank and step), the targets shifted by one. */
+static void step_batch(tm_ctx *ctx, int mul, int add, int shift, int step, tm_tensor **tokens, tm_tensor **targets) {
+    int32_t tok[PB * PT + 1];
+    for (int i = 0; i < PB * PT + 1; i++) tok[i] = (i * mul + add + 3 * g_rank + shift * step) % 31;
+    int64_t sh[2] = {PB, PT};
+    OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok, tokens));
+    OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok + 1, targets));
+}
+
+/* This rank's parameter blocks (tm_ctx_bucket_tensor: its ZeRO blocks, or the whole buckets) in
+ * bucket order, as bytes of the compute dtype; *n the elements. */
+static unsigned char *rank_blocks(tm_ctx *ctx, int bf16, int64_t *n) {
+    size_t es = bf16 ? 2 : 4, at = 0;
+    *n = 0;
+    for (int i = 0; i < tm_ctx_num_buckets(ctx); i++) *n += tm_tensor_numel(tm_ctx_bucket_tensor(ctx, i, TM_BUCKET_PARAMS));
+    unsigned char *b = malloc(es * (size_t)(*n ? *n : 1));
+    for (int i = 0; i < tm_ctx_num_buckets(ctx); i++) {
+        tm_tensor *t = tm_ctx_bucket_tensor(ctx, i, TM_BUCKET_PARAMS);
+        int64_t k = tm_tensor_numel(t);
+        if (k) OK(ctx, tm_tensor_read(ctx, t, bf16 ? TM_BF16 : TM_F32, b + at, k));
+        at += es * (size_t)k;
+    }
+    return b;
+}
+
+/* A real step of the case on this rank. */
 static rank_figures measure(const plan_case *pc, int zero) {
     rank_figures f;
     memset(&f, 0, sizeof f);
@@ -895,12 +923,8 @@ static rank_figures measure(const plan_case *pc, int zero) {
     f.params = (int64_t)mr.current[TM_MEM_PARAMETERS];
     f.grads = (int64_t)mr.current[TM_MEM_GRADIENTS];
     f.optim = (int64_t)mr.current[TM_MEM_OPTIMIZER];
-    int32_t tok[PB * PT + 1];
-    for (int i = 0; i < PB * PT + 1; i++) tok[i] = (i * 5 + 1 + 3 * g_rank) % 31;
-    int64_t sh[2] = {PB, PT};
     tm_tensor *tokens, *targets;
-    OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok, &tokens));
-    OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok + 1, &targets));
+    step_batch(ctx, 5, 1, 0, 0, &tokens, &targets);
     tm_comm_stats s0, s1, s2, s3;
     OK(ctx, tm_comm_get_stats(ctx, &s0));
     tm_model_out out;
@@ -1077,12 +1101,8 @@ static keep_run keep_train(int ep_size, int bf16, int tie, int keep) {
     OK(ctx, tm_ctx_memory_report(ctx, tm_cpu(), &mr));
     size_t base = mr.current[TM_MEM_PARAMETERS];
     for (int step = 0; step < KS; step++) {
-        int32_t tok[PB * PT + 1];
-        for (int i = 0; i < PB * PT + 1; i++) tok[i] = (i * 5 + 1 + 3 * g_rank + 7 * step) % 31;
-        int64_t sh[2] = {PB, PT};
         tm_tensor *tokens, *targets;
-        OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok, &tokens));
-        OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok + 1, &targets));
+        step_batch(ctx, 5, 1, 7, step, &tokens, &targets);
         tm_comm_stats a, b;
         OK(ctx, tm_comm_get_stats(ctx, &a));
         tm_model_out out;
@@ -1100,15 +1120,7 @@ static keep_run keep_train(int ep_size, int bf16, int tie, int keep) {
     CHECK(mr.current[TM_MEM_PARAMETERS] == base, "keep %d: %zu parameter bytes after the steps, %zu before (a kept "
           "weight still counted)", keep, mr.current[TM_MEM_PARAMETERS], base);
     r.transient = (int64_t)(mr.peak[TM_MEM_PARAMETERS] - mr.current[TM_MEM_PARAMETERS]);
-    size_t es = bf16 ? 2 : 4, at = 0;
-    for (int i = 0; i < tm_ctx_num_buckets(ctx); i++) r.n_blocks += tm_tensor_numel(tm_ctx_bucket_tensor(ctx, i, TM_BUCKET_PARAMS));
-    r.blocks = malloc(es * (size_t)(r.n_blocks ? r.n_blocks : 1));
-    for (int i = 0; i < tm_ctx_num_buckets(ctx); i++) {
-        tm_tensor *t = tm_ctx_bucket_tensor(ctx, i, TM_BUCKET_PARAMS);
-        int64_t n = tm_tensor_numel(t);
-        if (n) OK(ctx, tm_tensor_read(ctx, t, bf16 ? TM_BF16 : TM_F32, r.blocks + at, n));
-        at += es * (size_t)n;
-    }
+    r.blocks = rank_blocks(ctx, bf16, &r.n_blocks);
     tm_optimizer_free(opt);
     tm_model_free(m);
     tm_ctx_free(ctx);
@@ -1189,12 +1201,8 @@ static clip_run clip_train(int zero, int ep_size, int bf16, int deferred) {
     tm_adamw_config ac = tm_adamw_config_default();
     OK(ctx, tm_adamw_new(ctx, &ac, &opt));
     for (int step = 0; step < KS; step++) {
-        int32_t tok[PB * PT + 1];
-        for (int i = 0; i < PB * PT + 1; i++) tok[i] = (i * 7 + 2 + 5 * g_rank + 3 * step) % 31;
-        int64_t sh[2] = {PB, PT};
         tm_tensor *tokens, *targets;
-        OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok, &tokens));
-        OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok + 1, &targets));
+        step_batch(ctx, 7, 2, 3, step, &tokens, &targets);
         tm_model_out out;
         OK(ctx, tm_model_forward(m, tokens, targets, &out));
         OK(ctx, tm_backward(ctx, out.loss));
@@ -1213,15 +1221,7 @@ static clip_run clip_train(int zero, int ep_size, int bf16, int deferred) {
         OK(ctx, tm_ctx_zero_grad(ctx));
         tm_ctx_arena_reset(ctx);
     }
-    size_t es = bf16 ? 2 : 4, at = 0;
-    for (int i = 0; i < tm_ctx_num_buckets(ctx); i++) r.n_blocks += tm_tensor_numel(tm_ctx_bucket_tensor(ctx, i, TM_BUCKET_PARAMS));
-    r.blocks = malloc(es * (size_t)(r.n_blocks ? r.n_blocks : 1));
-    for (int i = 0; i < tm_ctx_num_buckets(ctx); i++) {
-        tm_tensor *t = tm_ctx_bucket_tensor(ctx, i, TM_BUCKET_PARAMS);
-        int64_t n = tm_tensor_numel(t);
-        if (n) OK(ctx, tm_tensor_read(ctx, t, bf16 ? TM_BF16 : TM_F32, r.blocks + at, n));
-        at += es * (size_t)n;
-    }
+    r.blocks = rank_blocks(ctx, bf16, &r.n_blocks);
     tm_optimizer_free(opt);
     tm_model_free(m);
     tm_ctx_free(ctx);
