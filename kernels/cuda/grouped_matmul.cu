@@ -519,11 +519,21 @@ static tm_status gmm_launch(tm__call *c, tm__cuda *st, const gmm_args &a, int64_
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* dw[g] = 0 for each group g without rows (counts on the device): a fresh dw's groups that the
- * K-grouped sm90 kernel, which gives empty groups no tile, leaves unwritten.  dw (G, K, N) */
-__global__ void gmm_zero_empty_kernel(tm__bf16 *dw, const int64_t *counts, int64_t per_group) {
+/* dw[g] = 0 for each group g that owns no rows in the sm90 kernel's schedule (counts on the
+ * device, clamped to [0, R] and cut at R as grouped_matmul_sm90.cu does): a fresh dw's groups
+ * that the K-grouped kernel, which gives such groups no tile, leaves unwritten.  dw (G, K, N) */
+__global__ void gmm_zero_empty_kernel(tm__bf16 *dw, const int64_t *counts, int64_t R, int64_t per_group) {
     const int64_t g = blockIdx.y;
-    if (counts[g] != 0) return;
+    __shared__ int empty;
+    if (threadIdx.x == 0) {
+        int64_t S = 0; /* the clamped rows before g (G <= TM__GMM90_MAX_G: a short loop) */
+        for (int64_t h = 0; h < g; h++) S += counts[h] < 0 ? 0 : (counts[h] > R ? R : counts[h]);
+        const int64_t c = counts[g] < 0 ? 0 : (counts[g] > R ? R : counts[g]);
+        const int64_t lo = S < R ? S : R, hi = S + c < R ? S + c : R;
+        empty = hi <= lo;
+    }
+    __syncthreads();
+    if (!empty) return;
     tm__bf16 *d = dw + g * per_group;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < per_group; i += (int64_t)gridDim.x * blockDim.x)
         tm__st(d + i, 0.0f);
@@ -531,11 +541,11 @@ __global__ void gmm_zero_empty_kernel(tm__bf16 *dw, const int64_t *counts, int64
 
 static tm_status gmm_zero_empty(tm__call *c, tm__cuda *st, void *dw) {
     const tm_tensor *w = c->in[1];
-    const int64_t G = w->shape[0], per = w->shape[1] * w->shape[2];
+    const int64_t G = w->shape[0], per = w->shape[1] * w->shape[2], R = c->in[0]->shape[0];
     if (G == 0 || per == 0) return TM_OK;
     const int64_t blocks = (per + 255) / 256;
     gmm_zero_empty_kernel<<<dim3((unsigned)(blocks < 64 ? blocks : 64), (unsigned)G), 256, 0, st->stream>>>(
-        (tm__bf16 *)dw, (const int64_t *)tm__data(c->in[2]), per);
+        (tm__bf16 *)dw, (const int64_t *)tm__data(c->in[2]), R, per);
     TM__CU_CHECK(c->ctx, "grouped_matmul (dw of empty groups)", cudaGetLastError());
     return TM_OK;
 }
