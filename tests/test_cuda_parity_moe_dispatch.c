@@ -656,6 +656,37 @@ Test(cuda_parity_moe, grouped_matmul_bf16_unvalidated_counts_are_clamped) {
     tm_ctx_free(ctx);
 }
 
+/* The same clamping on the Hopper kernel with a fresh dw (the weight a temporary view, fresh
+ * buffers NaN-poisoned): a group that the clamped counts leave without rows (a negative count; a
+ * count past the rows left) gets dw = 0, as on the CPU with the clamped counts. */
+Test(cuda_parity_moe, grouped_matmul_bf16_hopper_fresh_dw_of_clamped_counts) {
+    TT_SKIP_WITHOUT_CUDA();
+    tm_ctx *ctx = gmm_ctx(TM_GROUPED_GEMM_HOPPER);
+    tm__test_fresh_hooks(ctx, 1, 0);
+    const int64_t G = 3, K = 64, N = 128, R = 200;
+    int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N}, flat[2] = {G * K, N};
+    double *hx = tt_parity_uniform(R * K, 71), *hw = tt_parity_uniform(G * K * N, 72), *hdy = tt_parity_uniform(R * N, 73);
+    const double cuda_c[2][3] = {{50, 170, -7}, {-3, 170, 40}};
+    const double cpu_c[2][3] = {{50, 150, 0}, {0, 170, 30}};
+    for (int i = 0; i < 2; i++) {
+        tm_device devs[2] = {tm_cpu(), tm_cuda(0)};
+        tm_tensor *w[2];
+        for (int k = 0; k < 2; k++) {
+            tm_tensor *x = from(ctx, TM_BF16, 2, xs, devs[k], hx, 0), *w2, *wt, *y;
+            w[k] = from(ctx, TM_BF16, 3, ws, devs[k], hw, 1);
+            TT_OK(ctx, tm_reshape(ctx, w[k], 2, flat, &w2));
+            TT_OK(ctx, tm_reshape(ctx, w2, 3, ws, &wt));
+            tm_tensor *cnt = from(ctx, TM_I64, 1, &G, devs[k], k ? cuda_c[i] : cpu_c[i], 0);
+            TT_OK(ctx, tm_grouped_matmul(ctx, x, wt, cnt, &y));
+            TT_OK(ctx, tm_backward_with_grad(ctx, y, from(ctx, TM_BF16, 2, ys, devs[k], hdy, 0)));
+        }
+        tt_assert_close(ctx, tm_tensor_grad(w[1]), tm_tensor_grad(w[0]), 1e-2, 1e-2);
+        tm_ctx_arena_reset(ctx);
+    }
+    free(hx), free(hw), free(hdy);
+    tm_ctx_free(ctx);
+}
+
 /* A permute's tokens_per_expert carry a host mirror: grouped_matmul on them does not wait.
  * Writing the counts drops the mirror (the next call reads back once and mirrors again). */
 Test(cuda_parity_moe, grouped_matmul_uses_the_permute_mirror) {
