@@ -29,7 +29,7 @@
  * (CPU tensors) block, so there both timings are the same thing. Both tinymoe's nccl engine
  * (kernels/cuda/comm_nccl.cu) and the reference send the rows a rank keeps to itself inside
  * the NCCL group; the two diagnostic rows copy them with cudaMemcpyAsync instead (what the
- * engine did until 0ab29e2). Bandwidth = bytes this rank sends to other
+ * engine did through 0ab29e2). Bandwidth = bytes this rank sends to other
  * ranks / time (the "algorithm bandwidth" of nccl-tests; rows kept on the rank itself are not
  * counted). Ratio = reference time / tinymoe time (1.0: no overhead beyond the engine); the
  * issue's target (>= 0.95) is on the queued ratio.

@@ -26,6 +26,16 @@ static tm_model_config small(int tie) {
     return c;
 }
 
+/* A plan-only context (tm_ctx_options.plan_only), one thread. */
+static tm_ctx *plan_ctx(void) {
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    o.plan_only = 1;
+    tm_ctx *ctx = NULL;
+    cr_assert_eq(tm_ctx_new(&ctx, &o), TM_OK);
+    return ctx;
+}
+
 /* A context (plan-only or computing) with a world of one rank, the model and the optimizer. */
 static tm_ctx *build(int plan, const tm_model_config *c, tm_dtype dt, int sgd, tm_model **m, tm_optimizer **opt) {
     tm_ctx_options o = tm_ctx_options_default();
@@ -80,11 +90,7 @@ Test(plan, one_rank_plan_equals_the_computing_context) {
 /* A model of 2^40 parameter bytes and more is planned in no time and no memory: its bytes are
  * in the report, not in the process. */
 Test(plan, a_model_larger_than_the_machine_is_planned) {
-    tm_ctx_options o = tm_ctx_options_default();
-    o.num_threads = 1;
-    o.plan_only = 1;
-    tm_ctx *ctx = NULL;
-    cr_assert_eq(tm_ctx_new(&ctx, &o), TM_OK);
+    tm_ctx *ctx = plan_ctx();
     tm_comm_options co = tm_comm_options_default();
     co.plan_world_size = 64;
     co.plan_rank = 63;
@@ -196,11 +202,7 @@ Test(plan, zero3_keep_last_gathers_the_kept_weights_once_and_holds_them) {
         tm_model_config c = small(tie);
         int64_t pg0 = 0, tr0 = 0, br0 = 0;
         for (size_t k = 0; k < sizeof keeps / sizeof *keeps; k++) {
-            tm_ctx_options o = tm_ctx_options_default();
-            o.num_threads = 1;
-            o.plan_only = 1;
-            tm_ctx *ctx = NULL;
-            cr_assert_eq(tm_ctx_new(&ctx, &o), TM_OK);
+            tm_ctx *ctx = plan_ctx();
             tm_comm_options co = tm_comm_options_default();
             cr_assert_eq(co.zero3_keep_last, 1, "the default keeps the last layer");
             co.zero = 3;

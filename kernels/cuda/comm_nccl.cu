@@ -255,8 +255,8 @@ static tm_status nccl_alltoallv(tm__comm *c, int g, const void *send, const int6
     int me = c->rank[g];
     /* This rank's own rows go through the group too, as a send and receive to itself: NCCL moves
      * them inside its kernel while the peers' rows cross NVLink (bench_alltoall, 2 / 4 H100s: 6 /
-     * 0 us more than the peers' rows alone). A cudaMemcpyAsync of them before the group (this
-     * engine until 0ab29e2) ran first and alone: 50 MB, 34 us of a 0.24 ms dispatch on 2 GPUs;
+     * 0 us more than the peers' rows alone). A cudaMemcpyAsync of them before the group (as this
+     * engine did through 0ab29e2) ran first and alone: 50 MB, 34 us of a 0.24 ms dispatch on 2 GPUs;
      * the same copy on a stream forked beside the group measured no faster (0.237 ms). */
     if (sc[me] != rc[me])
         return tm__err(c->ctx, TM_ERR_COMM, "alltoall over %s: this rank sends itself %lld elements but expects %lld",
