@@ -100,10 +100,10 @@ static tm_status run_tape(tm_ctx *ctx) {
                 c->gout[i] = g;
             }
         }
-        /* A reshape whose input has no gradient yet hands its output's gradient over instead of
-         * adding it into zeros (ops/shape.c): ZeRO-3's gathered weights (fsdp.c) are reshaped
-         * flat buffers, so this saves two passes over every weight's gradient per step. */
-        if (c->op == TM__OP_VIEW && ctx->perturb_op != c->op && tm__view_grad_adopt(c)) {
+        /* A view of a ZeRO-3 unit whose gradient is already the unit's (fsdp.c) has nothing to
+         * move; a reshape whose input has no gradient yet hands its output's gradient over
+         * instead of adding it into zeros (ops/shape.c). */
+        if (c->op == TM__OP_VIEW && ctx->perturb_op != c->op && (tm__fsdp_view_grad_skip(c) || tm__view_grad_adopt(c))) {
             release_node(ctx, n);
             continue;
         }
@@ -113,6 +113,14 @@ static tm_status run_tape(tm_ctx *ctx) {
             c->gin[i] = NULL;
             c->gin_fresh[i] = 0;
             if (!s->requires_grad) continue;
+            tm_status ast;
+            if (s->storage && s->storage->fsdp && tm__fsdp_grad_alias(c, i, &ast)) {
+                /* ZeRO-3: a gathered unit's weights take their gradients in the unit's buffer (fsdp.c) */
+                TM__TRY(ast);
+                c->gin[i] = s->grad;
+                needed = 1;
+                continue;
+            }
             if (fresh_ok(c, i)) {
                 if (!s->grad) TM__TRY(tm__tensor_new(ctx, s->dtype, s->ndim, s->shape, s->device, &s->grad));
                 if (ctx->fresh_poison) TM__TRY(tm__fill(ctx, s->grad, NAN));

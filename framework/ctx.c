@@ -177,10 +177,6 @@ void tm_ctx_free(tm_ctx *ctx) {
         if (t->grad) tm__host_free(ctx, t->grad);
         if (t->pm) {
             if (t->pm->master) tm__host_free(ctx, t->pm->master);
-            if (t->pm->piece) {
-                tm__host_free(ctx, t->pm->piece->grad);
-                tm__host_free(ctx, t->pm->piece);
-            }
             tm__host_free(ctx, t->pm);
         }
         tm__host_free(ctx, t->zs);

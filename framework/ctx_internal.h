@@ -187,6 +187,7 @@ struct tm_ctx {
     struct tm__comm *comm; /* tm_comm_init (framework/comm.h); NULL: one rank */
     struct tm__fsdp *fsdp; /* ZeRO-3's prefetches and reduce-scatters in flight (framework/fsdp.c) */
     int fsdp_keep;         /* ZeRO-3: weights gathered now are kept until their backward (tm__param_keep) */
+    int param_unit;        /* the unit of parameters made now (tm_ctx_set_param_unit) */
     struct tm__side *side; /* other collectives started beside the work, not yet waited for (side.c) */
     struct tm__segs *segs[TM__NBACKENDS]; /* tm__ctx_segs: the clip's segment list per backend */
 };
@@ -244,6 +245,16 @@ void tm__fsdp_gather_released(tm_ctx *ctx, tm_tensor *w);
 /* ZeRO-3's all-gather op in its parameter form (ops/comm.c, iattr[1] = 1), the end of a
  * backward (autograd.c: the reduce-scatters still in flight are finished), and the state's
  * reset (tm_ctx_arena_reset: everything started beside the work waited for) and free. */
+/* ZeRO-3's unit gradients (fsdp.c, from autograd.c). tm__fsdp_grad_alias: input i of c lies on
+ * a gathered unit's storage and needs a gradient: if it is contiguous (and its gradient, if any,
+ * is one), its gradient becomes the same elements of the unit's gradient buffer, marked fresh
+ * (c->gin_fresh) for an op that writes it whole as the parameter's first contribution, else
+ * zeroed where not written yet; returns 1 then (*st: the status), 0 where the ordinary path
+ * applies. tm__fsdp_view_grad_skip: 1 when view node c maps a unit's gradient onto itself (its
+ * output's gradient is such elements already), its input's gradient then set: skip its
+ * backward. */
+int tm__fsdp_grad_alias(tm__call *c, int i, tm_status *st);
+int tm__fsdp_view_grad_skip(tm__call *c);
 tm_status tm__fsdp_gather_check(tm__call *c);
 tm_status tm__fsdp_gather_forward(tm__call *c);
 tm_status tm__fsdp_gather_backward(tm__call *c);

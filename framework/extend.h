@@ -189,13 +189,15 @@ tm_tensor *tm__bucket_grads_reduced(tm_ctx *ctx, int bucket, int64_t *off);
 /* ZeRO-3 (framework/fsdp.c). tm__zero3_shard_params: keep only this rank's block of every
  * bucket's parameters (made with the optimizer, after its master weights); no-op below ZeRO-3
  * or when done. Errors: TM_ERR_NOMEM, TM_ERR_CUDA.
- * tm__param_use: the weight to compute with: p itself, or under ZeRO-3 its all-gather over
- * p's group (a taped collective whose backward reduce-scatters the gradient into this rank's
- * shard), shaped as p. Every rank of the group calls it for the same parameters in the same
- * order. tm__param_done: give the gathered weight's memory back (no-op for p itself); the
- * backward gathers it again when it needs it. tm__param_prefetch: start the all-gathers of
- * the parameters the forward will use next (the next layer's) beside the work, for their
- * tm__param_use to take up (tm_comm_options.overlap with NCCL; a no-op on the CPU ranks).
+ * tm__param_use: the weight to compute with: p itself, or under ZeRO-3 a view of its unit's
+ * all-gather over p's group (a taped collective whose backward reduce-scatters the unit's
+ * gradient into this rank's shard; the first use of the unit in a forward runs it, later ones
+ * share it), shaped as p. Every rank of the group calls it for the same parameters in the same
+ * order. tm__param_done: this use is over (no-op for p itself); the unit's memory goes back
+ * when every use of it is, and the backward gathers it again when it needs it.
+ * tm__param_prefetch: start the all-gathers of the units of the parameters the forward will
+ * use next (the next layer's) beside the work, for their tm__param_use to take up
+ * (tm_comm_options.overlap with NCCL; a no-op on the CPU ranks).
  * tm__param_sharded: 1 for a parameter whose data this rank holds a block of only.
  * tm__param_keep: while on (returns the previous setting), the weights tm__param_use gathers
  * under grad mode are kept: their tm__param_done gives nothing back and the backward finds
@@ -218,13 +220,15 @@ tm_status tm__zero_gather_params(tm_ctx *ctx);
  * tm_comm_sync_grads, then the parameters' all-gather after the update (ZeRO-1 and 2); *grad_sync
  * and *param_gather: the bytes the two counted (tm_comm_get_stats), *transient: the gradient
  * bytes the backward's buffers added (tm_ctx_memory_report). Errors: those of the three.
- * tm__fsdp_use_plan: one tm__param_use of p under ZeRO-3: *held the bytes of the gathered
- * weight (counted as parameters while in use), *gather the bytes of its all-gather, *reduce
- * those of the reduce-scatter of its gradient in the backward; all 0 for a parameter this rank
- * holds whole. Errors: TM_ERR_NOMEM. */
+ * tm__fsdp_use_plan: one gather of p's unit under ZeRO-3 (fsdp.c): *unit the bucket it is (-1
+ * for a parameter this rank holds whole), *held the bytes of the gathered unit (counted as
+ * parameters while in use), *gather the bytes of its all-gather, *reduce those of the
+ * reduce-scatter of its gradient in the backward; the byte counts 0 for a parameter this rank
+ * holds whole. Errors: none today (TM_OK). */
 int tm__ctx_plan_only(const tm_ctx *ctx);
 tm_status tm__zero_plan_step(tm_ctx *ctx, int64_t *grad_sync, int64_t *param_gather, int64_t *transient);
-tm_status tm__fsdp_use_plan(tm_ctx *ctx, const tm_tensor *p, int64_t *held, int64_t *gather, int64_t *reduce);
+tm_status tm__fsdp_use_plan(tm_ctx *ctx, const tm_tensor *p, int *unit, int64_t *held, int64_t *gather,
+                            int64_t *reduce);
 
 /* ---- sharded named tensors (framework/shard.c): checkpoints hold logical tensors ----------- */
 /* t (a named view of optimizer state of `param`) follows param's logical shape and expert

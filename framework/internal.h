@@ -103,12 +103,10 @@ typedef struct tm__zshard {
 typedef struct tm__param_meta {
     tm_param_options opts;       /* group, expert range, logical shape, shard axis and offset */
     int bucket;                  /* index in ctx->buckets */
+    int unit;                    /* tm_ctx_set_param_unit's when it was made */
     int64_t bucket_offset;       /* element offset of the parameter in its bucket */
     tm_tensor *master;           /* f32 master copy (bf16 parameters once an optimizer made it) */
-    tm_tensor *piece;            /* ZeRO-3: this rank's part of the parameter, a view of its bucket's
-                                  * block whose gradient is part of the gradient shard (fsdp.c) */
-    uint64_t grad_epoch;         /* ZeRO-3: 1 + the ctx's grad_epoch when the piece's gradient was
-                                  * last written (0: not since the shard was made) */
+    int sharded;                 /* ZeRO-3: this rank holds its bucket's block only (fsdp.c) */
 } tm__param_meta;
 
 /* One op invocation; the tape stores copies of these. */

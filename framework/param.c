@@ -132,11 +132,16 @@ static tm_status check_opts(tm_ctx *ctx, const char *fn, const char *name, const
     return TM_OK;
 }
 
+/* The unit key of a parameter made now: its unit under ZeRO-3 (tinymoe.h, "Units": one bucket
+ * per unit is what one all-gather serves), -1 (any) below. */
+static int unit_key(const tm_ctx *ctx) { return tm__zero_level(ctx) >= 3 ? ctx->param_unit : -1; }
+
 static int bucket_find(tm_ctx *ctx, tm_device dev, tm_dtype dt, const tm_param_options *o) {
+    int unit = unit_key(ctx);
     for (int i = 0; i < ctx->n_buckets; i++) {
         const tm_bucket_info *b = &ctx->buckets[i]->info;
         if (tm__same_device(b->device, dev) && b->dtype == dt && b->group == o->group && b->expert_lo == o->expert_lo &&
-            b->expert_hi == o->expert_hi)
+            b->expert_hi == o->expert_hi && b->unit == unit)
             return i;
     }
     return -1;
@@ -161,6 +166,7 @@ static tm_status bucket_new(tm_ctx *ctx, const char *fn, tm_device dev, tm_dtype
     b->info.group = o->group;
     b->info.expert_lo = o->expert_lo;
     b->info.expert_hi = o->expert_hi;
+    b->info.unit = unit_key(ctx);
     b->params.st.device = b->grads.st.device = b->master.st.device = b->gshard.st.device = dev;
     b->grads_transient = tm__zero_level(ctx) >= 2;
     bucket_refresh_views(ctx, b);
@@ -204,6 +210,7 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     memset(pm, 0, sizeof *pm);
     pm->opts = o;
     pm->bucket = bi;
+    pm->unit = ctx->param_unit;
     pm->bucket_offset = (int64_t)(b->params.used / esz);
     t->storage = &b->params.st;
     t->offset = pm->bucket_offset;
@@ -324,8 +331,18 @@ tm_status tm_param_get_info(const tm_tensor *t, tm_param_info *out) {
     out->opts = t->pm->opts;
     out->bucket = t->pm->bucket;
     out->bucket_offset = t->pm->bucket_offset;
+    out->unit = t->pm->unit;
     return TM_OK;
 }
+
+tm_status tm_ctx_set_param_unit(tm_ctx *ctx, int unit) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (unit < 0) return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_ctx_set_param_unit: unit = %d must be >= 0", unit);
+    ctx->param_unit = unit;
+    return TM_OK;
+}
+
+int tm_ctx_param_unit(const tm_ctx *ctx) { return ctx ? ctx->param_unit : 0; }
 
 int tm_ctx_num_buckets(const tm_ctx *ctx) { return ctx ? ctx->n_buckets : 0; }
 

@@ -368,7 +368,15 @@ TM_API int tm_ctx_params_deferred(const tm_ctx *ctx);
  * weights, f32 master weights and optimizer state). A collective or an optimizer shard then
  * covers one bucket, or an element range [lo, hi) of one.
  * A parameter also records its logical (global) shape and, when it is a shard of a larger
- * tensor, its offset along the sharded axis, so checkpoints can store whole logical tensors. */
+ * tensor, its offset along the sharded axis, so checkpoints can store whole logical tensors.
+ * Units (ZeRO-3 / FSDP, tm_comm_options.zero = 3): a parameter also belongs to a unit, the
+ * context's current one when it is made (tm_ctx_set_param_unit; 0 by default), as a module
+ * wrapped by PyTorch's FSDP is one FlatParameter. When the communicator asks for ZeRO-3 as the
+ * parameter is made, buckets are keyed by (device, dtype, group, unit): each unit's parameters
+ * of one dtype and group share a bucket, whose G equal blocks are one all-gather before the unit
+ * computes and one reduce-scatter of its gradient after (the model makes a unit per layer, so
+ * a layer moves as 3 collectives: its dense, expert and f32 router weights). Below ZeRO-3 the
+ * unit is recorded and does not split buckets. */
 typedef enum tm_param_group { TM_PARAM_DENSE = 0, TM_PARAM_EXPERT = 1 } tm_param_group;
 
 typedef struct tm_param_options {
@@ -396,6 +404,7 @@ typedef struct tm_param_info {
     tm_param_options opts;  /* as given, defaults filled in (logical_ndim = ndim when not set) */
     int bucket;             /* index for tm_ctx_bucket_info */
     int64_t bucket_offset;  /* element offset of the parameter in its bucket's buffers */
+    int unit;               /* the unit it was made in (tm_ctx_set_param_unit) */
 } tm_param_info;
 /* Errors: TM_ERR_INVALID_ARG (NULL, or t is not a parameter). */
 TM_API tm_status tm_param_get_info(const tm_tensor *t, tm_param_info *out);
@@ -408,10 +417,18 @@ typedef struct tm_bucket_info {
     int64_t numel;            /* elements in use, padding included */
     int num_params;
     int has_master;           /* an f32 master copy exists (bf16 buckets under an optimizer) */
+    int unit;                 /* the unit of its parameters when buckets are keyed by unit
+                               * (ZeRO-3 when they were made); -1: any unit */
 } tm_bucket_info;
 
 /* Buckets in order of creation; tm_ctx_bucket_info errors: TM_ERR_INVALID_ARG (NULL, i out
  * of range). */
+/* The unit of the parameters made from now on (see "Units" above): unit >= 0. The model makes
+ * unit 0 its embedding, l + 1 layer l, n_layers + 1 the final norm and lm_head, and restores the
+ * caller's unit afterwards. tm_ctx_param_unit: the current one (0 for NULL). Errors:
+ * TM_ERR_INVALID_ARG (ctx NULL, unit < 0). */
+TM_API tm_status tm_ctx_set_param_unit(tm_ctx *ctx, int unit);
+TM_API int tm_ctx_param_unit(const tm_ctx *ctx);
 TM_API int tm_ctx_num_buckets(const tm_ctx *ctx);
 TM_API tm_status tm_ctx_bucket_info(const tm_ctx *ctx, int i, tm_bucket_info *out);
 

@@ -57,6 +57,8 @@ struct tm_model {
     tm__layer *layers;                 /* [n_layers] */
     int n_moe;
     int64_t *tokens_per_expert;        /* [n_moe * E], handed out by tm_model_forward */
+    tm_tensor *pin;                    /* ZeRO-3: the norm weight gathered before its layer (or the
+                                        * head) runs, whose use that one ends (`pinned`) */
 };
 
 tm_model_config tm_model_config_default(void) {
@@ -150,13 +152,17 @@ static tm_status layer_param(tm_model *m, int l, const char *suffix, int ndim, i
     return param(m, name, ndim, d0, d1, out);
 }
 
-static tm_status build(tm_model *m) {
+/* Units (tinymoe.h, "Units"; ZeRO-3 gathers one at a time): 0 the embedding, l + 1 layer l (its
+ * norms, attention, FFN or MoE block), n_layers + 1 the final norm and the lm_head. */
+static tm_status build_units(tm_model *m) {
     const tm_model_config *c = &m->cfg;
     int64_t H = c->d_model, V = c->vocab_size, D = H / c->n_heads;
     int64_t Hq = c->n_heads * D, Hkv = c->n_kv_heads * D, F = c->dense_ffn_size ? c->dense_ffn_size : 4 * (int64_t)c->d_model;
+    TM__TRY(tm_ctx_set_param_unit(m->ctx, 0));
     TM__TRY(param(m, "embed.weight", 2, V, H, &m->embed));
     for (int l = 0; l < c->n_layers; l++) {
         tm__layer *L = &m->layers[l];
+        TM__TRY(tm_ctx_set_param_unit(m->ctx, l + 1));
         TM__TRY(layer_param(m, l, "attn_norm.weight", 1, H, 0, &L->attn_norm));
         TM__TRY(layer_param(m, l, "attn.wq", 2, H, Hq, &L->wq));
         TM__TRY(layer_param(m, l, "attn.wk", 2, H, Hkv, &L->wk));
@@ -173,9 +179,17 @@ static tm_status build(tm_model *m) {
             TM__TRY(tm_moe_new(m->ctx, prefix, &c->moe, m->dtype, m->dev, &L->moe));
         }
     }
+    TM__TRY(tm_ctx_set_param_unit(m->ctx, c->n_layers + 1));
     TM__TRY(param(m, "norm.weight", 1, H, 0, &m->norm));
     if (!c->tie_embeddings) TM__TRY(param(m, "lm_head.weight", 2, H, V, &m->lm_head));
     return TM_OK;
+}
+
+static tm_status build(tm_model *m) {
+    int unit = tm_ctx_param_unit(m->ctx); /* the caller's, restored */
+    tm_status s = build_units(m);
+    (void)tm_ctx_set_param_unit(m->ctx, unit);
+    return s;
 }
 
 tm_status tm_model_new(tm_ctx *ctx, const tm_model_config *cfg, tm_dtype dtype, tm_device dev, tm_model **out) {
@@ -380,28 +394,48 @@ static tm_status block_of(tm_model *m, int l, const tm__layer *L, tm_tensor *x, 
     return swiglu_mlp(ctx, h, L->mlp_w0, L->mlp_w1, L->mlp_wo, y);
 }
 
+/* The weights of layer l (all of it: norms, attention, FFN or MoE block) into w (room for
+ * LAYER_OWN + 8); l = n_layers: the final norm and the lm_head (the embedding when tied). */
+static int layer_weights(const tm_model *m, int l, tm_tensor **w) {
+    if (l == m->cfg.n_layers) {
+        w[0] = m->norm;
+        w[1] = m->lm_head ? m->lm_head : m->embed;
+        return 2;
+    }
+    const tm__layer *N = &m->layers[l];
+    int n = 0;
+    tm_tensor *const dense[] = {N->attn_norm, N->wq, N->wk, N->wv, N->wo, N->ffn_norm, N->mlp_w0, N->mlp_w1, N->mlp_wo};
+    for (size_t i = 0; i < sizeof dense / sizeof *dense; i++)
+        if (dense[i]) w[n++] = dense[i];
+    if (N->moe) n += tm__moe_weights(N->moe, w + n);
+    return n;
+}
+
+/* ZeRO-3: start the all-gathers of layer l's units beside the work (fsdp.c; nothing to start
+ * on CPU ranks or with overlap off). */
+static tm_status prefetch_layer(tm_model *m, int l) {
+    tm_tensor *w[LAYER_OWN + 8];
+    return tm__param_prefetch(m->ctx, w, layer_weights(m, l, w));
+}
+
+/* The use of the norm weight gathered before layer l's block (or the head) ends with it:
+ * the norm is its unit's first weight, so the unit stays gathered from the norm to the block
+ * rather than going back between them. */
+static void pinned_done(tm_model *m) {
+    tm__param_done(m->ctx, m->pin);
+    m->pin = NULL;
+}
+
 static tm_status layer_forward(tm_model *m, int l, tm_tensor *x, tm_tensor *h, int64_t B, int64_t T, tm_kv_cache *kv,
                              const tm__dp_rows *dp, tm_moe_stats *st, tm_tensor **x1, tm_tensor **y) {
     tm__layer W;
     TM__TRY(layer_use(m->ctx, &m->layers[l], &W));
-    /* ZeRO-3: the next layer's all-gathers start beside this one's compute (fsdp.c; nothing
-     * to start on CPU ranks or with overlap off); during the last layer, those of the final
-     * norm and the lm_head (they were gathered on the work stream after it: 50 MB for coarse) */
-    if (l + 1 == m->cfg.n_layers) {
-        tm_tensor *tail[2] = {m->norm, m->lm_head ? m->lm_head : m->embed};
-        TM__TRY(tm__param_prefetch(m->ctx, tail, 2));
-    } else {
-        const tm__layer *N = &m->layers[l + 1];
-        tm_tensor *next[16];
-        int n = 0;
-        tm_tensor *const dense[] = {N->attn_norm, N->wq, N->wk, N->wv, N->wo, N->ffn_norm, N->mlp_w0, N->mlp_w1, N->mlp_wo};
-        for (size_t i = 0; i < sizeof dense / sizeof *dense; i++)
-            if (dense[i]) next[n++] = dense[i];
-        if (N->moe) n += tm__moe_weights(N->moe, next + n);
-        TM__TRY(tm__param_prefetch(m->ctx, next, n));
-    }
+    /* ZeRO-3: the next layer's all-gathers start beside this one's compute; during the last
+     * layer, those of the final norm and the lm_head */
+    TM__TRY(prefetch_layer(m, l + 1));
     tm_status s = block_of(m, l, &W, x, h, B, T, kv, dp, st, x1, y);
     layer_done(m->ctx, &W);
+    pinned_done(m);
     return s;
 }
 
@@ -440,18 +474,16 @@ static tm_status use_kept(tm_ctx *ctx, tm_tensor *p, int keep, tm_tensor **w) {
 static tm_status add_norm_after(tm_model *m, int l, tm_tensor *x1, tm_tensor *y, tm_tensor **x, tm_tensor **h) {
     tm_tensor *w;
     TM__TRY(use_kept(m->ctx, norm_after(m, l), kept(m, l + 1), &w)); /* layer l + 1's, or the final norm */
-    tm_status s = tm_add_rmsnorm(m->ctx, x1, y, w, m->cfg.norm_eps, x, h);
-    tm__param_done(m->ctx, w);
-    return s;
+    m->pin = w; /* done by layer l + 1, or the head */
+    return tm_add_rmsnorm(m->ctx, x1, y, w, m->cfg.norm_eps, x, h);
 }
 
 /* h = attn_norm(x) of layer 0, the one norm not fused with a residual add (n_layers >= 1). */
 static tm_status first_norm(tm_model *m, tm_tensor *x, tm_tensor **h) {
     tm_tensor *w;
     TM__TRY(use_kept(m->ctx, m->layers[0].attn_norm, kept(m, 0), &w));
-    tm_status s = tm_rmsnorm(m->ctx, x, w, m->cfg.norm_eps, h);
-    tm__param_done(m->ctx, w);
-    return s;
+    m->pin = w; /* done by layer 0 */
+    return tm_rmsnorm(m->ctx, x, w, m->cfg.norm_eps, h);
 }
 
 /* tokens i32 [B,T] -> the residual stream [B*T,H]. The tokens are valid already (checked on the
@@ -462,7 +494,9 @@ static tm_status embed(tm_model *m, tm_tensor *tokens, tm_tensor **x) {
     tm_tensor *ids;
     TM__TRY(tm_reshape(m->ctx, tokens, 1, flat, &ids));
     tm_tensor *w;
+    m->pin = NULL; /* (a failed forward's is gone with its arena) */
     TM__TRY(tm__param_use(m->ctx, m->embed, &w));
+    TM__TRY(prefetch_layer(m, 0)); /* ZeRO-3: layer 0's units beside the lookup */
     tm_status s = tm__embedding_unchecked(m->ctx, w, ids, x); // (B*T, H)
     tm__param_done(m->ctx, w);
     return s;
@@ -476,6 +510,7 @@ static tm_status head(tm_model *m, tm_tensor *h, int64_t B, int64_t T, tm_tensor
     TM__TRY(use_kept(ctx, m->lm_head ? m->lm_head : m->embed, kept(m, m->cfg.n_layers), &w));
     tm_status s = tm_matmul(ctx, h, w, 0, m->lm_head ? 0 : 1, &lg); // (B*T, V)
     tm__param_done(ctx, w);
+    pinned_done(m); /* the final norm's */
     TM__TRY(s);
     if (logits_2d) *logits_2d = lg;
     return tm_reshape(ctx, lg, 3, s3, logits); // (B, T, V)
@@ -704,19 +739,25 @@ tm_status tm_model_step(tm_model *m) {
 
 /* ---- the plan of a step (tinymoe.h, tm_model_plan_step) ---------------------------------- */
 
-/* One set of weights the forward holds gathered at once (ZeRO-3): what tm__param_use counts
- * for each, added to the step's traffic (gathered again in the backward: tm__param_done gives
- * each back after its forward use), the set's bytes with those kept so far (*kept_bytes)
- * against the most held at once. A kept set (`keep`) is gathered once and stays held through
- * the rest of the forward; the backward, which gives the kept ones back as it goes, holds no
- * more than the forward's end did. */
+/* One set of weights the forward holds gathered at once (ZeRO-3): each distinct unit of the
+ * set (fsdp.c gathers a unit once however many of its weights are used) counted once, added to
+ * the step's traffic (gathered again in the backward unless kept), the set's bytes with those
+ * kept so far (*kept_bytes) against the most held at once. A kept set (`keep`) is gathered
+ * once and stays held through the rest of the forward; the backward, which gives the kept ones
+ * back as it goes, holds no more than the forward's end did. */
 static tm_status plan_uses(tm_ctx *ctx, tm_tensor *const *w, int n, int keep, int micro, int64_t *kept_bytes,
                            tm_step_plan *out) {
     int64_t held_set = 0;
+    int seen[LAYER_OWN + 8], n_seen = 0;
     for (int i = 0; i < n; i++) {
         int64_t held, gather, reduce;
+        int unit, dup = 0;
         if (!w[i]) continue;
-        TM__TRY(tm__fsdp_use_plan(ctx, w[i], &held, &gather, &reduce));
+        TM__TRY(tm__fsdp_use_plan(ctx, w[i], &unit, &held, &gather, &reduce));
+        if (unit < 0) continue;
+        for (int k = 0; k < n_seen; k++) dup |= seen[k] == unit;
+        if (dup) continue;
+        if (n_seen < (int)(sizeof seen / sizeof *seen)) seen[n_seen++] = unit;
         held_set += held;
         out->param_gather += (keep ? 1 : 2) * gather * micro;
         out->bwd_reduce += reduce * micro;
@@ -740,28 +781,19 @@ tm_status tm_model_plan_step(tm_model *m, int64_t tokens, int micro_batches, tm_
     /* ZeRO 0-2: the buckets' synchronisation and all-gather, run on the placeholders */
     int64_t grads_transient = 0;
     TM__TRY(tm__zero_plan_step(ctx, &out->grad_sync, &out->param_gather, &grads_transient));
-    /* ZeRO-3: the forward's uses in its order (embed, first_norm, block + add_norm_after per
-     * layer, head), each set as long as it is held */
+    /* ZeRO-3: the forward's units in its order (the embedding, each layer's from its attention
+     * norm to its block, the final norm's and the lm_head's), each set as long as it is held */
     const tm_model_config *c = &m->cfg;
     double dispatch = 0; /* (expected bytes: whole once summed) */
     int64_t kb = 0; /* bytes kept so far (zero3_keep_last) */
     TM__TRY(plan_uses(ctx, &m->embed, 1, 0, micro_batches, &kb, out));
-    TM__TRY(plan_uses(ctx, &m->layers[0].attn_norm, 1, kept(m, 0), micro_batches, &kb, out));
-    for (int l = 0; l < c->n_layers; l++) {
-        tm__layer *L = &m->layers[l];
-        tm_tensor *set[LAYER_OWN + 8], **f[LAYER_OWN];
-        layer_own(L, f);
-        int n = 0;
-        for (int i = 0; i < LAYER_OWN; i++) set[n++] = *f[i];
-        if (L->moe) n += tm__moe_weights(L->moe, set + n);
+    for (int l = 0; l <= c->n_layers; l++) {
+        tm_tensor *set[LAYER_OWN + 8];
+        int n = layer_weights(m, l, set); /* (tied: the embedding gathered again for the head) */
         TM__TRY(plan_uses(ctx, set, n, kept(m, l), micro_batches, &kb, out));
-        tm_tensor *after = norm_after(m, l);
-        TM__TRY(plan_uses(ctx, &after, 1, kept(m, l + 1), micro_batches, &kb, out));
-        if (L->moe) dispatch += tm__moe_plan_dispatch(L->moe, tokens) * micro_batches;
+        if (l < c->n_layers && m->layers[l].moe) dispatch += tm__moe_plan_dispatch(m->layers[l].moe, tokens) * micro_batches;
     }
     out->dispatch = (int64_t)dispatch;
-    tm_tensor *head_w = m->lm_head ? m->lm_head : m->embed;
-    TM__TRY(plan_uses(ctx, &head_w, 1, kept(m, c->n_layers), micro_batches, &kb, out));
     out->transient += grads_transient; /* (one of the two is 0: ZeRO-2 gathers nothing) */
     return TM_OK;
 }

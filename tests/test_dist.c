@@ -203,13 +203,157 @@ Test(dist, one_rank_zero3_refusals_and_update) {
     cr_assert(memcmp(a, z, sizeof a) == 0, "weights after 3 steps differ");
     tm_memory_report m3;
     TT_OK(c3, tm_ctx_memory_report(c3, tm_cpu(), &m3));
-    /* the bucket's one block (64 elements) held; at most w and b gathered at once (38 floats) */
+    /* the bucket's one block (64 elements) held; its unit gathered once for w and b together
+     * (64 floats: the one block of a world of one, padding included) */
     cr_assert_eq(m3.current[TM_MEM_PARAMETERS], 256);
-    cr_assert_eq(m3.peak[TM_MEM_PARAMETERS], 256 + 38 * 4);
+    cr_assert_eq(m3.peak[TM_MEM_PARAMETERS], 256 + 64 * 4);
     tm_optimizer_free(o0);
     tm_optimizer_free(o3);
     tm_ctx_free(c0);
     tm_ctx_free(c3);
+}
+
+/* ZeRO-3's unit gradients (framework/fsdp.c) in a world of one, where the all-gather and the
+ * reduce-scatter are copies and so every value must be the bits of ZeRO-0: each weight's
+ * gradient is written into its unit's buffer (fresh, not zeroed, where its op writes it whole),
+ * everything nothing wrote (padding: each 24-float norm weight ends 8 floats short of 64 bytes;
+ * the tail) zeroed before the reduce, as the shards then show. With the buffers and every fresh gradient filled with NaN
+ * first (the fresh hooks' poison) and tied embeddings (the embedding's unit gathered twice in a
+ * forward: the second reduce adds), three AdamW steps give ZeRO-0's losses and weights in f32 and
+ * bf16 (the norm, summed per bucket, to rounding: no clipping), and with
+ * two micro-batches a step (the second one's reduces add) the same to rounding; the units'
+ * bucket layout is per layer. */
+/* Every element of each bucket's gradient shard that is no parameter's (padding, the tail) is
+ * exactly zero, as the bucket layout promises (param.c). */
+static void shard_padding_is_zero(tm_ctx *ctx) {
+    for (int k = 0; k < tm_ctx_num_buckets(ctx); k++) {
+        int64_t off, lo, hi;
+        tm_tensor *g = tm__bucket_grads_reduced(ctx, k, &off);
+        TT_OK(ctx, tm_ctx_grad_shard(ctx, k, &lo, &hi));
+        cr_assert(g && off == lo, "bucket %d: no gradient shard", k);
+        float *v = malloc(sizeof(float) * (size_t)(hi - lo + 1));
+        unsigned char *mine = calloc((size_t)(hi - lo + 1), 1);
+        TT_OK(ctx, tm_tensor_read(ctx, g, TM_F32, v, hi - lo));
+        for (int i = 0; i < tm_ctx_num_params(ctx); i++) {
+            tm_param_info pi;
+            TT_OK(ctx, tm_param_get_info(tm_ctx_param(ctx, i), &pi));
+            if (pi.bucket != k) continue;
+            for (int64_t e = pi.bucket_offset; e < pi.bucket_offset + tm_tensor_numel(tm_ctx_param(ctx, i)); e++)
+                if (e >= lo && e < hi) mine[e - lo] = 1;
+        }
+        for (int64_t e = 0; e < hi - lo; e++)
+            cr_assert(mine[e] || (v[e] == 0 && !signbit(v[e])), "bucket %d: padding element %lld is %g", k,
+                      (long long)(e + lo), v[e]);
+        free(v);
+        free(mine);
+    }
+}
+
+static void unit_train(tm_dtype dt, int zero, int poison, int micros, double loss[3], double norm[3], float **weights, int64_t *n_weights, int *n_buckets,
+                       int64_t *fresh) {
+    tm_ctx *ctx = tt_ctx();
+    tm_comm_options co = tm_comm_options_default();
+    co.zero = zero;
+    TT_OK(ctx, tm_comm_init(ctx, &co));
+    tm_model_config c = tm_model_config_default();
+    c.vocab_size = 31, c.d_model = 24, c.n_layers = 3, c.n_heads = 2, c.n_kv_heads = 1, c.max_seq_len = 12;
+    c.first_k_dense = 1, c.dense_ffn_size = 20, c.moe.ffn_size = 12, c.moe.router.num_experts = 4;
+    c.moe.router.topk = 2, c.moe.aux_loss_coeff = 1e-2, c.tie_embeddings = 1;
+    tm_model *m;
+    TT_OK(ctx, tm_model_new(ctx, &c, dt, tm_cpu(), &m));
+    TT_OK(ctx, tm_model_init(m, 5));
+    tm_adamw_config ac = tm_adamw_config_default();
+    tm_optimizer *opt;
+    TT_OK(ctx, tm_adamw_new(ctx, &ac, &opt));
+    tm__test_fresh_hooks(ctx, poison, 0);
+    *n_buckets = tm_ctx_num_buckets(ctx);
+    for (int step = 0; step < 3; step++) {
+        loss[step] = 0;
+        for (int micro = 0; micro < micros; micro++) {
+            int32_t tok[2 * 6], tgt[2 * 6];
+            for (int i = 0; i < 12; i++) tok[i] = (7 * i + 3 * step + 5 * micro) % 31, tgt[i] = (tok[i] * 3 + 1) % 31;
+            int64_t sh[2] = {2, 6};
+            tm_tensor *tokens, *targets;
+            TT_OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok, &tokens));
+            TT_OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tgt, &targets));
+            tm_model_out out;
+            TT_OK(ctx, tm_model_forward(m, tokens, targets, &out));
+            TT_OK(ctx, tm_backward(ctx, out.loss));
+            loss[step] += out.loss_value;
+            tm_ctx_arena_reset(ctx);
+        }
+        TT_OK(ctx, tm_comm_sync_grads(ctx));
+        if (zero == 3) shard_padding_is_zero(ctx);
+        TT_OK(ctx, tm_ctx_clip_grad_norm(ctx, 1e9, &norm[step])); /* (no clipping: the same bits) */
+        TT_OK(ctx, tm_optimizer_step(opt, 1e-2));
+        TT_OK(ctx, tm_ctx_zero_grad(ctx));
+        tm_ctx_arena_reset(ctx);
+    }
+    *fresh = tm__test_fresh_count(ctx);
+    int64_t total = 0;
+    for (int i = 0; i < tm_ctx_num_params(ctx); i++) total += tm_tensor_numel(tm_ctx_param(ctx, i));
+    float *w = malloc(sizeof(float) * (size_t)total), *at = w;
+    for (int i = 0; i < tm_ctx_num_params(ctx); i++) {
+        tm_tensor *p = tm_ctx_param(ctx, i);
+        int64_t n = tm_tensor_numel(p);
+        if (zero == 3 && tm_tensor_dtype(p) == TM_BF16) { /* (the gather gives the parameter's dtype) */
+            uint16_t *h = malloc(2 * (size_t)n);
+            TT_OK(ctx, tm__named_gather(ctx, p, h));
+            for (int64_t e = 0; e < n; e++) {
+                uint32_t u = (uint32_t)h[e] << 16;
+                memcpy(&at[e], &u, 4);
+            }
+            free(h);
+        } else if (zero == 3) {
+            TT_OK(ctx, tm__named_gather(ctx, p, at));
+        } else {
+            TT_OK(ctx, tm_tensor_read(ctx, p, TM_F32, at, n));
+        }
+        at += tm_tensor_numel(p);
+    }
+    *weights = w;
+    *n_weights = total;
+    tm_optimizer_free(opt);
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+}
+
+Test(dist, one_rank_zero3_unit_gradients_poisoned_equal_zero0) {
+    for (int k = 0; k < 4; k++) {
+        tm_dtype dt = k < 2 ? TM_F32 : TM_BF16;
+        int micros = 1 + k % 2;
+        double l0[3], l3[3], g0[3], g3[3];
+        float *w0, *w3;
+        int64_t n0, n3, f0, f3;
+        int b0, b3;
+        unit_train(dt, 0, 0, micros, l0, g0, &w0, &n0, &b0, &f0);
+        unit_train(dt, 3, 1, micros, l3, g3, &w3, &n3, &b3, &f3);
+        /* one micro-batch: the same bits. Two: the second's gradients are added to the first's
+         * by the GEMM (beta 1) at ZeRO-0 and after the reduce at ZeRO-3, so to rounding. */
+        double tol = micros == 1 ? 0 : dt == TM_F32 ? 1e-6 : 1e-2;
+        const char *d = tm_dtype_name(dt);
+        for (int s = 0; s < 3; s++) {
+            cr_assert(fabs(l0[s] - l3[s]) <= tol * fabs(l0[s]), "%s, %d micro-batches, step %d: loss %.17g at ZeRO-0, "
+                      "%.17g at ZeRO-3", d, micros, s, l0[s], l3[s]);
+            /* (summed bucket by bucket: ZeRO-3 has a bucket per unit, so the order differs) */
+            cr_assert(fabs(g0[s] - g3[s]) <= (tol + 1e-12) * g0[s], "%s, %d micro-batches, step %d: gradient norm %.17g "
+                      "at ZeRO-0, %.17g at ZeRO-3", d, micros, s, g0[s], g3[s]);
+        }
+        /* (weights: only where bit-equal is the claim; AdamW's normalised update turns a
+         * gradient's rounding into a relative weight change of any size where the gradient is
+         * near 0, which the next steps' losses do show) */
+        cr_assert_eq(n0, n3);
+        cr_assert(micros > 1 || !memcmp(w0, w3, sizeof(float) * (size_t)n0), "%s: weights after 3 steps differ", d);
+        /* ZeRO-0 has one bucket per dtype and group: dense, experts (and the f32 router of a bf16
+         * model); ZeRO-3 one per unit (embedding, 3 layers of which 2 MoE, final norm): 5 dense,
+         * 2 expert (and 2 router) */
+        cr_assert_eq(b0, dt == TM_F32 ? 2 : 3, "%s: %d buckets at ZeRO-0", d, b0);
+        cr_assert_eq(b3, dt == TM_F32 ? 7 : 9, "%s: %d buckets at ZeRO-3", d, b3);
+        /* the unit buffers were handed out fresh to the ops that write whole */
+        cr_assert(f3 > 0, "%s: no fresh gradient under ZeRO-3", d);
+        free(w0);
+        free(w3);
+    }
 }
 
 /* Collective ops over a world of one: identities, with their backward rules in place (the

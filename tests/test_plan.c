@@ -175,15 +175,16 @@ Test(plan, what_needs_values_is_refused) {
     cr_assert(strstr(tm_last_create_error(), "plan_only"), "%s", tm_last_create_error());
 }
 
-/* ZeRO-3 with zero3_keep_last (tinymoe.h): the weights of the last layers, the final norm and
+/* ZeRO-3 with zero3_keep_last (tinymoe.h): the units of the last layers, the final norm and
  * the head are gathered once per micro-batch instead of twice, and held together through the
- * loss. In a world of one rank each gather moves the whole weight, so the plan's all-gather
- * bytes fall by the kept weights' bytes (from their names: "layers.<l>." of the last `keep`
- * layers, norm.weight, the head: lm_head.weight or the tied embedding's second use) per
- * micro-batch, and its transient bytes are the most of those and of the largest set held
- * without keeping. */
+ * loss. In a world of one rank each gather moves the whole unit (its bucket, rounded up to the
+ * ZeRO block's 64 elements), so the plan's all-gather bytes fall by the kept units' bytes (the
+ * buckets of the kept parameters, from their names: "layers.<l>." of the last `keep` layers,
+ * norm.weight, the head: lm_head.weight or the tied embedding's second use) per micro-batch, and
+ * its transient bytes are the most of those and of the largest set held without keeping. */
 static int64_t kept_bytes(tm_ctx *ctx, const tm_model_config *c, int keep) {
     int64_t b = 0;
+    unsigned char seen[256] = {0};
     for (int i = 0; i < tm_ctx_num_params(ctx); i++) {
         tm_tensor *p = tm_ctx_param(ctx, i);
         const char *name = tm_tensor_name(p);
@@ -191,7 +192,14 @@ static int64_t kept_bytes(tm_ctx *ctx, const tm_model_config *c, int keep) {
         if (sscanf(name, "layers.%d.", &l) == 1) k = keep > 0 && l >= c->n_layers - keep;
         else if (!strcmp(name, "norm.weight") || !strcmp(name, "lm_head.weight")) k = keep > 0;
         else if (!strcmp(name, "embed.weight")) k = keep > 0 && c->tie_embeddings;
-        if (k) b += tm_tensor_numel(p) * (int64_t)tm_dtype_size(tm_tensor_dtype(p));
+        tm_param_info pi;
+        tm_bucket_info bi;
+        TT_OK(ctx, tm_param_get_info(p, &pi));
+        TT_OK(ctx, tm_ctx_bucket_info(ctx, pi.bucket, &bi));
+        cr_assert(pi.bucket < 256 && bi.unit >= 0, "bucket %d of unit %d", pi.bucket, bi.unit);
+        if (!k || seen[pi.bucket]) continue;
+        seen[pi.bucket] = 1;
+        b += (bi.numel + 63) / 64 * 64 * (int64_t)tm_dtype_size(bi.dtype);
     }
     return b;
 }

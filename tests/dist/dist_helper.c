@@ -1058,10 +1058,10 @@ static void check_plan(int world) {
 /* A few training steps of the tiny model under ZeRO-3 with the last `keep` layers' weights kept
  * gathered from their forward to their backward: each step's loss, the all-gather calls of
  * its forward and backward, the transient weight bytes, and this rank's parameter blocks at the
- * end (ZeRO-3's tm_ctx_bucket_tensor view: the block). *kept receives the count of weight uses
- * that the option keeps, from the parameters' names: every "layers.<l>." parameter of the last
- * `keep` layers, and from keep 1 on "norm.weight" and the head (lm_head.weight, or the tied
- * embedding's second use). */
+ * end (ZeRO-3's tm_ctx_bucket_tensor view: the block). *kept receives the count of unit
+ * gathers that the option keeps (each a bucket: fsdp.c), from the parameters' names: the
+ * buckets of every "layers.<l>." parameter of the last `keep` layers, and from keep 1 those of
+ * "norm.weight" and the head (lm_head.weight, or the tied embedding's second use). */
 enum { KS = 3 };
 typedef struct keep_run {
     double loss[KS];
@@ -1090,12 +1090,18 @@ static keep_run keep_train(int ep_size, int bf16, int tie, int keep) {
     OK(ctx, tm_model_init(m, 11));
     tm_adamw_config ac = tm_adamw_config_default();
     OK(ctx, tm_adamw_new(ctx, &ac, &opt));
+    /* one all-gather saved per unit kept (a unit of a dtype and group is one bucket) */
+    unsigned char seen[64] = {0};
     for (int i = 0; i < tm_ctx_num_params(ctx); i++) {
         const char *name = tm_tensor_name(tm_ctx_param(ctx, i));
-        int l;
-        if (sscanf(name, "layers.%d.", &l) == 1) r.kept += keep > 0 && l >= c.n_layers - keep;
-        else if (!strcmp(name, "norm.weight") || !strcmp(name, "lm_head.weight")) r.kept += keep > 0;
-        else if (!strcmp(name, "embed.weight")) r.kept += keep > 0 && tie;
+        int l, kept = 0;
+        if (sscanf(name, "layers.%d.", &l) == 1) kept = keep > 0 && l >= c.n_layers - keep;
+        else if (!strcmp(name, "norm.weight") || !strcmp(name, "lm_head.weight")) kept = keep > 0;
+        else if (!strcmp(name, "embed.weight")) kept = keep > 0 && tie;
+        tm_param_info pi;
+        OK(ctx, tm_param_get_info(tm_ctx_param(ctx, i), &pi));
+        CHECK(pi.bucket < 64, "bucket %d", pi.bucket);
+        if (kept && !seen[pi.bucket]) r.kept++, seen[pi.bucket] = 1;
     }
     tm_memory_report mr;
     OK(ctx, tm_ctx_memory_report(ctx, tm_cpu(), &mr));
@@ -1129,7 +1135,7 @@ static keep_run keep_train(int ep_size, int bf16, int tie, int keep) {
 
 /* Keeping changes no value (the same gathers, not repeated): every loss and every weight of
  * keep 1, 2 and all layers are the bits of keep 0; each step makes as many all-gathers fewer
- * as the option keeps weights (one per kept weight: its backward's); and a kept weight is held
+ * as the option keeps units (one per kept unit: its backward's); and a kept unit is held
  * through the loss, so the most gathered at once grows with what is kept. */
 static void check_keep(int world) {
     const struct {
@@ -1150,7 +1156,7 @@ static void check_keep(int world) {
                 CHECK(memcmp(&r.loss[s], &ref.loss[s], sizeof(double)) == 0, "ep_size %d %s keep %d, step %d: loss "
                       "%.17g, %.17g with keep 0", P, what, keeps[j], s + 1, r.loss[s], ref.loss[s]);
                 CHECK(r.gathers[s] == ref.gathers[s] - r.kept, "ep_size %d %s keep %d, step %d: %lld all-gathers, %lld "
-                      "with keep 0, %lld weights kept", P, what, keeps[j], s + 1, (long long)r.gathers[s],
+                      "with keep 0, %lld units kept", P, what, keeps[j], s + 1, (long long)r.gathers[s],
                       (long long)ref.gathers[s], (long long)r.kept);
             }
             CHECK(r.n_blocks == ref.n_blocks && !memcmp(r.blocks, ref.blocks, (size_t)r.n_blocks * (bf16 ? 2 : 4)),

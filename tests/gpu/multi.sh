@@ -3,7 +3,7 @@
 #   mpirun -np N tinymoe train --device cuda, N in {2,4} x ep_size in {1,2,N} x ep_strategy
 #   alltoall|allgather|alltoall_dedup x zero {0,1,2,3}, the shakespeare preset in f32: the first 10 steps' losses must
 #   equal the single-GPU run's (same global batch) within 1e-5 relative (2e-5 for data parallel
-#   without ZeRO on 4 ranks: the all-reduce's summation order, measured below); a few layouts again in bf16
+#   on 4 ranks at ZeRO-0 and ZeRO-3: the all-reduce's and the reduce-scatter's summation order, measured below); a few layouts again in bf16
 #   (their drift is reported, not judged); then a rank killed with SIGKILL mid-run: the job must
 #   end within 60 s with a message naming the dead rank.
 # On a machine with N or more GPUs each rank takes its own GPU and the collectives go through NCCL;
@@ -54,8 +54,12 @@ for n in ${NS:-2 4}; do
                 # and 1.09e-5 at step 10, and by 1.12e-5 at step 10 through the host-staged MPI
                 # engine (another summation order, --nccl off): the summation order's rounding,
                 # amplified by training, not a defect. Its limit is 2e-5 (the issue's bound).
+                # ZeRO-3 reduces each layer's gradient by one ring reduce-scatter since session 12
+                # (the all-reduce's first half): on 4 x H100 (2026-11-28) its losses differ by
+                # 2.1e-8 at step 1, as ZeRO-0's, and by 1.13e-5 at step 10 (ZeRO-0 1.09e-5,
+                # ZeRO-1 2.5e-6 in the same call): the same limit.
                 lim=1e-5
-                [ $ep = 1 ] && [ $z = 0 ] && [ $n = 4 ] && lim=2e-5
+                [ $ep = 1 ] && { [ $z = 0 ] || [ $z = 3 ]; } && [ $n = 4 ] && lim=2e-5
                 train $name $MPIRUN -np $n $BIN train $ARGS --dtype f32 --ep_size $ep --ep_strategy $st --zero $z ${EXTRA:-} &&
                     compare $name ref_f32 $lim
             done
