@@ -1299,13 +1299,14 @@ TM_API int64_t tm_model_num_params(const tm_model *model, int64_t *active_per_to
  *    parameters' all-gather after the update run on the placeholders, after the full gradient
  *    buffers a backward makes (ZeRO-2: G ZeRO blocks per bucket, held from a step's first
  *    backward to the synchronisation: the transient bytes);
- *  - param_gather, bwd_reduce, transient (ZeRO-3): every use of a weight in the model's forward
- *    all-gathers its pieces, and again in the backward (tm_model_forward gives each back after
- *    use) unless it is one the forward keeps (tm_comm_options.zero3_keep_last), whose
- *    reduce-scatter sends the gathered gradient (its numel); transient: the most gathered
- *    weight bytes in use at once (a layer's own weights with its MoE block's, the embedding,
- *    the lm_head, with the kept weights held so far: a weight gathered ahead counts from its
- *    use, as in a run);
+ *  - param_gather, bwd_reduce, transient (ZeRO-3): every unit the model's forward uses
+ *    ("Units": the embedding, each layer's dense, expert and router buckets, the final norm with
+ *    the lm_head) is all-gathered once (this rank's block), and again in the backward
+ *    (tm_model_forward gives each back after its layer) unless the forward keeps it
+ *    (tm_comm_options.zero3_keep_last); its reduce-scatter sends the gathered gradient (G
+ *    blocks); transient: the most gathered unit bytes in use at once (a layer's units, the
+ *    embedding's, the head's, with the kept units held so far: a unit gathered ahead counts
+ *    from its use, as in a run);
  *  - dispatch: the MoE layers' expert-parallel exchange, forward and backward, for `tokens`
  *    rows per micro-batch under balanced routing (each expert receives tokens x topk / E rows):
  *    alltoall: 2 x 2 x tokens x topk x (P-1)/P rows of d_model; alltoall_dedup: a token goes
@@ -1995,7 +1996,7 @@ typedef struct tm_comm_options {
                                  * attention norm, its own and its MoE block's. The backward starts
                                  * with these, so tm_model_forward does not give them back and the
                                  * backward does not gather them again: one all-gather per kept
-                                 * weight and micro-batch fewer, and no wait for them as the
+                                 * unit and micro-batch fewer, and no wait for them as the
                                  * backward starts (PyTorch FSDP2's reshard_after_forward = False,
                                  * which torchtitan sets for the last block: "FSDP would prefetch
                                  * it immediately"). Values are the same bits whatever it is (the

@@ -250,7 +250,7 @@ static const key KEYS[] = {
      "too (all-gathered layer by layer for the forward and again for the backward)", 0, 3},
     {"zero3_keep_last", T_INT, G_DIST, OFF(zero3_keep_last), NULL, "1", 0, NULL,
      "with zero 3: the last this many layers (and the final norm and lm_head) keep their all-gathered weights from "
-     "their forward to their backward, which starts with them: one all-gather fewer per kept weight and "
+     "their forward to their backward, which starts with them: one all-gather fewer per kept unit (a layer's dense, expert and router weights) and "
      "micro-batch, for their bf16/f32 weights held through the loss and the start of the backward (PyTorch FSDP2's "
      "reshard_after_forward=False for the last block); 0: gather them again; the same values either way",
      0, 1000000},
