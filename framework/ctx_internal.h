@@ -188,6 +188,7 @@ struct tm_ctx {
     struct tm__fsdp *fsdp; /* ZeRO-3's prefetches and reduce-scatters in flight (framework/fsdp.c) */
     int fsdp_keep;         /* ZeRO-3: weights gathered now are kept until their backward (tm__param_keep) */
     int param_unit;        /* the unit of parameters made now (tm_ctx_set_param_unit) */
+    int fsdp_gather_always; /* test hook: ZeRO-3 units of a group of one gathered as any other (fsdp.c) */
     struct tm__side *side; /* other collectives started beside the work, not yet waited for (side.c) */
     struct tm__segs *segs[TM__NBACKENDS]; /* tm__ctx_segs: the clip's segment list per backend */
 };

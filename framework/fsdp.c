@@ -34,6 +34,13 @@
  * the reduce-scatter, the elements nothing wrote (parameters without a gradient, the padding
  * between parameters, the tail) are zeroed. So the buffer is neither filled nor read back.
  *
+ * Resident units. A unit whose group has one rank (every unit of a one-rank run; the expert
+ * units when ep_size is the world, whose expert-data-parallel groups have one rank) has nothing
+ * to gather: its block is the whole bucket. Its weights are views of the block itself and their
+ * gradients the same elements of the gradient shard (fresh for the first op since
+ * tm_ctx_zero_grad that writes a weight's whole gradient, added otherwise): no copy, no
+ * gathered buffer, no reduce (through session 12's first commit each was copied like a gather).
+ *
  * Memory of the gathered units. A unit given back after its forward is gathered again for the
  * backward: before a tape node runs, autograd.c calls tm__fsdp_regather for each input whose
  * storage is a gathered unit without memory (the all-gather repeated, not taped), and after the
@@ -75,6 +82,20 @@
 #include <math.h>
 #include <stdio.h>
 
+/* A gathered unit's storage: how to fill it again, and its gradient in the backward. A resident
+ * unit's (a group of one: nothing to gather) is its block's storage itself. */
+struct tm__fsdp_src {
+    int bucket;
+    int resident; /* the block's own storage, used in place: never gathered nor given back */
+    int users;    /* tm__param_use calls of this gather not yet done */
+    int counted;  /* its bytes are counted as TM_MEM_PARAMETERS now (see `count`) */
+    int keep;     /* kept from its forward to its backward (top of this file): until the backward meets it */
+    void *ev;     /* a gather again started beside the work, not yet waited for (NULL: none) */
+    tm_tensor *grad;          /* the unit's gradient [G blk] (arena), from its first contribution;
+                               * resident: the gradient shard's block */
+    unsigned char *written;   /* [n]: the parameter's elements of `grad` hold its gradient */
+};
+
 /* A unit: one bucket's parameters under ZeRO-3. */
 typedef struct fsdp_unit {
     int sharded;            /* the bucket is (tm__zero3_shard_params) */
@@ -89,18 +110,14 @@ typedef struct fsdp_unit {
     tm_tensor *live_t;      /* its gathered tensor [G blk] */
     tm_tensor *pf;          /* gathered ahead beside the work (tm__param_prefetch), not yet used */
     void *pf_ev;
+    /* resident (a group of one, G = 1: the block is the whole bucket; the expert units when
+     * ep_size is the world, every unit on one rank): the weights are views of the block and
+     * their gradients go straight into the shard, which tm_ctx_zero_grad zeroes; nothing is
+     * gathered, copied or reduced */
+    struct tm__fsdp_src rsrc;
+    uint64_t *epoch;        /* [n] resident: 1 + ctx->grad_epoch when the parameter's shard
+                             * elements were last written (0: not since the shard was made) */
 } fsdp_unit;
-
-/* A gathered unit's storage: how to fill it again, and its gradient in the backward. */
-struct tm__fsdp_src {
-    int bucket;
-    int users;   /* tm__param_use calls of this gather not yet done */
-    int counted; /* its bytes are counted as TM_MEM_PARAMETERS now (see `count`) */
-    int keep;    /* kept from its forward to its backward (top of this file): until the backward meets it */
-    void *ev;    /* a gather again started beside the work, not yet waited for (NULL: none) */
-    tm_tensor *grad;          /* the unit's gradient [G blk] (arena), from its first contribution */
-    unsigned char *written;   /* [n]: the parameter's elements of `grad` hold its gradient */
-};
 
 /* A gradient reduce-scatter in flight: into the shard block directly (t NULL), or into t (this
  * rank's block of the buffer reduced in place), added into gx when ev has happened; own[] (the
@@ -192,7 +209,7 @@ tm_status tm__zero3_shard_params(tm_ctx *ctx) {
         for (int k = 0; k < ctx->n_named; k++)
             if (ctx->named[k]->is_param && ctx->named[k]->pm->bucket == bi) np++;
         /* host headers first, so that nothing changes if one cannot be had */
-        int64_t *rng = tm__host_alloc(ctx, sizeof *rng * 2 * (size_t)(np ? np : 1));
+        int64_t *rng = tm__host_alloc(ctx, sizeof *rng * 3 * (size_t)(np ? np : 1));
         tm__zshard **zs = tm__host_alloc(ctx, sizeof *zs * (size_t)(np ? np : 1));
         tm_status s = rng && zs ? TM_OK : tm__err(ctx, TM_ERR_NOMEM, "ZeRO-3: out of host memory");
         for (int k = 0; s == TM_OK && k < np; k++)
@@ -237,6 +254,8 @@ tm_status tm__zero3_shard_params(tm_ctx *ctx) {
         u->n = np;
         u->off = rng;
         u->len = rng + np;
+        u->epoch = (uint64_t *)(rng + 2 * np);
+        memset(u->epoch, 0, sizeof *u->epoch * (size_t)np);
         tm_tensor *t = &u->block, *tg = &u->block_grad;
         t->ctx = ctx;
         t->dtype = b->info.dtype;
@@ -252,6 +271,12 @@ tm_status tm__zero3_shard_params(tm_ctx *ctx) {
         tg->requires_grad = 0;
         tg->storage = &b->gshard.st;
         t->grad = tg;
+        if (u->G == 1 && !ctx->fsdp_gather_always) {
+            u->rsrc.bucket = bi;
+            u->rsrc.resident = 1;
+            u->rsrc.grad = tg;
+            b->params_alias.fsdp = &u->rsrc;
+        }
         int j = 0;
         for (int k = 0; k < ctx->n_named; k++) {
             tm_tensor *p = ctx->named[k];
@@ -268,6 +293,10 @@ tm_status tm__zero3_shard_params(tm_ctx *ctx) {
     return TM_OK;
 }
 
+void tm__test_fsdp_gather_always(tm_ctx *ctx, int on) {
+    if (ctx) ctx->fsdp_gather_always = on;
+}
+
 int tm__param_sharded(const tm_tensor *p) { return p && p->is_param && p->pm && p->pm->sharded; }
 
 tm_status tm__fsdp_use_plan(tm_ctx *ctx, const tm_tensor *p, int *unit, int64_t *held, int64_t *gather,
@@ -276,6 +305,7 @@ tm_status tm__fsdp_use_plan(tm_ctx *ctx, const tm_tensor *p, int *unit, int64_t 
     *held = *gather = *reduce = 0;
     if (!tm__param_sharded(p)) return TM_OK;
     const fsdp_unit *u = unit_of(ctx, p->pm->bucket);
+    if (u->rsrc.resident) return TM_OK; /* nothing gathered or reduced */
     int64_t es = (int64_t)tm_dtype_size(p->dtype);
     *unit = p->pm->bucket;
     *held = u->G * u->blk * es;
@@ -341,14 +371,18 @@ tm_status tm__param_use(tm_ctx *ctx, tm_tensor *p, tm_tensor **w) {
     TM__TRY(fsdp_state(ctx, &f));
     int bucket = p->pm->bucket;
     fsdp_unit *u = unit_of(ctx, bucket);
+    int64_t off = p->pm->bucket_offset, shape[TM_MAX_DIMS];
+    for (int d = 0; d < p->ndim; d++) shape[d] = p->shape[d];
+    tm_tensor *flat;
+    if (u->rsrc.resident) { /* a view of the block itself */
+        TM__TRY(tm_slice(ctx, &u->block, 0, off, off + tm__numel(p), &flat));
+        return tm_reshape(ctx, flat, p->ndim, shape, w);
+    }
     if (!u->live || !u->live->data) TM__TRY(unit_gather(ctx, bucket, u));
     struct tm__fsdp_src *src = u->live->fsdp;
     /* kept only where something would give it back and a backward can come */
     if (ctx->fsdp_keep && ctx->grad_enabled && ctx->mem_reuse) src->keep = 1;
-    tm_tensor *flat;
-    int64_t off = p->pm->bucket_offset, shape[TM_MAX_DIMS];
     TM__TRY(tm_slice(ctx, u->live_t, 0, off, off + tm__numel(p), &flat));
-    for (int d = 0; d < p->ndim; d++) shape[d] = p->shape[d];
     TM__TRY(tm_reshape(ctx, flat, p->ndim, shape, w));
     src->users++;
     return TM_OK;
@@ -370,6 +404,7 @@ static void unit_release(tm_ctx *ctx, tm__storage *st) {
 void tm__param_done(tm_ctx *ctx, tm_tensor *w) {
     if (!w || !w->storage || !w->storage->fsdp || w->persistent || !ctx->mem_reuse) return;
     struct tm__fsdp_src *src = w->storage->fsdp;
+    if (src->resident) return;
     if (src->users > 0) src->users--;
     if (src->users > 0 || src->keep) return; /* another use holds it / until its backward */
     unit_release(ctx, w->storage);
@@ -397,7 +432,7 @@ tm_status tm__param_prefetch(tm_ctx *ctx, tm_tensor *const *params, int n) {
         struct tm__fsdp *f;
         TM__TRY(fsdp_state(ctx, &f));
         fsdp_unit *u = unit_of(ctx, p->pm->bucket);
-        if ((u->live && u->live->data) || u->pf) continue; /* gathered, or on its way */
+        if (u->rsrc.resident || (u->live && u->live->data) || u->pf) continue; /* nothing to gather, gathered, or on its way */
         int64_t numel = u->G * u->blk;
         tm_tensor *flat;
         TM__TRY(tm__tensor_new(ctx, p->dtype, 1, &numel, p->device, &flat));
@@ -466,6 +501,31 @@ static tm_status zero_range(tm_ctx *ctx, const struct tm__fsdp_src *src, int64_t
     return tm__dev_memset0(ctx, src->grad->device, (char *)tm__data(src->grad) + (size_t)a * es, (size_t)(b - a) * es);
 }
 
+/* tm__fsdp_grad_alias for a resident unit: the gradient is the shard's elements, which hold
+ * zeros since tm_ctx_zero_grad or the contributions since: a parameter not written since is
+ * handed out fresh to an op that writes it whole (its elements are then its first gradient),
+ * anything else adds. */
+static int resident_alias(tm__call *c, int i, fsdp_unit *u, struct tm__fsdp_src *src, tm_status *st) {
+    tm_ctx *ctx = c->ctx;
+    tm_tensor *s = c->src[i];
+    if (!s->grad && (*st = alias_of(ctx, src, s, &s->grad)) != TM_OK) return 1;
+    int64_t a = s->offset, b = a + tm__numel(s);
+    int whole = (tm__op_table[c->op].flags & TM__OP_GRAD_WRITES) != 0;
+    for (int j = 0; j < c->n_in; j++)
+        if (j != i && c->src[j] == s) whole = 0;
+    for (int j = 0; j < u->n; j++) {
+        int64_t pa = u->off[j], pb = pa + u->len[j];
+        if (pb <= a || pa >= b || u->epoch[j] == ctx->grad_epoch + 1) continue;
+        u->epoch[j] = ctx->grad_epoch + 1;
+        if (whole && pa == a && pb == b) {
+            c->gin_fresh[i] = 1;
+            ctx->fresh_count++;
+            if (ctx->fresh_poison && (*st = tm__fill(ctx, s->grad, NAN)) != TM_OK) return 1;
+        }
+    }
+    return 1;
+}
+
 int tm__fsdp_grad_alias(tm__call *c, int i, tm_status *st) {
     tm_ctx *ctx = c->ctx;
     tm_tensor *s = c->src[i];
@@ -473,6 +533,7 @@ int tm__fsdp_grad_alias(tm__call *c, int i, tm_status *st) {
     *st = TM_OK;
     if (!tm__is_contiguous(s) || (s->grad && !is_alias(src, s, s->grad))) return 0;
     fsdp_unit *u = unit_of(ctx, src->bucket);
+    if (src->resident) return resident_alias(c, i, u, src, st);
     if (!src->grad) {
         int64_t numel = u->G * u->blk;
         if ((*st = tm__tensor_new(ctx, s->dtype, 1, &numel, s->device, &src->grad)) != TM_OK) return 1;
@@ -691,7 +752,7 @@ static tm_status gather_ahead(tm_ctx *ctx, tm__storage *st) {
 
 tm_status tm__fsdp_regather(tm_ctx *ctx, tm__storage *st) {
     struct tm__fsdp_src *src = st->fsdp;
-    if (!src) return TM_OK;
+    if (!src || src->resident) return TM_OK;
     if (src->ev) {
         void *ev = src->ev;
         src->ev = NULL;

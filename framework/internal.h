@@ -282,6 +282,10 @@ void tm__test_perturb_backward(tm_ctx *ctx, int op);
  * TM__OP_GRAD_WRITES op fresh, even one holding earlier contributions (a broken autograd
  * that tests must catch). tm__test_fresh_count: fresh gradients handed out so far. */
 void tm__test_fresh_hooks(tm_ctx *ctx, int poison, int force);
+/* Test hook (framework/fsdp.c): on, ZeRO-3 units over a group of one (one rank; the expert
+ * units when ep_size is the world) are gathered, copied and reduced as those of several ranks
+ * instead of used in place, so that one process reaches that path. Set before the optimizer. */
+void tm__test_fsdp_gather_always(tm_ctx *ctx, int on);
 int64_t tm__test_fresh_count(const tm_ctx *ctx);
 
 /* Memory reuse within a step (default on): kernel scratch, consumed gradients, saved tensors

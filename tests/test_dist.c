@@ -172,8 +172,8 @@ Test(dist, one_rank_zero2_gradient_memory_and_update) {
 
 /* ZeRO-3 in a world of one: after the optimizer shards the parameters, ops refuse them (a layer
  * must compute with their all-gather), tm_tensor_read refuses them, and steps computed through
- * tm__param_use (a copy for a group of one; its backward adds into the shard) give the bits of
- * the same steps without ZeRO. */
+ * tm__param_use (a view of the block for a group of one; its backward writes into the shard)
+ * give the bits of the same steps without ZeRO. */
 static void zero3_step(tm_ctx *ctx, tm_tensor *w, tm_tensor *b, tm_optimizer *opt, double *norm) {
     tm_tensor *gw, *gb;
     TT_OK(ctx, tm__param_use(ctx, w, &gw));
@@ -203,18 +203,20 @@ Test(dist, one_rank_zero3_refusals_and_update) {
     cr_assert(memcmp(a, z, sizeof a) == 0, "weights after 3 steps differ");
     tm_memory_report m3;
     TT_OK(c3, tm_ctx_memory_report(c3, tm_cpu(), &m3));
-    /* the bucket's one block (64 elements) held; its unit gathered once for w and b together
-     * (64 floats: the one block of a world of one, padding included) */
+    /* the bucket's one block (64 elements) held; in a world of one it is used in place (a
+     * resident unit: nothing gathered, fsdp.c) */
     cr_assert_eq(m3.current[TM_MEM_PARAMETERS], 256);
-    cr_assert_eq(m3.peak[TM_MEM_PARAMETERS], 256 + 64 * 4);
+    cr_assert_eq(m3.peak[TM_MEM_PARAMETERS], 256);
     tm_optimizer_free(o0);
     tm_optimizer_free(o3);
     tm_ctx_free(c0);
     tm_ctx_free(c3);
 }
 
-/* ZeRO-3's unit gradients (framework/fsdp.c) in a world of one, where the all-gather and the
- * reduce-scatter are copies and so every value must be the bits of ZeRO-0: each weight's
+/* ZeRO-3's unit gradients (framework/fsdp.c) in a world of one, both as it runs there (resident
+ * units: the weights are views of the blocks, their gradients the shards' elements) and as
+ * several ranks run it (the test hook gathers each unit, a copy in a world of one, and reduces
+ * its gradient buffer, a copy too), so every value must be the bits of ZeRO-0: each weight's
  * gradient is written into its unit's buffer (fresh, not zeroed, where its op writes it whole),
  * everything nothing wrote (padding: each 24-float norm weight ends 8 floats short of 64 bytes;
  * the tail) zeroed before the reduce, as the shards then show. With the buffers and every fresh gradient filled with NaN
@@ -249,7 +251,7 @@ static void shard_padding_is_zero(tm_ctx *ctx) {
     }
 }
 
-static void unit_train(tm_dtype dt, int zero, int poison, int micros, double loss[3], double norm[3], float **weights, int64_t *n_weights, int *n_buckets,
+static void unit_train(tm_dtype dt, int zero, int gather, int micros, double loss[3], double norm[3], float **weights, int64_t *n_weights, int *n_buckets,
                        int64_t *fresh) {
     tm_ctx *ctx = tt_ctx();
     tm_comm_options co = tm_comm_options_default();
@@ -264,8 +266,9 @@ static void unit_train(tm_dtype dt, int zero, int poison, int micros, double los
     TT_OK(ctx, tm_model_init(m, 5));
     tm_adamw_config ac = tm_adamw_config_default();
     tm_optimizer *opt;
+    tm__test_fsdp_gather_always(ctx, gather);
     TT_OK(ctx, tm_adamw_new(ctx, &ac, &opt));
-    tm__test_fresh_hooks(ctx, poison, 0);
+    tm__test_fresh_hooks(ctx, zero == 3, 0);
     *n_buckets = tm_ctx_num_buckets(ctx);
     for (int step = 0; step < 3; step++) {
         loss[step] = 0;
@@ -319,19 +322,20 @@ static void unit_train(tm_dtype dt, int zero, int poison, int micros, double los
 }
 
 Test(dist, one_rank_zero3_unit_gradients_poisoned_equal_zero0) {
-    for (int k = 0; k < 4; k++) {
-        tm_dtype dt = k < 2 ? TM_F32 : TM_BF16;
-        int micros = 1 + k % 2;
+    for (int k = 0; k < 8; k++) {
+        tm_dtype dt = k % 4 < 2 ? TM_F32 : TM_BF16;
+        int micros = 1 + k % 2, gather = k >= 4;
         double l0[3], l3[3], g0[3], g3[3];
         float *w0, *w3;
         int64_t n0, n3, f0, f3;
         int b0, b3;
         unit_train(dt, 0, 0, micros, l0, g0, &w0, &n0, &b0, &f0);
-        unit_train(dt, 3, 1, micros, l3, g3, &w3, &n3, &b3, &f3);
+        unit_train(dt, 3, gather, micros, l3, g3, &w3, &n3, &b3, &f3);
         /* one micro-batch: the same bits. Two: the second's gradients are added to the first's
          * by the GEMM (beta 1) at ZeRO-0 and after the reduce at ZeRO-3, so to rounding. */
         double tol = micros == 1 ? 0 : dt == TM_F32 ? 1e-6 : 1e-2;
-        const char *d = tm_dtype_name(dt);
+        char d[64];
+        snprintf(d, sizeof d, "%s, %s", tm_dtype_name(dt), gather ? "gathered" : "resident");
         for (int s = 0; s < 3; s++) {
             cr_assert(fabs(l0[s] - l3[s]) <= tol * fabs(l0[s]), "%s, %d micro-batches, step %d: loss %.17g at ZeRO-0, "
                       "%.17g at ZeRO-3", d, micros, s, l0[s], l3[s]);
