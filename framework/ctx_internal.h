@@ -255,6 +255,9 @@ void tm__fsdp_gather_released(tm_ctx *ctx, tm_tensor *w);
  * output's gradient is such elements already), its input's gradient then set: skip its
  * backward. */
 int tm__fsdp_grad_alias(tm__call *c, int i, tm_status *st);
+/* 1 when bucket bi is a gathered ZeRO-3 unit: the first reduce-scatter after tm_ctx_zero_grad
+ * overwrites its gradient shard whole, so zeroing it there can wait (tm__bucket_grads_settle). */
+int tm__fsdp_shard_overwritten(const tm_ctx *ctx, int bi);
 int tm__fsdp_view_grad_skip(tm__call *c);
 tm_status tm__fsdp_gather_check(tm__call *c);
 tm_status tm__fsdp_gather_forward(tm__call *c);

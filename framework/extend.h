@@ -186,6 +186,12 @@ tm_status tm__bucket_grad_shard_ensure(tm_ctx *ctx, int bucket);
  * gradients (*off = 0), or under ZeRO-2 the shard, whose element i is bucket element *off + i
  * (NULL before tm__bucket_grad_shard_ensure). */
 tm_tensor *tm__bucket_grads_reduced(tm_ctx *ctx, int bucket, int64_t *off);
+/* Call before reading a bucket's reduced gradients: under ZeRO-3 a shard that no reduce-scatter
+ * wrote since tm_ctx_zero_grad is zeroed now. tm_ctx_zero_grad leaves the gathered units' shards
+ * alone, because the backward's first reduce-scatter of a unit overwrites its shard whole
+ * (framework/fsdp.c); only a unit without a backward this step still holds the last sums.
+ * Errors: TM_ERR_CUDA. */
+tm_status tm__bucket_grads_settle(tm_ctx *ctx, int bucket);
 /* ZeRO-3 (framework/fsdp.c). tm__zero3_shard_params: keep only this rank's block of every
  * bucket's parameters (made with the optimizer, after its master weights); no-op below ZeRO-3
  * or when done. Errors: TM_ERR_NOMEM, TM_ERR_CUDA.

@@ -624,8 +624,9 @@ tm_status tm__fsdp_gather_backward(tm__call *c) {
         src->grad = NULL;
     }
     if (go && !go->persistent) own[1] = go; /* autograd's zeros, or a gradient no view made */
-    /* The sums go straight into the shard block if nothing wrote it since the last
-     * tm_ctx_zero_grad (it holds zeros: 0 + sums), else into this rank's block of the buffer
+    /* The sums go straight into the shard block, overwriting it, if nothing wrote it since the
+     * last tm_ctx_zero_grad (which leaves it as it was: tm__bucket_grads_settle), else into this
+     * rank's block of the buffer
      * reduced (in place) and are added afterwards (a second micro-batch, a unit gathered twice
      * in one forward). A buffer taken here would be inside the kernel's scope (dispatch.c),
      * given back when the kernel returns while the side stream still writes it. */
@@ -660,6 +661,21 @@ tm_status tm__fsdp_gather_backward(tm__call *c) {
     }
     TM__TRY(grow(ctx, (void **)&f->red, &f->cap_red, f->n_red + 1, sizeof *f->red));
     f->red[f->n_red++] = (fsdp_red){ev, go->device, t, gx, {own[0], own[1]}};
+    return TM_OK;
+}
+
+int tm__fsdp_shard_overwritten(const tm_ctx *ctx, int bi) {
+    const struct tm__fsdp *f = ctx->fsdp;
+    return f && bi < f->n_units && f->units[bi].sharded && !f->units[bi].rsrc.resident;
+}
+
+tm_status tm__bucket_grads_settle(tm_ctx *ctx, int bi) {
+    if (!tm__fsdp_shard_overwritten(ctx, bi)) return TM_OK;
+    fsdp_unit *u = unit_of(ctx, bi);
+    if (u->grad_epoch == ctx->grad_epoch + 1) return TM_OK; /* written since tm_ctx_zero_grad */
+    tm__bucket *b = ctx->buckets[bi];
+    TM__TRY(tm__dev_memset0(ctx, b->gshard.st.device, b->gshard.st.data, b->gshard.used));
+    u->grad_epoch = ctx->grad_epoch + 1; /* zeros now: a later reduce of this epoch adds */
     return TM_OK;
 }
 

@@ -376,9 +376,11 @@ tm_status tm_ctx_zero_grad(tm_ctx *ctx) {
         tm__bucket *b = ctx->buckets[i];
         if (b->grads_transient) {
             /* ZeRO-2: zero gradients are no full buffer (the next backward makes one, zeroed)
-             * and a zero shard */
+             * and a zero shard; a gathered ZeRO-3 unit's shard is zeroed only if no backward
+             * overwrites it before it is read (tm__bucket_grads_settle) */
             tm__bucket_grads_release(ctx, i);
-            if (b->gshard.used) TM__TRY(tm__dev_memset0(ctx, b->gshard.st.device, b->gshard.st.data, b->gshard.used));
+            if (b->gshard.used && !tm__fsdp_shard_overwritten(ctx, i))
+                TM__TRY(tm__dev_memset0(ctx, b->gshard.st.device, b->gshard.st.data, b->gshard.used));
             continue;
         }
         if (b->grads.used && b->grads.st.data)

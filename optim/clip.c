@@ -69,6 +69,7 @@ static tm_status grad_ranges(tm_ctx *ctx, int cuda, int owned_only, tm__segs **o
             tm_comm_rank(ctx, (tm_comm_group)tm__bucket_comm_group(ctx, k)) != 0)
             continue;
         int64_t goff;
+        TM__TRY(tm__bucket_grads_settle(ctx, k));
         tm_tensor *G = tm__bucket_grads_reduced(ctx, k, &goff);
         if (!G)
             return tm__err(ctx, TM_ERR_STATE, "tm_ctx_clip_grad_norm: bucket %d (\"%s\", ...) has no reduced gradients: "

@@ -174,6 +174,7 @@ static void run_part(const tm__opt_bucket *ob, const tm__opt_run *run, int64_t *
 /* The gradients a step reads: the bucket's, or under ZeRO-2 this rank's reduced shard (element
  * i = bucket element *goff + i), which exists once tm_comm_sync_grads made it. */
 static tm_status reduced_grads(tm_ctx *ctx, int bucket, tm_tensor **G, int64_t *goff) {
+    TM__TRY(tm__bucket_grads_settle(ctx, bucket));
     *G = tm__bucket_grads_reduced(ctx, bucket, goff);
     if (!*G)
         return tm__err(ctx, TM_ERR_STATE, "tm_optimizer_step: bucket %d (\"%s\", ...) has no reduced gradients: under "

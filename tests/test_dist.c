@@ -225,6 +225,70 @@ Test(dist, one_rank_zero3_refusals_and_update) {
  * bf16 (the norm, summed per bucket, to rounding: no clipping), and with
  * two micro-batches a step (the second one's reduces add) the same to rounding; the units'
  * bucket layout is per layer. */
+/* ZeRO-3 leaves a gathered unit's gradient shard alone at tm_ctx_zero_grad (its first
+ * reduce-scatter overwrites it) and zeroes it before it is read if no backward did
+ * (tm__bucket_grads_settle, framework/fsdp.c). w and b in two units, gathered as on several ranks
+ * (the test hook): step 1 trains both, step 2 only w, step 3 both again. b's gradient must be
+ * zero in step 2 (ZeRO-0's norm, which counts it, and its weights after the steps), not step 1's
+ * sums left in its shard. */
+static void unit_skip_run(int zero, double norm[3], float out[38]) {
+    tm_ctx *ctx = tt_ctx();
+    tm_comm_options o = tm_comm_options_default();
+    o.zero = zero;
+    TT_OK(ctx, tm_comm_init(ctx, &o));
+    int64_t sw[2] = {5, 7}, sb = 3;
+    tm_tensor *w, *b;
+    TT_OK(ctx, tm_param_new(ctx, "w", TM_F32, 2, sw, tm_cpu(), &w));
+    TT_OK(ctx, tm_ctx_set_param_unit(ctx, 1));
+    TT_OK(ctx, tm_param_new(ctx, "b", TM_F32, 1, &sb, tm_cpu(), &b));
+    cr_assert_eq(tm_ctx_num_buckets(ctx), zero == 3 ? 2 : 1, "units split buckets at ZeRO-3 only");
+    TT_OK(ctx, tm_tensor_init_normal(ctx, w, 1, NULL, 0.0, 1.0));
+    TT_OK(ctx, tm_tensor_init_normal(ctx, b, 2, NULL, 0.0, 1.0));
+    tm__test_fsdp_gather_always(ctx, 1);
+    tm_adamw_config c = tm_adamw_config_default();
+    tm_optimizer *opt;
+    TT_OK(ctx, tm_adamw_new(ctx, &c, &opt));
+    for (int step = 0; step < 3; step++) {
+        tm_tensor *gw = w, *gb = b, *y, *l, *l2;
+        TT_OK(ctx, tm__param_use(ctx, w, &gw));
+        TT_OK(ctx, tm_sum(ctx, gw, 1, 0, &y));
+        TT_OK(ctx, tm_mul(ctx, y, y, &y));
+        TT_OK(ctx, tm_sum_all(ctx, y, &l));
+        if (step != 1) {
+            TT_OK(ctx, tm__param_use(ctx, b, &gb));
+            TT_OK(ctx, tm_mul(ctx, gb, gb, &y));
+            TT_OK(ctx, tm_sum_all(ctx, y, &l2));
+            TT_OK(ctx, tm_add(ctx, l, l2, &l));
+        }
+        TT_OK(ctx, tm_backward(ctx, l));
+        TT_OK(ctx, tm_comm_sync_grads(ctx));
+        TT_OK(ctx, tm_ctx_clip_grad_norm(ctx, 1e9, &norm[step]));
+        TT_OK(ctx, tm_optimizer_step(opt, 1e-2));
+        TT_OK(ctx, tm_ctx_zero_grad(ctx));
+        tm_ctx_arena_reset(ctx);
+    }
+    if (zero == 3) {
+        TT_OK(ctx, tm__named_gather(ctx, w, out));
+        TT_OK(ctx, tm__named_gather(ctx, b, out + 35));
+    } else {
+        TT_OK(ctx, tm_tensor_read(ctx, w, TM_F32, out, 35));
+        TT_OK(ctx, tm_tensor_read(ctx, b, TM_F32, out + 35, 3));
+    }
+    tm_optimizer_free(opt);
+    tm_ctx_free(ctx);
+}
+
+Test(dist, one_rank_zero3_unit_without_backward_has_zero_gradients) {
+    double n0[3], n3[3];
+    float w0[38], w3[38];
+    unit_skip_run(0, n0, w0);
+    unit_skip_run(3, n3, w3);
+    for (int s = 0; s < 3; s++)
+        cr_assert(fabs(n0[s] - n3[s]) <= 1e-12 * n0[s], "step %d: gradient norm %.17g at ZeRO-0, %.17g at ZeRO-3", s + 1,
+                  n0[s], n3[s]);
+    cr_assert(memcmp(w0, w3, sizeof w0) == 0, "weights after the steps differ");
+}
+
 /* Every element of each bucket's gradient shard that is no parameter's (padding, the tail) is
  * exactly zero, as the bucket layout promises (param.c). */
 static void shard_padding_is_zero(tm_ctx *ctx) {
