@@ -70,7 +70,7 @@ static void release_node(tm_ctx *ctx, tm__node *n) {
     tm__release_call(c);
 }
 
-static tm_status run_tape(tm_ctx *ctx) {
+static tm_status run_nodes(tm_ctx *ctx) {
     tm__node *n = ctx->tape;
     ctx->tape = NULL; /* consumed, even on error: a retry must not double-count */
     for (; n; n = n->prev) {
@@ -161,11 +161,17 @@ static tm_status run_tape(tm_ctx *ctx) {
             tm__fsdp_gather_released(ctx, c->out[0]);
         release_node(ctx, n);
     }
-    /* collectives still running beside the work end here: gradients of leaves written by
-     * them (side.c), ZeRO-3's gradient reduce-scatters (fsdp.c) */
+    return TM_OK;
+}
+
+static tm_status run_tape(tm_ctx *ctx) {
+    tm_status r = run_nodes(ctx);
+    /* Collectives still running beside the work end here, also after an error (nothing may
+     * still write a gradient when the caller zeroes or reads them): gradients of leaves written
+     * by them (side.c), ZeRO-3's gradient reduce-scatters (fsdp.c). */
     tm_status s = tm__side_finish_all(ctx);
     tm_status f = tm__fsdp_backward_done(ctx);
-    return s != TM_OK ? s : f;
+    return r != TM_OK ? r : s != TM_OK ? s : f;
 }
 
 tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad) {

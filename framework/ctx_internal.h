@@ -162,8 +162,8 @@ struct tm_ctx {
     uint64_t sync_count;                  /* device-to-host synchronisations (tm_ctx_sync_count) */
     double sync_seconds;                  /* host time blocked in them (tm_ctx_sync_seconds) */
 
-    /* tm_ctx_zero_grad's count: a ZeRO-3 piece whose gradient was not written since the last
-     * one (tm__param_meta.grad_epoch) holds zeros, and its reduce-scatter writes it (fsdp.c) */
+    /* tm_ctx_zero_grad's count: a ZeRO-3 unit's shard not written since the last one (its
+     * unit's grad_epoch, fsdp.c) is overwritten by its reduce-scatter or zeroed before it is read */
     uint64_t grad_epoch;
 
     int perturb_op; /* tests: op id whose backward sees a scaled upstream grad; -1 off */
@@ -188,6 +188,7 @@ struct tm_ctx {
     struct tm__fsdp *fsdp; /* ZeRO-3's prefetches and reduce-scatters in flight (framework/fsdp.c) */
     int fsdp_keep;         /* ZeRO-3: weights gathered now are kept until their backward (tm__param_keep) */
     int param_unit;        /* the unit of parameters made now (tm_ctx_set_param_unit) */
+    int param_unit_end;    /* 1 + the highest unit a parameter was made in (0: none yet) */
     int fsdp_gather_always; /* test hook: ZeRO-3 units of a group of one gathered as any other (fsdp.c) */
     struct tm__side *side; /* other collectives started beside the work, not yet waited for (side.c) */
     struct tm__segs *segs[TM__NBACKENDS]; /* tm__ctx_segs: the clip's segment list per backend */
@@ -237,28 +238,32 @@ tm_status tm__bucket_grads_materialize(tm_ctx *ctx);
 void tm__bucket_grads_release(tm_ctx *ctx, int bi);
 /* Rebuild bucket bi's flat views (param.c), after its buffers changed. */
 void tm__bucket_refresh_views(tm_ctx *ctx, int bi);
-/* ZeRO-3: fill a gathered weight's storage again (st->fsdp set, st->data NULL): the all-gather
- * of its parameter's pieces, not taped (autograd.c, before a node that reads it). */
+/* ZeRO-3: fill a gathered unit's storage again (st->fsdp set, st->data NULL): its all-gather,
+ * not taped (autograd.c, before a node that reads it); no-op for a resident unit's block. */
 tm_status tm__fsdp_regather(tm_ctx *ctx, tm__storage *st);
-/* ZeRO-3: the all-gather node of gathered weight w is done in the backward (autograd.c): its
+/* ZeRO-3: the all-gather node of gathered unit w is done in the backward (autograd.c): its
  * memory goes back, kept from the forward or not (tm__param_keep). */
 void tm__fsdp_gather_released(tm_ctx *ctx, tm_tensor *w);
-/* ZeRO-3's all-gather op in its parameter form (ops/comm.c, iattr[1] = 1), the end of a
- * backward (autograd.c: the reduce-scatters still in flight are finished), and the state's
- * reset (tm_ctx_arena_reset: everything started beside the work waited for) and free. */
 /* ZeRO-3's unit gradients (fsdp.c, from autograd.c). tm__fsdp_grad_alias: input i of c lies on
- * a gathered unit's storage and needs a gradient: if it is contiguous (and its gradient, if any,
- * is one), its gradient becomes the same elements of the unit's gradient buffer, marked fresh
- * (c->gin_fresh) for an op that writes it whole as the parameter's first contribution, else
- * zeroed where not written yet; returns 1 then (*st: the status), 0 where the ordinary path
- * applies. tm__fsdp_view_grad_skip: 1 when view node c maps a unit's gradient onto itself (its
- * output's gradient is such elements already), its input's gradient then set: skip its
- * backward. */
+ * a gathered unit's storage, or a resident unit's block, and needs a gradient: if it is
+ * contiguous (and its gradient, if any, is one), its gradient becomes the same elements of the
+ * unit's gradient buffer (resident: of the shard), marked fresh (c->gin_fresh) for an op that
+ * writes it whole as the parameter's first contribution, else zeroed where not written yet (the
+ * shard is zero already); returns 1 then (*st: the status), 0 where the ordinary path applies.
+ * tm__fsdp_view_grad_skip: 1 when view node c maps a unit's gradient onto itself (its output's
+ * gradient is such elements already), its input's gradient then set: skip its backward. */
 int tm__fsdp_grad_alias(tm__call *c, int i, tm_status *st);
+int tm__fsdp_view_grad_skip(tm__call *c);
 /* 1 when bucket bi is a gathered ZeRO-3 unit: the first reduce-scatter after tm_ctx_zero_grad
  * overwrites its gradient shard whole, so zeroing it there can wait (tm__bucket_grads_settle). */
 int tm__fsdp_shard_overwritten(const tm_ctx *ctx, int bi);
-int tm__fsdp_view_grad_skip(tm__call *c);
+/* 1 once tm__zero3_shard_params has sharded a bucket: no bucket may be added after (fsdp.c
+ * holds each unit's state by bucket index, and a new one would have no block). */
+int tm__fsdp_sharded(const tm_ctx *ctx);
+/* ZeRO-3's all-gather op in its parameter form (ops/comm.c, iattr[1] = 1), the end of a
+ * backward (autograd.c: the reduce-scatters still in flight are finished, also after an error,
+ * and the forward's order forgotten), and the state's reset (tm_ctx_arena_reset: everything
+ * started beside the work waited for) and free. */
 tm_status tm__fsdp_gather_check(tm__call *c);
 tm_status tm__fsdp_gather_forward(tm__call *c);
 tm_status tm__fsdp_gather_backward(tm__call *c);

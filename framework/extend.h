@@ -203,7 +203,8 @@ tm_status tm__bucket_grads_settle(tm_ctx *ctx, int bucket);
  * when every use of it is, and the backward gathers it again when it needs it.
  * tm__param_prefetch: start the all-gathers of the units of the parameters the forward will
  * use next (the next layer's) beside the work, for their tm__param_use to take up
- * (tm_comm_options.overlap with NCCL; a no-op on the CPU ranks).
+ * (tm_comm_options.overlap with NCCL; a no-op on the CPU ranks); sets_window: the set is a
+ * layer's, whose bytes bound how far ahead the backward gathers (not the lm_head's).
  * tm__param_sharded: 1 for a parameter whose data this rank holds a block of only.
  * tm__param_keep: while on (returns the previous setting), the weights tm__param_use gathers
  * under grad mode are kept: their tm__param_done gives nothing back and the backward finds
@@ -213,7 +214,9 @@ tm_status tm__zero3_shard_params(tm_ctx *ctx);
 tm_status tm__param_use(tm_ctx *ctx, tm_tensor *p, tm_tensor **w);
 void tm__param_done(tm_ctx *ctx, tm_tensor *w);
 int tm__param_keep(tm_ctx *ctx, int on);
-tm_status tm__param_prefetch(tm_ctx *ctx, tm_tensor *const *params, int n);
+tm_status tm__param_prefetch(tm_ctx *ctx, tm_tensor *const *params, int n, int sets_window);
+/* 1 + the highest unit (tm_ctx_set_param_unit) a parameter of ctx was made in; 0 when none. */
+int tm__param_unit_end(const tm_ctx *ctx);
 int tm__param_sharded(const tm_tensor *p);
 /* The element of bucket `bucket` that its flat parameter view starts at: 0, or under ZeRO-3
  * this rank's block start (the view holds the block only). */

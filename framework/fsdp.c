@@ -66,8 +66,8 @@
  *    makes the work stream wait for it, so the gather ran during the previous layer's compute.
  *  - backward: the units gathered in the forward are listed in their order of use (`order`);
  *    when the backward gathers one again (tm__fsdp_regather), it starts the gathers of the ones
- *    before it on the side stream, as many bytes ahead as the largest forward prefetch
- *    (`window`: one layer).
+ *    before it on the side stream, as many bytes ahead as the largest forward prefetch of a
+ *    layer (`window`: one layer; the lm_head's, which can be larger, does not count).
  *  - the gradients' reduce-scatters are started on the side stream and finished later (`red`):
  *    the work stream waits for one (and adds its result into the gradient shard where the shard
  *    was written already) only when it is done (polled at each new one), when eight are in
@@ -163,6 +163,10 @@ static tm_status fsdp_state(tm_ctx *ctx, struct tm__fsdp **out) {
         memset(ctx->fsdp, 0, sizeof *ctx->fsdp);
     }
     struct tm__fsdp *f = ctx->fsdp;
+    /* (units hold pointers into themselves: the array never moves once one is sharded, and
+     * param.c refuses a new bucket then) */
+    if (f->n_units < ctx->n_buckets && tm__fsdp_sharded(ctx))
+        return tm__err(ctx, TM_ERR_INTERNAL, "ZeRO-3: bucket %d made after the parameters were sharded", ctx->n_buckets - 1);
     if (f->n_units < ctx->n_buckets) {
         fsdp_unit *u = tm__host_alloc(ctx, sizeof *u * (size_t)ctx->n_buckets);
         if (!u) return tm__err(ctx, TM_ERR_NOMEM, "ZeRO-3: out of host memory");
@@ -177,6 +181,13 @@ static tm_status fsdp_state(tm_ctx *ctx, struct tm__fsdp **out) {
 }
 
 static fsdp_unit *unit_of(tm_ctx *ctx, int bucket) { return &ctx->fsdp->units[bucket]; }
+
+int tm__fsdp_sharded(const tm_ctx *ctx) {
+    const struct tm__fsdp *f = ctx->fsdp;
+    for (int i = 0; f && i < f->n_units; i++)
+        if (f->units[i].sharded) return 1;
+    return 0;
+}
 
 /* A gathered unit's bytes count as parameters while it holds memory, not as temporaries, so
  * that the memory report (and --print-layout's peaks) show the all-gathers' transient bytes:
@@ -353,7 +364,6 @@ static tm_status unit_gather(tm_ctx *ctx, int bucket, fsdp_unit *u) {
     count(ctx, flat->storage, 1);
     if (ctx->grad_enabled) {
         struct tm__fsdp *f = ctx->fsdp;
-        if (!ctx->tape) f->n_order = f->cursor = 0; /* a new forward: the last backward is done */
         TM__TRY(grow(ctx, (void **)&f->order, &f->cap_order, f->n_order + 1, sizeof *f->order));
         f->order[f->n_order++] = flat->storage;
     }
@@ -392,12 +402,14 @@ static void unit_release(tm_ctx *ctx, tm__storage *st) {
     struct tm__fsdp_src *src = st->fsdp;
     fsdp_unit *u = unit_of(ctx, src->bucket);
     if (u->live == st) u->live = NULL, u->live_t = NULL;
+    if (src->ev) { /* a gather ahead still writing it (its readers skipped: no gradient came) */
+        (void)tm__coll_event_wait(ctx, st->device, src->ev);
+        src->ev = NULL;
+    }
     if (!st->data || !ctx->mem_reuse) return;
     count(ctx, st, 0);
-    tm_tensor t;
-    memset(&t, 0, sizeof t);
-    t.ctx = ctx;
-    t.storage = st;
+    /* the storage goes back as a tensor's would (every view of it with it) */
+    tm_tensor t = {.ctx = ctx, .storage = st};
     tm__tensor_release(ctx, &t);
 }
 
@@ -423,7 +435,7 @@ void tm__fsdp_gather_released(tm_ctx *ctx, tm_tensor *w) {
     unit_release(ctx, w->storage);
 }
 
-tm_status tm__param_prefetch(tm_ctx *ctx, tm_tensor *const *params, int n) {
+tm_status tm__param_prefetch(tm_ctx *ctx, tm_tensor *const *params, int n, int sets_window) {
     size_t bytes = 0;
     for (int i = 0; i < n; i++) {
         tm_tensor *p = params[i];
@@ -440,7 +452,7 @@ tm_status tm__param_prefetch(tm_ctx *ctx, tm_tensor *const *params, int n) {
         u->pf = flat;
         bytes += (size_t)numel * tm_dtype_size(p->dtype);
     }
-    if (bytes && ctx->fsdp && bytes > ctx->fsdp->window) ctx->fsdp->window = bytes;
+    if (sets_window && bytes && ctx->fsdp && bytes > ctx->fsdp->window) ctx->fsdp->window = bytes;
     return TM_OK;
 }
 
@@ -501,31 +513,6 @@ static tm_status zero_range(tm_ctx *ctx, const struct tm__fsdp_src *src, int64_t
     return tm__dev_memset0(ctx, src->grad->device, (char *)tm__data(src->grad) + (size_t)a * es, (size_t)(b - a) * es);
 }
 
-/* tm__fsdp_grad_alias for a resident unit: the gradient is the shard's elements, which hold
- * zeros since tm_ctx_zero_grad or the contributions since: a parameter not written since is
- * handed out fresh to an op that writes it whole (its elements are then its first gradient),
- * anything else adds. */
-static int resident_alias(tm__call *c, int i, fsdp_unit *u, struct tm__fsdp_src *src, tm_status *st) {
-    tm_ctx *ctx = c->ctx;
-    tm_tensor *s = c->src[i];
-    if (!s->grad && (*st = alias_of(ctx, src, s, &s->grad)) != TM_OK) return 1;
-    int64_t a = s->offset, b = a + tm__numel(s);
-    int whole = (tm__op_table[c->op].flags & TM__OP_GRAD_WRITES) != 0;
-    for (int j = 0; j < c->n_in; j++)
-        if (j != i && c->src[j] == s) whole = 0;
-    for (int j = 0; j < u->n; j++) {
-        int64_t pa = u->off[j], pb = pa + u->len[j];
-        if (pb <= a || pa >= b || u->epoch[j] == ctx->grad_epoch + 1) continue;
-        u->epoch[j] = ctx->grad_epoch + 1;
-        if (whole && pa == a && pb == b) {
-            c->gin_fresh[i] = 1;
-            ctx->fresh_count++;
-            if (ctx->fresh_poison && (*st = tm__fill(ctx, s->grad, NAN)) != TM_OK) return 1;
-        }
-    }
-    return 1;
-}
-
 int tm__fsdp_grad_alias(tm__call *c, int i, tm_status *st) {
     tm_ctx *ctx = c->ctx;
     tm_tensor *s = c->src[i];
@@ -533,8 +520,8 @@ int tm__fsdp_grad_alias(tm__call *c, int i, tm_status *st) {
     *st = TM_OK;
     if (!tm__is_contiguous(s) || (s->grad && !is_alias(src, s, s->grad))) return 0;
     fsdp_unit *u = unit_of(ctx, src->bucket);
-    if (src->resident) return resident_alias(c, i, u, src, st);
-    if (!src->grad) {
+    int res = src->resident;
+    if (!src->grad) { /* (a resident unit's is the shard block, always there) */
         int64_t numel = u->G * u->blk;
         if ((*st = tm__tensor_new(ctx, s->dtype, 1, &numel, s->device, &src->grad)) != TM_OK) return 1;
         if (!(src->written = tm__meta_alloc(ctx, (size_t)(u->n ? u->n : 1)))) return *st = TM_ERR_NOMEM, 1;
@@ -543,20 +530,24 @@ int tm__fsdp_grad_alias(tm__call *c, int i, tm_status *st) {
         if (ctx->fresh_poison && (*st = tm__fill(ctx, src->grad, NAN)) != TM_OK) return 1;
     }
     if (!s->grad && (*st = alias_of(ctx, src, s, &s->grad)) != TM_OK) return 1;
-    /* the parameters s covers: written whole by this op when it is the first to write one
-     * exactly s and writes its gradients whole, else zeroed before it adds */
+    /* The parameters s covers that hold no contribution yet: in this gather's buffer (garbage
+     * until written), or for a resident unit in the shard since tm_ctx_zero_grad (zeros). This
+     * op writes one whole when it writes its gradients whole and s is exactly that parameter
+     * (fresh); otherwise it adds, into elements zeroed first where they are garbage. */
     int64_t a = s->offset, b = a + tm__numel(s);
     int whole = (tm__op_table[c->op].flags & TM__OP_GRAD_WRITES) != 0;
     for (int j = 0; j < c->n_in; j++)
         if (j != i && c->src[j] == s) whole = 0;
     for (int j = 0; j < u->n; j++) {
         int64_t pa = u->off[j], pb = pa + u->len[j];
-        if (pb <= a || pa >= b || src->written[j]) continue;
-        src->written[j] = 1;
+        if (pb <= a || pa >= b || (res ? u->epoch[j] == ctx->grad_epoch + 1 : src->written[j])) continue;
+        if (res) u->epoch[j] = ctx->grad_epoch + 1;
+        else src->written[j] = 1;
         if (whole && pa == a && pb == b) {
             c->gin_fresh[i] = 1;
             ctx->fresh_count++;
-        } else if ((*st = zero_range(ctx, src, pa, pb)) != TM_OK) {
+            if (res && ctx->fresh_poison && (*st = tm__fill(ctx, s->grad, NAN)) != TM_OK) return 1;
+        } else if (!res && (*st = zero_range(ctx, src, pa, pb)) != TM_OK) {
             return 1;
         }
     }
@@ -686,6 +677,13 @@ tm_status tm__fsdp_backward_done(tm_ctx *ctx) {
         tm_status r = finish_red(ctx);
         if (s == TM_OK) s = r;
     }
+    /* the forward's units are all given back by now (each after its all-gather's backward, or
+     * at the arena reset): the next forward lists its own */
+    if (f && f->n_order && !f->n_red) {
+        int any = 0;
+        for (int i = 0; i < f->n_order; i++) any |= f->order[i]->data != NULL && !f->order[i]->fsdp->keep;
+        if (!any) f->n_order = f->cursor = 0;
+    }
     return s;
 }
 
@@ -695,27 +693,26 @@ void tm__fsdp_reset(tm_ctx *ctx) {
     struct tm__fsdp *f = ctx->fsdp;
     if (!f) return;
     (void)tm__fsdp_backward_done(ctx);
+    /* What is still gathered (kept from a forward whose backward never came, left by a failed
+     * forward or backward, or gathered without grad mode and not given back) goes back with the
+     * arena: its bytes stop counting as parameters. */
     for (int i = 0; i < f->n_units; i++) {
         fsdp_unit *u = &f->units[i];
         if (u->pf) (void)tm__coll_event_wait(ctx, u->pf->device, u->pf_ev);
         u->pf = NULL;
         u->pf_ev = NULL;
+        if (u->live && u->live->fsdp->counted) count(ctx, u->live, 0);
         u->live = NULL;
         u->live_t = NULL;
     }
     for (int i = 0; i < f->n_order; i++) {
         struct tm__fsdp_src *src = f->order[i]->fsdp;
-        if (!src) continue;
         if (src->ev) {
             (void)tm__coll_event_wait(ctx, f->order[i]->device, src->ev);
             src->ev = NULL;
         }
-        /* kept from a forward whose backward never came: the arena takes the memory back, so
-         * its bytes stop counting as parameters */
-        if (src->keep) {
-            src->keep = 0;
-            if (f->order[i]->data) count(ctx, f->order[i], 0);
-        }
+        if (src->counted) count(ctx, f->order[i], 0);
+        src->keep = 0;
         src->grad = NULL;
     }
     f->n_order = f->cursor = 0;
@@ -760,7 +757,7 @@ static tm_status gather_ahead(tm_ctx *ctx, tm__storage *st) {
     for (int j = i - 1; j >= 0 && ahead < f->window; j--) {
         tm__storage *o = f->order[j];
         ahead += o->nbytes;
-        if (o->data || !o->fsdp) continue; /* gathered already (or on its way) */
+        if (o->data) continue; /* gathered already (or on its way) */
         TM__TRY(regather(ctx, o, 1));
     }
     return TM_OK;

@@ -26,7 +26,9 @@
  *     TM__OP_GRAD_WRITES, only when in[i]'s gradient did not exist before this node, never for a
  *     parameter or persistent tensor (their gradients accumulate across micro-batches), and never
  *     when another input of the call is the same tensor (x * x: the second contribution must add
- *     to the first). Pointwise kernels store 0.0 + x (so a -0.0 reads +0.0 as zeros + x would);
+ *     to the first). ZeRO-3's weights (views of a gathered unit or of a resident block) are the
+ *     one exception, decided by framework/fsdp.c: their gradients are elements of the unit's
+ *     gradient buffer or of the shard, fresh where nothing wrote that parameter's elements yet. Pointwise kernels store 0.0 + x (so a -0.0 reads +0.0 as zeros + x would);
  *     GEMM paths (beta = 0), the fixed-order CUDA reductions (accumulate 0) and the generic
  *     copies (contiguous, cast, concat: tm__assign) may leave the sign of a zero as it comes. A path of a
  *     GRAD_WRITES op that can only accumulate calls tm__gin_prepare(c, i) first, which zero-fills

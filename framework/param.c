@@ -179,6 +179,9 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     tm_param_options o = opts ? *opts : tm_param_options_default();
     TM__TRY(check_opts(ctx, fn, t->name, t, &o));
     int bi = bucket_find(ctx, t->device, t->dtype, &o);
+    if (bi < 0 && tm__fsdp_sharded(ctx))
+        return tm__err(ctx, TM_ERR_STATE, "%s: \"%s\": the parameters are split over the ranks (ZeRO-3) already; "
+                       "create every parameter before the optimizer", fn, t->name);
     if (bi < 0) TM__TRY(bucket_new(ctx, fn, t->device, t->dtype, &o, &bi));
     tm__bucket *b = ctx->buckets[bi];
     size_t esz = tm_dtype_size(t->dtype);
@@ -211,6 +214,7 @@ tm_status tm__param_place(tm_ctx *ctx, const char *fn, tm_tensor *t, const tm_pa
     pm->opts = o;
     pm->bucket = bi;
     pm->unit = ctx->param_unit;
+    if (pm->unit >= ctx->param_unit_end) ctx->param_unit_end = pm->unit + 1;
     pm->bucket_offset = (int64_t)(b->params.used / esz);
     t->storage = &b->params.st;
     t->offset = pm->bucket_offset;
@@ -343,6 +347,8 @@ tm_status tm_ctx_set_param_unit(tm_ctx *ctx, int unit) {
 }
 
 int tm_ctx_param_unit(const tm_ctx *ctx) { return ctx ? ctx->param_unit : 0; }
+
+int tm__param_unit_end(const tm_ctx *ctx) { return ctx->param_unit_end; }
 
 int tm_ctx_num_buckets(const tm_ctx *ctx) { return ctx ? ctx->n_buckets : 0; }
 

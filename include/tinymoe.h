@@ -423,10 +423,12 @@ typedef struct tm_bucket_info {
 
 /* Buckets in order of creation; tm_ctx_bucket_info errors: TM_ERR_INVALID_ARG (NULL, i out
  * of range). */
-/* The unit of the parameters made from now on (see "Units" above): unit >= 0. The model makes
- * unit 0 its embedding, l + 1 layer l, n_layers + 1 the final norm and lm_head, and restores the
- * caller's unit afterwards. tm_ctx_param_unit: the current one (0 for NULL). Errors:
- * TM_ERR_INVALID_ARG (ctx NULL, unit < 0). */
+/* The unit of the parameters made from now on (see "Units" above): unit >= 0. tm_model_new
+ * makes its units after every unit a parameter of the context was made in so far (base = 1 +
+ * the highest, 0 for the first parameters): base its embedding, base + l + 1 layer l, base +
+ * n_layers + 1 the final norm and lm_head; it restores the caller's unit afterwards.
+ * tm_ctx_param_unit: the current one (0 for NULL). Errors: TM_ERR_INVALID_ARG (ctx NULL,
+ * unit < 0). */
 TM_API tm_status tm_ctx_set_param_unit(tm_ctx *ctx, int unit);
 TM_API int tm_ctx_param_unit(const tm_ctx *ctx);
 TM_API int tm_ctx_num_buckets(const tm_ctx *ctx);

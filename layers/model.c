@@ -152,17 +152,19 @@ static tm_status layer_param(tm_model *m, int l, const char *suffix, int ndim, i
     return param(m, name, ndim, d0, d1, out);
 }
 
-/* Units (tinymoe.h, "Units"; ZeRO-3 gathers one at a time): 0 the embedding, l + 1 layer l (its
- * norms, attention, FFN or MoE block), n_layers + 1 the final norm and the lm_head. */
+/* Units (tinymoe.h, "Units"; ZeRO-3 gathers one at a time), after those of the parameters made
+ * before the model (another model's, the caller's): base the embedding, base + l + 1 layer l
+ * (its norms, attention, FFN or MoE block), base + n_layers + 1 the final norm and lm_head. */
 static tm_status build_units(tm_model *m) {
+    int base = tm__param_unit_end(m->ctx);
     const tm_model_config *c = &m->cfg;
     int64_t H = c->d_model, V = c->vocab_size, D = H / c->n_heads;
     int64_t Hq = c->n_heads * D, Hkv = c->n_kv_heads * D, F = c->dense_ffn_size ? c->dense_ffn_size : 4 * (int64_t)c->d_model;
-    TM__TRY(tm_ctx_set_param_unit(m->ctx, 0));
+    TM__TRY(tm_ctx_set_param_unit(m->ctx, base));
     TM__TRY(param(m, "embed.weight", 2, V, H, &m->embed));
     for (int l = 0; l < c->n_layers; l++) {
         tm__layer *L = &m->layers[l];
-        TM__TRY(tm_ctx_set_param_unit(m->ctx, l + 1));
+        TM__TRY(tm_ctx_set_param_unit(m->ctx, base + l + 1));
         TM__TRY(layer_param(m, l, "attn_norm.weight", 1, H, 0, &L->attn_norm));
         TM__TRY(layer_param(m, l, "attn.wq", 2, H, Hq, &L->wq));
         TM__TRY(layer_param(m, l, "attn.wk", 2, H, Hkv, &L->wk));
@@ -179,7 +181,7 @@ static tm_status build_units(tm_model *m) {
             TM__TRY(tm_moe_new(m->ctx, prefix, &c->moe, m->dtype, m->dev, &L->moe));
         }
     }
-    TM__TRY(tm_ctx_set_param_unit(m->ctx, c->n_layers + 1));
+    TM__TRY(tm_ctx_set_param_unit(m->ctx, base + c->n_layers + 1));
     TM__TRY(param(m, "norm.weight", 1, H, 0, &m->norm));
     if (!c->tie_embeddings) TM__TRY(param(m, "lm_head.weight", 2, H, V, &m->lm_head));
     return TM_OK;
@@ -415,7 +417,7 @@ static int layer_weights(const tm_model *m, int l, tm_tensor **w) {
  * on CPU ranks or with overlap off). */
 static tm_status prefetch_layer(tm_model *m, int l) {
     tm_tensor *w[LAYER_OWN + 8];
-    return tm__param_prefetch(m->ctx, w, layer_weights(m, l, w));
+    return tm__param_prefetch(m->ctx, w, layer_weights(m, l, w), l < m->cfg.n_layers);
 }
 
 /* The use of the norm weight gathered before layer l's block (or the head) ends with it:

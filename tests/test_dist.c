@@ -190,6 +190,16 @@ Test(dist, one_rank_zero3_refusals_and_update) {
     cr_assert(strstr(tm_ctx_errmsg(c3), "ZeRO-3") && strstr(tm_ctx_errmsg(c3), "tm__param_use"), "%s", tm_ctx_errmsg(c3));
     float buf[35];
     cr_assert_eq(tm_tensor_read(c3, w3, TM_F32, buf, 35), TM_ERR_STATE);
+    /* no parameter after the optimizer, in a bucket of its own (a new unit) or not */
+    int64_t one = 1;
+    tm_tensor *late;
+    TT_OK(c3, tm_ctx_set_param_unit(c3, 5));
+    cr_assert_eq(tm_param_new(c3, "late", TM_F32, 1, &one, tm_cpu(), &late), TM_ERR_STATE);
+    cr_assert(strstr(tm_ctx_errmsg(c3), "\"late\"") && strstr(tm_ctx_errmsg(c3), "before the optimizer"), "%s",
+              tm_ctx_errmsg(c3));
+    TT_OK(c3, tm_ctx_set_param_unit(c3, 0));
+    cr_assert_eq(tm_param_new(c3, "late", TM_F32, 1, &one, tm_cpu(), &late), TM_ERR_STATE);
+    cr_assert_eq(tm_ctx_num_buckets(c3), 1);
     for (int k = 0; k < 3; k++) {
         double n0, n3;
         zero2_step(c0, w0, b0, o0, &n0);
