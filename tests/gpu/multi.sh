@@ -3,7 +3,8 @@
 #   mpirun -np N tinymoe train --device cuda, N in {2,4} x ep_size in {1,2,N} x ep_strategy
 #   alltoall|allgather|alltoall_dedup x zero {0,1,2,3}, the shakespeare preset in f32: the first 10 steps' losses must
 #   equal the single-GPU run's (same global batch) within 1e-5 relative (2e-5 for data parallel
-#   on 4 ranks at ZeRO-0 and ZeRO-3: the all-reduce's and the reduce-scatter's summation order, measured below); a few layouts again in bf16
+#   on 4 ranks at ZeRO-0 and ZeRO-3, and for ep 2 over allgather or alltoall_dedup on 2 ranks: summation
+#   orders, measured below); a few layouts again in bf16
 #   (their drift is reported, not judged); then a rank killed with SIGKILL mid-run: the job must
 #   end within 60 s with a message naming the dead rank.
 # On a machine with N or more GPUs each rank takes its own GPU and the collectives go through NCCL;
@@ -58,8 +59,15 @@ for n in ${NS:-2 4}; do
                 # (the all-reduce's first half): on 4 x H100 (2026-11-28) its losses differ by
                 # 2.1e-8 at step 1, as ZeRO-0's, and by 1.13e-5 at step 10 (ZeRO-0 1.09e-5,
                 # ZeRO-1 2.5e-6 in the same call): the same limit.
+                # On 2 ranks, ep 2 over the all-gather and the deduplicated all-to-all sum each
+                # token's weighted expert outputs split by rank (tinymoe.h, tm_ep_strategy): on 2 x
+                # H200 (2026-11-28) allgather at ZeRO-0 and ZeRO-3 differs from one GPU by the same
+                # figures step by step (0 at step 1, 2.77e-6 at step 9, 1.07e-5 / 1.06e-5 at step 10),
+                # and by 2.06e-7 at step 10 with --grad_clip 0: the clip's factor, a function of the
+                # whole gradient's norm, carries the combine's rounding into every weight. Same limit.
                 lim=1e-5
                 [ $ep = 1 ] && { [ $z = 0 ] || [ $z = 3 ]; } && [ $n = 4 ] && lim=2e-5
+                [ $n = 2 ] && [ $ep = 2 ] && [ $st != alltoall ] && lim=2e-5
                 train $name $MPIRUN -np $n $BIN train $ARGS --dtype f32 --ep_size $ep --ep_strategy $st --zero $z ${EXTRA:-} &&
                     compare $name ref_f32 $lim
             done
