@@ -32,7 +32,10 @@
  * not yet written in this backward are handed to an op that writes its gradient whole as fresh
  * (no zeroing: the dW GEMMs write with beta 0), or zeroed before any other op adds to them; at
  * the reduce-scatter, the elements nothing wrote (parameters without a gradient, the padding
- * between parameters, the tail) are zeroed. So the buffer is neither filled nor read back.
+ * between parameters, the tail) are zeroed. So the buffer is neither filled nor read back. The
+ * first reduce-scatter of a unit after tm_ctx_zero_grad overwrites its shard (zero_grad leaves
+ * it as it is); later ones in the same step are added; a shard no backward wrote is zeroed
+ * before the clip or the optimizer reads it (tm__bucket_grads_settle).
  *
  * Resident units. A unit whose group has one rank (every unit of a one-rank run; the expert
  * units when ep_size is the world, whose expert-data-parallel groups have one rank) has nothing
