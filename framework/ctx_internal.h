@@ -236,6 +236,9 @@ tm_status tm__param_master_fill(tm_ctx *ctx, const tm_tensor *p, double value);
  * tm_ctx_zero_grad); no-op when it has none. */
 tm_status tm__bucket_grads_materialize(tm_ctx *ctx);
 void tm__bucket_grads_release(tm_ctx *ctx, int bi);
+/* t = a persistent 1-D view [numel] of dt over st from its first element, no gradient (param.c:
+ * the buckets' flat views, ZeRO-3's blocks). */
+void tm__flat_view(tm_tensor *t, tm_ctx *ctx, tm__storage *st, tm_dtype dt, int64_t numel);
 /* Rebuild bucket bi's flat views (param.c), after its buffers changed. */
 void tm__bucket_refresh_views(tm_ctx *ctx, int bi);
 /* ZeRO-3: fill a gathered unit's storage again (st->fsdp set, st->data NULL): its all-gather,

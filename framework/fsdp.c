@@ -271,19 +271,9 @@ tm_status tm__zero3_shard_params(tm_ctx *ctx) {
         u->epoch = (uint64_t *)(rng + 2 * np);
         memset(u->epoch, 0, sizeof *u->epoch * (size_t)np);
         tm_tensor *t = &u->block, *tg = &u->block_grad;
-        t->ctx = ctx;
-        t->dtype = b->info.dtype;
-        t->device = b->info.device;
-        t->ndim = 1;
-        t->shape[0] = blk;
-        t->stride[0] = 1;
-        t->storage = &b->params_alias;
-        t->persistent = 1;
+        tm__flat_view(t, ctx, &b->params_alias, b->info.dtype, blk);
+        tm__flat_view(tg, ctx, &b->gshard.st, b->info.dtype, blk);
         t->requires_grad = 1;
-        t->name = "";
-        *tg = *t;
-        tg->requires_grad = 0;
-        tg->storage = &b->gshard.st;
         t->grad = tg;
         if (u->G == 1 && !ctx->fsdp_gather_always) {
             u->rsrc.bucket = bi;

@@ -63,17 +63,21 @@ static tm_status pool_reserve(tm_ctx *ctx, tm__pool *p, size_t need) {
     return pool_grow(ctx, p, cap);
 }
 
-static void flat_set(tm_tensor *t, tm_ctx *ctx, tm__pool *p, tm_dtype dt, int64_t numel) {
+void tm__flat_view(tm_tensor *t, tm_ctx *ctx, tm__storage *st, tm_dtype dt, int64_t numel) {
     memset(t, 0, sizeof *t);
     t->ctx = ctx;
     t->dtype = dt;
-    t->device = p->st.device;
+    t->device = st->device;
     t->ndim = 1;
     t->shape[0] = numel;
     t->stride[0] = 1;
-    t->storage = &p->st;
+    t->storage = st;
     t->persistent = 1;
     t->name = "";
+}
+
+static void flat_set(tm_tensor *t, tm_ctx *ctx, tm__pool *p, tm_dtype dt, int64_t numel) {
+    tm__flat_view(t, ctx, &p->st, dt, numel);
 }
 
 static void bucket_refresh_views(tm_ctx *ctx, tm__bucket *b) {
