@@ -129,7 +129,10 @@ static void ref_gemm(int mode, const bf16 *A, const bf16 *B, bf16 *C, const std:
 static void ours(int mode, const bf16 *A, const bf16 *B, bf16 *C, const int64_t *dcnt, int64_t G, int64_t R, int64_t K,
                  int64_t N) {
     static const int bn = getenv("GMM90_BN") ? atoi(getenv("GMM90_BN")) : 0;
-    tm__gmm90_args a = {mode, A, B, C, dcnt, G, R, K, N, bn};
+    static int *sched = NULL; /* DW's tile counter (GMM90_STATIC=1: the static schedule) */
+    if (!sched && !getenv("GMM90_STATIC")) CK(cudaMalloc(&sched, sizeof(int)));
+    if (mode == TM__GMM90_DW && sched) CK(cudaMemsetAsync(sched, 0, sizeof(int), 0));
+    tm__gmm90_args a = {mode, A, B, C, dcnt, G, R, K, N, bn, 0, 0, mode == TM__GMM90_DW ? sched : NULL};
     char why[512];
     int rc = tm__gmm90_run(&a, 0, why, sizeof why);
     if (rc) {

@@ -563,6 +563,16 @@ static int gmm_try_sm90(tm__call *c, tm__cuda *st, int mode, const void *A, cons
     a.bn = 0;
     a.spare_sms = tm__cuda_side_busy(st) ? tm__coll_spare_sms(c->ctx) : 0;
     a.write = (mode == TM__GMM90_DX && c->gin_fresh[0]) || (mode == TM__GMM90_DW && c->gin_fresh[1]);
+    a.sched = NULL;
+    if (mode == TM__GMM90_DW) { /* the dynamic tile schedule's counter, 0 at the launch */
+        if ((*s = tm__cu_scratch(c->ctx, st, sizeof(int), (void **)&a.sched)) != TM_OK) return 1;
+        const cudaError_t e = cudaMemsetAsync(a.sched, 0, sizeof(int), st->stream);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            *s = tm__err(c->ctx, TM_ERR_CUDA, "grouped_matmul: zeroing dw's tile counter: %s", cudaGetErrorString(e));
+            return 1;
+        }
+    }
     char why[256];
     const int rc = tm__gmm90_run(&a, st->stream, why, sizeof why);
     if (rc == 0) {

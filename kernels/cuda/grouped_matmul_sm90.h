@@ -39,6 +39,9 @@ typedef struct tm__gmm90_args {
     int write;     /* DX, DW: 1 writes the gradient (beta = 0: a fresh one) instead of adding into
                     * it; dx whole (rows past the groups 0), dw except its empty groups (no tile:
                     * the caller zeroes them) */
+    int *sched;    /* DW: one int of device memory holding 0 at the launch (the kernel's tile
+                    * counter: dynamic, largest groups first), or NULL (a static round-robin of
+                    * the same tiles); FWD, DX: unused */
 } tm__gmm90_args;
 
 #define TM__GMM90_MAX_G 1024
