@@ -242,6 +242,7 @@ TEST_ENV := ASAN_OPTIONS=protect_shadow_gap=0:detect_leaks=1 UBSAN_OPTIONS=print
 test: check-exports check-boundary $(TESTBIN) $(BIN)
 	$(TEST_ENV) $(abspath $(TESTBIN)) --jobs 2 $(TEST_ARGS)
 	@$(MAKE) --no-print-directory examples
+	@python3 bench/step_kernels.py --self-test
 	@$(if $(filter 1,$(SAN)),,$(MAKE) --no-print-directory readme)
 
 # The README's shell blocks that need no GPU, run in order in a scratch directory as a new user
