@@ -85,6 +85,8 @@ static const tt_pcase CASES[] = {
     {"rope", "rope offset 37, D 6", f_rope, 1, {4}, {{1, 7, 2, 6}}, {0}, {0}, {37, 0}, 1, 0},
     {"rope", "rope offset 70000, theta 1e6, D 66", f_rope, 1, {4}, {{2, 9, 3, 66}}, {0}, {0}, {70000, 1000000}, 1, 0},
     {"rope", "rope twice into one gradient, offset 11", f_rope_twice, 1, {4}, {{3, 4, 2, 10}}, {0}, {0}, {11, 0}, 1, 0},
+    /* half 8: the 4-pair accesses (rope.cu), the second backward adding into the first's */
+    {"rope", "rope twice into one gradient, D 16, offset 3", f_rope_twice, 1, {4}, {{2, 5, 3, 16}}, {0}, {0}, {3, 0}, 1, 0},
     {"attention", "attention GQA 6/2 heads, T 300, D 64", f_attention, 3, {4, 4, 4}, QKV(1, 300, 300, 6, 2, 64), {0}, {0}, {0}, 10, 0},
     {"attention", "attention MHA, B 2, T 37, D 16", f_attention, 3, {4, 4, 4}, QKV(2, 37, 37, 3, 3, 16), {0}, {0}, {0}, 1, 0},
     {"attention", "attention Tk 23 > Tq 5, GQA 4/2, D 13, scale 0.3", f_attention_scale, 3, {4, 4, 4}, QKV(2, 5, 23, 4, 2, 13), {0}, {0}, {0}, 1, 0},

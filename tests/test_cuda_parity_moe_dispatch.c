@@ -329,6 +329,7 @@ static void row_tokens(double *rt, double *clean, int64_t R, int64_t T, int bad,
 static void unpermute_case_ex(tm_dtype dt, tm_dtype pdt, int with_probs, tm_dtype idt, int64_t R, int64_t T, int64_t H,
                               int bad, int misalign, double atol, double rtol) {
     tm_ctx *ctx = tt_parity_ctx();
+    tm__test_fresh_hooks(ctx, 1, 0); /* fresh gradients start as NaN: padding rows left unwritten would show */
     int64_t es[2] = {R, H}, ys[2] = {T, H};
     double *he = tt_parity_uniform(R * H, 600 + (uint64_t)R), *hp = tt_parity_uniform(R, 700 + (uint64_t)R);
     double *hdy = tt_parity_uniform(T * H, 800 + (uint64_t)T);
@@ -936,6 +937,41 @@ Test(cuda_parity_moe, grouped_matmul_bf16_hopper) {
     const int64_t single[1] = {37};
     grouped_case_hopper(1, 8, 8, single, 1, 0);
     grouped_case_hopper(E7, 13, 11, ragged, 0, 0);
+}
+
+/* DW's tile schedule (grouped_matmul_sm90.cu): 40 groups of K 512 x N 1024 own 16 tiles each, so
+ * the 34 non-empty ones make 544 tiles, past 4 a CTA on a 132-SM GPU: CTAs draw tiles from the
+ * device-wide counter and the producer's tile-id queue (4 deep) wraps. One group 8 times the
+ * others (the largest first), ties between groups of equal rows, empty groups. Against the CPU,
+ * and bit for bit between two runs (which CTA computes a tile must not change its sums). */
+Test(cuda_parity_moe, grouped_matmul_bf16_hopper_dw_dynamic_schedule) {
+    TT_SKIP_WITHOUT_CUDA();
+    enum { G = 40 };
+    const int64_t K = 512, N = 1024;
+    int64_t counts[G], R = 0;
+    for (int g = 0; g < G; g++) {
+        counts[g] = g == 5 ? 600 : g % 7 == 3 ? 0 : g % 3 == 0 ? 64 : 17 + g;
+        R += counts[g];
+    }
+    grouped_case_hopper(G, K, N, counts, 1, 0);
+    tm_ctx *ctx = gmm_ctx(TM_GROUPED_GEMM_HOPPER);
+    int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N}, g1 = G;
+    double *hx = tt_parity_uniform(R * K, 51), *hw = tt_parity_uniform(G * K * N, 52), *hdy = tt_parity_uniform(R * N, 53);
+    double hc[G];
+    for (int g = 0; g < G; g++) hc[g] = (double)counts[g];
+    double *dw[2];
+    for (int k = 0; k < 2; k++) {
+        tm_tensor *x = from(ctx, TM_BF16, 2, xs, tm_cuda(0), hx, 0), *w = from(ctx, TM_BF16, 3, ws, tm_cuda(0), hw, 1), *y;
+        TT_OK(ctx, tm_grouped_matmul(ctx, x, w, from(ctx, TM_I64, 1, &g1, tm_cuda(0), hc, 0), &y));
+        TT_OK(ctx, tm_backward_with_grad(ctx, y, from(ctx, TM_BF16, 2, ys, tm_cuda(0), hdy, 0)));
+        cr_assert(tm__gmm_note(ctx)[0] == 0 || strstr(tm__gmm_note(ctx), "needs sm_90"), "the Hopper kernel did not run: %s",
+                  tm__gmm_note(ctx));
+        dw[k] = tt_read(ctx, tm_tensor_grad(w));
+        tm_ctx_arena_reset(ctx);
+    }
+    cr_assert(memcmp(dw[0], dw[1], sizeof(double) * (size_t)(G * K * N)) == 0, "dw differs between two runs");
+    free(dw[0]), free(dw[1]), free(hx), free(hw), free(hdy);
+    tm_ctx_free(ctx);
 }
 
 /* The same kernel writing a fresh dw (the weight a temporary view, as ZeRO-3's gathered expert

@@ -145,6 +145,62 @@ Test(cuda_parity_update, sgd_steps) {
     for (size_t k = 0; k < sizeof SGD_CASES / sizeof SGD_CASES[0]; k++) upd_run(&SGD_CASES[k]);
 }
 
+/* v's elements [1, n + 1) as a tensor of n: the view starts one element past an aligned base. */
+static tm_tensor *make_off(tm_ctx *ctx, tm_dtype dt, int64_t n, tm_device dev, const double *v) {
+    double *h = malloc(sizeof(double) * (size_t)(n + 1));
+    h[0] = 0.25;
+    memcpy(h + 1, v, sizeof(double) * (size_t)n);
+    tm_tensor *base = make(ctx, dt, n + 1, dev, h), *t;
+    free(h);
+    TT_OK(ctx, tm_slice(ctx, base, 0, 1, n + 1, &t));
+    return t;
+}
+
+/* The AdamW kernel moves 4 elements per access when every range starts aligned and one at a
+ * time otherwise (kernels/cuda/update.cu, adamw_range): the same data updated through aligned
+ * tensors and through views one element off must agree bit for bit, over steps. */
+Test(cuda_parity_update, adamw_vector_path_equals_scalar_path) {
+    TT_SKIP_WITHOUT_CUDA();
+    const struct { tm_dtype dt; int master; int64_t n; } cases[] = {
+        {TM_F32, 0, 70001}, {TM_BF16, 1, 70001}, {TM_BF16, 0, 4101}, {TM_F32, 0, 3}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        tm_ctx *ctx = tt_parity_ctx();
+        const int64_t n = cases[c].n;
+        const tm_dtype dt = cases[c].dt;
+        double *hp = tt_parity_uniform(n, 21), *hz = calloc((size_t)n, sizeof(double));
+        upd_side sd[2];
+        for (int k = 0; k < 2; k++) { /* 0: aligned, 1: one element off */
+            tm_tensor *(*mk)(tm_ctx *, tm_dtype, int64_t, tm_device, const double *) = k ? make_off : make;
+            sd[k].p = mk(ctx, dt, n, tm_cuda(0), hp);
+            sd[k].s0 = mk(ctx, TM_F32, n, tm_cuda(0), hz);
+            sd[k].s1 = mk(ctx, TM_F32, n, tm_cuda(0), hz);
+            sd[k].master = cases[c].master ? mk(ctx, TM_F32, n, tm_cuda(0), hp) : NULL;
+        }
+        tm_adamw_config ac = tm_adamw_config_default();
+        for (int t = 1; t <= 3; t++) {
+            double *hg = tt_parity_uniform(n, 200 + (uint64_t)t);
+            for (int64_t i = 0; i < n; i++) hg[i] *= (i % 5 == 0) ? 1e-6 : 3.0;
+            for (int k = 0; k < 2; k++) {
+                sd[k].g = (k ? make_off : make)(ctx, dt, n, tm_cuda(0), hg);
+                TT_OK(ctx, tm_adamw_update(ctx, sd[k].p, sd[k].g, sd[k].s0, sd[k].s1, sd[k].master, &ac, 1e-2 * t, 0.1, t));
+            }
+            free(hg);
+        }
+        const tm_tensor *got[2][4] = {{sd[0].p, sd[0].s0, sd[0].s1, sd[0].master}, {sd[1].p, sd[1].s0, sd[1].s1, sd[1].master}};
+        const char *what[4] = {"param", "m", "v", "master"};
+        for (int i = 0; i < 4; i++) {
+            if (!got[0][i]) continue;
+            double *a = tt_read(ctx, got[0][i]), *b = tt_read(ctx, got[1][i]);
+            for (int64_t e = 0; e < n; e++)
+                cr_assert(memcmp(&a[e], &b[e], sizeof(double)) == 0, "adamw %s%s n %lld: %s[%lld] %.9g aligned, %.9g one element off",
+                          tm_dtype_name(dt), cases[c].master ? " with master" : "", (long long)n, what[i], (long long)e, a[e], b[e]);
+            free(a), free(b);
+        }
+        free(hp), free(hz);
+        tm_ctx_free(ctx);
+    }
+}
+
 /* ---- grad_sumsq and grad_scale ---------------------------------------------------------------- */
 
 Test(cuda_parity_update, grad_sumsq) {

@@ -23,7 +23,8 @@
  * CUTLASS's canonical GMMA layouts state the same strides.) w is a 3-D map (N, K, G) so that a
  * reduction slab past K reads zeros, never w[g + 1].
  *
- * CTA: 3 warpgroups, 384 threads, persistent (one CTA per SM, tiles t = blockIdx.x, + gridDim.x):
+ * CTA: 3 warpgroups, 384 threads, persistent (one CTA per SM; tiles t = blockIdx.x, + gridDim.x,
+ * ..., or for DW from a counter, see "Schedule"):
  *   warpgroup 0   producer: one thread issues the TMA loads; setmaxnreg 40
  *   warpgroups 1-2 consumers: rows [64 (wg - 1), + 64) of the 128 x BN tile, m64nBNk16 wgmma,
  *                 BN / 2 f32 accumulators per thread; setmaxnreg 232
@@ -750,7 +751,7 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
         snprintf(why, n, "mode %d is none of FWD, DX, DW", a->mode);
         return -1;
     }
-    if (bound > INT32_MAX) {
+    if (bound > INT32_MAX - 4096) { /* DW's counter adds up to a grid (the SMs) past the last tile */
         snprintf(why, n, "%lld tiles: more than the sm90 kernel's int32 tile index", bound);
         return 1;
     }

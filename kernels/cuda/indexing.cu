@@ -200,10 +200,11 @@ static tm_status scatter_rows(tm__call *c, const tm__cuda *st, tm_tensor *dst, c
     if (M == 0)
         return accumulate ? TM_OK : tm__cuda_memset0(ctx, tm__data(dst), (size_t)(R * C) * tm_dtype_size(dst->dtype));
     /* A key holds the row in its high 32 bits and the source position in its low 32. */
-    if (M >= (int64_t)UINT32_MAX || R >= (int64_t)UINT32_MAX)
+    /* The key holds the row in 32 bits; CUB's sort counts its keys in an int. */
+    if (M > (int64_t)INT32_MAX || R >= (int64_t)UINT32_MAX)
         return tm__err(ctx, TM_ERR_UNSUPPORTED,
-                       "%s: the CUDA row scatter-add takes < 2^32 - 1 rows and sources, got %lld sources into "
-                       "%lld rows",
+                       "%s: the CUDA row scatter-add takes at most 2^31 - 1 sources into fewer than 2^32 - 1 rows, "
+                       "got %lld sources into %lld rows",
                        what, (long long)M, (long long)R);
     const void *ip = tm__data(idx);
     if (dst->dtype == TM_BF16) {

@@ -36,7 +36,7 @@ __global__ void rope_table_kernel(double *cs, double *sn, int64_t Tn, int64_t ha
  * of table per 4 bytes of bf16 x, from L2, and ran at half the memory's rate), and x1, x2 move
  * as V-element accesses (8 bytes of bf16, 16 of f32) when V is 4. Each pair gets the same f64
  * arithmetic as before: y = rotation of x (add 1: y += rotation of x; add 2: y = 0 + rotation
- * of x, y not read), rounded once on store. */
+ * of x, y not read), rounded to f32 and then, for bf16, to bf16 on store (as tm__st of the f32). */
 template <typename T, int V>
 __global__ void rope_rotate_kernel(void *y_, const void *x_, const double *cs, const double *sn, int64_t BT,
                                    int64_t Tn, int64_t H, int64_t half, int add) {

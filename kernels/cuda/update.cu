@@ -133,8 +133,8 @@ __device__ __forceinline__ double sumsq_block_sum(double v, double *sh) {
     return v;
 }
 
-/* This thread's share of the sum of squares of g[lo, hi), in a fixed order (both sum-of-squares
- * kernels use it, so their chunk sums agree bit for bit): the range is a head up to the first
+/* This thread's share of the sum of squares of g[lo, hi), in a fixed order (a function of the
+ * range and blockDim alone, so a chunk's sum is the same whichever table carries it): the range is a head up to the first
  * 16-byte boundary, whole 16-byte vectors (8 bf16 or 4 f32, kernels/cuda/vec.cuh), and a tail;
  * the thread takes head and tail elements lo + threadIdx.x + k blockDim.x and vectors
  * threadIdx.x + k blockDim.x, each vector's elements in order. 16-byte loads, several in
@@ -181,9 +181,10 @@ __device__ __forceinline__ void scale_elem(T *g, int64_t i, float s) {
  * the arithmetic of the helpers above (adamw_elem, sumsq_thread, scale_elem), whichever
  * range and block carry it.
  *
- * grad_sumsq_multi in one launch: every block sums its chunk as sumsq_chunk_kernel does and
- * stores the f64 partial; the last block to finish (an integer atomic ticket: the only atomic,
- * it decides who adds, not the order) adds each segment's chunk partials in chunk order
+ * grad_sumsq_multi in one launch: every block sums its chunk (sumsq_thread, then
+ * sumsq_block_sum's fixed tree) and stores the f64 partial; the last block to finish (an integer
+ * atomic ticket: the only atomic, it decides who adds, not the order) adds each segment's chunk
+ * partials in chunk order
  * (the CPU's order), rounds the segment's sum to f32 (the segment's partial), adds
  * those in segment order in f64 from 0 (tm_ctx_clip_grad_norm's host sum), and computes the
  * norm and the factor in f64 (IEEE sqrt and division: the host's values) rounded to f32
