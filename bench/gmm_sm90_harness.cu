@@ -302,6 +302,13 @@ int main(int argc, char **argv) {
         check_case("odd-groups-tail", {33, 0, 150, 77, 5}, 400, 64, 72); /* counts end at 265 < R */
         check_case("one-group", {1000}, 1000, 1408, 256);
         check_case("many-small", std::vector<int64_t>(97, 13), 97 * 13, 128, 128);
+        { /* 700 DW tiles, more than 4 a CTA on 132 SMs: CTAs draw tiles from the counter and the
+           * tile-id queue wraps; groups of 1 to 9 rows, ties, every 7th empty */
+            std::vector<int64_t> c(700);
+            int64_t rows = 0;
+            for (int g = 0; g < 700; g++) rows += c[g] = g % 7 == 3 ? 0 : 1 + g % 9;
+            check_case("drawn-tiles", c, rows, 128, 128);
+        }
         for (int r = 0; r < 3 && !small; r++) {
             std::vector<int64_t> c = routing(rts[r], T, k, E);
             char nm[64];
