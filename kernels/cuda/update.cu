@@ -250,21 +250,17 @@ __device__ __forceinline__ void adamw_range(const tm__seg *sg, int64_t lo, int64
         adamw_elem<T>(p, g, m, v, ms, i, lr, b1, omb1, b2, omb2, eps, wd, bc1, bc2, gs);
     for (int64_t k = threadIdx.x; k < nv; k += blockDim.x) {
         const int64_t i = a + k * N;
-        float gf[N], pf[N];
+        float gf[N], pf[N], mf[N], vf[N];
         tm__vld<N>(g + i, gf);
-        float4 m4 = *reinterpret_cast<const float4 *>(m + i), v4 = *reinterpret_cast<const float4 *>(v + i);
-        if (ms) {
-            float4 p4 = *reinterpret_cast<const float4 *>(ms + i);
-            pf[0] = p4.x, pf[1] = p4.y, pf[2] = p4.z, pf[3] = p4.w;
-        } else {
-            tm__vld<N>(p + i, pf);
-        }
-        float mf[N] = {m4.x, m4.y, m4.z, m4.w}, vf[N] = {v4.x, v4.y, v4.z, v4.w};
+        tm__vld<N>(m + i, mf);
+        tm__vld<N>(v + i, vf);
+        if (ms) tm__vld<N>(ms + i, pf);
+        else tm__vld<N>(p + i, pf);
 #pragma unroll
         for (int e = 0; e < N; e++) adamw_math<T>(gf[e], pf[e], mf[e], vf[e], lr, b1, omb1, b2, omb2, eps, wd, bc1, bc2, gs);
-        *reinterpret_cast<float4 *>(m + i) = make_float4(mf[0], mf[1], mf[2], mf[3]);
-        *reinterpret_cast<float4 *>(v + i) = make_float4(vf[0], vf[1], vf[2], vf[3]);
-        if (ms) *reinterpret_cast<float4 *>(ms + i) = make_float4(pf[0], pf[1], pf[2], pf[3]);
+        tm__vst<N>(m + i, mf);
+        tm__vst<N>(v + i, vf);
+        if (ms) tm__vst<N>(ms + i, pf);
         tm__vst<N>(p + i, pf);
     }
     for (int64_t i = a + nv * N + threadIdx.x; i < hi; i += blockDim.x)
