@@ -15,8 +15,13 @@
  * --time: each direction at the benchmark shapes (R = T k rows, E groups; gate/up K = H, N = 2 F;
  *   down K = F, N = H) on balanced, random and skewed routings (bench/kernels.c's three), against
  *   cuBLAS per group and one dense GEMM of the same FLOPs; prints TFLOP/s and % of dense.
+ * FWD_SWIGLU (--check): gate and up against FWD of each weight (bit for bit: the same sums) and
+ *   cuBLAS (tolerance), h against the elementwise swiglu of FWD's gate and up (bit for bit), rows
+ *   past the groups 0 in all three. (--time): the fused launch against FWD + FWD + the
+ *   elementwise swiglu at the gate/up shapes (N = F per weight).
  */
 #include "grouped_matmul_sm90.h"
+#include "swiglu.cuh"
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -132,7 +137,7 @@ static void ours(int mode, const bf16 *A, const bf16 *B, bf16 *C, const int64_t 
     static int *sched = NULL; /* DW's tile counter (GMM90_STATIC=1: the static schedule) */
     if (!sched && !getenv("GMM90_STATIC")) CK(cudaMalloc(&sched, sizeof(int)));
     if (mode == TM__GMM90_DW && sched) CK(cudaMemsetAsync(sched, 0, sizeof(int), 0));
-    tm__gmm90_args a = {mode, A, B, C, dcnt, G, R, K, N, bn, 0, 0, mode == TM__GMM90_DW ? sched : NULL};
+    tm__gmm90_args a = {mode, A, B, C, dcnt, G, R, K, N, bn, 0, 0, mode == TM__GMM90_DW ? sched : NULL, NULL, NULL, NULL};
     char why[512];
     int rc = tm__gmm90_run(&a, 0, why, sizeof why);
     if (rc) {
@@ -140,6 +145,25 @@ static void ours(int mode, const bf16 *A, const bf16 *B, bf16 *C, const int64_t 
                 (long long)R, (long long)K, (long long)N, rc, why);
         exit(1);
     }
+}
+
+/* The fused gate/up/SwiGLU launch: gate = x w_gate, up = x w_up, h = swiglu(gate, up). */
+static void ours_swiglu(const bf16 *x, const bf16 *wg, const bf16 *wu, bf16 *h, bf16 *gate, bf16 *up,
+                        const int64_t *dcnt, int64_t G, int64_t R, int64_t K, int64_t N) {
+    static const int bn = getenv("GMM90_BN") ? atoi(getenv("GMM90_BN")) : 0;
+    tm__gmm90_args a = {TM__GMM90_FWD_SWIGLU, x, wg, h, dcnt, G, R, K, N, bn, 0, 0, NULL, wu, gate, up};
+    char why[512];
+    int rc = tm__gmm90_run(&a, 0, why, sizeof why);
+    if (rc) {
+        fprintf(stderr, "tm__gmm90_run(fwd_swiglu, G %lld R %lld K %lld N %lld) = %d: %s\n", (long long)G,
+                (long long)R, (long long)K, (long long)N, rc, why);
+        exit(1);
+    }
+}
+/* h = swiglu(gate, up) elementwise (activation.cu's arithmetic, swiglu.cuh) */
+__global__ void swiglu_kernel(bf16 *h, const bf16 *g, const bf16 *u, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        h[i] = __float2bfloat16_rn(swiglu_fwd(__bfloat162float(g[i]), __bfloat162float(u[i])));
 }
 
 struct bufs {
@@ -192,6 +216,35 @@ static void check_case(const char *name, std::vector<int64_t> cnt, int64_t R, in
                "exact-part mismatches %llu %s\n",
                name, MODES[mode], (long long)G, (long long)R, (long long)K, (long long)N, d.maxdiff, d.maxref, rel,
                d.ndiff, exact_bad, ok ? "ok" : "FAIL");
+    }
+    { /* FWD_SWIGLU: w_gate = w, w_up another fill; outputs start as garbage */
+        bf16 *wu, *gate, *up, *h, *fg, *fu, *href;
+        const size_t nc = R * N;
+        CK(cudaMalloc(&wu, G * K * N * 2 + 16));
+        bf16 **bs[6] = {&gate, &up, &h, &fg, &fu, &href};
+        for (int i = 0; i < 6; i++) CK(cudaMalloc(bs[i], nc * 2 + 16));
+        fill(wu, G * K * N, 4, 0.05f);
+        fill(gate, nc, 21, 100.0f), fill(up, nc, 22, 100.0f), fill(h, nc, 23, 100.0f);
+        ours(TM__GMM90_FWD, b.x, b.w, fg, b.dcnt, G, R, K, N);
+        ours(TM__GMM90_FWD, b.x, wu, fu, b.dcnt, G, R, K, N);
+        if (nc) swiglu_kernel<<<1024, 256>>>(href, fg, fu, nc);
+        CK(cudaMemset(b.cref, 0, nc * 2));
+        ref_gemm(0, b.x, b.w, b.cref, cnt, K, N);
+        ours_swiglu(b.x, b.w, wu, h, gate, up, b.dcnt, G, R, K, N);
+        CK(cudaDeviceSynchronize());
+        const diff_t dg = diff(gate, fg, nc), du = diff(up, fu, nc), dh = diff(h, href, nc), dr = diff(gate, b.cref, nc);
+        const double rel = dr.maxref > 0 ? dr.maxdiff / dr.maxref : dr.maxdiff;
+        unsigned long long tail = 0; /* rows past the groups: 0 in all three (fg, fu, href are 0 there) */
+        if (sum < R) tail = diff(gate + sum * N, b.cref + sum * N, (R - sum) * N).ndiff +
+                            diff(up + sum * N, b.cref + sum * N, (R - sum) * N).ndiff +
+                            diff(h + sum * N, b.cref + sum * N, (R - sum) * N).ndiff;
+        const bool ok = dg.ndiff == 0 && du.ndiff == 0 && dh.ndiff == 0 && rel < 1e-2 && tail == 0;
+        failures += !ok;
+        printf("CHECK %-28s swiglu G %lld R %lld K %lld N %lld: gate / up / h differing from fwd + swiglu %llu / %llu / "
+               "%llu, gate vs cuBLAS rel %.2e, tail mismatches %llu %s\n",
+               name, (long long)G, (long long)R, (long long)K, (long long)N, dg.ndiff, du.ndiff, dh.ndiff, rel, tail,
+               ok ? "ok" : "FAIL");
+        cudaFree(wu), cudaFree(gate), cudaFree(up), cudaFree(h), cudaFree(fg), cudaFree(fu), cudaFree(href);
     }
     cudaFree(b.x), cudaFree(b.dy), cudaFree(b.w), cudaFree(b.c), cudaFree(b.cref), cudaFree(b.dcnt);
 }
@@ -314,6 +367,8 @@ int main(int argc, char **argv) {
             char nm[64];
             snprintf(nm, sizeof nm, "bench-gateup-%s", rts[r]);
             check_case(nm, c, T * k, Hd, 2 * F);
+            snprintf(nm, sizeof nm, "bench-gate-%s", rts[r]); /* N = F: FWD_SWIGLU at its own shapes */
+            check_case(nm, c, T * k, Hd, F);
             snprintf(nm, sizeof nm, "bench-down-%s", rts[r]);
             check_case(nm, c, T * k, F, Hd);
         }
@@ -331,6 +386,25 @@ int main(int argc, char **argv) {
         CK(cudaMalloc(&dcnt, E * 8));
         fill(x, R * maxKN, 11, 1.0f), fill(dy, R * maxKN, 12, 1.0f), fill(w, E * Hd * 2 * F, 13, 0.02f);
         fill(c, R * maxKN, 14, 1.0f);
+        /* FWD_SWIGLU: one launch against FWD of each weight (N = F) and the elementwise swiglu */
+        for (int rt = 0; rt < 3; rt++) {
+            rng = 88172645463325252ull + rt;
+            std::vector<int64_t> cnt = routing(rts[rt], T, k, E);
+            CK(cudaMemcpy(dcnt, cnt.data(), E * 8, cudaMemcpyHostToDevice));
+            bf16 *wu = w + E * Hd * F, *g = c, *u = c + R * F, *h = dy; /* dy's buffer holds R x max(H, 2F) */
+            struct sw_ctx { const bf16 *x, *wg, *wu; bf16 *g, *u, *h; int64_t *dcnt, E, R, K, N; } sc = {x, w, wu, g, u, h, dcnt, E, R, Hd, F};
+            auto fused = [](void *p) { sw_ctx *q = (sw_ctx *)p; ours_swiglu(q->x, q->wg, q->wu, q->h, q->g, q->u, q->dcnt, q->E, q->R, q->K, q->N); };
+            auto apart = [](void *p) {
+                sw_ctx *q = (sw_ctx *)p;
+                ours(TM__GMM90_FWD, q->x, q->wg, q->g, q->dcnt, q->E, q->R, q->K, q->N);
+                ours(TM__GMM90_FWD, q->x, q->wu, q->u, q->dcnt, q->E, q->R, q->K, q->N);
+                swiglu_kernel<<<1024, 256>>>(q->h, q->g, q->u, (size_t)(q->R * q->N));
+            };
+            const float tf = time_it(iters, fused, &sc), ta = time_it(iters, apart, &sc);
+            const double fl = 2.0 * R * Hd * 2 * F;
+            printf("TIME swiglu  %-8s fused %.3f ms %.1f TF/s | fwd + fwd + swiglu %.3f ms %.1f TF/s | fused saves %.1f%%\n",
+                   rts[rt], tf, fl / tf / 1e9, ta, fl / ta / 1e9, 100.0 * (ta - tf) / ta);
+        }
         const char *gn[2] = {"gate_up", "down"};
         const int64_t Ks[2] = {Hd, F}, Ns[2] = {2 * F, Hd};
         for (int s = 0; s < 2; s++) {

@@ -21,26 +21,13 @@
  * Deterministic: every output element is written by one thread, no atomics.
  */
 #include "common.cuh"
+#include "swiglu.cuh"
 #include "vec.cuh"
 
 #define ACT_BLOCKS_PER_SM 4
 
-__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-/* The per-element arithmetic, shared by the scalar and the vector kernels. acc is the
- * gradient already accumulated in dx / dgate / dup. */
-__device__ __forceinline__ float silu_fwd(float v) { return v * sigmoidf(v); }
-__device__ __forceinline__ float silu_bwd(float acc, float v, float d) {
-    float s = sigmoidf(v);
-    return acc + d * s * (1.0f + v * (1.0f - s));
-}
-__device__ __forceinline__ float swiglu_fwd(float v, float u) { return v * sigmoidf(v) * u; }
-__device__ __forceinline__ float swiglu_bwd_gate(float acc, float v, float s, float d, float u) {
-    return acc + d * u * s * (1.0f + v * (1.0f - s));
-}
-__device__ __forceinline__ float swiglu_bwd_up(float acc, float v, float s, float d) { return acc + d * v * s; }
-
-/* The kernels take n elements, n a multiple of N (the host picks N = 1 otherwise), and loop
+/* The per-element arithmetic is swiglu.cuh's, shared by the scalar and the vector kernels and
+ * by the Hopper grouped GEMM's fused SwiGLU epilogue. The kernels take n elements, n a multiple of N (the host picks N = 1 otherwise), and loop
  * over the n / N groups of N consecutive elements. */
 template <int N, typename T>
 __global__ void __launch_bounds__(TM__CU_THREADS, ACT_BLOCKS_PER_SM)

@@ -558,6 +558,7 @@ static int gmm_try_sm90(tm__call *c, tm__cuda *st, int mode, const void *A, cons
     if (tm__gmm_mode(c->ctx) != TM_GROUPED_GEMM_HOPPER) return 0;
     const tm_tensor *x = c->in[0], *w = c->in[1];
     tm__gmm90_args a;
+    memset(&a, 0, sizeof a);
     a.mode = mode, a.a = A, a.b = B, a.c = C, a.counts = (const int64_t *)tm__data(c->in[2]);
     a.G = w->shape[0], a.R = x->shape[0], a.K = w->shape[1], a.N = w->shape[2];
     a.bn = 0;

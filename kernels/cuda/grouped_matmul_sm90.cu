@@ -9,6 +9,11 @@
  *   FWD  y_g  = x_g @ w[g]       M-grouped: C rows = the group's rows, reduction K, C cols N
  *   DX   dx_g += dy_g @ w[g]^T   M-grouped: reduction N, C cols K
  *   DW   dw[g] += x_g^T @ dy_g   K-grouped: C (K, N) per group, reduction over the group's rows
+ *   FWD_SWIGLU  gate_g = x_g @ w_gate[g], up_g = x_g @ w_up[g], h = swiglu(gate, up): FWD over both
+ *        weights at once (the MoE experts' first layer, tm_grouped_swiglu): a tile's BN
+ *        accumulator columns are BN / 2 columns of w_gate and the same BN / 2 of w_up, so the
+ *        epilogue holds gate and up of the same elements and writes all three outputs; this saves
+ *        the elementwise pass that read gate and up back, and one of the two launches.
  *
  * Operands as wgmma sees them (A: M x red, B: red x Nc), each 64-element reduction slab in shared
  * memory, 128-byte swizzle, loaded by TMA (cp.async.bulk.tensor with mbarrier complete_tx):
@@ -16,6 +21,7 @@
  *   FWD   x rows, K-major: 1 box {64 K, 128 rows}   w[g], N-major: BN/64 boxes {64 N, 64 K}, 3-D map
  *   DX    dy rows, K-major: 1 box {64 N, 128 rows}  w[g] as (K, N): K-major: 1 box {64 N, BN K rows}
  *   DW    x_g^T, M-major: 2 boxes {64 K, 64 rows}   dy_g, N-major: BN/64 boxes {64 N, 64 rows}
+ *   FWD_SWIGLU  as FWD                              BN/128 boxes of w_gate, then BN/128 of w_up
  * A K-major tile is rows of 128 bytes; 8 rows make a 1024-byte swizzle atom (descriptor SBO 1024),
  * the k16 steps advance the start address by 32 bytes inside the row. An MN-major box is 64
  * reduction rows of 64 M/N elements (128 bytes); atoms of 8 rows (SBO 1024), the 64-wide blocks one
@@ -76,11 +82,19 @@
  * epilogue with st.global from the fragments ran at 33-35% (beta's loads serialised behind
  * stores) and with st.shared instead of stmatrix at 75-83%; BN 128 everywhere 61-72%; a consumer
  * warpgroup started 1-3 slabs behind the other (epilogues apart) gained nothing beyond the noise.
+ * FWD_SWIGLU's epilogue: gate and up, rounded to bf16, go to the staging (its boxes in the
+ * accumulators' order: gate's, then up's) and out by TMA to their tensors; once the gate's boxes
+ * are read (bulk wait_group.read 1: up's store may still be reading), h = swiglu(gate, up) of the
+ * rounded values (swiglu.cuh, the elementwise kernel's expression: the same bits as tm_swiglu on
+ * the stored gate and up) overwrites them and goes out to h. Each element's gate and up are the
+ * same sums FWD makes (the k-slabs in order, wgmma's order inside one), so the fused outputs equal
+ * FWD + FWD + swiglu bit for bit (the harness checks it).
  * Determinism: each C element is one thread's sum in a fixed order (slabs ascending, the wgmma's
  * internal order), whatever the grid: no atomics, bit-identical run to run.
  */
 #include "grouped_matmul_sm90.h"
 #include "mma.cuh"
+#include "swiglu.cuh"
 
 #include <cuda.h> /* CUtensorMap and the encode function's types only: no link to libcuda */
 #include <cuda_bf16.h>
@@ -115,6 +129,7 @@ template <int BN> struct gmm90_cfg {
 
 struct gmm90_params {
     __nv_bfloat16 *C;
+    __nv_bfloat16 *C2, *C3; /* FWD_SWIGLU: gate and up (C is h) */
     const int64_t *counts;
     int G, R;
     int Kred;      /* M-grouped: reduction length (FWD K, DX N) */
@@ -182,6 +197,8 @@ __device__ __forceinline__ void gmm90_stsm4(uint32_t addr, uint32_t r0, uint32_t
 }
 __device__ __forceinline__ void gmm90_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void gmm90_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+/* all but the newest bulk group have read their shared memory */
+__device__ __forceinline__ void gmm90_bulk_wait_read1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
 __device__ __forceinline__ void gmm90_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 __device__ __forceinline__ void gmm90_cp_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 __device__ __forceinline__ void gmm90_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -233,11 +250,16 @@ struct gmm90_tile {
 template <int MODE, int BN, bool WRITE = false>
 __global__ void __launch_bounds__(GMM90_THREADS, 1)
     gmm90_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                 const __grid_constant__ CUtensorMap tmC, gmm90_params p) {
+                 const __grid_constant__ CUtensorMap tmC, const __grid_constant__ CUtensorMap tmB2,
+                 const __grid_constant__ CUtensorMap tmC2, const __grid_constant__ CUtensorMap tmC3, gmm90_params p) {
 #ifdef GMM90_DEVICE
     typedef gmm90_cfg<BN> CF;
     constexpr int STAGES = CF::STAGES;
     constexpr bool MG = MODE != TM__GMM90_DW; /* M-grouped */
+    /* FWD_SWIGLU: the tile's BN accumulator columns are BN / 2 columns of w_gate, then the same
+     * BN / 2 columns of w_up; C (h, gate, up) advances BN / 2 columns a tile */
+    constexpr bool SW = MODE == TM__GMM90_FWD_SWIGLU;
+    constexpr int BNC = SW ? BN / 2 : BN;
     extern __shared__ unsigned char gmm90_raw[];
     unsigned char *sm = (unsigned char *)(((uintptr_t)gmm90_raw + 1023) & ~(uintptr_t)1023);
     unsigned char *sA = sm, *sB = sm + STAGES * CF::A_BYTES;
@@ -297,7 +319,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
             const int end = (int)(rows < R ? rows : R);
             s_off[G] = end, s_ts[G] = (int)tiles;
             s_off[G + 1] = R;
-            s_ts[G + 1] = (int)tiles + (MODE == TM__GMM90_FWD ? (R - end + GMM90_BM - 1) / GMM90_BM : 0);
+            s_ts[G + 1] = (int)tiles + (MODE == TM__GMM90_FWD || SW ? (R - end + GMM90_BM - 1) / GMM90_BM : 0);
         }
     }
     __syncthreads();
@@ -339,7 +361,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
         if (MG) {
             tl.r0 = s_off[lo] + (x - s_ts[lo]) * GMM90_BM;
             tl.r1 = s_off[lo + 1];
-            tl.m0 = 0, tl.n0 = nt * BN;
+            tl.m0 = 0, tl.n0 = nt * BNC;
             tl.red0 = 0, tl.red1 = p.Kred, tl.nk = (p.Kred + GMM90_BK - 1) / GMM90_BK;
         } else {
             const int loc = x % TT, mt = loc / p.tiles_n;
@@ -389,6 +411,13 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                     gmm90_tma2(a, &tmA, k0, tl.r0, fb);
 #pragma unroll
                     for (int j = 0; j < BN / 64; j++) gmm90_tma3(b + j * 8192, &tmB, tl.n0 + 64 * j, k0, tl.g, fb);
+                } else if (SW) {
+                    gmm90_tma2(a, &tmA, k0, tl.r0, fb);
+#pragma unroll
+                    for (int j = 0; j < BN / 128; j++) {
+                        gmm90_tma3(b + j * 8192, &tmB, tl.n0 + 64 * j, k0, tl.g, fb);
+                        gmm90_tma3(b + (BN / 128 + j) * 8192, &tmB2, tl.n0 + 64 * j, k0, tl.g, fb);
+                    }
                 } else if (MODE == TM__GMM90_DX) {
                     gmm90_tma2(a, &tmA, k0, tl.r0, fb);
                     gmm90_tma3(b, &tmB, k0, tl.n0, tl.g, fb);
@@ -407,7 +436,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
     /* ---- consumers ---- */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     const int w = wg - 1, wl = tid - 128 * wg, warp = wl >> 5, lane = wl & 31;
-    constexpr bool ACCUM = MODE != TM__GMM90_FWD && !WRITE;
+    constexpr bool ACCUM = MODE != TM__GMM90_FWD && !SW && !WRITE;
     constexpr int TA = MODE == TM__GMM90_DW ? 1 : 0; /* A M-major */
     constexpr int TB = MODE == TM__GMM90_DX ? 0 : 1; /* B N-major */
     float acc[BN / 2];
@@ -442,11 +471,16 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
         if (MG && tl.g == G) {
             /* rows past the groups (bad counts only): FWD writes y = 0 there, DX adds nothing
              * (a fresh dx gets 0 there) */
-            if (MODE == TM__GMM90_FWD || WRITE) {
+            if (MODE == TM__GMM90_FWD || SW || WRITE) {
                 const __nv_bfloat162 z = __floats2bfloat162_rn(0.0f, 0.0f);
                 for (int r = tl.r0 + wl / 8 + 16 * w; r < tl.r0 + GMM90_BM && r < tl.r1; r += 32)
-                    for (int col = tl.n0 + 2 * (wl & 7); col < tl.n0 + BN && col < p.Nout; col += 16)
+                    for (int col = tl.n0 + 2 * (wl & 7); col < tl.n0 + BNC && col < p.Nout; col += 16) {
                         *(__nv_bfloat162 *)(p.C + (long long)r * p.ldc + col) = z;
+                        if (SW) {
+                            *(__nv_bfloat162 *)(p.C2 + (long long)r * p.ldc + col) = z;
+                            *(__nv_bfloat162 *)(p.C3 + (long long)r * p.ldc + col) = z;
+                        }
+                    }
             }
             continue;
         }
@@ -516,6 +550,77 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
         }
 
         /* -- epilogue -- */
+        if constexpr (SW) {
+            /* gate and up rounded to bf16 -> staging (boxes [0, BN / 128) gate, the rest up, the
+             * accumulators' own column order) -> their TMA stores; once the gate boxes are read,
+             * h = swiglu(gate, up) of the rounded values -> those boxes -> its store. A warpgroup
+             * whose rows cross the group's end copies rows below it with 16-byte stores. */
+            stg_acquire();
+            const bool full = wrow + 64 <= wlim;
+            const int m = lane >> 3, r = 16 * warp + 8 * (m & 1) + (lane & 7);
+#pragma unroll
+            for (int i = 0; i < BN / 8; i += 2) {
+                const uint32_t o0 = 4 * i + 0, o1 = 4 * i + 2, o2 = 4 * (i + 1), o3 = 4 * (i + 1) + 2;
+                gmm90_stsm4(stg_a + stg_off(r, i + (m >> 1)), tm__pack_bf16x2(acc[o0], acc[o0 + 1]),
+                            tm__pack_bf16x2(acc[o1], acc[o1 + 1]), tm__pack_bf16x2(acc[o2], acc[o2 + 1]),
+                            tm__pack_bf16x2(acc[o3], acc[o3 + 1]));
+            }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            gmm90_bar(wbar, 128);
+            if (full) {
+                if (wl == 0) {
+#pragma unroll
+                    for (int j = 0; j < BN / 128; j++)
+                        if (tl.n0 + 64 * j < p.Nout) gmm90_tma_store2(&tmC2, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
+                    gmm90_bulk_commit();
+#pragma unroll
+                    for (int j = 0; j < BN / 128; j++)
+                        if (tl.n0 + 64 * j < p.Nout)
+                            gmm90_tma_store2(&tmC3, stg_a + (BN / 128 + j) * 8192, tl.n0 + 64 * j, wrow);
+                    gmm90_bulk_commit();
+                }
+            } else {
+                for (int idx = wl; idx < 64 * (BN / 8); idx += 128) {
+                    const int rr = idx / (BN / 8), c8 = idx - rr * (BN / 8), up = c8 >= BN / 16;
+                    const int row = wrow + rr, col = tl.n0 + 8 * (c8 - up * (BN / 16));
+                    if (row < wlim && col < p.Nout)
+                        *(uint4 *)((up ? p.C3 : p.C2) + (long long)row * p.ldc + col) = *(const uint4 *)(stg + stg_off(rr, c8));
+                }
+            }
+            /* h while the stores read the staging, packed as bf16 pairs in the fragment layout */
+            uint32_t hp[BN / 8];
+#pragma unroll
+            for (int q = 0; q < BN / 8; q++) {
+                const int o = 2 * q; /* accumulators o, o + 1: gate; o + BN / 4, + 1: up */
+                const float g0 = __bfloat162float(__float2bfloat16_rn(acc[o])), g1 = __bfloat162float(__float2bfloat16_rn(acc[o + 1]));
+                const float u0 = __bfloat162float(__float2bfloat16_rn(acc[o + BN / 4]));
+                const float u1 = __bfloat162float(__float2bfloat16_rn(acc[o + BN / 4 + 1]));
+                hp[q] = tm__pack_bf16x2(swiglu_fwd(g0, u0), swiglu_fwd(g1, u1));
+            }
+            if (full && wl == 0) gmm90_bulk_wait_read1(); /* the gate's boxes are free for h */
+            gmm90_bar(wbar, 128);
+#pragma unroll
+            for (int i = 0; i < BN / 16; i += 2) /* hp[2 x] holds accumulators 4 x, + 1; hp[2 x + 1] 4 x + 2, + 3 */
+                gmm90_stsm4(stg_a + stg_off(r, i + (m >> 1)), hp[2 * i], hp[2 * i + 1], hp[2 * (i + 1)], hp[2 * (i + 1) + 1]);
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            gmm90_bar(wbar, 128);
+            if (full) {
+                if (wl == 0) {
+#pragma unroll
+                    for (int j = 0; j < BN / 128; j++)
+                        if (tl.n0 + 64 * j < p.Nout) gmm90_tma_store2(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
+                    gmm90_bulk_commit();
+                }
+            } else {
+                for (int idx = wl; idx < 64 * (BN / 16); idx += 128) {
+                    const int rr = idx / (BN / 16), c8 = idx - rr * (BN / 16);
+                    const int row = wrow + rr, col = tl.n0 + 8 * c8;
+                    if (row < wlim && col < p.Nout)
+                        *(uint4 *)(p.C + (long long)row * p.ldc + col) = *(const uint4 *)(stg + stg_off(rr, c8));
+                }
+            }
+            continue;
+        }
         /* fragments (+ the old C in f32, rounded once) -> staging as bf16 -> TMA store of the
          * warpgroup's 64 rows (TMA clips at R, K, N); a warpgroup whose rows cross the group's end
          * copies its rows below it with 16-byte stores instead */
@@ -661,7 +766,7 @@ static int gmm90_probe(int dev, cudaError_t e, char *why, size_t n) {
 
 template <int MODE, int BN, bool WRITE = false>
 static int gmm90_launch(const tm__gmm90_args *a, const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
-                        gmm90_params p,
+                        const CUtensorMap &mb2, const CUtensorMap &mc2, const CUtensorMap &mc3, gmm90_params p,
                         long long tiles_bound, cudaStream_t st, char *why, size_t n) {
     const size_t smem = gmm90_cfg<BN>::smem(a->G);
     cudaError_t e = cudaFuncSetAttribute(gmm90_kernel<MODE, BN, WRITE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -677,7 +782,7 @@ static int gmm90_launch(const tm__gmm90_args *a, const CUtensorMap &ma, const CU
     if (a->spare_sms > 0 && a->spare_sms < sms) sms -= a->spare_sms;
     const long long grid = tiles_bound < sms ? tiles_bound : sms;
     if (grid <= 0) return 0;
-    gmm90_kernel<MODE, BN, WRITE><<<(unsigned)grid, GMM90_THREADS, smem, st>>>(ma, mb, mc, p);
+    gmm90_kernel<MODE, BN, WRITE><<<(unsigned)grid, GMM90_THREADS, smem, st>>>(ma, mb, mc, mb2, mc2, mc3, p);
     e = cudaGetLastError();
     if (e != cudaSuccess) {
         snprintf(why, n, "grouped_matmul sm90: launching gmm90_kernel<%d, %d> (%lld CTAs, %zu bytes of shared memory): %s",
@@ -703,7 +808,13 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
         snprintf(why, n, "R %lld rows: the sm90 kernel takes fewer than 2^31 - 512", (long long)R);
         return 1;
     }
-    if ((((uintptr_t)a->a | (uintptr_t)a->b | (uintptr_t)a->c) & 15u) != 0) {
+    const int sw = a->mode == TM__GMM90_FWD_SWIGLU;
+    if (sw && (!a->b2 || !a->c_gate || !a->c_up)) {
+        snprintf(why, n, "FWD_SWIGLU needs w_up, gate and up (b2, c_gate, c_up)");
+        return -1;
+    }
+    if ((((uintptr_t)a->a | (uintptr_t)a->b | (uintptr_t)a->c) & 15u) != 0 ||
+        (sw && (((uintptr_t)a->b2 | (uintptr_t)a->c_gate | (uintptr_t)a->c_up) & 15u) != 0)) {
         snprintf(why, n, "an operand is not 16-byte aligned (TMA needs it)");
         return 1;
     }
@@ -713,20 +824,23 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
 
     const uint64_t b2 = 2;
     const int Nout = a->mode == TM__GMM90_DX ? (int)K : (int)N;
-    /* BN: 256 unless 128 covers the columns with fewer padded ones (1408 = 11 x 128) */
-    const int bn = a->bn == 128 || a->bn == 256                                       ? a->bn
-                   : ((Nout + 255) / 256) * 256 <= ((Nout + 127) / 128) * 128 ? 256
-                                                                                 : 128;
+    /* BN: 256 unless 128 covers the columns with fewer padded ones (1408 = 11 x 128); FWD_SWIGLU's
+     * accumulator columns are 2 N (a tile takes BN / 2 of w_gate and the same of w_up) */
+    const int acc_cols = sw ? 2 * Nout : Nout;
+    const int bn = a->bn == 128 || a->bn == 256                                               ? a->bn
+                   : ((acc_cols + 255) / 256) * 256 <= ((acc_cols + 127) / 128) * 128 ? 256
+                                                                                         : 128;
     gmm90_params p;
     memset(&p, 0, sizeof p);
     p.C = (__nv_bfloat16 *)a->c, p.counts = a->counts, p.G = (int)G, p.R = (int)R;
-    p.Nout = Nout, p.tiles_n = (Nout + bn - 1) / bn;
-    CUtensorMap ma, mb, mc;
+    const int bnc = sw ? bn / 2 : bn; /* columns of C a tile */
+    p.Nout = Nout, p.tiles_n = (Nout + bnc - 1) / bnc;
+    CUtensorMap ma, mb, mc, mb2, mc2, mc3;
     const uint32_t cbox[3] = {64, 64, 1};
     const uint64_t w3[3] = {(uint64_t)N, (uint64_t)K, (uint64_t)G}, w3s[2] = {(uint64_t)N * b2, (uint64_t)(K * N) * b2};
     long long bound;
-    if (a->mode == TM__GMM90_FWD || a->mode == TM__GMM90_DX) {
-        const int fwd = a->mode == TM__GMM90_FWD;
+    if (a->mode == TM__GMM90_FWD || a->mode == TM__GMM90_DX || sw) {
+        const int fwd = a->mode != TM__GMM90_DX;
         const int64_t red = fwd ? K : N;
         const uint64_t da[2] = {(uint64_t)red, (uint64_t)R}, sa[1] = {(uint64_t)red * b2};
         const uint32_t ba[2] = {64, 128};
@@ -734,7 +848,13 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
         const uint32_t bb[3] = {64, fwd ? 64u : (uint32_t)bn, 1};
         if (gmm90_map(enc, &mb, a->b, 3, w3, w3s, bb, "w", why, n)) return -1;
         const uint64_t dc[2] = {(uint64_t)Nout, (uint64_t)R}, sc[1] = {(uint64_t)Nout * b2};
-        if (gmm90_map(enc, &mc, a->c, 2, dc, sc, cbox, fwd ? "y" : "dx", why, n)) return -1;
+        if (gmm90_map(enc, &mc, a->c, 2, dc, sc, cbox, sw ? "h" : fwd ? "y" : "dx", why, n)) return -1;
+        if (sw) {
+            if (gmm90_map(enc, &mb2, a->b2, 3, w3, w3s, bb, "w_up", why, n)) return -1;
+            if (gmm90_map(enc, &mc2, a->c_gate, 2, dc, sc, cbox, "gate", why, n)) return -1;
+            if (gmm90_map(enc, &mc3, a->c_up, 2, dc, sc, cbox, "up", why, n)) return -1;
+            p.C2 = (__nv_bfloat16 *)a->c_gate, p.C3 = (__nv_bfloat16 *)a->c_up;
+        }
         p.Kred = (int)red, p.ldc = Nout;
         bound = ((R + 127) / 128 + G + 1) * (long long)p.tiles_n;
     } else if (a->mode == TM__GMM90_DW) {
@@ -748,27 +868,32 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
         p.sched = a->sched;
         bound = G * (long long)p.tiles_m * p.tiles_n;
     } else {
-        snprintf(why, n, "mode %d is none of FWD, DX, DW", a->mode);
+        snprintf(why, n, "mode %d is none of FWD, DX, DW, FWD_SWIGLU", a->mode);
         return -1;
     }
     if (bound > INT32_MAX - 4096) { /* DW's counter adds up to a grid (the SMs) past the last tile */
         snprintf(why, n, "%lld tiles: more than the sm90 kernel's int32 tile index", bound);
         return 1;
     }
+    if (!sw) mb2 = mb, mc2 = mc, mc3 = mc; /* unused: any valid map */
+#define GMM90_MAPS ma, mb, mc, mb2, mc2, mc3, p, bound, st, why, n
     switch (a->mode * 2 + (bn == 256)) {
-    case 0: return gmm90_launch<TM__GMM90_FWD, 128>(a, ma, mb, mc, p, bound, st, why, n);
-    case 1: return gmm90_launch<TM__GMM90_FWD, 256>(a, ma, mb, mc, p, bound, st, why, n);
+    case 0: return gmm90_launch<TM__GMM90_FWD, 128>(a, GMM90_MAPS);
+    case 1: return gmm90_launch<TM__GMM90_FWD, 256>(a, GMM90_MAPS);
+    case 6: return gmm90_launch<TM__GMM90_FWD_SWIGLU, 128>(a, GMM90_MAPS);
+    case 7: return gmm90_launch<TM__GMM90_FWD_SWIGLU, 256>(a, GMM90_MAPS);
     case 2:
-        return a->write ? gmm90_launch<TM__GMM90_DX, 128, true>(a, ma, mb, mc, p, bound, st, why, n)
-                        : gmm90_launch<TM__GMM90_DX, 128>(a, ma, mb, mc, p, bound, st, why, n);
+        return a->write ? gmm90_launch<TM__GMM90_DX, 128, true>(a, GMM90_MAPS)
+                        : gmm90_launch<TM__GMM90_DX, 128>(a, GMM90_MAPS);
     case 3:
-        return a->write ? gmm90_launch<TM__GMM90_DX, 256, true>(a, ma, mb, mc, p, bound, st, why, n)
-                        : gmm90_launch<TM__GMM90_DX, 256>(a, ma, mb, mc, p, bound, st, why, n);
+        return a->write ? gmm90_launch<TM__GMM90_DX, 256, true>(a, GMM90_MAPS)
+                        : gmm90_launch<TM__GMM90_DX, 256>(a, GMM90_MAPS);
     case 4:
-        return a->write ? gmm90_launch<TM__GMM90_DW, 128, true>(a, ma, mb, mc, p, bound, st, why, n)
-                        : gmm90_launch<TM__GMM90_DW, 128>(a, ma, mb, mc, p, bound, st, why, n);
+        return a->write ? gmm90_launch<TM__GMM90_DW, 128, true>(a, GMM90_MAPS)
+                        : gmm90_launch<TM__GMM90_DW, 128>(a, GMM90_MAPS);
     default:
-        return a->write ? gmm90_launch<TM__GMM90_DW, 256, true>(a, ma, mb, mc, p, bound, st, why, n)
-                        : gmm90_launch<TM__GMM90_DW, 256>(a, ma, mb, mc, p, bound, st, why, n);
+        return a->write ? gmm90_launch<TM__GMM90_DW, 256, true>(a, GMM90_MAPS)
+                        : gmm90_launch<TM__GMM90_DW, 256>(a, GMM90_MAPS);
     }
+#undef GMM90_MAPS
 }

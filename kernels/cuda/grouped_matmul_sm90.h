@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-enum { TM__GMM90_FWD = 0, TM__GMM90_DX = 1, TM__GMM90_DW = 2 };
+enum { TM__GMM90_FWD = 0, TM__GMM90_DX = 1, TM__GMM90_DW = 2, TM__GMM90_FWD_SWIGLU = 3 };
 
 /* One grouped GEMM, bf16 in and out, f32 accumulation. Group g owns rows
  * [off_g, off_g + counts[g]) of the (R, .) operands, off_g = sum_{h<g} counts[h], counts (G) i64
@@ -26,6 +26,11 @@ enum { TM__GMM90_FWD = 0, TM__GMM90_DX = 1, TM__GMM90_DW = 2 };
  *                                               write, dx = (rows past the last group get 0)
  *   DW:  dw[g] (K, N) += x_g^T @ dy_g           a = x (R, K), b = dy (R, N), c = dw (G, K, N); an
  *                                               empty group leaves dw[g] untouched
+ *   FWD_SWIGLU: gate (R, N) = x_g @ w[g],  up (R, N) = x_g @ w2[g],  h (R, N) = swiglu(gate, up)
+ *                                               a = x (R, K), b = w_gate (G, K, N), b2 = w_up
+ *                                               (G, K, N), c = h, c_gate = gate, c_up = up; h from
+ *                                               the bf16-rounded gate and up (swiglu.cuh: the bits
+ *                                               of tm_swiglu on them); rows past the last group get 0
  * All pointers 16-byte aligned, K and N multiples of 8 (TMA strides), 1 <= G <= TM__GMM90_MAX_G,
  * R < 2^31 - 256. */
 typedef struct tm__gmm90_args {
@@ -42,6 +47,8 @@ typedef struct tm__gmm90_args {
     int *sched;    /* DW: one int of device memory holding 0 at the launch (the kernel's tile
                     * counter: dynamic, largest groups first), or NULL (a static round-robin of
                     * the same tiles); FWD, DX: unused */
+    const void *b2;      /* FWD_SWIGLU: w_up (G, K, N); otherwise unused */
+    void *c_gate, *c_up; /* FWD_SWIGLU: the pre-activations (R, N), written; otherwise unused */
 } tm__gmm90_args;
 
 #define TM__GMM90_MAX_G 1024

@@ -47,26 +47,44 @@ PREFIX=/tmp/tinymoe-deps
 export LD_LIBRARY_PATH="$PREFIX/usr/lib/x86_64-linux-gnu:$PREFIX/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 rc=0
-# one <tool> <name> <command...>: the command under the tool; fails on a sanitizer error or a failing command
+# one <tool> <name> <command...>: the command under the tool; fails on a sanitizer error or a failing command.
+# IGNORE_KERNELS (an ERE of kernel names, empty: none): hazards reported in those kernels only are not ours
+# (cuBLAS's own Hopper kernels, nvjet_*, which the harness runs as its reference: racecheck reports
+# hazards between their TMA writes and wgmma reads that it cannot order). compute-sanitizer's own
+# --kernel-name / --kernel-name-exclude filters end those runs in "failed to handle a hardware
+# exception" (CUDA 13, H200), so the filter is applied to the report instead.
+IGNORE_KERNELS=''
 one() {
     local tool=$1 name=$2 log="$LOGDIR/${1}_$2.log"
     shift 2
     compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 97 "$@" >"$log" 2>&1
     local r=$?
-    local errs
-    errs=$(grep -E "ERROR SUMMARY: [1-9]|RACECHECK SUMMARY: [1-9]|========= (Invalid|Race|Error)" "$log" | head -3)
-    if [ $r -ne 0 ] || [ -n "$errs" ]; then
-        echo "FAIL $tool $name (exit $r): ${errs:-see $log}"
+    local errs ours
+    errs=$(grep -E "ERROR SUMMARY: [1-9]|RACECHECK SUMMARY: [1-9]|========= (Invalid|Race|Error)" "$log")
+    ours=$errs
+    if [ -n "$IGNORE_KERNELS" ]; then
+        # every reported hazard is in an ignored kernel: only the summaries and those hazards remain
+        ours=$(echo "$errs" | grep -vE "SUMMARY|Race reported between .* access at ($IGNORE_KERNELS)")
+        [ $r -eq 97 ] && [ -z "$ours" ] && grep -qE "Race reported" "$log" && r=0
+    fi
+    if [ $r -ne 0 ] || [ -n "$ours" ]; then
+        echo "FAIL $tool $name (exit $r): $(echo "${ours:-$errs}" | head -3)"
         rc=1
     else
-        echo "PASS $tool $name ($(grep -cE 'ERROR SUMMARY: 0|RACECHECK SUMMARY: 0' "$log") processes clean)"
+        local nign=0
+        [ -n "$IGNORE_KERNELS" ] && nign=$(grep -cE "Race reported between .* access at ($IGNORE_KERNELS)" "$log")
+        if [ "$nign" -gt 0 ]; then
+            echo "PASS $tool $name (no hazard in our kernels; $nign reported in $IGNORE_KERNELS kernels, not ours, ignored)"
+        else
+            echo "PASS $tool $name ($(grep -cE 'ERROR SUMMARY: 0|RACECHECK SUMMARY: 0' "$log") processes clean)"
+        fi
     fi
 }
 IFS=, read -r -a TOOLS <<<"$tools"
 IFS=, read -r -a GLOBS <<<"$filters"
 for tool in "${TOOLS[@]}"; do
     if [ -x build/bench/gmm_sm90_harness ] && nvidia-smi --query-gpu=compute_cap --format=csv,noheader | grep -q '^9\.0'; then
-        one "$tool" gmm_sm90_harness build/bench/gmm_sm90_harness --small
+        IGNORE_KERNELS='nvjet_' one "$tool" gmm_sm90_harness build/bench/gmm_sm90_harness --small
     fi
     for g in "${GLOBS[@]}"; do
         one "$tool" "$(echo "$g" | tr -c 'A-Za-z0-9_\n' '_')" build/tinymoe_tests --jobs 1 --filter="$g"
