@@ -724,6 +724,20 @@ TM_API tm_status tm_attention(tm_ctx *ctx, tm_tensor *q, tm_tensor *k, tm_tensor
  * apply_router_token_dropping, get_updated_expert_bias), DeepSeek-V3 (arXiv 2412.19437),
  * ST-MoE (Zoph et al. 2022, arXiv 2202.08906), Switch Transformer (Fedus et al. 2021). */
 
+/* The router's gating GEMM: logits = x @ w, in w's dtype, from x widened exactly (Megatron-LM's
+ * router_gating_linear with moe_router_dtype fp32: the routing decision is made in f32 whatever
+ * the activations' dtype).
+ *   x       [T, H]  float: w's dtype, or bf16 with f32 w
+ *   w       [H, E]  f32 or f64
+ *   logits  [T, E]  w's dtype: logits[t, e] = sum_h x[t, h] w[h, e]
+ * The same values as tm_matmul(tm_cast(x, dtype(w)), w) up to the order of the sums over H, without
+ * the [T, H] copy of x in w's dtype (CUDA reads bf16 x directly: kernels/cuda/moe_gating.cu).
+ * Backward: dx = dlogits w^T in x's dtype (added in f32 to a gradient x already has and rounded
+ * once), dw += x^T dlogits in w's dtype; every sum in a fixed order (deterministic).
+ * Errors (messages name the tensors): TM_ERR_DTYPE for w not f32 / f64, or x neither w's dtype
+ * nor bf16 with f32 w; TM_ERR_SHAPE for x not [T, H] or w not [H, E]. */
+TM_API tm_status tm_moe_gating(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor **logits);
+
 typedef enum tm_score_function {
     TM_SCORE_SOFTMAX = 0, /* softmax over experts (pre- or post-top-k, see use_pre_softmax) */
     TM_SCORE_SIGMOID = 1  /* independent sigmoid per expert (DeepSeek-V3) */

@@ -3,7 +3,7 @@
  * a few internal entry points of framework/extend.h: the all-to-all without its count check,
  * host copies of counts):
  *
- *   x [T,H] --gate (f32 matmul)--> logits [T,E] --router--> probs, routing_map, tokens_per_expert
+ *   x [T,H] --gate (tm_moe_gating, f32)--> logits [T,E] --router--> probs, routing_map, tokens_per_expert
  *     (aux losses from logits and counts; optional capacity drop)
  *   --permute--> rows [R,H] --grouped GEMMs: swiglu(rows @ W0[e], rows @ W1[e]) @ Wo[e]-->
  *   --unpermute (prob-weighted sum)--> y [T,H]  (+ shared-expert SwiGLU on every token)
@@ -1104,7 +1104,7 @@ tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor *
     int64_t T = tm_tensor_numel(x) / H, shape2[2] = {T, H};
     if (cfg->seq_aux_loss_coeff > 0 && T % num_seqs)
         return BAD("tm_moe_forward: %lld tokens do not split into num_seqs = %lld sequences", (long long)T, (long long)num_seqs);
-    tm_tensor *x2, *xg, *logits;
+    tm_tensor *x2, *logits;
     TM__TRY(tm_reshape(ctx, x, 2, shape2, &x2));
     /* ZeRO-3: the block's weights all-gathered for this forward (fsdp.c; the block itself
      * otherwise), given back at its end; the backward gathers them again. */
@@ -1115,10 +1115,9 @@ tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor *
         if (*wts[i]) TM__TRY(tm__param_use(ctx, *wts[i], wts[i]));
     tm_moe *const W = &gathered;
 
-    /* Gate in f32 whatever the activation dtype (router precision matters for selection). */
-    xg = x2;
-    if (tm_tensor_dtype(x2) != m->gate_dtype) TM__TRY(tm_cast(ctx, x2, m->gate_dtype, &xg));
-    TM__TRY(tm_matmul(ctx, xg, W->gate, 0, 0, &logits));
+    /* Gate in f32 whatever the activation dtype (router precision matters for selection):
+     * tm_moe_gating reads bf16 x as it is, without an f32 copy. */
+    TM__TRY(tm_moe_gating(ctx, x2, W->gate, &logits));
 
     tm_router_out ro;
     TM__TRY(tm_moe_router(ctx, logits, m->expert_bias, &cfg->router, &ro));
