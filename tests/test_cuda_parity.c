@@ -249,12 +249,14 @@ static const tt_pcase CASES[] = {
     {"sum_all", "sum_all long (split)", f_sum_all, 1, {1}, {{70001}}, {0}, {0}, {0}, 100, 0},
     {"mean_all", "mean_all", f_mean_all, 1, {2}, {{13, 11}}, {0}, {0}, {0}, 1, 0},
     /* grouped_swiglu (R = 14, 8 groups, ragged with empty ones): K and F multiples of 8, so bf16
-     * may take the one-launch Hopper path where the context's grouped_gemm mode allows it. Its
-     * gradients are sums over F and over a group's rows of products of bf16-rounded
-     * intermediates (a, b, da, db: a summation-order flip of one of them moves it by 2^-8), hence
-     * the atol scale 10. */
-    {"grouped_swiglu", "grouped_swiglu, ragged counts with empty groups", f_grouped_swiglu, 3, {2, 3, 3}, {{14, 16}, {8, 16, 24}, {8, 16, 24}}, {0}, {0}, {0}, 10, 0},
-    {"grouped_swiglu", "grouped_swiglu, other counts, K 24 F 8", f_grouped_swiglu, 3, {2, 3, 3}, {{14, 24}, {8, 24, 8}, {8, 24, 8}}, {0}, {0}, {1}, 10, 0},
+     * may take the one-launch Hopper path where the context's grouped_gemm mode allows it. In
+     * bf16 the CPU and CUDA round the intermediates a, b (f32 sums in different orders) and da, db
+     * (different exp) to bf16 each; one that lands on the neighbouring value moves by 2^-8 of
+     * itself (|da| up to ~30 with these uniform [-2, 2) inputs) and so moves the dx and dw sums
+     * it enters by up to ~0.25, which near a sum's zero no rtol covers: atol scale 50 (bf16 0.5;
+     * f32 5e-4, above the f32 sums' O(1e-4) order differences at these magnitudes). */
+    {"grouped_swiglu", "grouped_swiglu, ragged counts with empty groups", f_grouped_swiglu, 3, {2, 3, 3}, {{14, 16}, {8, 16, 24}, {8, 16, 24}}, {0}, {0}, {0}, 50, 0},
+    {"grouped_swiglu", "grouped_swiglu, other counts, K 24 F 8", f_grouped_swiglu, 3, {2, 3, 3}, {{14, 24}, {8, 24, 8}, {8, 24, 8}}, {0}, {0}, {1}, 50, 0},
     {"silu", "silu", f_silu, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1, 0},
     {"swiglu", "swiglu", f_swiglu, 2, {2, 2}, {{4, 9}, {4, 9}}, {0}, {0}, {0}, 1, 0},
     /* the elementwise kernels move 16 bytes per access when n is a multiple of 8 (bf16) or
