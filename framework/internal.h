@@ -360,6 +360,13 @@ tm_status tm__grouped_matmul_counts(tm__call *c, const int64_t **cnt);
 /* The same from the host mirror only, never reading back: *cnt = the validated mirror, or NULL
  * when the counts have none (the bf16 CUDA kernel then takes them on the device, unvalidated). */
 tm_status tm__grouped_matmul_counts_mirrored(tm__call *c, const int64_t **cnt);
+/* grouped_swiglu's kernels (kernels/{cpu,cuda}/grouped_swiglu.*) run the composition's kernels on
+ * these calls, made from the op's call c (framework/ops/grouped_swiglu.c): gmm_call is
+ * grouped_matmul's (x, weight w = 1 gate or 2 up, counts) -> y; with dy (backward) its gout is dy
+ * and its gin / gin_fresh are c's of x and of that weight. act_call is swiglu's (a, b) -> c's
+ * out[0], its gout c's; the caller sets its gin. */
+tm__call tm__grouped_swiglu_gmm_call(const tm__call *c, int w, tm_tensor *y, tm_tensor *dy);
+tm__call tm__grouped_swiglu_act_call(const tm__call *c, tm_tensor *a, tm_tensor *b);
 /* moe_sort_chunks: split_sizes on the host, checked (non-negative, summing to the rows of x):
  * the tensor itself on the CPU, its host mirror on a device; *sizes = NULL on a device without a
  * mirror (its kernels then read the sizes on the device; never a read back). */

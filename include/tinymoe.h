@@ -1042,6 +1042,25 @@ TM_API tm_status tm_moe_sort_chunks(tm_ctx *ctx, tm_tensor *x, tm_tensor *split_
  * summing to R), TM_ERR_INVALID_ARG (a negative count; on CUDA, shapes too large for one
  * launch). */
 TM_API tm_status tm_grouped_matmul(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor *counts, tm_tensor **out);
+/* The experts' gate and up projections and SwiGLU (Shazeer 2020, "GLU Variants Improve
+ * Transformer") in one op: per group g of rows (counts as tm_grouped_matmul's),
+ *   out_g = silu(x_g @ w_gate[g]) * (x_g @ w_up[g]),   silu(a) = a * sigmoid(a).
+ * x [R,K]; w_gate and w_up [G,K,F], of one shape and of x's float dtype; counts i64 [G]
+ * (each >= 0, sum = R; validated, read and kept on the host exactly as tm_grouped_matmul does,
+ * so no more synchronisations than there); out [R,F] in x's dtype.
+ * The same values as tm_swiglu(tm_grouped_matmul(x, w_gate, counts), tm_grouped_matmul(x, w_up,
+ * counts)), bf16 rounding included: both projections are rounded to the dtype first, then the
+ * activation is computed from the rounded values in f32 and rounded once; the gradients of x,
+ * w_gate and w_up are those of that composition too (its kernels, in its order). Why one op:
+ * on Hopper both GEMMs and the activation can run in one launch, without writing the two
+ * projections out and reading them back; elsewhere it runs the composition's kernels. The
+ * two projections are kept for the backward ([R,F] each, as the composition keeps them).
+ * Errors: TM_ERR_DTYPE (x, w_gate or w_up not float or of different dtypes; counts not i64),
+ * TM_ERR_SHAPE (x not 2-D, a weight not 3-D, w_gate and w_up of different shapes, counts not
+ * [G], K differs, counts running past R or not summing to R), TM_ERR_INVALID_ARG (a negative
+ * count; on CUDA, shapes too large for one launch). */
+TM_API tm_status tm_grouped_swiglu(tm_ctx *ctx, tm_tensor *x, tm_tensor *w_gate, tm_tensor *w_up, tm_tensor *counts,
+                                   tm_tensor **out);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Mixture of Experts: the block                                                               */

@@ -113,6 +113,16 @@ static tm_status f_swiglu_one_grad(tm_ctx *c, tm_tensor **in, const int64_t *a, 
     if (!st) st = k == 0 ? tm_swiglu(c, in[0], frozen, &y) : tm_swiglu(c, frozen, in[1], &y);
     return st ? st : tm_add(c, y, in[1 - k], o);
 }
+/* grouped_swiglu over in[0] x [R,K], in[1] w_gate, in[2] w_up [G,K,F], with counts made here
+ * (the harness's index inputs are uniform draws; counts must sum to R): a[0] picks the set. Both
+ * sets have empty groups (first, middle, last) and a one-row group. */
+static tm_status f_grouped_swiglu(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    static const int64_t sets[2][8] = {{0, 4, 0, 1, 6, 0, 3, 0}, {5, 0, 2, 0, 1, 0, 0, 6}};
+    int64_t G = 8;
+    tm_tensor *counts;
+    tm_status st = tm_tensor_from_host(c, TM_I64, 1, &G, tm_tensor_device(in[0]), TM_I64, sets[a[0]], &counts);
+    return st ? st : tm_grouped_swiglu(c, in[0], in[1], in[2], counts, o);
+}
 static tm_status f_rmsnorm(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
     return tm_rmsnorm(c, in[0], in[1], 1e-5, o);
 }
@@ -258,6 +268,15 @@ static const tt_pcase CASES[] = {
     {"sum_all", "sum_all", f_sum_all, 1, {3}, {{3, 5, 7}}, {0}, {0}, {0}, 1, 0},
     {"sum_all", "sum_all long (split)", f_sum_all, 1, {1}, {{70001}}, {0}, {0}, {0}, 100, 0},
     {"mean_all", "mean_all", f_mean_all, 1, {2}, {{13, 11}}, {0}, {0}, {0}, 1, 0},
+    /* grouped_swiglu (R = 14, 8 groups, ragged with empty ones): K and F multiples of 8, so bf16
+     * may take the one-launch Hopper path where the context's grouped_gemm mode allows it. In
+     * bf16 the CPU and CUDA round the intermediates a, b (f32 sums in different orders) and da, db
+     * (different exp) to bf16 each; one that lands on the neighbouring value moves by 2^-8 of
+     * itself (|da| up to ~30 with these uniform [-2, 2) inputs) and so moves the dx and dw sums
+     * it enters by up to ~0.25, which near a sum's zero no rtol covers: atol scale 50 (bf16 0.5;
+     * f32 5e-4, above the f32 sums' O(1e-4) order differences at these magnitudes). */
+    {"grouped_swiglu", "grouped_swiglu, ragged counts with empty groups", f_grouped_swiglu, 3, {2, 3, 3}, {{14, 16}, {8, 16, 24}, {8, 16, 24}}, {0}, {0}, {0}, 50, 0},
+    {"grouped_swiglu", "grouped_swiglu, other counts, K 24 F 8", f_grouped_swiglu, 3, {2, 3, 3}, {{14, 24}, {8, 24, 8}, {8, 24, 8}}, {0}, {0}, {1}, 50, 0},
     {"silu", "silu", f_silu, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1, 0},
     {"swiglu", "swiglu", f_swiglu, 2, {2, 2}, {{4, 9}, {4, 9}}, {0}, {0}, {0}, 1, 0},
     /* the elementwise kernels move 16 bytes per access when n is a multiple of 8 (bf16) or

@@ -12,24 +12,25 @@
  */
 #include "internal.h"
 
-/* Validate cnt (G host values) against R. src[0]: the caller's x, not a bf16 staging copy. */
+/* Validate cnt (G host values) against R. src[0]: the caller's x, not a bf16 staging copy. The
+ * messages name the call's op: grouped_swiglu's kernels run these kernels under their own op. */
 static tm_status check_counts(tm__call *c, const int64_t *cnt) {
     tm_ctx *ctx = c->ctx;
     const tm_tensor *x = c->src[0], *counts = c->in[2];
     int64_t G = counts->shape[0], R = x->shape[0], sum = 0;
     for (int64_t g = 0; g < G; g++) {
         if (cnt[g] < 0)
-            return tm__err(ctx, TM_ERR_INVALID_ARG, "grouped_matmul: counts[%lld] = %lld is negative (counts %s)",
-                           (long long)g, (long long)cnt[g], tm__tdesc(ctx, counts));
+            return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: counts[%lld] = %lld is negative (counts %s)",
+                           tm__opname(c), (long long)g, (long long)cnt[g], tm__tdesc(ctx, counts));
         if (cnt[g] > R - sum)
-            return tm__err(ctx, TM_ERR_SHAPE, "grouped_matmul: counts exceed the rows of x at group %lld "
+            return tm__err(ctx, TM_ERR_SHAPE, "%s: counts exceed the rows of x at group %lld "
                            "(counts[%lld] = %lld, %lld rows before it, x %s)",
-                           (long long)g, (long long)g, (long long)cnt[g], (long long)sum, tm__tdesc(ctx, x));
+                           tm__opname(c), (long long)g, (long long)g, (long long)cnt[g], (long long)sum, tm__tdesc(ctx, x));
         sum += cnt[g];
     }
     if (sum != R)
-        return tm__err(ctx, TM_ERR_SHAPE, "grouped_matmul: counts sum to %lld but x has %lld rows (x %s, counts %s)",
-                       (long long)sum, (long long)R, tm__tdesc(ctx, x), tm__tdesc(ctx, counts));
+        return tm__err(ctx, TM_ERR_SHAPE, "%s: counts sum to %lld but x has %lld rows (x %s, counts %s)",
+                       tm__opname(c), (long long)sum, (long long)R, tm__tdesc(ctx, x), tm__tdesc(ctx, counts));
     return TM_OK;
 }
 

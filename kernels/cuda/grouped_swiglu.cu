@@ -1,0 +1,78 @@
+/*
+ * grouped_swiglu.cu — CUDA kernels of tm_grouped_swiglu: the experts' gate and up projections
+ * with SwiGLU.
+ *
+ * Layout, as kernels/cpu/grouped_swiglu.c:
+ *   in[0]    x       (R, K)     rows of group g are [off_g, off_g + counts[g]) (grouped_matmul's)
+ *   in[1]    w_gate  (G, K, F)
+ *   in[2]    w_up    (G, K, F)
+ *   in[3]    counts  (G) i64    each >= 0, sum = R
+ *   out[0]   h       (R, F)     h = silu(a) * b
+ *   saved[0] a       (R, F)     a_g = x_g @ w_gate[g], in x's dtype (what grouped_matmul stores)
+ *   saved[1] b       (R, F)     b_g = x_g @ w_up[g]
+ *
+ * Forward: bf16 x first offers the call to gsw_try_fused, the one-launch Hopper path (both
+ * GEMMs with SwiGLU in the epilogue, writing a, b and h: the composition's values, a and b
+ * rounded to bf16 before the activation reads them). Where it does not run, and for f32, the
+ * composition: grouped_matmul's kernels for a and b (whichever path the context's grouped_gemm
+ * mode selects, with its counts contract: a host mirror or one read back for cuBLASLt, none on
+ * the device schedules), then swiglu's kernel on them.
+ * Backward, the composition's kernels in the order its tape runs them (newest first), so every
+ * gradient has its bits (bf16 intermediates are bf16 tensors here, as there):
+ *   swiglu:  da, db = d(silu(a) * b) into fresh scratch of a's dtype (only those some gradient needs)
+ *   up:      dx (+)= db_g @ w_up[g]^T,   dw_up[g] += x_g^T @ db_g      (dx written if fresh)
+ *   gate:    dx  += da_g @ w_gate[g]^T,  dw_gate[g] += x_g^T @ da_g
+ */
+#include "common.cuh"
+
+/* The one-launch path: 1 when it ran (its status in *s), 0 to run the composition. */
+static int gsw_try_fused(tm__call *c, tm__cuda *st, tm_tensor *a, tm_tensor *b, tm_tensor *h, tm_status *s) {
+    /* the Hopper fused path: added by the coordinator */
+    (void)c, (void)st, (void)a, (void)b, (void)h;
+    *s = TM_OK;
+    return 0;
+}
+
+extern "C" tm_status tm__grouped_swiglu_forward_cuda(tm__call *c) {
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(c->ctx, "grouped_swiglu", &st));
+    const tm_tensor *x = c->in[0];
+    int64_t shape[2] = {x->shape[0], c->in[1]->shape[2]};
+    tm_tensor *a, *b, *h = c->out[0];
+    TM__TRY(tm__saved_new(c, x->dtype, 2, shape, &a));
+    TM__TRY(tm__saved_new(c, x->dtype, 2, shape, &b));
+    if (x->dtype == TM_BF16) {
+        tm_status s;
+        if (gsw_try_fused(c, st, a, b, h, &s)) return s;
+    }
+    tm__call k = tm__grouped_swiglu_gmm_call(c, 1, a, NULL);
+    TM__TRY(tm__grouped_matmul_forward_cuda(&k));
+    k = tm__grouped_swiglu_gmm_call(c, 2, b, NULL);
+    TM__TRY(tm__grouped_matmul_forward_cuda(&k));
+    k = tm__grouped_swiglu_act_call(c, a, b);
+    return tm__swiglu_forward_cuda(&k);
+}
+
+extern "C" tm_status tm__grouped_swiglu_backward_cuda(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    tm_tensor *gx = c->gin[0], *gwg = c->gin[1], *gwu = c->gin[2], *a = c->saved[0], *b = c->saved[1];
+    if (!gx && !gwg && !gwu) return TM_OK;
+    /* the composition's swiglu computes the gradient of a (b) only where x or w_gate (w_up) needs one */
+    tm_tensor *da = NULL, *db = NULL;
+    if (gx || gwg) TM__TRY(tm__tensor_new(ctx, a->dtype, a->ndim, a->shape, a->device, &da));
+    if (gx || gwu) TM__TRY(tm__tensor_new(ctx, b->dtype, b->ndim, b->shape, b->device, &db));
+    tm__call k = tm__grouped_swiglu_act_call(c, a, b);
+    k.gin[0] = da, k.gin_fresh[0] = 1;
+    k.gin[1] = db, k.gin_fresh[1] = 1;
+    TM__TRY(tm__swiglu_backward_cuda(&k));
+    if (db) {
+        k = tm__grouped_swiglu_gmm_call(c, 2, NULL, db);
+        TM__TRY(tm__grouped_matmul_backward_cuda(&k));
+    }
+    if (da) {
+        k = tm__grouped_swiglu_gmm_call(c, 1, NULL, da);
+        if (db) k.gin_fresh[0] = 0; /* the up projection wrote dx */
+        TM__TRY(tm__grouped_matmul_backward_cuda(&k));
+    }
+    return TM_OK;
+}
