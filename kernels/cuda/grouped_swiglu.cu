@@ -24,13 +24,43 @@
  *   gate:    dx  += da_g @ w_gate[g]^T,  dw_gate[g] += x_g^T @ da_g
  */
 #include "common.cuh"
+#include "grouped_matmul_sm90.h"
 
-/* The one-launch path: 1 when it ran (its status in *s), 0 to run the composition. */
+#include <string.h>
+
+/* The one-launch path under TM_GROUPED_GEMM_HOPPER (grouped_matmul_sm90.cu's FWD_SWIGLU: both
+ * GEMMs and the activation in one kernel, counts read on the device): 1 when it ran (its status
+ * in *s), 0 to run the composition (the reason goes to tm__gmm_note, as grouped_matmul's does). */
 static int gsw_try_fused(tm__call *c, tm__cuda *st, tm_tensor *a, tm_tensor *b, tm_tensor *h, tm_status *s) {
-    /* the Hopper fused path: added by the coordinator */
-    (void)c, (void)st, (void)a, (void)b, (void)h;
     *s = TM_OK;
-    return 0;
+    if (tm__gmm_mode(c->ctx) != TM_GROUPED_GEMM_HOPPER) return 0;
+    const tm_tensor *x = c->in[0], *wg = c->in[1], *wu = c->in[2];
+    /* a mirror of the counts is validated as grouped_matmul's device path does; nothing is read back */
+    tm__call k = tm__grouped_swiglu_gmm_call(c, 1, a, NULL);
+    const int64_t *cnt;
+    if ((*s = tm__grouped_matmul_counts_mirrored(&k, &cnt)) != TM_OK) return 1;
+    if (x->shape[0] == 0 || wg->shape[2] == 0) return 0; /* nothing to compute: the composition's checks */
+    tm__gmm90_args g;
+    memset(&g, 0, sizeof g);
+    g.mode = TM__GMM90_FWD_SWIGLU;
+    g.a = tm__data(x), g.b = tm__data(wg), g.b2 = tm__data(wu);
+    g.c = tm__data(h), g.c_gate = tm__data(a), g.c_up = tm__data(b);
+    g.counts = (const int64_t *)tm__data(c->in[3]);
+    g.G = wg->shape[0], g.R = x->shape[0], g.K = wg->shape[1], g.N = wg->shape[2];
+    g.spare_sms = tm__cuda_side_busy(st) ? tm__coll_spare_sms(c->ctx) : 0;
+    char why[256];
+    const int rc = tm__gmm90_run(&g, st->stream, why, sizeof why);
+    if (rc == 0) {
+        tm__gmm_set_note(c->ctx, "");
+        return 1;
+    }
+    if (rc > 0) {
+        tm__gmm_set_note(c->ctx, why);
+        return 0;
+    }
+    *s = tm__err(c->ctx, TM_ERR_CUDA, "grouped_swiglu: x %s, w_gate %s on the sm90 kernel: %s", tm__tdesc(c->ctx, x),
+                 tm__tdesc(c->ctx, wg), why);
+    return 1;
 }
 
 extern "C" tm_status tm__grouped_swiglu_forward_cuda(tm__call *c) {
