@@ -44,12 +44,12 @@ ADAMW = "adamw_multi_kernel"
 UNIT_MS = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0, "second": 1e3, "s": 1e3}
 
 
-GMM90_MODES = {"0": "FWD", "1": "DX", "2": "DW"}
+GMM90_MODES = {"0": "FWD", "1": "DX", "2": "DW", "3": "FWD_SWIGLU"}
 
 
 def short(name):
     """A kernel's name without its parameter list and template arguments (and any return type);
-    the sm90 grouped GEMM keeps its direction (gmm90_kernel<MODE, ...>: FWD, DX, DW)."""
+    the sm90 grouped GEMM keeps its direction (gmm90_kernel<MODE, ...>: FWD, DX, DW, FWD_SWIGLU)."""
     m = re.search(r"gmm90_kernel<(?:\(int\))?(\d)", name)
     if m:
         return f"gmm90_kernel {GMM90_MODES.get(m.group(1), m.group(1))}"

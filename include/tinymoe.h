@@ -730,10 +730,12 @@ TM_API tm_status tm_attention(tm_ctx *ctx, tm_tensor *q, tm_tensor *k, tm_tensor
  *   x       [T, H]  float: w's dtype, or bf16 with f32 w
  *   w       [H, E]  f32 or f64
  *   logits  [T, E]  w's dtype: logits[t, e] = sum_h x[t, h] w[h, e]
- * The same values as tm_matmul(tm_cast(x, dtype(w)), w) up to the order of the sums over H, without
- * the [T, H] copy of x in w's dtype (CUDA reads bf16 x directly: kernels/cuda/moe_gating.cu).
+ * The values of tm_matmul(tm_cast(x, dtype(w)), w) (the same GEMMs: on CUDA cuBLASLt's true f32
+ * GEMM on an f32 copy of bf16 x, kept for dw), but one op for the block to call and a backend to
+ * specialise (kernels/cuda/moe_gating.cu says what a direct bf16 kernel needs).
  * Backward: dx = dlogits w^T in x's dtype (added in f32 to a gradient x already has and rounded
- * once), dw += x^T dlogits in w's dtype; every sum in a fixed order (deterministic).
+ * once, where the cast's backward rounded twice), dw += x^T dlogits in w's dtype; every sum in a
+ * fixed order (deterministic).
  * Errors (messages name the tensors): TM_ERR_DTYPE for w not f32 / f64, or x neither w's dtype
  * nor bf16 with f32 w; TM_ERR_SHAPE for x not [T, H] or w not [H, E]. */
 TM_API tm_status tm_moe_gating(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_tensor **logits);
