@@ -163,7 +163,7 @@ static void ours_swiglu(const bf16 *x, const bf16 *wg, const bf16 *wu, bf16 *h, 
 /* h = swiglu(gate, up) elementwise (activation.cu's arithmetic, swiglu.cuh) */
 __global__ void swiglu_kernel(bf16 *h, const bf16 *g, const bf16 *u, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        h[i] = __float2bfloat16_rn(swiglu_fwd(__bfloat162float(g[i]), __bfloat162float(u[i])));
+        h[i] = __float2bfloat16_rn(tm__swiglu_fwd(__bfloat162float(g[i]), __bfloat162float(u[i])));
 }
 
 struct bufs {

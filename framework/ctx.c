@@ -355,3 +355,7 @@ int tm__gmm_auto(const tm_ctx *ctx) { return ctx->gmm_auto; }
 const char *tm__gmm_note(tm_ctx *ctx) { return ctx->gmm_note; }
 
 void tm__gmm_set_note(tm_ctx *ctx, const char *why) { snprintf(ctx->gmm_note, sizeof ctx->gmm_note, "%s", why); }
+
+uint64_t tm__gsw_fused_launches(const tm_ctx *ctx) { return ctx->gsw_fused; }
+
+void tm__gsw_fused_count(tm_ctx *ctx) { ctx->gsw_fused++; }

@@ -134,6 +134,7 @@ struct tm_ctx {
     int gmm_device;       /* tm_ctx_options.grouped_gemm (TM_GROUPED_GEMM_*); tm__gmm_device_schedule: not cuBLASLt */
     char gmm_note[256];   /* tm__gmm_note: why the last bf16 grouped GEMM under TM_GROUPED_GEMM_HOPPER did not
                            * take the Hopper kernel ("" when it did) */
+    uint64_t gsw_fused;   /* tm__gsw_fused_launches */
     uint64_t alloc_count;
     size_t chunk_bytes;
     char errmsg[1024];

@@ -405,6 +405,11 @@ int tm__coll_spare_sms(const tm_ctx *ctx);
 int tm__gmm_auto(const tm_ctx *ctx);
 const char *tm__gmm_note(tm_ctx *ctx);
 void tm__gmm_set_note(tm_ctx *ctx, const char *why);
+/* tm_grouped_swiglu's one-launch Hopper forwards (FWD_SWIGLU) in this context, counted by the
+ * CUDA kernel file when one is launched: the tests' proof that the fused path ran (its results
+ * are the composition's bits, so they cannot tell). */
+uint64_t tm__gsw_fused_launches(const tm_ctx *ctx);
+void tm__gsw_fused_count(tm_ctx *ctx);
 
 /* ---- context internals used by kernels --------------------------------------------------- */
 

@@ -677,9 +677,12 @@ TM_API tm_status tm_rmsnorm(tm_ctx *ctx, tm_tensor *x, tm_tensor *weight, double
  * (not float, or dtypes differ), TM_ERR_SHAPE (x and y differ, x 0-d or C = 0, weight not [C]). */
 TM_API tm_status tm_add_rmsnorm(tm_ctx *ctx, tm_tensor *x, tm_tensor *y, tm_tensor *weight, double eps,
                                 tm_tensor **sum, tm_tensor **out);
-/* SiLU(x) = x * sigmoid(x) (Elfwing et al. 2018). Errors: TM_ERR_DTYPE (x not float). */
+/* SiLU(x) = x * sigmoid(x) (Elfwing et al. 2018). On CUDA sigmoid(x) = 1 / (1 + e^-x) takes e^-x by
+ * ex2.approx and the reciprocal by rcp.approx (kernels/cuda/swiglu.cuh: a few f32 ulp; a subnormal
+ * sigmoid flushes to 0); the CPU computes in f64. Errors: TM_ERR_DTYPE (x not float). */
 TM_API tm_status tm_silu(tm_ctx *ctx, tm_tensor *x, tm_tensor **out);
-/* SwiGLU (Shazeer 2020), fused: out = silu(gate) * up; gate and up of the same shape.
+/* SwiGLU (Shazeer 2020), fused: out = silu(gate) * up (silu as tm_silu's, on each backend); gate and
+ * up of the same shape.
  * Errors: TM_ERR_DTYPE (not float, or of different dtypes), TM_ERR_SHAPE (shapes differ). */
 TM_API tm_status tm_swiglu(tm_ctx *ctx, tm_tensor *gate, tm_tensor *up, tm_tensor **out);
 /* Softmax / log-softmax over the last axis (max-subtracted).

@@ -1111,8 +1111,8 @@ tm_status tm__moe_forward(tm_moe *m, tm_tensor *x, int64_t num_seqs, tm_tensor *
         if (*wts[i]) TM__TRY(tm__param_use(ctx, *wts[i], wts[i]));
     tm_moe *const W = &gathered;
 
-    /* Gate in f32 whatever the activation dtype (router precision matters for selection):
-     * tm_moe_gating reads bf16 x as it is, without an f32 copy. */
+    /* Gate in f32 whatever the activation dtype (router precision matters for selection);
+     * tm_moe_gating widens bf16 x itself (on CUDA an f32 copy, kept for dw). */
     TM__TRY(tm_moe_gating(ctx, x2, W->gate, &logits));
 
     tm_router_out ro;

@@ -26,6 +26,7 @@ enum { G8 = 8, R128 = 128 };
 typedef struct {
     double *h, *dx, *dwg, *dwu;
     uint64_t syncs;
+    uint64_t fused; /* tm__gsw_fused_launches after the forward */
 } run_out;
 
 static tm_tensor *on_cuda(tm_ctx *ctx, tm_dtype dt, int nd, const int64_t *shape, uint64_t seed) {
@@ -63,6 +64,7 @@ static run_out run(tm_dtype dt, int mode, int64_t K, int64_t F, int x_first, int
     }
     run_out r;
     r.syncs = tm_ctx_sync_count(ctx) - s0;
+    r.fused = tm__gsw_fused_launches(ctx);
     if (!x_first) TT_OK(ctx, tm_matmul(ctx, x, m, 0, 0, &p));
     TT_OK(ctx, tm_add(ctx, h, p, &y));
     /* the matmul and add wait for nothing: whatever the backward adds is the grouped GEMMs' */
@@ -89,9 +91,14 @@ static void compare(const double *got, const double *want, int64_t n, int bitwis
     }
 }
 
-static void check(tm_dtype dt, int mode, int64_t K, int64_t F, int bitwise) {
+/* want_fused: 1 the op must have taken the one-launch kernel, 0 it must not have, -1 either */
+static void check(tm_dtype dt, int mode, int64_t K, int64_t F, int bitwise, int want_fused) {
     for (int x_first = 0; x_first < 2; x_first++) {
         run_out f = run(dt, mode, K, F, x_first, 1), c = run(dt, mode, K, F, x_first, 0);
+        if (want_fused >= 0)
+            cr_assert_eq(f.fused, (uint64_t)want_fused, "%s, mode %d, K %lld, F %lld: %llu fused launches, want %d",
+                         tm_dtype_name(dt), mode, (long long)K, (long long)F, (unsigned long long)f.fused, want_fused);
+        cr_assert_eq(c.fused, 0, "the composition launched the fused kernel");
         /* the tolerances of the CASES rows (tests/test_cuda_parity.c) */
         double atol = dt == TM_BF16 ? 0.5 : 5e-4, rtol = dt == TM_BF16 ? 1e-2 : 1e-5;
         compare(f.h, c.h, R128 * F, bitwise, atol, rtol, "h", dt, mode);
@@ -106,20 +113,30 @@ static void check(tm_dtype dt, int mode, int64_t K, int64_t F, int bitwise) {
 
 Test(cuda_parity_grouped_swiglu, composition_bits_cublaslt) {
     TT_SKIP_WITHOUT_CUDA();
-    check(TM_F32, TM_GROUPED_GEMM_CUBLASLT, 64, 48, 1);
-    check(TM_BF16, TM_GROUPED_GEMM_CUBLASLT, 64, 48, 1);
-    check(TM_BF16, TM_GROUPED_GEMM_CUBLASLT, 13, 6, 1);
+    check(TM_F32, TM_GROUPED_GEMM_CUBLASLT, 64, 48, 1, 0);
+    check(TM_BF16, TM_GROUPED_GEMM_CUBLASLT, 64, 48, 1, 0);
+    check(TM_BF16, TM_GROUPED_GEMM_CUBLASLT, 13, 6, 1, 0);
 }
 
 Test(cuda_parity_grouped_swiglu, composition_bits_device_schedule) {
     TT_SKIP_WITHOUT_CUDA();
-    check(TM_BF16, TM_GROUPED_GEMM_DEVICE, 64, 48, 1);
-    check(TM_BF16, TM_GROUPED_GEMM_DEVICE, 13, 6, 1);
+    check(TM_BF16, TM_GROUPED_GEMM_DEVICE, 64, 48, 1, 0);
+    check(TM_BF16, TM_GROUPED_GEMM_DEVICE, 13, 6, 1, 0);
 }
 
 Test(cuda_parity_grouped_swiglu, hopper_fused_bits_equal_composition) {
     TT_SKIP_WITHOUT_CUDA();
-    check(TM_BF16, TM_GROUPED_GEMM_HOPPER, 64, 48, 1);
-    check(TM_BF16, TM_GROUPED_GEMM_HOPPER, 136, 264, 1); /* a 256-column tile: 128 of w_gate, 128 of w_up */
-    check(TM_BF16, TM_GROUPED_GEMM_HOPPER, 13, 6, 1);    /* K, F not multiples of 8: never the Hopper kernel */
+    /* the fused kernel must run wherever grouped_matmul's Hopper kernel runs (an sm_90 device and
+     * an sm_90a image: tm__gmm_note empty after a bf16 grouped GEMM of multiples of 8) */
+    tm_ctx *probe = tt_parity_ctx();
+    tm__set_gmm_device_schedule(probe, TM_GROUPED_GEMM_HOPPER);
+    int64_t px[2] = {R128, 64}, pw[3] = {G8, 64, 48}, g = G8;
+    tm_tensor *cnt, *y;
+    TT_OK(probe, tm_tensor_from_host(probe, TM_I64, 1, &g, tm_cuda(0), TM_I64, COUNTS, &cnt));
+    TT_OK(probe, tm_grouped_matmul(probe, on_cuda(probe, TM_BF16, 2, px, 7), on_cuda(probe, TM_BF16, 3, pw, 8), cnt, &y));
+    const int hopper = tm__gmm_note(probe)[0] == 0;
+    tm_ctx_free(probe);
+    check(TM_BF16, TM_GROUPED_GEMM_HOPPER, 64, 48, 1, hopper);   /* 96 accumulator columns: 128-wide tiles */
+    check(TM_BF16, TM_GROUPED_GEMM_HOPPER, 136, 200, 1, hopper); /* 400: 256-wide tiles, the last box clipped */
+    check(TM_BF16, TM_GROUPED_GEMM_HOPPER, 13, 6, 1, 0);         /* K, F not multiples of 8: never the Hopper kernel */
 }

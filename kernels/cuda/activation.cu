@@ -14,7 +14,8 @@
  * 8 bf16: tm__vld / tm__vst, kernels/cuda/vec.cuh) when n is a multiple of that and every pointer is 16-byte aligned
  * (checked on the host); otherwise one element per access. Both paths are one kernel template
  * (N elements per access) sharing the per-element functions below, so every element gets the
- * same f32 expressions in the same order (expf, IEEE division) on either path: the same bits.
+ * same f32 expressions in the same order (swiglu.cuh's: ex2.approx and rcp.approx) on either path:
+ * the same bits.
  * bf16 is widened by its bits (exact, as __bfloat162float) and stored rounded to nearest even
  * (tm__st's __float2bfloat16_rn). The vector path runs one resident wave (ACT_BLOCKS_PER_SM
  * blocks per SM, guaranteed by __launch_bounds__) with a grid-stride loop.
@@ -39,7 +40,7 @@ silu_forward_kernel(void *y_, const void *x_, int64_t n) {
         float v[N], r[N];
         tm__vld<N>(x + i * N, v);
 #pragma unroll
-        for (int k = 0; k < N; k++) r[k] = silu_fwd(v[k]);
+        for (int k = 0; k < N; k++) r[k] = tm__silu_fwd(v[k]);
         tm__vst<N>(y + i * N, r);
     }
 }
@@ -61,7 +62,7 @@ silu_backward_kernel(void *dx_, const void *x_, const void *dy_, int fx, int64_t
             tm__vld<N>(dx + i * N, a);
         }
 #pragma unroll
-        for (int k = 0; k < N; k++) a[k] = silu_bwd(a[k], v[k], d[k]);
+        for (int k = 0; k < N; k++) a[k] = tm__silu_bwd(a[k], v[k], d[k]);
         tm__vst<N>(dx + i * N, a);
     }
 }
@@ -77,7 +78,7 @@ swiglu_forward_kernel(void *y_, const void *g_, const void *u_, int64_t n) {
         tm__vld<N>(g + i * N, v);
         tm__vld<N>(u + i * N, w);
 #pragma unroll
-        for (int k = 0; k < N; k++) r[k] = swiglu_fwd(v[k], w[k]);
+        for (int k = 0; k < N; k++) r[k] = tm__swiglu_fwd(v[k], w[k]);
         tm__vst<N>(y + i * N, r);
     }
 }
@@ -97,7 +98,7 @@ swiglu_backward_kernel(void *dg_, void *du_, const void *g_, const void *u_, con
         tm__vld<N>(g + i * N, v);
         tm__vld<N>(dy + i * N, d);
 #pragma unroll
-        for (int k = 0; k < N; k++) s[k] = sigmoidf(v[k]);
+        for (int k = 0; k < N; k++) s[k] = tm__sigmoidf(v[k]);
         if (dg) {
             tm__vld<N>(u + i * N, w);
             if (fg) {
@@ -107,7 +108,7 @@ swiglu_backward_kernel(void *dg_, void *du_, const void *g_, const void *u_, con
                 tm__vld<N>(dg + i * N, a);
             }
 #pragma unroll
-            for (int k = 0; k < N; k++) a[k] = swiglu_bwd_gate(a[k], v[k], s[k], d[k], w[k]);
+            for (int k = 0; k < N; k++) a[k] = tm__swiglu_bwd_gate(a[k], v[k], s[k], d[k], w[k]);
             tm__vst<N>(dg + i * N, a);
         }
         if (du) {
@@ -118,7 +119,7 @@ swiglu_backward_kernel(void *dg_, void *du_, const void *g_, const void *u_, con
                 tm__vld<N>(du + i * N, a);
             }
 #pragma unroll
-            for (int k = 0; k < N; k++) a[k] = swiglu_bwd_up(a[k], v[k], s[k], d[k]);
+            for (int k = 0; k < N; k++) a[k] = tm__swiglu_bwd_up(a[k], v[k], s[k], d[k]);
             tm__vst<N>(du + i * N, a);
         }
     }

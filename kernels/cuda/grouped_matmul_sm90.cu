@@ -45,7 +45,7 @@
  * Schedule (each CTA at its start, in shared memory, from counts on the device):
  *   c_g = min(max(counts[g], 0), R), off_g = min(sum_{h<g} c_h, R) (the clamped exclusive scan)
  *   M-grouped: ts_g = sum_{h<g} ceil(n_h / 128) m-tiles, plus a pseudo-group G of the rows past the
- *     last group (FWD writes them 0, DX skips them; only bad counts make any); tile t is m-tile
+ *     last group (FWD and FWD_SWIGLU write them 0, DX skips them; only bad counts make any); tile t is m-tile
  *     t / tiles_n (group: binary search of ts), n-tile t % tiles_n: the n-tiles of one m-tile run on
  *     neighbouring CTAs at once and share its rows in L2; a group's tiles share w[g].
  *   K-grouped: every non-empty group owns tiles_m * tiles_n tiles, each the group's whole reduction,
@@ -136,7 +136,7 @@ struct gmm90_params {
     int Nout;      /* columns of C (FWD N, DX K, DW N) */
     int M;         /* DW: rows of dw[g] (K) */
     int tiles_m;   /* DW: ceil(K / BM) */
-    int tiles_n;   /* ceil(Nout / BN) */
+    int tiles_n;   /* ceil(Nout / BNC): BNC = BN, or BN / 2 for FWD_SWIGLU */
     long long ldc; /* row stride of C */
     long long c_gstride; /* DW: elements from dw[g] to dw[g + 1] */
     int *sched;    /* DW: the tile counter (0 at launch), or NULL for the static schedule */
@@ -556,7 +556,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
              * h = swiglu(gate, up) of the rounded values -> those boxes -> its store. A warpgroup
              * whose rows cross the group's end copies rows below it with 16-byte stores. */
             stg_acquire();
-            const bool full = wrow + 64 <= wlim;
+            const bool whole = wrow + 64 <= wlim; /* the warpgroup's 64 rows all store (TMA) */
             const int m = lane >> 3, r = 16 * warp + 8 * (m & 1) + (lane & 7);
 #pragma unroll
             for (int i = 0; i < BN / 8; i += 2) {
@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
             }
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             gmm90_bar(wbar, 128);
-            if (full) {
+            if (whole) {
                 if (wl == 0) {
 #pragma unroll
                     for (int j = 0; j < BN / 128; j++)
@@ -595,16 +595,16 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                 const float g0 = __bfloat162float(__float2bfloat16_rn(acc[o])), g1 = __bfloat162float(__float2bfloat16_rn(acc[o + 1]));
                 const float u0 = __bfloat162float(__float2bfloat16_rn(acc[o + BN / 4]));
                 const float u1 = __bfloat162float(__float2bfloat16_rn(acc[o + BN / 4 + 1]));
-                hp[q] = tm__pack_bf16x2(swiglu_fwd(g0, u0), swiglu_fwd(g1, u1));
+                hp[q] = tm__pack_bf16x2(tm__swiglu_fwd(g0, u0), tm__swiglu_fwd(g1, u1));
             }
-            if (full && wl == 0) gmm90_bulk_wait_read1(); /* the gate's boxes are free for h */
+            if (whole && wl == 0) gmm90_bulk_wait_read1(); /* the gate's boxes are free for h */
             gmm90_bar(wbar, 128);
 #pragma unroll
             for (int i = 0; i < BN / 16; i += 2) /* hp[2 x] holds accumulators 4 x, + 1; hp[2 x + 1] 4 x + 2, + 3 */
                 gmm90_stsm4(stg_a + stg_off(r, i + (m >> 1)), hp[2 * i], hp[2 * i + 1], hp[2 * (i + 1)], hp[2 * (i + 1) + 1]);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             gmm90_bar(wbar, 128);
-            if (full) {
+            if (whole) {
                 if (wl == 0) {
 #pragma unroll
                     for (int j = 0; j < BN / 128; j++)

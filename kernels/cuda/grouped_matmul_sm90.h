@@ -39,7 +39,8 @@ typedef struct tm__gmm90_args {
     void *c;
     const int64_t *counts;
     int64_t G, R, K, N;
-    int bn; /* columns per tile: 0 picks (256, or 128 when that pads fewer columns); 128 or 256 */
+    int bn; /* accumulator columns per tile: 0 picks (256, or 128 when that pads fewer columns); 128 or
+             * 256; FWD_SWIGLU's tile takes half of them from each weight */
     int spare_sms; /* SMs left free (collectives beside the work: tm__cuda.comm_sms); 0: none */
     int write;     /* DX, DW: 1 writes the gradient (beta = 0: a fresh one) instead of adding into
                     * it; dx whole (rows past the groups 0), dw except its empty groups (no tile:

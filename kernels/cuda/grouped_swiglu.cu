@@ -52,6 +52,7 @@ static int gsw_try_fused(tm__call *c, tm__cuda *st, tm_tensor *a, tm_tensor *b, 
     const int rc = tm__gmm90_run(&g, st->stream, why, sizeof why);
     if (rc == 0) {
         tm__gmm_set_note(c->ctx, "");
+        tm__gsw_fused_count(c->ctx);
         return 1;
     }
     if (rc > 0) {

@@ -11,7 +11,9 @@
  * two MUFU instructions instead of about forty, which is what lets the Hopper GEMM compute h in its
  * epilogue without stalling its tensor cores (the IEEE version cost that kernel a third of its
  * speed at the coarse preset's shapes). Limits as expf's: x -> -inf gives e^-x = inf, sigmoid 0;
- * x -> +inf gives 1; NaN stays NaN. acc is the gradient already accumulated in dx / dgate / dup.
+ * x -> +inf gives 1; NaN stays NaN. The ftz forms flush a subnormal sigmoid (x in about
+ * [-88.7, -87.3]) to 0, so silu there is -0 where the CPU's f64 gives about -5e-37. f32 silu and
+ * swiglu on CUDA carry these errors too (within the parity tests' 1e-5). acc is the gradient already accumulated in dx / dgate / dup.
  */
 #ifndef TM_SWIGLU_CUH
 #define TM_SWIGLU_CUH
@@ -26,17 +28,17 @@ __device__ __forceinline__ float tm__rcp_approx(float x) {
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-__device__ __forceinline__ float sigmoidf(float x) { return tm__rcp_approx(1.0f + tm__ex2_approx(x * -1.4426950408889634f)); }
+__device__ __forceinline__ float tm__sigmoidf(float x) { return tm__rcp_approx(1.0f + tm__ex2_approx(x * -1.4426950408889634f)); }
 
-__device__ __forceinline__ float silu_fwd(float v) { return v * sigmoidf(v); }
-__device__ __forceinline__ float silu_bwd(float acc, float v, float d) {
-    float s = sigmoidf(v);
+__device__ __forceinline__ float tm__silu_fwd(float v) { return v * tm__sigmoidf(v); }
+__device__ __forceinline__ float tm__silu_bwd(float acc, float v, float d) {
+    float s = tm__sigmoidf(v);
     return acc + d * s * (1.0f + v * (1.0f - s));
 }
-__device__ __forceinline__ float swiglu_fwd(float v, float u) { return v * sigmoidf(v) * u; }
-__device__ __forceinline__ float swiglu_bwd_gate(float acc, float v, float s, float d, float u) {
+__device__ __forceinline__ float tm__swiglu_fwd(float v, float u) { return v * tm__sigmoidf(v) * u; }
+__device__ __forceinline__ float tm__swiglu_bwd_gate(float acc, float v, float s, float d, float u) {
     return acc + d * u * s * (1.0f + v * (1.0f - s));
 }
-__device__ __forceinline__ float swiglu_bwd_up(float acc, float v, float s, float d) { return acc + d * v * s; }
+__device__ __forceinline__ float tm__swiglu_bwd_up(float acc, float v, float s, float d) { return acc + d * v * s; }
 
 #endif

@@ -19,7 +19,7 @@
 set -u -o pipefail
 cd "$(dirname "$0")/../.." || exit 2
 tools=memcheck,racecheck
-filters='cuda_parity_moe/grouped_matmul_bf16_hopper*,cuda_parity_moe/unpermute*,cuda_parity_update/*,cuda_parity_attention/*,cuda_parity_indexing/*'
+filters='cuda_parity_moe/grouped_matmul_bf16_hopper*,cuda_parity_grouped_swiglu/*,cuda_parity_moe/unpermute*,cuda_parity_update/*,cuda_parity_attention/*,cuda_parity_indexing/*'
 build=1
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -65,7 +65,10 @@ one() {
     if [ -n "$IGNORE_KERNELS" ]; then
         # every reported hazard is in an ignored kernel: only the summaries and those hazards remain
         ours=$(echo "$errs" | grep -vE "SUMMARY|Race reported between .* access at ($IGNORE_KERNELS)")
-        [ $r -eq 97 ] && [ -z "$ours" ] && grep -qE "Race reported" "$log" && r=0
+        # and only when the program itself succeeded: 97 replaces its exit code, so its own report
+        # must say so (the harness's "CHECK all ok", Criterion's synthesis without failures)
+        [ $r -eq 97 ] && [ -z "$ours" ] && grep -qE "Race reported" "$log" &&
+            grep -qE "CHECK all ok|Synthesis: .*Failing: 0 \| Crashing: 0" "$log" && r=0
     fi
     if [ $r -ne 0 ] || [ -n "$ours" ]; then
         echo "FAIL $tool $name (exit $r): $(echo "${ours:-$errs}" | head -3)"
