@@ -15,13 +15,9 @@
  * cp.async, ldmatrix, mma.sync and the bf16 packing come from mma.cuh (layouts there); only
  * attention's own instruction stays here. */
 
-/* 2^x in one MUFU.EX2 (exp2f adds a range fix-up for subnormal results, which P and dS do not
- * need: below 2^-126 they are zero after the bf16 rounding anyway). */
-__device__ __forceinline__ float fa_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
+/* 2^x in one MUFU.EX2 (mma.cuh's tm__ex2_approx: exp2f adds a range fix-up for subnormal results,
+ * which P and dS do not need: below 2^-126 they are zero after the bf16 rounding anyway). */
+__device__ __forceinline__ float fa_exp2(float x) { return tm__ex2_approx(x); }
 
 /* Fragments from a shared tile of rows with stride LD (bf16):
  * fa_lda: the A operand (16 rows from r0, 16 columns from c0) of a row-major (m, k) tile;

@@ -60,6 +60,20 @@
 
 __device__ __forceinline__ uint32_t tm__smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
+/* 2^x and 1/x in one MUFU instruction each (2 ulp; ftz: subnormal inputs and results are 0).
+ * exp2f and an IEEE division add range fix-ups and Newton steps: attention's P and dS and the
+ * SwiGLU sigmoid (swiglu.cuh) do not need them. */
+__device__ __forceinline__ float tm__ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float tm__rcp_approx(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 /* 16 bytes without a register round trip, cached in L2 only (.cg: the data lands in shared
  * memory, a copy in L1 would be dead weight); src_bytes 0 reads nothing and fills the 16 bytes
  * with zeros, so rows past a tensor's end need no branch around the copy (the callers then

@@ -18,16 +18,8 @@
 #ifndef TM_SWIGLU_CUH
 #define TM_SWIGLU_CUH
 
-__device__ __forceinline__ float tm__ex2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-__device__ __forceinline__ float tm__rcp_approx(float x) {
-    float y;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
+#include "mma.cuh" /* tm__ex2_approx, tm__rcp_approx */
+
 __device__ __forceinline__ float tm__sigmoidf(float x) { return tm__rcp_approx(1.0f + tm__ex2_approx(x * -1.4426950408889634f)); }
 
 __device__ __forceinline__ float tm__silu_fwd(float v) { return v * tm__sigmoidf(v); }
