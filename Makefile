@@ -16,7 +16,7 @@
 #   MPI=0|1       mpicc found                                 -> distributed training (framework/comm_mpi.c)
 #   NCCL=0|1      CUDA, MPI and nccl.h + libnccl.so found     -> NCCL for CUDA tensors (kernels/cuda/comm_nccl.cu)
 #   CUDA_ARCH     nvcc -gencode list (default sm_80, sm_90, PTX compute_90); CUDA_ARCH_SM90A the
-#                 list of kernels/cuda/grouped_matmul_sm90.cu (default sm_80, sm_90a)
+#                 list of kernels/cuda/*_sm90.cu (default sm_80, sm_90a)
 
 CC       ?= cc
 PREFIX   ?= /usr/local
@@ -195,12 +195,13 @@ $(BUILD)/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
 
-# The Hopper grouped GEMM (wgmma, TMA, setmaxnreg) needs the sm_90a feature set, and an sm_90 or
-# PTX image of it beside would leave the driver a choice of an empty kernel: this file gets
-# sm_80 (any other GPU: its host code says no and grouped_matmul.cu keeps its own kernels) and
-# sm_90a instead of CUDA_ARCH.
+# The Hopper grouped GEMM and attention (wgmma, TMA, setmaxnreg) need the sm_90a feature set, and
+# an sm_90 or PTX image of them beside would leave the driver a choice of an empty kernel: these
+# files get sm_80 (any other GPU: their host code says no and the callers keep their own kernels)
+# and sm_90a instead of CUDA_ARCH.
 CUDA_ARCH_SM90A ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90a,code=sm_90a
-$(BUILD)/kernels/cuda/grouped_matmul_sm90.cu.o: NVCCFLAGS := $(subst $(CUDA_ARCH),$(CUDA_ARCH_SM90A),$(NVCCFLAGS))
+$(BUILD)/kernels/cuda/grouped_matmul_sm90.cu.o $(BUILD)/kernels/cuda/attention_sm90.cu.o: \
+    NVCCFLAGS := $(subst $(CUDA_ARCH),$(CUDA_ARCH_SM90A),$(NVCCFLAGS))
 
 $(LIBA): $(LIB_OBJ)
 	@rm -f $@
@@ -356,6 +357,14 @@ $(BUILD)/bench/gmm_sm90_harness: bench/gmm_sm90_harness.cu kernels/cuda/grouped_
 	    kernels/cuda/grouped_matmul_sm90.cu -L$(CUDA_LIBDIR) -Xlinker -rpath,$(CUDA_LIBDIR) -lcublas -o $@
 gmm-sm90-harness: $(BUILD)/bench/gmm_sm90_harness
 .PHONY: gmm-sm90-harness
+# bench/attn_sm90_harness.cu: the Hopper attention kernels alone (it includes attention_sm90.cu),
+# checked against a float64 CPU evaluation and timed per kernel (make attn-sm90-harness).
+$(BUILD)/bench/attn_sm90_harness: bench/attn_sm90_harness.cu kernels/cuda/attention_sm90.cu kernels/cuda/attention_sm90.h \
+    kernels/cuda/mma.cuh kernels/cuda/wgmma.cuh
+	@mkdir -p $(dir $@)
+	$(NVCC) -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Ikernels/cuda bench/attn_sm90_harness.cu -o $@
+attn-sm90-harness: $(BUILD)/bench/attn_sm90_harness
+.PHONY: attn-sm90-harness
 endif
 .PHONY: bench-tools
 

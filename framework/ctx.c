@@ -359,3 +359,11 @@ void tm__gmm_set_note(tm_ctx *ctx, const char *why) { snprintf(ctx->gmm_note, si
 uint64_t tm__gsw_fused_launches(const tm_ctx *ctx) { return ctx->gsw_fused; }
 
 void tm__gsw_fused_count(tm_ctx *ctx) { ctx->gsw_fused++; }
+
+uint64_t tm__attn_sm90_launches(const tm_ctx *ctx) { return ctx->attn_sm90; }
+
+void tm__attn_sm90_count(tm_ctx *ctx) { ctx->attn_sm90++; }
+
+void tm__attn_set_sm80(tm_ctx *ctx, int on) { ctx->attn_sm80 = on != 0; }
+
+int tm__attn_sm80(const tm_ctx *ctx) { return ctx->attn_sm80; }

@@ -135,6 +135,8 @@ struct tm_ctx {
     char gmm_note[256];   /* tm__gmm_note: why the last bf16 grouped GEMM under TM_GROUPED_GEMM_HOPPER did not
                            * take the Hopper kernel ("" when it did) */
     uint64_t gsw_fused;   /* tm__gsw_fused_launches */
+    uint64_t attn_sm90;   /* tm__attn_sm90_launches */
+    int attn_sm80;        /* tm__attn_set_sm80: bf16 attention on the sm_80 kernels even on Hopper */
     uint64_t alloc_count;
     size_t chunk_bytes;
     char errmsg[1024];

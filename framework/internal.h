@@ -410,6 +410,14 @@ void tm__gmm_set_note(tm_ctx *ctx, const char *why);
  * are the composition's bits, so they cannot tell). */
 uint64_t tm__gsw_fused_launches(const tm_ctx *ctx);
 void tm__gsw_fused_count(tm_ctx *ctx);
+/* tm_attention's bf16 Hopper kernels (kernels/cuda/attention_sm90.cu, wgmma): the forwards and
+ * backwards that took them in this context (counted by attention.cu), and a switch that sends
+ * bf16 attention to the sm_80 kernels (attention_tc.cuh) even on Hopper, so that the tests check
+ * both paths against the CPU on one GPU. */
+uint64_t tm__attn_sm90_launches(const tm_ctx *ctx);
+void tm__attn_sm90_count(tm_ctx *ctx);
+void tm__attn_set_sm80(tm_ctx *ctx, int on);
+int tm__attn_sm80(const tm_ctx *ctx);
 
 /* ---- context internals used by kernels --------------------------------------------------- */
 

@@ -2,9 +2,13 @@
  * parity.c — the CUDA-against-CPU parity harness and its coverage registry (see parity.h).
  */
 #include "parity.h"
+#include "internal.h"
 
 #include <stdlib.h>
 #include <string.h>
+
+int tt_parity_attn_sm80;
+uint64_t tt_parity_attn_sm90;
 
 tm_ctx *tt_parity_ctx(void) {
     tm_ctx_options o = tm_ctx_options_default();
@@ -14,6 +18,7 @@ tm_ctx *tt_parity_ctx(void) {
     tm_ctx *ctx = NULL;
     tm_status s = tm_ctx_new(&ctx, &o);
     cr_assert_eq(s, TM_OK, "tm_ctx_new(cuda_device=0): %s", tm_last_create_error());
+    tm__attn_set_sm80(ctx, tt_parity_attn_sm80);
     return ctx;
 }
 
@@ -130,6 +135,7 @@ void tt_parity_run(const tt_pcase *pc, tm_dtype dt, double atol, double rtol) {
     }
     for (int i = 0; i < pc->n_in; i++) free(host_in[i]);
     free(host_g);
+    tt_parity_attn_sm90 += tm__attn_sm90_launches(ctx);
     tm_ctx_free(ctx);
 }
 

@@ -21,8 +21,13 @@
 #define TT_SKIP_WITHOUT_CUDA() \
     do { if (tm_cuda_device_count() == 0) cr_skip_test("no CUDA device"); } while (0)
 
-/* A context on CUDA device 0 (2 CPU threads, 8 MiB arena chunks); asserts on failure. */
+/* A context on CUDA device 0 (2 CPU threads, 8 MiB arena chunks); asserts on failure. It sends
+ * bf16 attention to the sm_80 kernels while tt_parity_attn_sm80 is set (tm__attn_set_sm80), and
+ * tt_parity_run adds the attention launches that took the Hopper kernels to tt_parity_attn_sm90:
+ * the attention tests' two paths on one GPU, and their proof of which one ran. */
 tm_ctx *tt_parity_ctx(void);
+extern int tt_parity_attn_sm80;
+extern uint64_t tt_parity_attn_sm90;
 
 #define TT_PARITY_MAX_IN 4
 

@@ -30,12 +30,18 @@
  * exponentials come from ex2.approx (2 ulp); the kernels' outputs stayed within 1e-2 of the
  * max (max |diff|) and 4e-3 (RMS) of the earlier tensor-core kernels on the benchmark and
  * odd shapes (scratch harness, H100, 2026-11-27).
+ * On an sm_90 GPU bf16 attention at D 64 and 128 takes the wgmma kernels (kernels/cuda/
+ * attention_sm90.cu): tensor_core_bf16 and the tests after it run both those and, with the
+ * context switched to them (tm__attn_set_sm80), the sm_80 kernels, against the CPU with the same
+ * tolerance (the Hopper kernels make the same bf16 roundings of P, dS and Delta; only the order of
+ * the f32 sums differs), and assert which path ran.
  * Every test but the coverage declarations skips when no CUDA device is visible.
  */
 #include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
+#include "internal.h"
 #include "parity.h"
 
 /* The ops of CASES below (tt_parity_run records them only inside the test's own process). */
@@ -137,9 +143,34 @@ Test(cuda_parity_attention, ops_bf16) {
     }
 }
 
+/* 1 when this GPU runs the Hopper attention kernels: the same condition as grouped_matmul's
+ * Hopper kernel (an sm_90 device and the sm_90a image that the Makefile builds for
+ * grouped_matmul_sm90.cu and attention_sm90.cu alike), which tm_ctx_new's TM_GROUPED_GEMM_AUTO
+ * resolves. */
+static int hopper(void) {
+    tm_ctx *ctx = tt_parity_ctx();
+    const int h = tm__gmm_mode(ctx) == TM_GROUPED_GEMM_HOPPER;
+    tm_ctx_free(ctx);
+    return h;
+}
+
+/* The cases on the default path, then on the sm_80 kernels; on Hopper the first run must have
+ * taken the wgmma kernels for every forward and backward (2 a case; k as v and the two-call
+ * cases make more), the second none. */
 Test(cuda_parity_attention, tensor_core_bf16) {
     TT_SKIP_WITHOUT_CUDA();
-    for (int k = 0; k < N_TC_CASES; k++) tt_parity_run(&TC_CASES[k], TM_BF16, 3e-2, 3e-2);
+    const int h = hopper();
+    for (int sm80 = 0; sm80 < 2; sm80++) {
+        tt_parity_attn_sm80 = sm80, tt_parity_attn_sm90 = 0;
+        for (int k = 0; k < N_TC_CASES; k++) tt_parity_run(&TC_CASES[k], TM_BF16, 3e-2, 3e-2);
+        if (sm80 || !h)
+            cr_assert_eq(tt_parity_attn_sm90, 0, "%llu attention calls took the Hopper kernels (sm80 %d, hopper %d)",
+                         (unsigned long long)tt_parity_attn_sm90, sm80, h);
+        else
+            cr_assert(tt_parity_attn_sm90 >= 2 * (uint64_t)N_TC_CASES, "only %llu of the %d cases' calls took the Hopper kernels",
+                      (unsigned long long)tt_parity_attn_sm90, N_TC_CASES);
+    }
+    tt_parity_attn_sm80 = 0;
 }
 
 Test(cuda_parity_attention, tensor_core_shapes_f32) {
@@ -148,8 +179,10 @@ Test(cuda_parity_attention, tensor_core_shapes_f32) {
 }
 
 /* Only input `which` of q, k, v needs a gradient: the backward gets NULL for the other two. */
-static void check_one_gradient(int which, const int64_t qs[4], const int64_t ks[4]) {
+static void check_one_gradient(int which, const int64_t qs[4], const int64_t ks[4], int sm80) {
+    tt_parity_attn_sm80 = sm80;
     tm_ctx *ctx = tt_parity_ctx();
+    tt_parity_attn_sm80 = 0;
     const int64_t nq = qs[0] * qs[1] * qs[2] * qs[3], nk = ks[0] * ks[1] * ks[2] * ks[3];
     double *h[3] = {tt_parity_uniform(nq, 11), tt_parity_uniform(nk, 12), tt_parity_uniform(nk, 13)};
     double *hg = tt_parity_uniform(nq, 14), *got[2];
@@ -167,7 +200,7 @@ static void check_one_gradient(int which, const int64_t qs[4], const int64_t ks[
         got[side] = tt_read(ctx, tm_tensor_grad(in[which]));
     }
     const double r = tt_close_ratio(got[1], got[0], which ? nk : nq, 3e-2, 3e-2);
-    cr_assert(r <= 1.0, "gradient of input %d alone (D %lld) differs, ratio %g", which, (long long)qs[3], r);
+    cr_assert(r <= 1.0, "gradient of input %d alone (D %lld, sm80 %d) differs, ratio %g", which, (long long)qs[3], sm80, r);
     for (int i = 0; i < 3; i++) free(h[i]);
     free(hg), free(got[0]), free(got[1]);
     tm_ctx_free(ctx);
@@ -177,15 +210,18 @@ Test(cuda_parity_attention, tensor_core_one_gradient) {
     TT_SKIP_WITHOUT_CUDA();
     const int64_t qs64[4] = {1, 37, 6, 64}, ks64[4] = {1, 130, 2, 64};
     const int64_t qs128[4] = {1, 37, 6, 128}, ks128[4] = {1, 130, 2, 128};
-    for (int which = 0; which < 3; which++) {
-        check_one_gradient(which, qs64, ks64);
-        check_one_gradient(which, qs128, ks128);
-    }
+    for (int sm80 = 0; sm80 < 2; sm80++)
+        for (int which = 0; which < 3; which++) {
+            check_one_gradient(which, qs64, ks64, sm80);
+            check_one_gradient(which, qs128, ks128, sm80);
+        }
 }
 
 /* Two runs with the same inputs give the same bits in o, dq, dk and dv. */
-static void check_reproducible(tm_dtype dt, const int64_t qs[4], const int64_t ks[4]) {
+static void check_reproducible(tm_dtype dt, const int64_t qs[4], const int64_t ks[4], int sm80) {
+    tt_parity_attn_sm80 = sm80;
     tm_ctx *ctx = tt_parity_ctx();
+    tt_parity_attn_sm80 = 0;
     const int64_t n[3] = {qs[0] * qs[1] * qs[2] * qs[3], ks[0] * ks[1] * ks[2] * ks[3], ks[0] * ks[1] * ks[2] * ks[3]};
     double *hq = tt_parity_uniform(n[0], 1), *hk = tt_parity_uniform(n[1], 2), *hv = tt_parity_uniform(n[1], 3);
     double *hg = tt_parity_uniform(n[0], 4);
@@ -218,7 +254,7 @@ static void check_reproducible(tm_dtype dt, const int64_t qs[4], const int64_t k
 Test(cuda_parity_attention, backward_bitwise_reproducible) {
     TT_SKIP_WITHOUT_CUDA();
     const int64_t qs[4] = {2, 129, 6, 40}, ks[4] = {2, 131, 2, 40};
-    check_reproducible(TM_F32, qs, ks);
+    check_reproducible(TM_F32, qs, ks, 0);
 }
 
 /* The tensor-core kernels, D 64 and 128, with several query and key blocks per head. */
@@ -226,6 +262,8 @@ Test(cuda_parity_attention, tensor_core_bitwise_reproducible) {
     TT_SKIP_WITHOUT_CUDA();
     const int64_t qs64[4] = {2, 200, 6, 64}, ks64[4] = {2, 230, 2, 64};
     const int64_t qs128[4] = {2, 150, 4, 128}, ks128[4] = {2, 150, 2, 128};
-    check_reproducible(TM_BF16, qs64, ks64);
-    check_reproducible(TM_BF16, qs128, ks128);
+    for (int sm80 = 0; sm80 < 2; sm80++) {
+        check_reproducible(TM_BF16, qs64, ks64, sm80);
+        check_reproducible(TM_BF16, qs128, ks128, sm80);
+    }
 }

@@ -20,7 +20,13 @@
  *
  * Two implementations:
  *
- * 1. Tensor cores: bf16 with D = 64 or 128 and 16-byte-aligned tensors (fa_usable), sm_80 and later;
+ * 1. Tensor cores: bf16 with D = 64 or 128 and 16-byte-aligned tensors (fa_usable), sm_80 and later.
+ *    On an sm_90 GPU (and a build with the sm_90a image) the forward, dQ and dK/dV products run on
+ *    wgmma instead: attention_sm90.cu (fa90_use; its top comment has the design). Delta and
+ *    everything below (the math, tie rules, one writer per gradient row) are the same; the rest
+ *    of this paragraph describes the sm_80 kernels, which stay the path elsewhere and the Hopper
+ *    kernels' parity reference (tests/test_cuda_parity_attention.c runs both on one GPU).
+ *    The sm_80 kernels:
  *    the kernels live in attention_tc.cuh, templated on D and the tile shapes, fa_cfg<D> picks them.
  *    Warps multiply 16x16 by 16x8 bf16 tiles with mma.sync.m16n8k16 into f32 accumulators; tiles
  *    travel global -> shared with cp.async (double-buffered: the next tile loads while this one is
@@ -298,6 +304,7 @@ attn_backward_kv_kernel(void *dk_, void *dv_, const void *q_, const void *k_, co
 /* ==== tensor-core path: bf16, D = 64 or 128 (kernels in attention_tc.cuh) ========================= */
 
 #include "attention_tc.cuh"
+#include "attention_sm90.h"
 
 /* ---- entry points ------------------------------------------------------------------------------- */
 
@@ -334,8 +341,36 @@ template <typename K> static tm_status fa_smem_optin(tm_ctx *ctx, K kernel, size
     return TM_OK;
 }
 
+/* The Hopper kernels (attention_sm90.cu) on an sm_90 device whose build holds their sm_90a image,
+ * unless the context asked for the sm_80 ones (tm__attn_set_sm80: the tests). */
+static int fa90_use(tm_ctx *ctx, tm__cuda *st) {
+    if (tm__attn_sm80(ctx)) return 0;
+    if (!st->fa90) {
+        char why[256];
+        st->fa90 = tm__fa90_supported(why, sizeof why) ? 1 : 2;
+    }
+    return st->fa90 == 1;
+}
+
+static tm__fa90_args fa90_args_of(const tm__call *c, const attn_dims *d) {
+    tm__fa90_args a;
+    memset(&a, 0, sizeof a);
+    a.q = tm__data(c->in[0]), a.k = tm__data(c->in[1]), a.v = tm__data(c->in[2]);
+    a.B = (int)d->B, a.Tq = (int)d->Tq, a.Tk = (int)d->Tk, a.Hq = (int)d->Hq, a.Hkv = (int)d->Hkv, a.D = (int)d->D;
+    a.scale = d->scale;
+    return a;
+}
+
 template <int D> static tm_status fa_forward(tm__call *c, tm__cuda *st, const attn_dims *d, float *lse) {
     typedef fa_cfg<D> C;
+    if (fa90_use(c->ctx, st)) {
+        tm__fa90_args a = fa90_args_of(c, d);
+        a.out = tm__data(c->out[0]), a.lse = lse;
+        char why[256];
+        if (tm__fa90_forward(&a, st->stream, why, sizeof why)) return tm__err(c->ctx, TM_ERR_CUDA, "attention: %s", why);
+        tm__attn_sm90_count(c->ctx);
+        return TM_OK;
+    }
     fa_params p = fa_params_of(c, d);
     p.out = (tm__bf16 *)tm__data(c->out[0]);
     p.lse = lse;
@@ -361,6 +396,15 @@ template <int D> static tm_status fa_backward(tm__call *c, tm__cuda *st, const a
     TM__TRY(tm__cu_scratch(ctx, st, (size_t)d->B * d->Hq * d->Tq * sizeof(float), (void **)&p.delta));
     fa_delta_kernel<D><<<(unsigned)fa_grid_delta(&p), FA_THREADS, 0, st->stream>>>(p);
     TM__CU_LAUNCHED(ctx, "attention", "fa_delta_kernel");
+    if (fa90_use(ctx, st)) {
+        tm__fa90_args a = fa90_args_of(c, d);
+        a.dout = p.dout, a.lse = p.lse, a.delta = p.delta;
+        a.dq = p.dq, a.dk = p.dk, a.dv = p.dv, a.fq = p.fq, a.fk = p.fk, a.fv = p.fv;
+        char why[256];
+        if (tm__fa90_backward(&a, st->stream, why, sizeof why)) return tm__err(ctx, TM_ERR_CUDA, "attention: %s", why);
+        tm__attn_sm90_count(ctx);
+        return TM_OK;
+    }
     if (dq) {
         const size_t sm = fa_smem_dq(D, 64 * C::QMT, C::QBN);
         TM__TRY(fa_smem_optin(ctx, fa_backward_dq_kernel<D, C::QMT, C::QBN, C::QQR>, sm));

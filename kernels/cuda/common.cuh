@@ -66,6 +66,8 @@ typedef struct tm__cuda {
     /* Set by an engine that enqueued collectives it must watch (comm_nccl.cu, under a timeout):
      * the next wait for the stream is its, not a plain cudaStreamSynchronize (device.cu). */
     tm_status (*comm_wait)(tm_ctx *ctx, const char *what);
+    int fa90; /* attention.cu: the wgmma attention kernels run here (tm__fa90_supported): 0 not yet
+               * asked, 1 yes, 2 no */
 } tm__cuda;
 
 /* 1 while work enqueued on the side stream has not finished, as far as the host can tell now

@@ -1,0 +1,336 @@
+/*
+ * attn_sm90_harness.cu — standalone check and timing of the Hopper attention kernels
+ * (kernels/cuda/attention_sm90.cu) without building the library: one nvcc command,
+ *
+ *   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Ikernels/cuda \
+ *        bench/attn_sm90_harness.cu -o attn_sm90_harness     (it includes attention_sm90.cu)
+ *   (or make CUDA=1 attn-sm90-harness: build/bench/attn_sm90_harness)
+ *   ./attn_sm90_harness [--check] [--time] [--variants] [--B 16 --S 1024 --Hq 12 --Hkv 4] [--iters 30]
+ *
+ * --check: o, lse, dq, dk, dv against a float64 CPU evaluation of the same bf16 inputs (causal,
+ *   grouped-query heads), on shapes that are not multiples of the tiles, Tk > Tq (queries the last
+ *   Tq of Tk positions), G 1 and 3, D 64 and 128; the backward adds into gradients that hold
+ *   values (fresh 0) and, in a second run, writes fresh ones; dk and dv as one buffer. Errors are
+ *   max |ours - ref| over max |ref| per tensor; the limit 2e-2 is what bf16 P and dS allow.
+ * --time: forward, dQ and dK/dV at the benchmark shapes of bench/attention.c (B 16, S 1024, Hq 12,
+ *   Hkv 4, D 64 and 128), ms and TFLOP/s each (FLOPs of the causal half: 2 B Hq S^2 D per
+ *   product; forward 2 products, dQ 3, dK/dV 4).
+ * --variants: the same for each kernel's other tile shapes / CTAs per SM (fa90_cfg's candidates).
+ */
+/* the kernels' file itself, so that --variants can launch tile shapes the library does not */
+#include "attention_sm90.cu"
+
+#include <cuda_bf16.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <vector>
+
+#define CK(x)                                                                                                          \
+    do {                                                                                                               \
+        cudaError_t e_ = (x);                                                                                          \
+        if (e_ != cudaSuccess) {                                                                                       \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));                         \
+            exit(1);                                                                                                   \
+        }                                                                                                              \
+    } while (0)
+
+typedef __nv_bfloat16 bf16;
+
+static unsigned long long rng_state = 88172645463325252ull;
+static float frand(void) { /* xorshift64, uniform in [-1, 1) */
+    rng_state ^= rng_state << 13, rng_state ^= rng_state >> 7, rng_state ^= rng_state << 17;
+    return (float)((rng_state >> 11) * (1.0 / 9007199254740992.0)) * 2.0f - 1.0f;
+}
+static std::vector<bf16> rand_bf16(size_t n, float amp) {
+    std::vector<bf16> v(n);
+    for (size_t i = 0; i < n; i++) v[i] = __float2bfloat16(amp * frand());
+    return v;
+}
+static std::vector<double> to_f64(const std::vector<bf16> &v) {
+    std::vector<double> d(v.size());
+    for (size_t i = 0; i < v.size(); i++) d[i] = __bfloat162float(v[i]);
+    return d;
+}
+template <typename T> static T *dev_copy(const std::vector<T> &v) {
+    T *d;
+    CK(cudaMalloc(&d, v.size() * sizeof(T) + 16));
+    CK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+}
+template <typename T> static std::vector<T> host_copy(const T *d, size_t n) {
+    std::vector<T> v(n);
+    CK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return v;
+}
+static void die(int r, const char *why) {
+    if (r) {
+        fprintf(stderr, "launch refused: %s\n", why);
+        exit(1);
+    }
+}
+
+/* max |a - ref| / max |ref| */
+static double rel_err(const std::vector<double> &a, const std::vector<double> &ref) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); i++) {
+        num = fmax(num, fabs(a[i] - ref[i]));
+        den = fmax(den, fabs(ref[i]));
+    }
+    return den > 0 ? num / den : num;
+}
+
+static int check_case(int B, int Tq, int Tk, int Hq, int Hkv, int D, int fresh, int shared_kv) {
+    const int G = Hq / Hkv, off = Tk - Tq;
+    const double scale = 1.0 / sqrt((double)D);
+    const size_t nq = (size_t)B * Tq * Hq * D, nk = (size_t)B * Tk * Hkv * D, nl = (size_t)B * Hq * Tq;
+    std::vector<bf16> q = rand_bf16(nq, 2.0f), k = rand_bf16(nk, 2.0f), v = rand_bf16(nk, 1.0f), dout = rand_bf16(nq, 1.0f);
+    std::vector<bf16> dq0 = rand_bf16(nq, 0.5f), dk0 = rand_bf16(nk, 0.5f), dv0 = rand_bf16(nk, 0.5f);
+    std::vector<double> Q = to_f64(q), K = to_f64(k), V = to_f64(v), DO = to_f64(dout);
+    /* reference, float64 */
+    std::vector<double> O(nq, 0), L(nl), DQ(nq, 0), DK(nk, 0), DV(nk, 0), P(Tk), DP(Tk);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < Hq; h++) {
+            const int hk = h / G;
+            for (int i = 0; i < Tq; i++) {
+                const int n = i + off + 1;
+                const double *qi = &Q[(((size_t)b * Tq + i) * Hq + h) * D], *gi = &DO[(((size_t)b * Tq + i) * Hq + h) * D];
+                double mx = -INFINITY;
+                for (int j = 0; j < n; j++) {
+                    const double *kj = &K[(((size_t)b * Tk + j) * Hkv + hk) * D];
+                    double s = 0;
+                    for (int x = 0; x < D; x++) s += qi[x] * kj[x];
+                    P[j] = s * scale;
+                    mx = fmax(mx, P[j]);
+                }
+                double sum = 0;
+                for (int j = 0; j < n; j++) sum += (P[j] = exp(P[j] - mx));
+                double *oi = &O[(((size_t)b * Tq + i) * Hq + h) * D];
+                double delta = 0;
+                for (int j = 0; j < n; j++) {
+                    P[j] /= sum;
+                    const double *vj = &V[(((size_t)b * Tk + j) * Hkv + hk) * D];
+                    double t = 0;
+                    for (int x = 0; x < D; x++) oi[x] += P[j] * vj[x], t += gi[x] * vj[x];
+                    DP[j] = t;
+                    delta += P[j] * t;
+                }
+                L[((size_t)b * Hq + h) * Tq + i] = mx + log(sum);
+                double *dqi = &DQ[(((size_t)b * Tq + i) * Hq + h) * D];
+                for (int j = 0; j < n; j++) {
+                    const double ds = P[j] * (DP[j] - delta);
+                    const size_t ko = (((size_t)b * Tk + j) * Hkv + hk) * D;
+                    for (int x = 0; x < D; x++) {
+                        dqi[x] += scale * ds * K[ko + x];
+                        DK[ko + x] += scale * ds * qi[x];
+                        DV[ko + x] += P[j] * gi[x];
+                    }
+                }
+            }
+        }
+    /* ours */
+    bf16 *dQ = dev_copy(q), *dK = dev_copy(k), *dV = dev_copy(v), *dDO = dev_copy(dout);
+    bf16 *dO, *ddq = dev_copy(dq0), *ddk = dev_copy(dk0), *ddv = shared_kv ? ddk : dev_copy(dv0);
+    float *dL, *dDel;
+    CK(cudaMalloc(&dO, nq * sizeof(bf16)));
+    CK(cudaMalloc(&dL, nl * sizeof(float)));
+    CK(cudaMalloc(&dDel, nl * sizeof(float)));
+    tm__fa90_args a;
+    memset(&a, 0, sizeof a);
+    a.q = dQ, a.k = dK, a.v = dV, a.dout = dDO, a.out = dO, a.lse = dL;
+    a.B = B, a.Tq = Tq, a.Tk = Tk, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.scale = (float)scale;
+    char why[256];
+    die(tm__fa90_forward(&a, 0, why, sizeof why), why);
+    CK(cudaDeviceSynchronize());
+    std::vector<bf16> o = host_copy(dO, nq);
+    std::vector<float> lse = host_copy(dL, nl);
+    /* Delta from the bf16 o, as the library's fa_delta_kernel takes it */
+    std::vector<float> del(nl);
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < Tq; i++)
+            for (int h = 0; h < Hq; h++) {
+                const size_t r = ((size_t)b * Tq + i) * Hq + h;
+                double s = 0;
+                for (int x = 0; x < D; x++) s += (double)__bfloat162float(o[r * D + x]) * DO[r * D + x];
+                del[((size_t)b * Hq + h) * Tq + i] = (float)s;
+            }
+    CK(cudaMemcpy(dDel, del.data(), nl * sizeof(float), cudaMemcpyHostToDevice));
+    a.delta = dDel, a.dq = ddq, a.dk = ddk, a.dv = ddv;
+    a.fq = a.fk = a.fv = fresh;
+    die(tm__fa90_backward(&a, 0, why, sizeof why), why);
+    CK(cudaDeviceSynchronize());
+    std::vector<double> o64 = to_f64(o), l64(lse.begin(), lse.end());
+    std::vector<double> gq = to_f64(host_copy(ddq, nq)), gk = to_f64(host_copy(ddk, nk)), gv = to_f64(host_copy(ddv, nk));
+    if (!fresh) { /* the kernels add into what the gradients held */
+        std::vector<double> q0 = to_f64(dq0), k0 = to_f64(dk0), v0 = to_f64(dv0);
+        for (size_t i = 0; i < nq; i++) gq[i] -= q0[i];
+        for (size_t i = 0; i < nk; i++) gk[i] -= k0[i];
+        if (!shared_kv)
+            for (size_t i = 0; i < nk; i++) gv[i] -= v0[i];
+    }
+    if (shared_kv)
+        for (size_t i = 0; i < nk; i++) DK[i] += DV[i];
+    const double eo = rel_err(o64, O), el = rel_err(l64, L), eq = rel_err(gq, DQ), ek = rel_err(gk, DK),
+                 ev = shared_kv ? 0.0 : rel_err(gv, DV);
+    const double lim = 2e-2;
+    const int ok = eo < lim && el < 1e-3 && eq < lim && ek < lim && ev < lim;
+    printf("check B %d Tq %d Tk %d Hq %d Hkv %d D %3d fresh %d dk=dv %d: o %.2e lse %.2e dq %.2e dk %.2e dv %.2e %s\n", B, Tq,
+           Tk, Hq, Hkv, D, fresh, shared_kv, eo, el, eq, ek, ev, ok ? "ok" : "FAIL");
+    cudaFree(dQ), cudaFree(dK), cudaFree(dV), cudaFree(dDO), cudaFree(dO), cudaFree(ddq), cudaFree(ddk);
+    if (!shared_kv) cudaFree(ddv);
+    cudaFree(dL), cudaFree(dDel);
+    return ok;
+}
+
+template <typename K>
+static double time_kernel(K kernel, long long grid, size_t smem, const fa90_p &p, int iters) {
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (int it = 0; it < iters + 5; it++) {
+        if (it == 5) CK(cudaEventRecord(e0));
+        kernel<<<(unsigned)grid, FA90_THREADS, smem>>>(p);
+    }
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaGetLastError());
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    cudaFuncAttributes fa;
+    CK(cudaFuncGetAttributes(&fa, kernel));
+    printf("  (%d registers) ", fa.numRegs);
+    return ms / iters;
+}
+
+template <int D> static void variants(int B, int S, int Hq, int Hkv, int iters) {
+    const size_t nq = (size_t)B * S * Hq * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * Hq * S;
+    tm__fa90_args a;
+    memset(&a, 0, sizeof a);
+    a.q = dev_copy(rand_bf16(nq, 2.0f)), a.k = dev_copy(rand_bf16(nk, 2.0f)), a.v = dev_copy(rand_bf16(nk, 1.0f));
+    a.dout = dev_copy(rand_bf16(nq, 1.0f));
+    bf16 *o, *dq, *dk, *dv;
+    float *lse, *delta;
+    CK(cudaMalloc(&o, nq * 2));
+    CK(cudaMalloc(&dq, nq * 2));
+    CK(cudaMalloc(&dk, nk * 2));
+    CK(cudaMalloc(&dv, nk * 2));
+    CK(cudaMalloc(&lse, nl * 4));
+    CK(cudaMalloc(&delta, nl * 4));
+    CK(cudaMemset(delta, 0, nl * 4));
+    CK(cudaMemset(lse, 0, nl * 4));
+    a.out = o, a.lse = lse, a.delta = delta, a.dq = dq, a.dk = dk, a.dv = dv, a.fq = a.fk = a.fv = 1;
+    a.B = B, a.Tq = S, a.Tk = S, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.scale = 1.0f / sqrtf((float)D);
+    const fa90_p p = fa90_params(&a);
+    const double unit = (double)B * Hq * S * S * D;
+    const long long gq = (long long)fa90_cdiv(S, 128) * B * Hq, gk = (long long)fa90_cdiv(S, 128) * B * Hkv;
+    double ms;
+#define FA90_V(name, prods, kernel, grid, smem)                                                                        \
+    ms = time_kernel(kernel, grid, smem, p, iters);                                                                    \
+    printf("variant D %3d %-28s %.3f ms %6.1f TFLOP/s\n", D, name, ms, prods * unit / (ms * 1e-3) / 1e12);
+    FA90_V("forward BN 128 minb 1", 2, (fa90_forward_kernel<D, 128, 1>), gq, fa90_smem_fwd(D, 128));
+    FA90_V("forward BN 64 minb 1", 2, (fa90_forward_kernel<D, 64, 1>), gq, fa90_smem_fwd(D, 64));
+    FA90_V("forward BN 64 minb 2", 2, (fa90_forward_kernel<D, 64, 2>), gq, fa90_smem_fwd(D, 64));
+    if (D == 64) { FA90_V("forward BN 128 minb 2", 2, (fa90_forward_kernel<D, 128, 2>), gq, fa90_smem_fwd(D, 128)); }
+    FA90_V("dq minb 1", 3, (fa90_dq_kernel<D, 1>), gq, fa90_smem_dq(D));
+    FA90_V("dq minb 2", 3, (fa90_dq_kernel<D, 2>), gq, fa90_smem_dq(D));
+    FA90_V("dkv minb 1", 4, (fa90_dkv_kernel<D, 1>), gk, fa90_smem_dkv(D));
+    if (D == 64) { FA90_V("dkv minb 2", 4, (fa90_dkv_kernel<D, 2>), gk, fa90_smem_dkv(D)); }
+#undef FA90_V
+}
+
+static void time_case(int B, int S, int Hq, int Hkv, int D, int iters) {
+    const size_t nq = (size_t)B * S * Hq * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * Hq * S;
+    bf16 *q = dev_copy(rand_bf16(nq, 2.0f)), *k = dev_copy(rand_bf16(nk, 2.0f)), *v = dev_copy(rand_bf16(nk, 1.0f));
+    bf16 *dout = dev_copy(rand_bf16(nq, 1.0f)), *o, *dq, *dk, *dv;
+    float *lse, *delta;
+    CK(cudaMalloc(&o, nq * 2));
+    CK(cudaMalloc(&dq, nq * 2));
+    CK(cudaMalloc(&dk, nk * 2));
+    CK(cudaMalloc(&dv, nk * 2));
+    CK(cudaMalloc(&lse, nl * 4));
+    CK(cudaMalloc(&delta, nl * 4));
+    CK(cudaMemset(delta, 0, nl * 4));
+    tm__fa90_args a;
+    memset(&a, 0, sizeof a);
+    a.q = q, a.k = k, a.v = v, a.dout = dout, a.out = o, a.lse = lse, a.delta = delta;
+    a.B = B, a.Tq = S, a.Tk = S, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.scale = 1.0f / sqrtf((float)D);
+    a.fq = a.fk = a.fv = 1;
+    char why[256];
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    const double unit = (double)B * Hq * S * S * D; /* one product over the causal half: 2 B Hq S^2 D / 2 */
+    const char *names[3] = {"forward", "dQ", "dK/dV"};
+    const double prods[3] = {2, 3, 4};
+    double total = 0;
+    for (int which = 0; which < 3; which++) {
+        tm__fa90_args c = a;
+        if (which == 1) c.dk = c.dv = NULL, c.dq = dq;
+        if (which == 2) c.dq = NULL, c.dk = dk, c.dv = dv;
+        for (int it = 0; it < iters + 5; it++) {
+            if (it == 5) CK(cudaEventRecord(e0));
+            die(which == 0 ? tm__fa90_forward(&c, 0, why, sizeof why) : tm__fa90_backward(&c, 0, why, sizeof why), why);
+        }
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        ms /= iters;
+        total += ms;
+        printf("time B %d S %d Hq %d Hkv %d D %3d %-8s %.3f ms %6.1f TFLOP/s\n", B, S, Hq, Hkv, D, names[which], ms,
+               prods[which] * unit / (ms * 1e-3) / 1e12);
+    }
+    printf("time B %d S %d Hq %d Hkv %d D %3d fwd+dq+dkv %.3f ms (Delta not included) %6.1f TFLOP/s\n", B, S, Hq, Hkv, D, total,
+           9 * unit / (total * 1e-3) / 1e12);
+    cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(dout), cudaFree(o), cudaFree(dq), cudaFree(dk), cudaFree(dv);
+    cudaFree(lse), cudaFree(delta);
+}
+
+int main(int argc, char **argv) {
+    int check = 0, tm = 0, var = 0, B = 16, S = 1024, Hq = 12, Hkv = 4, iters = 30;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--check")) check = 1;
+        else if (!strcmp(argv[i], "--time")) tm = 1;
+        else if (!strcmp(argv[i], "--variants")) var = 1;
+        else if (!strcmp(argv[i], "--B") && i + 1 < argc) B = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--S") && i + 1 < argc) S = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--Hq") && i + 1 < argc) Hq = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--Hkv") && i + 1 < argc) Hkv = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
+        else {
+            fprintf(stderr, "usage: %s [--check] [--time] [--variants] [--B n --S n --Hq n --Hkv n --iters n]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (!check && !tm && !var) check = tm = 1;
+    char why[256];
+    if (!tm__fa90_supported(why, sizeof why)) {
+        fprintf(stderr, "%s\n", why);
+        return 1;
+    }
+    int bad = 0;
+    if (check) {
+        const int cases[][8] = {
+            /* B, Tq, Tk, Hq, Hkv, D, fresh, dk=dv */
+            {2, 200, 200, 4, 2, 64, 0, 0},  {2, 200, 200, 4, 2, 128, 1, 0}, {1, 130, 333, 3, 1, 64, 1, 0},
+            {1, 130, 333, 3, 1, 128, 0, 0}, {2, 64, 64, 2, 2, 64, 1, 0},    {1, 257, 257, 6, 2, 128, 1, 1},
+            {1, 1, 70, 2, 1, 64, 0, 0},     {1, 129, 129, 1, 1, 64, 0, 1},  {2, 128, 256, 4, 4, 128, 1, 0},
+        };
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            const int *x = cases[c];
+            bad += !check_case(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]);
+        }
+        printf("check: %s\n", bad ? "FAILED" : "all ok");
+    }
+    if (tm) {
+        time_case(B, S, Hq, Hkv, 64, iters);
+        time_case(B, S, Hq, Hkv, 128, iters);
+    }
+    if (var) {
+        variants<64>(B, S, Hq, Hkv, iters);
+        variants<128>(B, S, Hq, Hkv, iters);
+    }
+    return bad ? 1 : 0;
+}

@@ -1,0 +1,619 @@
+/*
+ * attention_sm90.cu — tm_attention's bf16 kernels on Hopper (sm_90a): the products on wgmma,
+ * D = 64 or 128. The math, the tensors' layout, the causal rule (query i sees keys j <= i + off),
+ * lse's and Delta's meaning are attention.cu's (its top comment); the sm_80 kernels of
+ * attention_tc.cuh compute the same with mma.sync and stay the path for every other GPU.
+ *
+ * Why: the mma.sync kernels keep every operand and accumulator in registers (239-255 a thread),
+ * so 8 warps fit an SM and each ldmatrix feeds 2-4 mma; they ran at 30-41% of the tensor pipe.
+ * wgmma reads its B operand (and here A, where it is a tile of q, k, v or dO) straight from shared
+ * memory, one instruction per 64 x N x 16 product for the whole warpgroup, and runs asynchronously,
+ * so the registers hold only accumulators. FlashAttention-3 (Shah et al. 2024) is the model; this
+ * first version has no producer warpgroup and no TMA: every thread issues cp.async loads of the
+ * next tile (double-buffered) while the wgmmas of this one run, as the sm_80 kernels do.
+ *
+ * Tiles in shared memory: a (ROWS, D) bf16 tile is D / 64 panels of (ROWS, 64), each row 128
+ * bytes with the 128-byte swizzle (16-byte chunk c of row r at r 128 + ((c ^ (r % 8)) 16)), the
+ * panels ROWS 128 bytes apart from a 1024-byte aligned base: the layout TMA's 128-byte swizzle
+ * writes and wgmma's descriptors read (wgmma.cuh). Rows past Tq or Tk are zero-filled by cp.async.
+ * The same tile serves as a K-major operand (rows = M or N, reduction over D: S = Q K^T) and as an
+ * N-major B (rows = the reduction, D = N: O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q).
+ *
+ * CTAs of 2 warpgroups (256 threads), each warpgroup 64 rows of the CTA's 128 (query rows in the
+ * forward and dQ, keys in dK/dV), m64 wgmmas:
+ *   forward  (b, h, 128 query rows); key tiles of 128: S = Q K^T (m64n128, A = Q, B = K from
+ *            shared memory), the online softmax of attention_tc.cuh in registers (log2 units, scale
+ *            folded into the exponent, conditional rescale by FA_RESCALE), then O += P V with P's
+ *            bf16 A fragments in registers (the accumulator layout of S is the A layout: wgmma.cuh).
+ *   dQ       (b, h, 128 query rows); key tiles of 64: S = Q K^T, dP = dO V^T (m64n64, issued
+ *            together, the softmax of S while dP runs), dS = P (dP - Delta_i), dQ += dS K (A = dS
+ *            in registers). Recomputing S and dP here rather than adding dQ from the dK/dV CTAs
+ *            with atomics keeps one writer per gradient row (determinism; attention.cu).
+ *   dK/dV    (b, kv head, 128 keys); over the G query heads in order, each over its query tiles
+ *            of 64 from the first that sees the keys: S^T = K Q^T, dP^T = V dO^T (m64n64),
+ *            dV += P^T dO, dK += dS^T Q (A in registers, B = dO and Q N-major).
+ * Blocks start longest first (the last query blocks, the first key blocks), as on sm_80; a
+ * warpgroup skips the tiles none of its rows sees. Registers (ptxas, CUDA 13, D 64 / 128) are in
+ * the table of docs/PERFORMANCE.md's attention section.
+ *
+ * Precision and order: P and dS are rounded to bf16 as operands (as on sm_80); each output element
+ * is one thread's f32 sum over the tiles in a fixed order, so results are the same bits run to
+ * run, but not the sm_80 kernels' bits (wgmma's internal order differs from mma.sync's, and the
+ * tiles are larger): tests/test_cuda_parity_attention.c holds both to the CPU with one tolerance.
+ */
+#include "attention_sm90.h"
+#include "mma.cuh"
+#include "wgmma.cuh"
+
+#include <cuda_bf16.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FA90_DEVICE 1
+#endif
+
+#define FA90_THREADS 256
+#define FA90_LOG2E 1.4426950408889634f
+#define FA90_LN2 0.6931471805599453f
+#define FA90_RESCALE 8.0f /* as FA_RESCALE in attention_tc.cuh */
+
+typedef __nv_bfloat16 fa90_bf16;
+
+struct fa90_p {
+    const fa90_bf16 *q, *k, *v, *dout;
+    fa90_bf16 *out, *dq, *dk, *dv;
+    float *lse;
+    const float *delta;
+    long long qs, ks; /* row strides over time: Hq D and Hkv D */
+    int B, Tq, Tk, Hq, Hkv, G, off;
+    float scale, scale_log2;
+    int fq, fk, fv;
+};
+
+__host__ __device__ __forceinline__ int fa90_min(int a, int b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int fa90_cdiv(int a, int b) { return (a + b - 1) / b; }
+
+/* Rows [0, ROWS) of D bf16, row r from g + r gs, into the swizzled panels at s; rows >= valid zero. */
+template <int ROWS, int D>
+__device__ __forceinline__ void fa90_load(uint32_t s, const fa90_bf16 *g, long long gs, int valid) {
+    constexpr int CH = D / 8; /* 16-byte chunks per row */
+#pragma unroll
+    for (int c = threadIdx.x; c < ROWS * CH; c += FA90_THREADS) {
+        const int r = c / CH, x = c % CH;
+        const uint32_t dst = s + (uint32_t)((x >> 3) * (ROWS * 128) + r * 128 + (((x & 7) ^ (r & 7)) << 4));
+        const bool ok = r < valid;
+        tm__cp_async16(dst, ok ? (const void *)(g + r * gs + x * 8) : (const void *)g, ok ? 16 : 0);
+    }
+}
+/* s[x] = x < valid ? g[x] : 0, asynchronously (g itself is a valid address). */
+__device__ __forceinline__ void fa90_load_f32(float *s, const float *g, int x, int valid) {
+    const bool ok = x < valid;
+    tm__cp_async4(s + x, ok ? g + x : g, ok ? 4 : 0);
+}
+/* K-major operand: the k16 block kk of rows [row, row + 64) of a (ROWS, D) tile. */
+template <int ROWS>
+__device__ __forceinline__ uint64_t fa90_desc_k(uint32_t tile, int row, int kk) {
+    return tm__wgmma_desc(tile + (uint32_t)((kk >> 2) * (ROWS * 128) + row * 128 + (kk & 3) * 32), 16, 1024);
+}
+/* N-major B: reduction rows [16 kk, + 16) of a (ROWS, D) tile, its D columns as N. */
+template <int ROWS>
+__device__ __forceinline__ uint64_t fa90_desc_n(uint32_t tile, int kk) {
+    return tm__wgmma_desc(tile + (uint32_t)(kk * 2048), ROWS * 128, 1024);
+}
+template <int N, int TB>
+__device__ __forceinline__ void fa90_ss(float *d, uint64_t da, uint64_t db, int scale_d) {
+    if (N == 64) tm__wgmma_ss_n64<TB>(d, da, db, scale_d);
+    else tm__wgmma_ss_n128<TB>(d, da, db, scale_d);
+}
+template <int N>
+__device__ __forceinline__ void fa90_rs(float *d, const uint32_t *a, uint64_t db) {
+    if (N == 64) tm__wgmma_rs_n64<1>(d, a, db, 1);
+    else tm__wgmma_rs_n128<1>(d, a, db, 1);
+}
+__device__ __forceinline__ float fa90_quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float fa90_quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+/* g[0..1] (+)= (a, b), rounded once; fresh: g not read. */
+__device__ __forceinline__ void fa90_add2(fa90_bf16 *g, float a, float b, int fresh) {
+    if (!fresh) {
+        const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(g));
+        a += o.x, b += o.y;
+    }
+    *reinterpret_cast<uint32_t *>(g) = tm__pack_bf16x2(a, b);
+}
+
+/* Shared memory bytes of each kernel (+ 1024 for the base's alignment). */
+static size_t fa90_smem_fwd(int D, int BN) { return (size_t)(128 + 4 * BN) * D * 2 + 1024; }
+static size_t fa90_smem_dq(int D) { return (size_t)(2 * 128 + 4 * 64) * D * 2 + 2 * 128 * 4 + 1024; }
+static size_t fa90_smem_dkv(int D) { return (size_t)(2 * 128 + 4 * 64) * D * 2 + 4 * 64 * 4 + 1024; }
+
+/* ---- forward: (b, h, 128 query rows), key tiles of 128 ------------------------------------------ */
+
+template <int D, int BN, int MINB>
+__global__ void __launch_bounds__(FA90_THREADS, MINB) fa90_forward_kernel(fa90_p p) {
+#ifdef FA90_DEVICE
+    constexpr int BM = 128, KD = D / 16, NB = BN / 8, ND = D / 8;
+    constexpr uint32_t QB = BM * D * 2, KB = BN * D * 2;
+    extern __shared__ __align__(16) unsigned char fa90_smem[];
+    const uint32_t qs = (tm__smem_u32(fa90_smem) + 1023) & ~1023u, ks = qs + QB, vs = ks + 2 * KB;
+    const int bhn = p.B * p.Hq, nqb = fa90_cdiv(p.Tq, BM);
+    const int qb = nqb - 1 - (int)(blockIdx.x / (unsigned)bhn);
+    const int bh = (int)(blockIdx.x % (unsigned)bhn), h = bh % p.Hq, b = bh / p.Hq, hk = h / p.G;
+    const int q0 = qb * BM;
+    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int r0 = q0 + 64 * wg, w0 = r0 + 16 * warp; /* the warpgroup's and the warp's first row */
+    const fa90_bf16 *qg = p.q + ((long long)b * p.Tq + q0) * p.qs + (long long)h * D;
+    const fa90_bf16 *kg = p.k + (long long)b * p.Tk * p.ks + (long long)hk * D;
+    const fa90_bf16 *vg = p.v + (long long)b * p.Tk * p.ks + (long long)hk * D;
+    /* keys [0, kend) are seen by some row of the block, [0, wend) by some row of the warpgroup */
+    const int kend = fa90_min(p.Tk, fa90_min(q0 + BM, p.Tq) + p.off);
+    const int wend = r0 < p.Tq ? fa90_min(p.Tk, fa90_min(r0 + 64, p.Tq) + p.off) : 0;
+    const int ntiles = fa90_cdiv(kend, BN);
+
+    fa90_load<BM, D>(qs, qg, p.qs, p.Tq - q0);
+    fa90_load<BN, D>(ks, kg, p.ks, p.Tk);
+    fa90_load<BN, D>(vs, vg, p.ks, p.Tk);
+    tm__cp_async_commit();
+
+    float o[D / 2];
+#pragma unroll
+    for (int x = 0; x < D / 2; x++) o[x] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+    for (int t = 0; t < ntiles; t++) {
+        const int buf = t & 1, j0 = t * BN;
+        if (t + 1 < ntiles) {
+            const int j1 = j0 + BN;
+            fa90_load<BN, D>(ks + (buf ^ 1) * KB, kg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
+            fa90_load<BN, D>(vs + (buf ^ 1) * KB, vg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
+            tm__cp_async_commit();
+            tm__cp_async_wait<1>();
+        } else {
+            tm__cp_async_wait<0>();
+        }
+        __syncthreads();
+        tm__fence_proxy_async();
+        if (j0 < wend) {
+            const uint32_t kt = ks + buf * KB, vt = vs + buf * KB;
+            float s[BN / 2];
+            tm__wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < KD; kk++) fa90_ss<BN, 0>(s, fa90_desc_k<BM>(qs, 64 * wg, kk), fa90_desc_k<BN>(kt, 0, kk), kk > 0);
+            tm__wgmma_commit();
+            tm__wgmma_wait<0>();
+            tm__wgmma_fence_regs<BN / 2>(s);
+            /* the online softmax of attention_tc.cuh's forward (its comment says why each step) */
+            const bool diag = j0 + BN - 1 > w0 + p.off;
+            const int i0 = w0 + g, i1 = i0 + 8;
+            float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < NB; n++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    if (diag && j0 + n * 8 + t4 * 2 + (e & 1) > (e < 2 ? i0 : i1) + p.off) s[4 * n + e] = -INFINITY;
+                mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
+                mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
+            }
+            const float mx[2] = {fa90_quad_max(mx0) * p.scale_log2, fa90_quad_max(mx1) * p.scale_log2};
+            float cr[2], mu[2];
+            bool moved = false;
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                if (mx[half] > m[half] + FA90_RESCALE) {
+                    cr[half] = tm__ex2_approx(m[half] - mx[half]);
+                    m[half] = mx[half];
+                    moved = true;
+                } else {
+                    cr[half] = 1.0f;
+                }
+                mu[half] = m[half] == -INFINITY ? 0.0f : m[half];
+            }
+            if (__any_sync(0xffffffffu, moved)) {
+                l[0] *= cr[0], l[1] *= cr[1];
+#pragma unroll
+                for (int x = 0; x < ND; x++) {
+                    o[4 * x] *= cr[0], o[4 * x + 1] *= cr[0];
+                    o[4 * x + 2] *= cr[1], o[4 * x + 3] *= cr[1];
+                }
+            }
+            uint32_t pa[BN / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) {
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    const int n = 2 * kk + u;
+                    const float e0 = tm__ex2_approx(fmaf(s[4 * n], p.scale_log2, -mu[0]));
+                    const float e1 = tm__ex2_approx(fmaf(s[4 * n + 1], p.scale_log2, -mu[0]));
+                    const float e2 = tm__ex2_approx(fmaf(s[4 * n + 2], p.scale_log2, -mu[1]));
+                    const float e3 = tm__ex2_approx(fmaf(s[4 * n + 3], p.scale_log2, -mu[1]));
+                    l[0] += e0 + e1;
+                    l[1] += e2 + e3;
+                    pa[kk][2 * u] = tm__pack_bf16x2(e0, e1);
+                    pa[kk][2 * u + 1] = tm__pack_bf16x2(e2, e3);
+                }
+            }
+            tm__wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) fa90_rs<D>(o, pa[kk], fa90_desc_n<BN>(vt, kk));
+            tm__wgmma_commit();
+            tm__wgmma_wait<0>();
+            tm__wgmma_fence_regs<D / 2>(o);
+            tm__wgmma_fence_regs<BN / 4>(&pa[0][0]);
+        }
+        __syncthreads(); /* the buffer is refilled by the next iteration's prefetch */
+    }
+
+    const long long lrow = ((long long)b * p.Hq + h) * p.Tq;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int i = w0 + half * 8 + g;
+        const float lt = fa90_quad_sum(l[half]);
+        if (i >= p.Tq) continue;
+        const float inv = 1.0f / lt;
+        fa90_bf16 *orow = p.out + ((long long)b * p.Tq + i) * p.qs + (long long)h * D + t4 * 2;
+#pragma unroll
+        for (int x = 0; x < ND; x++)
+            *reinterpret_cast<uint32_t *>(orow + x * 8) = tm__pack_bf16x2(o[4 * x + 2 * half] * inv, o[4 * x + 2 * half + 1] * inv);
+        if (t4 == 0) p.lse[lrow + i] = (m[half] + log2f(lt)) * FA90_LN2;
+    }
+#endif
+}
+
+/* ---- dQ: (b, h, 128 query rows), key tiles of 64 ----------------------------------------------- */
+
+template <int D, int MINB>
+__global__ void __launch_bounds__(FA90_THREADS, MINB) fa90_dq_kernel(fa90_p p) {
+#ifdef FA90_DEVICE
+    constexpr int BM = 128, BN = 64, KD = D / 16, NB = BN / 8, ND = D / 8;
+    constexpr uint32_t QB = BM * D * 2, KB = BN * D * 2;
+    extern __shared__ __align__(16) unsigned char fa90_smem[];
+    const uint32_t base = tm__smem_u32(fa90_smem), qs = (base + 1023) & ~1023u, dos = qs + QB, ks = dos + QB, vs = ks + 2 * KB;
+    float *ls = (float *)(fa90_smem + (vs + 2 * KB - base)), *dls = ls + BM;
+    const int bhn = p.B * p.Hq, nqb = fa90_cdiv(p.Tq, BM);
+    const int qb = nqb - 1 - (int)(blockIdx.x / (unsigned)bhn);
+    const int bh = (int)(blockIdx.x % (unsigned)bhn), h = bh % p.Hq, b = bh / p.Hq, hk = h / p.G;
+    const int q0 = qb * BM;
+    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int r0 = q0 + 64 * wg, w0 = r0 + 16 * warp;
+    const long long qoff = ((long long)b * p.Tq + q0) * p.qs + (long long)h * D;
+    const fa90_bf16 *kg = p.k + (long long)b * p.Tk * p.ks + (long long)hk * D;
+    const fa90_bf16 *vg = p.v + (long long)b * p.Tk * p.ks + (long long)hk * D;
+    const int kend = fa90_min(p.Tk, fa90_min(q0 + BM, p.Tq) + p.off);
+    const int wend = r0 < p.Tq ? fa90_min(p.Tk, fa90_min(r0 + 64, p.Tq) + p.off) : 0;
+    const int ntiles = fa90_cdiv(kend, BN);
+    const long long lrow = ((long long)b * p.Hq + h) * p.Tq + q0;
+
+    fa90_load<BM, D>(qs, p.q + qoff, p.qs, p.Tq - q0);
+    fa90_load<BM, D>(dos, p.dout + qoff, p.qs, p.Tq - q0);
+    if (threadIdx.x < BM) fa90_load_f32(ls, p.lse + lrow, threadIdx.x, p.Tq - q0);
+    else fa90_load_f32(dls, p.delta + lrow, threadIdx.x - BM, p.Tq - q0);
+    fa90_load<BN, D>(ks, kg, p.ks, p.Tk);
+    fa90_load<BN, D>(vs, vg, p.ks, p.Tk);
+    tm__cp_async_commit();
+
+    float dq[D / 2];
+#pragma unroll
+    for (int x = 0; x < D / 2; x++) dq[x] = 0.0f;
+    float ll[2] = {0.0f, 0.0f}, dd[2] = {0.0f, 0.0f}; /* lse (log2 units) and Delta of the thread's two rows */
+
+    for (int t = 0; t < ntiles; t++) {
+        const int buf = t & 1, j0 = t * BN;
+        if (t + 1 < ntiles) {
+            const int j1 = j0 + BN;
+            fa90_load<BN, D>(ks + (buf ^ 1) * KB, kg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
+            fa90_load<BN, D>(vs + (buf ^ 1) * KB, vg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
+            tm__cp_async_commit();
+            tm__cp_async_wait<1>();
+        } else {
+            tm__cp_async_wait<0>();
+        }
+        __syncthreads();
+        tm__fence_proxy_async();
+        if (t == 0) {
+            const int rl = 64 * wg + 16 * warp + g;
+            ll[0] = ls[rl] * FA90_LOG2E, ll[1] = ls[rl + 8] * FA90_LOG2E;
+            dd[0] = dls[rl], dd[1] = dls[rl + 8];
+        }
+        if (j0 < wend) {
+            const uint32_t kt = ks + buf * KB, vt = vs + buf * KB;
+            float s[BN / 2], dp[BN / 2];
+            tm__wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < KD; kk++) fa90_ss<BN, 0>(s, fa90_desc_k<BM>(qs, 64 * wg, kk), fa90_desc_k<BN>(kt, 0, kk), kk > 0);
+            tm__wgmma_commit();
+#pragma unroll
+            for (int kk = 0; kk < KD; kk++) fa90_ss<BN, 0>(dp, fa90_desc_k<BM>(dos, 64 * wg, kk), fa90_desc_k<BN>(vt, 0, kk), kk > 0);
+            tm__wgmma_commit();
+            tm__wgmma_wait<1>();
+            tm__wgmma_fence_regs<BN / 2>(s);
+            /* P = 2^(s scale log2 e - lse log2 e), 0 past a row's limit (keys past Tk included) */
+            const bool mask = j0 + BN - 1 > w0 + p.off;
+            const int i0 = w0 + g;
+#pragma unroll
+            for (int n = 0; n < NB; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float x = tm__ex2_approx(fmaf(s[4 * n + e], p.scale_log2, -ll[e >> 1]));
+                    if (mask && j0 + 8 * n + 2 * t4 + (e & 1) > i0 + 8 * (e >> 1) + p.off) x = 0.0f;
+                    s[4 * n + e] = x;
+                }
+            tm__wgmma_wait<0>();
+            tm__wgmma_fence_regs<BN / 2>(dp);
+            uint32_t da[BN / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++)
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    const int n = 2 * kk + u;
+                    da[kk][2 * u] = tm__pack_bf16x2(s[4 * n] * (dp[4 * n] - dd[0]), s[4 * n + 1] * (dp[4 * n + 1] - dd[0]));
+                    da[kk][2 * u + 1] = tm__pack_bf16x2(s[4 * n + 2] * (dp[4 * n + 2] - dd[1]), s[4 * n + 3] * (dp[4 * n + 3] - dd[1]));
+                }
+            tm__wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) fa90_rs<D>(dq, da[kk], fa90_desc_n<BN>(kt, kk));
+            tm__wgmma_commit();
+            tm__wgmma_wait<0>();
+            tm__wgmma_fence_regs<D / 2>(dq);
+            tm__wgmma_fence_regs<BN / 4>(&da[0][0]);
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int i = w0 + half * 8 + g;
+        if (i >= p.Tq) continue;
+        fa90_bf16 *row = p.dq + ((long long)b * p.Tq + i) * p.qs + (long long)h * D + t4 * 2;
+#pragma unroll
+        for (int x = 0; x < ND; x++) fa90_add2(row + x * 8, p.scale * dq[4 * x + 2 * half], p.scale * dq[4 * x + 2 * half + 1], p.fq);
+    }
+#endif
+}
+
+/* ---- dK/dV: (b, kv head, 128 keys), query tiles of 64 ------------------------------------------ */
+
+template <int D, int MINB>
+__global__ void __launch_bounds__(FA90_THREADS, MINB) fa90_dkv_kernel(fa90_p p) {
+#ifdef FA90_DEVICE
+    constexpr int BN = 128, BQ = 64, KD = D / 16, NQ = BQ / 8, ND = D / 8;
+    constexpr uint32_t KB = BN * D * 2, QB = BQ * D * 2;
+    extern __shared__ __align__(16) unsigned char fa90_smem[];
+    const uint32_t base = tm__smem_u32(fa90_smem), ks = (base + 1023) & ~1023u, vs = ks + KB, qs = vs + KB, dos = qs + 2 * QB;
+    float *ls = (float *)(fa90_smem + (dos + 2 * QB - base)), *dls = ls + 2 * BQ;
+    const int bhn = p.B * p.Hkv;
+    const int kb = (int)(blockIdx.x / (unsigned)bhn);
+    const int bh = (int)(blockIdx.x % (unsigned)bhn), hk = bh % p.Hkv, b = bh / p.Hkv;
+    const int j0 = kb * BN;
+    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int wj = j0 + 64 * wg, jw = wj + 16 * warp; /* the warpgroup's and the warp's first key */
+    const int qstart = j0 - p.off > 0 ? (j0 - p.off) / BQ * BQ : 0;
+    const int nqblk = fa90_cdiv(p.Tq - qstart, BQ), nit = p.G * nqblk;
+    const long long koff = ((long long)b * p.Tk + j0) * p.ks + (long long)hk * D;
+
+    /* query tile it: rows i0 + [0, 64) of head hk G + it / nqblk into buffer it % 2 */
+    auto load_q = [&](int it) {
+        const int hh = hk * p.G + it / nqblk, i0 = qstart + (it % nqblk) * BQ, bf = it & 1;
+        const long long qoff = ((long long)b * p.Tq + i0) * p.qs + (long long)hh * D;
+        const long long lrow = ((long long)b * p.Hq + hh) * p.Tq + i0;
+        fa90_load<BQ, D>(qs + bf * QB, p.q + qoff, p.qs, p.Tq - i0);
+        fa90_load<BQ, D>(dos + bf * QB, p.dout + qoff, p.qs, p.Tq - i0);
+        if (threadIdx.x < BQ) fa90_load_f32(ls + bf * BQ, p.lse + lrow, threadIdx.x, p.Tq - i0);
+        else if (threadIdx.x < 2 * BQ) fa90_load_f32(dls + bf * BQ, p.delta + lrow, threadIdx.x - BQ, p.Tq - i0);
+    };
+    fa90_load<BN, D>(ks, p.k + koff, p.ks, p.Tk - j0);
+    fa90_load<BN, D>(vs, p.v + koff, p.ks, p.Tk - j0);
+    load_q(0);
+    tm__cp_async_commit();
+
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int x = 0; x < D / 2; x++) dk[x] = dv[x] = 0.0f;
+
+    for (int it = 0; it < nit; it++) {
+        const int buf = it & 1;
+        if (it + 1 < nit) {
+            load_q(it + 1);
+            tm__cp_async_commit();
+            tm__cp_async_wait<1>();
+        } else {
+            tm__cp_async_wait<0>();
+        }
+        __syncthreads();
+        tm__fence_proxy_async();
+        const int i0 = qstart + (it % nqblk) * BQ;
+        /* a warpgroup whose keys no query of the tile sees (or past Tk) skips it */
+        if (wj < p.Tk && wj <= fa90_min(i0 + BQ, p.Tq) - 1 + p.off) {
+            const uint32_t qt = qs + buf * QB, ot = dos + buf * QB;
+            const float *lt = ls + buf * BQ, *dt = dls + buf * BQ;
+            float s[BQ / 2], dp[BQ / 2];
+            tm__wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < KD; kk++) fa90_ss<BQ, 0>(s, fa90_desc_k<BN>(ks, 64 * wg, kk), fa90_desc_k<BQ>(qt, 0, kk), kk > 0);
+            tm__wgmma_commit();
+#pragma unroll
+            for (int kk = 0; kk < KD; kk++) fa90_ss<BQ, 0>(dp, fa90_desc_k<BN>(vs, 64 * wg, kk), fa90_desc_k<BQ>(ot, 0, kk), kk > 0);
+            tm__wgmma_commit();
+            tm__wgmma_wait<1>();
+            tm__wgmma_fence_regs<BQ / 2>(s);
+            /* P^T: key rows jw + g (+ 8), query columns i0 + 8 n + 2 t4 (+ 1); 0 where j > i + off
+             * and for rows i >= Tq */
+            const bool mask = jw + 15 > i0 + p.off || i0 + BQ > p.Tq;
+#pragma unroll
+            for (int n = 0; n < NQ; n++) {
+                const int c0 = 8 * n + 2 * t4;
+                const float2 lse2 = *reinterpret_cast<const float2 *>(lt + c0);
+                const float l2[2] = {lse2.x * FA90_LOG2E, lse2.y * FA90_LOG2E};
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float x = tm__ex2_approx(fmaf(s[4 * n + e], p.scale_log2, -l2[e & 1]));
+                    const int i = i0 + c0 + (e & 1), j = jw + g + 8 * (e >> 1);
+                    if (mask && (j > i + p.off || i >= p.Tq)) x = 0.0f;
+                    s[4 * n + e] = x;
+                }
+            }
+            tm__wgmma_wait<0>();
+            tm__wgmma_fence_regs<BQ / 2>(dp);
+            uint32_t pa[BQ / 16][4], da[BQ / 16][4];
+#pragma unroll
+            for (int kq = 0; kq < BQ / 16; kq++)
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    const int n = 2 * kq + u, c0 = 8 * n + 2 * t4;
+                    const float2 del2 = *reinterpret_cast<const float2 *>(dt + c0);
+                    pa[kq][2 * u] = tm__pack_bf16x2(s[4 * n], s[4 * n + 1]);
+                    pa[kq][2 * u + 1] = tm__pack_bf16x2(s[4 * n + 2], s[4 * n + 3]);
+                    da[kq][2 * u] = tm__pack_bf16x2(s[4 * n] * (dp[4 * n] - del2.x), s[4 * n + 1] * (dp[4 * n + 1] - del2.y));
+                    da[kq][2 * u + 1] = tm__pack_bf16x2(s[4 * n + 2] * (dp[4 * n + 2] - del2.x), s[4 * n + 3] * (dp[4 * n + 3] - del2.y));
+                }
+            tm__wgmma_fence();
+#pragma unroll
+            for (int kq = 0; kq < BQ / 16; kq++) fa90_rs<D>(dv, pa[kq], fa90_desc_n<BQ>(ot, kq));
+#pragma unroll
+            for (int kq = 0; kq < BQ / 16; kq++) fa90_rs<D>(dk, da[kq], fa90_desc_n<BQ>(qt, kq));
+            tm__wgmma_commit();
+            tm__wgmma_wait<0>();
+            tm__wgmma_fence_regs<D / 2>(dv);
+            tm__wgmma_fence_regs<D / 2>(dk);
+            tm__wgmma_fence_regs<BQ / 4>(&pa[0][0]);
+            tm__wgmma_fence_regs<BQ / 4>(&da[0][0]);
+        }
+        __syncthreads();
+    }
+
+    /* dk and dv of an element have the same owner thread; when they are one buffer (k passed as
+     * v), it adds their sum, rounded once (as on sm_80) */
+    const bool one = p.dk == p.dv;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int j = jw + half * 8 + g;
+        if (j >= p.Tk) continue;
+        const long long ro = ((long long)b * p.Tk + j) * p.ks + (long long)hk * D + t4 * 2;
+#pragma unroll
+        for (int x = 0; x < ND; x++) {
+            const float k0 = p.scale * dk[4 * x + 2 * half], k1 = p.scale * dk[4 * x + 2 * half + 1];
+            const float v0 = dv[4 * x + 2 * half], v1 = dv[4 * x + 2 * half + 1];
+            if (one) {
+                fa90_add2(p.dk + ro + x * 8, k0 + v0, k1 + v1, p.fk && p.fv);
+            } else {
+                if (p.dk) fa90_add2(p.dk + ro + x * 8, k0, k1, p.fk);
+                if (p.dv) fa90_add2(p.dv + ro + x * 8, v0, v1, p.fv);
+            }
+        }
+    }
+#endif
+}
+
+/* ---- host ----------------------------------------------------------------------------------------- */
+
+static int fa90_probe(char *why, size_t n) {
+    int dev = 0, maj = 0, min = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&maj, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&min, cudaDevAttrComputeCapabilityMinor, dev);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        snprintf(why, n, "no CUDA device (%s)", cudaGetErrorString(e));
+        return 0;
+    }
+    if (maj != 9 || min != 0) {
+        snprintf(why, n, "device %d is sm_%d%d: the wgmma attention kernels need sm_90 (Hopper)", dev, maj, min);
+        return 0;
+    }
+    /* an sm_90 or PTX-only image of this file would run the empty bodies */
+    cudaFuncAttributes fa;
+    e = cudaFuncGetAttributes(&fa, fa90_dkv_kernel<64, 1>);
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    if (e != cudaSuccess || fa.numRegs < 64) {
+        snprintf(why, n, "this build has no sm_90a image of attention_sm90.cu (%s, %d registers)", cudaGetErrorString(e),
+                 e == cudaSuccess ? fa.numRegs : 0);
+        return 0;
+    }
+    return 1;
+}
+
+extern "C" int tm__fa90_supported(char *why, size_t n) { return fa90_probe(why, n); }
+
+static int fa90_check(const tm__fa90_args *a, char *why, size_t n) {
+    if ((a->D != 64 && a->D != 128) || a->Hkv <= 0 || a->Hq % a->Hkv != 0 || a->Tk < a->Tq || a->B <= 0) {
+        snprintf(why, n, "attention sm90: unsupported shapes (B %d, Tq %d, Tk %d, Hq %d, Hkv %d, D %d)", a->B, a->Tq, a->Tk,
+                 a->Hq, a->Hkv, a->D);
+        return 1;
+    }
+    return 0;
+}
+
+static fa90_p fa90_params(const tm__fa90_args *a) {
+    fa90_p p;
+    p.q = (const fa90_bf16 *)a->q, p.k = (const fa90_bf16 *)a->k, p.v = (const fa90_bf16 *)a->v;
+    p.dout = (const fa90_bf16 *)a->dout;
+    p.out = (fa90_bf16 *)a->out, p.dq = (fa90_bf16 *)a->dq, p.dk = (fa90_bf16 *)a->dk, p.dv = (fa90_bf16 *)a->dv;
+    p.lse = a->lse, p.delta = a->delta;
+    p.qs = (long long)a->Hq * a->D, p.ks = (long long)a->Hkv * a->D;
+    p.B = a->B, p.Tq = a->Tq, p.Tk = a->Tk, p.Hq = a->Hq, p.Hkv = a->Hkv, p.G = a->Hq / a->Hkv, p.off = a->Tk - a->Tq;
+    p.scale = a->scale, p.scale_log2 = a->scale * FA90_LOG2E;
+    p.fq = a->fq, p.fk = a->fk, p.fv = a->fv;
+    return p;
+}
+
+template <typename K>
+static int fa90_launch(K kernel, const char *name, long long grid, size_t smem, const fa90_p &p, cudaStream_t st, char *why,
+                       size_t n) {
+    if (grid <= 0) return 0;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e == cudaSuccess) {
+        kernel<<<(unsigned)grid, FA90_THREADS, smem, st>>>(p);
+        e = cudaGetLastError();
+    }
+    if (e != cudaSuccess) {
+        snprintf(why, n, "attention sm90: launching %s (%lld CTAs, %zu bytes of shared memory): %s", name, grid, smem,
+                 cudaGetErrorString(e));
+        return 1;
+    }
+    return 0;
+}
+
+/* Tile shapes and CTAs per SM of the launches (the fastest variants timed: docs/PERFORMANCE.md). */
+template <int D> struct fa90_cfg;
+template <> struct fa90_cfg<64> {
+    static constexpr int FBN = 128, FMINB = 2, QMINB = 2, KMINB = 1;
+};
+template <> struct fa90_cfg<128> {
+    static constexpr int FBN = 64, FMINB = 2, QMINB = 1, KMINB = 1;
+};
+
+template <int D> static int fa90_forward_d(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
+    typedef fa90_cfg<D> C;
+    const long long grid = (long long)fa90_cdiv(a->Tq, 128) * a->B * a->Hq;
+    return fa90_launch(fa90_forward_kernel<D, C::FBN, C::FMINB>, "fa90_forward_kernel", grid, fa90_smem_fwd(D, C::FBN),
+                       fa90_params(a), st, why, n);
+}
+template <int D> static int fa90_backward_d(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
+    typedef fa90_cfg<D> C;
+    const fa90_p p = fa90_params(a);
+    if (a->dq) {
+        const long long grid = (long long)fa90_cdiv(a->Tq, 128) * a->B * a->Hq;
+        if (fa90_launch(fa90_dq_kernel<D, C::QMINB>, "fa90_dq_kernel", grid, fa90_smem_dq(D), p, st, why, n)) return 1;
+    }
+    if (a->dk || a->dv) {
+        const long long grid = (long long)fa90_cdiv(a->Tk, 128) * a->B * a->Hkv;
+        if (fa90_launch(fa90_dkv_kernel<D, C::KMINB>, "fa90_dkv_kernel", grid, fa90_smem_dkv(D), p, st, why, n)) return 1;
+    }
+    return 0;
+}
+
+extern "C" int tm__fa90_forward(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
+    if (fa90_check(a, why, n)) return 1;
+    return a->D == 64 ? fa90_forward_d<64>(a, st, why, n) : fa90_forward_d<128>(a, st, why, n);
+}
+
+extern "C" int tm__fa90_backward(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
+    if (fa90_check(a, why, n)) return 1;
+    return a->D == 64 ? fa90_backward_d<64>(a, st, why, n) : fa90_backward_d<128>(a, st, why, n);
+}
