@@ -184,14 +184,14 @@ static int check_case(int B, int Tq, int Tk, int Hq, int Hkv, int D, int fresh, 
 }
 
 template <typename K>
-static double time_kernel(K kernel, long long grid, size_t smem, const fa90_p &p, int iters) {
+static double time_kernel(K kernel, long long grid, int threads, size_t smem, const fa90_p &p, int iters) {
     CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     for (int it = 0; it < iters + 5; it++) {
         if (it == 5) CK(cudaEventRecord(e0));
-        kernel<<<(unsigned)grid, FA90_THREADS, smem>>>(p);
+        kernel<<<(unsigned)grid, threads, smem>>>(p);
     }
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
@@ -224,19 +224,24 @@ template <int D> static void variants(int B, int S, int Hq, int Hkv, int iters) 
     a.B = B, a.Tq = S, a.Tk = S, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.scale = 1.0f / sqrtf((float)D);
     const fa90_p p = fa90_params(&a);
     const double unit = (double)B * Hq * S * S * D;
-    const long long gq = (long long)fa90_cdiv(S, 128) * B * Hq, gk = (long long)fa90_cdiv(S, 128) * B * Hkv;
     double ms;
-#define FA90_V(name, prods, kernel, grid, smem)                                                                        \
-    ms = time_kernel(kernel, grid, smem, p, iters);                                                                    \
-    printf("variant D %3d %-28s %.3f ms %6.1f TFLOP/s\n", D, name, ms, prods * unit / (ms * 1e-3) / 1e12);
-    FA90_V("forward BN 128 minb 1", 2, (fa90_forward_kernel<D, 128, 1>), gq, fa90_smem_fwd(D, 128));
-    FA90_V("forward BN 64 minb 1", 2, (fa90_forward_kernel<D, 64, 1>), gq, fa90_smem_fwd(D, 64));
-    FA90_V("forward BN 64 minb 2", 2, (fa90_forward_kernel<D, 64, 2>), gq, fa90_smem_fwd(D, 64));
-    if (D == 64) { FA90_V("forward BN 128 minb 2", 2, (fa90_forward_kernel<D, 128, 2>), gq, fa90_smem_fwd(D, 128)); }
-    FA90_V("dq minb 1", 3, (fa90_dq_kernel<D, 1>), gq, fa90_smem_dq(D));
-    FA90_V("dq minb 2", 3, (fa90_dq_kernel<D, 2>), gq, fa90_smem_dq(D));
-    FA90_V("dkv minb 1", 4, (fa90_dkv_kernel<D, 1>), gk, fa90_smem_dkv(D));
-    if (D == 64) { FA90_V("dkv minb 2", 4, (fa90_dkv_kernel<D, 2>), gk, fa90_smem_dkv(D)); }
+    /* kernel, grid rows per CTA (64 NWG), threads, shared memory */
+#define FA90_V(name, prods, kernel, rows, nwg, smem)                                                                    \
+    ms = time_kernel(kernel, (long long)fa90_cdiv(S, rows) * B * (prods == 4 ? Hkv : Hq), 128 * nwg, smem, p, iters); \
+    printf("variant D %3d %-34s %.3f ms %6.1f TFLOP/s\n", D, name, ms, prods * unit / (ms * 1e-3) / 1e12);
+    FA90_V("forward BN 128 nwg 2 minb 1", 2, (fa90_forward_kernel<D, 128, 2, 1>), 128, 2, fa90_smem_fwd(D, 128, 2));
+    FA90_V("forward BN 64 nwg 2 minb 2", 2, (fa90_forward_kernel<D, 64, 2, 2>), 128, 2, fa90_smem_fwd(D, 64, 2));
+    FA90_V("forward BN 64 nwg 1 minb 3", 2, (fa90_forward_kernel<D, 64, 1, 3>), 64, 1, fa90_smem_fwd(D, 64, 1));
+    FA90_V("forward BN 128 nwg 1 minb 2", 2, (fa90_forward_kernel<D, 128, 1, 2>), 64, 1, fa90_smem_fwd(D, 128, 1));
+    if (D == 64) { FA90_V("forward BN 128 nwg 2 minb 2", 2, (fa90_forward_kernel<D, 128, 2, 2>), 128, 2, fa90_smem_fwd(D, 128, 2)); }
+    FA90_V("dq nwg 2 minb 1", 3, (fa90_dq_kernel<D, 2, 1>), 128, 2, fa90_smem_dq(D, 2));
+    FA90_V("dq nwg 2 minb 2", 3, (fa90_dq_kernel<D, 2, 2>), 128, 2, fa90_smem_dq(D, 2));
+    FA90_V("dq nwg 1 minb 2", 3, (fa90_dq_kernel<D, 1, 2>), 64, 1, fa90_smem_dq(D, 1));
+    FA90_V("dq nwg 1 minb 3", 3, (fa90_dq_kernel<D, 1, 3>), 64, 1, fa90_smem_dq(D, 1));
+    FA90_V("dkv nwg 2 minb 1", 4, (fa90_dkv_kernel<D, 2, 1>), 128, 2, fa90_smem_dkv(D, 2));
+    FA90_V("dkv nwg 1 minb 1", 4, (fa90_dkv_kernel<D, 1, 1>), 64, 1, fa90_smem_dkv(D, 1));
+    FA90_V("dkv nwg 1 minb 2", 4, (fa90_dkv_kernel<D, 1, 2>), 64, 1, fa90_smem_dkv(D, 1));
+    if (D == 64) { FA90_V("dkv nwg 1 minb 3", 4, (fa90_dkv_kernel<D, 1, 3>), 64, 1, fa90_smem_dkv(D, 1)); }
 #undef FA90_V
 }
 

@@ -19,21 +19,25 @@
  * The same tile serves as a K-major operand (rows = M or N, reduction over D: S = Q K^T) and as an
  * N-major B (rows = the reduction, D = N: O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q).
  *
- * CTAs of 2 warpgroups (256 threads), each warpgroup 64 rows of the CTA's 128 (query rows in the
- * forward and dQ, keys in dK/dV), m64 wgmmas:
- *   forward  (b, h, 128 query rows); key tiles of 128: S = Q K^T (m64n128, A = Q, B = K from
+ * CTAs of NWG warpgroups (1 or 2; fa90_cfg), each warpgroup 64 rows of the CTA's 64 NWG (query rows
+ * in the forward and dQ, keys in dK/dV), m64 wgmmas:
+ *   forward  (b, h, 64 NWG query rows); key tiles of BN: S = Q K^T (m64nBN, A = Q, B = K from
  *            shared memory), the online softmax of attention_tc.cuh in registers (log2 units, scale
  *            folded into the exponent, conditional rescale by FA_RESCALE), then O += P V with P's
  *            bf16 A fragments in registers (the accumulator layout of S is the A layout: wgmma.cuh).
- *   dQ       (b, h, 128 query rows); key tiles of 64: S = Q K^T, dP = dO V^T (m64n64, issued
+ *   dQ       (b, h, 64 NWG query rows); key tiles of 64: S = Q K^T, dP = dO V^T (m64n64, issued
  *            together, the softmax of S while dP runs), dS = P (dP - Delta_i), dQ += dS K (A = dS
  *            in registers). Recomputing S and dP here rather than adding dQ from the dK/dV CTAs
  *            with atomics keeps one writer per gradient row (determinism; attention.cu).
- *   dK/dV    (b, kv head, 128 keys); over the G query heads in order, each over its query tiles
+ *   dK/dV    (b, kv head, 64 NWG keys); over the G query heads in order, each over its query tiles
  *            of 64 from the first that sees the keys: S^T = K Q^T, dP^T = V dO^T (m64n64),
  *            dV += P^T dO, dK += dS^T Q (A in registers, B = dO and Q N-major).
  * Blocks start longest first (the last query blocks, the first key blocks), as on sm_80; a
- * warpgroup skips the tiles none of its rows sees. Registers (ptxas, CUDA 13, D 64 / 128) are in
+ * warpgroup skips the tiles none of its rows sees. The warpgroups of a CTA meet at a barrier every
+ * tile (the shared double buffer), so they compute their softmax at the same time while the tensor
+ * cores wait; two or three CTAs an SM fill that time with each other's products, which is why
+ * fa90_cfg trades rows a CTA for CTAs an SM where the registers allow (FlashAttention-3 instead
+ * orders two warpgroups with named barriers: the next step). Registers (ptxas, CUDA 13, D 64 / 128) are in
  * the table of docs/PERFORMANCE.md's attention section.
  *
  * Precision and order: P and dS are rounded to bf16 as operands (as on sm_80); each output element
@@ -54,7 +58,6 @@
 #define FA90_DEVICE 1
 #endif
 
-#define FA90_THREADS 256
 #define FA90_LOG2E 1.4426950408889634f
 #define FA90_LN2 0.6931471805599453f
 #define FA90_RESCALE 8.0f /* as FA_RESCALE in attention_tc.cuh */
@@ -75,12 +78,13 @@ struct fa90_p {
 __host__ __device__ __forceinline__ int fa90_min(int a, int b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int fa90_cdiv(int a, int b) { return (a + b - 1) / b; }
 
-/* Rows [0, ROWS) of D bf16, row r from g + r gs, into the swizzled panels at s; rows >= valid zero. */
-template <int ROWS, int D>
+/* Rows [0, ROWS) of D bf16, row r from g + r gs, into the swizzled panels at s; rows >= valid zero.
+ * By the CTA's NT threads. */
+template <int ROWS, int D, int NT>
 __device__ __forceinline__ void fa90_load(uint32_t s, const fa90_bf16 *g, long long gs, int valid) {
     constexpr int CH = D / 8; /* 16-byte chunks per row */
 #pragma unroll
-    for (int c = threadIdx.x; c < ROWS * CH; c += FA90_THREADS) {
+    for (int c = threadIdx.x; c < ROWS * CH; c += NT) {
         const int r = c / CH, x = c % CH;
         const uint32_t dst = s + (uint32_t)((x >> 3) * (ROWS * 128) + r * 128 + (((x & 7) ^ (r & 7)) << 4));
         const bool ok = r < valid;
@@ -129,17 +133,18 @@ __device__ __forceinline__ void fa90_add2(fa90_bf16 *g, float a, float b, int fr
     *reinterpret_cast<uint32_t *>(g) = tm__pack_bf16x2(a, b);
 }
 
-/* Shared memory bytes of each kernel (+ 1024 for the base's alignment). */
-static size_t fa90_smem_fwd(int D, int BN) { return (size_t)(128 + 4 * BN) * D * 2 + 1024; }
-static size_t fa90_smem_dq(int D) { return (size_t)(2 * 128 + 4 * 64) * D * 2 + 2 * 128 * 4 + 1024; }
-static size_t fa90_smem_dkv(int D) { return (size_t)(2 * 128 + 4 * 64) * D * 2 + 4 * 64 * 4 + 1024; }
+/* Shared memory bytes of each kernel (+ 1024 for the base's alignment); NWG warpgroups a CTA,
+ * 64 rows each. */
+static size_t fa90_smem_fwd(int D, int BN, int NWG) { return (size_t)(64 * NWG + 4 * BN) * D * 2 + 1024; }
+static size_t fa90_smem_dq(int D, int NWG) { return (size_t)(2 * 64 * NWG + 4 * 64) * D * 2 + 2 * 64 * NWG * 4 + 1024; }
+static size_t fa90_smem_dkv(int D, int NWG) { return (size_t)(2 * 64 * NWG + 4 * 64) * D * 2 + 4 * 64 * 4 + 1024; }
 
-/* ---- forward: (b, h, 128 query rows), key tiles of 128 ------------------------------------------ */
+/* ---- forward: (b, h, 64 NWG query rows), key tiles of BN ----------------------------------------- */
 
-template <int D, int BN, int MINB>
-__global__ void __launch_bounds__(FA90_THREADS, MINB) fa90_forward_kernel(fa90_p p) {
+template <int D, int BN, int NWG, int MINB>
+__global__ void __launch_bounds__(128 * NWG, MINB) fa90_forward_kernel(fa90_p p) {
 #ifdef FA90_DEVICE
-    constexpr int BM = 128, KD = D / 16, NB = BN / 8, ND = D / 8;
+    constexpr int NT = 128 * NWG, BM = 64 * NWG, KD = D / 16, NB = BN / 8, ND = D / 8;
     constexpr uint32_t QB = BM * D * 2, KB = BN * D * 2;
     extern __shared__ __align__(16) unsigned char fa90_smem[];
     const uint32_t qs = (tm__smem_u32(fa90_smem) + 1023) & ~1023u, ks = qs + QB, vs = ks + 2 * KB;
@@ -157,9 +162,9 @@ __global__ void __launch_bounds__(FA90_THREADS, MINB) fa90_forward_kernel(fa90_p
     const int wend = r0 < p.Tq ? fa90_min(p.Tk, fa90_min(r0 + 64, p.Tq) + p.off) : 0;
     const int ntiles = fa90_cdiv(kend, BN);
 
-    fa90_load<BM, D>(qs, qg, p.qs, p.Tq - q0);
-    fa90_load<BN, D>(ks, kg, p.ks, p.Tk);
-    fa90_load<BN, D>(vs, vg, p.ks, p.Tk);
+    fa90_load<BM, D, NT>(qs, qg, p.qs, p.Tq - q0);
+    fa90_load<BN, D, NT>(ks, kg, p.ks, p.Tk);
+    fa90_load<BN, D, NT>(vs, vg, p.ks, p.Tk);
     tm__cp_async_commit();
 
     float o[D / 2];
@@ -171,8 +176,8 @@ __global__ void __launch_bounds__(FA90_THREADS, MINB) fa90_forward_kernel(fa90_p
         const int buf = t & 1, j0 = t * BN;
         if (t + 1 < ntiles) {
             const int j1 = j0 + BN;
-            fa90_load<BN, D>(ks + (buf ^ 1) * KB, kg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
-            fa90_load<BN, D>(vs + (buf ^ 1) * KB, vg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
+            fa90_load<BN, D, NT>(ks + (buf ^ 1) * KB, kg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
+            fa90_load<BN, D, NT>(vs + (buf ^ 1) * KB, vg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
             tm__cp_async_commit();
             tm__cp_async_wait<1>();
         } else {
@@ -266,12 +271,12 @@ __global__ void __launch_bounds__(FA90_THREADS, MINB) fa90_forward_kernel(fa90_p
 #endif
 }
 
-/* ---- dQ: (b, h, 128 query rows), key tiles of 64 ----------------------------------------------- */
+/* ---- dQ: (b, h, 64 NWG query rows), key tiles of 64 -------------------------------------------- */
 
-template <int D, int MINB>
-__global__ void __launch_bounds__(FA90_THREADS, MINB) fa90_dq_kernel(fa90_p p) {
+template <int D, int NWG, int MINB>
+__global__ void __launch_bounds__(128 * NWG, MINB) fa90_dq_kernel(fa90_p p) {
 #ifdef FA90_DEVICE
-    constexpr int BM = 128, BN = 64, KD = D / 16, NB = BN / 8, ND = D / 8;
+    constexpr int NT = 128 * NWG, BM = 64 * NWG, BN = 64, KD = D / 16, NB = BN / 8, ND = D / 8;
     constexpr uint32_t QB = BM * D * 2, KB = BN * D * 2;
     extern __shared__ __align__(16) unsigned char fa90_smem[];
     const uint32_t base = tm__smem_u32(fa90_smem), qs = (base + 1023) & ~1023u, dos = qs + QB, ks = dos + QB, vs = ks + 2 * KB;
@@ -290,12 +295,12 @@ __global__ void __launch_bounds__(FA90_THREADS, MINB) fa90_dq_kernel(fa90_p p) {
     const int ntiles = fa90_cdiv(kend, BN);
     const long long lrow = ((long long)b * p.Hq + h) * p.Tq + q0;
 
-    fa90_load<BM, D>(qs, p.q + qoff, p.qs, p.Tq - q0);
-    fa90_load<BM, D>(dos, p.dout + qoff, p.qs, p.Tq - q0);
+    fa90_load<BM, D, NT>(qs, p.q + qoff, p.qs, p.Tq - q0);
+    fa90_load<BM, D, NT>(dos, p.dout + qoff, p.qs, p.Tq - q0);
     if (threadIdx.x < BM) fa90_load_f32(ls, p.lse + lrow, threadIdx.x, p.Tq - q0);
-    else fa90_load_f32(dls, p.delta + lrow, threadIdx.x - BM, p.Tq - q0);
-    fa90_load<BN, D>(ks, kg, p.ks, p.Tk);
-    fa90_load<BN, D>(vs, vg, p.ks, p.Tk);
+    else if (threadIdx.x < 2 * BM) fa90_load_f32(dls, p.delta + lrow, threadIdx.x - BM, p.Tq - q0);
+    fa90_load<BN, D, NT>(ks, kg, p.ks, p.Tk);
+    fa90_load<BN, D, NT>(vs, vg, p.ks, p.Tk);
     tm__cp_async_commit();
 
     float dq[D / 2];
@@ -307,8 +312,8 @@ __global__ void __launch_bounds__(FA90_THREADS, MINB) fa90_dq_kernel(fa90_p p) {
         const int buf = t & 1, j0 = t * BN;
         if (t + 1 < ntiles) {
             const int j1 = j0 + BN;
-            fa90_load<BN, D>(ks + (buf ^ 1) * KB, kg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
-            fa90_load<BN, D>(vs + (buf ^ 1) * KB, vg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
+            fa90_load<BN, D, NT>(ks + (buf ^ 1) * KB, kg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
+            fa90_load<BN, D, NT>(vs + (buf ^ 1) * KB, vg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
             tm__cp_async_commit();
             tm__cp_async_wait<1>();
         } else {
@@ -377,12 +382,12 @@ __global__ void __launch_bounds__(FA90_THREADS, MINB) fa90_dq_kernel(fa90_p p) {
 #endif
 }
 
-/* ---- dK/dV: (b, kv head, 128 keys), query tiles of 64 ------------------------------------------ */
+/* ---- dK/dV: (b, kv head, 64 NWG keys), query tiles of 64 --------------------------------------- */
 
-template <int D, int MINB>
-__global__ void __launch_bounds__(FA90_THREADS, MINB) fa90_dkv_kernel(fa90_p p) {
+template <int D, int NWG, int MINB>
+__global__ void __launch_bounds__(128 * NWG, MINB) fa90_dkv_kernel(fa90_p p) {
 #ifdef FA90_DEVICE
-    constexpr int BN = 128, BQ = 64, KD = D / 16, NQ = BQ / 8, ND = D / 8;
+    constexpr int NT = 128 * NWG, BN = 64 * NWG, BQ = 64, KD = D / 16, NQ = BQ / 8, ND = D / 8;
     constexpr uint32_t KB = BN * D * 2, QB = BQ * D * 2;
     extern __shared__ __align__(16) unsigned char fa90_smem[];
     const uint32_t base = tm__smem_u32(fa90_smem), ks = (base + 1023) & ~1023u, vs = ks + KB, qs = vs + KB, dos = qs + 2 * QB;
@@ -402,13 +407,13 @@ __global__ void __launch_bounds__(FA90_THREADS, MINB) fa90_dkv_kernel(fa90_p p) 
         const int hh = hk * p.G + it / nqblk, i0 = qstart + (it % nqblk) * BQ, bf = it & 1;
         const long long qoff = ((long long)b * p.Tq + i0) * p.qs + (long long)hh * D;
         const long long lrow = ((long long)b * p.Hq + hh) * p.Tq + i0;
-        fa90_load<BQ, D>(qs + bf * QB, p.q + qoff, p.qs, p.Tq - i0);
-        fa90_load<BQ, D>(dos + bf * QB, p.dout + qoff, p.qs, p.Tq - i0);
+        fa90_load<BQ, D, NT>(qs + bf * QB, p.q + qoff, p.qs, p.Tq - i0);
+        fa90_load<BQ, D, NT>(dos + bf * QB, p.dout + qoff, p.qs, p.Tq - i0);
         if (threadIdx.x < BQ) fa90_load_f32(ls + bf * BQ, p.lse + lrow, threadIdx.x, p.Tq - i0);
         else if (threadIdx.x < 2 * BQ) fa90_load_f32(dls + bf * BQ, p.delta + lrow, threadIdx.x - BQ, p.Tq - i0);
     };
-    fa90_load<BN, D>(ks, p.k + koff, p.ks, p.Tk - j0);
-    fa90_load<BN, D>(vs, p.v + koff, p.ks, p.Tk - j0);
+    fa90_load<BN, D, NT>(ks, p.k + koff, p.ks, p.Tk - j0);
+    fa90_load<BN, D, NT>(vs, p.v + koff, p.ks, p.Tk - j0);
     load_q(0);
     tm__cp_async_commit();
 
@@ -528,7 +533,7 @@ static int fa90_probe(char *why, size_t n) {
     }
     /* an sm_90 or PTX-only image of this file would run the empty bodies */
     cudaFuncAttributes fa;
-    e = cudaFuncGetAttributes(&fa, fa90_dkv_kernel<64, 1>);
+    e = cudaFuncGetAttributes(&fa, fa90_dkv_kernel<64, 2, 1>);
     if (e != cudaSuccess) (void)cudaGetLastError();
     if (e != cudaSuccess || fa.numRegs < 64) {
         snprintf(why, n, "this build has no sm_90a image of attention_sm90.cu (%s, %d registers)", cudaGetErrorString(e),
@@ -563,12 +568,12 @@ static fa90_p fa90_params(const tm__fa90_args *a) {
 }
 
 template <typename K>
-static int fa90_launch(K kernel, const char *name, long long grid, size_t smem, const fa90_p &p, cudaStream_t st, char *why,
-                       size_t n) {
+static int fa90_launch(K kernel, const char *name, long long grid, int threads, size_t smem, const fa90_p &p, cudaStream_t st,
+                       char *why, size_t n) {
     if (grid <= 0) return 0;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e == cudaSuccess) {
-        kernel<<<(unsigned)grid, FA90_THREADS, smem, st>>>(p);
+        kernel<<<(unsigned)grid, threads, smem, st>>>(p);
         e = cudaGetLastError();
     }
     if (e != cudaSuccess) {
@@ -581,29 +586,34 @@ static int fa90_launch(K kernel, const char *name, long long grid, size_t smem, 
 
 /* Tile shapes and CTAs per SM of the launches (the fastest variants timed: docs/PERFORMANCE.md). */
 template <int D> struct fa90_cfg;
+/* F*: forward, Q*: dQ, K*: dK/dV; *NWG warpgroups a CTA, *MINB CTAs an SM (launch bounds). */
 template <> struct fa90_cfg<64> {
-    static constexpr int FBN = 128, FMINB = 2, QMINB = 2, KMINB = 1;
+    static constexpr int FBN = 128, FNWG = 2, FMINB = 2, QNWG = 2, QMINB = 2, KNWG = 1, KMINB = 3;
 };
 template <> struct fa90_cfg<128> {
-    static constexpr int FBN = 64, FMINB = 2, QMINB = 1, KMINB = 1;
+    static constexpr int FBN = 64, FNWG = 2, FMINB = 2, QNWG = 2, QMINB = 1, KNWG = 1, KMINB = 2;
 };
 
 template <int D> static int fa90_forward_d(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
     typedef fa90_cfg<D> C;
-    const long long grid = (long long)fa90_cdiv(a->Tq, 128) * a->B * a->Hq;
-    return fa90_launch(fa90_forward_kernel<D, C::FBN, C::FMINB>, "fa90_forward_kernel", grid, fa90_smem_fwd(D, C::FBN),
-                       fa90_params(a), st, why, n);
+    const long long grid = (long long)fa90_cdiv(a->Tq, 64 * C::FNWG) * a->B * a->Hq;
+    return fa90_launch(fa90_forward_kernel<D, C::FBN, C::FNWG, C::FMINB>, "fa90_forward_kernel", grid, 128 * C::FNWG,
+                       fa90_smem_fwd(D, C::FBN, C::FNWG), fa90_params(a), st, why, n);
 }
 template <int D> static int fa90_backward_d(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
     typedef fa90_cfg<D> C;
     const fa90_p p = fa90_params(a);
     if (a->dq) {
-        const long long grid = (long long)fa90_cdiv(a->Tq, 128) * a->B * a->Hq;
-        if (fa90_launch(fa90_dq_kernel<D, C::QMINB>, "fa90_dq_kernel", grid, fa90_smem_dq(D), p, st, why, n)) return 1;
+        const long long grid = (long long)fa90_cdiv(a->Tq, 64 * C::QNWG) * a->B * a->Hq;
+        if (fa90_launch(fa90_dq_kernel<D, C::QNWG, C::QMINB>, "fa90_dq_kernel", grid, 128 * C::QNWG, fa90_smem_dq(D, C::QNWG), p,
+                        st, why, n))
+            return 1;
     }
     if (a->dk || a->dv) {
-        const long long grid = (long long)fa90_cdiv(a->Tk, 128) * a->B * a->Hkv;
-        if (fa90_launch(fa90_dkv_kernel<D, C::KMINB>, "fa90_dkv_kernel", grid, fa90_smem_dkv(D), p, st, why, n)) return 1;
+        const long long grid = (long long)fa90_cdiv(a->Tk, 64 * C::KNWG) * a->B * a->Hkv;
+        if (fa90_launch(fa90_dkv_kernel<D, C::KNWG, C::KMINB>, "fa90_dkv_kernel", grid, 128 * C::KNWG,
+                        fa90_smem_dkv(D, C::KNWG), p, st, why, n))
+            return 1;
     }
     return 0;
 }
