@@ -709,9 +709,11 @@ TM_API tm_status tm_rope(tm_ctx *ctx, tm_tensor *x, int64_t pos_offset, double t
  * kv head h / (Hq / Hkv); query i (0-based) sees keys j <= i + (Tk - Tq);
  * out[b,i,h] = sum_j softmax_j(q.k_j * scale) v_j with scale = 1/sqrt(D) when scale <= 0.
  * out [B, Tq, Hq, D]. (Vaswani et al. 2017; GQA: Ainslie et al. 2023.)
- * On CUDA, bf16 with D = 64 or 128 runs on tensor cores (FlashAttention-2 style): the softmax
- * weights and their gradients are rounded to bf16 as matrix operands, so results differ from the
- * f32 computation by a few bf16 ulps of the gradients' scale; f32 and other head dims compute in f32.
+ * On CUDA, bf16 with D = 64 or 128 runs on tensor cores (FlashAttention-2 style; on sm_90, wgmma
+ * kernels after FlashAttention-3, which sum in another order): the softmax weights and their
+ * gradients are rounded to bf16 as matrix operands, so results differ from the f32 computation by
+ * a few bf16 ulps of the gradients' scale; f32 and other head dims compute in f32. Either way the
+ * results are the same bits run to run on one GPU model.
  * Errors: TM_ERR_DTYPE (not float, or of different dtypes), TM_ERR_SHAPE (not 4-D; v's shape
  * not k's; B or D differ; D, Hq or Hkv < 1; Hq % Hkv != 0; Tk < Tq), TM_ERR_INVALID_ARG (scale
  * not finite), TM_ERR_UNSUPPORTED (on CUDA: D > 3056, or 2^31 or more rows of q or k). */

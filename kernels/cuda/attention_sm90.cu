@@ -96,6 +96,23 @@ __device__ __forceinline__ void fa90_load_f32(float *s, const float *g, int x, i
     const bool ok = x < valid;
     tm__cp_async4(s + x, ok ? g + x : g, ok ? 4 : 0);
 }
+/* The forward's and dQ's step to key tile j0 = j1 - BN: the next tile (K, V rows [j1, j1 + BN)) goes
+ * to the other buffer (kn, vn) behind this one's loads (more = there is one), then this tile's
+ * loads are waited for and made visible to every thread and to wgmma's async proxy. */
+template <int BN, int D, int NT>
+__device__ __forceinline__ void fa90_next_kv(uint32_t kn, uint32_t vn, const fa90_bf16 *kg, const fa90_bf16 *vg, long long ks,
+                                             int Tk, int j1, bool more) {
+    if (more) {
+        fa90_load<BN, D, NT>(kn, kg + (long long)j1 * ks, ks, Tk - j1);
+        fa90_load<BN, D, NT>(vn, vg + (long long)j1 * ks, ks, Tk - j1);
+        tm__cp_async_commit();
+        tm__cp_async_wait<1>();
+    } else {
+        tm__cp_async_wait<0>();
+    }
+    __syncthreads();
+    tm__fence_proxy_async();
+}
 /* K-major operand: the k16 block kk of rows [row, row + 64) of a (ROWS, D) tile. */
 template <int ROWS>
 __device__ __forceinline__ uint64_t fa90_desc_k(uint32_t tile, int row, int kk) {
@@ -174,17 +191,7 @@ __global__ void __launch_bounds__(128 * NWG, MINB) fa90_forward_kernel(fa90_p p)
 
     for (int t = 0; t < ntiles; t++) {
         const int buf = t & 1, j0 = t * BN;
-        if (t + 1 < ntiles) {
-            const int j1 = j0 + BN;
-            fa90_load<BN, D, NT>(ks + (buf ^ 1) * KB, kg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
-            fa90_load<BN, D, NT>(vs + (buf ^ 1) * KB, vg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
-            tm__cp_async_commit();
-            tm__cp_async_wait<1>();
-        } else {
-            tm__cp_async_wait<0>();
-        }
-        __syncthreads();
-        tm__fence_proxy_async();
+        fa90_next_kv<BN, D, NT>(ks + (buf ^ 1) * KB, vs + (buf ^ 1) * KB, kg, vg, p.ks, p.Tk, j0 + BN, t + 1 < ntiles);
         if (j0 < wend) {
             const uint32_t kt = ks + buf * KB, vt = vs + buf * KB;
             float s[BN / 2];
@@ -310,17 +317,7 @@ __global__ void __launch_bounds__(128 * NWG, MINB) fa90_dq_kernel(fa90_p p) {
 
     for (int t = 0; t < ntiles; t++) {
         const int buf = t & 1, j0 = t * BN;
-        if (t + 1 < ntiles) {
-            const int j1 = j0 + BN;
-            fa90_load<BN, D, NT>(ks + (buf ^ 1) * KB, kg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
-            fa90_load<BN, D, NT>(vs + (buf ^ 1) * KB, vg + (long long)j1 * p.ks, p.ks, p.Tk - j1);
-            tm__cp_async_commit();
-            tm__cp_async_wait<1>();
-        } else {
-            tm__cp_async_wait<0>();
-        }
-        __syncthreads();
-        tm__fence_proxy_async();
+        fa90_next_kv<BN, D, NT>(ks + (buf ^ 1) * KB, vs + (buf ^ 1) * KB, kg, vg, p.ks, p.Tk, j0 + BN, t + 1 < ntiles);
         if (t == 0) {
             const int rl = 64 * wg + 16 * warp + g;
             ll[0] = ls[rl] * FA90_LOG2E, ll[1] = ls[rl + 8] * FA90_LOG2E;
