@@ -351,7 +351,7 @@ all: $(BUILD)/libcudatrace.so
 # bench/gmm_sm90_harness.cu: the Hopper grouped GEMM alone (no library), checked against cuBLAS per
 # group and timed against a dense GEMM; one nvcc command, run on an sm_90 GPU (make gmm-sm90-harness).
 $(BUILD)/bench/gmm_sm90_harness: bench/gmm_sm90_harness.cu kernels/cuda/grouped_matmul_sm90.cu kernels/cuda/grouped_matmul_sm90.h \
-    kernels/cuda/mma.cuh kernels/cuda/swiglu.cuh
+    kernels/cuda/mma.cuh kernels/cuda/swiglu.cuh kernels/cuda/tma.cuh kernels/cuda/wgmma.cuh
 	@mkdir -p $(dir $@)
 	$(NVCC) -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Ikernels/cuda bench/gmm_sm90_harness.cu \
 	    kernels/cuda/grouped_matmul_sm90.cu -L$(CUDA_LIBDIR) -Xlinker -rpath,$(CUDA_LIBDIR) -lcublas -o $@

@@ -95,6 +95,8 @@
 #include "grouped_matmul_sm90.h"
 #include "mma.cuh"
 #include "swiglu.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
 
 #include <cuda.h> /* CUtensorMap and the encode function's types only: no link to libcuda */
 #include <cuda_bf16.h>
@@ -146,74 +148,14 @@ struct gmm90_params {
 #define GMM90_DEVICE 1
 #endif
 
-/* ---- PTX wrappers (sm_90a; the sm_80 ones the epilogue uses, cp.async, ldmatrix and the bf16
- * packing, are mma.cuh's) ---- */
+/* ---- PTX wrappers (sm_90a): TMA, mbarriers and stmatrix are tma.cuh's, wgmma's fence, commit,
+ * wait and descriptor wgmma.cuh's; the sm_80 ones the epilogue uses (cp.async, ldmatrix, the bf16
+ * packing) mma.cuh's ---- */
 #ifdef GMM90_DEVICE
-__device__ __forceinline__ void gmm90_mbar_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void gmm90_mbar_expect_tx(uint32_t bar, int bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void gmm90_mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void gmm90_mbar_wait(uint32_t bar, int parity) {
-    asm volatile("{\n"
-                 ".reg .pred done;\n"
-                 "WAIT_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WAIT_%=;\n"
-                 "}\n" ::"r"(bar),
-                 "r"(parity)
-                 : "memory");
-}
-__device__ __forceinline__ void gmm90_tma2(uint32_t dst, const CUtensorMap *map, int c0, int c1, uint32_t bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
-                 : "memory");
-}
-__device__ __forceinline__ void gmm90_tma3(uint32_t dst, const CUtensorMap *map, int c0, int c1, int c2, uint32_t bar) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-                 : "memory");
-}
-__device__ __forceinline__ void gmm90_tma_store2(const CUtensorMap *map, uint32_t src, int c0, int c1) {
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"((uint64_t)map),
-                 "r"(src), "r"(c0), "r"(c1)
-                 : "memory");
-}
-__device__ __forceinline__ void gmm90_tma_store3(const CUtensorMap *map, uint32_t src, int c0, int c1, int c2) {
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"((uint64_t)map),
-                 "r"(src), "r"(c0), "r"(c1), "r"(c2)
-                 : "memory");
-}
-/* Four 8x8 b16 matrices, lane l addressing row l % 8 of matrix l / 8; register j of lane l holds
- * row l / 4, columns 2 (l % 4), + 1 of matrix j (the mma accumulator fragment's layout). */
-__device__ __forceinline__ void gmm90_stsm4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
-                 "r"(r2), "r"(r3)
-                 : "memory");
-}
-__device__ __forceinline__ void gmm90_bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void gmm90_bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-/* all but the newest bulk group have read their shared memory */
-__device__ __forceinline__ void gmm90_bulk_wait_read1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
-__device__ __forceinline__ void gmm90_bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-__device__ __forceinline__ void gmm90_cp_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-__device__ __forceinline__ void gmm90_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void gmm90_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void gmm90_wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
 /* Ties the accumulators to this point: no read or write of them moves across it. */
 __device__ __forceinline__ void gmm90_reg_fence(float &r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void gmm90_bar(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 
-/* Shared-memory matrix descriptor, 128-byte swizzle (layout type 1 in bits 62-63). */
-__device__ __forceinline__ uint64_t gmm90_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) | (1ull << 62);
-}
 /* d (64 x N f32, the warpgroup's fragments) (+)= A (64 x 16) @ B (16 x N), both from shared memory
  * through descriptors; TA / TB: A M-major / B N-major (else K-major); scale_d 0: d = A B. The
  * operand lists were written out by a script (N / 2 accumulator registers each). */
@@ -277,12 +219,12 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
     }
     if (tid == 0) {
         for (int s = 0; s < STAGES; s++) {
-            gmm90_mbar_init(tm__smem_u32(&full[s]), 1);
-            gmm90_mbar_init(tm__smem_u32(&empty[s]), 8);
+            tm__mbar_init(tm__smem_u32(&full[s]), 1);
+            tm__mbar_init(tm__smem_u32(&empty[s]), 8);
         }
         for (int q = 0; q < GMM90_TQ; q++) {
-            gmm90_mbar_init(tm__smem_u32(&tq_full[q]), 1);
-            gmm90_mbar_init(tm__smem_u32(&tq_empty[q]), 256); /* every consumer thread has read the id */
+            tm__mbar_init(tm__smem_u32(&tq_full[q]), 1);
+            tm__mbar_init(tm__smem_u32(&tq_empty[q]), 256); /* every consumer thread has read the id */
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -391,10 +333,10 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
         for (int k = 0, t = blockIdx.x;; k++) {
             if (dyn) {
                 const int q = k % GMM90_TQ;
-                gmm90_mbar_wait(tm__smem_u32(&tq_empty[q]), ((k / GMM90_TQ) & 1) ^ 1);
+                tm__mbar_wait(tm__smem_u32(&tq_empty[q]), ((k / GMM90_TQ) & 1) ^ 1);
                 if (k > 0) t = (int)gridDim.x + atomicAdd(p.sched, 1);
                 s_tq[q] = t;
-                gmm90_mbar_arrive(tm__smem_u32(&tq_full[q]));
+                tm__mbar_arrive(tm__smem_u32(&tq_full[q]));
             } else if (k > 0) {
                 t += gridDim.x;
             }
@@ -402,30 +344,30 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
             const gmm90_tile tl = decode(t);
             if (MG && tl.g == G) continue; /* rows past the groups: nothing to load */
             for (int kt = 0; kt < tl.nk; kt++) {
-                gmm90_mbar_wait(tm__smem_u32(&empty[s]), ph ^ 1);
+                tm__mbar_wait(tm__smem_u32(&empty[s]), ph ^ 1);
                 const uint32_t fb = tm__smem_u32(&full[s]);
-                gmm90_mbar_expect_tx(fb, CF::STAGE_BYTES);
+                tm__mbar_expect_tx(fb, CF::STAGE_BYTES);
                 const uint32_t a = tm__smem_u32(sA + s * CF::A_BYTES), b = tm__smem_u32(sB + s * CF::B_BYTES);
                 const int k0 = tl.red0 + kt * GMM90_BK;
                 if (MODE == TM__GMM90_FWD) {
-                    gmm90_tma2(a, &tmA, k0, tl.r0, fb);
+                    tm__tma_load_2d(a, &tmA, k0, tl.r0, fb);
 #pragma unroll
-                    for (int j = 0; j < BN / 64; j++) gmm90_tma3(b + j * 8192, &tmB, tl.n0 + 64 * j, k0, tl.g, fb);
+                    for (int j = 0; j < BN / 64; j++) tm__tma_load_3d(b + j * 8192, &tmB, tl.n0 + 64 * j, k0, tl.g, fb);
                 } else if (SW) {
-                    gmm90_tma2(a, &tmA, k0, tl.r0, fb);
+                    tm__tma_load_2d(a, &tmA, k0, tl.r0, fb);
 #pragma unroll
                     for (int j = 0; j < BN / 128; j++) {
-                        gmm90_tma3(b + j * 8192, &tmB, tl.n0 + 64 * j, k0, tl.g, fb);
-                        gmm90_tma3(b + (BN / 128 + j) * 8192, &tmB2, tl.n0 + 64 * j, k0, tl.g, fb);
+                        tm__tma_load_3d(b + j * 8192, &tmB, tl.n0 + 64 * j, k0, tl.g, fb);
+                        tm__tma_load_3d(b + (BN / 128 + j) * 8192, &tmB2, tl.n0 + 64 * j, k0, tl.g, fb);
                     }
                 } else if (MODE == TM__GMM90_DX) {
-                    gmm90_tma2(a, &tmA, k0, tl.r0, fb);
-                    gmm90_tma3(b, &tmB, k0, tl.n0, tl.g, fb);
+                    tm__tma_load_2d(a, &tmA, k0, tl.r0, fb);
+                    tm__tma_load_3d(b, &tmB, k0, tl.n0, tl.g, fb);
                 } else {
-                    gmm90_tma2(a, &tmA, tl.m0, k0, fb);
-                    gmm90_tma2(a + 8192, &tmA, tl.m0 + 64, k0, fb);
+                    tm__tma_load_2d(a, &tmA, tl.m0, k0, fb);
+                    tm__tma_load_2d(a + 8192, &tmA, tl.m0 + 64, k0, fb);
 #pragma unroll
-                    for (int j = 0; j < BN / 64; j++) gmm90_tma2(b + j * 8192, &tmB, tl.n0 + 64 * j, k0, fb);
+                    for (int j = 0; j < BN / 64; j++) tm__tma_load_2d(b + j * 8192, &tmB, tl.n0 + 64 * j, k0, fb);
                 }
                 if (++s == STAGES) s = 0, ph ^= 1;
             }
@@ -449,16 +391,16 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
     auto stg_off = [](int r, int c8) { return (c8 >> 3) * 8192 + r * 128 + (((c8 & 7) ^ (r & 7)) << 4); };
     /* the staging tile is free: the last TMA store from it has read it, every thread is past it */
     auto stg_acquire = [&]() {
-        if (wl == 0) gmm90_bulk_wait_read();
+        if (wl == 0) tm__bulk_wait_read();
         gmm90_bar(wbar, 128);
     };
     (void)stg_a, (void)stg_off, (void)stg_acquire, (void)wbar;
     for (int k = 0, t = blockIdx.x;; k++) {
         if (dyn) {
             const int q = k % GMM90_TQ;
-            gmm90_mbar_wait(tm__smem_u32(&tq_full[q]), (k / GMM90_TQ) & 1);
+            tm__mbar_wait(tm__smem_u32(&tq_full[q]), (k / GMM90_TQ) & 1);
             t = s_tq[q];
-            gmm90_mbar_arrive(tm__smem_u32(&tq_empty[q]));
+            tm__mbar_arrive(tm__smem_u32(&tq_empty[q]));
         } else if (k > 0) {
             t += gridDim.x;
         }
@@ -487,7 +429,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
         {
             int prev = -1;
             for (int kt = 0; kt < tl.nk; kt++) {
-                gmm90_mbar_wait(tm__smem_u32(&full[s]), ph);
+                tm__mbar_wait(tm__smem_u32(&full[s]), ph);
                 unsigned char *a = sA + s * CF::A_BYTES, *b = sB + s * CF::B_BYTES;
                 if (!MG) {
                     const int valid = tl.red1 - (tl.red0 + kt * GMM90_BK);
@@ -510,19 +452,19 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                 const uint32_t aa = tm__smem_u32(a), ba = tm__smem_u32(b);
 #pragma unroll
                 for (int i = 0; i < BN / 2; i++) gmm90_reg_fence(acc[i]);
-                gmm90_wgmma_fence();
+                tm__wgmma_fence();
 #pragma unroll
                 for (int j = 0; j < GMM90_BK / 16; j++) {
                     uint64_t da, db;
-                    if (TA) da = gmm90_desc(aa + w * 8192 + j * 2048, 8192, 1024);
-                    else da = gmm90_desc(aa + w * 8192 + j * 32, 16, 1024);
-                    if (TB) db = gmm90_desc(ba + j * 2048, 8192, 1024);
-                    else db = gmm90_desc(ba + j * 32, 16, 1024);
+                    if (TA) da = tm__wgmma_desc(aa + w * 8192 + j * 2048, 8192, 1024);
+                    else da = tm__wgmma_desc(aa + w * 8192 + j * 32, 16, 1024);
+                    if (TB) db = tm__wgmma_desc(ba + j * 2048, 8192, 1024);
+                    else db = tm__wgmma_desc(ba + j * 32, 16, 1024);
                     const int sc = (kt > 0 || j > 0) ? 1 : 0;
                     if (BN == 256) gmm90_wgmma_n256<TA, TB>(acc, da, db, sc);
                     else gmm90_wgmma_n128<TA, TB>(acc, da, db, sc);
                 }
-                gmm90_wgmma_commit();
+                tm__wgmma_commit();
                 if (ACCUM && kt == (tl.nk > 1 ? 1 : 0)) {
                     /* beta = 1: the old C tile into the staging tile while the tensor cores work
                      * (by the second slab the last tile's store has long read the staging) */
@@ -538,15 +480,15 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                 }
 #pragma unroll
                 for (int i = 0; i < BN / 2; i++) gmm90_reg_fence(acc[i]);
-                gmm90_wgmma_wait<1>();
-                if (prev >= 0 && lane == 0) gmm90_mbar_arrive(tm__smem_u32(&empty[prev]));
+                tm__wgmma_wait<1>();
+                if (prev >= 0 && lane == 0) tm__mbar_arrive(tm__smem_u32(&empty[prev]));
                 prev = s;
                 if (++s == STAGES) s = 0, ph ^= 1;
             }
-            gmm90_wgmma_wait<0>();
+            tm__wgmma_wait<0>();
 #pragma unroll
             for (int i = 0; i < BN / 2; i++) gmm90_reg_fence(acc[i]);
-            if (prev >= 0 && lane == 0) gmm90_mbar_arrive(tm__smem_u32(&empty[prev]));
+            if (prev >= 0 && lane == 0) tm__mbar_arrive(tm__smem_u32(&empty[prev]));
         }
 
         /* -- epilogue -- */
@@ -561,7 +503,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
 #pragma unroll
             for (int i = 0; i < BN / 8; i += 2) {
                 const uint32_t o0 = 4 * i + 0, o1 = 4 * i + 2, o2 = 4 * (i + 1), o3 = 4 * (i + 1) + 2;
-                gmm90_stsm4(stg_a + stg_off(r, i + (m >> 1)), tm__pack_bf16x2(acc[o0], acc[o0 + 1]),
+                tm__stsm_x4(stg_a + stg_off(r, i + (m >> 1)), tm__pack_bf16x2(acc[o0], acc[o0 + 1]),
                             tm__pack_bf16x2(acc[o1], acc[o1 + 1]), tm__pack_bf16x2(acc[o2], acc[o2 + 1]),
                             tm__pack_bf16x2(acc[o3], acc[o3 + 1]));
             }
@@ -571,13 +513,13 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                 if (wl == 0) {
 #pragma unroll
                     for (int j = 0; j < BN / 128; j++)
-                        if (tl.n0 + 64 * j < p.Nout) gmm90_tma_store2(&tmC2, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
-                    gmm90_bulk_commit();
+                        if (tl.n0 + 64 * j < p.Nout) tm__tma_store_2d(&tmC2, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
+                    tm__bulk_commit();
 #pragma unroll
                     for (int j = 0; j < BN / 128; j++)
                         if (tl.n0 + 64 * j < p.Nout)
-                            gmm90_tma_store2(&tmC3, stg_a + (BN / 128 + j) * 8192, tl.n0 + 64 * j, wrow);
-                    gmm90_bulk_commit();
+                            tm__tma_store_2d(&tmC3, stg_a + (BN / 128 + j) * 8192, tl.n0 + 64 * j, wrow);
+                    tm__bulk_commit();
                 }
             } else {
                 for (int idx = wl; idx < 64 * (BN / 8); idx += 128) {
@@ -597,19 +539,19 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                 const float u1 = __bfloat162float(__float2bfloat16_rn(acc[o + BN / 4 + 1]));
                 hp[q] = tm__pack_bf16x2(tm__swiglu_fwd(g0, u0), tm__swiglu_fwd(g1, u1));
             }
-            if (whole && wl == 0) gmm90_bulk_wait_read1(); /* the gate's boxes are free for h */
+            if (whole && wl == 0) tm__bulk_wait_read1(); /* the gate's boxes are free for h */
             gmm90_bar(wbar, 128);
 #pragma unroll
             for (int i = 0; i < BN / 16; i += 2) /* hp[2 x] holds accumulators 4 x, + 1; hp[2 x + 1] 4 x + 2, + 3 */
-                gmm90_stsm4(stg_a + stg_off(r, i + (m >> 1)), hp[2 * i], hp[2 * i + 1], hp[2 * (i + 1)], hp[2 * (i + 1) + 1]);
+                tm__stsm_x4(stg_a + stg_off(r, i + (m >> 1)), hp[2 * i], hp[2 * i + 1], hp[2 * (i + 1)], hp[2 * (i + 1) + 1]);
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             gmm90_bar(wbar, 128);
             if (whole) {
                 if (wl == 0) {
 #pragma unroll
                     for (int j = 0; j < BN / 128; j++)
-                        if (tl.n0 + 64 * j < p.Nout) gmm90_tma_store2(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
-                    gmm90_bulk_commit();
+                        if (tl.n0 + 64 * j < p.Nout) tm__tma_store_2d(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
+                    tm__bulk_commit();
                 }
             } else {
                 for (int idx = wl; idx < 64 * (BN / 16); idx += 128) {
@@ -625,7 +567,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
          * warpgroup's 64 rows (TMA clips at R, K, N); a warpgroup whose rows cross the group's end
          * copies its rows below it with 16-byte stores instead */
         if (ACCUM) {
-            gmm90_cp_wait_all();
+            tm__cp_async_wait_all();
             gmm90_bar(wbar, 128);
         } else {
             stg_acquire();
@@ -649,7 +591,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                         v[2 * j] += f.x, v[2 * j + 1] += f.y;
                     }
                 }
-                gmm90_stsm4(addr, tm__pack_bf16x2(v[0], v[1]), tm__pack_bf16x2(v[2], v[3]), tm__pack_bf16x2(v[4], v[5]),
+                tm__stsm_x4(addr, tm__pack_bf16x2(v[0], v[1]), tm__pack_bf16x2(v[2], v[3]), tm__pack_bf16x2(v[4], v[5]),
                             tm__pack_bf16x2(v[6], v[7]));
             }
         }
@@ -660,10 +602,10 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
 #pragma unroll
                 for (int j = 0; j < BN / 64; j++) {
                     if (tl.n0 + 64 * j >= p.Nout) break;
-                    if (MG) gmm90_tma_store2(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
-                    else gmm90_tma_store3(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow, tl.g);
+                    if (MG) tm__tma_store_2d(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
+                    else tm__tma_store_3d(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow, tl.g);
                 }
-                gmm90_bulk_commit();
+                tm__bulk_commit();
             }
         } else {
             for (int idx = wl; idx < 64 * (BN / 8); idx += 128) {
@@ -674,7 +616,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
             }
         }
     }
-    if (wl == 0) gmm90_bulk_wait(); /* the stores have read the staging before the CTA's memory goes */
+    if (wl == 0) tm__bulk_wait(); /* the stores have read the staging before the CTA's memory goes */
 #endif
 }
 

@@ -3,8 +3,8 @@
  * wgmma.mma_async with both operands in shared memory (SS) or A in registers (RS), its fence,
  * commit and wait, and the shared-memory matrix descriptor. Only for translation units compiled
  * with -gencode arch=compute_90a (the callers guard their bodies with __CUDA_ARCH_FEAT_SM90_ALL).
- * grouped_matmul_sm90.cu keeps its own n128 / n256 wrappers (gmm90_*): its SASS was tuned and
- * checked with them, and moving them here is a change to make with a before/after comparison.
+ * grouped_matmul_sm90.cu uses the fence, commit, wait and descriptor here and keeps its own
+ * n128 / n256 wrappers with an A-transpose operand (gmm90_wgmma_*).
  *
  * PTX ISA 9.0, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions":
  *   d (64 x N, f32) = A (64 x 16, bf16) B (16 x N, bf16) + (scale_d ? d : 0)
