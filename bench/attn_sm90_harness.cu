@@ -71,6 +71,23 @@ static void die(int r, const char *why) {
     }
 }
 
+/* The TMA-producer dK/dV kernel (fa90_dkv_tma_kernel) in each shape worth timing: variant v of D,
+ * launched on a (dq NULL); its name in *name. */
+#define FA90_TMA_VARIANTS 4
+template <int D> static int tma_variant(int v, const tm__fa90_args *a, const char **name) {
+    char why[256];
+    const fa90_p p = fa90_params(a);
+    int r = 1;
+    switch (v) {
+    case 0: *name = "dkv tma nc 1 stages 2 minb 2", r = fa90_dkv_tma_launch<D, 1, 2, 2>(a, p, 0, why, sizeof why); break;
+    case 1: *name = "dkv tma nc 1 stages 3 minb 2", r = fa90_dkv_tma_launch<D, 1, 3, 2>(a, p, 0, why, sizeof why); break;
+    case 2: *name = "dkv tma nc 2 stages 2 minb 1", r = fa90_dkv_tma_launch<D, 2, 2, 1>(a, p, 0, why, sizeof why); break;
+    default: *name = "dkv tma nc 2 stages 3 minb 1", r = fa90_dkv_tma_launch<D, 2, 3, 1>(a, p, 0, why, sizeof why); break;
+    }
+    if (r) fprintf(stderr, "%s: %s\n", *name, why);
+    return r;
+}
+
 /* max |a - ref| / max |ref| */
 static double rel_err(const std::vector<double> &a, const std::vector<double> &ref) {
     double num = 0, den = 0;
@@ -174,9 +191,30 @@ static int check_case(int B, int Tq, int Tk, int Hq, int Hkv, int D, int fresh, 
     const double eo = rel_err(o64, O), el = rel_err(l64, L), eq = rel_err(gq, DQ), ek = rel_err(gk, DK),
                  ev = shared_kv ? 0.0 : rel_err(gv, DV);
     const double lim = 2e-2;
-    const int ok = eo < lim && el < 1e-3 && eq < lim && ek < lim && ev < lim;
+    int ok = eo < lim && el < 1e-3 && eq < lim && ek < lim && ev < lim;
     printf("check B %d Tq %d Tk %d Hq %d Hkv %d D %3d fresh %d dk=dv %d: o %.2e lse %.2e dq %.2e dk %.2e dv %.2e %s\n", B, Tq,
            Tk, Hq, Hkv, D, fresh, shared_kv, eo, el, eq, ek, ev, ok ? "ok" : "FAIL");
+    /* the TMA-producer dK/dV kernel's shapes, the library's or not, on the same inputs */
+    for (int v = 0; v < FA90_TMA_VARIANTS; v++) {
+        CK(cudaMemcpy(ddk, dk0.data(), nk * sizeof(bf16), cudaMemcpyHostToDevice));
+        if (!shared_kv) CK(cudaMemcpy(ddv, dv0.data(), nk * sizeof(bf16), cudaMemcpyHostToDevice));
+        tm__fa90_args t = a;
+        t.dq = NULL;
+        const char *name = NULL;
+        die(D == 64 ? tma_variant<64>(v, &t, &name) : tma_variant<128>(v, &t, &name), "tma variant");
+        CK(cudaDeviceSynchronize());
+        std::vector<double> tk = to_f64(host_copy(ddk, nk)), tv = to_f64(host_copy(ddv, nk));
+        if (!fresh) {
+            std::vector<double> k0 = to_f64(dk0), v0 = to_f64(dv0);
+            for (size_t i = 0; i < nk; i++) tk[i] -= k0[i];
+            if (!shared_kv)
+                for (size_t i = 0; i < nk; i++) tv[i] -= v0[i];
+        }
+        const double tek = rel_err(tk, DK), tev = shared_kv ? 0.0 : rel_err(tv, DV);
+        const int tok = tek < lim && tev < lim;
+        printf("  %-30s dk %.2e dv %.2e %s\n", name, tek, tev, tok ? "ok" : "FAIL");
+        ok = ok && tok;
+    }
     cudaFree(dQ), cudaFree(dK), cudaFree(dV), cudaFree(dDO), cudaFree(dO), cudaFree(ddq), cudaFree(ddk);
     if (!shared_kv) cudaFree(ddv);
     cudaFree(dL), cudaFree(dDel);
@@ -242,6 +280,24 @@ template <int D> static void variants(int B, int S, int Hq, int Hkv, int iters) 
     FA90_V("dkv nwg 1 minb 1", 4, (fa90_dkv_kernel<D, 1, 1>), 64, 1, fa90_smem_dkv(D, 1));
     FA90_V("dkv nwg 1 minb 2", 4, (fa90_dkv_kernel<D, 1, 2>), 64, 1, fa90_smem_dkv(D, 1));
     if (D == 64) { FA90_V("dkv nwg 1 minb 3", 4, (fa90_dkv_kernel<D, 1, 3>), 64, 1, fa90_smem_dkv(D, 1)); }
+    for (int v = 0; v < FA90_TMA_VARIANTS; v++) {
+        tm__fa90_args t = a;
+        t.dq = NULL;
+        const char *name = NULL;
+        cudaEvent_t e0, e1;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        for (int it = 0; it < iters + 5; it++) {
+            if (it == 5) CK(cudaEventRecord(e0));
+            die(tma_variant<D>(v, &t, &name), "tma variant");
+        }
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float fms = 0;
+        CK(cudaEventElapsedTime(&fms, e0, e1));
+        ms = fms / iters;
+        printf("  (tensor maps encoded each call) variant D %3d %-34s %.3f ms %6.1f TFLOP/s\n", D, name, ms, 4 * unit / (ms * 1e-3) / 1e12);
+    }
 #undef FA90_V
 }
 

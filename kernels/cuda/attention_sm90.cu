@@ -47,6 +47,7 @@
  */
 #include "attention_sm90.h"
 #include "mma.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 #include <cuda_bf16.h>
@@ -148,6 +149,33 @@ __device__ __forceinline__ void fa90_add2(fa90_bf16 *g, float a, float b, int fr
         a += o.x, b += o.y;
     }
     *reinterpret_cast<uint32_t *>(g) = tm__pack_bf16x2(a, b);
+}
+
+/* dK/dV's epilogue: rows jw + g and jw + g + 8 of dk (times scale) and dv into the gradients (added,
+ * or stored where fresh). dk and dv of an element have the same owner thread; when they are one
+ * buffer (k passed as v), it adds their sum, rounded once (as on sm_80). */
+template <int D>
+__device__ __forceinline__ void fa90_dkv_store(const fa90_p &p, const float *dk, const float *dv, int b, int hk, int jw, int g,
+                                               int t4) {
+    constexpr int ND = D / 8;
+    const bool one = p.dk == p.dv;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int j = jw + half * 8 + g;
+        if (j >= p.Tk) continue;
+        const long long ro = ((long long)b * p.Tk + j) * p.ks + (long long)hk * D + t4 * 2;
+#pragma unroll
+        for (int x = 0; x < ND; x++) {
+            const float k0 = p.scale * dk[4 * x + 2 * half], k1 = p.scale * dk[4 * x + 2 * half + 1];
+            const float v0 = dv[4 * x + 2 * half], v1 = dv[4 * x + 2 * half + 1];
+            if (one) {
+                fa90_add2(p.dk + ro + x * 8, k0 + v0, k1 + v1, p.fk && p.fv);
+            } else {
+                if (p.dk) fa90_add2(p.dk + ro + x * 8, k0, k1, p.fk);
+                if (p.dv) fa90_add2(p.dv + ro + x * 8, v0, v1, p.fv);
+            }
+        }
+    }
 }
 
 /* Shared memory bytes of each kernel (+ 1024 for the base's alignment); NWG warpgroups a CTA,
@@ -384,7 +412,7 @@ __global__ void __launch_bounds__(128 * NWG, MINB) fa90_dq_kernel(fa90_p p) {
 template <int D, int NWG, int MINB>
 __global__ void __launch_bounds__(128 * NWG, MINB) fa90_dkv_kernel(fa90_p p) {
 #ifdef FA90_DEVICE
-    constexpr int NT = 128 * NWG, BN = 64 * NWG, BQ = 64, KD = D / 16, NQ = BQ / 8, ND = D / 8;
+    constexpr int NT = 128 * NWG, BN = 64 * NWG, BQ = 64, KD = D / 16, NQ = BQ / 8;
     constexpr uint32_t KB = BN * D * 2, QB = BQ * D * 2;
     extern __shared__ __align__(16) unsigned char fa90_smem[];
     const uint32_t base = tm__smem_u32(fa90_smem), ks = (base + 1023) & ~1023u, vs = ks + KB, qs = vs + KB, dos = qs + 2 * QB;
@@ -489,26 +517,169 @@ __global__ void __launch_bounds__(128 * NWG, MINB) fa90_dkv_kernel(fa90_p p) {
         __syncthreads();
     }
 
-    /* dk and dv of an element have the same owner thread; when they are one buffer (k passed as
-     * v), it adds their sum, rounded once (as on sm_80) */
-    const bool one = p.dk == p.dv;
+    fa90_dkv_store<D>(p, dk, dv, b, hk, jw, g, t4);
+#endif
+}
+
+/* ---- dK/dV with a TMA producer (FlashAttention-3's structure) ------------------------------------
+ * Warpgroup 0 is the producer: all its threads give registers back (setmaxnreg.dec), warps 1-3
+ * leave, warp 0 stays. Its lane 0 loads K and V once (TMA, on kv_full) and then, for each query
+ * tile, waits until the consumers have released the stage (empty[s]), announces the tile's bytes
+ * on full[s] and issues the TMA loads of Q and dO (D / 64 boxes of {64 D, 64 rows} each, zero past
+ * Tq); its 32 lanes copy the tile's lse and Delta (rows past Tq: 0) into the stage and arrive on
+ * full[s] too (33 arrivals a phase). Warpgroups 1..NC are consumers, 64 keys each, the products
+ * of fa90_dkv_kernel; each warp arrives on empty[s] once its warpgroup's wgmmas that read the stage
+ * are complete (4 NC arrivals a phase). No CTA-wide barrier after the start: the consumers run at
+ * their own pace, STAGES tiles ahead of them loaded.
+ * Status: written in session 15 after its device time was spent; compiled (no spills) but not yet
+ * run. fa90_cfg keeps it off until bench/attn_sm90_harness.cu --check passes and --variants
+ * shows it faster than fa90_dkv_kernel. */
+template <int NC, int MINB> struct fa90_tma_regs {
+    /* consumers take what the producer warpgroup's 24 leave, rounded down to 8, at most 240 */
+    static constexpr int R0 = (65536 / MINB - 128 * 24) / (128 * NC) / 8 * 8;
+    static constexpr int CONS = R0 > 240 ? 240 : R0;
+};
+
+template <int D, int NC, int STAGES, int MINB>
+__global__ void __launch_bounds__(128 * (NC + 1), MINB)
+    fa90_dkv_tma_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
+                        const __grid_constant__ CUtensorMap tmV, const __grid_constant__ CUtensorMap tmO, fa90_p p) {
+#ifdef FA90_DEVICE
+    constexpr int BN = 64 * NC, BQ = 64, KD = D / 16, NQ = BQ / 8, NP = D / 64;
+    constexpr uint32_t KB = BN * D * 2, QB = BQ * D * 2;
+    extern __shared__ __align__(16) unsigned char fa90_smem[];
+    const uint32_t base = tm__smem_u32(fa90_smem), ks = (base + 1023) & ~1023u, vs = ks + KB, qs = vs + KB,
+                   dos = qs + STAGES * QB;
+    float *ls = (float *)(fa90_smem + (dos + STAGES * QB - base)), *dls = ls + STAGES * BQ;
+    uint64_t *bars = (uint64_t *)(dls + STAGES * BQ); /* kv_full, full[STAGES], empty[STAGES] */
+    const int bhn = p.B * p.Hkv;
+    const int kb = (int)(blockIdx.x / (unsigned)bhn);
+    const int bh = (int)(blockIdx.x % (unsigned)bhn), hk = bh % p.Hkv, b = bh / p.Hkv;
+    const int j0 = kb * BN;
+    const int qstart = j0 - p.off > 0 ? (j0 - p.off) / BQ * BQ : 0;
+    const int nqblk = fa90_cdiv(p.Tq - qstart, BQ), nit = p.G * nqblk;
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const uint32_t kv_full = tm__smem_u32(&bars[0]);
+    auto full = [&](int s) { return tm__smem_u32(&bars[1 + s]); };
+    auto empty = [&](int s) { return tm__smem_u32(&bars[1 + STAGES + s]); };
+
+    if (tid == 0) {
+        tm__mbar_init(kv_full, 1);
+        for (int s = 0; s < STAGES; s++) {
+            tm__mbar_init(full(s), 33);
+            tm__mbar_init(empty(s), 4 * NC);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) { /* ---- producer ---- */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (tid >= 32) return;
+        const int lane = tid;
+        if (lane == 0) {
+            tm__mbar_expect_tx(kv_full, 2 * KB);
 #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        const int j = jw + half * 8 + g;
-        if (j >= p.Tk) continue;
-        const long long ro = ((long long)b * p.Tk + j) * p.ks + (long long)hk * D + t4 * 2;
-#pragma unroll
-        for (int x = 0; x < ND; x++) {
-            const float k0 = p.scale * dk[4 * x + 2 * half], k1 = p.scale * dk[4 * x + 2 * half + 1];
-            const float v0 = dv[4 * x + 2 * half], v1 = dv[4 * x + 2 * half + 1];
-            if (one) {
-                fa90_add2(p.dk + ro + x * 8, k0 + v0, k1 + v1, p.fk && p.fv);
-            } else {
-                if (p.dk) fa90_add2(p.dk + ro + x * 8, k0, k1, p.fk);
-                if (p.dv) fa90_add2(p.dv + ro + x * 8, v0, v1, p.fv);
+            for (int pp = 0; pp < NP; pp++) {
+                tm__tma_load_4d(ks + pp * BN * 128, &tmK, 64 * pp, hk, j0, b, kv_full);
+                tm__tma_load_4d(vs + pp * BN * 128, &tmV, 64 * pp, hk, j0, b, kv_full);
             }
         }
+        int s = 0, ph = 0;
+        for (int it = 0; it < nit; it++) {
+            const int h = hk * p.G + it / nqblk, i0 = qstart + (it % nqblk) * BQ;
+            tm__mbar_wait(empty(s), ph ^ 1);
+            if (lane == 0) {
+                tm__mbar_expect_tx(full(s), 2 * QB);
+#pragma unroll
+                for (int pp = 0; pp < NP; pp++) {
+                    tm__tma_load_4d(qs + s * QB + pp * BQ * 128, &tmQ, 64 * pp, h, i0, b, full(s));
+                    tm__tma_load_4d(dos + s * QB + pp * BQ * 128, &tmO, 64 * pp, h, i0, b, full(s));
+                }
+            }
+            const long long lrow = ((long long)b * p.Hq + h) * p.Tq + i0;
+#pragma unroll
+            for (int r = lane; r < BQ; r += 32) {
+                const bool ok = i0 + r < p.Tq;
+                ls[s * BQ + r] = ok ? p.lse[lrow + r] : 0.0f;
+                dls[s * BQ + r] = ok ? p.delta[lrow + r] : 0.0f;
+            }
+            tm__mbar_arrive(full(s)); /* release: the stores above are visible to the waiters */
+            if (++s == STAGES) s = 0, ph ^= 1;
+        }
+        return;
     }
+
+    /* ---- consumers ---- */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(fa90_tma_regs<NC, MINB>::CONS));
+    const int w = wg - 1, wl = tid - 128 * wg, warp = wl >> 5, lane = wl & 31, g = lane >> 2, t4 = lane & 3;
+    const int wj = j0 + 64 * w, jw = wj + 16 * warp; /* the warpgroup's and the warp's first key */
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int x = 0; x < D / 2; x++) dk[x] = dv[x] = 0.0f;
+    tm__mbar_wait(kv_full, 0);
+    int s = 0, ph = 0;
+    for (int it = 0; it < nit; it++) {
+        const int i0 = qstart + (it % nqblk) * BQ;
+        tm__mbar_wait(full(s), ph);
+        if (wj < p.Tk && wj <= fa90_min(i0 + BQ, p.Tq) - 1 + p.off) {
+            const uint32_t qt = qs + s * QB, ot = dos + s * QB;
+            const float *lt = ls + s * BQ, *dt = dls + s * BQ;
+            float sc[BQ / 2], dp[BQ / 2];
+            tm__wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < KD; kk++) fa90_ss<BQ, 0>(sc, fa90_desc_k<BN>(ks, 64 * w, kk), fa90_desc_k<BQ>(qt, 0, kk), kk > 0);
+            tm__wgmma_commit();
+#pragma unroll
+            for (int kk = 0; kk < KD; kk++) fa90_ss<BQ, 0>(dp, fa90_desc_k<BN>(vs, 64 * w, kk), fa90_desc_k<BQ>(ot, 0, kk), kk > 0);
+            tm__wgmma_commit();
+            tm__wgmma_wait<1>();
+            tm__wgmma_fence_regs<BQ / 2>(sc);
+            const bool mask = jw + 15 > i0 + p.off || i0 + BQ > p.Tq;
+#pragma unroll
+            for (int n = 0; n < NQ; n++) {
+                const int c0 = 8 * n + 2 * t4;
+                const float2 lse2 = *reinterpret_cast<const float2 *>(lt + c0);
+                const float l2[2] = {lse2.x * FA90_LOG2E, lse2.y * FA90_LOG2E};
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float x = tm__ex2_approx(fmaf(sc[4 * n + e], p.scale_log2, -l2[e & 1]));
+                    const int i = i0 + c0 + (e & 1), j = jw + g + 8 * (e >> 1);
+                    if (mask && (j > i + p.off || i >= p.Tq)) x = 0.0f;
+                    sc[4 * n + e] = x;
+                }
+            }
+            tm__wgmma_wait<0>();
+            tm__wgmma_fence_regs<BQ / 2>(dp);
+            uint32_t pa[BQ / 16][4], da[BQ / 16][4];
+#pragma unroll
+            for (int kq = 0; kq < BQ / 16; kq++)
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    const int n = 2 * kq + u, c0 = 8 * n + 2 * t4;
+                    const float2 del2 = *reinterpret_cast<const float2 *>(dt + c0);
+                    pa[kq][2 * u] = tm__pack_bf16x2(sc[4 * n], sc[4 * n + 1]);
+                    pa[kq][2 * u + 1] = tm__pack_bf16x2(sc[4 * n + 2], sc[4 * n + 3]);
+                    da[kq][2 * u] = tm__pack_bf16x2(sc[4 * n] * (dp[4 * n] - del2.x), sc[4 * n + 1] * (dp[4 * n + 1] - del2.y));
+                    da[kq][2 * u + 1] = tm__pack_bf16x2(sc[4 * n + 2] * (dp[4 * n + 2] - del2.x), sc[4 * n + 3] * (dp[4 * n + 3] - del2.y));
+                }
+            tm__wgmma_fence();
+#pragma unroll
+            for (int kq = 0; kq < BQ / 16; kq++) fa90_rs<D>(dv, pa[kq], fa90_desc_n<BQ>(ot, kq));
+#pragma unroll
+            for (int kq = 0; kq < BQ / 16; kq++) fa90_rs<D>(dk, da[kq], fa90_desc_n<BQ>(qt, kq));
+            tm__wgmma_commit();
+            tm__wgmma_wait<0>();
+            tm__wgmma_fence_regs<D / 2>(dv);
+            tm__wgmma_fence_regs<D / 2>(dk);
+            tm__wgmma_fence_regs<BQ / 4>(&pa[0][0]);
+            tm__wgmma_fence_regs<BQ / 4>(&da[0][0]);
+        }
+        __syncwarp();
+        if (lane == 0) tm__mbar_arrive(empty(s));
+        if (++s == STAGES) s = 0, ph ^= 1;
+    }
+    fa90_dkv_store<D>(p, dk, dv, b, hk, jw, g, t4);
 #endif
 }
 
@@ -581,14 +752,58 @@ static int fa90_launch(K kernel, const char *name, long long grid, int threads, 
     return 0;
 }
 
+/* The TMA dK/dV kernel's launch: tensor maps of q, k, v and dO as (D, heads, T, B) with boxes of
+ * {64 D, 1 head, rows, 1}: rows past T read as zeros, never the next sequence's. */
+template <int D, int NC, int STAGES, int MINB>
+static size_t fa90_smem_dkv_tma() {
+    return (size_t)(2 * 64 * NC + 2 * STAGES * 64) * D * 2 + 2 * STAGES * 64 * 4 + (1 + 2 * STAGES) * 8 + 1024;
+}
+template <int D, int NC, int STAGES, int MINB>
+static int fa90_dkv_tma_launch(const tm__fa90_args *a, const fa90_p &p, cudaStream_t st, char *why, size_t n) {
+    tm__tma_encode_fn enc = tm__tma_encoder(why, n);
+    if (!enc) return 1;
+    CUtensorMap mq, mk, mv, mo;
+    const uint64_t dq[4] = {(uint64_t)D, (uint64_t)a->Hq, (uint64_t)a->Tq, (uint64_t)a->B};
+    const uint64_t sq[3] = {(uint64_t)D * 2, (uint64_t)a->Hq * D * 2, (uint64_t)a->Tq * a->Hq * D * 2};
+    const uint64_t dk[4] = {(uint64_t)D, (uint64_t)a->Hkv, (uint64_t)a->Tk, (uint64_t)a->B};
+    const uint64_t sk[3] = {(uint64_t)D * 2, (uint64_t)a->Hkv * D * 2, (uint64_t)a->Tk * a->Hkv * D * 2};
+    const uint32_t bq[4] = {64, 1, 64, 1}, bk[4] = {64, 1, 64 * NC, 1};
+    if (tm__tma_map_bf16(enc, &mq, a->q, 4, dq, sq, bq, "attention q", why, n) ||
+        tm__tma_map_bf16(enc, &mo, a->dout, 4, dq, sq, bq, "attention dout", why, n) ||
+        tm__tma_map_bf16(enc, &mk, a->k, 4, dk, sk, bk, "attention k", why, n) ||
+        tm__tma_map_bf16(enc, &mv, a->v, 4, dk, sk, bk, "attention v", why, n))
+        return 1;
+    const size_t smem = fa90_smem_dkv_tma<D, NC, STAGES, MINB>();
+    const long long grid = (long long)fa90_cdiv(a->Tk, 64 * NC) * a->B * a->Hkv;
+    if (grid <= 0) return 0;
+    cudaError_t e = cudaFuncSetAttribute(fa90_dkv_tma_kernel<D, NC, STAGES, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)smem);
+    if (e == cudaSuccess) {
+        fa90_dkv_tma_kernel<D, NC, STAGES, MINB><<<(unsigned)grid, 128 * (NC + 1), smem, st>>>(mq, mk, mv, mo, p);
+        e = cudaGetLastError();
+    }
+    if (e != cudaSuccess) {
+        snprintf(why, n, "attention sm90: launching fa90_dkv_tma_kernel (%lld CTAs, %zu bytes of shared memory): %s", grid, smem,
+                 cudaGetErrorString(e));
+        return 1;
+    }
+    return 0;
+}
+
 /* Tile shapes and CTAs per SM of the launches (the fastest variants timed: docs/PERFORMANCE.md). */
 template <int D> struct fa90_cfg;
 /* F*: forward, Q*: dQ, K*: dK/dV; *NWG warpgroups a CTA, *MINB CTAs an SM (launch bounds). */
+/* KTMA: dK/dV by the TMA-producer kernel (fa90_dkv_tma_kernel) with KTNC consumer warpgroups, KTST
+ * stages, KTMINB CTAs an SM. 0 for now: that kernel has not run on a GPU yet (session 15 wrote it
+ * without device time left); bench/attn_sm90_harness.cu checks and times its shapes, and the
+ * library takes it once it is checked and faster. With KTMA 0 the library does not compile it. */
 template <> struct fa90_cfg<64> {
     static constexpr int FBN = 128, FNWG = 2, FMINB = 2, QNWG = 2, QMINB = 2, KNWG = 1, KMINB = 3;
+    static constexpr int KTMA = 0, KTNC = 1, KTST = 3, KTMINB = 2;
 };
 template <> struct fa90_cfg<128> {
     static constexpr int FBN = 64, FNWG = 2, FMINB = 2, QNWG = 2, QMINB = 1, KNWG = 1, KMINB = 2;
+    static constexpr int KTMA = 0, KTNC = 2, KTST = 2, KTMINB = 1;
 };
 
 template <int D> static int fa90_forward_d(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
@@ -605,6 +820,10 @@ template <int D> static int fa90_backward_d(const tm__fa90_args *a, cudaStream_t
         if (fa90_launch(fa90_dq_kernel<D, C::QNWG, C::QMINB>, "fa90_dq_kernel", grid, 128 * C::QNWG, fa90_smem_dq(D, C::QNWG), p,
                         st, why, n))
             return 1;
+    }
+    if constexpr (C::KTMA != 0) {
+        if (a->dk || a->dv) return fa90_dkv_tma_launch<D, C::KTNC, C::KTST, C::KTMINB>(a, p, st, why, n);
+        return 0;
     }
     if (a->dk || a->dv) {
         const long long grid = (long long)fa90_cdiv(a->Tk, 64 * C::KNWG) * a->B * a->Hkv;

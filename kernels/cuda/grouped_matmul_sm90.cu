@@ -622,45 +622,6 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
 
 /* ---- host side ---- */
 
-typedef CUresult (*gmm90_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
-                                    const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
-                                    CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-/* cuTensorMapEncodeTiled through the runtime's driver entry point: no link to libcuda. */
-static gmm90_encode_fn gmm90_encoder(char *why, size_t n) {
-    static gmm90_encode_fn fn = NULL;
-    if (fn) return fn;
-    void *f = NULL;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !f) {
-        snprintf(why, n, "cuTensorMapEncodeTiled not found through cudaGetDriverEntryPointByVersion (%s, query %d)",
-                 cudaGetErrorString(e), (int)q);
-        return NULL;
-    }
-    fn = (gmm90_encode_fn)f;
-    return fn;
-}
-
-/* A bf16 tensor map of rank 2 or 3: dims[0] contiguous, strides (bytes) of dims 1.., 128-byte
- * swizzle, zero fill out of bounds. */
-static int gmm90_map(gmm90_encode_fn enc, CUtensorMap *m, const void *base, int rank, const uint64_t *dims,
-                     const uint64_t *strides, const uint32_t *box, const char *what, char *why, size_t n) {
-    cuuint64_t d[3], s[2];
-    cuuint32_t b[3], es[3] = {1, 1, 1};
-    for (int i = 0; i < rank; i++) d[i] = dims[i], b[i] = box[i];
-    for (int i = 0; i < rank - 1; i++) s[i] = strides[i];
-    CUresult r = enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, d, s, b, es,
-                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        snprintf(why, n, "cuTensorMapEncodeTiled failed (CUresult %d) for %s: dims %llu x %llu x %llu", (int)r, what,
-                 (unsigned long long)d[0], (unsigned long long)d[1], (unsigned long long)(rank > 2 ? d[2] : 1));
-        return -1;
-    }
-    return 0;
-}
-
 static int gmm90_probe(int dev, cudaError_t e, char *why, size_t n);
 
 extern "C" int tm__gmm90_supported(char *why, size_t n) {
@@ -761,7 +722,7 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
         return 1;
     }
     if (R == 0) return 0; /* FWD: y is empty; DX, DW: nothing to add */
-    gmm90_encode_fn enc = gmm90_encoder(why, n);
+    tm__tma_encode_fn enc = tm__tma_encoder(why, n);
     if (!enc) return -1;
 
     const uint64_t b2 = 2;
@@ -786,15 +747,15 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
         const int64_t red = fwd ? K : N;
         const uint64_t da[2] = {(uint64_t)red, (uint64_t)R}, sa[1] = {(uint64_t)red * b2};
         const uint32_t ba[2] = {64, 128};
-        if (gmm90_map(enc, &ma, a->a, 2, da, sa, ba, fwd ? "x" : "dy", why, n)) return -1;
+        if (tm__tma_map_bf16(enc, &ma, a->a, 2, da, sa, ba, fwd ? "x" : "dy", why, n)) return -1;
         const uint32_t bb[3] = {64, fwd ? 64u : (uint32_t)bn, 1};
-        if (gmm90_map(enc, &mb, a->b, 3, w3, w3s, bb, "w", why, n)) return -1;
+        if (tm__tma_map_bf16(enc, &mb, a->b, 3, w3, w3s, bb, "w", why, n)) return -1;
         const uint64_t dc[2] = {(uint64_t)Nout, (uint64_t)R}, sc[1] = {(uint64_t)Nout * b2};
-        if (gmm90_map(enc, &mc, a->c, 2, dc, sc, cbox, sw ? "h" : fwd ? "y" : "dx", why, n)) return -1;
+        if (tm__tma_map_bf16(enc, &mc, a->c, 2, dc, sc, cbox, sw ? "h" : fwd ? "y" : "dx", why, n)) return -1;
         if (sw) {
-            if (gmm90_map(enc, &mb2, a->b2, 3, w3, w3s, bb, "w_up", why, n)) return -1;
-            if (gmm90_map(enc, &mc2, a->c_gate, 2, dc, sc, cbox, "gate", why, n)) return -1;
-            if (gmm90_map(enc, &mc3, a->c_up, 2, dc, sc, cbox, "up", why, n)) return -1;
+            if (tm__tma_map_bf16(enc, &mb2, a->b2, 3, w3, w3s, bb, "w_up", why, n)) return -1;
+            if (tm__tma_map_bf16(enc, &mc2, a->c_gate, 2, dc, sc, cbox, "gate", why, n)) return -1;
+            if (tm__tma_map_bf16(enc, &mc3, a->c_up, 2, dc, sc, cbox, "up", why, n)) return -1;
             p.C2 = (__nv_bfloat16 *)a->c_gate, p.C3 = (__nv_bfloat16 *)a->c_up;
         }
         p.Kred = (int)red, p.ldc = Nout;
@@ -803,9 +764,9 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
         const uint64_t dx[2] = {(uint64_t)K, (uint64_t)R}, sx[1] = {(uint64_t)K * b2};
         const uint64_t dd[2] = {(uint64_t)N, (uint64_t)R}, sd[1] = {(uint64_t)N * b2};
         const uint32_t box[2] = {64, 64};
-        if (gmm90_map(enc, &ma, a->a, 2, dx, sx, box, "x", why, n)) return -1;
-        if (gmm90_map(enc, &mb, a->b, 2, dd, sd, box, "dy", why, n)) return -1;
-        if (gmm90_map(enc, &mc, a->c, 3, w3, w3s, cbox, "dw", why, n)) return -1;
+        if (tm__tma_map_bf16(enc, &ma, a->a, 2, dx, sx, box, "x", why, n)) return -1;
+        if (tm__tma_map_bf16(enc, &mb, a->b, 2, dd, sd, box, "dy", why, n)) return -1;
+        if (tm__tma_map_bf16(enc, &mc, a->c, 3, w3, w3s, cbox, "dw", why, n)) return -1;
         p.M = (int)K, p.tiles_m = (int)((K + 127) / 128), p.ldc = N, p.c_gstride = K * N;
         p.sched = a->sched;
         bound = G * (long long)p.tiles_m * p.tiles_n;

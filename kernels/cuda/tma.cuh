@@ -14,15 +14,18 @@
  *   - Stores go out in bulk groups: wait_group.read N returns once all but the newest N groups
  *     have read their shared memory (the staging may then be rewritten), wait_group N once they
  *     have completed.
- *   - Tensor maps (CUtensorMap, made on the host by cuTensorMapEncodeTiled) are passed as kernel
- *     parameters (__grid_constant__) and addressed by their generic address.
+ *   - Tensor maps (CUtensorMap, made on the host by cuTensorMapEncodeTiled: tm__tma_map_bf16 at the
+ *     end) are passed as kernel parameters (__grid_constant__) and addressed by their generic
+ *     address.
  * "memory" on every one of them: they read or write shared memory behind the compiler's back.
  */
 #ifndef TM_CUDA_TMA_CUH
 #define TM_CUDA_TMA_CUH
 
-#include <cuda.h> /* CUtensorMap only: no link to libcuda */
+#include <cuda.h> /* CUtensorMap and the encode function's types only: no link to libcuda */
+#include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdio.h>
 
 __device__ __forceinline__ void tm__mbar_init(uint32_t bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -53,6 +56,12 @@ __device__ __forceinline__ void tm__tma_load_3d(uint32_t dst, const CUtensorMap 
                  "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
                  : "memory");
 }
+__device__ __forceinline__ void tm__tma_load_4d(uint32_t dst, const CUtensorMap *map, int c0, int c1, int c2, int c3,
+                                                uint32_t bar) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+                 : "memory");
+}
 __device__ __forceinline__ void tm__tma_store_2d(const CUtensorMap *map, uint32_t src, int c0, int c1) {
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"((uint64_t)map),
                  "r"(src), "r"(c0), "r"(c1)
@@ -76,5 +85,49 @@ __device__ __forceinline__ void tm__bulk_wait_read() { asm volatile("cp.async.bu
 __device__ __forceinline__ void tm__bulk_wait_read1() { asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory"); }
 __device__ __forceinline__ void tm__bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 __device__ __forceinline__ void tm__cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+/* ---- host: tensor maps ---- */
+
+typedef CUresult (*tm__tma_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                      const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                      CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point: no link to libcuda. NULL (why
+ * says what) when the driver has none. */
+static inline tm__tma_encode_fn tm__tma_encoder(char *why, size_t n) {
+    static tm__tma_encode_fn fn = NULL;
+    if (fn) return fn;
+    void *f = NULL;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !f) {
+        snprintf(why, n, "cuTensorMapEncodeTiled not found through cudaGetDriverEntryPointByVersion (%s, query %d)",
+                 cudaGetErrorString(e), (int)q);
+        return NULL;
+    }
+    fn = (tm__tma_encode_fn)f;
+    return fn;
+}
+
+/* A bf16 tensor map of rank 2 to 4: dims[0] contiguous, strides (bytes, multiples of 16) of dims
+ * 1.., box in elements (box[0] 64: 128 bytes), 128-byte swizzle, zero fill out of bounds. 0, or -1
+ * with why naming `what`. */
+static inline int tm__tma_map_bf16(tm__tma_encode_fn enc, CUtensorMap *m, const void *base, int rank, const uint64_t *dims,
+                                   const uint64_t *strides, const uint32_t *box, const char *what, char *why, size_t n) {
+    cuuint64_t d[4], s[3];
+    cuuint32_t b[4], es[4] = {1, 1, 1, 1};
+    for (int i = 0; i < rank; i++) d[i] = dims[i], b[i] = box[i];
+    for (int i = 0; i < rank - 1; i++) s[i] = strides[i];
+    CUresult r = enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, d, s, b, es,
+                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        snprintf(why, n, "cuTensorMapEncodeTiled failed (CUresult %d) for %s: dims %llu x %llu x %llu x %llu", (int)r, what,
+                 (unsigned long long)d[0], (unsigned long long)d[1], (unsigned long long)(rank > 2 ? d[2] : 1),
+                 (unsigned long long)(rank > 3 ? d[3] : 1));
+        return -1;
+    }
+    return 0;
+}
 
 #endif
