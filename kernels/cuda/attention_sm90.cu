@@ -533,7 +533,9 @@ __global__ void __launch_bounds__(128 * NWG, MINB) fa90_dkv_kernel(fa90_p p) {
  * their own pace, STAGES tiles ahead of them loaded.
  * Status: written in session 15 after its device time was spent; compiled (no spills) but not yet
  * run. fa90_cfg keeps it off until bench/attn_sm90_harness.cu --check passes and --variants
- * shows it faster than fa90_dkv_kernel. */
+ * shows it faster than fa90_dkv_kernel. Its per-tile products are fa90_dkv_kernel's, copied (a
+ * shared helper moved fa90_dkv_kernel's PTX, which was measured as it is): once one of the two is
+ * chosen, the other goes. */
 template <int NC, int MINB> struct fa90_tma_regs {
     /* consumers take what the producer warpgroup's 24 leave, rounded down to 8, at most 240 */
     static constexpr int R0 = (65536 / MINB - 128 * 24) / (128 * NC) / 8 * 8;
