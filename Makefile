@@ -360,7 +360,7 @@ gmm-sm90-harness: $(BUILD)/bench/gmm_sm90_harness
 # bench/attn_sm90_harness.cu: the Hopper attention kernels alone (it includes attention_sm90.cu),
 # checked against a float64 CPU evaluation and timed per kernel (make attn-sm90-harness).
 $(BUILD)/bench/attn_sm90_harness: bench/attn_sm90_harness.cu kernels/cuda/attention_sm90.cu kernels/cuda/attention_sm90.h \
-    kernels/cuda/mma.cuh kernels/cuda/wgmma.cuh
+    kernels/cuda/mma.cuh kernels/cuda/tma.cuh kernels/cuda/wgmma.cuh
 	@mkdir -p $(dir $@)
 	$(NVCC) -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Ikernels/cuda bench/attn_sm90_harness.cu -o $@
 attn-sm90-harness: $(BUILD)/bench/attn_sm90_harness

@@ -13,8 +13,8 @@
  *   values (fresh 0) and, in a second run, writes fresh ones; dk and dv as one buffer. Errors are
  *   max |ours - ref| over max |ref| per tensor; the limit 2e-2 is what bf16 P and dS allow.
  * --time: forward, dQ and dK/dV at the benchmark shapes of bench/attention.c (B 16, S 1024, Hq 12,
- *   Hkv 4, D 64 and 128), ms and TFLOP/s each (FLOPs of the causal half: 2 B Hq S^2 D per
- *   product; forward 2 products, dQ 3, dK/dV 4).
+ *   Hkv 4, D 64 and 128), ms and TFLOP/s each (FLOPs of the causal half: a product's 2 B Hq S^2 D
+ *   halved, B Hq S^2 D; forward 2 products, dQ 3, dK/dV 4).
  * --variants: the same for each kernel's other tile shapes / CTAs per SM (fa90_cfg's candidates).
  */
 /* the kernels' file itself, so that --variants can launch tile shapes the library does not */
@@ -271,7 +271,7 @@ template <int D> static void variants(int B, int S, int Hq, int Hkv, int iters) 
     FA90_V("forward BN 64 nwg 2 minb 2", 2, (fa90_forward_kernel<D, 64, 2, 2>), 128, 2, fa90_smem_fwd(D, 64, 2));
     FA90_V("forward BN 64 nwg 1 minb 3", 2, (fa90_forward_kernel<D, 64, 1, 3>), 64, 1, fa90_smem_fwd(D, 64, 1));
     FA90_V("forward BN 128 nwg 1 minb 2", 2, (fa90_forward_kernel<D, 128, 1, 2>), 64, 1, fa90_smem_fwd(D, 128, 1));
-    if (D == 64) { FA90_V("forward BN 128 nwg 2 minb 2", 2, (fa90_forward_kernel<D, 128, 2, 2>), 128, 2, fa90_smem_fwd(D, 128, 2)); }
+    if constexpr (D == 64) { FA90_V("forward BN 128 nwg 2 minb 2", 2, (fa90_forward_kernel<D, 128, 2, 2>), 128, 2, fa90_smem_fwd(D, 128, 2)); }
     FA90_V("dq nwg 2 minb 1", 3, (fa90_dq_kernel<D, 2, 1>), 128, 2, fa90_smem_dq(D, 2));
     FA90_V("dq nwg 2 minb 2", 3, (fa90_dq_kernel<D, 2, 2>), 128, 2, fa90_smem_dq(D, 2));
     FA90_V("dq nwg 1 minb 2", 3, (fa90_dq_kernel<D, 1, 2>), 64, 1, fa90_smem_dq(D, 1));
@@ -279,7 +279,7 @@ template <int D> static void variants(int B, int S, int Hq, int Hkv, int iters) 
     FA90_V("dkv nwg 2 minb 1", 4, (fa90_dkv_kernel<D, 2, 1>), 128, 2, fa90_smem_dkv(D, 2));
     FA90_V("dkv nwg 1 minb 1", 4, (fa90_dkv_kernel<D, 1, 1>), 64, 1, fa90_smem_dkv(D, 1));
     FA90_V("dkv nwg 1 minb 2", 4, (fa90_dkv_kernel<D, 1, 2>), 64, 1, fa90_smem_dkv(D, 1));
-    if (D == 64) { FA90_V("dkv nwg 1 minb 3", 4, (fa90_dkv_kernel<D, 1, 3>), 64, 1, fa90_smem_dkv(D, 1)); }
+    if constexpr (D == 64) { FA90_V("dkv nwg 1 minb 3", 4, (fa90_dkv_kernel<D, 1, 3>), 64, 1, fa90_smem_dkv(D, 1)); }
     for (int v = 0; v < FA90_TMA_VARIANTS; v++) {
         tm__fa90_args t = a;
         t.dq = NULL;

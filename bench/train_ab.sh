@@ -12,10 +12,11 @@
 #   tinymoe train --preset P --device D --dtype T --steps N --synthetic_vocab 1024 --seed 1 --out= \
 #       --log_every 1 [TRAIN_ARGS]
 # and its time is the mean of the driver's ms/step column over the steps after --skip (the first
-# steps carry allocation and autotuning). The losses at the middle and the last step are kept: a
-# change that should not move the arithmetic must leave them equal bit for bit, and the table says
-# whether they are. One line per run, then per preset: REV's runs, this tree's, the change of the
-# means in %, and the losses.
+# steps carry allocation and autotuning). The losses at the middle and the last step are kept, as
+# the driver prints them (4 decimals): a change that should not move the arithmetic must leave
+# them equal, and the table says whether they are, over every round of both sides (and whether a
+# side's own rounds disagree, which would make its timings suspect too). One line per run, then
+# per preset: REV's runs, this tree's, the change of the means in %, and the losses.
 # --smoke: a CPU dry run of this script (no GPU): the default toy model, f32, 8 steps, skip 2.
 # Nothing else runs on the device meanwhile unless you put it there: the figures are one machine's,
 # for one comparison, not a benchmark to quote against other machines.
@@ -83,7 +84,7 @@ echo "== $short against this tree: ${presets//,/ }, $rounds rounds, $steps steps
 mkdir -p build-ab/logs
 summary=()
 for preset in ${presets//,/ }; do
-    a_ms=() b_ms=() a_loss="" b_loss=""
+    a_ms=() b_ms=() a_loss="" b_loss="" a_var=0 b_var=0
     for r in $(seq 1 "$rounds"); do
         for side in rev this; do
             bin=build/tinymoe
@@ -98,13 +99,20 @@ for preset in ${presets//,/ }; do
             label=$short
             [ $side = this ] && label=this
             printf '%-8s round %d %-7s %8.2f ms/step (%d steps)  loss %s / %s\n' "$preset" "$r" "$label" "$ms" "$n" "$lm" "$ll"
-            if [ $side = rev ]; then a_ms+=("$ms"); a_loss="$lm/$ll"; else b_ms+=("$ms"); b_loss="$lm/$ll"; fi
+            if [ $side = rev ]; then
+                a_ms+=("$ms"); [ -n "$a_loss" ] && [ "$a_loss" != "$lm/$ll" ] && a_var=1; a_loss="$lm/$ll"
+            else
+                b_ms+=("$ms"); [ -n "$b_loss" ] && [ "$b_loss" != "$lm/$ll" ] && b_var=1; b_loss="$lm/$ll"
+            fi
         done
     done
-    summary+=("$(awk -v p="$preset" -v a="${a_ms[*]}" -v b="${b_ms[*]}" -v la="$a_loss" -v lb="$b_loss" 'BEGIN {
+    note=""
+    [ $a_var = 1 ] && note+=" ($short's rounds disagree)"
+    [ $b_var = 1 ] && note+=" (this tree's rounds disagree)"
+    summary+=("$(awk -v p="$preset" -v a="${a_ms[*]}" -v b="${b_ms[*]}" -v la="$a_loss" -v lb="$b_loss" -v note="$note" 'BEGIN {
         na = split(a, x, " "); nb = split(b, y, " "); for (i = 1; i <= na; i++) sa += x[i]; for (i = 1; i <= nb; i++) sb += y[i]
         ma = sa / na; mb = sb / nb
-        printf "%-8s %-22s %-22s %+7.1f%%  %s\n", p, a, b, 100 * (mb - ma) / ma, la == lb ? "same (" la ")" : la " -> " lb }')")
+        printf "%-8s %-22s %-22s %+7.1f%%  %s%s\n", p, a, b, 100 * (mb - ma) / ma, la == lb ? "same (" la ")" : la " -> " lb, note }')")
 done
 echo
 printf '%-8s %-22s %-22s %8s  %s\n' preset "$short ms/step" "this tree ms/step" change "losses (middle/last step)"

@@ -31,10 +31,11 @@
  * max (max |diff|) and 4e-3 (RMS) of the earlier tensor-core kernels on the benchmark and
  * odd shapes (scratch harness, H100, 2026-11-27).
  * On an sm_90 GPU bf16 attention at D 64 and 128 takes the wgmma kernels (kernels/cuda/
- * attention_sm90.cu): tensor_core_bf16 and the tests after it run both those and, with the
- * context switched to them (tm__attn_set_sm80), the sm_80 kernels, against the CPU with the same
- * tolerance (the Hopper kernels make the same bf16 roundings of P, dS and Delta; only the order of
- * the f32 sums differs), and assert which path ran.
+ * attention_sm90.cu): tensor_core_bf16, tensor_core_one_gradient and
+ * tensor_core_bitwise_reproducible run both those and, with the context switched to them
+ * (tm__attn_set_sm80), the sm_80 kernels, against the CPU with the same tolerance (the Hopper
+ * kernels make the same bf16 roundings of P, dS and Delta; only the order of the f32 sums
+ * differs), and assert which path ran (tm__attn_sm90_launches).
  * Every test but the coverage declarations skips when no CUDA device is visible.
  */
 #include <stdlib.h>
@@ -154,6 +155,14 @@ static int hopper(void) {
     return h;
 }
 
+/* want90: ctx's attention calls (n of them, forwards and backwards) must all have taken the Hopper
+ * kernels; else none of them. */
+static void check_path(tm_ctx *ctx, int want90, uint64_t n, const char *what) {
+    const uint64_t got = tm__attn_sm90_launches(ctx);
+    cr_assert_eq(got, want90 ? n : 0, "%s: %llu of %llu attention calls took the Hopper kernels, want %s", what,
+                 (unsigned long long)got, (unsigned long long)n, want90 ? "all" : "none");
+}
+
 /* The cases on the default path, then on the sm_80 kernels; on Hopper the first run must have
  * taken the wgmma kernels for every forward and backward (2 a case; k as v and the two-call
  * cases make more), the second none. */
@@ -179,7 +188,7 @@ Test(cuda_parity_attention, tensor_core_shapes_f32) {
 }
 
 /* Only input `which` of q, k, v needs a gradient: the backward gets NULL for the other two. */
-static void check_one_gradient(int which, const int64_t qs[4], const int64_t ks[4], int sm80) {
+static void check_one_gradient(int which, const int64_t qs[4], const int64_t ks[4], int sm80, int want90) {
     tt_parity_attn_sm80 = sm80;
     tm_ctx *ctx = tt_parity_ctx();
     tt_parity_attn_sm80 = 0;
@@ -201,6 +210,7 @@ static void check_one_gradient(int which, const int64_t qs[4], const int64_t ks[
     }
     const double r = tt_close_ratio(got[1], got[0], which ? nk : nq, 3e-2, 3e-2);
     cr_assert(r <= 1.0, "gradient of input %d alone (D %lld, sm80 %d) differs, ratio %g", which, (long long)qs[3], sm80, r);
+    check_path(ctx, want90, 2, "one gradient");
     for (int i = 0; i < 3; i++) free(h[i]);
     free(hg), free(got[0]), free(got[1]);
     tm_ctx_free(ctx);
@@ -210,15 +220,16 @@ Test(cuda_parity_attention, tensor_core_one_gradient) {
     TT_SKIP_WITHOUT_CUDA();
     const int64_t qs64[4] = {1, 37, 6, 64}, ks64[4] = {1, 130, 2, 64};
     const int64_t qs128[4] = {1, 37, 6, 128}, ks128[4] = {1, 130, 2, 128};
+    const int h = hopper();
     for (int sm80 = 0; sm80 < 2; sm80++)
         for (int which = 0; which < 3; which++) {
-            check_one_gradient(which, qs64, ks64, sm80);
-            check_one_gradient(which, qs128, ks128, sm80);
+            check_one_gradient(which, qs64, ks64, sm80, h && !sm80);
+            check_one_gradient(which, qs128, ks128, sm80, h && !sm80);
         }
 }
 
 /* Two runs with the same inputs give the same bits in o, dq, dk and dv. */
-static void check_reproducible(tm_dtype dt, const int64_t qs[4], const int64_t ks[4], int sm80) {
+static void check_reproducible(tm_dtype dt, const int64_t qs[4], const int64_t ks[4], int sm80, int want90) {
     tt_parity_attn_sm80 = sm80;
     tm_ctx *ctx = tt_parity_ctx();
     tt_parity_attn_sm80 = 0;
@@ -248,13 +259,14 @@ static void check_reproducible(tm_dtype dt, const int64_t qs[4], const int64_t k
         free(got[0][i]), free(got[1][i]);
     }
     free(hq), free(hk), free(hv), free(hg);
+    check_path(ctx, want90, 4, "reproducibility");
     tm_ctx_free(ctx);
 }
 
 Test(cuda_parity_attention, backward_bitwise_reproducible) {
     TT_SKIP_WITHOUT_CUDA();
     const int64_t qs[4] = {2, 129, 6, 40}, ks[4] = {2, 131, 2, 40};
-    check_reproducible(TM_F32, qs, ks, 0);
+    check_reproducible(TM_F32, qs, ks, 0, 0); /* f32: never the tensor-core kernels */
 }
 
 /* The tensor-core kernels, D 64 and 128, with several query and key blocks per head. */
@@ -262,8 +274,9 @@ Test(cuda_parity_attention, tensor_core_bitwise_reproducible) {
     TT_SKIP_WITHOUT_CUDA();
     const int64_t qs64[4] = {2, 200, 6, 64}, ks64[4] = {2, 230, 2, 64};
     const int64_t qs128[4] = {2, 150, 4, 128}, ks128[4] = {2, 150, 2, 128};
+    const int h = hopper();
     for (int sm80 = 0; sm80 < 2; sm80++) {
-        check_reproducible(TM_BF16, qs64, ks64, sm80);
-        check_reproducible(TM_BF16, qs128, ks128, sm80);
+        check_reproducible(TM_BF16, qs64, ks64, sm80, h && !sm80);
+        check_reproducible(TM_BF16, qs128, ks128, sm80, h && !sm80);
     }
 }

@@ -8,9 +8,10 @@
  * so 8 warps fit an SM and each ldmatrix feeds 2-4 mma; they ran at 30-41% of the tensor pipe.
  * wgmma reads its B operand (and here A, where it is a tile of q, k, v or dO) straight from shared
  * memory, one instruction per 64 x N x 16 product for the whole warpgroup, and runs asynchronously,
- * so the registers hold only accumulators. FlashAttention-3 (Shah et al. 2024) is the model; this
- * first version has no producer warpgroup and no TMA: every thread issues cp.async loads of the
- * next tile (double-buffered) while the wgmmas of this one run, as the sm_80 kernels do.
+ * so the registers hold only accumulators. FlashAttention-3 (Shah et al. 2024) is the model; the
+ * kernels the library runs have no producer warpgroup and no TMA: every thread issues cp.async
+ * loads of the next tile (double-buffered) while the wgmmas of this one run, as the sm_80 kernels
+ * do. fa90_dkv_tma_kernel at the end is the next step (a TMA producer; not yet run, off).
  *
  * Tiles in shared memory: a (ROWS, D) bf16 tile is D / 64 panels of (ROWS, 64), each row 128
  * bytes with the 128-byte swizzle (16-byte chunk c of row r at r 128 + ((c ^ (r % 8)) 16)), the
@@ -537,9 +538,15 @@ __global__ void __launch_bounds__(128 * NWG, MINB) fa90_dkv_kernel(fa90_p p) {
  * shared helper moved fa90_dkv_kernel's PTX, which was measured as it is): once one of the two is
  * chosen, the other goes. */
 template <int NC, int MINB> struct fa90_tma_regs {
-    /* consumers take what the producer warpgroup's 24 leave, rounded down to 8, at most 240 */
-    static constexpr int R0 = (65536 / MINB - 128 * 24) / (128 * NC) / 8 * 8;
+    /* The CTA's registers are what ptxas gives each thread for the launch bounds (65536 / (MINB
+     * threads), rounded down to 8) times its threads; setmaxnreg.inc waits until that pool holds
+     * the request, so asking for more hangs. The consumers take what the producer warpgroup's 24
+     * leave, rounded down to 8, at most 240. */
+    static constexpr int T = 128 * (NC + 1);
+    static constexpr int CAP = 65536 / (MINB * T) / 8 * 8;
+    static constexpr int R0 = (CAP * T - 128 * 24) / (128 * NC) / 8 * 8;
     static constexpr int CONS = R0 > 240 ? 240 : R0;
+    static_assert(128 * 24 + 128 * NC * CONS <= CAP * T, "the consumers' setmaxnreg would wait forever");
 };
 
 template <int D, int NC, int STAGES, int MINB>
@@ -687,6 +694,22 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
 
 /* ---- host ----------------------------------------------------------------------------------------- */
 
+/* Tile shapes and CTAs per SM of the launches (the fastest variants timed: docs/PERFORMANCE.md). */
+template <int D> struct fa90_cfg;
+/* F*: forward, Q*: dQ, K*: dK/dV; *NWG warpgroups a CTA, *MINB CTAs an SM (launch bounds). */
+/* KTMA: dK/dV by the TMA-producer kernel (fa90_dkv_tma_kernel) with KTNC consumer warpgroups, KTST
+ * stages, KTMINB CTAs an SM. 0 for now: that kernel has not run on a GPU yet (session 15 wrote it
+ * without device time left); bench/attn_sm90_harness.cu checks and times its shapes, and the
+ * library takes it once it is checked and faster. With KTMA 0 the library does not compile it. */
+template <> struct fa90_cfg<64> {
+    static constexpr int FBN = 128, FNWG = 2, FMINB = 2, QNWG = 2, QMINB = 2, KNWG = 1, KMINB = 3;
+    static constexpr int KTMA = 0, KTNC = 1, KTST = 3, KTMINB = 2;
+};
+template <> struct fa90_cfg<128> {
+    static constexpr int FBN = 64, FNWG = 2, FMINB = 2, QNWG = 2, QMINB = 1, KNWG = 1, KMINB = 2;
+    static constexpr int KTMA = 0, KTNC = 2, KTST = 2, KTMINB = 1;
+};
+
 static int fa90_probe(char *why, size_t n) {
     int dev = 0, maj = 0, min = 0;
     cudaError_t e = cudaGetDevice(&dev);
@@ -703,7 +726,7 @@ static int fa90_probe(char *why, size_t n) {
     }
     /* an sm_90 or PTX-only image of this file would run the empty bodies */
     cudaFuncAttributes fa;
-    e = cudaFuncGetAttributes(&fa, fa90_dkv_kernel<64, 2, 1>);
+    e = cudaFuncGetAttributes(&fa, fa90_dkv_kernel<64, fa90_cfg<64>::KNWG, fa90_cfg<64>::KMINB>);
     if (e != cudaSuccess) (void)cudaGetLastError();
     if (e != cudaSuccess || fa.numRegs < 64) {
         snprintf(why, n, "this build has no sm_90a image of attention_sm90.cu (%s, %d registers)", cudaGetErrorString(e),
@@ -791,22 +814,6 @@ static int fa90_dkv_tma_launch(const tm__fa90_args *a, const fa90_p &p, cudaStre
     }
     return 0;
 }
-
-/* Tile shapes and CTAs per SM of the launches (the fastest variants timed: docs/PERFORMANCE.md). */
-template <int D> struct fa90_cfg;
-/* F*: forward, Q*: dQ, K*: dK/dV; *NWG warpgroups a CTA, *MINB CTAs an SM (launch bounds). */
-/* KTMA: dK/dV by the TMA-producer kernel (fa90_dkv_tma_kernel) with KTNC consumer warpgroups, KTST
- * stages, KTMINB CTAs an SM. 0 for now: that kernel has not run on a GPU yet (session 15 wrote it
- * without device time left); bench/attn_sm90_harness.cu checks and times its shapes, and the
- * library takes it once it is checked and faster. With KTMA 0 the library does not compile it. */
-template <> struct fa90_cfg<64> {
-    static constexpr int FBN = 128, FNWG = 2, FMINB = 2, QNWG = 2, QMINB = 2, KNWG = 1, KMINB = 3;
-    static constexpr int KTMA = 0, KTNC = 1, KTST = 3, KTMINB = 2;
-};
-template <> struct fa90_cfg<128> {
-    static constexpr int FBN = 64, FNWG = 2, FMINB = 2, QNWG = 2, QMINB = 1, KNWG = 1, KMINB = 2;
-    static constexpr int KTMA = 0, KTNC = 2, KTST = 2, KTMINB = 1;
-};
 
 template <int D> static int fa90_forward_d(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
     typedef fa90_cfg<D> C;
