@@ -11,7 +11,10 @@
  *   grouped-query heads), on shapes that are not multiples of the tiles, Tk > Tq (queries the last
  *   Tq of Tk positions), G 1 and 3, D 64 and 128; the backward adds into gradients that hold
  *   values (fresh 0) and, in a second run, writes fresh ones; dk and dv as one buffer. Errors are
- *   max |ours - ref| over max |ref| per tensor; the limit 2e-2 is what bf16 P and dS allow.
+ *   max |ours - ref| over max |ref| per tensor; the limit 2e-2 is what bf16 P and dS allow. After
+ *   each case (but those with k as v) every other tile shape of the cp.async kernels (the ones
+ *   --variants times) and of the TMA dK/dV kernel runs on the same inputs into fresh outputs and is
+ *   checked the same way, so a shape is known correct before fa90_cfg picks it.
  * --time: forward, dQ and dK/dV at the benchmark shapes of bench/attention.c (B 16, S 1024, Hq 12,
  *   Hkv 4, D 64 and 128), ms and TFLOP/s each (FLOPs of the causal half: a product's 2 B Hq S^2 D
  *   halved, B Hq S^2 D; forward 2 products, dQ 3, dK/dV 4).
@@ -96,6 +99,71 @@ static double rel_err(const std::vector<double> &a, const std::vector<double> &r
         den = fmax(den, fabs(ref[i]));
     }
     return den > 0 ? num / den : num;
+}
+
+/* One shape of a cp.async kernel: rows = 64 NWG rows a CTA over T (Tq, or Tk for dK/dV). */
+template <typename K> static void launch_shape(K kernel, int rows, int nwg, size_t smem, const fa90_p &p, int T, int heads) {
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<(unsigned)((long long)fa90_cdiv(T, rows) * p.B * heads), 128 * nwg, smem>>>(p);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+}
+
+/* Every shape of variants<D> below, each into fresh outputs, against the float64 reference (a's
+ * inputs, lse and Delta are the library's); prints one line a shape, returns 1 when all are within
+ * the limits of check_case. */
+template <int D>
+static int check_variants(const tm__fa90_args *a, size_t nq, size_t nk, size_t nl, const std::vector<double> &O,
+                          const std::vector<double> &L, const std::vector<double> &DQ, const std::vector<double> &DK,
+                          const std::vector<double> &DV) {
+    bf16 *o, *g1, *g2;
+    float *l;
+    CK(cudaMalloc(&o, nq * 2));
+    CK(cudaMalloc(&g1, (nq > nk ? nq : nk) * 2));
+    CK(cudaMalloc(&g2, nk * 2));
+    CK(cudaMalloc(&l, nl * 4));
+    fa90_p p = fa90_params(a);
+    p.fq = p.fk = p.fv = 1;
+    int ok = 1;
+    auto report = [&](const char *name, double e1, double e2) {
+        const int good = e1 < 2e-2 && e2 < 2e-2;
+        printf("  %-30s %.2e %.2e %s\n", name, e1, e2, good ? "ok" : "FAIL");
+        ok = ok && good;
+    };
+    auto fwd = [&](const char *name, auto kernel, int rows, int nwg, size_t smem) {
+        fa90_p q = p;
+        q.out = o, q.lse = l;
+        launch_shape(kernel, rows, nwg, smem, q, p.Tq, p.Hq);
+        std::vector<float> lf = host_copy(l, nl);
+        report(name, rel_err(to_f64(host_copy(o, nq)), O), rel_err(std::vector<double>(lf.begin(), lf.end()), L));
+    };
+    auto dq = [&](const char *name, auto kernel, int rows, int nwg, size_t smem) {
+        fa90_p q = p;
+        q.dq = g1, q.dk = q.dv = NULL;
+        launch_shape(kernel, rows, nwg, smem, q, p.Tq, p.Hq);
+        report(name, rel_err(to_f64(host_copy(g1, nq)), DQ), 0.0);
+    };
+    auto dkv = [&](const char *name, auto kernel, int rows, int nwg, size_t smem) {
+        fa90_p q = p;
+        q.dq = NULL, q.dk = g1, q.dv = g2;
+        launch_shape(kernel, rows, nwg, smem, q, p.Tk, p.Hkv);
+        report(name, rel_err(to_f64(host_copy(g1, nk)), DK), rel_err(to_f64(host_copy(g2, nk)), DV));
+    };
+    fwd("forward BN 128 nwg 2 minb 1", fa90_forward_kernel<D, 128, 2, 1>, 128, 2, fa90_smem_fwd(D, 128, 2));
+    fwd("forward BN 64 nwg 2 minb 2", fa90_forward_kernel<D, 64, 2, 2>, 128, 2, fa90_smem_fwd(D, 64, 2));
+    fwd("forward BN 64 nwg 1 minb 3", fa90_forward_kernel<D, 64, 1, 3>, 64, 1, fa90_smem_fwd(D, 64, 1));
+    fwd("forward BN 128 nwg 1 minb 2", fa90_forward_kernel<D, 128, 1, 2>, 64, 1, fa90_smem_fwd(D, 128, 1));
+    if constexpr (D == 64) fwd("forward BN 128 nwg 2 minb 2", fa90_forward_kernel<D, 128, 2, 2>, 128, 2, fa90_smem_fwd(D, 128, 2));
+    dq("dq nwg 2 minb 1", fa90_dq_kernel<D, 2, 1>, 128, 2, fa90_smem_dq(D, 2));
+    dq("dq nwg 2 minb 2", fa90_dq_kernel<D, 2, 2>, 128, 2, fa90_smem_dq(D, 2));
+    dq("dq nwg 1 minb 2", fa90_dq_kernel<D, 1, 2>, 64, 1, fa90_smem_dq(D, 1));
+    dq("dq nwg 1 minb 3", fa90_dq_kernel<D, 1, 3>, 64, 1, fa90_smem_dq(D, 1));
+    dkv("dkv nwg 2 minb 1", fa90_dkv_kernel<D, 2, 1>, 128, 2, fa90_smem_dkv(D, 2));
+    dkv("dkv nwg 1 minb 1", fa90_dkv_kernel<D, 1, 1>, 64, 1, fa90_smem_dkv(D, 1));
+    dkv("dkv nwg 1 minb 2", fa90_dkv_kernel<D, 1, 2>, 64, 1, fa90_smem_dkv(D, 1));
+    if constexpr (D == 64) dkv("dkv nwg 1 minb 3", fa90_dkv_kernel<D, 1, 3>, 64, 1, fa90_smem_dkv(D, 1));
+    cudaFree(o), cudaFree(g1), cudaFree(g2), cudaFree(l);
+    return ok;
 }
 
 static int check_case(int B, int Tq, int Tk, int Hq, int Hkv, int D, int fresh, int shared_kv) {
@@ -214,6 +282,13 @@ static int check_case(int B, int Tq, int Tk, int Hq, int Hkv, int D, int fresh, 
         const int tok = tek < lim && tev < lim;
         printf("  %-30s dk %.2e dv %.2e %s\n", name, tek, tev, tok ? "ok" : "FAIL");
         ok = ok && tok;
+    }
+    /* the cp.async kernels' other shapes (those --variants times), fresh outputs, same inputs */
+    if (!shared_kv) {
+        tm__fa90_args t = a;
+        const int vok = D == 64 ? check_variants<64>(&t, nq, nk, nl, O, L, DQ, DK, DV)
+                                : check_variants<128>(&t, nq, nk, nl, O, L, DQ, DK, DV);
+        ok = ok && vok;
     }
     cudaFree(dQ), cudaFree(dK), cudaFree(dV), cudaFree(dDO), cudaFree(dO), cudaFree(ddq), cudaFree(ddk);
     if (!shared_kv) cudaFree(ddv);
