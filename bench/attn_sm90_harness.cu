@@ -296,45 +296,65 @@ static int check_case(int B, int Tq, int Tk, int Hq, int Hkv, int D, int fresh, 
     return ok;
 }
 
-template <typename K>
-static double time_kernel(K kernel, long long grid, int threads, size_t smem, const fa90_p &p, int iters) {
-    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+/* ms per call of launch() (iters calls after 5 untimed), CUDA events around the stream's work. */
+template <typename F> static double time_ms(F launch, int iters) {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     for (int it = 0; it < iters + 5; it++) {
         if (it == 5) CK(cudaEventRecord(e0));
-        kernel<<<(unsigned)grid, threads, smem>>>(p);
+        launch();
     }
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     CK(cudaGetLastError());
     float ms = 0;
     CK(cudaEventElapsedTime(&ms, e0, e1));
-    cudaFuncAttributes fa;
-    CK(cudaFuncGetAttributes(&fa, kernel));
-    printf("  (%d registers) ", fa.numRegs);
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
     return ms / iters;
 }
 
-template <int D> static void variants(int B, int S, int Hq, int Hkv, int iters) {
+/* One kernel shape timed on p; prints its registers first. */
+template <typename K>
+static double time_kernel(K kernel, long long grid, int threads, size_t smem, const fa90_p &p, int iters) {
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const double ms = time_ms([&] { kernel<<<(unsigned)grid, threads, smem>>>(p); }, iters);
+    cudaFuncAttributes fa;
+    CK(cudaFuncGetAttributes(&fa, kernel));
+    printf("  (%d registers) ", fa.numRegs);
+    return ms;
+}
+
+/* The timing runs' tensors at (B, S, Hq, Hkv, D): random q, k, v, dO; o, dq, dk, dv, lse allocated;
+ * Delta 0 (its values do not change the kernels' work); every gradient fresh. */
+static tm__fa90_args bench_args(int B, int S, int Hq, int Hkv, int D) {
     const size_t nq = (size_t)B * S * Hq * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * Hq * S;
     tm__fa90_args a;
     memset(&a, 0, sizeof a);
     a.q = dev_copy(rand_bf16(nq, 2.0f)), a.k = dev_copy(rand_bf16(nk, 2.0f)), a.v = dev_copy(rand_bf16(nk, 1.0f));
     a.dout = dev_copy(rand_bf16(nq, 1.0f));
-    bf16 *o, *dq, *dk, *dv;
-    float *lse, *delta;
-    CK(cudaMalloc(&o, nq * 2));
-    CK(cudaMalloc(&dq, nq * 2));
-    CK(cudaMalloc(&dk, nk * 2));
-    CK(cudaMalloc(&dv, nk * 2));
-    CK(cudaMalloc(&lse, nl * 4));
+    float *delta;
+    CK(cudaMalloc(&a.out, nq * 2));
+    CK(cudaMalloc(&a.dq, nq * 2));
+    CK(cudaMalloc(&a.dk, nk * 2));
+    CK(cudaMalloc(&a.dv, nk * 2));
+    CK(cudaMalloc(&a.lse, nl * 4));
     CK(cudaMalloc(&delta, nl * 4));
     CK(cudaMemset(delta, 0, nl * 4));
-    CK(cudaMemset(lse, 0, nl * 4));
-    a.out = o, a.lse = lse, a.delta = delta, a.dq = dq, a.dk = dk, a.dv = dv, a.fq = a.fk = a.fv = 1;
+    CK(cudaMemset(a.lse, 0, nl * 4));
+    a.delta = delta;
     a.B = B, a.Tq = S, a.Tk = S, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.scale = 1.0f / sqrtf((float)D);
+    a.fq = a.fk = a.fv = 1;
+    return a;
+}
+static void bench_free(tm__fa90_args *a) {
+    cudaFree((void *)a->q), cudaFree((void *)a->k), cudaFree((void *)a->v), cudaFree((void *)a->dout);
+    cudaFree(a->out), cudaFree(a->dq), cudaFree(a->dk), cudaFree(a->dv), cudaFree(a->lse), cudaFree((void *)a->delta);
+}
+
+template <int D> static void variants(int B, int S, int Hq, int Hkv, int iters) {
+    tm__fa90_args a = bench_args(B, S, Hq, Hkv, D);
     const fa90_p p = fa90_params(&a);
     const double unit = (double)B * Hq * S * S * D;
     double ms;
@@ -355,73 +375,39 @@ template <int D> static void variants(int B, int S, int Hq, int Hkv, int iters) 
     FA90_V("dkv nwg 1 minb 1", 4, (fa90_dkv_kernel<D, 1, 1>), 64, 1, fa90_smem_dkv(D, 1));
     FA90_V("dkv nwg 1 minb 2", 4, (fa90_dkv_kernel<D, 1, 2>), 64, 1, fa90_smem_dkv(D, 1));
     if constexpr (D == 64) { FA90_V("dkv nwg 1 minb 3", 4, (fa90_dkv_kernel<D, 1, 3>), 64, 1, fa90_smem_dkv(D, 1)); }
+#undef FA90_V
     for (int v = 0; v < FA90_TMA_VARIANTS; v++) {
         tm__fa90_args t = a;
         t.dq = NULL;
         const char *name = NULL;
-        cudaEvent_t e0, e1;
-        CK(cudaEventCreate(&e0));
-        CK(cudaEventCreate(&e1));
-        for (int it = 0; it < iters + 5; it++) {
-            if (it == 5) CK(cudaEventRecord(e0));
-            die(tma_variant<D>(v, &t, &name), "tma variant");
-        }
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        float fms = 0;
-        CK(cudaEventElapsedTime(&fms, e0, e1));
-        ms = fms / iters;
+        ms = time_ms([&] { die(tma_variant<D>(v, &t, &name), "tma variant"); }, iters);
         printf("  (tensor maps encoded each call) variant D %3d %-34s %.3f ms %6.1f TFLOP/s\n", D, name, ms, 4 * unit / (ms * 1e-3) / 1e12);
     }
-#undef FA90_V
+    bench_free(&a);
 }
 
+/* The library's shapes (fa90_cfg) through tm__fa90_forward / tm__fa90_backward, one kernel at a time. */
 static void time_case(int B, int S, int Hq, int Hkv, int D, int iters) {
-    const size_t nq = (size_t)B * S * Hq * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * Hq * S;
-    bf16 *q = dev_copy(rand_bf16(nq, 2.0f)), *k = dev_copy(rand_bf16(nk, 2.0f)), *v = dev_copy(rand_bf16(nk, 1.0f));
-    bf16 *dout = dev_copy(rand_bf16(nq, 1.0f)), *o, *dq, *dk, *dv;
-    float *lse, *delta;
-    CK(cudaMalloc(&o, nq * 2));
-    CK(cudaMalloc(&dq, nq * 2));
-    CK(cudaMalloc(&dk, nk * 2));
-    CK(cudaMalloc(&dv, nk * 2));
-    CK(cudaMalloc(&lse, nl * 4));
-    CK(cudaMalloc(&delta, nl * 4));
-    CK(cudaMemset(delta, 0, nl * 4));
-    tm__fa90_args a;
-    memset(&a, 0, sizeof a);
-    a.q = q, a.k = k, a.v = v, a.dout = dout, a.out = o, a.lse = lse, a.delta = delta;
-    a.B = B, a.Tq = S, a.Tk = S, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.scale = 1.0f / sqrtf((float)D);
-    a.fq = a.fk = a.fv = 1;
+    tm__fa90_args a = bench_args(B, S, Hq, Hkv, D);
     char why[256];
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
     const double unit = (double)B * Hq * S * S * D; /* one product over the causal half: 2 B Hq S^2 D / 2 */
     const char *names[3] = {"forward", "dQ", "dK/dV"};
     const double prods[3] = {2, 3, 4};
     double total = 0;
     for (int which = 0; which < 3; which++) {
         tm__fa90_args c = a;
-        if (which == 1) c.dk = c.dv = NULL, c.dq = dq;
-        if (which == 2) c.dq = NULL, c.dk = dk, c.dv = dv;
-        for (int it = 0; it < iters + 5; it++) {
-            if (it == 5) CK(cudaEventRecord(e0));
-            die(which == 0 ? tm__fa90_forward(&c, 0, why, sizeof why) : tm__fa90_backward(&c, 0, why, sizeof why), why);
-        }
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        ms /= iters;
+        if (which == 1) c.dk = c.dv = NULL;
+        if (which == 2) c.dq = NULL;
+        const double ms = time_ms(
+            [&] { die(which == 0 ? tm__fa90_forward(&c, 0, why, sizeof why) : tm__fa90_backward(&c, 0, why, sizeof why), why); },
+            iters);
         total += ms;
         printf("time B %d S %d Hq %d Hkv %d D %3d %-8s %.3f ms %6.1f TFLOP/s\n", B, S, Hq, Hkv, D, names[which], ms,
                prods[which] * unit / (ms * 1e-3) / 1e12);
     }
     printf("time B %d S %d Hq %d Hkv %d D %3d fwd+dq+dkv %.3f ms (Delta not included) %6.1f TFLOP/s\n", B, S, Hq, Hkv, D, total,
            9 * unit / (total * 1e-3) / 1e12);
-    cudaFree(q), cudaFree(k), cudaFree(v), cudaFree(dout), cudaFree(o), cudaFree(dq), cudaFree(dk), cudaFree(dv);
-    cudaFree(lse), cudaFree(delta);
+    bench_free(&a);
 }
 
 int main(int argc, char **argv) {
