@@ -12,13 +12,14 @@
  *   Tq of Tk positions), G 1 and 3, D 64 and 128; the backward adds into gradients that hold
  *   values (fresh 0) and, in a second run, writes fresh ones; dk and dv as one buffer. Errors are
  *   max |ours - ref| over max |ref| per tensor; the limit 2e-2 is what bf16 P and dS allow. After
- *   each case (but those with k as v) every other tile shape of the cp.async kernels (the ones
- *   --variants times) and of the TMA dK/dV kernel runs on the same inputs into fresh outputs and is
- *   checked the same way, so a shape is known correct before fa90_cfg picks it.
+ *   each case (but those with k as v) every kernel shape that --variants times (the cp.async and
+ *   the TMA-producer kernels) runs on the same inputs into fresh outputs and is checked the same
+ *   way, so a shape is known correct before fa90_cfg picks it.
  * --time: forward, dQ and dK/dV at the benchmark shapes of bench/attention.c (B 16, S 1024, Hq 12,
  *   Hkv 4, D 64 and 128), ms and TFLOP/s each (FLOPs of the causal half: a product's 2 B Hq S^2 D
  *   halved, B Hq S^2 D; forward 2 products, dQ 3, dK/dV 4).
- * --variants: the same for each kernel's other tile shapes / CTAs per SM (fa90_cfg's candidates).
+ * --variants: the same for each kernel shape of variants_of (fa90_cfg's candidates: tile, consumer
+ *   warpgroups, stages, CTAs per SM), launched as the library launches them.
  */
 /* the kernels' file itself, so that --variants can launch tile shapes the library does not */
 #include "attention_sm90.cu"
@@ -74,21 +75,43 @@ static void die(int r, const char *why) {
     }
 }
 
-/* The TMA-producer dK/dV kernel (fa90_dkv_tma_kernel) in each shape worth timing: variant v of D,
- * launched on a (dq NULL); its name in *name. */
-#define FA90_TMA_VARIANTS 4
-template <int D> static int tma_variant(int v, const tm__fa90_args *a, const char **name) {
-    char why[256];
-    const fa90_p p = fa90_params(a);
-    int r = 1;
-    switch (v) {
-    case 0: *name = "dkv tma nc 1 stages 2 minb 2", r = fa90_dkv_tma_launch<D, 1, 2, 2>(a, p, 0, why, sizeof why); break;
-    case 1: *name = "dkv tma nc 1 stages 3 minb 2", r = fa90_dkv_tma_launch<D, 1, 3, 2>(a, p, 0, why, sizeof why); break;
-    case 2: *name = "dkv tma nc 2 stages 2 minb 1", r = fa90_dkv_tma_launch<D, 2, 2, 1>(a, p, 0, why, sizeof why); break;
-    default: *name = "dkv tma nc 2 stages 3 minb 1", r = fa90_dkv_tma_launch<D, 2, 3, 1>(a, p, 0, why, sizeof why); break;
-    }
-    if (r) fprintf(stderr, "%s: %s\n", *name, why);
-    return r;
+/* Every kernel shape worth timing (the library's, fa90_cfg, among them): kind 0 forward, 1 dQ,
+ * 2 dK/dV; launch as the library's host code launches it; fn for its registers. */
+struct variant {
+    const char *name;
+    int kind;
+    int (*launch)(const tm__fa90_args *, cudaStream_t, char *, size_t);
+    const void *fn;
+};
+#define FWD_CP(BN, W, M) {"forward cp.async BN " #BN " nwg " #W " minb " #M, 0, fa90_forward_cp<D, BN, W, M>, (const void *)fa90_forward_kernel<D, BN, W, M>}
+#define FWD_TMA(BN, C, S, M)                                                                                                         \
+    {"forward tma BN " #BN " nc " #C " st " #S " minb " #M, 0, fa90_forward_tma<D, BN, C, S, M>, (const void *)fa90_forward_tma_kernel<D, BN, C, S, M>}
+#define DQ_CP(W, M) {"dq cp.async nwg " #W " minb " #M, 1, fa90_dq_cp<D, W, M>, (const void *)fa90_dq_kernel<D, W, M>}
+#define DQ_TMA(C, S, M) {"dq tma nc " #C " st " #S " minb " #M, 1, fa90_dq_tma<D, C, S, M>, (const void *)fa90_dq_tma_kernel<D, C, S, M>}
+#define DKV_TMA(C, S, M) {"dkv tma nc " #C " st " #S " minb " #M, 2, fa90_dkv_tma<D, C, S, M>, (const void *)fa90_dkv_tma_kernel<D, C, S, M>}
+template <int D> static std::vector<variant> variants_of() {
+    if constexpr (D == 64)
+        return {FWD_CP(128, 2, 2),    FWD_TMA(128, 2, 2, 1), FWD_TMA(128, 1, 2, 2), FWD_TMA(128, 2, 3, 1), FWD_TMA(64, 1, 2, 3),
+                DQ_CP(2, 2),          DQ_TMA(2, 2, 1),       DQ_TMA(1, 2, 2),       DQ_TMA(1, 3, 2),       DQ_TMA(2, 3, 1),
+                DKV_TMA(1, 2, 2),     DKV_TMA(1, 3, 2),      DKV_TMA(2, 2, 1)};
+    else
+        return {FWD_CP(64, 2, 2),  FWD_TMA(64, 2, 2, 1), FWD_TMA(128, 2, 2, 1), FWD_TMA(64, 1, 2, 2), FWD_TMA(64, 2, 3, 1),
+                DQ_CP(2, 1),       DQ_TMA(2, 2, 1),      DQ_TMA(1, 2, 2),       DQ_TMA(2, 3, 1),      DKV_TMA(1, 2, 2),
+                DKV_TMA(2, 2, 1)};
+}
+#undef FWD_CP
+#undef FWD_TMA
+#undef DQ_CP
+#undef DQ_TMA
+#undef DKV_TMA
+/* a's tensors set up for one variant's kind: its outputs only, all fresh */
+static tm__fa90_args variant_args(const tm__fa90_args *a, int kind) {
+    tm__fa90_args t = *a;
+    t.fq = t.fk = t.fv = 1;
+    if (kind == 0) t.dq = t.dk = t.dv = NULL;
+    if (kind == 1) t.dk = t.dv = NULL;
+    if (kind == 2) t.dq = NULL;
+    return t;
 }
 
 /* max |a - ref| / max |ref| */
@@ -101,15 +124,7 @@ static double rel_err(const std::vector<double> &a, const std::vector<double> &r
     return den > 0 ? num / den : num;
 }
 
-/* One shape of a cp.async kernel: rows = 64 NWG rows a CTA over T (Tq, or Tk for dK/dV). */
-template <typename K> static void launch_shape(K kernel, int rows, int nwg, size_t smem, const fa90_p &p, int T, int heads) {
-    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    kernel<<<(unsigned)((long long)fa90_cdiv(T, rows) * p.B * heads), 128 * nwg, smem>>>(p);
-    CK(cudaGetLastError());
-    CK(cudaDeviceSynchronize());
-}
-
-/* Every shape of variants<D> below, each into fresh outputs, against the float64 reference (a's
+/* Every shape of variants_of<D>, each into fresh outputs, against the float64 reference (a's
  * inputs, lse and Delta are the library's); prints one line a shape, returns 1 when all are within
  * the limits of check_case. */
 template <int D>
@@ -122,46 +137,28 @@ static int check_variants(const tm__fa90_args *a, size_t nq, size_t nk, size_t n
     CK(cudaMalloc(&g1, (nq > nk ? nq : nk) * 2));
     CK(cudaMalloc(&g2, nk * 2));
     CK(cudaMalloc(&l, nl * 4));
-    fa90_p p = fa90_params(a);
-    p.fq = p.fk = p.fv = 1;
     int ok = 1;
-    auto report = [&](const char *name, double e1, double e2) {
-        const int good = e1 < 2e-2 && e2 < 2e-2;
-        printf("  %-30s %.2e %.2e %s\n", name, e1, e2, good ? "ok" : "FAIL");
+    char why[256];
+    for (const variant &v : variants_of<D>()) {
+        tm__fa90_args t = variant_args(a, v.kind);
+        if (v.kind == 0) t.out = o, t.lse = l;
+        if (v.kind == 1) t.dq = g1;
+        if (v.kind == 2) t.dk = g1, t.dv = g2;
+        die(v.launch(&t, 0, why, sizeof why), why);
+        CK(cudaDeviceSynchronize());
+        double e1, e2 = 0.0;
+        if (v.kind == 0) {
+            std::vector<float> lf = host_copy(l, nl);
+            e1 = rel_err(to_f64(host_copy(o, nq)), O), e2 = rel_err(std::vector<double>(lf.begin(), lf.end()), L);
+        } else if (v.kind == 1) {
+            e1 = rel_err(to_f64(host_copy(g1, nq)), DQ);
+        } else {
+            e1 = rel_err(to_f64(host_copy(g1, nk)), DK), e2 = rel_err(to_f64(host_copy(g2, nk)), DV);
+        }
+        const int good = e1 < 2e-2 && e2 < (v.kind == 0 ? 1e-3 : 2e-2);
+        printf("  %-36s %.2e %.2e %s\n", v.name, e1, e2, good ? "ok" : "FAIL");
         ok = ok && good;
-    };
-    auto fwd = [&](const char *name, auto kernel, int rows, int nwg, size_t smem) {
-        fa90_p q = p;
-        q.out = o, q.lse = l;
-        launch_shape(kernel, rows, nwg, smem, q, p.Tq, p.Hq);
-        std::vector<float> lf = host_copy(l, nl);
-        report(name, rel_err(to_f64(host_copy(o, nq)), O), rel_err(std::vector<double>(lf.begin(), lf.end()), L));
-    };
-    auto dq = [&](const char *name, auto kernel, int rows, int nwg, size_t smem) {
-        fa90_p q = p;
-        q.dq = g1, q.dk = q.dv = NULL;
-        launch_shape(kernel, rows, nwg, smem, q, p.Tq, p.Hq);
-        report(name, rel_err(to_f64(host_copy(g1, nq)), DQ), 0.0);
-    };
-    auto dkv = [&](const char *name, auto kernel, int rows, int nwg, size_t smem) {
-        fa90_p q = p;
-        q.dq = NULL, q.dk = g1, q.dv = g2;
-        launch_shape(kernel, rows, nwg, smem, q, p.Tk, p.Hkv);
-        report(name, rel_err(to_f64(host_copy(g1, nk)), DK), rel_err(to_f64(host_copy(g2, nk)), DV));
-    };
-    fwd("forward BN 128 nwg 2 minb 1", fa90_forward_kernel<D, 128, 2, 1>, 128, 2, fa90_smem_fwd(D, 128, 2));
-    fwd("forward BN 64 nwg 2 minb 2", fa90_forward_kernel<D, 64, 2, 2>, 128, 2, fa90_smem_fwd(D, 64, 2));
-    fwd("forward BN 64 nwg 1 minb 3", fa90_forward_kernel<D, 64, 1, 3>, 64, 1, fa90_smem_fwd(D, 64, 1));
-    fwd("forward BN 128 nwg 1 minb 2", fa90_forward_kernel<D, 128, 1, 2>, 64, 1, fa90_smem_fwd(D, 128, 1));
-    if constexpr (D == 64) fwd("forward BN 128 nwg 2 minb 2", fa90_forward_kernel<D, 128, 2, 2>, 128, 2, fa90_smem_fwd(D, 128, 2));
-    dq("dq nwg 2 minb 1", fa90_dq_kernel<D, 2, 1>, 128, 2, fa90_smem_dq(D, 2));
-    dq("dq nwg 2 minb 2", fa90_dq_kernel<D, 2, 2>, 128, 2, fa90_smem_dq(D, 2));
-    dq("dq nwg 1 minb 2", fa90_dq_kernel<D, 1, 2>, 64, 1, fa90_smem_dq(D, 1));
-    dq("dq nwg 1 minb 3", fa90_dq_kernel<D, 1, 3>, 64, 1, fa90_smem_dq(D, 1));
-    dkv("dkv nwg 2 minb 1", fa90_dkv_kernel<D, 2, 1>, 128, 2, fa90_smem_dkv(D, 2));
-    dkv("dkv nwg 1 minb 1", fa90_dkv_kernel<D, 1, 1>, 64, 1, fa90_smem_dkv(D, 1));
-    dkv("dkv nwg 1 minb 2", fa90_dkv_kernel<D, 1, 2>, 64, 1, fa90_smem_dkv(D, 1));
-    if constexpr (D == 64) dkv("dkv nwg 1 minb 3", fa90_dkv_kernel<D, 1, 3>, 64, 1, fa90_smem_dkv(D, 1));
+    }
     cudaFree(o), cudaFree(g1), cudaFree(g2), cudaFree(l);
     return ok;
 }
@@ -262,28 +259,7 @@ static int check_case(int B, int Tq, int Tk, int Hq, int Hkv, int D, int fresh, 
     int ok = eo < lim && el < 1e-3 && eq < lim && ek < lim && ev < lim;
     printf("check B %d Tq %d Tk %d Hq %d Hkv %d D %3d fresh %d dk=dv %d: o %.2e lse %.2e dq %.2e dk %.2e dv %.2e %s\n", B, Tq,
            Tk, Hq, Hkv, D, fresh, shared_kv, eo, el, eq, ek, ev, ok ? "ok" : "FAIL");
-    /* the TMA-producer dK/dV kernel's shapes, the library's or not, on the same inputs */
-    for (int v = 0; v < FA90_TMA_VARIANTS; v++) {
-        CK(cudaMemcpy(ddk, dk0.data(), nk * sizeof(bf16), cudaMemcpyHostToDevice));
-        if (!shared_kv) CK(cudaMemcpy(ddv, dv0.data(), nk * sizeof(bf16), cudaMemcpyHostToDevice));
-        tm__fa90_args t = a;
-        t.dq = NULL;
-        const char *name = NULL;
-        die(D == 64 ? tma_variant<64>(v, &t, &name) : tma_variant<128>(v, &t, &name), "tma variant");
-        CK(cudaDeviceSynchronize());
-        std::vector<double> tk = to_f64(host_copy(ddk, nk)), tv = to_f64(host_copy(ddv, nk));
-        if (!fresh) {
-            std::vector<double> k0 = to_f64(dk0), v0 = to_f64(dv0);
-            for (size_t i = 0; i < nk; i++) tk[i] -= k0[i];
-            if (!shared_kv)
-                for (size_t i = 0; i < nk; i++) tv[i] -= v0[i];
-        }
-        const double tek = rel_err(tk, DK), tev = shared_kv ? 0.0 : rel_err(tv, DV);
-        const int tok = tek < lim && tev < lim;
-        printf("  %-30s dk %.2e dv %.2e %s\n", name, tek, tev, tok ? "ok" : "FAIL");
-        ok = ok && tok;
-    }
-    /* the cp.async kernels' other shapes (those --variants times), fresh outputs, same inputs */
+    /* every shape --variants times, fresh outputs, same inputs */
     if (!shared_kv) {
         tm__fa90_args t = a;
         const int vok = D == 64 ? check_variants<64>(&t, nq, nk, nl, O, L, DQ, DK, DV)
@@ -315,17 +291,6 @@ template <typename F> static double time_ms(F launch, int iters) {
     return ms / iters;
 }
 
-/* One kernel shape timed on p; prints its registers first. */
-template <typename K>
-static double time_kernel(K kernel, long long grid, int threads, size_t smem, const fa90_p &p, int iters) {
-    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    const double ms = time_ms([&] { kernel<<<(unsigned)grid, threads, smem>>>(p); }, iters);
-    cudaFuncAttributes fa;
-    CK(cudaFuncGetAttributes(&fa, kernel));
-    printf("  (%d registers) ", fa.numRegs);
-    return ms;
-}
-
 /* The timing runs' tensors at (B, S, Hq, Hkv, D): random q, k, v, dO; o, dq, dk, dv, lse allocated;
  * Delta 0 (its values do not change the kernels' work); every gradient fresh. */
 static tm__fa90_args bench_args(int B, int S, int Hq, int Hkv, int D) {
@@ -353,35 +318,18 @@ static void bench_free(tm__fa90_args *a) {
     cudaFree(a->out), cudaFree(a->dq), cudaFree(a->dk), cudaFree(a->dv), cudaFree(a->lse), cudaFree((void *)a->delta);
 }
 
+/* Each of variants_of<D> timed as the library launches it (tensor maps encoded on each call). */
 template <int D> static void variants(int B, int S, int Hq, int Hkv, int iters) {
     tm__fa90_args a = bench_args(B, S, Hq, Hkv, D);
-    const fa90_p p = fa90_params(&a);
-    const double unit = (double)B * Hq * S * S * D;
-    double ms;
-    /* kernel, grid rows per CTA (64 NWG), threads, shared memory */
-#define FA90_V(name, prods, kernel, rows, nwg, smem)                                                                    \
-    ms = time_kernel(kernel, (long long)fa90_cdiv(S, rows) * B * (prods == 4 ? Hkv : Hq), 128 * nwg, smem, p, iters); \
-    printf("variant D %3d %-34s %.3f ms %6.1f TFLOP/s\n", D, name, ms, prods * unit / (ms * 1e-3) / 1e12);
-    FA90_V("forward BN 128 nwg 2 minb 1", 2, (fa90_forward_kernel<D, 128, 2, 1>), 128, 2, fa90_smem_fwd(D, 128, 2));
-    FA90_V("forward BN 64 nwg 2 minb 2", 2, (fa90_forward_kernel<D, 64, 2, 2>), 128, 2, fa90_smem_fwd(D, 64, 2));
-    FA90_V("forward BN 64 nwg 1 minb 3", 2, (fa90_forward_kernel<D, 64, 1, 3>), 64, 1, fa90_smem_fwd(D, 64, 1));
-    FA90_V("forward BN 128 nwg 1 minb 2", 2, (fa90_forward_kernel<D, 128, 1, 2>), 64, 1, fa90_smem_fwd(D, 128, 1));
-    if constexpr (D == 64) { FA90_V("forward BN 128 nwg 2 minb 2", 2, (fa90_forward_kernel<D, 128, 2, 2>), 128, 2, fa90_smem_fwd(D, 128, 2)); }
-    FA90_V("dq nwg 2 minb 1", 3, (fa90_dq_kernel<D, 2, 1>), 128, 2, fa90_smem_dq(D, 2));
-    FA90_V("dq nwg 2 minb 2", 3, (fa90_dq_kernel<D, 2, 2>), 128, 2, fa90_smem_dq(D, 2));
-    FA90_V("dq nwg 1 minb 2", 3, (fa90_dq_kernel<D, 1, 2>), 64, 1, fa90_smem_dq(D, 1));
-    FA90_V("dq nwg 1 minb 3", 3, (fa90_dq_kernel<D, 1, 3>), 64, 1, fa90_smem_dq(D, 1));
-    FA90_V("dkv nwg 2 minb 1", 4, (fa90_dkv_kernel<D, 2, 1>), 128, 2, fa90_smem_dkv(D, 2));
-    FA90_V("dkv nwg 1 minb 1", 4, (fa90_dkv_kernel<D, 1, 1>), 64, 1, fa90_smem_dkv(D, 1));
-    FA90_V("dkv nwg 1 minb 2", 4, (fa90_dkv_kernel<D, 1, 2>), 64, 1, fa90_smem_dkv(D, 1));
-    if constexpr (D == 64) { FA90_V("dkv nwg 1 minb 3", 4, (fa90_dkv_kernel<D, 1, 3>), 64, 1, fa90_smem_dkv(D, 1)); }
-#undef FA90_V
-    for (int v = 0; v < FA90_TMA_VARIANTS; v++) {
-        tm__fa90_args t = a;
-        t.dq = NULL;
-        const char *name = NULL;
-        ms = time_ms([&] { die(tma_variant<D>(v, &t, &name), "tma variant"); }, iters);
-        printf("  (tensor maps encoded each call) variant D %3d %-34s %.3f ms %6.1f TFLOP/s\n", D, name, ms, 4 * unit / (ms * 1e-3) / 1e12);
+    const double unit = (double)B * Hq * S * S * D, prods[3] = {2, 3, 4};
+    char why[256];
+    for (const variant &v : variants_of<D>()) {
+        const tm__fa90_args t = variant_args(&a, v.kind);
+        const double ms = time_ms([&] { die(v.launch(&t, 0, why, sizeof why), why); }, iters);
+        cudaFuncAttributes fa;
+        CK(cudaFuncGetAttributes(&fa, v.fn));
+        printf("variant D %3d %-36s %3d registers %.3f ms %6.1f TFLOP/s\n", D, v.name, fa.numRegs, ms,
+               prods[v.kind] * unit / (ms * 1e-3) / 1e12);
     }
     bench_free(&a);
 }

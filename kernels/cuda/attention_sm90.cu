@@ -8,10 +8,11 @@
  * so 8 warps fit an SM and each ldmatrix feeds 2-4 mma; they ran at 30-41% of the tensor pipe.
  * wgmma reads its B operand (and here A, where it is a tile of q, k, v or dO) straight from shared
  * memory, one instruction per 64 x N x 16 product for the whole warpgroup, and runs asynchronously,
- * so the registers hold only accumulators. FlashAttention-3 (Shah et al. 2024) is the model; the
- * kernels the library runs have no producer warpgroup and no TMA: every thread issues cp.async
- * loads of the next tile (double-buffered) while the wgmmas of this one run, as the sm_80 kernels
- * do. fa90_dkv_tma_kernel at the end is the next step (a TMA producer; not yet run, off).
+ * so the registers hold only accumulators. FlashAttention-3 (Shah et al. 2024) is the model: dK/dV
+ * runs as a TMA producer warp feeding consumer warpgroups through mbarrier stages (the section
+ * "TMA-producer kernels" below); the forward and dQ have that form too and fa90_cfg says which
+ * form the library launches (the cp.async kernels: every thread issues cp.async loads of the next
+ * tile, double-buffered, while the wgmmas of this one run, as the sm_80 kernels do).
  *
  * Tiles in shared memory: a (ROWS, D) bf16 tile is D / 64 panels of (ROWS, 64), each row 128
  * bytes with the 128-byte swizzle (16-byte chunk c of row r at r 128 + ((c ^ (r % 8)) 16)), the
@@ -181,16 +182,172 @@ __device__ __forceinline__ void fa90_dkv_store(const fa90_p &p, const float *dk,
 
 /* Shared memory bytes of each kernel (+ 1024 for the base's alignment); NWG warpgroups a CTA,
  * 64 rows each. */
+/* Shared memory bytes of the cp.async kernels (+ 1024 for the base's alignment); NWG warpgroups a
+ * CTA, 64 rows each. */
 static size_t fa90_smem_fwd(int D, int BN, int NWG) { return (size_t)(64 * NWG + 4 * BN) * D * 2 + 1024; }
 static size_t fa90_smem_dq(int D, int NWG) { return (size_t)(2 * 64 * NWG + 4 * 64) * D * 2 + 2 * 64 * NWG * 4 + 1024; }
-static size_t fa90_smem_dkv(int D, int NWG) { return (size_t)(2 * 64 * NWG + 4 * 64) * D * 2 + 4 * 64 * 4 + 1024; }
+
+/* ---- the per-tile work of each kernel (one warpgroup, 64 rows) ---------------------------------- */
+
+/* Forward: key tile j0 (K at kt, V at vt, BN rows) for the warpgroup's query rows qrow + [0, 64) of
+ * the (BM, D) Q tile at qt, the warp's first row w0: S = Q K^T, the online softmax of
+ * attention_tc.cuh's forward (its comment says why each step), O += P V. o, m, l: the thread's
+ * accumulator, running max (log2 units) and sum. */
+template <int D, int BN, int BM>
+__device__ __forceinline__ void fa90_fwd_tile(const fa90_p &p, float *o, float *m, float *l, uint32_t qt, int qrow, uint32_t kt,
+                                              uint32_t vt, int j0, int w0, int g, int t4) {
+    constexpr int KD = D / 16, NB = BN / 8, ND = D / 8;
+    float s[BN / 2];
+    tm__wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < KD; kk++) fa90_ss<BN, 0>(s, fa90_desc_k<BM>(qt, qrow, kk), fa90_desc_k<BN>(kt, 0, kk), kk > 0);
+    tm__wgmma_commit();
+    tm__wgmma_wait<0>();
+    tm__wgmma_fence_regs<BN / 2>(s);
+    const bool diag = j0 + BN - 1 > w0 + p.off;
+    const int i0 = w0 + g, i1 = i0 + 8;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < NB; n++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (diag && j0 + n * 8 + t4 * 2 + (e & 1) > (e < 2 ? i0 : i1) + p.off) s[4 * n + e] = -INFINITY;
+        mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
+    }
+    const float mx[2] = {fa90_quad_max(mx0) * p.scale_log2, fa90_quad_max(mx1) * p.scale_log2};
+    float cr[2], mu[2];
+    bool moved = false;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        if (mx[half] > m[half] + FA90_RESCALE) {
+            cr[half] = tm__ex2_approx(m[half] - mx[half]);
+            m[half] = mx[half];
+            moved = true;
+        } else {
+            cr[half] = 1.0f;
+        }
+        mu[half] = m[half] == -INFINITY ? 0.0f : m[half];
+    }
+    if (__any_sync(0xffffffffu, moved)) {
+        l[0] *= cr[0], l[1] *= cr[1];
+#pragma unroll
+        for (int x = 0; x < ND; x++) {
+            o[4 * x] *= cr[0], o[4 * x + 1] *= cr[0];
+            o[4 * x + 2] *= cr[1], o[4 * x + 3] *= cr[1];
+        }
+    }
+    uint32_t pa[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) {
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int n = 2 * kk + u;
+            const float e0 = tm__ex2_approx(fmaf(s[4 * n], p.scale_log2, -mu[0]));
+            const float e1 = tm__ex2_approx(fmaf(s[4 * n + 1], p.scale_log2, -mu[0]));
+            const float e2 = tm__ex2_approx(fmaf(s[4 * n + 2], p.scale_log2, -mu[1]));
+            const float e3 = tm__ex2_approx(fmaf(s[4 * n + 3], p.scale_log2, -mu[1]));
+            l[0] += e0 + e1;
+            l[1] += e2 + e3;
+            pa[kk][2 * u] = tm__pack_bf16x2(e0, e1);
+            pa[kk][2 * u + 1] = tm__pack_bf16x2(e2, e3);
+        }
+    }
+    tm__wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) fa90_rs<D>(o, pa[kk], fa90_desc_n<BN>(vt, kk));
+    tm__wgmma_commit();
+    tm__wgmma_wait<0>();
+    tm__wgmma_fence_regs<D / 2>(o);
+    tm__wgmma_fence_regs<BN / 4>(&pa[0][0]);
+}
+/* The forward's epilogue: rows w0 + g and w0 + g + 8 of O = o / l and lse = (m + log2 l) ln 2. */
+template <int D>
+__device__ __forceinline__ void fa90_fwd_store(const fa90_p &p, const float *o, const float *m, const float *l, int b, int h, int w0,
+                                               int g, int t4) {
+    constexpr int ND = D / 8;
+    const long long lrow = ((long long)b * p.Hq + h) * p.Tq;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int i = w0 + half * 8 + g;
+        const float lt = fa90_quad_sum(l[half]);
+        if (i >= p.Tq) continue;
+        const float inv = 1.0f / lt;
+        fa90_bf16 *orow = p.out + ((long long)b * p.Tq + i) * p.qs + (long long)h * D + t4 * 2;
+#pragma unroll
+        for (int x = 0; x < ND; x++)
+            *reinterpret_cast<uint32_t *>(orow + x * 8) = tm__pack_bf16x2(o[4 * x + 2 * half] * inv, o[4 * x + 2 * half + 1] * inv);
+        if (t4 == 0) p.lse[lrow + i] = (m[half] + log2f(lt)) * FA90_LN2;
+    }
+}
+
+/* dQ: key tile j0 (K at kt, V at vt, 64 rows) for rows qrow + [0, 64) of the (BM, D) Q and dO tiles
+ * at qt and ot: S = Q K^T and dP = dO V^T issued together (the softmax of S while dP runs),
+ * dS = P (dP - Delta_i), dQ += dS K. ll, dd: lse (log2 units) and Delta of the thread's two rows. */
+template <int D, int BM>
+__device__ __forceinline__ void fa90_dq_tile(const fa90_p &p, float *dq, const float *ll, const float *dd, uint32_t qt, uint32_t ot,
+                                             int qrow, uint32_t kt, uint32_t vt, int j0, int w0, int g, int t4) {
+    constexpr int BN = 64, KD = D / 16, NB = BN / 8;
+    float s[BN / 2], dp[BN / 2];
+    tm__wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < KD; kk++) fa90_ss<BN, 0>(s, fa90_desc_k<BM>(qt, qrow, kk), fa90_desc_k<BN>(kt, 0, kk), kk > 0);
+    tm__wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < KD; kk++) fa90_ss<BN, 0>(dp, fa90_desc_k<BM>(ot, qrow, kk), fa90_desc_k<BN>(vt, 0, kk), kk > 0);
+    tm__wgmma_commit();
+    tm__wgmma_wait<1>();
+    tm__wgmma_fence_regs<BN / 2>(s);
+    /* P = 2^(s scale log2 e - lse log2 e), 0 past a row's limit (keys past Tk included) */
+    const bool mask = j0 + BN - 1 > w0 + p.off;
+    const int i0 = w0 + g;
+#pragma unroll
+    for (int n = 0; n < NB; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float x = tm__ex2_approx(fmaf(s[4 * n + e], p.scale_log2, -ll[e >> 1]));
+            if (mask && j0 + 8 * n + 2 * t4 + (e & 1) > i0 + 8 * (e >> 1) + p.off) x = 0.0f;
+            s[4 * n + e] = x;
+        }
+    tm__wgmma_wait<0>();
+    tm__wgmma_fence_regs<BN / 2>(dp);
+    uint32_t da[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++)
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int n = 2 * kk + u;
+            da[kk][2 * u] = tm__pack_bf16x2(s[4 * n] * (dp[4 * n] - dd[0]), s[4 * n + 1] * (dp[4 * n + 1] - dd[0]));
+            da[kk][2 * u + 1] = tm__pack_bf16x2(s[4 * n + 2] * (dp[4 * n + 2] - dd[1]), s[4 * n + 3] * (dp[4 * n + 3] - dd[1]));
+        }
+    tm__wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) fa90_rs<D>(dq, da[kk], fa90_desc_n<BN>(kt, kk));
+    tm__wgmma_commit();
+    tm__wgmma_wait<0>();
+    tm__wgmma_fence_regs<D / 2>(dq);
+    tm__wgmma_fence_regs<BN / 4>(&da[0][0]);
+}
+/* dQ's epilogue: rows w0 + g and w0 + g + 8 of dq (times scale) into the gradient. */
+template <int D>
+__device__ __forceinline__ void fa90_dq_store(const fa90_p &p, const float *dq, int b, int h, int w0, int g, int t4) {
+    constexpr int ND = D / 8;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int i = w0 + half * 8 + g;
+        if (i >= p.Tq) continue;
+        fa90_bf16 *row = p.dq + ((long long)b * p.Tq + i) * p.qs + (long long)h * D + t4 * 2;
+#pragma unroll
+        for (int x = 0; x < ND; x++) fa90_add2(row + x * 8, p.scale * dq[4 * x + 2 * half], p.scale * dq[4 * x + 2 * half + 1], p.fq);
+    }
+}
 
 /* ---- forward: (b, h, 64 NWG query rows), key tiles of BN ----------------------------------------- */
 
 template <int D, int BN, int NWG, int MINB>
 __global__ void __launch_bounds__(128 * NWG, MINB) fa90_forward_kernel(fa90_p p) {
 #ifdef FA90_DEVICE
-    constexpr int NT = 128 * NWG, BM = 64 * NWG, KD = D / 16, NB = BN / 8, ND = D / 8;
+    constexpr int NT = 128 * NWG, BM = 64 * NWG;
     constexpr uint32_t QB = BM * D * 2, KB = BN * D * 2;
     extern __shared__ __align__(16) unsigned char fa90_smem[];
     const uint32_t qs = (tm__smem_u32(fa90_smem) + 1023) & ~1023u, ks = qs + QB, vs = ks + 2 * KB;
@@ -221,89 +378,10 @@ __global__ void __launch_bounds__(128 * NWG, MINB) fa90_forward_kernel(fa90_p p)
     for (int t = 0; t < ntiles; t++) {
         const int buf = t & 1, j0 = t * BN;
         fa90_next_kv<BN, D, NT>(ks + (buf ^ 1) * KB, vs + (buf ^ 1) * KB, kg, vg, p.ks, p.Tk, j0 + BN, t + 1 < ntiles);
-        if (j0 < wend) {
-            const uint32_t kt = ks + buf * KB, vt = vs + buf * KB;
-            float s[BN / 2];
-            tm__wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < KD; kk++) fa90_ss<BN, 0>(s, fa90_desc_k<BM>(qs, 64 * wg, kk), fa90_desc_k<BN>(kt, 0, kk), kk > 0);
-            tm__wgmma_commit();
-            tm__wgmma_wait<0>();
-            tm__wgmma_fence_regs<BN / 2>(s);
-            /* the online softmax of attention_tc.cuh's forward (its comment says why each step) */
-            const bool diag = j0 + BN - 1 > w0 + p.off;
-            const int i0 = w0 + g, i1 = i0 + 8;
-            float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-            for (int n = 0; n < NB; n++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    if (diag && j0 + n * 8 + t4 * 2 + (e & 1) > (e < 2 ? i0 : i1) + p.off) s[4 * n + e] = -INFINITY;
-                mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
-                mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
-            }
-            const float mx[2] = {fa90_quad_max(mx0) * p.scale_log2, fa90_quad_max(mx1) * p.scale_log2};
-            float cr[2], mu[2];
-            bool moved = false;
-#pragma unroll
-            for (int half = 0; half < 2; half++) {
-                if (mx[half] > m[half] + FA90_RESCALE) {
-                    cr[half] = tm__ex2_approx(m[half] - mx[half]);
-                    m[half] = mx[half];
-                    moved = true;
-                } else {
-                    cr[half] = 1.0f;
-                }
-                mu[half] = m[half] == -INFINITY ? 0.0f : m[half];
-            }
-            if (__any_sync(0xffffffffu, moved)) {
-                l[0] *= cr[0], l[1] *= cr[1];
-#pragma unroll
-                for (int x = 0; x < ND; x++) {
-                    o[4 * x] *= cr[0], o[4 * x + 1] *= cr[0];
-                    o[4 * x + 2] *= cr[1], o[4 * x + 3] *= cr[1];
-                }
-            }
-            uint32_t pa[BN / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) {
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    const int n = 2 * kk + u;
-                    const float e0 = tm__ex2_approx(fmaf(s[4 * n], p.scale_log2, -mu[0]));
-                    const float e1 = tm__ex2_approx(fmaf(s[4 * n + 1], p.scale_log2, -mu[0]));
-                    const float e2 = tm__ex2_approx(fmaf(s[4 * n + 2], p.scale_log2, -mu[1]));
-                    const float e3 = tm__ex2_approx(fmaf(s[4 * n + 3], p.scale_log2, -mu[1]));
-                    l[0] += e0 + e1;
-                    l[1] += e2 + e3;
-                    pa[kk][2 * u] = tm__pack_bf16x2(e0, e1);
-                    pa[kk][2 * u + 1] = tm__pack_bf16x2(e2, e3);
-                }
-            }
-            tm__wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) fa90_rs<D>(o, pa[kk], fa90_desc_n<BN>(vt, kk));
-            tm__wgmma_commit();
-            tm__wgmma_wait<0>();
-            tm__wgmma_fence_regs<D / 2>(o);
-            tm__wgmma_fence_regs<BN / 4>(&pa[0][0]);
-        }
+        if (j0 < wend) fa90_fwd_tile<D, BN, BM>(p, o, m, l, qs, 64 * wg, ks + buf * KB, vs + buf * KB, j0, w0, g, t4);
         __syncthreads(); /* the buffer is refilled by the next iteration's prefetch */
     }
-
-    const long long lrow = ((long long)b * p.Hq + h) * p.Tq;
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-        const int i = w0 + half * 8 + g;
-        const float lt = fa90_quad_sum(l[half]);
-        if (i >= p.Tq) continue;
-        const float inv = 1.0f / lt;
-        fa90_bf16 *orow = p.out + ((long long)b * p.Tq + i) * p.qs + (long long)h * D + t4 * 2;
-#pragma unroll
-        for (int x = 0; x < ND; x++)
-            *reinterpret_cast<uint32_t *>(orow + x * 8) = tm__pack_bf16x2(o[4 * x + 2 * half] * inv, o[4 * x + 2 * half + 1] * inv);
-        if (t4 == 0) p.lse[lrow + i] = (m[half] + log2f(lt)) * FA90_LN2;
-    }
+    fa90_fwd_store<D>(p, o, m, l, b, h, w0, g, t4);
 #endif
 }
 
@@ -312,7 +390,7 @@ __global__ void __launch_bounds__(128 * NWG, MINB) fa90_forward_kernel(fa90_p p)
 template <int D, int NWG, int MINB>
 __global__ void __launch_bounds__(128 * NWG, MINB) fa90_dq_kernel(fa90_p p) {
 #ifdef FA90_DEVICE
-    constexpr int NT = 128 * NWG, BM = 64 * NWG, BN = 64, KD = D / 16, NB = BN / 8, ND = D / 8;
+    constexpr int NT = 128 * NWG, BM = 64 * NWG, BN = 64;
     constexpr uint32_t QB = BM * D * 2, KB = BN * D * 2;
     extern __shared__ __align__(16) unsigned char fa90_smem[];
     const uint32_t base = tm__smem_u32(fa90_smem), qs = (base + 1023) & ~1023u, dos = qs + QB, ks = dos + QB, vs = ks + 2 * KB;
@@ -352,191 +430,27 @@ __global__ void __launch_bounds__(128 * NWG, MINB) fa90_dq_kernel(fa90_p p) {
             ll[0] = ls[rl] * FA90_LOG2E, ll[1] = ls[rl + 8] * FA90_LOG2E;
             dd[0] = dls[rl], dd[1] = dls[rl + 8];
         }
-        if (j0 < wend) {
-            const uint32_t kt = ks + buf * KB, vt = vs + buf * KB;
-            float s[BN / 2], dp[BN / 2];
-            tm__wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < KD; kk++) fa90_ss<BN, 0>(s, fa90_desc_k<BM>(qs, 64 * wg, kk), fa90_desc_k<BN>(kt, 0, kk), kk > 0);
-            tm__wgmma_commit();
-#pragma unroll
-            for (int kk = 0; kk < KD; kk++) fa90_ss<BN, 0>(dp, fa90_desc_k<BM>(dos, 64 * wg, kk), fa90_desc_k<BN>(vt, 0, kk), kk > 0);
-            tm__wgmma_commit();
-            tm__wgmma_wait<1>();
-            tm__wgmma_fence_regs<BN / 2>(s);
-            /* P = 2^(s scale log2 e - lse log2 e), 0 past a row's limit (keys past Tk included) */
-            const bool mask = j0 + BN - 1 > w0 + p.off;
-            const int i0 = w0 + g;
-#pragma unroll
-            for (int n = 0; n < NB; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float x = tm__ex2_approx(fmaf(s[4 * n + e], p.scale_log2, -ll[e >> 1]));
-                    if (mask && j0 + 8 * n + 2 * t4 + (e & 1) > i0 + 8 * (e >> 1) + p.off) x = 0.0f;
-                    s[4 * n + e] = x;
-                }
-            tm__wgmma_wait<0>();
-            tm__wgmma_fence_regs<BN / 2>(dp);
-            uint32_t da[BN / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++)
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    const int n = 2 * kk + u;
-                    da[kk][2 * u] = tm__pack_bf16x2(s[4 * n] * (dp[4 * n] - dd[0]), s[4 * n + 1] * (dp[4 * n + 1] - dd[0]));
-                    da[kk][2 * u + 1] = tm__pack_bf16x2(s[4 * n + 2] * (dp[4 * n + 2] - dd[1]), s[4 * n + 3] * (dp[4 * n + 3] - dd[1]));
-                }
-            tm__wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; kk++) fa90_rs<D>(dq, da[kk], fa90_desc_n<BN>(kt, kk));
-            tm__wgmma_commit();
-            tm__wgmma_wait<0>();
-            tm__wgmma_fence_regs<D / 2>(dq);
-            tm__wgmma_fence_regs<BN / 4>(&da[0][0]);
-        }
+        if (j0 < wend) fa90_dq_tile<D, BM>(p, dq, ll, dd, qs, dos, 64 * wg, ks + buf * KB, vs + buf * KB, j0, w0, g, t4);
         __syncthreads();
     }
-
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-        const int i = w0 + half * 8 + g;
-        if (i >= p.Tq) continue;
-        fa90_bf16 *row = p.dq + ((long long)b * p.Tq + i) * p.qs + (long long)h * D + t4 * 2;
-#pragma unroll
-        for (int x = 0; x < ND; x++) fa90_add2(row + x * 8, p.scale * dq[4 * x + 2 * half], p.scale * dq[4 * x + 2 * half + 1], p.fq);
-    }
+    fa90_dq_store<D>(p, dq, b, h, w0, g, t4);
 #endif
 }
 
-/* ---- dK/dV: (b, kv head, 64 NWG keys), query tiles of 64 --------------------------------------- */
-
-template <int D, int NWG, int MINB>
-__global__ void __launch_bounds__(128 * NWG, MINB) fa90_dkv_kernel(fa90_p p) {
-#ifdef FA90_DEVICE
-    constexpr int NT = 128 * NWG, BN = 64 * NWG, BQ = 64, KD = D / 16, NQ = BQ / 8;
-    constexpr uint32_t KB = BN * D * 2, QB = BQ * D * 2;
-    extern __shared__ __align__(16) unsigned char fa90_smem[];
-    const uint32_t base = tm__smem_u32(fa90_smem), ks = (base + 1023) & ~1023u, vs = ks + KB, qs = vs + KB, dos = qs + 2 * QB;
-    float *ls = (float *)(fa90_smem + (dos + 2 * QB - base)), *dls = ls + 2 * BQ;
-    const int bhn = p.B * p.Hkv;
-    const int kb = (int)(blockIdx.x / (unsigned)bhn);
-    const int bh = (int)(blockIdx.x % (unsigned)bhn), hk = bh % p.Hkv, b = bh / p.Hkv;
-    const int j0 = kb * BN;
-    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    const int wj = j0 + 64 * wg, jw = wj + 16 * warp; /* the warpgroup's and the warp's first key */
-    const int qstart = j0 - p.off > 0 ? (j0 - p.off) / BQ * BQ : 0;
-    const int nqblk = fa90_cdiv(p.Tq - qstart, BQ), nit = p.G * nqblk;
-    const long long koff = ((long long)b * p.Tk + j0) * p.ks + (long long)hk * D;
-
-    /* query tile it: rows i0 + [0, 64) of head hk G + it / nqblk into buffer it % 2 */
-    auto load_q = [&](int it) {
-        const int hh = hk * p.G + it / nqblk, i0 = qstart + (it % nqblk) * BQ, bf = it & 1;
-        const long long qoff = ((long long)b * p.Tq + i0) * p.qs + (long long)hh * D;
-        const long long lrow = ((long long)b * p.Hq + hh) * p.Tq + i0;
-        fa90_load<BQ, D, NT>(qs + bf * QB, p.q + qoff, p.qs, p.Tq - i0);
-        fa90_load<BQ, D, NT>(dos + bf * QB, p.dout + qoff, p.qs, p.Tq - i0);
-        if (threadIdx.x < BQ) fa90_load_f32(ls + bf * BQ, p.lse + lrow, threadIdx.x, p.Tq - i0);
-        else if (threadIdx.x < 2 * BQ) fa90_load_f32(dls + bf * BQ, p.delta + lrow, threadIdx.x - BQ, p.Tq - i0);
-    };
-    fa90_load<BN, D, NT>(ks, p.k + koff, p.ks, p.Tk - j0);
-    fa90_load<BN, D, NT>(vs, p.v + koff, p.ks, p.Tk - j0);
-    load_q(0);
-    tm__cp_async_commit();
-
-    float dk[D / 2], dv[D / 2];
-#pragma unroll
-    for (int x = 0; x < D / 2; x++) dk[x] = dv[x] = 0.0f;
-
-    for (int it = 0; it < nit; it++) {
-        const int buf = it & 1;
-        if (it + 1 < nit) {
-            load_q(it + 1);
-            tm__cp_async_commit();
-            tm__cp_async_wait<1>();
-        } else {
-            tm__cp_async_wait<0>();
-        }
-        __syncthreads();
-        tm__fence_proxy_async();
-        const int i0 = qstart + (it % nqblk) * BQ;
-        /* a warpgroup whose keys no query of the tile sees (or past Tk) skips it */
-        if (wj < p.Tk && wj <= fa90_min(i0 + BQ, p.Tq) - 1 + p.off) {
-            const uint32_t qt = qs + buf * QB, ot = dos + buf * QB;
-            const float *lt = ls + buf * BQ, *dt = dls + buf * BQ;
-            float s[BQ / 2], dp[BQ / 2];
-            tm__wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < KD; kk++) fa90_ss<BQ, 0>(s, fa90_desc_k<BN>(ks, 64 * wg, kk), fa90_desc_k<BQ>(qt, 0, kk), kk > 0);
-            tm__wgmma_commit();
-#pragma unroll
-            for (int kk = 0; kk < KD; kk++) fa90_ss<BQ, 0>(dp, fa90_desc_k<BN>(vs, 64 * wg, kk), fa90_desc_k<BQ>(ot, 0, kk), kk > 0);
-            tm__wgmma_commit();
-            tm__wgmma_wait<1>();
-            tm__wgmma_fence_regs<BQ / 2>(s);
-            /* P^T: key rows jw + g (+ 8), query columns i0 + 8 n + 2 t4 (+ 1); 0 where j > i + off
-             * and for rows i >= Tq */
-            const bool mask = jw + 15 > i0 + p.off || i0 + BQ > p.Tq;
-#pragma unroll
-            for (int n = 0; n < NQ; n++) {
-                const int c0 = 8 * n + 2 * t4;
-                const float2 lse2 = *reinterpret_cast<const float2 *>(lt + c0);
-                const float l2[2] = {lse2.x * FA90_LOG2E, lse2.y * FA90_LOG2E};
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float x = tm__ex2_approx(fmaf(s[4 * n + e], p.scale_log2, -l2[e & 1]));
-                    const int i = i0 + c0 + (e & 1), j = jw + g + 8 * (e >> 1);
-                    if (mask && (j > i + p.off || i >= p.Tq)) x = 0.0f;
-                    s[4 * n + e] = x;
-                }
-            }
-            tm__wgmma_wait<0>();
-            tm__wgmma_fence_regs<BQ / 2>(dp);
-            uint32_t pa[BQ / 16][4], da[BQ / 16][4];
-#pragma unroll
-            for (int kq = 0; kq < BQ / 16; kq++)
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    const int n = 2 * kq + u, c0 = 8 * n + 2 * t4;
-                    const float2 del2 = *reinterpret_cast<const float2 *>(dt + c0);
-                    pa[kq][2 * u] = tm__pack_bf16x2(s[4 * n], s[4 * n + 1]);
-                    pa[kq][2 * u + 1] = tm__pack_bf16x2(s[4 * n + 2], s[4 * n + 3]);
-                    da[kq][2 * u] = tm__pack_bf16x2(s[4 * n] * (dp[4 * n] - del2.x), s[4 * n + 1] * (dp[4 * n + 1] - del2.y));
-                    da[kq][2 * u + 1] = tm__pack_bf16x2(s[4 * n + 2] * (dp[4 * n + 2] - del2.x), s[4 * n + 3] * (dp[4 * n + 3] - del2.y));
-                }
-            tm__wgmma_fence();
-#pragma unroll
-            for (int kq = 0; kq < BQ / 16; kq++) fa90_rs<D>(dv, pa[kq], fa90_desc_n<BQ>(ot, kq));
-#pragma unroll
-            for (int kq = 0; kq < BQ / 16; kq++) fa90_rs<D>(dk, da[kq], fa90_desc_n<BQ>(qt, kq));
-            tm__wgmma_commit();
-            tm__wgmma_wait<0>();
-            tm__wgmma_fence_regs<D / 2>(dv);
-            tm__wgmma_fence_regs<D / 2>(dk);
-            tm__wgmma_fence_regs<BQ / 4>(&pa[0][0]);
-            tm__wgmma_fence_regs<BQ / 4>(&da[0][0]);
-        }
-        __syncthreads();
-    }
-
-    fa90_dkv_store<D>(p, dk, dv, b, hk, jw, g, t4);
-#endif
-}
-
-/* ---- dK/dV with a TMA producer (FlashAttention-3's structure) ------------------------------------
+/* ---- the TMA-producer kernels (FlashAttention-3's structure) -------------------------------------
  * Warpgroup 0 is the producer: all its threads give registers back (setmaxnreg.dec), warps 1-3
- * leave, warp 0 stays. Its lane 0 loads K and V once (TMA, on kv_full) and then, for each query
- * tile, waits until the consumers have released the stage (empty[s]), announces the tile's bytes
- * on full[s] and issues the TMA loads of Q and dO (D / 64 boxes of {64 D, 64 rows} each, zero past
- * Tq); its 32 lanes copy the tile's lse and Delta (rows past Tq: 0) into the stage and arrive on
- * full[s] too (33 arrivals a phase). Warpgroups 1..NC are consumers, 64 keys each, the products
- * of fa90_dkv_kernel; each warp arrives on empty[s] once its warpgroup's wgmmas that read the stage
- * are complete (4 NC arrivals a phase). No CTA-wide barrier after the start: the consumers run at
- * their own pace, STAGES tiles ahead of them loaded.
- * Status: written in session 15 after its device time was spent; compiled (no spills) but not yet
- * run. fa90_cfg keeps it off until bench/attn_sm90_harness.cu --check passes and --variants
- * shows it faster than fa90_dkv_kernel. Its per-tile products are fa90_dkv_kernel's, copied (a
- * shared helper moved fa90_dkv_kernel's PTX, which was measured as it is): once one of the two is
- * chosen, the other goes. */
+ * leave, warp 0 stays. The operand every tile uses (forward: the Q tile; dQ: the Q and dO tiles
+ * with their lse and Delta; dK/dV: the K and V tiles) is loaded once on `fixed`. The streamed
+ * operand (forward and dQ: K and V tiles of keys; dK/dV: Q and dO tiles of queries with their lse
+ * and Delta) goes through STAGES stages: lane 0 waits until the consumers have released a stage
+ * (empty[s]), announces its bytes on full[s] and issues D / 64 TMA boxes of {64 D, rows} per tensor
+ * (zero past T: the tensor maps are (D, heads, T, B), so a box never reads the next sequence);
+ * where lse and Delta come along, the warp's 32 lanes copy them and arrive on the barrier too
+ * (33 arrivals a phase, else 1). Warpgroups 1..NC are the consumers, 64 rows each, the per-tile
+ * work above; a consumer warp arrives on empty[s] once its warpgroup's wgmmas that read the stage
+ * are complete (4 NC arrivals a phase). No CTA-wide barrier after the start: each consumer runs at
+ * its own pace with up to STAGES tiles loaded ahead of it, so one warpgroup's softmax overlaps
+ * another's (or another CTA's) products without the cp.async kernels' lockstep. */
 template <int NC, int MINB> struct fa90_tma_regs {
     /* The CTA's registers are what ptxas gives each thread for the launch bounds (65536 / (MINB
      * threads), rounded down to 8) times its threads; setmaxnreg.inc waits until that pool holds
@@ -548,19 +462,187 @@ template <int NC, int MINB> struct fa90_tma_regs {
     static constexpr int CONS = R0 > 240 ? 240 : R0;
     static_assert(128 * 24 + 128 * NC * CONS <= CAP * T, "the consumers' setmaxnreg would wait forever");
 };
+/* The barriers after the tiles: fixed, full[STAGES], empty[STAGES]. Made by thread 0 before the
+ * CTA's one barrier. */
+template <int STAGES>
+__device__ __forceinline__ void fa90_bars_init(uint64_t *bars, int full_count, int empty_count, int fixed_count) {
+    if (threadIdx.x == 0) {
+        tm__mbar_init(tm__smem_u32(&bars[0]), fixed_count);
+        for (int s = 0; s < STAGES; s++) {
+            tm__mbar_init(tm__smem_u32(&bars[1 + s]), full_count);
+            tm__mbar_init(tm__smem_u32(&bars[1 + STAGES + s]), empty_count);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+}
+/* ROWS rows from row r0 of head h, sequence b of a (D, heads, T, B) tensor map into the swizzled
+ * (ROWS, D) tile at s, completing on bar (whose bytes the caller announced). */
+template <int ROWS, int D>
+__device__ __forceinline__ void fa90_tma_tile(uint32_t s, const CUtensorMap *map, int h, int r0, int b, uint32_t bar) {
+#pragma unroll
+    for (int pp = 0; pp < D / 64; pp++) tm__tma_load_4d(s + pp * ROWS * 128, map, 64 * pp, h, r0, b, bar);
+}
+/* The stage after s (phase ph flips when the ring wraps). */
+template <int STAGES> __device__ __forceinline__ void fa90_stage_next(int &s, int &ph) {
+    if (++s == STAGES) s = 0, ph ^= 1;
+}
+/* A consumer warp's release of stage s once its warpgroup's wgmmas that read it are complete. */
+__device__ __forceinline__ void fa90_release(uint32_t empty, int lane) {
+    __syncwarp();
+    if (lane == 0) tm__mbar_arrive(empty);
+}
 
+/* Forward: (b, h, 64 NC query rows), key tiles of BN streamed. */
+template <int D, int BN, int NC, int STAGES, int MINB>
+__global__ void __launch_bounds__(128 * (NC + 1), MINB)
+    fa90_forward_tma_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
+                            const __grid_constant__ CUtensorMap tmV, const __grid_constant__ CUtensorMap tmO, fa90_p p) {
+#ifdef FA90_DEVICE
+    constexpr int BM = 64 * NC;
+    constexpr uint32_t QB = BM * D * 2, KB = BN * D * 2;
+    extern __shared__ __align__(16) unsigned char fa90_smem[];
+    const uint32_t base = tm__smem_u32(fa90_smem), qs = (base + 1023) & ~1023u, ks = qs + QB, vs = ks + STAGES * KB;
+    uint64_t *bars = (uint64_t *)(fa90_smem + (vs + STAGES * KB - base));
+    const int bhn = p.B * p.Hq, nqb = fa90_cdiv(p.Tq, BM);
+    const int qb = nqb - 1 - (int)(blockIdx.x / (unsigned)bhn);
+    const int bh = (int)(blockIdx.x % (unsigned)bhn), h = bh % p.Hq, b = bh / p.Hq, hk = h / p.G;
+    const int q0 = qb * BM;
+    const int kend = fa90_min(p.Tk, fa90_min(q0 + BM, p.Tq) + p.off), ntiles = fa90_cdiv(kend, BN);
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const uint32_t fixed = tm__smem_u32(&bars[0]);
+    auto full = [&](int s) { return tm__smem_u32(&bars[1 + s]); };
+    auto empty = [&](int s) { return tm__smem_u32(&bars[1 + STAGES + s]); };
+    fa90_bars_init<STAGES>(bars, 1, 4 * NC, 1);
+
+    if (wg == 0) { /* ---- producer ---- */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (tid != 0) return;
+        tm__mbar_expect_tx(fixed, QB);
+        fa90_tma_tile<BM, D>(qs, &tmQ, h, q0, b, fixed);
+        int s = 0, ph = 0;
+        for (int t = 0; t < ntiles; t++) {
+            tm__mbar_wait(empty(s), ph ^ 1);
+            tm__mbar_expect_tx(full(s), 2 * KB);
+            fa90_tma_tile<BN, D>(ks + s * KB, &tmK, hk, t * BN, b, full(s));
+            fa90_tma_tile<BN, D>(vs + s * KB, &tmV, hk, t * BN, b, full(s));
+            fa90_stage_next<STAGES>(s, ph);
+        }
+        return;
+    }
+
+    /* ---- consumers ---- */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(fa90_tma_regs<NC, MINB>::CONS));
+    const int w = wg - 1, wl = tid - 128 * wg, warp = wl >> 5, lane = wl & 31, g = lane >> 2, t4 = lane & 3;
+    const int r0 = q0 + 64 * w, w0 = r0 + 16 * warp; /* the warpgroup's and the warp's first row */
+    const int wend = r0 < p.Tq ? fa90_min(p.Tk, fa90_min(r0 + 64, p.Tq) + p.off) : 0;
+    float o[D / 2];
+#pragma unroll
+    for (int x = 0; x < D / 2; x++) o[x] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    tm__mbar_wait(fixed, 0);
+    int s = 0, ph = 0;
+    for (int t = 0; t < ntiles; t++) {
+        const int j0 = t * BN;
+        tm__mbar_wait(full(s), ph);
+        if (j0 < wend) fa90_fwd_tile<D, BN, BM>(p, o, m, l, qs, 64 * w, ks + s * KB, vs + s * KB, j0, w0, g, t4);
+        fa90_release(empty(s), lane);
+        fa90_stage_next<STAGES>(s, ph);
+    }
+    fa90_fwd_store<D>(p, o, m, l, b, h, w0, g, t4);
+#endif
+}
+
+/* dQ: (b, h, 64 NC query rows), key tiles of 64 streamed. */
+template <int D, int NC, int STAGES, int MINB>
+__global__ void __launch_bounds__(128 * (NC + 1), MINB)
+    fa90_dq_tma_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
+                       const __grid_constant__ CUtensorMap tmV, const __grid_constant__ CUtensorMap tmO, fa90_p p) {
+#ifdef FA90_DEVICE
+    constexpr int BM = 64 * NC, BN = 64;
+    constexpr uint32_t QB = BM * D * 2, KB = BN * D * 2;
+    extern __shared__ __align__(16) unsigned char fa90_smem[];
+    const uint32_t base = tm__smem_u32(fa90_smem), qs = (base + 1023) & ~1023u, dos = qs + QB, ks = dos + QB,
+                   vs = ks + STAGES * KB;
+    float *ls = (float *)(fa90_smem + (vs + STAGES * KB - base)), *dls = ls + BM;
+    uint64_t *bars = (uint64_t *)(dls + BM);
+    const int bhn = p.B * p.Hq, nqb = fa90_cdiv(p.Tq, BM);
+    const int qb = nqb - 1 - (int)(blockIdx.x / (unsigned)bhn);
+    const int bh = (int)(blockIdx.x % (unsigned)bhn), h = bh % p.Hq, b = bh / p.Hq, hk = h / p.G;
+    const int q0 = qb * BM;
+    const int kend = fa90_min(p.Tk, fa90_min(q0 + BM, p.Tq) + p.off), ntiles = fa90_cdiv(kend, BN);
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const uint32_t fixed = tm__smem_u32(&bars[0]);
+    auto full = [&](int s) { return tm__smem_u32(&bars[1 + s]); };
+    auto empty = [&](int s) { return tm__smem_u32(&bars[1 + STAGES + s]); };
+    fa90_bars_init<STAGES>(bars, 1, 4 * NC, 33);
+
+    if (wg == 0) { /* ---- producer ---- */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (tid >= 32) return;
+        const int lane = tid;
+        if (lane == 0) {
+            tm__mbar_expect_tx(fixed, 2 * QB);
+            fa90_tma_tile<BM, D>(qs, &tmQ, h, q0, b, fixed);
+            fa90_tma_tile<BM, D>(dos, &tmO, h, q0, b, fixed);
+        }
+        const long long lrow = ((long long)b * p.Hq + h) * p.Tq + q0;
+        for (int r = lane; r < BM; r += 32) {
+            const bool ok = q0 + r < p.Tq;
+            ls[r] = ok ? p.lse[lrow + r] : 0.0f;
+            dls[r] = ok ? p.delta[lrow + r] : 0.0f;
+        }
+        tm__mbar_arrive(fixed); /* release: the stores above are visible to the waiters */
+        if (lane != 0) return;
+        int s = 0, ph = 0;
+        for (int t = 0; t < ntiles; t++) {
+            tm__mbar_wait(empty(s), ph ^ 1);
+            tm__mbar_expect_tx(full(s), 2 * KB);
+            fa90_tma_tile<BN, D>(ks + s * KB, &tmK, hk, t * BN, b, full(s));
+            fa90_tma_tile<BN, D>(vs + s * KB, &tmV, hk, t * BN, b, full(s));
+            fa90_stage_next<STAGES>(s, ph);
+        }
+        return;
+    }
+
+    /* ---- consumers ---- */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(fa90_tma_regs<NC, MINB>::CONS));
+    const int w = wg - 1, wl = tid - 128 * wg, warp = wl >> 5, lane = wl & 31, g = lane >> 2, t4 = lane & 3;
+    const int r0 = q0 + 64 * w, w0 = r0 + 16 * warp;
+    const int wend = r0 < p.Tq ? fa90_min(p.Tk, fa90_min(r0 + 64, p.Tq) + p.off) : 0;
+    float dq[D / 2];
+#pragma unroll
+    for (int x = 0; x < D / 2; x++) dq[x] = 0.0f;
+    tm__mbar_wait(fixed, 0);
+    const int rl = 64 * w + 16 * warp + g;
+    const float ll[2] = {ls[rl] * FA90_LOG2E, ls[rl + 8] * FA90_LOG2E}, dd[2] = {dls[rl], dls[rl + 8]};
+    int s = 0, ph = 0;
+    for (int t = 0; t < ntiles; t++) {
+        const int j0 = t * BN;
+        tm__mbar_wait(full(s), ph);
+        if (j0 < wend) fa90_dq_tile<D, BM>(p, dq, ll, dd, qs, dos, 64 * w, ks + s * KB, vs + s * KB, j0, w0, g, t4);
+        fa90_release(empty(s), lane);
+        fa90_stage_next<STAGES>(s, ph);
+    }
+    fa90_dq_store<D>(p, dq, b, h, w0, g, t4);
+#endif
+}
+
+/* dK/dV: (b, kv head, 64 NC keys); over the G query heads in order, each over its query tiles of 64
+ * from the first that sees the keys, streamed: S^T = K Q^T, dP^T = V dO^T (m64n64), dV += P^T dO,
+ * dK += dS^T Q (A in registers, B = dO and Q N-major). */
 template <int D, int NC, int STAGES, int MINB>
 __global__ void __launch_bounds__(128 * (NC + 1), MINB)
     fa90_dkv_tma_kernel(const __grid_constant__ CUtensorMap tmQ, const __grid_constant__ CUtensorMap tmK,
                         const __grid_constant__ CUtensorMap tmV, const __grid_constant__ CUtensorMap tmO, fa90_p p) {
 #ifdef FA90_DEVICE
-    constexpr int BN = 64 * NC, BQ = 64, KD = D / 16, NQ = BQ / 8, NP = D / 64;
+    constexpr int BN = 64 * NC, BQ = 64, KD = D / 16, NQ = BQ / 8;
     constexpr uint32_t KB = BN * D * 2, QB = BQ * D * 2;
     extern __shared__ __align__(16) unsigned char fa90_smem[];
     const uint32_t base = tm__smem_u32(fa90_smem), ks = (base + 1023) & ~1023u, vs = ks + KB, qs = vs + KB,
                    dos = qs + STAGES * QB;
     float *ls = (float *)(fa90_smem + (dos + STAGES * QB - base)), *dls = ls + STAGES * BQ;
-    uint64_t *bars = (uint64_t *)(dls + STAGES * BQ); /* kv_full, full[STAGES], empty[STAGES] */
+    uint64_t *bars = (uint64_t *)(dls + STAGES * BQ);
     const int bhn = p.B * p.Hkv;
     const int kb = (int)(blockIdx.x / (unsigned)bhn);
     const int bh = (int)(blockIdx.x % (unsigned)bhn), hk = bh % p.Hkv, b = bh / p.Hkv;
@@ -568,31 +650,19 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
     const int qstart = j0 - p.off > 0 ? (j0 - p.off) / BQ * BQ : 0;
     const int nqblk = fa90_cdiv(p.Tq - qstart, BQ), nit = p.G * nqblk;
     const int tid = threadIdx.x, wg = tid >> 7;
-    const uint32_t kv_full = tm__smem_u32(&bars[0]);
+    const uint32_t fixed = tm__smem_u32(&bars[0]);
     auto full = [&](int s) { return tm__smem_u32(&bars[1 + s]); };
     auto empty = [&](int s) { return tm__smem_u32(&bars[1 + STAGES + s]); };
-
-    if (tid == 0) {
-        tm__mbar_init(kv_full, 1);
-        for (int s = 0; s < STAGES; s++) {
-            tm__mbar_init(full(s), 33);
-            tm__mbar_init(empty(s), 4 * NC);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
+    fa90_bars_init<STAGES>(bars, 33, 4 * NC, 1);
 
     if (wg == 0) { /* ---- producer ---- */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (tid >= 32) return;
         const int lane = tid;
         if (lane == 0) {
-            tm__mbar_expect_tx(kv_full, 2 * KB);
-#pragma unroll
-            for (int pp = 0; pp < NP; pp++) {
-                tm__tma_load_4d(ks + pp * BN * 128, &tmK, 64 * pp, hk, j0, b, kv_full);
-                tm__tma_load_4d(vs + pp * BN * 128, &tmV, 64 * pp, hk, j0, b, kv_full);
-            }
+            tm__mbar_expect_tx(fixed, 2 * KB);
+            fa90_tma_tile<BN, D>(ks, &tmK, hk, j0, b, fixed);
+            fa90_tma_tile<BN, D>(vs, &tmV, hk, j0, b, fixed);
         }
         int s = 0, ph = 0;
         for (int it = 0; it < nit; it++) {
@@ -600,11 +670,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
             tm__mbar_wait(empty(s), ph ^ 1);
             if (lane == 0) {
                 tm__mbar_expect_tx(full(s), 2 * QB);
-#pragma unroll
-                for (int pp = 0; pp < NP; pp++) {
-                    tm__tma_load_4d(qs + s * QB + pp * BQ * 128, &tmQ, 64 * pp, h, i0, b, full(s));
-                    tm__tma_load_4d(dos + s * QB + pp * BQ * 128, &tmO, 64 * pp, h, i0, b, full(s));
-                }
+                fa90_tma_tile<BQ, D>(qs + s * QB, &tmQ, h, i0, b, full(s));
+                fa90_tma_tile<BQ, D>(dos + s * QB, &tmO, h, i0, b, full(s));
             }
             const long long lrow = ((long long)b * p.Hq + h) * p.Tq + i0;
 #pragma unroll
@@ -614,7 +681,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
                 dls[s * BQ + r] = ok ? p.delta[lrow + r] : 0.0f;
             }
             tm__mbar_arrive(full(s)); /* release: the stores above are visible to the waiters */
-            if (++s == STAGES) s = 0, ph ^= 1;
+            fa90_stage_next<STAGES>(s, ph);
         }
         return;
     }
@@ -626,11 +693,12 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
     float dk[D / 2], dv[D / 2];
 #pragma unroll
     for (int x = 0; x < D / 2; x++) dk[x] = dv[x] = 0.0f;
-    tm__mbar_wait(kv_full, 0);
+    tm__mbar_wait(fixed, 0);
     int s = 0, ph = 0;
     for (int it = 0; it < nit; it++) {
         const int i0 = qstart + (it % nqblk) * BQ;
         tm__mbar_wait(full(s), ph);
+        /* a warpgroup whose keys no query of the tile sees (or past Tk) skips it */
         if (wj < p.Tk && wj <= fa90_min(i0 + BQ, p.Tq) - 1 + p.off) {
             const uint32_t qt = qs + s * QB, ot = dos + s * QB;
             const float *lt = ls + s * BQ, *dt = dls + s * BQ;
@@ -644,6 +712,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
             tm__wgmma_commit();
             tm__wgmma_wait<1>();
             tm__wgmma_fence_regs<BQ / 2>(sc);
+            /* P^T: key rows jw + g (+ 8), query columns i0 + 8 n + 2 t4 (+ 1); 0 where j > i + off
+             * and for rows i >= Tq */
             const bool mask = jw + 15 > i0 + p.off || i0 + BQ > p.Tq;
 #pragma unroll
             for (int n = 0; n < NQ; n++) {
@@ -684,9 +754,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
             tm__wgmma_fence_regs<BQ / 4>(&pa[0][0]);
             tm__wgmma_fence_regs<BQ / 4>(&da[0][0]);
         }
-        __syncwarp();
-        if (lane == 0) tm__mbar_arrive(empty(s));
-        if (++s == STAGES) s = 0, ph ^= 1;
+        fa90_release(empty(s), lane);
+        fa90_stage_next<STAGES>(s, ph);
     }
     fa90_dkv_store<D>(p, dk, dv, b, hk, jw, g, t4);
 #endif
@@ -694,21 +763,33 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
 
 /* ---- host ----------------------------------------------------------------------------------------- */
 
-/* Tile shapes and CTAs per SM of the launches (the fastest variants timed: docs/PERFORMANCE.md). */
+/* Tile shapes, stages and CTAs per SM of the launches (the fastest variants timed:
+ * docs/PERFORMANCE.md's attention section). Forward (F*) and dQ (Q*): *TMA 1 = the TMA-producer
+ * kernel with *NWG consumer warpgroups, *ST stages and *MINB CTAs an SM; 0 = the cp.async kernel
+ * with *NWG warpgroups (*ST unused). dK/dV (K*): the TMA-producer kernel, KNC consumer warpgroups. */
 template <int D> struct fa90_cfg;
-/* F*: forward, Q*: dQ, K*: dK/dV; *NWG warpgroups a CTA, *MINB CTAs an SM (launch bounds). */
-/* KTMA: dK/dV by the TMA-producer kernel (fa90_dkv_tma_kernel) with KTNC consumer warpgroups, KTST
- * stages, KTMINB CTAs an SM. 0 for now: that kernel has not run on a GPU yet (session 15 wrote it
- * without device time left); bench/attn_sm90_harness.cu checks and times its shapes, and the
- * library takes it once it is checked and faster. With KTMA 0 the library does not compile it. */
 template <> struct fa90_cfg<64> {
-    static constexpr int FBN = 128, FNWG = 2, FMINB = 2, QNWG = 2, QMINB = 2, KNWG = 1, KMINB = 3;
-    static constexpr int KTMA = 0, KTNC = 1, KTST = 3, KTMINB = 2;
+    static constexpr int FTMA = 0, FBN = 128, FNWG = 2, FST = 2, FMINB = 2;
+    static constexpr int QTMA = 0, QNWG = 2, QST = 2, QMINB = 2;
+    static constexpr int KNC = 1, KST = 3, KMINB = 2;
 };
 template <> struct fa90_cfg<128> {
-    static constexpr int FBN = 64, FNWG = 2, FMINB = 2, QNWG = 2, QMINB = 1, KNWG = 1, KMINB = 2;
-    static constexpr int KTMA = 0, KTNC = 2, KTST = 2, KTMINB = 1;
+    static constexpr int FTMA = 0, FBN = 64, FNWG = 2, FST = 2, FMINB = 2;
+    static constexpr int QTMA = 0, QNWG = 2, QST = 2, QMINB = 1;
+    static constexpr int KNC = 1, KST = 2, KMINB = 2;
 };
+
+/* Shared memory bytes of the TMA-producer kernels: tiles, lse / Delta, barriers, + 1024 for the
+ * base's alignment. */
+template <int D, int BN, int NC, int STAGES> static size_t fa90_smem_fwd_tma() {
+    return (size_t)(64 * NC + 2 * STAGES * BN) * D * 2 + (1 + 2 * STAGES) * 8 + 1024;
+}
+template <int D, int NC, int STAGES> static size_t fa90_smem_dq_tma() {
+    return (size_t)(2 * 64 * NC + 2 * STAGES * 64) * D * 2 + 2 * 64 * NC * 4 + (1 + 2 * STAGES) * 8 + 1024;
+}
+template <int D, int NC, int STAGES> static size_t fa90_smem_dkv_tma() {
+    return (size_t)(2 * 64 * NC + 2 * STAGES * 64) * D * 2 + 2 * STAGES * 64 * 4 + (1 + 2 * STAGES) * 8 + 1024;
+}
 
 static int fa90_probe(char *why, size_t n) {
     int dev = 0, maj = 0, min = 0;
@@ -724,11 +805,12 @@ static int fa90_probe(char *why, size_t n) {
         snprintf(why, n, "device %d is sm_%d%d: the wgmma attention kernels need sm_90 (Hopper)", dev, maj, min);
         return 0;
     }
-    /* an sm_90 or PTX-only image of this file would run the empty bodies */
+    /* an sm_90 or PTX-only image of this file would run the empty bodies (a handful of registers) */
+    typedef fa90_cfg<64> C;
     cudaFuncAttributes fa;
-    e = cudaFuncGetAttributes(&fa, fa90_dkv_kernel<64, fa90_cfg<64>::KNWG, fa90_cfg<64>::KMINB>);
+    e = cudaFuncGetAttributes(&fa, fa90_dkv_tma_kernel<64, C::KNC, C::KST, C::KMINB>);
     if (e != cudaSuccess) (void)cudaGetLastError();
-    if (e != cudaSuccess || fa.numRegs < 64) {
+    if (e != cudaSuccess || fa.numRegs < 32) {
         snprintf(why, n, "this build has no sm_90a image of attention_sm90.cu (%s, %d registers)", cudaGetErrorString(e),
                  e == cudaSuccess ? fa.numRegs : 0);
         return 0;
@@ -742,6 +824,12 @@ static int fa90_check(const tm__fa90_args *a, char *why, size_t n) {
     if ((a->D != 64 && a->D != 128) || a->Hkv <= 0 || a->Hq % a->Hkv != 0 || a->Tk < a->Tq || a->B <= 0) {
         snprintf(why, n, "attention sm90: unsupported shapes (B %d, Tq %d, Tk %d, Hq %d, Hkv %d, D %d)", a->B, a->Tq, a->Tk,
                  a->Hq, a->Hkv, a->D);
+        return 1;
+    }
+    /* TMA and cp.async read 16-byte pieces of rows of 128 or 256 bytes */
+    if (((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v | (uintptr_t)a->dout) & 15) {
+        snprintf(why, n, "attention sm90: q, k, v and dout must start on 16-byte boundaries (q %p, k %p, v %p, dout %p)", a->q,
+                 a->k, a->v, a->dout);
         return 1;
     }
     return 0;
@@ -760,13 +848,14 @@ static fa90_p fa90_params(const tm__fa90_args *a) {
     return p;
 }
 
-template <typename K>
-static int fa90_launch(K kernel, const char *name, long long grid, int threads, size_t smem, const fa90_p &p, cudaStream_t st,
-                       char *why, size_t n) {
+/* One kernel's launch on grid CTAs of threads with smem bytes of dynamic shared memory. */
+template <typename K, typename... A>
+static int fa90_launch(K kernel, const char *name, long long grid, int threads, size_t smem, cudaStream_t st, char *why, size_t n,
+                       const A &...args) {
     if (grid <= 0) return 0;
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e == cudaSuccess) {
-        kernel<<<(unsigned)grid, threads, smem, st>>>(p);
+        kernel<<<(unsigned)grid, threads, smem, st>>>(args...);
         e = cudaGetLastError();
     }
     if (e != cudaSuccess) {
@@ -777,69 +866,76 @@ static int fa90_launch(K kernel, const char *name, long long grid, int threads, 
     return 0;
 }
 
-/* The TMA dK/dV kernel's launch: tensor maps of q, k, v and dO as (D, heads, T, B) with boxes of
- * {64 D, 1 head, rows, 1}: rows past T read as zeros, never the next sequence's. */
-template <int D, int NC, int STAGES, int MINB>
-static size_t fa90_smem_dkv_tma() {
-    return (size_t)(2 * 64 * NC + 2 * STAGES * 64) * D * 2 + 2 * STAGES * 64 * 4 + (1 + 2 * STAGES) * 8 + 1024;
-}
-template <int D, int NC, int STAGES, int MINB>
-static int fa90_dkv_tma_launch(const tm__fa90_args *a, const fa90_p &p, cudaStream_t st, char *why, size_t n) {
+/* Tensor maps m[0..3] of q, k, v and dO (q's again where dout is NULL) as (D, heads, T, B), boxes of
+ * {64 D, 1 head, rows, 1}: qrows for q and dO, krows for k and v. Rows past T read as zeros. */
+static int fa90_maps(const tm__fa90_args *a, int qrows, int krows, CUtensorMap m[4], char *why, size_t n) {
     tm__tma_encode_fn enc = tm__tma_encoder(why, n);
     if (!enc) return 1;
-    CUtensorMap mq, mk, mv, mo;
-    const uint64_t dq[4] = {(uint64_t)D, (uint64_t)a->Hq, (uint64_t)a->Tq, (uint64_t)a->B};
-    const uint64_t sq[3] = {(uint64_t)D * 2, (uint64_t)a->Hq * D * 2, (uint64_t)a->Tq * a->Hq * D * 2};
-    const uint64_t dk[4] = {(uint64_t)D, (uint64_t)a->Hkv, (uint64_t)a->Tk, (uint64_t)a->B};
-    const uint64_t sk[3] = {(uint64_t)D * 2, (uint64_t)a->Hkv * D * 2, (uint64_t)a->Tk * a->Hkv * D * 2};
-    const uint32_t bq[4] = {64, 1, 64, 1}, bk[4] = {64, 1, 64 * NC, 1};
-    if (tm__tma_map_bf16(enc, &mq, a->q, 4, dq, sq, bq, "attention q", why, n) ||
-        tm__tma_map_bf16(enc, &mo, a->dout, 4, dq, sq, bq, "attention dout", why, n) ||
-        tm__tma_map_bf16(enc, &mk, a->k, 4, dk, sk, bk, "attention k", why, n) ||
-        tm__tma_map_bf16(enc, &mv, a->v, 4, dk, sk, bk, "attention v", why, n))
+    const uint64_t D = (uint64_t)a->D;
+    const uint64_t dq[4] = {D, (uint64_t)a->Hq, (uint64_t)a->Tq, (uint64_t)a->B};
+    const uint64_t sq[3] = {D * 2, (uint64_t)a->Hq * D * 2, (uint64_t)a->Tq * a->Hq * D * 2};
+    const uint64_t dk[4] = {D, (uint64_t)a->Hkv, (uint64_t)a->Tk, (uint64_t)a->B};
+    const uint64_t sk[3] = {D * 2, (uint64_t)a->Hkv * D * 2, (uint64_t)a->Tk * a->Hkv * D * 2};
+    const uint32_t bq[4] = {64, 1, (uint32_t)qrows, 1}, bk[4] = {64, 1, (uint32_t)krows, 1};
+    if (tm__tma_map_bf16(enc, &m[0], a->q, 4, dq, sq, bq, "attention q", why, n) ||
+        tm__tma_map_bf16(enc, &m[1], a->k, 4, dk, sk, bk, "attention k", why, n) ||
+        tm__tma_map_bf16(enc, &m[2], a->v, 4, dk, sk, bk, "attention v", why, n))
         return 1;
-    const size_t smem = fa90_smem_dkv_tma<D, NC, STAGES, MINB>();
-    const long long grid = (long long)fa90_cdiv(a->Tk, 64 * NC) * a->B * a->Hkv;
-    if (grid <= 0) return 0;
-    cudaError_t e = cudaFuncSetAttribute(fa90_dkv_tma_kernel<D, NC, STAGES, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)smem);
-    if (e == cudaSuccess) {
-        fa90_dkv_tma_kernel<D, NC, STAGES, MINB><<<(unsigned)grid, 128 * (NC + 1), smem, st>>>(mq, mk, mv, mo, p);
-        e = cudaGetLastError();
-    }
-    if (e != cudaSuccess) {
-        snprintf(why, n, "attention sm90: launching fa90_dkv_tma_kernel (%lld CTAs, %zu bytes of shared memory): %s", grid, smem,
-                 cudaGetErrorString(e));
+    if (!a->dout) m[3] = m[0];
+    else if (tm__tma_map_bf16(enc, &m[3], a->dout, 4, dq, sq, bq, "attention dout", why, n))
         return 1;
-    }
     return 0;
+}
+
+/* Each kernel's launch in a given shape (the library's shapes in fa90_cfg; the harness launches the
+ * others). */
+template <int D, int BN, int NWG, int MINB> static int fa90_forward_cp(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
+    const long long grid = (long long)fa90_cdiv(a->Tq, 64 * NWG) * a->B * a->Hq;
+    return fa90_launch(fa90_forward_kernel<D, BN, NWG, MINB>, "fa90_forward_kernel", grid, 128 * NWG, fa90_smem_fwd(D, BN, NWG), st,
+                       why, n, fa90_params(a));
+}
+template <int D, int NWG, int MINB> static int fa90_dq_cp(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
+    const long long grid = (long long)fa90_cdiv(a->Tq, 64 * NWG) * a->B * a->Hq;
+    return fa90_launch(fa90_dq_kernel<D, NWG, MINB>, "fa90_dq_kernel", grid, 128 * NWG, fa90_smem_dq(D, NWG), st, why, n,
+                       fa90_params(a));
+}
+template <int D, int BN, int NC, int STAGES, int MINB>
+static int fa90_forward_tma(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
+    CUtensorMap m[4];
+    if (fa90_maps(a, 64 * NC, BN, m, why, n)) return 1;
+    const long long grid = (long long)fa90_cdiv(a->Tq, 64 * NC) * a->B * a->Hq;
+    return fa90_launch(fa90_forward_tma_kernel<D, BN, NC, STAGES, MINB>, "fa90_forward_tma_kernel", grid, 128 * (NC + 1),
+                       fa90_smem_fwd_tma<D, BN, NC, STAGES>(), st, why, n, m[0], m[1], m[2], m[3], fa90_params(a));
+}
+template <int D, int NC, int STAGES, int MINB> static int fa90_dq_tma(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
+    CUtensorMap m[4];
+    if (fa90_maps(a, 64 * NC, 64, m, why, n)) return 1;
+    const long long grid = (long long)fa90_cdiv(a->Tq, 64 * NC) * a->B * a->Hq;
+    return fa90_launch(fa90_dq_tma_kernel<D, NC, STAGES, MINB>, "fa90_dq_tma_kernel", grid, 128 * (NC + 1),
+                       fa90_smem_dq_tma<D, NC, STAGES>(), st, why, n, m[0], m[1], m[2], m[3], fa90_params(a));
+}
+template <int D, int NC, int STAGES, int MINB> static int fa90_dkv_tma(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
+    CUtensorMap m[4];
+    if (fa90_maps(a, 64, 64 * NC, m, why, n)) return 1;
+    const long long grid = (long long)fa90_cdiv(a->Tk, 64 * NC) * a->B * a->Hkv;
+    return fa90_launch(fa90_dkv_tma_kernel<D, NC, STAGES, MINB>, "fa90_dkv_tma_kernel", grid, 128 * (NC + 1),
+                       fa90_smem_dkv_tma<D, NC, STAGES>(), st, why, n, m[0], m[1], m[2], m[3], fa90_params(a));
 }
 
 template <int D> static int fa90_forward_d(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
     typedef fa90_cfg<D> C;
-    const long long grid = (long long)fa90_cdiv(a->Tq, 64 * C::FNWG) * a->B * a->Hq;
-    return fa90_launch(fa90_forward_kernel<D, C::FBN, C::FNWG, C::FMINB>, "fa90_forward_kernel", grid, 128 * C::FNWG,
-                       fa90_smem_fwd(D, C::FBN, C::FNWG), fa90_params(a), st, why, n);
+    if constexpr (C::FTMA != 0) return fa90_forward_tma<D, C::FBN, C::FNWG, C::FST, C::FMINB>(a, st, why, n);
+    else return fa90_forward_cp<D, C::FBN, C::FNWG, C::FMINB>(a, st, why, n);
 }
 template <int D> static int fa90_backward_d(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
     typedef fa90_cfg<D> C;
-    const fa90_p p = fa90_params(a);
     if (a->dq) {
-        const long long grid = (long long)fa90_cdiv(a->Tq, 64 * C::QNWG) * a->B * a->Hq;
-        if (fa90_launch(fa90_dq_kernel<D, C::QNWG, C::QMINB>, "fa90_dq_kernel", grid, 128 * C::QNWG, fa90_smem_dq(D, C::QNWG), p,
-                        st, why, n))
-            return 1;
+        int r;
+        if constexpr (C::QTMA != 0) r = fa90_dq_tma<D, C::QNWG, C::QST, C::QMINB>(a, st, why, n);
+        else r = fa90_dq_cp<D, C::QNWG, C::QMINB>(a, st, why, n);
+        if (r) return r;
     }
-    if constexpr (C::KTMA != 0) {
-        if (a->dk || a->dv) return fa90_dkv_tma_launch<D, C::KTNC, C::KTST, C::KTMINB>(a, p, st, why, n);
-        return 0;
-    }
-    if (a->dk || a->dv) {
-        const long long grid = (long long)fa90_cdiv(a->Tk, 64 * C::KNWG) * a->B * a->Hkv;
-        if (fa90_launch(fa90_dkv_kernel<D, C::KNWG, C::KMINB>, "fa90_dkv_kernel", grid, 128 * C::KNWG,
-                        fa90_smem_dkv(D, C::KNWG), p, st, why, n))
-            return 1;
-    }
+    if (a->dk || a->dv) return fa90_dkv_tma<D, C::KNC, C::KST, C::KMINB>(a, st, why, n);
     return 0;
 }
 
