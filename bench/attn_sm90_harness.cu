@@ -12,8 +12,7 @@
  *   Tq of Tk positions), G 1 and 3, D 64 and 128; the backward adds into gradients that hold
  *   values (fresh 0) and, in a second run, writes fresh ones; dk and dv as one buffer. Errors are
  *   max |ours - ref| over max |ref| per tensor; the limit 2e-2 is what bf16 P and dS allow. After
- *   each case (but those with k as v) every kernel shape that --variants times (the cp.async and
- *   the TMA-producer kernels) runs on the same inputs into fresh outputs and is checked the same
+ *   each case (but those with k as v) every kernel shape that --variants times runs on the same inputs into fresh outputs and is checked the same
  *   way, so a shape is known correct before fa90_cfg picks it.
  * --time: forward, dQ and dK/dV at the benchmark shapes of bench/attention.c (B 16, S 1024, Hq 12,
  *   Hkv 4, D 64 and 128), ms and TFLOP/s each (FLOPs of the causal half: a product's 2 B Hq S^2 D
@@ -83,25 +82,20 @@ struct variant {
     int (*launch)(const tm__fa90_args *, cudaStream_t, char *, size_t);
     const void *fn;
 };
-#define FWD_CP(BN, W, M) {"forward cp.async BN " #BN " nwg " #W " minb " #M, 0, fa90_forward_cp<D, BN, W, M>, (const void *)fa90_forward_kernel<D, BN, W, M>}
 #define FWD_TMA(BN, C, S, M)                                                                                                         \
     {"forward tma BN " #BN " nc " #C " st " #S " minb " #M, 0, fa90_forward_tma<D, BN, C, S, M>, (const void *)fa90_forward_tma_kernel<D, BN, C, S, M>}
-#define DQ_CP(W, M) {"dq cp.async nwg " #W " minb " #M, 1, fa90_dq_cp<D, W, M>, (const void *)fa90_dq_kernel<D, W, M>}
 #define DQ_TMA(C, S, M) {"dq tma nc " #C " st " #S " minb " #M, 1, fa90_dq_tma<D, C, S, M>, (const void *)fa90_dq_tma_kernel<D, C, S, M>}
 #define DKV_TMA(C, S, M) {"dkv tma nc " #C " st " #S " minb " #M, 2, fa90_dkv_tma<D, C, S, M>, (const void *)fa90_dkv_tma_kernel<D, C, S, M>}
 template <int D> static std::vector<variant> variants_of() {
     if constexpr (D == 64)
-        return {FWD_CP(128, 2, 2),    FWD_TMA(128, 2, 2, 1), FWD_TMA(128, 1, 2, 2), FWD_TMA(128, 2, 3, 1), FWD_TMA(64, 1, 2, 3),
-                DQ_CP(2, 2),          DQ_TMA(2, 2, 1),       DQ_TMA(1, 2, 2),       DQ_TMA(1, 3, 2),       DQ_TMA(2, 3, 1),
-                DKV_TMA(1, 2, 2),     DKV_TMA(1, 3, 2),      DKV_TMA(2, 2, 1)};
+        return {FWD_TMA(64, 1, 2, 3),  FWD_TMA(64, 1, 3, 3), FWD_TMA(128, 1, 2, 2), FWD_TMA(128, 2, 2, 1),
+                DQ_TMA(1, 3, 2),       DQ_TMA(1, 2, 3),      DQ_TMA(1, 2, 2),       DQ_TMA(2, 2, 1),       DKV_TMA(1, 3, 2),
+                DKV_TMA(1, 2, 2),      DKV_TMA(2, 2, 1)};
     else
-        return {FWD_CP(64, 2, 2),  FWD_TMA(64, 2, 2, 1), FWD_TMA(128, 2, 2, 1), FWD_TMA(64, 1, 2, 2), FWD_TMA(64, 2, 3, 1),
-                DQ_CP(2, 1),       DQ_TMA(2, 2, 1),      DQ_TMA(1, 2, 2),       DQ_TMA(2, 3, 1),      DKV_TMA(1, 2, 2),
-                DKV_TMA(2, 2, 1)};
+        return {FWD_TMA(64, 1, 2, 2), FWD_TMA(64, 1, 3, 2), FWD_TMA(64, 2, 2, 1), FWD_TMA(128, 2, 2, 1), DQ_TMA(1, 2, 2),
+                DQ_TMA(2, 2, 1),      DKV_TMA(1, 2, 2),     DKV_TMA(2, 2, 1)};
 }
-#undef FWD_CP
 #undef FWD_TMA
-#undef DQ_CP
 #undef DQ_TMA
 #undef DKV_TMA
 /* a's tensors set up for one variant's kind: its outputs only, all fresh */

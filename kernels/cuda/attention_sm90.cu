@@ -8,39 +8,37 @@
  * so 8 warps fit an SM and each ldmatrix feeds 2-4 mma; they ran at 30-41% of the tensor pipe.
  * wgmma reads its B operand (and here A, where it is a tile of q, k, v or dO) straight from shared
  * memory, one instruction per 64 x N x 16 product for the whole warpgroup, and runs asynchronously,
- * so the registers hold only accumulators. FlashAttention-3 (Shah et al. 2024) is the model: dK/dV
- * runs as a TMA producer warp feeding consumer warpgroups through mbarrier stages (the section
- * "TMA-producer kernels" below); the forward and dQ have that form too and fa90_cfg says which
- * form the library launches (the cp.async kernels: every thread issues cp.async loads of the next
- * tile, double-buffered, while the wgmmas of this one run, as the sm_80 kernels do).
+ * so the registers hold only accumulators. FlashAttention-3 (Shah et al. 2024) is the model.
  *
  * Tiles in shared memory: a (ROWS, D) bf16 tile is D / 64 panels of (ROWS, 64), each row 128
  * bytes with the 128-byte swizzle (16-byte chunk c of row r at r 128 + ((c ^ (r % 8)) 16)), the
  * panels ROWS 128 bytes apart from a 1024-byte aligned base: the layout TMA's 128-byte swizzle
- * writes and wgmma's descriptors read (wgmma.cuh). Rows past Tq or Tk are zero-filled by cp.async.
+ * writes and wgmma's descriptors read (wgmma.cuh). TMA zero-fills rows past Tq or Tk (the tensor
+ * maps are (D, heads, T, B), so a box never reads the next sequence).
  * The same tile serves as a K-major operand (rows = M or N, reduction over D: S = Q K^T) and as an
  * N-major B (rows = the reduction, D = N: O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q).
  *
- * CTAs of NWG warpgroups (1 or 2; fa90_cfg), each warpgroup 64 rows of the CTA's 64 NWG (query rows
- * in the forward and dQ, keys in dK/dV), m64 wgmmas:
- *   forward  (b, h, 64 NWG query rows); key tiles of BN: S = Q K^T (m64nBN, A = Q, B = K from
- *            shared memory), the online softmax of attention_tc.cuh in registers (log2 units, scale
- *            folded into the exponent, conditional rescale by FA_RESCALE), then O += P V with P's
- *            bf16 A fragments in registers (the accumulator layout of S is the A layout: wgmma.cuh).
- *   dQ       (b, h, 64 NWG query rows); key tiles of 64: S = Q K^T, dP = dO V^T (m64n64, issued
- *            together, the softmax of S while dP runs), dS = P (dP - Delta_i), dQ += dS K (A = dS
- *            in registers). Recomputing S and dP here rather than adding dQ from the dK/dV CTAs
- *            with atomics keeps one writer per gradient row (determinism; attention.cu).
- *   dK/dV    (b, kv head, 64 NWG keys); over the G query heads in order, each over its query tiles
- *            of 64 from the first that sees the keys: S^T = K Q^T, dP^T = V dO^T (m64n64),
- *            dV += P^T dO, dK += dS^T Q (A in registers, B = dO and Q N-major).
+ * Each kernel is a TMA producer warp and NC consumer warpgroups of 64 rows (query rows in the
+ * forward and dQ, keys in dK/dV; fa90_cfg), m64 wgmmas; "the TMA-producer kernels" below says how
+ * the stages and barriers work. The per-tile work:
+ *   forward  (b, h, 64 NC query rows); key tiles of BN streamed: S = Q K^T (m64nBN, A = Q, B = K
+ *            from shared memory), the online softmax of attention_tc.cuh in registers (log2 units,
+ *            scale folded into the exponent, conditional rescale by FA_RESCALE), then O += P V with
+ *            P's bf16 A fragments in registers (the accumulator layout of S is the A layout).
+ *   dQ       (b, h, 64 NC query rows); key tiles of 64 streamed: S = Q K^T, dP = dO V^T (m64n64,
+ *            issued together, the softmax of S while dP runs), dS = P (dP - Delta_i), dQ += dS K
+ *            (A = dS in registers). Recomputing S and dP here rather than adding dQ from the dK/dV
+ *            CTAs with atomics keeps one writer per gradient row (determinism; attention.cu).
+ *   dK/dV    (b, kv head, 64 NC keys); over the G query heads in order, each over its query tiles
+ *            of 64 from the first that sees the keys, streamed: S^T = K Q^T, dP^T = V dO^T
+ *            (m64n64), dV += P^T dO, dK += dS^T Q (A in registers, B = dO and Q N-major).
  * Blocks start longest first (the last query blocks, the first key blocks), as on sm_80; a
- * warpgroup skips the tiles none of its rows sees. The warpgroups of a CTA meet at a barrier every
- * tile (the shared double buffer), so they compute their softmax at the same time while the tensor
- * cores wait; two or three CTAs an SM fill that time with each other's products, which is why
- * fa90_cfg trades rows a CTA for CTAs an SM where the registers allow (FlashAttention-3 instead
- * orders two warpgroups with named barriers: the next step). Registers (ptxas, CUDA 13, D 64 / 128) are in
- * the table of docs/PERFORMANCE.md's attention section.
+ * warpgroup skips the tiles none of its rows sees. A first version loaded by cp.async from every
+ * thread into a double buffer with a CTA barrier each tile: its warpgroups computed their softmax
+ * in lockstep while the tensor cores waited (docs/PERFORMANCE.md has both versions' times). Here
+ * each consumer waits only for its stage, and 2-3 CTAs of one consumer each share an SM, so one's
+ * softmax runs under another's products. Not yet done: FlashAttention-3's ordering of two
+ * consumers by named barriers, and issuing the next tile's S before this tile's softmax.
  *
  * Precision and order: P and dS are rounded to bf16 as operands (as on sm_80); each output element
  * is one thread's f32 sum over the tiles in a fixed order, so results are the same bits run to
@@ -81,41 +79,6 @@ struct fa90_p {
 __host__ __device__ __forceinline__ int fa90_min(int a, int b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int fa90_cdiv(int a, int b) { return (a + b - 1) / b; }
 
-/* Rows [0, ROWS) of D bf16, row r from g + r gs, into the swizzled panels at s; rows >= valid zero.
- * By the CTA's NT threads. */
-template <int ROWS, int D, int NT>
-__device__ __forceinline__ void fa90_load(uint32_t s, const fa90_bf16 *g, long long gs, int valid) {
-    constexpr int CH = D / 8; /* 16-byte chunks per row */
-#pragma unroll
-    for (int c = threadIdx.x; c < ROWS * CH; c += NT) {
-        const int r = c / CH, x = c % CH;
-        const uint32_t dst = s + (uint32_t)((x >> 3) * (ROWS * 128) + r * 128 + (((x & 7) ^ (r & 7)) << 4));
-        const bool ok = r < valid;
-        tm__cp_async16(dst, ok ? (const void *)(g + r * gs + x * 8) : (const void *)g, ok ? 16 : 0);
-    }
-}
-/* s[x] = x < valid ? g[x] : 0, asynchronously (g itself is a valid address). */
-__device__ __forceinline__ void fa90_load_f32(float *s, const float *g, int x, int valid) {
-    const bool ok = x < valid;
-    tm__cp_async4(s + x, ok ? g + x : g, ok ? 4 : 0);
-}
-/* The forward's and dQ's step to key tile j0 = j1 - BN: the next tile (K, V rows [j1, j1 + BN)) goes
- * to the other buffer (kn, vn) behind this one's loads (more = there is one), then this tile's
- * loads are waited for and made visible to every thread and to wgmma's async proxy. */
-template <int BN, int D, int NT>
-__device__ __forceinline__ void fa90_next_kv(uint32_t kn, uint32_t vn, const fa90_bf16 *kg, const fa90_bf16 *vg, long long ks,
-                                             int Tk, int j1, bool more) {
-    if (more) {
-        fa90_load<BN, D, NT>(kn, kg + (long long)j1 * ks, ks, Tk - j1);
-        fa90_load<BN, D, NT>(vn, vg + (long long)j1 * ks, ks, Tk - j1);
-        tm__cp_async_commit();
-        tm__cp_async_wait<1>();
-    } else {
-        tm__cp_async_wait<0>();
-    }
-    __syncthreads();
-    tm__fence_proxy_async();
-}
 /* K-major operand: the k16 block kk of rows [row, row + 64) of a (ROWS, D) tile. */
 template <int ROWS>
 __device__ __forceinline__ uint64_t fa90_desc_k(uint32_t tile, int row, int kk) {
@@ -182,11 +145,6 @@ __device__ __forceinline__ void fa90_dkv_store(const fa90_p &p, const float *dk,
 
 /* Shared memory bytes of each kernel (+ 1024 for the base's alignment); NWG warpgroups a CTA,
  * 64 rows each. */
-/* Shared memory bytes of the cp.async kernels (+ 1024 for the base's alignment); NWG warpgroups a
- * CTA, 64 rows each. */
-static size_t fa90_smem_fwd(int D, int BN, int NWG) { return (size_t)(64 * NWG + 4 * BN) * D * 2 + 1024; }
-static size_t fa90_smem_dq(int D, int NWG) { return (size_t)(2 * 64 * NWG + 4 * 64) * D * 2 + 2 * 64 * NWG * 4 + 1024; }
-
 /* ---- the per-tile work of each kernel (one warpgroup, 64 rows) ---------------------------------- */
 
 /* Forward: key tile j0 (K at kt, V at vt, BN rows) for the warpgroup's query rows qrow + [0, 64) of
@@ -342,100 +300,6 @@ __device__ __forceinline__ void fa90_dq_store(const fa90_p &p, const float *dq, 
     }
 }
 
-/* ---- forward: (b, h, 64 NWG query rows), key tiles of BN ----------------------------------------- */
-
-template <int D, int BN, int NWG, int MINB>
-__global__ void __launch_bounds__(128 * NWG, MINB) fa90_forward_kernel(fa90_p p) {
-#ifdef FA90_DEVICE
-    constexpr int NT = 128 * NWG, BM = 64 * NWG;
-    constexpr uint32_t QB = BM * D * 2, KB = BN * D * 2;
-    extern __shared__ __align__(16) unsigned char fa90_smem[];
-    const uint32_t qs = (tm__smem_u32(fa90_smem) + 1023) & ~1023u, ks = qs + QB, vs = ks + 2 * KB;
-    const int bhn = p.B * p.Hq, nqb = fa90_cdiv(p.Tq, BM);
-    const int qb = nqb - 1 - (int)(blockIdx.x / (unsigned)bhn);
-    const int bh = (int)(blockIdx.x % (unsigned)bhn), h = bh % p.Hq, b = bh / p.Hq, hk = h / p.G;
-    const int q0 = qb * BM;
-    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    const int r0 = q0 + 64 * wg, w0 = r0 + 16 * warp; /* the warpgroup's and the warp's first row */
-    const fa90_bf16 *qg = p.q + ((long long)b * p.Tq + q0) * p.qs + (long long)h * D;
-    const fa90_bf16 *kg = p.k + (long long)b * p.Tk * p.ks + (long long)hk * D;
-    const fa90_bf16 *vg = p.v + (long long)b * p.Tk * p.ks + (long long)hk * D;
-    /* keys [0, kend) are seen by some row of the block, [0, wend) by some row of the warpgroup */
-    const int kend = fa90_min(p.Tk, fa90_min(q0 + BM, p.Tq) + p.off);
-    const int wend = r0 < p.Tq ? fa90_min(p.Tk, fa90_min(r0 + 64, p.Tq) + p.off) : 0;
-    const int ntiles = fa90_cdiv(kend, BN);
-
-    fa90_load<BM, D, NT>(qs, qg, p.qs, p.Tq - q0);
-    fa90_load<BN, D, NT>(ks, kg, p.ks, p.Tk);
-    fa90_load<BN, D, NT>(vs, vg, p.ks, p.Tk);
-    tm__cp_async_commit();
-
-    float o[D / 2];
-#pragma unroll
-    for (int x = 0; x < D / 2; x++) o[x] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-
-    for (int t = 0; t < ntiles; t++) {
-        const int buf = t & 1, j0 = t * BN;
-        fa90_next_kv<BN, D, NT>(ks + (buf ^ 1) * KB, vs + (buf ^ 1) * KB, kg, vg, p.ks, p.Tk, j0 + BN, t + 1 < ntiles);
-        if (j0 < wend) fa90_fwd_tile<D, BN, BM>(p, o, m, l, qs, 64 * wg, ks + buf * KB, vs + buf * KB, j0, w0, g, t4);
-        __syncthreads(); /* the buffer is refilled by the next iteration's prefetch */
-    }
-    fa90_fwd_store<D>(p, o, m, l, b, h, w0, g, t4);
-#endif
-}
-
-/* ---- dQ: (b, h, 64 NWG query rows), key tiles of 64 -------------------------------------------- */
-
-template <int D, int NWG, int MINB>
-__global__ void __launch_bounds__(128 * NWG, MINB) fa90_dq_kernel(fa90_p p) {
-#ifdef FA90_DEVICE
-    constexpr int NT = 128 * NWG, BM = 64 * NWG, BN = 64;
-    constexpr uint32_t QB = BM * D * 2, KB = BN * D * 2;
-    extern __shared__ __align__(16) unsigned char fa90_smem[];
-    const uint32_t base = tm__smem_u32(fa90_smem), qs = (base + 1023) & ~1023u, dos = qs + QB, ks = dos + QB, vs = ks + 2 * KB;
-    float *ls = (float *)(fa90_smem + (vs + 2 * KB - base)), *dls = ls + BM;
-    const int bhn = p.B * p.Hq, nqb = fa90_cdiv(p.Tq, BM);
-    const int qb = nqb - 1 - (int)(blockIdx.x / (unsigned)bhn);
-    const int bh = (int)(blockIdx.x % (unsigned)bhn), h = bh % p.Hq, b = bh / p.Hq, hk = h / p.G;
-    const int q0 = qb * BM;
-    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
-    const int r0 = q0 + 64 * wg, w0 = r0 + 16 * warp;
-    const long long qoff = ((long long)b * p.Tq + q0) * p.qs + (long long)h * D;
-    const fa90_bf16 *kg = p.k + (long long)b * p.Tk * p.ks + (long long)hk * D;
-    const fa90_bf16 *vg = p.v + (long long)b * p.Tk * p.ks + (long long)hk * D;
-    const int kend = fa90_min(p.Tk, fa90_min(q0 + BM, p.Tq) + p.off);
-    const int wend = r0 < p.Tq ? fa90_min(p.Tk, fa90_min(r0 + 64, p.Tq) + p.off) : 0;
-    const int ntiles = fa90_cdiv(kend, BN);
-    const long long lrow = ((long long)b * p.Hq + h) * p.Tq + q0;
-
-    fa90_load<BM, D, NT>(qs, p.q + qoff, p.qs, p.Tq - q0);
-    fa90_load<BM, D, NT>(dos, p.dout + qoff, p.qs, p.Tq - q0);
-    if (threadIdx.x < BM) fa90_load_f32(ls, p.lse + lrow, threadIdx.x, p.Tq - q0);
-    else if (threadIdx.x < 2 * BM) fa90_load_f32(dls, p.delta + lrow, threadIdx.x - BM, p.Tq - q0);
-    fa90_load<BN, D, NT>(ks, kg, p.ks, p.Tk);
-    fa90_load<BN, D, NT>(vs, vg, p.ks, p.Tk);
-    tm__cp_async_commit();
-
-    float dq[D / 2];
-#pragma unroll
-    for (int x = 0; x < D / 2; x++) dq[x] = 0.0f;
-    float ll[2] = {0.0f, 0.0f}, dd[2] = {0.0f, 0.0f}; /* lse (log2 units) and Delta of the thread's two rows */
-
-    for (int t = 0; t < ntiles; t++) {
-        const int buf = t & 1, j0 = t * BN;
-        fa90_next_kv<BN, D, NT>(ks + (buf ^ 1) * KB, vs + (buf ^ 1) * KB, kg, vg, p.ks, p.Tk, j0 + BN, t + 1 < ntiles);
-        if (t == 0) {
-            const int rl = 64 * wg + 16 * warp + g;
-            ll[0] = ls[rl] * FA90_LOG2E, ll[1] = ls[rl + 8] * FA90_LOG2E;
-            dd[0] = dls[rl], dd[1] = dls[rl + 8];
-        }
-        if (j0 < wend) fa90_dq_tile<D, BM>(p, dq, ll, dd, qs, dos, 64 * wg, ks + buf * KB, vs + buf * KB, j0, w0, g, t4);
-        __syncthreads();
-    }
-    fa90_dq_store<D>(p, dq, b, h, w0, g, t4);
-#endif
-}
 
 /* ---- the TMA-producer kernels (FlashAttention-3's structure) -------------------------------------
  * Warpgroup 0 is the producer: all its threads give registers back (setmaxnreg.dec), warps 1-3
@@ -450,7 +314,7 @@ __global__ void __launch_bounds__(128 * NWG, MINB) fa90_dq_kernel(fa90_p p) {
  * work above; a consumer warp arrives on empty[s] once its warpgroup's wgmmas that read the stage
  * are complete (4 NC arrivals a phase). No CTA-wide barrier after the start: each consumer runs at
  * its own pace with up to STAGES tiles loaded ahead of it, so one warpgroup's softmax overlaps
- * another's (or another CTA's) products without the cp.async kernels' lockstep. */
+ * another's (or another CTA's) products without the lockstep of a CTA-wide barrier. */
 template <int NC, int MINB> struct fa90_tma_regs {
     /* The CTA's registers are what ptxas gives each thread for the launch bounds (65536 / (MINB
      * threads), rounded down to 8) times its threads; setmaxnreg.inc waits until that pool holds
@@ -763,19 +627,20 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
 
 /* ---- host ----------------------------------------------------------------------------------------- */
 
-/* Tile shapes, stages and CTAs per SM of the launches (the fastest variants timed:
- * docs/PERFORMANCE.md's attention section). Forward (F*) and dQ (Q*): *TMA 1 = the TMA-producer
- * kernel with *NWG consumer warpgroups, *ST stages and *MINB CTAs an SM; 0 = the cp.async kernel
- * with *NWG warpgroups (*ST unused). dK/dV (K*): the TMA-producer kernel, KNC consumer warpgroups. */
+/* Tile shapes, stages and CTAs per SM of the launches (the fastest variants timed by
+ * bench/attn_sm90_harness.cu --variants: docs/PERFORMANCE.md's attention section). Forward (F*),
+ * dQ (Q*), dK/dV (K*): *NC consumer warpgroups of 64 rows, *ST stages, *MINB CTAs an SM; FBN the
+ * forward's key tile (dQ's is 64, dK/dV's query tile 64). One consumer warpgroup a CTA with 2-3
+ * CTAs an SM beat two a CTA in every kernel (their producers and barriers are independent). */
 template <int D> struct fa90_cfg;
 template <> struct fa90_cfg<64> {
-    static constexpr int FTMA = 0, FBN = 128, FNWG = 2, FST = 2, FMINB = 2;
-    static constexpr int QTMA = 0, QNWG = 2, QST = 2, QMINB = 2;
+    static constexpr int FBN = 64, FNC = 1, FST = 2, FMINB = 3;
+    static constexpr int QNC = 1, QST = 2, QMINB = 3;
     static constexpr int KNC = 1, KST = 3, KMINB = 2;
 };
 template <> struct fa90_cfg<128> {
-    static constexpr int FTMA = 0, FBN = 64, FNWG = 2, FST = 2, FMINB = 2;
-    static constexpr int QTMA = 0, QNWG = 2, QST = 2, QMINB = 1;
+    static constexpr int FBN = 64, FNC = 1, FST = 2, FMINB = 2;
+    static constexpr int QNC = 1, QST = 2, QMINB = 2;
     static constexpr int KNC = 1, KST = 2, KMINB = 2;
 };
 
@@ -826,7 +691,7 @@ static int fa90_check(const tm__fa90_args *a, char *why, size_t n) {
                  a->Hq, a->Hkv, a->D);
         return 1;
     }
-    /* TMA and cp.async read 16-byte pieces of rows of 128 or 256 bytes */
+    /* TMA needs 16-byte aligned bases (cuTensorMapEncodeTiled) */
     if (((uintptr_t)a->q | (uintptr_t)a->k | (uintptr_t)a->v | (uintptr_t)a->dout) & 15) {
         snprintf(why, n, "attention sm90: q, k, v and dout must start on 16-byte boundaries (q %p, k %p, v %p, dout %p)", a->q,
                  a->k, a->v, a->dout);
@@ -889,16 +754,6 @@ static int fa90_maps(const tm__fa90_args *a, int qrows, int krows, CUtensorMap m
 
 /* Each kernel's launch in a given shape (the library's shapes in fa90_cfg; the harness launches the
  * others). */
-template <int D, int BN, int NWG, int MINB> static int fa90_forward_cp(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
-    const long long grid = (long long)fa90_cdiv(a->Tq, 64 * NWG) * a->B * a->Hq;
-    return fa90_launch(fa90_forward_kernel<D, BN, NWG, MINB>, "fa90_forward_kernel", grid, 128 * NWG, fa90_smem_fwd(D, BN, NWG), st,
-                       why, n, fa90_params(a));
-}
-template <int D, int NWG, int MINB> static int fa90_dq_cp(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
-    const long long grid = (long long)fa90_cdiv(a->Tq, 64 * NWG) * a->B * a->Hq;
-    return fa90_launch(fa90_dq_kernel<D, NWG, MINB>, "fa90_dq_kernel", grid, 128 * NWG, fa90_smem_dq(D, NWG), st, why, n,
-                       fa90_params(a));
-}
 template <int D, int BN, int NC, int STAGES, int MINB>
 static int fa90_forward_tma(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
     CUtensorMap m[4];
@@ -924,17 +779,11 @@ template <int D, int NC, int STAGES, int MINB> static int fa90_dkv_tma(const tm_
 
 template <int D> static int fa90_forward_d(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
     typedef fa90_cfg<D> C;
-    if constexpr (C::FTMA != 0) return fa90_forward_tma<D, C::FBN, C::FNWG, C::FST, C::FMINB>(a, st, why, n);
-    else return fa90_forward_cp<D, C::FBN, C::FNWG, C::FMINB>(a, st, why, n);
+    return fa90_forward_tma<D, C::FBN, C::FNC, C::FST, C::FMINB>(a, st, why, n);
 }
 template <int D> static int fa90_backward_d(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
     typedef fa90_cfg<D> C;
-    if (a->dq) {
-        int r;
-        if constexpr (C::QTMA != 0) r = fa90_dq_tma<D, C::QNWG, C::QST, C::QMINB>(a, st, why, n);
-        else r = fa90_dq_cp<D, C::QNWG, C::QMINB>(a, st, why, n);
-        if (r) return r;
-    }
+    if (a->dq && fa90_dq_tma<D, C::QNC, C::QST, C::QMINB>(a, st, why, n)) return 1;
     if (a->dk || a->dv) return fa90_dkv_tma<D, C::KNC, C::KST, C::KMINB>(a, st, why, n);
     return 0;
 }
