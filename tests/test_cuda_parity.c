@@ -65,6 +65,15 @@ static tm_status f_moe_gating_two(tm_ctx *c, tm_tensor **in, const int64_t *a, t
     if (!st) st = tm_add(c, p, q, &s);
     return st ? st : tm_cast(c, s, tm_tensor_dtype(in[0]), o);
 }
+/* gating(x1, w) + gating(x2, w), x2 = in[2]: the second backward to run adds into dw */
+static tm_status f_moe_gating_shared_w(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    tm_tensor *w, *p, *q, *s;
+    tm_status st = tm_cast(c, in[1], TM_F32, &w);
+    if (!st) st = tm_moe_gating(c, in[0], w, &p);
+    if (!st) st = tm_moe_gating(c, in[2], w, &q);
+    if (!st) st = tm_add(c, p, q, &s);
+    return st ? st : tm_cast(c, s, tm_tensor_dtype(in[0]), o);
+}
 static tm_status f_sum(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
     return tm_sum(c, in[0], (int)a[0], (int)a[1], o);
 }
@@ -259,6 +268,11 @@ static const tt_pcase CASES[] = {
     {"moe_gating", "moe_gating, 300 tokens, 19 experts, H 70", f_moe_gating, 2, {2, 2}, {{300, 70}, {70, 19}}, {0}, {0}, {0}, 10, 0},
     {"moe_gating", "moe_gating twice on one x (dx added to)", f_moe_gating_two, 2, {2, 2}, {{130, 24}, {24, 6}}, {0}, {0}, {0}, 1, 0},
     {"moe_gating", "moe_gating, 45 experts", f_moe_gating, 2, {2, 2}, {{70, 40}, {40, 45}}, {0}, {0}, {0}, 10, 0},
+    /* bf16 x with H a multiple of 8 runs the direct kernels (kernels/cuda/moe_gating.cu): several
+     * forward stages and partial-sum chunks, a ragged last token tile; E <= 8 (more experts: cuBLASLt) */
+    {"moe_gating", "moe_gating, 1000 tokens, H 264, 8 experts", f_moe_gating, 2, {2, 2}, {{1000, 264}, {264, 8}}, {0}, {0}, {0}, 10, 0},
+    {"moe_gating", "moe_gating, 515 tokens, H 136, 70 experts", f_moe_gating, 2, {2, 2}, {{515, 136}, {136, 70}}, {0}, {0}, {0}, 10, 0},
+    {"moe_gating", "moe_gating of two inputs, one w (dw added to)", f_moe_gating_shared_w, 3, {2, 2, 2}, {{300, 72}, {72, 5}, {300, 72}}, {0}, {0}, {0}, 10, 0},
     {"scale_rows", "scale_rows", f_scale_rows, 2, {2, 1}, {{13, 7}, {13}}, {0}, {0}, {0}, 1, 0},
     {"scale_rows", "scale_rows, rows longer than a warp", f_scale_rows, 2, {2, 1}, {{5, 300}, {5}}, {0}, {0}, {0}, 10, 0},
     {"scale_rows", "scale_rows, f32 weights", f_scale_rows_f32w, 2, {2, 1}, {{9, 40}, {9}}, {0}, {0}, {0}, 1, 0},
