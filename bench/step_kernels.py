@@ -26,11 +26,11 @@ import sys
 FAMILIES = [
     ("grouped GEMM (sm90 wgmma)", r"gmm90_kernel"),
     ("grouped GEMM (other)", r"gmm_|grouped_matmul"),
-    ("attention", r"^fa_|attention"),
+    ("attention", r"^fa_|^fa90_|attention"),
     ("dense GEMM (cuBLASLt / cuBLAS)", r"nvjet|xmma_gemm|cutlass|splitKreduce|gemm|Gemm"),
     ("optimizer (AdamW, clip)", r"adamw|sumsq|scale_multi|sgd_kernel"),
     ("MoE dispatch (permute, unpermute, sort)", r"permute|unpermute|RadixSort|moe_sort|chunks_"),
-    ("MoE router and losses", r"router|aux_scores|z_rows|z_backward|ml_|moe_loss|topk"),
+    ("MoE router and losses", r"router|aux_scores|z_rows|z_backward|ml_|moe_loss|topk|^mg_"),
     ("norms", r"rmsnorm"),
     ("activations (SwiGLU, SiLU)", r"swiglu|silu|activation"),
     ("rope", r"rope"),
@@ -133,6 +133,10 @@ def self_test():
     for f, v in expect.items():
         assert abs(fam[f] - v) < 1e-9, (f, fam[f], v)
     assert abs(sum(per.values()) - 2.876) < 1e-9, per
+    for name, want in [("void fa90_dkv_tma_kernel<64, 1, 3, 2>(CUtensorMap_st, fa90_p)", "attention"),
+                       ("void mg_forward_kernel<8, 2, 1>(const __nv_bfloat16 *)", "MoE router and losses"),
+                       ("mg_dw_reduce_kernel(const float *, float *)", "MoE router and losses")]:
+        assert family(short(name)) == want, (name, family(short(name)))
     whole, note = one_step(rows[:3])
     assert len(whole) == 3 and "whole window" in note, note
     print("step_kernels.py self-test: ok")
