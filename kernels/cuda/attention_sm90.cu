@@ -326,20 +326,25 @@ template <int NC, int MINB> struct fa90_tma_regs {
     static constexpr int CONS = R0 > 240 ? 240 : R0;
     static_assert(128 * 24 + 128 * NC * CONS <= CAP * T, "the consumers' setmaxnreg would wait forever");
 };
-/* The barriers after the tiles: fixed, full[STAGES], empty[STAGES]. Made by thread 0 before the
- * CTA's one barrier. */
-template <int STAGES>
-__device__ __forceinline__ void fa90_bars_init(uint64_t *bars, int full_count, int empty_count, int fixed_count) {
-    if (threadIdx.x == 0) {
-        tm__mbar_init(tm__smem_u32(&bars[0]), fixed_count);
-        for (int s = 0; s < STAGES; s++) {
-            tm__mbar_init(tm__smem_u32(&bars[1 + s]), full_count);
-            tm__mbar_init(tm__smem_u32(&bars[1 + STAGES + s]), empty_count);
+/* The barriers after the tiles: fixed (the operand loaded once), full[s] and empty[s] of each stage.
+ * init: by thread 0, then the CTA's one barrier. */
+template <int STAGES> struct fa90_ring {
+    uint64_t *bars;
+    __device__ __forceinline__ uint32_t fixed() const { return tm__smem_u32(&bars[0]); }
+    __device__ __forceinline__ uint32_t full(int s) const { return tm__smem_u32(&bars[1 + s]); }
+    __device__ __forceinline__ uint32_t empty(int s) const { return tm__smem_u32(&bars[1 + STAGES + s]); }
+    __device__ __forceinline__ void init(int full_count, int empty_count, int fixed_count) const {
+        if (threadIdx.x == 0) {
+            tm__mbar_init(fixed(), fixed_count);
+            for (int s = 0; s < STAGES; s++) {
+                tm__mbar_init(full(s), full_count);
+                tm__mbar_init(empty(s), empty_count);
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        __syncthreads();
     }
-    __syncthreads();
-}
+};
 /* ROWS rows from row r0 of head h, sequence b of a (D, heads, T, B) tensor map into the swizzled
  * (ROWS, D) tile at s, completing on bar (whose bytes the caller announced). */
 template <int ROWS, int D>
@@ -356,6 +361,34 @@ __device__ __forceinline__ void fa90_release(uint32_t empty, int lane) {
     __syncwarp();
     if (lane == 0) tm__mbar_arrive(empty);
 }
+/* The forward's and dQ's CTA: query head h (kv head hk) of sequence b, rows [q0, q0 + BM), the
+ * last blocks first (longest first); keys [0, kend) are seen by some of its rows, ntiles tiles of
+ * BN. */
+template <int BM, int BN> struct fa90_qblock {
+    int h, b, hk, q0, ntiles;
+    __device__ __forceinline__ explicit fa90_qblock(const fa90_p &p) {
+        const int bhn = p.B * p.Hq, nqb = fa90_cdiv(p.Tq, BM);
+        const int bh = (int)(blockIdx.x % (unsigned)bhn);
+        h = bh % p.Hq, b = bh / p.Hq, hk = h / p.G;
+        q0 = (nqb - 1 - (int)(blockIdx.x / (unsigned)bhn)) * BM;
+        ntiles = fa90_cdiv(fa90_min(p.Tk, fa90_min(q0 + BM, p.Tq) + p.off), BN);
+    }
+};
+/* The forward's and dQ's producer loop: key tiles 0..ntiles-1 (K at ks, V at vs, BN rows each)
+ * through the ring, each once its stage is released. */
+template <int BN, int D, int STAGES>
+__device__ __forceinline__ void fa90_produce_kv(const fa90_ring<STAGES> &r, uint32_t ks, uint32_t vs, const CUtensorMap *tmK,
+                                                const CUtensorMap *tmV, int hk, int b, int ntiles) {
+    constexpr uint32_t KB = BN * D * 2;
+    int s = 0, ph = 0;
+    for (int t = 0; t < ntiles; t++) {
+        tm__mbar_wait(r.empty(s), ph ^ 1);
+        tm__mbar_expect_tx(r.full(s), 2 * KB);
+        fa90_tma_tile<BN, D>(ks + s * KB, tmK, hk, t * BN, b, r.full(s));
+        fa90_tma_tile<BN, D>(vs + s * KB, tmV, hk, t * BN, b, r.full(s));
+        fa90_stage_next<STAGES>(s, ph);
+    }
+}
 
 /* Forward: (b, h, 64 NC query rows), key tiles of BN streamed. */
 template <int D, int BN, int NC, int STAGES, int MINB>
@@ -367,53 +400,39 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
     constexpr uint32_t QB = BM * D * 2, KB = BN * D * 2;
     extern __shared__ __align__(16) unsigned char fa90_smem[];
     const uint32_t base = tm__smem_u32(fa90_smem), qs = (base + 1023) & ~1023u, ks = qs + QB, vs = ks + STAGES * KB;
-    uint64_t *bars = (uint64_t *)(fa90_smem + (vs + STAGES * KB - base));
-    const int bhn = p.B * p.Hq, nqb = fa90_cdiv(p.Tq, BM);
-    const int qb = nqb - 1 - (int)(blockIdx.x / (unsigned)bhn);
-    const int bh = (int)(blockIdx.x % (unsigned)bhn), h = bh % p.Hq, b = bh / p.Hq, hk = h / p.G;
-    const int q0 = qb * BM;
-    const int kend = fa90_min(p.Tk, fa90_min(q0 + BM, p.Tq) + p.off), ntiles = fa90_cdiv(kend, BN);
+    const fa90_ring<STAGES> ring{(uint64_t *)(fa90_smem + (vs + STAGES * KB - base))};
+    const fa90_qblock<BM, BN> blk(p);
     const int tid = threadIdx.x, wg = tid >> 7;
-    const uint32_t fixed = tm__smem_u32(&bars[0]);
-    auto full = [&](int s) { return tm__smem_u32(&bars[1 + s]); };
-    auto empty = [&](int s) { return tm__smem_u32(&bars[1 + STAGES + s]); };
-    fa90_bars_init<STAGES>(bars, 1, 4 * NC, 1);
+    ring.init(1, 4 * NC, 1);
 
     if (wg == 0) { /* ---- producer ---- */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (tid != 0) return;
-        tm__mbar_expect_tx(fixed, QB);
-        fa90_tma_tile<BM, D>(qs, &tmQ, h, q0, b, fixed);
-        int s = 0, ph = 0;
-        for (int t = 0; t < ntiles; t++) {
-            tm__mbar_wait(empty(s), ph ^ 1);
-            tm__mbar_expect_tx(full(s), 2 * KB);
-            fa90_tma_tile<BN, D>(ks + s * KB, &tmK, hk, t * BN, b, full(s));
-            fa90_tma_tile<BN, D>(vs + s * KB, &tmV, hk, t * BN, b, full(s));
-            fa90_stage_next<STAGES>(s, ph);
-        }
+        tm__mbar_expect_tx(ring.fixed(), QB);
+        fa90_tma_tile<BM, D>(qs, &tmQ, blk.h, blk.q0, blk.b, ring.fixed());
+        fa90_produce_kv<BN, D, STAGES>(ring, ks, vs, &tmK, &tmV, blk.hk, blk.b, blk.ntiles);
         return;
     }
 
     /* ---- consumers ---- */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(fa90_tma_regs<NC, MINB>::CONS));
     const int w = wg - 1, wl = tid - 128 * wg, warp = wl >> 5, lane = wl & 31, g = lane >> 2, t4 = lane & 3;
-    const int r0 = q0 + 64 * w, w0 = r0 + 16 * warp; /* the warpgroup's and the warp's first row */
+    const int r0 = blk.q0 + 64 * w, w0 = r0 + 16 * warp; /* the warpgroup's and the warp's first row */
     const int wend = r0 < p.Tq ? fa90_min(p.Tk, fa90_min(r0 + 64, p.Tq) + p.off) : 0;
     float o[D / 2];
 #pragma unroll
     for (int x = 0; x < D / 2; x++) o[x] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    tm__mbar_wait(fixed, 0);
+    tm__mbar_wait(ring.fixed(), 0);
     int s = 0, ph = 0;
-    for (int t = 0; t < ntiles; t++) {
+    for (int t = 0; t < blk.ntiles; t++) {
         const int j0 = t * BN;
-        tm__mbar_wait(full(s), ph);
+        tm__mbar_wait(ring.full(s), ph);
         if (j0 < wend) fa90_fwd_tile<D, BN, BM>(p, o, m, l, qs, 64 * w, ks + s * KB, vs + s * KB, j0, w0, g, t4);
-        fa90_release(empty(s), lane);
+        fa90_release(ring.empty(s), lane);
         fa90_stage_next<STAGES>(s, ph);
     }
-    fa90_fwd_store<D>(p, o, m, l, b, h, w0, g, t4);
+    fa90_fwd_store<D>(p, o, m, l, blk.b, blk.h, w0, g, t4);
 #endif
 }
 
@@ -429,66 +448,51 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
     const uint32_t base = tm__smem_u32(fa90_smem), qs = (base + 1023) & ~1023u, dos = qs + QB, ks = dos + QB,
                    vs = ks + STAGES * KB;
     float *ls = (float *)(fa90_smem + (vs + STAGES * KB - base)), *dls = ls + BM;
-    uint64_t *bars = (uint64_t *)(dls + BM);
-    const int bhn = p.B * p.Hq, nqb = fa90_cdiv(p.Tq, BM);
-    const int qb = nqb - 1 - (int)(blockIdx.x / (unsigned)bhn);
-    const int bh = (int)(blockIdx.x % (unsigned)bhn), h = bh % p.Hq, b = bh / p.Hq, hk = h / p.G;
-    const int q0 = qb * BM;
-    const int kend = fa90_min(p.Tk, fa90_min(q0 + BM, p.Tq) + p.off), ntiles = fa90_cdiv(kend, BN);
+    const fa90_ring<STAGES> ring{(uint64_t *)(dls + BM)};
+    const fa90_qblock<BM, BN> blk(p);
     const int tid = threadIdx.x, wg = tid >> 7;
-    const uint32_t fixed = tm__smem_u32(&bars[0]);
-    auto full = [&](int s) { return tm__smem_u32(&bars[1 + s]); };
-    auto empty = [&](int s) { return tm__smem_u32(&bars[1 + STAGES + s]); };
-    fa90_bars_init<STAGES>(bars, 1, 4 * NC, 33);
+    ring.init(1, 4 * NC, 33);
 
     if (wg == 0) { /* ---- producer ---- */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (tid >= 32) return;
         const int lane = tid;
         if (lane == 0) {
-            tm__mbar_expect_tx(fixed, 2 * QB);
-            fa90_tma_tile<BM, D>(qs, &tmQ, h, q0, b, fixed);
-            fa90_tma_tile<BM, D>(dos, &tmO, h, q0, b, fixed);
+            tm__mbar_expect_tx(ring.fixed(), 2 * QB);
+            fa90_tma_tile<BM, D>(qs, &tmQ, blk.h, blk.q0, blk.b, ring.fixed());
+            fa90_tma_tile<BM, D>(dos, &tmO, blk.h, blk.q0, blk.b, ring.fixed());
         }
-        const long long lrow = ((long long)b * p.Hq + h) * p.Tq + q0;
+        const long long lrow = ((long long)blk.b * p.Hq + blk.h) * p.Tq + blk.q0;
         for (int r = lane; r < BM; r += 32) {
-            const bool ok = q0 + r < p.Tq;
+            const bool ok = blk.q0 + r < p.Tq;
             ls[r] = ok ? p.lse[lrow + r] : 0.0f;
             dls[r] = ok ? p.delta[lrow + r] : 0.0f;
         }
-        tm__mbar_arrive(fixed); /* release: the stores above are visible to the waiters */
-        if (lane != 0) return;
-        int s = 0, ph = 0;
-        for (int t = 0; t < ntiles; t++) {
-            tm__mbar_wait(empty(s), ph ^ 1);
-            tm__mbar_expect_tx(full(s), 2 * KB);
-            fa90_tma_tile<BN, D>(ks + s * KB, &tmK, hk, t * BN, b, full(s));
-            fa90_tma_tile<BN, D>(vs + s * KB, &tmV, hk, t * BN, b, full(s));
-            fa90_stage_next<STAGES>(s, ph);
-        }
+        tm__mbar_arrive(ring.fixed()); /* release: the stores above are visible to the waiters */
+        if (lane == 0) fa90_produce_kv<BN, D, STAGES>(ring, ks, vs, &tmK, &tmV, blk.hk, blk.b, blk.ntiles);
         return;
     }
 
     /* ---- consumers ---- */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(fa90_tma_regs<NC, MINB>::CONS));
     const int w = wg - 1, wl = tid - 128 * wg, warp = wl >> 5, lane = wl & 31, g = lane >> 2, t4 = lane & 3;
-    const int r0 = q0 + 64 * w, w0 = r0 + 16 * warp;
+    const int r0 = blk.q0 + 64 * w, w0 = r0 + 16 * warp;
     const int wend = r0 < p.Tq ? fa90_min(p.Tk, fa90_min(r0 + 64, p.Tq) + p.off) : 0;
     float dq[D / 2];
 #pragma unroll
     for (int x = 0; x < D / 2; x++) dq[x] = 0.0f;
-    tm__mbar_wait(fixed, 0);
+    tm__mbar_wait(ring.fixed(), 0);
     const int rl = 64 * w + 16 * warp + g;
     const float ll[2] = {ls[rl] * FA90_LOG2E, ls[rl + 8] * FA90_LOG2E}, dd[2] = {dls[rl], dls[rl + 8]};
     int s = 0, ph = 0;
-    for (int t = 0; t < ntiles; t++) {
+    for (int t = 0; t < blk.ntiles; t++) {
         const int j0 = t * BN;
-        tm__mbar_wait(full(s), ph);
+        tm__mbar_wait(ring.full(s), ph);
         if (j0 < wend) fa90_dq_tile<D, BM>(p, dq, ll, dd, qs, dos, 64 * w, ks + s * KB, vs + s * KB, j0, w0, g, t4);
-        fa90_release(empty(s), lane);
+        fa90_release(ring.empty(s), lane);
         fa90_stage_next<STAGES>(s, ph);
     }
-    fa90_dq_store<D>(p, dq, b, h, w0, g, t4);
+    fa90_dq_store<D>(p, dq, blk.b, blk.h, w0, g, t4);
 #endif
 }
 
@@ -506,7 +510,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
     const uint32_t base = tm__smem_u32(fa90_smem), ks = (base + 1023) & ~1023u, vs = ks + KB, qs = vs + KB,
                    dos = qs + STAGES * QB;
     float *ls = (float *)(fa90_smem + (dos + STAGES * QB - base)), *dls = ls + STAGES * BQ;
-    uint64_t *bars = (uint64_t *)(dls + STAGES * BQ);
+    const fa90_ring<STAGES> ring{(uint64_t *)(dls + STAGES * BQ)};
     const int bhn = p.B * p.Hkv;
     const int kb = (int)(blockIdx.x / (unsigned)bhn);
     const int bh = (int)(blockIdx.x % (unsigned)bhn), hk = bh % p.Hkv, b = bh / p.Hkv;
@@ -514,28 +518,25 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
     const int qstart = j0 - p.off > 0 ? (j0 - p.off) / BQ * BQ : 0;
     const int nqblk = fa90_cdiv(p.Tq - qstart, BQ), nit = p.G * nqblk;
     const int tid = threadIdx.x, wg = tid >> 7;
-    const uint32_t fixed = tm__smem_u32(&bars[0]);
-    auto full = [&](int s) { return tm__smem_u32(&bars[1 + s]); };
-    auto empty = [&](int s) { return tm__smem_u32(&bars[1 + STAGES + s]); };
-    fa90_bars_init<STAGES>(bars, 33, 4 * NC, 1);
+    ring.init(33, 4 * NC, 1);
 
     if (wg == 0) { /* ---- producer ---- */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (tid >= 32) return;
         const int lane = tid;
         if (lane == 0) {
-            tm__mbar_expect_tx(fixed, 2 * KB);
-            fa90_tma_tile<BN, D>(ks, &tmK, hk, j0, b, fixed);
-            fa90_tma_tile<BN, D>(vs, &tmV, hk, j0, b, fixed);
+            tm__mbar_expect_tx(ring.fixed(), 2 * KB);
+            fa90_tma_tile<BN, D>(ks, &tmK, hk, j0, b, ring.fixed());
+            fa90_tma_tile<BN, D>(vs, &tmV, hk, j0, b, ring.fixed());
         }
         int s = 0, ph = 0;
         for (int it = 0; it < nit; it++) {
             const int h = hk * p.G + it / nqblk, i0 = qstart + (it % nqblk) * BQ;
-            tm__mbar_wait(empty(s), ph ^ 1);
+            tm__mbar_wait(ring.empty(s), ph ^ 1);
             if (lane == 0) {
-                tm__mbar_expect_tx(full(s), 2 * QB);
-                fa90_tma_tile<BQ, D>(qs + s * QB, &tmQ, h, i0, b, full(s));
-                fa90_tma_tile<BQ, D>(dos + s * QB, &tmO, h, i0, b, full(s));
+                tm__mbar_expect_tx(ring.full(s), 2 * QB);
+                fa90_tma_tile<BQ, D>(qs + s * QB, &tmQ, h, i0, b, ring.full(s));
+                fa90_tma_tile<BQ, D>(dos + s * QB, &tmO, h, i0, b, ring.full(s));
             }
             const long long lrow = ((long long)b * p.Hq + h) * p.Tq + i0;
 #pragma unroll
@@ -544,7 +545,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
                 ls[s * BQ + r] = ok ? p.lse[lrow + r] : 0.0f;
                 dls[s * BQ + r] = ok ? p.delta[lrow + r] : 0.0f;
             }
-            tm__mbar_arrive(full(s)); /* release: the stores above are visible to the waiters */
+            tm__mbar_arrive(ring.full(s)); /* release: the stores above are visible to the waiters */
             fa90_stage_next<STAGES>(s, ph);
         }
         return;
@@ -557,11 +558,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
     float dk[D / 2], dv[D / 2];
 #pragma unroll
     for (int x = 0; x < D / 2; x++) dk[x] = dv[x] = 0.0f;
-    tm__mbar_wait(fixed, 0);
+    tm__mbar_wait(ring.fixed(), 0);
     int s = 0, ph = 0;
     for (int it = 0; it < nit; it++) {
         const int i0 = qstart + (it % nqblk) * BQ;
-        tm__mbar_wait(full(s), ph);
+        tm__mbar_wait(ring.full(s), ph);
         /* a warpgroup whose keys no query of the tile sees (or past Tk) skips it */
         if (wj < p.Tk && wj <= fa90_min(i0 + BQ, p.Tq) - 1 + p.off) {
             const uint32_t qt = qs + s * QB, ot = dos + s * QB;
@@ -618,7 +619,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), MINB)
             tm__wgmma_fence_regs<BQ / 4>(&pa[0][0]);
             tm__wgmma_fence_regs<BQ / 4>(&da[0][0]);
         }
-        fa90_release(empty(s), lane);
+        fa90_release(ring.empty(s), lane);
         fa90_stage_next<STAGES>(s, ph);
     }
     fa90_dkv_store<D>(p, dk, dv, b, hk, jw, g, t4);
@@ -657,30 +658,11 @@ template <int D, int NC, int STAGES> static size_t fa90_smem_dkv_tma() {
 }
 
 static int fa90_probe(char *why, size_t n) {
-    int dev = 0, maj = 0, min = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&maj, cudaDevAttrComputeCapabilityMajor, dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&min, cudaDevAttrComputeCapabilityMinor, dev);
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        snprintf(why, n, "no CUDA device (%s)", cudaGetErrorString(e));
-        return 0;
-    }
-    if (maj != 9 || min != 0) {
-        snprintf(why, n, "device %d is sm_%d%d: the wgmma attention kernels need sm_90 (Hopper)", dev, maj, min);
-        return 0;
-    }
-    /* an sm_90 or PTX-only image of this file would run the empty bodies (a handful of registers) */
     typedef fa90_cfg<64> C;
-    cudaFuncAttributes fa;
-    e = cudaFuncGetAttributes(&fa, fa90_dkv_tma_kernel<64, C::KNC, C::KST, C::KMINB>);
-    if (e != cudaSuccess) (void)cudaGetLastError();
-    if (e != cudaSuccess || fa.numRegs < 32) {
-        snprintf(why, n, "this build has no sm_90a image of attention_sm90.cu (%s, %d registers)", cudaGetErrorString(e),
-                 e == cudaSuccess ? fa.numRegs : 0);
-        return 0;
-    }
-    return 1;
+    int dev = 0;
+    const cudaError_t e = cudaGetDevice(&dev);
+    return tm__sm90_probe(dev, e, (const void *)fa90_dkv_tma_kernel<64, C::KNC, C::KST, C::KMINB>, "the wgmma attention",
+                          "attention_sm90.cu", why, n);
 }
 
 extern "C" int tm__fa90_supported(char *why, size_t n) { return fa90_probe(why, n); }

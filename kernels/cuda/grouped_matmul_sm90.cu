@@ -643,28 +643,8 @@ extern "C" int tm__gmm90_supported(char *why, size_t n) {
 }
 
 static int gmm90_probe(int dev, cudaError_t e, char *why, size_t n) {
-    int maj = 0, min = 0;
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&maj, cudaDevAttrComputeCapabilityMajor, dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&min, cudaDevAttrComputeCapabilityMinor, dev);
-    if (e != cudaSuccess) {
-        snprintf(why, n, "no CUDA device (%s)", cudaGetErrorString(e));
-        return 0;
-    }
-    if (maj != 9 || min != 0) {
-        snprintf(why, n, "device %d is sm_%d%d: the wgmma / TMA kernel needs sm_90 (Hopper)", dev, maj, min);
-        return 0;
-    }
-    /* The build must hold an sm_90a image of this file (the Makefile's -gencode arch=compute_90a):
-     * an sm_90 or PTX-only image would run the empty body. */
-    cudaFuncAttributes fa;
-    e = cudaFuncGetAttributes(&fa, gmm90_kernel<TM__GMM90_FWD, 256>);
-    if (e != cudaSuccess) (void)cudaGetLastError(); /* not sticky: leave no error for the next launch check */
-    if (e != cudaSuccess || fa.numRegs < 64) { /* the real body holds 168; an empty one a handful */
-        snprintf(why, n, "this build has no sm_90a image of grouped_matmul_sm90.cu (%s, binary version %d)",
-                 cudaGetErrorString(e), e == cudaSuccess ? fa.binaryVersion : 0);
-        return 0;
-    }
-    return 1;
+    return tm__sm90_probe(dev, e, (const void *)gmm90_kernel<TM__GMM90_FWD, 256>, "the wgmma / TMA grouped GEMM",
+                          "grouped_matmul_sm90.cu", why, n);
 }
 
 template <int MODE, int BN, bool WRITE = false>

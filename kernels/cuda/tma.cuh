@@ -130,4 +130,35 @@ static inline int tm__tma_map_bf16(tm__tma_encode_fn enc, CUtensorMap *m, const 
     return 0;
 }
 
+/* Whether the Hopper kernels of a file can run on device dev (e: cudaGetDevice's result): 1 when
+ * dev is sm_90 and `kernel`, one of the file's kernels, has its sm_90a body; else 0, with why
+ * naming `what` (the kernels, for the device test) or `file` (for the image test). The files build
+ * their kernel bodies for sm_90a only (an sm_80 / sm_90 / PTX image holds empty bodies of a handful
+ * of registers), so a body with fewer than 32 registers means the build lacks the sm_90a image
+ * (the Makefile's -gencode arch=compute_90a). Leaves no CUDA error behind for the next launch check. */
+static inline int tm__sm90_probe(int dev, cudaError_t e, const void *kernel, const char *what, const char *file, char *why,
+                                 size_t n) {
+    int maj = 0, min = 0;
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&maj, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&min, cudaDevAttrComputeCapabilityMinor, dev);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        snprintf(why, n, "no CUDA device (%s)", cudaGetErrorString(e));
+        return 0;
+    }
+    if (maj != 9 || min != 0) {
+        snprintf(why, n, "device %d is sm_%d%d: %s needs sm_90 (Hopper)", dev, maj, min, what);
+        return 0;
+    }
+    cudaFuncAttributes fa;
+    e = cudaFuncGetAttributes(&fa, kernel);
+    if (e != cudaSuccess) (void)cudaGetLastError();
+    if (e != cudaSuccess || fa.numRegs < 32) {
+        snprintf(why, n, "this build has no sm_90a image of %s (%s, %d registers)", file, cudaGetErrorString(e),
+                 e == cudaSuccess ? fa.numRegs : 0);
+        return 0;
+    }
+    return 1;
+}
+
 #endif
