@@ -143,8 +143,6 @@ __device__ __forceinline__ void fa90_dkv_store(const fa90_p &p, const float *dk,
     }
 }
 
-/* Shared memory bytes of each kernel (+ 1024 for the base's alignment); NWG warpgroups a CTA,
- * 64 rows each. */
 /* ---- the per-tile work of each kernel (one warpgroup, 64 rows) ---------------------------------- */
 
 /* Forward: key tile j0 (K at kt, V at vt, BN rows) for the warpgroup's query rows qrow + [0, 64) of
@@ -306,8 +304,9 @@ __device__ __forceinline__ void fa90_dq_store(const fa90_p &p, const float *dq, 
  * leave, warp 0 stays. The operand every tile uses (forward: the Q tile; dQ: the Q and dO tiles
  * with their lse and Delta; dK/dV: the K and V tiles) is loaded once on `fixed`. The streamed
  * operand (forward and dQ: K and V tiles of keys; dK/dV: Q and dO tiles of queries with their lse
- * and Delta) goes through STAGES stages: lane 0 waits until the consumers have released a stage
- * (empty[s]), announces its bytes on full[s] and issues D / 64 TMA boxes of {64 D, rows} per tensor
+ * and Delta) goes through STAGES stages: the producer waits until the consumers have released a
+ * stage (empty[s]; where lse and Delta come along, all 32 lanes wait, as they write the stage),
+ * then lane 0 announces its bytes on full[s] and issues D / 64 TMA boxes of {64 D, rows} per tensor
  * (zero past T: the tensor maps are (D, heads, T, B), so a box never reads the next sequence);
  * where lse and Delta come along, the warp's 32 lanes copy them and arrive on the barrier too
  * (33 arrivals a phase, else 1). Warpgroups 1..NC are the consumers, 64 rows each, the per-tile
@@ -325,6 +324,7 @@ template <int NC, int MINB> struct fa90_tma_regs {
     static constexpr int R0 = (CAP * T - 128 * 24) / (128 * NC) / 8 * 8;
     static constexpr int CONS = R0 > 240 ? 240 : R0;
     static_assert(128 * 24 + 128 * NC * CONS <= CAP * T, "the consumers' setmaxnreg would wait forever");
+    static_assert(NC >= 1 && 64 * NC <= 256, "a TMA box holds at most 256 rows");
 };
 /* The barriers after the tiles: fixed (the operand loaded once), full[s] and empty[s] of each stage.
  * init: by thread 0, then the CTA's one barrier. */
@@ -772,10 +772,12 @@ template <int D> static int fa90_backward_d(const tm__fa90_args *a, cudaStream_t
 
 extern "C" int tm__fa90_forward(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
     if (fa90_check(a, why, n)) return 1;
+    if (a->Tq == 0) return 0; /* no rows: nothing to launch (a tensor map cannot have a 0 dimension) */
     return a->D == 64 ? fa90_forward_d<64>(a, st, why, n) : fa90_forward_d<128>(a, st, why, n);
 }
 
 extern "C" int tm__fa90_backward(const tm__fa90_args *a, cudaStream_t st, char *why, size_t n) {
     if (fa90_check(a, why, n)) return 1;
+    if (a->Tq == 0) return 0;
     return a->D == 64 ? fa90_backward_d<64>(a, st, why, n) : fa90_backward_d<128>(a, st, why, n);
 }

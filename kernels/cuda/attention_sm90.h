@@ -32,8 +32,10 @@ typedef struct tm__fa90_args {
  * the reason in why. */
 int tm__fa90_supported(char *why, size_t why_len);
 
-/* 0: launched on stream; else 1 (why says what) before anything was launched. D must be 64 or
- * 128, Hq a multiple of Hkv, Tk >= Tq, the tensors as above. */
+/* 0: launched on stream (nothing when Tq is 0); else 1, why says what. The forward fails before
+ * launching anything; the backward checks its arguments first, but a failure to encode or launch
+ * the dK/dV kernel comes after dQ's launch. D must be 64 or 128, Hq a multiple of Hkv,
+ * Tk >= Tq, the tensors as above. */
 int tm__fa90_forward(const tm__fa90_args *a, cudaStream_t stream, char *why, size_t why_len);
 int tm__fa90_backward(const tm__fa90_args *a, cudaStream_t stream, char *why, size_t why_len);
 

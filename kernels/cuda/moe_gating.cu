@@ -27,8 +27,8 @@
  *   forward  logits (T, E): block TB tokens x ET experts (tiles of ET over grid.y); h in stages
  *            of 64 through a 4-deep cp.async ring (x (TB, 64) bf16, rows padded to 144 bytes so
  *            that a column reads conflict-free; w (64, ET) f32); a thread RT tokens x RE experts.
- *   dx       (T, H): block 64 tokens x 256 h; e in chunks of 32: dlogits (64, 32) and w^T
- *            (32, 256) in shared memory; a thread 8 tokens x 8 consecutive h, stored as one
+ *   dx       (T, H): block 32 tokens x 256 h; e in chunks of 8: dlogits (32, 8) and w^T
+ *            (8, 256) in shared memory; a thread 4 tokens x 8 consecutive h, stored as one
  *            16-byte bf16 row piece (added in f32 to what dx holds and rounded once, or written).
  *   dw       (H, E): the sum over T split into fixed chunks of 256 tokens (not by the GPU's size:
  *            the same bits on every device); block HB h x ET e of one chunk, tokens in stages of
@@ -43,7 +43,7 @@
 #define MG_THREADS 256
 #define MG_ST 4       /* forward: cp.async stages */
 #define MG_HC 64      /* forward: h per stage */
-#define MG_EC 32      /* dx: e per chunk */
+#define MG_EC 8       /* dx: e per chunk (the direct path's E at most: one chunk) */
 #define MG_DST 3      /* dw: cp.async stages */
 #define MG_TS 32      /* dw: tokens per stage */
 #define MG_TCHUNK 256 /* dw: tokens per partial sum */
@@ -157,13 +157,13 @@ __global__ void __launch_bounds__(MG_THREADS) mg_forward_kernel(const tm__bf16 *
 }
 
 /* ---- dx (T, H) = g (T, E) @ w^T, bf16, written (fresh) or added in f32 and rounded once ------- */
-#define MG_DX_TB 64
+#define MG_DX_TB 32
 #define MG_DX_HB 256
 __global__ void __launch_bounds__(MG_THREADS) mg_dx_kernel(const float *__restrict__ g, const float *__restrict__ w,
                                                           tm__bf16 *__restrict__ dx, int T, int H, int E, int fresh) {
-    constexpr int RT = MG_DX_TB / (MG_THREADS / (MG_DX_HB / 8)); /* 8 tokens a thread */
-    __shared__ float gs[MG_DX_TB][MG_EC + 1];                    // (64, 32) dlogits chunk
-    __shared__ __align__(16) float wt[MG_EC][MG_DX_HB];          // (32, 256) w^T chunk
+    constexpr int RT = MG_DX_TB / (MG_THREADS / (MG_DX_HB / 8)); /* 4 tokens a thread */
+    __shared__ float gs[MG_DX_TB][MG_EC + 1];                    // (32, 8) dlogits chunk
+    __shared__ __align__(16) float wt[MG_EC][MG_DX_HB];          // (8, 256) w^T chunk
     const int tx = threadIdx.x % (MG_DX_HB / 8), ty = threadIdx.x / (MG_DX_HB / 8);
     const int t0 = blockIdx.x * MG_DX_TB, h0 = blockIdx.y * MG_DX_HB;
     float acc[RT][8];
@@ -220,8 +220,8 @@ __global__ void __launch_bounds__(MG_THREADS) mg_dx_kernel(const float *__restri
 }
 
 /* ---- dw (H, E) += x^T (H, T) @ g (T, E): partial sums of 256-token chunks, then their sum ---- */
-/* Block: RH h a thread over TYN threads (HB = TYN RH h), ET experts (RE a thread); grid (h blocks,
- * chunks, e tiles); tokens in stages of MG_TS through an MG_DST-deep cp.async ring: x (MG_TS, HB)
+/* Block: RH h a thread over TYN threads (HB = TYN RH h), ET experts (RE a thread); grid (chunks,
+ * h blocks, e tiles); tokens in stages of MG_TS through an MG_DST-deep cp.async ring: x (MG_TS, HB)
  * bf16, rows padded by 16 bytes, and g (MG_TS, ET) f32. part[chunk][h][e] (e over E). */
 template <int ET, int RE, int RH> struct mg_dw {
     static constexpr int TXN = ET / RE, TYN = MG_THREADS / TXN, HB = TYN * RH, XS = HB + 8;
@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(MG_THREADS) mg_dw_partial_kernel(const tm__bf1
     tm__bf16 *xs = (tm__bf16 *)mg_smem;                           // [MG_DST][MG_TS][XS]
     float *gs = (float *)(mg_smem + MG_DST * MG_TS * C::XS * 2); // [MG_DST][MG_TS][ET]
     const int tx = threadIdx.x % C::TXN, ty = threadIdx.x / C::TXN;
-    const int h0 = blockIdx.x * C::HB, c0 = blockIdx.y * MG_TCHUNK, e0 = blockIdx.z * ET;
+    const int c0 = blockIdx.x * MG_TCHUNK, h0 = blockIdx.y * C::HB, e0 = blockIdx.z * ET;
     const int c1 = min(T, c0 + MG_TCHUNK), ns = (c1 - c0 + MG_TS - 1) / MG_TS;
     auto load = [&](int k) { /* tokens c0 + k MG_TS.. into stage k % MG_DST */
         if (k < ns) {
@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(MG_THREADS) mg_dw_partial_kernel(const tm__bf1
                 for (int j = 0; j < RE; j++) acc[r][j] = fmaf(xv[r], gv[j], acc[r][j]);
         }
     }
-    float *pc = part + (int64_t)blockIdx.y * H * E;
+    float *pc = part + (int64_t)blockIdx.x * H * E;
 #pragma unroll
     for (int r = 0; r < RH; r++) {
         const int h = h0 + ty * RH + r;
@@ -299,9 +299,9 @@ __global__ void mg_dw_reduce_kernel(const float *__restrict__ part, float *__res
 /* ---- host ----------------------------------------------------------------------------------- */
 
 /* The direct kernels' conditions: bf16 x in rows of H, H a multiple of 8, 16-byte aligned, and
- * E <= MG_DIRECT_MAX_E */
+ * E <= MG_DIRECT_MAX_E (H 0 goes to cuBLASLt, whose empty products need no launch) */
 static bool mg_direct(const tm_tensor *x, const tm_tensor *w) {
-    return x->dtype == TM_BF16 && w->dtype == TM_F32 && x->shape[1] % 8 == 0 && ((uintptr_t)tm__data(x) & 15) == 0 &&
+    return x->dtype == TM_BF16 && w->dtype == TM_F32 && x->shape[1] > 0 && x->shape[1] % 8 == 0 && ((uintptr_t)tm__data(x) & 15) == 0 &&
            w->shape[1] <= MG_DIRECT_MAX_E && x->shape[0] <= INT32_MAX && x->shape[1] <= INT32_MAX;
 }
 
@@ -388,7 +388,7 @@ static tm_status mg_backward_direct(tm__call *c) {
         if (chunks > 0) {
             TM__TRY(tm__cu_scratch(ctx, st, (size_t)chunks * n * sizeof(float), (void **)&part));
             typedef mg_dw<8, 4, 2> D;
-            TM__TRY(mg_launch(ctx, mg_dw_partial_kernel<8, 4, 2>, dim3(mg_cdiv(H, D::HB), chunks, mg_cdiv(E, 8)), D::SMEM, st->stream,
+            TM__TRY(mg_launch(ctx, mg_dw_partial_kernel<8, 4, 2>, dim3(chunks, mg_cdiv(H, D::HB), mg_cdiv(E, 8)), D::SMEM, st->stream,
                               X, G, part, (int)T, (int)H, (int)E));
         }
         mg_dw_reduce_kernel<<<tm__cu_blocks(st, n), TM__CU_THREADS, 0, st->stream>>>(part, (float *)tm__data(gw), n, chunks,

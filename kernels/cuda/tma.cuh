@@ -1,6 +1,6 @@
 /*
  * tma.cuh — the sm_90 PTX of bulk-asynchronous copies and the mbarriers that track them, for the
- * Hopper kernels (grouped_matmul_sm90.cu; attention_sm90.cu's next version): TMA tensor loads
+ * Hopper kernels (grouped_matmul_sm90.cu, attention_sm90.cu): TMA tensor loads
  * into shared memory that complete on an mbarrier, TMA tensor stores from shared memory in bulk
  * groups, stmatrix, and the waits. Only for translation units compiled with -gencode
  * arch=compute_90a (the callers guard their bodies with __CUDA_ARCH_FEAT_SM90_ALL); moved here
