@@ -367,3 +367,11 @@ void tm__attn_sm90_count(tm_ctx *ctx) { ctx->attn_sm90++; }
 void tm__attn_set_sm80(tm_ctx *ctx, int on) { ctx->attn_sm80 = on != 0; }
 
 int tm__attn_sm80(const tm_ctx *ctx) { return ctx->attn_sm80; }
+
+void tm__gating_set_split(tm_ctx *ctx, int on) { ctx->gating_split = on != 0; }
+
+int tm__gating_split(const tm_ctx *ctx) { return ctx->gating_split; }
+
+uint64_t tm__gating_split_launches(const tm_ctx *ctx) { return ctx->gating_split_n; }
+
+void tm__gating_split_count(tm_ctx *ctx) { ctx->gating_split_n++; }

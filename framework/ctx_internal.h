@@ -137,6 +137,8 @@ struct tm_ctx {
     uint64_t gsw_fused;   /* tm__gsw_fused_launches */
     uint64_t attn_sm90;   /* tm__attn_sm90_launches */
     int attn_sm80;        /* tm__attn_set_sm80: bf16 attention on the sm_80 kernels even on Hopper */
+    int gating_split;     /* tm__gating_set_split: moe_gating's split path on CUDA */
+    uint64_t gating_split_n; /* tm__gating_split_launches */
     uint64_t alloc_count;
     size_t chunk_bytes;
     char errmsg[1024];

@@ -9,6 +9,8 @@
 
 int tt_parity_attn_sm80;
 uint64_t tt_parity_attn_sm90;
+int tt_parity_gating_split;
+uint64_t tt_parity_gating_split_n;
 
 tm_ctx *tt_parity_ctx(void) {
     tm_ctx_options o = tm_ctx_options_default();
@@ -19,6 +21,7 @@ tm_ctx *tt_parity_ctx(void) {
     tm_status s = tm_ctx_new(&ctx, &o);
     cr_assert_eq(s, TM_OK, "tm_ctx_new(cuda_device=0): %s", tm_last_create_error());
     tm__attn_set_sm80(ctx, tt_parity_attn_sm80);
+    tm__gating_set_split(ctx, tt_parity_gating_split);
     return ctx;
 }
 
@@ -136,6 +139,7 @@ void tt_parity_run(const tt_pcase *pc, tm_dtype dt, double atol, double rtol) {
     for (int i = 0; i < pc->n_in; i++) free(host_in[i]);
     free(host_g);
     tt_parity_attn_sm90 += tm__attn_sm90_launches(ctx);
+    tt_parity_gating_split_n += tm__gating_split_launches(ctx);
     tm_ctx_free(ctx);
 }
 

@@ -28,6 +28,9 @@
 tm_ctx *tt_parity_ctx(void);
 extern int tt_parity_attn_sm80;
 extern uint64_t tt_parity_attn_sm90;
+/* Likewise tm_moe_gating's split path (tm__gating_set_split) and its forwards that ran. */
+extern int tt_parity_gating_split;
+extern uint64_t tt_parity_gating_split_n;
 
 #define TT_PARITY_MAX_IN 4
 

@@ -369,6 +369,79 @@ Test(cuda_parity, all_ops_bf16) {
     for (int k = 0; k < N_CASES; k++) tt_parity_run(&CASES[k], TM_BF16, 1e-2, 1e-2);
 }
 
+/* tm_moe_gating's split path (kernels/cuda/moe_gating.cu: bf16 GEMMs on a three-term bf16 split of
+ * w or of dlogits; off by default, tm__gating_set_split): the moe_gating cases in bf16 with it on,
+ * against the CPU, and proof that it ran (the cases with at most 8 experts and H a multiple of 8
+ * take the direct kernels; three cases do not). */
+Test(cuda_parity, moe_gating_split_bf16) {
+    TT_SKIP_WITHOUT_CUDA();
+    tt_parity_gating_split = 1;
+    tt_parity_gating_split_n = 0;
+    for (int k = 0; k < N_CASES; k++)
+        if (strcmp(CASES[k].op, "moe_gating") == 0) tt_parity_run(&CASES[k], TM_BF16, 1e-2, 1e-2);
+    tt_parity_gating_split = 0;
+    cr_assert_geq(tt_parity_gating_split_n, 3, "the split path ran %llu times, want >= 3",
+                  (unsigned long long)tt_parity_gating_split_n);
+}
+
+/* The split path at f32 accuracy, where the bf16 parity above cannot see it (it compares logits
+ * rounded to bf16): logits and dw against f64 sums of the same bf16 x, f32 w and f32 dlogits,
+ * within n 2^-23 of the sum of the n terms' magnitudes (twice Higham's bound for an f32 sum of n
+ * terms in any order, n u: room for tensor cores that truncate their f32 additions; the split's
+ * dropped products are below 2^-24 of each term), dx (bf16) within a bf16 step (2^-8) of the f64
+ * value plus that. An operand used at bf16 precision would be off by about 2^-9 of the terms' root
+ * sum of squares, some 10 times the limit at n 136. The cuBLASLt f32 path (split off) is held to
+ * the same bounds. */
+static void gating_accuracy(int split) {
+    enum { T = 300, H = 136, E = 40 };
+    tm_ctx *ctx = tt_parity_ctx();
+    tm__gating_set_split(ctx, split);
+    double *xv = tt_parity_uniform(T * H, 11), *wv = tt_parity_uniform(H * E, 12), *gv = tt_parity_uniform(T * E, 13);
+    for (int i = 0; i < T * H; i++) xv[i] = (double)(float)xv[i]; /* rounded to bf16 below: read back */
+    for (int i = 0; i < H * E; i++) wv[i] = (double)(float)(wv[i] / 3.0); /* values with 24-bit mantissas */
+    for (int i = 0; i < T * E; i++) gv[i] = (double)(float)(gv[i] / 7.0);
+    const int64_t xs[2] = {T, H}, ws[2] = {H, E}, gs[2] = {T, E};
+    tm_tensor *x, *w, *g, *y;
+    TT_OK(ctx, tm_tensor_from_host(ctx, TM_BF16, 2, xs, tm_cuda(0), TM_F64, xv, &x));
+    TT_OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, ws, tm_cuda(0), TM_F64, wv, &w));
+    TT_OK(ctx, tm_tensor_from_host(ctx, TM_F32, 2, gs, tm_cuda(0), TM_F64, gv, &g));
+    TT_OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
+    TT_OK(ctx, tm_tensor_set_requires_grad(ctx, w, 1));
+    const uint64_t before = tm__gating_split_launches(ctx);
+    TT_OK(ctx, tm_moe_gating(ctx, x, w, &y));
+    cr_assert_eq(tm__gating_split_launches(ctx) - before, (uint64_t)(split ? 1 : 0), "split %d: the path that ran", split);
+    TT_OK(ctx, tm_backward_with_grad(ctx, y, g));
+    double *xb = tt_read(ctx, x), *yl = tt_read(ctx, y), *dx = tt_read(ctx, tm_tensor_grad(x)), *dw = tt_read(ctx, tm_tensor_grad(w));
+    for (int t = 0; t < T; t++)
+        for (int e = 0; e < E; e++) {
+            double ref = 0, mag = 0;
+            for (int h = 0; h < H; h++) ref += xb[t * H + h] * wv[h * E + e], mag += fabs(xb[t * H + h] * wv[h * E + e]);
+            cr_assert_leq(fabs(yl[t * E + e] - ref), H * 0x1p-23 * mag + 1e-30, "split %d: logits[%d][%d] %.9g, f64 %.9g (sum of |terms| %.3g)",
+                          split, t, e, yl[t * E + e], ref, mag);
+        }
+    for (int h = 0; h < H; h++)
+        for (int e = 0; e < E; e++) {
+            double ref = 0, mag = 0;
+            for (int t = 0; t < T; t++) ref += xb[t * H + h] * gv[t * E + e], mag += fabs(xb[t * H + h] * gv[t * E + e]);
+            cr_assert_leq(fabs(dw[h * E + e] - ref), T * 0x1p-23 * mag + 1e-30, "split %d: dw[%d][%d] %.9g, f64 %.9g (sum of |terms| %.3g)",
+                          split, h, e, dw[h * E + e], ref, mag);
+        }
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < H; h++) {
+            double ref = 0, mag = 0;
+            for (int e = 0; e < E; e++) ref += gv[t * E + e] * wv[h * E + e], mag += fabs(gv[t * E + e] * wv[h * E + e]);
+            cr_assert_leq(fabs(dx[t * H + h] - ref), ldexp(fabs(ref), -8) + E * 0x1p-23 * mag + 1e-30,
+                          "split %d: dx[%d][%d] %.9g, f64 %.9g", split, t, h, dx[t * H + h], ref);
+        }
+    free(xv), free(wv), free(gv), free(xb), free(yl), free(dx), free(dw);
+    tm_ctx_free(ctx);
+}
+Test(cuda_parity, moe_gating_split_accuracy) {
+    TT_SKIP_WITHOUT_CUDA();
+    gating_accuracy(1);
+    gating_accuracy(0);
+}
+
 /* ---- GEMM on misaligned data ---------------------------------------------------------------- */
 
 /* x[1:] of a 1-D tensor, reshaped to (6, 9), is a dense view whose data starts one element

@@ -32,7 +32,8 @@ typedef __nv_bfloat16 tm__bf16;
 typedef struct tm__gemm_plan {
     int valid;
     /* key */
-    tm_dtype dt;
+    tm_dtype dt;                         /* A and B */
+    tm_dtype cdt;                        /* C = D (dt but for tm__gemm_cuda_out) */
     int trans_a, trans_b;
     int64_t M, N, K, lda, ldb, ldc, sa, sb, sc, batch;
     uint32_t align_a, align_b, align_c;  /* pointer alignment classes the algorithm assumes */
@@ -237,6 +238,11 @@ extern "C" tm_status tm__gemm_cuda(tm_ctx *ctx, tm_dtype dt, int trans_a, int tr
                                    int64_t K, double alpha, const void *A, int64_t lda, int64_t sa, const void *B,
                                    int64_t ldb, int64_t sb, double beta, void *C, int64_t ldc, int64_t sc,
                                    int64_t batch);
+/* tm__gemm_cuda with C (and D) of dtype cdt, A and B of dt: bf16 products into f32 outputs. */
+extern "C" tm_status tm__gemm_cuda_out(tm_ctx *ctx, tm_dtype dt, tm_dtype cdt, int trans_a, int trans_b, int64_t M,
+                                       int64_t N, int64_t K, double alpha, const void *A, int64_t lda, int64_t sa,
+                                       const void *B, int64_t ldb, int64_t sb, double beta, void *C, int64_t ldc,
+                                       int64_t sc, int64_t batch);
 /* tm__gemm_cuda for one group of a ragged (grouped) GEMM, whose M (TM__GEMM_RAGGED_M) or K
  * (TM__GEMM_RAGGED_K) changes from call to call with the routing: the plan is cached per
  * power-of-two bucket of that size (its algorithm is the heuristic's for the bucket's top,

@@ -1,6 +1,6 @@
 /*
  * gemm.cu — every CUDA matmul goes through tm__gemm_cuda: cuBLASLt with f32 compute (bf16 or f32
- * inputs), row-major operands mapped onto cuBLASLt's column-major view, and a small cache of
+ * inputs and outputs of the inputs' dtype; tm__gemm_cuda_out: bf16 inputs into f32), row-major operands mapped onto cuBLASLt's column-major view, and a small cache of
  * plans (descriptors + the heuristic's algorithm) keyed by shape, transposes, leading dims and
  * pointer alignment, so a steady-state step never queries the heuristic. The groups of a ragged
  * GEMM (tm__gemm_cuda_ragged) share a plan per power-of-two bucket of their ragged size.
@@ -38,7 +38,7 @@ static uint32_t tm__align_of(const void *p) {
 
 static tm_status tm__gemm_plan_make(tm_ctx *ctx, tm__cuda *st, tm__gemm_plan *p) {
     const char *what = "gemm";
-    cudaDataType_t ty = p->dt == TM_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+    cudaDataType_t ty = p->dt == TM_BF16 ? CUDA_R_16BF : CUDA_R_32F, cty = p->cdt == TM_BF16 ? CUDA_R_16BF : CUDA_R_32F;
     /* f32 inputs accumulate in true f32 (not TF32): CPU/CUDA parity stays at f32 precision. */
     TM__LT_CHECK(ctx, what, cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     cublasOperation_t ta = p->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N; /* cuBLASLt A = our B */
@@ -51,7 +51,7 @@ static tm_status tm__gemm_plan_make(tm_ctx *ctx, tm__cuda *st, tm__gemm_plan *p)
     uint64_t lb_r = p->trans_a ? p->M : p->K, lb_c = p->trans_a ? p->K : p->M;
     TM__LT_CHECK(ctx, what, cublasLtMatrixLayoutCreate(&p->la, ty, la_r, la_c, p->ldb));
     TM__LT_CHECK(ctx, what, cublasLtMatrixLayoutCreate(&p->lb, ty, lb_r, lb_c, p->lda));
-    TM__LT_CHECK(ctx, what, cublasLtMatrixLayoutCreate(&p->lc, ty, p->N, p->M, p->ldc));
+    TM__LT_CHECK(ctx, what, cublasLtMatrixLayoutCreate(&p->lc, cty, p->N, p->M, p->ldc));
     p->cur_M = p->M, p->cur_K = p->K;
     if (p->batch > 1) {
         int32_t bc = (int32_t)p->batch;
@@ -82,8 +82,8 @@ static tm_status tm__gemm_plan_make(tm_ctx *ctx, tm__cuda *st, tm__gemm_plan *p)
                        __FILE__, __LINE__, cublasLtGetStatusString(bs), (int)bs);
     if (found < 1)
         return tm__err(ctx, TM_ERR_UNSUPPORTED,
-                       "%s: cuBLASLt has no algorithm for %s M=%lld N=%lld K=%lld batch=%lld trans=(%d,%d)", what,
-                       tm_dtype_name(p->dt), (long long)p->M, (long long)p->N, (long long)p->K,
+                       "%s: cuBLASLt has no algorithm for %s (C %s) M=%lld N=%lld K=%lld batch=%lld trans=(%d,%d)", what,
+                       tm_dtype_name(p->dt), tm_dtype_name(p->cdt), (long long)p->M, (long long)p->N, (long long)p->K,
                        (long long)p->batch, p->trans_a, p->trans_b);
     p->algo = res.algo;
     return TM_OK;
@@ -92,7 +92,7 @@ static tm_status tm__gemm_plan_make(tm_ctx *ctx, tm__cuda *st, tm__gemm_plan *p)
 static tm_status tm__gemm_plan_get(tm_ctx *ctx, tm__cuda *st, const tm__gemm_plan *key, tm__gemm_plan **out) {
     for (int i = 0; i < TM__GEMM_CACHE; i++) {
         tm__gemm_plan *p = &st->plans[i];
-        if (p->valid && p->dt == key->dt && p->trans_a == key->trans_a && p->trans_b == key->trans_b &&
+        if (p->valid && p->dt == key->dt && p->cdt == key->cdt && p->trans_a == key->trans_a && p->trans_b == key->trans_b &&
             p->M == key->M && p->N == key->N && p->K == key->K && p->lda == key->lda && p->ldb == key->ldb &&
             p->ldc == key->ldc && p->batch == key->batch && p->sa == key->sa && p->sb == key->sb &&
             p->sc == key->sc && p->align_a == key->align_a && p->align_b == key->align_b &&
@@ -135,6 +135,7 @@ static tm__gemm_plan tm__gemm_key(tm_dtype dt, int trans_a, int trans_b, int64_t
     tm__gemm_plan key;
     memset(&key, 0, sizeof key);
     key.dt = dt;
+    key.cdt = dt;
     key.trans_a = trans_a != 0;
     key.trans_b = trans_b != 0;
     key.M = M; key.N = N; key.K = K;
@@ -157,15 +158,16 @@ static tm_status tm__gemm_launch(tm_ctx *ctx, tm__cuda *st, const tm__gemm_plan 
     return TM_OK;
 }
 
-extern "C" tm_status tm__gemm_cuda(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N,
-                                   int64_t K, double alpha, const void *A, int64_t lda, int64_t sa, const void *B,
-                                   int64_t ldb, int64_t sb, double beta, void *C, int64_t ldc, int64_t sc,
-                                   int64_t batch) {
+extern "C" tm_status tm__gemm_cuda_out(tm_ctx *ctx, tm_dtype dt, tm_dtype cdt, int trans_a, int trans_b, int64_t M,
+                                       int64_t N, int64_t K, double alpha, const void *A, int64_t lda, int64_t sa,
+                                       const void *B, int64_t ldb, int64_t sb, double beta, void *C, int64_t ldc,
+                                       int64_t sc, int64_t batch) {
     tm__cuda *st;
     const char *what = "gemm";
     TM__TRY(tm__cu_enter(ctx, what, &st));
-    if (dt != TM_F32 && dt != TM_BF16)
-        return tm__err(ctx, TM_ERR_DTYPE, "%s: CUDA GEMM takes f32 or bf16, got %s", what, tm_dtype_name(dt));
+    if ((dt != TM_F32 && dt != TM_BF16) || (cdt != TM_F32 && cdt != TM_BF16))
+        return tm__err(ctx, TM_ERR_DTYPE, "%s: CUDA GEMM takes f32 or bf16, got %s (C %s)", what, tm_dtype_name(dt),
+                       tm_dtype_name(cdt));
     if (batch < 1) batch = 1;
     if (M == 0 || N == 0) return TM_OK;
     if (batch > INT32_MAX)
@@ -174,14 +176,22 @@ extern "C" tm_status tm__gemm_cuda(tm_ctx *ctx, tm_dtype dt, int trans_a, int tr
         /* An empty inner dimension: C = beta * C, which cuBLASLt does not take as a GEMM. */
         if (beta == 1.0) return TM_OK;
         if (beta == 0.0 && ldc == N && (batch == 1 || sc == M * N))
-            TM__CU_CHECK(ctx, what, cudaMemsetAsync(C, 0, (size_t)(batch * M * N) * tm_dtype_size(dt), st->stream));
+            TM__CU_CHECK(ctx, what, cudaMemsetAsync(C, 0, (size_t)(batch * M * N) * tm_dtype_size(cdt), st->stream));
         else
             return tm__err(ctx, TM_ERR_UNSUPPORTED, "%s: K == 0 with beta %g on a strided C", what, beta);
         return TM_OK;
     }
     tm__gemm_plan key = tm__gemm_key(dt, trans_a, trans_b, M, N, K, A, lda, sa, B, ldb, sb, C, ldc, sc, batch), *p;
+    key.cdt = cdt;
     TM__TRY(tm__gemm_plan_get(ctx, st, &key, &p));
     return tm__gemm_launch(ctx, st, p, alpha, A, B, beta, C);
+}
+
+extern "C" tm_status tm__gemm_cuda(tm_ctx *ctx, tm_dtype dt, int trans_a, int trans_b, int64_t M, int64_t N,
+                                   int64_t K, double alpha, const void *A, int64_t lda, int64_t sa, const void *B,
+                                   int64_t ldb, int64_t sb, double beta, void *C, int64_t ldc, int64_t sc,
+                                   int64_t batch) {
+    return tm__gemm_cuda_out(ctx, dt, dt, trans_a, trans_b, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch);
 }
 
 /* The bucket of a ragged size: the next power of two, at least 64. */

@@ -8,12 +8,22 @@
  *   saved[0] xf      (T, H)   f32, cuBLASLt path with bf16 x only: x widened (exact), which dw reads
  * Backward: dx = dlogits @ w^T, dw += x^T @ dlogits (dx written when fresh, else added).
  *
- * Two paths, the same products of exactly widened inputs in f32:
+ * Three paths, the same products of exactly widened inputs in f32:
  *   direct   bf16 x, f32 w, H a multiple of 8, x on a 16-byte boundary, E <= 8 (MG_DIRECT_MAX_E
  *            says why not more): the kernels below read bf16 x with 16-byte loads and never
  *            widen it in memory.
- *   cuBLASLt anything else (f32 x; odd H; more experts): cuBLASLt's true f32 GEMM (no TF32: tm__gemm_cuda) on x,
- *            or on an f32 copy of bf16 x kept for dw.
+ *   split    bf16 x and f32 w otherwise, when the context asks for it (tm__gating_set_split; off
+ *            by default: written in session 16 without device time to measure it, checked only by
+ *            the tests in tests/test_cuda_parity.c once they run on a GPU). x is exactly bf16, so
+ *            x @ w = x @ w_hi + x @ w_mid + x @ w_lo with w split into three bf16 terms (24
+ *            mantissa bits), each product exact in f32: one cuBLASLt bf16 GEMM against
+ *            [w_hi | w_mid | w_lo] into f32, then the three column blocks summed (small first).
+ *            dw likewise with dlogits split; dx, both operands f32, as one bf16 GEMM over K = 6E
+ *            (the six products of the splits above 2^-24), rounded once into bf16 dx by the
+ *            GEMM. Tensor cores instead of the CUDA cores' f32 FMAs, where E > 8 makes the
+ *            products FMA-bound (MG_DIRECT_MAX_E).
+ *   cuBLASLt anything else (f32 x; odd H; more experts without the split): cuBLASLt's true f32 GEMM
+ *            (no TF32: tm__gemm_cuda) on x, or on an f32 copy of bf16 x kept for dw.
  *
  * Why the direct path: E is 8 to 64, so each GEMM is a thin one (T x H x E, H x E x T); cuBLASLt's
  * f32 kernels on the widened copy cost about 150 us a layer at the coarse preset (the cast's
@@ -296,6 +306,45 @@ __global__ void mg_dw_reduce_kernel(const float *__restrict__ part, float *__res
     }
 }
 
+/* ---- the split path: bf16 MMAs (cuBLASLt) on a three-term bf16 split of the f32 operand ------- */
+/* v = hi + mid + lo + r, |r| <= 2^-25 |v| or so: hi = rn(v), mid = rn(v - hi), lo = rn(v - hi - mid),
+ * each difference exact in f32 (Sterbenz). x is exactly bf16, so x w = x hi + x mid + x lo, three
+ * bf16 products whose terms are exact in f32 (8 x 8 mantissa bits). */
+__device__ __forceinline__ void mg_split3(float v, tm__bf16 *p) {
+    const tm__bf16 h = __float2bfloat16_rn(v);
+    const float r1 = v - __bfloat162float(h);
+    const tm__bf16 m = __float2bfloat16_rn(r1);
+    p[0] = h, p[1] = m, p[2] = __float2bfloat16_rn(r1 - __bfloat162float(m));
+}
+/* Which plane (0 hi, 1 mid, 2 lo) each of n column blocks holds. */
+struct mg_pattern {
+    int n, plane[6];
+};
+/* dst (R, n E) bf16: column block j of row r is plane pat.plane[j] of src row r (R, E) f32. */
+__global__ void mg_split_kernel(const float *__restrict__ src, tm__bf16 *__restrict__ dst, int64_t R, int E, mg_pattern pat) {
+    const int64_t n = R * E;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / E;
+        const int e = (int)(i - r * E);
+        tm__bf16 pl[3];
+        mg_split3(src[i], pl);
+        tm__bf16 *d = dst + r * pat.n * E + e;
+        for (int j = 0; j < pat.n; j++) d[(int64_t)j * E] = pl[pat.plane[j]];
+    }
+}
+/* out[r][e] = (fresh ? 0 : out[r][e]) + ((y[r][2E + e] + y[r][E + e]) + y[r][e]): the products with
+ * lo, mid and hi of y (R, 3E) f32, the small ones first. */
+__global__ void mg_sum3_kernel(const float *__restrict__ y, float *__restrict__ out, int64_t R, int E, int fresh) {
+    const int64_t n = R * E;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / E;
+        const int e = (int)(i - r * E);
+        const float *yr = y + r * 3 * E;
+        const float v = (yr[2 * E + e] + yr[E + e]) + yr[e];
+        out[i] = fresh ? v : out[i] + v;
+    }
+}
+
 /* ---- host ----------------------------------------------------------------------------------- */
 
 /* The direct kernels' conditions: bf16 x in rows of H, H a multiple of 8, 16-byte aligned, and
@@ -316,6 +365,79 @@ static tm_status mg_launch(tm_ctx *ctx, K kernel, dim3 grid, size_t smem, cudaSt
     return TM_OK;
 }
 
+/* The split path's planes of src (R, E) f32 in scratch: (R, n E) bf16 by pattern (see mg_pattern). */
+static tm_status mg_planes(tm_ctx *ctx, tm__cuda *st, const float *src, int64_t R, int64_t E, mg_pattern pat, tm__bf16 **dst) {
+    TM__TRY(tm__cu_scratch(ctx, st, (size_t)R * pat.n * E * sizeof(tm__bf16), (void **)dst));
+    mg_split_kernel<<<tm__cu_blocks(st, R * E), TM__CU_THREADS, 0, st->stream>>>(src, *dst, R, (int)E, pat);
+    TM__CU_LAUNCHED(ctx, "moe_gating", "mg_split_kernel");
+    return TM_OK;
+}
+static tm_status mg_sum3(tm_ctx *ctx, tm__cuda *st, const float *y, float *out, int64_t R, int64_t E, int fresh) {
+    mg_sum3_kernel<<<tm__cu_blocks(st, R * E), TM__CU_THREADS, 0, st->stream>>>(y, out, R, (int)E, fresh);
+    TM__CU_LAUNCHED(ctx, "moe_gating", "mg_sum3_kernel");
+    return TM_OK;
+}
+static const mg_pattern MG_HML = {3, {0, 1, 2}}; /* hi | mid | lo */
+
+/* Split path, forward: Y (T, 3E) f32 = x @ [w_hi | w_mid | w_lo] (one bf16 GEMM), then logits =
+ * the sum of Y's three blocks. Saves nothing (dw reads bf16 x). */
+static tm_status mg_forward_split(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    const tm_tensor *x = c->in[0], *w = c->in[1];
+    const int64_t T = x->shape[0], H = x->shape[1], E = w->shape[1];
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(ctx, "moe_gating", &st));
+    tm__gating_split_count(ctx);
+    if (T == 0 || E == 0) return TM_OK;
+    tm__bf16 *w3;
+    float *y3;
+    TM__TRY(mg_planes(ctx, st, (const float *)tm__data(w), H, E, MG_HML, &w3));
+    TM__TRY(tm__cu_scratch(ctx, st, (size_t)T * 3 * E * sizeof(float), (void **)&y3));
+    TM__TRY(tm__gemm_cuda_out(ctx, TM_BF16, TM_F32, 0, 0, T, 3 * E, H, 1.0, tm__data(x), H, 0, w3, 3 * E, 0, 0.0, y3, 3 * E,
+                              0, 1));
+    return mg_sum3(ctx, st, y3, (float *)tm__data(c->out[0]), T, E, 1);
+}
+
+/* Split path, backward:
+ *   dx (T, H) bf16 = [g_hi g_hi g_mid g_hi g_mid g_lo] @ [w_hi w_mid w_hi w_lo w_mid w_hi]^T, one
+ *     bf16 GEMM over K = 6E whose f32 sum holds every product of the splits above 2^-24 of the
+ *     terms, written (fresh) or added in f32 to dx and rounded once by the GEMM's epilogue;
+ *   dw (H, E) f32 (+)= the sum of the blocks of x^T @ [g_hi | g_mid | g_lo] (H, 3E). */
+static tm_status mg_backward_split(tm__call *c) {
+    tm_ctx *ctx = c->ctx;
+    const tm_tensor *x = c->in[0], *w = c->in[1];
+    tm_tensor *gx = c->gin[0], *gw = c->gin[1];
+    const int64_t T = x->shape[0], H = x->shape[1], E = w->shape[1];
+    const float *G = (const float *)tm__data(c->gout[0]), *W = (const float *)tm__data(w);
+    tm__cuda *st;
+    TM__TRY(tm__cu_enter(ctx, "moe_gating", &st));
+    if (gx && E == 0) {
+        if (c->gin_fresh[0] && T * H > 0)
+            TM__CU_CHECK(ctx, "moe_gating", cudaMemsetAsync(tm__data(gx), 0, (size_t)T * H * 2, st->stream));
+    } else if (gx && T > 0 && H > 0) {
+        const mg_pattern pa = {6, {0, 0, 1, 0, 1, 2}}, pb = {6, {0, 1, 0, 2, 1, 0}};
+        tm__bf16 *a6, *b6;
+        TM__TRY(mg_planes(ctx, st, G, T, E, pa, &a6));
+        TM__TRY(mg_planes(ctx, st, W, H, E, pb, &b6));
+        TM__TRY(tm__gemm_cuda(ctx, TM_BF16, 0, 1, T, H, 6 * E, 1.0, a6, 6 * E, 0, b6, 6 * E, 0, c->gin_fresh[0] ? 0.0 : 1.0,
+                              tm__data(gx), H, 0, 1));
+    }
+    if (gw && H > 0 && E > 0) {
+        if (T == 0) {
+            if (c->gin_fresh[1]) TM__CU_CHECK(ctx, "moe_gating", cudaMemsetAsync(tm__data(gw), 0, (size_t)H * E * 4, st->stream));
+        } else {
+            tm__bf16 *g3;
+            float *d3;
+            TM__TRY(mg_planes(ctx, st, G, T, E, MG_HML, &g3));
+            TM__TRY(tm__cu_scratch(ctx, st, (size_t)H * 3 * E * sizeof(float), (void **)&d3));
+            TM__TRY(tm__gemm_cuda_out(ctx, TM_BF16, TM_F32, 1, 0, H, 3 * E, T, 1.0, tm__data(x), H, 0, g3, 3 * E, 0, 0.0, d3,
+                                      3 * E, 0, 1));
+            TM__TRY(mg_sum3(ctx, st, d3, (float *)tm__data(gw), H, E, c->gin_fresh[1]));
+        }
+    }
+    return TM_OK;
+}
+
 extern "C" tm_status tm__moe_gating_forward_cuda(tm__call *c) {
     const tm_tensor *x = c->in[0], *w = c->in[1];
     const int64_t T = x->shape[0], H = x->shape[1], E = w->shape[1];
@@ -331,6 +453,7 @@ extern "C" tm_status tm__moe_gating_forward_cuda(tm__call *c) {
                           (int)T, (int)H, (int)E));
         return TM_OK;
     }
+    if (x->dtype == TM_BF16 && w->dtype == TM_F32 && tm__gating_split(c->ctx)) return mg_forward_split(c);
     const void *X = tm__data(x);
     if (x->dtype != w->dtype) { /* bf16 x: its f32 copy, kept for dw */
         tm_tensor *xf;
@@ -402,6 +525,7 @@ extern "C" tm_status tm__moe_gating_backward_cuda(tm__call *c) {
     tm_ctx *ctx = c->ctx;
     const tm_tensor *x = c->in[0], *w = c->in[1];
     if (mg_direct(x, w)) return mg_backward_direct(c);
+    if (x->dtype == TM_BF16 && w->dtype == TM_F32 && c->n_saved == 0) return mg_backward_split(c); /* as the forward went */
     tm_tensor *gx = c->gin[0], *gw = c->gin[1];
     const int64_t T = x->shape[0], H = x->shape[1], E = w->shape[1];
     const void *G = tm__data(c->gout[0]);
