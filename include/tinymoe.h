@@ -737,8 +737,9 @@ TM_API tm_status tm_attention(tm_ctx *ctx, tm_tensor *q, tm_tensor *k, tm_tensor
  *   logits  [T, E]  w's dtype: logits[t, e] = sum_h x[t, h] w[h, e]
  * The values of tm_matmul(tm_cast(x, dtype(w)), w) up to the f32 summation order: products of
  * exactly widened inputs summed in f32 (f64 for f64 w). On CUDA, bf16 x with H a multiple of 8
- * runs kernels that read bf16 x directly (no widened copy; kernels/cuda/moe_gating.cu); other
- * inputs run cuBLASLt's true f32 GEMM on x or an f32 copy of it.
+ * and at most 8 experts runs kernels that read bf16 x directly (no widened copy;
+ * kernels/cuda/moe_gating.cu); other inputs run cuBLASLt's true f32 GEMM on x or an f32 copy of
+ * it.
  * Backward: dx = dlogits w^T in x's dtype (added in f32 to a gradient x already has and rounded
  * once, where the cast's backward rounded twice), dw += x^T dlogits in w's dtype; every sum in a
  * fixed order (deterministic).
