@@ -392,6 +392,21 @@ Test(cuda_parity, moe_gating_split_bf16) {
  * value plus that. An operand used at bf16 precision would be off by about 2^-9 of the terms' root
  * sum of squares, some 10 times the limit at n 136. The cuBLASLt f32 path (split off) is held to
  * the same bounds. */
+/* got (M, N) against the f64 sums ref[i][j] = sum_k a[i ai + k ak] b[j bj + k bk] of K terms:
+ * |got - ref| <= rel |ref| + K 2^-23 sum_k |a b|. */
+static void gating_check(const char *what, int split, const double *got, int M, int N, int K, const double *a, int ai, int ak,
+                         const double *b, int bj, int bk, double rel) {
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            double ref = 0, mag = 0;
+            for (int k = 0; k < K; k++) {
+                const double term = a[i * ai + k * ak] * b[j * bj + k * bk];
+                ref += term, mag += fabs(term);
+            }
+            cr_assert_leq(fabs(got[i * N + j] - ref), rel * fabs(ref) + K * 0x1p-23 * mag + 1e-30,
+                          "split %d: %s[%d][%d] %.9g, f64 %.9g (sum of |terms| %.3g)", split, what, i, j, got[i * N + j], ref, mag);
+        }
+}
 static void gating_accuracy(int split) {
     enum { T = 300, H = 136, E = 40 };
     tm_ctx *ctx = tt_parity_ctx();
@@ -412,27 +427,10 @@ static void gating_accuracy(int split) {
     cr_assert_eq(tm__gating_split_launches(ctx) - before, (uint64_t)(split ? 1 : 0), "split %d: the path that ran", split);
     TT_OK(ctx, tm_backward_with_grad(ctx, y, g));
     double *xb = tt_read(ctx, x), *yl = tt_read(ctx, y), *dx = tt_read(ctx, tm_tensor_grad(x)), *dw = tt_read(ctx, tm_tensor_grad(w));
-    for (int t = 0; t < T; t++)
-        for (int e = 0; e < E; e++) {
-            double ref = 0, mag = 0;
-            for (int h = 0; h < H; h++) ref += xb[t * H + h] * wv[h * E + e], mag += fabs(xb[t * H + h] * wv[h * E + e]);
-            cr_assert_leq(fabs(yl[t * E + e] - ref), H * 0x1p-23 * mag + 1e-30, "split %d: logits[%d][%d] %.9g, f64 %.9g (sum of |terms| %.3g)",
-                          split, t, e, yl[t * E + e], ref, mag);
-        }
-    for (int h = 0; h < H; h++)
-        for (int e = 0; e < E; e++) {
-            double ref = 0, mag = 0;
-            for (int t = 0; t < T; t++) ref += xb[t * H + h] * gv[t * E + e], mag += fabs(xb[t * H + h] * gv[t * E + e]);
-            cr_assert_leq(fabs(dw[h * E + e] - ref), T * 0x1p-23 * mag + 1e-30, "split %d: dw[%d][%d] %.9g, f64 %.9g (sum of |terms| %.3g)",
-                          split, h, e, dw[h * E + e], ref, mag);
-        }
-    for (int t = 0; t < T; t++)
-        for (int h = 0; h < H; h++) {
-            double ref = 0, mag = 0;
-            for (int e = 0; e < E; e++) ref += gv[t * E + e] * wv[h * E + e], mag += fabs(gv[t * E + e] * wv[h * E + e]);
-            cr_assert_leq(fabs(dx[t * H + h] - ref), ldexp(fabs(ref), -8) + E * 0x1p-23 * mag + 1e-30,
-                          "split %d: dx[%d][%d] %.9g, f64 %.9g", split, t, h, dx[t * H + h], ref);
-        }
+    /* logits = x w, dw = x^T dlogits, dx = dlogits w^T */
+    gating_check("logits", split, yl, T, E, H, xb, H, 1, wv, 1, E, 0.0);
+    gating_check("dw", split, dw, H, E, T, xb, 1, H, gv, 1, E, 0.0);
+    gating_check("dx", split, dx, T, H, E, gv, E, 1, wv, E, 1, 0x1p-8);
     free(xv), free(wv), free(gv), free(xb), free(yl), free(dx), free(dw);
     tm_ctx_free(ctx);
 }

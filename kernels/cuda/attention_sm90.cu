@@ -99,14 +99,6 @@ __device__ __forceinline__ void fa90_rs(float *d, const uint32_t *a, uint64_t db
     if (N == 64) tm__wgmma_rs_n64<1>(d, a, db, 1);
     else tm__wgmma_rs_n128<1>(d, a, db, 1);
 }
-__device__ __forceinline__ float fa90_quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float fa90_quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 /* g[0..1] (+)= (a, b), rounded once; fresh: g not read. */
 __device__ __forceinline__ void fa90_add2(fa90_bf16 *g, float a, float b, int fresh) {
     if (!fresh) {
@@ -171,7 +163,7 @@ __device__ __forceinline__ void fa90_fwd_tile(const fa90_p &p, float *o, float *
         mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
         mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
     }
-    const float mx[2] = {fa90_quad_max(mx0) * p.scale_log2, fa90_quad_max(mx1) * p.scale_log2};
+    const float mx[2] = {tm__quad_max(mx0) * p.scale_log2, tm__quad_max(mx1) * p.scale_log2};
     float cr[2], mu[2];
     bool moved = false;
 #pragma unroll
@@ -226,7 +218,7 @@ __device__ __forceinline__ void fa90_fwd_store(const fa90_p &p, const float *o, 
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int i = w0 + half * 8 + g;
-        const float lt = fa90_quad_sum(l[half]);
+        const float lt = tm__quad_sum(l[half]);
         if (i >= p.Tq) continue;
         const float inv = 1.0f / lt;
         fa90_bf16 *orow = p.out + ((long long)b * p.Tq + i) * p.qs + (long long)h * D + t4 * 2;

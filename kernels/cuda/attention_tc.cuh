@@ -112,15 +112,6 @@ __device__ __forceinline__ void fa_add2(tm__bf16 *g, float a, float b, int fresh
     tm__st(g, (fresh ? 0.0f : tm__ld(g)) + a);
     tm__st(g + 1, (fresh ? 0.0f : tm__ld(g + 1)) + b);
 }
-/* The max and the sum of a row over the 4 lanes of a quad (a row of an mma accumulator). */
-__device__ __forceinline__ float fa_quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float fa_quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 
 /* ---- forward: one block per (b, h, 64 MT query rows), 16 MT rows per warp ------------------------ */
 
@@ -233,7 +224,7 @@ __global__ void __launch_bounds__(FA_THREADS) fa_forward_kernel(fa_params p) {
                     mx0 = fmaxf(mx0, fmaxf(s[mt][n][0], s[mt][n][1]));
                     mx1 = fmaxf(mx1, fmaxf(s[mt][n][2], s[mt][n][3]));
                 }
-                mx0 = fa_quad_max(mx0) * p.scale_log2, mx1 = fa_quad_max(mx1) * p.scale_log2;
+                mx0 = tm__quad_max(mx0) * p.scale_log2, mx1 = tm__quad_max(mx1) * p.scale_log2;
                 const float mx[2] = {mx0, mx1};
 #pragma unroll
                 for (int half = 0; half < 2; half++) {
@@ -299,7 +290,7 @@ __global__ void __launch_bounds__(FA_THREADS) fa_forward_kernel(fa_params p) {
 #pragma unroll
         for (int half = 0; half < 2; half++) {
             const int i = w0 + mt * 16 + half * 8 + g;
-            const float lt = fa_quad_sum(l[mt][half]);
+            const float lt = tm__quad_sum(l[mt][half]);
             if (i >= p.Tq) continue;
             const float inv = 1.0f / lt;
             tm__bf16 *orow = p.out + ((int64_t)b * p.Tq + i) * p.qs + (int64_t)h * D + t4 * 2;

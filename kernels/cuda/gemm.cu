@@ -1,7 +1,8 @@
 /*
  * gemm.cu — every CUDA matmul goes through tm__gemm_cuda: cuBLASLt with f32 compute (bf16 or f32
- * inputs and outputs of the inputs' dtype; tm__gemm_cuda_out: bf16 inputs into f32), row-major operands mapped onto cuBLASLt's column-major view, and a small cache of
- * plans (descriptors + the heuristic's algorithm) keyed by shape, transposes, leading dims and
+ * inputs, outputs in the inputs' dtype; tm__gemm_cuda_out: bf16 inputs into f32 outputs),
+ * row-major operands mapped onto cuBLASLt's column-major view, and a small cache of plans
+ * (descriptors + the heuristic's algorithm) keyed by shape, dtypes, transposes, leading dims and
  * pointer alignment, so a steady-state step never queries the heuristic. The groups of a ragged
  * GEMM (tm__gemm_cuda_ragged) share a plan per power-of-two bucket of their ragged size.
  */

@@ -12,6 +12,8 @@
  *   tm__ldsm_x4[_trans]   ldmatrix: four 8x8 b16 matrices from shared memory into registers
  *   tm__mma_bf16_16816    mma.sync m16n8k16, bf16 x bf16 + f32 -> f32
  *   tm__pack_bf16x2       two f32 rounded into one bf16x2 register (fragment or output pair)
+ *   tm__quad_max / _sum   a value's max / sum over the 4 lanes of a quad (lanes 4g..4g+3: one
+ *                         row of an mma or wgmma accumulator)
  *
  * PTX ISA 9.0 (CUDA 13.0), by section title: "Data Movement and Conversion Instructions:
  * cp.async", "cp.async.commit_group", "cp.async.wait_group"; "Warp-level matrix load
@@ -139,6 +141,16 @@ __device__ __forceinline__ void tm__mma_bf16_16816(float *d, const uint32_t *a, 
 __device__ __forceinline__ uint32_t tm__pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t *>(&v);
+}
+
+/* The max and the sum of a row over the 4 lanes of a quad (a row of an mma / wgmma accumulator). */
+__device__ __forceinline__ float tm__quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float tm__quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 #endif

@@ -49,6 +49,7 @@
  */
 #include "common.cuh"
 #include "mma.cuh"
+#include "vec.cuh"
 
 #define MG_THREADS 256
 #define MG_ST 4       /* forward: cp.async stages */
@@ -60,22 +61,10 @@
 /* The direct path's experts at most. With more, the products are bound by the CUDA cores' f32 FMA
  * rate (3 T H E FMAs a layer: 3.2 G at the fine preset, >= 108 us at an H200's peak), where
  * cuBLASLt's SIMT GEMMs come closer to the peak than these kernels; one training A/B at fine (E 64)
- * gave no gain. The way past that is the tensor cores: x is exactly bf16, so x @ w = x @ w_hi +
- * x @ w_mid + x @ w_lo with w split into three bf16 terms (24 bits) is an f32-accurate product
- * on bf16 MMAs with f32 accumulation (the same split for dw's dlogits). Not done yet. */
+ * gave no gain. The way past that is the tensor cores: the split path below (off by default until
+ * measured). */
 #define MG_DIRECT_MAX_E 8
 
-__device__ __forceinline__ float mg_f32(tm__bf16 v) { return __bfloat162float(v); }
-/* 8 bf16 (16 bytes at p) widened */
-__device__ __forceinline__ void mg_load8(const tm__bf16 *p, float *f) {
-    const uint4 u = *reinterpret_cast<const uint4 *>(p);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
 /* Rows [r0, r0 + R) of a bf16 (rows, ld) matrix, columns [c0, c0 + C) (C a multiple of 8), into
  * shared memory at d with row stride DS elements, by cp.async of 16 bytes; rows >= rows_end and
  * columns >= cols_end (a multiple of 8) are zero-filled. */
@@ -148,7 +137,7 @@ __global__ void __launch_bounds__(MG_THREADS) mg_forward_kernel(const tm__bf16 *
             }
 #pragma unroll
             for (int r = 0; r < RT; r++) {
-                const float xv = mg_f32(xt[r * C::XS + hh]);
+                const float xv = __bfloat162float(xt[r * C::XS + hh]);
 #pragma unroll
                 for (int j = 0; j < RE; j++) acc[r][j] = fmaf(xv, wv[j], acc[r][j]);
             }
@@ -213,19 +202,13 @@ __global__ void __launch_bounds__(MG_THREADS) mg_dx_kernel(const float *__restri
         const int t = t0 + ty * RT + r;
         if (t >= T) continue;
         tm__bf16 *p = dx + (int64_t)t * H + h;
-        float v[8];
-#pragma unroll
-        for (int k = 0; k < 8; k++) v[k] = acc[r][k];
         if (!fresh) {
             float o[8];
-            mg_load8(p, o);
+            tm__vld<8>(p, o);
 #pragma unroll
-            for (int k = 0; k < 8; k++) v[k] += o[k];
+            for (int k = 0; k < 8; k++) acc[r][k] += o[k];
         }
-        uint4 u;
-        u.x = tm__pack_bf16x2(v[0], v[1]), u.y = tm__pack_bf16x2(v[2], v[3]);
-        u.z = tm__pack_bf16x2(v[4], v[5]), u.w = tm__pack_bf16x2(v[6], v[7]);
-        *reinterpret_cast<uint4 *>(p) = u;
+        tm__vst<8>(p, acc[r]);
     }
 }
 
@@ -277,7 +260,7 @@ __global__ void __launch_bounds__(MG_THREADS) mg_dw_partial_kernel(const tm__bf1
                 gv[j] = v.x, gv[j + 1] = v.y, gv[j + 2] = v.z, gv[j + 3] = v.w;
             }
 #pragma unroll
-            for (int r = 0; r < RH; r++) xv[r] = mg_f32(xt[t * C::XS + r]);
+            for (int r = 0; r < RH; r++) xv[r] = __bfloat162float(xt[t * C::XS + r]);
 #pragma unroll
             for (int r = 0; r < RH; r++)
 #pragma unroll
