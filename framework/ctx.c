@@ -122,6 +122,7 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->cuda_device = -1;
     ctx->perturb_op = -1;
     ctx->mem_reuse = 1;
+    ctx->gating_split = 1; /* tm__gating_set_split */
     ctx->be[TM__CPU] = o.plan_only ? &tm__plan_backend : tm__backend_get(TM__CPU);
     ctx->plan_only = o.plan_only;
     if (o.cuda_device >= 0) {

@@ -370,7 +370,9 @@ Test(cuda_parity, all_ops_bf16) {
 }
 
 /* tm_moe_gating's split path (kernels/cuda/moe_gating.cu: bf16 GEMMs on a three-term bf16 split of
- * w or of dlogits; off by default, tm__gating_set_split): the moe_gating cases in bf16 with it on,
+ * w or of dlogits; on by default, but the parity context turns it off unless tt_parity_gating_split
+ * says otherwise, so that all_ops_bf16 keeps checking the cuBLASLt path): the moe_gating cases in
+ * bf16 with it on,
  * against the CPU, and proof that it ran (the cases with at most 8 experts and H a multiple of 8
  * take the direct kernels; three cases do not). */
 Test(cuda_parity, moe_gating_split_bf16) {
