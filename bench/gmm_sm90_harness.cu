@@ -6,6 +6,7 @@
  *        bench/gmm_sm90_harness.cu kernels/cuda/grouped_matmul_sm90.cu -lcublas -o gmm_sm90_harness
  *   (or make CUDA=1 gmm-sm90-harness: build/bench/gmm_sm90_harness)
  *   ./gmm_sm90_harness [--check] [--small] [--time] [--T 16384 --k 6 --E 64 --H 2048 --F 1408] [--iters 20]
+ *   GMM90_SCHED=1 (cooperative) or 2 (ping-pong) picks the consumers' schedule; GMM90_BN=128|256
  *
  * --check: FWD, DX and DW against cuBLAS per group (cublasGemmEx, bf16 in and out, f32 compute:
  *   the per-group path tm_grouped_matmul takes today) on ragged groups with empty ones, one-row
@@ -131,6 +132,13 @@ static void ref_gemm(int mode, const bf16 *A, const bf16 *B, bf16 *C, const std:
     }
 }
 
+/* GMM90_SCHED: 1 cooperative, 2 ping-pong for FWD, DX and FWD_SWIGLU (DW is always cooperative);
+ * unset or 0: the kernel's choice (tm__gmm90_args.schedule) */
+static int sched_env(void) {
+    static const int v = getenv("GMM90_SCHED") ? atoi(getenv("GMM90_SCHED")) : 0;
+    return v;
+}
+
 static void ours(int mode, const bf16 *A, const bf16 *B, bf16 *C, const int64_t *dcnt, int64_t G, int64_t R, int64_t K,
                  int64_t N) {
     static const int bn = getenv("GMM90_BN") ? atoi(getenv("GMM90_BN")) : 0;
@@ -138,6 +146,7 @@ static void ours(int mode, const bf16 *A, const bf16 *B, bf16 *C, const int64_t 
     if (!sched && !getenv("GMM90_STATIC")) CK(cudaMalloc(&sched, sizeof(int)));
     if (mode == TM__GMM90_DW && sched) CK(cudaMemsetAsync(sched, 0, sizeof(int), 0));
     tm__gmm90_args a = {mode, A, B, C, dcnt, G, R, K, N, bn, 0, 0, mode == TM__GMM90_DW ? sched : NULL, NULL, NULL, NULL};
+    a.schedule = mode == TM__GMM90_DW ? 0 : sched_env();
     char why[512];
     int rc = tm__gmm90_run(&a, 0, why, sizeof why);
     if (rc) {
@@ -152,6 +161,7 @@ static void ours_swiglu(const bf16 *x, const bf16 *wg, const bf16 *wu, bf16 *h, 
                         const int64_t *dcnt, int64_t G, int64_t R, int64_t K, int64_t N) {
     static const int bn = getenv("GMM90_BN") ? atoi(getenv("GMM90_BN")) : 0;
     tm__gmm90_args a = {TM__GMM90_FWD_SWIGLU, x, wg, h, dcnt, G, R, K, N, bn, 0, 0, NULL, wu, gate, up};
+    a.schedule = sched_env();
     char why[512];
     int rc = tm__gmm90_run(&a, 0, why, sizeof why);
     if (rc) {

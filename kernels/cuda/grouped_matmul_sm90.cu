@@ -111,12 +111,13 @@
  * schedule at 1024 groups */
 #define GMM90_SMEM_BUDGET (232448 - 1024 - 128 - 3 * GMM90_TQ * 8 - 3 * (TM__GMM90_MAX_G + 2) * 4)
 
-template <int BN> struct gmm90_cfg {
+template <int BN, bool PP = false> struct gmm90_cfg {
     static constexpr int A_BYTES = GMM90_BM * GMM90_BK * 2;
     static constexpr int B_BYTES = BN * GMM90_BK * 2;
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-    /* the epilogue's staging tile: per consumer warpgroup 64 rows x BN, as BN / 64 swizzled boxes */
-    static constexpr int STG_WG = 64 * BN * 2;
+    /* the epilogue's staging tile: per consumer warpgroup its rows (64, or ping-pong 128) x BN, as
+     * BN / 64 swizzled boxes per 64 rows */
+    static constexpr int STG_WG = (PP ? 128 : 64) * BN * 2;
     static constexpr int STG_BYTES = 2 * STG_WG;
     static constexpr int FIT = (GMM90_SMEM_BUDGET - STG_BYTES) / STAGE_BYTES;
     static constexpr int STAGES = FIT > 6 ? 6 : FIT;
@@ -155,6 +156,7 @@ struct gmm90_params {
 /* Ties the accumulators to this point: no read or write of them moves across it. */
 __device__ __forceinline__ void gmm90_reg_fence(float &r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void gmm90_bar(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void gmm90_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
 
 /* d (64 x N f32, the warpgroup's fragments) (+)= A (64 x 16) @ B (16 x N), both from shared memory
  * through descriptors; TA / TB: A M-major / B N-major (else K-major); scale_d 0: d = A B. The
@@ -189,13 +191,14 @@ struct gmm90_tile {
 /* WRITE (DX, DW): the gradient is fresh (call->gin_fresh): written as the forward writes y,
  * beta = 0, without loading the old tile; DX's rows past the groups get 0, DW's empty groups
  * are the caller's (grouped_matmul.cu zeroes them) */
-template <int MODE, int BN, bool WRITE = false>
+template <int MODE, int BN, bool WRITE = false, bool PP = false>
 __global__ void __launch_bounds__(GMM90_THREADS, 1)
     gmm90_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                  const __grid_constant__ CUtensorMap tmC, const __grid_constant__ CUtensorMap tmB2,
                  const __grid_constant__ CUtensorMap tmC2, const __grid_constant__ CUtensorMap tmC3, gmm90_params p) {
 #ifdef GMM90_DEVICE
-    typedef gmm90_cfg<BN> CF;
+    typedef gmm90_cfg<BN, PP> CF;
+    static_assert(!PP || (BN == 128 && MODE != TM__GMM90_DW), "ping-pong: M-grouped at BN 128 (128 accumulators a thread)");
     constexpr int STAGES = CF::STAGES;
     constexpr bool MG = MODE != TM__GMM90_DW; /* M-grouped */
     /* FWD_SWIGLU: the tile's BN accumulator columns are BN / 2 columns of w_gate, then the same
@@ -220,7 +223,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
     if (tid == 0) {
         for (int s = 0; s < STAGES; s++) {
             tm__mbar_init(tm__smem_u32(&full[s]), 1);
-            tm__mbar_init(tm__smem_u32(&empty[s]), 8);
+            tm__mbar_init(tm__smem_u32(&empty[s]), PP ? 4 : 8); /* each consumer warp that reads the slab */
         }
         for (int q = 0; q < GMM90_TQ; q++) {
             tm__mbar_init(tm__smem_u32(&tq_full[q]), 1);
@@ -381,10 +384,15 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
     constexpr bool ACCUM = MODE != TM__GMM90_FWD && !SW && !WRITE;
     constexpr int TA = MODE == TM__GMM90_DW ? 1 : 0; /* A M-major */
     constexpr int TB = MODE == TM__GMM90_DX ? 0 : 1; /* B N-major */
-    float acc[BN / 2];
+    /* A warpgroup's rows of a tile, in halves of 64 (one m64 wgmma each): cooperative, rows
+     * [64 w, + 64) of the CTA's tile; ping-pong, all 128 rows of its own tile */
+    constexpr int HALVES = PP ? 2 : 1;
+    constexpr int NA = BN / 2;           /* accumulators of a half, per thread */
+    constexpr int STG_HALF = 64 * BN * 2; /* staging bytes of a half */
+    float acc[HALVES * NA];
     int s = 0, ph = 0;
-    /* This warpgroup's staging tile: BN / 64 boxes of 64 rows x 128 bytes, 128-byte swizzle (the
-     * TMA store's layout): element (r, c) at box c / 64, line r, 16-byte chunk (c % 64 / 8) ^ (r % 8). */
+    /* This warpgroup's staging: per half BN / 64 boxes of 64 rows x 128 bytes, 128-byte swizzle
+     * (the TMA store's layout): element (r, c) at box c / 64, line r, 16-byte chunk (c % 64 / 8) ^ (r % 8). */
     unsigned char *stg = sStg + w * CF::STG_WG;
     const uint32_t stg_a = tm__smem_u32(stg);
     const int wbar = 2 + w; /* named barrier of this warpgroup's 128 threads */
@@ -406,16 +414,29 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
         }
         if (t >= total) break;
         const gmm90_tile tl = decode(t);
-        /* this warpgroup's rows of C: [wrow, wrow + 64), stored below wlim */
-        const int wrow = (MG ? tl.r0 : tl.m0) + 64 * w, wlim = MG ? tl.r1 : p.M;
+        if (PP && (k & 1) != w) {
+            /* the other warpgroup's tile: step over its slabs in the ring */
+            const int n = MG && tl.g == G ? 0 : tl.nk;
+            for (int i = 0; i < n; i++)
+                if (++s == STAGES) s = 0, ph ^= 1;
+            continue;
+        }
+        /* Ping-pong: this warpgroup's main loop waits until the other's has issued its last wgmma
+         * (named barrier 4 + w, which the other arrives on), and passes the turn on once its own
+         * has: the main loops alternate, and each epilogue runs under the other's main loop. */
+        const bool pass_on = PP && t + (int)gridDim.x < total; /* the other warpgroup has tile k + 1 */
+        if (PP && k > 0) gmm90_bar(4 + w, 256);
+        /* this warpgroup's rows of C: [row0, row0 + 64 HALVES), stored below wlim */
+        const int row0 = (MG ? tl.r0 : tl.m0) + (PP ? 0 : 64 * w), wlim = MG ? tl.r1 : p.M;
         __nv_bfloat16 *Cg = MG ? p.C : p.C + (long long)tl.g * p.c_gstride;
-        (void)wrow, (void)wlim, (void)Cg;
+        (void)Cg, (void)pass_on;
         if (MG && tl.g == G) {
+            if (pass_on) gmm90_arrive(4 + (w ^ 1), 256);
             /* rows past the groups (bad counts only): FWD writes y = 0 there, DX adds nothing
              * (a fresh dx gets 0 there) */
             if (MODE == TM__GMM90_FWD || SW || WRITE) {
                 const __nv_bfloat162 z = __floats2bfloat162_rn(0.0f, 0.0f);
-                for (int r = tl.r0 + wl / 8 + 16 * w; r < tl.r0 + GMM90_BM && r < tl.r1; r += 32)
+                for (int r = row0 + wl / 8; r < row0 + 64 * HALVES && r < tl.r1; r += 16)
                     for (int col = tl.n0 + 2 * (wl & 7); col < tl.n0 + BNC && col < p.Nout; col += 16) {
                         *(__nv_bfloat162 *)(p.C + (long long)r * p.ldc + col) = z;
                         if (SW) {
@@ -451,137 +472,155 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                 }
                 const uint32_t aa = tm__smem_u32(a), ba = tm__smem_u32(b);
 #pragma unroll
-                for (int i = 0; i < BN / 2; i++) gmm90_reg_fence(acc[i]);
+                for (int i = 0; i < HALVES * NA; i++) gmm90_reg_fence(acc[i]);
                 tm__wgmma_fence();
 #pragma unroll
                 for (int j = 0; j < GMM90_BK / 16; j++) {
-                    uint64_t da, db;
-                    if (TA) da = tm__wgmma_desc(aa + w * 8192 + j * 2048, 8192, 1024);
-                    else da = tm__wgmma_desc(aa + w * 8192 + j * 32, 16, 1024);
+                    uint64_t db;
                     if (TB) db = tm__wgmma_desc(ba + j * 2048, 8192, 1024);
                     else db = tm__wgmma_desc(ba + j * 32, 16, 1024);
                     const int sc = (kt > 0 || j > 0) ? 1 : 0;
-                    if (BN == 256) gmm90_wgmma_n256<TA, TB>(acc, da, db, sc);
-                    else gmm90_wgmma_n128<TA, TB>(acc, da, db, sc);
+#pragma unroll
+                    for (int h = 0; h < HALVES; h++) {
+                        const int blk = PP ? h : w; /* the 64-row block of A: 8192 bytes apart */
+                        uint64_t da;
+                        if (TA) da = tm__wgmma_desc(aa + blk * 8192 + j * 2048, 8192, 1024);
+                        else da = tm__wgmma_desc(aa + blk * 8192 + j * 32, 16, 1024);
+                        if (BN == 256) gmm90_wgmma_n256<TA, TB>(acc + h * NA, da, db, sc);
+                        else gmm90_wgmma_n128<TA, TB>(acc + h * NA, da, db, sc);
+                    }
                 }
                 tm__wgmma_commit();
                 if (ACCUM && kt == (tl.nk > 1 ? 1 : 0)) {
                     /* beta = 1: the old C tile into the staging tile while the tensor cores work
                      * (by the second slab the last tile's store has long read the staging) */
                     stg_acquire();
-                    for (int idx = wl; idx < 64 * (BN / 8); idx += 128) {
-                        const int r = idx / (BN / 8), c8 = idx - r * (BN / 8);
-                        const int row = wrow + r, col = tl.n0 + 8 * c8;
-                        const bool ok = row < wlim && col < p.Nout;
-                        tm__cp_async16(stg_a + stg_off(r, c8), ok ? (const void *)(Cg + (long long)row * p.ldc + col) : p.C,
-                                   ok ? 16 : 0);
-                    }
+#pragma unroll
+                    for (int h = 0; h < HALVES; h++)
+                        for (int idx = wl; idx < 64 * (BN / 8); idx += 128) {
+                            const int r = idx / (BN / 8), c8 = idx - r * (BN / 8);
+                            const int row = row0 + 64 * h + r, col = tl.n0 + 8 * c8;
+                            const bool ok = row < wlim && col < p.Nout;
+                            tm__cp_async16(stg_a + h * STG_HALF + stg_off(r, c8),
+                                           ok ? (const void *)(Cg + (long long)row * p.ldc + col) : p.C, ok ? 16 : 0);
+                        }
                     tm__cp_async_commit();
                 }
 #pragma unroll
-                for (int i = 0; i < BN / 2; i++) gmm90_reg_fence(acc[i]);
+                for (int i = 0; i < HALVES * NA; i++) gmm90_reg_fence(acc[i]);
                 tm__wgmma_wait<1>();
                 if (prev >= 0 && lane == 0) tm__mbar_arrive(tm__smem_u32(&empty[prev]));
                 prev = s;
                 if (++s == STAGES) s = 0, ph ^= 1;
             }
+            if (pass_on) gmm90_arrive(4 + (w ^ 1), 256);
             tm__wgmma_wait<0>();
 #pragma unroll
-            for (int i = 0; i < BN / 2; i++) gmm90_reg_fence(acc[i]);
+            for (int i = 0; i < HALVES * NA; i++) gmm90_reg_fence(acc[i]);
             if (prev >= 0 && lane == 0) tm__mbar_arrive(tm__smem_u32(&empty[prev]));
         }
 
         /* -- epilogue -- */
+        /* matrices (rows 8 hm of the warp's 16, columns 8 i): m = lane / 8 -> hm = m & 1, i + (m >> 1) */
+        const int m = lane >> 3, r = 16 * warp + 8 * (m & 1) + (lane & 7);
         if constexpr (SW) {
-            /* gate and up rounded to bf16 -> staging (boxes [0, BN / 128) gate, the rest up, the
-             * accumulators' own column order) -> their TMA stores; once the gate boxes are read,
-             * h = swiglu(gate, up) of the rounded values -> those boxes -> its store. A warpgroup
-             * whose rows cross the group's end copies rows below it with 16-byte stores. */
+            /* per half: gate and up rounded to bf16 -> staging (boxes [0, BN / 128) gate, the rest
+             * up, the accumulators' own column order) -> their TMA stores; once the gate boxes are
+             * read, h = swiglu(gate, up) of the rounded values -> those boxes -> its store. Rows
+             * that cross the group's end are copied below it with 16-byte stores. */
             stg_acquire();
-            const bool whole = wrow + 64 <= wlim; /* the warpgroup's 64 rows all store (TMA) */
-            const int m = lane >> 3, r = 16 * warp + 8 * (m & 1) + (lane & 7);
 #pragma unroll
-            for (int i = 0; i < BN / 8; i += 2) {
-                const uint32_t o0 = 4 * i + 0, o1 = 4 * i + 2, o2 = 4 * (i + 1), o3 = 4 * (i + 1) + 2;
-                tm__stsm_x4(stg_a + stg_off(r, i + (m >> 1)), tm__pack_bf16x2(acc[o0], acc[o0 + 1]),
-                            tm__pack_bf16x2(acc[o1], acc[o1 + 1]), tm__pack_bf16x2(acc[o2], acc[o2 + 1]),
-                            tm__pack_bf16x2(acc[o3], acc[o3 + 1]));
-            }
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            gmm90_bar(wbar, 128);
-            if (whole) {
-                if (wl == 0) {
+            for (int hh = 0; hh < HALVES; hh++) {
+                const float *ac = acc + hh * NA;
+                const int wrow = row0 + 64 * hh;
+                if (wrow >= wlim) break; /* (uniform) no row of this half or the next stores */
+                const uint32_t sa = stg_a + hh * STG_HALF;
+                const unsigned char *sg = stg + hh * STG_HALF;
+                const bool whole = wrow + 64 <= wlim; /* the half's 64 rows all store (TMA) */
 #pragma unroll
-                    for (int j = 0; j < BN / 128; j++)
-                        if (tl.n0 + 64 * j < p.Nout) tm__tma_store_2d(&tmC2, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
-                    tm__bulk_commit();
-#pragma unroll
-                    for (int j = 0; j < BN / 128; j++)
-                        if (tl.n0 + 64 * j < p.Nout)
-                            tm__tma_store_2d(&tmC3, stg_a + (BN / 128 + j) * 8192, tl.n0 + 64 * j, wrow);
-                    tm__bulk_commit();
+                for (int i = 0; i < BN / 8; i += 2) {
+                    const uint32_t o0 = 4 * i + 0, o1 = 4 * i + 2, o2 = 4 * (i + 1), o3 = 4 * (i + 1) + 2;
+                    tm__stsm_x4(sa + stg_off(r, i + (m >> 1)), tm__pack_bf16x2(ac[o0], ac[o0 + 1]),
+                                tm__pack_bf16x2(ac[o1], ac[o1 + 1]), tm__pack_bf16x2(ac[o2], ac[o2 + 1]),
+                                tm__pack_bf16x2(ac[o3], ac[o3 + 1]));
                 }
-            } else {
-                for (int idx = wl; idx < 64 * (BN / 8); idx += 128) {
-                    const int rr = idx / (BN / 8), c8 = idx - rr * (BN / 8), up = c8 >= BN / 16;
-                    const int row = wrow + rr, col = tl.n0 + 8 * (c8 - up * (BN / 16));
-                    if (row < wlim && col < p.Nout)
-                        *(uint4 *)((up ? p.C3 : p.C2) + (long long)row * p.ldc + col) = *(const uint4 *)(stg + stg_off(rr, c8));
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                gmm90_bar(wbar, 128);
+                if (whole) {
+                    if (wl == 0) {
+#pragma unroll
+                        for (int j = 0; j < BN / 128; j++)
+                            if (tl.n0 + 64 * j < p.Nout) tm__tma_store_2d(&tmC2, sa + j * 8192, tl.n0 + 64 * j, wrow);
+                        tm__bulk_commit();
+#pragma unroll
+                        for (int j = 0; j < BN / 128; j++)
+                            if (tl.n0 + 64 * j < p.Nout)
+                                tm__tma_store_2d(&tmC3, sa + (BN / 128 + j) * 8192, tl.n0 + 64 * j, wrow);
+                        tm__bulk_commit();
+                    }
+                } else {
+                    for (int idx = wl; idx < 64 * (BN / 8); idx += 128) {
+                        const int rr = idx / (BN / 8), c8 = idx - rr * (BN / 8), up = c8 >= BN / 16;
+                        const int row = wrow + rr, col = tl.n0 + 8 * (c8 - up * (BN / 16));
+                        if (row < wlim && col < p.Nout)
+                            *(uint4 *)((up ? p.C3 : p.C2) + (long long)row * p.ldc + col) = *(const uint4 *)(sg + stg_off(rr, c8));
+                    }
                 }
-            }
-            /* h while the stores read the staging, packed as bf16 pairs in the fragment layout */
-            uint32_t hp[BN / 8];
+                /* h while the stores read the staging, packed as bf16 pairs in the fragment layout */
+                uint32_t hp[BN / 8];
 #pragma unroll
-            for (int q = 0; q < BN / 8; q++) {
-                const int o = 2 * q; /* accumulators o, o + 1: gate; o + BN / 4, + 1: up */
-                const float g0 = __bfloat162float(__float2bfloat16_rn(acc[o])), g1 = __bfloat162float(__float2bfloat16_rn(acc[o + 1]));
-                const float u0 = __bfloat162float(__float2bfloat16_rn(acc[o + BN / 4]));
-                const float u1 = __bfloat162float(__float2bfloat16_rn(acc[o + BN / 4 + 1]));
-                hp[q] = tm__pack_bf16x2(tm__swiglu_fwd(g0, u0), tm__swiglu_fwd(g1, u1));
-            }
-            if (whole && wl == 0) tm__bulk_wait_read1(); /* the gate's boxes are free for h */
-            gmm90_bar(wbar, 128);
-#pragma unroll
-            for (int i = 0; i < BN / 16; i += 2) /* hp[2 x] holds accumulators 4 x, + 1; hp[2 x + 1] 4 x + 2, + 3 */
-                tm__stsm_x4(stg_a + stg_off(r, i + (m >> 1)), hp[2 * i], hp[2 * i + 1], hp[2 * (i + 1)], hp[2 * (i + 1) + 1]);
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            gmm90_bar(wbar, 128);
-            if (whole) {
-                if (wl == 0) {
-#pragma unroll
-                    for (int j = 0; j < BN / 128; j++)
-                        if (tl.n0 + 64 * j < p.Nout) tm__tma_store_2d(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
-                    tm__bulk_commit();
+                for (int q = 0; q < BN / 8; q++) {
+                    const int o = 2 * q; /* accumulators o, o + 1: gate; o + BN / 4, + 1: up */
+                    const float g0 = __bfloat162float(__float2bfloat16_rn(ac[o])), g1 = __bfloat162float(__float2bfloat16_rn(ac[o + 1]));
+                    const float u0 = __bfloat162float(__float2bfloat16_rn(ac[o + BN / 4]));
+                    const float u1 = __bfloat162float(__float2bfloat16_rn(ac[o + BN / 4 + 1]));
+                    hp[q] = tm__pack_bf16x2(tm__swiglu_fwd(g0, u0), tm__swiglu_fwd(g1, u1));
                 }
-            } else {
-                for (int idx = wl; idx < 64 * (BN / 16); idx += 128) {
-                    const int rr = idx / (BN / 16), c8 = idx - rr * (BN / 16);
-                    const int row = wrow + rr, col = tl.n0 + 8 * c8;
-                    if (row < wlim && col < p.Nout)
-                        *(uint4 *)(p.C + (long long)row * p.ldc + col) = *(const uint4 *)(stg + stg_off(rr, c8));
+                /* the gate's boxes are free for h (up's store, the last group, may still read) */
+                if (whole && wl == 0) tm__bulk_wait_read1();
+                gmm90_bar(wbar, 128);
+#pragma unroll
+                for (int i = 0; i < BN / 16; i += 2) /* hp[2 x] holds accumulators 4 x, + 1; hp[2 x + 1] 4 x + 2, + 3 */
+                    tm__stsm_x4(sa + stg_off(r, i + (m >> 1)), hp[2 * i], hp[2 * i + 1], hp[2 * (i + 1)], hp[2 * (i + 1) + 1]);
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                gmm90_bar(wbar, 128);
+                if (whole) {
+                    if (wl == 0) {
+#pragma unroll
+                        for (int j = 0; j < BN / 128; j++)
+                            if (tl.n0 + 64 * j < p.Nout) tm__tma_store_2d(&tmC, sa + j * 8192, tl.n0 + 64 * j, wrow);
+                        tm__bulk_commit();
+                    }
+                } else {
+                    for (int idx = wl; idx < 64 * (BN / 16); idx += 128) {
+                        const int rr = idx / (BN / 16), c8 = idx - rr * (BN / 16);
+                        const int row = wrow + rr, col = tl.n0 + 8 * c8;
+                        if (row < wlim && col < p.Nout)
+                            *(uint4 *)(p.C + (long long)row * p.ldc + col) = *(const uint4 *)(sg + stg_off(rr, c8));
+                    }
                 }
             }
             continue;
         }
-        /* fragments (+ the old C in f32, rounded once) -> staging as bf16 -> TMA store of the
-         * warpgroup's 64 rows (TMA clips at R, K, N); a warpgroup whose rows cross the group's end
-         * copies its rows below it with 16-byte stores instead */
+        /* fragments (+ the old C in f32, rounded once) -> staging as bf16 -> TMA store of each
+         * half's 64 rows (TMA clips at R, K, N); a half whose rows cross the group's end copies
+         * its rows below it with 16-byte stores instead */
         if (ACCUM) {
             tm__cp_async_wait_all();
             gmm90_bar(wbar, 128);
         } else {
             stg_acquire();
         }
-        /* matrices (rows 8 h of the warp's 16, columns 8 i): m = lane / 8 -> h = m & 1, i + (m >> 1) */
-        {
-            const int m = lane >> 3, r = 16 * warp + 8 * (m & 1) + (lane & 7);
+#pragma unroll
+        for (int hh = 0; hh < HALVES; hh++) {
+            const float *ac = acc + hh * NA;
 #pragma unroll
             for (int i = 0; i < BN / 8; i += 2) {
-                const uint32_t addr = stg_a + stg_off(r, i + (m >> 1));
+                const uint32_t addr = stg_a + hh * STG_HALF + stg_off(r, i + (m >> 1));
                 float v[8];
 #pragma unroll
-                for (int j = 0; j < 4; j++) /* matrix j: h = j & 1, column block i + (j >> 1) */
-                    v[2 * j] = acc[4 * (i + (j >> 1)) + 2 * (j & 1)], v[2 * j + 1] = acc[4 * (i + (j >> 1)) + 2 * (j & 1) + 1];
+                for (int j = 0; j < 4; j++) /* matrix j: hm = j & 1, column block i + (j >> 1) */
+                    v[2 * j] = ac[4 * (i + (j >> 1)) + 2 * (j & 1)], v[2 * j + 1] = ac[4 * (i + (j >> 1)) + 2 * (j & 1) + 1];
                 if (ACCUM) {
                     uint32_t o[4];
                     tm__ldsm_x4(o, addr);
@@ -597,22 +636,27 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         gmm90_bar(wbar, 128);
-        if (!MG || wrow + 64 <= wlim) {
-            if (wl == 0) {
 #pragma unroll
-                for (int j = 0; j < BN / 64; j++) {
-                    if (tl.n0 + 64 * j >= p.Nout) break;
-                    if (MG) tm__tma_store_2d(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
-                    else tm__tma_store_3d(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow, tl.g);
+        for (int hh = 0; hh < HALVES; hh++) {
+            const int wrow = row0 + 64 * hh;
+            const uint32_t sa = stg_a + hh * STG_HALF;
+            if (!MG || wrow + 64 <= wlim) {
+                if (wl == 0) {
+#pragma unroll
+                    for (int j = 0; j < BN / 64; j++) {
+                        if (tl.n0 + 64 * j >= p.Nout) break;
+                        if (MG) tm__tma_store_2d(&tmC, sa + j * 8192, tl.n0 + 64 * j, wrow);
+                        else tm__tma_store_3d(&tmC, sa + j * 8192, tl.n0 + 64 * j, wrow, tl.g);
+                    }
+                    tm__bulk_commit();
                 }
-                tm__bulk_commit();
-            }
-        } else {
-            for (int idx = wl; idx < 64 * (BN / 8); idx += 128) {
-                const int r = idx / (BN / 8), c8 = idx - r * (BN / 8);
-                const int row = wrow + r, col = tl.n0 + 8 * c8;
-                if (row < wlim && col < p.Nout)
-                    *(uint4 *)(Cg + (long long)row * p.ldc + col) = *(const uint4 *)(stg + stg_off(r, c8));
+            } else {
+                for (int idx = wl; idx < 64 * (BN / 8); idx += 128) {
+                    const int rr = idx / (BN / 8), c8 = idx - rr * (BN / 8);
+                    const int row = wrow + rr, col = tl.n0 + 8 * c8;
+                    if (row < wlim && col < p.Nout)
+                        *(uint4 *)(Cg + (long long)row * p.ldc + col) = *(const uint4 *)(stg + hh * STG_HALF + stg_off(rr, c8));
+                }
             }
         }
     }
@@ -647,12 +691,12 @@ static int gmm90_probe(int dev, cudaError_t e, char *why, size_t n) {
                           "grouped_matmul_sm90.cu", why, n);
 }
 
-template <int MODE, int BN, bool WRITE = false>
+template <int MODE, int BN, bool WRITE = false, bool PP = false>
 static int gmm90_launch(const tm__gmm90_args *a, const CUtensorMap &ma, const CUtensorMap &mb, const CUtensorMap &mc,
                         const CUtensorMap &mb2, const CUtensorMap &mc2, const CUtensorMap &mc3, gmm90_params p,
                         long long tiles_bound, cudaStream_t st, char *why, size_t n) {
-    const size_t smem = gmm90_cfg<BN>::smem(a->G);
-    cudaError_t e = cudaFuncSetAttribute(gmm90_kernel<MODE, BN, WRITE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    const size_t smem = gmm90_cfg<BN, PP>::smem(a->G);
+    cudaError_t e = cudaFuncSetAttribute(gmm90_kernel<MODE, BN, WRITE, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     int dev = 0, sms = 0;
     if (e == cudaSuccess) e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
@@ -665,11 +709,11 @@ static int gmm90_launch(const tm__gmm90_args *a, const CUtensorMap &ma, const CU
     if (a->spare_sms > 0 && a->spare_sms < sms) sms -= a->spare_sms;
     const long long grid = tiles_bound < sms ? tiles_bound : sms;
     if (grid <= 0) return 0;
-    gmm90_kernel<MODE, BN, WRITE><<<(unsigned)grid, GMM90_THREADS, smem, st>>>(ma, mb, mc, mb2, mc2, mc3, p);
+    gmm90_kernel<MODE, BN, WRITE, PP><<<(unsigned)grid, GMM90_THREADS, smem, st>>>(ma, mb, mc, mb2, mc2, mc3, p);
     e = cudaGetLastError();
     if (e != cudaSuccess) {
-        snprintf(why, n, "grouped_matmul sm90: launching gmm90_kernel<%d, %d> (%lld CTAs, %zu bytes of shared memory): %s",
-                 MODE, BN, grid, smem, cudaGetErrorString(e));
+        snprintf(why, n, "grouped_matmul sm90: launching gmm90_kernel<%d, %d, %d, %d> (%lld CTAs, %zu bytes of shared memory): %s",
+                 MODE, BN, (int)WRITE, (int)PP, grid, smem, cudaGetErrorString(e));
         return -1;
     }
     return 0;
@@ -710,7 +754,21 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
     /* BN: 256 unless 128 covers the columns with fewer padded ones (1408 = 11 x 128); FWD_SWIGLU's
      * accumulator columns are 2 N (a tile takes BN / 2 of w_gate and the same of w_up) */
     const int acc_cols = sw ? 2 * Nout : Nout;
-    const int bn = a->bn == 128 || a->bn == 256                                               ? a->bn
+    if (a->schedule < TM__GMM90_AUTO || a->schedule > TM__GMM90_PINGPONG ||
+        (a->schedule == TM__GMM90_PINGPONG && (a->mode == TM__GMM90_DW || a->bn == 256))) {
+        snprintf(why, n, "schedule %d with mode %d and bn %d: ping-pong takes FWD, DX and FWD_SWIGLU at bn 128",
+                 a->schedule, a->mode, a->bn);
+        return -1;
+    }
+    /* ping-pong where asked, and by default for FWD_SWIGLU, whose epilogue (three outputs and the
+     * SwiGLU) it hides: 0.374 -> 0.335 ms at coarse's shapes on an H200. FWD and DX lose with it
+     * (their epilogues are short; 128 x 128 tiles load more bytes per FLOP than 128 x 256): 0.293
+     * -> 0.312 ms and 0.140 -> 0.153 ms, so they stay cooperative. BN 256 cannot be ping-pong: two
+     * 64 x 256 accumulator halves would take 256 registers a thread. */
+    const int pp = a->schedule == TM__GMM90_PINGPONG ||
+                   (a->schedule == TM__GMM90_AUTO && a->mode == TM__GMM90_FWD_SWIGLU && a->bn != 256);
+    const int bn = pp                                                                      ? 128
+                   : a->bn == 128 || a->bn == 256                                          ? a->bn
                    : ((acc_cols + 255) / 256) * 256 <= ((acc_cols + 127) / 128) * 128 ? 256
                                                                                          : 128;
     gmm90_params p;
@@ -760,6 +818,13 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
     }
     if (!sw) mb2 = mb, mc2 = mc, mc3 = mc; /* unused: any valid map */
 #define GMM90_MAPS ma, mb, mc, mb2, mc2, mc3, p, bound, st, why, n
+    if (pp) switch (a->mode) {
+        case TM__GMM90_FWD: return gmm90_launch<TM__GMM90_FWD, 128, false, true>(a, GMM90_MAPS);
+        case TM__GMM90_FWD_SWIGLU: return gmm90_launch<TM__GMM90_FWD_SWIGLU, 128, false, true>(a, GMM90_MAPS);
+        default:
+            return a->write ? gmm90_launch<TM__GMM90_DX, 128, true, true>(a, GMM90_MAPS)
+                            : gmm90_launch<TM__GMM90_DX, 128, false, true>(a, GMM90_MAPS);
+        }
     switch (a->mode * 2 + (bn == 256)) {
     case 0: return gmm90_launch<TM__GMM90_FWD, 128>(a, GMM90_MAPS);
     case 1: return gmm90_launch<TM__GMM90_FWD, 256>(a, GMM90_MAPS);

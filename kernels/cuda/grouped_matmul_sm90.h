@@ -15,6 +15,11 @@ extern "C" {
 #endif
 
 enum { TM__GMM90_FWD = 0, TM__GMM90_DX = 1, TM__GMM90_DW = 2, TM__GMM90_FWD_SWIGLU = 3 };
+/* How the two consumer warpgroups share a CTA's tiles (grouped_matmul_sm90.cu, "Schedule"):
+ * cooperative, one 128 x BN tile at a time, 64 rows each; ping-pong, a 128 x 128 tile each, their
+ * main loops taking turns so that one's epilogue runs under the other's main loop. AUTO: ping-pong
+ * for FWD_SWIGLU (unless bn is 256), cooperative for the others. */
+enum { TM__GMM90_AUTO = 0, TM__GMM90_COOPERATIVE = 1, TM__GMM90_PINGPONG = 2 };
 
 /* One grouped GEMM, bf16 in and out, f32 accumulation. Group g owns rows
  * [off_g, off_g + counts[g]) of the (R, .) operands, off_g = sum_{h<g} counts[h], counts (G) i64
@@ -50,6 +55,7 @@ typedef struct tm__gmm90_args {
                     * the same tiles); FWD, DX: unused */
     const void *b2;      /* FWD_SWIGLU: w_up (G, K, N); otherwise unused */
     void *c_gate, *c_up; /* FWD_SWIGLU: the pre-activations (R, N), written; otherwise unused */
+    int schedule;        /* TM__GMM90_AUTO (0), _COOPERATIVE or _PINGPONG (not for DW, nor with bn 256) */
 } tm__gmm90_args;
 
 #define TM__GMM90_MAX_G 1024
