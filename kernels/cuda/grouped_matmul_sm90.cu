@@ -35,6 +35,14 @@
  *   warpgroups 1-2 consumers: rows [64 (wg - 1), + 64) of the 128 x BN tile, m64nBNk16 wgmma,
  *                 BN / 2 f32 accumulators per thread; setmaxnreg 232
  * BN: 256, or 128 where that pads fewer columns (Nout 1408 = 11 x 128).
+ * Ping-pong (tm__gmm90_args.schedule; by default FWD_SWIGLU only): BN 128, and each consumer
+ * warpgroup owns a whole 128 x 128 tile (two m64n128 wgmmas per k16, 128 accumulators a thread),
+ * the CTA's tiles alternating between them (warpgroup k % 2 takes its k-th tile). The producer is
+ * unchanged; each warpgroup steps over the other's slabs in the ring. The main loops take turns
+ * (named barriers 4 + w: a warpgroup starts its main loop once the other has issued its last
+ * wgmma), so one warpgroup's epilogue runs while the other's wgmmas keep the tensor cores busy:
+ * FWD_SWIGLU 0.374 -> 0.335 ms at coarse's shapes (H200). FWD and DX lose with it (0.293 -> 0.312
+ * ms): their epilogues are short, and a 128 x 128 tile loads a third more bytes per FLOP.
  * Pipeline: STAGES (3 at BN 256, 5 at BN 128: what 227 KiB leave beside the epilogue's staging)
  * buffers of A (16 KiB) + B (BN x 128 bytes), a full and an empty mbarrier each. The producer waits empty[s], arms full[s] with the stage's bytes
  * (TMA counts the zero-filled bytes too) and issues the boxes; a consumer waits full[s], issues
