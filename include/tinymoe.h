@@ -738,8 +738,10 @@ TM_API tm_status tm_attention(tm_ctx *ctx, tm_tensor *q, tm_tensor *k, tm_tensor
  * The values of tm_matmul(tm_cast(x, dtype(w)), w) up to the f32 summation order: products of
  * exactly widened inputs summed in f32 (f64 for f64 w). On CUDA, bf16 x with H a multiple of 8
  * and at most 8 experts runs kernels that read bf16 x directly (no widened copy;
- * kernels/cuda/moe_gating.cu); other inputs run cuBLASLt's true f32 GEMM on x or an f32 copy of
- * it.
+ * kernels/cuda/moe_gating.cu); other bf16 x with f32 w runs bf16 tensor-core GEMMs on a three-term
+ * bf16 split of the f32 operand (w, or dlogits for dw and dx), whose products of the 24-bit terms
+ * are exact in f32, summed within n 2^-23 of the terms' magnitudes; f32 and f64 inputs run
+ * cuBLASLt's true f32 (f64) GEMM.
  * Backward: dx = dlogits w^T in x's dtype (added in f32 to a gradient x already has and rounded
  * once, where the cast's backward rounded twice), dw += x^T dlogits in w's dtype; every sum in a
  * fixed order (deterministic).
