@@ -16,6 +16,8 @@
  * --time: each direction at the benchmark shapes (R = T k rows, E groups; gate/up K = H, N = 2 F;
  *   down K = F, N = H) on balanced, random and skewed routings (bench/kernels.c's three), against
  *   cuBLAS per group and one dense GEMM of the same FLOPs; prints TFLOP/s and % of dense.
+ * DX_SWIGLU (--check): dgate and dup bit for bit against DX (fresh dh) and the elementwise SwiGLU
+ *   backward; (--time) the same two at the down projection's shapes.
  * FWD_SWIGLU (--check): gate and up against FWD of each weight (bit for bit: the same sums) and
  *   cuBLAS (tolerance), h against the elementwise swiglu of FWD's gate and up (bit for bit), rows
  *   past the groups 0 in all three. (--time): the fused launch against FWD + FWD + the
@@ -140,13 +142,14 @@ static int sched_env(void) {
 }
 
 static void ours(int mode, const bf16 *A, const bf16 *B, bf16 *C, const int64_t *dcnt, int64_t G, int64_t R, int64_t K,
-                 int64_t N) {
+                 int64_t N, int write = 0) {
     static const int bn = getenv("GMM90_BN") ? atoi(getenv("GMM90_BN")) : 0;
     static int *sched = NULL; /* DW's tile counter (GMM90_STATIC=1: the static schedule) */
     if (!sched && !getenv("GMM90_STATIC")) CK(cudaMalloc(&sched, sizeof(int)));
     if (mode == TM__GMM90_DW && sched) CK(cudaMemsetAsync(sched, 0, sizeof(int), 0));
     tm__gmm90_args a = {mode, A, B, C, dcnt, G, R, K, N, bn, 0, 0, mode == TM__GMM90_DW ? sched : NULL, NULL, NULL, NULL};
     a.schedule = mode == TM__GMM90_DW ? 0 : sched_env();
+    a.write = write;
     char why[512];
     int rc = tm__gmm90_run(&a, 0, why, sizeof why);
     if (rc) {
@@ -168,6 +171,29 @@ static void ours_swiglu(const bf16 *x, const bf16 *wg, const bf16 *wu, bf16 *h, 
         fprintf(stderr, "tm__gmm90_run(fwd_swiglu, G %lld R %lld K %lld N %lld) = %d: %s\n", (long long)G,
                 (long long)R, (long long)K, (long long)N, rc, why);
         exit(1);
+    }
+}
+/* DX_SWIGLU: dgate, dup = SwiGLU's backward of dh = dy_g @ w[g]^T (bf16) on the forward's gate and up */
+static void ours_dxs(const bf16 *dy, const bf16 *w, bf16 *dgate, bf16 *dup, const bf16 *gate, const bf16 *up,
+                     const int64_t *dcnt, int64_t G, int64_t R, int64_t K, int64_t N) {
+    tm__gmm90_args a;
+    memset(&a, 0, sizeof a);
+    a.mode = TM__GMM90_DX_SWIGLU, a.a = dy, a.b = w, a.c = dgate, a.counts = dcnt, a.G = G, a.R = R, a.K = K, a.N = N;
+    a.gate_in = gate, a.up_in = up, a.c_dup = dup;
+    char why[512];
+    int rc = tm__gmm90_run(&a, 0, why, sizeof why);
+    if (rc) {
+        fprintf(stderr, "tm__gmm90_run(dx_swiglu, G %lld R %lld K %lld N %lld) = %d: %s\n", (long long)G, (long long)R,
+                (long long)K, (long long)N, rc, why);
+        exit(1);
+    }
+}
+/* dgate, dup from dh as activation.cu's swiglu_backward_kernel computes fresh gradients (swiglu.cuh) */
+__global__ void swiglu_bwd_kernel(bf16 *dg, bf16 *du, const bf16 *g, const bf16 *u, const bf16 *dh, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float v = __bfloat162float(g[i]), d = __bfloat162float(dh[i]), s = tm__sigmoidf(v);
+        dg[i] = __float2bfloat16_rn(tm__swiglu_bwd_gate(0.0f, v, s, d, __bfloat162float(u[i])));
+        du[i] = __float2bfloat16_rn(tm__swiglu_bwd_up(0.0f, v, s, d));
     }
 }
 /* h = swiglu(gate, up) elementwise (activation.cu's arithmetic, swiglu.cuh) */
@@ -255,6 +281,33 @@ static void check_case(const char *name, std::vector<int64_t> cnt, int64_t R, in
                name, (long long)G, (long long)R, (long long)K, (long long)N, dg.ndiff, du.ndiff, dh.ndiff, rel, tail,
                ok ? "ok" : "FAIL");
         cudaFree(wu), cudaFree(gate), cudaFree(up), cudaFree(h), cudaFree(fg), cudaFree(fu), cudaFree(href);
+    }
+    { /* DX_SWIGLU: against DX (fresh dh) then the elementwise backward, bit for bit; outputs start as
+       * garbage, rows past the groups must get 0 */
+        bf16 *gi, *ui, *dg, *du, *dh, *rg, *ru;
+        const size_t nc = R * K;
+        bf16 **bs[7] = {&gi, &ui, &dg, &du, &dh, &rg, &ru};
+        for (int i = 0; i < 7; i++) CK(cudaMalloc(bs[i], nc * 2 + 16));
+        fill(gi, nc, 31, 3.0f), fill(ui, nc, 32, 2.0f), fill(dg, nc, 33, 100.0f), fill(du, nc, 34, 100.0f);
+        fill(dh, nc, 35, 100.0f); /* a fresh dx is written whole: rows past the groups 0 */
+        ours(TM__GMM90_DX, b.dy, b.w, dh, b.dcnt, G, R, K, N, 1);
+        if (nc) swiglu_bwd_kernel<<<1024, 256>>>(rg, ru, gi, ui, dh, nc);
+        ours_dxs(b.dy, b.w, dg, du, gi, ui, b.dcnt, G, R, K, N);
+        CK(cudaDeviceSynchronize());
+        const diff_t d1 = diff(dg, rg, nc), d2 = diff(du, ru, nc);
+        unsigned long long tail = 0; /* rows past the groups: fresh dh 0 there, so dgate = dup = +0 */
+        if (sum < R) {
+            CK(cudaMemset(rg, 0, (R - sum) * K * 2));
+            tail = diff(dh + sum * K, rg, (R - sum) * K).ndiff + diff(dg + sum * K, rg, (R - sum) * K).ndiff +
+                   diff(du + sum * K, rg, (R - sum) * K).ndiff;
+        }
+        const bool ok = d1.ndiff == 0 && d2.ndiff == 0 && tail == 0 && d1.maxref > 0;
+        failures += !ok;
+        printf("CHECK %-28s dxswiglu G %lld R %lld K %lld N %lld: dgate / dup differing from dx + swiglu backward "
+               "%llu / %llu (max|ref| %.3g), tail mismatches (fresh dx, dgate, dup) %llu %s\n",
+               name, (long long)G, (long long)R, (long long)K, (long long)N, d1.ndiff, d2.ndiff, d1.maxref, tail,
+               ok ? "ok" : "FAIL");
+        for (int i = 0; i < 7; i++) cudaFree(*bs[i]);
     }
     cudaFree(b.x), cudaFree(b.dy), cudaFree(b.w), cudaFree(b.c), cudaFree(b.cref), cudaFree(b.dcnt);
 }
@@ -414,6 +467,31 @@ int main(int argc, char **argv) {
             const double fl = 2.0 * R * Hd * 2 * F;
             printf("TIME swiglu  %-8s fused %.3f ms %.1f TF/s | fwd + fwd + swiglu %.3f ms %.1f TF/s | fused saves %.1f%%\n",
                    rts[rt], tf, fl / tf / 1e9, ta, fl / ta / 1e9, 100.0 * (ta - tf) / ta);
+        }
+        /* DX_SWIGLU at the down projection's shapes (K = F, N = H): one launch against DX (fresh dh)
+         * and the elementwise backward */
+        for (int rt = 0; rt < 3; rt++) {
+            rng = 88172645463325252ull + rt;
+            std::vector<int64_t> cnt = routing(rts[rt], T, k, E);
+            CK(cudaMemcpy(dcnt, cnt.data(), E * 8, cudaMemcpyHostToDevice));
+            /* dy (R, H) in x's buffer; gate, up, dh, dgate, dup (each R x F) in one more buffer */
+            bf16 *gi;
+            CK(cudaMalloc(&gi, 5 * R * F * 2));
+            bf16 *ui = gi + R * F, *dh = gi + 2 * R * F, *dg = gi + 3 * R * F, *du = gi + 4 * R * F;
+            fill(gi, R * F, 41, 3.0f), fill(ui, R * F, 42, 2.0f);
+            struct dxs_ctx { const bf16 *dy, *w, *gi, *ui; bf16 *dg, *du, *dh; int64_t *dcnt, E, R, K, N; } sc = {
+                x, w, gi, ui, dg, du, dh, dcnt, E, R, F, Hd};
+            auto fused = [](void *p) { dxs_ctx *q = (dxs_ctx *)p; ours_dxs(q->dy, q->w, q->dg, q->du, q->gi, q->ui, q->dcnt, q->E, q->R, q->K, q->N); };
+            auto apart = [](void *p) {
+                dxs_ctx *q = (dxs_ctx *)p;
+                ours(TM__GMM90_DX, q->dy, q->w, q->dh, q->dcnt, q->E, q->R, q->K, q->N, 1);
+                swiglu_bwd_kernel<<<1024, 256>>>(q->dg, q->du, q->gi, q->ui, q->dh, (size_t)(q->R * q->K));
+            };
+            const float tf = time_it(iters, fused, &sc), ta = time_it(iters, apart, &sc);
+            const double fl = 2.0 * R * Hd * F;
+            printf("TIME dxswiglu %-8s fused %.3f ms %.1f TF/s | dx + swiglu backward %.3f ms | fused saves %.1f%%\n",
+                   rts[rt], tf, fl / tf / 1e9, ta, 100.0 * (ta - tf) / ta);
+            CK(cudaFree(gi));
         }
         const char *gn[2] = {"gate_up", "down"};
         const int64_t Ks[2] = {Hd, F}, Ns[2] = {2 * F, Hd};

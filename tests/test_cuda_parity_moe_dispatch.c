@@ -657,9 +657,11 @@ Test(cuda_parity_moe, grouped_matmul_bf16_unvalidated_counts_are_clamped) {
     tm_ctx_free(ctx);
 }
 
-/* The same clamping on the Hopper kernel with a fresh dw (the weight a temporary view, fresh
- * buffers NaN-poisoned): a group that the clamped counts leave without rows (a negative count; a
- * count past the rows left) gets dw = 0, as on the CPU with the clamped counts. */
+/* The same clamping on the Hopper kernel with a fresh dw and a fresh dx (the weight a temporary
+ * view, fresh buffers NaN-poisoned): a group that the clamped counts leave without rows (a negative
+ * count; a count past the rows left) gets dw = 0, and the rows past the last group get dx = 0, as
+ * on the CPU with the clamped counts (until session 17 the Hopper kernel gave those rows no tile
+ * in DX, leaving a fresh dx's poison there). */
 Test(cuda_parity_moe, grouped_matmul_bf16_hopper_fresh_dw_of_clamped_counts) {
     TT_SKIP_WITHOUT_CUDA();
     tm_ctx *ctx = gmm_ctx(TM_GROUPED_GEMM_HOPPER);
@@ -671,17 +673,19 @@ Test(cuda_parity_moe, grouped_matmul_bf16_hopper_fresh_dw_of_clamped_counts) {
     const double cpu_c[2][3] = {{50, 150, 0}, {0, 170, 30}};
     for (int i = 0; i < 2; i++) {
         tm_device devs[2] = {tm_cpu(), tm_cuda(0)};
-        tm_tensor *w[2];
+        tm_tensor *w[2], *x[2];
         for (int k = 0; k < 2; k++) {
-            tm_tensor *x = from(ctx, TM_BF16, 2, xs, devs[k], hx, 0), *w2, *wt, *y;
+            tm_tensor *w2, *wt, *y;
+            x[k] = from(ctx, TM_BF16, 2, xs, devs[k], hx, 1);
             w[k] = from(ctx, TM_BF16, 3, ws, devs[k], hw, 1);
             TT_OK(ctx, tm_reshape(ctx, w[k], 2, flat, &w2));
             TT_OK(ctx, tm_reshape(ctx, w2, 3, ws, &wt));
             tm_tensor *cnt = from(ctx, TM_I64, 1, &G, devs[k], k ? cuda_c[i] : cpu_c[i], 0);
-            TT_OK(ctx, tm_grouped_matmul(ctx, x, wt, cnt, &y));
+            TT_OK(ctx, tm_grouped_matmul(ctx, x[k], wt, cnt, &y));
             TT_OK(ctx, tm_backward_with_grad(ctx, y, from(ctx, TM_BF16, 2, ys, devs[k], hdy, 0)));
         }
         tt_assert_close(ctx, tm_tensor_grad(w[1]), tm_tensor_grad(w[0]), 1e-2, 1e-2);
+        tt_assert_close(ctx, tm_tensor_grad(x[1]), tm_tensor_grad(x[0]), 1e-2, 1e-2);
         tm_ctx_arena_reset(ctx);
     }
     free(hx), free(hw), free(hdy);

@@ -140,7 +140,8 @@ template <int BN, bool PP = false> struct gmm90_cfg {
 
 struct gmm90_params {
     __nv_bfloat16 *C;
-    __nv_bfloat16 *C2, *C3; /* FWD_SWIGLU: gate and up (C is h) */
+    __nv_bfloat16 *C2, *C3; /* FWD_SWIGLU: gate and up (C is h); DX_SWIGLU: C2 dup (C is dgate) */
+    const __nv_bfloat16 *Gi, *Ui; /* DX_SWIGLU: the forward's gate and up (R, Nout), read by the epilogue */
     const int64_t *counts;
     int G, R;
     int Kred;      /* M-grouped: reduction length (FWD K, DX N) */
@@ -212,6 +213,8 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
     /* FWD_SWIGLU: the tile's BN accumulator columns are BN / 2 columns of w_gate, then the same
      * BN / 2 columns of w_up; C (h, gate, up) advances BN / 2 columns a tile */
     constexpr bool SW = MODE == TM__GMM90_FWD_SWIGLU;
+    constexpr bool DXS = MODE == TM__GMM90_DX_SWIGLU; /* DX with SwiGLU's backward in the epilogue */
+    static_assert(!DXS || PP, "DX_SWIGLU runs ping-pong only (its epilogue's loads hide under the other main loop)");
     constexpr int BNC = SW ? BN / 2 : BN;
     extern __shared__ unsigned char gmm90_raw[];
     unsigned char *sm = (unsigned char *)(((uintptr_t)gmm90_raw + 1023) & ~(uintptr_t)1023);
@@ -272,7 +275,10 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
             const int end = (int)(rows < R ? rows : R);
             s_off[G] = end, s_ts[G] = (int)tiles;
             s_off[G + 1] = R;
-            s_ts[G + 1] = (int)tiles + (MODE == TM__GMM90_FWD || SW ? (R - end + GMM90_BM - 1) / GMM90_BM : 0);
+            /* the rows past the groups get tiles where they are written (y = 0, a fresh dx 0) */
+            s_ts[G + 1] = (int)tiles + (MODE == TM__GMM90_FWD || SW || DXS || (MODE == TM__GMM90_DX && WRITE)
+                                            ? (R - end + GMM90_BM - 1) / GMM90_BM
+                                            : 0);
         }
     }
     __syncthreads();
@@ -371,7 +377,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
                         tm__tma_load_3d(b + j * 8192, &tmB, tl.n0 + 64 * j, k0, tl.g, fb);
                         tm__tma_load_3d(b + (BN / 128 + j) * 8192, &tmB2, tl.n0 + 64 * j, k0, tl.g, fb);
                     }
-                } else if (MODE == TM__GMM90_DX) {
+                } else if (MODE == TM__GMM90_DX || DXS) {
                     tm__tma_load_2d(a, &tmA, k0, tl.r0, fb);
                     tm__tma_load_3d(b, &tmB, k0, tl.n0, tl.g, fb);
                 } else {
@@ -391,7 +397,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
     const int w = wg - 1, wl = tid - 128 * wg, warp = wl >> 5, lane = wl & 31;
     constexpr bool ACCUM = MODE != TM__GMM90_FWD && !SW && !WRITE;
     constexpr int TA = MODE == TM__GMM90_DW ? 1 : 0; /* A M-major */
-    constexpr int TB = MODE == TM__GMM90_DX ? 0 : 1; /* B N-major */
+    constexpr int TB = MODE == TM__GMM90_DX || DXS ? 0 : 1; /* B N-major */
     /* A warpgroup's rows of a tile, in halves of 64 (one m64 wgmma each): cooperative, rows
      * [64 w, + 64) of the CTA's tile; ping-pong, all 128 rows of its own tile */
     constexpr int HALVES = PP ? 2 : 1;
@@ -442,15 +448,13 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
             if (pass_on) gmm90_arrive(4 + (w ^ 1), 256);
             /* rows past the groups (bad counts only): FWD writes y = 0 there, DX adds nothing
              * (a fresh dx gets 0 there) */
-            if (MODE == TM__GMM90_FWD || SW || WRITE) {
+            if (MODE == TM__GMM90_FWD || SW || DXS || WRITE) {
                 const __nv_bfloat162 z = __floats2bfloat162_rn(0.0f, 0.0f);
                 for (int r = row0 + wl / 8; r < row0 + 64 * HALVES && r < tl.r1; r += 16)
                     for (int col = tl.n0 + 2 * (wl & 7); col < tl.n0 + BNC && col < p.Nout; col += 16) {
                         *(__nv_bfloat162 *)(p.C + (long long)r * p.ldc + col) = z;
-                        if (SW) {
-                            *(__nv_bfloat162 *)(p.C2 + (long long)r * p.ldc + col) = z;
-                            *(__nv_bfloat162 *)(p.C3 + (long long)r * p.ldc + col) = z;
-                        }
+                        if (SW || DXS) *(__nv_bfloat162 *)(p.C2 + (long long)r * p.ldc + col) = z;
+                        if (SW) *(__nv_bfloat162 *)(p.C3 + (long long)r * p.ldc + col) = z;
                     }
             }
             continue;
@@ -531,6 +535,91 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
         /* -- epilogue -- */
         /* matrices (rows 8 hm of the warp's 16, columns 8 i): m = lane / 8 -> hm = m & 1, i + (m >> 1) */
         const int m = lane >> 3, r = 16 * warp + 8 * (m & 1) + (lane & 7);
+        if constexpr (DXS) {
+            /* per half: dh = the fragments rounded to bf16 (the bits DX stores), gate and up of the
+             * same elements loaded from global memory in the fragment layout (row 16 warp + lane / 4
+             * (+ 8), columns 8 x + 2 (lane % 4), + 1: one 4-byte load each; rows past R and columns
+             * past Nout read as 0), then swiglu.cuh's backward as swiglu_backward_kernel computes it
+             * on fresh gradients: dgate -> staging region 0, dup -> region 1 (the two 64-row halves'
+             * regions of this warpgroup's staging), TMA stores; half 1 reuses the regions once
+             * half 0's stores have read them. */
+            stg_acquire();
+            const int g4 = lane >> 2, t4 = lane & 3;
+#pragma unroll
+            for (int hh = 0; hh < HALVES; hh++) {
+                const float *ac = acc + hh * NA;
+                const int wrow = row0 + 64 * hh;
+                if (wrow >= wlim) break; /* (uniform) no row of this half or the next stores */
+                if (hh > 0) stg_acquire();
+                const bool whole = wrow + 64 <= wlim;
+                /* in chunks of XC column blocks (registers: the 128 accumulators stay live): gate and
+                 * up words [x][e] for block c + x, row g4 (e 0) or g4 + 8 (e 1), all loads of a chunk
+                 * issued before its arithmetic */
+                constexpr int XC = 8;
+                /* the thread's two rows of gate and up, as 4-byte words from column n0 + 2 (lane % 4) */
+                const int rw = wrow + 16 * warp + g4, cw = tl.n0 + 2 * t4;
+                const long long o0 = (long long)rw * p.ldc + cw;
+                const unsigned int *gp = (const unsigned int *)(p.Gi + o0), *up = (const unsigned int *)(p.Ui + o0);
+                const int ld4 = (int)(p.ldc >> 1) * 8; /* words from row r to row r + 8 */
+                const bool ok0 = rw < p.R, ok1 = rw + 8 < p.R;
+#pragma unroll
+                for (int c = 0; c < BN / 8; c += XC) {
+                    uint32_t gw[XC][2], uw[XC][2];
+#pragma unroll
+                    for (int x = 0; x < XC; x++) {
+                        const bool okc = cw + 8 * (c + x) < p.Nout;
+                        const int wo = 4 * (c + x); /* 8 columns = 4 words */
+                        gw[x][0] = ok0 && okc ? __ldg(gp + wo) : 0u;
+                        uw[x][0] = ok0 && okc ? __ldg(up + wo) : 0u;
+                        gw[x][1] = ok1 && okc ? __ldg(gp + ld4 + wo) : 0u;
+                        uw[x][1] = ok1 && okc ? __ldg(up + ld4 + wo) : 0u;
+                    }
+                    /* stmatrix.x4: matrices (block i, rows g4), (i, g4 + 8), (i + 1, g4), (i + 1, g4 + 8) */
+#pragma unroll
+                    for (int i = 0; i < XC; i += 2) {
+                        uint32_t dg[4], du[4];
+#pragma unroll
+                        for (int j = 0; j < 4; j++) {
+                            const int x = i + (j >> 1), e = j & 1, o = 4 * (c + x) + 2 * e;
+                            const float2 gf = __bfloat1622float2(*(const __nv_bfloat162 *)&gw[x][e]);
+                            const float2 uf = __bfloat1622float2(*(const __nv_bfloat162 *)&uw[x][e]);
+                            const float d0 = __bfloat162float(__float2bfloat16_rn(ac[o]));
+                            const float d1 = __bfloat162float(__float2bfloat16_rn(ac[o + 1]));
+                            const float s0 = tm__sigmoidf(gf.x), s1 = tm__sigmoidf(gf.y);
+                            dg[j] = tm__pack_bf16x2(tm__swiglu_bwd_gate(0.0f, gf.x, s0, d0, uf.x),
+                                                    tm__swiglu_bwd_gate(0.0f, gf.y, s1, d1, uf.y));
+                            du[j] = tm__pack_bf16x2(tm__swiglu_bwd_up(0.0f, gf.x, s0, d0), tm__swiglu_bwd_up(0.0f, gf.y, s1, d1));
+                        }
+                        const uint32_t addr = stg_a + stg_off(r, c + i + (m >> 1));
+                        tm__stsm_x4(addr, dg[0], dg[1], dg[2], dg[3]);
+                        tm__stsm_x4(addr + STG_HALF, du[0], du[1], du[2], du[3]);
+                    }
+                }
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                gmm90_bar(wbar, 128);
+                if (whole) {
+                    if (wl == 0) {
+#pragma unroll
+                        for (int j = 0; j < BN / 64; j++) {
+                            if (tl.n0 + 64 * j >= p.Nout) break;
+                            tm__tma_store_2d(&tmC, stg_a + j * 8192, tl.n0 + 64 * j, wrow);
+                            tm__tma_store_2d(&tmC2, stg_a + STG_HALF + j * 8192, tl.n0 + 64 * j, wrow);
+                        }
+                        tm__bulk_commit();
+                    }
+                } else {
+                    for (int idx = wl; idx < 2 * 64 * (BN / 8); idx += 128) {
+                        const int reg = idx / (64 * (BN / 8)), rem = idx - reg * 64 * (BN / 8);
+                        const int rr = rem / (BN / 8), c8 = rem - rr * (BN / 8);
+                        const int row = wrow + rr, col = tl.n0 + 8 * c8;
+                        if (row < wlim && col < p.Nout)
+                            *(uint4 *)((reg ? p.C2 : p.C) + (long long)row * p.ldc + col) =
+                                *(const uint4 *)(stg + reg * STG_HALF + stg_off(rr, c8));
+                    }
+                }
+            }
+            continue;
+        }
         if constexpr (SW) {
             /* per half: gate and up rounded to bf16 -> staging (boxes [0, BN / 128) gate, the rest
              * up, the accumulators' own column order) -> their TMA stores; once the gate boxes are
@@ -758,14 +847,24 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
     if (!enc) return -1;
 
     const uint64_t b2 = 2;
-    const int Nout = a->mode == TM__GMM90_DX ? (int)K : (int)N;
+    const int dxs = a->mode == TM__GMM90_DX_SWIGLU;
+    if (dxs && (!a->gate_in || !a->up_in || !a->c_dup)) {
+        snprintf(why, n, "DX_SWIGLU needs gate, up and dup (gate_in, up_in, c_dup)");
+        return -1;
+    }
+    if (dxs && (((uintptr_t)a->gate_in | (uintptr_t)a->up_in | (uintptr_t)a->c_dup) & 15u) != 0) {
+        snprintf(why, n, "an operand is not 16-byte aligned (TMA needs it)");
+        return 1;
+    }
+    const int Nout = a->mode == TM__GMM90_DX || dxs ? (int)K : (int)N;
     /* BN: 256 unless 128 covers the columns with fewer padded ones (1408 = 11 x 128); FWD_SWIGLU's
      * accumulator columns are 2 N (a tile takes BN / 2 of w_gate and the same of w_up) */
     const int acc_cols = sw ? 2 * Nout : Nout;
     if (a->schedule < TM__GMM90_AUTO || a->schedule > TM__GMM90_PINGPONG ||
-        (a->schedule == TM__GMM90_PINGPONG && (a->mode == TM__GMM90_DW || a->bn == 256))) {
-        snprintf(why, n, "schedule %d with mode %d and bn %d: ping-pong takes FWD, DX and FWD_SWIGLU at bn 128",
-                 a->schedule, a->mode, a->bn);
+        (a->schedule == TM__GMM90_PINGPONG && (a->mode == TM__GMM90_DW || a->bn == 256)) ||
+        (dxs && (a->schedule == TM__GMM90_COOPERATIVE || a->bn == 256))) {
+        snprintf(why, n, "schedule %d with mode %d and bn %d: ping-pong takes FWD, DX, FWD_SWIGLU and DX_SWIGLU at "
+                 "bn 128, and DX_SWIGLU runs only ping-pong", a->schedule, a->mode, a->bn);
         return -1;
     }
     /* ping-pong where asked, and by default for FWD_SWIGLU, whose epilogue (three outputs and the
@@ -773,7 +872,7 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
      * (their epilogues are short; 128 x 128 tiles load more bytes per FLOP than 128 x 256): 0.293
      * -> 0.312 ms and 0.140 -> 0.153 ms, so they stay cooperative. BN 256 cannot be ping-pong: two
      * 64 x 256 accumulator halves would take 256 registers a thread. */
-    const int pp = a->schedule == TM__GMM90_PINGPONG ||
+    const int pp = a->schedule == TM__GMM90_PINGPONG || dxs ||
                    (a->schedule == TM__GMM90_AUTO && a->mode == TM__GMM90_FWD_SWIGLU && a->bn != 256);
     const int bn = pp                                                                      ? 128
                    : a->bn == 128 || a->bn == 256                                          ? a->bn
@@ -788,8 +887,8 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
     const uint32_t cbox[3] = {64, 64, 1};
     const uint64_t w3[3] = {(uint64_t)N, (uint64_t)K, (uint64_t)G}, w3s[2] = {(uint64_t)N * b2, (uint64_t)(K * N) * b2};
     long long bound;
-    if (a->mode == TM__GMM90_FWD || a->mode == TM__GMM90_DX || sw) {
-        const int fwd = a->mode != TM__GMM90_DX;
+    if (a->mode == TM__GMM90_FWD || a->mode == TM__GMM90_DX || sw || dxs) {
+        const int fwd = a->mode != TM__GMM90_DX && !dxs;
         const int64_t red = fwd ? K : N;
         const uint64_t da[2] = {(uint64_t)red, (uint64_t)R}, sa[1] = {(uint64_t)red * b2};
         const uint32_t ba[2] = {64, 128};
@@ -797,7 +896,12 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
         const uint32_t bb[3] = {64, fwd ? 64u : (uint32_t)bn, 1};
         if (tm__tma_map_bf16(enc, &mb, a->b, 3, w3, w3s, bb, "w", why, n)) return -1;
         const uint64_t dc[2] = {(uint64_t)Nout, (uint64_t)R}, sc[1] = {(uint64_t)Nout * b2};
-        if (tm__tma_map_bf16(enc, &mc, a->c, 2, dc, sc, cbox, sw ? "h" : fwd ? "y" : "dx", why, n)) return -1;
+        if (tm__tma_map_bf16(enc, &mc, a->c, 2, dc, sc, cbox, sw ? "h" : fwd ? "y" : dxs ? "dgate" : "dx", why, n)) return -1;
+        if (dxs) {
+            if (tm__tma_map_bf16(enc, &mc2, a->c_dup, 2, dc, sc, cbox, "dup", why, n)) return -1;
+            p.C2 = (__nv_bfloat16 *)a->c_dup;
+            p.Gi = (const __nv_bfloat16 *)a->gate_in, p.Ui = (const __nv_bfloat16 *)a->up_in;
+        }
         if (sw) {
             if (tm__tma_map_bf16(enc, &mb2, a->b2, 3, w3, w3s, bb, "w_up", why, n)) return -1;
             if (tm__tma_map_bf16(enc, &mc2, a->c_gate, 2, dc, sc, cbox, "gate", why, n)) return -1;
@@ -817,18 +921,20 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
         p.sched = a->sched;
         bound = G * (long long)p.tiles_m * p.tiles_n;
     } else {
-        snprintf(why, n, "mode %d is none of FWD, DX, DW, FWD_SWIGLU", a->mode);
+        snprintf(why, n, "mode %d is none of FWD, DX, DW, FWD_SWIGLU, DX_SWIGLU", a->mode);
         return -1;
     }
     if (bound > INT32_MAX - 4096) { /* DW's counter adds up to a grid (the SMs) past the last tile */
         snprintf(why, n, "%lld tiles: more than the sm90 kernel's int32 tile index", bound);
         return 1;
     }
-    if (!sw) mb2 = mb, mc2 = mc, mc3 = mc; /* unused: any valid map */
+    if (!sw) mb2 = mb, mc3 = mc; /* unused: any valid map */
+    if (!sw && !dxs) mc2 = mc;
 #define GMM90_MAPS ma, mb, mc, mb2, mc2, mc3, p, bound, st, why, n
     if (pp) switch (a->mode) {
         case TM__GMM90_FWD: return gmm90_launch<TM__GMM90_FWD, 128, false, true>(a, GMM90_MAPS);
         case TM__GMM90_FWD_SWIGLU: return gmm90_launch<TM__GMM90_FWD_SWIGLU, 128, false, true>(a, GMM90_MAPS);
+        case TM__GMM90_DX_SWIGLU: return gmm90_launch<TM__GMM90_DX_SWIGLU, 128, true, true>(a, GMM90_MAPS);
         default:
             return a->write ? gmm90_launch<TM__GMM90_DX, 128, true, true>(a, GMM90_MAPS)
                             : gmm90_launch<TM__GMM90_DX, 128, false, true>(a, GMM90_MAPS);

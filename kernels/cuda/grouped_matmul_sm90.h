@@ -14,7 +14,7 @@
 extern "C" {
 #endif
 
-enum { TM__GMM90_FWD = 0, TM__GMM90_DX = 1, TM__GMM90_DW = 2, TM__GMM90_FWD_SWIGLU = 3 };
+enum { TM__GMM90_FWD = 0, TM__GMM90_DX = 1, TM__GMM90_DW = 2, TM__GMM90_FWD_SWIGLU = 3, TM__GMM90_DX_SWIGLU = 4 };
 /* How the two consumer warpgroups share a CTA's tiles (grouped_matmul_sm90.cu, "Schedule"):
  * cooperative, one 128 x BN tile at a time, 64 rows each; ping-pong, a 128 x 128 tile each, their
  * main loops taking turns so that one's epilogue runs under the other's main loop. AUTO: ping-pong
@@ -36,6 +36,15 @@ enum { TM__GMM90_AUTO = 0, TM__GMM90_COOPERATIVE = 1, TM__GMM90_PINGPONG = 2 };
  *                                               (G, K, N), c = h, c_gate = gate, c_up = up; h from
  *                                               the bf16-rounded gate and up (swiglu.cuh: the bits
  *                                               of tm_swiglu on them); rows past the last group get 0
+ *   DX_SWIGLU: dh = dy_g @ w[g]^T rounded to bf16 (not stored), then SwiGLU's backward on it:
+ *              dgate (R, K) = dh u silu'(g), dup (R, K) = dh silu(g), written (fresh), g and u the
+ *                                               forward's gate and up (R, K): a = dy (R, N), b = w
+ *                                               (G, K, N) (the down projection's weight), c = dgate,
+ *                                               c_dup = dup, gate_in, up_in; the bits of DX with
+ *                                               write then tm_swiglu's backward; rows past the last
+ *                                               group get 0. Ping-pong only. Not yet used by the
+ *                                               library: the down projection and the SwiGLU are two
+ *                                               ops today (docs/PERFORMANCE.md, session 17)
  * All pointers 16-byte aligned, K and N multiples of 8 (TMA strides), 1 <= G <= TM__GMM90_MAX_G,
  * R < 2^31 - 256. */
 typedef struct tm__gmm90_args {
@@ -56,6 +65,8 @@ typedef struct tm__gmm90_args {
     const void *b2;      /* FWD_SWIGLU: w_up (G, K, N); otherwise unused */
     void *c_gate, *c_up; /* FWD_SWIGLU: the pre-activations (R, N), written; otherwise unused */
     int schedule;        /* TM__GMM90_AUTO (0), _COOPERATIVE or _PINGPONG (not for DW, nor with bn 256) */
+    const void *gate_in, *up_in; /* DX_SWIGLU: the forward's gate and up (R, K), read; otherwise unused */
+    void *c_dup;                 /* DX_SWIGLU: dup (R, K), written (c is dgate); otherwise unused */
 } tm__gmm90_args;
 
 #define TM__GMM90_MAX_G 1024
