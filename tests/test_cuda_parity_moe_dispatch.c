@@ -669,9 +669,14 @@ Test(cuda_parity_moe, grouped_matmul_bf16_hopper_fresh_dw_of_clamped_counts) {
     const int64_t G = 3, K = 64, N = 128, R = 200;
     int64_t xs[2] = {R, K}, ws[3] = {G, K, N}, ys[2] = {R, N}, flat[2] = {G * K, N};
     double *hx = tt_parity_uniform(R * K, 71), *hw = tt_parity_uniform(G * K * N, 72), *hdy = tt_parity_uniform(R * N, 73);
-    const double cuda_c[2][3] = {{50, 170, -7}, {-3, 170, 40}};
-    const double cpu_c[2][3] = {{50, 150, 0}, {0, 170, 30}};
-    for (int i = 0; i < 2; i++) {
+    /* case 2 leaves rows past the last group on CUDA (counts 50, 100, clamped 0: rows 150-199); the
+     * CPU, whose counts must cover R, gives them to group 2 with dy = 0 there, so that their dx and
+     * dw[2] are 0 as on CUDA */
+    const double cuda_c[3][3] = {{50, 170, -7}, {-3, 170, 40}, {50, 100, -7}};
+    const double cpu_c[3][3] = {{50, 150, 0}, {0, 170, 30}, {50, 100, 50}};
+    double *hdy_tail = malloc(sizeof(double) * R * N);
+    for (int64_t i = 0; i < R * N; i++) hdy_tail[i] = i < 150 * N ? hdy[i] : 0.0;
+    for (int i = 0; i < 3; i++) {
         tm_device devs[2] = {tm_cpu(), tm_cuda(0)};
         tm_tensor *w[2], *x[2];
         for (int k = 0; k < 2; k++) {
@@ -682,13 +687,13 @@ Test(cuda_parity_moe, grouped_matmul_bf16_hopper_fresh_dw_of_clamped_counts) {
             TT_OK(ctx, tm_reshape(ctx, w2, 3, ws, &wt));
             tm_tensor *cnt = from(ctx, TM_I64, 1, &G, devs[k], k ? cuda_c[i] : cpu_c[i], 0);
             TT_OK(ctx, tm_grouped_matmul(ctx, x[k], wt, cnt, &y));
-            TT_OK(ctx, tm_backward_with_grad(ctx, y, from(ctx, TM_BF16, 2, ys, devs[k], hdy, 0)));
+            TT_OK(ctx, tm_backward_with_grad(ctx, y, from(ctx, TM_BF16, 2, ys, devs[k], i == 2 ? hdy_tail : hdy, 0)));
         }
         tt_assert_close(ctx, tm_tensor_grad(w[1]), tm_tensor_grad(w[0]), 1e-2, 1e-2);
         tt_assert_close(ctx, tm_tensor_grad(x[1]), tm_tensor_grad(x[0]), 1e-2, 1e-2);
         tm_ctx_arena_reset(ctx);
     }
-    free(hx), free(hw), free(hdy);
+    free(hx), free(hw), free(hdy), free(hdy_tail);
     tm_ctx_free(ctx);
 }
 

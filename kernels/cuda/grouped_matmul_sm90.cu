@@ -43,17 +43,20 @@
  * wgmma), so one warpgroup's epilogue runs while the other's wgmmas keep the tensor cores busy:
  * FWD_SWIGLU 0.374 -> 0.335 ms at coarse's shapes (H200). FWD and DX lose with it (0.293 -> 0.312
  * ms): their epilogues are short, and a 128 x 128 tile loads a third more bytes per FLOP.
- * Pipeline: STAGES (3 at BN 256, 5 at BN 128: what 227 KiB leave beside the epilogue's staging)
+ * Pipeline: STAGES (3 at BN 256, 5 at BN 128, 4 at ping-pong's BN 128, whose staging is twice
+ * as large: what 227 KiB leave beside the epilogue's staging)
  * buffers of A (16 KiB) + B (BN x 128 bytes), a full and an empty mbarrier each. The producer waits empty[s], arms full[s] with the stage's bytes
  * (TMA counts the zero-filled bytes too) and issues the boxes; a consumer waits full[s], issues
  * the 4 k16 wgmmas, commits, and after wgmma.wait_group 1 (the previous slab's wgmmas are done)
- * each of its warps arrives on that slab's empty barrier (8 arrivals). The producer runs up to
+ * each of its warps arrives on that slab's empty barrier (8 arrivals; ping-pong 4, the warps of the
+ * one warpgroup that read it). The producer runs up to
  * STAGES slabs ahead, across tile boundaries, so the next tile's loads overlap this one's epilogue.
  *
  * Schedule (each CTA at its start, in shared memory, from counts on the device):
  *   c_g = min(max(counts[g], 0), R), off_g = min(sum_{h<g} c_h, R) (the clamped exclusive scan)
  *   M-grouped: ts_g = sum_{h<g} ceil(n_h / 128) m-tiles, plus a pseudo-group G of the rows past the
- *     last group (FWD and FWD_SWIGLU write them 0, DX skips them; only bad counts make any); tile t is m-tile
+ *     last group (FWD, FWD_SWIGLU, DX_SWIGLU and a fresh DX write them 0, an added DX skips them;
+ *     only bad counts make any); tile t is m-tile
  *     t / tiles_n (group: binary search of ts), n-tile t % tiles_n: the n-tiles of one m-tile run on
  *     neighbouring CTAs at once and share its rows in L2; a group's tiles share w[g].
  *   K-grouped: every non-empty group owns tiles_m * tiles_n tiles, each the group's whole reduction,
@@ -215,6 +218,7 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
     constexpr bool SW = MODE == TM__GMM90_FWD_SWIGLU;
     constexpr bool DXS = MODE == TM__GMM90_DX_SWIGLU; /* DX with SwiGLU's backward in the epilogue */
     static_assert(!DXS || PP, "DX_SWIGLU runs ping-pong only (its epilogue's loads hide under the other main loop)");
+    static_assert(!DXS || WRITE, "DX_SWIGLU writes fresh gradients (ACCUM's cp.async into its staging would race)");
     constexpr int BNC = SW ? BN / 2 : BN;
     extern __shared__ unsigned char gmm90_raw[];
     unsigned char *sm = (unsigned char *)(((uintptr_t)gmm90_raw + 1023) & ~(uintptr_t)1023);
@@ -439,6 +443,10 @@ __global__ void __launch_bounds__(GMM90_THREADS, 1)
          * (named barrier 4 + w, which the other arrives on), and passes the turn on once its own
          * has: the main loops alternate, and each epilogue runs under the other's main loop. */
         const bool pass_on = PP && t + (int)gridDim.x < total; /* the other warpgroup has tile k + 1 */
+        /* This wait is also what makes the ring's parity safe: a warpgroup never waits on the slabs
+         * it steps over, so its full[s] wait with parity ph is right only because every earlier
+         * tile's slabs have been consumed (their main loop has issued) by the time it passes here.
+         * It must stay unconditional for k > 0. */
         if (PP && k > 0) gmm90_bar(4 + w, 256);
         /* this warpgroup's rows of C: [row0, row0 + 64 HALVES), stored below wlim */
         const int row0 = (MG ? tl.r0 : tl.m0) + (PP ? 0 : 64 * w), wlim = MG ? tl.r1 : p.M;
@@ -842,20 +850,24 @@ extern "C" int tm__gmm90_run(const tm__gmm90_args *a, cudaStream_t st, char *why
         snprintf(why, n, "an operand is not 16-byte aligned (TMA needs it)");
         return 1;
     }
-    if (R == 0) return 0; /* FWD: y is empty; DX, DW: nothing to add */
-    tm__tma_encode_fn enc = tm__tma_encoder(why, n);
-    if (!enc) return -1;
-
-    const uint64_t b2 = 2;
     const int dxs = a->mode == TM__GMM90_DX_SWIGLU;
     if (dxs && (!a->gate_in || !a->up_in || !a->c_dup)) {
         snprintf(why, n, "DX_SWIGLU needs gate, up and dup (gate_in, up_in, c_dup)");
+        return -1;
+    }
+    if (dxs && (a->gate_in == a->c || a->gate_in == a->c_dup || a->up_in == a->c || a->up_in == a->c_dup)) {
+        snprintf(why, n, "DX_SWIGLU: dgate and dup must not overwrite gate or up (other CTAs still read them)");
         return -1;
     }
     if (dxs && (((uintptr_t)a->gate_in | (uintptr_t)a->up_in | (uintptr_t)a->c_dup) & 15u) != 0) {
         snprintf(why, n, "an operand is not 16-byte aligned (TMA needs it)");
         return 1;
     }
+    if (R == 0) return 0; /* FWD: y is empty; DX, DW: nothing to add */
+    tm__tma_encode_fn enc = tm__tma_encoder(why, n);
+    if (!enc) return -1;
+
+    const uint64_t b2 = 2;
     const int Nout = a->mode == TM__GMM90_DX || dxs ? (int)K : (int)N;
     /* BN: 256 unless 128 covers the columns with fewer padded ones (1408 = 11 x 128); FWD_SWIGLU's
      * accumulator columns are 2 N (a tile takes BN / 2 of w_gate and the same of w_up) */

@@ -46,7 +46,8 @@ enum { TM__GMM90_AUTO = 0, TM__GMM90_COOPERATIVE = 1, TM__GMM90_PINGPONG = 2 };
  *                                               library: the down projection and the SwiGLU are two
  *                                               ops today (docs/PERFORMANCE.md, session 17)
  * All pointers 16-byte aligned, K and N multiples of 8 (TMA strides), 1 <= G <= TM__GMM90_MAX_G,
- * R < 2^31 - 256. */
+ * R < 2^31 - 512. DX_SWIGLU: gate_in and up_in must not be c or c_dup (other CTAs read them while
+ * one writes). */
 typedef struct tm__gmm90_args {
     int mode;
     const void *a, *b;
