@@ -123,6 +123,7 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->perturb_op = -1;
     ctx->mem_reuse = 1;
     ctx->gating_split = 1; /* tm__gating_set_split */
+    ctx->gmlp_fused = 0;   /* tm__grouped_mlp_set_fused: its kernel mode is unverified on a GPU */
     ctx->be[TM__CPU] = o.plan_only ? &tm__plan_backend : tm__backend_get(TM__CPU);
     ctx->plan_only = o.plan_only;
     if (o.cuda_device >= 0) {
@@ -376,3 +377,11 @@ int tm__gating_split(const tm_ctx *ctx) { return ctx->gating_split; }
 uint64_t tm__gating_split_launches(const tm_ctx *ctx) { return ctx->gating_split_n; }
 
 void tm__gating_split_count(tm_ctx *ctx) { ctx->gating_split_n++; }
+
+void tm__grouped_mlp_set_fused(tm_ctx *ctx, int on) { ctx->gmlp_fused = on != 0; }
+
+int tm__grouped_mlp_fused(const tm_ctx *ctx) { return ctx->gmlp_fused; }
+
+uint64_t tm__grouped_mlp_fused_launches(const tm_ctx *ctx) { return ctx->gmlp_fused_n; }
+
+void tm__grouped_mlp_fused_count(tm_ctx *ctx) { ctx->gmlp_fused_n++; }

@@ -139,6 +139,8 @@ struct tm_ctx {
     int attn_sm80;        /* tm__attn_set_sm80: bf16 attention on the sm_80 kernels even on Hopper */
     int gating_split;     /* tm__gating_set_split: moe_gating's split path on CUDA */
     uint64_t gating_split_n; /* tm__gating_split_launches */
+    int gmlp_fused;       /* tm__grouped_mlp_set_fused: grouped_mlp's DX_SWIGLU backward on CUDA (off) */
+    uint64_t gmlp_fused_n; /* tm__grouped_mlp_fused_launches */
     uint64_t alloc_count;
     size_t chunk_bytes;
     char errmsg[1024];

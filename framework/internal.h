@@ -367,6 +367,14 @@ tm_status tm__grouped_matmul_counts_mirrored(tm__call *c, const int64_t **cnt);
  * out[0], its gout c's; the caller sets its gin. */
 tm__call tm__grouped_swiglu_gmm_call(const tm__call *c, int w, tm_tensor *y, tm_tensor *dy);
 tm__call tm__grouped_swiglu_act_call(const tm__call *c, tm_tensor *a, tm_tensor *b);
+/* grouped_mlp's kernels (kernels/{cpu,cuda}/grouped_mlp.*) run grouped_swiglu's and grouped_matmul's
+ * kernels on these calls, made from the op's call c (framework/ops/grouped_mlp.c): swiglu_call is
+ * grouped_swiglu's (x, w_gate, w_up, counts) -> h, its gout dh, its saved c's saved[0..1] (a, b)
+ * once c has them, its gin / gin_fresh c's of x, w_gate and w_up. down_call is grouped_matmul's
+ * (h, w_down, counts) -> c's out[0], its gout c's; its gin are dh (fresh; NULL: none) and c's of
+ * w_down. Both carry no gradient in a forward (c has none then). */
+tm__call tm__grouped_mlp_swiglu_call(const tm__call *c, tm_tensor *h, tm_tensor *dh);
+tm__call tm__grouped_mlp_down_call(const tm__call *c, tm_tensor *h, tm_tensor *dh);
 /* moe_sort_chunks: split_sizes on the host, checked (non-negative, summing to the rows of x):
  * the tensor itself on the CPU, its host mirror on a device; *sizes = NULL on a device without a
  * mirror (its kernels then read the sizes on the device; never a read back). */
@@ -410,6 +418,16 @@ void tm__gmm_set_note(tm_ctx *ctx, const char *why);
  * are the composition's bits, so they cannot tell). */
 uint64_t tm__gsw_fused_launches(const tm_ctx *ctx);
 void tm__gsw_fused_count(tm_ctx *ctx);
+/* tm_grouped_mlp's fused Hopper backward on CUDA (kernels/cuda/grouped_mlp.cu: DX_SWIGLU, SwiGLU's
+ * backward in the epilogue of the down projection's dx, for bf16 under TM_GROUPED_GEMM_HOPPER):
+ * OFF by default, because that kernel mode has been checked by its harness only, never run by
+ * the library on a GPU; the tests turn it on to hold it to the composition's bits. The backwards
+ * that took it in this context are counted (their results are the composition's bits, so they
+ * cannot tell). */
+void tm__grouped_mlp_set_fused(tm_ctx *ctx, int on);
+int tm__grouped_mlp_fused(const tm_ctx *ctx);
+uint64_t tm__grouped_mlp_fused_launches(const tm_ctx *ctx);
+void tm__grouped_mlp_fused_count(tm_ctx *ctx);
 /* tm_attention's bf16 Hopper kernels (kernels/cuda/attention_sm90.cu, wgmma): the forwards and
  * backwards that took them in this context (counted by attention.cu), and a switch that sends
  * bf16 attention to the sm_80 kernels (attention_tc.cuh) even on Hopper, so that the tests check

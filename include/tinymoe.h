@@ -1072,6 +1072,26 @@ TM_API tm_status tm_grouped_matmul(tm_ctx *ctx, tm_tensor *x, tm_tensor *w, tm_t
  * count; on CUDA, shapes too large for one launch). */
 TM_API tm_status tm_grouped_swiglu(tm_ctx *ctx, tm_tensor *x, tm_tensor *w_gate, tm_tensor *w_up, tm_tensor *counts,
                                    tm_tensor **out);
+/* The experts' whole feed-forward network in one op (Megatron-LM's GroupedMLP; SwiGLU: Shazeer
+ * 2020, "GLU Variants Improve Transformer"): per group g of rows (counts as tm_grouped_matmul's),
+ *   y_g = (silu(x_g @ w_gate[g]) * (x_g @ w_up[g])) @ w_down[g],   silu(a) = a * sigmoid(a).
+ * x [R,K]; w_gate and w_up [G,K,F], of one shape; w_down [G,F,N] (w_gate's G and F); all four of
+ * one float dtype; counts i64 [G] (each >= 0, sum = R; validated, read and kept on the host
+ * exactly as tm_grouped_matmul does, so no more synchronisations than there); y [R,N] in x's
+ * dtype. The same values as tm_grouped_matmul(tm_grouped_swiglu(x, w_gate, w_up, counts),
+ * w_down, counts) bit for bit, bf16 rounding included (the SwiGLU output is rounded to the dtype
+ * before the down projection reads it), and so are the gradients of x, w_gate, w_up and w_down:
+ * the backward runs that composition's kernels in its order, computing the intermediate
+ * gradient only where x, w_gate or w_up needs one. Why one op: its backward sees the SwiGLU's
+ * saved projections, so that a backend can compute SwiGLU's backward in the epilogue of the down
+ * projection's input-gradient GEMM (bf16 on Hopper; not used by default). Kept for the backward:
+ * the two projections and the SwiGLU output ([R,F] each, as the composition keeps them).
+ * Errors: TM_ERR_DTYPE (x or a weight not float, or of different dtypes; counts not i64),
+ * TM_ERR_SHAPE (x not 2-D, a weight not 3-D, w_gate and w_up of different shapes, w_down not
+ * [G,F,N], counts not [G], K differs, counts running past R or not summing to R),
+ * TM_ERR_INVALID_ARG (a negative count; on CUDA, shapes too large for one launch). */
+TM_API tm_status tm_grouped_mlp(tm_ctx *ctx, tm_tensor *x, tm_tensor *w_gate, tm_tensor *w_up, tm_tensor *w_down,
+                                tm_tensor *counts, tm_tensor **y);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Mixture of Experts: the block                                                               */

@@ -95,7 +95,8 @@ double tt_gradcheck(tm_ctx *ctx, tt_fn fn, void *user, int n_in, tm_tensor **inp
     X(cross_entropy) X(rope) X(attention) X(moe_router) X(moe_aux_scores) X(moe_aux_loss) \
     X(moe_seq_aux_loss) X(moe_z_loss) X(moe_drop_tokens) X(moe_permute) X(moe_unpermute)  \
     X(grouped_matmul) X(comm_allreduce) X(comm_allgather) X(comm_reduce_scatter) X(comm_alltoall) \
-    X(add_rmsnorm) X(scale_rows) X(moe_sort_chunks) X(moe_gating) X(grouped_swiglu)
+    X(add_rmsnorm) X(scale_rows) X(moe_sort_chunks) X(moe_gating) X(grouped_swiglu)      \
+    X(grouped_mlp)
 #define TT_DECL_GRADCASE(op) double tt_gradcase_##op(tm_ctx *ctx);
 TT_GRADCASES(TT_DECL_GRADCASE)
 

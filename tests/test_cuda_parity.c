@@ -134,6 +134,15 @@ static tm_status f_grouped_swiglu(tm_ctx *c, tm_tensor **in, const int64_t *a, t
     tm_status st = tm_tensor_from_host(c, TM_I64, 1, &G, tm_tensor_device(in[0]), TM_I64, sets[a[0]], &counts);
     return st ? st : tm_grouped_swiglu(c, in[0], in[1], in[2], counts, o);
 }
+/* grouped_mlp over in[0] x [R,K], in[1] w_gate, in[2] w_up [G,K,F], in[3] w_down [G,F,N], with
+ * f_grouped_swiglu's counts sets (a[0] picks) */
+static tm_status f_grouped_mlp(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
+    static const int64_t sets[2][8] = {{0, 4, 0, 1, 6, 0, 3, 0}, {5, 0, 2, 0, 1, 0, 0, 6}};
+    int64_t G = 8;
+    tm_tensor *counts;
+    tm_status st = tm_tensor_from_host(c, TM_I64, 1, &G, tm_tensor_device(in[0]), TM_I64, sets[a[0]], &counts);
+    return st ? st : tm_grouped_mlp(c, in[0], in[1], in[2], in[3], counts, o);
+}
 static tm_status f_rmsnorm(tm_ctx *c, tm_tensor **in, const int64_t *a, tm_tensor **o) {
     return tm_rmsnorm(c, in[0], in[1], 1e-5, o);
 }
@@ -293,6 +302,11 @@ static const tt_pcase CASES[] = {
      * f32 5e-4, above the f32 sums' O(1e-4) order differences at these magnitudes). */
     {"grouped_swiglu", "grouped_swiglu, ragged counts with empty groups", f_grouped_swiglu, 3, {2, 3, 3}, {{14, 16}, {8, 16, 24}, {8, 16, 24}}, {0}, {0}, {0}, 50, 0},
     {"grouped_swiglu", "grouped_swiglu, other counts, K 24 F 8", f_grouped_swiglu, 3, {2, 3, 3}, {{14, 24}, {8, 24, 8}, {8, 24, 8}}, {0}, {0}, {1}, 50, 0},
+    /* grouped_mlp: grouped_swiglu's rows and then the down projection, whose sums take the
+     * intermediates' bf16 differences (h as a and b, dh) once more, over F terms: the same scale
+     * on smaller K and F (the values' magnitude grows with both) */
+    {"grouped_mlp", "grouped_mlp, ragged counts with empty groups", f_grouped_mlp, 4, {2, 3, 3, 3}, {{14, 8}, {8, 8, 16}, {8, 8, 16}, {8, 16, 8}}, {0}, {0}, {0}, 50, 0},
+    {"grouped_mlp", "grouped_mlp, other counts, K 16 F 8 N 24", f_grouped_mlp, 4, {2, 3, 3, 3}, {{14, 16}, {8, 16, 8}, {8, 16, 8}, {8, 8, 24}}, {0}, {0}, {1}, 50, 0},
     {"silu", "silu", f_silu, 1, {2}, {{5, 7}}, {0}, {0}, {0}, 1, 0},
     {"swiglu", "swiglu", f_swiglu, 2, {2, 2}, {{4, 9}, {4, 9}}, {0}, {0}, {0}, 1, 0},
     /* the elementwise kernels move 16 bytes per access when n is a multiple of 8 (bf16) or

@@ -59,14 +59,14 @@ static int gsw_try_fused(tm__call *c, tm__cuda *st, tm_tensor *a, tm_tensor *b, 
         tm__gmm_set_note(c->ctx, why);
         return 0;
     }
-    *s = tm__err(c->ctx, TM_ERR_CUDA, "grouped_swiglu: x %s, w_gate %s on the sm90 kernel: %s", tm__tdesc(c->ctx, x),
-                 tm__tdesc(c->ctx, wg), why);
+    *s = tm__err(c->ctx, TM_ERR_CUDA, "%s: x %s, w_gate %s on the sm90 kernel: %s", tm__opname(c),
+                 tm__tdesc(c->ctx, x), tm__tdesc(c->ctx, wg), why);
     return 1;
 }
 
 extern "C" tm_status tm__grouped_swiglu_forward_cuda(tm__call *c) {
     tm__cuda *st;
-    TM__TRY(tm__cu_enter(c->ctx, "grouped_swiglu", &st));
+    TM__TRY(tm__cu_enter(c->ctx, tm__opname(c), &st)); /* grouped_mlp's kernels run this one too */
     const tm_tensor *x = c->in[0];
     int64_t shape[2] = {x->shape[0], c->in[1]->shape[2]};
     tm_tensor *a, *b, *h = c->out[0];

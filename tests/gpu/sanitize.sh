@@ -19,7 +19,7 @@
 set -u -o pipefail
 cd "$(dirname "$0")/../.." || exit 2
 tools=memcheck,racecheck
-filters='cuda_parity_moe/grouped_matmul_bf16_hopper*,cuda_parity_grouped_swiglu/*,cuda_parity_moe/unpermute*,cuda_parity_update/*,cuda_parity_attention/*,cuda_parity_indexing/*'
+filters='cuda_parity_moe/grouped_matmul_bf16_hopper*,cuda_parity_grouped_swiglu/*,cuda_parity_grouped_mlp/hopper*,cuda_parity_moe/unpermute*,cuda_parity_update/*,cuda_parity_attention/*,cuda_parity_indexing/*'
 build=1
 while [ $# -gt 0 ]; do
     case "$1" in
