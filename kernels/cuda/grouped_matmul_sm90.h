@@ -42,9 +42,10 @@ enum { TM__GMM90_AUTO = 0, TM__GMM90_COOPERATIVE = 1, TM__GMM90_PINGPONG = 2 };
  *                                               (G, K, N) (the down projection's weight), c = dgate,
  *                                               c_dup = dup, gate_in, up_in; the bits of DX with
  *                                               write then tm_swiglu's backward; rows past the last
- *                                               group get 0. Ping-pong only. Not yet used by the
- *                                               library: the down projection and the SwiGLU are two
- *                                               ops today (docs/PERFORMANCE.md, session 17)
+ *                                               group get 0. Ping-pong only. Used by
+ *                                               tm_grouped_mlp's fused backward
+ *                                               (kernels/cuda/grouped_mlp.cu), which is off by
+ *                                               default until this mode has run on a GPU
  * All pointers 16-byte aligned, K and N multiples of 8 (TMA strides), 1 <= G <= TM__GMM90_MAX_G,
  * R < 2^31 - 512. DX_SWIGLU: gate_in and up_in must not be c or c_dup (other CTAs read them while
  * one writes). */
