@@ -18,7 +18,11 @@
 # sharded optimizer state. The 1-GPU baseline is always "dp" at ZeRO 0.
 #
 # Per run, one row: ms/step (mean of the steps after --warmup, from rank 0's step table), tokens/s
-# per GPU and its ratio to the 1-GPU run (weak-scaling efficiency), each GPU's peak memory as
+# per GPU and its ratio to the 1-GPU run (weak-scaling efficiency), the routing's load (the largest
+# expert's rows over the mean, averaged over the same steps: E / k means every token went to the
+# same k experts, which an expert-parallel layout pays for on the rank that holds them and a
+# data-parallel one does not; --extra "--force_load_balance true" takes the routing out of the
+# comparison), each GPU's peak memory as
 # nvidia-smi saw it (sampled every 0.2 s: what the process holds, CUDA context and NCCL
 # included) against the 1-GPU run's, the library's own report of rank 0 (temporaries in use at
 # most, arena reserved at most), and the start-up: launch to the end of the first step minus
@@ -92,11 +96,11 @@ for n in $gpus; do
             t1=$(date +%s.%N)
             [ -n "$smi" ] && kill "$smi" 2>/dev/null && wait "$smi" 2>/dev/null
             wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
-            read -r ms train_s <<<"$(awk -v w="$warmup" '
-                $1 == "step" && !c { for (i = 1; i <= NF; i++) if ($i == "ms/step") c = i; next }
-                c && $1 ~ /^[0-9]+$/ && $1 > w { s += $c; k++ }
+            read -r ms train_s load <<<"$(awk -v w="$warmup" '
+                $1 == "step" && !c { for (i = 1; i <= NF; i++) { if ($i == "ms/step") c = i; if ($i == "load") l = i }; next }
+                c && $1 ~ /^[0-9]+$/ && $1 > w { s += $c; k++; if (l) q += $l }
                 /^done: / { t = $5 }
-                END { printf "%s %s\n", k ? s / k : "nan", t ? t : "nan" }' "$log")"
+                END { printf "%s %s %s\n", k ? s / k : "nan", t ? t : "nan", k && l ? sprintf("%.2f", q / k) : "-" }' "$log")"
             tps=$(awk -v ms="$ms" -v b="$per_gpu" 'BEGIN { if (ms == "nan") print "nan"; else printf "%.0f", b * 1024 * 1000 / ms }')
             [ "$smoke" = 1 ] && tps=$(awk -v ms="$ms" -v b="$per_gpu" 'BEGIN { if (ms == "nan") print "nan"; else printf "%.0f", b * 64 * 1000 / ms }')
             mem="-"
@@ -111,7 +115,7 @@ for n in $gpus; do
             memr=$(awk -v a="$mx" -v b="$base_mem" 'BEGIN { if (a == "-" || b == "" || b == "-") print "-"; else printf "%.2f", a / b }')
             status=ok
             [ "$rc" != 0 ] && status="exit $rc: $(grep -h -m1 -iE 'error|failed|out of' "$OUT/$name"*.log 2>/dev/null | head -1 | cut -c1-120)"
-            rows+=("$(printf '%-26s %9s %11s %6s %-23s %6s %-11s %8s  %s' "$name" "$ms" "$tps" "$eff" "$mem" "$memr" "$lib" "$start" "$status")")
+            rows+=("$(printf '%-26s %9s %11s %6s %6s %-23s %6s %-11s %8s  %s' "$name" "$ms" "$tps" "$eff" "$load" "$mem" "$memr" "$lib" "$start" "$status")")
             printf '%s\n' "${rows[-1]}"
         done
     done
@@ -119,5 +123,5 @@ done
 echo
 echo "preset $preset, $dtype, $per_gpu x 1024 tokens per GPU, $steps steps (mean ms/step after $warmup)${extra_flags:+, extra flags: $extra_flags}; $(date -u '+%Y-%m-%d %H:%M UTC')"
 [ "$device" = cuda ] && nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
-printf '%-26s %9s %11s %6s %-23s %6s %-11s %8s  %s\n' run ms/step tok/s/GPU vs1 "peak GiB per GPU (smi)" vs1 "GiB use/res" start_s status
+printf '%-26s %9s %11s %6s %6s %-23s %6s %-11s %8s  %s\n' run ms/step tok/s/GPU vs1 load "peak GiB per GPU (smi)" vs1 "GiB use/res" start_s status
 printf '%s\n' "${rows[@]}"
