@@ -469,6 +469,10 @@ static inline uint16_t tm__f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+/* t (f32, on the host) = bf16(t) element by element: what storing it in a bf16 tensor and reading it
+ * back gives. The CPU kernels of composition ops (grouped_swiglu, grouped_mlp) round their f32
+ * intermediates with it where the composition stores them in bf16 tensors (kernels/cpu/copy.c). */
+void tm__round_bf16_host(tm_tensor *t);
 
 /* ---- CPU GEMM (kernels/cpu/gemm.c) -------------------------------------------------------- */
 /* Row-major C[M,N] = alpha * op(A) @ op(B) + beta * C, op(A) [M,K], op(B) [K,N];

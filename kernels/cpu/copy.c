@@ -75,6 +75,11 @@ void tm__convert_host(void *dst, tm_dtype ddt, const void *src, tm_dtype sdt, in
 }
 
 /* Gather a strided CPU tensor into dense memory of the same dtype. */
+void tm__round_bf16_host(tm_tensor *t) {
+    float *p = tm__data(t);
+    for (int64_t i = 0, n = tm__numel(t); i < n; i++) p[i] = tm__bf16_to_f32(tm__f32_to_bf16(p[i]));
+}
+
 void tm__gather_strided_host(const tm_tensor *t, void *dst) {
     size_t esz = tm_dtype_size(t->dtype);
     int64_t n = tm__numel(t);

@@ -29,12 +29,6 @@
  */
 #include "internal.h"
 
-/* t (f32, on the host) = bf16(t): what storing it in a bf16 tensor and reading it back gives. */
-static void round_bf16(tm_tensor *t) {
-    float *p = tm__data(t);
-    for (int64_t i = 0, n = tm__numel(t); i < n; i++) p[i] = tm__bf16_to_f32(tm__f32_to_bf16(p[i]));
-}
-
 tm_status tm__grouped_mlp_forward_cpu(tm__call *c) {
     const tm_tensor *x = c->in[0];
     tm_dtype dt = x->dtype;
@@ -52,7 +46,7 @@ tm_status tm__grouped_mlp_forward_cpu(tm__call *c) {
     c->saved[c->n_saved++] = s.saved[0];
     c->saved[c->n_saved++] = s.saved[1];
     c->saved[c->n_saved++] = h;
-    if (bf16) round_bf16(h);
+    if (bf16) tm__round_bf16_host(h);
     s = tm__grouped_mlp_down_call(c, h, NULL);
     return tm__grouped_matmul_forward_cpu(&s);
 }
@@ -73,8 +67,8 @@ tm_status tm__grouped_mlp_backward_cpu(tm__call *c) {
     TM__TRY(tm__grouped_matmul_backward_cpu(&s));
     if (!dh) return TM_OK;
     if (bf16) {
-        round_bf16(dh);
-        if (gwd && (gwd == gwg || gwd == gwu)) round_bf16(gwd);
+        tm__round_bf16_host(dh);
+        if (gwd && (gwd == gwg || gwd == gwu)) tm__round_bf16_host(gwd);
     }
     s = tm__grouped_mlp_swiglu_call(c, h, dh);
     return tm__grouped_swiglu_backward_cpu(&s);

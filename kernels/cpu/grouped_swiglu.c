@@ -25,12 +25,6 @@
  */
 #include "internal.h"
 
-/* t (f32, on the host) = bf16(t): what storing it in a bf16 tensor and reading it back gives. */
-static void round_bf16(tm_tensor *t) {
-    float *p = tm__data(t);
-    for (int64_t i = 0, n = tm__numel(t); i < n; i++) p[i] = tm__bf16_to_f32(tm__f32_to_bf16(p[i]));
-}
-
 tm_status tm__grouped_swiglu_forward_cpu(tm__call *c) {
     const tm_tensor *x = c->in[0];
     tm_dtype dt = x->dtype;
@@ -45,7 +39,7 @@ tm_status tm__grouped_swiglu_forward_cpu(tm__call *c) {
     TM__TRY(tm__grouped_matmul_forward_cpu(&s));
     s = tm__grouped_swiglu_gmm_call(c, 2, b, NULL);
     TM__TRY(tm__grouped_matmul_forward_cpu(&s));
-    if (bf16) round_bf16(a), round_bf16(b);
+    if (bf16) tm__round_bf16_host(a), tm__round_bf16_host(b);
     s = tm__grouped_swiglu_act_call(c, a, b);
     return tm__swiglu_forward_cpu(&s);
 }
@@ -66,16 +60,16 @@ tm_status tm__grouped_swiglu_backward_cpu(tm__call *c) {
     s.gin[1] = db, s.gin_fresh[1] = 1;
     TM__TRY(tm__swiglu_backward_cpu(&s));
     if (bf16) {
-        if (da) round_bf16(da);
-        if (db) round_bf16(db);
+        if (da) tm__round_bf16_host(da);
+        if (db) tm__round_bf16_host(db);
     }
     if (db) {
         s = tm__grouped_swiglu_gmm_call(c, 2, NULL, db);
         TM__TRY(tm__grouped_matmul_backward_cpu(&s));
         /* dx holds the up projection's contribution now (gate's adds to it); the composition
          * stores it in bf16 in between, as it does a weight gradient that w_gate shares */
-        if (bf16 && gx) round_bf16(gx);
-        if (bf16 && gwu && gwu == gwg) round_bf16(gwu);
+        if (bf16 && gx) tm__round_bf16_host(gx);
+        if (bf16 && gwu && gwu == gwg) tm__round_bf16_host(gwu);
     }
     if (da) {
         s = tm__grouped_swiglu_gmm_call(c, 1, NULL, da);
