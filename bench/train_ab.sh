@@ -7,7 +7,9 @@
 #                     [--device cuda] [--dtype bf16] [--no-build] [--smoke] [-- TRAIN_ARGS...]
 #
 # REV (any git revision) is exported with `git archive` into build-ab/<commit>/ and built there
-# with its own Makefile (`make build/tinymoe`, the Makefile's detection plus AB_MAKE_FLAGS); this
+# with its own Makefile (`make build/tinymoe`, the Makefile's detection plus AB_MAKE_FLAGS). REV
+# may also be a directory holding a source tree, built in place unless it has a build/tinymoe:
+# for a clone that lacks the commit, unpack `git archive REV` there and pass the directory. This
 # tree's build/tinymoe is made the same way unless --no-build. Each run is
 #   tinymoe train --preset P --device D --dtype T --steps N --synthetic_vocab 1024 --seed 1 --out= \
 #       --log_every 1 [TRAIN_ARGS]
@@ -33,13 +35,20 @@ while [ $# -gt 0 ]; do
     --no-build) build=0; shift ;;
     --smoke) smoke=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,22s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "train_ab.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 extra=("$@")
 [ -n "$rev" ] || { echo "train_ab.sh: --rev REV is required (the revision to compare this tree with)" >&2; exit 2; }
-commit=$(git rev-parse --verify --quiet "$rev^{commit}") || { echo "train_ab.sh: --rev $rev: not a commit of this repository" >&2; exit 2; }
+if [ -d "$rev" ]; then # a source tree (e.g. a `git archive` unpacked where this clone lacks the commit)
+    [ -f "$rev/Makefile" ] || { echo "train_ab.sh: --rev $rev: a directory without a Makefile" >&2; exit 2; }
+    commit="" dir=$(cd "$rev" && pwd) short=$(basename "$dir")
+else
+    commit=$(git rev-parse --verify --quiet "$rev^{commit}") ||
+        { echo "train_ab.sh: --rev $rev: not a commit of this repository, nor a directory" >&2; exit 2; }
+    dir=build-ab/$commit short=${commit:0:7}
+fi
 for v in rounds steps skip; do
     case "${!v}" in ''|*[!0-9]*) echo "train_ab.sh: --$v must be a whole number, got '${!v}'" >&2; exit 2 ;; esac
 done
@@ -51,9 +60,13 @@ fi
 # `make` does here; AB_MAKE_FLAGS adds to it (e.g. AB_MAKE_FLAGS='CUDA=1 BLAS=0')
 read -r -a make_flags <<<"${AB_MAKE_FLAGS:-}"
 
-dir=build-ab/$commit
-short=${commit:0:7}
-if [ ! -x "$dir/build/tinymoe" ]; then
+if [ -z "$commit" ]; then
+    if [ ! -x "$dir/build/tinymoe" ]; then
+        echo "== building $short in $dir"
+        (cd "$dir" && make -j"$(nproc)" ${make_flags[@]+"${make_flags[@]}"} build/tinymoe >build.log 2>&1) ||
+            { echo "train_ab.sh: building $short failed; the end of $dir/build.log:" >&2; tail -20 "$dir/build.log" >&2; exit 1; }
+    fi
+elif [ ! -x "$dir/build/tinymoe" ]; then
     rm -rf "$dir" && mkdir -p "$dir"
     git archive "$commit" | tar -x -C "$dir" || { echo "train_ab.sh: git archive $short failed" >&2; exit 1; }
     echo "== building $short in $dir"

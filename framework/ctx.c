@@ -123,7 +123,7 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
     ctx->perturb_op = -1;
     ctx->mem_reuse = 1;
     ctx->gating_split = 1; /* tm__gating_set_split */
-    ctx->gmlp_fused = 0;   /* tm__grouped_mlp_set_fused: its kernel mode is unverified on a GPU */
+    ctx->gmlp_fused = 0;   /* tm__grouped_mlp_set_fused: measured slower than the composition (internal.h) */
     ctx->be[TM__CPU] = o.plan_only ? &tm__plan_backend : tm__backend_get(TM__CPU);
     ctx->plan_only = o.plan_only;
     if (o.cuda_device >= 0) {
@@ -305,6 +305,20 @@ size_t tm_ctx_arena_used(const tm_ctx *ctx, tm_device dev) {
 size_t tm_ctx_arena_peak(const tm_ctx *ctx, tm_device dev) {
     const tm__arena *a = arena_of(ctx, dev);
     return a ? a->peak : 0;
+}
+
+tm_status tm_ctx_kernel_report(const tm_ctx *ctx, tm_kernel_report *out) {
+    if (!ctx) return TM_ERR_INVALID_ARG;
+    if (!out) return tm__err((tm_ctx *)ctx, TM_ERR_INVALID_ARG, "tm_ctx_kernel_report: out is NULL");
+    memset(out, 0, sizeof *out);
+    if (ctx->cuda_device < 0) return TM_OK;
+    out->grouped_gemm = ctx->gmm_device;
+    out->grouped_swiglu_fused = ctx->gsw_fused;
+    out->grouped_mlp_fused = ctx->gmlp_fused_n;
+    out->attention_sm90 = ctx->attn_sm90;
+    out->gating_split = ctx->gating_split_n;
+    snprintf(out->grouped_gemm_note, sizeof out->grouped_gemm_note, "%s", ctx->gmm_note);
+    return TM_OK;
 }
 
 tm_status tm_ctx_memory_report(const tm_ctx *ctx, tm_device dev, tm_memory_report *out) {

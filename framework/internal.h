@@ -420,10 +420,11 @@ uint64_t tm__gsw_fused_launches(const tm_ctx *ctx);
 void tm__gsw_fused_count(tm_ctx *ctx);
 /* tm_grouped_mlp's fused Hopper backward on CUDA (kernels/cuda/grouped_mlp.cu: DX_SWIGLU, SwiGLU's
  * backward in the epilogue of the down projection's dx, for bf16 under TM_GROUPED_GEMM_HOPPER):
- * OFF by default, because that kernel mode has been checked by its harness only, never run by
- * the library on a GPU; the tests turn it on to hold it to the composition's bits. The backwards
- * that took it in this context are counted (their results are the composition's bits, so they
- * cannot tell). */
+ * OFF by default: it gives the composition's bits (tests/test_cuda_parity_grouped_mlp.c) but is
+ * slower than the composition's DX then elementwise backward (H200, a coarse training step: 340-359
+ * us against 150 + 163 us a layer; an L2 prefetch of gate and up did not help; docs/PERFORMANCE.md,
+ * session 18). The tests turn it on to hold it to the composition's bits. The backwards that
+ * took it in this context are counted (tm_ctx_kernel_report; their results cannot tell). */
 void tm__grouped_mlp_set_fused(tm_ctx *ctx, int on);
 int tm__grouped_mlp_fused(const tm_ctx *ctx);
 uint64_t tm__grouped_mlp_fused_launches(const tm_ctx *ctx);

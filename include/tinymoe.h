@@ -294,6 +294,26 @@ typedef struct tm_memory_report {
  * marks run from context creation or the last tm_ctx_memory_reset_peak.
  * Errors: TM_ERR_INVALID_ARG (out NULL), TM_ERR_DEVICE (dev not a device of the context). */
 TM_API tm_status tm_ctx_memory_report(const tm_ctx *ctx, tm_device dev, tm_memory_report *out);
+/* Which kernels the context's ops took where a faster path depends on the device, dtype and
+ * shapes (so that a user can see whether a run was on the fast path; `tinymoe train` prints it
+ * after a CUDA run). Counts run from context creation, summed over forwards and backwards. */
+typedef struct tm_kernel_report {
+    int grouped_gemm;              /* the bf16 grouped GEMM path in use: TM_GROUPED_GEMM_CUBLASLT,
+                                    * _DEVICE or _HOPPER (AUTO resolved at tm_ctx_new) */
+    uint64_t grouped_swiglu_fused; /* tm_grouped_swiglu forwards (tm_grouped_mlp's included) whose
+                                    * two projections and SwiGLU ran as one Hopper launch */
+    uint64_t grouped_mlp_fused;    /* tm_grouped_mlp backwards whose down projection's dx ran
+                                    * SwiGLU's backward in its epilogue (one Hopper launch) */
+    uint64_t attention_sm90;       /* tm_attention forwards and backwards on the Hopper kernels */
+    uint64_t gating_split;         /* tm_moe_gating launches on the split bf16 tensor-core path */
+    char grouped_gemm_note[256];   /* why the last bf16 grouped GEMM under TM_GROUPED_GEMM_HOPPER
+                                    * did not take the Hopper kernel; "" when it did (or none ran) */
+} tm_kernel_report;
+
+/* Fill *out (all zero on a context without a CUDA device). Errors: TM_ERR_INVALID_ARG (ctx or
+ * out NULL). */
+TM_API tm_status tm_ctx_kernel_report(const tm_ctx *ctx, tm_kernel_report *out);
+
 /* Restart every high-water mark of the memory report (all devices) at the current values,
  * e.g. to measure one training step. tm_ctx_arena_peak is not affected. NULL: no-op. */
 TM_API void tm_ctx_memory_reset_peak(tm_ctx *ctx);
@@ -1084,7 +1104,9 @@ TM_API tm_status tm_grouped_swiglu(tm_ctx *ctx, tm_tensor *x, tm_tensor *w_gate,
  * the backward runs that composition's kernels in its order, computing the intermediate
  * gradient only where x, w_gate or w_up needs one. Why one op: its backward sees the SwiGLU's
  * saved projections, so that a backend can compute SwiGLU's backward in the epilogue of the down
- * projection's input-gradient GEMM (bf16 on Hopper; not used by default). Kept for the backward:
+ * projection's input-gradient GEMM (bf16 on Hopper; written and bit-exact, but not used by
+ * default: it measured slower than the composition's two kernels). The MoE block runs its
+ * routed experts through this op. Kept for the backward:
  * the two projections and the SwiGLU output ([R,F] each, as the composition keeps them).
  * Errors: TM_ERR_DTYPE (x or a weight not float, or of different dtypes; counts not i64),
  * TM_ERR_SHAPE (x not 2-D, a weight not 3-D, w_gate and w_up of different shapes, w_down not
@@ -1104,7 +1126,7 @@ typedef enum tm_aux_counts {
 } tm_aux_counts;
 
 typedef enum tm_moe_strategy {
-    TM_MOE_GROUPED = 0, /* permute -> grouped SwiGLU GEMMs -> unpermute (dropless by default) */
+    TM_MOE_GROUPED = 0, /* permute -> tm_grouped_mlp -> unpermute (dropless by default) */
     TM_MOE_DENSE = 1    /* every expert on every token, weighted by probs: the test oracle */
 } tm_moe_strategy;
 

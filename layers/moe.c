@@ -303,10 +303,7 @@ static tm_status i64_tensor(tm_ctx *ctx, const int64_t *v, int64_t n, tm_device 
 
 /* The local experts on rows grouped expert-major by `counts` (L groups). */
 static tm_status local_experts(tm_moe *m, tm_tensor *rows, tm_tensor *counts, tm_tensor **out) {
-    tm_ctx *ctx = m->ctx;
-    tm_tensor *h;
-    TM__TRY(tm_grouped_swiglu(ctx, rows, m->w0, m->w1, counts, &h));
-    return tm_grouped_matmul(ctx, h, m->wo, counts, out);
+    return tm_grouped_mlp(m->ctx, rows, m->w0, m->w1, m->wo, counts, out);
 }
 
 /* Out of memory inside an expert-parallel dispatch: the rows a rank receives follow the routing
@@ -949,10 +946,9 @@ static tm_status grouped_experts(tm_moe *m, tm_tensor *x, tm_tensor *probs, tm_t
      * (it read them back, or pad_to each) their host mirror spares the grouped GEMMs, forward
      * and backward, a read back of the group sizes (framework/internal.h); otherwise they stay
      * on the device and a GEMM that needs them on the host reads them once. */
-    tm_tensor *rows, *cw, *h, *eo;
+    tm_tensor *rows, *cw, *eo;
     TM__TRY(weighted_rows(m, &d, &rows, &cw));
-    TM__TRY(tm_grouped_swiglu(ctx, rows, m->w0, m->w1, d.tokens_per_expert, &h));
-    TM__TRY(tm_grouped_matmul(ctx, h, m->wo, d.tokens_per_expert, &eo));
+    TM__TRY(tm_grouped_mlp(ctx, rows, m->w0, m->w1, m->wo, d.tokens_per_expert, &eo));
     return tm_moe_unpermute(ctx, eo, cw, d.row_token, tm_tensor_dim(x, 0), y);
 }
 

@@ -6,7 +6,7 @@
  *    Hopper kernel), the op's output and the gradients of x, w_gate, w_up and w_down are the
  *    composition's bits (the same kernels, in the composition's order), with x's gradient written
  *    fresh and added to, and with only some gradients wanted;
- *  - with the fused backward on (tm__grouped_mlp_set_fused; off by default), bf16 under
+ *  - with the fused backward on (tm__grouped_mlp_set_fused; off by default: slower), bf16 under
  *    TM_GROUPED_GEMM_HOPPER on an sm_90 device takes DX_SWIGLU (the down projection's dx with
  *    SwiGLU's backward in its epilogue) and must still give the composition's bits; it must not
  *    run where the shapes rule the Hopper kernel out, on the other paths, or with the flag off;
@@ -76,6 +76,12 @@ static run_out run(tm_dtype dt, int mode, int64_t K, int64_t F, int64_t N, int w
     TT_OK(ctx, tm_backward_with_grad(ctx, y, dy));
     r.syncs += tm_ctx_sync_count(ctx) - s0;
     r.fused = tm__grouped_mlp_fused_launches(ctx);
+    tm_kernel_report kr; /* the public report counts the same launches */
+    TT_OK(ctx, tm_ctx_kernel_report(ctx, &kr));
+    cr_assert_eq(kr.grouped_mlp_fused, r.fused, "tm_ctx_kernel_report: %llu fused backwards, the context counted %llu",
+                 (unsigned long long)kr.grouped_mlp_fused, (unsigned long long)r.fused);
+    cr_assert_eq(kr.grouped_swiglu_fused, tm__gsw_fused_launches(ctx));
+    cr_assert_eq(kr.grouped_gemm, mode);
     r.y = tt_read(ctx, y0);
     if (want & 1) r.dx = tt_read(ctx, tm_tensor_grad(x));
     if (want & 2) r.dwg = tt_read(ctx, tm_tensor_grad(wg));

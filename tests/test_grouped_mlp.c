@@ -330,3 +330,30 @@ Test(grouped_mlp, bad_counts) {
     TT_OK(ctx, tm_grouped_mlp(ctx, x, wg, wu, wd, counts_tensor(ctx, 3, ok), &out));
     tm_ctx_free(ctx);
 }
+
+/* tm_ctx_kernel_report on a CPU context: every count 0 (no CUDA kernel ran) even with the Hopper
+ * path asked for and the ops that would take it on CUDA run; NULL arguments are errors. (On
+ * CUDA, tests/test_cuda_parity_grouped_mlp.c checks its counts against the launches.) */
+Test(grouped_mlp, kernel_report_on_the_cpu) {
+    tm_ctx_options o = tm_ctx_options_default();
+    o.grouped_gemm = TM_GROUPED_GEMM_HOPPER;
+    tm_ctx *ctx;
+    cr_assert_eq(tm_ctx_new(&ctx, &o), TM_OK);
+    int64_t xs[2] = {R14, 16}, ws[3] = {G8, 16, 24}, ds[3] = {G8, 24, 8};
+    tm_tensor *x = tt_randn(ctx, TM_BF16, 2, xs, 1), *wg = tt_randn(ctx, TM_BF16, 3, ws, 2);
+    tm_tensor *wu = tt_randn(ctx, TM_BF16, 3, ws, 3), *wd = tt_randn(ctx, TM_BF16, 3, ds, 4), *y, *l;
+    TT_OK(ctx, tm_tensor_set_requires_grad(ctx, x, 1));
+    TT_OK(ctx, tm_grouped_mlp(ctx, x, wg, wu, wd, counts_tensor(ctx, G8, COUNTS), &y));
+    TT_OK(ctx, tm_sum_all(ctx, y, &l));
+    TT_OK(ctx, tm_backward(ctx, l));
+    tm_kernel_report kr;
+    memset(&kr, 0xab, sizeof kr);
+    TT_OK(ctx, tm_ctx_kernel_report(ctx, &kr));
+    cr_assert(kr.grouped_gemm == 0 && kr.grouped_swiglu_fused == 0 && kr.grouped_mlp_fused == 0 &&
+              kr.attention_sm90 == 0 && kr.gating_split == 0 && kr.grouped_gemm_note[0] == 0,
+              "a CPU context reported CUDA kernels");
+    cr_assert_eq(tm_ctx_kernel_report(ctx, NULL), TM_ERR_INVALID_ARG);
+    cr_assert(strstr(tm_ctx_errmsg(ctx), "tm_ctx_kernel_report"), "%s", tm_ctx_errmsg(ctx));
+    cr_assert_eq(tm_ctx_kernel_report(NULL, &kr), TM_ERR_INVALID_ARG);
+    tm_ctx_free(ctx);
+}

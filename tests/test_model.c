@@ -416,7 +416,7 @@ Test(model, gradients_of_every_parameter_match_finite_differences) {
 Test(model, gradient_check_catches_a_broken_backward_of_every_op_used) {
     const char *ops[] = {"embedding", "rmsnorm", "add_rmsnorm", "matmul", "view", "rope", "attention", "add", "swiglu",
                          "moe_router", "moe_aux_scores", "moe_aux_loss", "moe_seq_aux_loss", "moe_z_loss",
-                         "moe_permute", "moe_unpermute", "grouped_matmul", "cross_entropy"};
+                         "moe_permute", "moe_unpermute", "grouped_mlp", "cross_entropy"};
     enum { B = 2, T = 5 };
     int32_t tok[B * T] = {1, 4, 6, 0, 2, 3, 3, 5, 1, 6}, tgt[B * T] = {4, 6, 0, 2, -1, 3, 5, 1, 6, 2};
     for (size_t i = 0; i < sizeof ops / sizeof *ops; i++) {

@@ -392,6 +392,19 @@ static int finish_run(tmd_run *r, tmd_train_result *res, int64_t start, double t
                     mr.peak[TM_MEM_TEMPORARIES] ? (double)mr.reserved_peak / (double)mr.peak[TM_MEM_TEMPORARIES] : 0.0,
                     (unsigned long long)mr.arena_trims, mr.arena_trims == 1 ? "" : "s");
         }
+        tm_kernel_report kr; /* whether the run was on the fast paths (docs/cuda.md) */
+        if (r->dev.type == TM_DEVICE_CUDA && tm_ctx_kernel_report(r->ctx, &kr) == TM_OK) {
+            static const char *const gg[] = {"cublaslt", "device", "hopper"};
+            char dxs[64] = ""; /* a path off by default: named only where it ran */
+            if (kr.grouped_mlp_fused)
+                snprintf(dxs, sizeof dxs, ", down dx + SwiGLU backward %llu", (unsigned long long)kr.grouped_mlp_fused);
+            fprintf(r->log, "kernels (cuda:0): grouped GEMM %s; one-launch gate/up + SwiGLU %llu%s, Hopper attention %llu, "
+                    "split router gating %llu\n", kr.grouped_gemm >= 0 && kr.grouped_gemm < 3 ? gg[kr.grouped_gemm] : "?",
+                    (unsigned long long)kr.grouped_swiglu_fused, dxs, (unsigned long long)kr.attention_sm90,
+                    (unsigned long long)kr.gating_split);
+            if (kr.grouped_gemm_note[0])
+                fprintf(r->log, "        the last grouped GEMM off the Hopper kernel: %s\n", kr.grouped_gemm_note);
+        }
         if (r->synth)
             fprintf(r->log, "optimum %.4f: the val loss is %.4f nats/token (%.1f%%) above it\n", r->optimum,
                     val - r->optimum, 100 * (val - r->optimum) / r->optimum);

@@ -20,8 +20,8 @@
  * so every gradient has the composition's bits (bf16 intermediates are bf16 tensors here too).
  *
  * The fused backward (gmlp_try_fused): bf16 under TM_GROUPED_GEMM_HOPPER, with the context's
- * tm__grouped_mlp_set_fused on (OFF by default: grouped_matmul_sm90.cu's DX_SWIGLU has been
- * checked by its harness only; no GPU has run this path yet). The down projection's dx and
+ * tm__grouped_mlp_set_fused on (OFF by default: it has the composition's bits but measured slower
+ * than it, framework/internal.h). The down projection's dx and
  * SwiGLU's backward are one launch, DX_SWIGLU: dh = dy_g @ w_down[g]^T rounded to bf16 in the
  * epilogue (never stored), and from it and the saved a, b the gradients da, db, written whole;
  * the sm90 header states them equal to DX (fresh) then the elementwise swiglu backward bit for
