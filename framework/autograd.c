@@ -73,7 +73,12 @@ static void release_node(tm_ctx *ctx, tm__node *n) {
 static tm_status run_nodes(tm_ctx *ctx) {
     tm__node *n = ctx->tape;
     ctx->tape = NULL; /* consumed, even on error: a retry must not double-count */
-    for (; n; n = n->prev) {
+    /* an armed backward all-reduces the parameters' gradients as they become final
+     * (grad_sync.c): before node k's backward, the chunks whose last writer was a node < k */
+    TM__TRY(tm__gsync_plan(ctx, n));
+    int64_t k = 0;
+    for (; n; n = n->prev, k++) {
+        TM__TRY(tm__gsync_progress(ctx, k - 1));
         tm__call *c = &n->call;
         int any = 0, collective = (tm__op_table[c->op].flags & TM__OP_COLLECTIVE) != 0;
         for (int i = 0; i < c->n_out; i++) any |= c->out[i]->grad != NULL;
@@ -161,11 +166,12 @@ static tm_status run_nodes(tm_ctx *ctx) {
             tm__fsdp_gather_released(ctx, c->out[0]);
         release_node(ctx, n);
     }
-    return TM_OK;
+    return tm__gsync_progress(ctx, INT64_MAX);
 }
 
 static tm_status run_tape(tm_ctx *ctx) {
     tm_status r = run_nodes(ctx);
+    tm__gsync_end(ctx, r);
     /* Collectives still running beside the work end here, also after an error (nothing may
      * still write a gradient when the caller zeroes or reads them): gradients of leaves written
      * by them (side.c), ZeRO-3's gradient reduce-scatters (fsdp.c). */

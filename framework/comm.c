@@ -28,6 +28,7 @@ tm_comm_options tm_comm_options_default(void) {
     o.overlap = 1;
     o.comm_sms = 16;
     o.zero3_keep_last = 1;
+    o.grad_sync_chunk_bytes = TM__GRAD_SYNC_CHUNK_BYTES;
     return o;
 }
 
@@ -320,6 +321,15 @@ tm_status tm__coll_side_end(tm_ctx *ctx, tm_device dev, void **event) {
     return tm__ctx_backend(ctx, dev)->side_end(ctx, event);
 }
 
+tm_status tm__coll_side_end_background(tm_ctx *ctx, tm_device dev, void **event) {
+    if (ctx->comm) ctx->comm->side_background = 1;
+    tm_status s = tm__coll_side_end(ctx, dev, event);
+    if (ctx->comm) ctx->comm->side_background = 0;
+    return s;
+}
+
+int tm__coll_side_background(const tm_ctx *ctx) { return ctx && ctx->comm && ctx->comm->side_background; }
+
 tm_status tm__coll_event_wait(tm_ctx *ctx, tm_device dev, void *event) {
     if (!event) return TM_OK;
     const tm__backend_ops *be = tm__ctx_backend(ctx, dev);
@@ -404,6 +414,9 @@ tm_status tm_comm_init(tm_ctx *ctx, const tm_comm_options *opts) {
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: comm_sms = %d must be in [0, 64]", fn, o.comm_sms);
     if (o.zero3_keep_last < 0)
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: zero3_keep_last = %d must be >= 0 (layers)", fn, o.zero3_keep_last);
+    if (o.grad_sync_chunk_bytes < 0)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: grad_sync_chunk_bytes = %lld must be >= 0 (0: the default, %d MiB)",
+                       fn, (long long)o.grad_sync_chunk_bytes, TM__GRAD_SYNC_CHUNK_BYTES >> 20);
     if (isnan(o.timeout_s)) return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: timeout_s is NaN", fn);
     if (o.nccl != TM_NCCL_AUTO && o.nccl != TM_NCCL_OFF && o.nccl != TM_NCCL_ALWAYS)
         return tm__err(ctx, TM_ERR_INVALID_ARG, "%s: nccl = %d is none of TM_NCCL_AUTO (0), TM_NCCL_OFF (1), TM_NCCL_ALWAYS (2)",
@@ -640,9 +653,18 @@ static tm_status sync_into_shard(tm_ctx *ctx, int i) {
 tm_status tm_comm_sync_grads(tm_ctx *ctx) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!ctx->comm) return TM_OK;
+    if (ctx->gsync_broken)
+        return tm__err(ctx, TM_ERR_STATE, "tm_comm_sync_grads: the backward armed by tm_comm_sync_grads_in_backward "
+                       "failed after starting some of the gradient all-reduces; zero the gradients (tm_ctx_zero_grad) "
+                       "and redo the step");
+    ctx->gsync_armed = 0; /* an arming with no backward since must not reach the next step's first backward */
     for (int i = 0; i < ctx->n_buckets; i++) {
         tm__bucket *b = ctx->buckets[i];
         if (b->params_sharded) continue; /* ZeRO-3: the gathers' backward reduce-scattered already */
+        if (b->gsync_done) { /* all-reduced by the armed backward (grad_sync.c) */
+            b->gsync_done = 0;
+            continue;
+        }
         if (tm__zero_level(ctx) >= 2) {
             TM__TRY(sync_into_shard(ctx, i));
             continue;

@@ -70,6 +70,7 @@ struct tm__comm {
                                  * beside the work (tm__coll_side_begin) */
     unsigned side_groups;       /* bit g: the device engine has group g's side communicator */
     int side_active;            /* between tm__coll_side_begin and _end: calls count as beside */
+    int side_background;        /* tm__coll_side_end_background is ending the side work */
     tm_comm_stats stats;
 };
 
@@ -99,6 +100,11 @@ extern const tm__comm_ops tm__comm_nccl_ops;
 
 /* Collective entry points that account traffic and pick the table by device (framework code
  * calls these, never a table directly). */
+/* tm_comm_options.grad_sync_chunk_bytes's default (0 there means this): large enough that an
+ * NCCL all-reduce of one chunk runs near its bus bandwidth (NVLink: from about 16 MiB), small
+ * enough that the backward starts the first ones early (PyTorch DDP's bucket_cap_mb is 25). */
+#define TM__GRAD_SYNC_CHUNK_BYTES (32 << 20)
+
 tm_status tm__coll_allreduce(tm_ctx *ctx, int g, const void *send, void *recv, int64_t n, tm_dtype dt, tm_device dev);
 tm_status tm__coll_allgatherv(tm_ctx *ctx, int g, const void *send, void *recv, const int64_t *counts,
                               const int64_t *displs, tm_dtype dt, tm_device dev);
@@ -127,6 +133,8 @@ int tm__coll_side_group(const tm_ctx *ctx, int g, tm_device dev);
 tm_status tm__coll_side_prepare(tm_ctx *ctx, int g, tm_device dev);
 tm_status tm__coll_side_begin(tm_ctx *ctx, tm_device dev);
 tm_status tm__coll_side_end(tm_ctx *ctx, tm_device dev, void **event);
+/* tm__coll_side_end for work that must not make kernels leave SMs to it (tm__coll_side_background). */
+tm_status tm__coll_side_end_background(tm_ctx *ctx, tm_device dev, void **event);
 tm_status tm__coll_event_wait(tm_ctx *ctx, tm_device dev, void *event);
 int tm__coll_event_done(tm_ctx *ctx, tm_device dev, void *event);
 

@@ -161,6 +161,7 @@ tm_status tm_ctx_new(tm_ctx **out, const tm_ctx_options *opts) {
 void tm_ctx_free(tm_ctx *ctx) {
     if (!ctx) return;
     tm__side_free(ctx);
+    tm__gsync_free(ctx);
     tm__fsdp_free(ctx);
     tm__comm_destroy(ctx);
     for (int b = 0; b < TM__NBACKENDS; b++) tm__segs_free(ctx, ctx->segs[b]);

@@ -113,6 +113,7 @@ typedef struct tm__bucket {
     int params_sharded;
     int64_t params_lo, params_hi;
     tm__storage params_alias;
+    int gsync_done; /* grad_sync.c: the last backward all-reduced it whole (tm_comm_sync_grads skips it) */
 } tm__bucket;
 
 typedef struct tm__node {
@@ -198,6 +199,9 @@ struct tm_ctx {
     int param_unit_end;    /* 1 + the highest unit a parameter was made in (0: none yet) */
     int fsdp_gather_always; /* test hook: ZeRO-3 units of a group of one gathered as any other (fsdp.c) */
     struct tm__side *side; /* other collectives started beside the work, not yet waited for (side.c) */
+    struct tm__gsync *gsync; /* grad_sync.c: the armed backward's gradient all-reduce chunks */
+    int gsync_armed;         /* tm_comm_sync_grads_in_backward: the next backward synchronises */
+    int gsync_broken;        /* an armed backward failed after starting some chunks */
     struct tm__segs *segs[TM__NBACKENDS]; /* tm__ctx_segs: the clip's segment list per backend */
 };
 
@@ -295,6 +299,16 @@ void tm__side_release(tm_ctx *ctx, const tm__storage *st);
 int tm__side_pending(const tm_ctx *ctx);
 tm_status tm__side_finish_all(tm_ctx *ctx);
 void tm__side_free(tm_ctx *ctx);
+/* The data-parallel gradient all-reduce during an armed backward (grad_sync.c): _plan at the
+ * start of autograd.c's walk of `tape` (every backward: it also clears the buckets' done marks),
+ * _progress before each node's backward with the walk's nodes [0, done] finished (INT64_MAX:
+ * the walk ended, everything left goes), _end with the backward's status; _disarm forgets an
+ * arming and the marks (tm_ctx_zero_grad, tm_comm_sync_grads); _free at tm_ctx_free. */
+tm_status tm__gsync_plan(tm_ctx *ctx, const tm__node *tape);
+tm_status tm__gsync_progress(tm_ctx *ctx, int64_t done);
+void tm__gsync_end(tm_ctx *ctx, tm_status backward);
+void tm__gsync_disarm(tm_ctx *ctx);
+void tm__gsync_free(tm_ctx *ctx);
 /* Take t's block out of the open kernel scope's log (arena.c): the scope's close will not give
  * it back; whoever called this does (a buffer a side collective still uses, side.c). */
 void tm__scope_forget(tm_ctx *ctx, const tm_tensor *t);

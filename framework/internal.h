@@ -109,6 +109,7 @@ typedef struct tm__param_meta {
     int64_t bucket_offset;       /* element offset of the parameter in its bucket */
     tm_tensor *master;           /* f32 master copy (bf16 parameters once an optimizer made it) */
     int sharded;                 /* ZeRO-3: this rank holds its bucket's block only (fsdp.c) */
+    int64_t gsync_k;             /* grad_sync.c's plan: the tape index of its last gradient write */
 } tm__param_meta;
 
 /* One op invocation; the tape stores copies of these. */
@@ -408,6 +409,11 @@ tm_status tm__gin_prepare(tm__call *c, int i);
 /* SMs that kernels sizing their grid to the GPU leave free for collectives beside the work
  * (tm_comm_options.comm_sms where the engine has side communicators, framework/comm.c); 0: none. */
 int tm__coll_spare_sms(const tm_ctx *ctx);
+/* 1 while the side work being ended is background work (grad_sync.c's gradient all-reduce): the
+ * backend's side_end then does not count it as holding SMs (kernels/cuda/common.cuh,
+ * tm__cuda_side_busy), so that the grouped GEMMs keep every SM while it waits queued for the
+ * gradients it reduces, which on the host's clock is most of the backward. */
+int tm__coll_side_background(const tm_ctx *ctx);
 /* 1 when the options asked for TM_GROUPED_GEMM_AUTO: the CUDA backend's init then sets the mode
  * (HOPPER where the sm_90a kernel runs, else CUBLASLT; until then CUBLASLT). */
 int tm__gmm_auto(const tm_ctx *ctx);

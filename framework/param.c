@@ -382,6 +382,7 @@ const char *tm__bucket_first_param(const tm_ctx *ctx, int bucket) {
 tm_status tm_ctx_zero_grad(tm_ctx *ctx) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     ctx->grad_epoch++;
+    tm__gsync_disarm(ctx); /* gradients all-reduced by a backward are zeros now */
     for (int i = 0; i < ctx->n_buckets; i++) {
         tm__bucket *b = ctx->buckets[i];
         if (b->grads_transient) {

@@ -2098,12 +2098,18 @@ typedef struct tm_comm_options {
                                  * Counted in layers, >= 0; more than n_layers keeps every layer;
                                  * 0: every weight given back after its forward use (gathered
                                  * again for the backward). Default 1 */
+    int64_t grad_sync_chunk_bytes; /* tm_comm_sync_grads_in_backward: the size of the pieces in
+                                 * which an armed backward all-reduces the gradients, bytes of the
+                                 * gradient dtype (PyTorch DDP's bucket_cap_mb, Megatron-LM's
+                                 * bucket_size): smaller starts the first all-reduces sooner and
+                                 * leaves less to run after the backward, larger runs each one
+                                 * nearer the link's bandwidth. >= 0; 0: the default, 32 MiB */
 } tm_comm_options;
 
 enum { TM_NCCL_AUTO = 0, TM_NCCL_OFF = 1, TM_NCCL_ALWAYS = 2 };
 
 /* ep_size 1, alltoall, zero 0, timeout 60 s, MPI_COMM_WORLD, NCCL auto, overlap on, comm_sms 16,
- * zero3_keep_last 1. */
+ * zero3_keep_last 1, grad_sync_chunk_bytes 32 MiB. */
 TM_API tm_comm_options tm_comm_options_default(void);
 
 /* MPI is process-wide state, so these three are the only functions of tinymoe that touch the
@@ -2194,8 +2200,31 @@ TM_API tm_status tm_comm_barrier(tm_ctx *ctx, tm_comm_group g);
  * root of the ranks' sums of squares of their blocks, added over the world). No-op without a
  * communicator, or (zero 0 and 1) on groups of one rank. Errors: TM_ERR_COMM, TM_ERR_NOMEM,
  * TM_ERR_STATE (zero = 2 and no backward since the last synchronisation or tm_ctx_zero_grad).
- * With zero = 3 there is nothing to synchronise (the backward reduced into the shards). */
+ * With zero = 3 there is nothing to synchronise (the backward reduced into the shards). Buckets
+ * that the last backward all-reduced (tm_comm_sync_grads_in_backward) are skipped; TM_ERR_STATE
+ * too when that backward failed part way. */
 TM_API tm_status tm_comm_sync_grads(tm_ctx *ctx);
+/* Arm the next tm_backward (or tm_backward_with_grad) to run tm_comm_sync_grads' all-reduces
+ * itself, as the gradients become final, beside the rest of the backward: PyTorch DDP's
+ * overlapped bucketed all-reduce (Li et al. 2020, "PyTorch Distributed", section 3.2.3),
+ * Megatron-LM's overlap_grad_reduce. Call it before the last backward of an optimizer step (with
+ * gradient accumulation, the last micro-batch's: an earlier backward would be followed by more
+ * gradient), then tm_comm_sync_grads as usual, which skips what the backward did and runs the
+ * rest. What it covers: the buckets that tm_comm_sync_grads all-reduces, i.e. zero = 0 over
+ * groups of two or more ranks (zero 1 and 2 reduce-scatter after the backward as before; zero 3
+ * reduces during the backward anyway). How: the buckets are cut into pieces of
+ * tm_comm_options.grad_sync_chunk_bytes; a piece's all-reduce starts once the backward has
+ * run every node that writes a gradient in it, on the engine's second stream where it has one
+ * (NCCL with tm_comm_options.overlap; the work stream waits for them at the end of the
+ * backward), in place elsewhere (MPI, CPU ranks: the same values, no overlap). Every rank
+ * starts the pieces in one order, that of the parameters' creation (framework/grad_sync.c).
+ * Values: each gradient is the same sum over the same ranks; an engine may reduce a piece in
+ * another order than the whole bucket (3 or more ranks: the last bit can differ). Collective:
+ * every rank of the world calls it at the same point (the first call makes the groups' second
+ * communicators). tm_ctx_zero_grad and tm_comm_sync_grads cancel an arming no backward used.
+ * No-op without a communicator. Errors: TM_ERR_INVALID_ARG (ctx NULL), TM_ERR_STATE (the last
+ * armed backward failed part way: zero the gradients first), TM_ERR_COMM. */
+TM_API tm_status tm_comm_sync_grads_in_backward(tm_ctx *ctx);
 /* The element range [lo, hi) of bucket i that this rank owns under ZeRO-1 or 2 (the whole bucket
  * otherwise): the bucket's elements padded to a multiple of its group's size G, in G equal
  * blocks in group-rank order. Errors: TM_ERR_INVALID_ARG (NULL, i out of range). */

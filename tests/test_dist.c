@@ -791,6 +791,34 @@ Test(dist, deferred_clip_across_ranks_equals_the_in_place_clip) {
     tt_tmpdir_remove();
 }
 
+/* The data-parallel gradient all-reduce run by an armed backward (tm_comm_sync_grads_in_backward,
+ * in 256-byte pieces) against tm_comm_sync_grads alone, on 2 and 4 CPU ranks (dist_helper.c,
+ * check_gsync); then the driver, which arms the last micro-batch's backward under comm_overlap
+ * (grad_sync_overlap): with pieces of 2 KiB and two micro-batches, the losses of comm_overlap
+ * false exactly. */
+static void assert_close_losses(const char *a, const char *b, int steps, double tol);
+
+Test(dist, gradient_all_reduce_in_the_backward_trains_as_after_it) {
+    skip_without_mpirun();
+    tt_tmpdir_make("tinymoe_dist_");
+    helper_on_2_and_4("gsync");
+    /* auto arms the first two (expert_dp 2 and 2), the third only when asked */
+    const layout lay[] = {{2, ""}, {4, "--ep_size 2"}, {4, "--ep_size 4 --ep_strategy alltoall_dedup --grad_sync_overlap true"}};
+    for (size_t i = 0; i < sizeof lay / sizeof *lay; i++) {
+        char on[1024], off[1024], name[32], flags[512];
+        snprintf(name, sizeof name, "g%zu_on", i);
+        snprintf(on, sizeof on, "%s", tt_path(name));
+        snprintf(flags, sizeof flags, "%s --grad_accum 2 --grad_sync_chunk_mb 0.002", lay[i].flags);
+        train_ok(on, lay[i].np, flags);
+        snprintf(name, sizeof name, "g%zu_off", i);
+        snprintf(off, sizeof off, "%s", tt_path(name));
+        snprintf(flags, sizeof flags, "%s --grad_accum 2 --comm_overlap false", lay[i].flags);
+        train_ok(off, lay[i].np, flags);
+        assert_close_losses(on, off, 10, 0.0);
+    }
+    tt_tmpdir_remove();
+}
+
 /* ZeRO-3's kept weights (tm_comm_options.zero3_keep_last): on 2 and 4 CPU ranks, ep_size 1 and
  * 2, f32 and bf16, tied or not, keeping 1, 2 and every layer trains to the bits of keeping none
  * (losses and each rank's weight blocks), with one all-gather fewer per kept weight and step

@@ -261,8 +261,16 @@ static const key KEYS[] = {
      "rank (always: a check of that engine on one GPU)", 0, 0},
     {"comm_overlap", T_BOOL, G_DIST, OFF(comm_overlap), NULL, "true", 0, NULL,
      "with NCCL, run ZeRO-3's all-gathers ahead of their use and its gradient reduce-scatters during the backward, "
-     "and the chunked MoE layers' all-to-alls (overlap_chunks > 1), on a second stream beside the compute (false: "
-     "each in place when needed; the same values)", 0, 0},
+     "the chunked MoE layers' all-to-alls (overlap_chunks > 1), and (grad_sync_overlap) the data-parallel gradient "
+     "all-reduce, on a second stream beside the compute (false: each in place when needed; the same values)", 0, 0},
+    {"grad_sync_overlap", T_ENUM, G_DIST, OFF(grad_sync_overlap), "auto|true|false", "auto", 0, NULL,
+     "with comm_overlap and ZeRO-0: all-reduce the gradients during the last backward of a step, each piece as soon "
+     "as its gradients are final (PyTorch DDP), instead of after it; auto: where the all-reduce covers the experts' "
+     "gradients too (ep_size below the world), the bulk of the bytes; with only the dense weights it is short and "
+     "measured slower beside the expert-parallel all-to-alls (docs/layouts.md)", 0, 0},
+    {"grad_sync_chunk_mb", T_FLOAT, G_DIST, OFF(grad_sync_chunk_mb), NULL, "32", 0, NULL,
+     "with grad_sync_overlap: the size of the pieces in which the backward all-reduces the gradients, MiB (PyTorch "
+     "DDP's bucket_cap_mb): smaller starts sooner, larger runs nearer the link's bandwidth", 0.001, 1e6},
     {"comm_sms", T_INT, G_DIST, OFF(comm_sms), NULL, "16", 0, NULL,
      "with comm_overlap on NCCL: GPU SMs left to the collectives beside the compute (their CTAs; the persistent Hopper "
      "grouped GEMM uses the others while one is in flight, so it does not wait for SMs a collective holds); 0: none",

@@ -77,6 +77,8 @@ typedef struct tmd_config {
     int nccl; /* TM_NCCL_AUTO / _OFF / _ALWAYS (tm_comm_options.nccl) */
     int comm_overlap; /* tm_comm_options.overlap */
     int comm_sms;     /* tm_comm_options.comm_sms */
+    int grad_sync_overlap;     /* 0 auto, 1 true, 2 false: step.c arms tm_comm_sync_grads_in_backward */
+    double grad_sync_chunk_mb; /* tm_comm_options.grad_sync_chunk_bytes, in MiB */
     int zero3_keep_last; /* tm_comm_options.zero3_keep_last */
     double comm_timeout;
     int print_layout;

@@ -153,6 +153,8 @@ tm_comm_options tmd_comm_options_of(const tmd_config *c) {
     co.nccl = c->nccl;
     co.overlap = c->comm_overlap;
     co.comm_sms = c->comm_sms;
+    co.grad_sync_chunk_bytes = (int64_t)(c->grad_sync_chunk_mb * 1048576.0);
+    if (co.grad_sync_chunk_bytes < 1) co.grad_sync_chunk_bytes = 1;
     co.zero3_keep_last = c->zero3_keep_last;
     return co;
 }

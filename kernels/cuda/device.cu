@@ -238,8 +238,11 @@ static tm_status tm__cuda_side_end(tm_ctx *ctx, void **event) {
     cudaEvent_t e;
     TM__CU_CHECK(ctx, what, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     cudaError_t r = cudaEventRecord(e, st->side);
-    if (r == cudaSuccess && !st->side_tail) r = cudaEventCreateWithFlags(&st->side_tail, cudaEventDisableTiming);
-    if (r == cudaSuccess) r = cudaEventRecord(st->side_tail, st->side);
+    /* background work (tm__coll_side_background) is not what kernels leave SMs to */
+    if (r == cudaSuccess && !tm__coll_side_background(ctx)) {
+        if (!st->side_tail) r = cudaEventCreateWithFlags(&st->side_tail, cudaEventDisableTiming);
+        if (r == cudaSuccess) r = cudaEventRecord(st->side_tail, st->side);
+    }
     if (r != cudaSuccess) cudaEventDestroy(e);
     TM__CU_CHECK(ctx, what, r);
     *event = (void *)e;

@@ -19,6 +19,9 @@
  *                                     embeddings; and the plan of twice the ranks must differ
  *   tinymoe_dist_helper clip          the deferred clip (its factor handed to AdamW) against the
  *                                     clip that scales in place: the same bits, ZeRO 0 / 1 / 3
+ *   tinymoe_dist_helper gsync         the gradient all-reduce started by an armed backward
+ *                                     (tm_comm_sync_grads_in_backward) against tm_comm_sync_grads
+ *                                     alone: pieces, calls beside the work, the same training
  *   tinymoe_dist_helper cuda           (GPU machine) every collective op on CUDA tensors against
  *                                     the same op on CPU tensors, forward and backward; with 2
  *                                     ranks the chunked MoE layer on CUDA (its all-to-alls beside
@@ -1238,6 +1241,134 @@ static clip_run clip_train(int zero, int ep_size, int bf16, int deferred) {
     return r;
 }
 
+/* ---- the gradient all-reduce run by the backward (tm_comm_sync_grads_in_backward) ----------- */
+/* KS steps of the tiny model, two micro-batches each (the second backward armed when `arm`),
+ * chunks of `chunk` bytes. Per step: the all-reduce calls of the armed backward and of
+ * tm_comm_sync_grads after it, and those of the backward that ran beside the work. */
+typedef struct gsync_run {
+    double loss[KS];
+    int64_t bw_calls[KS], bw_beside[KS], sync_calls[KS], sync_rs[KS];
+    unsigned char *blocks;
+    int64_t n_blocks;
+} gsync_run;
+
+static gsync_run gsync_train(int zero, int ep_size, int bf16, int arm, int64_t chunk) {
+    gsync_run r;
+    memset(&r, 0, sizeof r);
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    tm_ctx *ctx = NULL;
+    if (tm_ctx_new(&ctx, &o)) exit(2);
+    tm_comm_options co = tm_comm_options_default();
+    co.ep_size = ep_size;
+    co.zero = zero;
+    co.timeout_s = 30;
+    co.grad_sync_chunk_bytes = chunk;
+    OK(ctx, tm_comm_init(ctx, &co));
+    tm_model_config c = tiny_config(2);
+    tm_model *m = NULL;
+    tm_optimizer *opt = NULL;
+    OK(ctx, tm_model_new(ctx, &c, bf16 ? TM_BF16 : TM_F32, tm_cpu(), &m));
+    OK(ctx, tm_model_init(m, 5));
+    tm_adamw_config ac = tm_adamw_config_default();
+    OK(ctx, tm_adamw_new(ctx, &ac, &opt));
+    for (int step = 0; step < KS; step++) {
+        for (int micro = 0; micro < 2; micro++) {
+            tm_tensor *tokens, *targets, *l;
+            step_batch(ctx, 7 + micro, 2, 3, step, &tokens, &targets);
+            tm_model_out out;
+            OK(ctx, tm_model_forward(m, tokens, targets, &out));
+            OK(ctx, tm_scale(ctx, out.loss, 0.5, &l));
+            if (arm && micro == 1) OK(ctx, tm_comm_sync_grads_in_backward(ctx));
+            tm_comm_stats a, b;
+            OK(ctx, tm_comm_get_stats(ctx, &a));
+            OK(ctx, tm_backward(ctx, l));
+            OK(ctx, tm_comm_get_stats(ctx, &b));
+            if (micro == 1) {
+                r.bw_calls[step] = b.calls[TM_COMM_ALLREDUCE] - a.calls[TM_COMM_ALLREDUCE];
+                r.bw_beside[step] = b.beside[TM_COMM_ALLREDUCE] - a.beside[TM_COMM_ALLREDUCE];
+            }
+            r.loss[step] += 0.5 * out.loss_value;
+            tm_ctx_arena_reset(ctx);
+        }
+        tm_comm_stats a, b;
+        OK(ctx, tm_comm_get_stats(ctx, &a));
+        OK(ctx, tm_comm_sync_grads(ctx));
+        OK(ctx, tm_comm_get_stats(ctx, &b));
+        r.sync_calls[step] = b.calls[TM_COMM_ALLREDUCE] - a.calls[TM_COMM_ALLREDUCE];
+        r.sync_rs[step] = b.calls[TM_COMM_REDUCE_SCATTER] - a.calls[TM_COMM_REDUCE_SCATTER];
+        double norm;
+        OK(ctx, tm_ctx_clip_grad_norm(ctx, 1.0, &norm));
+        OK(ctx, tm_optimizer_step(opt, 1e-2));
+        OK(ctx, tm_ctx_zero_grad(ctx));
+        tm_ctx_arena_reset(ctx);
+    }
+    /* an arming that no backward used is cancelled by tm_ctx_zero_grad: the next backward
+     * all-reduces nothing and tm_comm_sync_grads does it all */
+    if (arm) {
+        OK(ctx, tm_comm_sync_grads_in_backward(ctx));
+        OK(ctx, tm_ctx_zero_grad(ctx));
+        tm_tensor *tokens, *targets;
+        step_batch(ctx, 7, 2, 3, KS, &tokens, &targets);
+        tm_model_out out;
+        OK(ctx, tm_model_forward(m, tokens, targets, &out));
+        tm_comm_stats a, b;
+        OK(ctx, tm_comm_get_stats(ctx, &a));
+        OK(ctx, tm_backward(ctx, out.loss));
+        OK(ctx, tm_comm_get_stats(ctx, &b));
+        CHECK(b.calls[TM_COMM_ALLREDUCE] == a.calls[TM_COMM_ALLREDUCE],
+              "gsync: an arming cancelled by tm_ctx_zero_grad still all-reduced %lld times in the next backward",
+              (long long)(b.calls[TM_COMM_ALLREDUCE] - a.calls[TM_COMM_ALLREDUCE]));
+        tm_ctx_arena_reset(ctx);
+        OK(ctx, tm_ctx_zero_grad(ctx));
+    }
+    r.blocks = rank_blocks(ctx, bf16, &r.n_blocks);
+    tm_optimizer_free(opt);
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+    return r;
+}
+
+/* The armed backward all-reduces the ZeRO-0 buckets in several pieces (CPU ranks: counted as
+ * beside the work, whose "side stream" is the host), tm_comm_sync_grads then all-reduces nothing
+ * more (ZeRO-0: every bucket of a group of several ranks was covered), and training gives the
+ * unarmed run's losses and weights: bit for bit on 2 ranks, where a sum of two has one order; on
+ * more, MPI may sum a piece in another order than the whole bucket (1e-6). ZeRO-1 is not
+ * covered (its reduce-scatters stay in tm_comm_sync_grads) and trains to the same bits. */
+static void check_gsync(int world) {
+    const struct {
+        int zero, ep_size, bf16;
+    } cases[] = {{0, 1, 0}, {0, 2, 0}, {0, 1, 1}, {1, 1, 0}};
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        int Z = cases[k].zero, P = cases[k].ep_size, bf16 = cases[k].bf16;
+        if (world % P) continue;
+        gsync_run a = gsync_train(Z, P, bf16, 0, 0), b = gsync_train(Z, P, bf16, 1, 256);
+        for (int s = 0; s < KS; s++) {
+            double tol = world == 2 ? 0.0 : 1e-6 * fabs(a.loss[s]);
+            CHECK(fabs(a.loss[s] - b.loss[s]) <= tol, "gsync, zero %d ep_size %d %s, step %d: loss %.17g unarmed, "
+                  "%.17g armed", Z, P, bf16 ? "bf16" : "f32", s + 1, a.loss[s], b.loss[s]);
+            CHECK(a.bw_calls[s] == 0, "gsync: an unarmed backward all-reduced %lld times", (long long)a.bw_calls[s]);
+            if (Z == 0) {
+                CHECK(b.bw_calls[s] >= 2 && b.bw_beside[s] == b.bw_calls[s] && b.sync_calls[s] == 0,
+                      "gsync, zero 0 ep_size %d %s, step %d: the armed backward all-reduced %lld pieces (%lld beside), "
+                      "tm_comm_sync_grads %lld more (want >= 2, all beside, and 0)", P, bf16 ? "bf16" : "f32", s + 1,
+                      (long long)b.bw_calls[s], (long long)b.bw_beside[s], (long long)b.sync_calls[s]);
+                CHECK(a.sync_calls[s] >= 1, "gsync: the unarmed step's tm_comm_sync_grads all-reduced nothing");
+            } else {
+                CHECK(b.bw_calls[s] == 0 && b.sync_rs[s] == a.sync_rs[s] && b.sync_rs[s] >= 1,
+                      "gsync, zero %d, step %d: the armed backward all-reduced %lld times, tm_comm_sync_grads "
+                      "reduce-scattered %lld times (unarmed %lld)", Z, s + 1, (long long)b.bw_calls[s],
+                      (long long)b.sync_rs[s], (long long)a.sync_rs[s]);
+            }
+        }
+        if (world == 2)
+            CHECK(a.n_blocks == b.n_blocks && !memcmp(a.blocks, b.blocks, (size_t)a.n_blocks * (bf16 ? 2 : 4)),
+                  "gsync, zero %d ep_size %d %s: this rank's weights after %d steps differ armed and unarmed", Z, P,
+                  bf16 ? "bf16" : "f32", KS);
+        free(a.blocks), free(b.blocks);
+    }
+}
+
 /* Under a communicator with every bucket on one device the deferred clip hands AdamW the host's
  * factor when it clips and nothing when it does not, and the pair trains to the bits of the clip
  * that scales the gradients in place (the norm, every loss and this rank's weights), for ZeRO 0,
@@ -1307,6 +1438,8 @@ int main(int argc, char **argv) {
         check_keep(world);
     } else if (!strcmp(what, "clip")) {
         check_clip(world);
+    } else if (!strcmp(what, "gsync")) {
+        check_gsync(world);
     } else if (!strcmp(what, "cuda")) {
         const char *nccl = argc > 2 ? argv[2] : "auto";
         check_cuda(world, !strcmp(nccl, "always") ? TM_NCCL_ALWAYS : !strcmp(nccl, "off") ? TM_NCCL_OFF : TM_NCCL_AUTO);
