@@ -171,13 +171,15 @@ static tm_status run_nodes(tm_ctx *ctx) {
 
 static tm_status run_tape(tm_ctx *ctx) {
     tm_status r = run_nodes(ctx);
-    tm__gsync_end(ctx, r);
     /* Collectives still running beside the work end here, also after an error (nothing may
      * still write a gradient when the caller zeroes or reads them): gradients of leaves written
-     * by them (side.c), ZeRO-3's gradient reduce-scatters (fsdp.c). */
+     * by them (side.c), ZeRO-3's gradient reduce-scatters (fsdp.c), the gradient all-reduce's
+     * pieces (grad_sync.c, told the outcome: a piece that failed at its wait was not reduced). */
     tm_status s = tm__side_finish_all(ctx);
     tm_status f = tm__fsdp_backward_done(ctx);
-    return r != TM_OK ? r : s != TM_OK ? s : f;
+    tm_status all = r != TM_OK ? r : s != TM_OK ? s : f;
+    tm__gsync_end(ctx, all);
+    return all;
 }
 
 tm_status tm_backward_with_grad(tm_ctx *ctx, tm_tensor *out, tm_tensor *grad) {

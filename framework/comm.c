@@ -654,9 +654,8 @@ tm_status tm_comm_sync_grads(tm_ctx *ctx) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!ctx->comm) return TM_OK;
     if (ctx->gsync_broken)
-        return tm__err(ctx, TM_ERR_STATE, "tm_comm_sync_grads: the backward armed by tm_comm_sync_grads_in_backward "
-                       "failed after starting some of the gradient all-reduces; zero the gradients (tm_ctx_zero_grad) "
-                       "and redo the step");
+        return tm__err(ctx, TM_ERR_STATE, "tm_comm_sync_grads: %s; zero the gradients (tm_ctx_zero_grad) and redo the "
+                       "step", tm__gsync_broken_why(ctx));
     ctx->gsync_armed = 0; /* an arming with no backward since must not reach the next step's first backward */
     for (int i = 0; i < ctx->n_buckets; i++) {
         tm__bucket *b = ctx->buckets[i];

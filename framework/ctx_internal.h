@@ -201,7 +201,8 @@ struct tm_ctx {
     struct tm__side *side; /* other collectives started beside the work, not yet waited for (side.c) */
     struct tm__gsync *gsync; /* grad_sync.c: the armed backward's gradient all-reduce chunks */
     int gsync_armed;         /* tm_comm_sync_grads_in_backward: the next backward synchronises */
-    int gsync_broken;        /* an armed backward failed after starting some chunks */
+    int gsync_broken;        /* 1: an armed backward failed after starting some chunks; 2: a
+                              * backward followed an armed one before tm_comm_sync_grads */
     struct tm__segs *segs[TM__NBACKENDS]; /* tm__ctx_segs: the clip's segment list per backend */
 };
 
@@ -308,6 +309,8 @@ tm_status tm__gsync_plan(tm_ctx *ctx, const tm__node *tape);
 tm_status tm__gsync_progress(tm_ctx *ctx, int64_t done);
 void tm__gsync_end(tm_ctx *ctx, tm_status backward);
 void tm__gsync_disarm(tm_ctx *ctx);
+/* Why the gradients cannot be synchronised (ctx->gsync_broken), or NULL. */
+const char *tm__gsync_broken_why(const tm_ctx *ctx);
 void tm__gsync_free(tm_ctx *ctx);
 /* Take t's block out of the open kernel scope's log (arena.c): the scope's close will not give
  * it back; whoever called this does (a buffer a side collective still uses, side.c). */

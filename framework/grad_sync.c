@@ -59,11 +59,43 @@ struct tm__gsync {
     int n_left;
 };
 
-static int eligible(tm_ctx *ctx, int bi) {
+/* More pieces than this is a mistake of grad_sync_chunk_bytes (each is a collective and a side
+ * entry, which side.c polls linearly at every new one): fine's 1.8 GB of bf16 gradients make 56
+ * pieces of 32 MiB. */
+enum { GSYNC_MAX_CHUNKS = 4096 };
+
+/* What tm_comm_sync_grads all-reduces (ZeRO-0, a group of several ranks, not ZeRO-3's). */
+static int reducible(tm_ctx *ctx, int bi) {
     const tm__bucket *b = ctx->buckets[bi];
     int g = tm__bucket_comm_group(ctx, bi);
-    return !b->params_sharded && !tm__zero_enabled(ctx) && ctx->comm->size[g] > 1 && b->info.numel > 0 &&
-           b->grads.st.data != NULL;
+    return !b->params_sharded && !tm__zero_enabled(ctx) && ctx->comm->size[g] > 1 && b->info.numel > 0;
+}
+
+/* ... and what an armed backward takes over: it has its gradient buffer, and its group can run
+ * beside the work (a side communicator: NCCL; host memory, whose collectives block, too). An
+ * engine without one (host-staged MPI for CUDA memory) would run every piece in place, a wait
+ * each: slower than one all-reduce after the backward, which it is left to. */
+static int eligible(tm_ctx *ctx, int bi) {
+    const tm__bucket *b = ctx->buckets[bi];
+    return reducible(ctx, bi) && b->grads.st.data != NULL &&
+           tm__coll_side_group(ctx, tm__bucket_comm_group(ctx, bi), b->info.device);
+}
+
+static int64_t chunk_elems(const tm_ctx *ctx, const tm__bucket *b) {
+    const int64_t cb = ctx->comm->opts.grad_sync_chunk_bytes > 0 ? ctx->comm->opts.grad_sync_chunk_bytes
+                                                                  : TM__GRAD_SYNC_CHUNK_BYTES;
+    const int64_t ce = cb / (int64_t)tm_dtype_size(b->info.dtype);
+    return ce < 1 ? 1 : ce;
+}
+
+const char *tm__gsync_broken_why(const tm_ctx *ctx) {
+    switch (ctx->gsync_broken) {
+    case 1: return "the backward armed by tm_comm_sync_grads_in_backward failed after starting some of the gradient "
+                   "all-reduces";
+    case 2: return "a backward ran after the one armed by tm_comm_sync_grads_in_backward and before "
+                   "tm_comm_sync_grads: it added this rank's gradients to the summed ones";
+    default: return NULL;
+    }
 }
 
 static int chunk_cmp(const void *a, const void *b) {
@@ -77,14 +109,23 @@ tm_status tm_comm_sync_grads_in_backward(tm_ctx *ctx) {
     if (!ctx) return TM_ERR_INVALID_ARG;
     if (!ctx->comm) return TM_OK;
     if (ctx->gsync_broken)
-        return tm__err(ctx, TM_ERR_STATE, "tm_comm_sync_grads_in_backward: the last armed backward failed part way "
-                       "(some gradient all-reduces were started, others not); zero the gradients (tm_ctx_zero_grad) "
-                       "and redo the step");
+        return tm__err(ctx, TM_ERR_STATE, "tm_comm_sync_grads_in_backward: %s; zero the gradients (tm_ctx_zero_grad) "
+                       "and redo the step", tm__gsync_broken_why(ctx));
+    int64_t pieces = 0;
+    for (int i = 0; i < ctx->n_buckets; i++) {
+        if (!reducible(ctx, i)) continue;
+        const int64_t ce = chunk_elems(ctx, ctx->buckets[i]);
+        pieces += (ctx->buckets[i]->info.numel + ce - 1) / ce;
+    }
+    if (pieces > GSYNC_MAX_CHUNKS)
+        return tm__err(ctx, TM_ERR_INVALID_ARG, "tm_comm_sync_grads_in_backward: tm_comm_options.grad_sync_chunk_bytes "
+                       "= %lld cuts the gradients into %lld pieces, more than %d; use larger pieces",
+                       (long long)ctx->comm->opts.grad_sync_chunk_bytes, (long long)pieces, GSYNC_MAX_CHUNKS);
     /* the side communicators of the groups involved: collective over each group, which every
      * rank reaches here at the same point */
     unsigned done = 0;
     for (int i = 0; i < ctx->n_buckets; i++) {
-        if (!eligible(ctx, i)) continue;
+        if (!reducible(ctx, i)) continue;
         int g = tm__bucket_comm_group(ctx, i);
         if (done >> g & 1u) continue;
         done |= 1u << g;
@@ -102,7 +143,12 @@ void tm__gsync_disarm(tm_ctx *ctx) {
 }
 
 tm_status tm__gsync_plan(tm_ctx *ctx, const tm__node *tape) {
-    for (int i = 0; i < ctx->n_buckets; i++) ctx->buckets[i]->gsync_done = 0; /* a backward adds to them */
+    /* a backward adds to the buckets: one all-reduced by the last backward and not yet taken by
+     * tm_comm_sync_grads would now hold summed and local gradients, which nothing can undo */
+    for (int i = 0; i < ctx->n_buckets; i++) {
+        if (ctx->buckets[i]->gsync_done && !ctx->gsync_broken) ctx->gsync_broken = 2;
+        ctx->buckets[i]->gsync_done = 0;
+    }
     if (ctx->gsync) ctx->gsync->n = ctx->gsync->next = 0;
     if (!ctx->gsync_armed || !ctx->comm) return TM_OK;
     ctx->gsync_armed = 0;
@@ -124,14 +170,11 @@ tm_status tm__gsync_plan(tm_ctx *ctx, const tm__node *tape) {
             tm_tensor *p = n->call.src[i];
             if (p && p->is_param && p->requires_grad) p->pm->gsync_k = k; /* the last seen is the largest */
         }
-    /* chunks */
-    const int64_t cb = ctx->comm->opts.grad_sync_chunk_bytes > 0 ? ctx->comm->opts.grad_sync_chunk_bytes
-                                                                    : TM__GRAD_SYNC_CHUNK_BYTES;
+    /* chunks (at most GSYNC_MAX_CHUNKS: checked when armed, options fixed since) */
     int total = 0;
     for (int i = 0; i < ctx->n_buckets; i++) {
         if (!eligible(ctx, i)) continue;
-        int64_t ce = cb / (int64_t)tm_dtype_size(ctx->buckets[i]->info.dtype);
-        if (ce < 1) ce = 1;
+        const int64_t ce = chunk_elems(ctx, ctx->buckets[i]);
         total += (int)((ctx->buckets[i]->info.numel + ce - 1) / ce);
     }
     if (total > s->cap || ctx->n_buckets > s->n_left) {
@@ -149,8 +192,7 @@ tm_status tm__gsync_plan(tm_ctx *ctx, const tm__node *tape) {
         s->left[i] = -1;
         if (!eligible(ctx, i)) continue;
         const tm__bucket *b = ctx->buckets[i];
-        int64_t ce = cb / (int64_t)tm_dtype_size(b->info.dtype);
-        if (ce < 1) ce = 1;
+        const int64_t ce = chunk_elems(ctx, b);
         int first = n;
         for (int64_t lo = 0; lo < b->info.numel; lo += ce)
             s->c[n++] = (gsync_chunk){i, lo, lo + ce < b->info.numel ? lo + ce : b->info.numel, -1, INT_MAX};
@@ -210,7 +252,7 @@ tm_status tm__gsync_progress(tm_ctx *ctx, int64_t done) {
 void tm__gsync_end(tm_ctx *ctx, tm_status backward) {
     struct tm__gsync *s = ctx->gsync;
     if (!s || !s->n) return;
-    if (backward != TM_OK && s->next > 0) ctx->gsync_broken = 1;
+    if (backward != TM_OK && s->next > 0 && !ctx->gsync_broken) ctx->gsync_broken = 1;
     if (backward != TM_OK)
         for (int i = 0; i < ctx->n_buckets; i++) ctx->buckets[i]->gsync_done = 0;
     s->n = s->next = 0;

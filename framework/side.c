@@ -95,7 +95,11 @@ tm_status tm__side_add(tm_ctx *ctx, tm_device dev, void *ev, tm_tensor *result, 
         memset(ctx->side, 0, sizeof *ctx->side);
     }
     struct tm__side *s = ctx->side;
-    TM__TRY(poll(ctx));
+    tm_status ps = poll(ctx);
+    if (ps != TM_OK) { /* the contract: on failure the new event has been waited for */
+        (void)tm__coll_event_wait(ctx, dev, ev);
+        return ps;
+    }
     if (s->n == s->cap) {
         int nc = s->cap ? 2 * s->cap : 16;
         side_job *nj = tm__host_alloc(ctx, sizeof *nj * (size_t)nc);

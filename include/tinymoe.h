@@ -2218,12 +2218,19 @@ TM_API tm_status tm_comm_sync_grads(tm_ctx *ctx);
  * (NCCL with tm_comm_options.overlap; the work stream waits for them at the end of the
  * backward), in place elsewhere (MPI, CPU ranks: the same values, no overlap). Every rank
  * starts the pieces in one order, that of the parameters' creation (framework/grad_sync.c).
+ * Groups whose engine has no second stream for them (host-staged MPI for CUDA memory) are left
+ * to tm_comm_sync_grads: a wait per piece would be slower than one all-reduce after.
  * Values: each gradient is the same sum over the same ranks; an engine may reduce a piece in
  * another order than the whole bucket (3 or more ranks: the last bit can differ). Collective:
  * every rank of the world calls it at the same point (the first call makes the groups' second
- * communicators). tm_ctx_zero_grad and tm_comm_sync_grads cancel an arming no backward used.
- * No-op without a communicator. Errors: TM_ERR_INVALID_ARG (ctx NULL), TM_ERR_STATE (the last
- * armed backward failed part way: zero the gradients first), TM_ERR_COMM. */
+ * communicators), with the same grad_sync_chunk_bytes and the same model, whose backward
+ * reaches the parameters in the same order on every rank. tm_ctx_zero_grad and
+ * tm_comm_sync_grads cancel an arming no backward used. A second backward between the armed one
+ * and tm_comm_sync_grads would add local gradients to summed ones: tm_comm_sync_grads then
+ * fails (TM_ERR_STATE) until tm_ctx_zero_grad. No-op without a communicator. Errors:
+ * TM_ERR_INVALID_ARG (ctx NULL; grad_sync_chunk_bytes cutting the gradients into more than 4096
+ * pieces), TM_ERR_STATE (the last armed backward failed part way, or was followed by another
+ * backward: zero the gradients first), TM_ERR_COMM. */
 TM_API tm_status tm_comm_sync_grads_in_backward(tm_ctx *ctx);
 /* The element range [lo, hi) of bucket i that this rank owns under ZeRO-1 or 2 (the whole bucket
  * otherwise): the bucket's elements padded to a multiple of its group's size G, in G equal

@@ -802,8 +802,12 @@ Test(dist, gradient_all_reduce_in_the_backward_trains_as_after_it) {
     skip_without_mpirun();
     tt_tmpdir_make("tinymoe_dist_");
     helper_on_2_and_4("gsync");
-    /* auto arms the first two (expert_dp 2 and 2), the third only when asked */
-    const layout lay[] = {{2, ""}, {4, "--ep_size 2"}, {4, "--ep_size 4 --ep_strategy alltoall_dedup --grad_sync_overlap true"}};
+    /* auto arms the first three (expert_dp 2, 2, 2: the third's pieces share the side stream with
+     * the chunked layer's all-to-alls), the last only when asked */
+    const layout lay[] = {{2, ""},
+                          {4, "--ep_size 2"},
+                          {4, "--ep_size 2 --overlap_chunks 2"},
+                          {4, "--ep_size 4 --ep_strategy alltoall_dedup --grad_sync_overlap true"}};
     for (size_t i = 0; i < sizeof lay / sizeof *lay; i++) {
         char on[1024], off[1024], name[32], flags[512];
         snprintf(name, sizeof name, "g%zu_on", i);

@@ -56,7 +56,8 @@ typedef struct tm__cuda {
      * first use, and whether the engine's calls go there now. */
     cudaStream_t side;
     int side_on;
-    /* Recorded on the side stream at each side_end: until it has happened, collectives beside
+    /* Recorded on the side stream at each side_end but background work's (the gradient
+     * all-reduce's pieces, tm__coll_side_background): until it has happened, collectives beside
      * the work may hold SMs (kernels that size their grid leave them comm_sms; tm__cuda_side_busy). */
     cudaEvent_t side_tail;
     cublasLtHandle_t lt;

@@ -55,6 +55,18 @@ static int64_t g_beside, g_early;
 static int g_cuda = -1, g_nccl = TM_NCCL_AUTO;
 static char g_engine[32];
 
+/* Steps of the clip and gradient all-reduce checks; the latter's training run (below, used by
+ * check_cuda too): per step the loss, the all-reduce calls of the armed backward (and of those
+ * beside the work) and of tm_comm_sync_grads after it, its reduce-scatters; this rank's weights. */
+enum { KS = 3 };
+typedef struct gsync_run {
+    double loss[KS];
+    int64_t bw_calls[KS], bw_beside[KS], sync_calls[KS], sync_rs[KS];
+    unsigned char *blocks;
+    int64_t n_blocks;
+} gsync_run;
+static gsync_run gsync_train(int zero, int ep_size, int bf16, int tied, int arm, int64_t chunk);
+
 #define CHECK(cond, ...)                                      \
     do {                                                      \
         if (!(cond)) {                                        \
@@ -383,6 +395,34 @@ static void check_cuda_chunked(int world, int cuda, int nccl) {
     }
 }
 
+/* The gradient all-reduce of an armed backward on CUDA (gsync_train, below): on 2 or more GPUs
+ * with NCCL its pieces run on the side stream (every all-reduce of the backward counted beside
+ * the work, tm_comm_sync_grads left with none), without (host-staged MPI) the backward leaves
+ * them to tm_comm_sync_grads; either way the losses and this rank's weights are the unarmed
+ * run's, bit for bit on 2 ranks, f32 and bf16. */
+static void check_cuda_gsync(int world, int cuda, int nccl) {
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+        g_cuda = cuda, g_nccl = nccl;
+        gsync_run a = gsync_train(0, 1, bf16, 0, 0, 0), b = gsync_train(0, 1, bf16, 0, 1, 4096);
+        const int pieces = world > 1 && !strcmp(g_engine, "nccl");
+        g_cuda = -1, g_nccl = TM_NCCL_AUTO;
+        for (int s = 0; s < KS; s++) {
+            double tol = world <= 2 ? 0.0 : 1e-6 * fabs(a.loss[s]);
+            CHECK(fabs(a.loss[s] - b.loss[s]) <= tol, "cuda gsync %s, step %d: loss %.17g unarmed, %.17g armed",
+                  bf16 ? "bf16" : "f32", s + 1, a.loss[s], b.loss[s]);
+            CHECK(pieces ? b.bw_calls[s] >= 2 && b.bw_beside[s] == b.bw_calls[s] && b.sync_calls[s] == 0
+                         : b.bw_calls[s] == 0 && b.sync_calls[s] == a.sync_calls[s],
+                  "cuda gsync %s (%s), step %d: the armed backward made %lld all-reduces (%lld beside), "
+                  "tm_comm_sync_grads %lld", bf16 ? "bf16" : "f32", g_engine, s + 1, (long long)b.bw_calls[s],
+                  (long long)b.bw_beside[s], (long long)b.sync_calls[s]);
+        }
+        if (world <= 2)
+            CHECK(a.n_blocks == b.n_blocks && !memcmp(a.blocks, b.blocks, (size_t)a.n_blocks * (bf16 ? 2 : 4)),
+                  "cuda gsync %s: this rank's weights differ armed and unarmed", bf16 ? "bf16" : "f32");
+        free(a.blocks), free(b.blocks);
+    }
+}
+
 static void check_cuda(int world, int nccl) {
     if (tm_cuda_device_count() == 0) {
         if (g_rank == 0) printf("cuda: no CUDA device, skipped\n");
@@ -405,6 +445,7 @@ static void check_cuda(int world, int nccl) {
         {"alltoall world", TM_COMM_WORLD, rows_a2a, 2, 3},    {"alltoall ep", TM_COMM_EP, rows_a2a, 3, 3},
     };
     check_cuda_chunked(world, o.cuda_device, nccl);
+    check_cuda_gsync(world, o.cuda_device, nccl);
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         double *yc, *gc, *yg, *gg;
         int64_t nyc, nxc, nyg, nxg;
@@ -881,8 +922,9 @@ static void step_batch(tm_ctx *ctx, int mul, int add, int shift, int step, tm_te
     int32_t tok[PB * PT + 1];
     for (int i = 0; i < PB * PT + 1; i++) tok[i] = (i * mul + add + 3 * g_rank + shift * step) % 31;
     int64_t sh[2] = {PB, PT};
-    OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok, tokens));
-    OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, tm_cpu(), TM_I32, tok + 1, targets));
+    const tm_device dev = g_cuda >= 0 ? tm_cuda(g_cuda) : tm_cpu(); /* the model's (gsync on CUDA) */
+    OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, dev, TM_I32, tok, tokens));
+    OK(ctx, tm_tensor_from_host(ctx, TM_I32, 2, sh, dev, TM_I32, tok + 1, targets));
 }
 
 /* This rank's parameter blocks (tm_ctx_bucket_tensor: its ZeRO blocks, or the whole buckets) in
@@ -1065,7 +1107,6 @@ static void check_plan(int world) {
  * gathers that the option keeps (each a bucket: fsdp.c), from the parameters' names: the
  * buckets of every "layers.<l>." parameter of the last `keep` layers, and from keep 1 those of
  * "norm.weight" and the head (lm_head.weight, or the tied embedding's second use). */
-enum { KS = 3 };
 typedef struct keep_run {
     double loss[KS];
     int64_t gathers[KS], transient, kept, n_blocks;
@@ -1242,21 +1283,14 @@ static clip_run clip_train(int zero, int ep_size, int bf16, int deferred) {
 }
 
 /* ---- the gradient all-reduce run by the backward (tm_comm_sync_grads_in_backward) ----------- */
-/* KS steps of the tiny model, two micro-batches each (the second backward armed when `arm`),
- * chunks of `chunk` bytes. Per step: the all-reduce calls of the armed backward and of
- * tm_comm_sync_grads after it, and those of the backward that ran beside the work. */
-typedef struct gsync_run {
-    double loss[KS];
-    int64_t bw_calls[KS], bw_beside[KS], sync_calls[KS], sync_rs[KS];
-    unsigned char *blocks;
-    int64_t n_blocks;
-} gsync_run;
-
-static gsync_run gsync_train(int zero, int ep_size, int bf16, int arm, int64_t chunk) {
+/* KS steps of the tiny model (gsync_run, at the top of the file), two micro-batches each (the
+ * second backward armed when `arm`), pieces of `chunk` bytes. */
+static gsync_run gsync_train(int zero, int ep_size, int bf16, int tied, int arm, int64_t chunk) {
     gsync_run r;
     memset(&r, 0, sizeof r);
     tm_ctx_options o = tm_ctx_options_default();
     o.num_threads = 1;
+    if (g_cuda >= 0) o.cuda_device = g_cuda; /* check_cuda's: the model on that GPU, engine g_nccl */
     tm_ctx *ctx = NULL;
     if (tm_ctx_new(&ctx, &o)) exit(2);
     tm_comm_options co = tm_comm_options_default();
@@ -1264,11 +1298,15 @@ static gsync_run gsync_train(int zero, int ep_size, int bf16, int arm, int64_t c
     co.zero = zero;
     co.timeout_s = 30;
     co.grad_sync_chunk_bytes = chunk;
+    if (g_cuda >= 0) co.nccl = g_nccl;
     OK(ctx, tm_comm_init(ctx, &co));
     tm_model_config c = tiny_config(2);
+    c.tie_embeddings = tied; /* the embedding's gradient: a reader first and last on the tape */
     tm_model *m = NULL;
     tm_optimizer *opt = NULL;
-    OK(ctx, tm_model_new(ctx, &c, bf16 ? TM_BF16 : TM_F32, tm_cpu(), &m));
+    const tm_device dev = g_cuda >= 0 ? tm_cuda(g_cuda) : tm_cpu();
+    if (g_cuda >= 0) snprintf(g_engine, sizeof g_engine, "%s", tm_comm_engine(ctx, dev));
+    OK(ctx, tm_model_new(ctx, &c, bf16 ? TM_BF16 : TM_F32, dev, &m));
     OK(ctx, tm_model_init(m, 5));
     tm_adamw_config ac = tm_adamw_config_default();
     OK(ctx, tm_adamw_new(ctx, &ac, &opt));
@@ -1335,14 +1373,16 @@ static gsync_run gsync_train(int zero, int ep_size, int bf16, int arm, int64_t c
  * unarmed run's losses and weights: bit for bit on 2 ranks, where a sum of two has one order; on
  * more, MPI may sum a piece in another order than the whole bucket (1e-6). ZeRO-1 is not
  * covered (its reduce-scatters stay in tm_comm_sync_grads) and trains to the same bits. */
+static void check_gsync_misuse(int world);
+
 static void check_gsync(int world) {
     const struct {
-        int zero, ep_size, bf16;
-    } cases[] = {{0, 1, 0}, {0, 2, 0}, {0, 1, 1}, {1, 1, 0}};
+        int zero, ep_size, bf16, tied;
+    } cases[] = {{0, 1, 0, 0}, {0, 2, 0, 0}, {0, 1, 1, 0}, {0, 1, 0, 1}, {1, 1, 0, 0}, {2, 1, 0, 0}, {3, 1, 0, 0}};
     for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
-        int Z = cases[k].zero, P = cases[k].ep_size, bf16 = cases[k].bf16;
+        int Z = cases[k].zero, P = cases[k].ep_size, bf16 = cases[k].bf16, T = cases[k].tied;
         if (world % P) continue;
-        gsync_run a = gsync_train(Z, P, bf16, 0, 0), b = gsync_train(Z, P, bf16, 1, 256);
+        gsync_run a = gsync_train(Z, P, bf16, T, 0, 0), b = gsync_train(Z, P, bf16, T, 1, 256);
         for (int s = 0; s < KS; s++) {
             double tol = world == 2 ? 0.0 : 1e-6 * fabs(a.loss[s]);
             CHECK(fabs(a.loss[s] - b.loss[s]) <= tol, "gsync, zero %d ep_size %d %s, step %d: loss %.17g unarmed, "
@@ -1354,19 +1394,83 @@ static void check_gsync(int world) {
                       "tm_comm_sync_grads %lld more (want >= 2, all beside, and 0)", P, bf16 ? "bf16" : "f32", s + 1,
                       (long long)b.bw_calls[s], (long long)b.bw_beside[s], (long long)b.sync_calls[s]);
                 CHECK(a.sync_calls[s] >= 1, "gsync: the unarmed step's tm_comm_sync_grads all-reduced nothing");
-            } else {
-                CHECK(b.bw_calls[s] == 0 && b.sync_rs[s] == a.sync_rs[s] && b.sync_rs[s] >= 1,
-                      "gsync, zero %d, step %d: the armed backward all-reduced %lld times, tm_comm_sync_grads "
-                      "reduce-scattered %lld times (unarmed %lld)", Z, s + 1, (long long)b.bw_calls[s],
-                      (long long)b.sync_rs[s], (long long)a.sync_rs[s]);
+            } else { /* ZeRO 1-3: the arming changes nothing */
+                CHECK(b.bw_calls[s] == a.bw_calls[s] && b.sync_rs[s] == a.sync_rs[s] && b.sync_calls[s] == a.sync_calls[s],
+                      "gsync, zero %d, step %d: armed, the backward all-reduced %lld times and tm_comm_sync_grads made "
+                      "%lld all-reduces and %lld reduce-scatters; unarmed %lld, %lld, %lld", Z, s + 1,
+                      (long long)b.bw_calls[s], (long long)b.sync_calls[s], (long long)b.sync_rs[s],
+                      (long long)a.bw_calls[s], (long long)a.sync_calls[s], (long long)a.sync_rs[s]);
             }
         }
         if (world == 2)
             CHECK(a.n_blocks == b.n_blocks && !memcmp(a.blocks, b.blocks, (size_t)a.n_blocks * (bf16 ? 2 : 4)),
-                  "gsync, zero %d ep_size %d %s: this rank's weights after %d steps differ armed and unarmed", Z, P,
-                  bf16 ? "bf16" : "f32", KS);
+                  "gsync, zero %d ep_size %d %s%s: this rank's weights after %d steps differ armed and unarmed", Z, P,
+                  bf16 ? "bf16" : "f32", T ? ", tied" : "", KS);
         free(a.blocks), free(b.blocks);
     }
+    check_gsync_misuse(world);
+}
+
+/* One forward and backward of the tiny model; the all-reduce calls the backward made. */
+static int64_t gsync_backward(tm_ctx *ctx, tm_model *m, int step) {
+    tm_tensor *tokens, *targets;
+    step_batch(ctx, 7, 2, 3, step, &tokens, &targets);
+    tm_model_out out;
+    OK(ctx, tm_model_forward(m, tokens, targets, &out));
+    tm_comm_stats a, b;
+    OK(ctx, tm_comm_get_stats(ctx, &a));
+    OK(ctx, tm_backward(ctx, out.loss));
+    OK(ctx, tm_comm_get_stats(ctx, &b));
+    tm_ctx_arena_reset(ctx);
+    return b.calls[TM_COMM_ALLREDUCE] - a.calls[TM_COMM_ALLREDUCE];
+}
+
+/* The misuses the arming refuses: a second backward between the armed one and
+ * tm_comm_sync_grads (its local gradients would be added to summed ones) makes the sync fail
+ * until tm_ctx_zero_grad; tm_comm_sync_grads cancels an arming no backward used; pieces so small
+ * that there would be more than 4096 of them are refused. */
+static void check_gsync_misuse(int world) {
+    tm_ctx_options o = tm_ctx_options_default();
+    o.num_threads = 1;
+    tm_ctx *ctx = NULL;
+    if (tm_ctx_new(&ctx, &o)) exit(2);
+    tm_comm_options co = tm_comm_options_default();
+    co.timeout_s = 30;
+    co.grad_sync_chunk_bytes = 256;
+    OK(ctx, tm_comm_init(ctx, &co));
+    tm_model_config c = tiny_config(2);
+    tm_model *m = NULL;
+    OK(ctx, tm_model_new(ctx, &c, TM_F32, tm_cpu(), &m));
+    OK(ctx, tm_model_init(m, 5));
+    OK(ctx, tm_comm_sync_grads_in_backward(ctx));
+    CHECK(gsync_backward(ctx, m, 0) >= 2, "gsync misuse: the armed backward all-reduced nothing");
+    CHECK(gsync_backward(ctx, m, 1) == 0, "gsync misuse: an unarmed backward all-reduced");
+    tm_status s = tm_comm_sync_grads(ctx);
+    CHECK(s == TM_ERR_STATE && strstr(tm_ctx_errmsg(ctx), "a backward ran after the one armed"),
+          "gsync misuse: tm_comm_sync_grads after a second backward: %s: %s", tm_status_str(s), tm_ctx_errmsg(ctx));
+    s = tm_comm_sync_grads_in_backward(ctx);
+    CHECK(s == TM_ERR_STATE, "gsync misuse: arming again before tm_ctx_zero_grad: %s", tm_status_str(s));
+    OK(ctx, tm_ctx_zero_grad(ctx));
+    OK(ctx, tm_comm_sync_grads(ctx)); /* recovered: nothing armed, nothing done */
+    /* an arming cancelled by tm_comm_sync_grads */
+    OK(ctx, tm_comm_sync_grads_in_backward(ctx));
+    OK(ctx, tm_comm_sync_grads(ctx));
+    CHECK(gsync_backward(ctx, m, 2) == 0, "gsync misuse: an arming taken back by tm_comm_sync_grads still ran");
+    OK(ctx, tm_comm_sync_grads(ctx));
+    OK(ctx, tm_ctx_zero_grad(ctx));
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+    /* too many pieces: 4 bytes each */
+    if (tm_ctx_new(&ctx, &o)) exit(2);
+    co.grad_sync_chunk_bytes = 4;
+    OK(ctx, tm_comm_init(ctx, &co));
+    OK(ctx, tm_model_new(ctx, &c, TM_F32, tm_cpu(), &m));
+    s = tm_comm_sync_grads_in_backward(ctx);
+    CHECK(s == TM_ERR_INVALID_ARG && strstr(tm_ctx_errmsg(ctx), "grad_sync_chunk_bytes = 4"),
+          "gsync misuse: 4-byte pieces: %s: %s", tm_status_str(s), tm_ctx_errmsg(ctx));
+    tm_model_free(m);
+    tm_ctx_free(ctx);
+    (void)world;
 }
 
 /* Under a communicator with every bucket on one device the deferred clip hands AdamW the host's
