@@ -1283,6 +1283,20 @@ static clip_run clip_train(int zero, int ep_size, int bf16, int deferred) {
 }
 
 /* ---- the gradient all-reduce run by the backward (tm_comm_sync_grads_in_backward) ----------- */
+/* One forward and backward of the tiny model; the all-reduce calls the backward made. */
+static int64_t gsync_backward(tm_ctx *ctx, tm_model *m, int step) {
+    tm_tensor *tokens, *targets;
+    step_batch(ctx, 7, 2, 3, step, &tokens, &targets);
+    tm_model_out out;
+    OK(ctx, tm_model_forward(m, tokens, targets, &out));
+    tm_comm_stats a, b;
+    OK(ctx, tm_comm_get_stats(ctx, &a));
+    OK(ctx, tm_backward(ctx, out.loss));
+    OK(ctx, tm_comm_get_stats(ctx, &b));
+    tm_ctx_arena_reset(ctx);
+    return b.calls[TM_COMM_ALLREDUCE] - a.calls[TM_COMM_ALLREDUCE];
+}
+
 /* KS steps of the tiny model (gsync_run, at the top of the file), two micro-batches each (the
  * second backward armed when `arm`), pieces of `chunk` bytes. */
 static gsync_run gsync_train(int zero, int ep_size, int bf16, int tied, int arm, int64_t chunk) {
@@ -1346,18 +1360,9 @@ static gsync_run gsync_train(int zero, int ep_size, int bf16, int tied, int arm,
     if (arm) {
         OK(ctx, tm_comm_sync_grads_in_backward(ctx));
         OK(ctx, tm_ctx_zero_grad(ctx));
-        tm_tensor *tokens, *targets;
-        step_batch(ctx, 7, 2, 3, KS, &tokens, &targets);
-        tm_model_out out;
-        OK(ctx, tm_model_forward(m, tokens, targets, &out));
-        tm_comm_stats a, b;
-        OK(ctx, tm_comm_get_stats(ctx, &a));
-        OK(ctx, tm_backward(ctx, out.loss));
-        OK(ctx, tm_comm_get_stats(ctx, &b));
-        CHECK(b.calls[TM_COMM_ALLREDUCE] == a.calls[TM_COMM_ALLREDUCE],
-              "gsync: an arming cancelled by tm_ctx_zero_grad still all-reduced %lld times in the next backward",
-              (long long)(b.calls[TM_COMM_ALLREDUCE] - a.calls[TM_COMM_ALLREDUCE]));
-        tm_ctx_arena_reset(ctx);
+        const int64_t n = gsync_backward(ctx, m, KS);
+        CHECK(n == 0, "gsync: an arming cancelled by tm_ctx_zero_grad still all-reduced %lld times in the next backward",
+              (long long)n);
         OK(ctx, tm_ctx_zero_grad(ctx));
     }
     r.blocks = rank_blocks(ctx, bf16, &r.n_blocks);
@@ -1409,20 +1414,6 @@ static void check_gsync(int world) {
         free(a.blocks), free(b.blocks);
     }
     check_gsync_misuse(world);
-}
-
-/* One forward and backward of the tiny model; the all-reduce calls the backward made. */
-static int64_t gsync_backward(tm_ctx *ctx, tm_model *m, int step) {
-    tm_tensor *tokens, *targets;
-    step_batch(ctx, 7, 2, 3, step, &tokens, &targets);
-    tm_model_out out;
-    OK(ctx, tm_model_forward(m, tokens, targets, &out));
-    tm_comm_stats a, b;
-    OK(ctx, tm_comm_get_stats(ctx, &a));
-    OK(ctx, tm_backward(ctx, out.loss));
-    OK(ctx, tm_comm_get_stats(ctx, &b));
-    tm_ctx_arena_reset(ctx);
-    return b.calls[TM_COMM_ALLREDUCE] - a.calls[TM_COMM_ALLREDUCE];
 }
 
 /* The misuses the arming refuses: a second backward between the armed one and
