@@ -8,6 +8,9 @@
 #
 #   bench/ep_scale.sh [--preset fine] [--steps 300] [--warmup 20] [--gpus "1 2 4"]
 #                     [--layouts "dp alltoall allgather dedup"] [--bind "none core"] [--smoke]
+#                     [--also "FLAGS"]    (every multi-GPU run again with FLAGS added, in the same call: an
+#                                        A/B of a flag on one machine, e.g. "--grad_sync_overlap false";
+#                                        its rows end in _also)
 #                     [--extra "FLAGS"]   (more train flags for every run, e.g. "--comm_overlap false";
 #                                        "--force_load_balance true" routes round robin, every expert
 #                                        and rank equally loaded: the dispatch without the routing's
@@ -33,7 +36,7 @@
 # --smoke: CPU ranks and a toy model (a check of this script, no GPU).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
-preset=fine steps=300 warmup=20 gpus="1 2 4" layouts="dp alltoall allgather" bind="none" smoke=0 extra_flags=""
+preset=fine steps=300 warmup=20 gpus="1 2 4" layouts="dp alltoall allgather" bind="none" smoke=0 extra_flags="" also_flags=""
 while [ $# -gt 0 ]; do
     case "$1" in
     --preset|--steps|--warmup|--gpus|--layouts|--bind)
@@ -41,7 +44,8 @@ while [ $# -gt 0 ]; do
         eval "${1#--}=\$2"; shift 2 ;;
     --smoke) smoke=1; shift ;;
     --extra) [ $# -ge 2 ] || { echo "ep_scale.sh: --extra needs a value" >&2; exit 2; }; extra_flags=$2; shift 2 ;;
-    -h|--help) sed -n '2,29s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    --also) [ $# -ge 2 ] || { echo "ep_scale.sh: --also needs a value" >&2; exit 2; }; also_flags=$2; shift 2 ;;
+    -h|--help) sed -n '2,32s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "ep_scale.sh: unknown option '$1'" >&2; exit 2 ;;
     esac
 done
@@ -65,8 +69,12 @@ for n in $gpus; do
     [ "$n" = 1 ] && lays=dp # the baseline, whatever --layouts says
     for lay in $lays; do
         for b in $bind; do
+          for v in 0 ${also_flags:+1}; do
             [ "$n" = 1 ] && [ "$b" != "${bind%% *}" ] && continue
+            [ "$n" = 1 ] && [ "$v" = 1 ] && continue
             name=n${n}_${lay/:/-}_bind-$b
+            vflags=""
+            [ "$v" = 1 ] && name=${name}_also vflags=$also_flags
             log=$OUT/$name.log
             ep=1 st=alltoall zero=0 base=${lay%%:*}
             case "$lay" in *:z[0-3]) zero=${lay##*:z} ;; *:*) echo "ep_scale.sh: bad layout '$lay'" >&2; exit 2 ;; esac
@@ -75,7 +83,7 @@ for n in $gpus; do
             [ "$base" = dedup ] && ep=$n st=alltoall_dedup
             args="train $extra --device $device --dtype $dtype --synthetic_vocab 1024 --batch_size $((per_gpu * n))
                   --ep_size $ep --ep_strategy $st --zero $zero --steps $steps --log_every 1 --eval_every 0 --eval_batches 1
-                  --sample_tokens 0 --out '' $extra_flags"
+                  --sample_tokens 0 --out '' $extra_flags $vflags"
             args=$(echo $args) # one line: it goes through eval and bash -c
             smi=""
             if [ "$device" = cuda ]; then
@@ -117,11 +125,12 @@ for n in $gpus; do
             [ "$rc" != 0 ] && status="exit $rc: $(grep -h -m1 -iE 'error|failed|out of' "$OUT/$name"*.log 2>/dev/null | head -1 | cut -c1-120)"
             rows+=("$(printf '%-26s %9s %11s %6s %6s %-23s %6s %-11s %8s  %s' "$name" "$ms" "$tps" "$eff" "$load" "$mem" "$memr" "$lib" "$start" "$status")")
             printf '%s\n' "${rows[-1]}"
+          done
         done
     done
 done
 echo
-echo "preset $preset, $dtype, $per_gpu x 1024 tokens per GPU, $steps steps (mean ms/step after $warmup)${extra_flags:+, extra flags: $extra_flags}; $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo "preset $preset, $dtype, $per_gpu x 1024 tokens per GPU, $steps steps (mean ms/step after $warmup)${extra_flags:+, extra flags: $extra_flags}${also_flags:+; rows _also: $also_flags added}; $(date -u '+%Y-%m-%d %H:%M UTC')"
 [ "$device" = cuda ] && nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
 printf '%-26s %9s %11s %6s %6s %-23s %6s %-11s %8s  %s\n' run ms/step tok/s/GPU vs1 load "peak GiB per GPU (smi)" vs1 "GiB use/res" start_s status
 printf '%s\n' "${rows[@]}"
