@@ -49,7 +49,7 @@ int main(int argc, char **argv) {
     long B = 16, S = 1024, Hq = 12, Hkv = 4, D = 64, warmup = 5, iters = 50, seed = 1, threads = 0;
     const char *device = "cuda";
     const bench_opt opts[] = {
-        {"--device", NULL, &device, 0, "cuda, or cpu (a smoke test with small shapes)"},
+        {"--device", NULL, &device, 0, "cuda, or cpu (a smoke test: pass small shapes, as bench/gpu.sh --smoke does; the defaults are the GPU's)"},
         {"--B", &B, NULL, 1, "batch"},
         {"--S", &S, NULL, 1, "sequence length"},
         {"--Hq", &Hq, NULL, 1, "query heads"},

@@ -249,7 +249,7 @@ int main(int argc, char **argv) {
     long T = 16384, H = 2048, F = 1408, E = 64, k = 6, warmup = 3, iters = 20, block = 5, seed = 1, threads = 0;
     const char *device = "cuda", *what = "gemm,permute", *routings = "balanced,random,skewed";
     const bench_opt opts[] = {
-        {"--device", NULL, &device, 0, "cuda, or cpu (a smoke test with small shapes)"},
+        {"--device", NULL, &device, 0, "cuda, or cpu (a smoke test: pass small shapes, as bench/gpu.sh --smoke does; the defaults are the GPU's)"},
         {"--what", NULL, &what, 0, "gemm and/or permute"},
         {"--routings", NULL, &routings, 0, "of the grouped GEMM: balanced, random, skewed"},
         {"--T", &T, NULL, 1, "tokens"},

@@ -59,7 +59,7 @@ int main(int argc, char **argv) {
     long T = 16384, H = 2048, F = 1408, E = 64, k = 6, warmup = 3, iters = 20, seed = 1, threads = 0;
     const char *device = "cuda";
     const bench_opt opts[] = {
-        {"--device", NULL, &device, 0, "cuda, or cpu (a smoke test with small shapes)"},
+        {"--device", NULL, &device, 0, "cuda, or cpu (a smoke test: pass small shapes, as bench/gpu.sh --smoke does; the defaults are the GPU's)"},
         {"--T", &T, NULL, 1, "tokens"},
         {"--H", &H, NULL, 1, "hidden size"},
         {"--F", &F, NULL, 1, "expert FFN size"},
@@ -137,6 +137,14 @@ int main(int argc, char **argv) {
     printf("  forward+backward  %9.3f ms  %8.1f TFLOP/s (18 T k H F = %.3g)  %.2f syncs/iter, %llu allocations timed\n",
            1e3 * fb, fl_fb / fb / 1e12, fl_fb, sync_fb, (unsigned long long)alloc_fb);
     printf("  expert load: max/mean %.3f, min/mean %.3f\n", st.max_load_ratio, st.min_load_ratio);
+    /* which kernels the timed path took (a table is only worth what it measured) */
+    tm_kernel_report kr;
+    static const char *const gg[] = {"cublaslt", "device", "hopper"};
+    if (tm_ctx_kernel_report(ctx, &kr) == TM_OK && !strcmp(device, "cuda"))
+        printf("  kernels: grouped GEMM %s; one-launch gate/up + SwiGLU %llu, down dx + SwiGLU backward %llu%s%s\n",
+               kr.grouped_gemm >= 0 && kr.grouped_gemm < 3 ? gg[kr.grouped_gemm] : "?",
+               (unsigned long long)kr.grouped_swiglu_fused, (unsigned long long)kr.grouped_mlp_fused,
+               kr.grouped_gemm_note[0] ? "; off the Hopper kernel: " : "", kr.grouped_gemm_note);
     printf("RESULT bench=moe_layer impl=tinymoe device=%s T=%ld H=%ld F=%ld E=%ld k=%ld ms_fwd=%.4f ms_fwdbwd=%.4f "
            "tflops_fwd=%.2f tflops_fwdbwd=%.2f syncs_fwd=%.2f syncs_fwdbwd=%.2f allocs_timed=%llu max_load=%.3f "
            "gmm=%s iters=%ld\n",

@@ -102,6 +102,8 @@ for preset in $(echo "$presets" | tr ',' ' '); do
             echo "$line"
             results="$line"
         fi
+        # which kernels the run took (tinymoe train prints it after a CUDA run)
+        grep -E '^kernels \(|off the Hopper kernel' "$log" | sed 's/^ */  /'
     fi
     timpls=""
     has "$impls" eager && timpls="eager"
