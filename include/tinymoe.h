@@ -2216,10 +2216,11 @@ TM_API tm_status tm_comm_sync_grads(tm_ctx *ctx);
  * tm_comm_options.grad_sync_chunk_bytes; a piece's all-reduce starts once the backward has
  * run every node that writes a gradient in it, on the engine's second stream where it has one
  * (NCCL with tm_comm_options.overlap; the work stream waits for them at the end of the
- * backward), in place elsewhere (MPI, CPU ranks: the same values, no overlap). Every rank
- * starts the pieces in one order, that of the parameters' creation (framework/grad_sync.c).
- * Groups whose engine has no second stream for them (host-staged MPI for CUDA memory) are left
- * to tm_comm_sync_grads: a wait per piece would be slower than one all-reduce after.
+ * backward), in place for host memory (CPU ranks, whose collectives block: the same values, no
+ * overlap). Every rank starts the pieces in one order, that of the parameters' creation
+ * (framework/grad_sync.c). Groups whose engine has no second stream for them (host-staged MPI
+ * for CUDA memory) are left to tm_comm_sync_grads: a wait per piece would be slower than one
+ * all-reduce after.
  * Values: each gradient is the same sum over the same ranks; an engine may reduce a piece in
  * another order than the whole bucket (3 or more ranks: the last bit can differ). Collective:
  * every rank of the world calls it at the same point (the first call makes the groups' second
