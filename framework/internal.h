@@ -273,6 +273,8 @@ static inline const char *tm__opname(const tm__call *c) { return tm__op_table[c-
 
 /* Common checks for `check` functions (messages name the op and tensor). */
 tm_status tm__check_float(tm__call *c, int i);   /* in[i] is f32/bf16/f64 */
+/* grouped_swiglu's operand check, shared with grouped_mlp (framework/ops/grouped_swiglu.c) */
+tm_status tm__grouped_swiglu_operands_check(tm__call *c, int nf, int ic, const char *names);
 tm_status tm__check_index(tm__call *c, int i);   /* in[i] is i32/i64 */
 tm_status tm__check_same_dtype(tm__call *c, int i, int j);
 tm_status tm__check_ndim(tm__call *c, int i, int min_ndim, int max_ndim);

@@ -4,7 +4,7 @@
  * Kernels: kernels/cpu/grouped_mlp.c (layout and saved tensors documented there),
  * kernels/cuda/grouped_mlp.cu.
  *
- * The check is grouped_swiglu's (framework/ops/grouped_swiglu.c) for (x, w_gate, w_up) plus
+ * The check is grouped_swiglu's (tm__grouped_swiglu_operands_check) for (x, w_gate, w_up) plus
  * "w_down is [G,F,N] with w_gate's G and F"; the counts' values are validated by the kernels,
  * through the grouped_matmul kernels they call (tm__grouped_matmul_counts, whose messages name
  * this op).
@@ -13,33 +13,12 @@
 
 tm_status tm__grouped_mlp_check(tm__call *c) {
     tm_ctx *ctx = c->ctx;
-    const tm_tensor *x = c->in[0], *wg = c->in[1], *wu = c->in[2], *wd = c->in[3], *counts = c->in[4];
-    for (int i = 0; i < 4; i++) TM__TRY(tm__check_float(c, i));
-    if (wg->dtype != x->dtype || wu->dtype != x->dtype || wd->dtype != x->dtype)
-        return tm__err(ctx, TM_ERR_DTYPE, "grouped_mlp: x, w_gate, w_up and w_down must have one dtype, got x %s, "
-                       "w_gate %s, w_up %s, w_down %s", tm__tdesc(ctx, x), tm__tdesc(ctx, wg), tm__tdesc(ctx, wu),
-                       tm__tdesc(ctx, wd));
-    if (counts->dtype != TM_I64)
-        return tm__err(ctx, TM_ERR_DTYPE, "grouped_mlp: counts must be i64 [G], got %s", tm__tdesc(ctx, counts));
-    if (x->ndim != 2)
-        return tm__err(ctx, TM_ERR_SHAPE, "grouped_mlp: x must be [R,K], got %s", tm__tdesc(ctx, x));
-    if (wg->ndim != 3)
-        return tm__err(ctx, TM_ERR_SHAPE, "grouped_mlp: w_gate must be [G,K,F], got %s", tm__tdesc(ctx, wg));
-    int same = wu->ndim == 3;
-    for (int d = 0; same && d < 3; d++) same = wu->shape[d] == wg->shape[d];
-    if (!same)
-        return tm__err(ctx, TM_ERR_SHAPE, "grouped_mlp: w_gate and w_up must have one shape [G,K,F], got "
-                       "w_gate %s, w_up %s", tm__tdesc(ctx, wg), tm__tdesc(ctx, wu));
+    const tm_tensor *x = c->in[0], *wg = c->in[1], *wd = c->in[3];
+    TM__TRY(tm__grouped_swiglu_operands_check(c, 4, 4, "x, w_gate, w_up and w_down"));
     if (wd->ndim != 3 || wd->shape[0] != wg->shape[0] || wd->shape[1] != wg->shape[2])
         return tm__err(ctx, TM_ERR_SHAPE, "grouped_mlp: w_down must be [%lld,%lld,N] (w_gate's G and F), got "
                        "w_down %s, w_gate %s", (long long)wg->shape[0], (long long)wg->shape[2], tm__tdesc(ctx, wd),
                        tm__tdesc(ctx, wg));
-    if (counts->ndim != 1 || counts->shape[0] != wg->shape[0])
-        return tm__err(ctx, TM_ERR_SHAPE, "grouped_mlp: counts must be [%lld] (one per group of w_gate), got "
-                       "counts %s, w_gate %s", (long long)wg->shape[0], tm__tdesc(ctx, counts), tm__tdesc(ctx, wg));
-    if (wg->shape[1] != x->shape[1])
-        return tm__err(ctx, TM_ERR_SHAPE, "grouped_mlp: inner dims differ: x %s, w_gate %s (w_gate and w_up must be "
-                       "[G,%lld,F])", tm__tdesc(ctx, x), tm__tdesc(ctx, wg), (long long)x->shape[1]);
     int64_t shape[2] = {x->shape[0], wd->shape[2]};
     return tm__out_new(c, 0, x->dtype, 2, shape);
 }

@@ -9,32 +9,49 @@
  */
 #include "internal.h"
 
-tm_status tm__grouped_swiglu_check(tm__call *c) {
+#include <stdio.h>
+
+/* x = in[0], w_gate = in[1], w_up = in[2] and the counts in[ic], of one op whose float inputs
+ * in[0, nf) must share x's dtype (grouped_mlp's w_down among them: its own shape is its check's);
+ * messages name the op and the nf float inputs (`names`, comma-separated as they should read). */
+tm_status tm__grouped_swiglu_operands_check(tm__call *c, int nf, int ic, const char *names) {
     tm_ctx *ctx = c->ctx;
-    const tm_tensor *x = c->in[0], *wg = c->in[1], *wu = c->in[2], *counts = c->in[3];
-    TM__TRY(tm__check_float(c, 0));
-    TM__TRY(tm__check_float(c, 1));
-    TM__TRY(tm__check_float(c, 2));
-    if (wg->dtype != x->dtype || wu->dtype != x->dtype)
-        return tm__err(ctx, TM_ERR_DTYPE, "grouped_swiglu: x, w_gate and w_up must have one dtype, got x %s, "
-                       "w_gate %s, w_up %s", tm__tdesc(ctx, x), tm__tdesc(ctx, wg), tm__tdesc(ctx, wu));
+    const char *op = tm__opname(c);
+    const tm_tensor *x = c->in[0], *wg = c->in[1], *wu = c->in[2], *counts = c->in[ic];
+    int one = 1;
+    for (int i = 0; i < nf; i++) {
+        TM__TRY(tm__check_float(c, i));
+        one &= c->in[i]->dtype == x->dtype;
+    }
+    if (!one) {
+        static const char *const label[4] = {"x", "w_gate", "w_up", "w_down"};
+        char got[512];
+        int at = 0;
+        for (int i = 0; i < nf && i < 4 && at < (int)sizeof got; i++)
+            at += snprintf(got + at, sizeof got - (size_t)at, "%s%s %s", i ? ", " : "", label[i], tm__tdesc(ctx, c->in[i]));
+        return tm__err(ctx, TM_ERR_DTYPE, "%s: %s must have one dtype, got %s", op, names, got);
+    }
     if (counts->dtype != TM_I64)
-        return tm__err(ctx, TM_ERR_DTYPE, "grouped_swiglu: counts must be i64 [G], got %s", tm__tdesc(ctx, counts));
-    if (x->ndim != 2)
-        return tm__err(ctx, TM_ERR_SHAPE, "grouped_swiglu: x must be [R,K], got %s", tm__tdesc(ctx, x));
-    if (wg->ndim != 3)
-        return tm__err(ctx, TM_ERR_SHAPE, "grouped_swiglu: w_gate must be [G,K,F], got %s", tm__tdesc(ctx, wg));
+        return tm__err(ctx, TM_ERR_DTYPE, "%s: counts must be i64 [G], got %s", op, tm__tdesc(ctx, counts));
+    if (x->ndim != 2) return tm__err(ctx, TM_ERR_SHAPE, "%s: x must be [R,K], got %s", op, tm__tdesc(ctx, x));
+    if (wg->ndim != 3) return tm__err(ctx, TM_ERR_SHAPE, "%s: w_gate must be [G,K,F], got %s", op, tm__tdesc(ctx, wg));
     int same = wu->ndim == 3;
     for (int d = 0; same && d < 3; d++) same = wu->shape[d] == wg->shape[d];
     if (!same)
-        return tm__err(ctx, TM_ERR_SHAPE, "grouped_swiglu: w_gate and w_up must have one shape [G,K,F], got "
-                       "w_gate %s, w_up %s", tm__tdesc(ctx, wg), tm__tdesc(ctx, wu));
+        return tm__err(ctx, TM_ERR_SHAPE, "%s: w_gate and w_up must have one shape [G,K,F], got w_gate %s, w_up %s", op,
+                       tm__tdesc(ctx, wg), tm__tdesc(ctx, wu));
     if (counts->ndim != 1 || counts->shape[0] != wg->shape[0])
-        return tm__err(ctx, TM_ERR_SHAPE, "grouped_swiglu: counts must be [%lld] (one per group of w_gate), got "
-                       "counts %s, w_gate %s", (long long)wg->shape[0], tm__tdesc(ctx, counts), tm__tdesc(ctx, wg));
+        return tm__err(ctx, TM_ERR_SHAPE, "%s: counts must be [%lld] (one per group of w_gate), got counts %s, w_gate %s",
+                       op, (long long)wg->shape[0], tm__tdesc(ctx, counts), tm__tdesc(ctx, wg));
     if (wg->shape[1] != x->shape[1])
-        return tm__err(ctx, TM_ERR_SHAPE, "grouped_swiglu: inner dims differ: x %s, w_gate %s (the weights must be "
-                       "[G,%lld,F])", tm__tdesc(ctx, x), tm__tdesc(ctx, wg), (long long)x->shape[1]);
+        return tm__err(ctx, TM_ERR_SHAPE, "%s: inner dims differ: x %s, w_gate %s (w_gate and w_up must be [G,%lld,F])",
+                       op, tm__tdesc(ctx, x), tm__tdesc(ctx, wg), (long long)x->shape[1]);
+    return TM_OK;
+}
+
+tm_status tm__grouped_swiglu_check(tm__call *c) {
+    TM__TRY(tm__grouped_swiglu_operands_check(c, 3, 3, "x, w_gate and w_up"));
+    const tm_tensor *x = c->in[0], *wg = c->in[1];
     int64_t shape[2] = {x->shape[0], wg->shape[2]};
     return tm__out_new(c, 0, x->dtype, 2, shape);
 }
